@@ -1,0 +1,32 @@
+# The two commands a fresh machine needs: `make demo` and `make test`.
+PYTHON ?= python3.11
+VENV   := .venv
+PY     := $(VENV)/bin/python
+PIP    := $(PY) -m pip
+
+.PHONY: demo test venv venv-test bench clean
+
+$(VENV)/.installed: pyproject.toml
+	$(PYTHON) -m venv $(VENV)
+	$(PIP) install -q --upgrade pip
+	$(PIP) install -q -e .
+	touch $@
+
+$(VENV)/.installed-test: $(VENV)/.installed pyproject.toml
+	$(PIP) install -q -e ".[test]"
+	touch $@
+
+venv: $(VENV)/.installed
+venv-test: $(VENV)/.installed-test
+
+demo: $(VENV)/.installed
+	JAX_PLATFORMS=cpu $(VENV)/bin/jaxkv demo
+
+test: $(VENV)/.installed-test
+	JAX_PLATFORMS=cpu $(PY) -m pytest -q -n 2 tests
+
+bench: $(VENV)/.installed-test
+	JAX_PLATFORMS=cpu $(PY) eval/bench_decode.py
+
+clean:
+	rm -rf $(VENV) build *.egg-info

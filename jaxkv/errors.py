@@ -1,0 +1,38 @@
+"""Typed errors of jaxkv. Every user-facing failure raises one of these.
+
+All derive from ``JaxKVError`` so callers can catch the library's errors as one
+family; each also derives from the closest builtin (``ValueError``,
+``FileNotFoundError``, ``MemoryError``) so generic handlers keep working.
+"""
+
+
+class JaxKVError(Exception):
+    """Base class of every error jaxkv raises on purpose."""
+
+
+class ConfigError(JaxKVError, ValueError):
+    """A config.json (or an option) describes something jaxkv cannot run."""
+
+
+class UnsupportedModelError(ConfigError):
+    """The checkpoint's ``model_type`` is not one jaxkv ports."""
+
+
+class CheckpointError(JaxKVError, ValueError):
+    """A checkpoint is missing a tensor, has a wrongly shaped one, or is corrupt."""
+
+
+class CheckpointNotFoundError(CheckpointError, FileNotFoundError):
+    """A path or repo id does not resolve to a checkpoint folder or file."""
+
+
+class OutOfSlotsError(JaxKVError, MemoryError):
+    """The KV pool has fewer free slots than a request asked for."""
+
+
+class SlotError(JaxKVError, ValueError):
+    """A slot operation names the sentinel, an unallocated slot or an invalid id."""
+
+
+class ContextLengthError(JaxKVError, ValueError):
+    """A request does not fit in the model context or the cache's position table."""

@@ -1,0 +1,1 @@
+"""Flax NNX ports of the supported decoder families and their checkpoint loading."""
