@@ -1,0 +1,45 @@
+"""jaxkv: a JAX/Pallas serving stack for multi-turn LLM agents with a managed KV cache.
+
+Public entry points (stable names):
+
+* ``load_model(path_or_repo_id, dtype="float32" | "bfloat16") -> Model``
+* ``score_logits(model, token_ids) -> logits [batch, time, vocab]`` (no cache)
+* ``generate(model, prompts, max_new_tokens, temperature=0.0, top_k=None,
+  top_p=None, seed=0, stop_token_ids=None) -> list[list[int]]``
+* ``Engine``: the paged-cache engine the above and sessions are built on.
+
+Shape letters used across the code: B batch, T chunk tokens, N live-list length,
+P positions, S pool slots, R cache rows, L layers, Hq / Hkv (K) heads, G group,
+D head dim, M model width, F MLP width, V vocab.
+"""
+
+from jaxkv.engine import Engine, generate, score_logits
+from jaxkv.errors import (
+    CheckpointError,
+    CheckpointNotFoundError,
+    ConfigError,
+    ContextLengthError,
+    JaxKVError,
+    OutOfSlotsError,
+    SlotError,
+    UnsupportedModelError,
+)
+from jaxkv.models.loading import Model, load_model, model_from_config, save_pretrained
+
+__all__ = [
+    "Engine",
+    "Model",
+    "generate",
+    "load_model",
+    "model_from_config",
+    "save_pretrained",
+    "score_logits",
+    "JaxKVError",
+    "ConfigError",
+    "UnsupportedModelError",
+    "CheckpointError",
+    "CheckpointNotFoundError",
+    "OutOfSlotsError",
+    "SlotError",
+    "ContextLengthError",
+]

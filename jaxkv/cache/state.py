@@ -1,0 +1,85 @@
+"""Device KV state: the pool and the per-request tables, as one pytree.
+
+Shape letters: L layers, S pool slots, Hkv KV heads (K in einsums), D head dim,
+R request rows (the batch dimension of the cache), P positions per row.
+
+``PagedKVCache`` holds everything a jit'd step reads or writes, so a whole cache
+update is one pure function ``cache -> cache`` (the pool is donated):
+
+Attributes:
+  k, v: ``[L, S, Hkv, D]`` the pool. Keys are stored **post-RoPE**.
+  slot_map: ``[R, P]`` int32, position -> slot. Unwritten or evicted positions
+    hold the sentinel slot 0.
+  live_idx: ``[R, P]`` int32, the slots decode attention reads, in position
+    order, padded with the sentinel; only the first ``live_len`` entries count.
+  live_len: ``[R]`` int32, length of each live-index list.
+  seq_len: ``[R]`` int32, next position to write (tokens seen, holes included).
+
+Invariants: slot 0 (the sentinel) is never listed in ``live_idx[:live_len]``;
+``live_len <= seq_len <= P``; padding writes go to the sentinel and are never read.
+The host (``jaxkv.engine``) owns the allocator and decides which slots a request
+gets; jit'd functions only apply those decisions.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from flax import struct
+
+
+@struct.dataclass
+class PagedKVCache:
+    k: jax.Array
+    v: jax.Array
+    slot_map: jax.Array
+    live_idx: jax.Array
+    live_len: jax.Array
+    seq_len: jax.Array
+
+    @classmethod
+    def create(cls, *, num_layers, num_slots, num_kv_heads, head_dim, rows, positions, dtype):
+        pool_shape = (num_layers, num_slots, num_kv_heads, head_dim)
+        return cls(
+            k=jnp.zeros(pool_shape, dtype),
+            v=jnp.zeros(pool_shape, dtype),
+            slot_map=jnp.zeros((rows, positions), jnp.int32),
+            live_idx=jnp.zeros((rows, positions), jnp.int32),
+            live_len=jnp.zeros((rows,), jnp.int32),
+            seq_len=jnp.zeros((rows,), jnp.int32),
+        )
+
+    @property
+    def num_slots(self) -> int:
+        return self.k.shape[1]
+
+    @property
+    def rows(self) -> int:
+        return self.slot_map.shape[0]
+
+    @property
+    def positions(self) -> int:
+        return self.slot_map.shape[1]
+
+
+def append_tokens(cache: PagedKVCache, slots_RT: jax.Array, count_R: jax.Array) -> PagedKVCache:
+    """Record that each row wrote ``count_R`` new tokens at ``slots_RT[:, :count]``.
+
+    Positions ``seq_len .. seq_len + count`` map to those slots and the slots are
+    appended to the live-index list. Entries of ``slots_RT`` past ``count_R`` are
+    ignored. This is the only place the tables grow.
+    """
+    R, T = slots_RT.shape
+    t = jnp.arange(T)[None, :]
+    real = t < count_R[:, None]
+    rows = jnp.arange(R)[:, None]
+    pos = jnp.where(real, cache.seq_len[:, None] + t, cache.positions)  # out of range -> dropped
+    live_pos = jnp.where(real, cache.live_len[:, None] + t, cache.positions)
+    slot_map = cache.slot_map.at[rows, pos].set(slots_RT, mode="drop")
+    live_idx = cache.live_idx.at[rows, live_pos].set(slots_RT, mode="drop")
+    return cache.replace(
+        slot_map=slot_map,
+        live_idx=live_idx,
+        live_len=cache.live_len + count_R,
+        seq_len=cache.seq_len + count_R,
+    )

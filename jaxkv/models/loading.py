@@ -1,0 +1,351 @@
+"""Load and save HF checkpoints (``config.json`` + safetensors) as jaxkv models.
+
+``load_model(path_or_repo_id, dtype)`` resolves a folder, a Hugging Face repo id
+(local cache first, download only when not cached) or ``"embedded"`` (the model
+shipped inside the package), validates **everything** before building anything,
+and returns a ``Model``. Failure modes each raise a typed error:
+
+* unsupported ``model_type``          -> ``UnsupportedModelError`` (lists supported ones)
+* missing / unreadable ``config.json`` -> ``CheckpointNotFoundError`` / ``CheckpointError``
+* missing tensor                       -> ``CheckpointError`` naming it
+* tensor of the wrong shape            -> ``CheckpointError`` naming it and both shapes
+* missing or corrupt safetensors file  -> ``CheckpointNotFoundError`` / ``CheckpointError``
+
+Nothing is half-loaded: the NNX module is materialised only after every tensor
+has been read and checked.
+
+Safetensors are parsed here (8-byte header length, JSON header, raw buffer) and
+memory-mapped with numpy, so bfloat16 files load without torch.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import struct
+from pathlib import Path
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import ml_dtypes
+import numpy as np
+from flax import nnx
+
+from jaxkv.config import ModelConfig
+from jaxkv.errors import CheckpointError, CheckpointNotFoundError
+from jaxkv.models.transformer import Transformer
+
+EMBEDDED_DIR = Path(__file__).resolve().parent.parent / "assets" / "embedded-agent"
+
+_DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}
+_ST_DTYPES = {
+    "F32": np.float32,
+    "F16": np.float16,
+    "BF16": ml_dtypes.bfloat16,
+    "F64": np.float64,
+    "I64": np.int64,
+    "I32": np.int32,
+}
+
+
+@dataclasses.dataclass
+class Model:
+    """A loaded model: config, NNX module, optional tokenizer.
+
+    Attributes:
+      config: the static ``ModelConfig``.
+      module: the ``Transformer`` NNX module.
+      tokenizer: a ``transformers`` tokenizer when the folder has one, else None.
+      dtype: parameter dtype (``jnp.float32`` or ``jnp.bfloat16``).
+      path: the folder it was loaded from (None for in-memory models).
+    """
+
+    config: ModelConfig
+    module: Transformer
+    tokenizer: Any = None
+    dtype: Any = jnp.float32
+    path: Path | None = None
+
+    def split(self):
+        """``(graphdef, params)``: split once, pass ``params`` to jit'd steps."""
+        cached = getattr(self, "_split", None)
+        if cached is None:
+            cached = nnx.split(self.module)
+            self._split = cached
+        return cached
+
+
+# --------------------------------------------------------------------------- resolve
+def resolve_checkpoint(path_or_repo_id: str | os.PathLike) -> Path:
+    """Folder for a path, ``"embedded"`` or a HF repo id (cache first)."""
+    name = os.fspath(path_or_repo_id)
+    if name == "embedded":
+        if not (EMBEDDED_DIR / "config.json").is_file():
+            raise CheckpointNotFoundError(f"the embedded model is not installed at {EMBEDDED_DIR}")
+        return EMBEDDED_DIR
+    p = Path(name).expanduser()
+    if p.is_dir():
+        return p
+    if p.exists():
+        raise CheckpointNotFoundError(f"{p} is a file; expected a checkpoint folder")
+    if name.startswith((".", "/", "~")) or name.count("/") != 1:
+        raise CheckpointNotFoundError(f"no checkpoint folder at {name!r} (and it is not a repo id)")
+    from huggingface_hub import snapshot_download
+
+    patterns = ["*.json", "*.safetensors", "*.model", "*.txt", "*.jinja"]
+    try:
+        return Path(snapshot_download(name, allow_patterns=patterns, local_files_only=True))
+    except Exception:
+        pass
+    try:
+        return Path(snapshot_download(name, allow_patterns=patterns))
+    except Exception as err:  # network, auth, missing repo: all one message
+        raise CheckpointNotFoundError(
+            f"{name!r} is neither a local folder nor a cached Hugging Face repo, "
+            f"and downloading it failed: {type(err).__name__}: {err}"
+        ) from err
+
+
+def read_config(folder: Path) -> ModelConfig:
+    cfg_path = folder / "config.json"
+    if not cfg_path.is_file():
+        raise CheckpointNotFoundError(f"{folder} has no config.json")
+    try:
+        hf = json.loads(cfg_path.read_text())
+    except (json.JSONDecodeError, UnicodeDecodeError) as err:
+        raise CheckpointError(f"{cfg_path} is not valid JSON: {err}") from err
+    if not isinstance(hf, dict):
+        raise CheckpointError(f"{cfg_path} must hold a JSON object")
+    return ModelConfig.from_hf(hf)
+
+
+# --------------------------------------------------------------------------- safetensors
+def _read_header(path: Path) -> tuple[dict, int]:
+    try:
+        with open(path, "rb") as f:
+            raw = f.read(8)
+            if len(raw) != 8:
+                raise CheckpointError(f"{path} is truncated (no safetensors header)")
+            (n,) = struct.unpack("<Q", raw)
+            size = path.stat().st_size
+            if n > size - 8:
+                raise CheckpointError(f"{path} is corrupt: header length {n} exceeds file size {size}")
+            header = json.loads(f.read(n))
+    except (json.JSONDecodeError, UnicodeDecodeError) as err:
+        raise CheckpointError(f"{path} is corrupt: unreadable safetensors header ({err})") from err
+    except FileNotFoundError as err:
+        raise CheckpointNotFoundError(f"weights file {path} is missing") from err
+    header.pop("__metadata__", None)
+    return header, 8 + n
+
+
+def _safetensors_files(folder: Path) -> list[Path]:
+    index = folder / "model.safetensors.index.json"
+    if index.is_file():
+        try:
+            weight_map = json.loads(index.read_text())["weight_map"]
+        except (json.JSONDecodeError, KeyError, TypeError) as err:
+            raise CheckpointError(f"{index} is corrupt: {err}") from err
+        files = sorted({folder / f for f in weight_map.values()})
+        missing = [f.name for f in files if not f.is_file()]
+        if missing:
+            raise CheckpointNotFoundError(f"shards named in {index.name} are missing: {', '.join(missing)}")
+        return files
+    single = folder / "model.safetensors"
+    if single.is_file():
+        return [single]
+    files = sorted(folder.glob("*.safetensors"))
+    if not files:
+        raise CheckpointNotFoundError(f"{folder} has no *.safetensors weights")
+    return files
+
+
+def read_safetensors(folder: Path) -> dict[str, np.ndarray]:
+    """All tensors of a folder as read-only numpy memory maps (no copy)."""
+    tensors: dict[str, np.ndarray] = {}
+    for path in _safetensors_files(folder):
+        header, start = _read_header(path)
+        buf = np.memmap(path, dtype=np.uint8, mode="r")
+        for name, meta in header.items():
+            try:
+                dtype = np.dtype(_ST_DTYPES[meta["dtype"]])
+                begin, end = meta["data_offsets"]
+                shape = tuple(meta["shape"])
+            except (KeyError, TypeError, ValueError) as err:
+                raise CheckpointError(f"{path} is corrupt: bad header entry for {name!r}") from err
+            count = int(np.prod(shape, dtype=np.int64))
+            if end - begin != count * dtype.itemsize or start + end > buf.size:
+                raise CheckpointError(f"{path} is corrupt: tensor {name!r} has a bad byte range")
+            tensors[name] = buf[start + begin : start + end].view(dtype).reshape(shape)
+    return tensors
+
+
+def write_safetensors(path: Path, tensors: dict[str, np.ndarray]) -> None:
+    """Write a single safetensors file (dtypes in ``_ST_DTYPES``)."""
+    names = {np.dtype(v): k for k, v in _ST_DTYPES.items()}
+    header, offset, blobs = {}, 0, []
+    for name in sorted(tensors):
+        arr = np.ascontiguousarray(tensors[name])
+        blob = arr.tobytes()
+        header[name] = {"dtype": names[arr.dtype], "shape": list(arr.shape), "data_offsets": [offset, offset + len(blob)]}
+        offset += len(blob)
+        blobs.append(blob)
+    raw = json.dumps(header, separators=(",", ":")).encode()
+    raw += b" " * (-len(raw) % 8)
+    with open(path, "wb") as f:
+        f.write(struct.pack("<Q", len(raw)))
+        f.write(raw)
+        for blob in blobs:
+            f.write(blob)
+
+
+# --------------------------------------------------------------------------- names
+def hf_parameter_map(cfg: ModelConfig) -> dict[str, tuple[tuple, bool]]:
+    """HF tensor name -> (path in the NNX state, transpose?) for every parameter."""
+    out: dict[str, tuple[tuple, bool]] = {"model.embed_tokens.weight": (("embed_tokens", "embedding"), False)}
+    out["model.norm.weight"] = (("norm", "weight"), False)
+    if not cfg.tie_word_embeddings:
+        out["lm_head.weight"] = (("lm_head", "kernel"), True)
+    for i in range(cfg.num_layers):
+        pre = f"model.layers.{i}."
+        base = ("layers", i)
+        out[pre + "input_layernorm.weight"] = (base + ("input_layernorm", "weight"), False)
+        out[pre + "post_attention_layernorm.weight"] = (base + ("post_attention_layernorm", "weight"), False)
+        for proj, bias in (("q_proj", cfg.qkv_bias), ("k_proj", cfg.qkv_bias), ("v_proj", cfg.qkv_bias), ("o_proj", cfg.o_bias)):
+            out[pre + f"self_attn.{proj}.weight"] = (base + ("self_attn", proj, "kernel"), True)
+            if bias:
+                out[pre + f"self_attn.{proj}.bias"] = (base + ("self_attn", proj, "bias"), False)
+        if cfg.qk_norm:
+            out[pre + "self_attn.q_norm.weight"] = (base + ("self_attn", "q_norm", "weight"), False)
+            out[pre + "self_attn.k_norm.weight"] = (base + ("self_attn", "k_norm", "weight"), False)
+        for proj in ("gate_proj", "up_proj", "down_proj"):
+            out[pre + f"mlp.{proj}.weight"] = (base + ("mlp", proj, "kernel"), True)
+            if cfg.mlp_bias:
+                out[pre + f"mlp.{proj}.bias"] = (base + ("mlp", proj, "bias"), False)
+    return out
+
+
+def _get(tree, path):
+    for key in path:
+        tree = tree[key]
+    return tree
+
+
+def _set(tree, path, value):
+    for key in path[:-1]:
+        tree = tree[key]
+    tree[path[-1]] = value
+
+
+# --------------------------------------------------------------------------- public
+def parse_dtype(dtype) -> Any:
+    if isinstance(dtype, str):
+        if dtype not in _DTYPES:
+            raise ValueError(f"dtype must be one of {sorted(_DTYPES)}, got {dtype!r}")
+        return _DTYPES[dtype]
+    if dtype in (jnp.float32, jnp.bfloat16):
+        return dtype
+    raise ValueError(f"dtype must be 'float32' or 'bfloat16', got {dtype!r}")
+
+
+def model_from_config(cfg: ModelConfig, dtype="float32", seed: int = 0, tokenizer=None) -> Model:
+    """A randomly initialised model (tests, training from scratch)."""
+    dt = parse_dtype(dtype)
+    return Model(cfg, Transformer(cfg, dt, rngs=nnx.Rngs(seed)), tokenizer, dt)
+
+
+def load_model(path_or_repo_id, dtype="float32", *, load_tokenizer: bool = True) -> Model:
+    """Load a Llama / Qwen2 / Qwen3 HF checkpoint (see the module docstring)."""
+    dt = parse_dtype(dtype)
+    folder = resolve_checkpoint(path_or_repo_id)
+    cfg = read_config(folder)
+    tensors = read_safetensors(folder)
+
+    abstract = nnx.eval_shape(lambda: Transformer(cfg, dt, rngs=nnx.Rngs(0)))
+    graphdef, state = nnx.split(abstract)
+    pure = state.to_pure_dict()
+    expected = hf_parameter_map(cfg)
+    missing = [name for name in expected if name not in tensors]
+    if missing:
+        more = f" (and {len(missing) - 5} more)" if len(missing) > 5 else ""
+        raise CheckpointError(f"checkpoint {folder} lacks tensor(s) {', '.join(missing[:5])}{more}")
+    for name, (path, transpose) in expected.items():
+        want = _get(pure, path).shape
+        got = tensors[name].shape
+        got_ours = got[::-1] if transpose else got
+        if tuple(got_ours) != tuple(want):
+            want_hf = want[::-1] if transpose else want
+            raise CheckpointError(
+                f"tensor {name} has shape {tuple(got)} but the config implies {tuple(want_hf)}"
+            )
+    for name, (path, transpose) in expected.items():
+        arr = np.asarray(tensors[name])
+        if transpose:
+            arr = arr.T
+        _set(pure, path, jnp.asarray(arr.astype(np.float32) if arr.dtype != dt else arr, dtype=dt))
+    nnx.replace_by_pure_dict(state, pure)
+    module = nnx.merge(graphdef, state)
+
+    tokenizer = None
+    if load_tokenizer and any((folder / f).is_file() for f in ("tokenizer.json", "tokenizer_config.json")):
+        from transformers import AutoTokenizer
+
+        tokenizer = AutoTokenizer.from_pretrained(str(folder))
+    return Model(cfg, module, tokenizer, dt, folder)
+
+
+def save_pretrained(model: Model, out_dir, *, hf_config: dict | None = None) -> Path:
+    """Export to a HF folder: ``config.json``, ``model.safetensors``, tokenizer files."""
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    cfg = model.config
+    pure = nnx.state(model.module).to_pure_dict()
+    tensors = {}
+    for name, (path, transpose) in hf_parameter_map(cfg).items():
+        arr = np.asarray(jax.device_get(_get(pure, path)))
+        tensors[name] = np.ascontiguousarray(arr.T if transpose else arr)
+    write_safetensors(out / "model.safetensors", tensors)
+    config = hf_config or config_to_hf(cfg, model.dtype)
+    (out / "config.json").write_text(json.dumps(config, indent=2) + "\n")
+    if model.tokenizer is not None:
+        model.tokenizer.save_pretrained(str(out))
+    return out
+
+
+def config_to_hf(cfg: ModelConfig, dtype=jnp.float32) -> dict:
+    """The ``config.json`` dict transformers needs to load a jaxkv-exported model."""
+    rope: dict[str, Any] = {"rope_theta": cfg.rope.theta, "rope_type": cfg.rope.rope_type}
+    if cfg.rope.rope_type != "default":
+        rope["factor"] = cfg.rope.factor
+    if cfg.rope.rope_type == "llama3":
+        rope.update(
+            low_freq_factor=cfg.rope.low_freq_factor,
+            high_freq_factor=cfg.rope.high_freq_factor,
+            original_max_position_embeddings=cfg.rope.original_max_position_embeddings,
+        )
+    hf = {
+        "architectures": [{"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM"}[cfg.model_type]],
+        "model_type": cfg.model_type,
+        "vocab_size": cfg.vocab_size,
+        "hidden_size": cfg.hidden_size,
+        "intermediate_size": cfg.intermediate_size,
+        "num_hidden_layers": cfg.num_layers,
+        "num_attention_heads": cfg.num_heads,
+        "num_key_value_heads": cfg.num_kv_heads,
+        "head_dim": cfg.head_dim,
+        "hidden_act": "silu",
+        "rms_norm_eps": cfg.rms_norm_eps,
+        "rope_theta": cfg.rope.theta,
+        "rope_parameters": rope,
+        "tie_word_embeddings": cfg.tie_word_embeddings,
+        "max_position_embeddings": cfg.max_position_embeddings,
+        "attention_bias": cfg.o_bias if cfg.model_type == "llama" else (cfg.qkv_bias and cfg.model_type == "qwen3"),
+        "torch_dtype": "bfloat16" if dtype == jnp.bfloat16 else "float32",
+    }
+    if cfg.bos_token_id is not None:
+        hf["bos_token_id"] = cfg.bos_token_id
+    if cfg.eos_token_ids:
+        hf["eos_token_id"] = list(cfg.eos_token_ids) if len(cfg.eos_token_ids) > 1 else cfg.eos_token_ids[0]
+    return hf
