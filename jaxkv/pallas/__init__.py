@@ -1,15 +1,62 @@
-"""Pallas kernels and the dispatch that picks a backend.
+"""Pallas kernels for decode and the backend dispatch in front of them.
 
-(Placeholder until the kernels land: every backend resolves to the jnp reference.)
+Each kernel sits beside a plain-jnp reference (the CPU path and the test oracle),
+and one public function per kernel picks the backend with the rule in
+``_dispatch.resolve_backend``: ``None`` -> reference on CPU, Triton-lowered Pallas
+on NVIDIA GPU, Mosaic on TPU; or ``"reference"``, ``"interpret"``, ``"gpu"``, ``"tpu"``.
+
+* ``decode_attention``: float KV pool, per-request live-index lists, GQA, split-K.
+* ``quantized_decode_attention``: INT2 pages then INT4 tokens (TriAxialKV formats,
+  packing in ``quant``), dequantized on the fly, merged by log-sum-exp.
+* ``rope_delta``: rotate stored post-RoPE keys by position deltas, in place.
 """
 
 from __future__ import annotations
 
-from jaxkv.attention import decode_attention_reference
+from jaxkv.pallas._dispatch import BACKENDS, resolve_backend
+from jaxkv.pallas.decode_attention import decode_attention
+from jaxkv.pallas.quant import (
+    Int2Pool,
+    Int4Pool,
+    PackedKeyPages,
+    PackedRows,
+    dequantize_int2_keys,
+    dequantize_int2_pool,
+    dequantize_int4_pool,
+    dequantize_rows,
+    quantize_int2_keys,
+    quantize_int2_pool,
+    quantize_int2_values,
+    quantize_int4,
+    quantize_int4_pool,
+)
+from jaxkv.pallas.quantized_attention import quantized_decode_attention, quantized_decode_attention_reference
+from jaxkv.pallas.rope_delta import rope_delta, rope_delta_reference
 
-BACKENDS = (None, "reference", "interpret", "gpu", "tpu")
+dequantize_int4 = dequantize_rows  # INT4 and INT2 per-token rows share one decoder
+dequantize_int2_values = dequantize_rows
 
-
-def decode_attention(q, k_pool, v_pool, live_idx, live_len, *, backend=None):
-    """Decode attention over live-index lists; see ``jaxkv.attention``."""
-    return decode_attention_reference(q, k_pool, v_pool, live_idx, live_len)
+__all__ = [
+    "BACKENDS",
+    "Int2Pool",
+    "Int4Pool",
+    "PackedKeyPages",
+    "PackedRows",
+    "decode_attention",
+    "dequantize_int2_keys",
+    "dequantize_int2_pool",
+    "dequantize_int2_values",
+    "dequantize_int4",
+    "dequantize_int4_pool",
+    "dequantize_rows",
+    "quantize_int2_keys",
+    "quantize_int2_pool",
+    "quantize_int2_values",
+    "quantize_int4",
+    "quantize_int4_pool",
+    "quantized_decode_attention",
+    "quantized_decode_attention_reference",
+    "resolve_backend",
+    "rope_delta",
+    "rope_delta_reference",
+]

@@ -1,0 +1,262 @@
+"""TriAxialKV quantized KV formats: quantize, dequantize, pools, packing layout.
+
+Formats (ALGORITHMS.md §7, TriAxialKV §3.2.1), all asymmetric with group 32:
+
+* **INT4 per token** (keys and values): each (token, head) row of ``D`` channels
+  is split into groups of 32 consecutive channels, each with its own
+  ``(scale, zero)``.
+* **INT2 values per token**: same as INT4 with 2-bit codes.
+* **INT2 keys per channel**: tokens are grouped in pages of 32; within a
+  (page, head) every channel has its own ``(scale, zero)`` over the page's 32 tokens.
+  Tokens that do not fill a page are stored as INT4 (the caller's job).
+
+Code: ``c = clip(round((x - zero) / scale), 0, 2**bits - 1)``; value
+``x_hat = zero + c * scale`` (float32). ``scale`` and ``zero`` are float16 with
+*directed* rounding: ``zero`` is rounded down (``zero <= min``) and ``scale`` up
+(``zero + (2**bits - 1) * scale >= max``), so every x of a group lies inside the
+code range and ``|x - x_hat| <= scale / 2`` (plus float32 rounding) for every
+group, whatever float16 does to the parameters. Inputs must be finite and within
+float16 range (|x| < 65504). A constant group gets ``scale = 0`` and code 0.
+
+Packing layout (one rule for every data buffer): a row of ``D`` channels at ``b``
+bits holds ``per = 8 / b`` codes per byte in ``R = D / per`` bytes; byte ``j``
+holds channel ``i * R + j`` in bits ``[b*i, b*i + b)`` for ``i < per`` (bit-planes
+of contiguous channel ranges: plane ``i`` covers channels ``[i*R, (i+1)*R)``). A
+kernel unpacks plane ``i`` of a byte range with one shift and mask and gets a
+contiguous channel range back, with no interleave. ``plane_chunks`` lists the
+(channel range, plane, byte range, group) pieces that a kernel walks.
+
+Buffers (S INT4 slots, P INT2 pages, K = Hkv, dtype):
+
+=====================  =========================  ===========================
+buffer                 data (uint8)               scale, zero (float16)
+=====================  =========================  ===========================
+INT4 keys / values     ``[S, K, D/2]``            ``[S, K, D/32]``
+INT2 keys (pages)      ``[P, K, 32, D/4]``        ``[P, K, D]`` (per channel)
+INT2 values (pages)    ``[P, K, 32, D/4]``        ``[P, K, 32, D/32]``
+=====================  =========================  ===========================
+
+INT2 page ``p`` holds tokens ``32p .. 32p+31`` of the array it was quantized from;
+a (page, head) entry of either INT2 buffer is contiguous in memory. Bytes per
+token and head for D=128: bf16 256, INT4 64 + 16 = 80, INT2 keys 32 + 8,
+INT2 values 32 + 16 (K and V of a mixed pool at ~2.7 bits ~ 2.9x smaller than bf16).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax.numpy as jnp
+from flax import struct
+
+GROUP = 32  # channels per per-token group, and tokens per INT2 key page
+PAGE = 32
+
+
+@dataclasses.dataclass(frozen=True)
+class Chunk:
+    """A contiguous channel range that lies inside one bit-plane and one group.
+
+    Attributes:
+      channel: first channel; width: number of channels (and bytes);
+      plane: bit-plane (shift = plane * bits); byte: first byte of the packed row;
+      group: index of the 32-channel group (per-token scale column).
+    """
+
+    channel: int
+    width: int
+    plane: int
+    byte: int
+    group: int
+
+
+def check_head_dim(head_dim: int) -> None:
+    if head_dim % GROUP:
+        raise ValueError(f"quantized KV needs head_dim divisible by {GROUP}, got {head_dim}")
+
+
+def plane_chunks(head_dim: int, bits: int) -> tuple[Chunk, ...]:
+    """The pieces of a packed row of ``head_dim`` channels, in channel order."""
+    check_head_dim(head_dim)
+    row_bytes = head_dim * bits // 8
+    cuts = sorted(set(range(0, head_dim, GROUP)) | set(range(0, head_dim, row_bytes)) | {head_dim})
+    return tuple(
+        Chunk(channel=a, width=b - a, plane=a // row_bytes, byte=a % row_bytes, group=a // GROUP)
+        for a, b in zip(cuts[:-1], cuts[1:])
+    )
+
+
+def pack(codes: jnp.ndarray, bits: int) -> jnp.ndarray:
+    """Pack integer codes ``[..., D]`` (each < 2**bits) into uint8 ``[..., D*bits/8]``."""
+    per = 8 // bits
+    planes = codes.astype(jnp.uint8).reshape(*codes.shape[:-1], per, codes.shape[-1] // per)
+    shifts = (jnp.arange(per, dtype=jnp.uint8) * bits)[:, None]
+    return jnp.bitwise_or.reduce(planes << shifts, axis=-2)
+
+
+def unpack(data: jnp.ndarray, bits: int) -> jnp.ndarray:
+    """Inverse of ``pack``: uint8 ``[..., R]`` -> codes uint8 ``[..., R*8/bits]``."""
+    per = 8 // bits
+    shifts = (jnp.arange(per, dtype=jnp.uint8) * bits)[:, None]
+    codes = (data[..., None, :] >> shifts) & jnp.uint8((1 << bits) - 1)
+    return codes.reshape(*data.shape[:-1], per * data.shape[-1])
+
+
+def _round_f16(x: jnp.ndarray, direction: float) -> jnp.ndarray:
+    """float32 -> float16 rounded toward ``direction`` (+inf or -inf)."""
+    h = x.astype(jnp.float16)
+    wrong = (h.astype(jnp.float32) < x) if direction > 0 else (h.astype(jnp.float32) > x)
+    return jnp.where(wrong, jnp.nextafter(h, jnp.float16(direction)), h)
+
+
+def _fit(x: jnp.ndarray, axis: int, bits: int):
+    """(codes, scale f16, zero f16) of ``x`` with groups along ``axis``."""
+    x = x.astype(jnp.float32)
+    top = (1 << bits) - 1
+    zero = _round_f16(jnp.min(x, axis=axis, keepdims=True), -jnp.inf)
+    zero32 = zero.astype(jnp.float32)
+    scale = _round_f16((jnp.max(x, axis=axis, keepdims=True) - zero32) / top, jnp.inf)
+    scale32 = scale.astype(jnp.float32)
+    ratio = (x - zero32) / jnp.where(scale32 > 0, scale32, 1.0)
+    codes = jnp.where(scale32 > 0, jnp.clip(jnp.round(ratio), 0, top), 0)
+    return codes.astype(jnp.uint8), jnp.squeeze(scale, axis), jnp.squeeze(zero, axis)
+
+
+@struct.dataclass
+class PackedRows:
+    """Per-token groups: rows of ``D`` channels, one (scale, zero) per 32 channels.
+
+    Attributes:
+      data: uint8 ``[..., D*bits/8]`` packed codes (layout in the module docstring).
+      scale, zero: float16 ``[..., D/32]``.
+      bits: 4 or 2 (static).
+    """
+
+    data: jnp.ndarray
+    scale: jnp.ndarray
+    zero: jnp.ndarray
+    bits: int = struct.field(pytree_node=False)
+
+    @property
+    def head_dim(self) -> int:
+        return self.data.shape[-1] * 8 // self.bits
+
+    def take(self, index) -> "PackedRows":
+        """Rows at ``index`` along the leading axis (gather)."""
+        return PackedRows(self.data[index], self.scale[index], self.zero[index], self.bits)
+
+
+@struct.dataclass
+class PackedKeyPages:
+    """INT2 keys per channel over pages of 32 tokens.
+
+    Attributes:
+      data: uint8 ``[P, K, 32, D/4]`` packed codes, one packed row per token.
+      scale, zero: float16 ``[P, K, D]``, shared by the page's 32 tokens.
+    """
+
+    data: jnp.ndarray
+    scale: jnp.ndarray
+    zero: jnp.ndarray
+    bits = 2
+
+    @property
+    def head_dim(self) -> int:
+        return self.scale.shape[-1]
+
+    def take(self, index) -> "PackedKeyPages":
+        return PackedKeyPages(self.data[index], self.scale[index], self.zero[index])
+
+
+def quantize_rows(x: jnp.ndarray, bits: int) -> PackedRows:
+    """Per-token asymmetric quantization of ``x[..., D]`` in groups of 32 channels."""
+    if bits not in (2, 4):
+        raise ValueError(f"bits must be 2 or 4, got {bits}")
+    D = x.shape[-1]
+    check_head_dim(D)
+    grouped = x.reshape(*x.shape[:-1], D // GROUP, GROUP)
+    codes, scale, zero = _fit(grouped, -1, bits)
+    return PackedRows(pack(codes.reshape(x.shape), bits), scale, zero, bits)
+
+
+def dequantize_rows(packed: PackedRows) -> jnp.ndarray:
+    """float32 ``[..., D]`` values of ``PackedRows`` (INT4 or INT2)."""
+    codes = unpack(packed.data, packed.bits).astype(jnp.float32)
+    lead, D = codes.shape[:-1], codes.shape[-1]
+    grouped = codes.reshape(*lead, D // GROUP, GROUP)
+    x = packed.zero.astype(jnp.float32)[..., None] + grouped * packed.scale.astype(jnp.float32)[..., None]
+    return x.reshape(*lead, D)
+
+
+def quantize_int4(x: jnp.ndarray) -> PackedRows:
+    """INT4 per token (keys or values): ``x[..., D]`` -> ``PackedRows`` with bits 4."""
+    return quantize_rows(x, 4)
+
+
+def quantize_int2_values(x: jnp.ndarray) -> PackedRows:
+    """INT2 per token (values): ``x[..., D]`` -> ``PackedRows`` with bits 2."""
+    return quantize_rows(x, 2)
+
+
+def _pages(x_TKD: jnp.ndarray) -> jnp.ndarray:
+    """``[T, K, D]`` (T a multiple of 32) -> ``[T/32, K, 32, D]``."""
+    T, K, D = x_TKD.shape
+    if T % PAGE:
+        raise ValueError(f"INT2 pages need a token count divisible by {PAGE}, got shape {x_TKD.shape}")
+    return x_TKD.reshape(T // PAGE, PAGE, K, D).transpose(0, 2, 1, 3)
+
+
+def _tokens(x_PKTD: jnp.ndarray) -> jnp.ndarray:
+    """Inverse of ``_pages``."""
+    P, K, T, D = x_PKTD.shape
+    return x_PKTD.transpose(0, 2, 1, 3).reshape(P * T, K, D)
+
+
+def quantize_int2_keys(k_TKD: jnp.ndarray) -> PackedKeyPages:
+    """INT2 keys per channel over pages: ``k[T, K, D]`` (T % 32 == 0) -> pages."""
+    check_head_dim(k_TKD.shape[-1])
+    codes, scale, zero = _fit(_pages(k_TKD), 2, 2)  # groups along the page's tokens
+    return PackedKeyPages(pack(codes, 2), scale, zero)
+
+
+def dequantize_int2_keys(pages: PackedKeyPages) -> jnp.ndarray:
+    """float32 ``[..., P, K, 32, D]`` keys of INT2 key pages (any leading axes)."""
+    codes = unpack(pages.data, 2).astype(jnp.float32)
+    return pages.zero.astype(jnp.float32)[..., None, :] + codes * pages.scale.astype(jnp.float32)[..., None, :]
+
+
+@struct.dataclass
+class Int4Pool:
+    """INT4 pool: per-token keys and values ``PackedRows`` of shape ``[S, K, ...]``."""
+
+    k: PackedRows
+    v: PackedRows
+
+
+@struct.dataclass
+class Int2Pool:
+    """INT2 pool of pages: per-channel keys, per-token values, ``[P, K, 32, ...]``."""
+
+    k: PackedKeyPages
+    v: PackedRows
+
+
+def quantize_int4_pool(k_SKD: jnp.ndarray, v_SKD: jnp.ndarray) -> Int4Pool:
+    """Quantize a whole float pool to INT4 (slot ``s`` stays slot ``s``)."""
+    return Int4Pool(quantize_int4(k_SKD), quantize_int4(v_SKD))
+
+
+def quantize_int2_pool(k_TKD: jnp.ndarray, v_TKD: jnp.ndarray) -> Int2Pool:
+    """Quantize ``T = 32 P`` tokens into ``P`` INT2 pages (token ``t`` -> page ``t // 32``)."""
+    return Int2Pool(quantize_int2_keys(k_TKD), quantize_int2_values(_pages(v_TKD)))
+
+
+def dequantize_int4_pool(pool: Int4Pool) -> tuple[jnp.ndarray, jnp.ndarray]:
+    """float32 ``(k[S,K,D], v[S,K,D])``."""
+    return dequantize_rows(pool.k), dequantize_rows(pool.v)
+
+
+def dequantize_int2_pool(pool: Int2Pool) -> tuple[jnp.ndarray, jnp.ndarray]:
+    """float32 ``(k[T,K,D], v[T,K,D])`` with ``T = 32 P`` in page order."""
+    return _tokens(dequantize_int2_keys(pool.k)), _tokens(dequantize_rows(pool.v))
+

@@ -1,0 +1,210 @@
+"""Mixed INT2/INT4 quantized decode attention (TriAxialKV): kernel and reference.
+
+A request's KV entries are its INT2 pages first (``int2_pages_BP``, ``int2_num_pages_B``
+pages of 32 tokens, in an ``Int2Pool``) then its INT4 tokens (``int4_idx_BN``,
+``int4_len_B`` slots of an ``Int4Pool``); formats and packing are in
+``jaxkv.pallas.quant``. Attention is over all of them; the result does not depend
+on the order.
+
+Kernel: the split-K skeleton of ``_splitk`` runs once per part with a reader that
+loads packed bytes and dequantizes on the fly, and ``_splitk.merge`` combines the
+splits of both parts by log-sum-exp, so each split is bitwidth-homogeneous
+(TriAxialKV §3.2.3). A request with no INT2 pages (only INT4 tokens) goes through
+the same code: its INT2 splits are empty and weigh nothing in the merge. Pass
+``int2_pool=None`` to skip the INT2 part entirely.
+
+Dequantization is folded into the dots instead of materialising float K/V:
+
+* per-token groups (INT4 K/V, INT2 V), for channel chunk ``c`` in group ``g``:
+  ``q . k = sum_c scale[t,g] (q_c . code_c[t]) + zero[t,g] sum(q_c)`` and
+  ``p @ v_c = (p * scale[:,g]) @ code_c + (p . zero[:,g])``;
+* per-channel INT2 keys: ``q . k[t] = sum_c (q_c * scale_c) . code_c[t] + q . zero``.
+
+INT2 pages are read one page (32 tokens) per step, INT4 tokens 64 per step.
+The reference dequantizes the gathered entries to float32 and calls
+``decode_attention_reference``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax.numpy as jnp
+from jax.experimental import pallas as pl
+
+from jaxkv.attention import decode_attention_reference
+from jaxkv.pallas import _splitk
+from jaxkv.pallas._dispatch import resolve_backend
+from jaxkv.pallas.decode_attention import TOKEN_BLOCK, check_decode_inputs
+from jaxkv.pallas.quant import PAGE, Int2Pool, Int4Pool, dequantize_int2_keys, dequantize_rows, plane_chunks
+
+
+def _codes(data, chunk, bits):
+    """Codes of one chunk's bit-plane as float32."""
+    return ((data >> (chunk.plane * bits)) & ((1 << bits) - 1)).astype(jnp.float32)
+
+
+def _per_token_scores(q_ref, data_ref, scale_ref, zero_ref, rows, bits, head_dim):
+    """``q . k`` ``[G, T]`` for per-token groups; ``rows(ref, last)`` gathers ``[T, last]``."""
+    s = 0.0
+    for c in plane_chunks(head_dim, bits):
+        q_c = q_ref[:, pl.ds(c.channel, c.width)].astype(jnp.float32)
+        codes = _codes(rows(data_ref, pl.ds(c.byte, c.width)), c, bits)
+        scale = rows(scale_ref, c.group).astype(jnp.float32)
+        zero = rows(zero_ref, c.group).astype(jnp.float32)
+        s = s + _splitk.dot_nt(q_c, codes) * scale[None, :] + jnp.sum(q_c, axis=1)[:, None] * zero[None, :]
+    return s
+
+
+def _per_token_values(p, data_ref, scale_ref, zero_ref, rows, bits, head_dim):
+    """``p @ v`` chunks ``[G, width]`` for per-token groups, in ``plane_chunks`` order."""
+    out = []
+    for c in plane_chunks(head_dim, bits):
+        codes = _codes(rows(data_ref, pl.ds(c.byte, c.width)), c, bits)
+        scale = rows(scale_ref, c.group).astype(jnp.float32)
+        zero = rows(zero_ref, c.group).astype(jnp.float32)
+        out.append(_splitk.dot_nn(p * scale[None, :], codes) + jnp.sum(p * zero[None, :], axis=1)[:, None])
+    return out
+
+
+@dataclasses.dataclass(frozen=True)
+class Int4Tokens:
+    """Reader of INT4 K/V rows at a block of slot ids. refs: k data/scale/zero, v data/scale/zero."""
+
+    head_dim: int
+    block: int = TOKEN_BLOCK
+
+    @property
+    def out_chunks(self):
+        return tuple((c.channel, c.width) for c in plane_chunks(self.head_dim, 4))
+
+    def scores(self, q_ref, refs, h, ids):
+        kd, ks, kz = refs[:3]
+        return [_per_token_scores(q_ref, kd, ks, kz, lambda r, last: r[ids, h, last], 4, self.head_dim)]
+
+    def values(self, refs, h, ids, probs):
+        vd, vs, vz = refs[3:]
+        return _per_token_values(probs[0], vd, vs, vz, lambda r, last: r[ids, h, last], 4, self.head_dim)
+
+
+@dataclasses.dataclass(frozen=True)
+class Int2Pages:
+    """Reader of one INT2 page (32 tokens) per step: per-channel keys, per-token values."""
+
+    head_dim: int
+    block: int = 1
+
+    @property
+    def out_chunks(self):
+        return tuple((c.channel, c.width) for c in plane_chunks(self.head_dim, 2))
+
+    def scores(self, q_ref, refs, h, page):
+        kd, ks, kz = refs[:3]
+        s = 0.0
+        for c in plane_chunks(self.head_dim, 2):
+            q_c = q_ref[:, pl.ds(c.channel, c.width)].astype(jnp.float32)
+            codes = _codes(kd[page, h, :, pl.ds(c.byte, c.width)], c, 2)  # [32, width]
+            scale = ks[page, h, pl.ds(c.channel, c.width)].astype(jnp.float32)
+            zero = kz[page, h, pl.ds(c.channel, c.width)].astype(jnp.float32)
+            s = s + _splitk.dot_nt(q_c * scale[None, :], codes) + jnp.sum(q_c * zero[None, :], axis=1)[:, None]
+        return [s]
+
+    def values(self, refs, h, page, probs):
+        vd, vs, vz = refs[3:]
+        return _per_token_values(probs[0], vd, vs, vz, lambda r, last: r[page, h, :, last], 2, self.head_dim)
+
+
+def _fields(pool):
+    return (pool.k.data, pool.k.scale, pool.k.zero, pool.v.data, pool.v.scale, pool.v.zero)
+
+
+def _check_pools(int2_pool, int2_pages_BP, int2_num_pages_B, int4_pool):
+    for name, pool, cls in (("int2_pool", int2_pool, Int2Pool), ("int4_pool", int4_pool, Int4Pool)):
+        if pool is not None and not isinstance(pool, cls):
+            raise TypeError(f"{name} must be a {cls.__name__}, got {type(pool).__name__}")
+    if int4_pool.k.bits != 4 or int4_pool.v.bits != 4:
+        raise ValueError("int4_pool must hold 4-bit keys and values")
+    if int2_pool is not None:
+        if int2_pool.v.bits != 2:
+            raise ValueError("int2_pool values must be 2-bit")
+        if int2_pool.k.head_dim != int4_pool.k.head_dim or int2_pool.k.data.shape[1] != int4_pool.k.data.shape[1]:
+            raise ValueError(
+                f"INT2 and INT4 pools disagree: INT2 keys {int2_pool.k.scale.shape} [P, Hkv, D], "
+                f"INT4 keys scale {int4_pool.k.scale.shape} [S, Hkv, D/32]"
+            )
+
+
+def quantized_decode_attention_reference(
+    q_BHD, int2_pool, int2_pages_BP, int2_num_pages_B, int4_pool, int4_idx_BN, int4_len_B
+):
+    """Dequantize every request's entries to float32 and run the float reference."""
+    B, _, D = q_BHD.shape
+    k4, v4 = dequantize_rows(int4_pool.k.take(int4_idx_BN)), dequantize_rows(int4_pool.v.take(int4_idx_BN))
+    lens = int4_len_B.astype(jnp.int32)
+    if int2_pool is not None:
+        P, K = int2_pages_BP.shape[1], k4.shape[2]
+        k2 = dequantize_int2_keys(int2_pool.k.take(int2_pages_BP))  # [B, P, K, 32, D]
+        v2 = dequantize_rows(int2_pool.v.take(int2_pages_BP))
+        k2 = k2.transpose(0, 1, 3, 2, 4).reshape(B, P * PAGE, K, D)
+        v2 = v2.transpose(0, 1, 3, 2, 4).reshape(B, P * PAGE, K, D)
+        n2 = int2_num_pages_B.astype(jnp.int32) * PAGE
+        # Entries of request b: its n2 INT2 tokens, then its INT4 tokens, then padding.
+        N4 = k4.shape[1]
+        m = jnp.arange(P * PAGE + N4)[None, :]
+        from_int2 = m < n2[:, None]
+        pick4 = jnp.clip(m - n2[:, None], 0, N4 - 1)
+        order = jnp.where(from_int2, m, P * PAGE + pick4)  # into concat([int2, int4]) per request
+        k4 = jnp.take_along_axis(jnp.concatenate([k2, k4], 1), order[..., None, None], axis=1)
+        v4 = jnp.take_along_axis(jnp.concatenate([v2, v4], 1), order[..., None, None], axis=1)
+        lens = n2 + lens
+    N, K = k4.shape[1], k4.shape[2]
+    flat_idx = (jnp.arange(B)[:, None] * N + jnp.arange(N)[None, :]).astype(jnp.int32)
+    return decode_attention_reference(q_BHD, k4.reshape(B * N, K, D), v4.reshape(B * N, K, D), flat_idx, lens)
+
+
+def quantized_decode_attention(
+    q_BHD,
+    int2_pool: Int2Pool | None,
+    int2_pages_BP,
+    int2_num_pages_B,
+    int4_pool: Int4Pool,
+    int4_idx_BN,
+    int4_len_B,
+    *,
+    backend=None,
+):
+    """Decode attention over INT2 pages then INT4 tokens, dequantized on the fly.
+
+    Args:
+      q_BHD: ``[B, Hq, D]`` float queries.
+      int2_pool: ``Int2Pool`` of ``P2`` pages, or ``None`` (then the two INT2 index
+        arguments are ignored and may be ``None``).
+      int2_pages_BP: ``[B, P]`` int32 page ids; ``int2_num_pages_B``: ``[B]`` real pages.
+      int4_pool: ``Int4Pool`` of ``S`` slots.
+      int4_idx_BN: ``[B, N]`` int32 slot ids; ``int4_len_B``: ``[B]`` real slots.
+      backend: see ``jaxkv.pallas._dispatch``.
+
+    Returns:
+      ``[B, Hq, D]`` in ``q_BHD.dtype``, float32 inside.
+    """
+    if not isinstance(int4_pool, Int4Pool):
+        raise TypeError(f"int4_pool must be an Int4Pool, got {type(int4_pool).__name__}")
+    _check_pools(int2_pool, int2_pages_BP, int2_num_pages_B, int4_pool)
+    K, D = int4_pool.k.data.shape[1], int4_pool.k.head_dim
+    check_decode_inputs(q_BHD, int4_idx_BN, int4_len_B, K, D, "INT4 pool")
+    if int2_pool is not None:
+        check_decode_inputs(q_BHD, int2_pages_BP, int2_num_pages_B, K, D, "INT2 pool")
+    backend = resolve_backend(backend)
+    if backend == "reference":
+        return quantized_decode_attention_reference(
+            q_BHD, int2_pool, int2_pages_BP, int2_num_pages_B, int4_pool, int4_idx_BN, int4_len_B
+        )
+    q_BKGD = _splitk.group_queries(q_BHD, K, backend)
+    parts = [_splitk.split_k(q_BKGD, Int4Tokens(D), _fields(int4_pool), int4_idx_BN, int4_len_B, backend=backend)]
+    if int2_pool is not None:
+        parts.append(
+            _splitk.split_k(
+                q_BKGD, Int2Pages(D), _fields(int2_pool), int2_pages_BP, int2_num_pages_B, backend=backend
+            )
+        )
+    return _splitk.merge(parts, q_BHD)
