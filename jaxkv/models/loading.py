@@ -265,7 +265,7 @@ def load_model(path_or_repo_id, dtype="float32", *, load_tokenizer: bool = True)
 
     abstract = nnx.eval_shape(lambda: Transformer(cfg, dt, rngs=nnx.Rngs(0)))
     graphdef, state = nnx.split(abstract)
-    pure = state.to_pure_dict()
+    pure = nnx.to_pure_dict(state)
     expected = hf_parameter_map(cfg)
     missing = [name for name in expected if name not in tensors]
     if missing:
@@ -301,7 +301,7 @@ def save_pretrained(model: Model, out_dir, *, hf_config: dict | None = None) -> 
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     cfg = model.config
-    pure = nnx.state(model.module).to_pure_dict()
+    pure = nnx.to_pure_dict(nnx.state(model.module))
     tensors = {}
     for name, (path, transpose) in hf_parameter_map(cfg).items():
         arr = np.asarray(jax.device_get(_get(pure, path)))

@@ -1,0 +1,41 @@
+"""Independent oracles for cache edits: attention computed directly over kept positions.
+
+``logits_over_kept`` runs the prefix densely (no pool, no slots), captures every
+layer's post-RoPE K/V, keeps only ``keep`` positions, then runs the new tokens
+attending to those kept rows plus themselves (causal). Any eviction layout that
+is correct must reproduce these logits.
+"""
+
+from __future__ import annotations
+
+import jax.numpy as jnp
+import numpy as np
+
+from jaxkv import attention
+
+
+def logits_over_kept(model, prefix_tokens, keep, new_tokens):
+    module = model.module
+    prefix = jnp.asarray([prefix_tokens], jnp.int32)
+    P = prefix.shape[1]
+    kv = []
+
+    def capture(i, q, k, v):
+        kv.append((k, v))
+        return attention.causal_attention(q, k, v)
+
+    module._run(prefix, jnp.arange(P, dtype=jnp.int32)[None], capture)
+    keep = np.asarray(sorted(keep))
+    new = jnp.asarray([new_tokens], jnp.int32)
+    T = new.shape[1]
+
+    def attend_kept(i, q, k, v):
+        k_all = jnp.concatenate([kv[i][0][:, keep], k], axis=1)
+        v_all = jnp.concatenate([kv[i][1][:, keep], v], axis=1)
+        causal = np.tril(np.ones((T, T), bool))
+        mask = np.concatenate([np.ones((T, len(keep)), bool), causal], axis=1)[None]
+        out, _ = attention._attend(attention._grouped(q, k.shape[2]), k_all, v_all, jnp.asarray(mask))
+        return out.astype(q.dtype)
+
+    x = module._run(new, (P + jnp.arange(T, dtype=jnp.int32))[None], attend_kept)
+    return np.asarray(module._logits(x), np.float64)[0]

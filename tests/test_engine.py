@@ -1,0 +1,127 @@
+"""Incremental consistency: chunked prefill + decode through the paged cache equals
+the cache-free oracle, also on a fragmented pool; tables mirror the host."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+import jaxkv
+from jaxkv.cache.allocator import SENTINEL_SLOT
+from oracles import logits_over_kept
+
+
+def _rel(got, ref):
+    return float(np.abs(np.asarray(got, np.float64) - ref).max() / np.abs(ref).max())
+
+
+@pytest.fixture(scope="module")
+def qwen3(hf_checkpoint):
+    return jaxkv.load_model(hf_checkpoint("qwen3")[0])
+
+
+def _run_incremental(model, engine, seqs, prefill_lens, n_decode):
+    rows = [engine.open_row() for _ in seqs]
+    pre = engine.prefill(rows, [s[:n] for s, n in zip(seqs, prefill_lens)], all_logits=True)
+    _, dec = engine.decode(
+        rows,
+        [s[n] for s, n in zip(seqs, prefill_lens)],
+        n_decode,
+        return_logits=True,
+        forced_tokens=[s[n + 1 : n + 1 + n_decode] for s, n in zip(seqs, prefill_lens)],
+    )
+    return rows, [np.concatenate([p, d]) for p, d in zip(pre, dec)]
+
+
+def test_chunked_prefill_and_decode_match_score_logits(qwen3):
+    rng = np.random.default_rng(0)
+    seqs = [rng.integers(0, 1024, 120).tolist(), rng.integers(0, 1024, 120).tolist()]
+    engine = jaxkv.Engine(qwen3, rows=2, max_positions=256, prefill_chunk=32)  # 3-4 chunks
+    prefill_lens, n_decode = [70, 45], 24
+    rows, logits = _run_incremental(qwen3, engine, seqs, prefill_lens, n_decode)
+    for seq, n, got in zip(seqs, prefill_lens, logits):
+        ref = np.asarray(jaxkv.score_logits(qwen3, np.asarray([seq[: n + n_decode]])))[0]
+        assert got.shape == ref.shape
+        assert _rel(got, ref) <= 1e-4
+    _assert_tables_mirror_host(engine, rows)
+
+
+def test_fragmented_pool_gives_same_logits(qwen3):
+    rng = np.random.default_rng(1)
+    seq = rng.integers(0, 1024, 100).tolist()
+    engine = jaxkv.Engine(qwen3, rows=2, max_positions=128, num_slots=400, prefill_chunk=16)
+    # Fragment the pool: another row takes 200 slots, then frees every other one.
+    other = engine.open_row()
+    engine.prefill([other], [rng.integers(0, 1024, 120).tolist()])
+    taken = np.asarray(engine.row_state[other].slots)
+    engine.close_row(other)
+    held = engine.allocator.allocate(len(taken))  # re-take all ...
+    engine.allocator.release(held[::2])  # ... and free every other: holes everywhere
+    rows, logits = _run_incremental(qwen3, engine, [seq], [60], 30)
+    slots = np.asarray(engine.row_state[rows[0]].slots)
+    assert (np.diff(slots) != 1).any(), "the request's slots should not be contiguous"
+    ref = np.asarray(jaxkv.score_logits(qwen3, np.asarray([seq[:90]])))[0]
+    assert _rel(logits[0], ref) <= 1e-4
+    _assert_tables_mirror_host(engine, rows)
+    # Freed slots are reused: closing the row returns exactly its slots.
+    freed = engine.close_row(rows[0])
+    assert sorted(freed.tolist()) == sorted(slots.tolist())
+
+
+def test_prefix_with_holes_is_neither_read_nor_refilled(qwen3):
+    """A row installed with sentinel holes attends only to its live slots."""
+    rng = np.random.default_rng(2)
+    seq = rng.integers(0, 1024, 40).tolist()
+    engine = jaxkv.Engine(qwen3, rows=2, max_positions=64)
+    a = engine.open_row()
+    engine.prefill([a], [seq[:30]])
+    slots = list(engine.row_state[a].slots)
+    holed = [SENTINEL_SLOT if 5 <= p < 12 else s for p, s in enumerate(slots)]
+    b = engine.open_row(holed)
+    assert engine.row_state[b].seq_len == 30 and len(engine.row_state[b].live) == 23
+    got = engine.prefill([b], [seq[30:32]], all_logits=True)[0]
+    keep = [p for p in range(30) if not 5 <= p < 12]
+    ref = logits_over_kept(qwen3, seq[:30], keep, seq[30:32])
+    assert _rel(got, ref) <= 1e-4
+
+
+def test_out_of_slots_changes_nothing(qwen3):
+    engine = jaxkv.Engine(qwen3, rows=2, max_positions=64, num_slots=50)
+    row = engine.open_row()
+    engine.prefill([row], [list(range(30))])
+    before = (engine.allocator.refcounts(), engine.allocator.num_free, list(engine.row_state[row].slots))
+    tables = [np.asarray(x).copy() for x in (engine.cache.slot_map, engine.cache.live_idx, engine.cache.live_len)]
+    with pytest.raises(jaxkv.OutOfSlotsError):
+        engine.prefill([row], [list(range(30))])
+    with pytest.raises(jaxkv.OutOfSlotsError):
+        engine.decode([row], [1], 25)
+    assert (engine.allocator.refcounts() == before[0]).all()
+    assert engine.allocator.num_free == before[1]
+    assert engine.row_state[row].slots == before[2]
+    for old, new in zip(tables, (engine.cache.slot_map, engine.cache.live_idx, engine.cache.live_len)):
+        assert (old == np.asarray(new)).all()
+
+
+def test_context_length_errors(qwen3):
+    engine = jaxkv.Engine(qwen3, rows=1, max_positions=32)
+    row = engine.open_row()
+    with pytest.raises(jaxkv.ContextLengthError, match="32"):
+        engine.prefill([row], [list(range(40))])
+    with pytest.raises(jaxkv.ContextLengthError, match="512"):
+        jaxkv.generate(qwen3, [[1, 2, 3]], 600)
+    with pytest.raises(jaxkv.ContextLengthError):
+        jaxkv.Engine(qwen3, max_positions=10_000)
+
+
+def _assert_tables_mirror_host(engine, rows):
+    slot_map = np.asarray(engine.cache.slot_map)
+    live_idx = np.asarray(engine.cache.live_idx)
+    live_len = np.asarray(engine.cache.live_len)
+    seq_len = np.asarray(engine.cache.seq_len)
+    for r in rows:
+        st = engine.row_state[r]
+        assert seq_len[r] == st.seq_len and live_len[r] == len(st.live)
+        assert slot_map[r, : st.seq_len].tolist() == st.slots
+        assert live_idx[r, : live_len[r]].tolist() == st.live
+        assert SENTINEL_SLOT not in st.live
+        assert all(engine.allocator.refcount(s) >= 1 for s in st.live)

@@ -1,0 +1,139 @@
+"""Synthetic tasks: labels point at the needles, splits avoid the tail, values precede
+their use, seeds reproduce, lengths scale, and the vocabulary covers every word."""
+
+from __future__ import annotations
+
+import json
+import re
+
+import pytest
+
+from eval.tasks import NEEDLE_COUNTS, agent_traces, approx_tokens, mqniah, vocabulary
+from eval.tasks.mqniah import NEEDLE_TEMPLATE
+
+
+def _all_examples():
+    return [
+        *agent_traces(12, seed=3, length=1500),
+        *agent_traces(4, seed=4, length=4096, n_docs=3, registry=True),
+        *[ex for k in NEEDLE_COUNTS for ex in mqniah(4, seed=k, needles=k, length=1500)],
+    ]
+
+
+@pytest.fixture(scope="module")
+def examples():
+    return _all_examples()
+
+
+@pytest.mark.parametrize("k", NEEDLE_COUNTS)
+def test_needles_are_where_the_labels_say(k):
+    for ex in mqniah(6, seed=11, needles=k, length=2048):
+        doc = ex.messages[1]["content"]
+        needles = ex.labels["needles"]
+        assert len(needles) == k
+        for n in needles:
+            assert doc[n["char_start"] : n["char_end"]] == NEEDLE_TEMPLATE.format(key=n["key"], value=n["value"])
+            assert doc.count(n["key"]) == 1 and doc.count(n["value"]) == 1
+        starts = [n["char_start"] for n in needles]
+        assert starts == sorted(starts)
+        depths = [n["depth"] for n in needles]
+        assert all(0.0 <= d <= 1.0 for d in depths) and depths == sorted(depths)
+
+
+@pytest.mark.parametrize("k", NEEDLE_COUNTS)
+def test_turn2_keys_are_never_the_tail_needles(k):
+    for ex in mqniah(20, seed=5, needles=k, length=1024):
+        needles = ex.labels["needles"]
+        tail = needles[len(needles) - max(1, k // 4) :]
+        turn2 = set(ex.labels["turn2_keys"])
+        assert not turn2 & {n["key"] for n in tail}
+        assert len(turn2) == k // 2 and len(ex.labels["turn1_keys"]) == k - k // 2
+        assert turn2 == {n["key"] for n in needles if n["turn"] == 2}
+        assert not turn2 & set(ex.labels["turn1_keys"])
+        # the turn-2 question really asks these keys, and only after the turn-1 answer
+        assert ex.messages[3]["role"] == "user" and all(key in ex.messages[3]["content"] for key in turn2)
+
+
+def test_every_copied_value_appears_before_it_is_needed(examples):
+    for ex in examples:
+        assert ex.targets, ex.task
+        for turn in ex.targets:
+            msg = ex.messages[turn.message_index]
+            assert msg["role"] == "assistant"
+            if turn.kind == "tool_call":
+                call = msg["tool_calls"][0]["function"]
+                assert {"name": call["name"], "arguments": call["arguments"]} == turn.expected
+            else:
+                assert msg["content"] == turn.expected
+            for value, ev in zip(turn.values, turn.evidence):
+                assert ev.message_index < turn.message_index
+                assert ex.messages[ev.message_index]["content"][ev.char_start : ev.char_end] == value
+                assert value in json.dumps(turn.expected)
+
+
+def test_agent_traces_copy_from_several_turns_back():
+    """Open calls copy from the search results, lookup and answer from older documents."""
+    exs = agent_traces(10, seed=9, length=2048, n_docs=3, registry=True)
+    for ex in exs:
+        kinds = [(t.kind, t.expected["name"] if t.kind == "tool_call" else None) for t in ex.targets]
+        assert kinds == [("tool_call", "search")] + [("tool_call", "open")] * 3 + [("tool_call", "lookup"), ("answer", None)]
+        search_response = ex.targets[0].message_index + 1
+        for t in ex.targets[1:4]:
+            assert t.evidence[0].message_index == search_response
+        lookup, answer = ex.targets[4], ex.targets[5]
+        assert lookup.message_index - lookup.evidence[0].message_index == 6  # three tool responses back
+        sources = [e.message_index for e in answer.evidence]
+        assert sources[0] == answer.message_index - 1  # the registry (latest response)
+        assert all(answer.message_index - s > 2 for s in sources[1:])  # older documents
+        # reasoning never leaks the identifier the call must copy
+        for t in ex.targets[1:]:
+            reasoning = ex.messages[t.message_index]["reasoning_content"]
+            assert not any(v in reasoning for v in t.values)
+
+
+def test_agent_traces_offer_two_to_four_tools(examples):
+    for ex in (e for e in examples if e.task == "agent_traces"):
+        names = [t["function"]["name"] for t in ex.tools]
+        assert 2 <= len(names) <= 4 and len(set(names)) == len(names)
+        called = {c["function"]["name"] for m in ex.messages for c in m.get("tool_calls") or ()}
+        assert called <= set(names)
+        assert ("lookup" in called) == ex.labels["registry"]
+
+
+def test_seeds_are_deterministic_and_distinct():
+    a = agent_traces(3, seed=1, length=1024) + mqniah(3, seed=1, needles=6, length=1024)
+    b = agent_traces(3, seed=1, length=1024) + mqniah(3, seed=1, needles=6, length=1024)
+    c = agent_traces(3, seed=2, length=1024) + mqniah(3, seed=2, needles=6, length=1024)
+    assert [(e.messages, e.tools, e.targets, e.labels) for e in a] == [(e.messages, e.tools, e.targets, e.labels) for e in b]
+    assert [e.messages for e in a] != [e.messages for e in c]
+
+
+@pytest.mark.parametrize("make", [lambda L: agent_traces(4, 0, length=L, n_docs=2),
+                                  lambda L: mqniah(4, 0, needles=4, length=L)])
+def test_length_knob_scales_the_rendered_length(make):
+    for length in (2048, 4096, 8192):
+        for ex in make(length):
+            assert abs(ex.approx_tokens() - length) < 0.05 * length
+
+
+def test_approx_tokens_match_the_toy_tokenizer(examples):
+    from jaxkv.chat.toy import build_tokenizer
+
+    tok = build_tokenizer(vocabulary())
+    for ex in examples[::5]:
+        for m in ex.messages:
+            text = m["content"] + (m.get("reasoning_content") or "")
+            assert len(tok(text, add_special_tokens=False)["input_ids"]) == approx_tokens(text)
+
+
+def test_vocabulary_covers_every_word(examples):
+    vocab = set(vocabulary())
+    assert len(vocab) < 1000
+    for ex in examples:
+        texts = [json.dumps(ex.tools)]
+        for m in ex.messages:
+            texts += [m["content"], m.get("reasoning_content") or "", json.dumps(m.get("tool_calls") or [])]
+        words = {w for t in texts for w in re.findall(r"\w+", t)}
+        identifiers = {w for w in words if re.fullmatch(r"[kvd]\d+", w)}
+        unknown = words - vocab - identifiers - {w for w in words if len(w) == 1}
+        assert not unknown, (ex.task, sorted(unknown)[:10])
