@@ -36,3 +36,13 @@ class SlotError(JaxKVError, ValueError):
 
 class ContextLengthError(JaxKVError, ValueError):
     """A request does not fit in the model context or the cache's position table."""
+
+
+class ChatError(JaxKVError, ValueError):
+    """A chat request is malformed: no messages, an unknown role, a tool call to a
+    tool not offered in ``tools``, or a message of the wrong shape."""
+
+
+class RadixError(JaxKVError, ValueError):
+    """A radix-tree operation is invalid: mismatched token/slot lengths, or an
+    unlock of a handle that is not (or no longer) locked."""

@@ -45,8 +45,8 @@ QWEN25_TEMPLATE = (
     "{%- if m.role == 'user' or (m.role == 'system' and not loop.first) %}<|im_start|>{{ m.role }}\n{{ m.content }}<|im_end|>\n"
     "{%- elif m.role == 'assistant' %}<|im_start|>assistant{% if m.content %}\n{{ m.content }}{% endif %}"
     "{%- for c in m.tool_calls or [] %}\n<tool_call>\n{\"name\": \"{{ c.function.name }}\", \"arguments\": {{ c.function.arguments | tojson }}}\n</tool_call>{% endfor %}<|im_end|>\n"
-    "{%- elif m.role == 'tool' %}{% if loop.first or messages[loop.index0 - 1].role != 'tool' %}<|im_start|>user{% endif %}"
-    "\n<tool_response>\n{{ m.content }}\n</tool_response>"
+    "{%- elif m.role == 'tool' %}{% if loop.first or messages[loop.index0 - 1].role != 'tool' %}{{ '<|im_start|>user' }}{% endif %}{{ '\\n' }}"
+    "<tool_response>\n{{ m.content }}\n</tool_response>"
     "{% if loop.last or messages[loop.index0 + 1].role != 'tool' %}<|im_end|>\n{% endif %}"
     "{%- endif %}{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
 )
@@ -102,7 +102,7 @@ def test_llama31_layout():
     assert p[0] == "<|begin_of_text|>"
     assert r.phase[p.index("<|python_tag|>")] == Phase.ACT
     assert r.triaxial["semantic"][p.index("Paris", p.index("<|python_tag|>"))] == Semantic.TOOL_CALL
-    ipython = p.index("ipython")
+    ipython = p.index("ipython", p.index("<|python_tag|>"))  # the role header, not "Environment: ipython"
     assert r.phase[ipython] == Phase.TOOL and r.phase[ipython - 1] == Phase.TOOL  # header opens TOOL
     assert r.phase[p.index("sunny")] == Phase.TOOL and r.triaxial["semantic"][p.index("sunny")] == Semantic.OBS
     assert r.spans.actionable_query == (p.index("sunny"), p.index("sunny") + 1)

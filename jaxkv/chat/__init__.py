@@ -1,0 +1,23 @@
+"""Chat requests as token ids: rendering, per-token tags and spans, tool-call
+parsing, session ids, and a toy tokenizer with a Qwen3-format template."""
+
+from jaxkv.chat.parse import parse_assistant
+from jaxkv.chat.render import Rendered, render
+from jaxkv.chat.session_id import derive_session_id
+from jaxkv.chat.tags import Modal, Phase, Semantic, Spans, TagScanner, Temporal, triaxial_codes
+from jaxkv.chat.toy import build_tokenizer
+
+__all__ = [
+    "Modal",
+    "Phase",
+    "Rendered",
+    "Semantic",
+    "Spans",
+    "TagScanner",
+    "Temporal",
+    "build_tokenizer",
+    "derive_session_id",
+    "parse_assistant",
+    "render",
+    "triaxial_codes",
+]

@@ -1,0 +1,149 @@
+"""Parse generated assistant text back into an OpenAI-style assistant message.
+
+``parse_assistant(text)`` returns a dict:
+  ``role``: ``"assistant"``;
+  ``content``: the visible answer (reasoning and well-formed tool calls removed);
+  ``reasoning_content``: text of the ``<think>`` block, or None when there is none;
+  ``tool_calls``: ``[{"type": "function", "function": {"name": str, "arguments": str}}]``;
+  ``parse_errors``: list of strings, one per problem found.
+
+Formats: Qwen ``<tool_call>\\n{"name": ..., "arguments": {...}}\\n</tool_call>`` (any
+number, anywhere after the reasoning) and Llama-3.1 ``<|python_tag|>{"name": ...,
+"parameters": {...}}`` (several calls separated by ``;``). ``arguments`` is the JSON
+text exactly as generated (OpenAI's convention is a JSON string; keeping the
+model's own bytes means re-rendering the message reproduces the generated tokens,
+so the next turn's prefix still matches the radix cache).
+
+Never raises on model output: a call whose JSON is malformed, lacks a name, or
+names a tool not in ``tool_names`` (when given) stays in ``content`` as raw text and
+its error is appended to ``parse_errors``; an unterminated ``<think>`` or
+``<tool_call>`` (generation cut off) is reported the same way.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from typing import Any, Collection
+
+_END_TOKENS = ("<|im_end|>", "<|endoftext|>", "<|eot_id|>", "<|eom_id|>")
+_CALL_RE = re.compile(r"<tool_call>(.*?)</tool_call>", re.DOTALL)
+_ARGUMENT_KEYS = ("arguments", "parameters")
+_decoder = json.JSONDecoder()
+
+
+def parse_assistant(text: str, tool_names: Collection[str] | None = None) -> dict[str, Any]:
+    """Split generated ``text`` into content, reasoning and tool calls (see module doc)."""
+    errors: list[str] = []
+    text = _strip_end_tokens(text)
+    reasoning, text = _split_reasoning(text, errors)
+
+    calls: list[dict[str, Any]] = []
+    kept: list[str] = []  # content pieces, raw text of failed calls included
+    cursor = 0
+    for match in _CALL_RE.finditer(text):
+        kept.append(text[cursor : match.start()])
+        call = _parse_call(match.group(1), tool_names, errors)
+        if call is None:
+            kept.append(match.group(0))
+        else:
+            calls.append(call)
+        cursor = match.end()
+    rest = text[cursor:]
+    if "<tool_call>" in rest:
+        errors.append("unterminated <tool_call> block")
+    if "<|python_tag|>" in rest:
+        head, _, payload = rest.partition("<|python_tag|>")
+        kept.append(head)
+        parsed = [_parse_call(part, tool_names, errors) for part in _split_calls(payload)]
+        if parsed and all(c is not None for c in parsed):
+            calls.extend(parsed)
+        else:
+            kept.append("<|python_tag|>" + payload)
+    else:
+        kept.append(rest)
+
+    content = "".join(kept)
+    if calls:
+        content = content.strip()
+    return {
+        "role": "assistant",
+        "content": content,
+        "reasoning_content": reasoning,
+        "tool_calls": calls,
+        "parse_errors": errors,
+    }
+
+
+def _strip_end_tokens(text: str) -> str:
+    text = text.rstrip()
+    stripped = True
+    while stripped:
+        stripped = False
+        for end in _END_TOKENS:
+            if text.endswith(end):
+                text, stripped = text[: -len(end)].rstrip(), True
+    return text
+
+
+def _split_reasoning(text: str, errors: list[str]) -> tuple[str | None, str]:
+    """``(reasoning, rest)``. The generation prompt may already hold ``<think>``, so a
+    ``</think>`` without an opener still ends the reasoning."""
+    if "</think>" in text:
+        head, _, rest = text.partition("</think>")
+        reasoning = head.split("<think>", 1)[-1]
+        return reasoning.strip("\n"), rest.lstrip("\n")
+    if "<think>" in text:
+        head, _, reasoning = text.partition("<think>")
+        errors.append("unterminated <think> block")
+        return reasoning.strip("\n"), head
+    return None, text
+
+
+def _split_calls(payload: str) -> list[str]:
+    """Llama ``<|python_tag|>`` payload: one JSON object, or several joined by ';'."""
+    parts, idx = [], 0
+    payload = payload.strip()
+    while idx < len(payload):
+        try:
+            _, end = _decoder.raw_decode(payload, idx)
+        except json.JSONDecodeError:
+            return [payload[idx:]]
+        parts.append(payload[idx:end])
+        idx = end
+        while idx < len(payload) and payload[idx] in "; \n\t":
+            idx += 1
+    return parts
+
+
+def _parse_call(body: str, tool_names: Collection[str] | None, errors: list[str]) -> dict[str, Any] | None:
+    body = body.strip()
+    try:
+        obj = json.loads(body)
+    except json.JSONDecodeError as exc:
+        errors.append(f"malformed tool-call JSON ({exc.msg} at char {exc.pos}): {body[:80]!r}")
+        return None
+    if not isinstance(obj, dict) or not isinstance(obj.get("name"), str):
+        errors.append(f"tool call without a string 'name': {body[:80]!r}")
+        return None
+    name = obj["name"]
+    if tool_names is not None and name not in tool_names:
+        errors.append(f"tool call to unknown tool {name!r}")
+        return None
+    return {"type": "function", "function": {"name": name, "arguments": _raw_arguments(body, obj)}}
+
+
+def _raw_arguments(body: str, obj: dict[str, Any]) -> str:
+    """The arguments' JSON text as written in ``body`` ("{}" when absent)."""
+    for key in _ARGUMENT_KEYS:
+        if key not in obj:
+            continue
+        for found in re.finditer(r'"%s"\s*:\s*' % key, body):
+            try:
+                value, end = _decoder.raw_decode(body, found.end())
+            except json.JSONDecodeError:  # the key text matched inside a string value
+                continue
+            if value == obj[key]:
+                return body[found.end() : end]
+        return json.dumps(obj[key], ensure_ascii=False)
+    return "{}"

@@ -1,0 +1,123 @@
+"""Render a chat request to token ids with per-token tags and spans.
+
+``render`` validates the messages, renders them with the tokenizer's own chat
+template (``apply_chat_template(..., tokenize=False)``), encodes the text without
+adding special tokens (the template already wrote them) and tags the ids with one
+scan (``jaxkv.chat.tags``). Works with any template whose layout the tagger
+recognises (ChatML: Qwen2.5 / Qwen3; Llama-3.1 headers); others still render, with
+every token tagged OTHERS / DELIM and a logged warning.
+
+Prefix divergence between turns (Qwen3 drops the reasoning of assistant turns
+before the last user query, so turn t+1's prompt differs from turn t's prompt plus
+its generation inside the old assistant turn): there is no helper here on purpose;
+``jaxkv.cache.radix.RadixTree.match`` returns the longest common prefix with
+everything cached, which is exactly the reusable part. ``keep_reasoning=True``
+keeps the reasoning, so the prefix does not diverge (AgentKV App. D.1).
+
+Invariants of ``Rendered``: ``ids``, ``phase`` and ``triaxial`` have one entry per
+token; ``decode(ids) == text``; spans are half-open ``(start, end)`` into ``ids``,
+``(0, 0)`` when absent.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import weakref
+from typing import Any, Mapping, Sequence
+
+import numpy as np
+
+from jaxkv.chat.tags import TRIAXIAL_DTYPE, ChatMarkers, Message, Spans, TagScanner, tag_prompt
+from jaxkv.errors import ChatError
+
+ROLES = frozenset({"system", "user", "assistant", "tool", "ipython"})
+
+
+@dataclasses.dataclass(frozen=True)
+class Rendered:
+    """A rendered chat request.
+
+    Attributes:
+      text: the rendered prompt text.
+      ids: token ids ``[T]`` int32.
+      phase: ``Phase`` per token ``[T]`` int8.
+      triaxial: ``[T]`` structured array of ``TRIAXIAL_DTYPE`` (fields ``temporal``,
+        ``modal``, ``semantic``; ``tags.triaxial_codes`` flattens it).
+      spans: protected prefix, actionable query and session spans.
+      messages: the messages the tagger found (token indices).
+      scanner: the tag scanner positioned after the prompt; ``scanner.feed(new_ids)``
+        tags decoded tokens (their phase; they are in the current turn).
+    """
+
+    text: str
+    ids: np.ndarray
+    phase: np.ndarray
+    triaxial: np.ndarray
+    spans: Spans
+    messages: tuple[Message, ...]
+    scanner: TagScanner
+
+
+_markers_cache: "weakref.WeakKeyDictionary[Any, ChatMarkers]" = weakref.WeakKeyDictionary()
+
+
+def chat_markers(tokenizer) -> ChatMarkers:
+    """The tokenizer's ``ChatMarkers``, resolved once and cached per tokenizer."""
+    markers = _markers_cache.get(tokenizer)
+    if markers is None:
+        markers = _markers_cache[tokenizer] = ChatMarkers.from_tokenizer(tokenizer)
+    return markers
+
+
+def render(
+    tokenizer,
+    messages: Sequence[Mapping[str, Any]],
+    tools: Sequence[Mapping[str, Any]] | None = None,
+    add_generation_prompt: bool = True,
+    keep_reasoning: bool = False,
+) -> Rendered:
+    """Render ``messages`` (OpenAI-style dicts) and tag every token.
+
+    Raises ``ChatError`` for no messages, a message that is not a mapping, an unknown
+    role, or a tool call naming a tool not in ``tools``.
+    """
+    validate_messages(messages, tools)
+    text = tokenizer.apply_chat_template(
+        list(messages),
+        tools=list(tools) if tools else None,
+        tokenize=False,
+        add_generation_prompt=add_generation_prompt,
+        keep_reasoning=keep_reasoning,
+    )
+    ids = np.asarray(tokenizer(text, add_special_tokens=False)["input_ids"], dtype=np.int32)
+    tags, temporal, spans, found, scanner = tag_prompt(ids, chat_markers(tokenizer))
+    triaxial = np.empty(ids.size, TRIAXIAL_DTYPE)
+    triaxial["temporal"], triaxial["modal"], triaxial["semantic"] = temporal, tags.modal, tags.semantic
+    return Rendered(text, ids, tags.phase, triaxial, spans, tuple(found), scanner)
+
+
+def tool_name(tool: Mapping[str, Any]) -> str | None:
+    """Name of an OpenAI-style tool schema (``{"function": {"name": ...}}``) or a
+    bare one (``{"name": ...}``)."""
+    fn = tool.get("function", tool)
+    return fn.get("name") if isinstance(fn, Mapping) else None
+
+
+def validate_messages(messages: Sequence[Mapping[str, Any]], tools: Sequence[Mapping[str, Any]] | None) -> None:
+    """Check a request before rendering; raises ``ChatError`` naming the problem."""
+    if messages is None or len(messages) == 0:
+        raise ChatError("a chat request needs at least one message")
+    offered = {tool_name(t) for t in tools or ()}
+    for k, msg in enumerate(messages):
+        if not isinstance(msg, Mapping):
+            raise ChatError(f"message {k} is a {type(msg).__name__}, not a mapping")
+        role = msg.get("role")
+        if role not in ROLES:
+            raise ChatError(f"message {k} has unknown role {role!r}; expected one of {sorted(ROLES)}")
+        for call in msg.get("tool_calls") or ():
+            fn = call.get("function", call) if isinstance(call, Mapping) else None
+            name = fn.get("name") if isinstance(fn, Mapping) else None
+            if name not in offered:
+                raise ChatError(
+                    f"message {k} calls tool {name!r}, which is not in tools {sorted(n for n in offered if n)}"
+                )
