@@ -45,10 +45,16 @@ from jaxkv.models.transformer import NO_FEATURES, Features
 from jaxkv.sampling import SamplerSpec, make_sampler, sample
 
 
-def bucket(n: int, minimum: int = 16) -> int:
-    """Smallest power of two >= max(n, minimum)."""
+def bucket(n: int, minimum: int = 16, step: int = 512) -> int:
+    """Compile-friendly size >= n: a power of two up to ``step``, then a multiple of it.
+
+    Padding costs at most 2x below ``step`` and at most ``step`` entries above, so
+    attention over a bucketed live list stays proportional to the live count.
+    """
     n = max(int(n), minimum)
-    return 1 << (n - 1).bit_length()
+    if n <= step:
+        return 1 << (n - 1).bit_length()
+    return -(-n // step) * step
 
 
 # ============================================================================ jit'd steps
