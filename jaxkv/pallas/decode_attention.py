@@ -14,7 +14,9 @@ flash attention does; exact for float32 pools).
 from __future__ import annotations
 
 import dataclasses
+import functools
 
+import jax
 import jax.numpy as jnp
 
 from jaxkv.attention import decode_attention_reference
@@ -91,9 +93,14 @@ def decode_attention(q_BHD, k_pool_SKD, v_pool_SKD, live_idx_BN, live_len_B, *, 
             raise TypeError(f"{name} must be floating, got {a.dtype}")
     _, K, D = k_pool_SKD.shape
     check_decode_inputs(q_BHD, live_idx_BN, live_len_B, K, D, "pool")
-    backend = resolve_backend(backend)
+    return _decode_attention(q_BHD, k_pool_SKD, v_pool_SKD, live_idx_BN, live_len_B, resolve_backend(backend))
+
+
+@functools.partial(jax.jit, static_argnums=5)
+def _decode_attention(q_BHD, k_pool_SKD, v_pool_SKD, live_idx_BN, live_len_B, backend):
     if backend == "reference":
         return decode_attention_reference(q_BHD, k_pool_SKD, v_pool_SKD, live_idx_BN, live_len_B)
+    K, D = k_pool_SKD.shape[1:]
     q_BKGD = _splitk.group_queries(q_BHD, K, backend)
     part = _splitk.split_k(
         q_BKGD, FloatTokens(D), (k_pool_SKD, v_pool_SKD), live_idx_BN, live_len_B, backend=backend

@@ -28,7 +28,9 @@ The reference dequantizes the gathered entries to float32 and calls
 from __future__ import annotations
 
 import dataclasses
+import functools
 
+import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
@@ -194,11 +196,19 @@ def quantized_decode_attention(
     check_decode_inputs(q_BHD, int4_idx_BN, int4_len_B, K, D, "INT4 pool")
     if int2_pool is not None:
         check_decode_inputs(q_BHD, int2_pages_BP, int2_num_pages_B, K, D, "INT2 pool")
-    backend = resolve_backend(backend)
+    args = (q_BHD, int2_pool, int2_pages_BP, int2_num_pages_B, int4_pool, int4_idx_BN, int4_len_B)
+    return _quantized_decode_attention(*args, resolve_backend(backend))
+
+
+@functools.partial(jax.jit, static_argnums=7)
+def _quantized_decode_attention(
+    q_BHD, int2_pool, int2_pages_BP, int2_num_pages_B, int4_pool, int4_idx_BN, int4_len_B, backend
+):
     if backend == "reference":
         return quantized_decode_attention_reference(
             q_BHD, int2_pool, int2_pages_BP, int2_num_pages_B, int4_pool, int4_idx_BN, int4_len_B
         )
+    K, D = int4_pool.k.data.shape[1], int4_pool.k.head_dim
     q_BKGD = _splitk.group_queries(q_BHD, K, backend)
     parts = [_splitk.split_k(q_BKGD, Int4Tokens(D), _fields(int4_pool), int4_idx_BN, int4_len_B, backend=backend)]
     if int2_pool is not None:
