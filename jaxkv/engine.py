@@ -210,9 +210,12 @@ class Engine:
       num_slots: pool slots including the sentinel; default ``rows * P + 1``.
       prefill_chunk: tokens per prefill call.
       backend: decode-attention backend passed to ``jaxkv.pallas.decode_attention``.
+      reclaim: optional ``reclaim(n_slots) -> freed`` called when fewer than the
+        needed slots are free (e.g. the radix cache's LRU eviction); only if it
+        cannot free enough does the allocation raise ``OutOfSlotsError``.
     """
 
-    def __init__(self, model: Model, *, rows: int = 1, max_positions: int | None = None, num_slots: int | None = None, prefill_chunk: int = 512, backend=None):
+    def __init__(self, model: Model, *, rows: int = 1, max_positions: int | None = None, num_slots: int | None = None, prefill_chunk: int = 512, backend=None, reclaim=None):
         cfg = model.config
         self.model = model
         self.graphdef, self.params = model.split()
@@ -235,6 +238,14 @@ class Engine:
         self.prefill_chunk = int(prefill_chunk)
         self.backend = backend
         self.row_state: list[RowState | None] = [None] * rows
+        self.reclaim = reclaim
+
+    def allocate(self, n: int) -> np.ndarray:
+        """``n`` fresh slots, reclaiming cached ones first when the pool is short."""
+        short = n - self.allocator.num_free
+        if short > 0 and self.reclaim is not None:
+            self.reclaim(short)
+        return self.allocator.allocate(n)
 
     # -- rows ------------------------------------------------------------------
     def open_row(self, prefix_slots: Sequence[int] = ()) -> int:
@@ -274,6 +285,21 @@ class Engine:
         live[: len(state.live)] = state.live
         self.cache = _install_row(self.cache, row, slot_map, live, len(state.live), state.seq_len)
 
+    def truncate_row(self, row: int, length: int) -> np.ndarray:
+        """Forget positions ``>= length`` of a row (e.g. a generation that a replay
+        discards); returns the slots that became free."""
+        state = self._row(row)
+        if not 0 <= length <= state.seq_len:
+            raise JaxKVError(f"cannot truncate row {row} of {state.seq_len} positions to {length}")
+        dropped = np.asarray(state.slots[length:], np.int64)
+        dropped = dropped[dropped != SENTINEL_SLOT]
+        gone = set(dropped.tolist())
+        state.slots = state.slots[:length]
+        state.live = [s for s in state.live if s not in gone]
+        freed = self.allocator.release(dropped)
+        self._push_row(row)
+        return freed
+
     def set_row_tables(self, row: int, slots: Sequence[int], live: Sequence[int]) -> None:
         """Replace a row's host + device tables (used by layouts that edit them)."""
         state = self._row(row)
@@ -295,7 +321,7 @@ class Engine:
                 raise ContextLengthError(
                     f"row {r}: {st.seq_len} cached + {n} new tokens exceed {self.max_positions} positions"
                 )
-        new_slots = self.allocator.allocate(sum(lens))  # raises before any change
+        new_slots = self.allocate(sum(lens))  # raises before any change
         per_row = np.split(new_slots, np.cumsum(lens)[:-1])
         R = len(self.row_state)
         C = min(self.prefill_chunk, bucket(max(lens + [1])))
@@ -345,7 +371,7 @@ class Engine:
                 raise ContextLengthError(
                     f"row {r}: {st.seq_len} cached + {n_steps} decode steps exceed {self.max_positions} positions"
                 )
-        new_slots = self.allocator.allocate(n_steps * len(rows)).reshape(len(rows), n_steps)
+        new_slots = self.allocate(n_steps * len(rows)).reshape(len(rows), n_steps)
         R = len(self.row_state)
         slots = np.zeros((R, n_steps), np.int32)
         first = np.zeros((R,), np.int32)
