@@ -1,0 +1,211 @@
+"""RadixTree: sharing, eviction, holes, locks, and a refcount property test."""
+
+import numpy as np
+import pytest
+from hypothesis import given, settings, strategies as st
+
+from jaxkv.cache.allocator import SENTINEL_SLOT, SlotAllocator
+from jaxkv.cache.radix import RadixTree, common_prefix_length
+from jaxkv.errors import OutOfSlotsError, RadixError, SlotError
+
+SYSTEM = [1, 2, 3, 4, 5]
+
+
+def run_turn(tree, alloc, tokens):
+    """What the engine does for one turn: match, take the request's own references,
+    allocate the suffix, insert at the end, release, unlock. Returns the slot map."""
+    m = tree.match(tokens)
+    alloc.ref(m.slots[m.slots != SENTINEL_SLOT])
+    slot_map = np.concatenate([m.slots, alloc.allocate(len(tokens) - m.length)])
+    return m, slot_map
+
+
+def finish_turn(tree, alloc, tokens, m, slot_map):
+    tree.insert(tokens, slot_map)
+    alloc.release(slot_map[slot_map != SENTINEL_SLOT])
+    tree.unlock(m.handle)
+
+
+def test_common_prefix_length():
+    assert common_prefix_length([1, 2, 3], [1, 2, 4, 5]) == 2
+    assert common_prefix_length([1, 2], [1, 2, 3]) == 2
+    assert common_prefix_length([], [1]) == 0
+    assert common_prefix_length(np.array([7]), np.array([8])) == 0
+
+
+def test_two_sessions_share_the_system_prompt_slots():
+    alloc = SlotAllocator(64)
+    tree = RadixTree(alloc)
+    a_tokens, b_tokens = SYSTEM + [10, 11, 12], SYSTEM + [20, 21]
+
+    ma, a_map = run_turn(tree, alloc, a_tokens)
+    assert ma.length == 0
+    finish_turn(tree, alloc, a_tokens, ma, a_map)
+    shared = a_map[:5]
+    assert [alloc.refcount(s) for s in a_map] == [1] * 8  # tree only, A has ended
+
+    mb, b_map = run_turn(tree, alloc, b_tokens)
+    assert mb.length == 5 and (mb.slots == shared).all()
+    # accounting: the tree's reference + B's own reference while B runs
+    assert [alloc.refcount(s) for s in shared] == [2] * 5
+    finish_turn(tree, alloc, b_tokens, mb, b_map)
+    assert [alloc.refcount(s) for s in b_map] == [1] * 7
+    assert tree.num_tokens == 5 + 3 + 2 and tree.num_nodes == 3  # split at the shared prefix
+
+    # B touched last: evicting "one slot" removes A's leaf (LRU) and frees exactly it
+    freed = tree.evict(1)
+    assert sorted(freed.tolist()) == sorted(a_map[5:].tolist())
+    assert all(alloc.refcount(s) == 1 for s in shared)
+    assert tree.match(a_tokens, lock=False).length == 5
+
+    # a running request locks the shared prefix: evicting everything frees B's suffix only
+    mc, c_map = run_turn(tree, alloc, SYSTEM + [30])
+    freed = tree.evict(100)
+    assert sorted(freed.tolist()) == sorted(b_map[5:].tolist())
+    assert all(alloc.refcount(s) == 2 for s in shared)  # tree + C
+    assert tree.match(SYSTEM, lock=False).length == 5
+    finish_turn(tree, alloc, SYSTEM + [30], mc, c_map)
+    freed = tree.evict(100)
+    assert set(shared.tolist()) <= set(freed.tolist())
+    assert alloc.num_used == 0 and tree.num_nodes == 0 and tree.num_tokens == 0
+
+
+def test_holes_are_returned_as_sentinels_and_never_referenced():
+    alloc = SlotAllocator(16)
+    tree = RadixTree(alloc)
+    tokens = [1, 2, 3, 4]
+    slots = alloc.allocate(4)
+    alloc.release(slots[1:3])  # positions 1 and 2 were evicted: their slots are free
+    slot_map = slots.copy()
+    slot_map[1:3] = SENTINEL_SLOT
+    tree.insert(tokens, slot_map)
+    alloc.release(slot_map[slot_map != SENTINEL_SLOT])
+    assert alloc.refcount(slots[0]) == 1 and alloc.refcount(slots[3]) == 1
+    assert alloc.refcounts()[SENTINEL_SLOT] == 0
+    m = tree.match(tokens + [9])
+    assert m.length == 4 and m.slots.tolist() == [slots[0], 0, 0, slots[3]]
+    tree.unlock(m.handle)
+    assert sorted(tree.evict(4).tolist()) == sorted([slots[0], slots[3]])
+    assert alloc.refcounts()[SENTINEL_SLOT] == 0 and alloc.num_used == 0
+
+
+def test_insert_keeps_the_trees_slots_for_a_cached_prefix():
+    alloc = SlotAllocator(32)
+    tree = RadixTree(alloc)
+    first = alloc.allocate(4)
+    tree.insert([1, 2, 3, 4], first)
+    dup = alloc.allocate(6)  # a request that prefilled the same prefix itself
+    assert tree.insert([1, 2, 3, 4, 5, 6], dup) == 2
+    assert tree.match([1, 2, 3, 4, 5, 6], lock=False).slots.tolist() == [*first.tolist(), *dup[4:].tolist()]
+    freed = alloc.release(dup)
+    assert sorted(freed.tolist()) == sorted(dup[:4].tolist())  # duplicates freed, suffix kept
+
+
+def test_match_inside_an_edge_splits_it_and_locks_only_the_prefix():
+    alloc = SlotAllocator(32)
+    tree = RadixTree(alloc)
+    s = alloc.allocate(6)
+    tree.insert([1, 2, 3, 4, 5, 6], s)
+    m = tree.match([1, 2, 3, 9])
+    assert m.length == 3 and m.slots.tolist() == s[:3].tolist()
+    assert tree.num_nodes == 2 and tree.num_locked_nodes == 1
+    freed = tree.evict(10)  # the unlocked tail goes, the locked head stays
+    assert freed.size == 0  # the test still holds its allocation references
+    assert tree.num_tokens == 3
+    tree.unlock(m.handle)
+    with pytest.raises(RadixError):
+        tree.unlock(m.handle)
+    with pytest.raises(RadixError):
+        tree.unlock(tree.match([1], lock=False).handle)
+
+
+def test_splitting_a_locked_edge_keeps_the_lock_on_both_halves():
+    alloc = SlotAllocator(32)
+    tree = RadixTree(alloc)
+    s = alloc.allocate(6)
+    tree.insert([1, 2, 3, 4, 5, 6], s)
+    alloc.release(s)  # only the tree holds them now
+    whole = tree.match([1, 2, 3, 4, 5, 6])
+    head = tree.match([1, 2, 3, 9])  # splits the locked edge
+    tree.check_invariants()
+    tree.unlock(head.handle)
+    tree.check_invariants()
+    assert tree.evict(100).size == 0 and tree.num_tokens == 6  # still locked by `whole`
+    tree.unlock(whole.handle)
+    tree.check_invariants()
+    assert sorted(tree.evict(100).tolist()) == sorted(s.tolist())
+
+
+def test_failed_insert_changes_nothing():
+    alloc = SlotAllocator(8)
+    tree = RadixTree(alloc)
+    with pytest.raises(RadixError):
+        tree.insert([1, 2, 3], [1, 2])
+    with pytest.raises(SlotError):
+        tree.insert([1, 2], [1, 2])  # slots never allocated
+    with pytest.raises(RadixError):
+        tree.insert([1.5], [1])
+    assert tree.num_nodes == 0 and alloc.num_used == 0
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.data())
+def test_refcounts_stay_consistent_under_random_operations(data):
+    alloc = SlotAllocator(40)
+    tree = RadixTree(alloc)
+    external = np.zeros(alloc.num_slots, np.int64)  # references held by running requests
+    running = []  # (tokens, match, slot_map)
+    token_seq = st.lists(st.integers(1, 3), min_size=0, max_size=10)
+
+    def check():
+        tree.check_invariants()
+        held = np.bincount(tree.held_slots(), minlength=alloc.num_slots)
+        assert (alloc.refcounts() == held + external).all()
+        assert alloc.refcounts()[SENTINEL_SLOT] == 0 and held[SENTINEL_SLOT] == 0
+        for tokens, m, _ in running:  # locked paths survive
+            again = tree.match(tokens, lock=False)
+            assert again.length >= m.length and (again.slots[: m.length] == m.slots).all()
+
+    for _ in range(data.draw(st.integers(1, 25))):
+        op = data.draw(st.sampled_from(["start", "finish", "evict", "finish"]))
+        if op == "start":
+            tokens = data.draw(token_seq)
+            m = tree.match(tokens)
+            mine = m.slots[m.slots != SENTINEL_SLOT]
+            alloc.ref(mine)
+            np.add.at(external, mine, 1)
+            need = len(tokens) - m.length
+            if need > alloc.num_free:
+                freed = tree.evict(need - alloc.num_free)
+                assert external[freed].sum() == 0
+            try:
+                new = alloc.allocate(need)
+            except OutOfSlotsError:
+                alloc.release(mine)
+                np.add.at(external, mine, -1)
+                tree.unlock(m.handle)
+                check()
+                continue
+            np.add.at(external, new, 1)
+            # some new positions get evicted by the request's policy: holes
+            holes = np.array(data.draw(st.lists(st.booleans(), min_size=need, max_size=need)), bool)
+            alloc.release(new[holes])
+            np.add.at(external, new[holes], -1)
+            new[holes] = SENTINEL_SLOT
+            running.append((tokens, m, np.concatenate([m.slots, new]).astype(np.int32)))
+        elif op == "finish" and running:
+            tokens, m, slot_map = running.pop(data.draw(st.integers(0, len(running) - 1)))
+            tree.insert(tokens, slot_map)
+            mine = slot_map[slot_map != SENTINEL_SLOT]
+            alloc.release(mine)
+            np.add.at(external, mine, -1)
+            tree.unlock(m.handle)
+        elif op == "evict":
+            freed = tree.evict(data.draw(st.integers(0, 12)))
+            assert (alloc.refcounts()[freed] == 0).all() and external[freed].sum() == 0
+            assert SENTINEL_SLOT not in freed.tolist()
+        check()
+    for tokens, m, slot_map in running:
+        tree.unlock(m.handle)
+    assert tree.num_locked_nodes == 0
+    tree.check_invariants()
