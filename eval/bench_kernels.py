@@ -1,0 +1,170 @@
+"""Kernel bandwidth benchmark: decode attention (bf16, INT4, mixed ~2.7 bits) and RoPE delta.
+
+For each kernel, context and batch it reports achieved bandwidth = bytes that must
+move (K/V bytes of every live entry incl. scales/zeros, index lists, q/out; for
+RoPE delta the rotated rows read and written) / median wall time, as a fraction of
+a device-to-device copy (``-x``: read + write) measured in the same run, and the
+speedup of INT4 and mixed decode over bf16 decode. Timing: warm-up call, then
+``--reps`` calls each followed by ``block_until_ready``, median; when a working set
+is small enough to sit in cache, inputs rotate over several copies.
+
+On GPU the Pallas kernels run (``backend=None``): contexts 4k/32k/128k, batch 1 and
+32, Hkv 8, G 4, D 128. On CPU only the jnp reference exists and settings are
+smaller (contexts 4k/32k, batch 1 and 4, Hkv 2) so it finishes in a few minutes;
+the table says which. Usage::
+
+    python eval/bench_kernels.py [--out eval/results/kernels_cpu.md]
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+
+import jax
+import jax.numpy as jnp
+
+from jaxkv.config import RopeConfig
+from jaxkv.pallas import (
+    decode_attention,
+    quantize_int2_pool,
+    quantize_int4_pool,
+    quantized_decode_attention,
+    resolve_backend,
+    rope_delta,
+)
+
+CACHE_BYTES = 256 << 20  # rotate inputs until the set of copies exceeds this
+INT2_FRACTION = 0.65  # 0.65 * 2 + 0.35 * 4 = 2.7 bits
+
+
+def _time(fn, inputs, reps):
+    jax.block_until_ready(fn(*inputs[0]))
+    times = []
+    for i in range(reps):
+        t0 = time.perf_counter()
+        jax.block_until_ready(fn(*inputs[i % len(inputs)]))
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times)
+
+
+def _copies(nbytes):
+    return max(1, min(4, -(-CACHE_BYTES // max(nbytes, 1))))
+
+
+def _nbytes(tree):
+    return sum(x.nbytes for x in jax.tree.leaves(tree))
+
+
+def _row_bytes(pool, rows):
+    """Bytes of ``rows`` entries of a pool whose leaves have ``len`` entries each."""
+    return _nbytes(pool) * rows // jax.tree.leaves(pool)[0].shape[0]
+
+
+def copy_bandwidth(reps):
+    x = jnp.ones((CACHE_BYTES // 2,), jnp.bfloat16) if jax.default_backend() == "cpu" else jnp.ones((1 << 30,), jnp.bfloat16)
+    neg = jax.jit(lambda a: -a)
+    return 2 * x.nbytes / _time(neg, [(x,)], reps)
+
+
+def bench_case(ctx, B, K, G, D, reps, key):
+    """Rows of the table for one (context, batch)."""
+    ks = jax.random.split(key, 6)
+    S = B * ctx + 1
+    k = jax.random.normal(ks[0], (S, K, D), jnp.bfloat16)
+    v = jax.random.normal(ks[1], (S, K, D), jnp.bfloat16)
+    q = jax.random.normal(ks[2], (B, K * G, D), jnp.bfloat16)
+    idx = (jax.random.permutation(ks[3], S - 1)[: B * ctx] + 1).reshape(B, ctx).astype(jnp.int32)
+    lens = jnp.full((B,), ctx, jnp.int32)
+    small = 2 * B * (K * G * D * 2) + B * ctx * 4
+
+    rows, times = [], {}
+    # bf16
+    moved = B * ctx * K * D * 2 * 2 + small
+    fn = jax.jit(decode_attention)
+    inputs = [(q, k.copy(), v.copy(), idx, lens) for _ in range(_copies(moved))]
+    times["bf16"] = _time(fn, inputs, reps)
+    rows.append(("decode bf16", moved, times["bf16"]))
+    del inputs
+    # INT4
+    pool4 = quantize_int4_pool(k, v)
+    moved = _row_bytes(pool4.k, B * ctx) + _row_bytes(pool4.v, B * ctx) + small
+    fn = jax.jit(lambda q, p4, i, n: quantized_decode_attention(q, None, None, None, p4, i, n))
+    inputs = [(q, jax.tree.map(jnp.copy, pool4), idx, lens) for _ in range(_copies(moved))]
+    times["int4"] = _time(fn, inputs, reps)
+    rows.append(("decode INT4", moved, times["int4"]))
+    del inputs
+    # mixed: the first n2 tokens of each request in INT2 pages, the rest INT4
+    n2 = int(INT2_FRACTION * ctx) // 32 * 32
+    if n2:
+        pool2 = quantize_int2_pool(k[1 : 1 + B * n2], v[1 : 1 + B * n2])
+        pages = jnp.arange(B * n2 // 32, dtype=jnp.int32).reshape(B, n2 // 32)
+        npages = jnp.full((B,), n2 // 32, jnp.int32)
+        idx4, len4 = idx[:, n2:], jnp.full((B,), ctx - n2, jnp.int32)
+        moved = (
+            _row_bytes(pool2.k, B * n2 // 32) + _row_bytes(pool2.v, B * n2 // 32)
+            + _row_bytes(pool4.k, B * (ctx - n2)) + _row_bytes(pool4.v, B * (ctx - n2)) + small
+        )  # fmt: skip
+        fn = jax.jit(quantized_decode_attention)
+        inputs = [
+            (q, jax.tree.map(jnp.copy, pool2), pages, npages, pool4, idx4, len4) for _ in range(_copies(moved))
+        ]
+        times["mixed"] = _time(fn, inputs, reps)
+        rows.append(("decode mixed 2.7b", moved, times["mixed"]))
+        del inputs
+    # RoPE delta over every live token of the batch, one layer
+    delta = jax.random.randint(ks[4], (B * ctx,), -64, 64, jnp.int32)
+    slots = idx.reshape(-1)
+    moved = 2 * B * ctx * K * D * 2 + B * ctx * 8
+    rope = RopeConfig(theta=500000.0)
+    pool = k.copy()
+    t = []
+    for _ in range(reps + 1):  # the pool is donated: feed each call the previous output
+        t0 = time.perf_counter()
+        pool = jax.block_until_ready(rope_delta(pool, slots, delta, rope))
+        t.append(time.perf_counter() - t0)
+    rows.append(("rope delta", moved, statistics.median(t[1:])))
+    return [(name, ctx, B, m, s, times["bf16"] / s if name.startswith("decode") else None) for name, m, s in rows]
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--out", help="write the markdown table here")
+    ap.add_argument("--reps", type=int, default=5)
+    args = ap.parse_args(argv)
+    on_cpu = jax.default_backend() == "cpu"
+    contexts, batches, K = ((4096, 32768), (1, 4), 2) if on_cpu else ((4096, 32768, 131072), (1, 32), 8)
+    G, D = 4, 128
+    device = jax.devices()[0].device_kind
+    backend = resolve_backend(None)
+    copy_bw = copy_bandwidth(args.reps)
+    lines = [
+        f"# Kernel bandwidth on {device} (backend `{backend}`)",
+        "",
+        f"Hq={K * G}, Hkv={K}, D={D}, bf16 pool; mixed = {INT2_FRACTION:.0%} of tokens INT2 (~2.7 bits). "
+        f"Device copy bandwidth: {copy_bw / 1e9:.1f} GB/s. "
+        + ("CPU run: jnp reference path only, reduced settings (contexts 4k/32k, batch 1/4, Hkv 2)." if on_cpu else ""),
+        "",
+        "| kernel | context | batch | MB moved | median ms | GB/s | frac of copy | speedup vs bf16 |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
+    key = jax.random.key(0)
+    for ctx in contexts:
+        for B in batches:
+            for name, c, b, moved, sec, speedup in bench_case(ctx, B, K, G, D, args.reps, key):
+                bw = moved / sec
+                sp = f"{speedup:.2f}x" if speedup is not None else ""
+                lines.append(
+                    f"| {name} | {c} | {b} | {moved / 1e6:.1f} | {sec * 1e3:.2f} | {bw / 1e9:.2f} | {bw / copy_bw:.3f} | {sp} |"
+                )
+                print(lines[-1], flush=True)
+    table = "\n".join(lines) + "\n"
+    print(table)
+    if args.out:
+        with open(args.out, "w") as f:
+            f.write(table)
+
+
+if __name__ == "__main__":
+    main()
