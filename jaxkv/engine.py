@@ -311,8 +311,13 @@ class Engine:
         """Append ``token_lists[i]`` to ``rows[i]``; returns logits of the new tokens.
 
         Returns a list (one per row) of float32 numpy arrays: ``[n_i, V]`` when
-        ``all_logits`` else ``[V]`` for the last token. With ``features``, also
-        returns the per-chunk aux dicts.
+        ``all_logits`` else ``[V]`` for the last token. With ``features``, returns
+        ``(logits, aux)``: with ``features.attn_mass``, ``aux["attn_mass"][i]`` is
+        ``[L, Hq, seq_len]`` float32, the attention mass each position of row i
+        received from this prefill's query rows (summed over rows and chunks; 0
+        at holes); with ``features.query_rows``, ``aux["q_rows"]`` is
+        ``[L, len(rows), X, Hq, D]``: the post-RoPE queries at
+        ``q_row_positions[i]`` (X indices into ``token_lists[i]``).
         """
         states = [self._row(r) for r in rows]
         lens = [len(t) for t in token_lists]
@@ -326,7 +331,11 @@ class Engine:
         R = len(self.row_state)
         C = min(self.prefill_chunk, bucket(max(lens + [1])))
         outputs = [[] for _ in rows]
-        auxes = []
+        cfg = self.model.config
+        mass = [np.zeros((cfg.num_layers, cfg.num_heads, st.seq_len + n), np.float32) for st, n in zip(states, lens)]
+        q_pos = np.asarray(q_row_positions if q_row_positions is not None else [[0]] * len(rows), np.int64)
+        n_q = q_pos.shape[1]
+        q_rows = None
         for start in range(0, max(lens + [0]), C):
             tokens = np.zeros((R, C), np.int32)
             slots = np.zeros((R, C), np.int32)
@@ -337,21 +346,44 @@ class Engine:
                 slots[r, : len(piece)] = per_row[i][start : start + len(piece)]
                 counts[r] = len(piece)
             n_read = min(bucket(max(len(s.live) for s in self.row_state if s is not None)), self.max_positions)
-            q_idx = np.zeros((R, 1), np.int32)
+            q_idx = np.zeros((R, n_q), np.int32)
+            for i, r in enumerate(rows):
+                q_idx[r] = np.clip(q_pos[i] - start, 0, C - 1)
             logits, self.cache, aux = prefill_step(
                 self.graphdef, self.params, self.cache, tokens, counts, slots, q_idx,
                 n_read=n_read, features=features, all_logits=all_logits,
             )
             logits = np.asarray(logits)
+            if features.attn_mass:
+                chunk_mass = np.asarray(aux["attn_mass"])  # [L, R, Hq, n_read + C]
+                for i, r in enumerate(rows):
+                    st = states[i]
+                    slots_np = np.asarray(st.slots)
+                    live_pos = np.flatnonzero(slots_np != SENTINEL_SLOT)  # live list is in position order
+                    mass[i][:, :, live_pos] += chunk_mass[:, r, :, : live_pos.size]
+                    k = counts[r]
+                    mass[i][:, :, st.seq_len : st.seq_len + k] += chunk_mass[:, r, :, n_read : n_read + k]
             for i, r in enumerate(rows):
                 if counts[r]:
                     outputs[i].append(logits[r, : counts[r]] if all_logits else logits[r])
                     added = per_row[i][start : start + counts[r]].tolist()
                     states[i].slots += added
                     states[i].live += added
-            auxes.append(aux)
+            if features.query_rows:
+                chunk_q = np.asarray(aux.pop("q_rows"))[:, list(rows)]  # [L, len(rows), X, Hq, D]
+                if q_rows is None:
+                    q_rows = np.zeros_like(chunk_q)
+                here = (q_pos >= start) & (q_pos < start + C)  # [len(rows), X]
+                q_rows[:, here] = chunk_q[:, here]
         result = [np.concatenate(o) if all_logits else o[-1] for o in outputs]
-        return (result, auxes) if features != NO_FEATURES else result
+        if features == NO_FEATURES:
+            return result
+        aux_out = {}
+        if features.attn_mass:
+            aux_out["attn_mass"] = mass
+        if q_rows is not None:
+            aux_out["q_rows"] = q_rows
+        return result, aux_out
 
     # -- decode ------------------------------------------------------------------
     def decode(self, rows: Sequence[int], first_tokens: Sequence[int], n_steps: int, *, temperature=0.0, top_k=None, top_p=None, key=None, stop_token_ids=(), return_logits=False, forced_tokens=None):
