@@ -1,0 +1,1 @@
+"""Evaluation: synthetic tasks (``eval.tasks``), harnesses, reports and plots."""

@@ -1,0 +1,190 @@
+"""Synthetic multi-turn agent traces whose later turns copy values from older tool output.
+
+One trace (``agent_traces``):
+
+1. system prompt + 2-4 tool schemas (``search``, ``open``, optionally ``lookup``,
+   plus 0-2 tools that are never used);
+2. the user names a project, 1-3 topics and one key per topic
+   ("find the value of k4173 in the budget report ..."), optionally asking to resolve
+   the first value in the registry;
+3. ``search(query=<project>)`` -> a result list: the wanted documents among
+   distractors (same project other topics, same topic other projects, ...);
+4. for each topic, ``open(doc_id=<id from the search results>)`` -> a long document of
+   ``key: value`` records, one of them the wanted key;
+5. with the registry: ``lookup(key=<value found in the first document>)`` -> a long
+   table ``value: value``;
+6. the final answer lists the resolved first value and the other documents' values.
+
+So the ``open`` calls copy ids from the search results one to three tool responses
+back, ``lookup`` copies a value from a document several turns back, and the answer
+copies from the latest and from older responses: what must survive in the cache
+changes from turn to turn. Reasoning (``reasoning_content``) names what the next call
+needs but never the copied identifier itself, so scored turns must read the tool
+responses.
+
+``length`` is the target rendered length in toy-tokenizer tokens: everything that is
+not the skeleton is distractor records, split between the search results (15%) and the
+documents / registry table (the rest, evenly).
+"""
+
+from __future__ import annotations
+
+import random
+
+from eval.tasks.example import (
+    Example,
+    IdentifierPool,
+    approx_tokens,
+    conversation_tokens,
+    example_seed,
+    join_list,
+    scored,
+    tool_call,
+)
+from eval.tasks.words import PROJECTS, SYSTEM_AGENT, TOOL_SCHEMAS, TOPICS
+
+SEARCH_SHARE = 0.15
+MIN_SEARCH_DISTRACTORS = 3
+MIN_RECORD_DISTRACTORS = 4
+UNUSED_TOOLS = ("calculate", "translate", "weather")
+
+
+def tool_schema(name: str) -> dict:
+    description, params = TOOL_SCHEMAS[name]
+    return {
+        "type": "function",
+        "function": {
+            "name": name,
+            "description": description,
+            "parameters": {
+                "type": "object",
+                "properties": {p: {"type": "string", "description": d} for p, d in params.items()},
+                "required": list(params),
+            },
+        },
+    }
+
+
+def _records(rng: random.Random, needle: str, n_distractors: int, make_line) -> tuple[str, int]:
+    """``n_distractors`` lines from ``make_line()`` with ``needle`` at a random line."""
+    lines = [make_line() for _ in range(n_distractors)]
+    at = rng.randint(0, n_distractors)
+    lines.insert(at, needle)
+    return "\n".join(lines), at
+
+
+def one_trace(seed: int, length: int = 2048, n_docs: int | None = None, registry: bool | None = None) -> Example:
+    """One agent trace (see the module docstring); ``n_docs`` in 1..3, ``registry`` on/off."""
+    rng = random.Random(seed)
+    ids = IdentifierPool(rng)
+    n_docs = n_docs if n_docs is not None else rng.randint(1, 3)
+    registry = registry if registry is not None else rng.random() < 0.6
+    project = rng.choice(PROJECTS)
+    topics = rng.sample(TOPICS, n_docs)
+    keys = [ids.key() for _ in topics]
+    values = [ids.value() for _ in topics]
+    doc_ids = [ids.doc_id() for _ in topics]
+    resolved = ids.value() if registry else None
+
+    used = ["search", "open"] + (["lookup"] if registry else [])
+    extra = rng.sample(UNUSED_TOOLS, rng.randint(0, 4 - len(used)))
+    tool_names = used + extra
+    rng.shuffle(tool_names)
+    tools = [tool_schema(n) for n in tool_names]
+
+    asks = [f"In the {project} project, find the value of {keys[0]} in the {topics[0]} report"]
+    asks += [f"and the value of {k} in the {t} report" for k, t in zip(keys[1:], topics[1:])]
+    user = " ".join(asks) + ". "
+    user += "Resolve the first value in the registry, then answer" if registry else "Then answer"
+    user += " with the values in that order."
+
+    # Skeleton first (distractor counts 0) to measure it; then fill the budget.
+    def build(n_search: int, n_records: int) -> tuple[list[dict], dict]:
+        r = random.Random(rng.random())  # distractors: own stream, skeleton unaffected
+        pool = ids
+        labels = {"project": project, "topics": topics, "keys": keys, "values": values,
+                  "doc_ids": doc_ids, "resolved": resolved, "needle_lines": []}
+        messages = [{"role": "system", "content": SYSTEM_AGENT}, {"role": "user", "content": user}]
+        query = project
+        messages.append({
+            "role": "assistant", "content": "",
+            "reasoning_content": f"I need the {project} reports on {join_list(topics)}. I will search the index first.",
+            "tool_calls": [tool_call("search", query=query)],
+        })
+
+        def result_line():
+            p, t = r.choice(PROJECTS), r.choice(TOPICS)
+            while p == project and t in topics:
+                p, t = r.choice(PROJECTS), r.choice(TOPICS)
+            return f"{pool.doc_id()}: {p} {t} report"
+
+        lines = [result_line() for _ in range(n_search)]
+        for d, t in zip(doc_ids, topics):
+            lines.insert(r.randint(0, len(lines)), f"{d}: {project} {t} report")
+        messages.append({"role": "tool", "name": "search", "content": f"Search results for {query}:\n" + "\n".join(lines)})
+
+        for key, value, d, t in zip(keys, values, doc_ids, topics):
+            messages.append({
+                "role": "assistant", "content": "",
+                "reasoning_content": f"The search results list the {project} {t} report. I will open it to find {key}.",
+                "tool_calls": [tool_call("open", doc_id=d)],
+            })
+            body, at = _records(r, f"{key}: {value}", n_records, lambda: f"{pool.key()}: {pool.value()}")
+            labels["needle_lines"].append(at)
+            messages.append({"role": "tool", "name": "open", "content": f"Document {d}: {project} {t} report\n{body}"})
+
+        answer_values = values[:]
+        if registry:
+            messages.append({
+                "role": "assistant", "content": "",
+                "reasoning_content": f"The {topics[0]} report gives the value of {keys[0]}. I will resolve it in the registry.",
+                "tool_calls": [tool_call("lookup", key=values[0])],
+            })
+            body, at = _records(r, f"{values[0]}: {resolved}", n_records, lambda: f"{pool.value()}: {pool.value()}")
+            labels["registry_line"] = at
+            messages.append({"role": "tool", "name": "lookup", "content": f"Registry entries:\n{body}"})
+            answer_values[0] = resolved
+        messages.append({
+            "role": "assistant",
+            "content": "Answer: " + ", ".join(answer_values),
+            "reasoning_content": "I have every value I need, so I can answer now.",
+        })
+        labels["answer_values"] = answer_values
+        return messages, labels
+
+    skeleton, _ = build(0, 0)
+    budget = max(0, length - conversation_tokens(skeleton, tools))
+    record_tokens = approx_tokens("k1234: v1234\n")
+    search_tokens = approx_tokens(f"d123: {project} budget report\n")
+    n_search = max(MIN_SEARCH_DISTRACTORS, int(budget * SEARCH_SHARE / search_tokens))
+    n_tables = n_docs + int(registry)
+    n_records = max(MIN_RECORD_DISTRACTORS, int(budget * (1 - SEARCH_SHARE) / n_tables / record_tokens))
+    messages, labels = build(n_search, n_records)
+
+    targets = []
+    for i, m in enumerate(messages):
+        if m["role"] != "assistant":
+            continue
+        if m.get("tool_calls"):
+            fn = m["tool_calls"][0]["function"]
+            targets.append(scored(messages, i, "tool_call", {"name": fn["name"], "arguments": dict(fn["arguments"])},
+                                  list(fn["arguments"].values())))
+        else:
+            targets.append(scored(messages, i, "answer", m["content"], labels["answer_values"]))
+    labels.update(n_docs=n_docs, registry=registry)
+    return Example("agent_traces", seed, messages, tools, targets, labels)
+
+
+def agent_traces(n: int, seed: int, length: int = 2048, n_docs: int | None = None,
+                 registry: bool | None = None) -> list[Example]:
+    """``n`` agent traces of about ``length`` tokens (see the module docstring).
+
+    Args:
+      n: number of examples.
+      seed: batch seed; example ``i`` uses ``example_seed(seed, i)``.
+      length: target rendered length in toy-tokenizer tokens (controls distractors).
+      n_docs: documents to open (1-3); random per example when None.
+      registry: whether the first value must be resolved with ``lookup``; random
+        (60% yes) when None.
+    """
+    return [one_trace(example_seed(seed, i), length, n_docs, registry) for i in range(n)]

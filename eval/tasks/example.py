@@ -1,0 +1,175 @@
+"""The record every synthetic task produces, and the helpers the generators share.
+
+An ``Example`` is one conversation in OpenAI chat format plus what an evaluator
+needs to score it turn by turn with teacher forcing: for each scored assistant
+message, the exact tool-call arguments or answer string the model must produce, and
+where in the earlier conversation every copied value first appeared (``Evidence``).
+
+Invariants every generator keeps (``tests/test_tasks.py`` checks them):
+
+* deterministic: the same arguments give the same ``Example`` (``random.Random(seed)``);
+* every value a scored turn copies appears, verbatim, in an earlier message;
+* identifiers (keys ``k4173``, values ``v9032``, document ids ``d402``) are unique
+  within an example, so a copied value names exactly one record;
+* every ``\\w+`` run of prose comes from ``vocabulary()``; identifiers are *not*
+  vocabulary words: a word-level tokenizer (``jaxkv.chat.toy``) spells them one
+  character per token (``k4173`` -> ``k 4 1 7 3``), which keeps the vocabulary a few
+  hundred words while allowing thousands of distinct identifiers.
+
+Token counts: ``approx_tokens`` counts what the toy tokenizer produces for a string
+made of vocabulary words, identifiers, punctuation and whitespace (a word is one
+token, a space is one token, an identifier one token per character). The ``length``
+knob of the generators is measured in these tokens.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import random
+import re
+from typing import Any
+
+_RUN_RE = re.compile(r"\w+|[^\w\s]|\s")
+_IDENT_RE = re.compile(r"^[kvd]\d+$")
+
+# Tokens the Qwen3 chat template adds around messages and tool schemas, so that
+# ``length`` approximates the rendered prompt rather than the raw contents.
+TEMPLATE_TOKENS_PER_MESSAGE = 12
+TEMPLATE_TOKENS_FOR_TOOLS = 110
+
+
+@dataclasses.dataclass(frozen=True)
+class Evidence:
+    """Where a copied value first appears.
+
+    Attributes:
+      value: the copied string (an identifier or a phrase).
+      message_index: index into ``Example.messages`` of the message holding it.
+      char_start, char_end: ``messages[message_index]["content"][char_start:char_end] == value``.
+    """
+
+    value: str
+    message_index: int
+    char_start: int
+    char_end: int
+
+
+@dataclasses.dataclass(frozen=True)
+class ScoredTurn:
+    """One assistant message an evaluator scores by exact match.
+
+    Attributes:
+      message_index: index of the assistant message in ``Example.messages``.
+      kind: ``"tool_call"`` (compare ``name`` and ``arguments``) or ``"answer"``
+        (compare the message ``content``).
+      expected: the tool call ``{"name": ..., "arguments": {...}}`` or the answer string.
+      evidence: one entry per value the turn copies from earlier messages.
+      values: the copied values in the order the turn uses them (partial credit).
+    """
+
+    message_index: int
+    kind: str
+    expected: Any
+    evidence: tuple[Evidence, ...]
+    values: tuple[str, ...]
+
+
+@dataclasses.dataclass
+class Example:
+    """One synthetic conversation and its scoring targets.
+
+    Attributes:
+      task: generator name (``"agent_traces"``, ``"mqniah"``).
+      seed: the per-example seed (reproduces this example alone).
+      messages: OpenAI-style messages; assistant messages may carry
+        ``reasoning_content`` and ``tool_calls``.
+      tools: OpenAI function schemas offered in the system turn (may be empty).
+      targets: the scored assistant turns, in message order.
+      labels: task-specific annotations (needle positions, query splits, ...).
+    """
+
+    task: str
+    seed: int
+    messages: list[dict]
+    tools: list[dict]
+    targets: list[ScoredTurn]
+    labels: dict = dataclasses.field(default_factory=dict)
+
+    def approx_tokens(self) -> int:
+        """Rendered prompt length estimate, in toy-tokenizer tokens."""
+        return conversation_tokens(self.messages, self.tools)
+
+
+def approx_tokens(text: str) -> int:
+    """Tokens of ``text`` under the toy tokenizer (see the module docstring)."""
+    return sum(len(run) if _IDENT_RE.match(run) else 1 for run in _RUN_RE.findall(text))
+
+
+def conversation_tokens(messages: list[dict], tools: list[dict]) -> int:
+    total = TEMPLATE_TOKENS_FOR_TOOLS + sum(approx_tokens(json.dumps(t)) for t in tools) if tools else 0
+    for m in messages:
+        total += TEMPLATE_TOKENS_PER_MESSAGE + approx_tokens(m.get("content") or "")
+        total += approx_tokens(m.get("reasoning_content") or "")
+        for call in m.get("tool_calls") or ():
+            total += 8 + approx_tokens(json.dumps(call["function"]))
+    return total
+
+
+class IdentifierPool:
+    """Draws identifiers ``<prefix><digits>`` without repetition within one example."""
+
+    def __init__(self, rng: random.Random):
+        self._rng = rng
+        self._used: set[str] = set()
+
+    def draw(self, prefix: str, digits: int) -> str:
+        space = 9 * 10 ** (digits - 1)
+        taken = sum(1 for u in self._used if u.startswith(prefix) and len(u) == len(prefix) + digits)
+        if taken >= space:
+            raise ValueError(f"identifier space {prefix}{'#' * digits} exhausted; lower `length`")
+        while True:
+            ident = f"{prefix}{self._rng.randrange(10 ** (digits - 1), 10**digits)}"
+            if ident not in self._used:
+                self._used.add(ident)
+                return ident
+
+    def key(self) -> str:
+        return self.draw("k", 4)
+
+    def value(self) -> str:
+        return self.draw("v", 4)
+
+    def doc_id(self) -> str:
+        return self.draw("d", 3)
+
+
+def find_evidence(messages: list[dict], value: str, before: int) -> Evidence:
+    """The first occurrence of ``value`` as a whole token run in ``messages[:before]``."""
+    pattern = re.compile(rf"(?<!\w){re.escape(value)}(?!\w)")
+    for i, m in enumerate(messages[:before]):
+        hit = pattern.search(m.get("content") or "")
+        if hit:
+            return Evidence(value, i, hit.start(), hit.end())
+    raise AssertionError(f"value {value!r} does not occur before message {before}")
+
+
+def join_list(items: list[str]) -> str:
+    """``a``, ``a and b``, ``a, b and c``."""
+    return items[0] if len(items) == 1 else ", ".join(items[:-1]) + " and " + items[-1]
+
+
+def tool_call(name: str, **arguments: str) -> dict:
+    """An OpenAI-style ``tool_calls`` entry."""
+    return {"type": "function", "function": {"name": name, "arguments": arguments}}
+
+
+def scored(messages: list[dict], index: int, kind: str, expected: Any, values: list[str]) -> ScoredTurn:
+    """A ``ScoredTurn`` whose evidence is looked up in the messages before ``index``."""
+    evidence = tuple(find_evidence(messages, v, index) for v in values)
+    return ScoredTurn(index, kind, expected, evidence, tuple(values))
+
+
+def example_seed(seed: int, i: int) -> int:
+    """Per-example seed: example ``i`` of a batch is reproducible on its own."""
+    return (seed * 1_000_003 + i) & 0x7FFFFFFF

@@ -1,0 +1,131 @@
+"""Split-query multi-query needle-in-a-haystack (MQ-NIAH, RepairKV §4.1).
+
+One example: a long distractor document in the first user message holding ``needles``
+key-value needles ("The special code for k4173 is v9032.") among filler sentences and
+distractor needles (same sentence, keys never asked). Turn 1 asks for one subset of
+the keys, turn 2 (a second user message, after the turn-1 answer) for the rest.
+
+Split rule (no recency shortcut): order the needles by position; the
+``max(1, needles // 4)`` needles nearest the end of the document are always asked in
+turn 1, so turn-2 keys are never the tail needles. The rest is split at random so that
+each turn asks ``needles // 2`` keys.
+
+Labels: ``labels["needles"]`` lists, in document order, ``{"key", "value", "turn",
+"char_start", "char_end", "depth"}`` where the span indexes the first user message's
+content and covers the needle sentence, and ``depth`` in [0, 1] is its relative
+position in the document.
+
+``length`` is the target rendered length in toy-tokenizer tokens; the number of
+distractor needles defaults to one per 128 tokens.
+"""
+
+from __future__ import annotations
+
+import random
+
+from eval.tasks.example import Example, IdentifierPool, approx_tokens, conversation_tokens, example_seed, join_list, scored
+from eval.tasks.words import FILLER_SUBJECTS, FILLER_WORDS, SYSTEM_PLAIN
+
+NEEDLE_COUNTS = (2, 4, 6, 8)
+NEEDLE_TEMPLATE = "The special code for {key} is {value}."
+INTRO = "Read the document below and answer the questions about it."
+
+
+def _filler_sentence(rng: random.Random) -> str:
+    words = rng.choices(FILLER_WORDS, k=rng.randint(4, 9))
+    return f"{rng.choice(FILLER_SUBJECTS)} {' '.join(words)}."
+
+
+def _question(keys: list[str]) -> str:
+    return f"Question: What are the special codes for {join_list(keys)}? Answer with key: code pairs."
+
+
+def _answer(keys: list[str], value_of: dict[str, str]) -> str:
+    return ", ".join(f"{k}: {value_of[k]}" for k in keys)
+
+
+def split_turns(n_needles: int, rng: random.Random) -> list[int]:
+    """Turn (1 or 2) of each needle, needles in document order (see module docstring)."""
+    tail = max(1, n_needles // 4)
+    head = list(range(n_needles - tail))
+    turn2 = set(rng.sample(head, n_needles // 2))
+    return [2 if i in turn2 else 1 for i in range(n_needles)]
+
+
+def one_mqniah(seed: int, needles: int = 4, length: int = 2048, distractor_needles: int | None = None) -> Example:
+    """One split-query MQ-NIAH example (see the module docstring)."""
+    if needles not in NEEDLE_COUNTS:
+        raise ValueError(f"needles must be one of {NEEDLE_COUNTS}, got {needles}")
+    rng = random.Random(seed)
+    ids = IdentifierPool(rng)
+    n_distractor_needles = length // 128 if distractor_needles is None else distractor_needles
+
+    keys = [ids.key() for _ in range(needles)]
+    value_of = {k: ids.value() for k in keys}
+    turns = split_turns(needles, rng)
+    ask1 = [k for k, t in zip(keys, turns) if t == 1]
+    ask2 = [k for k, t in zip(keys, turns) if t == 2]
+    rng.shuffle(ask1)
+    rng.shuffle(ask2)
+
+    def messages_for(document: str) -> list[dict]:
+        return [
+            {"role": "system", "content": SYSTEM_PLAIN},
+            {"role": "user", "content": f"{INTRO}\n\n{document}\n\n{_question(ask1)}"},
+            {"role": "assistant", "content": _answer(ask1, value_of),
+             "reasoning_content": f"The question asks for the codes of {join_list(ask1)}. I will look for them in the document."},
+            {"role": "user", "content": _question(ask2)},
+            {"role": "assistant", "content": _answer(ask2, value_of),
+             "reasoning_content": f"The question asks for the codes of {join_list(ask2)}. I will look for them in the document."},
+        ]
+
+    # Document: filler sentences; needles and distractor needles inserted between them.
+    distractors = [NEEDLE_TEMPLATE.format(key=ids.key(), value=ids.value()) for _ in range(n_distractor_needles)]
+    budget = length - conversation_tokens(messages_for(""), [])
+    budget -= sum(approx_tokens(s) + 1 for s in distractors)
+    budget -= needles * (approx_tokens(NEEDLE_TEMPLATE.format(key="k1234", value="v1234")) + 1)
+    sentences = []
+    while budget > 0:
+        sentences.append(_filler_sentence(rng))
+        budget -= approx_tokens(sentences[-1]) + 1
+    for s in distractors:
+        sentences.insert(rng.randint(0, len(sentences)), s)
+    # Needle slots: distinct positions in the filler, sorted so keys[i] is the i-th needle.
+    slots = sorted(rng.sample(range(len(sentences) + needles), needles))
+    is_needle = {slot: keys[i] for i, slot in enumerate(slots)}
+    body, filler = [], iter(sentences)
+    for pos in range(len(sentences) + needles):
+        body.append(NEEDLE_TEMPLATE.format(key=is_needle[pos], value=value_of[is_needle[pos]])
+                    if pos in is_needle else next(filler))
+
+    document = " ".join(body)
+    messages = messages_for(document)
+    offset = len(INTRO) + 2
+    needle_labels = []
+    for i, k in enumerate(keys):
+        sentence = NEEDLE_TEMPLATE.format(key=k, value=value_of[k])
+        start = offset + document.index(sentence)
+        needle_labels.append({"key": k, "value": value_of[k], "turn": turns[i], "char_start": start,
+                              "char_end": start + len(sentence), "depth": document.index(sentence) / len(document)})
+    targets = [
+        scored(messages, 2, "answer", messages[2]["content"], [value_of[k] for k in ask1]),
+        scored(messages, 4, "answer", messages[4]["content"], [value_of[k] for k in ask2]),
+    ]
+    labels = {"needles": needle_labels, "turn1_keys": ask1, "turn2_keys": ask2,
+              "distractor_needles": n_distractor_needles}
+    return Example("mqniah", seed, messages, [], targets, labels)
+
+
+def mqniah(n: int, seed: int, needles: int = 4, length: int = 2048,
+           distractor_needles: int | None = None) -> list[Example]:
+    """``n`` split-query MQ-NIAH examples with ``needles`` in {2, 4, 6, 8} needles.
+
+    Args:
+      n: number of examples.
+      seed: batch seed; example ``i`` uses ``example_seed(seed, i)``.
+      needles: key-value needles per document; each turn asks half of them.
+      length: target rendered length in toy-tokenizer tokens.
+      distractor_needles: needle-shaped sentences with keys never asked
+        (default ``length // 128``).
+    """
+    return [one_mqniah(example_seed(seed, i), needles, length, distractor_needles) for i in range(n)]

@@ -1,0 +1,97 @@
+"""The fixed word lists every synthetic task draws its prose from.
+
+``vocabulary()`` is the closed set of ``\\w+`` runs the generators can emit outside
+identifiers (identifiers such as ``k4173`` are spelled by characters; see
+``eval.tasks.example``). It is derived from the lists and the fixed sentences below,
+so adding a phrase here is enough to keep the tokenizer vocabulary complete.
+"""
+
+from __future__ import annotations
+
+import re
+
+PROJECTS = (
+    "Orchid Falcon Harbor Juniper Cobalt Summit Willow Ember Granite Meadow "
+    "Beacon Cedar Lantern Aurora Quartz Delta Maple Raven Saffron Tundra"
+).split()
+
+TOPICS = (
+    "budget safety inventory travel hiring security training supply energy "
+    "marketing legal quality research shipping facilities payroll compliance "
+    "maintenance pricing support"
+).split()
+
+# Filler for the needle haystack: sentences are random draws from these words.
+FILLER_SUBJECTS = (
+    "The river", "The market", "The old house", "A small boat", "The north road",
+    "The garden", "The city", "The forest", "A quiet town", "The harbor",
+)
+FILLER_WORDS = (
+    "calm early late bright cold warm green grey long short quiet busy open closed "
+    "slowly often never always again today yesterday morning evening winter summer "
+    "spring autumn rain wind snow light stone water bridge tower field hill valley "
+    "people workers children travelers birds trees clouds lamps windows doors "
+    "walked waited opened turned moved grew stayed passed rested watched"
+).split()
+
+SYSTEM_AGENT = (
+    "You are a research agent. Use the tools to find facts in the documents and "
+    "answer with the exact values you found."
+)
+SYSTEM_PLAIN = "You are a helpful assistant."
+
+# Sentence templates (``str.format`` fields are filled with words or identifiers).
+PHRASES = (
+    "In the {project} project, find the value of {key} in the {topic} report",
+    "and the value of {key} in the {topic} report",
+    "Resolve the first value in the registry, then answer with the values in that order.",
+    "Then answer",
+    "I need the {project} reports on {topics}. I will search the index first.",
+    "The search results list the {project} {topic} report. I will open it to find {key}.",
+    "The {topic} report gives the value of {key}. I will resolve it in the registry.",
+    "I have every value I need, so I can answer now.",
+    "Answer:",
+    "Search results for {query}:",
+    "Document {doc}: {project} {topic} report",
+    "Registry entries:",
+    "Read the document below and answer the questions about it.",
+    "Question: What are the special codes for {keys}? Answer with key: code pairs.",
+    "The special code for {key} is {value}.",
+    "The question asks for the codes of {keys}. I will look for them in the document.",
+    "and",
+)
+
+TOOL_SCHEMAS = {
+    "search": ("Search the document index and list matching documents.", {"query": "words to search for"}),
+    "open": ("Open a document by its id and return its records.", {"doc_id": "the document id, for example d123"}),
+    "lookup": ("Resolve a value code in the registry.", {"key": "the value code to resolve"}),
+    "calculate": ("Evaluate an arithmetic expression.", {"expression": "the expression to evaluate"}),
+    "translate": ("Translate a text into another language.", {"text": "the text", "language": "the target language"}),
+    "weather": ("Get the weather forecast for a city.", {"city": "the city name"}),
+}
+
+# Words the JSON schemas themselves contain (keys and type names).
+SCHEMA_WORDS = ("type", "function", "name", "description", "parameters", "object", "properties", "string", "required")
+
+_WORD_RE = re.compile(r"[A-Za-z_][A-Za-z_0-9]*")
+
+
+def vocabulary() -> list[str]:
+    """Every word the task generators can emit (order fixed; identifiers excluded)."""
+    texts = [
+        *PROJECTS,
+        *TOPICS,
+        *FILLER_SUBJECTS,
+        *FILLER_WORDS,
+        SYSTEM_AGENT,
+        SYSTEM_PLAIN,
+        *PHRASES,
+        *SCHEMA_WORDS,
+    ]
+    for name, (description, params) in TOOL_SCHEMAS.items():
+        texts += [name, description, *params, *params.values()]
+    words = []
+    for text in texts:
+        words += [w for w in _WORD_RE.findall(re.sub(r"\{\w+\}", " ", text)) if not re.fullmatch(r"[kvd]\d+", w)]
+    # Single letters are already characters of the toy tokenizer.
+    return [w for w in dict.fromkeys(words) if len(w) > 1]

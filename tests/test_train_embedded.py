@@ -1,0 +1,101 @@
+"""The embedded-model trainer: masks, reproducible data, a 3-step run whose loss falls,
+an HF export that loads back with the same logits, and resuming from a checkpoint."""
+
+from __future__ import annotations
+
+import json
+import random
+
+import numpy as np
+import pytest
+
+from eval.tasks import agent_traces, mqniah
+from train import embedded_model as em
+
+
+@pytest.fixture(scope="module")
+def tokenizer():
+    return em.embedded_tokenizer()
+
+
+@pytest.fixture(scope="module")
+def tiny_run(tmp_path_factory):
+    out = tmp_path_factory.mktemp("embedded")
+    args = em.parse_args(["--tiny", "--steps", "3", "--batch", "2", "--lr", "1e-2", "--out", str(out),
+                          "--eval-examples", "2", "--quiet"])
+    return out, em.train(args)
+
+
+def test_loss_mask_covers_exactly_the_assistant_messages(tokenizer):
+    ex = agent_traces(1, seed=0, length=1200, n_docs=1, registry=False)[0]
+    seq = em.render_sequence(tokenizer, ex, ex.messages)
+    target_text = tokenizer.decode(seq.ids[seq.target_mask])
+    assistants = [m for m in ex.messages if m["role"] == "assistant"]
+    assert len(seq.scored) == len(assistants)
+    for m in assistants:
+        assert m["reasoning_content"] in target_text
+        for call in m.get("tool_calls") or ():
+            assert json.dumps(call["function"]["arguments"]) in target_text
+    assert ex.messages[-1]["content"] in target_text
+    # nothing from the prompt side is a target
+    for m in ex.messages:
+        if m["role"] in ("system", "user", "tool"):
+            assert m["content"].split("\n")[-1] not in target_text
+    batch = em.pack_batch([seq], seq.ids.size + 5, tokenizer.pad_token_id)
+    assert batch["loss_mask"][0, :-1].sum() == seq.target_mask.sum()
+    assert batch["loss_mask"][0, seq.ids.size - 1 :].sum() == 0  # padding is never predicted
+
+
+def test_training_view_cuts_after_a_reply_to_a_user_turn():
+    ex = mqniah(1, seed=0, needles=4, length=600)[0]
+    cuts = {len(em.training_view(ex, random.Random(s))[0]) for s in range(20)}
+    assert cuts == {3, 5}  # after the turn-1 answer, or the whole conversation
+
+
+def test_batches_are_a_function_of_seed_and_step(tokenizer):
+    a = em.batch_for_step(tokenizer, seed=0, step=7, seq_len=1024, batch=2)
+    b = em.batch_for_step(tokenizer, seed=0, step=7, seq_len=1024, batch=2)
+    c = em.batch_for_step(tokenizer, seed=0, step=8, seq_len=1024, batch=2)
+    assert all(np.array_equal(a[k], b[k]) for k in a)
+    assert not np.array_equal(a["tokens"], c["tokens"])
+    assert a["loss_mask"].sum() > 0
+
+
+def test_curriculum_stages():
+    stages = em.parse_curriculum("0.5:512,0.8:1024", max_len=2048)
+    assert stages == [(0.5, 512), (0.8, 1024), (1.0, 2048)]
+    assert [em.seq_len_at(s, 10, stages) for s in range(10)] == [512] * 5 + [1024] * 3 + [2048] * 2
+
+
+def test_three_steps_reduce_the_loss(tiny_run):
+    _, result = tiny_run
+    losses = result["losses"]
+    assert len(losses) == 3 and all(np.isfinite(losses))
+    assert losses[-1] < losses[0] - 0.05
+
+
+def test_export_loads_back_with_the_same_logits(tiny_run):
+    import jax.numpy as jnp
+
+    from jaxkv.models.loading import load_model
+
+    out, result = tiny_run
+    hf = json.loads((out / "hf" / "config.json").read_text())
+    assert hf["model_type"] == "qwen3" and hf["num_hidden_layers"] == 1
+    model = load_model(out / "hf")
+    assert model.tokenizer is not None and len(model.tokenizer) == hf["vocab_size"]
+    ids = jnp.asarray([model.tokenizer("The special code for k1234 is v5678.", add_special_tokens=False)["input_ids"]])
+    np.testing.assert_allclose(np.asarray(model.module(ids)), np.asarray(result["module"](ids)), rtol=1e-5, atol=1e-5)
+    metrics = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    assert [m["step"] for m in metrics] == [1, 2, 3] and "token_acc" in metrics[-1]
+
+
+def test_resume_continues_the_same_run(tiny_run, tmp_path):
+    """Stopping after step 2 and resuming gives the same step-3 loss as one 3-step run."""
+    _, result = tiny_run
+    common = ["--tiny", "--steps", "3", "--batch", "2", "--lr", "1e-2", "--out", str(tmp_path),
+              "--eval-examples", "0", "--quiet"]
+    first = em.train(em.parse_args(common + ["--stop-after", "2"]))
+    second = em.train(em.parse_args(common))
+    np.testing.assert_allclose(first["losses"], result["losses"][:2], rtol=1e-6)
+    np.testing.assert_allclose(second["losses"], result["losses"][2:], rtol=1e-5)

@@ -1,0 +1,1 @@
+"""Training scripts: the embedded default model (``train.embedded_model``)."""

@@ -1,0 +1,424 @@
+"""Train the embedded default model: a small Qwen3 decoder learning the synthetic tasks.
+
+    JAX_PLATFORMS=cpu python -m train.embedded_model --out runs/embedded --steps 3000
+
+What it trains: a from-scratch Qwen3-architecture ``Transformer`` (a few million
+parameters) on a seeded stream of ``eval.tasks`` conversations, half agent traces
+(``agent_traces``), half split-query needle retrieval (``mqniah``), rendered with the
+toy word-level tokenizer (``jaxkv.chat.toy``) whose vocabulary is
+``eval.tasks.vocabulary()`` plus the chat template's own words.
+
+Loss: next-token cross-entropy on assistant tokens only (``render`` tags each
+message; the content of every assistant message, i.e. reasoning, tool calls and
+answers, and its closing ``<|im_end|>`` are targets). Padding and every prompt token
+are masked.
+
+Curriculum: ``--curriculum "0.6:1024,1.0:2048"`` means steps up to 60% use sequences
+of 1024 tokens, the rest 2048 (capped by ``--seq-len``). Tokens per step stay about
+constant: a stage of length ``L`` uses ``batch * seq_len // L`` sequences. Example
+difficulty follows the length: agent traces open as many documents as fit.
+
+Reproducibility: the batch of step ``s`` is a pure function of ``(--seed, s)``, the
+initial weights of ``--seed``; resuming from an orbax checkpoint in ``--out/ckpt``
+continues the exact same stream.
+
+Held-out accuracy (every ``--eval-every`` steps, and at the end): a fixed set of
+examples from another seed, scored under teacher forcing. A scored assistant message
+counts as correct when every one of its tokens is the argmax prediction, which is
+exactly when greedy decoding would reproduce the message given the same history.
+
+Output (``--out``): ``ckpt/`` (orbax), ``hf/`` (``config.json`` with model_type
+qwen3, ``model.safetensors``, tokenizer files; loads with
+``jaxkv.load_model(out/"hf")``), ``metrics.jsonl``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import math
+import queue
+import random
+import re
+import threading
+import time
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import orbax.checkpoint as ocp
+from flax import nnx
+from tqdm import tqdm
+
+from eval.tasks import Example, agent_traces, mqniah, vocabulary
+from eval.tasks.mqniah import NEEDLE_COUNTS
+from jaxkv.chat.render import render
+from jaxkv.chat.toy import QWEN3_CHAT_TEMPLATE, build_tokenizer
+from jaxkv.config import ModelConfig, RopeConfig
+from jaxkv.models.loading import Model, save_pretrained
+from jaxkv.models.transformer import Transformer
+
+# ------------------------------------------------------------------------ model sizes
+
+
+@dataclasses.dataclass(frozen=True)
+class Size:
+    """Decoder shape (vocabulary size comes from the tokenizer)."""
+
+    hidden: int
+    layers: int
+    heads: int
+    kv_heads: int
+    head_dim: int
+    ffn: int
+
+
+SIZES = {
+    "tiny": Size(hidden=32, layers=1, heads=2, kv_heads=1, head_dim=16, ffn=64),
+    "mini": Size(hidden=64, layers=3, heads=2, kv_heads=1, head_dim=32, ffn=192),
+    "small": Size(hidden=128, layers=4, heads=4, kv_heads=2, head_dim=32, ffn=384),
+    "base": Size(hidden=192, layers=6, heads=6, kv_heads=2, head_dim=32, ffn=512),
+}
+
+# Agent-trace documents that fit a given sequence length (skeletons are ~1k tokens
+# for one document, ~1.7k for three documents plus the registry).
+_MAX_DOCS_BY_LENGTH = ((1536, 1), (2048, 2), (1 << 30, 3))
+_MIN_LENGTH_FOR_REGISTRY = 1536
+
+
+def model_config(size: Size, vocab_size: int, eos_id: int, max_positions: int) -> ModelConfig:
+    return ModelConfig(
+        model_type="qwen3",
+        vocab_size=vocab_size,
+        hidden_size=size.hidden,
+        intermediate_size=size.ffn,
+        num_layers=size.layers,
+        num_heads=size.heads,
+        num_kv_heads=size.kv_heads,
+        head_dim=size.head_dim,
+        rope=RopeConfig(theta=10000.0),
+        tie_word_embeddings=True,
+        qk_norm=True,
+        max_position_embeddings=max_positions,
+        eos_token_ids=(eos_id,),
+    )
+
+
+def param_count(module) -> int:
+    return sum(int(np.prod(x.shape)) for x in jax.tree.leaves(nnx.state(module, nnx.Param)))
+
+
+# ------------------------------------------------------------------------ tokenizer
+
+
+def template_words(template: str = QWEN3_CHAT_TEMPLATE) -> list[str]:
+    """Words inside the string literals of a chat template (role names, tool preamble)."""
+    literals = re.findall(r"'((?:[^'\\]|\\.)*)'|\"((?:[^\"\\]|\\.)*)\"", template)
+    text = " ".join(a or b for a, b in literals)
+    return [w for w in dict.fromkeys(re.findall(r"[A-Za-z_]\w*", text)) if len(w) > 1]
+
+
+def embedded_tokenizer(save_dir=None):
+    """The toy tokenizer over the task vocabulary and the template's words."""
+    return build_tokenizer(list(dict.fromkeys(vocabulary() + template_words())), save_dir=save_dir)
+
+
+# ------------------------------------------------------------------------ data
+
+
+@dataclasses.dataclass(frozen=True)
+class TrainSequence:
+    """One rendered training conversation.
+
+    Attributes:
+      ids: token ids ``[T]`` int32.
+      target_mask: ``[T]`` bool, True where token ``t`` is an assistant target.
+      scored: half-open ``(start, end)`` token ranges of the scored assistant messages.
+      task: the generator name.
+    """
+
+    ids: np.ndarray
+    target_mask: np.ndarray
+    scored: tuple[tuple[int, int], ...]
+    task: str
+
+
+def training_view(example: Example, rng: random.Random) -> tuple[list[dict], int]:
+    """Messages to render: the conversation cut after the reply to a random user turn.
+
+    The Qwen3 template drops the reasoning of assistant turns before the last user
+    message, so cutting teaches each turn in the layout it has at inference.
+    Returns ``(messages, scored assistant messages kept)``.
+    """
+    msgs = example.messages
+    user_turns = [i for i, m in enumerate(msgs) if m["role"] == "user"]
+    ends = [nxt for nxt in user_turns[1:]] + [len(msgs)]
+    end = rng.choice(ends)
+    return msgs[:end], sum(1 for m in msgs[:end] if m["role"] == "assistant")
+
+
+def render_sequence(tokenizer, example: Example, messages: list[dict]) -> TrainSequence:
+    rendered = render(tokenizer, messages, example.tools or None, add_generation_prompt=False)
+    mask = np.zeros(rendered.ids.size, bool)
+    scored = []
+    for m in rendered.messages:
+        if m.kind == "assistant":
+            mask[m.content_start : m.end] = True
+            scored.append((m.content_start, m.end))
+    return TrainSequence(rendered.ids, mask, tuple(scored), example.task)
+
+
+def make_example(seed: int, seq_len: int, task: str) -> Example:
+    target = int(seq_len * 0.95)
+    if task == "mqniah":
+        needles = random.Random(seed).choice(NEEDLE_COUNTS)
+        return mqniah(1, seed, needles=needles, length=target)[0]
+    max_docs = next(d for limit, d in _MAX_DOCS_BY_LENGTH if seq_len < limit)
+    rng = random.Random(seed)
+    n_docs = rng.randint(1, max_docs)
+    registry = rng.random() < 0.6 and seq_len >= _MIN_LENGTH_FOR_REGISTRY
+    return agent_traces(1, seed, length=target, n_docs=n_docs, registry=registry)[0]
+
+
+def make_sequence(tokenizer, seed: int, seq_len: int) -> TrainSequence:
+    """A seeded training sequence of at most ``seq_len`` tokens (prefix-truncated)."""
+    rng = random.Random(seed)
+    task = "mqniah" if rng.random() < 0.5 else "agent_traces"
+    example = make_example(rng.randrange(1 << 31), seq_len, task)
+    messages, _ = training_view(example, rng)
+    seq = render_sequence(tokenizer, example, messages)
+    if seq.ids.size > seq_len:  # rare: the length estimate is within a few percent
+        seq = TrainSequence(seq.ids[:seq_len], seq.target_mask[:seq_len],
+                       tuple((a, b) for a, b in seq.scored if b <= seq_len), seq.task)
+    return seq
+
+
+def pack_batch(seqs: list[TrainSequence], seq_len: int, pad_id: int) -> dict[str, np.ndarray]:
+    """``tokens [B, T]``, ``loss_mask [B, T]`` (mask of the *predicted* token ``t+1``)."""
+    B = len(seqs)
+    tokens = np.full((B, seq_len), pad_id, np.int32)
+    targets_mask = np.zeros((B, seq_len), bool)
+    for b, s in enumerate(seqs):
+        tokens[b, : s.ids.size] = s.ids
+        targets_mask[b, : s.ids.size] = s.target_mask
+    loss_mask = np.zeros((B, seq_len), np.float32)
+    loss_mask[:, :-1] = targets_mask[:, 1:]
+    return {"tokens": tokens, "loss_mask": loss_mask}
+
+
+def step_seed(seed: int, step: int) -> int:
+    return (seed * 7_919 + step * 104_729 + 17) & 0x7FFFFFFF
+
+
+def batch_for_step(tokenizer, seed: int, step: int, seq_len: int, batch: int) -> dict[str, np.ndarray]:
+    rng = random.Random(step_seed(seed, step))
+    seqs = [make_sequence(tokenizer, rng.randrange(1 << 31), seq_len) for _ in range(batch)]
+    return pack_batch(seqs, seq_len, tokenizer.pad_token_id)
+
+
+def parse_curriculum(spec: str, max_len: int) -> list[tuple[float, int]]:
+    """``"0.6:1024,1.0:2048"`` -> ``[(0.6, 1024), (1.0, 2048)]`` (lengths capped)."""
+    stages = []
+    for part in spec.split(","):
+        frac, length = part.split(":")
+        stages.append((float(frac), min(int(length), max_len)))
+    if not stages or stages[-1][0] < 1.0:
+        stages.append((1.0, max_len))
+    return stages
+
+
+def seq_len_at(step: int, total: int, stages: list[tuple[float, int]]) -> int:
+    return next(length for frac, length in stages if step < frac * total or frac >= 1.0)
+
+
+class Prefetcher:
+    """Builds the batches of upcoming steps on a thread while the device trains."""
+
+    def __init__(self, make, steps: range, depth: int = 2):
+        self._queue: queue.Queue = queue.Queue(depth)
+        self._thread = threading.Thread(target=self._run, args=(make, steps), daemon=True)
+        self._thread.start()
+
+    def _run(self, make, steps):
+        for s in steps:
+            self._queue.put((s, make(s)))
+
+    def get(self):
+        return self._queue.get()
+
+
+# ------------------------------------------------------------------------ training
+
+
+def masked_xent(logits_BTV, tokens_BT, loss_mask_BT):
+    """Mean cross-entropy of predicting ``tokens[:, t+1]`` at positions where the mask is 1."""
+    targets = jnp.roll(tokens_BT, -1, axis=1)
+    logp = jax.nn.log_softmax(logits_BTV, axis=-1)
+    nll = -jnp.take_along_axis(logp, targets[..., None], axis=-1)[..., 0]
+    return jnp.sum(nll * loss_mask_BT) / jnp.maximum(jnp.sum(loss_mask_BT), 1.0)
+
+
+def make_optimizer(lr: float, steps: int, warmup: int, weight_decay: float, clip: float):
+    schedule = optax.warmup_cosine_decay_schedule(lr / (warmup + 1), lr, max(1, warmup), max(steps, warmup + 1), lr * 0.05)
+    return optax.chain(optax.clip_by_global_norm(clip), optax.adamw(schedule, b2=0.98, weight_decay=weight_decay)), schedule
+
+
+def make_train_step(graphdef, optimizer):
+    @jax.jit
+    def train_step(params, opt_state, tokens, loss_mask):
+        def loss_fn(p):
+            return masked_xent(nnx.merge(graphdef, p)(tokens), tokens, loss_mask)
+
+        loss, grads = jax.value_and_grad(loss_fn)(params)
+        updates, opt_state = optimizer.update(grads, opt_state, params)
+        return optax.apply_updates(params, updates), opt_state, loss, optax.tree.norm(grads)
+
+    return train_step
+
+
+def make_predict(graphdef):
+    @jax.jit
+    def predict(params, tokens):
+        return jnp.argmax(nnx.merge(graphdef, params)(tokens), axis=-1).astype(jnp.int32)
+
+    return predict
+
+
+def heldout_sequences(tokenizer, seed: int, n: int, seq_len: int) -> list[TrainSequence]:
+    """A fixed held-out set: full conversations (every turn), from a disjoint seed."""
+    rng = random.Random(seed + 1_000_003)
+    out = []
+    for i in range(n):
+        task = "mqniah" if i % 2 else "agent_traces"
+        ex = make_example(rng.randrange(1 << 31), seq_len, task)
+        seq = render_sequence(tokenizer, ex, ex.messages)
+        if seq.ids.size <= seq_len:
+            out.append(seq)
+    return out
+
+
+def heldout_accuracy(predict, params, seqs: list[TrainSequence], seq_len: int, pad_id: int, batch: int) -> dict[str, float]:
+    """Teacher-forced exact match per scored assistant message, per task, and token accuracy."""
+    turns: dict[str, list[bool]] = {}
+    hits = total = 0
+    for i in range(0, len(seqs), batch):
+        chunk = seqs[i : i + batch]
+        tokens = pack_batch(chunk, seq_len, pad_id)["tokens"]
+        pred = np.asarray(predict(params, tokens))
+        for b, s in enumerate(chunk):
+            for start, end in s.scored:
+                ok = pred[b, start - 1 : end - 1] == s.ids[start:end]
+                turns.setdefault(s.task, []).append(bool(ok.all()))
+                hits += int(ok.sum())
+                total += ok.size
+    out = {f"turn_acc/{task}": float(np.mean(v)) for task, v in turns.items()}
+    out["token_acc"] = hits / max(total, 1)
+    return out
+
+
+def train(args) -> dict:
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    tokenizer = embedded_tokenizer()
+    size = SIZES[args.size]
+    vocab = len(tokenizer)
+    cfg = model_config(size, vocab, tokenizer.convert_tokens_to_ids("<|im_end|>"), max(args.seq_len, 4096))
+    module = Transformer(cfg, jnp.float32, rngs=nnx.Rngs(args.seed))
+    graphdef, params = nnx.split(module, nnx.Param)
+    optimizer, schedule = make_optimizer(args.lr, args.steps, args.warmup, args.weight_decay, args.clip)
+    opt_state = optimizer.init(params)
+    train_step = make_train_step(graphdef, optimizer)
+    predict = make_predict(graphdef)
+    stages = parse_curriculum(args.curriculum, args.seq_len)
+
+    ckpt = ocp.CheckpointManager(
+        (out / "ckpt").absolute(), options=ocp.CheckpointManagerOptions(max_to_keep=2, create=True)
+    )
+    start = 0
+    if ckpt.latest_step() is not None and not args.restart:
+        start = ckpt.latest_step()
+        restored = ckpt.restore(start, args=ocp.args.StandardRestore({"params": params, "opt_state": opt_state}))
+        params, opt_state = restored["params"], restored["opt_state"]
+        print(f"resumed from step {start}")
+
+    heldout = heldout_sequences(tokenizer, args.seed, args.eval_examples, args.seq_len)
+    n_params = param_count(module)
+    print(f"params {n_params:,}  vocab {vocab}  stages {stages}  heldout {len(heldout)}")
+
+    def batch_at(s):
+        length = seq_len_at(s, args.steps, stages)
+        return batch_for_step(tokenizer, args.seed, s, length, max(1, args.batch * args.seq_len // length))
+
+    metrics_file = open(out / "metrics.jsonl", "a")
+    stop = min(args.steps, args.stop_after or args.steps)
+    prefetch = Prefetcher(batch_at, range(start, stop))
+    losses = []
+    bar = tqdm(range(start, stop), initial=start, total=args.steps, disable=args.quiet)
+    t_prev, t0, tok_s = time.perf_counter(), time.perf_counter(), None
+    for s in bar:
+        step, batch = prefetch.get()
+        assert step == s
+        params, opt_state, loss, gnorm = train_step(params, opt_state, batch["tokens"], batch["loss_mask"])
+        loss = float(loss)  # blocks: the step time below is the real one
+        losses.append(loss)
+        now = time.perf_counter()
+        step_tok_s = int((batch["tokens"] != tokenizer.pad_token_id).sum()) / (now - t_prev)
+        tok_s = step_tok_s if tok_s is None else 0.9 * tok_s + 0.1 * step_tok_s
+        bar.set_postfix(loss=f"{loss:.3f}", tok_s=f"{tok_s:.0f}", T=batch["tokens"].shape[1], lr=f"{float(schedule(s)):.1e}")
+        record = {"step": s + 1, "loss": loss, "grad_norm": float(gnorm), "tok_s": step_tok_s,
+                  "seq_len": batch["tokens"].shape[1], "elapsed_s": now - t0}
+        last = s + 1 == stop
+        if heldout and ((s + 1) % args.eval_every == 0 or last):
+            record.update(heldout_accuracy(predict, params, heldout, args.seq_len, tokenizer.pad_token_id, args.eval_batch))
+            tqdm.write(json.dumps({k: round(v, 4) if isinstance(v, float) else v for k, v in record.items()}))
+        if (s + 1) % args.ckpt_every == 0 or last:
+            ckpt.save(s + 1, args=ocp.args.StandardSave({"params": params, "opt_state": opt_state}))
+        metrics_file.write(json.dumps(record) + "\n")
+        metrics_file.flush()
+        t_prev = time.perf_counter()  # eval and checkpoint time is not step time
+    ckpt.wait_until_finished()
+    metrics_file.close()
+
+    nnx.update(module, params)
+    hf_dir = save_pretrained(Model(cfg, module, tokenizer, jnp.float32), out / "hf")
+    return {"losses": losses, "hf_dir": hf_dir, "params": n_params, "module": module}
+
+
+def parse_args(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0], formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    p.add_argument("--out", default="runs/embedded", help="output folder (ckpt/, hf/, metrics.jsonl)")
+    p.add_argument("--steps", type=int, default=3000)
+    p.add_argument("--seq-len", type=int, default=2048, help="longest sequence (last curriculum stage)")
+    p.add_argument("--batch", type=int, default=4, help="sequences per step at --seq-len (more at shorter stages)")
+    p.add_argument("--curriculum", default="0.6:1024,1.0:2048", help="step fraction:sequence length, ...")
+    p.add_argument("--size", choices=sorted(SIZES), default="small")
+    p.add_argument("--tiny", action="store_true", help="tiny model, 1024-token sequences (tests)")
+    p.add_argument("--lr", type=float, default=3e-3)
+    p.add_argument("--warmup", type=int, default=100)
+    p.add_argument("--weight-decay", type=float, default=0.01)
+    p.add_argument("--clip", type=float, default=1.0)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--eval-every", type=int, default=250)
+    p.add_argument("--eval-examples", type=int, default=32)
+    p.add_argument("--eval-batch", type=int, default=4)
+    p.add_argument("--ckpt-every", type=int, default=500)
+    p.add_argument("--stop-after", type=int, default=None, help="checkpoint, export and exit after this step")
+    p.add_argument("--restart", action="store_true", help="ignore checkpoints in --out")
+    p.add_argument("--quiet", action="store_true", help="no progress bar")
+    args = p.parse_args(argv)
+    if args.tiny:
+        args.size, args.seq_len, args.curriculum = "tiny", min(args.seq_len, 1024), "1.0:1024"
+        args.warmup = min(args.warmup, 1)
+    return args
+
+
+def main(argv=None):
+    result = train(parse_args(argv))
+    print(f"exported {result['hf_dir']}")
+
+
+if __name__ == "__main__":
+    main()
