@@ -1,7 +1,30 @@
 """Retention policies (scorers, selection, layouts) as pure functions.
 
-The home of the eviction methods (StreamingLLM, SnapKV, H2O, TOVA, AgentKV,
-IntentKV, controls) described in ALGORITHMS.md §1-5; see DESIGN.md "Policies are
-functions". The engine already returns the features they need (post-RoPE query
-rows, per-key attention mass) through ``jaxkv.models.transformer.Features``.
+Each method is one module and one ``REGISTRY`` entry (ALGORITHMS.md §1-5); see
+``base.py`` for the interface and ``select``. The engine computes the features a
+policy's ``Needs`` ask for and applies the kept set with a layout.
 """
+
+from jaxkv.policies.base import (
+    REGISTRY,
+    EventFeatures,
+    Needs,
+    Observation,
+    Policy,
+    attention_probs,
+    get_policy,
+    register,
+    select,
+)
+
+__all__ = [
+    "REGISTRY",
+    "EventFeatures",
+    "Needs",
+    "Observation",
+    "Policy",
+    "attention_probs",
+    "get_policy",
+    "register",
+    "select",
+]

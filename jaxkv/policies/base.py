@@ -1,0 +1,184 @@
+"""The policy interface: features in, one score per live position out.
+
+A retention policy is a set of pure functions over pytrees (ALGORITHMS.md §1):
+
+* ``init_state(cfg, model_cfg) -> state``: per-session policy state (rings,
+  QueryMemory, accumulated mass...); lives in the session store.
+* ``observe(cfg, state, obs) -> state``: fold in what new tokens showed (their
+  post-RoPE query rows and phases, the turn's actionable-query mean, attention
+  mass). Called after every prefill and decode chunk. Optional.
+* ``keep(cfg, feats) -> forced_N``: the method's own always-keep set (sinks,
+  recent window, observation window). Optional (default: nothing).
+* ``score(cfg, state, feats, candidates_N) -> (scores_N, state)``: one float32
+  score per live position; only entries where ``candidates_N`` is true matter.
+
+``select(scores, forced, candidates, budget)`` (shared by all) keeps
+``F ∪ topk_C(scores, max(B − |F|, 0))`` with ties broken by lower position, and
+the engine applies the kept set with a layout. Scores aggregate to one number per
+position (mean over layers and expanded heads unless a policy says otherwise).
+
+Shape letters: L layers, N live positions at the event, W window rows, X query
+rows observed, Hq / Hkv query / KV heads, D head dim.
+
+Invariants: every function is pure and jit-able for fixed shapes; ``score`` never
+depends on entries outside ``candidates`` except through softmax normalisation
+the method defines; nothing here touches the engine or the pool.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Callable
+
+import jax
+import jax.numpy as jnp
+from flax import struct
+
+
+@struct.dataclass
+class EventFeatures:
+    """What a scorer sees at a compression event of one request.
+
+    Attributes:
+      keys_LNKD: post-RoPE keys of the live positions ``[L, N, Hkv, D]`` float32,
+        in position order.
+      positions_N: their positions, int32 ``[N]``.
+      phase_N: their ``jaxkv.chat.Phase`` tags, int32 ``[N]``.
+      window_q_LWHD: post-RoPE queries of the observation window ``[L, W, Hq, D]``
+        (after prefill: the last W prompt rows; at a decode event: the last W
+        decoded rows).
+      window_pos_W: positions of those rows (int32 ``[W]``).
+      window_valid_W: which window rows are real (bool ``[W]``).
+      acc_mass_N: attention mass each position received so far, averaged over
+        layers and query heads, summed over every query row seen (H2O).
+      query_mean_LHD: mean post-RoPE query over the current turn's actionable query
+        span ``[L, Hq, D]`` (IntentKV's q̄_t).
+      seq_len: the request's length (next position), int32 scalar.
+    """
+
+    keys_LNKD: jax.Array
+    positions_N: jax.Array
+    phase_N: jax.Array
+    window_q_LWHD: jax.Array
+    window_pos_W: jax.Array
+    window_valid_W: jax.Array
+    acc_mass_N: jax.Array
+    query_mean_LHD: jax.Array
+    seq_len: jax.Array
+
+
+@struct.dataclass
+class Observation:
+    """New tokens a policy may fold into its state (``observe``).
+
+    Attributes:
+      q_LXHD: post-RoPE query rows of observed tokens ``[L, X, Hq, D]``.
+      phase_X: their phases (int32 ``[X]``); ``valid_X`` which rows are real.
+      query_mean_LHD: the turn's actionable-query mean (valid when ``new_turn``).
+      new_turn: true at the first observation of a new turn.
+    """
+
+    q_LXHD: jax.Array
+    phase_X: jax.Array
+    valid_X: jax.Array
+    query_mean_LHD: jax.Array
+    new_turn: jax.Array
+
+
+@dataclasses.dataclass(frozen=True)
+class Needs:
+    """Which features a policy needs; the engine computes only those.
+
+    Attributes:
+      window: observation-window rows W (0: none).
+      attn_mass: accumulate attention mass over every query (H2O; slower decode).
+      query_mean: the actionable-query mean q̄_t.
+      observe_rows: query rows to feed ``observe`` (AgentKV rings).
+      decode_interval: compress every Δ decoded tokens (None: after prefill only).
+    """
+
+    window: int = 0
+    attn_mass: bool = False
+    query_mean: bool = False
+    observe_rows: bool = False
+    decode_interval: int | None = None
+
+
+@dataclasses.dataclass(frozen=True)
+class Policy:
+    """A registered retention method (see the module docstring)."""
+
+    name: str
+    config: type
+    score: Callable[..., tuple[jax.Array, Any]]
+    needs: Callable[[Any], Needs]
+    init_state: Callable[..., Any] = lambda cfg, model_cfg: ()
+    observe: Callable[..., Any] | None = None
+    keep: Callable[..., jax.Array] | None = None
+    doc: str = ""
+
+    def make_config(self, **options):
+        """The policy's typed config; unknown options raise ``TypeError`` naming them."""
+        fields = {f.name for f in dataclasses.fields(self.config)}
+        unknown = sorted(set(options) - fields)
+        if unknown:
+            raise TypeError(
+                f"policy {self.name!r} has no option(s) {', '.join(unknown)}; "
+                f"its options are {', '.join(sorted(fields)) or '(none)'}"
+            )
+        return self.config(**options)
+
+
+def select(scores_N, forced_N, candidates_N, budget):
+    """Kept mask ``F ∪ topk_{C}(scores, max(B − |F|, 0))``; ties: lower position first.
+
+    ``forced_N`` and ``candidates_N`` are bool masks over the same live positions
+    (in position order); entries in neither are dropped. Pure and jit-able.
+    """
+    forced = jnp.asarray(forced_N, bool)
+    cand = jnp.asarray(candidates_N, bool) & ~forced
+    n = scores_N.shape[0]
+    k = jnp.maximum(jnp.asarray(budget, jnp.int32) - forced.sum(dtype=jnp.int32), 0)
+    s = jnp.where(cand, jnp.asarray(scores_N, jnp.float32), -jnp.inf)
+    # Stable sort on -score keeps lower positions first among equal scores.
+    order = jnp.argsort(-s, stable=True)
+    rank = jnp.zeros((n,), jnp.int32).at[order].set(jnp.arange(n, dtype=jnp.int32))
+    return forced | (cand & (rank < k))
+
+
+def attention_probs(q_LWHD, keys_LNKD, *, causal_q_pos=None, k_pos_N=None, valid_N=None):
+    """Softmax attention of query rows to keys ``[L, Hq, W, N]`` (float32).
+
+    GQA: each KV head serves ``G = Hq / Hkv`` query heads. With ``causal_q_pos``
+    a row at position p sees only keys at positions <= p. ``valid_N`` masks keys.
+    """
+    L, W, Hq, D = q_LWHD.shape
+    Hkv = keys_LNKD.shape[2]
+    q = q_LWHD.reshape(L, W, Hkv, Hq // Hkv, D).astype(jnp.float32)
+    s = jnp.einsum("lwkgd,lnkd->lkgwn", q, keys_LNKD.astype(jnp.float32)) / jnp.sqrt(jnp.float32(D))
+    mask = jnp.ones((W, keys_LNKD.shape[1]), bool)
+    if causal_q_pos is not None:
+        mask = mask & (k_pos_N[None, :] <= causal_q_pos[:, None])
+    if valid_N is not None:
+        mask = mask & valid_N[None, :]
+    s = jnp.where(mask, s, -1e30)
+    p = jax.nn.softmax(s, axis=-1)
+    return p.reshape(L, Hq, W, -1)
+
+
+REGISTRY: dict[str, Policy] = {}
+
+
+def register(policy: Policy) -> Policy:
+    if policy.name in REGISTRY:
+        raise ValueError(f"policy {policy.name!r} registered twice")
+    REGISTRY[policy.name] = policy
+    return policy
+
+
+def get_policy(name: str) -> Policy:
+    try:
+        return REGISTRY[name]
+    except KeyError:
+        raise ValueError(f"unknown policy {name!r}; known: {', '.join(sorted(REGISTRY))}") from None
+
