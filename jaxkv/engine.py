@@ -93,7 +93,7 @@ def prefill_step(graphdef, params, cache: PagedKVCache, tokens_RT, chunk_len_R, 
 
 @functools.partial(
     jax.jit,
-    static_argnames=("graphdef", "n_steps", "n_read", "spec", "backend", "return_logits", "teacher_forced"),
+    static_argnames=("graphdef", "n_steps", "n_read", "spec", "backend", "return_logits", "teacher_forced", "features"),
     donate_argnames=("cache",),
 )
 def decode_loop(
@@ -115,6 +115,7 @@ def decode_loop(
     backend=None,
     return_logits=False,
     teacher_forced=False,
+    features: Features = NO_FEATURES,
 ):
     """Decode up to ``n_steps`` tokens per active row.
 
@@ -123,28 +124,44 @@ def decode_loop(
     ``stop_ids_X`` (padded with -1). With ``teacher_forced`` the fed token of
     step ``s > 0`` is ``forced_RN[:, s-1]`` instead of the sample.
 
-    Returns ``(tokens [R,n], n_fed [R], cache, logits [R,n,V] or None)`` where
-    ``tokens[:, s]`` is the token sampled at step ``s`` and ``n_fed`` counts the
-    tokens written to the cache.
+    Returns ``(tokens [R,n], n_fed [R], cache, logits [R,n,V] or None, aux)``
+    where ``tokens[:, s]`` is the token sampled at step ``s`` and ``n_fed`` counts
+    the tokens written to the cache. ``aux`` holds, when ``features`` asks,
+    ``q_rows [n, L, R, Hq, D]`` (the post-RoPE query of each fed token) and
+    ``mass_S [S]`` (attention mass each slot received, mean over layers and
+    heads, summed over steps).
     """
     model = nnx.merge(graphdef, params)
+    cfg = model.cfg
     R = first_token_R.shape[0]
-    V = model.cfg.vocab_size
+    V = cfg.vocab_size
     logits_buf = jnp.zeros((R, n_steps if return_logits else 0, V), jnp.float32)
+    aux0 = {}
+    if features.query_rows:
+        aux0["q_rows"] = jnp.zeros((n_steps, cfg.num_layers, R, cfg.num_heads, cfg.head_dim), jnp.float32)
+    if features.attn_mass:
+        aux0["mass_S"] = jnp.zeros((cache.num_slots,), jnp.float32)
 
     def cond(carry):
-        step, _, _, _, active, _, _ = carry
+        step, _, _, _, active, _, _, _ = carry
         return (step < n_steps) & active.any()
 
     def body(carry):
-        step, cache, tokens, fed, active, last, logits_buf = carry
+        step, cache, tokens, fed, active, last, logits_buf, aux = carry
         slot = jnp.where(active, slots_RN[:, step], SENTINEL_SLOT)
         pos = cache.seq_len
         cache = append_tokens(cache, slot[:, None], active.astype(jnp.int32))
-        logits, k, v, _ = model.decode(
-            last, pos, cache.k, cache.v, cache.live_idx[:, :n_read], cache.live_len, slot, backend=backend
+        live_BN = cache.live_idx[:, :n_read]
+        logits, k, v, step_aux = model.decode(
+            last, pos, cache.k, cache.v, live_BN, cache.live_len, slot, backend=backend, features=features
         )
         cache = cache.replace(k=k, v=v)
+        aux = dict(aux)
+        if features.query_rows:
+            aux["q_rows"] = aux["q_rows"].at[step].set(step_aux["q_rows"][:, :, 0].astype(jnp.float32))
+        if features.attn_mass:
+            per_entry = step_aux["attn_mass"].mean(axis=(0, 2)) * active[:, None]  # [R, n_read]
+            aux["mass_S"] = aux["mass_S"].at[live_BN].add(per_entry)
         nxt = sample(logits, jax.random.fold_in(key, step), spec, temperature, top_p)
         nxt = jnp.where(active, nxt, -1)
         tokens = tokens.at[:, step].set(nxt)
@@ -154,12 +171,12 @@ def decode_loop(
         stopped = (nxt[:, None] == stop_ids_X[None, :]).any(-1)
         new_active = active & ~stopped
         feed = forced_RN[:, step] if teacher_forced else nxt
-        return step + 1, cache, tokens, fed, new_active, feed, logits_buf
+        return step + 1, cache, tokens, fed, new_active, feed, logits_buf, aux
 
     tokens = jnp.full((R, n_steps), -1, jnp.int32)
-    carry = (jnp.int32(0), cache, tokens, jnp.zeros((R,), jnp.int32), active_R, first_token_R, logits_buf)
-    _, cache, tokens, fed, _, _, logits_buf = jax.lax.while_loop(cond, body, carry)
-    return tokens, fed, cache, (logits_buf if return_logits else None)
+    carry = (jnp.int32(0), cache, tokens, jnp.zeros((R,), jnp.int32), active_R, first_token_R, logits_buf, aux0)
+    _, cache, tokens, fed, _, _, logits_buf, aux = jax.lax.while_loop(cond, body, carry)
+    return tokens, fed, cache, (logits_buf if return_logits else None), aux
 
 
 @functools.partial(jax.jit, static_argnames=("graphdef",))
@@ -386,13 +403,17 @@ class Engine:
         return result, aux_out
 
     # -- decode ------------------------------------------------------------------
-    def decode(self, rows: Sequence[int], first_tokens: Sequence[int], n_steps: int, *, temperature=0.0, top_k=None, top_p=None, key=None, stop_token_ids=(), return_logits=False, forced_tokens=None):
+    def decode(self, rows: Sequence[int], first_tokens: Sequence[int], n_steps: int, *, temperature=0.0, top_k=None, top_p=None, key=None, stop_token_ids=(), return_logits=False, forced_tokens=None, features: Features = NO_FEATURES):
         """Feed ``first_tokens`` and decode up to ``n_steps`` tokens per row.
 
         Returns ``(tokens, logits)``: ``tokens[i]`` the sampled tokens of row i
         (ending with its stop token when one was hit); ``logits[i]`` ``[n, V]``
         when ``return_logits``. ``forced_tokens[i]`` (teacher forcing) replaces
-        the fed token of every step after the first.
+        the fed token of every step after the first. With ``features``, returns
+        ``(tokens, logits, aux)``: ``aux["q_rows"][i]`` ``[n_i, L, Hq, D]`` the
+        query of each fed token; ``aux["attn_mass"][i]`` ``[seq_len]`` the mass
+        each position of row i received during this call (mean over layers and
+        heads, summed over steps).
         """
         spec, temp, top_p_val = make_sampler(temperature, top_k, top_p)
         if n_steps <= 0:
@@ -419,11 +440,12 @@ class Engine:
         stop = np.asarray(sorted(set(stop_token_ids)) or [-1], np.int32)
         longest = max(len(s.live) for s in self.row_state if s is not None) + n_steps
         n_read = min(bucket(longest), self.max_positions)
-        tokens, fed, self.cache, logits = decode_loop(
+        tokens, fed, self.cache, logits, aux = decode_loop(
             self.graphdef, self.params, self.cache, first, active, slots, stop,
             key if key is not None else jax.random.key(0), temp, top_p_val, forced,
             n_steps=n_steps, n_read=n_read, spec=spec, backend=self.backend,
             return_logits=return_logits, teacher_forced=forced_tokens is not None,
+            features=features,
         )
         tokens, fed = np.asarray(tokens), np.asarray(fed)
         out_tokens, out_logits = [], []
@@ -438,7 +460,18 @@ class Engine:
             if return_logits:
                 out_logits.append(np.asarray(logits[r, :n]))
         self.allocator.release(np.concatenate(unused))
-        return out_tokens, (out_logits if return_logits else None)
+        if features == NO_FEATURES:
+            return out_tokens, (out_logits if return_logits else None)
+        aux_out = {}
+        if features.query_rows:
+            q = np.asarray(aux["q_rows"])
+            aux_out["q_rows"] = [q[: int(fed[r]), :, r] for r in rows]
+        if features.attn_mass:
+            mass_S = np.asarray(aux["mass_S"])
+            aux_out["attn_mass"] = [
+                np.where(np.asarray(st.slots) != SENTINEL_SLOT, mass_S[np.asarray(st.slots)], 0.0) for st in states
+            ]
+        return out_tokens, (out_logits if return_logits else None), aux_out
 
 
 # ============================================================================ public

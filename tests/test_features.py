@@ -63,3 +63,21 @@ def test_mass_across_chunks_and_holes(hf_checkpoint):
     assert mass.shape[-1] == 40
     assert (mass[..., [3, 4, 9]] == 0).all() and (mass[..., 10:] > 0).all()
     np.testing.assert_allclose(mass.sum(-1), 20.0, rtol=1e-5)  # 20 query rows, 3 chunks
+
+
+def test_decode_features_match_dense_recomputation(hf_checkpoint):
+    model = jaxkv.load_model(hf_checkpoint("llama")[0])
+    tokens = np.random.default_rng(2).integers(0, 1024, 36).tolist()
+    q_ref, p_ref = _dense_q_and_probs(model, tokens)
+    engine = jaxkv.Engine(model, rows=2, max_positions=64)
+    other = engine.open_row()
+    engine.prefill([other], [tokens[:5]])  # a second row must not disturb the first
+    row = engine.open_row()
+    engine.prefill([row], [tokens[:30]])
+    feats = Features(query_rows=True, attn_mass=True)
+    _, _, aux = engine.decode([row], [tokens[30]], 5, forced_tokens=[tokens[31:36]], features=feats)
+    q = aux["q_rows"][0]  # [5 fed tokens, L, Hq, D] at positions 30..34
+    np.testing.assert_allclose(q, q_ref[:, 30:35].transpose(1, 0, 2, 3), rtol=1e-5, atol=1e-5)
+    mass = aux["attn_mass"][0]  # [35 positions]
+    expected = p_ref[:, :, 30:35, :35].sum(axis=2).mean(axis=(0, 1))
+    np.testing.assert_allclose(mass, expected, rtol=1e-4, atol=1e-6)
