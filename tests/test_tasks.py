@@ -10,6 +10,7 @@ import pytest
 
 from eval.tasks import NEEDLE_COUNTS, agent_traces, approx_tokens, mqniah, vocabulary
 from eval.tasks.mqniah import NEEDLE_TEMPLATE
+from eval.tasks.words import IDENTIFIERS
 
 
 def _all_examples():
@@ -129,7 +130,7 @@ def test_approx_tokens_match_the_toy_tokenizer(examples):
 
 def test_vocabulary_covers_every_word(examples):
     vocab = set(vocabulary())
-    assert len(vocab) < 1000
+    assert len(vocab - IDENTIFIERS) < 1000 and len(vocab) < 1500  # a few hundred words + the pools
     for ex in examples:
         texts = [json.dumps(ex.tools)]
         for m in ex.messages:
@@ -137,5 +138,28 @@ def test_vocabulary_covers_every_word(examples):
             texts += [json.dumps(c["function"]["arguments"]) for c in m.get("tool_calls") or ()]
         words = {w for t in texts for w in re.findall(r"\w+", t)}
         identifiers = {w for w in words if re.fullmatch(r"[kvd]\d+", w)}
-        unknown = words - vocab - identifiers - {w for w in words if len(w) == 1}
+        assert identifiers <= IDENTIFIERS, sorted(identifiers - IDENTIFIERS)[:10]
+        unknown = words - vocab - {w for w in words if len(w) == 1}
         assert not unknown, (ex.task, sorted(unknown)[:10])
+
+
+def test_identifiers_are_single_tokens(examples):
+    """Keys, values and document ids are one token each: retrieval is single-token induction."""
+    from jaxkv.chat.toy import build_tokenizer
+
+    tok = build_tokenizer(vocabulary())
+    for ex in examples[::7]:
+        for turn in ex.targets:
+            for value in turn.values:
+                assert len(tok(value, add_special_tokens=False)["input_ids"]) == 1, value
+
+
+def test_long_examples_stay_unique_when_the_pools_run_short():
+    """Past the pools' capacity the tables fill with prose, identifiers stay unique."""
+    for ex in agent_traces(2, seed=6, length=8192, n_docs=3, registry=True):
+        text = "\n".join(m["content"] for m in ex.messages if m["role"] == "tool")
+        idents = re.findall(r"\b[kvd]\d{3}\b", text)
+        # each identifier occurs once, except values that the registry resolves and
+        # document ids that head their document
+        assert all(idents.count(i) <= 2 for i in idents)
+        assert abs(ex.approx_tokens() - 8192) < 0.05 * 8192

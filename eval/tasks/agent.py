@@ -5,7 +5,7 @@ One trace (``agent_traces``):
 1. system prompt + 2-4 tool schemas (``search``, ``open``, optionally ``lookup``,
    plus 0-2 tools that are never used);
 2. the user names a project, 1-3 topics and one key per topic
-   ("find the value of k4173 in the budget report ..."), optionally asking to resolve
+   ("find the value of k173 in the budget report ..."), optionally asking to resolve
    the first value in the registry;
 3. ``search(query=<project>)`` -> a result list: the wanted documents among
    distractors (same project other topics, same topic other projects, ...);
@@ -24,7 +24,9 @@ responses.
 
 ``length`` is the target rendered length in toy-tokenizer tokens: everything that is
 not the skeleton is distractor records, split between the search results (15%) and the
-documents / registry table (the rest, evenly).
+documents / registry table (the rest, evenly). Identifiers come from fixed pools
+(``eval.tasks.words``); past about 3,000 tokens of tables the pools run short and
+the rest of each table is filler sentences.
 """
 
 from __future__ import annotations
@@ -41,7 +43,7 @@ from eval.tasks.example import (
     scored,
     tool_call,
 )
-from eval.tasks.words import PROJECTS, SYSTEM_AGENT, TOOL_SCHEMAS, TOPICS
+from eval.tasks.words import PROJECTS, SYSTEM_AGENT, TOOL_SCHEMAS, TOPICS, filler_sentence
 
 SEARCH_SHARE = 0.15
 MIN_SEARCH_DISTRACTORS = 3
@@ -65,10 +67,16 @@ def tool_schema(name: str) -> dict:
     }
 
 
-def _records(rng: random.Random, needle: str, n_distractors: int, make_line) -> tuple[str, int]:
-    """``n_distractors`` lines from ``make_line()`` with ``needle`` at a random line."""
-    lines = [make_line() for _ in range(n_distractors)]
-    at = rng.randint(0, n_distractors)
+def _records(rng: random.Random, needle: str, n_records: int, filler_tokens: int, make_line) -> tuple[str, int]:
+    """``n_records`` lines from ``make_line()`` plus about ``filler_tokens`` tokens of
+    filler sentences (used when the identifier pools run short), shuffled, with
+    ``needle`` inserted at a random line. Returns ``(text, needle line index)``."""
+    lines = [make_line() for _ in range(n_records)]
+    while filler_tokens > 0:
+        lines.append(filler_sentence(rng))
+        filler_tokens -= approx_tokens(lines[-1]) + 1
+    rng.shuffle(lines)
+    at = rng.randint(0, len(lines))
     lines.insert(at, needle)
     return "\n".join(lines), at
 
@@ -99,7 +107,7 @@ def one_trace(seed: int, length: int = 2048, n_docs: int | None = None, registry
     user += " with the values in that order."
 
     # Skeleton first (distractor counts 0) to measure it; then fill the budget.
-    def build(n_search: int, n_records: int) -> tuple[list[dict], dict]:
+    def build(n_search: int, n_records: int, filler_tokens: int = 0) -> tuple[list[dict], dict]:
         r = random.Random(rng.random())  # distractors: own stream, skeleton unaffected
         pool = ids
         labels = {"project": project, "topics": topics, "keys": keys, "values": values,
@@ -129,7 +137,7 @@ def one_trace(seed: int, length: int = 2048, n_docs: int | None = None, registry
                 "reasoning_content": f"The search results list the {project} {t} report. I will open it to find {key}.",
                 "tool_calls": [tool_call("open", doc_id=d)],
             })
-            body, at = _records(r, f"{key}: {value}", n_records, lambda: f"{pool.key()}: {pool.value()}")
+            body, at = _records(r, f"{key}: {value}", n_records, filler_tokens, lambda: f"{pool.key()}: {pool.value()}")
             labels["needle_lines"].append(at)
             messages.append({"role": "tool", "name": "open", "content": f"Document {d}: {project} {t} report\n{body}"})
 
@@ -140,7 +148,7 @@ def one_trace(seed: int, length: int = 2048, n_docs: int | None = None, registry
                 "reasoning_content": f"The {topics[0]} report gives the value of {keys[0]}. I will resolve it in the registry.",
                 "tool_calls": [tool_call("lookup", key=values[0])],
             })
-            body, at = _records(r, f"{values[0]}: {resolved}", n_records, lambda: f"{pool.value()}: {pool.value()}")
+            body, at = _records(r, f"{values[0]}: {resolved}", n_records, filler_tokens, lambda: f"{pool.value()}: {pool.value()}")
             labels["registry_line"] = at
             messages.append({"role": "tool", "name": "lookup", "content": f"Registry entries:\n{body}"})
             answer_values[0] = resolved
@@ -154,12 +162,14 @@ def one_trace(seed: int, length: int = 2048, n_docs: int | None = None, registry
 
     skeleton, _ = build(0, 0)
     budget = max(0, length - conversation_tokens(skeleton, tools))
-    record_tokens = approx_tokens("k1234: v1234\n")
+    record_tokens = approx_tokens("k123: v123\n")
     search_tokens = approx_tokens(f"d123: {project} budget report\n")
-    n_search = max(MIN_SEARCH_DISTRACTORS, int(budget * SEARCH_SHARE / search_tokens))
+    n_search = min(ids.left("d"), max(MIN_SEARCH_DISTRACTORS, int(budget * SEARCH_SHARE / search_tokens)))
     n_tables = n_docs + int(registry)
-    n_records = max(MIN_RECORD_DISTRACTORS, int(budget * (1 - SEARCH_SHARE) / n_tables / record_tokens))
-    messages, labels = build(n_search, n_records)
+    table_tokens = max(MIN_RECORD_DISTRACTORS * record_tokens, int(budget * (1 - SEARCH_SHARE) / n_tables))
+    # Records per table, capped so the key and value pools last for every table.
+    n_records = min(table_tokens // record_tokens, ids.left("k") // n_docs, ids.left("v") // (n_docs + 2 * int(registry)))
+    messages, labels = build(n_search, n_records, table_tokens - n_records * record_tokens)
 
     targets = []
     for i, m in enumerate(messages):

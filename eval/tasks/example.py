@@ -9,16 +9,18 @@ Invariants every generator keeps (``tests/test_tasks.py`` checks them):
 
 * deterministic: the same arguments give the same ``Example`` (``random.Random(seed)``);
 * every value a scored turn copies appears, verbatim, in an earlier message;
-* identifiers (keys ``k4173``, values ``v9032``, document ids ``d402``) are unique
-  within an example, so a copied value names exactly one record;
-* every ``\\w+`` run of prose comes from ``vocabulary()``; identifiers are *not*
-  vocabulary words: a word-level tokenizer (``jaxkv.chat.toy``) spells them one
-  character per token (``k4173`` -> ``k 4 1 7 3``), which keeps the vocabulary a few
-  hundred words while allowing thousands of distinct identifiers.
+* identifiers (keys ``k173``, values ``v032``, document ids ``d102``) are unique
+  within an example, so a copied value names exactly one record. They come from the
+  fixed pools in ``eval.tasks.words`` (400 keys, 400 values, 200 document ids), which
+  are part of ``vocabulary()``: each identifier is one token of the word-level
+  tokenizer, so copying a value is single-token induction. When a long example needs
+  more distractor records than a pool holds, the rest of its budget is filler prose.
+* every ``\\w+`` run comes from ``vocabulary()``.
 
 Token counts: ``approx_tokens`` counts what the toy tokenizer produces for a string
-made of vocabulary words, identifiers, punctuation and whitespace (a word is one
-token, a space is one token, an identifier one token per character). The ``length``
+made of vocabulary words, identifiers, punctuation and whitespace (a word or pool
+identifier is one token, a space is one token, an identifier-like run outside the
+pools, e.g. ``k1234``, one token per character). The ``length``
 knob of the generators is measured in these tokens.
 """
 
@@ -30,8 +32,10 @@ import random
 import re
 from typing import Any
 
+from eval.tasks.words import DOC_POOL, IDENTIFIERS, KEY_POOL, VALUE_POOL
+
 _RUN_RE = re.compile(r"\w+|[^\w\s]|\s")
-_IDENT_RE = re.compile(r"^[kvd]\d+$")
+_IDENT_RE = re.compile(r"^[kvd]\d+$")  # identifier-shaped; one token only if in a pool
 
 # Tokens the Qwen3 chat template adds around messages and tool schemas, so that
 # ``length`` approximates the rendered prompt rather than the raw contents.
@@ -103,7 +107,7 @@ class Example:
 
 def approx_tokens(text: str) -> int:
     """Tokens of ``text`` under the toy tokenizer (see the module docstring)."""
-    return sum(len(run) if _IDENT_RE.match(run) else 1 for run in _RUN_RE.findall(text))
+    return sum(len(run) if _IDENT_RE.match(run) and run not in IDENTIFIERS else 1 for run in _RUN_RE.findall(text))
 
 
 def conversation_tokens(messages: list[dict], tools: list[dict]) -> int:
@@ -116,32 +120,37 @@ def conversation_tokens(messages: list[dict], tools: list[dict]) -> int:
     return total
 
 
+class PoolExhausted(ValueError):
+    """An identifier pool has no identifier left for this example."""
+
+
 class IdentifierPool:
-    """Draws identifiers ``<prefix><digits>`` without repetition within one example."""
+    """Draws identifiers from the fixed pools without repetition within one example."""
 
     def __init__(self, rng: random.Random):
         self._rng = rng
-        self._used: set[str] = set()
+        self._left = {"k": list(KEY_POOL), "v": list(VALUE_POOL), "d": list(DOC_POOL)}
 
-    def draw(self, prefix: str, digits: int) -> str:
-        space = 9 * 10 ** (digits - 1)
-        taken = sum(1 for u in self._used if u.startswith(prefix) and len(u) == len(prefix) + digits)
-        if taken >= space:
-            raise ValueError(f"identifier space {prefix}{'#' * digits} exhausted; lower `length`")
-        while True:
-            ident = f"{prefix}{self._rng.randrange(10 ** (digits - 1), 10**digits)}"
-            if ident not in self._used:
-                self._used.add(ident)
-                return ident
+    def left(self, prefix: str) -> int:
+        """Identifiers of pool ``prefix`` (``"k"``, ``"v"``, ``"d"``) not yet drawn."""
+        return len(self._left[prefix])
+
+    def draw(self, prefix: str) -> str:
+        left = self._left[prefix]
+        if not left:
+            raise PoolExhausted(f"identifier pool {prefix!r} exhausted; lower `length`")
+        i = self._rng.randrange(len(left))
+        left[i], left[-1] = left[-1], left[i]
+        return left.pop()
 
     def key(self) -> str:
-        return self.draw("k", 4)
+        return self.draw("k")
 
     def value(self) -> str:
-        return self.draw("v", 4)
+        return self.draw("v")
 
     def doc_id(self) -> str:
-        return self.draw("d", 3)
+        return self.draw("d")
 
 
 def find_evidence(messages: list[dict], value: str, before: int) -> Evidence:

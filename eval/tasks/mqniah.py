@@ -1,7 +1,7 @@
 """Split-query multi-query needle-in-a-haystack (MQ-NIAH, RepairKV §4.1).
 
 One example: a long distractor document in the first user message holding ``needles``
-key-value needles ("The special code for k4173 is v9032.") among filler sentences and
+key-value needles ("The special code for k173 is v032.") among filler sentences and
 distractor needles (same sentence, keys never asked). Turn 1 asks for one subset of
 the keys, turn 2 (a second user message, after the turn-1 answer) for the rest.
 
@@ -16,7 +16,7 @@ content and covers the needle sentence, and ``depth`` in [0, 1] is its relative
 position in the document.
 
 ``length`` is the target rendered length in toy-tokenizer tokens; the number of
-distractor needles defaults to one per 128 tokens.
+distractor needles defaults to one per 128 tokens (capped by the identifier pools).
 """
 
 from __future__ import annotations
@@ -24,16 +24,11 @@ from __future__ import annotations
 import random
 
 from eval.tasks.example import Example, IdentifierPool, approx_tokens, conversation_tokens, example_seed, join_list, scored
-from eval.tasks.words import FILLER_SUBJECTS, FILLER_WORDS, SYSTEM_PLAIN
+from eval.tasks.words import SYSTEM_PLAIN, filler_sentence
 
 NEEDLE_COUNTS = (2, 4, 6, 8)
 NEEDLE_TEMPLATE = "The special code for {key} is {value}."
 INTRO = "Read the document below and answer the questions about it."
-
-
-def _filler_sentence(rng: random.Random) -> str:
-    words = rng.choices(FILLER_WORDS, k=rng.randint(4, 9))
-    return f"{rng.choice(FILLER_SUBJECTS)} {' '.join(words)}."
 
 
 def _question(keys: list[str]) -> str:
@@ -59,6 +54,7 @@ def one_mqniah(seed: int, needles: int = 4, length: int = 2048, distractor_needl
     rng = random.Random(seed)
     ids = IdentifierPool(rng)
     n_distractor_needles = length // 128 if distractor_needles is None else distractor_needles
+    n_distractor_needles = min(n_distractor_needles, ids.left("k") - needles, ids.left("v") - needles)
 
     keys = [ids.key() for _ in range(needles)]
     value_of = {k: ids.value() for k in keys}
@@ -83,10 +79,10 @@ def one_mqniah(seed: int, needles: int = 4, length: int = 2048, distractor_needl
     distractors = [NEEDLE_TEMPLATE.format(key=ids.key(), value=ids.value()) for _ in range(n_distractor_needles)]
     budget = length - conversation_tokens(messages_for(""), [])
     budget -= sum(approx_tokens(s) + 1 for s in distractors)
-    budget -= needles * (approx_tokens(NEEDLE_TEMPLATE.format(key="k1234", value="v1234")) + 1)
+    budget -= needles * (approx_tokens(NEEDLE_TEMPLATE.format(key="k123", value="v123")) + 1)
     sentences = []
     while budget > 0:
-        sentences.append(_filler_sentence(rng))
+        sentences.append(filler_sentence(rng))
         budget -= approx_tokens(sentences[-1]) + 1
     for s in distractors:
         sentences.insert(rng.randint(0, len(sentences)), s)

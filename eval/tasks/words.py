@@ -1,9 +1,11 @@
 """The fixed word lists every synthetic task draws its prose from.
 
-``vocabulary()`` is the closed set of ``\\w+`` runs the generators can emit outside
-identifiers (identifiers such as ``k4173`` are spelled by characters; see
-``eval.tasks.example``). It is derived from the lists and the fixed sentences below,
-so adding a phrase here is enough to keep the tokenizer vocabulary complete.
+``vocabulary()`` is the closed set of ``\\w+`` runs the generators can emit: the prose
+words of the lists and fixed sentences below, then the identifier pools (keys
+``k000``..``k399``, values ``v000``..``v399``, document ids ``d000``..``d199``). Every
+identifier is one vocabulary word, so it is one token of the word-level tokenizer and
+retrieving a value is single-token induction (find the key token, copy the value token
+after it). Adding a phrase here is enough to keep the tokenizer vocabulary complete.
 """
 
 from __future__ import annotations
@@ -70,14 +72,26 @@ TOOL_SCHEMAS = {
     "weather": ("Get the weather forecast for a city.", {"city": "the city name"}),
 }
 
+# Identifier pools: a generator draws from them without replacement per example.
+KEY_POOL = tuple(f"k{i:03d}" for i in range(400))
+VALUE_POOL = tuple(f"v{i:03d}" for i in range(400))
+DOC_POOL = tuple(f"d{i:03d}" for i in range(200))
+IDENTIFIERS = frozenset(KEY_POOL + VALUE_POOL + DOC_POOL)
+
 # Words the JSON schemas themselves contain (keys and type names).
 SCHEMA_WORDS = ("type", "function", "name", "description", "parameters", "object", "properties", "string", "required")
+
+def filler_sentence(rng) -> str:
+    """A random prose sentence from ``FILLER_SUBJECTS`` and ``FILLER_WORDS``."""
+    words = rng.choices(FILLER_WORDS, k=rng.randint(4, 9))
+    return f"{rng.choice(FILLER_SUBJECTS)} {' '.join(words)}."
+
 
 _WORD_RE = re.compile(r"[A-Za-z_][A-Za-z_0-9]*")
 
 
 def vocabulary() -> list[str]:
-    """Every word the task generators can emit (order fixed; identifiers excluded)."""
+    """Every word the task generators can emit (order fixed): prose words, then identifiers."""
     texts = [
         *PROJECTS,
         *TOPICS,
@@ -94,4 +108,5 @@ def vocabulary() -> list[str]:
     for text in texts:
         words += [w for w in _WORD_RE.findall(re.sub(r"\{\w+\}", " ", text)) if not re.fullmatch(r"[kvd]\d+", w)]
     # Single letters are already characters of the toy tokenizer.
-    return [w for w in dict.fromkeys(words) if len(w) > 1]
+    prose = [w for w in dict.fromkeys(words) if len(w) > 1]
+    return prose + [*KEY_POOL, *VALUE_POOL, *DOC_POOL]
