@@ -185,6 +185,11 @@ def _dense_logits(graphdef, params, tokens_BT):
 
 
 @functools.partial(jax.jit, donate_argnames=("cache",))
+def _copy_rows(cache: PagedKVCache, src_M, dst_M):
+    return cache.replace(k=cache.k.at[:, dst_M].set(cache.k[:, src_M]), v=cache.v.at[:, dst_M].set(cache.v[:, src_M]))
+
+
+@functools.partial(jax.jit, donate_argnames=("cache",))
 def _install_row(cache: PagedKVCache, row, slot_map_P, live_idx_P, live_len, seq_len):
     return cache.replace(
         slot_map=cache.slot_map.at[row].set(slot_map_P),
@@ -316,6 +321,35 @@ class Engine:
         freed = self.allocator.release(dropped)
         self._push_row(row)
         return freed
+
+    def live_positions(self, row: int) -> np.ndarray:
+        """Positions of the row's live entries (in live-list order = position order)."""
+        slots = np.asarray(self._row(row).slots)
+        return np.flatnonzero(slots != SENTINEL_SLOT)
+
+    def gather_keys(self, row: int) -> jax.Array:
+        """Post-RoPE keys of the row's live positions ``[L, N, Hkv, D]``."""
+        live = np.asarray(self._row(row).live, np.int32)
+        return self.cache.k[:, live]
+
+    def gather_rows(self, slots) -> tuple[np.ndarray, np.ndarray]:
+        """Host copies of the K and V rows at ``slots``: ``[L, M, Hkv, D]`` each."""
+        idx = np.asarray(slots, np.int32)
+        return np.asarray(self.cache.k[:, idx]), np.asarray(self.cache.v[:, idx])
+
+    def apply_layout(self, row: int, plan) -> None:
+        """Apply a ``jaxkv.policies.layouts.LayoutPlan`` to a row (pool + tables)."""
+        from jaxkv.pallas import rope_delta
+
+        self._row(row)
+        if plan.copy_src.size:
+            src = jnp.asarray(plan.copy_src, jnp.int32)
+            dst = jnp.asarray(plan.copy_dst, jnp.int32)
+            self.cache = _copy_rows(self.cache, src, dst)
+            k = rope_delta(self.cache.k, dst, jnp.asarray(plan.delta, jnp.int32), self.model.config.rope)
+            self.cache = self.cache.replace(k=k)
+        self.set_row_tables(row, plan.slots, plan.live)
+        self.allocator.release(plan.released)
 
     def set_row_tables(self, row: int, slots: Sequence[int], live: Sequence[int]) -> None:
         """Replace a row's host + device tables (used by layouts that edit them)."""
@@ -533,3 +567,43 @@ def generate(model: Model, prompts, max_new_tokens: int, temperature: float = 0.
         for i, toks in zip(live_rows, tokens):
             outputs[i] += toks
     return outputs
+
+
+# ============================================================================ compression
+@dataclasses.dataclass(frozen=True)
+class CompressionReport:
+    """What one compression event did (positions in the numbering before it)."""
+
+    live_before: int
+    live_after: int
+    kept_positions: np.ndarray
+    plan: object
+
+
+def compress_row(engine: Engine, row: int, policy, cfg, state, feats, forced_N, budget: int, layout: str):
+    """One compression event on a row: score, select, apply the layout.
+
+    ``feats`` are the row's ``EventFeatures`` (live positions in order) and
+    ``forced_N`` the engine-forced mask (protected prefix, actionable query);
+    the policy's own keep set is added here. Returns ``(state, report)``.
+    """
+    from jaxkv.policies import layouts
+    from jaxkv.policies.base import select
+
+    live_pos = np.asarray(feats.positions_N)
+    forced = jnp.asarray(forced_N, bool)
+    if policy.keep is not None:
+        forced = forced | policy.keep(cfg, feats)
+    candidates = ~forced
+    scores, state = policy.score(cfg, state, feats, candidates)
+    keep_mask = np.asarray(select(scores, forced, candidates, budget))
+    kept = live_pos[keep_mask]
+    slots = engine.row_state[row].slots
+    if layout == "dead_slot":
+        plan = layouts.dead_slot(slots, kept)
+    elif layout == "compact":
+        plan = layouts.compact(slots, kept, engine.allocate(kept.size))
+    else:
+        raise ValueError(f"unknown layout {layout!r}; known: {', '.join(layouts.LAYOUTS)}")
+    engine.apply_layout(row, plan)
+    return state, CompressionReport(int(live_pos.size), int(kept.size), kept, plan)

@@ -35,10 +35,14 @@ from jaxkv.cache.radix import RadixTree
 from jaxkv.cache.session_store import SessionStore
 from jaxkv.chat import derive_session_id, parse_assistant, render
 from jaxkv.chat.render import tool_name
-from jaxkv.engine import Engine
+from jaxkv.cache.allocator import SENTINEL_SLOT
+from jaxkv.engine import Engine, bucket, compress_row
 from jaxkv.errors import ConfigError, ContextLengthError
 from jaxkv.metrics import Metrics
 from jaxkv.models.loading import Model
+from jaxkv.models.transformer import NO_FEATURES, Features
+from jaxkv.policies import EventFeatures, Observation, get_policy
+from jaxkv.policies.layouts import LAYOUTS
 from jaxkv.sampling import make_sampler, sample
 
 
@@ -110,9 +114,13 @@ class Session:
       keep_reasoning: render earlier reasoning too, so histories stay append-only.
       max_new_tokens: default reply budget for ``chat``.
       max_positions, num_slots: sizing of a private server.
+      policy: a retention method from ``jaxkv.policies.REGISTRY`` (None: full cache).
+      budget: the retention budget B (live history tokens kept at an event).
+      layout: ``"dead_slot"`` (default) or ``"compact"``.
+      **policy_config: options of the policy's config (e.g. ``window=16``).
     """
 
-    def __init__(self, model: Model, *, server: Server | None = None, session_id: str | None = None, keep_reasoning: bool = False, max_new_tokens: int = 256, max_positions: int | None = None, num_slots: int | None = None, backend=None):
+    def __init__(self, model: Model, *, server: Server | None = None, session_id: str | None = None, keep_reasoning: bool = False, max_new_tokens: int = 256, max_positions: int | None = None, num_slots: int | None = None, backend=None, policy: str | None = None, budget: int | None = None, layout: str = "dead_slot", **policy_config):
         self.server = server or Server(model, max_positions=max_positions, num_slots=num_slots, backend=backend)
         if self.server.model is not model:
             raise ConfigError("a session's model must be its server's model")
@@ -123,6 +131,8 @@ class Session:
         self.max_new_tokens = max_new_tokens
         self.metrics = Metrics()
         self.session_id: str | None = None
+        self.retention = _RetentionSpec.make(policy, budget, layout, policy_config) if policy else None
+        self.compressions: list = []  # CompressionReports of this session, in order
 
     # ------------------------------------------------------------------ public
     def chat(self, messages: Sequence[Mapping[str, Any]], tools=None, *, max_new_tokens: int | None = None, temperature: float = 0.0, top_k=None, top_p=None, seed: int = 0) -> dict:
@@ -131,9 +141,9 @@ class Session:
         n_new = self.max_new_tokens if max_new_tokens is None else max_new_tokens
         make_sampler(temperature, top_k, top_p)
         self._check_length(rendered.ids.size, n_new)
-        turn = self._open(rendered.ids)
+        turn = self._open(rendered)
         try:
-            logits = turn.prefill(rendered.ids[turn.reused:])
+            logits = turn.prefill_prompt()
             reply_ids = turn.generate(logits, n_new, temperature=temperature, top_k=top_k, top_p=top_p, seed=seed)
             turn.insert()
         finally:
@@ -152,15 +162,16 @@ class Session:
             prompt = self._render(messages[:j], tools, add_generation_prompt=True)
             full = self._render(messages[: j + 1], tools, add_generation_prompt=False).ids
             self._check_length(max(full.size, prompt.ids.size + (n_new if generate else 0)), 0)
-            turn = self._open(prompt.ids)
+            turn = self._open(prompt)
             try:
-                logits = turn.prefill(prompt.ids[turn.reused:], all_logits=return_logits)
+                logits = turn.prefill_prompt(all_logits=return_logits)
                 result = TurnResult(prompt.ids, turn.reused, logits if return_logits else None)
                 if generate:
+                    mark = turn.mark()
                     reply = turn.generate(logits[-1] if return_logits else logits, n_new)
                     text = self.tokenizer.decode(reply, skip_special_tokens=False)
                     result.generated = parse_assistant(text, [tool_name(t) for t in tools] if tools else None)
-                    turn.rewind(prompt.ids.size)
+                    turn.rewind(mark)
                 if full[: prompt.ids.size].tolist() == prompt.ids.tolist() and full.size > prompt.ids.size:
                     target = full[prompt.ids.size:]
                     target_logits = turn.prefill(target, all_logits=return_logits)
@@ -188,17 +199,72 @@ class Session:
                 f"context of {limit} tokens"
             )
 
-    def _open(self, ids: np.ndarray) -> "_Turn":
-        return _Turn(self, ids)
+    def _open(self, rendered) -> "_Turn":
+        return _Turn(self, rendered)
+
+    def _retention_state(self) -> "_RetentionState | None":
+        """This session's policy state, kept in the server's LRU session store."""
+        spec = self.retention
+        if spec is None:
+            return None
+        key = (self.session_id, spec.key)
+        return self.server.store.get_or_create(key, lambda: _RetentionState(spec, self.model.config))
+
+
+@dataclasses.dataclass(frozen=True)
+class _RetentionSpec:
+    """A session's retention choice: policy, typed config, budget, layout."""
+
+    policy: object
+    config: object
+    budget: int
+    layout: str
+
+    @classmethod
+    def make(cls, name, budget, layout, options):
+        policy = get_policy(name)
+        config = policy.make_config(**options)
+        if budget is None or int(budget) < 1:
+            raise ConfigError(f"policy {name!r} needs a positive budget, got {budget!r}")
+        if layout not in LAYOUTS:
+            raise ConfigError(f"unknown layout {layout!r}; known: {', '.join(LAYOUTS)}")
+        return cls(policy, config, int(budget), layout)
+
+    @property
+    def key(self):
+        return (self.policy.name, repr(self.config), self.budget, self.layout)
+
+
+class _RetentionState:
+    """Per-session policy state plus per-position history that outlives a turn.
+
+    Attributes:
+      state: the policy's pytree state (rings, QueryMemory, ...).
+      acc_mass: attention mass per position accumulated over the session (H2O).
+    """
+
+    def __init__(self, spec: _RetentionSpec, model_cfg):
+        self.spec = spec
+        self.state = spec.policy.init_state(spec.config, model_cfg)
+        self.acc_mass = np.zeros(0, np.float32)
 
 
 class _Turn:
-    """One request's life on the engine: matched prefix, row, accounting."""
+    """One request's life on the engine: matched prefix, row, retention, accounting.
 
-    def __init__(self, session: Session, ids: np.ndarray):
+    Per-position arrays (``tokens``, ``phase``, ``pinned``) cover the row's
+    positions and are re-indexed together when a compact layout renumbers them.
+    """
+
+    def __init__(self, session: Session, rendered):
         self.session = session
         self.server = session.server
         self.engine = self.server.engine
+        self.rendered = rendered
+        ids = rendered.ids
+        self.spec = session.retention
+        self.retention = session._retention_state()
+        self.needs = self.spec.policy.needs(self.spec.config) if self.spec else None
         match = self.server.radix.match(ids)
         self.handle = match.handle
         self.reused = min(match.length, ids.size - 1)  # always prefill >= 1 token
@@ -207,16 +273,165 @@ class _Turn:
         except Exception:
             self.server.radix.unlock(self.handle)
             raise
+        n = ids.size
         self.tokens: list[int] = ids[: self.reused].tolist()
-        session.metrics.start_request(prompt_tokens=int(ids.size), prefix_hit_tokens=self.reused, session_id=session.session_id)
+        self.phase = np.asarray(rendered.phase, np.int32)[: self.reused]
+        pinned = np.zeros(n, bool)
+        for a, b in (rendered.spans.protected_prefix, rendered.spans.actionable_query):
+            pinned[a:b] = True
+        self._pinned_prompt = pinned
+        self.pinned = pinned[: self.reused]
+        self.renumbered = False
+        self.uncompressed = int(n)  # request size without pruning (raw reads, PT)
+        self.window: tuple[np.ndarray, np.ndarray] | None = None  # (q [L,W,Hq,D], positions [W])
+        self.query_mean = None
+        if self.retention is not None and self.retention.acc_mass.size < self.reused:
+            self.retention.acc_mass = np.zeros(self.reused, np.float32)
+        session.metrics.start_request(prompt_tokens=int(n), prefix_hit_tokens=self.reused, session_id=session.session_id)
+
+    # -- prefill ------------------------------------------------------------------
+    def prefill_prompt(self, *, all_logits=False):
+        """Prefill the unmatched prompt suffix, then run a compression event if due."""
+        logits = self._prefill_prompt(all_logits)
+        self._observe_live()  # post-pruning live KV of the prompt
+        return logits
+
+    def _prefill_prompt(self, all_logits):
+        ids = self.rendered.ids
+        suffix = ids[self.reused:]
+        if self.spec is None:
+            return self.prefill(suffix, all_logits=all_logits)
+        needs = self.needs
+        offset = self.reused
+        n = ids.size
+        phase = np.asarray(self.rendered.phase, np.int32)
+        window_pos = np.arange(max(offset, n - needs.window), n) if needs.window else np.zeros(0, np.int64)
+        a, b = self.rendered.spans.actionable_query
+        span_pos = np.arange(max(a, offset), b) if needs.query_mean else np.zeros(0, np.int64)
+        ring_pos = np.zeros(0, np.int64)
+        if needs.observe_rows:
+            per_phase = int(needs.observe_rows) if not isinstance(needs.observe_rows, bool) else 64
+            ring_pos = np.concatenate([
+                np.flatnonzero(phase[offset:] == ph)[-per_phase:] + offset for ph in np.unique(phase[offset:])
+            ]) if suffix.size else ring_pos
+            ring_pos = np.sort(ring_pos)
+        capture = np.unique(np.concatenate([window_pos, span_pos, ring_pos]).astype(np.int64))
+        feats = Features(query_rows=capture.size > 0, attn_mass=needs.attn_mass)
+        if feats == NO_FEATURES:
+            return self.prefill(suffix, all_logits=all_logits)
+        X = bucket(max(capture.size, 1), minimum=8)
+        idx = np.full(X, capture[-1] - offset if capture.size else 0, np.int64)
+        idx[: capture.size] = capture - offset
+        logits, aux = self.engine.prefill([self.row], [suffix.tolist()], all_logits=all_logits, features=feats, q_row_positions=[idx])
+        logits = logits[0]
+        self._extend(suffix.tolist())
+        if needs.attn_mass:
+            self._add_mass(aux["attn_mass"][0].mean(axis=(0, 1)))
+        q_of = {}
+        if capture.size:
+            q_rows = aux["q_rows"][:, 0]  # [L, X, Hq, D]
+            q_of = {int(p): i for i, p in enumerate(capture)}
+        if window_pos.size:
+            self.window = (q_rows[:, [q_of[int(p)] for p in window_pos]], window_pos)
+        if span_pos.size:
+            self.query_mean = q_rows[:, [q_of[int(p)] for p in span_pos]].mean(axis=1)
+        if self.spec.policy.observe is not None:
+            rows = [q_of[int(p)] for p in ring_pos]
+            self._observe(q_rows[:, rows] if rows else None, phase[ring_pos], new_turn=True)
+        self._maybe_compress()
+        return logits
 
     def prefill(self, ids, *, all_logits=False):
         ids = np.asarray(ids).tolist()
         out = self.engine.prefill([self.row], [ids], all_logits=all_logits)[0]
-        self.tokens += ids
-        self._observe()
+        self._extend(ids)
         return out
 
+    def _extend(self, ids, phases=None):
+        start = len(self.tokens)
+        self.tokens += list(ids)
+        if phases is None:  # prompt tokens: tags from the render
+            phases = np.asarray(self.rendered.phase, np.int32)[start : start + len(ids)]
+            pinned = self._pinned_prompt[start : start + len(ids)] if not self.renumbered else np.zeros(len(ids), bool)
+            if phases.size < len(ids):  # teacher-forced target past the prompt
+                phases = np.concatenate([phases, np.full(len(ids) - phases.size, phases[-1] if phases.size else 3, np.int32)])
+                pinned = np.concatenate([pinned, np.zeros(len(ids) - pinned.size, bool)])
+        else:
+            pinned = np.zeros(len(ids), bool)
+        self.phase = np.concatenate([self.phase, phases])
+        self.pinned = np.concatenate([self.pinned, pinned])
+
+    def _add_mass(self, mass_P):
+        acc = self.retention.acc_mass
+        if acc.size < mass_P.size:
+            acc = np.concatenate([acc, np.zeros(mass_P.size - acc.size, np.float32)])
+        acc[: mass_P.size] += mass_P
+        self.retention.acc_mass = acc
+
+    def _observe(self, q_LXHD, phase_X, *, new_turn):
+        spec = self.spec
+        cfg = self.session.model.config
+        if q_LXHD is None:
+            q_LXHD = np.zeros((cfg.num_layers, 1, cfg.num_heads, cfg.head_dim), np.float32)
+            valid = np.zeros(1, bool)
+            phase_X = np.zeros(1, np.int32)
+        else:
+            valid = np.ones(q_LXHD.shape[1], bool)
+        qm = self.query_mean if self.query_mean is not None else np.zeros((cfg.num_layers, cfg.num_heads, cfg.head_dim), np.float32)
+        obs = Observation(
+            q_LXHD=jnp.asarray(q_LXHD, jnp.float32), phase_X=jnp.asarray(phase_X, jnp.int32),
+            valid_X=jnp.asarray(valid), query_mean_LHD=jnp.asarray(qm, jnp.float32),
+            new_turn=jnp.asarray(bool(new_turn and self.query_mean is not None)),
+        )
+        self.retention.state = spec.policy.observe(spec.config, self.retention.state, obs)
+
+    # -- compression ----------------------------------------------------------------
+    def _maybe_compress(self):
+        spec = self.spec
+        live_pos = self.engine.live_positions(self.row)
+        if live_pos.size <= spec.budget:
+            return
+        cfg = self.session.model.config
+        if self.window is not None:
+            wq, wpos = self.window
+        else:
+            wq = np.zeros((cfg.num_layers, 1, cfg.num_heads, cfg.head_dim), np.float32)
+            wpos = np.zeros(1, np.int64)
+        wvalid = np.asarray([self._is_live(p) or p >= len(self.tokens) - 1 for p in wpos]) if self.window is not None else np.zeros(1, bool)
+        acc = self.retention.acc_mass
+        acc_live = np.where(live_pos < acc.size, acc[np.minimum(live_pos, max(acc.size - 1, 0))], 0.0) if acc.size else np.zeros(live_pos.size)
+        qm = self.query_mean if self.query_mean is not None else np.zeros((cfg.num_layers, cfg.num_heads, cfg.head_dim), np.float32)
+        feats = EventFeatures(
+            keys_LNKD=self.engine.gather_keys(self.row).astype(jnp.float32),
+            positions_N=jnp.asarray(live_pos, jnp.int32),
+            phase_N=jnp.asarray(self.phase[live_pos], jnp.int32),
+            window_q_LWHD=jnp.asarray(wq, jnp.float32),
+            window_pos_W=jnp.asarray(wpos, jnp.int32),
+            window_valid_W=jnp.asarray(wvalid),
+            acc_mass_N=jnp.asarray(acc_live, jnp.float32),
+            query_mean_LHD=jnp.asarray(qm, jnp.float32),
+            seq_len=jnp.int32(len(self.tokens)),
+        )
+        forced = self.pinned[live_pos]
+        self.retention.state, report = compress_row(
+            self.engine, self.row, spec.policy, spec.config, self.retention.state, feats, forced, spec.budget, spec.layout
+        )
+        self.session.compressions.append(report)
+        if report.plan.renumbered:  # compact: positions are now 0..K-1
+            kept = report.kept_positions
+            self.tokens = [self.tokens[p] for p in kept]
+            self.phase, self.pinned = self.phase[kept], self.pinned[kept]
+            if acc.size:
+                self.retention.acc_mass = np.where(kept < acc.size, acc[np.minimum(kept, acc.size - 1)], 0.0).astype(np.float32)
+            self.window = None
+            self.renumbered = True
+        self._observe_live()
+
+    def _is_live(self, p) -> bool:
+        slots = self.engine.row_state[self.row].slots
+        return p < len(slots) and slots[p] != SENTINEL_SLOT
+
+    # -- decode -------------------------------------------------------------------
     def generate(self, last_logits, n_new, *, temperature=0.0, top_k=None, top_p=None, seed=0):
         if n_new <= 0:
             return []
@@ -225,32 +440,67 @@ class _Turn:
         first = int(sample(jnp.asarray(last_logits)[None], jax.random.fold_in(key, 1 << 30), spec, temp, top_p_val)[0])
         reply = [first]
         stops = self.server.stop_token_ids
-        if first not in stops and n_new > 1:
+        needs = self.needs
+        interval = needs.decode_interval if needs is not None and needs.decode_interval else n_new
+        feats = NO_FEATURES
+        if needs is not None and needs.decode_interval:
+            feats = Features(query_rows=bool(needs.window or needs.observe_rows), attn_mass=needs.attn_mass)
+        remaining = n_new - 1
+        chunk_index = 0
+        while reply[-1] not in stops and remaining > 0:
+            n = min(interval, remaining)
             state = self.engine.row_state[self.row]
-            raw0, eff0 = state.seq_len, len(state.live)
-            tokens, _ = self.engine.decode(
-                [self.row], [first], n_new - 1, temperature=temperature, top_k=top_k, top_p=top_p,
-                key=key, stop_token_ids=stops,
+            raw0, eff0 = self.uncompressed, len(state.live)
+            out = self.engine.decode(
+                [self.row], [reply[-1]], n, temperature=temperature, top_k=top_k, top_p=top_p,
+                key=jax.random.fold_in(key, chunk_index), stop_token_ids=stops, features=feats,
             )
-            reply += tokens[0]
-            n_fed = len(tokens[0])
-            self.tokens += reply[:n_fed]
-            for s in range(1, n_fed + 1):  # each step attends to everything so far + itself
+            tokens = out[0][0]
+            fed = [reply[-1]] + tokens[:-1]  # the tokens written to the cache this chunk
+            for s in range(1, len(tokens) + 1):  # each step attends to everything so far + itself
                 self.session.metrics.on_decode_step(raw_attended=raw0 + s, effective_attended=eff0 + s)
-        self._observe()
+            phases = self.rendered.scanner.feed(fed).phase.astype(np.int32)
+            start = len(self.tokens)
+            self._extend(fed, phases)
+            self.uncompressed += len(fed)
+            reply += tokens
+            remaining -= n
+            chunk_index += 1
+            if feats != NO_FEATURES:
+                aux = out[2]
+                if needs.attn_mass:
+                    self._add_mass(aux["attn_mass"][0])
+                q = aux["q_rows"][0].transpose(1, 0, 2, 3) if "q_rows" in aux else None  # [L, n, Hq, D]
+                if q is not None and needs.window:
+                    w = min(needs.window, q.shape[1])
+                    self.window = (q[:, -w:], np.arange(start + len(fed) - w, start + len(fed)))
+                if q is not None and self.spec.policy.observe is not None:
+                    self._observe(q, phases, new_turn=False)
+                if remaining > 0 and reply[-1] not in stops:
+                    self._maybe_compress()
         return reply
 
+    def mark(self):
+        return len(self.tokens)
+
     def rewind(self, length: int) -> None:
+        if self.renumbered:
+            raise ConfigError("cannot rewind a request whose positions a compact layout renumbered")
         self.engine.truncate_row(self.row, length)
         self.tokens = self.tokens[:length]
+        self.phase, self.pinned = self.phase[:length], self.pinned[:length]
 
     def insert(self) -> None:
+        if self.renumbered:  # compact layout: the row no longer matches its tokens
+            return
         state = self.engine.row_state[self.row]
-        self.server.radix.insert(self.tokens, state.slots[: len(self.tokens)])
+        slots = state.slots[: len(self.tokens)]
+        self.server.radix.insert(self.tokens, slots)
+        if self.spec is not None:  # dead-slot evictions become holes in the cache too
+            self.server.radix.punch_holes(self.tokens, slots, own_handle=self.handle)
 
-    def _observe(self):
-        state = self.engine.row_state[self.row]
-        self.session.metrics.on_live(len(state.live))
+    def _observe_live(self):
+        self.session.metrics.on_live(len(self.engine.row_state[self.row].live))
 
     def close(self) -> None:
         try:

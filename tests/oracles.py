@@ -14,7 +14,12 @@ import numpy as np
 from jaxkv import attention
 
 
-def logits_over_kept(model, prefix_tokens, keep, new_tokens):
+def logits_over_kept(model, prefix_tokens, keep, new_tokens, *, renumber=False):
+    """With ``renumber`` (compact layout) the kept rows move to positions
+    ``0..K-1`` (keys re-rotated from the dense run's keys) and the new tokens
+    follow at ``K, K+1, ...``; otherwise everything keeps its position."""
+    from jaxkv.models.rope import apply_rope
+
     module = model.module
     prefix = jnp.asarray([prefix_tokens], jnp.int32)
     P = prefix.shape[1]
@@ -30,12 +35,17 @@ def logits_over_kept(model, prefix_tokens, keep, new_tokens):
     T = new.shape[1]
 
     def attend_kept(i, q, k, v):
-        k_all = jnp.concatenate([kv[i][0][:, keep], k], axis=1)
+        k_kept = kv[i][0][:, keep]
+        if renumber:
+            delta = jnp.asarray(np.arange(len(keep)) - keep)[None]
+            k_kept = apply_rope(k_kept, delta, model.config.rope)
+        k_all = jnp.concatenate([k_kept, k], axis=1)
         v_all = jnp.concatenate([kv[i][1][:, keep], v], axis=1)
         causal = np.tril(np.ones((T, T), bool))
         mask = np.concatenate([np.ones((T, len(keep)), bool), causal], axis=1)[None]
         out, _ = attention._attend(attention._grouped(q, k.shape[2]), k_all, v_all, jnp.asarray(mask))
         return out.astype(q.dtype)
 
-    x = module._run(new, (P + jnp.arange(T, dtype=jnp.int32))[None], attend_kept)
+    first = len(keep) if renumber else P
+    x = module._run(new, (first + jnp.arange(T, dtype=jnp.int32))[None], attend_kept)
     return np.asarray(module._logits(x), np.float64)[0]

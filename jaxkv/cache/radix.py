@@ -168,6 +168,52 @@ class RadixTree:
             n.last_access = now
         return int(new_ids.size)
 
+    def punch_holes(self, token_ids, slots, own_handle: LockHandle | None = None) -> np.ndarray:
+        """Redirect to the sentinel the cached positions a request evicted.
+
+        ``token_ids`` must be cached (call after ``insert``); where ``slots`` holds
+        the sentinel but the tree holds a real slot, the tree's entry becomes a
+        hole and its reference is released -- unless the position is *protected*:
+        shared with another cached sequence (it lies at or above a branching
+        node) or locked by another running request (locks of ``own_handle`` do
+        not count). Returns the slots freed (refcount 0). Dead-slot eviction then
+        persists across turns while every other sequence keeps what it shares.
+        """
+        ids = _as_ids(token_ids)
+        slots = _as_ids(slots)
+        if ids.size != slots.size:
+            raise RadixError(f"punch_holes got {ids.size} token ids but {slots.size} slots")
+        node, k, length = self._walk(ids)
+        if length != ids.size:
+            raise RadixError(f"punch_holes: only {length} of {ids.size} tokens are cached")
+        path = list(node.path_to_root())[::-1][1:]  # root excluded, top-down
+        own = set()
+        if own_handle is not None and own_handle.locked:
+            own = {id(n) for n in own_handle._node.path_to_root()}
+        # The deepest protected node protects itself and everything above it.
+        protected_depth = -1
+        for depth, n in enumerate(path):
+            other_locks = n.lock_count - (1 if id(n) in own else 0)
+            # Shared if another cached sequence continues from it (our own path
+            # accounts for one child of every node above our last one).
+            branching = len(n.children) > (0 if n is node else 1)
+            if branching or other_locks > 0 or (n is node and k < n.tokens.size):
+                protected_depth = depth
+        release = []
+        start = 0
+        for depth, n in enumerate(path):
+            end = start + n.tokens.size
+            if depth > protected_depth:
+                want = slots[start:end]
+                hole = (want == SENTINEL_SLOT) & (n.slots != SENTINEL_SLOT)
+                if hole.any():
+                    release.append(n.slots[hole].copy())
+                    n.slots = np.where(hole, SENTINEL_SLOT, n.slots).astype(np.int32)
+            start = end
+        if not release:
+            return np.zeros(0, np.int32)
+        return self._allocator.release(np.concatenate(release))
+
     def evict(self, n_slots: int) -> np.ndarray:
         """Drop least-recently-used unlocked leaves until at least ``n_slots`` slots
         are freed or nothing more is evictable. Returns the freed slots (refcount 0).
