@@ -28,3 +28,6 @@ __all__ = [
     "register",
     "select",
 ]
+
+# Importing a method's module registers it in REGISTRY.
+from jaxkv.policies import agentkv, controls, h2o, intentkv, snapkv, streaming, tova  # noqa: E402,F401
