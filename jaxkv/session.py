@@ -282,6 +282,7 @@ class _Turn:
         self._pinned_prompt = pinned
         self.pinned = pinned[: self.reused]
         self.renumbered = False
+        self.renumber_count = 0
         self.uncompressed = int(n)  # request size without pruning (raw reads, PT)
         self.window: tuple[np.ndarray, np.ndarray] | None = None  # (q [L,W,Hq,D], positions [W])
         self.query_mean = None
@@ -318,7 +319,9 @@ class _Turn:
         capture = np.unique(np.concatenate([window_pos, span_pos, ring_pos]).astype(np.int64))
         feats = Features(query_rows=capture.size > 0, attn_mass=needs.attn_mass)
         if feats == NO_FEATURES:
-            return self.prefill(suffix, all_logits=all_logits)
+            logits = self.prefill(suffix, all_logits=all_logits)
+            self._maybe_compress()
+            return logits
         X = bucket(max(capture.size, 1), minimum=8)
         idx = np.full(X, capture[-1] - offset if capture.size else 0, np.int64)
         idx[: capture.size] = capture - offset
@@ -425,6 +428,7 @@ class _Turn:
                 self.retention.acc_mass = np.where(kept < acc.size, acc[np.minimum(kept, acc.size - 1)], 0.0).astype(np.float32)
             self.window = None
             self.renumbered = True
+            self.renumber_count += 1
         self._observe_live()
 
     def _is_live(self, p) -> bool:
@@ -481,11 +485,14 @@ class _Turn:
         return reply
 
     def mark(self):
-        return len(self.tokens)
+        """A point to ``rewind`` to (used by replay to drop a probe generation;
+        evictions made meanwhile persist, like any other eviction)."""
+        return (len(self.tokens), self.renumber_count)
 
-    def rewind(self, length: int) -> None:
-        if self.renumbered:
-            raise ConfigError("cannot rewind a request whose positions a compact layout renumbered")
+    def rewind(self, mark) -> None:
+        length, renumber_count = mark
+        if renumber_count != self.renumber_count:
+            raise ConfigError("cannot rewind past a compact renumbering of the request's positions")
         self.engine.truncate_row(self.row, length)
         self.tokens = self.tokens[:length]
         self.phase, self.pinned = self.phase[:length], self.pinned[:length]
