@@ -43,7 +43,14 @@ def _cmd_generate(args) -> int:
 def _cmd_demo(args) -> int:
     from jaxkv.demo import run_demo
 
-    return run_demo(model_path=args.model, turns=args.turns, seed=args.seed)
+    return run_demo(model_path=args.model, turns=args.turns, seed=args.seed, length=args.length)
+
+
+def _cmd_eval(args) -> int:
+    from eval.harness import run
+
+    run(args)
+    return 0
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -62,11 +69,17 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--raw", action="store_true", help="do not apply the chat template")
     g.set_defaults(func=_cmd_generate)
 
-    d = sub.add_parser("demo", help="the main job: a multi-turn chat through the paged cache")
-    d.add_argument("--model", default=None, help="checkpoint folder (default: built-in)")
-    d.add_argument("--turns", type=int, default=4)
-    d.add_argument("--seed", type=int, default=0)
+    d = sub.add_parser("demo", help="the main job: multi-turn agent sessions through the engine and radix cache")
+    d.add_argument("--model", default=None, help="checkpoint folder with a tokenizer (default: the embedded agent model)")
+    d.add_argument("--turns", type=int, default=4, help="generated tasks to run (alternating agent trace / MQ-NIAH), each a multi-turn session")
+    d.add_argument("--seed", type=int, default=0, help="task seed (held out from training)")
+    d.add_argument("--length", type=int, default=2048, help="target conversation length of each task, in tokens")
     d.set_defaults(func=_cmd_demo)
+    from eval.harness import build_parser as eval_parser
+
+    e = sub.add_parser("eval", help="evaluate retention methods x budgets x layouts on generated tasks")
+    eval_parser(e)
+    e.set_defaults(func=_cmd_eval)
     return parser
 
 

@@ -1,0 +1,291 @@
+"""The evaluation harness: methods x budgets x layouts x tasks on one model.
+
+    jaxkv eval --model embedded --task agent --methods snapkv,intentkv_memory \
+        --budgets 256,512 --layouts dead_slot,compact --n 100 --out eval/results/run
+
+Each example is replayed turn by turn through ``jaxkv.Session`` (teacher-forced
+history: the recorded conversation before each assistant turn), the assistant
+turn is generated greedily and scored by exact match against the generator's
+target (tool-call name + arguments, or the answer string); the generated reply
+is then discarded and the recorded one teacher-forced, so every turn sees the
+same history whatever the model produced. One fresh session per example, so the
+radix cache reuses prefixes across the turns of an example, never across
+examples.
+
+Per cell (method, budget, layout, task) it reports: ``accuracy`` (scored turns
+exact-matched, turns of incomplete examples counted wrong), ``completion``
+(examples replayed without a context or memory error), and means over examples
+of the KV accounting (``jaxkv.metrics``): peak request tokens, peak live KV, raw
+and effective KV reads, prefix-hit rate; ``wall_s`` is the cell's total time.
+The method ``full`` is the full cache: it ignores budget and layout and is run
+once per task (budget and layout columns read ``-``).
+
+Outputs in ``--out``: ``results.csv`` (the columns in ``COLUMNS``),
+``results.md`` and PNG plots (accuracy vs budget per method; KV reads vs
+budget), plus a printed comparison of prefix-hit rates of the two layouts.
+``--quick`` shrinks everything so the whole grid finishes in minutes on a CPU.
+"""
+
+from __future__ import annotations
+
+import argparse
+import csv
+import dataclasses
+import math
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+
+COLUMNS = (
+    "method", "budget", "layout", "task", "n", "accuracy", "completion",
+    "peak_request_tokens", "peak_live_kv", "raw_kv_reads", "effective_kv_reads",
+    "prefix_hit_rate", "wall_s",
+)
+ALL_METHODS = ("full", "streaming_llm", "snapkv", "h2o", "tova", "random", "oldest", "agentkv", "intentkv_memory", "intentkv_query")
+TASKS = ("agent", "mqniah")
+EVAL_SEED_BASE = (1 << 30) + 9_000_000  # disjoint from training seeds (< 2**30)
+
+
+@dataclasses.dataclass(frozen=True)
+class Cell:
+    method: str
+    budget: int | None
+    layout: str | None
+    task: str
+
+
+def make_examples(task: str, n: int, length: int, seed: int = EVAL_SEED_BASE):
+    """``n`` generated examples of ``task`` (held out from training by seed)."""
+    from eval.tasks import agent_traces, mqniah
+
+    if task == "agent":
+        return agent_traces(n, seed, length=length)
+    if task == "mqniah":
+        return mqniah(n, seed + 500_000, needles=4, length=length)
+    raise ValueError(f"unknown task {task!r}; known: {', '.join(TASKS)}")
+
+
+def reply_matches(target, reply: dict) -> bool:
+    """Exact match of a generated reply against a ``ScoredTurn``."""
+    from eval.embedded_accuracy import Job, is_correct
+
+    return is_correct(Job(0, target.kind, target.expected, [], ""), reply)
+
+
+def run_example(model, example, cell: Cell, *, max_new_tokens: int, max_positions: int, **session_options):
+    """Replay one example; returns (correct turns, scored turns, completed, metrics dict)."""
+    import jaxkv
+    from jaxkv.session import Session
+
+    policy = None if cell.method == "full" else cell.method
+    options = dict(session_options)
+    if policy is not None:
+        options.update(policy=policy, budget=cell.budget, layout=cell.layout)
+    session = Session(model, max_positions=max_positions, max_new_tokens=max_new_tokens, **options)
+    assistant_at = [j for j, m in enumerate(example.messages) if m.get("role") == "assistant"]
+    last = max(t.message_index for t in example.targets)
+    try:
+        turns = session.replay(example.messages[: last + 1], example.tools or None, generate=True, max_new_tokens=max_new_tokens)
+    except (jaxkv.ContextLengthError, jaxkv.OutOfSlotsError):
+        return 0, len(example.targets), False, session.metrics.as_dict()
+    by_index = dict(zip(assistant_at, turns))
+    correct = sum(reply_matches(t, by_index[t.message_index].generated) for t in example.targets)
+    return correct, len(example.targets), True, session.metrics.as_dict()
+
+
+def run_cell(model, examples, cell: Cell, *, max_new_tokens: int, max_positions: int, progress=None, **session_options) -> dict:
+    t0 = time.perf_counter()
+    correct = scored = completed = 0
+    metrics = []
+    for ex in examples:
+        c, s, done, m = run_example(model, ex, cell, max_new_tokens=max_new_tokens, max_positions=max_positions, **session_options)
+        correct, scored, completed = correct + c, scored + s, completed + done
+        metrics.append(m)
+        if progress is not None:
+            progress(1)
+    mean = {k: float(np.mean([m[k] for m in metrics])) for k in ("peak_request_tokens", "peak_live_kv", "raw_kv_reads", "effective_kv_reads", "prefix_hit_rate")}
+    return {
+        "method": cell.method,
+        "budget": "-" if cell.budget is None else cell.budget,
+        "layout": cell.layout or "-",
+        "task": cell.task,
+        "n": len(examples),
+        "accuracy": correct / max(scored, 1),
+        "completion": completed / max(len(examples), 1),
+        **mean,
+        "wall_s": time.perf_counter() - t0,
+    }
+
+
+def grid(methods, budgets, layouts, tasks) -> list[Cell]:
+    cells = []
+    for task in tasks:
+        for method in methods:
+            if method == "full":
+                cells.append(Cell("full", None, None, task))
+                continue
+            for budget in budgets:
+                for layout in layouts:
+                    cells.append(Cell(method, budget, layout, task))
+    return cells
+
+
+# ----------------------------------------------------------------------------- output
+def _fmt(v):
+    if isinstance(v, float):
+        return f"{v:.3f}" if abs(v) < 100 else f"{v:.0f}"
+    return str(v)
+
+
+def write_csv(rows, path: Path) -> None:
+    with open(path, "w", newline="") as f:
+        w = csv.DictWriter(f, fieldnames=list(rows[0].keys()))
+        w.writeheader()
+        for r in rows:
+            w.writerow({k: (f"{v:.6g}" if isinstance(v, float) else v) for k, v in r.items()})
+
+
+def markdown_table(rows) -> str:
+    cols = list(rows[0].keys())
+    lines = ["| " + " | ".join(cols) + " |", "|" + "---|" * len(cols)]
+    lines += ["| " + " | ".join(_fmt(r[c]) for c in cols) + " |" for r in rows]
+    return "\n".join(lines)
+
+
+def prefix_summary(rows) -> str:
+    """Prefix-hit rate per layout (mean over methods and budgets) next to full cache."""
+    out = []
+    for task in sorted({r["task"] for r in rows}):
+        parts = []
+        for layout in ("-", "dead_slot", "compact"):
+            vals = [r["prefix_hit_rate"] for r in rows if r["task"] == task and r["layout"] == layout]
+            if vals:
+                parts.append(f"{'full cache' if layout == '-' else layout} {np.mean(vals):.3f}")
+        out.append(f"prefix-hit rate on {task}: " + ", ".join(parts))
+    return "\n".join(out)
+
+
+def plot(rows, out_dir: Path) -> list[Path]:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    paths = []
+    for metric, fname, ylabel in (
+        ("accuracy", "accuracy_vs_budget.png", "exact-match accuracy"),
+        ("raw_kv_reads", "kv_reads_vs_budget.png", "KV reads per example (tokens)"),
+    ):
+        tasks = sorted({r["task"] for r in rows})
+        layouts = sorted({r["layout"] for r in rows if r["layout"] != "-"}) or ["-"]
+        fig, axes = plt.subplots(len(tasks), len(layouts), figsize=(6 * len(layouts), 4 * len(tasks)), squeeze=False)
+        for i, task in enumerate(tasks):
+            for j, layout in enumerate(layouts):
+                ax = axes[i][j]
+                budgets = sorted({r["budget"] for r in rows if r["budget"] != "-"})
+                for method in sorted({r["method"] for r in rows if r["method"] != "full"}):
+                    pts = sorted((r["budget"], r[metric]) for r in rows if r["task"] == task and r["layout"] == layout and r["method"] == method)
+                    if pts:
+                        ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", label=method)
+                    if metric == "raw_kv_reads":
+                        eff = sorted((r["budget"], r["effective_kv_reads"]) for r in rows if r["task"] == task and r["layout"] == layout and r["method"] == method)
+                        if eff:
+                            ax.plot([p[0] for p in eff], [p[1] for p in eff], linestyle=":", color=ax.lines[-1].get_color())
+                for r in rows:
+                    if r["method"] == "full" and r["task"] == task:
+                        ax.axhline(r[metric], color="black", linestyle="--", label="full cache")
+                ax.set_title(f"{task}, {layout}" + (" (solid raw, dotted effective)" if metric == "raw_kv_reads" else ""))
+                ax.set_xlabel("budget B (tokens)")
+                ax.set_ylabel(ylabel)
+                if budgets:
+                    ax.set_xscale("log", base=2)
+                ax.grid(alpha=0.3)
+                ax.legend(fontsize=7)
+        fig.tight_layout()
+        path = out_dir / fname
+        fig.savefig(path, dpi=110)
+        plt.close(fig)
+        paths.append(path)
+    return paths
+
+
+# ----------------------------------------------------------------------------- CLI
+QUICK = dict(n=2, length=1024, budgets="256,512", max_new_tokens=48)
+
+
+def build_parser(parser=None):
+    p = parser or argparse.ArgumentParser(prog="jaxkv eval", description=__doc__.splitlines()[0])
+    p.add_argument("--model", default="embedded", help="checkpoint folder, repo id or 'embedded'")
+    p.add_argument("--task", default="agent", help="agent, mqniah, or a comma list")
+    p.add_argument("--methods", default=",".join(ALL_METHODS))
+    p.add_argument("--budgets", default="256,512,1024")
+    p.add_argument("--layouts", default="dead_slot,compact")
+    p.add_argument("--n", type=int, default=100, help="examples per cell")
+    p.add_argument("--length", type=int, default=2048, help="target tokens per conversation")
+    p.add_argument("--max-new-tokens", type=int, default=64)
+    p.add_argument("--seed", type=int, default=EVAL_SEED_BASE)
+    p.add_argument("--out", default="eval/results/harness")
+    p.add_argument("--quick", action="store_true", help=f"small preset: {QUICK}")
+    return p
+
+
+def _names(text, allowed, what):
+    names = [x.strip() for x in str(text).split(",") if x.strip()]
+    bad = [x for x in names if allowed is not None and x not in allowed]
+    if bad or not names:
+        raise ValueError(f"unknown {what} {bad or text!r}; known: {', '.join(allowed)}")
+    return names
+
+
+def run(args) -> list[dict]:
+    import jaxkv
+    from jaxkv.policies import REGISTRY
+    from jaxkv.policies.layouts import LAYOUTS
+    from tqdm import tqdm
+
+    if args.quick:
+        for k, v in QUICK.items():
+            setattr(args, k, v)
+    methods = _names(args.methods, ("full",) + tuple(sorted(REGISTRY)), "methods")
+    layouts = _names(args.layouts, LAYOUTS, "layouts")
+    tasks = _names(args.task, TASKS, "tasks")
+    try:
+        budgets = [int(b) for b in _names(args.budgets, None, "budgets")]
+    except ValueError:
+        raise ValueError(f"budgets must be integers, got {args.budgets!r}") from None
+    if any(b < 1 for b in budgets) or args.n < 1:
+        raise ValueError("budgets and --n must be positive")
+    model = jaxkv.load_model(args.model)
+    if model.tokenizer is None:
+        raise jaxkv.ConfigError(f"{args.model} has no tokenizer; the harness renders chats")
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    examples = {t: make_examples(t, args.n, args.length, args.seed) for t in tasks}
+    cells = grid(methods, budgets, layouts, tasks)
+    total = sum(len(examples[c.task]) for c in cells)
+    max_positions = int(min(model.config.max_position_embeddings, 1 << math.ceil(math.log2(max(2 * args.length + 4 * args.max_new_tokens, 1024)))))
+    rows = []
+    with tqdm(total=total, desc="jaxkv eval", unit="example", file=sys.stderr) as bar:
+        for cell in cells:
+            bar.set_postfix_str(f"{cell.task} {cell.method} B={cell.budget} {cell.layout}")
+            rows.append(run_cell(model, examples[cell.task], cell, max_new_tokens=args.max_new_tokens, max_positions=max_positions, progress=bar.update))
+    write_csv(rows, out / "results.csv")
+    md = [f"# jaxkv eval: {args.model}", "", f"n={args.n} per cell, length {args.length}, max_new_tokens {args.max_new_tokens}", "", markdown_table(rows), "", prefix_summary(rows), ""]
+    (out / "results.md").write_text("\n".join(md))
+    plot(rows, out)
+    print(markdown_table(rows))
+    print(prefix_summary(rows))
+    print(f"wrote {out}/results.csv, results.md, accuracy_vs_budget.png, kv_reads_vs_budget.png")
+    return rows
+
+
+def main(argv=None) -> int:
+    args = build_parser().parse_args(argv)
+    run(args)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
