@@ -1,0 +1,159 @@
+"""Cost of one compression event vs one decode step, per method (~125M Qwen3 shape).
+
+    JAX_PLATFORMS=cpu python eval/bench_compression.py [--lives 4096,16384,32768] [--out FILE.md]
+
+For each live-token count N the pool holds one request of N random post-RoPE
+keys (the shape of the ~125M model of ``bench_decode``: 12 layers, 12 query / 4
+KV heads, head_dim 64); an event is what a session runs: gather the live keys,
+``policy.score`` (eager, as sessions call it), ``select`` at budget N/2, and the
+dead-slot layout applied to the row. Its median time over repeats is printed next
+to the median time of one greedy decode step of the same model at the same
+context, measured in the same run, and their ratio. Policy state is warmed as in
+a session (AgentKV rings filled, IntentKV memory initialised, H2O mass present).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import platform
+import time
+
+os.environ.setdefault("JAX_PLATFORMS", "cpu")
+
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+import numpy as np  # noqa: E402
+
+import jaxkv  # noqa: E402
+from jaxkv.config import ModelConfig  # noqa: E402
+from jaxkv.engine import Engine, compress_row  # noqa: E402
+from jaxkv.policies import REGISTRY, EventFeatures, Observation  # noqa: E402
+
+CFG_125M = ModelConfig(
+    model_type="qwen3", vocab_size=32000, hidden_size=768, intermediate_size=2048, num_layers=12,
+    num_heads=12, num_kv_heads=4, head_dim=64, qk_norm=True, max_position_embeddings=40960,
+)
+METHODS = ("streaming_llm", "snapkv", "h2o", "tova", "random", "oldest", "agentkv", "intentkv_memory", "intentkv_query")
+
+
+def _median_time(fn, repeats):
+    times = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t0)
+    return float(np.median(times))
+
+
+def _fill_row(engine, n, rng):
+    """A row of n live slots; the benchmark keeps its own reference on them so an
+    event's evictions never free them and the row can be restored."""
+    slots = engine.allocator.allocate(n)
+    return engine.open_row(slots)
+
+
+def _features(engine, row, n, rng, cfg):
+    L, Hq, D = cfg.num_layers, cfg.num_heads, cfg.head_dim
+    live_pos = engine.live_positions(row)
+    return EventFeatures(
+        keys_LNKD=engine.gather_keys(row).astype(jnp.float32),
+        positions_N=jnp.asarray(live_pos, jnp.int32),
+        phase_N=jnp.asarray(rng.integers(0, 4, n), jnp.int32),
+        window_q_LWHD=jnp.asarray(rng.standard_normal((L, 32, Hq, D), np.float32)),
+        window_pos_W=jnp.arange(n - 32, n, dtype=jnp.int32),
+        window_valid_W=jnp.ones(32, bool),
+        acc_mass_N=jnp.asarray(rng.random(n, np.float32)),
+        query_mean_LHD=jnp.asarray(rng.standard_normal((L, Hq, D), np.float32)),
+        seq_len=jnp.int32(n),
+    )
+
+
+def _warm_state(policy, cfg_p, cfg, rng):
+    state = policy.init_state(cfg_p, cfg)
+    if policy.observe is not None:
+        L, Hq, D = cfg.num_layers, cfg.num_heads, cfg.head_dim
+        obs = Observation(
+            q_LXHD=jnp.asarray(rng.standard_normal((L, 64, Hq, D), np.float32)),
+            phase_X=jnp.asarray(np.repeat(np.arange(4), 16), jnp.int32),
+            valid_X=jnp.ones(64, bool),
+            query_mean_LHD=jnp.asarray(rng.standard_normal((L, Hq, D), np.float32)),
+            new_turn=jnp.asarray(True),
+        )
+        state = policy.observe(cfg_p, state, obs)
+    return state
+
+
+def main(argv=None) -> str:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--lives", default="4096,16384,32768")
+    ap.add_argument("--methods", default=",".join(METHODS))
+    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--out", default=None)
+    args = ap.parse_args(argv)
+    cfg = CFG_125M
+    rng = np.random.default_rng(0)
+    model = jaxkv.model_from_config(cfg, seed=0)
+    lines = [
+        f"One compression event vs one decode step, random Qwen3 ~125M shape, float32, "
+        f"{platform.machine()} {os.cpu_count()} cores, jax {jax.__version__} ({jax.default_backend()}); "
+        f"median of {args.repeats}; event = gather keys + score + select (B = N/2) + dead-slot layout.",
+        "",
+        "| live tokens | method | event ms | decode step ms | event / step |",
+        "|---:|---|---:|---:|---:|",
+    ]
+    print("\n".join(lines), flush=True)
+    for n in map(int, args.lives.split(",")):
+        engine = Engine(model, rows=1, max_positions=n + 64, num_slots=2 * n + 130)
+        shape = engine.cache.k.shape
+        engine.cache = engine.cache.replace(
+            k=jnp.asarray(rng.standard_normal(shape, np.float32) * 0.5), v=jnp.asarray(rng.standard_normal(shape, np.float32) * 0.5)
+        )
+        row = _fill_row(engine, n, rng)
+        base = list(engine.row_state[row].slots)
+        _one_step(engine, row, base)  # compile
+        decode_ms = 1e3 * _median_time(lambda: _one_step(engine, row, base), args.repeats)
+        for method in args.methods.split(","):
+            policy = REGISTRY[method]
+            cfg_p = policy.make_config()
+            state = _warm_state(policy, cfg_p, cfg, rng)
+
+            def event():
+                feats = _features(engine, row, n, rng, cfg)
+                forced = np.zeros(n, bool)
+                forced[:64] = True
+                compress_row(engine, row, policy, cfg_p, state, feats, forced, n // 2, "dead_slot")
+                jax.block_until_ready(engine.cache.k)
+                _restore(engine, row, base)
+
+            event()  # warm-up / compile
+            ms = 1e3 * _median_time(event, args.repeats)
+            line = f"| {n} | {method} | {ms:.1f} | {decode_ms:.1f} | {ms / decode_ms:.2f}x |"
+            lines.append(line)
+            print(line, flush=True)
+        engine.close_row(row)
+    table = "\n".join(lines) + "\n"
+    if args.out:
+        with open(args.out, "w") as f:
+            f.write(table)
+    return table
+
+
+def _restore(engine, row, base):
+    """Undo an event: the row maps its original slots again (refs re-taken)."""
+    current = engine.row_state[row].owned()
+    engine.allocator.release(current)
+    engine.allocator.ref([s for s in base])
+    engine.set_row_tables(row, base, base)
+
+
+def _one_step(engine, row, base):
+    engine.decode([row], [1], 1)
+    jax.block_until_ready(engine.cache.k)
+    extra = engine.row_state[row].slots[len(base):]
+    engine.allocator.release(extra)
+    engine.set_row_tables(row, base, base)
+
+
+if __name__ == "__main__":
+    main()
