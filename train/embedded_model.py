@@ -55,6 +55,7 @@ from tqdm import tqdm
 
 from eval.tasks import Example, agent_traces, mqniah, vocabulary
 from eval.tasks.mqniah import NEEDLE_COUNTS
+from eval.tasks.words import IDENTIFIERS
 from jaxkv.chat.render import render
 from jaxkv.chat.toy import QWEN3_CHAT_TEMPLATE, build_tokenizer
 from jaxkv.config import ModelConfig, RopeConfig
@@ -80,6 +81,9 @@ SIZES = {
     "tiny": Size(hidden=32, layers=1, heads=2, kv_heads=1, head_dim=16, ffn=64),
     "mini": Size(hidden=64, layers=3, heads=2, kv_heads=1, head_dim=32, ffn=192),
     "small": Size(hidden=128, layers=4, heads=4, kv_heads=2, head_dim=32, ffn=384),
+    # the shipped model: "small" with one K/V head per query head (induction heads
+    # that match on one feature and copy another do not share K/V with their neighbours)
+    "agent": Size(hidden=128, layers=4, heads=4, kv_heads=4, head_dim=32, ffn=384),
     "base": Size(hidden=192, layers=6, heads=6, kv_heads=2, head_dim=32, ffn=512),
 }
 
@@ -183,11 +187,20 @@ def make_example(seed: int, seq_len: int, task: str) -> Example:
     return agent_traces(1, seed, length=target, n_docs=n_docs, registry=registry)[0]
 
 
-def make_sequence(tokenizer, seed: int, seq_len: int) -> TrainSequence:
+# Example seeds: training draws below ``TRAIN_SEED_LIMIT``; held-out sets (this file's
+# ``heldout_sequences`` and ``eval.embedded_accuracy``) use seeds with bit 30 set.
+TRAIN_SEED_LIMIT = 1 << 30
+HELDOUT_SEED_BASE = (1 << 30) + 3_000_000
+# Agent-trace skeletons (system prompt + tool schemas) take ~800-1400 tokens: shorter
+# curriculum stages train on MQ-NIAH only.
+MIN_AGENT_LENGTH = 1024
+
+
+def make_sequence(tokenizer, seed: int, seq_len: int, mqniah_share: float = 0.5) -> TrainSequence:
     """A seeded training sequence of at most ``seq_len`` tokens (prefix-truncated)."""
     rng = random.Random(seed)
-    task = "mqniah" if rng.random() < 0.5 else "agent_traces"
-    example = make_example(rng.randrange(1 << 31), seq_len, task)
+    task = "mqniah" if rng.random() < mqniah_share or seq_len < MIN_AGENT_LENGTH else "agent_traces"
+    example = make_example(rng.randrange(TRAIN_SEED_LIMIT), seq_len, task)
     messages, _ = training_view(example, rng)
     seq = render_sequence(tokenizer, example, messages)
     if seq.ids.size > seq_len:  # rare: the length estimate is within a few percent
@@ -213,9 +226,9 @@ def step_seed(seed: int, step: int) -> int:
     return (seed * 7_919 + step * 104_729 + 17) & 0x7FFFFFFF
 
 
-def batch_for_step(tokenizer, seed: int, step: int, seq_len: int, batch: int) -> dict[str, np.ndarray]:
+def batch_for_step(tokenizer, seed: int, step: int, seq_len: int, batch: int, mqniah_share: float = 0.5) -> dict[str, np.ndarray]:
     rng = random.Random(step_seed(seed, step))
-    seqs = [make_sequence(tokenizer, rng.randrange(1 << 31), seq_len) for _ in range(batch)]
+    seqs = [make_sequence(tokenizer, rng.randrange(1 << 31), seq_len, mqniah_share) for _ in range(batch)]
     return pack_batch(seqs, seq_len, tokenizer.pad_token_id)
 
 
@@ -289,21 +302,23 @@ def make_predict(graphdef):
 
 def heldout_sequences(tokenizer, seed: int, n: int, seq_len: int) -> list[TrainSequence]:
     """A fixed held-out set: full conversations (every turn), from a disjoint seed."""
-    rng = random.Random(seed + 1_000_003)
     out = []
     for i in range(n):
         task = "mqniah" if i % 2 else "agent_traces"
-        ex = make_example(rng.randrange(1 << 31), seq_len, task)
+        ex = make_example(HELDOUT_SEED_BASE + 1000 * seed + i, seq_len, task)
         seq = render_sequence(tokenizer, ex, ex.messages)
         if seq.ids.size <= seq_len:
             out.append(seq)
     return out
 
 
-def heldout_accuracy(predict, params, seqs: list[TrainSequence], seq_len: int, pad_id: int, batch: int) -> dict[str, float]:
-    """Teacher-forced exact match per scored assistant message, per task, and token accuracy."""
+def heldout_accuracy(predict, params, seqs: list[TrainSequence], seq_len: int, pad_id: int, batch: int,
+                     copy_ids: np.ndarray | None = None) -> dict[str, float]:
+    """Teacher-forced exact match per scored assistant message, per task, token accuracy,
+    and (with ``copy_ids``, the identifier token ids) accuracy on the identifier tokens
+    of the targets: the tokens that must be copied from the context."""
     turns: dict[str, list[bool]] = {}
-    hits = total = 0
+    hits = total = copy_hits = copy_total = 0
     for i in range(0, len(seqs), batch):
         chunk = seqs[i : i + batch]
         tokens = pack_batch(chunk, seq_len, pad_id)["tokens"]
@@ -314,8 +329,14 @@ def heldout_accuracy(predict, params, seqs: list[TrainSequence], seq_len: int, p
                 turns.setdefault(s.task, []).append(bool(ok.all()))
                 hits += int(ok.sum())
                 total += ok.size
+                if copy_ids is not None:
+                    is_copy = np.isin(s.ids[start:end], copy_ids)
+                    copy_hits += int(ok[is_copy].sum())
+                    copy_total += int(is_copy.sum())
     out = {f"turn_acc/{task}": float(np.mean(v)) for task, v in turns.items()}
     out["token_acc"] = hits / max(total, 1)
+    if copy_total:
+        out["copy_acc"] = copy_hits / copy_total
     return out
 
 
@@ -344,13 +365,22 @@ def train(args) -> dict:
         params, opt_state = restored["params"], restored["opt_state"]
         print(f"resumed from step {start}")
 
+    if args.export_only:
+        if ckpt.latest_step() is None:
+            raise SystemExit(f"--export-only: no checkpoint in {out / 'ckpt'}")
+        nnx.update(module, params)
+        hf_dir = save_pretrained(Model(cfg, module, tokenizer, jnp.float32), out / "hf")
+        print(f"exported step {start} to {hf_dir}")
+        return {"losses": [], "hf_dir": hf_dir, "params": param_count(module), "module": module}
+
     heldout = heldout_sequences(tokenizer, args.seed, args.eval_examples, args.seq_len)
+    copy_ids = np.asarray(tokenizer.convert_tokens_to_ids(sorted(IDENTIFIERS)), np.int32)
     n_params = param_count(module)
     print(f"params {n_params:,}  vocab {vocab}  stages {stages}  heldout {len(heldout)}")
 
     def batch_at(s):
         length = seq_len_at(s, args.steps, stages)
-        return batch_for_step(tokenizer, args.seed, s, length, max(1, args.batch * args.seq_len // length))
+        return batch_for_step(tokenizer, args.seed, s, length, max(1, args.batch * args.seq_len // length), args.mqniah_share)
 
     metrics_file = open(out / "metrics.jsonl", "a")
     stop = min(args.steps, args.stop_after or args.steps)
@@ -370,15 +400,19 @@ def train(args) -> dict:
         bar.set_postfix(loss=f"{loss:.3f}", tok_s=f"{tok_s:.0f}", T=batch["tokens"].shape[1], lr=f"{float(schedule(s)):.1e}")
         record = {"step": s + 1, "loss": loss, "grad_norm": float(gnorm), "tok_s": step_tok_s,
                   "seq_len": batch["tokens"].shape[1], "elapsed_s": now - t0}
-        last = s + 1 == stop
+        over_time = args.max_minutes is not None and now - t0 > 60 * args.max_minutes
+        last = s + 1 == stop or over_time
         if heldout and ((s + 1) % args.eval_every == 0 or last):
-            record.update(heldout_accuracy(predict, params, heldout, args.seq_len, tokenizer.pad_token_id, args.eval_batch))
+            record.update(heldout_accuracy(predict, params, heldout, args.seq_len, tokenizer.pad_token_id, args.eval_batch, copy_ids))
             tqdm.write(json.dumps({k: round(v, 4) if isinstance(v, float) else v for k, v in record.items()}))
         if (s + 1) % args.ckpt_every == 0 or last:
             ckpt.save(s + 1, args=ocp.args.StandardSave({"params": params, "opt_state": opt_state}))
         metrics_file.write(json.dumps(record) + "\n")
         metrics_file.flush()
         t_prev = time.perf_counter()  # eval and checkpoint time is not step time
+        if over_time:
+            tqdm.write(f"stopping after step {s + 1}: --max-minutes {args.max_minutes} reached")
+            break
     ckpt.wait_until_finished()
     metrics_file.close()
 
@@ -396,6 +430,7 @@ def parse_args(argv=None):
     p.add_argument("--curriculum", default="0.6:1024,1.0:2048", help="step fraction:sequence length, ...")
     p.add_argument("--size", choices=sorted(SIZES), default="small")
     p.add_argument("--tiny", action="store_true", help="tiny model, 1024-token sequences (tests)")
+    p.add_argument("--mqniah-share", type=float, default=0.5, help="fraction of MQ-NIAH sequences (the rest agent traces)")
     p.add_argument("--lr", type=float, default=3e-3)
     p.add_argument("--warmup", type=int, default=100)
     p.add_argument("--weight-decay", type=float, default=0.01)
@@ -406,7 +441,10 @@ def parse_args(argv=None):
     p.add_argument("--eval-batch", type=int, default=4)
     p.add_argument("--ckpt-every", type=int, default=500)
     p.add_argument("--stop-after", type=int, default=None, help="checkpoint, export and exit after this step")
+    p.add_argument("--max-minutes", type=float, default=None,
+                   help="wall-clock guard: evaluate, checkpoint, export and exit once training has run this long")
     p.add_argument("--restart", action="store_true", help="ignore checkpoints in --out")
+    p.add_argument("--export-only", action="store_true", help="export the latest checkpoint in --out to --out/hf and exit")
     p.add_argument("--quiet", action="store_true", help="no progress bar")
     args = p.parse_args(argv)
     if args.tiny:
