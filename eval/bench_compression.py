@@ -26,6 +26,7 @@ import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 
 import jaxkv  # noqa: E402
+from eval.bench_decode import fill_pool_randomly  # noqa: E402
 from jaxkv.config import ModelConfig  # noqa: E402
 from jaxkv.engine import Engine, compress_row  # noqa: E402
 from jaxkv.policies import REGISTRY, EventFeatures, Observation  # noqa: E402
@@ -105,10 +106,7 @@ def main(argv=None) -> str:
     print("\n".join(lines), flush=True)
     for n in map(int, args.lives.split(",")):
         engine = Engine(model, rows=1, max_positions=n + 64, num_slots=2 * n + 130)
-        shape = engine.cache.k.shape
-        engine.cache = engine.cache.replace(
-            k=jnp.asarray(rng.standard_normal(shape, np.float32) * 0.5), v=jnp.asarray(rng.standard_normal(shape, np.float32) * 0.5)
-        )
+        fill_pool_randomly(engine, rng)
         row = _fill_row(engine, n, rng)
         base = list(engine.row_state[row].slots)
         _one_step(engine, row, base)  # compile
