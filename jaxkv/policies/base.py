@@ -54,6 +54,10 @@ class EventFeatures:
       query_mean_LHD: mean post-RoPE query over the current turn's actionable query
         span ``[L, Hq, D]`` (IntentKV's q̄_t).
       seq_len: the request's length (next position), int32 scalar.
+      valid_N: which of the N entries are real (bool ``[N]``). The engine pads N
+        to a bucket so scoring compiles once per bucket; padding entries sit at
+        positions past ``seq_len`` (so causal masks exclude them), have zero
+        keys and mass, and are neither forced nor candidates. ``None`` = all real.
     """
 
     keys_LNKD: jax.Array
@@ -65,6 +69,13 @@ class EventFeatures:
     acc_mass_N: jax.Array
     query_mean_LHD: jax.Array
     seq_len: jax.Array
+    valid_N: jax.Array | None = None
+
+    def valid(self) -> jax.Array:
+        """``valid_N``, or all-true when it was not given."""
+        if self.valid_N is None:
+            return jnp.ones(self.positions_N.shape, bool)
+        return jnp.asarray(self.valid_N, bool)
 
 
 @struct.dataclass

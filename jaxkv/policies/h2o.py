@@ -32,8 +32,8 @@ class H2OConfig:
 
 
 def keep(cfg: H2OConfig, feats):
-    n = feats.positions_N.shape[0]
-    return jnp.arange(n) >= n - cfg.recent  # live positions are in position order
+    valid = feats.valid()  # real entries come first, in position order
+    return valid & (jnp.arange(valid.shape[0]) >= valid.sum() - cfg.recent)
 
 
 def score(cfg: H2OConfig, state, feats, candidates_N):

@@ -48,17 +48,23 @@ class SnapKVConfig:
             raise ValueError(f"snapkv needs kernel >= 1 and w >= 1, got kernel={self.kernel}, w={self.w}")
 
 
-def pool_1d(x_N, kernel: int, pooling: str):
-    """Same-size stride-1 pooling of width ``kernel`` along the last axis."""
+def pool_1d(x_N, kernel: int, pooling: str, valid_N=None):
+    """Same-size stride-1 pooling of width ``kernel`` along the last axis.
+
+    Entries outside ``valid_N`` (padding) take no part: max ignores them, avg
+    divides by the number of valid entries in the window.
+    """
     lo = (kernel - 1) // 2
     pad = [(0, 0)] * (x_N.ndim - 1) + [(lo, kernel - 1 - lo)]
     dims = (1,) * (x_N.ndim - 1) + (kernel,)
     strides = (1,) * x_N.ndim
+    valid = jnp.ones(x_N.shape[-1], bool) if valid_N is None else jnp.asarray(valid_N, bool)
     if pooling == "max":
-        return jax.lax.reduce_window(x_N, -jnp.inf, jax.lax.max, dims, strides, pad)
-    total = jax.lax.reduce_window(x_N, 0.0, jax.lax.add, dims, strides, pad)
-    count = jax.lax.reduce_window(jnp.ones_like(x_N), 0.0, jax.lax.add, dims, strides, pad)
-    return total / count
+        return jax.lax.reduce_window(jnp.where(valid, x_N, -jnp.inf), -jnp.inf, jax.lax.max, dims, strides, pad)
+    ones = jnp.broadcast_to(valid, x_N.shape).astype(x_N.dtype)
+    total = jax.lax.reduce_window(x_N * ones, 0.0, jax.lax.add, dims, strides, pad)
+    count = jax.lax.reduce_window(ones, 0.0, jax.lax.add, dims, strides, pad)
+    return total / jnp.maximum(count, 1.0)
 
 
 def keep(cfg: SnapKVConfig, feats):
@@ -72,7 +78,7 @@ def score(cfg: SnapKVConfig, state, feats, candidates_N):
     )
     mass_LHN = jnp.einsum("lhwn,w->lhn", probs_LHWN, feats.window_valid_W.astype(jnp.float32))
     mass_LKN = mass_LHN.reshape(L, Hkv, -1, N).mean(axis=2)  # mean over the GQA group
-    return pool_1d(mass_LKN, cfg.kernel, cfg.pooling).mean(axis=(0, 1)), state
+    return pool_1d(mass_LKN, cfg.kernel, cfg.pooling, feats.valid()).mean(axis=(0, 1)), state
 
 
 def needs(cfg: SnapKVConfig) -> Needs:
