@@ -13,7 +13,12 @@ One trace (``agent_traces``):
    ``key: value`` records, one of them the wanted key;
 5. with the registry: ``lookup(key=<value found in the first document>)`` -> a long
    table ``value: value``;
-6. the final answer lists the resolved first value and the other documents' values.
+6. the final answer lists the resolved first value and the other documents' values,
+   each as the record it was read from (``Answer: v12: v345, k67: v89``), so copying
+   a value is matching its key and taking what follows, as in the tool response.
+
+The first reasoning quotes the user's task verbatim (plain copying from the latest
+message, the easiest in-context skill).
 
 So the ``open`` calls copy ids from the search results one to three tool responses
 back, ``lookup`` copies a value from a document several turns back, and the answer
@@ -116,7 +121,7 @@ def one_trace(seed: int, length: int = 2048, n_docs: int | None = None, registry
         query = project
         messages.append({
             "role": "assistant", "content": "",
-            "reasoning_content": f"I need the {project} reports on {join_list(topics)}. I will search the index first.",
+            "reasoning_content": f"The task is: {user} I need the {project} reports on {join_list(topics)}. I will search the index first.",
             "tool_calls": [tool_call("search", query=query)],
         })
 
@@ -141,7 +146,7 @@ def one_trace(seed: int, length: int = 2048, n_docs: int | None = None, registry
             labels["needle_lines"].append(at)
             messages.append({"role": "tool", "name": "open", "content": f"Document {d}: {project} {t} report\n{body}"})
 
-        answer_values = values[:]
+        answer_values, answer_keys = values[:], keys[:]
         if registry:
             messages.append({
                 "role": "assistant", "content": "",
@@ -151,10 +156,10 @@ def one_trace(seed: int, length: int = 2048, n_docs: int | None = None, registry
             body, at = _records(r, f"{values[0]}: {resolved}", n_records, filler_tokens, lambda: f"{pool.value()}: {pool.value()}")
             labels["registry_line"] = at
             messages.append({"role": "tool", "name": "lookup", "content": f"Registry entries:\n{body}"})
-            answer_values[0] = resolved
+            answer_values[0], answer_keys[0] = resolved, values[0]
         messages.append({
             "role": "assistant",
-            "content": "Answer: " + ", ".join(answer_values),
+            "content": "Answer: " + ", ".join(f"{k}: {v}" for k, v in zip(answer_keys, answer_values)),
             "reasoning_content": "I have every value I need, so I can answer now.",
         })
         labels["answer_values"] = answer_values

@@ -3,7 +3,8 @@
 One example: a long distractor document in the first user message holding ``needles``
 key-value needles ("The special code for k173 is v032.") among filler sentences and
 distractor needles (same sentence, keys never asked). Turn 1 asks for one subset of
-the keys, turn 2 (a second user message, after the turn-1 answer) for the rest.
+the keys, turn 2 (a second user message, after the turn-1 answer) for the rest. The
+reasoning quotes the question; the answer is ``k173 is v032, k044 is v310.``.
 
 Split rule (no recency shortcut): order the needles by position; the
 ``max(1, needles // 4)`` needles nearest the end of the document are always asked in
@@ -32,11 +33,19 @@ INTRO = "Read the document below and answer the questions about it."
 
 
 def _question(keys: list[str]) -> str:
-    return f"Question: What are the special codes for {join_list(keys)}? Answer with key: code pairs."
+    return f"Question: What are the special codes for {join_list(keys)}? Answer with key is code pairs."
+
+
+def _reasoning(keys: list[str]) -> str:
+    # Quotes the question verbatim: plain copying from the latest message, the easiest
+    # in-context skill, which the retrieval in the answer then builds on.
+    return f"The question asks: What are the special codes for {join_list(keys)}? I will look for them in the document."
 
 
 def _answer(keys: list[str], value_of: dict[str, str]) -> str:
-    return ", ".join(f"{k}: {value_of[k]}" for k in keys)
+    # "k1 is v1": the tokens before each value repeat the needle's ("... for k1 is v1."),
+    # so finding the value is matching the key and copying what follows it.
+    return ", ".join(f"{k} is {value_of[k]}" for k in keys) + "."
 
 
 def split_turns(n_needles: int, rng: random.Random) -> list[int]:
@@ -69,10 +78,10 @@ def one_mqniah(seed: int, needles: int = 4, length: int = 2048, distractor_needl
             {"role": "system", "content": SYSTEM_PLAIN},
             {"role": "user", "content": f"{INTRO}\n\n{document}\n\n{_question(ask1)}"},
             {"role": "assistant", "content": _answer(ask1, value_of),
-             "reasoning_content": f"The question asks for the codes of {join_list(ask1)}. I will look for them in the document."},
+             "reasoning_content": _reasoning(ask1)},
             {"role": "user", "content": _question(ask2)},
             {"role": "assistant", "content": _answer(ask2, value_of),
-             "reasoning_content": f"The question asks for the codes of {join_list(ask2)}. I will look for them in the document."},
+             "reasoning_content": _reasoning(ask2)},
         ]
 
     # Document: filler sentences; needles and distractor needles inserted between them.
