@@ -578,14 +578,18 @@ class CompressionReport:
     live_after: int
     kept_positions: np.ndarray
     plan: object
+    evicted_scores: np.ndarray | None = None  # policy score of each plan.evicted_positions entry
 
 
-def compress_row(engine: Engine, row: int, policy, cfg, state, feats, forced_N, budget: int, layout: str):
+def compress_row(engine: Engine, row: int, policy, cfg, state, feats, forced_N, budget: int, layout: str, on_evict=None):
     """One compression event on a row: score, select, apply the layout.
 
     ``feats`` are the row's ``EventFeatures`` (live positions in order) and
     ``forced_N`` the engine-forced mask (protected prefix, actionable query);
-    the policy's own keep set is added here. Returns ``(state, report)``.
+    the policy's own keep set is added here. ``on_evict(plan, k_LMKD, v_LMKD,
+    scores_M)``, when given, receives host copies of the evicted rows and their
+    compression scores before the layout releases them (the RepairKV host
+    tier). Returns ``(state, report)``.
     """
     from jaxkv.policies import layouts
     from jaxkv.policies.base import select
@@ -605,5 +609,9 @@ def compress_row(engine: Engine, row: int, policy, cfg, state, feats, forced_N, 
         plan = layouts.compact(slots, kept, engine.allocate(kept.size))
     else:
         raise ValueError(f"unknown layout {layout!r}; known: {', '.join(layouts.LAYOUTS)}")
+    evicted_scores = np.asarray(scores, np.float32)[np.searchsorted(live_pos, plan.evicted_positions)]
+    if on_evict is not None and plan.evicted_positions.size:
+        k_LMKD, v_LMKD = engine.gather_rows(plan.evicted_slots)
+        on_evict(plan, k_LMKD, v_LMKD, evicted_scores)
     engine.apply_layout(row, plan)
-    return state, CompressionReport(int(live_pos.size), int(kept.size), kept, plan)
+    return state, CompressionReport(int(live_pos.size), int(kept.size), kept, plan, evicted_scores)

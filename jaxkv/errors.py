@@ -46,3 +46,9 @@ class ChatError(JaxKVError, ValueError):
 class RadixError(JaxKVError, ValueError):
     """A radix-tree operation is invalid: mismatched token/slot lengths, or an
     unlock of a handle that is not (or no longer) locked."""
+
+
+class RepairError(JaxKVError, ValueError):
+    """A RepairKV operation is invalid: a host-tier call with mismatched rows or
+    unknown positions, a promotion to a position that is not a hole, or repair
+    asked of a layout that renumbers positions (only ``dead_slot`` supports it)."""

@@ -11,6 +11,19 @@ is passed). One turn (``Session.chat``):
   (content / reasoning / tool calls) -> insert the turn's tokens into the radix
   cache -> close the row, unlock -> metrics.
 
+RepairKV (``repair=K``, ALGORITHMS.md §6): rows a compression event evicts go to
+the server's host tier (``jaxkv.cache.host_tier``) with their original positions
+and scores. At each turn boundary (or only when the new actionable message is a
+tool result, ``repair_when="tool"``), after the prompt suffix is prefilled (and
+compressed) and before decoding, ``_Turn._repair`` scores the session's rows
+shelved by earlier requests (not by this request's own events, which already saw
+this turn's prompt) that are holes of this request against the signal
+(post-RoPE query rows of the new actionable query span) and promotes up to K
+back at their original positions (``promote_rows``). The radix cache keeps its holes at positions below
+the matched prefix, so a promotion lasts for the turn: at the end of the turn
+those rows return to the host tier (positions this turn prefilled are kept by the
+radix insert as usual). Reports: ``Session.repairs``.
+
 ``Session.replay`` feeds a recorded conversation turn by turn, teacher-forcing
 the recorded assistant messages (and optionally generating a reply at each
 assistant turn for scoring, then discarding it), so evaluations do not depend on
@@ -31,17 +44,19 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxkv.cache.radix import RadixTree
+from jaxkv.cache.host_tier import HostTier, TierRows, restore_rows, stage
+from jaxkv.cache.radix import RadixTree, common_prefix_length
 from jaxkv.cache.session_store import SessionStore
 from jaxkv.chat import derive_session_id, parse_assistant, render
 from jaxkv.chat.render import tool_name
 from jaxkv.cache.allocator import SENTINEL_SLOT
 from jaxkv.engine import Engine, bucket, compress_row
-from jaxkv.errors import ConfigError, ContextLengthError
+from jaxkv.errors import ConfigError, ContextLengthError, JaxKVError
 from jaxkv.metrics import Metrics
 from jaxkv.models.loading import Model
 from jaxkv.models.transformer import NO_FEATURES, Features
 from jaxkv.policies import EventFeatures, Observation, get_policy
+from jaxkv.policies import layouts, repair as repairkv
 from jaxkv.policies.layouts import LAYOUTS
 from jaxkv.sampling import make_sampler, sample
 
@@ -56,9 +71,11 @@ class Server:
         cached prefixes beside running requests).
       rows: concurrent requests.
       session_cap: how many sessions' policy state the LRU store keeps.
+      host_tier: the ``HostTier`` evicted rows go to when a session repairs
+        (default: unbounded per session, at most 2**16 rows in all).
     """
 
-    def __init__(self, model: Model, *, max_positions: int | None = None, num_slots: int | None = None, rows: int = 1, session_cap: int = 1024, backend=None):
+    def __init__(self, model: Model, *, max_positions: int | None = None, num_slots: int | None = None, rows: int = 1, session_cap: int = 1024, backend=None, host_tier: HostTier | None = None):
         if model.tokenizer is None:
             raise ConfigError("sessions need a model with a tokenizer (the folder had none)")
         P = int(max_positions or min(model.config.max_position_embeddings, 8192))
@@ -69,6 +86,8 @@ class Server:
         self.radix = RadixTree(self.engine.allocator)
         self.engine.reclaim = self.radix.evict
         self.store = SessionStore(session_cap)
+        self.host_tier = host_tier if host_tier is not None else HostTier(global_rows=1 << 16)
+        self.repair_signals: dict = {}  # session id -> its latest repair Signal (WrongQ-K), insertion ordered
         tok = model.tokenizer
         stops = set(model.config.eos_token_ids)
         for name in ("<|im_end|>", "<|eot_id|>", "<|endoftext|>", "<|eom_id|>"):
@@ -117,10 +136,17 @@ class Session:
       policy: a retention method from ``jaxkv.policies.REGISTRY`` (None: full cache).
       budget: the retention budget B (live history tokens kept at an event).
       layout: ``"dead_slot"`` (default) or ``"compact"``.
+      repair: RepairKV restore budget K per turn boundary (0/None: off; needs a
+        policy and the dead-slot layout).
+      repair_policy: ``"repairkv" | "random" | "oldest" | "staleq" | "wrongq" | "refresh"``.
+      repair_when: ``"turn"`` (every turn boundary) or ``"tool"`` (only when the
+        new actionable message is a tool result).
+      repair_wrong_signal: the ``repair.Signal`` WrongQ-K scores with (default:
+        the latest signal of another session on the server).
       **policy_config: options of the policy's config (e.g. ``window=16``).
     """
 
-    def __init__(self, model: Model, *, server: Server | None = None, session_id: str | None = None, keep_reasoning: bool = False, max_new_tokens: int = 256, max_positions: int | None = None, num_slots: int | None = None, backend=None, policy: str | None = None, budget: int | None = None, layout: str = "dead_slot", **policy_config):
+    def __init__(self, model: Model, *, server: Server | None = None, session_id: str | None = None, keep_reasoning: bool = False, max_new_tokens: int = 256, max_positions: int | None = None, num_slots: int | None = None, backend=None, policy: str | None = None, budget: int | None = None, layout: str = "dead_slot", repair: int | None = None, repair_policy: str = "repairkv", repair_when: str = "turn", repair_wrong_signal=None, **policy_config):
         self.server = server or Server(model, max_positions=max_positions, num_slots=num_slots, backend=backend)
         if self.server.model is not model:
             raise ConfigError("a session's model must be its server's model")
@@ -133,6 +159,14 @@ class Session:
         self.session_id: str | None = None
         self.retention = _RetentionSpec.make(policy, budget, layout, policy_config) if policy else None
         self.compressions: list = []  # CompressionReports of this session, in order
+        self.repair = repairkv.RepairConfig(int(repair), repair_policy, repair_when) if repair else None
+        if self.repair is not None and (self.retention is None or self.retention.layout != "dead_slot"):
+            raise ConfigError("repair needs a retention policy with the dead_slot layout (positions must survive eviction)")
+        self.repair_wrong_signal = repair_wrong_signal
+        self.repairs: list = []  # RepairReports of this session, one per turn boundary it ran at
+        self._requests = 0  # requests opened so far (the turn index of reports)
+        self._repair_signal = None  # the previous request's signal (StaleQ-K)
+        self._repair_tokens = None  # the previous request's tokens (divergence check)
 
     # ------------------------------------------------------------------ public
     def chat(self, messages: Sequence[Mapping[str, Any]], tools=None, *, max_new_tokens: int | None = None, temperature: float = 0.0, top_k=None, top_p=None, seed: int = 0) -> dict:
@@ -183,6 +217,12 @@ class Session:
                 turn.close()
             results.append(result)
         return results
+
+    def close(self) -> None:
+        """End the session: release its host-tier rows and repair signal."""
+        if self.session_id is not None:
+            self.server.host_tier.drop_session(self.session_id)
+            self.server.repair_signals.pop(self.session_id, None)
 
     # ------------------------------------------------------------------ helpers
     def _render(self, messages, tools, *, add_generation_prompt):
@@ -288,13 +328,23 @@ class _Turn:
         self.query_mean = None
         if self.retention is not None and self.retention.acc_mass.size < self.reused:
             self.retention.acc_mass = np.zeros(self.reused, np.float32)
+        self.index = session._requests
+        session._requests += 1
+        self.signal = None  # this request's repair Signal
+        self.promoted = None  # TierRows promoted into this request (re-shelved at close)
+        self.tier_clock = self.server.host_tier.clock  # rows shelved before this request
+        if session.repair is not None and session._repair_tokens is not None:
+            # Shelved rows past the divergence describe tokens this prompt does not have.
+            self.server.host_tier.drop_from(session.session_id, common_prefix_length(session._repair_tokens, ids))
         session.metrics.start_request(prompt_tokens=int(n), prefix_hit_tokens=self.reused, session_id=session.session_id)
 
     # -- prefill ------------------------------------------------------------------
     def prefill_prompt(self, *, all_logits=False):
         """Prefill the unmatched prompt suffix, then run a compression event if due."""
         logits = self._prefill_prompt(all_logits)
-        self._observe_live()  # post-pruning live KV of the prompt
+        if self.session.repair is not None:
+            self._repair()
+        self._observe_live()  # post-pruning live KV of the prompt (and promoted rows)
         return logits
 
     def _prefill_prompt(self, all_logits):
@@ -316,7 +366,10 @@ class _Turn:
                 np.flatnonzero(phase[offset:] == ph)[-per_phase:] + offset for ph in np.unique(phase[offset:])
             ]) if suffix.size else ring_pos
             ring_pos = np.sort(ring_pos)
-        capture = np.unique(np.concatenate([window_pos, span_pos, ring_pos]).astype(np.int64))
+        signal_pos = np.zeros(0, np.int64)
+        if self.session.repair is not None:  # the repair signal: the actionable query's last rows
+            signal_pos = np.arange(max(a, offset, b - self.session.repair.signal_rows), b)
+        capture = np.unique(np.concatenate([window_pos, span_pos, ring_pos, signal_pos]).astype(np.int64))
         feats = Features(query_rows=capture.size > 0, attn_mass=needs.attn_mass)
         if feats == NO_FEATURES:
             logits = self.prefill(suffix, all_logits=all_logits)
@@ -338,6 +391,8 @@ class _Turn:
             self.window = (q_rows[:, [q_of[int(p)] for p in window_pos]], window_pos)
         if span_pos.size:
             self.query_mean = q_rows[:, [q_of[int(p)] for p in span_pos]].mean(axis=1)
+        if signal_pos.size:
+            self.signal = repairkv.Signal(np.asarray(q_rows[:, [q_of[int(p)] for p in signal_pos]], np.float32), signal_pos)
         if self.spec.policy.observe is not None:
             rows = [q_of[int(p)] for p in ring_pos]
             self._observe(q_rows[:, rows] if rows else None, phase[ring_pos], new_turn=True)
@@ -417,7 +472,8 @@ class _Turn:
         )
         forced = self.pinned[live_pos]
         self.retention.state, report = compress_row(
-            self.engine, self.row, spec.policy, spec.config, self.retention.state, feats, forced, spec.budget, spec.layout
+            self.engine, self.row, spec.policy, spec.config, self.retention.state, feats, forced, spec.budget, spec.layout,
+            on_evict=self._shelve if self.session.repair is not None else None,
         )
         self.session.compressions.append(report)
         if report.plan.renumbered:  # compact: positions are now 0..K-1
@@ -430,6 +486,101 @@ class _Turn:
             self.renumbered = True
             self.renumber_count += 1
         self._observe_live()
+
+    # -- repair (RepairKV, ALGORITHMS.md §6) ----------------------------------------
+    def _shelve(self, plan, k_LMKD, v_LMKD, scores_M):
+        """Evicted rows -> the server's host tier, under this session."""
+        pos = plan.evicted_positions
+        tokens = np.asarray(self.tokens, np.int32)[pos]
+        self.server.host_tier.put(self.session.session_id, pos, tokens, k_LMKD, v_LMKD, scores_M)
+
+    def _repair(self):
+        """Promote up to K shelved rows before decoding (module docstring)."""
+        session, cfg, engine = self.session, self.session.repair, self.engine
+        key, tier = session.session_id, self.server.host_tier
+        stale, signal = session._repair_signal, self.signal
+        if signal is not None:
+            session._repair_signal = signal
+            self.server.repair_signals.pop(key, None)
+            self.server.repair_signals[key] = signal
+            while len(self.server.repair_signals) > 64:
+                self.server.repair_signals.pop(next(iter(self.server.repair_signals)))
+        live_before = len(engine.row_state[self.row].live)
+        empty = np.zeros(0, np.int64)
+
+        def report(promoted=empty, demoted=empty, candidates=0, skipped=None):
+            session.repairs.append(repairkv.RepairReport(
+                self.index, cfg.policy, cfg.k, candidates, promoted, demoted,
+                live_before, len(engine.row_state[self.row].live), skipped,
+            ))
+
+        if cfg.when == "tool" and self._actionable_kind() != "tool":
+            return report(skipped="the actionable message is not a tool result")
+        rows = tier.rows(key)
+        if rows is not None:  # eligible: earlier requests' rows, holes here, same token
+            slots = np.asarray(engine.row_state[self.row].slots, np.int64)
+            tokens = np.asarray(self.tokens, np.int64)
+            p = rows.positions_M
+            inside = p < slots.size
+            ok = np.zeros(p.size, bool)
+            ok[inside] = (slots[p[inside]] == SENTINEL_SLOT) & (tokens[p[inside]] == rows.tokens_M[inside])
+            ok &= rows.stamp_M < self.tier_clock
+            rows = rows.subset(np.flatnonzero(ok))
+        if rows is None or rows.size == 0:
+            return report(skipped="no evicted rows")
+        use = {"staleq": stale, "wrongq": self._wrong_signal()}.get(cfg.policy, signal)
+        if cfg.policy in repairkv.SCORED and use is None:
+            return report(candidates=rows.size, skipped=f"no signal for {cfg.policy}")
+        live_pos = engine.live_positions(self.row)
+        demoted = empty
+        if cfg.policy == "refresh":
+            promote, demoted = self._refresh(use, rows, live_pos)
+        else:
+            a = None
+            if cfg.policy in repairkv.SCORED:
+                a = repairkv.score_rows(
+                    use, engine.gather_keys(self.row), live_pos, rows.k_LMKD, rows.positions_M,
+                    chunk=cfg.chunk, see_all=cfg.policy == "wrongq",
+                )
+            promote = repairkv.choose(cfg, rows.positions_M, rows.scores_M, a, event=self.index)
+        taken = tier.take(key, promote)
+        promote_rows(engine, self.row, taken.positions_M, taken.k_LMKD, taken.v_LMKD)
+        self.promoted = taken if self.promoted is None else TierRows.concat(self.promoted, taken)
+        report(taken.positions_M, demoted, rows.size)
+
+    def _refresh(self, signal, rows, live_pos):
+        """Refresh: rescore active ∪ evicted, keep the best ``B + K`` of them.
+
+        Forced (never demoted, normalise only): the pinned positions (protected
+        prefix, actionable query) and everything from the actionable query on.
+        Returns ``(promote positions, demoted positions)``; demoted rows are shelved.
+        """
+        cfg, engine = self.session.repair, self.engine
+        forced = self.pinned[live_pos] | (live_pos >= self.rendered.spans.actionable_query[0])
+        keys = np.asarray(engine.gather_keys(self.row))
+        act = np.flatnonzero(~forced)
+        cand_k = np.concatenate([keys[:, act], np.asarray(rows.k_LMKD, keys.dtype)], axis=1)
+        cand_pos = np.concatenate([live_pos[act], rows.positions_M])
+        a = repairkv.score_rows(signal, keys[:, forced], live_pos[forced], cand_k, cand_pos, chunk=cfg.chunk)
+        comp = np.concatenate([np.full(act.size, np.inf, np.float32), rows.scores_M])
+        keep = repairkv.select_refresh(a, comp, cand_pos, act.size + min(cfg.k, rows.size))
+        demote = ~keep[: act.size]
+        if demote.any():
+            slots = engine.row_state[self.row].slots
+            plan = layouts.dead_slot(slots, np.setdiff1d(live_pos, live_pos[act[demote]]))
+            self._shelve(plan, *engine.gather_rows(plan.evicted_slots), a[: act.size][demote])
+            engine.apply_layout(self.row, plan)
+        return np.sort(rows.positions_M[keep[act.size:]]), np.sort(live_pos[act[demote]])
+
+    def _wrong_signal(self):
+        if self.session.repair_wrong_signal is not None:
+            return self.session.repair_wrong_signal
+        others = [sig for sid, sig in self.server.repair_signals.items() if sid != self.session.session_id]
+        return others[-1] if others else None
+
+    def _actionable_kind(self) -> str | None:
+        kinds = [m.kind for m in self.rendered.messages if m.kind in ("user", "tool")]
+        return kinds[-1] if kinds else None
 
     def _is_live(self, p) -> bool:
         slots = self.engine.row_state[self.row].slots
@@ -506,12 +657,44 @@ class _Turn:
         if self.spec is not None:  # dead-slot evictions become holes in the cache too
             self.server.radix.punch_holes(self.tokens, slots, own_handle=self.handle)
 
+    def _reshelve_promoted(self):
+        rows = self.promoted
+        back = (rows.positions_M < self.reused) & np.asarray([self._is_live(p) for p in rows.positions_M], bool)
+        if back.any():
+            r = rows.subset(np.flatnonzero(back))
+            self.server.host_tier.put(self.session.session_id, r.positions_M, r.tokens_M, r.k_LMKD, r.v_LMKD, r.scores_M)
+
     def _observe_live(self):
         self.session.metrics.on_live(len(self.engine.row_state[self.row].live))
 
     def close(self) -> None:
         try:
+            if self.promoted is not None:  # the radix keeps holes below the matched prefix
+                self._reshelve_promoted()
+            if self.session.repair is not None:
+                self.session._repair_tokens = list(self.tokens)
             self.engine.close_row(self.row)
         finally:
             self.server.radix.unlock(self.handle)
             self.session.metrics.end_request()
+
+
+def promote_rows(engine: Engine, row: int, positions_M, k_LMKD, v_LMKD) -> np.ndarray:
+    """RepairKV apply step: bring evicted rows back into ``row`` at their original
+    positions. Fresh slots are allocated, the K/V rows written there unchanged
+    (post-RoPE at the same positions: no rotation), the positions' slot-map
+    entries (holes) pointed at them and the live-index list grown in position
+    order. Returns the fresh slots. ``RepairError`` (nothing changed) when a
+    position is not a hole of the row."""
+    pos = np.asarray(positions_M, np.int64)
+    if pos.size == 0:
+        return np.zeros(0, np.int64)
+    state = engine.row_state[row]
+    if state is None:
+        raise JaxKVError(f"cache row {row} is not open")
+    repairkv.promotion_tables(state.slots, pos, np.ones(pos.size, np.int64))  # validate first
+    fresh = engine.allocate(pos.size)
+    slots, live = repairkv.promotion_tables(state.slots, pos, fresh)
+    engine.cache = restore_rows(engine.cache, jnp.asarray(fresh, jnp.int32), stage(np.asarray(k_LMKD)), stage(np.asarray(v_LMKD)))
+    engine.set_row_tables(row, slots, live)
+    return fresh
