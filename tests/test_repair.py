@@ -302,3 +302,17 @@ def test_wrongq_uses_another_sessions_signal_and_when_tool(agent_model):
         Session(agent_model, max_positions=256, policy="snapkv", budget=50, layout="compact", repair=4)
     with pytest.raises(RepairError, match="repair_when"):
         Session(agent_model, max_positions=256, policy="snapkv", budget=50, repair=4, repair_when="never")
+
+
+def test_refresh_swaps_rows_and_shelves_the_demoted(agent_model):
+    """With a roomier budget, refresh demotes active history rows that the new signal
+    ranks below evicted ones: the active set still grows by exactly min(K, candidates)."""
+    server = Server(agent_model, max_positions=512)
+    session = Session(agent_model, server=server, keep_reasoning=True, policy="snapkv", budget=150, w=8, repair=4, repair_policy="refresh")
+    session.replay(_conversation(0), None, generate=True, max_new_tokens=4)
+    last = session.repairs[-1]
+    assert last.demoted_positions.size > 0 and not np.intersect1d(last.demoted_positions, last.promoted_positions).size
+    assert last.live_after - last.live_before == min(4, last.candidates)
+    assert last.promoted_positions.size == last.demoted_positions.size + min(4, last.candidates)
+    assert np.isin(last.demoted_positions, server.host_tier.rows(session.session_id).positions_M).all()
+    _assert_no_leak(server)
