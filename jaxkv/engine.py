@@ -184,6 +184,11 @@ def _dense_logits(graphdef, params, tokens_BT):
     return nnx.merge(graphdef, params)(tokens_BT)
 
 
+@jax.jit
+def _gather_keys(k_LSKD, slots_N):
+    return k_LSKD[:, slots_N].astype(jnp.float32)
+
+
 @functools.partial(jax.jit, donate_argnames=("cache",))
 def _copy_rows(cache: PagedKVCache, src_M, dst_M):
     return cache.replace(k=cache.k.at[:, dst_M].set(cache.k[:, src_M]), v=cache.v.at[:, dst_M].set(cache.v[:, src_M]))
@@ -327,10 +332,13 @@ class Engine:
         slots = np.asarray(self._row(row).slots)
         return np.flatnonzero(slots != SENTINEL_SLOT)
 
-    def gather_keys(self, row: int) -> jax.Array:
-        """Post-RoPE keys of the row's live positions ``[L, N, Hkv, D]``."""
+    def gather_keys(self, row: int, n: int | None = None) -> jax.Array:
+        """Post-RoPE keys of the row's live positions ``[L, N, Hkv, D]``, padded
+        with the sentinel's row up to ``n`` entries when given."""
         live = np.asarray(self._row(row).live, np.int32)
-        return self.cache.k[:, live]
+        if n is not None:
+            live = np.concatenate([live, np.full(n - live.size, SENTINEL_SLOT, np.int32)])
+        return _gather_keys(self.cache.k, jnp.asarray(live))
 
     def gather_rows(self, slots) -> tuple[np.ndarray, np.ndarray]:
         """Host copies of the K and V rows at ``slots``: ``[L, M, Hkv, D]`` each."""
@@ -383,7 +391,7 @@ class Engine:
         C = min(self.prefill_chunk, bucket(max(lens + [1])))
         outputs = [[] for _ in rows]
         cfg = self.model.config
-        mass = [np.zeros((cfg.num_layers, cfg.num_heads, st.seq_len + n), np.float32) for st, n in zip(states, lens)]
+        mass = [np.zeros((cfg.num_layers, cfg.num_heads, st.seq_len + n), np.float32) for st, n in zip(states, lens)] if features.attn_mass else None
         q_pos = np.asarray(q_row_positions if q_row_positions is not None else [[0]] * len(rows), np.int64)
         n_q = q_pos.shape[1]
         q_rows = None
@@ -581,27 +589,38 @@ class CompressionReport:
     evicted_scores: np.ndarray | None = None  # policy score of each plan.evicted_positions entry
 
 
-def compress_row(engine: Engine, row: int, policy, cfg, state, feats, forced_N, budget: int, layout: str, on_evict=None):
-    """One compression event on a row: score, select, apply the layout.
-
-    ``feats`` are the row's ``EventFeatures`` (live positions in order) and
-    ``forced_N`` the engine-forced mask (protected prefix, actionable query);
-    the policy's own keep set is added here. ``on_evict(plan, k_LMKD, v_LMKD,
-    scores_M)``, when given, receives host copies of the evicted rows and their
-    compression scores before the layout releases them (the RepairKV host
-    tier). Returns ``(state, report)``.
-    """
-    from jaxkv.policies import layouts
+@functools.partial(jax.jit, static_argnames=("policy", "cfg"))
+def score_and_select(policy, cfg, state, feats, forced_N, budget):
+    """One event's decision, jit'd per (policy, config, padded N): forced set =
+    engine-forced ∪ the policy's keep set (real entries only), scores, kept mask."""
     from jaxkv.policies.base import select
 
-    live_pos = np.asarray(feats.positions_N)
+    valid = feats.valid()
     forced = jnp.asarray(forced_N, bool)
     if policy.keep is not None:
         forced = forced | policy.keep(cfg, feats)
-    candidates = ~forced
+    forced = forced & valid
+    candidates = ~forced & valid
     scores, state = policy.score(cfg, state, feats, candidates)
-    keep_mask = np.asarray(select(scores, forced, candidates, budget))
-    kept = live_pos[keep_mask]
+    return select(scores, forced, candidates, budget), scores, state
+
+
+def compress_row(engine: Engine, row: int, policy, cfg, state, feats, forced_N, budget: int, layout: str, on_evict=None):
+    """One compression event on a row: score, select, apply the layout.
+
+    ``feats`` are the row's ``EventFeatures`` (live positions in order, padded
+    with ``valid_N`` false entries) and ``forced_N`` the engine-forced mask
+    (protected prefix, actionable query); the policy's own keep set is added
+    here. ``on_evict(plan, k_LMKD, v_LMKD, scores_M)``, when given, receives host
+    copies of the evicted rows and their compression scores before the layout
+    releases them (the RepairKV host tier). Returns ``(state, report)``.
+    """
+    from jaxkv.policies import layouts
+
+    valid = np.asarray(feats.valid())
+    live_pos = np.asarray(feats.positions_N)[valid]
+    keep_mask, scores, state = score_and_select(policy, cfg, state, feats, jnp.asarray(forced_N, bool), jnp.int32(budget))
+    kept = live_pos[np.asarray(keep_mask)[valid]]
     slots = engine.row_state[row].slots
     if layout == "dead_slot":
         plan = layouts.dead_slot(slots, kept)
@@ -609,7 +628,8 @@ def compress_row(engine: Engine, row: int, policy, cfg, state, feats, forced_N, 
         plan = layouts.compact(slots, kept, engine.allocate(kept.size))
     else:
         raise ValueError(f"unknown layout {layout!r}; known: {', '.join(layouts.LAYOUTS)}")
-    evicted_scores = np.asarray(scores, np.float32)[np.searchsorted(live_pos, plan.evicted_positions)]
+    live_scores = np.asarray(scores, np.float32)[valid]
+    evicted_scores = live_scores[np.searchsorted(live_pos, plan.evicted_positions)]
     if on_evict is not None and plan.evicted_positions.size:
         k_LMKD, v_LMKD = engine.gather_rows(plan.evicted_slots)
         on_evict(plan, k_LMKD, v_LMKD, evicted_scores)

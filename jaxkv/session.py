@@ -60,6 +60,8 @@ from jaxkv.policies import layouts, repair as repairkv
 from jaxkv.policies.layouts import LAYOUTS
 from jaxkv.sampling import make_sampler, sample
 
+SIGNALS_KEPT = 8  # latest repair signals a server keeps (one per session) for WrongQ-K
+
 
 class Server:
     """Shared serving state for many sessions.
@@ -87,7 +89,7 @@ class Server:
         self.engine.reclaim = self.radix.evict
         self.store = SessionStore(session_cap)
         self.host_tier = host_tier if host_tier is not None else HostTier(global_rows=1 << 16)
-        self.repair_signals: dict = {}  # session id -> its latest repair Signal (WrongQ-K), insertion ordered
+        self.repair_signals: dict = {}  # session id -> latest repair Signal (WrongQ-K); oldest first, SIGNALS_KEPT at most
         tok = model.tokenizer
         stops = set(model.config.eos_token_ids)
         for name in ("<|im_end|>", "<|eot_id|>", "<|endoftext|>", "<|eom_id|>"):
@@ -459,18 +461,26 @@ class _Turn:
         acc = self.retention.acc_mass
         acc_live = np.where(live_pos < acc.size, acc[np.minimum(live_pos, max(acc.size - 1, 0))], 0.0) if acc.size else np.zeros(live_pos.size)
         qm = self.query_mean if self.query_mean is not None else np.zeros((cfg.num_layers, cfg.num_heads, cfg.head_dim), np.float32)
+        # Pad N to a bucket so the jit'd scorer compiles once per bucket, not per event.
+        n, N = live_pos.size, bucket(live_pos.size)
+        seq_len = len(self.tokens)
+
+        def pad(x, fill):
+            return np.concatenate([np.asarray(x), np.full(N - n, fill, np.asarray(x).dtype)])
+
         feats = EventFeatures(
-            keys_LNKD=self.engine.gather_keys(self.row).astype(jnp.float32),
-            positions_N=jnp.asarray(live_pos, jnp.int32),
-            phase_N=jnp.asarray(self.phase[live_pos], jnp.int32),
+            keys_LNKD=self.engine.gather_keys(self.row, N),
+            positions_N=jnp.asarray(np.concatenate([live_pos, seq_len + 1 + np.arange(N - n)]), jnp.int32),
+            phase_N=jnp.asarray(pad(self.phase[live_pos], 3), jnp.int32),
             window_q_LWHD=jnp.asarray(wq, jnp.float32),
             window_pos_W=jnp.asarray(wpos, jnp.int32),
             window_valid_W=jnp.asarray(wvalid),
-            acc_mass_N=jnp.asarray(acc_live, jnp.float32),
+            acc_mass_N=jnp.asarray(pad(acc_live.astype(np.float32), 0.0), jnp.float32),
             query_mean_LHD=jnp.asarray(qm, jnp.float32),
-            seq_len=jnp.int32(len(self.tokens)),
+            seq_len=jnp.int32(seq_len),
+            valid_N=jnp.asarray(np.arange(N) < n),
         )
-        forced = self.pinned[live_pos]
+        forced = pad(self.pinned[live_pos], False)
         self.retention.state, report = compress_row(
             self.engine, self.row, spec.policy, spec.config, self.retention.state, feats, forced, spec.budget, spec.layout,
             on_evict=self._shelve if self.session.repair is not None else None,
@@ -503,7 +513,7 @@ class _Turn:
             session._repair_signal = signal
             self.server.repair_signals.pop(key, None)
             self.server.repair_signals[key] = signal
-            while len(self.server.repair_signals) > 64:
+            while len(self.server.repair_signals) > SIGNALS_KEPT:
                 self.server.repair_signals.pop(next(iter(self.server.repair_signals)))
         live_before = len(engine.row_state[self.row].live)
         empty = np.zeros(0, np.int64)
