@@ -54,6 +54,8 @@ from flax import nnx
 from tqdm import tqdm
 
 from eval.tasks import Example, agent_traces, mqniah, vocabulary
+from eval.tasks.example import IdentifierPool
+from eval.tasks.words import SYSTEM_PLAIN
 from eval.tasks.mqniah import NEEDLE_COUNTS
 from eval.tasks.words import IDENTIFIERS
 from jaxkv.chat.render import render
@@ -196,11 +198,36 @@ HELDOUT_SEED_BASE = (1 << 30) + 3_000_000
 MIN_AGENT_LENGTH = 1024
 
 
-def make_sequence(tokenizer, seed: int, seq_len: int, mqniah_share: float = 0.5) -> TrainSequence:
+def copy_drill(seed: int, seq_len: int) -> Example:
+    """A warm-up conversation: the user lists random identifiers, the assistant repeats them.
+
+    Every target identifier can only be predicted by copying from the context, so the
+    drill gives the dense signal that forms induction (copy) heads within a few hundred
+    steps; the task conversations give that signal on a few tokens per example only.
+    """
+    rng = random.Random(seed)
+    pool = IdentifierPool(rng)
+    n = rng.randint(16, max(16, min(150, (seq_len - 80) // 4)))
+    items = " ".join(pool.draw(rng.choice("kvd")) for _ in range(n))
+    messages = [
+        {"role": "system", "content": SYSTEM_PLAIN},
+        {"role": "user", "content": f"Repeat the list: {items}"},
+        {"role": "assistant", "content": items, "reasoning_content": "I will repeat the list."},
+    ]
+    return Example("copy", seed, messages, [], [], {})
+
+
+def make_sequence(tokenizer, seed: int, seq_len: int, mqniah_share: float = 0.5, copy_share: float = 0.0) -> TrainSequence:
     """A seeded training sequence of at most ``seq_len`` tokens (prefix-truncated)."""
     rng = random.Random(seed)
-    task = "mqniah" if rng.random() < mqniah_share or seq_len < MIN_AGENT_LENGTH else "agent_traces"
-    example = make_example(rng.randrange(TRAIN_SEED_LIMIT), seq_len, task)
+    u = rng.random()
+    if u < copy_share:
+        task = "copy"
+    else:
+        u = (u - copy_share) / (1 - copy_share)
+        task = "mqniah" if u < mqniah_share or seq_len < MIN_AGENT_LENGTH else "agent_traces"
+    ex_seed = rng.randrange(TRAIN_SEED_LIMIT)
+    example = copy_drill(ex_seed, seq_len) if task == "copy" else make_example(ex_seed, seq_len, task)
     messages, _ = training_view(example, rng)
     seq = render_sequence(tokenizer, example, messages)
     if seq.ids.size > seq_len:  # rare: the length estimate is within a few percent
@@ -226,9 +253,10 @@ def step_seed(seed: int, step: int) -> int:
     return (seed * 7_919 + step * 104_729 + 17) & 0x7FFFFFFF
 
 
-def batch_for_step(tokenizer, seed: int, step: int, seq_len: int, batch: int, mqniah_share: float = 0.5) -> dict[str, np.ndarray]:
+def batch_for_step(tokenizer, seed: int, step: int, seq_len: int, batch: int, mqniah_share: float = 0.5,
+                   copy_share: float = 0.0) -> dict[str, np.ndarray]:
     rng = random.Random(step_seed(seed, step))
-    seqs = [make_sequence(tokenizer, rng.randrange(1 << 31), seq_len, mqniah_share) for _ in range(batch)]
+    seqs = [make_sequence(tokenizer, rng.randrange(1 << 31), seq_len, mqniah_share, copy_share) for _ in range(batch)]
     return pack_batch(seqs, seq_len, tokenizer.pad_token_id)
 
 
@@ -380,7 +408,8 @@ def train(args) -> dict:
 
     def batch_at(s):
         length = seq_len_at(s, args.steps, stages)
-        return batch_for_step(tokenizer, args.seed, s, length, max(1, args.batch * args.seq_len // length), args.mqniah_share)
+        return batch_for_step(tokenizer, args.seed, s, length, max(1, args.batch * args.seq_len // length), args.mqniah_share,
+                              args.copy_share if length <= args.copy_max_len else 0.0)
 
     metrics_file = open(out / "metrics.jsonl", "a")
     stop = min(args.steps, args.stop_after or args.steps)
@@ -431,6 +460,8 @@ def parse_args(argv=None):
     p.add_argument("--size", choices=sorted(SIZES), default="small")
     p.add_argument("--tiny", action="store_true", help="tiny model, 1024-token sequences (tests)")
     p.add_argument("--mqniah-share", type=float, default=0.5, help="fraction of MQ-NIAH sequences (the rest agent traces)")
+    p.add_argument("--copy-share", type=float, default=0.25, help="fraction of copy-drill warm-up sequences")
+    p.add_argument("--copy-max-len", type=int, default=1024, help="curriculum stages longer than this use no copy drill")
     p.add_argument("--lr", type=float, default=3e-3)
     p.add_argument("--warmup", type=int, default=100)
     p.add_argument("--weight-decay", type=float, default=0.01)

@@ -63,6 +63,9 @@ PHRASES = (
     "The special code for {key} is {value}.",
     "The question asks for the codes of {keys}. I will look for them in the document.",
     "and",
+    # the trainer's copy drill (train.embedded_model.copy_drill)
+    "Repeat the list: {items}",
+    "I will repeat the list.",
 )
 
 TOOL_SCHEMAS = {
