@@ -19,10 +19,11 @@ compressed) and before decoding, ``_Turn._repair`` scores the session's rows
 shelved by earlier requests (not by this request's own events, which already saw
 this turn's prompt) that are holes of this request against the signal
 (post-RoPE query rows of the new actionable query span) and promotes up to K
-back at their original positions (``promote_rows``). The radix cache keeps its holes at positions below
-the matched prefix, so a promotion lasts for the turn: at the end of the turn
-those rows return to the host tier (positions this turn prefilled are kept by the
-radix insert as usual). Reports: ``Session.repairs``.
+back at their original positions (``promote_rows``). At the end of the turn the
+radix cache takes the promoted rows into its holes (``RadixTree.sync_holes``), so
+a repair persists across turns; only rows at positions the radix cache must not
+change (shared with another cached sequence or locked by another request) return
+to the host tier. Reports: ``Session.repairs``.
 
 ``Session.replay`` feeds a recorded conversation turn by turn, teacher-forcing
 the recorded assistant messages (and optionally generating a reply at each
@@ -161,6 +162,7 @@ class Session:
         self.session_id: str | None = None
         self.retention = _RetentionSpec.make(policy, budget, layout, policy_config) if policy else None
         self.compressions: list = []  # CompressionReports of this session, in order
+        self._cached_ids: list[int] | None = None  # what this session's last request cached
         self.repair = repairkv.RepairConfig(int(repair), repair_policy, repair_when) if repair else None
         if self.repair is not None and (self.retention is None or self.retention.layout != "dead_slot"):
             raise ConfigError("repair needs a retention policy with the dead_slot layout (positions must survive eviction)")
@@ -324,6 +326,7 @@ class _Turn:
         self._pinned_prompt = pinned
         self.pinned = pinned[: self.reused]
         self.renumbered = False
+        self.persisted: set[int] = set()  # repaired positions the radix cache took over
         self.renumber_count = 0
         self.uncompressed = int(n)  # request size without pruning (raw reads, PT)
         self.window: tuple[np.ndarray, np.ndarray] | None = None  # (q [L,W,Hq,D], positions [W])
@@ -663,13 +666,20 @@ class _Turn:
             return
         state = self.engine.row_state[self.row]
         slots = state.slots[: len(self.tokens)]
+        previous = self.session._cached_ids
+        if previous is not None:  # this session's superseded tail is stale now
+            self.server.radix.drop_branch(previous, self.tokens)
         self.server.radix.insert(self.tokens, slots)
-        if self.spec is not None:  # dead-slot evictions become holes in the cache too
-            self.server.radix.punch_holes(self.tokens, slots, own_handle=self.handle)
+        self.session._cached_ids = list(self.tokens)
+        if self.spec is not None:  # evictions become holes in the cache, repairs fill them
+            _, filled = self.server.radix.sync_holes(self.tokens, slots, own_handle=self.handle)
+            self.persisted = set(filled.tolist())
 
     def _reshelve_promoted(self):
         rows = self.promoted
-        back = (rows.positions_M < self.reused) & np.asarray([self._is_live(p) for p in rows.positions_M], bool)
+        back = (rows.positions_M < self.reused) & np.asarray(
+            [self._is_live(p) and int(p) not in self.persisted for p in rows.positions_M], bool
+        )
         if back.any():
             r = rows.subset(np.flatnonzero(back))
             self.server.host_tier.put(self.session.session_id, r.positions_M, r.tokens_M, r.k_LMKD, r.v_LMKD, r.scores_M)

@@ -316,3 +316,23 @@ def test_refresh_swaps_rows_and_shelves_the_demoted(agent_model):
     assert last.promoted_positions.size == last.demoted_positions.size + min(4, last.candidates)
     assert np.isin(last.demoted_positions, server.host_tier.rows(session.session_id).positions_M).all()
     _assert_no_leak(server)
+
+
+def test_repairs_persist_in_the_radix_cache(agent_model):
+    """Rows promoted at a turn boundary fill the radix cache's holes when the turn
+    ends, so the next request matches them as real slots and they leave the tier."""
+    from jaxkv.cache.allocator import SENTINEL_SLOT
+
+    server = Server(agent_model, max_positions=512)
+    session = _replay(agent_model, server, repair=8, repair_policy="repairkv")
+    promoted = session.repairs[-1].promoted_positions  # no event after the last turn re-evicts them
+    assert promoted.size > 0
+    convo = _conversation(0)
+    from jaxkv.chat import render
+
+    ids = render(agent_model.tokenizer, convo, None, add_generation_prompt=False, keep_reasoning=True).ids
+    cached = server.radix.match(ids, lock=False).slots
+    assert (cached[promoted] != SENTINEL_SLOT).all()
+    shelved = set(server.host_tier.rows(session.session_id).positions_M.tolist()) if server.host_tier.session_size(session.session_id) else set()
+    assert not shelved & set(promoted.tolist())
+    _assert_no_leak(server)

@@ -168,24 +168,27 @@ class RadixTree:
             n.last_access = now
         return int(new_ids.size)
 
-    def punch_holes(self, token_ids, slots, own_handle: LockHandle | None = None) -> np.ndarray:
-        """Redirect to the sentinel the cached positions a request evicted.
+    def sync_holes(self, token_ids, slots, own_handle: LockHandle | None = None) -> tuple[np.ndarray, np.ndarray]:
+        """Make the tree's holes agree with a request's slot map, where allowed.
 
-        ``token_ids`` must be cached (call after ``insert``); where ``slots`` holds
-        the sentinel but the tree holds a real slot, the tree's entry becomes a
-        hole and its reference is released -- unless the position is *protected*:
-        shared with another cached sequence (it lies at or above a branching
-        node) or locked by another running request (locks of ``own_handle`` do
-        not count). Returns the slots freed (refcount 0). Dead-slot eviction then
-        persists across turns while every other sequence keeps what it shares.
+        ``token_ids`` must be cached (call after ``insert``). Where ``slots``
+        holds the sentinel but the tree a real slot (the request evicted it), the
+        tree's entry becomes a hole and its reference is released; where ``slots``
+        holds a real slot but the tree a hole (the request repaired it), the tree
+        takes a reference and stores it. Positions are *protected* and left alone
+        when they are shared with another cached sequence (at or above a
+        branching node) or locked by another running request (locks of
+        ``own_handle`` do not count). Returns ``(freed slots, filled positions)``.
+        Dead-slot eviction and repair then persist across turns while every other
+        sequence keeps what it shares.
         """
         ids = _as_ids(token_ids)
         slots = _as_ids(slots)
         if ids.size != slots.size:
-            raise RadixError(f"punch_holes got {ids.size} token ids but {slots.size} slots")
+            raise RadixError(f"sync_holes got {ids.size} token ids but {slots.size} slots")
         node, k, length = self._walk(ids)
         if length != ids.size:
-            raise RadixError(f"punch_holes: only {length} of {ids.size} tokens are cached")
+            raise RadixError(f"sync_holes: only {length} of {ids.size} tokens are cached")
         path = list(node.path_to_root())[::-1][1:]  # root excluded, top-down
         own = set()
         if own_handle is not None and own_handle.locked:
@@ -199,20 +202,61 @@ class RadixTree:
             branching = len(n.children) > (0 if n is node else 1)
             if branching or other_locks > 0 or (n is node and k < n.tokens.size):
                 protected_depth = depth
-        release = []
+        edits = []  # (node, hole mask, fill mask, span start)
         start = 0
         for depth, n in enumerate(path):
             end = start + n.tokens.size
             if depth > protected_depth:
                 want = slots[start:end]
                 hole = (want == SENTINEL_SLOT) & (n.slots != SENTINEL_SLOT)
-                if hole.any():
-                    release.append(n.slots[hole].copy())
-                    n.slots = np.where(hole, SENTINEL_SLOT, n.slots).astype(np.int32)
+                fill = (want != SENTINEL_SLOT) & (n.slots == SENTINEL_SLOT)
+                if hole.any() or fill.any():
+                    edits.append((n, hole, fill, start))
             start = end
-        if not release:
+        filled = [np.flatnonzero(f) + st for _, _, f, st in edits]
+        new_refs = np.concatenate([slots[st : st + n.tokens.size][f] for n, _, f, st in edits]) if edits else np.zeros(0, np.int64)
+        if new_refs.size:
+            self._allocator.ref(new_refs)  # validates before anything changes
+        release = []
+        for n, hole, fill, st in edits:
+            release.append(n.slots[hole].copy())
+            want = slots[st : st + n.tokens.size]
+            n.slots = np.where(hole, SENTINEL_SLOT, np.where(fill, want, n.slots)).astype(np.int32)
+        freed = self._allocator.release(np.concatenate(release)) if release else np.zeros(0, np.int32)
+        positions = np.concatenate(filled) if filled else np.zeros(0, np.int64)
+        return freed.astype(np.int32), positions
+
+    def drop_branch(self, old_ids, keep_ids) -> np.ndarray:
+        """Remove the cached tail of ``old_ids`` that ``keep_ids`` superseded.
+
+        A session's next request can diverge from what its previous request
+        cached (Qwen3's template renders the last assistant message with an empty
+        think block, later ones without). The old tail past the divergence is
+        then a stale branch that would make the shared history look shared with
+        another sequence. Nodes of that tail are removed bottom-up while they are
+        unlocked leaves lying wholly past the divergence; anything another
+        sequence extends or a request holds stays. Returns the slots freed.
+        """
+        old, keep = _as_ids(old_ids), _as_ids(keep_ids)
+        diverge = common_prefix_length(old, keep)
+        node, k, length = self._walk(old)
+        if length != old.size or k != node.tokens.size or diverge == old.size:
             return np.zeros(0, np.int32)
-        return self._allocator.release(np.concatenate(release))
+        end = old.size
+        freed = []
+        while node is not self._root and not node.children and node.lock_count == 0:
+            start = end - node.tokens.size
+            if start < diverge:
+                break
+            parent = node.parent
+            del parent.children[int(node.tokens[0])]
+            self.num_nodes -= 1
+            self.num_tokens -= int(node.tokens.size)
+            held = node.slots[node.slots != SENTINEL_SLOT]
+            if held.size:
+                freed.append(self._allocator.release(held))
+            node, end = parent, start
+        return np.concatenate(freed).astype(np.int32) if freed else np.zeros(0, np.int32)
 
     def evict(self, n_slots: int) -> np.ndarray:
         """Drop least-recently-used unlocked leaves until at least ``n_slots`` slots
