@@ -41,8 +41,9 @@ import numpy as np
 COLUMNS = (
     "method", "budget", "layout", "task", "n", "accuracy", "completion",
     "peak_request_tokens", "peak_live_kv", "raw_kv_reads", "effective_kv_reads",
-    "prefix_hit_rate", "wall_s",
+    "prefix_hit_rate", "wall_s", "repair_policy", "repair_k", "base_budget",
 )
+REPAIR_POLICIES = ("repairkv", "random", "oldest", "staleq", "wrongq", "refresh")
 ALL_METHODS = ("full", "streaming_llm", "snapkv", "h2o", "tova", "random", "oldest", "agentkv", "intentkv_memory", "intentkv_query")
 TASKS = ("agent", "mqniah")
 EVAL_SEED_BASE = (1 << 30) + 9_000_000  # disjoint from training seeds (< 2**30)
@@ -50,10 +51,17 @@ EVAL_SEED_BASE = (1 << 30) + 9_000_000  # disjoint from training seeds (< 2**30)
 
 @dataclasses.dataclass(frozen=True)
 class Cell:
+    """One grid cell. With repair, ``budget`` is the budget the session runs at:
+    ``base_budget`` for a repair cell, ``base_budget + repair_k`` for the matched
+    no-repair cell (``repair_policy == "matched"``)."""
+
     method: str
     budget: int | None
     layout: str | None
     task: str
+    repair_policy: str = "none"
+    repair_k: int = 0
+    base_budget: int | None = None
 
 
 def make_examples(task: str, n: int, length: int, seed: int = EVAL_SEED_BASE):
@@ -83,7 +91,12 @@ def run_example(model, example, cell: Cell, *, max_new_tokens: int, max_position
     options = dict(session_options)
     if policy is not None:
         options.update(policy=policy, budget=cell.budget, layout=cell.layout)
+    if cell.repair_policy in REPAIR_POLICIES:
+        options.update(repair=cell.repair_k, repair_policy=cell.repair_policy)
+    else:
+        options.pop("repair_wrong_signal", None)
     session = Session(model, max_positions=max_positions, max_new_tokens=max_new_tokens, **options)
+    run_example.last_session = session
     assistant_at = [j for j, m in enumerate(example.messages) if m.get("role") == "assistant"]
     last = max(t.message_index for t in example.targets)
     try:
@@ -99,8 +112,13 @@ def run_cell(model, examples, cell: Cell, *, max_new_tokens: int, max_positions:
     t0 = time.perf_counter()
     correct = scored = completed = 0
     metrics = []
+    wrong_signal = None  # WrongQ-K scores with the previous example's signal
     for ex in examples:
-        c, s, done, m = run_example(model, ex, cell, max_new_tokens=max_new_tokens, max_positions=max_positions, **session_options)
+        options = dict(session_options)
+        if cell.repair_policy == "wrongq":
+            options["repair_wrong_signal"] = wrong_signal
+        c, s, done, m = run_example(model, ex, cell, max_new_tokens=max_new_tokens, max_positions=max_positions, **options)
+        wrong_signal = getattr(run_example.last_session, "_repair_signal", None) or wrong_signal
         correct, scored, completed = correct + c, scored + s, completed + done
         metrics.append(m)
         if progress is not None:
@@ -116,10 +134,16 @@ def run_cell(model, examples, cell: Cell, *, max_new_tokens: int, max_positions:
         "completion": completed / max(len(examples), 1),
         **mean,
         "wall_s": time.perf_counter() - t0,
+        "repair_policy": cell.repair_policy,
+        "repair_k": cell.repair_k,
+        "base_budget": "-" if cell.base_budget is None else cell.base_budget,
     }
 
 
-def grid(methods, budgets, layouts, tasks) -> list[Cell]:
+def grid(methods, budgets, layouts, tasks, repair_ks=(), repair_policies=("repairkv",)) -> list[Cell]:
+    """Every cell to run. With ``repair_ks``, each (method, B_base) on the dead-slot
+    layout (repair needs stable positions) also gets, per K, one cell per repair
+    policy at B_base and the matched no-repair cell at B_base + K."""
     cells = []
     for task in tasks:
         for method in methods:
@@ -128,7 +152,13 @@ def grid(methods, budgets, layouts, tasks) -> list[Cell]:
                 continue
             for budget in budgets:
                 for layout in layouts:
-                    cells.append(Cell(method, budget, layout, task))
+                    cells.append(Cell(method, budget, layout, task, base_budget=budget))
+                    if layout != "dead_slot":
+                        continue
+                    for k in repair_ks:
+                        cells.append(Cell(method, budget + k, layout, task, "matched", k, budget))
+                        for policy in repair_policies:
+                            cells.append(Cell(method, budget, layout, task, policy, k, budget))
     return cells
 
 
@@ -160,7 +190,7 @@ def prefix_summary(rows) -> str:
     for task in sorted({r["task"] for r in rows}):
         parts = []
         for layout in ("-", "dead_slot", "compact"):
-            vals = [r["prefix_hit_rate"] for r in rows if r["task"] == task and r["layout"] == layout]
+            vals = [r["prefix_hit_rate"] for r in rows if r["task"] == task and r["layout"] == layout and r["repair_policy"] == "none"]
             if vals:
                 parts.append(f"{'full cache' if layout == '-' else layout} {np.mean(vals):.3f}")
         out.append(f"prefix-hit rate on {task}: " + ", ".join(parts))
@@ -173,7 +203,9 @@ def plot(rows, out_dir: Path) -> list[Path]:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    paths = []
+    repair_rows = [r for r in rows if r["repair_policy"] != "none"]
+    rows = [r for r in rows if r["repair_policy"] == "none"]
+    paths = plot_repair(repair_rows, rows, out_dir, plt) if repair_rows else []
     for metric, fname, ylabel in (
         ("accuracy", "accuracy_vs_budget.png", "exact-match accuracy"),
         ("raw_kv_reads", "kv_reads_vs_budget.png", "KV reads per example (tokens)"),
@@ -211,6 +243,35 @@ def plot(rows, out_dir: Path) -> list[Path]:
     return paths
 
 
+def plot_repair(repair_rows, base_rows, out_dir: Path, plt) -> list[Path]:
+    """Accuracy vs repair budget K, one panel per (task, method, B_base): each
+    repair policy, the matched no-repair cell (B_base + K), the no-repair cell at
+    B_base and the full cache (the layout of RepairKV's Figure 2)."""
+    panels = sorted({(r["task"], r["method"], r["base_budget"]) for r in repair_rows})
+    fig, axes = plt.subplots(1, len(panels), figsize=(6 * len(panels), 4), squeeze=False)
+    for ax, (task, method, base) in zip(axes[0], panels):
+        for policy in sorted({r["repair_policy"] for r in repair_rows}):
+            pts = sorted((r["repair_k"], r["accuracy"]) for r in repair_rows
+                         if (r["task"], r["method"], r["base_budget"], r["repair_policy"]) == (task, method, base, policy))
+            style = dict(linestyle="--", color="gray") if policy == "matched" else {}
+            ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", label="matched no-repair" if policy == "matched" else policy, **style)
+        for r in base_rows:
+            if r["task"] == task and r["method"] == "full":
+                ax.axhline(r["accuracy"], color="black", linestyle="--", label="full cache")
+            if (r["task"], r["method"], r["budget"], r["layout"]) == (task, method, base, "dead_slot"):
+                ax.axhline(r["accuracy"], color="red", linestyle=":", label=f"no repair (B={base})")
+        ax.set_title(f"{task}: {method}, B_base={base}")
+        ax.set_xlabel("repair budget K (rows)")
+        ax.set_ylabel("exact-match accuracy")
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=7)
+    fig.tight_layout()
+    path = out_dir / "repair_accuracy_vs_k.png"
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return [path]
+
+
 # ----------------------------------------------------------------------------- CLI
 QUICK = dict(n=2, length=1024, budgets="256,512", max_new_tokens=48)
 
@@ -227,6 +288,8 @@ def build_parser(parser=None):
     p.add_argument("--max-new-tokens", type=int, default=64)
     p.add_argument("--seed", type=int, default=EVAL_SEED_BASE)
     p.add_argument("--out", default="eval/results/harness")
+    p.add_argument("--repair-ks", default="", help="repair budgets K (RepairKV): adds repair and matched cells")
+    p.add_argument("--repair-policies", default="repairkv", help=f"comma list of {', '.join(REPAIR_POLICIES)}")
     p.add_argument("--quick", action="store_true", help=f"small preset: {QUICK}")
     return p
 
@@ -257,15 +320,23 @@ def run(args) -> list[dict]:
         raise ValueError(f"budgets must be integers, got {args.budgets!r}") from None
     if any(b < 1 for b in budgets) or args.n < 1:
         raise ValueError("budgets and --n must be positive")
+    try:
+        repair_ks = [int(k) for k in str(args.repair_ks).split(",") if k.strip()]
+    except ValueError:
+        raise ValueError(f"--repair-ks must be integers, got {args.repair_ks!r}") from None
+    if any(k < 1 for k in repair_ks):
+        raise ValueError("--repair-ks must be positive")
+    repair_policies = _names(args.repair_policies, REPAIR_POLICIES, "repair policies")
     model = jaxkv.load_model(args.model)
     if model.tokenizer is None:
         raise jaxkv.ConfigError(f"{args.model} has no tokenizer; the harness renders chats")
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     examples = {t: make_examples(t, args.n, args.length, args.seed) for t in tasks}
-    cells = grid(methods, budgets, layouts, tasks)
+    cells = grid(methods, budgets, layouts, tasks, repair_ks, repair_policies)
     total = sum(len(examples[c.task]) for c in cells)
     max_positions = int(min(model.config.max_position_embeddings, 1 << math.ceil(math.log2(max(2 * args.length + 4 * args.max_new_tokens, 1024)))))
+    # Full-cache and each policy's no-repair rows come first; repair rows follow.
     rows = []
     with tqdm(total=total, desc="jaxkv eval", unit="example", file=sys.stderr) as bar:
         for cell in cells:
@@ -277,7 +348,7 @@ def run(args) -> list[dict]:
     plot(rows, out)
     print(markdown_table(rows))
     print(prefix_summary(rows))
-    print(f"wrote {out}/results.csv, results.md, accuracy_vs_budget.png, kv_reads_vs_budget.png")
+    print(f"wrote {out}/results.csv, results.md and plots " + ", ".join(p.name for p in sorted(out.glob("*.png"))))
     return rows
 
 

@@ -59,3 +59,23 @@ def test_harness_rejects_bad_arguments(task_model_dir, tmp_path):
         args = harness.build_parser().parse_args(["--model", str(task_model_dir), "--out", str(tmp_path), *bad])
         with pytest.raises(ValueError):
             harness.run(args)
+
+
+def test_harness_repair_cells_and_matched_budget(task_model_dir, tmp_path):
+    out = tmp_path / "repair"
+    args = harness.build_parser().parse_args([
+        "--model", str(task_model_dir), "--task", "mqniah", "--methods", "snapkv",
+        "--budgets", "200", "--layouts", "dead_slot", "--n", "2", "--length", "600",
+        "--max-new-tokens", "4", "--repair-ks", "8,16", "--repair-policies", "repairkv,wrongq",
+        "--out", str(out),
+    ])
+    rows = harness.run(args)
+    by = {(r["repair_policy"], r["repair_k"]): r for r in rows}
+    assert by[("none", 0)]["budget"] == 200
+    for k in (8, 16):
+        assert by[("matched", k)]["budget"] == 200 + k and by[("matched", k)]["base_budget"] == 200
+        for policy in ("repairkv", "wrongq"):
+            assert by[(policy, k)]["budget"] == 200 and by[(policy, k)]["base_budget"] == 200
+    with open(out / "results.csv") as f:
+        assert tuple(csv.DictReader(f).fieldnames) == harness.COLUMNS
+    assert (out / "repair_accuracy_vs_k.png").stat().st_size > 0
