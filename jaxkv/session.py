@@ -39,6 +39,7 @@ its own; sessions never share policy state (keys are session ids, ALGORITHMS §4
 from __future__ import annotations
 
 import dataclasses
+import functools
 from typing import Any, Mapping, Sequence
 
 import jax
@@ -279,6 +280,11 @@ class _RetentionSpec:
         return (self.policy.name, repr(self.config), self.budget, self.layout)
 
 
+@functools.partial(jax.jit, static_argnums=(0, 1))
+def _observe_jit(observe, cfg, state, obs):
+    return observe(cfg, state, obs)
+
+
 class _RetentionState:
     """Per-session policy state plus per-position history that outlives a turn.
 
@@ -434,19 +440,22 @@ class _Turn:
     def _observe(self, q_LXHD, phase_X, *, new_turn):
         spec = self.spec
         cfg = self.session.model.config
-        if q_LXHD is None:
-            q_LXHD = np.zeros((cfg.num_layers, 1, cfg.num_heads, cfg.head_dim), np.float32)
-            valid = np.zeros(1, bool)
-            phase_X = np.zeros(1, np.int32)
-        else:
-            valid = np.ones(q_LXHD.shape[1], bool)
+        n = 0 if q_LXHD is None else q_LXHD.shape[1]
+        X = bucket(max(n, 1), minimum=8)  # padded rows: one compile per bucket
+        q = np.zeros((cfg.num_layers, X, cfg.num_heads, cfg.head_dim), np.float32)
+        phases = np.zeros(X, np.int32)
+        valid = np.arange(X) < n
+        if n:
+            q[:, :n] = q_LXHD
+            phases[:n] = phase_X
+        q_LXHD, phase_X = q, phases
         qm = self.query_mean if self.query_mean is not None else np.zeros((cfg.num_layers, cfg.num_heads, cfg.head_dim), np.float32)
         obs = Observation(
             q_LXHD=jnp.asarray(q_LXHD, jnp.float32), phase_X=jnp.asarray(phase_X, jnp.int32),
             valid_X=jnp.asarray(valid), query_mean_LHD=jnp.asarray(qm, jnp.float32),
             new_turn=jnp.asarray(bool(new_turn and self.query_mean is not None)),
         )
-        self.retention.state = spec.policy.observe(spec.config, self.retention.state, obs)
+        self.retention.state = _observe_jit(spec.policy.observe, spec.config, self.retention.state, obs)
 
     # -- compression ----------------------------------------------------------------
     def _maybe_compress(self):
