@@ -37,10 +37,22 @@ def test_loss_mask_covers_exactly_the_assistant_messages(tokenizer):
         for call in m.get("tool_calls") or ():
             assert json.dumps(call["function"]["arguments"]) in target_text
     assert ex.messages[-1]["content"] in target_text
-    # nothing from the prompt side is a target
-    for m in ex.messages:
-        if m["role"] in ("system", "user", "tool"):
-            assert m["content"].split("\n")[-1] not in target_text
+    # Exactly the assistant messages are targets, checked against an oracle that
+    # does not use the tagger: assistant message j is what rendering messages[:j+1]
+    # adds beyond the generation prompt of messages[:j] (its closing <|im_end|>
+    # included, the newline after it not). Text checks cannot do this: the
+    # reasoning quotes the user's task.
+    from jaxkv.chat import render
+
+    expected = np.zeros(seq.ids.size, bool)
+    for j, m in enumerate(ex.messages):
+        if m["role"] == "assistant":
+            prompt = render(tokenizer, ex.messages[:j], ex.tools, add_generation_prompt=True).ids
+            upto = render(tokenizer, ex.messages[: j + 1], ex.tools, add_generation_prompt=False).ids
+            assert np.array_equal(seq.ids[: upto.size], upto) and np.array_equal(upto[: prompt.size], prompt)
+            assert tokenizer.decode(upto[-1:]) == "\n"
+            expected[prompt.size : upto.size - 1] = True
+    assert np.array_equal(seq.target_mask, expected)
     batch = em.pack_batch([seq], seq.ids.size + 5, tokenizer.pad_token_id)
     assert batch["loss_mask"][0, :-1].sum() == seq.target_mask.sum()
     assert batch["loss_mask"][0, seq.ids.size - 1 :].sum() == 0  # padding is never predicted
