@@ -49,6 +49,7 @@ from eval.tasks.example import (
     tool_call,
 )
 from eval.tasks.words import PROJECTS, SYSTEM_AGENT, TOOL_SCHEMAS, TOPICS, filler_sentence
+from jaxkv.chat.toy import schema
 
 SEARCH_SHARE = 0.15
 MIN_SEARCH_DISTRACTORS = 3
@@ -58,18 +59,7 @@ UNUSED_TOOLS = ("calculate", "translate", "weather")
 
 def tool_schema(name: str) -> dict:
     description, params = TOOL_SCHEMAS[name]
-    return {
-        "type": "function",
-        "function": {
-            "name": name,
-            "description": description,
-            "parameters": {
-                "type": "object",
-                "properties": {p: {"type": "string", "description": d} for p, d in params.items()},
-                "required": list(params),
-            },
-        },
-    }
+    return schema(name, description, **params)
 
 
 def _records(rng: random.Random, needle: str, n_records: int, filler_tokens: int, make_line) -> tuple[str, int]:
