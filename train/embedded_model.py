@@ -8,6 +8,14 @@ parameters) on a seeded stream of ``eval.tasks`` conversations, half agent trace
 toy word-level tokenizer (``jaxkv.chat.toy``) whose vocabulary is
 ``eval.tasks.vocabulary()`` plus the chat template's own words.
 
+Copy drills (``--copy-share``, stages up to ``--copy-max-len``): warm-up conversations
+in which the assistant repeats a list of random identifiers the user gave, so every
+target must be copied from the context (``copy_drill``).
+
+Guards: ``--max-minutes`` stops (evaluates, checkpoints, exports) once training has
+run that long; ``--export-only`` exports the latest checkpoint in ``--out``.
+The shipped model's exact command is in ``jaxkv/assets/embedded-agent/README.md``.
+
 Loss: next-token cross-entropy on assistant tokens only (``render`` tags each
 message; the content of every assistant message, i.e. reasoning, tool calls and
 answers, and its closing ``<|im_end|>`` are targets). Padding and every prompt token
