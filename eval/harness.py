@@ -336,7 +336,6 @@ def run(args) -> list[dict]:
     cells = grid(methods, budgets, layouts, tasks, repair_ks, repair_policies)
     total = sum(len(examples[c.task]) for c in cells)
     max_positions = int(min(model.config.max_position_embeddings, 1 << math.ceil(math.log2(max(2 * args.length + 4 * args.max_new_tokens, 1024)))))
-    # Full-cache and each policy's no-repair rows come first; repair rows follow.
     rows = []
     with tqdm(total=total, desc="jaxkv eval", unit="example", file=sys.stderr) as bar:
         for cell in cells:

@@ -1,4 +1,4 @@
-"""The ``jaxkv`` command: ``generate``, ``demo`` (the main job) and later ``eval``.
+"""The ``jaxkv`` command: ``generate``, ``demo`` (the main job) and ``eval`` (the harness).
 
 Every sub-command is a thin shell over the library; errors from jaxkv print as one
 line (``error: ...``) with exit code 2 instead of a traceback.
