@@ -225,17 +225,55 @@ def copy_drill(seed: int, seq_len: int) -> Example:
     return Example("copy", seed, messages, [], [], {})
 
 
-def make_sequence(tokenizer, seed: int, seq_len: int, mqniah_share: float = 0.5, copy_share: float = 0.0) -> TrainSequence:
-    """A seeded training sequence of at most ``seq_len`` tokens (prefix-truncated)."""
+def needle_drill(seed: int, seq_len: int) -> Example:
+    """A dense retrieval drill: a document made only of needles, every key asked.
+
+    The user's document is back-to-back MQ-NIAH needles ("The special code for k173
+    is v032."); the question lists all keys in random order; the assistant quotes the
+    question and answers ``k173 is v032, ...``. Every value in the answer is a
+    retrieval target (about one per 22 tokens, against a few per 2,048 tokens in the
+    task conversations), which is what moves a small model from copying the latest
+    list (``copy_drill``) to key-based retrieval within a CPU budget.
+    """
+    from eval.tasks.mqniah import INTRO, NEEDLE_TEMPLATE, _answer, _question, _reasoning
+
+    rng = random.Random(seed)
+    pool = IdentifierPool(rng)
+    n = max(2, min(pool.left("k"), pool.left("v"), (seq_len - 110) // 28))
+    n = rng.randint(max(2, n // 2), n)
+    keys = [pool.key() for _ in range(n)]
+    value_of = {k: pool.value() for k in keys}
+    document = " ".join(NEEDLE_TEMPLATE.format(key=k, value=value_of[k]) for k in keys)
+    asked = rng.sample(keys, n)
+    messages = [
+        {"role": "system", "content": SYSTEM_PLAIN},
+        {"role": "user", "content": f"{INTRO}\n\n{document}\n\n{_question(asked)}"},
+        {"role": "assistant", "content": _answer(asked, value_of), "reasoning_content": _reasoning(asked)},
+    ]
+    return Example("needles", seed, messages, [], [], {})
+
+
+DRILLS = {"copy": copy_drill, "needles": needle_drill}
+
+
+def make_sequence(tokenizer, seed: int, seq_len: int, mqniah_share: float = 0.5, copy_share: float = 0.0,
+                  needle_share: float = 0.0) -> TrainSequence:
+    """A seeded training sequence of at most ``seq_len`` tokens (prefix-truncated).
+
+    A fraction ``copy_share`` are copy drills, ``needle_share`` needle drills; the
+    rest are task conversations, ``mqniah_share`` of them MQ-NIAH (all of them below
+    ``MIN_AGENT_LENGTH`` tokens), the others agent traces."""
     rng = random.Random(seed)
     u = rng.random()
     if u < copy_share:
         task = "copy"
+    elif u < copy_share + needle_share:
+        task = "needles"
     else:
-        u = (u - copy_share) / (1 - copy_share)
+        u = (u - copy_share - needle_share) / max(1e-9, 1 - copy_share - needle_share)
         task = "mqniah" if u < mqniah_share or seq_len < MIN_AGENT_LENGTH else "agent_traces"
     ex_seed = rng.randrange(TRAIN_SEED_LIMIT)
-    example = copy_drill(ex_seed, seq_len) if task == "copy" else make_example(ex_seed, seq_len, task)
+    example = DRILLS[task](ex_seed, seq_len) if task in DRILLS else make_example(ex_seed, seq_len, task)
     messages, _ = training_view(example, rng)
     seq = render_sequence(tokenizer, example, messages)
     if seq.ids.size > seq_len:  # rare: the length estimate is within a few percent
@@ -262,9 +300,10 @@ def step_seed(seed: int, step: int) -> int:
 
 
 def batch_for_step(tokenizer, seed: int, step: int, seq_len: int, batch: int, mqniah_share: float = 0.5,
-                   copy_share: float = 0.0) -> dict[str, np.ndarray]:
+                   copy_share: float = 0.0, needle_share: float = 0.0) -> dict[str, np.ndarray]:
     rng = random.Random(step_seed(seed, step))
-    seqs = [make_sequence(tokenizer, rng.randrange(1 << 31), seq_len, mqniah_share, copy_share) for _ in range(batch)]
+    seqs = [make_sequence(tokenizer, rng.randrange(1 << 31), seq_len, mqniah_share, copy_share, needle_share)
+            for _ in range(batch)]
     return pack_batch(seqs, seq_len, tokenizer.pad_token_id)
 
 
@@ -417,7 +456,7 @@ def train(args) -> dict:
     def batch_at(s):
         length = seq_len_at(s, args.steps, stages)
         return batch_for_step(tokenizer, args.seed, s, length, max(1, args.batch * args.seq_len // length), args.mqniah_share,
-                              args.copy_share if length <= args.copy_max_len else 0.0)
+                              args.copy_share if length <= args.copy_max_len else 0.0, args.needle_share)
 
     metrics_file = open(out / "metrics.jsonl", "a")
     stop = min(args.steps, args.stop_after or args.steps)
@@ -464,13 +503,15 @@ def parse_args(argv=None):
     p.add_argument("--steps", type=int, default=3000)
     p.add_argument("--seq-len", type=int, default=2048, help="longest sequence (last curriculum stage)")
     p.add_argument("--batch", type=int, default=4, help="sequences per step at --seq-len (more at shorter stages)")
-    p.add_argument("--curriculum", default="0.6:1024,1.0:2048", help="step fraction:sequence length, ...")
+    p.add_argument("--curriculum", default="0.25:256,0.6:1024,1.0:2048", help="step fraction:sequence length, ...")
     p.add_argument("--size", choices=sorted(SIZES), default="small")
     p.add_argument("--tiny", action="store_true", help="tiny model, 1024-token sequences (tests)")
     p.add_argument("--mqniah-share", type=float, default=0.5, help="fraction of MQ-NIAH sequences (the rest agent traces)")
-    p.add_argument("--copy-share", type=float, default=0.25, help="fraction of copy-drill warm-up sequences")
-    p.add_argument("--copy-max-len", type=int, default=1024, help="curriculum stages longer than this use no copy drill")
-    p.add_argument("--lr", type=float, default=3e-3)
+    p.add_argument("--copy-share", type=float, default=0.3, help="fraction of copy-drill warm-up sequences")
+    p.add_argument("--copy-max-len", type=int, default=256, help="curriculum stages longer than this use no copy drill")
+    p.add_argument("--needle-share", type=float, default=0.3, help="fraction of needle-drill sequences (all stages)")
+    p.add_argument("--lr", type=float, default=1e-3,
+                   help="peak learning rate (3e-3 keeps the identifier embeddings too noisy to learn retrieval)")
     p.add_argument("--warmup", type=int, default=100)
     p.add_argument("--weight-decay", type=float, default=0.01)
     p.add_argument("--clip", type=float, default=1.0)
