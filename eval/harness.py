@@ -64,14 +64,15 @@ class Cell:
     base_budget: int | None = None
 
 
-def make_examples(task: str, n: int, length: int, seed: int = EVAL_SEED_BASE):
-    """``n`` generated examples of ``task`` (held out from training by seed)."""
+def make_examples(task: str, n: int, length: int, seed: int = EVAL_SEED_BASE, needles: int = 4):
+    """``n`` generated examples of ``task`` (held out from training by seed);
+    ``needles`` is the MQ-NIAH needle count (2, 4, 6 or 8)."""
     from eval.tasks import agent_traces, mqniah
 
     if task == "agent":
         return agent_traces(n, seed, length=length)
     if task == "mqniah":
-        return mqniah(n, seed + 500_000, needles=4, length=length)
+        return mqniah(n, seed + 500_000, needles=needles, length=length)
     raise ValueError(f"unknown task {task!r}; known: {', '.join(TASKS)}")
 
 
@@ -287,6 +288,7 @@ def build_parser(parser=None):
     p.add_argument("--length", type=int, default=2048, help="target tokens per conversation")
     p.add_argument("--max-new-tokens", type=int, default=64)
     p.add_argument("--seed", type=int, default=EVAL_SEED_BASE)
+    p.add_argument("--needles", type=int, default=4, choices=(2, 4, 6, 8), help="MQ-NIAH needles per document (task mqniah)")
     p.add_argument("--out", default="eval/results/harness")
     p.add_argument("--repair-ks", default="", help="repair budgets K (RepairKV): adds repair and matched cells")
     p.add_argument("--repair-policies", default="repairkv", help=f"comma list of {', '.join(REPAIR_POLICIES)}")
@@ -332,7 +334,7 @@ def run(args) -> list[dict]:
         raise jaxkv.ConfigError(f"{args.model} has no tokenizer; the harness renders chats")
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    examples = {t: make_examples(t, args.n, args.length, args.seed) for t in tasks}
+    examples = {t: make_examples(t, args.n, args.length, args.seed, args.needles) for t in tasks}
     cells = grid(methods, budgets, layouts, tasks, repair_ks, repair_policies)
     total = sum(len(examples[c.task]) for c in cells)
     max_positions = int(min(model.config.max_position_embeddings, 1 << math.ceil(math.log2(max(2 * args.length + 4 * args.max_new_tokens, 1024)))))
