@@ -8,9 +8,12 @@ parameters) on a seeded stream of ``eval.tasks`` conversations, half agent trace
 toy word-level tokenizer (``jaxkv.chat.toy``) whose vocabulary is
 ``eval.tasks.vocabulary()`` plus the chat template's own words.
 
-Copy drills (``--copy-share``, stages up to ``--copy-max-len``): warm-up conversations
-in which the assistant repeats a list of random identifiers the user gave, so every
-target must be copied from the context (``copy_drill``).
+Drills: copy drills (``--copy-share``, stages up to ``--copy-max-len``), warm-up
+conversations in which the assistant repeats a list of random identifiers the user
+gave (``copy_drill``); needle drills (``--needle-share``, every stage), a document
+made only of needles with every key asked (``needle_drill``), so that retrieval
+targets are dense. ``train/retrieval_probe.py`` measures how fast this model shape
+learns each copy format.
 
 Guards: ``--max-minutes`` stops (evaluates, checkpoints, exports) once training has
 run that long; ``--export-only`` exports the latest checkpoint in ``--out``.

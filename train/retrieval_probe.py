@@ -1,0 +1,185 @@
+"""How fast does the embedded model's shape learn in-context copying? A probe for the trainer.
+
+    JAX_PLATFORMS=cpu python -m train.retrieval_probe --format repeat --steps 200 --seq-len 128 --batch 32
+
+Trains a fresh ``--size`` model (the trainer's shapes, tokenizer and optimizer) on
+one synthetic copy format and prints held-out accuracy of the copy targets every
+``--every`` steps (teacher-forced argmax). The held-out set is the format itself,
+except ``mix``, which is scored on ``needles``. No chat template: raw token
+sequences, loss on the copy targets only.
+
+Formats (``k``: a key identifier, ``v``: a value identifier, ``␣``: a space token of
+the toy tokenizer, which makes every space its own token):
+
+* ``repeat``: ``n`` random identifiers, then the same ``n`` again; every token of
+  the second half is a target. Classic induction: the token before a target in
+  the copy equals the token before it in the source, and it is distinctive.
+* ``needles``: needle sentences ("The special code for k ␣ is ␣ v .") among filler,
+  then "Question:" and ``␣ k ␣ is ␣ v ,`` per needle; the value is the target. The
+  key sits 3 tokens before the target in the answer and 4 before the value in the
+  document: a second-order match, not classic induction.
+* ``adjacent``: as ``needles`` but the needle ends "for k v ." and the answer is
+  ``␣ k v ,``: classic induction, with one target per ~16 tokens.
+* ``nospace``: ``needles`` with every space token removed ("for k is v ."), every
+  needle asked: what a tokenizer whose words carry their spaces would give.
+* ``mix``: half ``repeat``, half ``needles`` sequences.
+
+Measured results and what they mean for the trainer: the "What did not work"
+section of ``jaxkv/assets/embedded-agent/README.md``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import random
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+from flax import nnx
+
+from eval.tasks.words import KEY_POOL, VALUE_POOL, filler_sentence
+from jaxkv.models.transformer import Transformer
+from train.embedded_model import SIZES, embedded_tokenizer, make_optimizer, masked_xent, model_config
+
+FORMATS = ("repeat", "needles", "adjacent", "nospace", "mix")
+
+
+class Formats:
+    """Sequence builders: each returns ``(ids, mask)`` with ``mask[t] = 1`` where the
+    token ``t + 1`` is a copy target."""
+
+    def __init__(self, tokenizer, seq_len: int, pairs: int, filler: float):
+        self.tok, self.T, self.pairs, self.filler = tokenizer, seq_len, pairs, filler
+        self.space = self.enc(" ")[0]
+
+    def enc(self, text: str) -> list[int]:
+        return self.tok.encode(text, add_special_tokens=False)
+
+    def ids(self, *tokens: str) -> list[int]:
+        return self.tok.convert_tokens_to_ids(list(tokens))
+
+    def cut(self, ids, mask):
+        return ids[: self.T], mask[: self.T]
+
+    def repeat(self, rng):
+        n = (self.T - 4) // 2
+        items = self.ids(*(rng.choice(KEY_POOL + VALUE_POOL) for _ in range(n)))
+        return self.cut(items + items, [0] * n + [1] * (n - 1) + [0])
+
+    def _document(self, rng, needle):
+        """Needles (``needle(k, v)`` ids) among filler sentences, up to 60% of ``T``."""
+        keys, values = rng.sample(KEY_POOL, 60), rng.sample(VALUE_POOL, 60)
+        ids, pairs = [], []
+        while len(pairs) < min(self.pairs, 60):
+            is_needle = rng.random() >= self.filler
+            k, v = keys[len(pairs)], values[len(pairs)]
+            piece = needle(k, v) if is_needle else self.enc(filler_sentence(rng) + " ")
+            if len(ids) + len(piece) > self.T * 0.6:
+                break
+            ids += piece
+            if is_needle:
+                pairs.append((k, v))
+        return ids, pairs
+
+    def needles(self, rng):
+        ids, pairs = self._document(rng, lambda k, v: self.enc(f"The special code for {k} is {v}. "))
+        ids += self.enc("\nQuestion:")
+        mask = [0] * len(ids)
+        for k, v in rng.sample(pairs, len(pairs)):
+            piece = self.enc(f" {k} is {v},")  # ␣ k ␣ is ␣ v ,
+            ids += piece
+            mask += [0, 0, 0, 0, 1, 0, 0]
+        return self.cut(ids, mask)
+
+    def adjacent(self, rng):
+        dot = self.enc(".")[0]
+        ids, pairs = self._document(rng, lambda k, v: self.enc("The special code for ") + self.ids(k, v) + [dot, self.space])
+        ids += self.enc("\nQuestion:")
+        mask = [0] * len(ids)
+        for k, v in rng.sample(pairs, len(pairs)):
+            ids += [self.space, *self.ids(k, v), self.enc(",")[0]]
+            mask += [0, 1, 0, 0]
+        return self.cut(ids, mask)
+
+    def nospace(self, rng):
+        strip = lambda text: [i for i in self.enc(text) if i != self.space]
+        keys, values = rng.sample(KEY_POOL, self.pairs), rng.sample(VALUE_POOL, self.pairs)
+        ids = [i for k, v in zip(keys, values) for i in strip(f"The special code for {k} is {v}.")]
+        order = rng.sample(range(self.pairs), self.pairs)
+        ids += strip("Question: What are the special codes for " + ", ".join(keys[i] for i in order) + "? Answer:")
+        mask = [0] * len(ids)
+        for i in order:
+            ids += strip(f"{keys[i]} is {values[i]},")
+            mask += [0, 1, 0, 0]
+        return self.cut(ids, mask)
+
+    def mix(self, rng):
+        return self.repeat(rng) if rng.random() < 0.5 else self.needles(rng)
+
+
+def run(args) -> list[dict]:
+    tok = embedded_tokenizer()
+    formats = Formats(tok, args.seq_len, args.pairs, args.filler)
+    make = getattr(formats, args.format)
+    heldout_make = formats.needles if args.format == "mix" else make
+
+    def batch(seed, builder):
+        rng = random.Random(seed)
+        tokens = np.zeros((args.batch, args.seq_len), np.int32)
+        mask = np.zeros((args.batch, args.seq_len), np.float32)
+        for b in range(args.batch):
+            ids, m = builder(rng)
+            tokens[b, : len(ids)], mask[b, : len(m)] = ids, m
+        return tokens, mask
+
+    cfg = model_config(SIZES[args.size], len(tok), 0, 4096)
+    graphdef, params = nnx.split(Transformer(cfg, jnp.float32, rngs=nnx.Rngs(args.seed)), nnx.Param)
+    optimizer, _ = make_optimizer(args.lr, args.steps, args.warmup, 0.01, 1.0)
+    opt_state = optimizer.init(params)
+
+    @jax.jit
+    def train_step(params, opt_state, tokens, mask):
+        loss, grads = jax.value_and_grad(lambda p: masked_xent(nnx.merge(graphdef, p)(tokens), tokens, mask))(params)
+        updates, opt_state = optimizer.update(grads, opt_state, params)
+        return optax.apply_updates(params, updates), opt_state, loss
+
+    @jax.jit
+    def predict(params, tokens):
+        return jnp.argmax(nnx.merge(graphdef, params)(tokens), axis=-1)
+
+    held_tokens, held_mask = batch(10**9 + args.seed, heldout_make)
+    rows, t0 = [], time.perf_counter()
+    for step in range(1, args.steps + 1):
+        params, opt_state, loss = train_step(params, opt_state, *batch(args.seed * 1_000_003 + step, make))
+        if step % args.every == 0 or step == args.steps:
+            pred = np.asarray(predict(params, held_tokens))
+            hits = (pred[:, :-1] == held_tokens[:, 1:]) * held_mask[:, :-1]
+            row = {"step": step, "loss": round(float(loss), 3), "accuracy": round(float(hits.sum() / held_mask[:, :-1].sum()), 3),
+                   "seconds": round(time.perf_counter() - t0, 1)}
+            print(json.dumps(row), flush=True)
+            rows.append(row)
+    return rows
+
+
+def main(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0], formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    p.add_argument("--format", choices=FORMATS, default="repeat")
+    p.add_argument("--steps", type=int, default=300)
+    p.add_argument("--seq-len", type=int, default=128)
+    p.add_argument("--batch", type=int, default=32)
+    p.add_argument("--pairs", type=int, default=8, help="needles per document (needles, adjacent, nospace, mix)")
+    p.add_argument("--filler", type=float, default=0.2, help="chance that a document sentence is filler")
+    p.add_argument("--lr", type=float, default=1e-3)
+    p.add_argument("--warmup", type=int, default=50)
+    p.add_argument("--size", choices=sorted(SIZES), default="agent")
+    p.add_argument("--every", type=int, default=50)
+    p.add_argument("--seed", type=int, default=0)
+    run(p.parse_args(argv))
+
+
+if __name__ == "__main__":
+    main()
