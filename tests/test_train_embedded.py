@@ -111,3 +111,28 @@ def test_resume_continues_the_same_run(tiny_run, tmp_path):
     second = em.train(em.parse_args(common))
     np.testing.assert_allclose(first["losses"], result["losses"][:2], rtol=1e-6)
     np.testing.assert_allclose(second["losses"], result["losses"][2:], rtol=1e-5)
+
+
+def test_needle_drill_asks_every_needle_and_answers_from_the_document(tokenizer):
+    import re
+
+    for seed in range(5):
+        ex = em.needle_drill(seed, 1024)
+        user, reply = ex.messages[1]["content"], ex.messages[2]["content"]
+        needles = dict(re.findall(r"The special code for (k\d+) is (v\d+)\.", user))
+        answered = re.findall(r"(k\d+) is (v\d+)", reply)
+        assert len(needles) >= 2 and sorted(answered) == sorted(needles.items())
+        assert em.render_sequence(tokenizer, ex, ex.messages).ids.size <= 1024
+
+
+def test_retrieval_probe_targets_are_copied_values(tokenizer):
+    from train.retrieval_probe import Formats
+
+    formats = Formats(tokenizer, 128, 8, 0.2)
+    for name in ("repeat", "needles", "adjacent", "nospace"):
+        ids, mask = getattr(formats, name)(random.Random(1))
+        assert len(ids) == len(mask) <= 128
+        targets = [t for t in range(len(mask) - 1) if mask[t]]
+        assert targets, name
+        for t in targets:  # every target token already occurred earlier in the sequence
+            assert ids[t + 1] in ids[:t], (name, t)
