@@ -18,6 +18,7 @@ def _all_examples():
         *agent_traces(12, seed=3, length=1500),
         *agent_traces(4, seed=4, length=4096, n_docs=3, registry=True),
         *[ex for k in NEEDLE_COUNTS for ex in mqniah(4, seed=k, needles=k, length=1500)],
+        *[ex for k in (4, 8) for ex in mqniah(3, seed=k, needles=k, length=1500, turns=5)],
     ]
 
 
@@ -54,6 +55,34 @@ def test_turn2_keys_are_never_the_tail_needles(k):
         assert not turn2 & set(ex.labels["turn1_keys"])
         # the turn-2 question really asks these keys, and only after the turn-1 answer
         assert ex.messages[3]["role"] == "user" and all(key in ex.messages[3]["content"] for key in turn2)
+
+
+@pytest.mark.parametrize("k", (4, 8))
+def test_five_turn_schedule_revisits_and_never_asks_the_tail_after_turn_1(k):
+    from eval.tasks.mqniah import REVISIT_SCHEDULE
+
+    for ex in mqniah(10, seed=7, needles=k, length=1500, turns=5):
+        needles, asks = ex.labels["needles"], ex.labels["turn_keys"]
+        tail = {n["key"] for n in needles[len(needles) - k // 4 :]}
+        assert len(asks) == 5 and all(len(a) == k // 4 for a in asks)
+        assert set(asks[0]) == tail and not tail & set().union(*map(set, asks[1:]))
+        assert set(asks[3]) == set(asks[1])  # the revisit
+        assert len(set().union(*map(set, asks))) == k  # every needle asked at least once
+        for g, ask in zip(REVISIT_SCHEDULE, asks):
+            assert set(ask) == set(asks[REVISIT_SCHEDULE.index(g)])
+        users = [m for m in ex.messages if m["role"] == "user"]
+        assert len(users) == 5 and len(ex.targets) == 5
+        for user, ask in zip(users, asks):
+            assert all(key in user["content"] for key in ask)
+        assert {n["key"]: n["turn"] for n in needles} == {key: 1 + min(t for t, a in enumerate(asks) if key in a)
+                                                           for key in (n["key"] for n in needles)}
+
+
+def test_mqniah_rejects_bad_turn_counts():
+    with pytest.raises(ValueError, match="turns"):
+        mqniah(1, 0, needles=4, turns=3)
+    with pytest.raises(ValueError, match="4 or 8"):
+        mqniah(1, 0, needles=6, turns=5)
 
 
 def test_every_copied_value_appears_before_it_is_needed(examples):

@@ -18,6 +18,13 @@ position in the document.
 
 ``length`` is the target rendered length in toy-tokenizer tokens; the number of
 distractor needles defaults to one per 128 tokens (capped by the identifier pools).
+
+Repeated shifts (``turns=5``, RepairKV §5.3; the schedule is this project's choice,
+the paper does not print its own): the needles form four groups of ``needles // 4``,
+group 1 the tail needles, groups 2-4 the rest at random; the five turns ask groups 1, 2, 3, 2, 4
+(group 2 is revisited after a shift away from it). Every group has ``needles // 4``
+keys, so ``turns=5`` needs ``needles`` in {4, 8}; ``labels["turn_keys"]`` lists the
+keys of every turn and ``needles[i]["turn"]`` is the first turn asking needle i.
 """
 
 from __future__ import annotations
@@ -28,6 +35,8 @@ from eval.tasks.example import Example, IdentifierPool, approx_tokens, conversat
 from eval.tasks.words import SYSTEM_PLAIN, filler_sentence
 
 NEEDLE_COUNTS = (2, 4, 6, 8)
+TURN_COUNTS = (2, 5)
+REVISIT_SCHEDULE = (0, 1, 2, 1, 3)  # turns=5: the group each turn asks
 NEEDLE_TEMPLATE = "The special code for {key} is {value}."
 INTRO = "Read the document below and answer the questions about it."
 
@@ -56,10 +65,26 @@ def split_turns(n_needles: int, rng: random.Random) -> list[int]:
     return [2 if i in turn2 else 1 for i in range(n_needles)]
 
 
-def one_mqniah(seed: int, needles: int = 4, length: int = 2048, distractor_needles: int | None = None) -> Example:
+def revisit_groups(n_needles: int, rng: random.Random) -> list[int]:
+    """Group (0..3) of each needle, needles in document order: group 0 holds the tail."""
+    size = n_needles // 4
+    order = list(range(n_needles - size))
+    rng.shuffle(order)
+    groups = [0] * n_needles
+    for rank, i in enumerate(order):
+        groups[i] = 1 + rank // size
+    return groups
+
+
+def one_mqniah(seed: int, needles: int = 4, length: int = 2048, distractor_needles: int | None = None,
+               turns: int = 2) -> Example:
     """One split-query MQ-NIAH example (see the module docstring)."""
     if needles not in NEEDLE_COUNTS:
         raise ValueError(f"needles must be one of {NEEDLE_COUNTS}, got {needles}")
+    if turns not in TURN_COUNTS:
+        raise ValueError(f"turns must be one of {TURN_COUNTS}, got {turns}")
+    if turns == 5 and needles % 4:
+        raise ValueError(f"turns=5 splits the needles into 4 equal groups; needles must be 4 or 8, got {needles}")
     rng = random.Random(seed)
     ids = IdentifierPool(rng)
     n_distractor_needles = length // 128 if distractor_needles is None else distractor_needles
@@ -67,22 +92,25 @@ def one_mqniah(seed: int, needles: int = 4, length: int = 2048, distractor_needl
 
     keys = [ids.key() for _ in range(needles)]
     value_of = {k: ids.value() for k in keys}
-    turns = split_turns(needles, rng)
-    ask1 = [k for k, t in zip(keys, turns) if t == 1]
-    ask2 = [k for k, t in zip(keys, turns) if t == 2]
-    rng.shuffle(ask1)
-    rng.shuffle(ask2)
+    if turns == 2:
+        needle_turn = split_turns(needles, rng)
+        asks = [[k for k, t in zip(keys, needle_turn) if t == turn] for turn in (1, 2)]
+    else:
+        groups = revisit_groups(needles, rng)
+        members = [[k for k, g in zip(keys, groups) if g == group] for group in range(4)]
+        asks = [list(members[g]) for g in REVISIT_SCHEDULE]
+        needle_turn = [1 + REVISIT_SCHEDULE.index(g) for g in groups]
+    for ask in asks:
+        rng.shuffle(ask)
+    ask1, ask2 = asks[0], asks[1]
 
     def messages_for(document: str) -> list[dict]:
-        return [
-            {"role": "system", "content": SYSTEM_PLAIN},
-            {"role": "user", "content": f"{INTRO}\n\n{document}\n\n{_question(ask1)}"},
-            {"role": "assistant", "content": _answer(ask1, value_of),
-             "reasoning_content": _reasoning(ask1)},
-            {"role": "user", "content": _question(ask2)},
-            {"role": "assistant", "content": _answer(ask2, value_of),
-             "reasoning_content": _reasoning(ask2)},
-        ]
+        messages = [{"role": "system", "content": SYSTEM_PLAIN}]
+        for t, ask in enumerate(asks):
+            question = _question(ask)
+            messages.append({"role": "user", "content": f"{INTRO}\n\n{document}\n\n{question}" if t == 0 else question})
+            messages.append({"role": "assistant", "content": _answer(ask, value_of), "reasoning_content": _reasoning(ask)})
+        return messages
 
     # Document: filler sentences; needles and distractor needles inserted between them.
     distractors = [NEEDLE_TEMPLATE.format(key=ids.key(), value=ids.value()) for _ in range(n_distractor_needles)]
@@ -110,19 +138,17 @@ def one_mqniah(seed: int, needles: int = 4, length: int = 2048, distractor_needl
     for i, k in enumerate(keys):
         sentence = NEEDLE_TEMPLATE.format(key=k, value=value_of[k])
         start = offset + document.index(sentence)
-        needle_labels.append({"key": k, "value": value_of[k], "turn": turns[i], "char_start": start,
+        needle_labels.append({"key": k, "value": value_of[k], "turn": needle_turn[i], "char_start": start,
                               "char_end": start + len(sentence), "depth": document.index(sentence) / len(document)})
-    targets = [
-        scored(messages, 2, "answer", messages[2]["content"], [value_of[k] for k in ask1]),
-        scored(messages, 4, "answer", messages[4]["content"], [value_of[k] for k in ask2]),
-    ]
-    labels = {"needles": needle_labels, "turn1_keys": ask1, "turn2_keys": ask2,
+    targets = [scored(messages, 2 + 2 * t, "answer", messages[2 + 2 * t]["content"], [value_of[k] for k in ask])
+               for t, ask in enumerate(asks)]
+    labels = {"needles": needle_labels, "turn1_keys": ask1, "turn2_keys": ask2, "turn_keys": asks,
               "distractor_needles": n_distractor_needles}
     return Example("mqniah", seed, messages, [], targets, labels)
 
 
 def mqniah(n: int, seed: int, needles: int = 4, length: int = 2048,
-           distractor_needles: int | None = None) -> list[Example]:
+           distractor_needles: int | None = None, turns: int = 2) -> list[Example]:
     """``n`` split-query MQ-NIAH examples with ``needles`` in {2, 4, 6, 8} needles.
 
     Args:
@@ -132,5 +158,6 @@ def mqniah(n: int, seed: int, needles: int = 4, length: int = 2048,
       length: target rendered length in toy-tokenizer tokens.
       distractor_needles: needle-shaped sentences with keys never asked
         (default ``length // 128``).
+      turns: 2 (split query) or 5 (the repeated-shift schedule of the module docstring).
     """
-    return [one_mqniah(example_seed(seed, i), needles, length, distractor_needles) for i in range(n)]
+    return [one_mqniah(example_seed(seed, i), needles, length, distractor_needles, turns) for i in range(n)]
