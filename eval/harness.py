@@ -83,8 +83,12 @@ def reply_matches(target, reply: dict) -> bool:
     return is_correct(Job(0, target.kind, target.expected, [], ""), reply)
 
 
-def run_example(model, example, cell: Cell, *, max_new_tokens: int, max_positions: int, **session_options):
-    """Replay one example; returns (correct turns, scored turns, completed, metrics dict)."""
+def replay_example(model, example, cell: Cell, *, max_new_tokens: int, max_positions: int, **session_options):
+    """Replay one example through a fresh ``Session`` configured for ``cell``.
+
+    Returns ``(verdicts, completed, metrics dict, session)``: ``verdicts[i]`` says
+    whether ``example.targets[i]`` was reproduced exactly (all False when the
+    replay hit a context or memory error, ``completed`` False then)."""
     import jaxkv
     from jaxkv.session import Session
 
@@ -97,16 +101,23 @@ def run_example(model, example, cell: Cell, *, max_new_tokens: int, max_position
     else:
         options.pop("repair_wrong_signal", None)
     session = Session(model, max_positions=max_positions, max_new_tokens=max_new_tokens, **options)
-    run_example.last_session = session
     assistant_at = [j for j, m in enumerate(example.messages) if m.get("role") == "assistant"]
     last = max(t.message_index for t in example.targets)
     try:
         turns = session.replay(example.messages[: last + 1], example.tools or None, generate=True, max_new_tokens=max_new_tokens)
     except (jaxkv.ContextLengthError, jaxkv.OutOfSlotsError):
-        return 0, len(example.targets), False, session.metrics.as_dict()
+        return [False] * len(example.targets), False, session.metrics.as_dict(), session
     by_index = dict(zip(assistant_at, turns))
-    correct = sum(reply_matches(t, by_index[t.message_index].generated) for t in example.targets)
-    return correct, len(example.targets), True, session.metrics.as_dict()
+    verdicts = [reply_matches(t, by_index[t.message_index].generated) for t in example.targets]
+    return verdicts, True, session.metrics.as_dict(), session
+
+
+def run_example(model, example, cell: Cell, *, max_new_tokens: int, max_positions: int, **session_options):
+    """Replay one example; returns (correct turns, scored turns, completed, metrics dict)."""
+    verdicts, completed, metrics, session = replay_example(
+        model, example, cell, max_new_tokens=max_new_tokens, max_positions=max_positions, **session_options)
+    run_example.last_session = session
+    return sum(verdicts), len(verdicts), completed, metrics
 
 
 def run_cell(model, examples, cell: Cell, *, max_new_tokens: int, max_positions: int, progress=None, **session_options) -> dict:

@@ -1,0 +1,73 @@
+"""The RepairKV matched-budget protocol driver on a tiny random model: the grid of
+cells and budgets, the outputs, calibration's choice of B_base, and its refusal
+when the model fails with the full cache."""
+
+from __future__ import annotations
+
+import csv
+
+import pytest
+
+import jaxkv
+from eval import repair_protocol as rp
+from jaxkv.config import ModelConfig
+from train.embedded_model import embedded_tokenizer
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory):
+    folder = tmp_path_factory.mktemp("protocol_model")
+    tok = embedded_tokenizer()
+    cfg = ModelConfig(
+        model_type="qwen3", vocab_size=len(tok), hidden_size=32, intermediate_size=64, num_layers=2,
+        num_heads=2, num_kv_heads=1, head_dim=16, qk_norm=True, max_position_embeddings=4096,
+        eos_token_ids=(tok.convert_tokens_to_ids("<|im_end|>"),),
+    )
+    jaxkv.save_pretrained(jaxkv.model_from_config(cfg, seed=0, tokenizer=tok), folder)
+    return folder
+
+
+def _args(model_dir, out, *extra):
+    return rp.build_parser().parse_args(["--model", str(model_dir), "--needles", "4", "--n", "1", "--length", "600",
+                                         "--max-new-tokens", "4", "--out", str(out), *extra])
+
+
+def test_grid_cells_budgets_and_outputs(model_dir, tmp_path):
+    out = tmp_path / "grid"
+    rows = rp.run(_args(model_dir, out, "--base-budget", "200", "--ks", "8,16", "--policies", "repairkv,random"))
+    cells = [(r["cell"], r["repair_k"], r["budget"]) for r in rows]
+    assert cells == [("full", 0, "-"), ("none", 0, 200),
+                     ("matched", 8, 208), ("repairkv", 8, 200), ("random", 8, 200),
+                     ("matched", 16, 216), ("repairkv", 16, 200), ("random", 16, 200)]
+    assert all(r["base_budget"] == 200 and 0.0 <= r["accuracy"] <= 1.0 for r in rows)
+    with open(out / "results.csv") as f:
+        assert tuple(csv.DictReader(f).fieldnames) == rp.FIELDS
+    assert "| K | repairkv | matched no-repair | random |" in (out / "results.md").read_text()
+    assert (out / "repair_vs_k.png").stat().st_size > 0
+
+
+def test_five_turn_schedule_runs(model_dir, tmp_path):
+    rows = rp.run(_args(model_dir, tmp_path / "five", "--turns", "5", "--base-budget", "200", "--ks", "8",
+                        "--policies", "repairkv"))
+    assert {r["turns"] for r in rows} == {5}
+
+
+def test_calibration_refuses_a_model_that_fails_with_the_full_cache(model_dir, tmp_path):
+    with pytest.raises(rp.ProtocolError, match="full-cache accuracy"):
+        rp.run(_args(model_dir, tmp_path / "cal", "--ks", "8", "--policies", "repairkv"))
+    assert rp.main(["--model", str(model_dir), "--needles", "4", "--n", "1", "--length", "600",
+                    "--max-new-tokens", "4", "--ks", "8", "--out", str(tmp_path / "cal2")]) == 2
+
+
+def test_calibration_picks_the_budget_nearest_half_of_full(monkeypatch):
+    accuracy = {100: 0.05, 200: 0.3, 400: 0.55, 800: 0.9}
+    monkeypatch.setattr(rp, "score", lambda model, examples, cell, **kw: {"accuracy": accuracy[cell.budget]})
+    base, tried = rp.calibrate(None, [], "snapkv", sorted(accuracy), full_accuracy=1.0, min_full=0.5)
+    assert base == 400 and tried == sorted(accuracy.items())
+
+
+def test_bad_arguments_are_rejected(model_dir, tmp_path):
+    with pytest.raises(ValueError, match="policies"):
+        rp.run(_args(model_dir, tmp_path / "bad", "--policies", "nope"))
+    with pytest.raises(ValueError, match="positive"):
+        rp.run(_args(model_dir, tmp_path / "bad", "--ks", "0"))
