@@ -235,8 +235,10 @@ def needle_drill(seed: int, seq_len: int) -> Example:
     is v032."); the question lists all keys in random order; the assistant quotes the
     question and answers ``k173 is v032, ...``. Every value in the answer is a
     retrieval target (about one per 22 tokens, against a few per 2,048 tokens in the
-    task conversations), which is what moves a small model from copying the latest
-    list (``copy_drill``) to key-based retrieval within a CPU budget.
+    task conversations), and with many needles in context, outputting just any
+    value of the document (the shortcut ``train/retrieval_probe.py`` shows small
+    models settle on) is worth little. Not yet shown to teach retrieval: see the
+    model card.
     """
     from eval.tasks.mqniah import INTRO, NEEDLE_TEMPLATE, _answer, _question, _reasoning
 
