@@ -159,8 +159,10 @@ def run(args) -> list[dict]:
                             1 << math.ceil(math.log2(max(2 * args.length + 8 * args.max_new_tokens, 1024)))))
     kw = dict(max_new_tokens=args.max_new_tokens, max_positions=max_positions)
     rows = []
-    per_needles = 2 + len(ks) * (1 + len(policies))
-    with tqdm(total=len(needles_list) * per_needles * args.n, desc="repair protocol", unit="example", file=sys.stderr) as bar:
+    per_needles = (2 + len(ks) * (1 + len(policies))) * args.n
+    if not args.base_budget:  # calibration replays (an upper bound: equal candidates run once)
+        per_needles += min(args.calibrate_n, args.n) * len(args.candidates)
+    with tqdm(total=len(needles_list) * per_needles, desc="repair protocol", unit="example", file=sys.stderr) as bar:
         for needles in needles_list:
             examples = mqniah(args.n, PROTOCOL_SEED + needles, needles=needles, length=args.length, turns=args.turns)
 
@@ -180,7 +182,9 @@ def run(args) -> list[dict]:
                 shortest = min(e.approx_tokens() for e in examples)
                 candidates = sorted({max(16, int(shortest * f)) for f in args.candidates})
                 cal = examples[: args.calibrate_n]
-                base, tried = calibrate(model, cal, args.first_stage, candidates, full["accuracy"], args.min_full, **kw)
+                bar.set_postfix_str(f"{needles}Q calibrating B_base")
+                base, tried = calibrate(model, cal, args.first_stage, candidates, full["accuracy"], args.min_full,
+                                        progress=bar.update, **kw)
                 tqdm.write(f"{needles}Q calibration (n={len(cal)}): " + ", ".join(f"B={b}: {a:.3f}" for b, a in tried)
                            + f" -> B_base {base}")
             rows[-1]["base_budget"] = base
