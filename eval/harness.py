@@ -112,29 +112,31 @@ def replay_example(model, example, cell: Cell, *, max_new_tokens: int, max_posit
     return verdicts, True, session.metrics.as_dict(), session
 
 
-def run_example(model, example, cell: Cell, *, max_new_tokens: int, max_positions: int, **session_options):
-    """Replay one example; returns (correct turns, scored turns, completed, metrics dict)."""
-    verdicts, completed, metrics, session = replay_example(
-        model, example, cell, max_new_tokens=max_new_tokens, max_positions=max_positions, **session_options)
-    run_example.last_session = session
-    return sum(verdicts), len(verdicts), completed, metrics
+def replay_cell(model, examples, cell: Cell, *, max_new_tokens: int, max_positions: int, progress=None, **session_options):
+    """``replay_example`` over ``examples`` in order, yielding ``(verdicts, completed,
+    metrics)`` per example; a WrongQ-K cell scores each example with the previous
+    example's repair signal (another session's query)."""
+    wrong_signal = None
+    for ex in examples:
+        options = dict(session_options)
+        if cell.repair_policy == "wrongq":
+            options["repair_wrong_signal"] = wrong_signal
+        verdicts, done, metrics, session = replay_example(model, ex, cell, max_new_tokens=max_new_tokens,
+                                                          max_positions=max_positions, **options)
+        wrong_signal = getattr(session, "_repair_signal", None) or wrong_signal
+        if progress is not None:
+            progress(1)
+        yield verdicts, done, metrics
 
 
 def run_cell(model, examples, cell: Cell, *, max_new_tokens: int, max_positions: int, progress=None, **session_options) -> dict:
     t0 = time.perf_counter()
     correct = scored = completed = 0
     metrics = []
-    wrong_signal = None  # WrongQ-K scores with the previous example's signal
-    for ex in examples:
-        options = dict(session_options)
-        if cell.repair_policy == "wrongq":
-            options["repair_wrong_signal"] = wrong_signal
-        c, s, done, m = run_example(model, ex, cell, max_new_tokens=max_new_tokens, max_positions=max_positions, **options)
-        wrong_signal = getattr(run_example.last_session, "_repair_signal", None) or wrong_signal
-        correct, scored, completed = correct + c, scored + s, completed + done
+    for verdicts, done, m in replay_cell(model, examples, cell, max_new_tokens=max_new_tokens,
+                                         max_positions=max_positions, progress=progress, **session_options):
+        correct, scored, completed = correct + sum(verdicts), scored + len(verdicts), completed + done
         metrics.append(m)
-        if progress is not None:
-            progress(1)
     mean = {k: float(np.mean([m[k] for m in metrics])) for k in ("peak_request_tokens", "peak_live_kv", "raw_kv_reads", "effective_kv_reads", "prefix_hit_rate")}
     return {
         "method": cell.method,

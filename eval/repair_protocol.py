@@ -5,7 +5,7 @@
 
 For each needle count: the examples (``eval.tasks.mqniah``, held out from training)
 are replayed turn by turn through ``jaxkv.Session`` exactly as the harness does
-(``eval.harness.replay_example``: teacher-forced history, each answer generated
+(``eval.harness.replay_cell``: teacher-forced history, each answer generated
 greedily and scored by exact match). The first-stage policy (``--first-stage``,
 default SnapKV) compresses every request to the active budget on the dead-slot
 layout; evicted rows go to the host tier. Cells:
@@ -46,7 +46,7 @@ from pathlib import Path
 
 import numpy as np
 
-from eval.harness import EVAL_SEED_BASE, REPAIR_POLICIES, Cell, replay_example
+from eval.harness import EVAL_SEED_BASE, REPAIR_POLICIES, Cell, replay_cell
 
 FIELDS = ("needles", "turns", "first_stage", "cell", "repair_k", "budget", "base_budget", "n", "accuracy",
           "accuracy_turn1", "completion", "wall_s")
@@ -61,17 +61,11 @@ def score(model, examples, cell: Cell, *, max_new_tokens: int, max_positions: in
     """Accuracy after turn 1 and on turn 1 over ``examples`` for one cell."""
     t0 = time.perf_counter()
     later, first, completed = [], [], 0
-    wrong_signal = None  # WrongQ-K scores with the previous example's signal
-    for ex in examples:
-        options = {"repair_wrong_signal": wrong_signal} if cell.repair_policy == "wrongq" else {}
-        verdicts, done, _, session = replay_example(model, ex, cell, max_new_tokens=max_new_tokens,
-                                                    max_positions=max_positions, **options)
-        wrong_signal = getattr(session, "_repair_signal", None) or wrong_signal
+    for verdicts, done, _ in replay_cell(model, examples, cell, max_new_tokens=max_new_tokens,
+                                         max_positions=max_positions, progress=progress):
         first.append(verdicts[0])
         later += verdicts[1:]
         completed += done
-        if progress is not None:
-            progress(1)
     return {"accuracy": float(np.mean(later)), "accuracy_turn1": float(np.mean(first)),
             "completion": completed / len(examples), "wall_s": time.perf_counter() - t0}
 
