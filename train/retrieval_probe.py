@@ -35,15 +35,13 @@ import json
 import random
 import time
 
-import jax
 import jax.numpy as jnp
 import numpy as np
-import optax
 from flax import nnx
 
 from eval.tasks.words import KEY_POOL, VALUE_POOL, filler_sentence
 from jaxkv.models.transformer import Transformer
-from train.embedded_model import SIZES, embedded_tokenizer, make_optimizer, masked_xent, model_config
+from train.embedded_model import SIZES, embedded_tokenizer, make_optimizer, make_predict, make_train_step, model_config
 
 FORMATS = ("repeat", "needles", "adjacent", "nospace", "mix")
 
@@ -141,20 +139,12 @@ def run(args) -> list[dict]:
     optimizer, _ = make_optimizer(args.lr, args.steps, args.warmup, 0.01, 1.0)
     opt_state = optimizer.init(params)
 
-    @jax.jit
-    def train_step(params, opt_state, tokens, mask):
-        loss, grads = jax.value_and_grad(lambda p: masked_xent(nnx.merge(graphdef, p)(tokens), tokens, mask))(params)
-        updates, opt_state = optimizer.update(grads, opt_state, params)
-        return optax.apply_updates(params, updates), opt_state, loss
-
-    @jax.jit
-    def predict(params, tokens):
-        return jnp.argmax(nnx.merge(graphdef, params)(tokens), axis=-1)
+    train_step, predict = make_train_step(graphdef, optimizer), make_predict(graphdef)
 
     held_tokens, held_mask = batch(10**9 + args.seed, heldout_make)
     rows, t0 = [], time.perf_counter()
     for step in range(1, args.steps + 1):
-        params, opt_state, loss = train_step(params, opt_state, *batch(args.seed * 1_000_003 + step, make))
+        params, opt_state, loss, _ = train_step(params, opt_state, *batch(args.seed * 1_000_003 + step, make))
         if step % args.every == 0 or step == args.steps:
             pred = np.asarray(predict(params, held_tokens))
             hits = (pred[:, :-1] == held_tokens[:, 1:]) * held_mask[:, :-1]
