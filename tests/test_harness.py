@@ -7,23 +7,7 @@ import csv
 
 import pytest
 
-import jaxkv
 from eval import harness
-from jaxkv.config import ModelConfig
-from train.embedded_model import embedded_tokenizer
-
-
-@pytest.fixture(scope="module")
-def task_model_dir(tmp_path_factory):
-    folder = tmp_path_factory.mktemp("task_model")
-    tok = embedded_tokenizer()
-    cfg = ModelConfig(
-        model_type="qwen3", vocab_size=len(tok), hidden_size=32, intermediate_size=64, num_layers=2,
-        num_heads=2, num_kv_heads=1, head_dim=16, qk_norm=True, max_position_embeddings=4096,
-        eos_token_ids=(tok.convert_tokens_to_ids("<|im_end|>"),),
-    )
-    jaxkv.save_pretrained(jaxkv.model_from_config(cfg, seed=0, tokenizer=tok), folder)
-    return folder
 
 
 def test_harness_writes_csv_markdown_and_plots(task_model_dir, tmp_path, capsys):

@@ -8,33 +8,17 @@ import csv
 
 import pytest
 
-import jaxkv
 from eval import repair_protocol as rp
-from jaxkv.config import ModelConfig
-from train.embedded_model import embedded_tokenizer
 
 
-@pytest.fixture(scope="module")
-def model_dir(tmp_path_factory):
-    folder = tmp_path_factory.mktemp("protocol_model")
-    tok = embedded_tokenizer()
-    cfg = ModelConfig(
-        model_type="qwen3", vocab_size=len(tok), hidden_size=32, intermediate_size=64, num_layers=2,
-        num_heads=2, num_kv_heads=1, head_dim=16, qk_norm=True, max_position_embeddings=4096,
-        eos_token_ids=(tok.convert_tokens_to_ids("<|im_end|>"),),
-    )
-    jaxkv.save_pretrained(jaxkv.model_from_config(cfg, seed=0, tokenizer=tok), folder)
-    return folder
-
-
-def _args(model_dir, out, *extra):
-    return rp.build_parser().parse_args(["--model", str(model_dir), "--needles", "4", "--n", "1", "--length", "600",
+def _args(task_model_dir, out, *extra):
+    return rp.build_parser().parse_args(["--model", str(task_model_dir), "--needles", "4", "--n", "1", "--length", "600",
                                          "--max-new-tokens", "4", "--out", str(out), *extra])
 
 
-def test_grid_cells_budgets_and_outputs(model_dir, tmp_path):
+def test_grid_cells_budgets_and_outputs(task_model_dir, tmp_path):
     out = tmp_path / "grid"
-    rows = rp.run(_args(model_dir, out, "--base-budget", "200", "--ks", "8,16", "--policies", "repairkv,random"))
+    rows = rp.run(_args(task_model_dir, out, "--base-budget", "200", "--ks", "8,16", "--policies", "repairkv,random"))
     cells = [(r["cell"], r["repair_k"], r["budget"]) for r in rows]
     assert cells == [("full", 0, "-"), ("none", 0, 200),
                      ("matched", 8, 208), ("repairkv", 8, 200), ("random", 8, 200),
@@ -46,16 +30,16 @@ def test_grid_cells_budgets_and_outputs(model_dir, tmp_path):
     assert (out / "repair_vs_k.png").stat().st_size > 0
 
 
-def test_five_turn_schedule_runs(model_dir, tmp_path):
-    rows = rp.run(_args(model_dir, tmp_path / "five", "--turns", "5", "--base-budget", "200", "--ks", "8",
+def test_five_turn_schedule_runs(task_model_dir, tmp_path):
+    rows = rp.run(_args(task_model_dir, tmp_path / "five", "--turns", "5", "--base-budget", "200", "--ks", "8",
                         "--policies", "repairkv"))
     assert {r["turns"] for r in rows} == {5}
 
 
-def test_calibration_refuses_a_model_that_fails_with_the_full_cache(model_dir, tmp_path):
+def test_calibration_refuses_a_model_that_fails_with_the_full_cache(task_model_dir, tmp_path):
     with pytest.raises(rp.ProtocolError, match="full-cache accuracy"):
-        rp.run(_args(model_dir, tmp_path / "cal", "--ks", "8", "--policies", "repairkv"))
-    assert rp.main(["--model", str(model_dir), "--needles", "4", "--n", "1", "--length", "600",
+        rp.run(_args(task_model_dir, tmp_path / "cal", "--ks", "8", "--policies", "repairkv"))
+    assert rp.main(["--model", str(task_model_dir), "--needles", "4", "--n", "1", "--length", "600",
                     "--max-new-tokens", "4", "--ks", "8", "--out", str(tmp_path / "cal2")]) == 2
 
 
@@ -66,8 +50,8 @@ def test_calibration_picks_the_budget_nearest_half_of_full(monkeypatch):
     assert base == 400 and tried == sorted(accuracy.items())
 
 
-def test_bad_arguments_are_rejected(model_dir, tmp_path):
+def test_bad_arguments_are_rejected(task_model_dir, tmp_path):
     with pytest.raises(ValueError, match="policies"):
-        rp.run(_args(model_dir, tmp_path / "bad", "--policies", "nope"))
+        rp.run(_args(task_model_dir, tmp_path / "bad", "--policies", "nope"))
     with pytest.raises(ValueError, match="positive"):
-        rp.run(_args(model_dir, tmp_path / "bad", "--ks", "0"))
+        rp.run(_args(task_model_dir, tmp_path / "bad", "--ks", "0"))
