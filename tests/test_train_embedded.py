@@ -136,3 +136,54 @@ def test_retrieval_probe_targets_are_copied_values(tokenizer):
         assert targets, name
         for t in targets:  # every target token already occurred earlier in the sequence
             assert ids[t + 1] in ids[:t], (name, t)
+
+
+def _layer0_attention(params, graphdef, cfg, T=32, seed=0):
+    """Layer-0 attention weights ``[H, T, T]`` of the model ``(graphdef, params)``."""
+    import jax
+    import jax.numpy as jnp
+    from flax import nnx
+
+    model = nnx.merge(graphdef, params)
+    ids = jnp.asarray(np.random.default_rng(seed).integers(300, 1500, size=(1, T)))
+    layer = model.layers[0]
+    q, k, _ = layer.self_attn.qkv(layer.input_layernorm(model.embed_tokens(ids)), jnp.arange(T)[None])
+    scores = jnp.einsum("bqhd,bkhd->bhqk", q, k) / np.sqrt(cfg.head_dim)
+    scores = jnp.where(np.tril(np.ones((T, T), bool)), scores, -1e30)
+    return np.asarray(jax.nn.softmax(scores, -1))[0]
+
+
+@pytest.mark.parametrize("size", ["agent", "tiny"])
+def test_copy_init_builds_positional_heads_and_mimetic_attention(tokenizer, size):
+    """The "copy" init: layer-0 head h attends h+1 positions back on any tokens, the
+    positional heads share one value subspace, and elsewhere W_k starts near W_q and
+    W_o = W_v^T; the "random" init is the module's own."""
+    import jax
+    import jax.numpy as jnp
+    from flax import nnx
+
+    from jaxkv.models.transformer import Transformer
+
+    cfg = em.model_config(em.SIZES[size], len(tokenizer), 0, 4096)
+    graphdef, params = nnx.split(Transformer(cfg, jnp.float32, rngs=nnx.Rngs(0)), nnx.Param)
+    assert em.copy_circuit_init(params, cfg, 0, "random") is params
+    init = em.copy_circuit_init(params, cfg, 0, "copy")
+    attn = _layer0_attention(init, graphdef, cfg)
+    T = attn.shape[-1]
+    for h in range(cfg.num_heads):
+        d = h + 1
+        assert np.mean([attn[h, t, t - d] for t in range(d + 4, T)]) > 0.95, (size, h)
+    before = _layer0_attention(params, graphdef, cfg)
+    assert np.mean([before[0, t, t - 1] for t in range(5, T)]) < 0.5  # random init: no such head
+    flat = {jax.tree_util.keystr(k): np.asarray(v) for k, v in jax.tree_util.tree_leaves_with_path(init)}
+    attn_of = lambda layer, name: flat[f"['layers'][{layer}]['self_attn']['{name}']['kernel'].value"]
+    D = cfg.head_dim
+    v0 = attn_of(0, "v_proj")
+    for h in range(cfg.num_heads):
+        np.testing.assert_array_equal(v0[:, h * D : (h + 1) * D], v0[:, :D])
+    for layer in range(1, cfg.num_layers):
+        q, k = attn_of(layer, "q_proj")[:, D:], attn_of(layer, "k_proj")[:, D:]  # heads past the positional one
+        assert np.corrcoef(q.ravel(), k.ravel())[0, 1] > 0.5
+        np.testing.assert_array_equal(attn_of(layer, "o_proj")[D:], attn_of(layer, "v_proj")[:, D:].T)
+    with pytest.raises(ValueError, match="unknown init"):
+        em.copy_circuit_init(params, cfg, 0, "nope")

@@ -91,7 +91,7 @@ class Size:
 
 
 SIZES = {
-    "tiny": Size(hidden=32, layers=1, heads=2, kv_heads=1, head_dim=16, ffn=64),
+    "tiny": Size(hidden=32, layers=1, heads=2, kv_heads=2, head_dim=16, ffn=64),
     "mini": Size(hidden=64, layers=3, heads=2, kv_heads=1, head_dim=32, ffn=192),
     "small": Size(hidden=128, layers=4, heads=4, kv_heads=2, head_dim=32, ffn=384),
     # the shipped model: "small" with one K/V head per query head (induction heads
@@ -122,6 +122,167 @@ def model_config(size: Size, vocab_size: int, eos_id: int, max_positions: int) -
         max_position_embeddings=max_positions,
         eos_token_ids=(eos_id,),
     )
+
+
+def scale_qk_norm(params, gain: float, skip_layers=()):
+    """``params`` with every q/k RMSNorm weight set to ``gain`` (initialisation only).
+
+    Qwen3 normalises queries and keys per head, so an attention logit is at most
+    ``gain**2 * sqrt(head_dim)``: about 5.7 at the usual gain 1 and head dim 32, less
+    than the ln(2048) = 7.6 a head needs to put half its weight on one of 2,048
+    positions. A larger initial gain lets retrieval heads be sharp from the start.
+    """
+    if gain == 1.0:
+        return params
+
+    def fix(path, x):
+        names = [str(getattr(k, "key", getattr(k, "name", k))) for k in path]
+        layer = next((int(b) for a, b in zip(names, names[1:]) if a == "layers"), None)
+        if layer in skip_layers or not any(n in ("q_norm", "k_norm") for n in names):
+            return x
+        return jnp.full_like(x, gain)
+
+    return jax.tree_util.tree_map_with_path(fix, params)
+
+
+def _leaves_by_name(params) -> dict[str, np.ndarray]:
+    """``{keystr path: array}`` of a parameter pytree (e.g. ``"['layers'][0]['self_attn']['q_proj']['kernel'].value"``)."""
+    return {jax.tree_util.keystr(k): np.asarray(v) for k, v in jax.tree_util.tree_leaves_with_path(params)}
+
+
+def _replace_leaves(params, updates: dict[str, np.ndarray]):
+    """``params`` with the leaves named in ``updates`` (``_leaves_by_name`` keys) replaced."""
+    def pick(path, x):
+        new = updates.get(jax.tree_util.keystr(path))
+        return x if new is None else jnp.asarray(new, x.dtype)
+
+    return jax.tree_util.tree_map_with_path(pick, params)
+
+
+def mimetic_init(params, seed: int, qk: bool = True, ov: bool = True, mix: float = 0.5):
+    """``params`` with attention initialised mimetically (Trockman & Kolter, ICML 2023).
+
+    Per layer, ``k_proj = (1 - mix) q_proj + mix * noise`` so that ``W_q W_k^T`` starts
+    near a positive multiple of a per-head projection (a query attends to keys that
+    look like itself: token matching, the second half of an induction head), and
+    ``o_proj = v_proj^T`` so that ``W_v W_o`` starts near a projection (a head passes
+    on what it reads: copying). With the usual small random init both products start
+    near zero and the copy circuit sits on a long plateau (see ``train/retrieval_probe.py``).
+    Needs one K/V head per query head. Initialisation only; training starts here.
+    """
+    rng = np.random.default_rng(seed)
+    by_name = _leaves_by_name(params)
+    updates = {}
+    for name, q in by_name.items():
+        if not name.endswith("['q_proj']['kernel'].value"):
+            continue
+        base = name[: -len("['q_proj']['kernel'].value")]
+        k_name, v_name, o_name = (base + f"['{n}']['kernel'].value" for n in ("k_proj", "v_proj", "o_proj"))
+        if by_name[k_name].shape != q.shape:
+            raise ValueError("mimetic_init needs one K/V head per query head")
+        if qk:
+            noise = rng.normal(0.0, float(q.std()), q.shape).astype(q.dtype)
+            updates[k_name] = (1.0 - mix) * q + mix * noise
+        if ov:
+            updates[o_name] = by_name[v_name].T.copy()
+    return _replace_leaves(params, updates)
+
+
+def shared_embedding_direction(params, seed: int, share: float = 0.7):
+    """``params`` with one random unit direction added to every token embedding, at
+    ``share`` times the embeddings' mean norm. After the input RMSNorm every token
+    then carries a common component, so a projection can produce a content-free query
+    or key: what a purely positional head (attend to the previous token) is built
+    from under RoPE, where nothing else in the residual stream is constant."""
+    rng = np.random.default_rng(seed + 1)
+    name, e = next((k, v) for k, v in _leaves_by_name(params).items() if "embed_tokens" in k)
+    u = rng.normal(size=e.shape[1])
+    u /= np.linalg.norm(u)
+    return _replace_leaves(params, {name: e + share * np.linalg.norm(e, axis=1).mean() * u})
+
+
+def positional_heads_prior(params, rope_theta: float, head_dim: int, offsets=(1,), layer: int = 0, pairs: int = 3,
+                           gain: float = 3.0, shared_v=None):
+    """Initialise head ``h`` of ``layer`` to attend ``offsets[h]`` positions back.
+
+    Uses the shared embedding direction ``u`` (``shared_embedding_direction``: the
+    mean embedding): the head's query is ``(x.u) c`` and its key ``(x.u) R(d theta) c``
+    for a fixed ``c`` on the ``pairs`` highest RoPE frequencies, so after RoPE
+    ``q_m . k_n = |c|^2 sum_i cos((n - m + d) theta_i)``, largest at ``n = m - d``
+    (the layer's q/k RMSNorm gains are set to ``gain`` so the peak is sharp: with 3
+    pairs and gain 3 the target position leads its neighbours by about 11 logits);
+    every such head reads and writes through the same value subspace (``v_proj``
+    columns of the first head, ``o_proj = v_proj^T``), so together they add the
+    *bag* of the last ``max(offsets)`` tokens to the residual stream, and two places
+    preceded by the same token within that window look alike. These are the
+    first halves of induction heads (the second half matches the current token with
+    a token ``d`` back), which the small random init takes thousands of steps to find
+    on its own. Training is free to change them.
+    """
+    by_name = _leaves_by_name(params)
+    emb = next(v for k, v in by_name.items() if "embed_tokens" in k)
+    u = emb.mean(axis=0)
+    u /= np.linalg.norm(u)
+    half = head_dim // 2
+    inv_freq = 1.0 / (rope_theta ** (np.arange(half) * 2.0 / head_dim))
+    base = f"['layers'][{layer}]['self_attn']"
+    q = by_name[base + "['q_proj']['kernel'].value"].copy()
+    k = by_name[base + "['k_proj']['kernel'].value"].copy()
+    o = by_name[base + "['o_proj']['kernel'].value"].copy()
+    v = by_name[base + "['v_proj']['kernel'].value"].copy()
+    v_shared = v[:, :head_dim] if shared_v is None else shared_v
+    if len(offsets) * head_dim > q.shape[1]:
+        raise ValueError(f"{len(offsets)} positional heads do not fit in layer {layer}")
+    scale = float(np.abs(q).std()) * 4
+    c = np.zeros(head_dim)
+    c[:pairs] = 1.0
+    for h, d in enumerate(offsets):
+        ang = inv_freq[:pairs] * d
+        rc = np.zeros(head_dim)  # R(d theta) c, pairwise (i, i + half)
+        rc[:pairs] = np.cos(ang)
+        rc[half : half + pairs] = np.sin(ang)
+        cols = slice(h * head_dim, (h + 1) * head_dim)
+        q[:, cols] = scale * np.outer(u, c)
+        k[:, cols] = scale * np.outer(u, rc)
+        v[:, cols] = v_shared
+        o[cols, :] = v_shared.T
+    updates = {base + "['q_proj']['kernel'].value": q, base + "['k_proj']['kernel'].value": k,
+               base + "['v_proj']['kernel'].value": v, base + "['o_proj']['kernel'].value": o}
+    for norm in ("q_norm", "k_norm"):
+        name = base + f"['{norm}']['weight'].value"
+        updates[name] = np.full_like(by_name[name], gain)
+    return _replace_leaves(params, updates)
+
+
+INIT_SCHEMES = ("random", "copy")
+
+
+def copy_circuit_init(params, cfg, seed: int, scheme: str = "copy", offsets=(1, 2, 3, 4), qk_gain: float = 1.0,
+                      layer1_head: bool = False):
+    """The trainer's initialisation: ``"random"`` (the module's own small normal
+    init) or ``"copy"``: a shared embedding direction, positional heads looking
+    ``offsets`` back in layer 0 (one head each, one shared value subspace: the bag of
+    the last four tokens), in deeper models a soft head in layer 1 looking about
+    ``max(offsets)`` back (3-5) through the same subspace (so the bag reaches about
+    eight tokens back), mimetic attention elsewhere and q/k-norm gains ``qk_gain``
+    outside the positional layers, so that in-context copying starts from half-built
+    induction heads instead of a long plateau (measured in
+    ``train/retrieval_probe.py``; see the model card). Needs one K/V head per query
+    head."""
+    if scheme == "random":
+        return params
+    if scheme != "copy":
+        raise ValueError(f"unknown init scheme {scheme!r}; known: {', '.join(INIT_SCHEMES)}")
+    params = shared_embedding_direction(params, seed)
+    params = mimetic_init(params, seed)
+    params = scale_qk_norm(params, qk_gain)
+    offsets = offsets[: cfg.num_heads]
+    params = positional_heads_prior(params, cfg.rope.theta, cfg.head_dim, offsets)
+    if layer1_head and cfg.num_layers > 2:
+        v0 = _leaves_by_name(params)["['layers'][0]['self_attn']['v_proj']['kernel'].value"][:, : cfg.head_dim]
+        params = positional_heads_prior(params, cfg.rope.theta, cfg.head_dim, (max(offsets),), layer=1, shared_v=v0,
+                                        gain=1.0)
+    return params
 
 
 def param_count(module) -> int:
@@ -191,7 +352,9 @@ def render_sequence(tokenizer, example: Example, messages: list[dict]) -> TrainS
 def make_example(seed: int, seq_len: int, task: str) -> Example:
     target = int(seq_len * 0.95)
     if task == "mqniah":
-        needles = random.Random(seed).choice(NEEDLE_COUNTS)
+        # Short curriculum stages ask few needles: retrieval heads form where a document
+        # holds a handful of candidates, and stall where it holds many (the probe).
+        needles = random.Random(seed).choice(NEEDLE_COUNTS if seq_len >= SHORT_STAGE else NEEDLE_COUNTS[:2])
         return mqniah(1, seed, needles=needles, length=target)[0]
     max_docs = next(d for limit, d in _MAX_DOCS_BY_LENGTH if seq_len < limit)
     rng = random.Random(seed)
@@ -207,6 +370,7 @@ HELDOUT_SEED_BASE = (1 << 30) + 3_000_000
 # Agent-trace skeletons (system prompt + tool schemas) take ~800-1400 tokens: shorter
 # curriculum stages train on MQ-NIAH only.
 MIN_AGENT_LENGTH = 1024
+SHORT_STAGE = 768
 
 
 def copy_drill(seed: int, seq_len: int) -> Example:
@@ -287,8 +451,10 @@ def make_sequence(tokenizer, seed: int, seq_len: int, mqniah_share: float = 0.5,
     return seq
 
 
-def pack_batch(seqs: list[TrainSequence], seq_len: int, pad_id: int) -> dict[str, np.ndarray]:
-    """``tokens [B, T]``, ``loss_mask [B, T]`` (mask of the *predicted* token ``t+1``)."""
+def pack_batch(seqs: list[TrainSequence], seq_len: int, pad_id: int, copy_ids=None, copy_weight: float = 1.0) -> dict[str, np.ndarray]:
+    """``tokens [B, T]``, ``loss_mask [B, T]`` (weight of the *predicted* token ``t+1``:
+    1 on assistant tokens, ``copy_weight`` on those of them in ``copy_ids``, the
+    identifiers that can only be copied from the context)."""
     B = len(seqs)
     tokens = np.full((B, seq_len), pad_id, np.int32)
     targets_mask = np.zeros((B, seq_len), bool)
@@ -297,6 +463,8 @@ def pack_batch(seqs: list[TrainSequence], seq_len: int, pad_id: int) -> dict[str
         targets_mask[b, : s.ids.size] = s.target_mask
     loss_mask = np.zeros((B, seq_len), np.float32)
     loss_mask[:, :-1] = targets_mask[:, 1:]
+    if copy_ids is not None and copy_weight != 1.0:
+        loss_mask[:, :-1] *= np.where(np.isin(tokens[:, 1:], copy_ids), copy_weight, 1.0)
     return {"tokens": tokens, "loss_mask": loss_mask}
 
 
@@ -305,11 +473,29 @@ def step_seed(seed: int, step: int) -> int:
 
 
 def batch_for_step(tokenizer, seed: int, step: int, seq_len: int, batch: int, mqniah_share: float = 0.5,
-                   copy_share: float = 0.0, needle_share: float = 0.0) -> dict[str, np.ndarray]:
+                   copy_share: float = 0.0, needle_share: float = 0.0, copy_ids=None,
+                   copy_weight: float = 1.0) -> dict[str, np.ndarray]:
     rng = random.Random(step_seed(seed, step))
     seqs = [make_sequence(tokenizer, rng.randrange(1 << 31), seq_len, mqniah_share, copy_share, needle_share)
             for _ in range(batch)]
-    return pack_batch(seqs, seq_len, tokenizer.pad_token_id)
+    return pack_batch(seqs, seq_len, tokenizer.pad_token_id, copy_ids, copy_weight)
+
+
+RAW_DRILL_LEN, RAW_DRILL_BATCH = 128, 32
+
+
+def raw_drill_batch(tokenizer, seed: int, step: int) -> dict[str, np.ndarray]:
+    """A warm-up batch of raw needle documents (``train.retrieval_probe`` format
+    ``needles``: no chat template, loss on the retrieved values only): the dense
+    signal on which, from the ``copy`` init, retrieval heads form within ~100 steps,
+    before the chat conversations, whose loss is mostly template and prose."""
+    from train.retrieval_probe import Formats, raw_batch
+
+    formats = Formats(tokenizer, RAW_DRILL_LEN, pairs=8, filler=0.2)
+    # the probe's own batch seeds (``retrieval_probe.run``: seed * 1_000_003 + step, from 1)
+    tokens, mask = raw_batch(formats.needles, seed * 1_000_003 + step + 1, RAW_DRILL_BATCH, RAW_DRILL_LEN)
+    # Formats masks mark t where token t+1 is a target: already the loss-mask layout.
+    return {"tokens": tokens, "loss_mask": mask}
 
 
 def parse_curriculum(spec: str, max_len: int) -> list[tuple[float, int]]:
@@ -347,7 +533,7 @@ class Prefetcher:
 
 
 def masked_xent(logits_BTV, tokens_BT, loss_mask_BT):
-    """Mean cross-entropy of predicting ``tokens[:, t+1]`` at positions where the mask is 1."""
+    """Cross-entropy of predicting ``tokens[:, t+1]``, averaged with weights ``loss_mask[:, t]``."""
     targets = jnp.roll(tokens_BT, -1, axis=1)
     logp = jax.nn.log_softmax(logits_BTV, axis=-1)
     nll = -jnp.take_along_axis(logp, targets[..., None], axis=-1)[..., 0]
@@ -429,6 +615,7 @@ def train(args) -> dict:
     cfg = model_config(size, vocab, tokenizer.convert_tokens_to_ids("<|im_end|>"), max(args.seq_len, 4096))
     module = Transformer(cfg, jnp.float32, rngs=nnx.Rngs(args.seed))
     graphdef, params = nnx.split(module, nnx.Param)
+    params = copy_circuit_init(params, cfg, args.seed, args.init)
     optimizer, schedule = make_optimizer(args.lr, args.steps, args.warmup, args.weight_decay, args.clip)
     opt_state = optimizer.init(params)
     train_step = make_train_step(graphdef, optimizer)
@@ -459,9 +646,12 @@ def train(args) -> dict:
     print(f"params {n_params:,}  vocab {vocab}  stages {stages}  heldout {len(heldout)}")
 
     def batch_at(s):
+        if s < args.raw_drill_steps:
+            return raw_drill_batch(tokenizer, args.seed, s)
         length = seq_len_at(s, args.steps, stages)
         return batch_for_step(tokenizer, args.seed, s, length, max(1, args.batch * args.seq_len // length), args.mqniah_share,
-                              args.copy_share if length <= args.copy_max_len else 0.0, args.needle_share)
+                              args.copy_share if length <= args.copy_max_len else 0.0, args.needle_share,
+                              copy_ids, args.copy_weight)
 
     metrics_file = open(out / "metrics.jsonl", "a")
     stop = min(args.steps, args.stop_after or args.steps)
@@ -515,6 +705,11 @@ def parse_args(argv=None):
     p.add_argument("--copy-share", type=float, default=0.3, help="fraction of copy-drill warm-up sequences")
     p.add_argument("--copy-max-len", type=int, default=256, help="curriculum stages longer than this use no copy drill")
     p.add_argument("--needle-share", type=float, default=0.3, help="fraction of needle-drill sequences (all stages)")
+    p.add_argument("--raw-drill-steps", type=int, default=150,
+                   help="first steps on raw needle documents (loss on values only) before the chat curriculum")
+    p.add_argument("--copy-weight", type=float, default=4.0,
+                   help="loss weight of identifier tokens (copied from context) among the assistant tokens")
+    p.add_argument("--init", choices=INIT_SCHEMES, default="copy", help="initialisation (copy_circuit_init)")
     p.add_argument("--lr", type=float, default=1e-3,
                    help="peak learning rate (3e-3 keeps the identifier embeddings too noisy to learn retrieval)")
     p.add_argument("--warmup", type=int, default=100)

@@ -5,7 +5,7 @@
 Trains a fresh ``--size`` model (the trainer's shapes, tokenizer and optimizer) on
 one synthetic copy format and prints held-out accuracy of the copy targets every
 ``--every`` steps (teacher-forced argmax). The held-out set is the format itself,
-except ``mix``, which is scored on ``needles``. No chat template: raw token
+except the ``mix`` formats, scored on their needle half. No chat template: raw token
 sequences, loss on the copy targets only.
 
 Formats (``k``: a key identifier, ``v``: a value identifier, ``␣``: a space token of
@@ -22,7 +22,8 @@ the toy tokenizer, which makes every space its own token):
   ``␣ k v ,``: classic induction, with one target per ~16 tokens.
 * ``nospace``: ``needles`` with every space token removed ("for k is v ."), every
   needle asked: what a tokenizer whose words carry their spaces would give.
-* ``mix``: half ``repeat``, half ``needles`` sequences.
+* ``mix``: half ``repeat``, half ``needles`` sequences; ``mix_adjacent`` and
+  ``mix_nospace`` the same with ``adjacent`` / ``nospace`` (scored on that half).
 
 Measured results and what they mean for the trainer: the "What did not work"
 section of ``jaxkv/assets/embedded-agent/README.md``.
@@ -41,9 +42,10 @@ from flax import nnx
 
 from eval.tasks.words import KEY_POOL, VALUE_POOL, filler_sentence
 from jaxkv.models.transformer import Transformer
-from train.embedded_model import SIZES, embedded_tokenizer, make_optimizer, make_predict, make_train_step, model_config
+from train.embedded_model import SIZES, copy_circuit_init, mimetic_init, positional_heads_prior, scale_qk_norm, shared_embedding_direction, embedded_tokenizer, make_optimizer, make_predict, make_train_step, model_config
 
-FORMATS = ("repeat", "needles", "adjacent", "nospace", "mix")
+FORMATS = ("repeat", "chunks", "needles", "adjacent", "nospace", "mix", "mix_adjacent", "mix_nospace",
+           "chunks_adjacent", "chunks_nospace")
 
 
 class Formats:
@@ -67,6 +69,28 @@ class Formats:
         n = (self.T - 4) // 2
         items = self.ids(*(rng.choice(KEY_POOL + VALUE_POOL) for _ in range(n)))
         return self.cut(items + items, [0] * n + [1] * (n - 1) + [0])
+
+    def chunks(self, rng):
+        """``n`` random identifiers, then chunks of 3-8 of them copied from random
+        places: the offset to the source changes from chunk to chunk, so only content
+        (induction) predicts them, never a fixed relative position as in ``repeat``.
+        A chunk's first token is not a target (nothing says where it starts)."""
+        n = self.T // 3
+        items = self.ids(*(rng.choice(KEY_POOL + VALUE_POOL) for _ in range(n)))
+        ids, mask = list(items), [0] * n
+        while len(ids) < self.T:
+            length = rng.randint(3, 8)
+            start = rng.randrange(n - length)
+            ids += items[start : start + length]
+            mask += [0] * (len(ids) - len(mask))
+        return self.cut(ids, self._chunk_mask(ids, n))
+
+    @staticmethod
+    def _chunk_mask(ids, n):
+        # mask[t] = 1 where token t+1 continues the chunk token t belongs to; chunks are
+        # recognised by their source: token t+1 follows token t in the first n.
+        follows = {(a, b) for a, b in zip(ids[: n - 1], ids[1:n])}
+        return [int(t >= n and t + 1 < len(ids) and (ids[t], ids[t + 1]) in follows) for t in range(len(ids))]
 
     def _document(self, rng, needle):
         """Needles (``needle(k, v)`` ids) among filler sentences, up to 60% of ``T``."""
@@ -118,25 +142,53 @@ class Formats:
     def mix(self, rng):
         return self.repeat(rng) if rng.random() < 0.5 else self.needles(rng)
 
+    def mix_adjacent(self, rng):
+        return self.repeat(rng) if rng.random() < 0.5 else self.adjacent(rng)
+
+    def mix_nospace(self, rng):
+        return self.repeat(rng) if rng.random() < 0.5 else self.nospace(rng)
+
+    def chunks_adjacent(self, rng):
+        return self.chunks(rng) if rng.random() < 0.5 else self.adjacent(rng)
+
+    def chunks_nospace(self, rng):
+        return self.chunks(rng) if rng.random() < 0.5 else self.nospace(rng)
+
+
+def raw_batch(builder, seed: int, batch: int, seq_len: int) -> tuple[np.ndarray, np.ndarray]:
+    """``(tokens [B, T] int32, mask [B, T] float32)`` from ``builder(rng)`` (a ``Formats``
+    method), seeded; padding is token 0 with mask 0."""
+    rng = random.Random(seed)
+    tokens = np.zeros((batch, seq_len), np.int32)
+    mask = np.zeros((batch, seq_len), np.float32)
+    for b in range(batch):
+        ids, m = builder(rng)
+        tokens[b, : len(ids)], mask[b, : len(m)] = ids, m
+    return tokens, mask
+
 
 def run(args) -> list[dict]:
     tok = embedded_tokenizer()
     formats = Formats(tok, args.seq_len, args.pairs, args.filler)
     make = getattr(formats, args.format)
-    heldout_make = formats.needles if args.format == "mix" else make
+    heldout_make = getattr(formats, {"mix": "needles", "mix_adjacent": "adjacent", "mix_nospace": "nospace",
+                                    "chunks_adjacent": "adjacent", "chunks_nospace": "nospace"}.get(args.format, args.format))
 
-    def batch(seed, builder):
-        rng = random.Random(seed)
-        tokens = np.zeros((args.batch, args.seq_len), np.int32)
-        mask = np.zeros((args.batch, args.seq_len), np.float32)
-        for b in range(args.batch):
-            ids, m = builder(rng)
-            tokens[b, : len(ids)], mask[b, : len(m)] = ids, m
-        return tokens, mask
+    batch = lambda seed, builder: raw_batch(builder, seed, args.batch, args.seq_len)
 
     cfg = model_config(SIZES[args.size], len(tok), 0, 4096)
     graphdef, params = nnx.split(Transformer(cfg, jnp.float32, rngs=nnx.Rngs(args.seed)), nnx.Param)
+    if args.init_copy:
+        params = copy_circuit_init(params, cfg, args.seed, "copy", layer1_head=args.layer1_head)
+    if args.embed_mean or args.prev_head:
+        params = shared_embedding_direction(params, args.seed)
+    if args.mimetic:
+        params = mimetic_init(params, args.seed, qk="qk" in args.mimetic, ov="ov" in args.mimetic)
     optimizer, _ = make_optimizer(args.lr, args.steps, args.warmup, 0.01, 1.0)
+    if args.prev_head:
+        offsets = tuple(int(d) for d in args.prev_head.split(","))
+        params = positional_heads_prior(params, cfg.rope.theta, cfg.head_dim, offsets)
+    params = scale_qk_norm(params, args.qk_gain, skip_layers=(0,) if args.prev_head else ())
     opt_state = optimizer.init(params)
 
     train_step, predict = make_train_step(graphdef, optimizer), make_predict(graphdef)
@@ -167,6 +219,12 @@ def main(argv=None):
     p.add_argument("--warmup", type=int, default=50)
     p.add_argument("--size", choices=sorted(SIZES), default="agent")
     p.add_argument("--every", type=int, default=50)
+    p.add_argument("--mimetic", choices=("", "qk", "ov", "qkov"), default="", help="mimetic attention init (train.embedded_model.mimetic_init)")
+    p.add_argument("--init-copy", action="store_true", help="the trainer's copy init (train.embedded_model.copy_circuit_init)")
+    p.add_argument("--layer1-head", type=int, default=1, help="with --init-copy: the layer-1 positional head (1) or not (0)")
+    p.add_argument("--embed-mean", action="store_true", help="shared embedding direction at init")
+    p.add_argument("--prev-head", default="", help="positional head priors in layer 0, offsets such as 1 or 1,2,3,4 (implies --embed-mean)")
+    p.add_argument("--qk-gain", type=float, default=1.0, help="initial q/k RMSNorm gain (attention sharpness)")
     p.add_argument("--seed", type=int, default=0)
     run(p.parse_args(argv))
 
