@@ -116,10 +116,18 @@ def test_agent_traces_copy_from_several_turns_back():
         sources = [e.message_index for e in answer.evidence]
         assert sources[0] == answer.message_index - 1  # the registry (latest response)
         assert all(answer.message_index - s > 2 for s in sources[1:])  # older documents
-        # reasoning never leaks the identifier the call must copy
-        for t in ex.targets[1:]:
+        # retrieve, then call: an open / lookup reasoning ends with the line it read
+        # (topic or key, then the identifier the call copies); the answer's reasoning
+        # names no identifier
+        search_lines = ex.messages[search_response]["content"].splitlines()
+        for t in ex.targets[1:5]:
             reasoning = ex.messages[t.message_index]["reasoning_content"]
-            assert not any(v in reasoning for v in t.values)
+            assert reasoning.endswith(": " + t.values[0])
+            quoted = reasoning.rsplit(" list ", 1)[-1] if t.expected["name"] == "open" else reasoning.rsplit(" gives ", 1)[-1]
+            source = ex.messages[t.evidence[0].message_index]["content"].splitlines()
+            assert quoted in source
+        assert sum(line.endswith(": " + ex.targets[1].values[0]) for line in search_lines) == 1
+        assert not any(v in ex.messages[answer.message_index]["reasoning_content"] for v in answer.values)
 
 
 def test_agent_traces_offer_two_to_four_tools(examples):

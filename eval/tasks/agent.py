@@ -7,8 +7,9 @@ One trace (``agent_traces``):
 2. the user names a project, 1-3 topics and one key per topic
    ("find the value of k173 in the budget report ..."), optionally asking to resolve
    the first value in the registry;
-3. ``search(query=<project>)`` -> a result list: the wanted documents among
-   distractors (same project other topics, same topic other projects, ...);
+3. ``search(query=<project>)`` -> a result list: the project's reports, one line per
+   topic (``Orchid budget: d123``), among other projects' record listings
+   (``Cedar budget records: d044``);
 4. for each topic, ``open(doc_id=<id from the search results>)`` -> a long document of
    ``key: value`` records, one of them the wanted key;
 5. with the registry: ``lookup(key=<value found in the first document>)`` -> a long
@@ -23,9 +24,15 @@ message, the easiest in-context skill).
 So the ``open`` calls copy ids from the search results one to three tool responses
 back, ``lookup`` copies a value from a document several turns back, and the answer
 copies from the latest and from older responses: what must survive in the cache
-changes from turn to turn. Reasoning (``reasoning_content``) names what the next call
-needs but never the copied identifier itself, so scored turns must read the tool
-responses.
+changes from turn to turn.
+
+Retrieve, then call: the reasoning of an ``open`` or ``lookup`` turn ends by quoting
+the line it read, in that line's own form (``... list Orchid budget: d123``,
+``... gives k173: v032``), and the call then copies the identifier from the end of its
+own reasoning. The retrieval happens inside the generated turn (the reasoning is
+generated and scored with the call), and every identifier is found by matching the
+few tokens before it (topic or key, then ``:``) in the tool response, which is what a
+small model's induction heads do (``train/retrieval_probe.py``).
 
 ``length`` is the target rendered length in toy-tokenizer tokens: everything that is
 not the skeleton is distractor records, split between the search results (15%) and the
@@ -115,21 +122,24 @@ def one_trace(seed: int, length: int = 2048, n_docs: int | None = None, registry
             "tool_calls": [tool_call("search", query=query)],
         })
 
-        def result_line():
-            p, t = r.choice(PROJECTS), r.choice(TOPICS)
-            while p == project and t in topics:
-                p, t = r.choice(PROJECTS), r.choice(TOPICS)
-            return f"{pool.doc_id()}: {p} {t} report"
-
-        lines = [result_line() for _ in range(n_search)]
+        # The project's other reports first (one line per topic, so the topic names
+        # the line), then other projects. record listings.
+        others = [t for t in TOPICS if t not in topics]
+        r.shuffle(others)
+        lines = [f"{project} {t}: {pool.doc_id()}" for t in others[: n_search // 3]]
+        while len(lines) < n_search:
+            p = r.choice([q for q in PROJECTS if q != project])
+            lines.append(f"{p} {r.choice(TOPICS)} records: {pool.doc_id()}")
+        r.shuffle(lines)
         for d, t in zip(doc_ids, topics):
-            lines.insert(r.randint(0, len(lines)), f"{d}: {project} {t} report")
+            lines.insert(r.randint(0, len(lines)), f"{project} {t}: {d}")
         messages.append({"role": "tool", "name": "search", "content": f"Search results for {query}:\n" + "\n".join(lines)})
 
         for key, value, d, t in zip(keys, values, doc_ids, topics):
             messages.append({
                 "role": "assistant", "content": "",
-                "reasoning_content": f"The search results list the {project} {t} report. I will open it to find {key}.",
+                "reasoning_content": f"I will open the {project} {t} report to find {key}. "
+                                     f"The search results list {project} {t}: {d}",
                 "tool_calls": [tool_call("open", doc_id=d)],
             })
             body, at = _records(r, f"{key}: {value}", n_records, filler_tokens, lambda: f"{pool.key()}: {pool.value()}")
@@ -140,7 +150,8 @@ def one_trace(seed: int, length: int = 2048, n_docs: int | None = None, registry
         if registry:
             messages.append({
                 "role": "assistant", "content": "",
-                "reasoning_content": f"The {topics[0]} report gives the value of {keys[0]}. I will resolve it in the registry.",
+                "reasoning_content": f"I will resolve the value of {keys[0]} in the registry. "
+                                     f"The {topics[0]} report gives {keys[0]}: {values[0]}",
                 "tool_calls": [tool_call("lookup", key=values[0])],
             })
             body, at = _records(r, f"{values[0]}: {resolved}", n_records, filler_tokens, lambda: f"{pool.value()}: {pool.value()}")
@@ -158,7 +169,7 @@ def one_trace(seed: int, length: int = 2048, n_docs: int | None = None, registry
     skeleton, _ = build(0, 0)
     budget = max(0, length - conversation_tokens(skeleton, tools))
     record_tokens = approx_tokens("k123: v123\n")
-    search_tokens = approx_tokens(f"d123: {project} budget report\n")
+    search_tokens = approx_tokens(f"{project} budget records: d123\n")
     n_search = min(ids.left("d"), max(MIN_SEARCH_DISTRACTORS, int(budget * SEARCH_SHARE / search_tokens)))
     n_tables = n_docs + int(registry)
     table_tokens = max(MIN_RECORD_DISTRACTORS * record_tokens, int(budget * (1 - SEARCH_SHARE) / n_tables))
