@@ -187,3 +187,21 @@ def test_copy_init_builds_positional_heads_and_mimetic_attention(tokenizer, size
         np.testing.assert_array_equal(attn_of(layer, "o_proj")[D:], attn_of(layer, "v_proj")[:, D:].T)
     with pytest.raises(ValueError, match="unknown init"):
         em.copy_circuit_init(params, cfg, 0, "nope")
+
+
+def test_raw_drill_batches_score_only_the_retrieved_values(tokenizer):
+    """The warm-up batch: raw needle documents, loss only where the next token is the
+    value of a needle that is in the document; seeded."""
+    from eval.tasks.words import VALUE_POOL
+
+    a, b = em.raw_drill_batch(tokenizer, 0, 3), em.raw_drill_batch(tokenizer, 0, 3)
+    np.testing.assert_array_equal(a["tokens"], b["tokens"])
+    tokens, mask = a["tokens"], a["loss_mask"]
+    assert tokens.shape == mask.shape == (em.RAW_DRILL_BATCH, em.RAW_DRILL_LEN)
+    values = set(tokenizer.convert_tokens_to_ids(list(VALUE_POOL)))
+    rows, cols = np.nonzero(mask[:, :-1])
+    assert rows.size > em.RAW_DRILL_BATCH  # several targets per document
+    for r, c in zip(rows, cols):
+        target = tokens[r, c + 1]
+        assert target in values
+        assert target in tokens[r, : c - 1]  # present in the document before it is asked

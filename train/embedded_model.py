@@ -695,16 +695,16 @@ def train(args) -> dict:
 def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0], formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     p.add_argument("--out", default="runs/embedded", help="output folder (ckpt/, hf/, metrics.jsonl)")
-    p.add_argument("--steps", type=int, default=3000)
+    p.add_argument("--steps", type=int, default=2000)
     p.add_argument("--seq-len", type=int, default=2048, help="longest sequence (last curriculum stage)")
-    p.add_argument("--batch", type=int, default=4, help="sequences per step at --seq-len (more at shorter stages)")
-    p.add_argument("--curriculum", default="0.25:256,0.6:1024,1.0:2048", help="step fraction:sequence length, ...")
-    p.add_argument("--size", choices=sorted(SIZES), default="small")
+    p.add_argument("--batch", type=int, default=2, help="sequences per step at --seq-len (more at shorter stages)")
+    p.add_argument("--curriculum", default="0.25:256,0.5:512,0.72:1024,1.0:2048", help="step fraction:sequence length, ...")
+    p.add_argument("--size", choices=sorted(SIZES), default="agent")
     p.add_argument("--tiny", action="store_true", help="tiny model, 1024-token sequences (tests)")
     p.add_argument("--mqniah-share", type=float, default=0.5, help="fraction of MQ-NIAH sequences (the rest agent traces)")
-    p.add_argument("--copy-share", type=float, default=0.3, help="fraction of copy-drill warm-up sequences")
-    p.add_argument("--copy-max-len", type=int, default=256, help="curriculum stages longer than this use no copy drill")
-    p.add_argument("--needle-share", type=float, default=0.3, help="fraction of needle-drill sequences (all stages)")
+    p.add_argument("--copy-share", type=float, default=0.1, help="fraction of copy-drill warm-up sequences")
+    p.add_argument("--copy-max-len", type=int, default=512, help="curriculum stages longer than this use no copy drill")
+    p.add_argument("--needle-share", type=float, default=0.0, help="fraction of needle-drill sequences (all stages)")
     p.add_argument("--raw-drill-steps", type=int, default=150,
                    help="first steps on raw needle documents (loss on values only) before the chat curriculum")
     p.add_argument("--copy-weight", type=float, default=4.0,
@@ -712,7 +712,7 @@ def parse_args(argv=None):
     p.add_argument("--init", choices=INIT_SCHEMES, default="copy", help="initialisation (copy_circuit_init)")
     p.add_argument("--lr", type=float, default=1e-3,
                    help="peak learning rate (3e-3 keeps the identifier embeddings too noisy to learn retrieval)")
-    p.add_argument("--warmup", type=int, default=100)
+    p.add_argument("--warmup", type=int, default=50)
     p.add_argument("--weight-decay", type=float, default=0.01)
     p.add_argument("--clip", type=float, default=1.0)
     p.add_argument("--seed", type=int, default=0)
@@ -730,6 +730,7 @@ def parse_args(argv=None):
     if args.tiny:
         args.size, args.seq_len, args.curriculum = "tiny", min(args.seq_len, 1024), "1.0:1024"
         args.warmup = min(args.warmup, 1)
+        args.raw_drill_steps = 0  # the chat path; raw_drill_batch has its own test
     return args
 
 
