@@ -14,6 +14,9 @@ the toy tokenizer, which makes every space its own token):
 * ``repeat``: ``n`` random identifiers, then the same ``n`` again; every token of
   the second half is a target. Classic induction: the token before a target in
   the copy equals the token before it in the source, and it is distinctive.
+* ``chunks``: random identifiers, then chunks of 3-8 of them copied from random
+  places: content-based induction (``repeat`` can be solved by one head at a fixed
+  offset, since both halves have the same length).
 * ``needles``: needle sentences ("The special code for k ␣ is ␣ v .") among filler,
   then "Question:" and ``␣ k ␣ is ␣ v ,`` per needle; the value is the target. The
   key sits 3 tokens before the target in the answer and 4 before the value in the
@@ -23,10 +26,14 @@ the toy tokenizer, which makes every space its own token):
 * ``nospace``: ``needles`` with every space token removed ("for k is v ."), every
   needle asked: what a tokenizer whose words carry their spaces would give.
 * ``mix``: half ``repeat``, half ``needles`` sequences; ``mix_adjacent`` and
-  ``mix_nospace`` the same with ``adjacent`` / ``nospace`` (scored on that half).
+  ``mix_nospace`` the same with ``adjacent`` / ``nospace`` (scored on that half);
+  ``chunks_adjacent`` and ``chunks_nospace`` with ``chunks`` instead of ``repeat``.
 
-Measured results and what they mean for the trainer: the "What did not work"
-section of ``jaxkv/assets/embedded-agent/README.md``.
+Initialisation flags: ``--init-copy`` (the trainer's ``copy_circuit_init``), or its
+parts ``--mimetic``, ``--prev-head 1,2,3,4``, ``--embed-mean``, ``--qk-gain``.
+
+Measured results and what they mean for the trainer: the "What made copying
+start" and "Earlier models" sections of ``jaxkv/assets/embedded-agent/README.md``.
 """
 
 from __future__ import annotations
