@@ -16,6 +16,14 @@ Design:
     bytes. So encode/decode is lossless for every string (no normaliser, no
     clean-up of spaces), and a space is its own token.
   * ``words`` must be ``\\w+`` runs (the pre-tokenizer never yields anything else).
+  * Optional space-prefixed words (``spaced_words``): each listed word also gets a
+    variant carrying its leading space (``" report"``), as do the single letters and
+    digits, and the pre-tokenizer then keeps one space attached to the run after it.
+    A listed word after a space is one token instead of two; any other run after a
+    space (an identifier such as ``k123``, punctuation) stays a space token plus the
+    run, so such a run is the same token wherever it appears (prose or JSON). The
+    embedded model uses this to halve the distance between a word and the words
+    around it; the tests' tokenizers leave it off.
   * Qwen specials ``<|endoftext|>``, ``<|im_start|>``, ``<|im_end|>``, ``<|image_pad|>``,
     ``<|vision_start|>``, ``<|vision_end|>`` are special (skipped by
     ``decode(skip_special_tokens=True)``); the bracket markers ``<think>``,
@@ -156,14 +164,21 @@ TEMPLATE_WORDS = tuple(
 )
 
 
-def toy_vocab(words: Iterable[str], extra_special: Sequence[str] = ()) -> list[str]:
+_SPACED_CHARS = tuple(" " + c for c in string.ascii_letters + string.digits)
+
+
+def toy_vocab(words: Iterable[str], extra_special: Sequence[str] = (), spaced_words: Iterable[str] | None = None) -> list[str]:
     """The id-ordered vocabulary ``build_tokenizer`` uses (see the module docstring)."""
     words = list(words)
-    bad = [w for w in words if not _WORD_RE.match(w)]
+    spaced = None if spaced_words is None else list(spaced_words)
+    bad = [w for w in words + (spaced or []) if not _WORD_RE.match(w)]
     if bad:
         raise ValueError(f"vocabulary words must be \\w+ runs, got {bad[:5]}")
     head = [*QWEN_SPECIAL_TOKENS, *QWEN_MARKER_TOKENS, *extra_special, UNK_TOKEN]
-    return list(dict.fromkeys([*head, *_BYTE_TOKENS, *_CHARS, *TEMPLATE_WORDS, *words]))
+    vocab = [*head, *_BYTE_TOKENS, *_CHARS, *TEMPLATE_WORDS, *words]
+    if spaced is not None:
+        vocab += [*_SPACED_CHARS, *(" " + w for w in (*TEMPLATE_WORDS, *spaced))]
+    return list(dict.fromkeys(vocab))
 
 
 def build_tokenizer(
@@ -171,6 +186,7 @@ def build_tokenizer(
     extra_special: Sequence[str] = (),
     save_dir: str | Path | None = None,
     chat_template: str = QWEN3_CHAT_TEMPLATE,
+    spaced_words: Sequence[str] | None = None,
 ) -> PreTrainedTokenizerFast:
     """A toy tokenizer whose vocabulary is ``words`` plus characters and bytes.
 
@@ -181,8 +197,12 @@ def build_tokenizer(
       save_dir: if given, ``save_pretrained`` there (loads with
         ``AutoTokenizer.from_pretrained``).
       chat_template: Jinja chat template; defaults to the Qwen3 layout.
+      spaced_words: if given, these words (and the template words, letters and
+        digits) also get a variant with their leading space, and one space attaches
+        to the run after it (see the module docstring). ``None``: every space is
+        its own token.
     """
-    vocab = toy_vocab(words, extra_special)
+    vocab = toy_vocab(words, extra_special, spaced_words)
     specials = set(QWEN_SPECIAL_TOKENS) | set(extra_special) | set(QWEN_MARKER_TOKENS)
 
     def score(piece: str) -> float:
@@ -194,7 +214,8 @@ def build_tokenizer(
 
     model = models.Unigram([(p, score(p)) for p in vocab], unk_id=vocab.index(UNK_TOKEN), byte_fallback=True)
     core = Tokenizer(model)
-    core.pre_tokenizer = pre_tokenizers.Split(Regex(r"\w+|[^\w\s]|\s"), behavior="isolated")
+    runs = r" ?\w+| ?[^\w\s]|\s" if spaced_words is not None else r"\w+|[^\w\s]|\s"
+    core.pre_tokenizer = pre_tokenizers.Split(Regex(runs), behavior="isolated")
     core.decoder = decoders.Sequence([decoders.ByteFallback(), decoders.Fuse()])
     core.add_special_tokens(
         [AddedToken(t, special=True, normalized=False) for t in (*QWEN_SPECIAL_TOKENS, *extra_special)]
