@@ -114,8 +114,8 @@ def test_agent_traces_copy_from_several_turns_back():
         lookup, answer = ex.targets[4], ex.targets[5]
         assert lookup.message_index - lookup.evidence[0].message_index == 5  # three tool responses back
         sources = [e.message_index for e in answer.evidence]
-        assert sources[0] == answer.message_index - 1  # the registry (latest response)
-        assert all(answer.message_index - s > 2 for s in sources[1:])  # older documents
+        assert sources[-1] == answer.message_index - 1  # the resolved value: the registry (latest response)
+        assert all(answer.message_index - s > 2 for s in sources[:-1])  # the records: older documents
         # retrieve, then call: an open / lookup reasoning ends with the line it read
         # (topic or key, then the identifier the call copies); the answer's reasoning
         # names no identifier
@@ -123,11 +123,24 @@ def test_agent_traces_copy_from_several_turns_back():
         for t in ex.targets[1:5]:
             reasoning = ex.messages[t.message_index]["reasoning_content"]
             assert reasoning.endswith(": " + t.values[0])
-            quoted = reasoning.rsplit(" list ", 1)[-1] if t.expected["name"] == "open" else reasoning.rsplit(" gives ", 1)[-1]
+            quoted = reasoning.rsplit(". ", 1)[-1] if t.expected["name"] == "open" else reasoning.rsplit(" for ", 1)[-1]
             source = ex.messages[t.evidence[0].message_index]["content"].splitlines()
             assert quoted in source
         assert sum(line.endswith(": " + ex.targets[1].values[0]) for line in search_lines) == 1
         assert not any(v in ex.messages[answer.message_index]["reasoning_content"] for v in answer.values)
+        # every reasoning names the step it follows, which the latest tool response's
+        # footer names too, and the records go in the user's order
+        keys, topics = ex.labels["keys"], ex.labels["topics"]
+        previous = ["the search", *topics, "the registry"]
+        for i, t in enumerate(ex.targets[1:], start=0):
+            reasoning = ex.messages[t.message_index]["reasoning_content"]
+            assert reasoning.startswith(f"After {previous[i]}, next is ")
+            footer = ex.messages[t.message_index - 1]["content"].splitlines()[-1]
+            assert previous[i].removeprefix("the ") in footer and footer.startswith("End of the ")
+            if i < 3:
+                assert f"next is {topics[i]} {keys[i]}." in reasoning
+        user = ex.messages[1]["content"]
+        assert [user.index(f"{t} {k}") + len(t) + 1 for k, t in zip(keys, topics)] == sorted(user.index(k) for k in keys)
 
 
 def test_agent_traces_offer_two_to_four_tools(examples):
@@ -155,10 +168,10 @@ def test_length_knob_scales_the_rendered_length(make):
             assert abs(ex.approx_tokens() - length) < 0.05 * length
 
 
-def test_approx_tokens_match_the_toy_tokenizer(examples):
-    from jaxkv.chat.toy import build_tokenizer
+def test_approx_tokens_match_the_embedded_tokenizer(examples):
+    from train.embedded_model import embedded_tokenizer
 
-    tok = build_tokenizer(vocabulary())
+    tok = embedded_tokenizer()
     for ex in examples[::5]:
         for m in ex.messages:
             text = m["content"] + "\n" + (m.get("reasoning_content") or "")
@@ -181,14 +194,18 @@ def test_vocabulary_covers_every_word(examples):
 
 
 def test_identifiers_are_single_tokens(examples):
-    """Keys, values and document ids are one token each: retrieval is single-token induction."""
-    from jaxkv.chat.toy import build_tokenizer
+    """Keys, values and document ids are one token each, the same token in prose and in
+    JSON arguments: retrieval is single-token induction."""
+    from train.embedded_model import embedded_tokenizer
 
-    tok = build_tokenizer(vocabulary())
+    tok = embedded_tokenizer()
     for ex in examples[::7]:
         for turn in ex.targets:
             for value in turn.values:
-                assert len(tok(value, add_special_tokens=False)["input_ids"]) == 1, value
+                alone = tok(value, add_special_tokens=False)["input_ids"]
+                assert len(alone) == 1, value
+                assert tok(f" {value}", add_special_tokens=False)["input_ids"][1:] == alone
+                assert tok(f'"{value}"', add_special_tokens=False)["input_ids"][1:2] == alone
 
 
 def test_long_examples_stay_unique_when_the_pools_run_short():

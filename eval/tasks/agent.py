@@ -4,41 +4,39 @@ One trace (``agent_traces``):
 
 1. system prompt + 2-4 tool schemas (``search``, ``open``, optionally ``lookup``,
    plus 0-2 tools that are never used);
-2. the user names a project, 1-3 topics and one key per topic
-   ("find the value of k173 in the budget report ..."), optionally asking to resolve
-   the first value in the registry;
+2. the user names a project and 1-3 records, each the topic of the report holding
+   it and a key ("In the Orchid project, find budget k173, travel k044 and legal
+   k310. Resolve the first value in the registry, then answer.");
 3. ``search(query=<project>)`` -> a result list: the project's reports, one line per
    topic (``Orchid budget: d123``), among other projects' record listings
    (``Cedar budget records: d044``);
-4. for each topic, ``open(doc_id=<id from the search results>)`` -> a long document of
-   ``key: value`` records, one of them the wanted key;
+4. for each record in the user's order, ``open(doc_id=<id from the search results>)``
+   -> a long document of ``key: value`` records, one of them the wanted key;
 5. with the registry: ``lookup(key=<value found in the first document>)`` -> a long
    table ``value: value``;
-6. the final answer lists the resolved first value and the other documents' values,
-   each as the record it was read from (``Answer: v12: v345, k67: v89``), so copying
-   a value is matching its key and taking what follows, as in the tool response.
+6. the final answer lists every record in the user's order, one line each
+   (``Answer:`` then ``budget k173: v032``, ...) and, with the registry, the
+   resolved first value (``Registry: v032: v219``).
 
-The first reasoning quotes the user's task verbatim (plain copying from the latest
-message, the easiest in-context skill).
+Every tool response ends with a footer naming what it was (``End of the budget
+report.``), and every reasoning opens with the step just finished and the next one
+(``After budget, next is travel k044. Orchid travel: d017``): the next record is
+the one after the finished one in the user's list, and the call copies the id it has
+just quoted from the search results. So the ``open`` calls copy ids from the search
+results one to three tool responses back, ``lookup`` copies a value from a document
+several turns back, and the answer copies from the latest and from older responses:
+what must survive in the cache changes from turn to turn.
 
-So the ``open`` calls copy ids from the search results one to three tool responses
-back, ``lookup`` copies a value from a document several turns back, and the answer
-copies from the latest and from older responses: what must survive in the cache
-changes from turn to turn.
+The wording keeps every copied identifier a few tokens after a cue that names it
+uniquely (a key before its value, a topic before its id, the previous record before
+the next), which is what a small model's induction heads match on
+(``train/retrieval_probe.py``); nothing is quoted at length.
 
-Retrieve, then call: the reasoning of an ``open`` or ``lookup`` turn ends by quoting
-the line it read, in that line's own form (``... list Orchid budget: d123``,
-``... gives k173: v032``), and the call then copies the identifier from the end of its
-own reasoning. The retrieval happens inside the generated turn (the reasoning is
-generated and scored with the call), and every identifier is found by matching the
-few tokens before it (topic or key, then ``:``) in the tool response, which is what a
-small model's induction heads do (``train/retrieval_probe.py``).
-
-``length`` is the target rendered length in toy-tokenizer tokens: everything that is
-not the skeleton is distractor records, split between the search results (15%) and the
-documents / registry table (the rest, evenly). Identifiers come from fixed pools
-(``eval.tasks.words``); past about 3,000 tokens of tables the pools run short and
-the rest of each table is filler sentences.
+``length`` is the target rendered length in tokens (``approx_tokens``): everything
+that is not the skeleton is distractor records, split between the search results (15%)
+and the documents / registry table (the rest, evenly). Identifiers come from fixed
+pools (``eval.tasks.words``); past the pools' capacity the rest of each table is
+filler sentences.
 """
 
 from __future__ import annotations
@@ -62,6 +60,8 @@ SEARCH_SHARE = 0.15
 MIN_SEARCH_DISTRACTORS = 3
 MIN_RECORD_DISTRACTORS = 4
 UNUSED_TOOLS = ("calculate", "translate", "weather")
+SEARCH_FOOTER = "End of the search results."
+REGISTRY_FOOTER = "End of the registry."
 
 
 def tool_schema(name: str) -> dict:
@@ -102,11 +102,8 @@ def one_trace(seed: int, length: int = 2048, n_docs: int | None = None, registry
     rng.shuffle(tool_names)
     tools = [tool_schema(n) for n in tool_names]
 
-    asks = [f"In the {project} project, find the value of {keys[0]} in the {topics[0]} report"]
-    asks += [f"and the value of {k} in the {t} report" for k, t in zip(keys[1:], topics[1:])]
-    user = " ".join(asks) + ". "
-    user += "Resolve the first value in the registry, then answer" if registry else "Then answer"
-    user += " with the values in that order."
+    user = f"In the {project} project, find {join_list([f'{t} {k}' for k, t in zip(keys, topics)])}. "
+    user += "Resolve the first value in the registry, then answer." if registry else "Then answer."
 
     # Skeleton first (distractor counts 0) to measure it; then fill the budget.
     def build(n_search: int, n_records: int, filler_tokens: int = 0) -> tuple[list[dict], dict]:
@@ -118,12 +115,12 @@ def one_trace(seed: int, length: int = 2048, n_docs: int | None = None, registry
         query = project
         messages.append({
             "role": "assistant", "content": "",
-            "reasoning_content": f"The task is: {user} I need the {project} reports on {join_list(topics)}. I will search the index first.",
+            "reasoning_content": f"First, the search for {project}.",
             "tool_calls": [tool_call("search", query=query)],
         })
 
         # The project's other reports first (one line per topic, so the topic names
-        # the line), then other projects. record listings.
+        # the line), then other projects' record listings.
         others = [t for t in TOPICS if t not in topics]
         r.shuffle(others)
         lines = [f"{project} {t}: {pool.doc_id()}" for t in others[: n_search // 3]]
@@ -133,35 +130,43 @@ def one_trace(seed: int, length: int = 2048, n_docs: int | None = None, registry
         r.shuffle(lines)
         for d, t in zip(doc_ids, topics):
             lines.insert(r.randint(0, len(lines)), f"{project} {t}: {d}")
-        messages.append({"role": "tool", "name": "search", "content": f"Search results for {query}:\n" + "\n".join(lines)})
+        messages.append({"role": "tool", "name": "search",
+                         "content": f"Search results for {query}:\n" + "\n".join(lines) + f"\n{SEARCH_FOOTER}"})
 
+        previous = "the search"
         for key, value, d, t in zip(keys, values, doc_ids, topics):
             messages.append({
                 "role": "assistant", "content": "",
-                "reasoning_content": f"I will open the {project} {t} report to find {key}. "
-                                     f"The search results list {project} {t}: {d}",
+                "reasoning_content": f"After {previous}, next is {t} {key}. {project} {t}: {d}",
                 "tool_calls": [tool_call("open", doc_id=d)],
             })
             body, at = _records(r, f"{key}: {value}", n_records, filler_tokens, lambda: f"{pool.key()}: {pool.value()}")
             labels["needle_lines"].append(at)
-            messages.append({"role": "tool", "name": "open", "content": f"Document {d}: {project} {t} report\n{body}"})
+            messages.append({"role": "tool", "name": "open",
+                             "content": f"Document {d}: {project} {t} report\n{body}\nEnd of the {t} report."})
+            previous = t
 
-        answer_values, answer_keys = values[:], keys[:]
+        # One "topic k: v" line per record, in the user's order: each value follows its
+        # key as in the document, and each topic follows the previous line's key as in
+        # the user's list.
+        answer = "Answer:\n" + "\n".join(f"{t} {k}: {v}" for k, t, v in zip(keys, topics, values))
+        answer_values = values[:]
         if registry:
             messages.append({
                 "role": "assistant", "content": "",
-                "reasoning_content": f"I will resolve the value of {keys[0]} in the registry. "
-                                     f"The {topics[0]} report gives {keys[0]}: {values[0]}",
+                "reasoning_content": f"After {previous}, next is the registry for {keys[0]}: {values[0]}",
                 "tool_calls": [tool_call("lookup", key=values[0])],
             })
             body, at = _records(r, f"{values[0]}: {resolved}", n_records, filler_tokens, lambda: f"{pool.value()}: {pool.value()}")
             labels["registry_line"] = at
-            messages.append({"role": "tool", "name": "lookup", "content": f"Registry entries:\n{body}"})
-            answer_values[0], answer_keys[0] = resolved, values[0]
+            messages.append({"role": "tool", "name": "lookup", "content": f"Registry entries:\n{body}\n{REGISTRY_FOOTER}"})
+            previous = "the registry"
+            answer += f"\nRegistry: {values[0]}: {resolved}"
+            answer_values.append(resolved)
         messages.append({
             "role": "assistant",
-            "content": "Answer: " + ", ".join(f"{k}: {v}" for k, v in zip(answer_keys, answer_values)),
-            "reasoning_content": "I have every value I need, so I can answer now.",
+            "content": answer,
+            "reasoning_content": f"After {previous}, next is the answer.",
         })
         labels["answer_values"] = answer_values
         return messages, labels
@@ -198,7 +203,7 @@ def agent_traces(n: int, seed: int, length: int = 2048, n_docs: int | None = Non
     Args:
       n: number of examples.
       seed: batch seed; example ``i`` uses ``example_seed(seed, i)``.
-      length: target rendered length in toy-tokenizer tokens (controls distractors).
+      length: target rendered length in tokens (``approx_tokens``; controls distractors).
       n_docs: documents to open (1-3); random per example when None.
       registry: whether the first value must be resolved with ``lookup``; random
         (60% yes) when None.

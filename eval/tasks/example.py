@@ -17,11 +17,15 @@ Invariants every generator keeps (``tests/test_tasks.py`` checks them):
   more distractor records than a pool holds, the rest of its budget is filler prose.
 * every ``\\w+`` run comes from ``vocabulary()``.
 
-Token counts: ``approx_tokens`` counts what the toy tokenizer produces for a string
-made of vocabulary words, identifiers, punctuation and whitespace (a word or pool
-identifier is one token, a space is one token, an identifier-like run outside the
-pools, e.g. ``k1234``, one token per character). The ``length``
-knob of the generators is measured in these tokens.
+Token counts: ``approx_tokens`` counts what the embedded model's tokenizer (the toy
+tokenizer with space-prefixed words, ``jaxkv.chat.toy.build_tokenizer(...,
+spaced_words=...)``) produces for a string made of vocabulary words, identifiers,
+punctuation and whitespace: a prose word is one token together with the space before
+it; a pool identifier or a project name (``UNSPACED_WORDS``, the words tool calls copy
+into JSON) is one token, plus one for a space before it; punctuation is one
+token, plus one for a space before it; an identifier-like run outside the pools (e.g.
+``k1234``) is one token per character. The ``length`` knob of the generators is
+measured in these tokens.
 """
 
 from __future__ import annotations
@@ -32,15 +36,15 @@ import random
 import re
 from typing import Any
 
-from eval.tasks.words import DOC_POOL, IDENTIFIERS, KEY_POOL, VALUE_POOL
+from eval.tasks.words import DOC_POOL, IDENTIFIERS, KEY_POOL, UNSPACED_WORDS, VALUE_POOL
 
-_RUN_RE = re.compile(r"\w+|[^\w\s]|\s")
+_RUN_RE = re.compile(r" ?\w+| ?[^\w\s]|\s")
 _IDENT_RE = re.compile(r"^[kvd]\d+$")  # identifier-shaped; one token only if in a pool
 
 # Tokens the Qwen3 chat template adds around messages and tool schemas, so that
 # ``length`` approximates the rendered prompt rather than the raw contents.
-TEMPLATE_TOKENS_PER_MESSAGE = 12
-TEMPLATE_TOKENS_FOR_TOOLS = 110
+TEMPLATE_TOKENS_PER_MESSAGE = 7
+TEMPLATE_TOKENS_FOR_TOOLS = 108
 
 
 @dataclasses.dataclass(frozen=True)
@@ -106,8 +110,18 @@ class Example:
 
 
 def approx_tokens(text: str) -> int:
-    """Tokens of ``text`` under the toy tokenizer (see the module docstring)."""
-    return sum(len(run) if _IDENT_RE.match(run) and run not in IDENTIFIERS else 1 for run in _RUN_RE.findall(text))
+    """Tokens of ``text`` under the embedded tokenizer (see the module docstring)."""
+    n = 0
+    for run in _RUN_RE.findall(text):
+        body = run[1:] if len(run) > 1 and run[0] == " " else run
+        space = len(run) - len(body)
+        if body in UNSPACED_WORDS or not (body[0].isalnum() or body[0] == "_"):
+            n += 1 + space  # identifiers, project names and punctuation never carry the space
+        elif _IDENT_RE.match(body):
+            n += len(body)  # spelled out; the first character carries the space
+        else:
+            n += 1  # a prose word (every generated word is in the vocabulary)
+    return n
 
 
 def conversation_tokens(messages: list[dict], tools: list[dict]) -> int:

@@ -4,7 +4,9 @@ One example: a long distractor document in the first user message holding ``need
 key-value needles ("The special code for k173 is v032.") among filler sentences and
 distractor needles (same sentence, keys never asked). Turn 1 asks for one subset of
 the keys, turn 2 (a second user message, after the turn-1 answer) for the rest. The
-reasoning quotes the question; the answer is ``k173 is v032, k044 is v310.``.
+answer, with no reasoning, is one ``k173 is v032`` line per key asked: each value
+follows its key as in the needle, and each key follows the previous one as in the
+question.
 
 Split rule (no recency shortcut): order the needles by position; the
 ``max(1, needles // 4)`` needles nearest the end of the document are always asked in
@@ -16,7 +18,7 @@ Labels: ``labels["needles"]`` lists, in document order, ``{"key", "value", "turn
 content and covers the needle sentence, and ``depth`` in [0, 1] is its relative
 position in the document.
 
-``length`` is the target rendered length in toy-tokenizer tokens; the number of
+``length`` is the target rendered length in tokens (``approx_tokens``); the number of
 distractor needles defaults to one per 128 tokens (capped by the identifier pools).
 
 Repeated shifts (``turns=5``, RepairKV §5.3; the schedule is this project's choice,
@@ -42,19 +44,16 @@ INTRO = "Read the document below and answer the questions about it."
 
 
 def _question(keys: list[str]) -> str:
-    return f"Question: What are the special codes for {join_list(keys)}? Answer with key is code pairs."
-
-
-def _reasoning(keys: list[str]) -> str:
-    # Quotes the question verbatim: plain copying from the latest message, the easiest
-    # in-context skill, which the retrieval in the answer then builds on.
-    return f"The question asks: What are the special codes for {join_list(keys)}? I will look for them in the document."
+    # "of" (the needles say "for"): the first key asked follows a cue no needle has.
+    return f"Question: What are the special codes of {join_list(keys)}? Answer one key per line."
 
 
 def _answer(keys: list[str], value_of: dict[str, str]) -> str:
-    # "k1 is v1": the tokens before each value repeat the needle's ("... for k1 is v1."),
-    # so finding the value is matching the key and copying what follows it.
-    return ", ".join(f"{k} is {value_of[k]}" for k in keys) + "."
+    # One "k1 is v1" line per key, in the question's order: the tokens before each
+    # value repeat the needle's ("... for k1 is v1."), so finding the value is
+    # matching the key and copying what follows it, and each key follows the
+    # previous one as in the question, four tokens back.
+    return "\n".join(f"{k} is {value_of[k]}" for k in keys)
 
 
 def split_turns(n_needles: int, rng: random.Random) -> list[int]:
@@ -109,18 +108,19 @@ def one_mqniah(seed: int, needles: int = 4, length: int = 2048, distractor_needl
         for t, ask in enumerate(asks):
             question = _question(ask)
             messages.append({"role": "user", "content": f"{INTRO}\n\n{document}\n\n{question}" if t == 0 else question})
-            messages.append({"role": "assistant", "content": _answer(ask, value_of), "reasoning_content": _reasoning(ask)})
+            messages.append({"role": "assistant", "content": _answer(ask, value_of)})
         return messages
 
     # Document: filler sentences; needles and distractor needles inserted between them.
     distractors = [NEEDLE_TEMPLATE.format(key=ids.key(), value=ids.value()) for _ in range(n_distractor_needles)]
     budget = length - conversation_tokens(messages_for(""), [])
-    budget -= sum(approx_tokens(s) + 1 for s in distractors)
-    budget -= needles * (approx_tokens(NEEDLE_TEMPLATE.format(key="k123", value="v123")) + 1)
+    # sentences are joined by one space, which the next sentence's first word carries
+    budget -= sum(approx_tokens(" " + s) for s in distractors)
+    budget -= needles * approx_tokens(" " + NEEDLE_TEMPLATE.format(key="k123", value="v123"))
     sentences = []
     while budget > 0:
         sentences.append(filler_sentence(rng))
-        budget -= approx_tokens(sentences[-1]) + 1
+        budget -= approx_tokens(" " + sentences[-1])
     for s in distractors:
         sentences.insert(rng.randint(0, len(sentences)), s)
     # Needle slots: distinct positions in the filler, sorted so keys[i] is the i-th needle.

@@ -44,29 +44,30 @@ SYSTEM_PLAIN = "You are a helpful assistant."
 
 # Sentence templates (``str.format`` fields are filled with words or identifiers).
 PHRASES = (
-    "In the {project} project, find the value of {key} in the {topic} report",
-    "and the value of {key} in the {topic} report",
-    "Resolve the first value in the registry, then answer with the values in that order.",
-    "Then answer",
-    "The task is: {user} I need the {project} reports on {topics}. I will search the index first.",
-    "I will open the {project} {topic} report to find {key}. The search results list {project} {topic}: {doc}",
-    "I will resolve the value of {key} in the registry. The {topic} report gives {key}: {value}",
+    # agent traces (eval.tasks.agent)
+    "In the {project} project, find {topic} {key}, {topic} {key} and {topic} {key}.",
+    "Resolve the first value in the registry, then answer.",
+    "Then answer.",
+    "First, the search for {project}.",
+    "After the search, next is {topic} {key}. {project} {topic}: {doc}",
+    "After {topic}, next is the registry for {key}: {value}",
+    "After the registry, next is the answer.",
     "{project} {topic} records: {doc}",
-    "I have every value I need, so I can answer now.",
-    "Answer:",
+    "Answer: {topic} {key}: {value} Registry: {value}: {value}",
     "Search results for {query}:",
+    "End of the search results.",
     "Document {doc}: {project} {topic} report",
+    "End of the {topic} report.",
     "Registry entries:",
+    "End of the registry.",
+    # split-query needle retrieval (eval.tasks.mqniah)
     "Read the document below and answer the questions about it.",
-    "Question: What are the special codes for {keys}? Answer with key is code pairs.",
-    "The question asks: What are the special codes for {keys}? I will look for them in the document.",
-    "{key} is {value}, {key} is {value}.",
+    "Question: What are the special codes of {keys}? Answer one key per line.",
+    "{key} is {value}",
     "The special code for {key} is {value}.",
-    "The question asks for the codes of {keys}. I will look for them in the document.",
     "and",
     # the trainer's copy drill (train.embedded_model.copy_drill)
     "Repeat the list: {items}",
-    "I will repeat the list.",
 )
 
 TOOL_SCHEMAS = {
@@ -83,6 +84,10 @@ KEY_POOL = tuple(f"k{i:03d}" for i in range(400))
 VALUE_POOL = tuple(f"v{i:03d}" for i in range(400))
 DOC_POOL = tuple(f"d{i:03d}" for i in range(200))
 IDENTIFIERS = frozenset(KEY_POOL + VALUE_POOL + DOC_POOL)
+# Words a tool call copies into its JSON arguments (identifiers, project names): the
+# embedded tokenizer gives them no space-prefixed variant, so each is one token
+# wherever it appears (``"d123"`` in a call, `` d123`` in prose).
+UNSPACED_WORDS = IDENTIFIERS | frozenset(PROJECTS)
 
 # Words the JSON schemas themselves contain (keys and type names).
 SCHEMA_WORDS = ("type", "function", "name", "description", "parameters", "object", "properties", "string", "required")
