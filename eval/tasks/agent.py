@@ -14,9 +14,9 @@ One trace (``agent_traces``):
    -> a long document of ``key: value`` records, one of them the wanted key;
 5. with the registry: ``lookup(key=<value found in the first document>)`` -> a long
    table ``value: value``;
-6. the final answer lists every record in the user's order, one line each
-   (``Answer:`` then ``budget k173: v032``, ...) and, with the registry, the
-   resolved first value (``Registry: v032: v219``).
+6. the final answer lists every record in the user's order and with the user's
+   separators (``Answer: budget k173: v032, travel k044: v310 and legal k310: v002.``)
+   and, with the registry, the resolved first value (`` Registry: v032: v219.``).
 
 Every tool response ends with a footer naming what it was (``End of the budget
 report.``), and every reasoning opens with the step just finished and the next one
@@ -146,10 +146,11 @@ def one_trace(seed: int, length: int = 2048, n_docs: int | None = None, registry
                              "content": f"Document {d}: {project} {t} report\n{body}\nEnd of the {t} report."})
             previous = t
 
-        # One "topic k: v" line per record, in the user's order: each value follows its
-        # key as in the document, and each topic follows the previous line's key as in
-        # the user's list.
-        answer = "Answer:\n" + "\n".join(f"{t} {k}: {v}" for k, t, v in zip(keys, topics, values))
+        # "topic k: v" per record, in the user's order and with the user's separators:
+        # each value follows its key as in the document, and each topic follows the
+        # previous record's key and separator as in the user's list (a newline would
+        # make the next line look like the document's next record).
+        answer = "Answer: " + join_list([f"{t} {k}: {v}" for k, t, v in zip(keys, topics, values)]) + "."
         answer_values = values[:]
         if registry:
             messages.append({
@@ -161,7 +162,7 @@ def one_trace(seed: int, length: int = 2048, n_docs: int | None = None, registry
             labels["registry_line"] = at
             messages.append({"role": "tool", "name": "lookup", "content": f"Registry entries:\n{body}\n{REGISTRY_FOOTER}"})
             previous = "the registry"
-            answer += f"\nRegistry: {values[0]}: {resolved}"
+            answer += f" Registry: {values[0]}: {resolved}."
             answer_values.append(resolved)
         messages.append({
             "role": "assistant",

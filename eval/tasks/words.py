@@ -53,7 +53,7 @@ PHRASES = (
     "After {topic}, next is the registry for {key}: {value}",
     "After the registry, next is the answer.",
     "{project} {topic} records: {doc}",
-    "Answer: {topic} {key}: {value} Registry: {value}: {value}",
+    "Answer: {topic} {key}: {value}, {topic} {key}: {value}. Registry: {value}: {value}.",
     "Search results for {query}:",
     "End of the search results.",
     "Document {doc}: {project} {topic} report",
