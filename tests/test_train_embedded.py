@@ -189,19 +189,34 @@ def test_copy_init_builds_positional_heads_and_mimetic_attention(tokenizer, size
         em.copy_circuit_init(params, cfg, 0, "nope")
 
 
-def test_raw_drill_batches_score_only_the_retrieved_values(tokenizer):
-    """The warm-up batch: raw needle documents, loss only where the next token is the
-    value of a needle that is in the document; seeded."""
+def test_raw_drill_batches_score_only_copies(tokenizer):
+    """The warm-up batch: half raw needle documents, loss only where the next token is
+    the value of a needle that is in the document; half copied chunks of any kind of
+    token, loss only where the next token continues a copy; seeded."""
     from eval.tasks.words import VALUE_POOL
 
     a, b = em.raw_drill_batch(tokenizer, 0, 3), em.raw_drill_batch(tokenizer, 0, 3)
     np.testing.assert_array_equal(a["tokens"], b["tokens"])
     tokens, mask = a["tokens"], a["loss_mask"]
     assert tokens.shape == mask.shape == (em.RAW_DRILL_BATCH, em.RAW_DRILL_LEN)
+    needle_rows = em.RAW_DRILL_BATCH - em.RAW_DRILL_BATCH // 2
     values = set(tokenizer.convert_tokens_to_ids(list(VALUE_POOL)))
     rows, cols = np.nonzero(mask[:, :-1])
-    assert rows.size > em.RAW_DRILL_BATCH  # several targets per document
+    assert (rows < needle_rows).sum() > needle_rows and (rows >= needle_rows).sum() > needle_rows
+    kinds = set()
     for r, c in zip(rows, cols):
         target = tokens[r, c + 1]
-        assert target in values
-        assert target in tokens[r, : c - 1]  # present in the document before it is asked
+        earlier = tokens[r, : c + 1]
+        if r < needle_rows:
+            assert target in values
+            assert target in earlier[:-1]  # present in the document before it is asked
+        else:  # a copy: the same two tokens occurred earlier, in order
+            assert any(earlier[i] == tokens[r, c] and earlier[i + 1] == target for i in range(c - 1))
+            kinds.add(tokenizer.convert_ids_to_tokens(int(target))[:1])
+    assert " " in kinds and len(kinds) > 3  # words with their space, identifiers, names, ...
+    # the gathered targets the train step reads are exactly the masked positions
+    for r in range(em.RAW_DRILL_BATCH):
+        n = int((mask[r] > 0).sum())
+        np.testing.assert_array_equal(a["target_pos"][r, :n], np.flatnonzero(mask[r]))
+        np.testing.assert_array_equal(a["target_ids"][r, :n], tokens[r, np.flatnonzero(mask[r]) + 1])
+        assert a["target_w"][r, n:].sum() == 0

@@ -1,33 +1,44 @@
 """Train the embedded default model: a small Qwen3 decoder learning the synthetic tasks.
 
-    JAX_PLATFORMS=cpu python -m train.embedded_model --out runs/embedded --steps 3000
+    JAX_PLATFORMS=cpu python -m train.embedded_model --out runs/embedded
 
-What it trains: a from-scratch Qwen3-architecture ``Transformer`` (a few million
-parameters) on a seeded stream of ``eval.tasks`` conversations, half agent traces
-(``agent_traces``), half split-query needle retrieval (``mqniah``), rendered with the
-toy word-level tokenizer (``jaxkv.chat.toy``) whose vocabulary is
-``eval.tasks.vocabulary()`` plus the chat template's own words.
+What it trains: a from-scratch Qwen3-architecture ``Transformer`` (about a million
+parameters, ``--size``) on a seeded stream of ``eval.tasks`` conversations, half
+agent traces (``agent_traces``), half split-query needle retrieval (``mqniah``),
+rendered with the toy word-level tokenizer (``jaxkv.chat.toy``) over
+``eval.tasks.vocabulary()`` plus the chat template's own words, prose words carrying
+their leading space (``embedded_tokenizer``).
 
-Drills: copy drills (``--copy-share``, stages up to ``--copy-max-len``), warm-up
-conversations in which the assistant repeats a list of random identifiers the user
-gave (``copy_drill``); needle drills (``--needle-share``, every stage), a document
-made only of needles with every key asked (``needle_drill``), so that retrieval
-targets are dense. ``train/retrieval_probe.py`` measures how fast this model shape
-learns each copy format.
+Initialisation (``--init copy``, ``copy_circuit_init``): layer-0 heads that attend
+1-4 tokens back through one shared value subspace (a bag of the previous tokens), a
+layer-1 head that extends the bag further back, mimetic attention elsewhere. See the
+function and the model card for what each part is for.
+
+Warm-up (``--raw-drill-steps``): raw 128-token sequences, no chat template, loss on
+copy targets only: half needle documents (retrieve the value of a key), half copied
+chunks of random tokens of every kind (``train.retrieval_probe`` formats ``needles``
+and ``general``). Copy heads form here; without the ``general`` half they form for
+keys and values only and never copy names or document ids.
+
+Drills (optional, off by default): copy drills (``--copy-share``, stages up to
+``--copy-max-len``: the assistant repeats a list of identifiers) and needle drills
+(``--needle-share``: a document made only of needles, every key asked).
 
 Guards: ``--max-minutes`` stops (evaluates, checkpoints, exports) once training has
 run that long; ``--export-only`` exports the latest checkpoint in ``--out``.
 The shipped model's exact command is in ``jaxkv/assets/embedded-agent/README.md``.
 
-Loss: next-token cross-entropy on assistant tokens only (``render`` tags each
-message; the content of every assistant message, i.e. reasoning, tool calls and
-answers, and its closing ``<|im_end|>`` are targets). Padding and every prompt token
+Loss: next-token cross-entropy on assistant tokens only, in the layout they have when
+generated (``render_sequence``): reasoning, tool calls, answers and the closing
+``<|im_end|>``; identifier tokens weighted ``--copy-weight``. Only the target rows go
+through the vocabulary projection (``with_targets``). Padding and every prompt token
 are masked.
 
-Curriculum: ``--curriculum "0.6:1024,1.0:2048"`` means steps up to 60% use sequences
-of 1024 tokens, the rest 2048 (capped by ``--seq-len``). Tokens per step stay about
-constant: a stage of length ``L`` uses ``batch * seq_len // L`` sequences. Example
-difficulty follows the length: agent traces open as many documents as fit.
+Curriculum: ``--curriculum "0.25:512,0.6:1280,1.0:2304"`` means steps up to 25% use
+sequences of 512 tokens, then 1,280, the rest 2,304 (capped by ``--seq-len``). Tokens
+per step stay about constant: a stage of length ``L`` uses ``batch * seq_len // L``
+sequences. Example difficulty follows the length: agent traces (from 1,024 tokens)
+open as many documents as fit.
 
 Reproducibility: the batch of step ``s`` is a pure function of ``(--seed, s)``, the
 initial weights of ``--seed``; resuming from an orbax checkpoint in ``--out/ckpt``
@@ -68,7 +79,7 @@ from eval.tasks import Example, agent_traces, mqniah, vocabulary
 from eval.tasks.example import IdentifierPool
 from eval.tasks.words import SYSTEM_PLAIN
 from eval.tasks.mqniah import NEEDLE_COUNTS
-from eval.tasks.words import IDENTIFIERS
+from eval.tasks.words import IDENTIFIERS, UNSPACED_WORDS
 from jaxkv.chat.render import render
 from jaxkv.chat.toy import QWEN3_CHAT_TEMPLATE, build_tokenizer
 from jaxkv.config import ModelConfig, RopeConfig
@@ -100,13 +111,17 @@ SIZES = {
     "base": Size(hidden=192, layers=6, heads=6, kv_heads=2, head_dim=32, ffn=512),
 }
 
-# Agent-trace documents that fit a given sequence length (skeletons are ~1k tokens
-# for one document, ~1.7k for three documents plus the registry).
-_MAX_DOCS_BY_LENGTH = ((1536, 1), (2048, 2), (1 << 30, 3))
-_MIN_LENGTH_FOR_REGISTRY = 1536
+# Agent-trace documents that fit a given sequence length (with the fewest distractors
+# a trace is ~0.9k tokens for one document, ~1.1k for three plus the registry: the tool
+# schemas in the system turn are most of it).
+_MAX_DOCS_BY_LENGTH = ((1280, 1), (1 << 30, 3))
+_MIN_LENGTH_FOR_REGISTRY = 1280
 
 
-def model_config(size: Size, vocab_size: int, eos_id: int, max_positions: int) -> ModelConfig:
+ROPE_THETA = 1_000_000.0  # Qwen3's own; most rotary pairs turn less than a radian over 2k tokens
+
+
+def model_config(size: Size, vocab_size: int, eos_id: int, max_positions: int, rope_theta: float = ROPE_THETA) -> ModelConfig:
     return ModelConfig(
         model_type="qwen3",
         vocab_size=vocab_size,
@@ -116,7 +131,7 @@ def model_config(size: Size, vocab_size: int, eos_id: int, max_positions: int) -
         num_heads=size.heads,
         num_kv_heads=size.kv_heads,
         head_dim=size.head_dim,
-        rope=RopeConfig(theta=10000.0),
+        rope=RopeConfig(theta=rope_theta),
         tie_word_embeddings=True,
         qk_norm=True,
         max_position_embeddings=max_positions,
@@ -255,10 +270,15 @@ def positional_heads_prior(params, rope_theta: float, head_dim: int, offsets=(1,
 
 
 INIT_SCHEMES = ("random", "copy")
+# Rotary pairs a positional head uses: with 3 the score of ~40 positions within 2.4k
+# tokens comes within a sixth of the peak's lead (aliasing of the three frequencies);
+# with 6 none does, so the head stays on its offset in long contexts (a quarter of
+# the pairs at most: the slow ones cannot tell neighbours apart).
+POSITIONAL_PAIRS = 6
 
 
 def copy_circuit_init(params, cfg, seed: int, scheme: str = "copy", offsets=(1, 2, 3, 4), qk_gain: float = 1.0,
-                      layer1_head: bool = False):
+                      layer1_head: bool = True):
     """The trainer's initialisation: ``"random"`` (the module's own small normal
     init) or ``"copy"``: a shared embedding direction, positional heads looking
     ``offsets`` back in layer 0 (one head each, one shared value subspace: the bag of
@@ -277,7 +297,8 @@ def copy_circuit_init(params, cfg, seed: int, scheme: str = "copy", offsets=(1, 
     params = mimetic_init(params, seed)
     params = scale_qk_norm(params, qk_gain)
     offsets = offsets[: cfg.num_heads]
-    params = positional_heads_prior(params, cfg.rope.theta, cfg.head_dim, offsets)
+    params = positional_heads_prior(params, cfg.rope.theta, cfg.head_dim, offsets,
+                                    pairs=min(POSITIONAL_PAIRS, cfg.head_dim // 4))
     if layer1_head and cfg.num_layers > 2:
         v0 = _leaves_by_name(params)["['layers'][0]['self_attn']['v_proj']['kernel'].value"][:, : cfg.head_dim]
         params = positional_heads_prior(params, cfg.rope.theta, cfg.head_dim, (max(offsets),), layer=1, shared_v=v0,
@@ -300,8 +321,13 @@ def template_words(template: str = QWEN3_CHAT_TEMPLATE) -> list[str]:
 
 
 def embedded_tokenizer(save_dir=None):
-    """The toy tokenizer over the task vocabulary and the template's words."""
-    return build_tokenizer(list(dict.fromkeys(vocabulary() + template_words())), save_dir=save_dir)
+    """The toy tokenizer over the task vocabulary and the template's words, prose words
+    carrying their leading space (``build_tokenizer(spaced_words=...)``): a word after a
+    space is one token, an identifier or project name (``UNSPACED_WORDS``) stays one
+    token of its own (the same in prose and in JSON arguments), so a value sits three tokens after its key (``k1`` ``:`` ``␣``
+    ``v1``) instead of four or five."""
+    words = list(dict.fromkeys(vocabulary() + template_words()))
+    return build_tokenizer(words, save_dir=save_dir, spaced_words=[w for w in words if w not in UNSPACED_WORDS])
 
 
 # ------------------------------------------------------------------------ data
@@ -339,18 +365,31 @@ def training_view(example: Example, rng: random.Random) -> tuple[list[dict], int
 
 
 def render_sequence(tokenizer, example: Example, messages: list[dict]) -> TrainSequence:
+    """Render ``messages``; targets are the assistant messages in the layout they have
+    when generated (opening with the think block). The Qwen3 template renders
+    assistant turns before the last user query without it, a layout the model never
+    produces: those stay context (``training_view`` also cuts after them, so they are
+    trained where they are the last turn)."""
     rendered = render(tokenizer, messages, example.tools or None, add_generation_prompt=False)
+    think = tokenizer.convert_tokens_to_ids("<think>")
     mask = np.zeros(rendered.ids.size, bool)
     scored = []
     for m in rendered.messages:
-        if m.kind == "assistant":
+        if m.kind == "assistant" and m.content_start < m.end and rendered.ids[m.content_start] == think:
             mask[m.content_start : m.end] = True
             scored.append((m.content_start, m.end))
     return TrainSequence(rendered.ids, mask, tuple(scored), example.task)
 
 
+# Conversation lengths of a stage: a uniform fraction of its sequence length. With
+# one fixed length the position of the last turn says which step comes next (answer
+# or registry), and a model trained so answers by position and fails on shorter
+# conversations.
+LENGTH_FRACTIONS = (0.6, 0.95)
+
+
 def make_example(seed: int, seq_len: int, task: str) -> Example:
-    target = int(seq_len * 0.95)
+    target = int(seq_len * random.Random(seed ^ 0x5EED).uniform(*LENGTH_FRACTIONS))
     if task == "mqniah":
         # Short curriculum stages ask few needles: retrieval heads form where a document
         # holds a handful of candidates, and stall where it holds many (the probe).
@@ -387,7 +426,7 @@ def copy_drill(seed: int, seq_len: int) -> Example:
     messages = [
         {"role": "system", "content": SYSTEM_PLAIN},
         {"role": "user", "content": f"Repeat the list: {items}"},
-        {"role": "assistant", "content": items, "reasoning_content": "I will repeat the list."},
+        {"role": "assistant", "content": items},
     ]
     return Example("copy", seed, messages, [], [], {})
 
@@ -404,7 +443,7 @@ def needle_drill(seed: int, seq_len: int) -> Example:
     models settle on) is worth little. Not yet shown to teach retrieval: see the
     model card.
     """
-    from eval.tasks.mqniah import INTRO, NEEDLE_TEMPLATE, _answer, _question, _reasoning
+    from eval.tasks.mqniah import INTRO, NEEDLE_TEMPLATE, _answer, _question
 
     rng = random.Random(seed)
     pool = IdentifierPool(rng)
@@ -417,7 +456,7 @@ def needle_drill(seed: int, seq_len: int) -> Example:
     messages = [
         {"role": "system", "content": SYSTEM_PLAIN},
         {"role": "user", "content": f"{INTRO}\n\n{document}\n\n{_question(asked)}"},
-        {"role": "assistant", "content": _answer(asked, value_of), "reasoning_content": _reasoning(asked)},
+        {"role": "assistant", "content": _answer(asked, value_of)},
     ]
     return Example("needles", seed, messages, [], [], {})
 
@@ -465,7 +504,31 @@ def pack_batch(seqs: list[TrainSequence], seq_len: int, pad_id: int, copy_ids=No
     loss_mask[:, :-1] = targets_mask[:, 1:]
     if copy_ids is not None and copy_weight != 1.0:
         loss_mask[:, :-1] *= np.where(np.isin(tokens[:, 1:], copy_ids), copy_weight, 1.0)
-    return {"tokens": tokens, "loss_mask": loss_mask}
+    return with_targets({"tokens": tokens, "loss_mask": loss_mask})
+
+
+TARGET_BUCKET = 64
+
+
+def with_targets(batch: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+    """``batch`` plus the gathered loss targets the train step reads: ``target_pos
+    [B, P]`` (positions ``t`` with ``loss_mask[t] > 0``, padded with 0), ``target_ids
+    [B, P]`` (``tokens[t + 1]``) and ``target_w [B, P]`` (``loss_mask[t]``, 0 on
+    padding). ``P`` is the largest row count rounded up to ``TARGET_BUCKET``, so only
+    a few shapes compile. Only these rows go through the vocabulary projection: in a
+    2k-token conversation a few percent of the positions carry loss."""
+    tokens, loss_mask = batch["tokens"], batch["loss_mask"].copy()
+    loss_mask[:, -1] = 0  # the last position predicts nothing in the row
+    B, T = tokens.shape
+    rows = [np.flatnonzero(loss_mask[b]) for b in range(B)]
+    P = max(TARGET_BUCKET, -(-max(len(r) for r in rows) // TARGET_BUCKET) * TARGET_BUCKET)
+    pos = np.zeros((B, P), np.int32)
+    w = np.zeros((B, P), np.float32)
+    for b, r in enumerate(rows):
+        pos[b, : len(r)] = r
+        w[b, : len(r)] = loss_mask[b, r]
+    ids = np.take_along_axis(np.concatenate([tokens[:, 1:], tokens[:, -1:]], axis=1), pos, axis=1)
+    return {**batch, "loss_mask": loss_mask, "target_pos": pos, "target_ids": ids.astype(np.int32), "target_w": w}
 
 
 def step_seed(seed: int, step: int) -> int:
@@ -485,17 +548,23 @@ RAW_DRILL_LEN, RAW_DRILL_BATCH = 128, 32
 
 
 def raw_drill_batch(tokenizer, seed: int, step: int) -> dict[str, np.ndarray]:
-    """A warm-up batch of raw needle documents (``train.retrieval_probe`` format
-    ``needles``: no chat template, loss on the retrieved values only): the dense
-    signal on which, from the ``copy`` init, retrieval heads form within ~100 steps,
-    before the chat conversations, whose loss is mostly template and prose."""
+    """A warm-up batch: half raw needle documents (``train.retrieval_probe`` format
+    ``needles``: no chat template, loss on the retrieved values only), half copied
+    chunks of random tokens of any kind (format ``general``): the dense signal on
+    which, from the ``copy`` init, retrieval heads form within ~100 steps, before the
+    chat conversations, whose loss is mostly template and prose. Without the
+    ``general`` half the heads learn to match on keys and values only, and copying a
+    project name or document id after its cue (an agent trace's calls) stalls."""
     from train.retrieval_probe import Formats, raw_batch
 
     formats = Formats(tokenizer, RAW_DRILL_LEN, pairs=8, filler=0.2)
     # the probe's own batch seeds (``retrieval_probe.run``: seed * 1_000_003 + step, from 1)
-    tokens, mask = raw_batch(formats.needles, seed * 1_000_003 + step + 1, RAW_DRILL_BATCH, RAW_DRILL_LEN)
+    half = RAW_DRILL_BATCH // 2
+    tokens, mask = raw_batch(formats.needles, seed * 1_000_003 + step + 1, RAW_DRILL_BATCH - half, RAW_DRILL_LEN)
+    general = raw_batch(formats.general, seed * 1_000_003 + step + 1, half, RAW_DRILL_LEN)
+    tokens, mask = np.concatenate([tokens, general[0]]), np.concatenate([mask, general[1]])
     # Formats masks mark t where token t+1 is a target: already the loss-mask layout.
-    return {"tokens": tokens, "loss_mask": mask}
+    return with_targets({"tokens": tokens, "loss_mask": mask})
 
 
 def parse_curriculum(spec: str, max_len: int) -> list[tuple[float, int]]:
@@ -532,12 +601,15 @@ class Prefetcher:
 # ------------------------------------------------------------------------ training
 
 
-def masked_xent(logits_BTV, tokens_BT, loss_mask_BT):
-    """Cross-entropy of predicting ``tokens[:, t+1]``, averaged with weights ``loss_mask[:, t]``."""
-    targets = jnp.roll(tokens_BT, -1, axis=1)
-    logp = jax.nn.log_softmax(logits_BTV, axis=-1)
-    nll = -jnp.take_along_axis(logp, targets[..., None], axis=-1)[..., 0]
-    return jnp.sum(nll * loss_mask_BT) / jnp.maximum(jnp.sum(loss_mask_BT), 1.0)
+def target_xent(model, tokens_BT, target_pos_BP, target_ids_BP, target_w_BP):
+    """Weighted cross-entropy of the gathered targets (``with_targets``): the hidden
+    state at ``target_pos`` predicts ``target_ids``; only those rows are projected
+    onto the vocabulary."""
+    hidden = model.hidden(tokens_BT)
+    rows = jnp.take_along_axis(hidden, target_pos_BP[..., None], axis=1)  # [B,P,M]
+    logp = jax.nn.log_softmax(model.logits(rows), axis=-1)
+    nll = -jnp.take_along_axis(logp, target_ids_BP[..., None], axis=-1)[..., 0]
+    return jnp.sum(nll * target_w_BP) / jnp.maximum(jnp.sum(target_w_BP), 1.0)
 
 
 def make_optimizer(lr: float, steps: int, warmup: int, weight_decay: float, clip: float):
@@ -546,14 +618,20 @@ def make_optimizer(lr: float, steps: int, warmup: int, weight_decay: float, clip
 
 
 def make_train_step(graphdef, optimizer):
+    """``train_step(params, opt_state, batch) -> (params, opt_state, loss, grad_norm)``;
+    ``batch`` as ``with_targets`` returns it (only its array fields are read)."""
+
     @jax.jit
-    def train_step(params, opt_state, tokens, loss_mask):
+    def _step(params, opt_state, tokens, target_pos, target_ids, target_w):
         def loss_fn(p):
-            return masked_xent(nnx.merge(graphdef, p)(tokens), tokens, loss_mask)
+            return target_xent(nnx.merge(graphdef, p), tokens, target_pos, target_ids, target_w)
 
         loss, grads = jax.value_and_grad(loss_fn)(params)
         updates, opt_state = optimizer.update(grads, opt_state, params)
         return optax.apply_updates(params, updates), opt_state, loss, optax.tree.norm(grads)
+
+    def train_step(params, opt_state, batch):
+        return _step(params, opt_state, batch["tokens"], batch["target_pos"], batch["target_ids"], batch["target_w"])
 
     return train_step
 
@@ -662,7 +740,7 @@ def train(args) -> dict:
     for s in bar:
         step, batch = prefetch.get()
         assert step == s
-        params, opt_state, loss, gnorm = train_step(params, opt_state, batch["tokens"], batch["loss_mask"])
+        params, opt_state, loss, gnorm = train_step(params, opt_state, batch)
         loss = float(loss)  # blocks: the step time below is the real one
         losses.append(loss)
         now = time.perf_counter()
@@ -695,17 +773,18 @@ def train(args) -> dict:
 def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0], formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     p.add_argument("--out", default="runs/embedded", help="output folder (ckpt/, hf/, metrics.jsonl)")
-    p.add_argument("--steps", type=int, default=2000)
-    p.add_argument("--seq-len", type=int, default=2048, help="longest sequence (last curriculum stage)")
+    p.add_argument("--steps", type=int, default=2100)
+    p.add_argument("--seq-len", type=int, default=2304,
+                   help="longest sequence (last curriculum stage); evaluation requests are 2.1-2.3k tokens")
     p.add_argument("--batch", type=int, default=2, help="sequences per step at --seq-len (more at shorter stages)")
-    p.add_argument("--curriculum", default="0.25:256,0.5:512,0.72:1024,1.0:2048", help="step fraction:sequence length, ...")
+    p.add_argument("--curriculum", default="0.25:512,0.6:1280,1.0:2304", help="step fraction:sequence length, ...")
     p.add_argument("--size", choices=sorted(SIZES), default="agent")
     p.add_argument("--tiny", action="store_true", help="tiny model, 1024-token sequences (tests)")
     p.add_argument("--mqniah-share", type=float, default=0.5, help="fraction of MQ-NIAH sequences (the rest agent traces)")
     p.add_argument("--copy-share", type=float, default=0.1, help="fraction of copy-drill warm-up sequences")
     p.add_argument("--copy-max-len", type=int, default=512, help="curriculum stages longer than this use no copy drill")
     p.add_argument("--needle-share", type=float, default=0.0, help="fraction of needle-drill sequences (all stages)")
-    p.add_argument("--raw-drill-steps", type=int, default=150,
+    p.add_argument("--raw-drill-steps", type=int, default=200,
                    help="first steps on raw needle documents (loss on values only) before the chat curriculum")
     p.add_argument("--copy-weight", type=float, default=4.0,
                    help="loss weight of identifier tokens (copied from context) among the assistant tokens")

@@ -17,6 +17,8 @@ the toy tokenizer, which makes every space its own token):
 * ``chunks``: random identifiers, then chunks of 3-8 of them copied from random
   places: content-based induction (``repeat`` can be solved by one head at a fixed
   offset, since both halves have the same length).
+* ``general``: ``chunks`` over the whole task vocabulary (words, names,
+  punctuation, identifiers), not only identifiers.
 * ``needles``: needle sentences ("The special code for k ␣ is ␣ v .") among filler,
   then "Question:" and ``␣ k ␣ is ␣ v ,`` per needle; the value is the target. The
   key sits 3 tokens before the target in the answer and 4 before the value in the
@@ -47,11 +49,11 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from eval.tasks.words import KEY_POOL, VALUE_POOL, filler_sentence
+from eval.tasks.words import IDENTIFIERS, KEY_POOL, VALUE_POOL, filler_sentence
 from jaxkv.models.transformer import Transformer
-from train.embedded_model import SIZES, copy_circuit_init, mimetic_init, positional_heads_prior, scale_qk_norm, shared_embedding_direction, embedded_tokenizer, make_optimizer, make_predict, make_train_step, model_config
+from train.embedded_model import SIZES, copy_circuit_init, mimetic_init, positional_heads_prior, scale_qk_norm, shared_embedding_direction, embedded_tokenizer, make_optimizer, make_predict, make_train_step, model_config, with_targets
 
-FORMATS = ("repeat", "chunks", "needles", "adjacent", "nospace", "mix", "mix_adjacent", "mix_nospace",
+FORMATS = ("repeat", "chunks", "general", "needles", "adjacent", "nospace", "mix", "mix_adjacent", "mix_nospace",
            "chunks_adjacent", "chunks_nospace")
 
 
@@ -99,6 +101,31 @@ class Formats:
         follows = {(a, b) for a, b in zip(ids[: n - 1], ids[1:n])}
         return [int(t >= n and t + 1 < len(ids) and (ids[t], ids[t + 1]) in follows) for t in range(len(ids))]
 
+    def general(self, rng):
+        """``chunks`` over the whole task vocabulary (prose words with and without
+        their space, project names, punctuation and identifiers): copying the token
+        that followed the same context earlier, whatever kind of token it is, which
+        is what every tool-call argument and quoted line of an agent trace needs."""
+        words, identifiers = self._general_pool()
+        n = self.T // 3
+        items = [rng.choice(words if rng.random() < 0.6 else identifiers) for _ in range(n)]
+        ids = list(items)
+        while len(ids) < self.T:
+            length = rng.randint(3, 8)
+            start = rng.randrange(n - length)
+            ids += items[start : start + length]
+        return self.cut(ids, self._chunk_mask(ids, n))
+
+    def _general_pool(self) -> tuple[list[int], list[int]]:
+        """``(word ids, identifier ids)``: every token but specials, markers, bytes and
+        single letters / digits, split so that words are drawn as often as identifiers."""
+        if not hasattr(self, "_pool"):
+            vocab = self.tok.get_vocab()
+            keep = {t: i for t, i in vocab.items() if not t.startswith("<") and (len(t.strip()) > 1 or not t.strip().isalnum())}
+            idents = {i for t, i in keep.items() if t in IDENTIFIERS}
+            self._pool = (sorted(set(keep.values()) - idents), sorted(idents))
+        return self._pool
+
     def _document(self, rng, needle):
         """Needles (``needle(k, v)`` ids) among filler sentences, up to 60% of ``T``."""
         keys, values = rng.sample(KEY_POOL, 60), rng.sample(VALUE_POOL, 60)
@@ -119,9 +146,10 @@ class Formats:
         ids += self.enc("\nQuestion:")
         mask = [0] * len(ids)
         for k, v in rng.sample(pairs, len(pairs)):
-            piece = self.enc(f" {k} is {v},")  # ␣ k ␣ is ␣ v ,
+            piece = self.enc(f" {k} is {v},")  # the value's token is the target
+            value = self.ids(v)[0]
             ids += piece
-            mask += [0, 0, 0, 0, 1, 0, 0]
+            mask += [int(nxt == value) for nxt in piece[1:]] + [0]
         return self.cut(ids, mask)
 
     def adjacent(self, rng):
@@ -203,7 +231,8 @@ def run(args) -> list[dict]:
     held_tokens, held_mask = batch(10**9 + args.seed, heldout_make)
     rows, t0 = [], time.perf_counter()
     for step in range(1, args.steps + 1):
-        params, opt_state, loss, _ = train_step(params, opt_state, *batch(args.seed * 1_000_003 + step, make))
+        tokens, mask = batch(args.seed * 1_000_003 + step, make)
+        params, opt_state, loss, _ = train_step(params, opt_state, with_targets({"tokens": tokens, "loss_mask": mask}))
         if step % args.every == 0 or step == args.steps:
             pred = np.asarray(predict(params, held_tokens))
             hits = (pred[:, :-1] == held_tokens[:, 1:]) * held_mask[:, :-1]

@@ -171,6 +171,18 @@ class Transformer(nnx.Module):
         x = self._run(tokens_BT, positions_BT, lambda i, q, k, v: ref_attention.causal_attention(q, k, v))
         return self._logits(x).astype(jnp.float32)
 
+    def hidden(self, tokens_BT):
+        """Final hidden states ``[B,T,M]`` (before the final norm) of the dense causal
+        forward; ``logits(hidden[...])`` at chosen rows is how training skips the
+        vocabulary projection of positions that carry no loss."""
+        B, T = tokens_BT.shape
+        positions_BT = jnp.broadcast_to(jnp.arange(T, dtype=jnp.int32), (B, T))
+        return self._run(tokens_BT, positions_BT, lambda i, q, k, v: ref_attention.causal_attention(q, k, v))
+
+    def logits(self, hidden_XM):
+        """Float32 logits ``[..., V]`` of final hidden states (any leading shape)."""
+        return self._logits(hidden_XM).astype(jnp.float32)
+
     def hidden_and_logits(self, tokens_BT):
         """Final hidden states (pre-norm) and logits; used by training and probes."""
         B, T = tokens_BT.shape
