@@ -30,12 +30,6 @@ def test_shipped_files_are_complete_and_small():
     assert cfg["model_type"] == "qwen3"
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="issue 4 open: the shipped model retrieves but is below 80% on agent traces "
-    "(see jaxkv/assets/embedded-agent/README.md); strict, so a model that meets the "
-    "target turns this red until the marker is removed",
-)
 def test_reaches_80_percent_on_20_heldout_examples(model):
     """10 MQ-NIAH (4 needles, both turns) + 10 agent traces, full cache, >= 2,048 tokens."""
     from eval.embedded_accuracy import evaluate

@@ -773,14 +773,15 @@ def train(args) -> dict:
 def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0], formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     p.add_argument("--out", default="runs/embedded", help="output folder (ckpt/, hf/, metrics.jsonl)")
-    p.add_argument("--steps", type=int, default=2100)
+    p.add_argument("--steps", type=int, default=2300)
     p.add_argument("--seq-len", type=int, default=2304,
                    help="longest sequence (last curriculum stage); evaluation requests are 2.1-2.3k tokens")
     p.add_argument("--batch", type=int, default=2, help="sequences per step at --seq-len (more at shorter stages)")
-    p.add_argument("--curriculum", default="0.25:512,0.6:1280,1.0:2304", help="step fraction:sequence length, ...")
+    p.add_argument("--curriculum", default="0.2:512,0.7:1280,1.0:2304", help="step fraction:sequence length, ...")
     p.add_argument("--size", choices=sorted(SIZES), default="agent")
     p.add_argument("--tiny", action="store_true", help="tiny model, 1024-token sequences (tests)")
-    p.add_argument("--mqniah-share", type=float, default=0.5, help="fraction of MQ-NIAH sequences (the rest agent traces)")
+    p.add_argument("--mqniah-share", type=float, default=0.35,
+                   help="fraction of MQ-NIAH sequences (the rest agent traces; stages too short for one are all MQ-NIAH)")
     p.add_argument("--copy-share", type=float, default=0.1, help="fraction of copy-drill warm-up sequences")
     p.add_argument("--copy-max-len", type=int, default=512, help="curriculum stages longer than this use no copy drill")
     p.add_argument("--needle-share", type=float, default=0.0, help="fraction of needle-drill sequences (all stages)")
