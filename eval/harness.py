@@ -24,6 +24,14 @@ Outputs in ``--out``: ``results.csv`` (the columns in ``COLUMNS``),
 ``results.md`` and PNG plots (accuracy vs budget per method; KV reads vs
 budget), plus a printed comparison of prefix-hit rates of the two layouts.
 ``--quick`` shrinks everything so the whole grid finishes in minutes on a CPU.
+
+Long grids: every finished cell is appended to ``--out/cells.jsonl`` at once, and
+``--resume`` skips the cells already there (same examples: a cell's key includes
+n, length, seed, needles and max_new_tokens), so an interrupted run loses at most
+the cells in flight. ``--workers W`` replays cells in W processes, each with its
+own copy of the model; a replay is one sequence of small jitted steps, so on a CPU
+with C cores up to C workers scale nearly linearly. ``wall_s`` is then the
+cell's time in its worker, not a share of the grid's.
 """
 
 from __future__ import annotations
@@ -31,6 +39,7 @@ from __future__ import annotations
 import argparse
 import csv
 import dataclasses
+import json
 import math
 import sys
 import time
@@ -176,6 +185,85 @@ def grid(methods, budgets, layouts, tasks, repair_ks=(), repair_policies=("repai
     return cells
 
 
+# ----------------------------------------------------------------------------- running a grid
+def cell_key(cell: Cell) -> str:
+    return json.dumps(dataclasses.astuple(cell))
+
+
+def load_journal(path: Path, setup: dict) -> dict:
+    """Rows of finished cells recorded in ``path`` under the same ``setup``
+    (other setups' lines are ignored: their examples differ)."""
+    rows = {}
+    if path.exists():
+        for line in path.read_text().splitlines():
+            try:
+                rec = json.loads(line)
+            except json.JSONDecodeError:
+                continue  # a line cut short by an interrupted write
+            if rec.get("setup") == setup:
+                rows[rec["key"]] = rec["row"]
+    return rows
+
+
+def run_cells(model, examples, cells, setup, *, workers=1, bar=None):
+    """Yield ``(cell, row)`` as cells finish: in this process in order, or across
+    ``workers`` spawned processes in completion order."""
+    kw = dict(max_new_tokens=setup["max_new_tokens"], max_positions=setup["max_positions"])
+    if workers == 1 or len(cells) <= 1:
+        for cell in cells:
+            if bar is not None:
+                bar.set_postfix_str(f"{cell.task} {cell.method} B={cell.budget} {cell.layout}")
+            yield cell, run_cell(model, examples[cell.task], cell, progress=None if bar is None else bar.update, **kw)
+        return
+    import concurrent.futures as cf
+    import multiprocessing as mp
+    import queue
+
+    ctx = mp.get_context("spawn")
+    with ctx.Manager() as manager:
+        ticks = manager.Queue()  # one item per replayed example, for the progress bar
+        with cf.ProcessPoolExecutor(max_workers=min(workers, len(cells)), mp_context=ctx,
+                                    initializer=_worker_init, initargs=(setup["model"], ticks)) as pool:
+            pending = {pool.submit(_worker_cell, examples[c.task], c, kw): c for c in cells}
+            while pending:
+                finished, _ = cf.wait(pending, timeout=0.5, return_when=cf.FIRST_COMPLETED)
+                _drain(ticks, bar, queue.Empty)
+                for fut in finished:
+                    cell = pending.pop(fut)
+                    row = fut.result()
+                    if bar is not None:
+                        bar.set_postfix_str(f"done {cell.task} {cell.method} B={cell.budget} {cell.layout}")
+                    yield cell, row
+            _drain(ticks, bar, queue.Empty)
+
+
+def _drain(ticks, bar, empty):
+    n = 0
+    while True:
+        try:
+            n += ticks.get_nowait()
+        except empty:
+            break
+    if bar is not None and n:
+        bar.update(n)
+
+
+_WORKER_MODEL = None
+_WORKER_TICKS = None
+
+
+def _worker_init(model_name, ticks):
+    global _WORKER_MODEL, _WORKER_TICKS
+    import jaxkv
+
+    _WORKER_MODEL = jaxkv.load_model(model_name)
+    _WORKER_TICKS = ticks
+
+
+def _worker_cell(examples, cell, kw):
+    return run_cell(_WORKER_MODEL, examples, cell, progress=lambda n: _WORKER_TICKS.put(n), **kw)
+
+
 # ----------------------------------------------------------------------------- output
 def _fmt(v):
     if isinstance(v, float):
@@ -195,6 +283,21 @@ def markdown_table(rows) -> str:
     cols = list(rows[0].keys())
     lines = ["| " + " | ".join(cols) + " |", "|" + "---|" * len(cols)]
     lines += ["| " + " | ".join(_fmt(r[c]) for c in cols) + " |" for r in rows]
+    return "\n".join(lines)
+
+
+def pivot_table(rows, metric: str, task: str) -> str:
+    """``metric`` of the no-repair cells of ``task``: one row per method, one
+    column per (layout, budget); the full cache spans every column."""
+    rows = [r for r in rows if r["task"] == task and r["repair_policy"] == "none"]
+    cols = sorted({(r["layout"], r["budget"]) for r in rows if r["method"] != "full"})
+    full = [r for r in rows if r["method"] == "full"]
+    lines = ["| method | " + " | ".join(f"{layout} B={b}" for layout, b in cols) + " |", "|---|" + "---|" * len(cols)]
+    if full:
+        lines.append("| full cache | " + " | ".join(_fmt(full[0][metric]) for _ in cols) + " |")
+    for method in dict.fromkeys(r["method"] for r in rows if r["method"] != "full"):
+        by = {(r["layout"], r["budget"]): r[metric] for r in rows if r["method"] == method}
+        lines.append(f"| {method} | " + " | ".join(_fmt(by[c]) if c in by else "" for c in cols) + " |")
     return "\n".join(lines)
 
 
@@ -305,6 +408,8 @@ def build_parser(parser=None):
     p.add_argument("--out", default="eval/results/harness")
     p.add_argument("--repair-ks", default="", help="repair budgets K (RepairKV): adds repair and matched cells")
     p.add_argument("--repair-policies", default="repairkv", help=f"comma list of {', '.join(REPAIR_POLICIES)}")
+    p.add_argument("--workers", type=int, default=1, help="processes replaying cells in parallel (up to the core count)")
+    p.add_argument("--resume", action="store_true", help="skip cells already recorded in OUT/cells.jsonl for the same setup")
     p.add_argument("--quick", action="store_true", help=f"small preset: {QUICK}")
     return p
 
@@ -335,6 +440,8 @@ def run(args) -> list[dict]:
         raise ValueError(f"budgets must be integers, got {args.budgets!r}") from None
     if any(b < 1 for b in budgets) or args.n < 1:
         raise ValueError("budgets and --n must be positive")
+    if args.workers < 1:
+        raise ValueError(f"--workers must be at least 1, got {args.workers}")
     try:
         repair_ks = [int(k) for k in str(args.repair_ks).split(",") if k.strip()]
     except ValueError:
@@ -351,13 +458,28 @@ def run(args) -> list[dict]:
     cells = grid(methods, budgets, layouts, tasks, repair_ks, repair_policies)
     total = sum(len(examples[c.task]) for c in cells)
     max_positions = int(min(model.config.max_position_embeddings, 1 << math.ceil(math.log2(max(2 * args.length + 4 * args.max_new_tokens, 1024)))))
-    rows = []
-    with tqdm(total=total, desc="jaxkv eval", unit="example", file=sys.stderr) as bar:
-        for cell in cells:
-            bar.set_postfix_str(f"{cell.task} {cell.method} B={cell.budget} {cell.layout}")
-            rows.append(run_cell(model, examples[cell.task], cell, max_new_tokens=args.max_new_tokens, max_positions=max_positions, progress=bar.update))
+    setup = dict(model=args.model, n=args.n, length=args.length, seed=args.seed, needles=args.needles,
+                 max_new_tokens=args.max_new_tokens, max_positions=max_positions)
+    journal = out / "cells.jsonl"
+    done = load_journal(journal, setup) if args.resume else {}
+    if not args.resume and journal.exists():
+        journal.unlink()
+    todo = [c for c in cells if cell_key(c) not in done]
+    with tqdm(total=total, initial=total - sum(len(examples[c.task]) for c in todo), desc="jaxkv eval",
+              unit="example", file=sys.stderr) as bar:
+        if done:
+            tqdm.write(f"--resume: {len(cells) - len(todo)} of {len(cells)} cells already in {journal}", file=sys.stderr)
+        for cell, row in run_cells(model, examples, todo, setup, workers=args.workers, bar=bar):
+            done[cell_key(cell)] = row
+            with open(journal, "a") as f:
+                f.write(json.dumps({"setup": setup, "key": cell_key(cell), "row": row}) + "\n")
+    rows = [done[cell_key(c)] for c in cells]
     write_csv(rows, out / "results.csv")
-    md = [f"# jaxkv eval: {args.model}", "", f"n={args.n} per cell, length {args.length}, max_new_tokens {args.max_new_tokens}", "", markdown_table(rows), "", prefix_summary(rows), ""]
+    md = [f"# jaxkv eval: {args.model}", "", f"n={args.n} per cell, length {args.length}, max_new_tokens {args.max_new_tokens}", ""]
+    for task in tasks:
+        for metric in ("accuracy", "raw_kv_reads"):
+            md += [f"## {task}: {metric}", "", pivot_table(rows, metric, task), ""]
+    md += ["## All cells", "", markdown_table(rows), "", prefix_summary(rows), ""]
     (out / "results.md").write_text("\n".join(md))
     plot(rows, out)
     print(markdown_table(rows))

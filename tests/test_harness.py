@@ -63,3 +63,42 @@ def test_harness_repair_cells_and_matched_budget(task_model_dir, tmp_path):
     with open(out / "results.csv") as f:
         assert tuple(csv.DictReader(f).fieldnames) == harness.COLUMNS
     assert (out / "repair_accuracy_vs_k.png").stat().st_size > 0
+
+
+def _grid_args(model_dir, out, *extra):
+    return harness.build_parser().parse_args([
+        "--model", str(model_dir), "--task", "mqniah", "--methods", "full,snapkv", "--budgets", "200,400",
+        "--layouts", "dead_slot", "--n", "1", "--length", "600", "--max-new-tokens", "4", "--out", str(out), *extra,
+    ])
+
+
+def _without_wall(rows):
+    return [{k: v for k, v in r.items() if k != "wall_s"} for r in rows]
+
+
+def test_harness_resume_skips_recorded_cells_and_workers_agree(task_model_dir, tmp_path, monkeypatch):
+    out = tmp_path / "grid"
+    first = harness.run(_grid_args(task_model_dir, out))
+    journal = (out / "cells.jsonl").read_text().splitlines()
+    assert len(journal) == len(first) == 3
+    md = (out / "results.md").read_text()
+    assert "## mqniah: accuracy" in md and "| snapkv |" in md  # the method x budget pivot
+
+    # drop the last recorded cell (an interrupted run): --resume replays only that one
+    (out / "cells.jsonl").write_text("\n".join(journal[:-1]) + "\n")
+    replayed = []
+    real_run_cell = harness.run_cell
+    monkeypatch.setattr(harness, "run_cell", lambda *a, **k: replayed.append(a[2]) or real_run_cell(*a, **k))
+    resumed = harness.run(_grid_args(task_model_dir, out, "--resume"))
+    assert [(c.method, c.budget) for c in replayed] == [(first[-1]["method"], first[-1]["budget"])]
+    assert _without_wall(resumed) == _without_wall(first)
+
+    # another setup (here n) never reuses recorded cells
+    replayed.clear()
+    harness.run(_grid_args(task_model_dir, out, "--resume", "--n", "2"))
+    assert len(replayed) == 3
+    monkeypatch.undo()
+
+    # two worker processes reproduce the in-process rows exactly
+    parallel = harness.run(_grid_args(task_model_dir, tmp_path / "parallel", "--workers", "2"))
+    assert _without_wall(parallel) == _without_wall(first)
