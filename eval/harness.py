@@ -41,6 +41,7 @@ import csv
 import dataclasses
 import json
 import math
+import queue
 import sys
 import time
 from pathlib import Path
@@ -217,32 +218,32 @@ def run_cells(model, examples, cells, setup, *, workers=1, bar=None):
         return
     import concurrent.futures as cf
     import multiprocessing as mp
-    import queue
 
     ctx = mp.get_context("spawn")
     with ctx.Manager() as manager:
-        ticks = manager.Queue()  # one item per replayed example, for the progress bar
+        ticks = manager.Queue()  # examples replayed by the workers, for the progress bar
         with cf.ProcessPoolExecutor(max_workers=min(workers, len(cells)), mp_context=ctx,
                                     initializer=_worker_init, initargs=(setup["model"], ticks)) as pool:
             pending = {pool.submit(_worker_cell, examples[c.task], c, kw): c for c in cells}
             while pending:
                 finished, _ = cf.wait(pending, timeout=0.5, return_when=cf.FIRST_COMPLETED)
-                _drain(ticks, bar, queue.Empty)
+                _drain(ticks, bar)
                 for fut in finished:
                     cell = pending.pop(fut)
                     row = fut.result()
                     if bar is not None:
                         bar.set_postfix_str(f"done {cell.task} {cell.method} B={cell.budget} {cell.layout}")
                     yield cell, row
-            _drain(ticks, bar, queue.Empty)
+            _drain(ticks, bar)
 
 
-def _drain(ticks, bar, empty):
+def _drain(ticks, bar):
+    """Move the example counts the workers reported so far onto ``bar``."""
     n = 0
     while True:
         try:
             n += ticks.get_nowait()
-        except empty:
+        except queue.Empty:
             break
     if bar is not None and n:
         bar.update(n)
