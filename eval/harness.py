@@ -57,6 +57,11 @@ REPAIR_POLICIES = ("repairkv", "random", "oldest", "staleq", "wrongq", "refresh"
 ALL_METHODS = ("full", "streaming_llm", "snapkv", "h2o", "tova", "random", "oldest", "agentkv", "intentkv_memory", "intentkv_query")
 TASKS = ("agent", "mqniah")
 EVAL_SEED_BASE = (1 << 30) + 9_000_000  # disjoint from training seeds (< 2**30)
+# Session options a task needs: an MQ-NIAH document and its first question are one
+# user message, so events must be free to evict inside the actionable message
+# (``Session(protect_query=False)``), else nothing of the document is ever evicted
+# before the question that needs it has been answered.
+TASK_SESSION_OPTIONS = {"mqniah": {"protect_query": False}}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -103,7 +108,7 @@ def replay_example(model, example, cell: Cell, *, max_new_tokens: int, max_posit
     from jaxkv.session import Session
 
     policy = None if cell.method == "full" else cell.method
-    options = dict(session_options)
+    options = {**TASK_SESSION_OPTIONS.get(cell.task, {}), **session_options}
     if policy is not None:
         options.update(policy=policy, budget=cell.budget, layout=cell.layout)
     if cell.repair_policy in REPAIR_POLICIES:
@@ -133,7 +138,7 @@ def replay_cell(model, examples, cell: Cell, *, max_new_tokens: int, max_positio
             options["repair_wrong_signal"] = wrong_signal
         verdicts, done, metrics, session = replay_example(model, ex, cell, max_new_tokens=max_new_tokens,
                                                           max_positions=max_positions, **options)
-        wrong_signal = getattr(session, "_repair_signal", None) or wrong_signal
+        wrong_signal = session.repair_signal or wrong_signal
         if progress is not None:
             progress(1)
         yield verdicts, done, metrics
@@ -210,11 +215,31 @@ def run_cells(model, examples, cells, setup, *, workers=1, bar=None):
     """Yield ``(cell, row)`` as cells finish: in this process in order, or across
     ``workers`` spawned processes in completion order."""
     kw = dict(max_new_tokens=setup["max_new_tokens"], max_positions=setup["max_positions"])
-    if workers == 1 or len(cells) <= 1:
-        for cell in cells:
-            if bar is not None:
-                bar.set_postfix_str(f"{cell.task} {cell.method} B={cell.budget} {cell.layout}")
-            yield cell, run_cell(model, examples[cell.task], cell, progress=None if bar is None else bar.update, **kw)
+    jobs = [(examples[c.task], c, kw) for c in cells]
+    for (_, cell, _), row in pool_map(_cell_job, jobs, setup["model"], workers=workers, model=model, bar=bar,
+                                      label=lambda job: f"{job[1].task} {job[1].method} B={job[1].budget} {job[1].layout}"):
+        yield cell, row
+
+
+def _cell_job(model, job, progress):
+    examples, cell, kw = job
+    return run_cell(model, examples, cell, progress=progress, **kw)
+
+
+def pool_map(job_fn, jobs, model_name, *, workers=1, model=None, bar=None, label=None):
+    """Yield ``(job, job_fn(model, job, progress))`` as jobs finish.
+
+    ``workers == 1``: in this process, in order, with ``model``. Otherwise across
+    ``workers`` spawned processes (each loads ``model_name`` once), in completion
+    order. ``job_fn`` must be a module-level function (it is pickled); it calls
+    ``progress(n)`` after each example, which advances ``bar``; ``label(job)`` is
+    shown on the bar while (in-process) or after (workers) a job runs.
+    """
+    if workers == 1 or len(jobs) <= 1:
+        for job in jobs:
+            if bar is not None and label is not None:
+                bar.set_postfix_str(label(job))
+            yield job, job_fn(model, job, None if bar is None else bar.update)
         return
     import concurrent.futures as cf
     import multiprocessing as mp
@@ -222,18 +247,18 @@ def run_cells(model, examples, cells, setup, *, workers=1, bar=None):
     ctx = mp.get_context("spawn")
     with ctx.Manager() as manager:
         ticks = manager.Queue()  # examples replayed by the workers, for the progress bar
-        with cf.ProcessPoolExecutor(max_workers=min(workers, len(cells)), mp_context=ctx,
-                                    initializer=_worker_init, initargs=(setup["model"], ticks)) as pool:
-            pending = {pool.submit(_worker_cell, examples[c.task], c, kw): c for c in cells}
+        with cf.ProcessPoolExecutor(max_workers=min(workers, len(jobs)), mp_context=ctx,
+                                    initializer=_worker_init, initargs=(model_name, ticks)) as pool:
+            pending = {pool.submit(_worker_job, job_fn, job): job for job in jobs}
             while pending:
                 finished, _ = cf.wait(pending, timeout=0.5, return_when=cf.FIRST_COMPLETED)
                 _drain(ticks, bar)
                 for fut in finished:
-                    cell = pending.pop(fut)
-                    row = fut.result()
-                    if bar is not None:
-                        bar.set_postfix_str(f"done {cell.task} {cell.method} B={cell.budget} {cell.layout}")
-                    yield cell, row
+                    job = pending.pop(fut)
+                    result = fut.result()
+                    if bar is not None and label is not None:
+                        bar.set_postfix_str("done " + label(job))
+                    yield job, result
             _drain(ticks, bar)
 
 
@@ -261,8 +286,8 @@ def _worker_init(model_name, ticks):
     _WORKER_TICKS = ticks
 
 
-def _worker_cell(examples, cell, kw):
-    return run_cell(_WORKER_MODEL, examples, cell, progress=lambda n: _WORKER_TICKS.put(n), **kw)
+def _worker_job(job_fn, job):
+    return job_fn(_WORKER_MODEL, job, lambda n: _WORKER_TICKS.put(n))
 
 
 # ----------------------------------------------------------------------------- output

@@ -1,11 +1,11 @@
 """RepairKV's matched-budget protocol on split-query MQ-NIAH (paper §4-5, Figure 2).
 
     JAX_PLATFORMS=cpu python -m eval.repair_protocol --needles 2,4,6,8 \
-        --ks 8,16,32,48,64,96,128 --n 100 --out eval/results/repair_mqniah
+        --ks 8,16,32,48,64,96,128 --n 100 --workers 2 --out eval/results/repair_mqniah
 
 For each needle count: the examples (``eval.tasks.mqniah``, held out from training)
-are replayed turn by turn through ``jaxkv.Session`` exactly as the harness does
-(``eval.harness.replay_cell``: teacher-forced history, each answer generated
+are replayed turn by turn through ``jaxkv.Session`` as the harness does
+(``eval.harness.replay_example``: teacher-forced history, each answer generated
 greedily and scored by exact match). The first-stage policy (``--first-stage``,
 default SnapKV) compresses every request to the active budget on the dead-slot
 layout; evicted rows go to the host tier. Cells:
@@ -18,39 +18,71 @@ layout; evicted rows go to the host tier. Cells:
   ``wrongq``, ``refresh``) at ``B_base`` with ``repair=K``.
 
 Score: exact match over the turns after the first (the turns that follow a
-relevance shift; turn 1 is the same for every cell with the same active budget).
+relevance shift; turn 1 is the same for every cell with the same active budget),
+pooled over examples and turns. Repair cells also report their gain over matched
+no-repair at the same K with a paired bootstrap 95% interval over examples.
+
+Sharing turn 1: every repair cell of an example starts from the same turn 1 (the
+first request has nothing shelved to repair, so K and the repair policy cannot
+matter there). The driver replays turn 1 once per example at ``B_base`` and
+``Session.fork``s that session for each (policy, K): the same result as replaying
+each cell from scratch (``tests/test_repair_protocol.py`` checks it), about 4x
+less work. WrongQ-K scores with another example's signal: example ``i`` uses the
+turn-2 signal of example ``i - 1`` (example 0: the last one), whatever the order
+or number of workers.
 
 ``B_base`` (``--base-budget``, or calibrated): the protocol needs a budget at which
 matched no-repair is neither near the full cache nor near zero. Calibration runs
-no-repair on the first ``--calibrate-n`` examples at each of ``--candidates``
-(fractions of the shortest turn-1 request) and keeps the budget whose accuracy is
-closest to half the full cache's. With a model that does not solve the task with
-the full cache (accuracy below ``--min-full``) there is nothing to repair:
-calibration raises ``ProtocolError`` naming the measured accuracy.
+the full cache, and no repair at ``B + --calibrate-k`` (matched no-repair at the
+paper's headline K = 96) for each candidate ``B`` in ``--candidates`` (fractions
+of the shortest turn-1 request), on the first ``--calibrate-n`` examples, and
+keeps the ``B`` whose accuracy is closest to half the full cache's.
+
+Eviction inside the question: an MQ-NIAH document and its turn-1 question are one
+user message, which ALGORITHMS.md §1 would protect as the actionable query; the
+protocol's sessions run with ``protect_query=False`` (``eval.harness.TASK_SESSION_OPTIONS``,
+the harness does the same for its MQ-NIAH task) so the first event compresses
+the document under the turn-1 question's signal (SnapKV's observation window is
+the question), as the paper's first stage does. With a model that does not
+solve the task with the full cache (accuracy below ``--min-full``) there is nothing
+to repair: calibration raises ``ProtocolError`` naming the measured accuracy.
 
 ``--turns 5 --needles 8`` runs the repeated-shift schedule (paper §5.3).
 
-Outputs in ``--out``: ``results.csv`` (one row per cell), ``results.md`` (per needle
-count: accuracy by K and policy, next to matched, no-repair and full cache) and
-``repair_vs_k.png`` (one panel per needle count, the layout of the paper's Figure 2).
+Long runs: every finished example (all its cells) is appended to
+``--out/examples.jsonl`` with the run's setup, and calibrations too; with
+``--resume`` a rerun of the same setup skips what is there (without it, everything
+is replayed again and the new lines supersede the old). ``--workers W`` replays
+examples in W spawned processes. The report covers every complete setup in the
+journal (the latest one per needle count, turn schedule and first stage), so runs
+with different ``--needles``/``--first-stage``/``--turns`` into one ``--out``
+build one report.
+
+Outputs in ``--out``: ``results.csv`` (one row per cell), ``results.md`` (per
+setup: accuracy by K and policy, next to matched, no-repair and full cache),
+``repair_vs_k.png`` (one panel per setup, every policy) and ``figure2.png`` (the
+layout of the paper's Figure 2: REPAIRKV solid, matched no-repair dotted, one
+colour per needle count, gain at K = 96 labelled).
 """
 
 from __future__ import annotations
 
 import argparse
 import csv
+import json
 import math
 import sys
-import time
 from pathlib import Path
 
 import numpy as np
 
-from eval.harness import EVAL_SEED_BASE, REPAIR_POLICIES, Cell, replay_cell
+from eval.harness import (EVAL_SEED_BASE, REPAIR_POLICIES, TASK_SESSION_OPTIONS, Cell, pool_map, reply_matches, replay_cell,
+                          replay_example)
 
 FIELDS = ("needles", "turns", "first_stage", "cell", "repair_k", "budget", "base_budget", "n", "accuracy",
-          "accuracy_turn1", "completion", "wall_s")
+          "accuracy_turn1", "completion", "gain_vs_matched", "gain_ci_low", "gain_ci_high")
 PROTOCOL_SEED = EVAL_SEED_BASE + 700_000
+BOOTSTRAP_SAMPLES = 2000
 
 
 class ProtocolError(ValueError):
@@ -59,7 +91,6 @@ class ProtocolError(ValueError):
 
 def score(model, examples, cell: Cell, *, max_new_tokens: int, max_positions: int, progress=None) -> dict:
     """Accuracy after turn 1 and on turn 1 over ``examples`` for one cell."""
-    t0 = time.perf_counter()
     later, first, completed = [], [], 0
     for verdicts, done, _ in replay_cell(model, examples, cell, max_new_tokens=max_new_tokens,
                                          max_positions=max_positions, progress=progress):
@@ -67,70 +98,332 @@ def score(model, examples, cell: Cell, *, max_new_tokens: int, max_positions: in
         later += verdicts[1:]
         completed += done
     return {"accuracy": float(np.mean(later)), "accuracy_turn1": float(np.mean(first)),
-            "completion": completed / len(examples), "wall_s": time.perf_counter() - t0}
+            "completion": completed / len(examples)}
 
 
-def calibrate(model, examples, first_stage: str, candidates, full_accuracy: float, min_full: float, **kw) -> tuple[int, list]:
-    """``(B_base, [(budget, accuracy), ...])``: the candidate whose no-repair accuracy
-    is closest to half of ``full_accuracy`` (see the module docstring)."""
+# ----------------------------------------------------------------------------- one example, every cell
+def cell_names(ks, policies) -> list[str]:
+    """Journal keys of an example's cells: ``full``, ``none``, ``matched@K``, ``policy@K``."""
+    return ["full", "none"] + [f"{c}@{k}" for k in ks for c in ("matched", *policies)]
+
+
+def _base_session(model, example, setup):
+    """A session at ``B_base`` with repair on, after turn 1 (which never repairs)."""
+    from jaxkv.session import Session
+
+    session = Session(model, max_positions=setup["max_positions"], max_new_tokens=setup["max_new_tokens"],
+                      policy=setup["first_stage"], budget=setup["base_budget"], layout="dead_slot", repair=1,
+                      **TASK_SESSION_OPTIONS["mqniah"])
+    return session
+
+
+def _replay(session, example, setup, *, start_turn: int, stop_turn: int | None = None, generate=True) -> dict:
+    """Replay assistant turns ``[start_turn, stop_turn)`` (up to the last scored
+    one); ``{message index: generated reply}``."""
+    last_target = max(t.message_index for t in example.targets)
+    at = [j for j, m in enumerate(example.messages) if m.get("role") == "assistant" and j <= last_target]
+    last = at[(stop_turn or len(at)) - 1]
+    turns = session.replay(example.messages[: last + 1], example.tools or None, generate=generate,
+                           max_new_tokens=setup["max_new_tokens"], start_turn=start_turn)
+    return {j: t.generated for j, t in zip(at[start_turn:], turns)}
+
+
+def turn2_signal(model, example, setup):
+    """The repair signal of ``example``'s second request at ``B_base`` (what WrongQ-K
+    hands to the next example); the same in every repair cell (it is read before
+    the repair)."""
+    session = _base_session(model, example, setup)
+    _replay(session, example, setup, start_turn=0, stop_turn=1, generate=False)
+    _replay(session, example, setup, start_turn=1, stop_turn=2, generate=False)
+    return session.repair_signal
+
+
+def example_verdicts(model, example, setup, donor_signal) -> dict:
+    """Every cell's per-turn verdicts on one example.
+
+    Returns ``{"verdicts": {cell name: [bool per target]}, "incomplete": [cell
+    names whose replay hit a context or memory error], "signal": this example's
+    turn-2 repair signal}``.
+    """
+    import jaxkv
+
+    kw = dict(max_new_tokens=setup["max_new_tokens"], max_positions=setup["max_positions"])
+    stage, base = setup["first_stage"], setup["base_budget"]
+    verdicts, incomplete = {}, []
+
+    def plain(name, cell):
+        v, done, _, _ = replay_example(model, example, cell, **kw)
+        verdicts[name] = v
+        if not done:
+            incomplete.append(name)
+
+    plain("full", Cell("full", None, None, "mqniah"))
+    plain("none", Cell(stage, base, "dead_slot", "mqniah"))
+    for k in setup["ks"]:
+        plain(f"matched@{k}", Cell(stage, base + k, "dead_slot", "mqniah", "matched", k, base))
+
+    repair_cells = [(p, k) for k in setup["ks"] for p in setup["policies"]]
+    signal = None
+    try:
+        session = _base_session(model, example, setup)
+        first = _replay(session, example, setup, start_turn=0, stop_turn=1)
+        if any(r.promoted_positions.size for r in session.repairs):
+            raise RuntimeError("turn 1 promoted rows: forks of it would not equal fresh replays")
+        probe = session.fork()
+        _replay(probe, example, setup, start_turn=1, stop_turn=2, generate=False)
+        signal = probe.repair_signal
+        for policy, k in repair_cells:
+            twin = session.fork(repair=k, repair_policy=policy,
+                                repair_wrong_signal=donor_signal if policy == "wrongq" else None)
+            replies = {**first, **_replay(twin, example, setup, start_turn=1)}
+            verdicts[f"{policy}@{k}"] = [reply_matches(t, replies[t.message_index]) for t in example.targets]
+    except (jaxkv.ContextLengthError, jaxkv.OutOfSlotsError):
+        for policy, k in repair_cells:
+            verdicts[f"{policy}@{k}"] = [False] * len(example.targets)
+            incomplete.append(f"{policy}@{k}")
+    return {"verdicts": verdicts, "incomplete": incomplete, "signal": signal}
+
+
+def _chunk_job(model, job, progress):
+    """Worker job: consecutive examples; the first one's WrongQ donor is recomputed."""
+    setup, first_index, examples, donor_example = job
+    donor = turn2_signal(model, donor_example, setup)
+    out = []
+    for i, example in enumerate(examples):
+        record = example_verdicts(model, example, setup, donor)
+        donor = record.pop("signal")
+        out.append((first_index + i, record))
+        if progress is not None:
+            progress(1)
+    return out
+
+
+def _score_job(model, job, progress):
+    examples, cell, kw = job
+    return score(model, examples, cell, progress=progress, **kw)
+
+
+def calibrate(model, examples, first_stage: str, candidates, full_accuracy: float, min_full: float, *,
+              reference_k: int = 96, workers: int = 1, model_name: str | None = None, bar=None, **kw) -> tuple[int, list]:
+    """``(B_base, [(B, accuracy), ...])``: the candidate ``B`` whose matched no-repair
+    accuracy at ``reference_k`` (no repair at ``B + reference_k``) is closest to
+    half of ``full_accuracy`` (see the module docstring)."""
     if full_accuracy < min_full:
         raise ProtocolError(
             f"full-cache accuracy after turn 1 is {full_accuracy:.3f} (< {min_full}): the model does not "
             "solve the task even without eviction, so no budget separates repair from no repair")
-    tried = [(b, score(model, examples, Cell(first_stage, b, "dead_slot", "mqniah"), **kw)["accuracy"]) for b in candidates]
+    jobs = [(examples, Cell(first_stage, b + reference_k, "dead_slot", "mqniah"), kw) for b in candidates]
+    tried = sorted((job[1].budget - reference_k, r["accuracy"])
+                   for job, r in pool_map(_score_job, jobs, model_name, workers=workers, model=model, bar=bar))
     best = min(tried, key=lambda bt: (abs(bt[1] - full_accuracy / 2), -bt[0]))
     return best[0], tried
 
 
+# ----------------------------------------------------------------------------- journal -> rows
+def load_records(path: Path) -> tuple[dict, list]:
+    """``({calibration setup: record}, [(setup, {index: example record})])`` from a
+    journal; one entry per distinct example setup, in first-seen order."""
+    calibrations, examples = {}, {}
+    if path.exists():
+        for line in path.read_text().splitlines():
+            try:
+                rec = json.loads(line)
+            except json.JSONDecodeError:
+                continue  # a line cut short by an interrupted write
+            key = json.dumps(rec.get("setup"), sort_keys=True)
+            if "calibration" in rec:
+                calibrations[key] = rec
+            elif "index" in rec:
+                examples.setdefault(key, (rec["setup"], {}))[1][rec["index"]] = rec
+    return calibrations, list(examples.values())
+
+
+def paired_gain(a_E, b_E, turns_E, *, seed=0) -> tuple[float, float, float]:
+    """Gain of pooled accuracy ``sum(a)/sum(turns) - sum(b)/sum(turns)`` with a paired
+    percentile bootstrap 95% interval over examples (``a_E``, ``b_E``: correct
+    scored turns per example, ``turns_E``: scored turns per example)."""
+    a, b, t = (np.asarray(x, np.float64) for x in (a_E, b_E, turns_E))
+    gain = (a.sum() - b.sum()) / t.sum()
+    rng = np.random.default_rng(seed)
+    idx = rng.integers(0, a.size, size=(BOOTSTRAP_SAMPLES, a.size))
+    boot = (a[idx].sum(1) - b[idx].sum(1)) / t[idx].sum(1)
+    low, high = np.percentile(boot, [2.5, 97.5])
+    return float(gain), float(low), float(high)
+
+
+def setup_rows(setup: dict, records: dict) -> list[dict]:
+    """Result rows (``FIELDS``) of one complete setup from its example records."""
+    order = sorted(records)
+    n = len(order)
+    later = {name: np.asarray([sum(records[i]["verdicts"][name][1:]) for i in order]) for name in cell_names(setup["ks"], setup["policies"])}
+    first = {name: np.asarray([records[i]["verdicts"][name][0] for i in order]) for name in later}
+    turns_E = np.asarray([len(records[i]["verdicts"]["full"]) - 1 for i in order])
+    done = {name: 1 - sum(name in records[i]["incomplete"] for i in order) / n for name in later}
+    rows = []
+
+    def row(name, cell, k, budget):
+        r = {"needles": setup["needles"], "turns": setup["turns"], "first_stage": setup["first_stage"], "cell": cell,
+             "repair_k": k, "budget": budget, "base_budget": setup["base_budget"], "n": n,
+             "accuracy": float(later[name].sum() / turns_E.sum()), "accuracy_turn1": float(first[name].mean()),
+             "completion": done[name], "gain_vs_matched": "", "gain_ci_low": "", "gain_ci_high": ""}
+        if cell in REPAIR_POLICIES:
+            g, lo, hi = paired_gain(later[name], later[f"matched@{k}"], turns_E)
+            r.update(gain_vs_matched=g, gain_ci_low=lo, gain_ci_high=hi)
+        rows.append(r)
+
+    base = setup["base_budget"]
+    row("full", "full", 0, "-")
+    row("none", "none", 0, base)
+    for k in setup["ks"]:
+        row(f"matched@{k}", "matched", k, base + k)
+        for policy in setup["policies"]:
+            row(f"{policy}@{k}", policy, k, base)
+    return rows
+
+
+def report_rows(path: Path) -> list[dict]:
+    """Rows of every complete setup in the journal; per (needles, turns, first
+    stage) only the latest complete setup."""
+    _, setups = load_records(path)
+    latest = {}
+    for setup, records in setups:
+        if len(records) == setup["n"]:
+            latest[(setup["needles"], setup["turns"], setup["first_stage"])] = (setup, records)
+    rows = []
+    for key in sorted(latest, key=lambda k: (k[2] != "snapkv", k[2], k[1], k[0])):
+        rows += setup_rows(*latest[key])
+    return rows
+
+
+# ----------------------------------------------------------------------------- output
+def _panels(rows):
+    return sorted({(r["needles"], r["turns"], r["first_stage"]) for r in rows}, key=lambda p: (p[2] != "snapkv", p[2], p[1], p[0]))
+
+
 def plot(rows, path: Path) -> None:
+    """Every policy against K, one panel per setup."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    panels = sorted({(r["needles"], r["turns"], r["first_stage"]) for r in rows})
-    fig, axes = plt.subplots(1, len(panels), figsize=(5.5 * len(panels), 4), squeeze=False)
-    for ax, (needles, turns, stage) in zip(axes[0], panels):
+    panels = _panels(rows)
+    cols = min(4, len(panels))
+    nrows = math.ceil(len(panels) / cols)
+    fig, axes = plt.subplots(nrows, cols, figsize=(5.2 * cols, 4 * nrows), squeeze=False)
+    for ax in axes.flat[len(panels):]:
+        ax.axis("off")
+    for ax, (needles, turns, stage) in zip(axes.flat, panels):
         mine = [r for r in rows if (r["needles"], r["turns"], r["first_stage"]) == (needles, turns, stage)]
         for cell in ("repairkv", "matched", *[p for p in REPAIR_POLICIES if p != "repairkv"]):
             pts = sorted((r["repair_k"], r["accuracy"]) for r in mine if r["cell"] == cell)
             if pts:
                 style = {"repairkv": dict(color="C3", linewidth=2.2), "matched": dict(color="gray", linestyle="--")}.get(cell, {})
-                ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", label="matched no-repair" if cell == "matched" else cell, **style)
+                ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", markersize=3,
+                        label="matched no-repair" if cell == "matched" else cell, **style)
         for r in mine:
             if r["cell"] == "full":
-                ax.axhline(r["accuracy"], color="black", linestyle="--", label="full cache")
+                ax.axhline(r["accuracy"], color="black", linestyle="--", linewidth=0.8, label="full cache")
             if r["cell"] == "none":
-                ax.axhline(r["accuracy"], color="red", linestyle=":", label=f"no repair (B_base={r['budget']})")
-        ax.set_title(f"MQ-NIAH-{needles}Q{'' if turns == 2 else f', {turns} turns'}: {stage} first stage")
+                ax.axhline(r["accuracy"], color="red", linestyle=":", linewidth=0.8, label=f"no repair (B_base={r['budget']})")
+        ax.set_title(f"MQ-NIAH-{needles}Q{'' if turns == 2 else f', {turns} turns'}, {stage} first stage", fontsize=10)
         ax.set_xlabel("repair budget K (rows)")
         ax.set_ylabel("exact match after turn 1")
         ax.set_ylim(-0.02, 1.02)
         ax.grid(alpha=0.3)
-        ax.legend(fontsize=7)
+        ax.legend(fontsize=6)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
 
 
+def plot_figure2(rows, path: Path, *, first_stage="snapkv", turns=2, label_k=96) -> bool:
+    """The paper's Figure 2 layout: REPAIRKV (solid) and matched no-repair (dotted)
+    against K, one colour per needle count, gain at ``label_k`` at the right.
+    False (nothing written) when no such setup is in ``rows``."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    mine = [r for r in rows if r["first_stage"] == first_stage and r["turns"] == turns]
+    if not mine:
+        return False
+    fig, ax = plt.subplots(figsize=(6.4, 4.4))
+    for color, needles in enumerate(sorted({r["needles"] for r in mine})):
+        cur = {c: sorted((r["repair_k"], r["accuracy"]) for r in mine if r["needles"] == needles and r["cell"] == c)
+               for c in ("repairkv", "matched")}
+        for c, style in (("repairkv", "-"), ("matched", ":")):
+            if cur[c]:
+                ax.plot([p[0] for p in cur[c]], [p[1] for p in cur[c]], style, marker="o", markersize=3, color=f"C{color}",
+                        linewidth=2 if c == "repairkv" else 1.4)
+        at = {c: dict(cur[c]).get(label_k) for c in cur}
+        if cur["repairkv"]:
+            k_last, y_last = cur["repairkv"][-1]
+            gain = f", Δ{label_k} {at['repairkv'] - at['matched']:+.2f}" if None not in at.values() else ""
+            ax.annotate(f"{needles}Q{gain}", (k_last, y_last), xytext=(4, 0), textcoords="offset points",
+                        color=f"C{color}", fontsize=8, va="center")
+    ax.plot([], [], "k-", label="REPAIRKV")
+    ax.plot([], [], "k:", label="matched no-repair (B_base + K)")
+    ax.set_xlabel("repair budget K (rows)")
+    ax.set_ylabel("exact match after turn 1")
+    ax.set_ylim(-0.02, 1.05)
+    ax.set_xlim(right=ax.get_xlim()[1] * 1.18)
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=8, loc="lower right")
+    ax.set_title(f"Split-query MQ-NIAH, {first_stage} first stage, embedded model", fontsize=10)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return True
+
+
+def _gain(r) -> str:
+    return f"{r['gain_vs_matched']:+.3f} [{r['gain_ci_low']:+.3f}, {r['gain_ci_high']:+.3f}]"
+
+
 def markdown(rows) -> str:
     out = []
-    for needles, turns, stage in sorted({(r["needles"], r["turns"], r["first_stage"]) for r in rows}):
+    for needles, turns, stage in _panels(rows):
         mine = [r for r in rows if (r["needles"], r["turns"], r["first_stage"]) == (needles, turns, stage)]
         fixed = {r["cell"]: r for r in mine if r["cell"] in ("full", "none")}
-        cells = [c for c in ("repairkv", "matched", *REPAIR_POLICIES) if any(r["cell"] == c for r in mine)]
-        cells = list(dict.fromkeys(cells))
+        cells = list(dict.fromkeys(c for c in ("repairkv", "matched", *REPAIR_POLICIES) if any(r["cell"] == c for r in mine)))
         out.append(f"### MQ-NIAH-{needles}Q, {turns} turns, {stage} first stage, B_base = {fixed['none']['budget']}, "
                    f"n = {fixed['none']['n']}")
         out.append(f"full cache {fixed['full']['accuracy']:.3f}; no repair at B_base {fixed['none']['accuracy']:.3f} "
-                   "(exact match after turn 1)\n")
-        out.append("| K | " + " | ".join("matched no-repair" if c == "matched" else c for c in cells) + " |")
-        out.append("|---:|" + "---:|" * len(cells))
+                   f"(exact match after turn 1; turn 1: full {fixed['full']['accuracy_turn1']:.3f}, "
+                   f"B_base {fixed['none']['accuracy_turn1']:.3f})\n")
+        out.append("| K | " + " | ".join("matched no-repair" if c == "matched" else c for c in cells)
+                   + " | REPAIRKV − matched [95% CI] |")
+        out.append("|---:|" + "---:|" * len(cells) + "---:|")
         for k in sorted({r["repair_k"] for r in mine if r["repair_k"]}):
-            acc = {r["cell"]: r["accuracy"] for r in mine if r["repair_k"] == k}
-            out.append(f"| {k} | " + " | ".join(f"{acc[c]:.3f}" if c in acc else "-" for c in cells) + " |")
+            at = {r["cell"]: r for r in mine if r["repair_k"] == k}
+            gain = _gain(at["repairkv"]) if "repairkv" in at else "-"
+            out.append(f"| {k} | " + " | ".join(f"{at[c]['accuracy']:.3f}" if c in at else "-" for c in cells) + f" | {gain} |")
         out.append("")
     return "\n".join(out)
+
+
+def write_report(out: Path, title: str) -> list[dict]:
+    """results.csv / results.md / PNGs from every complete setup in the journal."""
+    rows = report_rows(out / "examples.jsonl")
+    if not rows:
+        return rows
+    with open(out / "results.csv", "w", newline="") as f:
+        w = csv.DictWriter(f, fieldnames=FIELDS)
+        w.writeheader()
+        for r in rows:
+            w.writerow({k: (f"{r[k]:.6g}" if isinstance(r[k], float) else r[k]) for k in FIELDS})
+    (out / "results.md").write_text(f"# {title}\n\n{markdown(rows)}")
+    plot(rows, out / "repair_vs_k.png")
+    plot_figure2(rows, out / "figure2.png")
+    return rows
+
+
+# ----------------------------------------------------------------------------- driver
+def _append(path: Path, record: dict) -> None:
+    with open(path, "a") as f:
+        f.write(json.dumps(record) + "\n")
 
 
 def run(args) -> list[dict]:
@@ -144,61 +437,72 @@ def run(args) -> list[dict]:
     bad = [p for p in policies if p not in REPAIR_POLICIES]
     if bad or not policies:
         raise ValueError(f"unknown repair policies {bad}; known: {', '.join(REPAIR_POLICIES)}")
-    if any(k < 1 for k in ks) or args.n < 1:
-        raise ValueError("--ks and --n must be positive")
+    if any(k < 1 for k in ks) or args.n < 1 or args.workers < 1 or args.chunk < 1:
+        raise ValueError("--ks, --n, --workers and --chunk must be positive")
     model = jaxkv.load_model(args.model)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
+    journal = out / "examples.jsonl"
     max_positions = int(min(model.config.max_position_embeddings,
                             1 << math.ceil(math.log2(max(2 * args.length + 8 * args.max_new_tokens, 1024)))))
     kw = dict(max_new_tokens=args.max_new_tokens, max_positions=max_positions)
-    rows = []
-    per_needles = (2 + len(ks) * (1 + len(policies))) * args.n
-    if not args.base_budget:  # calibration replays (an upper bound: equal candidates run once)
-        per_needles += min(args.calibrate_n, args.n) * len(args.candidates)
-    with tqdm(total=len(needles_list) * per_needles, desc="repair protocol", unit="example", file=sys.stderr) as bar:
-        for needles in needles_list:
-            examples = mqniah(args.n, PROTOCOL_SEED + needles, needles=needles, length=args.length, turns=args.turns)
+    for needles in needles_list:
+        seed = PROTOCOL_SEED + needles
+        examples = mqniah(args.n, seed, needles=needles, length=args.length, turns=args.turns)
+        common = {"model": args.model, "needles": needles, "turns": args.turns, "first_stage": args.first_stage,
+                  "length": args.length, "seed": seed, **kw}
+        base = args.base_budget or _calibrated(model, examples, common, journal, args, kw)
+        setup = {**common, "n": args.n, "base_budget": base, "ks": ks, "policies": policies}
+        done = next((recs for s, recs in load_records(journal)[1] if s == setup), {}) if args.resume else {}
+        todo = [i for i in range(args.n) if i not in done]
+        jobs = [(setup, run[0], [examples[i] for i in run], examples[(run[0] - 1) % args.n])
+                for run in _runs(todo, args.chunk)]
+        desc = f"{needles}Q {args.first_stage} {args.turns} turns, B_base {base}"
+        with tqdm(total=args.n, initial=args.n - len(todo), desc=desc, unit="example", file=sys.stderr) as bar:
+            for _, records in pool_map(_chunk_job, jobs, args.model, workers=args.workers, model=model, bar=bar):
+                for index, record in records:
+                    _append(journal, {"setup": setup, "index": index, **record})
+    title = f"RepairKV matched-budget protocol: {args.model}"
+    rows = write_report(out, title)
+    mine = [r for r in rows if r["needles"] in needles_list and r["turns"] == args.turns and r["first_stage"] == args.first_stage]
+    print(markdown(mine))
+    print(f"wrote {out}/results.csv, results.md, repair_vs_k.png, figure2.png (journal: {journal})")
+    return mine
 
-            def add(cell_name, cell, k=0):
-                bar.set_postfix_str(f"{needles}Q {cell_name} K={k}")
-                r = score(model, examples, cell, progress=bar.update, **kw)
-                rows.append({"needles": needles, "turns": args.turns, "first_stage": args.first_stage, "cell": cell_name,
-                             "repair_k": k, "budget": cell.budget if cell.budget is not None else "-",
-                             "base_budget": base, "n": len(examples), **r})
-                return r
 
-            base = "-"
-            full = add("full", Cell("full", None, None, "mqniah"))
-            if args.base_budget:
-                base = args.base_budget
-            else:
-                shortest = min(e.approx_tokens() for e in examples)
-                candidates = sorted({max(16, int(shortest * f)) for f in args.candidates})
-                cal = examples[: args.calibrate_n]
-                bar.set_postfix_str(f"{needles}Q calibrating B_base")
-                base, tried = calibrate(model, cal, args.first_stage, candidates, full["accuracy"], args.min_full,
-                                        progress=bar.update, **kw)
-                tqdm.write(f"{needles}Q calibration (n={len(cal)}): " + ", ".join(f"B={b}: {a:.3f}" for b, a in tried)
-                           + f" -> B_base {base}")
-            rows[-1]["base_budget"] = base
-            add("none", Cell(args.first_stage, base, "dead_slot", "mqniah"))
-            for k in ks:
-                add("matched", Cell(args.first_stage, base + k, "dead_slot", "mqniah", "matched", k, base), k)
-                for policy in policies:
-                    add(policy, Cell(args.first_stage, base, "dead_slot", "mqniah", policy, k, base), k)
-    with open(out / "results.csv", "w", newline="") as f:
-        w = csv.DictWriter(f, fieldnames=FIELDS)
-        w.writeheader()
-        for r in rows:
-            w.writerow({k: (f"{r[k]:.6g}" if isinstance(r[k], float) else r[k]) for k in FIELDS})
-    md = markdown(rows)
-    (out / "results.md").write_text(f"# RepairKV matched-budget protocol: {args.model}\n\n"
-                                    f"length {args.length}, max_new_tokens {args.max_new_tokens}\n\n{md}")
-    plot(rows, out / "repair_vs_k.png")
-    print(md)
-    print(f"wrote {out}/results.csv, results.md, repair_vs_k.png")
-    return rows
+def _runs(indices, size) -> list[list[int]]:
+    """``indices`` (sorted) cut into runs of consecutive values, at most ``size`` long."""
+    runs = []
+    for i in indices:
+        if runs and i == runs[-1][-1] + 1 and len(runs[-1]) < size:
+            runs[-1].append(i)
+        else:
+            runs.append([i])
+    return runs
+
+
+def _calibrated(model, examples, common, journal, args, kw) -> int:
+    """B_base from the journal's calibration for this setup, or a new calibration."""
+    from tqdm import tqdm
+
+    cal = examples[: args.calibrate_n]
+    key = {**common, "calibrate_n": len(cal), "candidates": args.candidates, "min_full": args.min_full,
+           "calibrate_k": args.calibrate_k}
+    calibrations, _ = load_records(journal)
+    found = calibrations.get(json.dumps(key, sort_keys=True))
+    if found is not None and args.resume:
+        return found["base_budget"]
+    shortest = min(e.approx_tokens() for e in examples)
+    candidates = sorted({max(16, int(shortest * f)) for f in args.candidates})
+    with tqdm(total=len(cal) * (1 + len(candidates)), desc=f"{common['needles']}Q calibrating B_base", unit="example",
+              file=sys.stderr) as bar:
+        full = score(model, cal, Cell("full", None, None, "mqniah"), progress=bar.update, **kw)["accuracy"]
+        base, tried = calibrate(model, cal, common["first_stage"], candidates, full, args.min_full,
+                                reference_k=args.calibrate_k, workers=args.workers, model_name=args.model, bar=bar, **kw)
+    tqdm.write(f"{common['needles']}Q calibration (n={len(cal)}): full {full:.3f}; no repair at B + {args.calibrate_k}: "
+               + ", ".join(f"B={b}: {a:.3f}" for b, a in tried) + f" -> B_base {base}")
+    _append(journal, {"setup": key, "calibration": tried, "full": full, "base_budget": base})
+    return base
 
 
 def build_parser():
@@ -214,10 +518,14 @@ def build_parser():
     p.add_argument("--length", type=int, default=2048)
     p.add_argument("--max-new-tokens", type=int, default=64)
     p.add_argument("--base-budget", type=int, default=None, help="B_base (default: calibrated)")
-    p.add_argument("--candidates", type=lambda s: [float(x) for x in s.split(",")], default=[0.05, 0.1, 0.2, 0.3, 0.5],
-                   help="calibration budgets as fractions of the shortest turn-1 request")
+    p.add_argument("--candidates", type=lambda s: [float(x) for x in s.split(",")],
+                   default=[0.05, 0.075, 0.1, 0.15, 0.2, 0.3], help="calibration budgets as fractions of the shortest turn-1 request")
+    p.add_argument("--calibrate-k", type=int, default=96, help="K at which calibration aims matched no-repair at half of full")
     p.add_argument("--calibrate-n", type=int, default=20)
     p.add_argument("--min-full", type=float, default=0.5, help="full-cache accuracy below which calibration refuses")
+    p.add_argument("--workers", type=int, default=1, help="processes replaying examples")
+    p.add_argument("--chunk", type=int, default=5, help="consecutive examples per worker job")
+    p.add_argument("--resume", action="store_true", help="skip examples and calibrations --out/examples.jsonl already holds")
     p.add_argument("--out", default="eval/results/repair_mqniah")
     return p
 

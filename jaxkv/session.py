@@ -140,6 +140,11 @@ class Session:
       policy: a retention method from ``jaxkv.policies.REGISTRY`` (None: full cache).
       budget: the retention budget B (live history tokens kept at an event).
       layout: ``"dead_slot"`` (default) or ``"compact"``.
+      protect_query: keep the actionable query (the latest user / tool message)
+        out of eviction, as ALGORITHMS.md §1 forces (default). False lets an event
+        evict inside it: for document QA where the document and the question
+        arrive in one message (the RepairKV protocol's MQ-NIAH), so the first
+        event compresses the document with the question's signal.
       repair: RepairKV restore budget K per turn boundary (0/None: off; needs a
         policy and the dead-slot layout).
       repair_policy: ``"repairkv" | "random" | "oldest" | "staleq" | "wrongq" | "refresh"``.
@@ -150,7 +155,8 @@ class Session:
       **policy_config: options of the policy's config (e.g. ``window=16``).
     """
 
-    def __init__(self, model: Model, *, server: Server | None = None, session_id: str | None = None, keep_reasoning: bool = False, max_new_tokens: int = 256, max_positions: int | None = None, num_slots: int | None = None, backend=None, policy: str | None = None, budget: int | None = None, layout: str = "dead_slot", repair: int | None = None, repair_policy: str = "repairkv", repair_when: str = "turn", repair_wrong_signal=None, **policy_config):
+    def __init__(self, model: Model, *, server: Server | None = None, session_id: str | None = None, keep_reasoning: bool = False, max_new_tokens: int = 256, max_positions: int | None = None, num_slots: int | None = None, backend=None, policy: str | None = None, budget: int | None = None, layout: str = "dead_slot", protect_query: bool = True, repair: int | None = None, repair_policy: str = "repairkv", repair_when: str = "turn", repair_wrong_signal=None, **policy_config):
+        self._owns_server = server is None
         self.server = server or Server(model, max_positions=max_positions, num_slots=num_slots, backend=backend)
         if self.server.model is not model:
             raise ConfigError("a session's model must be its server's model")
@@ -161,12 +167,10 @@ class Session:
         self.max_new_tokens = max_new_tokens
         self.metrics = Metrics()
         self.session_id: str | None = None
-        self.retention = _RetentionSpec.make(policy, budget, layout, policy_config) if policy else None
+        self.retention = _RetentionSpec.make(policy, budget, layout, policy_config, protect_query) if policy else None
         self.compressions: list = []  # CompressionReports of this session, in order
         self._cached_ids: list[int] | None = None  # what this session's last request cached
-        self.repair = repairkv.RepairConfig(int(repair), repair_policy, repair_when) if repair else None
-        if self.repair is not None and (self.retention is None or self.retention.layout != "dead_slot"):
-            raise ConfigError("repair needs a retention policy with the dead_slot layout (positions must survive eviction)")
+        self.repair = self._repair_config(repair, repair_policy, repair_when)
         self.repair_wrong_signal = repair_wrong_signal
         self.repairs: list = []  # RepairReports of this session, one per turn boundary it ran at
         self._requests = 0  # requests opened so far (the turn index of reports)
@@ -191,13 +195,18 @@ class Session:
         names = [tool_name(t) for t in tools] if tools else None
         return parse_assistant(text, names)
 
-    def replay(self, messages: Sequence[Mapping[str, Any]], tools=None, *, generate: bool = False, max_new_tokens: int | None = None, return_logits: bool = False) -> list[TurnResult]:
-        """Feed a recorded conversation turn by turn (see the module docstring)."""
+    def replay(self, messages: Sequence[Mapping[str, Any]], tools=None, *, generate: bool = False, max_new_tokens: int | None = None, return_logits: bool = False, start_turn: int = 0) -> list[TurnResult]:
+        """Feed a recorded conversation turn by turn (see the module docstring).
+
+        ``start_turn``: skip the first ``start_turn`` assistant turns, which this
+        session (or the session it was forked from) has already replayed; one
+        ``TurnResult`` per replayed turn."""
+        if start_turn < 0:
+            raise ValueError(f"start_turn must be >= 0, got {start_turn}")
         results = []
         n_new = self.max_new_tokens if max_new_tokens is None else max_new_tokens
-        for j, msg in enumerate(messages):
-            if msg.get("role") != "assistant":
-                continue
+        assistant_at = [j for j, m in enumerate(messages) if m.get("role") == "assistant"]
+        for j in assistant_at[start_turn:]:
             prompt = self._render(messages[:j], tools, add_generation_prompt=True)
             full = self._render(messages[: j + 1], tools, add_generation_prompt=False).ids
             self._check_length(max(full.size, prompt.ids.size + (n_new if generate else 0)), 0)
@@ -223,6 +232,51 @@ class Session:
             results.append(result)
         return results
 
+    @property
+    def repair_signal(self):
+        """The latest request's repair ``Signal`` (post-RoPE query rows of its
+        actionable query), or None before the first request or without repair."""
+        return self._repair_signal
+
+    def fork(self, **repair_options) -> "Session":
+        """An independent copy of this conversation and its private server.
+
+        The copy has the same cached tokens (pool, slot maps, radix cache with its
+        holes), host tier, policy state, metrics and repair history; turns run on
+        either afterwards leave the other untouched. Evaluations use it to branch
+        after a shared prefix: the RepairKV protocol replays turn 1 once and every
+        repair policy from there, which equals replaying each from scratch (the
+        first request never repairs: nothing was shelved before it).
+
+        ``repair_options`` (``repair``, ``repair_policy``, ``repair_when``,
+        ``repair_wrong_signal``) change the copy's repair choice from its next
+        turn on, validated as in ``Session(...)``. Only a session with its own
+        server can fork (``ConfigError`` otherwise: a shared server holds other
+        sessions' state). The model's weights are shared, the pool is copied.
+        """
+        import copy
+
+        if not self._owns_server:
+            raise ConfigError("only a session with its own server can fork (this one shares a Server)")
+        unknown = set(repair_options) - {"repair", "repair_policy", "repair_when", "repair_wrong_signal"}
+        if unknown:
+            raise ConfigError(f"fork changes only the repair options, not {', '.join(sorted(unknown))}")
+        current = self.repair or repairkv.RepairConfig(1)
+        repair = self._repair_config(
+            repair_options.get("repair", self.repair.k if self.repair else None),
+            repair_options.get("repair_policy", current.policy), repair_options.get("repair_when", current.when))
+        engine = self.server.engine
+        if any(state is not None for state in engine.row_state):
+            raise JaxKVError("cannot fork a session in the middle of a turn (a cache row is open)")
+        shared = (self.model, self.tokenizer, engine.params, engine.graphdef)
+        memo = {id(x): x for x in shared}
+        memo[id(engine.cache)] = jax.tree.map(jnp.copy, engine.cache)  # the pool is donated by later updates
+        twin = copy.deepcopy(self, memo)
+        twin.repair = repair
+        if "repair_wrong_signal" in repair_options:
+            twin.repair_wrong_signal = repair_options["repair_wrong_signal"]
+        return twin
+
     def close(self) -> None:
         """End the session: release its host-tier rows and repair signal."""
         if self.session_id is not None:
@@ -247,6 +301,14 @@ class Session:
     def _open(self, rendered) -> "_Turn":
         return _Turn(self, rendered)
 
+    def _repair_config(self, k, policy, when):
+        if not k:
+            return None
+        config = repairkv.RepairConfig(int(k), policy, when)
+        if self.retention is None or self.retention.layout != "dead_slot":
+            raise ConfigError("repair needs a retention policy with the dead_slot layout (positions must survive eviction)")
+        return config
+
     def _retention_state(self) -> "_RetentionState | None":
         """This session's policy state, kept in the server's LRU session store."""
         spec = self.retention
@@ -264,20 +326,23 @@ class _RetentionSpec:
     config: object
     budget: int
     layout: str
+    protect_query: bool = True
 
     @classmethod
-    def make(cls, name, budget, layout, options):
+    def make(cls, name, budget, layout, options, protect_query=True):
         policy = get_policy(name)
         config = policy.make_config(**options)
         if budget is None or int(budget) < 1:
             raise ConfigError(f"policy {name!r} needs a positive budget, got {budget!r}")
         if layout not in LAYOUTS:
             raise ConfigError(f"unknown layout {layout!r}; known: {', '.join(LAYOUTS)}")
-        return cls(policy, config, int(budget), layout)
+        if not isinstance(protect_query, bool):
+            raise ConfigError(f"protect_query must be True or False, got {protect_query!r}")
+        return cls(policy, config, int(budget), layout, protect_query)
 
     @property
     def key(self):
-        return (self.policy.name, repr(self.config), self.budget, self.layout)
+        return (self.policy.name, repr(self.config), self.budget, self.layout, self.protect_query)
 
 
 @functools.partial(jax.jit, static_argnums=(0, 1))
@@ -327,7 +392,10 @@ class _Turn:
         self.tokens: list[int] = ids[: self.reused].tolist()
         self.phase = np.asarray(rendered.phase, np.int32)[: self.reused]
         pinned = np.zeros(n, bool)
-        for a, b in (rendered.spans.protected_prefix, rendered.spans.actionable_query):
+        spans = [rendered.spans.protected_prefix]
+        if self.spec is None or self.spec.protect_query:
+            spans.append(rendered.spans.actionable_query)
+        for a, b in spans:
             pinned[a:b] = True
         self._pinned_prompt = pinned
         self.pinned = pinned[: self.reused]

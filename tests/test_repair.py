@@ -336,3 +336,69 @@ def test_repairs_persist_in_the_radix_cache(agent_model):
     shelved = set(server.host_tier.rows(session.session_id).positions_M.tolist()) if server.host_tier.session_size(session.session_id) else set()
     assert not shelved & set(promoted.tolist())
     _assert_no_leak(server)
+
+
+# ============================================================================ forking and protect_query
+def _turn_counts(messages):
+    return sum(m["role"] == "assistant" for m in messages)
+
+
+def test_a_fork_replays_like_a_fresh_session_and_leaves_its_origin_alone(agent_model):
+    """Replaying turn 1, forking with a repair choice and replaying the rest gives the
+    same replies, repairs and cache contents as one session with that choice from
+    the start; the origin's pool, tables, radix and tier are untouched by the fork."""
+    convo = _conversation(3)
+    opts = dict(max_positions=512, keep_reasoning=True, policy="snapkv", budget=40, w=8)
+    origin = Session(agent_model, repair=1, **opts)
+    first = origin.replay(convo[:3], None, generate=True, max_new_tokens=4)
+    before = (np.asarray(origin.server.engine.cache.k).copy(), origin.server.radix.held_slots().copy(),
+              origin.server.host_tier.session_size(origin.session_id))
+    for policy in ("repairkv", "refresh", "oldest"):
+        twin = origin.fork(repair=6, repair_policy=policy)
+        rest = twin.replay(convo, None, generate=True, max_new_tokens=4, start_turn=1)
+        fresh = Session(agent_model, repair=6, repair_policy=policy, **opts)
+        ref = fresh.replay(convo, None, generate=True, max_new_tokens=4)
+        assert [t.generated for t in first + rest] == [t.generated for t in ref]
+        assert [r.promoted_positions.tolist() for r in twin.repairs] == [r.promoted_positions.tolist() for r in fresh.repairs]
+        assert twin.repairs[1].promoted_positions.size > 0, policy
+        assert np.array_equal(twin.server.radix.held_slots(), fresh.server.radix.held_slots())
+        _assert_no_leak(twin.server)
+    assert np.array_equal(np.asarray(origin.server.engine.cache.k), before[0])
+    assert np.array_equal(origin.server.radix.held_slots(), before[1])
+    assert origin.server.host_tier.session_size(origin.session_id) == before[2] > 0
+    assert len(origin.repairs) == 1 and _turn_counts(convo) == 3
+
+
+def test_fork_rejects_shared_servers_and_other_options(agent_model):
+    server = Server(agent_model, max_positions=256)
+    shared = Session(agent_model, server=server, policy="snapkv", budget=50)
+    with pytest.raises(ConfigError, match="own server"):
+        shared.fork()
+    own = Session(agent_model, max_positions=256, policy="snapkv", budget=50)
+    with pytest.raises(ConfigError, match="budget"):
+        own.fork(budget=10)
+    with pytest.raises(RepairError, match="repair policy"):
+        own.fork(repair=4, repair_policy="nope")
+    assert own.repair is None and own.fork(repair=4).repair.k == 4
+    with pytest.raises(ConfigError, match="dead_slot"):
+        Session(agent_model, max_positions=256, policy="snapkv", budget=50, layout="compact").fork(repair=4)
+    with pytest.raises(ValueError, match="start_turn"):
+        own.replay(_conversation(0), None, start_turn=-1)
+
+
+def test_protect_query_false_lets_the_first_event_evict_inside_the_question(agent_model):
+    """A document + question in one user message: protected (the default) the event
+    cannot evict any of it; with ``protect_query=False`` it keeps the budget."""
+    convo = _conversation(4)[:3]
+    kept = {}
+    for protect in (True, False):
+        session = Session(agent_model, max_positions=512, keep_reasoning=True, policy="snapkv", budget=40, w=8,
+                          protect_query=protect)
+        session.replay(convo, None, generate=False)
+        event = session.compressions[0]
+        kept[protect] = (event.live_before, event.live_after)
+    live, after_protected = kept[True]
+    assert after_protected > 120 > 40  # the 120-word user message survives whole
+    assert kept[False] == (live, 40)
+    with pytest.raises(ConfigError, match="protect_query"):
+        Session(agent_model, max_positions=256, policy="snapkv", budget=50, protect_query="no")

@@ -10,7 +10,8 @@ Invariants:
   * each key maps to its own value: ``get_or_create`` calls the factory once per
     new key, so two sessions never share state unless a caller stores the same
     object under two keys;
-  * operations are atomic under an internal lock (safe from several threads).
+  * operations are atomic under an internal lock (safe from several threads);
+    a copy (``copy.deepcopy``, pickling) gets its own lock.
 Cost: O(1) per operation (``OrderedDict``).
 """
 
@@ -35,6 +36,16 @@ class SessionStore:
         self._items: OrderedDict[Hashable, Any] = OrderedDict()
         self._lock = threading.Lock()
         self.evictions = 0
+
+    def __getstate__(self):  # copies (Session.fork) get a lock of their own
+        with self._lock:
+            state = dict(self.__dict__)
+        del state["_lock"]
+        return state
+
+    def __setstate__(self, state):
+        self.__dict__.update(state)
+        self._lock = threading.Lock()
 
     def get(self, key: Hashable, default: Any = None) -> Any:
         """The state of ``key`` (marking it most recently used), or ``default``."""
