@@ -10,7 +10,8 @@ target (tool-call name + arguments, or the answer string); the generated reply
 is then discarded and the recorded one teacher-forced, so every turn sees the
 same history whatever the model produced. One fresh session per example, so the
 radix cache reuses prefixes across the turns of an example, never across
-examples.
+examples. MQ-NIAH sessions run with ``protect_query=False`` (``TASK_SESSION_OPTIONS``):
+the document arrives in the same message as the first question.
 
 Per cell (method, budget, layout, task) it reports: ``accuracy`` (scored turns
 exact-matched, turns of incomplete examples counted wrong), ``completion``

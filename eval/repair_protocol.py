@@ -310,31 +310,46 @@ def plot(rows, path: Path) -> None:
     panels = _panels(rows)
     cols = min(4, len(panels))
     nrows = math.ceil(len(panels) / cols)
-    fig, axes = plt.subplots(nrows, cols, figsize=(5.2 * cols, 4 * nrows), squeeze=False)
+    ncol = min(5, 2 * cols)  # legend columns; at most 9 entries
+    legend_h = 0.25 * math.ceil(9 / ncol) + 0.1
+    fig, axes = plt.subplots(nrows, cols, figsize=(4.6 * cols, 3.7 * nrows + legend_h), squeeze=False)
     for ax in axes.flat[len(panels):]:
         ax.axis("off")
+    handles = {}
     for ax, (needles, turns, stage) in zip(axes.flat, panels):
         mine = [r for r in rows if (r["needles"], r["turns"], r["first_stage"]) == (needles, turns, stage)]
         for cell in ("repairkv", "matched", *[p for p in REPAIR_POLICIES if p != "repairkv"]):
             pts = sorted((r["repair_k"], r["accuracy"]) for r in mine if r["cell"] == cell)
             if pts:
-                style = {"repairkv": dict(color="C3", linewidth=2.2), "matched": dict(color="gray", linestyle="--")}.get(cell, {})
-                ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", markersize=3,
-                        label="matched no-repair" if cell == "matched" else cell, **style)
+                label = "matched no-repair (B_base + K)" if cell == "matched" else cell
+                (line,) = ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", markersize=3, **_STYLE[cell])
+                handles[label] = line
         for r in mine:
             if r["cell"] == "full":
-                ax.axhline(r["accuracy"], color="black", linestyle="--", linewidth=0.8, label="full cache")
+                handles["full cache"] = ax.axhline(r["accuracy"], color="black", linestyle="--", linewidth=0.8)
             if r["cell"] == "none":
-                ax.axhline(r["accuracy"], color="red", linestyle=":", linewidth=0.8, label=f"no repair (B_base={r['budget']})")
-        ax.set_title(f"MQ-NIAH-{needles}Q{'' if turns == 2 else f', {turns} turns'}, {stage} first stage", fontsize=10)
+                handles["no repair at B_base"] = ax.axhline(r["accuracy"], color="red", linestyle=":", linewidth=0.8)
+        ax.set_title(f"MQ-NIAH-{needles}Q{'' if turns == 2 else f', {turns} turns'}, {stage}, B_base {mine[0]['base_budget']}",
+                     fontsize=9)
         ax.set_xlabel("repair budget K (rows)")
         ax.set_ylabel("exact match after turn 1")
         ax.set_ylim(-0.02, 1.02)
         ax.grid(alpha=0.3)
-        ax.legend(fontsize=6)
-    fig.tight_layout()
+    fig.legend(list(handles.values()), list(handles), loc="lower center", ncol=ncol, fontsize=8, frameon=False)
+    fig.tight_layout(rect=(0, legend_h / (3.7 * nrows + legend_h), 1, 1))
     fig.savefig(path, dpi=110)
     plt.close(fig)
+
+
+_STYLE = {
+    "repairkv": dict(color="C3", linewidth=2.2),
+    "matched": dict(color="gray", linestyle="--"),
+    "random": dict(color="C0", linewidth=1),
+    "oldest": dict(color="C1", linewidth=1),
+    "staleq": dict(color="C2", linewidth=1),
+    "wrongq": dict(color="C9", linewidth=1),
+    "refresh": dict(color="C4", linewidth=1),
+}
 
 
 def plot_figure2(rows, path: Path, *, first_stage="snapkv", turns=2, label_k=96) -> bool:
@@ -439,10 +454,17 @@ def run(args) -> list[dict]:
         raise ValueError(f"unknown repair policies {bad}; known: {', '.join(REPAIR_POLICIES)}")
     if any(k < 1 for k in ks) or args.n < 1 or args.workers < 1 or args.chunk < 1:
         raise ValueError("--ks, --n, --workers and --chunk must be positive")
-    model = jaxkv.load_model(args.model)
     out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
     journal = out / "examples.jsonl"
+    title = f"RepairKV matched-budget protocol: {args.model}"
+    if args.report_only:
+        if not journal.exists():
+            raise ProtocolError(f"no journal at {journal}: nothing to report")
+        rows = write_report(out, title)
+        print(markdown(rows))
+        return rows
+    model = jaxkv.load_model(args.model)
+    out.mkdir(parents=True, exist_ok=True)
     max_positions = int(min(model.config.max_position_embeddings,
                             1 << math.ceil(math.log2(max(2 * args.length + 8 * args.max_new_tokens, 1024)))))
     kw = dict(max_new_tokens=args.max_new_tokens, max_positions=max_positions)
@@ -462,7 +484,6 @@ def run(args) -> list[dict]:
             for _, records in pool_map(_chunk_job, jobs, args.model, workers=args.workers, model=model, bar=bar):
                 for index, record in records:
                     _append(journal, {"setup": setup, "index": index, **record})
-    title = f"RepairKV matched-budget protocol: {args.model}"
     rows = write_report(out, title)
     mine = [r for r in rows if r["needles"] in needles_list and r["turns"] == args.turns and r["first_stage"] == args.first_stage]
     print(markdown(mine))
@@ -519,13 +540,14 @@ def build_parser():
     p.add_argument("--max-new-tokens", type=int, default=64)
     p.add_argument("--base-budget", type=int, default=None, help="B_base (default: calibrated)")
     p.add_argument("--candidates", type=lambda s: [float(x) for x in s.split(",")],
-                   default=[0.05, 0.075, 0.1, 0.15, 0.2, 0.3], help="calibration budgets as fractions of the shortest turn-1 request")
+                   default=[0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.5], help="calibration budgets as fractions of the shortest turn-1 request")
     p.add_argument("--calibrate-k", type=int, default=96, help="K at which calibration aims matched no-repair at half of full")
     p.add_argument("--calibrate-n", type=int, default=20)
     p.add_argument("--min-full", type=float, default=0.5, help="full-cache accuracy below which calibration refuses")
     p.add_argument("--workers", type=int, default=1, help="processes replaying examples")
     p.add_argument("--chunk", type=int, default=5, help="consecutive examples per worker job")
     p.add_argument("--resume", action="store_true", help="skip examples and calibrations --out/examples.jsonl already holds")
+    p.add_argument("--report-only", action="store_true", help="rebuild the report from --out/examples.jsonl, replay nothing")
     p.add_argument("--out", default="eval/results/repair_mqniah")
     return p
 

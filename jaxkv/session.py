@@ -28,7 +28,9 @@ to the host tier. Reports: ``Session.repairs``.
 ``Session.replay`` feeds a recorded conversation turn by turn, teacher-forcing
 the recorded assistant messages (and optionally generating a reply at each
 assistant turn for scoring, then discarding it), so evaluations do not depend on
-what a small model happens to generate.
+what a small model happens to generate. ``Session.fork`` copies a session that
+owns its server (pool copied, weights shared), so an evaluation can branch after a
+shared prefix of turns.
 
 Invariants: at least one prompt token is always prefilled (its logits start the
 reply), so a fully cached prompt reuses all but its last token; a request's

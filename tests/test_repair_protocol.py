@@ -77,6 +77,9 @@ def test_resume_skips_journaled_examples(task_model_dir, tmp_path, monkeypatch):
     again = rp.run(_args(task_model_dir, out, "--n", "3", "--base-budget", "200", "--ks", "8", "--policies", "repairkv",
                          "--resume"))
     assert again == first and len((out / "examples.jsonl").read_text().splitlines()) == 3
+    assert rp.run(_args(task_model_dir, out, "--report-only")) == first
+    with pytest.raises(rp.ProtocolError, match="no journal"):
+        rp.run(_args(task_model_dir, tmp_path / "empty", "--report-only"))
     # another setup (a different B_base) is not served from the journal
     with pytest.raises(AssertionError, match="journaled"):
         rp.run(_args(task_model_dir, out, "--n", "3", "--base-budget", "210", "--ks", "8", "--policies", "repairkv",
