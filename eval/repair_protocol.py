@@ -365,6 +365,7 @@ def plot_figure2(rows, path: Path, *, first_stage="snapkv", turns=2, label_k=96)
     if not mine:
         return False
     fig, ax = plt.subplots(figsize=(6.4, 4.4))
+    labels = []  # (y, text, colour) at the right end of each REPAIRKV curve
     for color, needles in enumerate(sorted({r["needles"] for r in mine})):
         cur = {c: sorted((r["repair_k"], r["accuracy"]) for r in mine if r["needles"] == needles and r["cell"] == c)
                for c in ("repairkv", "matched")}
@@ -374,10 +375,14 @@ def plot_figure2(rows, path: Path, *, first_stage="snapkv", turns=2, label_k=96)
                         linewidth=2 if c == "repairkv" else 1.4)
         at = {c: dict(cur[c]).get(label_k) for c in cur}
         if cur["repairkv"]:
-            k_last, y_last = cur["repairkv"][-1]
             gain = f", Δ{label_k} {at['repairkv'] - at['matched']:+.2f}" if None not in at.values() else ""
-            ax.annotate(f"{needles}Q{gain}", (k_last, y_last), xytext=(4, 0), textcoords="offset points",
-                        color=f"C{color}", fontsize=8, va="center")
+            labels.append([cur["repairkv"][-1][1], f"{needles}Q{gain}", f"C{color}"])
+    k_right = max(r["repair_k"] for r in mine)
+    labels.sort(key=lambda lab: lab[0])
+    for i in range(1, len(labels)):  # keep labels at least 0.05 apart, pushing upwards
+        labels[i][0] = max(labels[i][0], labels[i - 1][0] + 0.05)
+    for y, text, color in labels:
+        ax.annotate(text, (k_right, y), xytext=(4, 0), textcoords="offset points", color=color, fontsize=8, va="center")
     ax.plot([], [], "k-", label="REPAIRKV")
     ax.plot([], [], "k:", label="matched no-repair (B_base + K)")
     ax.set_xlabel("repair budget K (rows)")
