@@ -197,19 +197,28 @@ def cell_key(cell: Cell) -> str:
     return json.dumps(dataclasses.astuple(cell))
 
 
+def read_journal(path: Path):
+    """The records of a JSON-lines journal, in order (none when it does not exist;
+    a line cut short by an interrupted write is skipped)."""
+    if not path.exists():
+        return
+    for line in path.read_text().splitlines():
+        try:
+            yield json.loads(line)
+        except json.JSONDecodeError:
+            continue
+
+
+def append_journal(path: Path, record: dict) -> None:
+    """Append one record to a JSON-lines journal (one line, written at once)."""
+    with open(path, "a") as f:
+        f.write(json.dumps(record) + "\n")
+
+
 def load_journal(path: Path, setup: dict) -> dict:
     """Rows of finished cells recorded in ``path`` under the same ``setup``
     (other setups' lines are ignored: their examples differ)."""
-    rows = {}
-    if path.exists():
-        for line in path.read_text().splitlines():
-            try:
-                rec = json.loads(line)
-            except json.JSONDecodeError:
-                continue  # a line cut short by an interrupted write
-            if rec.get("setup") == setup:
-                rows[rec["key"]] = rec["row"]
-    return rows
+    return {rec["key"]: rec["row"] for rec in read_journal(path) if rec.get("setup") == setup}
 
 
 def run_cells(model, examples, cells, setup, *, workers=1, bar=None):
@@ -498,8 +507,7 @@ def run(args) -> list[dict]:
             tqdm.write(f"--resume: {len(cells) - len(todo)} of {len(cells)} cells already in {journal}", file=sys.stderr)
         for cell, row in run_cells(model, examples, todo, setup, workers=args.workers, bar=bar):
             done[cell_key(cell)] = row
-            with open(journal, "a") as f:
-                f.write(json.dumps({"setup": setup, "key": cell_key(cell), "row": row}) + "\n")
+            append_journal(journal, {"setup": setup, "key": cell_key(cell), "row": row})
     rows = [done[cell_key(c)] for c in cells]
     write_csv(rows, out / "results.csv")
     md = [f"# jaxkv eval: {args.model}", "", f"n={args.n} per cell, length {args.length}, max_new_tokens {args.max_new_tokens}", ""]

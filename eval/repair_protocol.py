@@ -76,8 +76,8 @@ from pathlib import Path
 
 import numpy as np
 
-from eval.harness import (EVAL_SEED_BASE, REPAIR_POLICIES, TASK_SESSION_OPTIONS, Cell, pool_map, reply_matches, replay_cell,
-                          replay_example)
+from eval.harness import (EVAL_SEED_BASE, REPAIR_POLICIES, TASK_SESSION_OPTIONS, Cell, append_journal, pool_map,
+                          read_journal, reply_matches, replay_cell, replay_example)
 
 FIELDS = ("needles", "turns", "first_stage", "cell", "repair_k", "budget", "base_budget", "n", "accuracy",
           "accuracy_turn1", "completion", "gain_vs_matched", "gain_ci_low", "gain_ci_high")
@@ -107,14 +107,14 @@ def cell_names(ks, policies) -> list[str]:
     return ["full", "none"] + [f"{c}@{k}" for k in ks for c in ("matched", *policies)]
 
 
-def _base_session(model, example, setup):
-    """A session at ``B_base`` with repair on, after turn 1 (which never repairs)."""
+def _base_session(model, setup):
+    """A fresh session at ``B_base`` with repair on (turn 1 never repairs: nothing
+    is shelved before it, so K and the policy do not matter until it is forked)."""
     from jaxkv.session import Session
 
-    session = Session(model, max_positions=setup["max_positions"], max_new_tokens=setup["max_new_tokens"],
-                      policy=setup["first_stage"], budget=setup["base_budget"], layout="dead_slot", repair=1,
-                      **TASK_SESSION_OPTIONS["mqniah"])
-    return session
+    return Session(model, max_positions=setup["max_positions"], max_new_tokens=setup["max_new_tokens"],
+                   policy=setup["first_stage"], budget=setup["base_budget"], layout="dead_slot", repair=1,
+                   **TASK_SESSION_OPTIONS["mqniah"])
 
 
 def _replay(session, example, setup, *, start_turn: int, stop_turn: int | None = None, generate=True) -> dict:
@@ -132,10 +132,16 @@ def turn2_signal(model, example, setup):
     """The repair signal of ``example``'s second request at ``B_base`` (what WrongQ-K
     hands to the next example); the same in every repair cell (it is read before
     the repair)."""
-    session = _base_session(model, example, setup)
+    session = _base_session(model, setup)
     _replay(session, example, setup, start_turn=0, stop_turn=1, generate=False)
-    _replay(session, example, setup, start_turn=1, stop_turn=2, generate=False)
-    return session.repair_signal
+    return _signal_after_turn1(session, example, setup)
+
+
+def _signal_after_turn1(session, example, setup):
+    """``turn2_signal`` from a base session that has replayed turn 1 (left as is)."""
+    probe = session.fork()
+    _replay(probe, example, setup, start_turn=1, stop_turn=2, generate=False)
+    return probe.repair_signal
 
 
 def example_verdicts(model, example, setup, donor_signal) -> dict:
@@ -165,13 +171,11 @@ def example_verdicts(model, example, setup, donor_signal) -> dict:
     repair_cells = [(p, k) for k in setup["ks"] for p in setup["policies"]]
     signal = None
     try:
-        session = _base_session(model, example, setup)
+        session = _base_session(model, setup)
         first = _replay(session, example, setup, start_turn=0, stop_turn=1)
         if any(r.promoted_positions.size for r in session.repairs):
             raise RuntimeError("turn 1 promoted rows: forks of it would not equal fresh replays")
-        probe = session.fork()
-        _replay(probe, example, setup, start_turn=1, stop_turn=2, generate=False)
-        signal = probe.repair_signal
+        signal = _signal_after_turn1(session, example, setup)
         for policy, k in repair_cells:
             twin = session.fork(repair=k, repair_policy=policy,
                                 repair_wrong_signal=donor_signal if policy == "wrongq" else None)
@@ -224,17 +228,12 @@ def load_records(path: Path) -> tuple[dict, list]:
     """``({calibration setup: record}, [(setup, {index: example record})])`` from a
     journal; one entry per distinct example setup, in first-seen order."""
     calibrations, examples = {}, {}
-    if path.exists():
-        for line in path.read_text().splitlines():
-            try:
-                rec = json.loads(line)
-            except json.JSONDecodeError:
-                continue  # a line cut short by an interrupted write
-            key = json.dumps(rec.get("setup"), sort_keys=True)
-            if "calibration" in rec:
-                calibrations[key] = rec
-            elif "index" in rec:
-                examples.setdefault(key, (rec["setup"], {}))[1][rec["index"]] = rec
+    for rec in read_journal(path):
+        key = json.dumps(rec.get("setup"), sort_keys=True)
+        if "calibration" in rec:
+            calibrations[key] = rec
+        elif "index" in rec:
+            examples.setdefault(key, (rec["setup"], {}))[1][rec["index"]] = rec
     return calibrations, list(examples.values())
 
 
@@ -441,11 +440,6 @@ def write_report(out: Path, title: str) -> list[dict]:
 
 
 # ----------------------------------------------------------------------------- driver
-def _append(path: Path, record: dict) -> None:
-    with open(path, "a") as f:
-        f.write(json.dumps(record) + "\n")
-
-
 def run(args) -> list[dict]:
     import jaxkv
     from eval.tasks import mqniah
@@ -488,7 +482,7 @@ def run(args) -> list[dict]:
         with tqdm(total=args.n, initial=args.n - len(todo), desc=desc, unit="example", file=sys.stderr) as bar:
             for _, records in pool_map(_chunk_job, jobs, args.model, workers=args.workers, model=model, bar=bar):
                 for index, record in records:
-                    _append(journal, {"setup": setup, "index": index, **record})
+                    append_journal(journal, {"setup": setup, "index": index, **record})
     rows = write_report(out, title)
     mine = [r for r in rows if r["needles"] in needles_list and r["turns"] == args.turns and r["first_stage"] == args.first_stage]
     print(markdown(mine))
@@ -527,7 +521,7 @@ def _calibrated(model, examples, common, journal, args, kw) -> int:
                                 reference_k=args.calibrate_k, workers=args.workers, model_name=args.model, bar=bar, **kw)
     tqdm.write(f"{common['needles']}Q calibration (n={len(cal)}): full {full:.3f}; no repair at B + {args.calibrate_k}: "
                + ", ".join(f"B={b}: {a:.3f}" for b, a in tried) + f" -> B_base {base}")
-    _append(journal, {"setup": key, "calibration": tried, "full": full, "base_budget": base})
+    append_journal(journal, {"setup": key, "calibration": tried, "full": full, "base_budget": base})
     return base
 
 
