@@ -37,6 +37,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from jaxkv import pallas
 from jaxkv.cache.allocator import SENTINEL_SLOT, SlotAllocator
 from jaxkv.cache.state import PagedKVCache, append_tokens
 from jaxkv.errors import ContextLengthError, JaxKVError
@@ -153,7 +154,8 @@ def decode_loop(
         cache = append_tokens(cache, slot[:, None], active.astype(jnp.int32))
         live_BN = cache.live_idx[:, :n_read]
         logits, k, v, step_aux = model.decode(
-            last, pos, cache.k, cache.v, live_BN, cache.live_len, slot, backend=backend, features=features
+            last, pos, cache.k, cache.v, live_BN, cache.live_len, slot, features=features,
+            decode_attention=functools.partial(pallas.decode_attention, backend=backend),
         )
         cache = cache.replace(k=k, v=v)
         aux = dict(aux)

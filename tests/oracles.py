@@ -18,7 +18,7 @@ def logits_over_kept(model, prefix_tokens, keep, new_tokens, *, renumber=False):
     """With ``renumber`` (compact layout) the kept rows move to positions
     ``0..K-1`` (keys re-rotated from the dense run's keys) and the new tokens
     follow at ``K, K+1, ...``; otherwise everything keeps its position."""
-    from jaxkv.models.rope import apply_rope
+    from jaxkv.rope import apply_rope
 
     module = model.module
     prefix = jnp.asarray([prefix_tokens], jnp.int32)

@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 from jaxkv.config import RopeConfig
-from jaxkv.models.rope import apply_rope, inv_frequencies
+from jaxkv.rope import apply_rope, inv_frequencies
 from jaxkv.pallas import rope_delta
 from jaxkv.pallas.testing import rel_err
 

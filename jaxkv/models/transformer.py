@@ -14,8 +14,10 @@ Three ways to run the same weights:
 * ``model.prefill(...)``: a chunk attends to the request's cached live slots and to
   itself; its K/V are written to the pool at the slots the host chose.
 * ``model.decode(...)``: one token per request; its K/V are written first, then it
-  attends over the live-index list (which already lists the new slot) through
-  ``jaxkv.pallas.decode_attention``: the kernel on GPU/TPU, the jnp reference on CPU.
+  attends over the live-index list (which already lists the new slot) through the
+  ``decode_attention`` function it is given (the engine passes
+  ``jaxkv.pallas.decode_attention`` bound to a backend; default: the jnp
+  reference). The model imports no kernels.
 
 Features for retention policies (post-RoPE query rows at chosen chunk indices,
 per-key attention mass) are returned in an ``aux`` dict when the static
@@ -31,9 +33,8 @@ import jax.numpy as jnp
 from flax import nnx
 
 from jaxkv import attention as ref_attention
-from jaxkv import pallas
 from jaxkv.config import ModelConfig
-from jaxkv.models.rope import apply_rope
+from jaxkv.rope import apply_rope
 
 
 @dataclasses.dataclass(frozen=True)
@@ -246,11 +247,12 @@ class Transformer(nnx.Module):
         write_slots_B,
         *,
         features: Features = NO_FEATURES,
-        backend=None,
+        decode_attention=ref_attention.decode_attention_reference,
     ):
         """One decode step. ``live_idx_BN[:live_len]`` must already list the new slot.
 
-        Returns ``(logits [B,V] f32, k_pool, v_pool, aux)``.
+        ``decode_attention(q_BHD, k_pool_SKD, v_pool_SKD, live_idx_BN, live_len_B)
+        -> out_BHD`` reads one layer of the pool. Returns ``(logits [B,V] f32, k_pool, v_pool, aux)``.
         """
         pools = {"k": k_pool_LSKD, "v": v_pool_LSKD}
         aux = {"q_rows": [], "attn_mass": []}
@@ -264,9 +266,7 @@ class Transformer(nnx.Module):
                 )
                 aux["attn_mass"].append(probs)
             else:
-                o = pallas.decode_attention(
-                    q[:, 0], pools["k"][i], pools["v"][i], live_idx_BN, live_len_B, backend=backend
-                )
+                o = decode_attention(q[:, 0], pools["k"][i], pools["v"][i], live_idx_BN, live_len_B)
             if features.query_rows:
                 aux["q_rows"].append(q)
             return o[:, None]

@@ -32,7 +32,7 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
 from jaxkv.config import RopeConfig
-from jaxkv.models.rope import apply_rope, inv_frequencies
+from jaxkv.rope import apply_rope, inv_frequencies
 from jaxkv.pallas._dispatch import pallas_options, resolve_backend
 
 SLOT_BLOCK = 64
