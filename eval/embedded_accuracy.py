@@ -5,9 +5,9 @@
 
 What it measures (issue 4): for ``--n`` held-out examples of each task,
 
-* **MQ-NIAH** (``eval.tasks.mqniah``, 4 needles, split query): both assistant turns;
+* **MQ-NIAH** (``jaxkv.tasks.mqniah``, 4 needles, split query): both assistant turns;
   a turn is correct when its answer (``key: value, ...``) equals the target exactly.
-* **Agent traces** (``eval.tasks.agent_traces``): every assistant turn (``search``,
+* **Agent traces** (``jaxkv.tasks.agent_traces``): every assistant turn (``search``,
   ``open``, ``lookup`` calls and the final answer); a tool-call turn is correct when
   the parsed call's name and JSON arguments equal the target's, an answer turn when
   its content equals the target's.
@@ -66,8 +66,8 @@ class ExampleJobs:
 
 def heldout_examples(task: str, n: int, length: int):
     """The held-out examples (seeds documented in the module docstring)."""
-    from eval.tasks.agent import one_trace
-    from eval.tasks.mqniah import one_mqniah
+    from jaxkv.tasks.agent import one_trace
+    from jaxkv.tasks.mqniah import one_mqniah
 
     if task == "mqniah":
         return [one_mqniah(HELDOUT_SEED_BASE + i, needles=4, length=length) for i in range(n)]
@@ -109,13 +109,14 @@ def _common_prefix(a: list[int], b: list[int]) -> int:
 
 def run_jobs(model, examples: list[ExampleJobs], *, batch: int = 8, max_new_tokens: int = 128, progress=None) -> None:
     """Generate every job's reply greedily through one ``Engine`` (full cache), in place."""
-    from jaxkv.chat.parse import parse_assistant
+    from jaxkv.buckets import bucket
+    from jaxkv.chat.parse import parse_assistant, stop_token_ids
     from jaxkv.engine import Engine
 
     tok = model.tokenizer
-    stop = sorted(set(model.config.eos_token_ids) | {tok.convert_tokens_to_ids("<|im_end|>")})
+    stop = sorted(stop_token_ids(model))
     longest = max(len(j.prompt) for ex in examples for j in ex.jobs) + max_new_tokens + 1
-    P = min(-(-longest // 512) * 512, model.config.max_position_embeddings)
+    P = min(bucket(longest, step=512), model.config.max_position_embeddings)
     engine = Engine(model, rows=batch, max_positions=P)
     for start in range(0, len(examples), batch):
         group = examples[start : start + batch]

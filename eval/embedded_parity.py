@@ -63,12 +63,13 @@ def jaxkv_greedy(model, prompts: list[list[int]], max_new_tokens: int, stop: set
 def run_parity(model_path="embedded", n: int = 20, max_new_tokens: int = 48, length: int = 2048, verbose: bool = True):
     """Returns ``(matches, n, details)``; ``details[i] = (prompt_len, hf_ids, jaxkv_ids)``."""
     import jaxkv
+    from jaxkv.chat import stop_token_ids
     from jaxkv.models.loading import resolve_checkpoint
 
     folder = resolve_checkpoint(model_path)
     model = jaxkv.load_model(str(folder))
     tok = model.tokenizer
-    stop = set(model.config.eos_token_ids) | {tok.convert_tokens_to_ids("<|im_end|>")}
+    stop = set(stop_token_ids(model))
     prompts = parity_prompts(tok, n, length)
     hf = hf_greedy(folder, prompts, max_new_tokens, stop)
     jx = jaxkv_greedy(model, prompts, max_new_tokens, stop)

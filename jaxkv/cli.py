@@ -1,7 +1,13 @@
-"""The ``jaxkv`` command: ``generate``, ``demo`` (the main job) and ``eval`` (the harness).
+"""The ``jaxkv`` command: ``generate``, ``demo`` (the main job), ``serve`` and plugins.
 
 Every sub-command is a thin shell over the library; errors from jaxkv print as one
 line (``error: ...``) with exit code 2 instead of a traceback.
+
+Plugins: other packages of the distribution add sub-commands through the entry
+point group ``jaxkv.commands`` (``eval`` is the evaluation harness in ``eval/``,
+declared in ``pyproject.toml``). An entry point names a function
+``add_command(subparsers)``; it is loaded only when its command runs, so the
+package never imports ``eval/`` (or anything above it) on its own.
 """
 
 from __future__ import annotations
@@ -13,8 +19,18 @@ import time
 from jaxkv.errors import JaxKVError
 
 
+PLUGIN_GROUP = "jaxkv.commands"
+
+
+def _plugins() -> dict:
+    from importlib.metadata import entry_points
+
+    return {ep.name: ep for ep in entry_points(group=PLUGIN_GROUP)}
+
+
 def _cmd_generate(args) -> int:
     import jaxkv
+    from jaxkv.chat import stop_token_ids
 
     model = jaxkv.load_model(args.model, dtype=args.dtype)
     tok = model.tokenizer
@@ -26,9 +42,7 @@ def _cmd_generate(args) -> int:
             ids = ids["input_ids"]
     else:
         ids = tok.encode(args.prompt)
-    stop = list(model.config.eos_token_ids)
-    if tok.eos_token_id is not None:
-        stop.append(tok.eos_token_id)
+    stop = sorted(stop_token_ids(model))
     t0 = time.perf_counter()
     out = jaxkv.generate(
         model, [list(ids)], args.max_new_tokens, temperature=args.temperature,
@@ -43,17 +57,13 @@ def _cmd_generate(args) -> int:
 def _cmd_demo(args) -> int:
     from jaxkv.demo import run_demo
 
-    return run_demo(model_path=args.model, turns=args.turns, seed=args.seed, length=args.length)
+    return run_demo(model_path=args.model, turns=args.turns, seed=args.seed, length=args.length,
+                    policy=args.policy, budget=args.budget, repair=args.repair, rows=args.rows)
 
 
-def _cmd_eval(args) -> int:
-    from eval.harness import run
-
-    run(args)
-    return 0
-
-
-def build_parser() -> argparse.ArgumentParser:
+def build_parser(load: tuple = ()) -> argparse.ArgumentParser:
+    """The parser; plugin commands named in ``load`` get their full parser, the
+    others are listed by name only."""
     parser = argparse.ArgumentParser(prog="jaxkv", description="Managed-KV serving for multi-turn agents.")
     sub = parser.add_subparsers(dest="command", required=True)
 
@@ -69,22 +79,28 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--raw", action="store_true", help="do not apply the chat template")
     g.set_defaults(func=_cmd_generate)
 
-    d = sub.add_parser("demo", help="the main job: multi-turn agent sessions through the engine and radix cache")
+    d = sub.add_parser("demo", help="the main job: agent sessions served at once, full cache vs managed cache")
     d.add_argument("--model", default=None, help="checkpoint folder with a tokenizer (default: the embedded agent model)")
     d.add_argument("--turns", type=int, default=4, help="generated tasks to run (alternating agent trace / MQ-NIAH), each a multi-turn session")
     d.add_argument("--seed", type=int, default=0, help="task seed (held out from training)")
     d.add_argument("--length", type=int, default=2048, help="target conversation length of each task, in tokens")
+    d.add_argument("--policy", default="snapkv", help="retention policy of the managed run (jaxkv.policies.REGISTRY)")
+    d.add_argument("--budget", type=int, default=1024, help="retention budget B of the managed run (live history tokens)")
+    d.add_argument("--repair", type=int, default=64, help="RepairKV K of the managed run (0: off)")
+    d.add_argument("--rows", type=int, default=None, help="engine rows (default: one per task)")
     d.set_defaults(func=_cmd_demo)
-    from eval.harness import build_parser as eval_parser
-
-    e = sub.add_parser("eval", help="evaluate retention methods x budgets x layouts on generated tasks")
-    eval_parser(e)
-    e.set_defaults(func=_cmd_eval)
+    for name, ep in sorted(_plugins().items()):
+        if name in load:
+            ep.load()(sub)
+        else:
+            sub.add_parser(name, help=f"(plugin {ep.value}) run 'jaxkv {name} --help' for its options", add_help=False)
     return parser
 
 
 def main(argv=None) -> int:
-    args = build_parser().parse_args(argv)
+    argv = list(sys.argv[1:] if argv is None else argv)
+    command = next((a for a in argv if not a.startswith("-")), None)
+    args = build_parser(load=(command,) if command in _plugins() else ()).parse_args(argv)
     try:
         return args.func(args)
     except (JaxKVError, ValueError, FileNotFoundError) as err:

@@ -14,6 +14,11 @@ class ConfigError(JaxKVError, ValueError):
     """A config.json (or an option) describes something jaxkv cannot run."""
 
 
+class OptionError(ConfigError, TypeError):
+    """An option name that the component (policy, stage, session) does not take;
+    also a ``TypeError``, as an unexpected keyword argument is in Python."""
+
+
 class UnsupportedModelError(ConfigError):
     """The checkpoint's ``model_type`` is not one jaxkv ports."""
 
@@ -52,3 +57,29 @@ class RepairError(JaxKVError, ValueError):
     """A RepairKV operation is invalid: a host-tier call with mismatched rows or
     unknown positions, a promotion to a position that is not a hole, or repair
     asked of a layout that renumbers positions (only ``dead_slot`` supports it)."""
+
+
+class RepairConfigError(RepairError, ConfigError):
+    """A RepairKV option is invalid (unknown repair policy or ``repair_when``, a
+    budget below 1): both a ``RepairError`` and a ``ConfigError``."""
+
+
+class SchedulerError(JaxKVError):
+    """The scheduler refused or dropped a turn (base of the two below)."""
+
+
+class QueueFullError(SchedulerError):
+    """The server's turn queue is full; retry later (HTTP 429)."""
+
+
+class CapacityError(SchedulerError, OutOfSlotsError):
+    """A turn can never fit this server: it needs more KV slots than the whole
+    pool holds (also an ``OutOfSlotsError``)."""
+
+
+class SessionBusyError(JaxKVError):
+    """A session was asked for a turn while its previous turn is still running."""
+
+
+class TurnCancelledError(SchedulerError):
+    """The turn was cancelled before it finished (its row and slots were freed)."""

@@ -33,7 +33,7 @@ def task_model_dir(tmp_path_factory):
     """A tiny random Qwen3 with the embedded model's task tokenizer, saved once."""
     import jaxkv
     from jaxkv.config import ModelConfig
-    from train.embedded_model import embedded_tokenizer
+    from jaxkv.tasks import embedded_tokenizer
 
     folder = tmp_path_factory.mktemp("task_model")
     tok = embedded_tokenizer()

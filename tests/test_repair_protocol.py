@@ -39,7 +39,7 @@ def test_forked_cells_equal_fresh_replays(task_model_dir, monkeypatch):
     (policy, K)) generates what a fresh session for that cell generates."""
     import jaxkv
     from eval import harness
-    from eval.tasks import mqniah
+    from jaxkv.tasks import mqniah
 
     reply = lambda target, generated: generated.get("content")  # noqa: E731  (compare replies, not verdicts)
     monkeypatch.setattr(rp, "reply_matches", reply)

@@ -8,9 +8,9 @@ import re
 
 import pytest
 
-from eval.tasks import NEEDLE_COUNTS, agent_traces, approx_tokens, mqniah, vocabulary
-from eval.tasks.mqniah import NEEDLE_TEMPLATE
-from eval.tasks.words import IDENTIFIERS
+from jaxkv.tasks import NEEDLE_COUNTS, agent_traces, approx_tokens, mqniah, vocabulary
+from jaxkv.tasks.mqniah import NEEDLE_TEMPLATE
+from jaxkv.tasks.words import IDENTIFIERS
 
 
 def _all_examples():
@@ -59,7 +59,7 @@ def test_turn2_keys_are_never_the_tail_needles(k):
 
 @pytest.mark.parametrize("k", (4, 8))
 def test_five_turn_schedule_revisits_and_never_asks_the_tail_after_turn_1(k):
-    from eval.tasks.mqniah import REVISIT_SCHEDULE
+    from jaxkv.tasks.mqniah import REVISIT_SCHEDULE
 
     for ex in mqniah(10, seed=7, needles=k, length=1500, turns=5):
         needles, asks = ex.labels["needles"], ex.labels["turn_keys"]

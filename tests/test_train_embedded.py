@@ -9,7 +9,7 @@ import random
 import numpy as np
 import pytest
 
-from eval.tasks import agent_traces, mqniah
+from jaxkv.tasks import agent_traces, mqniah
 from train import embedded_model as em
 
 
@@ -193,7 +193,7 @@ def test_raw_drill_batches_score_only_copies(tokenizer):
     """The warm-up batch: half raw needle documents, loss only where the next token is
     the value of a needle that is in the document; half copied chunks of any kind of
     token, loss only where the next token continues a copy; seeded."""
-    from eval.tasks.words import VALUE_POOL
+    from jaxkv.tasks.words import VALUE_POOL
 
     a, b = em.raw_drill_batch(tokenizer, 0, 3), em.raw_drill_batch(tokenizer, 0, 3)
     np.testing.assert_array_equal(a["tokens"], b["tokens"])

@@ -75,11 +75,11 @@ import orbax.checkpoint as ocp
 from flax import nnx
 from tqdm import tqdm
 
-from eval.tasks import Example, agent_traces, mqniah, vocabulary
-from eval.tasks.example import IdentifierPool
-from eval.tasks.words import SYSTEM_PLAIN
-from eval.tasks.mqniah import NEEDLE_COUNTS
-from eval.tasks.words import IDENTIFIERS, UNSPACED_WORDS
+from jaxkv.tasks import Example, agent_traces, embedded_tokenizer, mqniah, template_words, vocabulary  # noqa: F401  (re-exported)
+from jaxkv.tasks.example import IdentifierPool
+from jaxkv.tasks.words import SYSTEM_PLAIN
+from jaxkv.tasks.mqniah import NEEDLE_COUNTS
+from jaxkv.tasks.words import IDENTIFIERS, UNSPACED_WORDS
 from jaxkv.chat.render import render
 from jaxkv.chat.toy import QWEN3_CHAT_TEMPLATE, build_tokenizer
 from jaxkv.config import ModelConfig, RopeConfig
@@ -313,23 +313,6 @@ def param_count(module) -> int:
 # ------------------------------------------------------------------------ tokenizer
 
 
-def template_words(template: str = QWEN3_CHAT_TEMPLATE) -> list[str]:
-    """Words inside the string literals of a chat template (role names, tool preamble)."""
-    literals = re.findall(r"'((?:[^'\\]|\\.)*)'|\"((?:[^\"\\]|\\.)*)\"", template)
-    text = " ".join(a or b for a, b in literals)
-    return [w for w in dict.fromkeys(re.findall(r"[A-Za-z_]\w*", text)) if len(w) > 1]
-
-
-def embedded_tokenizer(save_dir=None):
-    """The toy tokenizer over the task vocabulary and the template's words, prose words
-    carrying their leading space (``build_tokenizer(spaced_words=...)``): a word after a
-    space is one token, an identifier or project name (``UNSPACED_WORDS``) stays one
-    token of its own (the same in prose and in JSON arguments), so a value sits three tokens after its key (``k1`` ``:`` ``␣``
-    ``v1``) instead of four or five."""
-    words = list(dict.fromkeys(vocabulary() + template_words()))
-    return build_tokenizer(words, save_dir=save_dir, spaced_words=[w for w in words if w not in UNSPACED_WORDS])
-
-
 # ------------------------------------------------------------------------ data
 
 
@@ -443,7 +426,7 @@ def needle_drill(seed: int, seq_len: int) -> Example:
     models settle on) is worth little. Not yet shown to teach retrieval: see the
     model card.
     """
-    from eval.tasks.mqniah import INTRO, NEEDLE_TEMPLATE, _answer, _question
+    from jaxkv.tasks.mqniah import INTRO, NEEDLE_TEMPLATE, _answer, _question
 
     rng = random.Random(seed)
     pool = IdentifierPool(rng)

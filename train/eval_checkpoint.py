@@ -22,7 +22,7 @@ import numpy as np
 import orbax.checkpoint as ocp
 from flax import nnx
 
-from eval.tasks.words import IDENTIFIERS
+from jaxkv.tasks.words import IDENTIFIERS
 from jaxkv.models.transformer import Transformer
 from train.embedded_model import (RAW_DRILL_BATCH, RAW_DRILL_LEN, SIZES, embedded_tokenizer, heldout_accuracy,
                                   heldout_sequences, make_optimizer, make_predict, model_config)

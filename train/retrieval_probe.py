@@ -49,7 +49,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from eval.tasks.words import IDENTIFIERS, KEY_POOL, VALUE_POOL, filler_sentence
+from jaxkv.tasks.words import IDENTIFIERS, KEY_POOL, VALUE_POOL, filler_sentence
 from jaxkv.models.transformer import Transformer
 from train.embedded_model import SIZES, copy_circuit_init, mimetic_init, positional_heads_prior, scale_qk_norm, shared_embedding_direction, embedded_tokenizer, make_optimizer, make_predict, make_train_step, model_config, with_targets
 

@@ -1,26 +1,17 @@
-"""Synthetic, seeded tasks for multi-turn agent KV-cache experiments.
+"""Re-export of ``jaxkv.tasks`` (the task generators moved into the package).
 
-* ``agent_traces``: tool-using agent conversations whose later calls and final answer
-  copy identifiers from tool responses several turns back.
-* ``mqniah``: split-query multi-query needle-in-a-haystack (RepairKV §4.1).
-
-Every generator returns ``Example`` records (messages, tools, scored turns with
-evidence spans, labels); ``vocabulary()`` lists every prose word they emit, for
-``jaxkv.chat.toy.build_tokenizer``.
+``eval.tasks.agent_traces``, ``eval.tasks.mqniah`` and the submodules
+``eval.tasks.agent`` / ``example`` / ``mqniah`` / ``words`` keep working: each
+submodule name is the ``jaxkv.tasks`` module itself, not a copy.
 """
 
-from eval.tasks.agent import agent_traces
-from eval.tasks.example import Evidence, Example, ScoredTurn, approx_tokens
-from eval.tasks.mqniah import NEEDLE_COUNTS, mqniah
-from eval.tasks.words import vocabulary
+import sys
 
-__all__ = [
-    "Evidence",
-    "Example",
-    "NEEDLE_COUNTS",
-    "ScoredTurn",
-    "agent_traces",
-    "approx_tokens",
-    "mqniah",
-    "vocabulary",
-]
+from jaxkv.tasks import *  # noqa: F401,F403
+from jaxkv.tasks import __all__  # noqa: F401
+from jaxkv.tasks import agent, example, mqniah as _mqniah_module, tokenizer, words
+
+for _name, _module in (("agent", agent), ("example", example), ("mqniah", _mqniah_module), ("tokenizer", tokenizer), ("words", words)):
+    sys.modules[f"{__name__}.{_name}"] = _module
+del _name, _module
+from jaxkv.tasks import mqniah  # noqa: E402,F811  (the function, as before)

@@ -1,7 +1,7 @@
 """Chat requests as token ids: rendering, per-token tags and spans, tool-call
 parsing, session ids, and a toy tokenizer with a Qwen3-format template."""
 
-from jaxkv.chat.parse import parse_assistant
+from jaxkv.chat.parse import parse_assistant, stop_token_ids
 from jaxkv.chat.render import Rendered, render
 from jaxkv.chat.session_id import derive_session_id
 from jaxkv.chat.tags import Modal, Phase, Semantic, Spans, TagScanner, Temporal, triaxial_codes
@@ -19,5 +19,6 @@ __all__ = [
     "derive_session_id",
     "parse_assistant",
     "render",
+    "stop_token_ids",
     "triaxial_codes",
 ]

@@ -26,10 +26,24 @@ import json
 import re
 from typing import Any, Collection
 
-_END_TOKENS = ("<|im_end|>", "<|endoftext|>", "<|eot_id|>", "<|eom_id|>")
+END_TOKENS = ("<|im_end|>", "<|endoftext|>", "<|eot_id|>", "<|eom_id|>")  # tokens that end a reply
 _CALL_RE = re.compile(r"<tool_call>(.*?)</tool_call>", re.DOTALL)
 _ARGUMENT_KEYS = ("arguments", "parameters")
 _decoder = json.JSONDecoder()
+
+
+def stop_token_ids(model) -> frozenset[int]:
+    """The tokens that end a generated reply: the checkpoint's ``eos_token_id``s,
+    the tokenizer's eos token, and every ``END_TOKENS`` entry in its vocabulary.
+    The one stop set of the project (sessions, the CLI, evaluation)."""
+    stops = {int(t) for t in model.config.eos_token_ids}
+    tok = model.tokenizer
+    if tok is not None:
+        vocab = tok.get_vocab()
+        stops |= {int(vocab[name]) for name in END_TOKENS if name in vocab}
+        if tok.eos_token_id is not None:
+            stops.add(int(tok.eos_token_id))
+    return frozenset(stops)
 
 
 def parse_assistant(text: str, tool_names: Collection[str] | None = None) -> dict[str, Any]:
@@ -80,7 +94,7 @@ def _strip_end_tokens(text: str) -> str:
     stripped = True
     while stripped:
         stripped = False
-        for end in _END_TOKENS:
+        for end in END_TOKENS:
             if text.endswith(end):
                 text, stripped = text[: -len(end)].rstrip(), True
     return text

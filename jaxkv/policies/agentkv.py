@@ -27,6 +27,7 @@ import jax.numpy as jnp
 from flax import struct
 
 from jaxkv.chat.tags import Phase
+from jaxkv.errors import ConfigError
 from jaxkv.policies.base import Needs, Policy, register
 from jaxkv.policies.common import candidate_attention
 
@@ -46,7 +47,7 @@ class AgentKVConfig:
 
     def __post_init__(self):
         if self.q < NUM_PHASES or self.q % NUM_PHASES:
-            raise ValueError(f"agentkv q must be a positive multiple of {NUM_PHASES}, got {self.q}")
+            raise ConfigError(f"agentkv q must be a positive multiple of {NUM_PHASES}, got {self.q}")
 
     @property
     def ring_size(self) -> int:

@@ -34,6 +34,9 @@ import jax
 import jax.numpy as jnp
 from flax import struct
 
+from jaxkv.attention import group_heads, gqa_scores, masked_softmax
+from jaxkv.errors import ConfigError, OptionError
+
 
 @struct.dataclass
 class EventFeatures:
@@ -129,11 +132,11 @@ class Policy:
     doc: str = ""
 
     def make_config(self, **options):
-        """The policy's typed config; unknown options raise ``TypeError`` naming them."""
+        """The policy's typed config; unknown options raise ``OptionError`` (a ``ConfigError``) naming them."""
         fields = {f.name for f in dataclasses.fields(self.config)}
         unknown = sorted(set(options) - fields)
         if unknown:
-            raise TypeError(
+            raise OptionError(
                 f"policy {self.name!r} has no option(s) {', '.join(unknown)}; "
                 f"its options are {', '.join(sorted(fields)) or '(none)'}"
             )
@@ -162,19 +165,16 @@ def attention_probs(q_LWHD, keys_LNKD, *, causal_q_pos=None, k_pos_N=None, valid
 
     GQA: each KV head serves ``G = Hq / Hkv`` query heads. With ``causal_q_pos``
     a row at position p sees only keys at positions <= p. ``valid_N`` masks keys.
+    Built on ``jaxkv.attention.gqa_scores`` / ``masked_softmax``.
     """
     L, W, Hq, D = q_LWHD.shape
-    Hkv = keys_LNKD.shape[2]
-    q = q_LWHD.reshape(L, W, Hkv, Hq // Hkv, D).astype(jnp.float32)
-    s = jnp.einsum("lwkgd,lnkd->lkgwn", q, keys_LNKD.astype(jnp.float32)) / jnp.sqrt(jnp.float32(D))
+    s = gqa_scores(group_heads(q_LWHD, keys_LNKD.shape[2]), keys_LNKD)  # [L, Hkv, G, W, N]
     mask = jnp.ones((W, keys_LNKD.shape[1]), bool)
     if causal_q_pos is not None:
         mask = mask & (k_pos_N[None, :] <= causal_q_pos[:, None])
     if valid_N is not None:
         mask = mask & valid_N[None, :]
-    s = jnp.where(mask, s, -1e30)
-    p = jax.nn.softmax(s, axis=-1)
-    return p.reshape(L, Hq, W, -1)
+    return masked_softmax(s, mask).reshape(L, Hq, W, -1)
 
 
 REGISTRY: dict[str, Policy] = {}
@@ -182,7 +182,7 @@ REGISTRY: dict[str, Policy] = {}
 
 def register(policy: Policy) -> Policy:
     if policy.name in REGISTRY:
-        raise ValueError(f"policy {policy.name!r} registered twice")
+        raise ConfigError(f"policy {policy.name!r} registered twice")
     REGISTRY[policy.name] = policy
     return policy
 
@@ -191,5 +191,5 @@ def get_policy(name: str) -> Policy:
     try:
         return REGISTRY[name]
     except KeyError:
-        raise ValueError(f"unknown policy {name!r}; known: {', '.join(sorted(REGISTRY))}") from None
+        raise ConfigError(f"unknown policy {name!r}; known: {', '.join(sorted(REGISTRY))}") from None
 

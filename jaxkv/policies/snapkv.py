@@ -23,6 +23,7 @@ import dataclasses
 import jax
 import jax.numpy as jnp
 
+from jaxkv.errors import ConfigError
 from jaxkv.policies.base import Needs, Policy, attention_probs, register
 from jaxkv.policies.common import mark_positions
 
@@ -43,9 +44,9 @@ class SnapKVConfig:
 
     def __post_init__(self):
         if self.pooling not in POOLINGS:
-            raise ValueError(f"snapkv pooling must be one of {POOLINGS}, got {self.pooling!r}")
+            raise ConfigError(f"snapkv pooling must be one of {POOLINGS}, got {self.pooling!r}")
         if self.kernel < 1 or self.w < 1:
-            raise ValueError(f"snapkv needs kernel >= 1 and w >= 1, got kernel={self.kernel}, w={self.w}")
+            raise ConfigError(f"snapkv needs kernel >= 1 and w >= 1, got kernel={self.kernel}, w={self.w}")
 
 
 def pool_1d(x_N, kernel: int, pooling: str, valid_N=None):

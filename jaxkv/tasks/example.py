@@ -11,7 +11,7 @@ Invariants every generator keeps (``tests/test_tasks.py`` checks them):
 * every value a scored turn copies appears, verbatim, in an earlier message;
 * identifiers (keys ``k173``, values ``v032``, document ids ``d102``) are unique
   within an example, so a copied value names exactly one record. They come from the
-  fixed pools in ``eval.tasks.words`` (400 keys, 400 values, 200 document ids), which
+  fixed pools in ``jaxkv.tasks.words`` (400 keys, 400 values, 200 document ids), which
   are part of ``vocabulary()``: each identifier is one token of the word-level
   tokenizer, so copying a value is single-token induction. When a long example needs
   more distractor records than a pool holds, the rest of its budget is filler prose.
@@ -36,7 +36,7 @@ import random
 import re
 from typing import Any
 
-from eval.tasks.words import DOC_POOL, IDENTIFIERS, KEY_POOL, UNSPACED_WORDS, VALUE_POOL
+from jaxkv.tasks.words import DOC_POOL, IDENTIFIERS, KEY_POOL, UNSPACED_WORDS, VALUE_POOL
 
 _RUN_RE = re.compile(r" ?\w+| ?[^\w\s]|\s")
 _IDENT_RE = re.compile(r"^[kvd]\d+$")  # identifier-shaped; one token only if in a pool

@@ -44,7 +44,7 @@ SYSTEM_PLAIN = "You are a helpful assistant."
 
 # Sentence templates (``str.format`` fields are filled with words or identifiers).
 PHRASES = (
-    # agent traces (eval.tasks.agent)
+    # agent traces (jaxkv.tasks.agent)
     "In the {project} project, find {topic} {key}, {topic} {key} and {topic} {key}.",
     "Resolve the first value in the registry, then answer.",
     "Then answer.",
@@ -60,7 +60,7 @@ PHRASES = (
     "End of the {topic} report.",
     "Registry entries:",
     "End of the registry.",
-    # split-query needle retrieval (eval.tasks.mqniah)
+    # split-query needle retrieval (jaxkv.tasks.mqniah)
     "Read the document below and answer the questions about it.",
     "Question: What are the special codes of {keys}? Answer one key per line.",
     "{key} is {value}",

@@ -33,8 +33,8 @@ from __future__ import annotations
 
 import random
 
-from eval.tasks.example import Example, IdentifierPool, approx_tokens, conversation_tokens, example_seed, join_list, scored
-from eval.tasks.words import SYSTEM_PLAIN, filler_sentence
+from jaxkv.tasks.example import Example, IdentifierPool, approx_tokens, conversation_tokens, example_seed, join_list, scored
+from jaxkv.tasks.words import SYSTEM_PLAIN, filler_sentence
 
 NEEDLE_COUNTS = (2, 4, 6, 8)
 TURN_COUNTS = (2, 5)

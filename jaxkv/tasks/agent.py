@@ -35,7 +35,7 @@ the next), which is what a small model's induction heads match on
 ``length`` is the target rendered length in tokens (``approx_tokens``): everything
 that is not the skeleton is distractor records, split between the search results (15%)
 and the documents / registry table (the rest, evenly). Identifiers come from fixed
-pools (``eval.tasks.words``); past the pools' capacity the rest of each table is
+pools (``jaxkv.tasks.words``); past the pools' capacity the rest of each table is
 filler sentences.
 """
 
@@ -43,7 +43,7 @@ from __future__ import annotations
 
 import random
 
-from eval.tasks.example import (
+from jaxkv.tasks.example import (
     Example,
     IdentifierPool,
     approx_tokens,
@@ -53,7 +53,7 @@ from eval.tasks.example import (
     scored,
     tool_call,
 )
-from eval.tasks.words import PROJECTS, SYSTEM_AGENT, TOOL_SCHEMAS, TOPICS, filler_sentence
+from jaxkv.tasks.words import PROJECTS, SYSTEM_AGENT, TOOL_SCHEMAS, TOPICS, filler_sentence
 from jaxkv.chat.toy import schema
 
 SEARCH_SHARE = 0.15
