@@ -8,11 +8,16 @@ Three entry points:
 * ``causal_attention``: dense causal self-attention over one chunk, no cache, in
   query blocks that skip the keys above the diagonal. It backs ``score_logits`` and
   training, and is independent of the paged cache on purpose.
-* ``prefill_attention``: a new chunk attends to the request's cached live slots
-  (all earlier positions, no mask beyond the list length) and to itself (causal).
+* ``prefill_attention``: a new chunk attends to the request's cached live rows
+  (all earlier positions, no mask beyond the list length) and to itself (causal),
+  in query blocks like ``causal_attention``.
 * ``decode_attention_reference``: one query row per request attends to the slots in
   its live-index list. The cost follows ``live_len``, not positions: evicted
   positions are simply absent from the list.
+
+``gqa_scores`` and ``masked_softmax`` are the one GQA-grouped, scaled, masked
+softmax of the project: the retention scorers (``jaxkv.policies``) and RepairKV
+build on them.
 
 Invariants: scores and softmax are float32 whatever the input dtype; masked entries
 get a large finite negative score, so a row with nothing to read yields finite
@@ -24,24 +29,44 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-_MASKED = -1e30
+MASKED = -1e30
 
 
-def _grouped(q_BTHD: jnp.ndarray, num_kv_heads: int) -> jnp.ndarray:
-    B, T, Hq, D = q_BTHD.shape
-    return q_BTHD.reshape(B, T, num_kv_heads, Hq // num_kv_heads, D)
+def group_heads(q_XHD, num_kv_heads: int):
+    """``[..., Hq, D] -> [..., Hkv, G, D]``: query head ``h`` is in group ``h // G``,
+    the layout GQA checkpoints use (KV head ``k`` serves query heads ``kG .. kG+G-1``)."""
+    *lead, Hq, D = q_XHD.shape
+    return q_XHD.reshape(*lead, num_kv_heads, Hq // num_kv_heads, D)
+
+
+def gqa_scores(q_XKGD, k_NKD):
+    """Scaled float32 logits ``q·k/√D`` of grouped queries against keys.
+
+    ``q_XKGD [..., X, Hkv, G, D]``, ``k_NKD [..., N, Hkv, D]`` with the same leading
+    dims (batch, layer or none). Returns ``[..., Hkv, G, X, N]``. The one place GQA
+    expansion and scaling happen: attention, retention scorers and RepairKV all
+    call it.
+    """
+    D = q_XKGD.shape[-1]
+    return jnp.einsum(
+        "...xkgd,...nkd->...kgxn", q_XKGD.astype(jnp.float32), k_NKD.astype(jnp.float32)
+    ) / jnp.sqrt(jnp.float32(D))
+
+
+def masked_softmax(scores, mask):
+    """Softmax over the last axis where ``mask`` (broadcast to ``scores``) is true.
+
+    Masked entries get ``MASKED`` (large, finite), so a row with nothing visible
+    yields finite garbage instead of NaN; such rows are padding and never consumed.
+    """
+    return jax.nn.softmax(jnp.where(mask, scores, MASKED), axis=-1)
 
 
 def _attend(q_BTKGD, k_BNKD, v_BNKD, mask_BTN):
     """Softmax attention with GQA; returns (out [B,T,Hq,D] f32, probs [B,K,G,T,N])."""
-    D = q_BTKGD.shape[-1]
-    scores = jnp.einsum(
-        "btkgd,bnkd->bkgtn", q_BTKGD.astype(jnp.float32), k_BNKD.astype(jnp.float32)
-    ) / jnp.sqrt(jnp.float32(D))
-    scores = jnp.where(mask_BTN[:, None, None], scores, _MASKED)
-    probs = jax.nn.softmax(scores, axis=-1)
+    probs = masked_softmax(gqa_scores(q_BTKGD, k_BNKD), mask_BTN[:, None, None])
     out = jnp.einsum("bkgtn,bnkd->btkgd", probs, v_BNKD.astype(jnp.float32))
-    B, T, K, G, _ = out.shape
+    B, T, K, G, D = out.shape
     return out.reshape(B, T, K * G, D), probs
 
 
@@ -57,7 +82,7 @@ def causal_attention(q_BTHD, k_BTKD, v_BTKD, block: int = CAUSAL_BLOCK):
     independent, and every key a block leaves out is one the causal mask removes.
     """
     B, T = q_BTHD.shape[:2]
-    q = _grouped(q_BTHD, k_BTKD.shape[2])
+    q = group_heads(q_BTHD, k_BTKD.shape[2])
     outs = []
     for start in range(0, T, block):
         end = min(start + block, T)
@@ -71,43 +96,56 @@ def prefill_attention(
     q_BTHD,
     k_new_BTKD,
     v_new_BTKD,
-    k_pool_SKD,
-    v_pool_SKD,
-    live_idx_BN,
+    k_cached_BNKD,
+    v_cached_BNKD,
     live_len_B,
     chunk_len_B,
     *,
     return_mass: bool = False,
+    block: int = CAUSAL_BLOCK,
 ):
-    """Chunk attention over cached live slots plus the chunk itself (causal).
+    """Chunk attention over the request's cached live rows plus the chunk (causal).
 
     Args:
       q_BTHD, k_new_BTKD, v_new_BTKD: the chunk's post-RoPE queries / keys / values.
-      k_pool_SKD, v_pool_SKD: one layer of the pool.
-      live_idx_BN: slots of the request's cached live positions (before this chunk).
-      live_len_B: how many entries of ``live_idx_BN`` are real.
+      k_cached_BNKD, v_cached_BNKD: the K/V rows of the request's live-index list
+        (gathered from the pool by the caller, one gather per layer).
+      live_len_B: how many of the N cached rows are real.
       chunk_len_B: how many chunk tokens are real (the rest is padding).
       return_mass: also return per-key attention mass.
+      block: query rows per block; block ``i`` reads the cached rows and chunk keys
+        ``[0, end_i)`` only, as ``causal_attention`` does.
+
+    New keys are rounded to the cache dtype before use, so a chunk sees its own
+    keys exactly as later chunks will read them back from the pool.
 
     Returns:
       ``out [B,T,Hq,D]`` and, when asked, ``mass [B,Hq,N+T]`` float32: the sum over
       the chunk's real query rows of the softmax probability each key receives,
-      keys ordered as ``[live_idx_BN..., chunk tokens...]``.
+      keys ordered as ``[cached rows..., chunk tokens...]``.
     """
     B, T = q_BTHD.shape[:2]
-    N = live_idx_BN.shape[1]
-    k_all = jnp.concatenate([k_pool_SKD[live_idx_BN], k_new_BTKD.astype(k_pool_SKD.dtype)], axis=1)
-    v_all = jnp.concatenate([v_pool_SKD[live_idx_BN], v_new_BTKD.astype(v_pool_SKD.dtype)], axis=1)
-    t = jnp.arange(T)
-    cached_ok = jnp.arange(N)[None, :] < live_len_B[:, None]  # [B,N]
-    chunk_ok = (t[None, :, None] >= t[None, None, :]) & (t[None, None, :] < chunk_len_B[:, None, None])
-    mask = jnp.concatenate([jnp.broadcast_to(cached_ok[:, None, :], (B, T, N)), chunk_ok], axis=-1)
-    out, probs = _attend(_grouped(q_BTHD, k_new_BTKD.shape[2]), k_all, v_all, mask)
-    out = out.astype(q_BTHD.dtype)
+    N = k_cached_BNKD.shape[1]
+    K = k_new_BTKD.shape[2]
+    dtype = k_cached_BNKD.dtype
+    k_all = jnp.concatenate([k_cached_BNKD, k_new_BTKD.astype(dtype)], axis=1)
+    v_all = jnp.concatenate([v_cached_BNKD, v_new_BTKD.astype(dtype)], axis=1)
+    q = group_heads(q_BTHD, K)
+    cached_ok_BN = jnp.arange(N)[None, :] < live_len_B[:, None]
+    outs, mass = [], jnp.zeros((B, K, q.shape[3], N + T), jnp.float32) if return_mass else None
+    for start in range(0, T, block):
+        end = min(start + block, T)
+        t_Q, s_E = jnp.arange(start, end), jnp.arange(end)
+        chunk_ok = (t_Q[None, :, None] >= s_E[None, None, :]) & (s_E[None, None, :] < chunk_len_B[:, None, None])
+        mask = jnp.concatenate([jnp.broadcast_to(cached_ok_BN[:, None, :], (B, end - start, N)), chunk_ok], axis=-1)
+        out, probs = _attend(q[:, start:end], k_all[:, : N + end], v_all[:, : N + end], mask)
+        outs.append(out)
+        if return_mass:
+            row_ok = (t_Q[None, :] < chunk_len_B[:, None]).astype(jnp.float32)  # [B, Tb]
+            mass = mass.at[..., : N + end].add(jnp.einsum("bkgtn,bt->bkgn", probs, row_ok))
+    out = (outs[0] if len(outs) == 1 else jnp.concatenate(outs, axis=1)).astype(q_BTHD.dtype)
     if not return_mass:
         return out, None
-    row_ok = (t[None, :] < chunk_len_B[:, None]).astype(jnp.float32)  # [B,T]
-    mass = jnp.einsum("bkgtn,bt->bkgn", probs, row_ok)
     return out, mass.reshape(B, -1, N + T)
 
 

@@ -1,27 +1,44 @@
-"""The engine: jit'd prefill / decode steps over the paged cache, and the host
-bookkeeping that decides what they write.
+"""The engine: the only writer of device state, and the jit'd steps it runs.
 
-Read top to bottom, a request goes:
+An ``Engine`` owns one paged KV pool (``PagedKVCache``: pool + per-row tables),
+its slot allocator, and the host record of every open row (``RequestState``).
+Everything that changes the pool or the tables is an ``Engine`` method; the turn
+pipeline, the retention and repair stages and the scheduler decide, the engine
+applies. Read top to bottom, a request goes:
 
-1. ``Engine.open_row(prefix_slots)``: take a cache row; a reused prefix (from the
-   radix cache) is installed as the row's first positions. Sentinel entries in it
-   are holes: neither re-prefilled nor read.
-2. ``Engine.prefill(rows, token_lists)``: slots are allocated on the host, then
-   ``prefill_step`` (jit) runs chunk by chunk, writing K/V and growing the tables.
-3. ``Engine.decode(rows, first_tokens, n)``: slots for ``n`` steps are allocated
-   up front, ``decode_loop`` (jit, ``lax.while_loop``) samples until every row hit
-   a stop token or ``n`` steps; unused slots go back to the allocator.
-4. ``Engine.close_row(row)``: the row drops its references.
+1. ``open_row(prefix_slots, prefix_tokens)``: take a cache row; a reused prefix (from
+   the radix cache) is installed as its first positions. Sentinel entries are
+   holes: neither re-prefilled nor read.
+2. ``start_prefill(row, tokens, ...) -> PrefillJob``: slots are allocated on the
+   host (before any change), then ``step_prefill(jobs)`` advances every job by one
+   chunk in one batched jit'd ``prefill_step`` over just those rows.
+   ``prefill(rows, token_lists)`` runs jobs to completion.
+3. ``apply_layout(row, plan, keep_evicted=)``: a compression event's decision (a
+   ``LayoutPlan``); with ``keep_evicted`` the evicted rows' K/V come back as host
+   arrays first (shelving them in the RepairKV host tier).
+4. ``restore_rows(row, positions, k, v)``: RepairKV promotion, rows written back
+   bit-identical at their original positions.
+5. ``start_decode(row, first_token, n, ...) -> DecodeJob``, then
+   ``step_decode(jobs, steps)``: one batched jit'd ``decode_loop`` over the jobs'
+   rows (a ``lax.while_loop``; each row stops at a stop token or its own limit).
+   ``decode(rows, first_tokens, n)`` runs jobs to completion.
+6. ``truncate_row`` (drop a probe generation), ``close_row`` (drop references).
+
+The scheduler (``jaxkv.serving.scheduler``) calls the job methods for many rows at
+once; a single request (``generate``, tests) calls the run-to-completion methods,
+which are the same jobs.
 
 Invariants:
-  * the host mirror of each row (``RowState``) equals the device tables after
+  * the host mirror of each row (``RequestState``) equals the device tables after
     every call (tests check ``slot_map``/``live_idx`` against it);
   * each row holds exactly one allocator reference per non-sentinel slot it maps;
   * host checks (slots, context length) run before any device call, so a failing
     call leaves cache and allocator untouched;
-  * device arrays that depend on lengths are bucketed (powers of two) so compiles
-    are reused; decode reads ``live_idx[:, :n_read]``, so attention cost follows
-    the live-token count, not the position count.
+  * jit'd steps see only the rows they serve (``take_rows``/``put_rows``), padded
+    to a bucket; lengths that reach shapes are bucketed (``jaxkv.buckets``), and
+    decode reads ``live_idx[:, :n_read]``, so attention cost follows the live
+    tokens, not the positions;
+  * the engine is not thread-safe: one thread (the scheduler's) drives it.
 
 ``generate`` and ``score_logits`` are the public one-shot entry points.
 """
@@ -38,58 +55,40 @@ import numpy as np
 from flax import nnx
 
 from jaxkv import pallas
+from jaxkv.buckets import bucket
 from jaxkv.cache.allocator import SENTINEL_SLOT, SlotAllocator
-from jaxkv.cache.state import PagedKVCache, append_tokens
-from jaxkv.errors import ContextLengthError, JaxKVError
+from jaxkv.cache.request import RequestState
+from jaxkv.cache.state import PagedKVCache, append_tokens, put_rows, take_rows
+from jaxkv.errors import ContextLengthError, JaxKVError, OutOfSlotsError
 from jaxkv.models.loading import Model
 from jaxkv.models.transformer import NO_FEATURES, Features
-from jaxkv.sampling import SamplerSpec, make_sampler, sample
+from jaxkv.sampling import SamplerSpec, make_sampler, sample, sample_rows
 
-
-def bucket(n: int, minimum: int = 16, step: int = 512) -> int:
-    """Compile-friendly size >= n: a power of two up to ``step``, then a multiple of it.
-
-    Padding costs at most 2x below ``step`` and at most ``step`` entries above, so
-    attention over a bucketed live list stays proportional to the live count.
-    """
-    n = max(int(n), minimum)
-    if n <= step:
-        return 1 << (n - 1).bit_length()
-    return -(-n // step) * step
+PREFILL_CHUNK = 512  # tokens per prefill step; chosen by eval/bench_prefill.py (README)
+FIRST_TOKEN_KEY = 1 << 30  # the first reply token is drawn with fold_in(key, this)
 
 
 # ============================================================================ jit'd steps
 @functools.partial(
     jax.jit,
-    static_argnames=("graphdef", "n_read", "features", "all_logits"),
+    static_argnames=("graphdef", "n_read", "features"),
     donate_argnames=("cache",),
 )
-def prefill_step(graphdef, params, cache: PagedKVCache, tokens_RT, chunk_len_R, slots_RT, q_row_idx_RX, *, n_read, features, all_logits):
-    """Prefill one chunk for every row (rows with ``chunk_len`` 0 are untouched).
+def prefill_step(graphdef, params, cache: PagedKVCache, rows_B, tokens_BT, chunk_len_B, slots_BT, q_idx_BX, logit_idx_BY, *, n_read, features):
+    """Prefill one chunk for rows ``rows_B`` (padding rows: index >= R, length 0).
 
-    Returns ``(logits, cache, aux)``; logits are ``[R,T,V]`` when ``all_logits``
-    else the last real token's ``[R,V]``.
+    Returns ``(logits [B,Y,V] at chunk indices logit_idx_BY, cache, aux)``.
     """
     model = nnx.merge(graphdef, params)
-    T = tokens_RT.shape[1]
-    positions = cache.seq_len[:, None] + jnp.arange(T, dtype=jnp.int32)[None, :]
+    tables = take_rows(cache, rows_B)
+    T = tokens_BT.shape[1]
+    positions = tables.seq_len[:, None] + jnp.arange(T, dtype=jnp.int32)[None, :]
     logits, k, v, aux = model.prefill(
-        tokens_RT,
-        positions,
-        cache.k,
-        cache.v,
-        cache.live_idx[:, :n_read],
-        cache.live_len,
-        chunk_len_R,
-        slots_RT,
-        features=features,
-        q_row_idx_BR=q_row_idx_RX,
+        tokens_BT, positions, cache.k, cache.v, tables.live_idx[:, :n_read], tables.live_len,
+        chunk_len_B, slots_BT, features=features, q_row_idx_BR=q_idx_BX, logits_idx_BY=logit_idx_BY,
     )
-    cache = append_tokens(cache.replace(k=k, v=v), slots_RT, chunk_len_R)
-    if not all_logits:
-        last = jnp.maximum(chunk_len_R - 1, 0)
-        logits = logits[jnp.arange(logits.shape[0]), last]
-    return logits, cache, aux
+    tables = append_tokens(tables, slots_BT, chunk_len_B)
+    return logits, put_rows(cache.replace(k=k, v=v), rows_B, tables), aux
 
 
 @functools.partial(
@@ -101,14 +100,16 @@ def decode_loop(
     graphdef,
     params,
     cache: PagedKVCache,
-    first_token_R,
-    active_R,
-    slots_RN,
-    stop_ids_X,
-    key,
-    temperature,
-    top_p,
-    forced_RN,
+    rows_B,
+    first_token_B,
+    limit_B,
+    slots_BN,
+    stop_BX,
+    key_data_B,
+    step0_B,
+    temperature_B,
+    top_p_B,
+    forced_BN,
     *,
     n_steps,
     n_read,
@@ -118,66 +119,67 @@ def decode_loop(
     teacher_forced=False,
     features: Features = NO_FEATURES,
 ):
-    """Decode up to ``n_steps`` tokens per active row.
+    """Decode up to ``n_steps`` tokens for each of the rows ``rows_B``.
 
-    Each step feeds the row's last token (writing its K/V at the next slot of
-    ``slots_RN``) and samples the next. A row stops after emitting a token in
-    ``stop_ids_X`` (padded with -1). With ``teacher_forced`` the fed token of
-    step ``s > 0`` is ``forced_RN[:, s-1]`` instead of the sample.
+    Step ``s`` feeds each active row its last token (writing its K/V at
+    ``slots_BN[:, s]``) and samples the next with key ``fold_in(key_b, step0_b +
+    s)``, so a row's tokens do not depend on which other rows share the batch. A
+    row stops after emitting a token in its ``stop_BX`` row (padded with -1) or
+    after ``limit_B`` steps; padding rows have limit 0. With ``teacher_forced`` the
+    fed token of step ``s > 0`` is ``forced_BN[:, s-1]`` instead of the sample.
 
-    Returns ``(tokens [R,n], n_fed [R], cache, logits [R,n,V] or None, aux)``
-    where ``tokens[:, s]`` is the token sampled at step ``s`` and ``n_fed`` counts
-    the tokens written to the cache. ``aux`` holds, when ``features`` asks,
-    ``q_rows [n, L, R, Hq, D]`` (the post-RoPE query of each fed token) and
-    ``mass_S [S]`` (attention mass each slot received, mean over layers and
-    heads, summed over steps).
+    Returns ``(tokens [B,n], n_fed [B], cache, logits [B,n,V] or None, aux)``:
+    ``aux["q_rows"]`` ``[n, L, B, Hq, D]`` (post-RoPE query of each fed token) and
+    ``aux["mass_BN"]`` (attention mass each live-list entry received, mean over
+    layers and heads, summed over steps) when ``features`` asks.
     """
     model = nnx.merge(graphdef, params)
     cfg = model.cfg
-    R = first_token_R.shape[0]
-    V = cfg.vocab_size
-    logits_buf = jnp.zeros((R, n_steps if return_logits else 0, V), jnp.float32)
+    B = first_token_B.shape[0]
+    logits_buf = jnp.zeros((B, n_steps if return_logits else 0, cfg.vocab_size), jnp.float32)
     aux0 = {}
     if features.query_rows:
-        aux0["q_rows"] = jnp.zeros((n_steps, cfg.num_layers, R, cfg.num_heads, cfg.head_dim), jnp.float32)
+        aux0["q_rows"] = jnp.zeros((n_steps, cfg.num_layers, B, cfg.num_heads, cfg.head_dim), jnp.float32)
     if features.attn_mass:
-        aux0["mass_S"] = jnp.zeros((cache.num_slots,), jnp.float32)
+        aux0["mass_BN"] = jnp.zeros((B, n_read), jnp.float32)
+    keys_B = jax.random.wrap_key_data(key_data_B)
+    attend = functools.partial(pallas.decode_attention, backend=backend)
 
     def cond(carry):
-        step, _, _, _, active, _, _, _ = carry
+        step, _, _, _, _, active, _, _, _ = carry
         return (step < n_steps) & active.any()
 
     def body(carry):
-        step, cache, tokens, fed, active, last, logits_buf, aux = carry
-        slot = jnp.where(active, slots_RN[:, step], SENTINEL_SLOT)
-        pos = cache.seq_len
-        cache = append_tokens(cache, slot[:, None], active.astype(jnp.int32))
-        live_BN = cache.live_idx[:, :n_read]
-        logits, k, v, step_aux = model.decode(
-            last, pos, cache.k, cache.v, live_BN, cache.live_len, slot, features=features,
-            decode_attention=functools.partial(pallas.decode_attention, backend=backend),
+        step, k_pool, v_pool, tables, tokens, active, last, logits_buf, aux = carry
+        slot = jnp.where(active, slots_BN[:, step], SENTINEL_SLOT)
+        pos = tables.seq_len
+        tables = append_tokens(tables, slot[:, None], active.astype(jnp.int32))
+        live_BN = tables.live_idx[:, :n_read]
+        logits, k_pool, v_pool, step_aux = model.decode(
+            last, pos, k_pool, v_pool, live_BN, tables.live_len, slot, features=features, decode_attention=attend,
         )
-        cache = cache.replace(k=k, v=v)
         aux = dict(aux)
         if features.query_rows:
             aux["q_rows"] = aux["q_rows"].at[step].set(step_aux["q_rows"][:, :, 0].astype(jnp.float32))
         if features.attn_mass:
-            per_entry = step_aux["attn_mass"].mean(axis=(0, 2)) * active[:, None]  # [R, n_read]
-            aux["mass_S"] = aux["mass_S"].at[live_BN].add(per_entry)
-        nxt = sample(logits, jax.random.fold_in(key, step), spec, temperature, top_p)
+            aux["mass_BN"] = aux["mass_BN"] + step_aux["attn_mass"].mean(axis=(0, 2)) * active[:, None]
+        step_keys = jax.vmap(jax.random.fold_in)(keys_B, step0_B + step)
+        nxt = sample_rows(logits, step_keys, spec, temperature_B, top_p_B)
         nxt = jnp.where(active, nxt, -1)
         tokens = tokens.at[:, step].set(nxt)
-        fed = fed + active.astype(jnp.int32)
         if return_logits:
             logits_buf = logits_buf.at[:, step].set(logits)
-        stopped = (nxt[:, None] == stop_ids_X[None, :]).any(-1)
-        new_active = active & ~stopped
-        feed = forced_RN[:, step] if teacher_forced else nxt
-        return step + 1, cache, tokens, fed, new_active, feed, logits_buf, aux
+        stopped = (nxt[:, None] == stop_BX).any(-1)
+        new_active = active & ~stopped & (step + 1 < limit_B)
+        feed = forced_BN[:, step] if teacher_forced else nxt
+        return step + 1, k_pool, v_pool, tables, tokens, new_active, feed, logits_buf, aux
 
-    tokens = jnp.full((R, n_steps), -1, jnp.int32)
-    carry = (jnp.int32(0), cache, tokens, jnp.zeros((R,), jnp.int32), active_R, first_token_R, logits_buf, aux0)
-    _, cache, tokens, fed, _, _, logits_buf, aux = jax.lax.while_loop(cond, body, carry)
+    tokens = jnp.full((B, n_steps), -1, jnp.int32)
+    tables = take_rows(cache, rows_B)
+    carry = (jnp.int32(0), cache.k, cache.v, tables, tokens, limit_B > 0, first_token_B, logits_buf, aux0)
+    _, k_pool, v_pool, tables, tokens, _, _, logits_buf, aux = jax.lax.while_loop(cond, body, carry)
+    fed = tables.seq_len - take_rows(cache, rows_B).seq_len
+    cache = put_rows(cache.replace(k=k_pool, v=v_pool), rows_B, tables)
     return tokens, fed, cache, (logits_buf if return_logits else None), aux
 
 
@@ -197,6 +199,15 @@ def _copy_rows(cache: PagedKVCache, src_M, dst_M):
 
 
 @functools.partial(jax.jit, donate_argnames=("cache",))
+def _write_rows(cache: PagedKVCache, slots_M, k_LMKD, v_LMKD):
+    """Write K/V rows as given (post-RoPE at their original positions: no rotation)."""
+    return cache.replace(
+        k=cache.k.at[:, slots_M].set(k_LMKD.astype(cache.k.dtype)),
+        v=cache.v.at[:, slots_M].set(v_LMKD.astype(cache.v.dtype)),
+    )
+
+
+@functools.partial(jax.jit, donate_argnames=("cache",))
 def _install_row(cache: PagedKVCache, row, slot_map_P, live_idx_P, live_len, seq_len):
     return cache.replace(
         slot_map=cache.slot_map.at[row].set(slot_map_P),
@@ -206,29 +217,97 @@ def _install_row(cache: PagedKVCache, row, slot_map_P, live_idx_P, live_len, seq
     )
 
 
-# ============================================================================ host side
+# ============================================================================ jobs
 @dataclasses.dataclass
-class RowState:
-    """Host mirror of one cache row.
+class PrefillJob:
+    """One row's prefill, advanced chunk by chunk (``Engine.step_prefill``).
 
     Attributes:
-      slots: position -> slot for every position written so far (sentinel = hole).
-      live: the live-index list (slots attention reads, in position order).
+      row: the cache row. tokens: ids to append ``[n]``; slots: their pool slots,
+        allocated when the job was made.
+      done: tokens written so far.
+      all_logits: return logits of every new token (else of the last one).
+      q_idx_X: indices into ``tokens`` whose post-RoPE queries are captured.
+      attn_mass: accumulate the attention mass each position receives.
+      logits: list of ``[n_chunk or 1, V]`` float32 arrays; q_rows ``[L, X, Hq, D]``;
+      mass ``[L, Hq, seq_len]`` (positions of the whole row after the job).
     """
 
-    slots: list[int] = dataclasses.field(default_factory=list)
-    live: list[int] = dataclasses.field(default_factory=list)
+    row: int
+    tokens: np.ndarray
+    slots: np.ndarray
+    all_logits: bool = False
+    q_idx_X: np.ndarray | None = None
+    attn_mass: bool = False
+    done: int = 0
+    logits: list = dataclasses.field(default_factory=list)
+    q_rows: np.ndarray | None = None
+    mass: np.ndarray | None = None
 
     @property
-    def seq_len(self) -> int:
-        return len(self.slots)
+    def finished(self) -> bool:
+        return self.done >= self.tokens.size
 
-    def owned(self) -> np.ndarray:
-        """Slots this row holds a reference on (its non-sentinel positions)."""
-        s = np.asarray(self.slots, dtype=np.int64)
-        return s[s != SENTINEL_SLOT]
+    @property
+    def features(self) -> Features:
+        return Features(query_rows=self.q_idx_X is not None, attn_mass=self.attn_mass)
+
+    def result_logits(self) -> np.ndarray:
+        """``[n, V]`` with ``all_logits``, else the last token's ``[V]``."""
+        return np.concatenate(self.logits) if self.all_logits else self.logits[-1][-1]
 
 
+@dataclasses.dataclass
+class DecodeJob:
+    """One row's decode of up to ``n_steps`` tokens, advanced by ``Engine.step_decode``.
+
+    Attributes:
+      row: the cache row; first_token: the token fed at the first step.
+      n_steps: tokens to decode at most (the row may stop earlier at a stop token).
+      spec / temperature / top_p: the sampler (``make_sampler``).
+      key: the row's ``jax.random`` key; step0: index of the first step in the
+        request's reply (the key of step s is ``fold_in(key, step0 + s)``).
+      stop_ids: tokens that end the row (the stop token is emitted).
+      forced: teacher-forced tokens fed after the first step (or None).
+      return_logits / features: what to bring back per step.
+      tokens, fed: sampled tokens and how many tokens were written so far;
+      logits ``[n, V]``, q_rows ``[n, L, Hq, D]``, mass ``[seq_len]`` (per
+      position, for this job's steps) filled as it runs; stopped: a stop token came.
+    """
+
+    row: int
+    first_token: int
+    n_steps: int
+    spec: SamplerSpec
+    temperature: float
+    top_p: float
+    key: jax.Array
+    stop_ids: tuple = ()
+    step0: int = 0
+    forced: list | None = None
+    return_logits: bool = False
+    features: Features = NO_FEATURES
+    tokens: list = dataclasses.field(default_factory=list)
+    fed: int = 0
+    stopped: bool = False
+    logits: list = dataclasses.field(default_factory=list)
+    q_rows: list = dataclasses.field(default_factory=list)
+    mass: np.ndarray | None = None
+
+    @property
+    def finished(self) -> bool:
+        return self.stopped or self.fed >= self.n_steps
+
+    @property
+    def next_feed(self) -> int:
+        """The token the next step feeds: the first token, then the last sample
+        (or, teacher-forced, the next forced token)."""
+        if self.fed == 0:
+            return self.first_token
+        return self.forced[self.fed - 1] if self.forced is not None else self.tokens[-1]
+
+
+# ============================================================================ the engine
 class Engine:
     """A paged KV pool plus the host bookkeeping for up to ``rows`` requests.
 
@@ -237,14 +316,14 @@ class Engine:
       rows: concurrent requests (cache rows).
       max_positions: positions per row (P); defaults to the model context, at most 8192.
       num_slots: pool slots including the sentinel; default ``rows * P + 1``.
-      prefill_chunk: tokens per prefill call.
+      prefill_chunk: tokens per prefill step (``PREFILL_CHUNK``).
       backend: decode-attention backend passed to ``jaxkv.pallas.decode_attention``.
       reclaim: optional ``reclaim(n_slots) -> freed`` called when fewer than the
         needed slots are free (e.g. the radix cache's LRU eviction); only if it
         cannot free enough does the allocation raise ``OutOfSlotsError``.
     """
 
-    def __init__(self, model: Model, *, rows: int = 1, max_positions: int | None = None, num_slots: int | None = None, prefill_chunk: int = 512, backend=None, reclaim=None):
+    def __init__(self, model: Model, *, rows: int = 1, max_positions: int | None = None, num_slots: int | None = None, prefill_chunk: int = PREFILL_CHUNK, backend=None, reclaim=None):
         cfg = model.config
         self.model = model
         self.graphdef, self.params = model.split()
@@ -266,19 +345,32 @@ class Engine:
         )
         self.prefill_chunk = int(prefill_chunk)
         self.backend = backend
-        self.row_state: list[RowState | None] = [None] * rows
+        self.row_state: list[RequestState | None] = [None] * rows
         self.reclaim = reclaim
 
-    def allocate(self, n: int) -> np.ndarray:
-        """``n`` fresh slots, reclaiming cached ones first when the pool is short."""
+    @property
+    def rows(self) -> int:
+        return len(self.row_state)
+
+    @property
+    def free_rows(self) -> int:
+        return sum(state is None for state in self.row_state)
+
+    def allocate(self, n: int, row: int | None = None) -> np.ndarray:
+        """``n`` fresh slots, reclaiming cached ones first when the pool is short;
+        counted against ``row``'s request when given."""
         short = n - self.allocator.num_free
         if short > 0 and self.reclaim is not None:
             self.reclaim(short)
-        return self.allocator.allocate(n)
+        slots = self.allocator.allocate(n)
+        if row is not None:
+            self._row(row).allocated += int(n)
+        return slots
 
-    # -- rows ------------------------------------------------------------------
-    def open_row(self, prefix_slots: Sequence[int] = ()) -> int:
-        """Take a free row; install ``prefix_slots`` (may contain sentinel holes)."""
+    # -- rows --------------------------------------------------------------------
+    def open_row(self, prefix_slots: Sequence[int] = (), prefix_tokens: Sequence[int] | None = None) -> int:
+        """Take a free row; install ``prefix_slots`` (may contain sentinel holes)
+        and, when known, the tokens at those positions."""
         try:
             row = self.row_state.index(None)
         except ValueError:
@@ -286,9 +378,8 @@ class Engine:
         prefix = np.asarray(prefix_slots, dtype=np.int64).reshape(-1)
         if prefix.size > self.max_positions:
             raise ContextLengthError(f"prefix of {prefix.size} tokens exceeds {self.max_positions} positions")
-        owned = prefix[prefix != SENTINEL_SLOT]
-        self.allocator.ref(owned)  # validates before changing anything
-        state = RowState(slots=prefix.tolist(), live=owned.tolist())
+        state = RequestState(prefix.tolist(), prefix_tokens)  # validates before any change
+        self.allocator.ref(state.owned())  # validates before changing anything
         self.row_state[row] = state
         self._push_row(row)
         return row
@@ -300,7 +391,7 @@ class Engine:
         self.row_state[row] = None
         return freed
 
-    def _row(self, row: int) -> RowState:
+    def _row(self, row: int) -> RequestState:
         if not 0 <= row < len(self.row_state) or self.row_state[row] is None:
             raise JaxKVError(f"cache row {row} is not open")
         return self.row_state[row]
@@ -320,19 +411,13 @@ class Engine:
         state = self._row(row)
         if not 0 <= length <= state.seq_len:
             raise JaxKVError(f"cannot truncate row {row} of {state.seq_len} positions to {length}")
-        dropped = np.asarray(state.slots[length:], np.int64)
-        dropped = dropped[dropped != SENTINEL_SLOT]
-        gone = set(dropped.tolist())
-        state.slots = state.slots[:length]
-        state.live = [s for s in state.live if s not in gone]
-        freed = self.allocator.release(dropped)
+        freed = self.allocator.release(state.truncate(length))
         self._push_row(row)
         return freed
 
     def live_positions(self, row: int) -> np.ndarray:
         """Positions of the row's live entries (in live-list order = position order)."""
-        slots = np.asarray(self._row(row).slots)
-        return np.flatnonzero(slots != SENTINEL_SLOT)
+        return self._row(row).live_positions()
 
     def gather_keys(self, row: int, n: int | None = None) -> jax.Array:
         """Post-RoPE keys of the row's live positions ``[L, N, Hkv, D]``, padded
@@ -347,27 +432,133 @@ class Engine:
         idx = np.asarray(slots, np.int32)
         return np.asarray(self.cache.k[:, idx]), np.asarray(self.cache.v[:, idx])
 
-    def apply_layout(self, row: int, plan) -> None:
-        """Apply a ``jaxkv.policies.layouts.LayoutPlan`` to a row (pool + tables)."""
-        from jaxkv.pallas import rope_delta
+    # -- eviction and promotion -----------------------------------------------------
+    def apply_layout(self, row: int, plan, *, keep_evicted: bool = False):
+        """Apply a ``jaxkv.policies.layouts.LayoutPlan`` to a row (pool + tables).
 
-        self._row(row)
+        With ``keep_evicted``, returns host copies ``(k_LMKD, v_LMKD)`` of the
+        evicted rows (``plan.evicted_slots``), read before they are released: what
+        the RepairKV host tier shelves. A renumbering plan (compact) re-indexes the
+        row's ``RequestState``.
+        """
+        state = self._row(row)
+        evicted = self.gather_rows(plan.evicted_slots) if keep_evicted else None
         if plan.copy_src.size:
             src = jnp.asarray(plan.copy_src, jnp.int32)
             dst = jnp.asarray(plan.copy_dst, jnp.int32)
             self.cache = _copy_rows(self.cache, src, dst)
-            k = rope_delta(self.cache.k, dst, jnp.asarray(plan.delta, jnp.int32), self.model.config.rope)
+            k = pallas.rope_delta(self.cache.k, dst, jnp.asarray(plan.delta, jnp.int32), self.model.config.rope)
             self.cache = self.cache.replace(k=k)
-        self.set_row_tables(row, plan.slots, plan.live)
+        if plan.renumbered:
+            state.reindex(plan.kept_positions, plan.slots, plan.live)
+            self._push_row(row)
+        else:
+            self.set_row_tables(row, plan.slots, plan.live)
         self.allocator.release(plan.released)
+        return evicted
+
+    def restore_rows(self, row: int, positions_M, k_LMKD, v_LMKD) -> np.ndarray:
+        """RepairKV apply step: bring evicted rows back into ``row`` at their
+        original positions. Fresh slots are allocated, the K/V rows written there
+        unchanged (post-RoPE at the same positions: no rotation), the positions'
+        slot-map entries (holes) pointed at them and the live-index list grown in
+        position order. Returns the fresh slots. ``RepairError`` (nothing changed)
+        when a position is not a hole of the row."""
+        from jaxkv.cache.host_tier import stage
+        from jaxkv.policies.repair import promotion_tables
+
+        pos = np.asarray(positions_M, np.int64)
+        if pos.size == 0:
+            return np.zeros(0, np.int64)
+        state = self._row(row)
+        promotion_tables(state.slots, pos, np.ones(pos.size, np.int64))  # validate first
+        fresh = self.allocate(pos.size, row)
+        slots, live = promotion_tables(state.slots, pos, fresh)
+        self.cache = _write_rows(self.cache, jnp.asarray(fresh, jnp.int32), stage(np.asarray(k_LMKD)), stage(np.asarray(v_LMKD)))
+        self.set_row_tables(row, slots, live)
+        return fresh
 
     def set_row_tables(self, row: int, slots: Sequence[int], live: Sequence[int]) -> None:
-        """Replace a row's host + device tables (used by layouts that edit them)."""
-        state = self._row(row)
-        state.slots, state.live = list(slots), list(live)
+        """Replace a row's host + device tables for the same positions."""
+        self._row(row).set_tables(slots, live)
         self._push_row(row)
 
-    # -- prefill -----------------------------------------------------------------
+    # -- prefill -------------------------------------------------------------------
+    def start_prefill(self, row: int, tokens: Sequence[int], *, all_logits: bool = False, q_idx=None, attn_mass: bool = False) -> PrefillJob:
+        """A prefill job for ``row``; its slots are allocated now (``OutOfSlotsError``
+        or ``ContextLengthError`` before any change). ``q_idx``: indices into
+        ``tokens`` whose post-RoPE queries to capture."""
+        state = self._row(row)
+        tokens = np.asarray(tokens, np.int32).reshape(-1)
+        if state.seq_len + tokens.size > self.max_positions:
+            raise ContextLengthError(
+                f"row {row}: {state.seq_len} cached + {tokens.size} new tokens exceed {self.max_positions} positions"
+            )
+        slots = self.allocate(tokens.size, row)
+        q_idx_X = None if q_idx is None else np.asarray(q_idx, np.int64).reshape(-1)
+        job = PrefillJob(row, tokens, slots, all_logits, q_idx_X, attn_mass)
+        cfg = self.model.config
+        if attn_mass:
+            job.mass = np.zeros((cfg.num_layers, cfg.num_heads, state.seq_len + tokens.size), np.float32)
+        if q_idx_X is not None:
+            job.q_rows = np.zeros((cfg.num_layers, q_idx_X.size, cfg.num_heads, cfg.head_dim), np.float32)
+        return job
+
+    def abandon_prefill(self, job: PrefillJob) -> np.ndarray:
+        """Release the slots of a prefill job's unwritten tokens (the request was
+        cancelled or failed half-way); returns the slots freed."""
+        rest = job.slots[job.done :]
+        job.done = job.tokens.size
+        job.slots = job.slots[: job.done]
+        return self.allocator.release(rest)
+
+    def step_prefill(self, jobs: Sequence[PrefillJob]) -> None:
+        """Advance every unfinished job by one chunk, in one ``prefill_step``."""
+        jobs = [j for j in jobs if not j.finished]
+        if not jobs:
+            return
+        states = [self._row(j.row) for j in jobs]
+        pieces = [j.tokens[j.done : j.done + self.prefill_chunk] for j in jobs]
+        C = min(self.prefill_chunk, bucket(max(p.size for p in pieces)))
+        B = bucket(len(jobs), minimum=1)
+        R = self.rows
+        rows = np.full(B, R, np.int32)
+        tokens = np.zeros((B, C), np.int32)
+        slots = np.zeros((B, C), np.int32)
+        counts = np.zeros(B, np.int32)
+        features = Features(query_rows=any(j.q_idx_X is not None for j in jobs), attn_mass=any(j.attn_mass for j in jobs))
+        X = bucket(max((j.q_idx_X.size for j in jobs if j.q_idx_X is not None), default=1), minimum=8)
+        Y = C if any(j.all_logits for j in jobs) else 1
+        q_idx = np.zeros((B, X), np.int32)
+        logit_idx = np.zeros((B, Y), np.int32)
+        for b, (j, piece) in enumerate(zip(jobs, pieces)):
+            rows[b], counts[b] = j.row, piece.size
+            tokens[b, : piece.size] = piece
+            slots[b, : piece.size] = j.slots[j.done : j.done + piece.size]
+            if j.q_idx_X is not None:
+                q_idx[b, : j.q_idx_X.size] = np.clip(j.q_idx_X - j.done, 0, C - 1)
+            logit_idx[b] = np.arange(Y) if Y == C else piece.size - 1  # Y == 1: the last real token
+        n_read = min(bucket(max(len(s.live) for s in states)), self.max_positions)
+        logits, self.cache, aux = prefill_step(
+            self.graphdef, self.params, self.cache, rows, tokens, counts, slots, q_idx, logit_idx,
+            n_read=n_read, features=features,
+        )
+        logits = np.asarray(logits)
+        chunk_mass = np.asarray(aux["attn_mass"]) if features.attn_mass else None  # [L, B, Hq, n_read + C]
+        chunk_q = np.asarray(aux["q_rows"]) if features.query_rows else None  # [L, B, X, Hq, D]
+        for b, (j, st, piece) in enumerate(zip(jobs, states, pieces)):
+            n = piece.size
+            if j.attn_mass:
+                live_pos = st.live_positions()  # the live list is in position order
+                j.mass[:, :, live_pos] += chunk_mass[:, b, :, : live_pos.size]
+                j.mass[:, :, st.seq_len : st.seq_len + n] += chunk_mass[:, b, :, n_read : n_read + n]
+            if j.q_idx_X is not None:
+                here = (j.q_idx_X >= j.done) & (j.q_idx_X < j.done + n)
+                j.q_rows[:, here] = chunk_q[:, b, : j.q_idx_X.size][:, here]
+            j.logits.append(logits[b, :n] if j.all_logits else logits[b, n - 1 if Y == C else 0][None])
+            st.append(piece, j.slots[j.done : j.done + n])
+            j.done += n
+
     def prefill(self, rows: Sequence[int], token_lists: Sequence[Sequence[int]], *, all_logits=False, features: Features = NO_FEATURES, q_row_positions=None):
         """Append ``token_lists[i]`` to ``rows[i]``; returns logits of the new tokens.
 
@@ -380,142 +571,168 @@ class Engine:
         ``[L, len(rows), X, Hq, D]``: the post-RoPE queries at
         ``q_row_positions[i]`` (X indices into ``token_lists[i]``).
         """
-        states = [self._row(r) for r in rows]
-        lens = [len(t) for t in token_lists]
-        for r, st, n in zip(rows, states, lens):
-            if st.seq_len + n > self.max_positions:
+        for r, tokens in zip(rows, token_lists):
+            st = self._row(r)
+            if st.seq_len + len(tokens) > self.max_positions:
                 raise ContextLengthError(
-                    f"row {r}: {st.seq_len} cached + {n} new tokens exceed {self.max_positions} positions"
+                    f"row {r}: {st.seq_len} cached + {len(tokens)} new tokens exceed {self.max_positions} positions"
                 )
-        new_slots = self.allocate(sum(lens))  # raises before any change
-        per_row = np.split(new_slots, np.cumsum(lens)[:-1])
-        R = len(self.row_state)
-        C = min(self.prefill_chunk, bucket(max(lens + [1])))
-        outputs = [[] for _ in rows]
-        cfg = self.model.config
-        mass = [np.zeros((cfg.num_layers, cfg.num_heads, st.seq_len + n), np.float32) for st, n in zip(states, lens)] if features.attn_mass else None
-        q_pos = np.asarray(q_row_positions if q_row_positions is not None else [[0]] * len(rows), np.int64)
-        n_q = q_pos.shape[1]
-        q_rows = None
-        for start in range(0, max(lens + [0]), C):
-            tokens = np.zeros((R, C), np.int32)
-            slots = np.zeros((R, C), np.int32)
-            counts = np.zeros((R,), np.int32)
-            for i, r in enumerate(rows):
-                piece = list(token_lists[i][start : start + C])
-                tokens[r, : len(piece)] = piece
-                slots[r, : len(piece)] = per_row[i][start : start + len(piece)]
-                counts[r] = len(piece)
-            n_read = min(bucket(max(len(s.live) for s in self.row_state if s is not None)), self.max_positions)
-            q_idx = np.zeros((R, n_q), np.int32)
-            for i, r in enumerate(rows):
-                q_idx[r] = np.clip(q_pos[i] - start, 0, C - 1)
-            logits, self.cache, aux = prefill_step(
-                self.graphdef, self.params, self.cache, tokens, counts, slots, q_idx,
-                n_read=n_read, features=features, all_logits=all_logits,
+        need = sum(len(t) for t in token_lists)
+        if need > self.allocator.num_free and self.reclaim is not None:
+            self.reclaim(need - self.allocator.num_free)
+        if need > self.allocator.num_free:
+            raise OutOfSlotsError(f"prefill needs {need} slots, {self.allocator.num_free} free")
+        jobs = [
+            self.start_prefill(
+                r, t, all_logits=all_logits, attn_mass=features.attn_mass,
+                q_idx=q_row_positions[i] if features.query_rows and q_row_positions is not None else None,
             )
-            logits = np.asarray(logits)
-            if features.attn_mass:
-                chunk_mass = np.asarray(aux["attn_mass"])  # [L, R, Hq, n_read + C]
-                for i, r in enumerate(rows):
-                    st = states[i]
-                    slots_np = np.asarray(st.slots)
-                    live_pos = np.flatnonzero(slots_np != SENTINEL_SLOT)  # live list is in position order
-                    mass[i][:, :, live_pos] += chunk_mass[:, r, :, : live_pos.size]
-                    k = counts[r]
-                    mass[i][:, :, st.seq_len : st.seq_len + k] += chunk_mass[:, r, :, n_read : n_read + k]
-            for i, r in enumerate(rows):
-                if counts[r]:
-                    outputs[i].append(logits[r, : counts[r]] if all_logits else logits[r])
-                    added = per_row[i][start : start + counts[r]].tolist()
-                    states[i].slots += added
-                    states[i].live += added
-            if features.query_rows:
-                chunk_q = np.asarray(aux.pop("q_rows"))[:, list(rows)]  # [L, len(rows), X, Hq, D]
-                if q_rows is None:
-                    q_rows = np.zeros_like(chunk_q)
-                here = (q_pos >= start) & (q_pos < start + C)  # [len(rows), X]
-                q_rows[:, here] = chunk_q[:, here]
-        result = [np.concatenate(o) if all_logits else o[-1] for o in outputs]
+            for i, (r, t) in enumerate(zip(rows, token_lists))
+        ]
+        while not all(j.finished for j in jobs):
+            self.step_prefill(jobs)
+        result = [j.result_logits() for j in jobs]
         if features == NO_FEATURES:
             return result
         aux_out = {}
         if features.attn_mass:
-            aux_out["attn_mass"] = mass
-        if q_rows is not None:
-            aux_out["q_rows"] = q_rows
+            aux_out["attn_mass"] = [j.mass for j in jobs]
+        if features.query_rows:
+            aux_out["q_rows"] = np.stack([j.q_rows for j in jobs], axis=1)
         return result, aux_out
 
-    # -- decode ------------------------------------------------------------------
+    # -- decode --------------------------------------------------------------------
+    def start_decode(self, row: int, first_token: int, n_steps: int, *, temperature=0.0, top_k=None, top_p=None, key=None, step0: int = 0, stop_token_ids=(), return_logits=False, forced_tokens=None, features: Features = NO_FEATURES) -> DecodeJob:
+        """A decode job for ``row`` (``ContextLengthError`` up front; slots are
+        allocated per chunk)."""
+        spec, temp, top_p_val = make_sampler(temperature, top_k, top_p)
+        st = self._row(row)
+        if st.seq_len + n_steps > self.max_positions:
+            raise ContextLengthError(
+                f"row {row}: {st.seq_len} cached + {n_steps} decode steps exceed {self.max_positions} positions"
+            )
+        return DecodeJob(
+            row, int(first_token), int(n_steps), spec, float(temp), float(top_p_val),
+            key if key is not None else jax.random.key(0), tuple(sorted(set(int(t) for t in stop_token_ids))),
+            step0, None if forced_tokens is None else list(forced_tokens), return_logits, features,
+        )
+
+    def step_decode(self, jobs: Sequence[DecodeJob], max_steps: int | None = None) -> None:
+        """Advance every unfinished job by up to ``max_steps`` steps (default: all
+        it has left) in one ``decode_loop``. All jobs must share one sampler spec.
+        Slots for the steps are allocated first (``OutOfSlotsError`` before any
+        change) and the unused ones released after."""
+        jobs = [j for j in jobs if not j.finished]
+        if not jobs:
+            return
+        spec = jobs[0].spec
+        if any(j.spec != spec for j in jobs):
+            raise JaxKVError("step_decode batches jobs of one sampler spec")
+        steps = [j.n_steps - j.fed if max_steps is None else min(j.n_steps - j.fed, max_steps) for j in jobs]
+        n = max(steps)
+        total = sum(steps)
+        if total > self.allocator.num_free and self.reclaim is not None:
+            self.reclaim(total - self.allocator.num_free)
+        fresh = self.allocator.allocate(total)  # raises before any change
+        per_job = np.split(fresh, np.cumsum(steps)[:-1])
+        states = [self._row(j.row) for j in jobs]
+        B = bucket(len(jobs), minimum=1)
+        R = self.rows
+        rows = np.full(B, R, np.int32)
+        first = np.zeros(B, np.int32)
+        limit = np.zeros(B, np.int32)
+        slots = np.zeros((B, n), np.int32)
+        stop_width = max(1, max(len(j.stop_ids) for j in jobs))
+        stop = np.full((B, stop_width), -1, np.int32)
+        key_data = np.zeros((B, *jax.random.key_data(jobs[0].key).shape), np.uint32)
+        step0 = np.zeros(B, np.int32)
+        temp = np.ones(B, np.float32)
+        top_p = np.ones(B, np.float32)
+        forced = np.zeros((B, n), np.int32)
+        teacher_forced = any(j.forced is not None for j in jobs)
+        for b, (j, k, s) in enumerate(zip(jobs, steps, per_job)):
+            rows[b], first[b], limit[b] = j.row, j.next_feed, k
+            slots[b, :k] = s
+            stop[b, : len(j.stop_ids)] = j.stop_ids
+            key_data[b] = np.asarray(jax.random.key_data(j.key))
+            step0[b], temp[b], top_p[b] = j.step0 + j.fed, j.temperature, j.top_p
+            if j.forced is not None:
+                f = j.forced[j.fed : j.fed + n]
+                forced[b, : len(f)] = f
+        features = Features(
+            query_rows=any(j.features.query_rows for j in jobs), attn_mass=any(j.features.attn_mass for j in jobs)
+        )
+        return_logits = any(j.return_logits for j in jobs)
+        longest = max(len(s.live) for s in states) + n
+        n_read = min(bucket(longest), self.max_positions)
+        tokens, fed, self.cache, logits, aux = decode_loop(
+            self.graphdef, self.params, self.cache, rows, first, limit, slots, stop, key_data, step0, temp, top_p, forced,
+            n_steps=n, n_read=n_read, spec=spec, backend=self.backend, return_logits=return_logits,
+            teacher_forced=any(j.forced is not None for j in jobs), features=features,
+        )
+        tokens, fed = np.asarray(tokens), np.asarray(fed)
+        q_rows = np.asarray(aux["q_rows"]) if features.query_rows else None
+        mass_BN = np.asarray(aux["mass_BN"]) if features.attn_mass else None
+        unused = []
+        for b, (j, st, s) in enumerate(zip(jobs, states, per_job)):
+            k = int(fed[b])
+            new = tokens[b, :k].tolist()
+            rest = j.forced[j.fed : j.fed + k - 1] if j.forced is not None else new[: k - 1]
+            written = ([j.next_feed] + list(rest))[:k]
+            st.append(written, s[:k])
+            st.allocated += k
+            unused.append(s[k:])
+            j.tokens += new
+            j.fed += k
+            j.stopped = bool(k and new[-1] in j.stop_ids)
+            if j.return_logits:
+                j.logits.append(np.asarray(logits[b, :k]))
+            if j.features.query_rows:
+                j.q_rows.append(q_rows[:k, :, b])
+            if j.features.attn_mass:
+                m = np.zeros(st.seq_len, np.float32)
+                live_pos = st.live_positions()  # entry i of the live list is position live_pos[i]
+                m[live_pos] = mass_BN[b, : live_pos.size]
+                if j.mass is not None:
+                    m[: j.mass.size] += j.mass
+                j.mass = m
+        self.allocator.release(np.concatenate(unused))
+
     def decode(self, rows: Sequence[int], first_tokens: Sequence[int], n_steps: int, *, temperature=0.0, top_k=None, top_p=None, key=None, stop_token_ids=(), return_logits=False, forced_tokens=None, features: Features = NO_FEATURES):
         """Feed ``first_tokens`` and decode up to ``n_steps`` tokens per row.
 
         Returns ``(tokens, logits)``: ``tokens[i]`` the sampled tokens of row i
         (ending with its stop token when one was hit); ``logits[i]`` ``[n, V]``
         when ``return_logits``. ``forced_tokens[i]`` (teacher forcing) replaces
-        the fed token of every step after the first. With ``features``, returns
-        ``(tokens, logits, aux)``: ``aux["q_rows"][i]`` ``[n_i, L, Hq, D]`` the
-        query of each fed token; ``aux["attn_mass"][i]`` ``[seq_len]`` the mass
-        each position of row i received during this call (mean over layers and
-        heads, summed over steps).
+        the fed token of every step after the first. Row ``i`` samples with
+        ``fold_in(key, i)``. With ``features``, returns ``(tokens, logits, aux)``:
+        ``aux["q_rows"][i]`` ``[n_i, L, Hq, D]`` the query of each fed token;
+        ``aux["attn_mass"][i]`` ``[seq_len]`` the mass each position of row i
+        received during this call (mean over layers and heads, summed over steps).
         """
-        spec, temp, top_p_val = make_sampler(temperature, top_k, top_p)
+        make_sampler(temperature, top_k, top_p)
         if n_steps <= 0:
             return [[] for _ in rows], None
-        states = [self._row(r) for r in rows]
-        for r, st in zip(rows, states):
-            if st.seq_len + n_steps > self.max_positions:
-                raise ContextLengthError(
-                    f"row {r}: {st.seq_len} cached + {n_steps} decode steps exceed {self.max_positions} positions"
-                )
-        new_slots = self.allocate(n_steps * len(rows)).reshape(len(rows), n_steps)
-        R = len(self.row_state)
-        slots = np.zeros((R, n_steps), np.int32)
-        first = np.zeros((R,), np.int32)
-        active = np.zeros((R,), bool)
-        forced = np.zeros((R, n_steps), np.int32)
-        for i, r in enumerate(rows):
-            slots[r] = new_slots[i]
-            first[r] = first_tokens[i]
-            active[r] = True
-            if forced_tokens is not None:
-                f = list(forced_tokens[i])[: n_steps]
-                forced[r, : len(f)] = f
-        stop = np.asarray(sorted(set(stop_token_ids)) or [-1], np.int32)
-        longest = max(len(s.live) for s in self.row_state if s is not None) + n_steps
-        n_read = min(bucket(longest), self.max_positions)
-        tokens, fed, self.cache, logits, aux = decode_loop(
-            self.graphdef, self.params, self.cache, first, active, slots, stop,
-            key if key is not None else jax.random.key(0), temp, top_p_val, forced,
-            n_steps=n_steps, n_read=n_read, spec=spec, backend=self.backend,
-            return_logits=return_logits, teacher_forced=forced_tokens is not None,
-            features=features,
-        )
-        tokens, fed = np.asarray(tokens), np.asarray(fed)
-        out_tokens, out_logits = [], []
-        unused = []
-        for i, r in enumerate(rows):
-            n = int(fed[r])
-            used = new_slots[i][:n].tolist()
-            states[i].slots += used
-            states[i].live += used
-            unused.append(new_slots[i][n:])
-            out_tokens.append(tokens[r, :n].tolist())
-            if return_logits:
-                out_logits.append(np.asarray(logits[r, :n]))
-        self.allocator.release(np.concatenate(unused))
+        key = key if key is not None else jax.random.key(0)
+        jobs = [
+            self.start_decode(
+                r, first_tokens[i], n_steps, temperature=temperature, top_k=top_k, top_p=top_p,
+                key=jax.random.fold_in(key, i), stop_token_ids=stop_token_ids, return_logits=return_logits,
+                forced_tokens=None if forced_tokens is None else list(forced_tokens[i]), features=features,
+            )
+            for i, r in enumerate(rows)
+        ]
+        self.step_decode(jobs)
+        out_tokens = [j.tokens for j in jobs]
+        out_logits = [np.concatenate(j.logits) if j.logits else np.zeros((0, self.model.config.vocab_size), np.float32) for j in jobs] if return_logits else None
         if features == NO_FEATURES:
-            return out_tokens, (out_logits if return_logits else None)
+            return out_tokens, out_logits
         aux_out = {}
         if features.query_rows:
-            q = np.asarray(aux["q_rows"])
-            aux_out["q_rows"] = [q[: int(fed[r]), :, r] for r in rows]
+            aux_out["q_rows"] = [np.concatenate(j.q_rows) for j in jobs]
         if features.attn_mass:
-            mass_S = np.asarray(aux["mass_S"])
-            aux_out["attn_mass"] = [
-                np.where(np.asarray(st.slots) != SENTINEL_SLOT, mass_S[np.asarray(st.slots)], 0.0) for st in states
-            ]
-        return out_tokens, (out_logits if return_logits else None), aux_out
+            aux_out["attn_mass"] = [j.mass for j in jobs]
+        return out_tokens, out_logits, aux_out
 
 
 # ============================================================================ public
@@ -550,7 +767,7 @@ def generate(model: Model, prompts, max_new_tokens: int, temperature: float = 0.
         _check_ids(model, np.asarray(p))
     if max_new_tokens < 0:
         raise ValueError(f"max_new_tokens must be >= 0, got {max_new_tokens}")
-    make_sampler(temperature, top_k, top_p)  # validate before any work
+    spec, temp, top_p_val = make_sampler(temperature, top_k, top_p)  # validate before any work
     longest = max(len(p) for p in prompts) + max_new_tokens
     if longest > model.config.max_position_embeddings:
         raise ContextLengthError(
@@ -563,9 +780,8 @@ def generate(model: Model, prompts, max_new_tokens: int, temperature: float = 0.
     engine = Engine(model, rows=len(prompts), max_positions=P, backend=backend)
     rows = [engine.open_row() for _ in prompts]
     last_logits = engine.prefill(rows, prompts)
-    spec, temp, top_p_val = make_sampler(temperature, top_k, top_p)
     key = jax.random.key(seed)
-    first = np.asarray(sample(jnp.asarray(np.stack(last_logits)), jax.random.fold_in(key, 1 << 30), spec, temp, top_p_val))
+    first = np.asarray(sample(jnp.asarray(np.stack(last_logits)), jax.random.fold_in(key, FIRST_TOKEN_KEY), spec, temp, top_p_val))
     stop = set(stop_token_ids or ())
     outputs = [[int(t)] for t in first]
     live_rows = [i for i, t in enumerate(first) if int(t) not in stop]
@@ -577,63 +793,3 @@ def generate(model: Model, prompts, max_new_tokens: int, temperature: float = 0.
         for i, toks in zip(live_rows, tokens):
             outputs[i] += toks
     return outputs
-
-
-# ============================================================================ compression
-@dataclasses.dataclass(frozen=True)
-class CompressionReport:
-    """What one compression event did (positions in the numbering before it)."""
-
-    live_before: int
-    live_after: int
-    kept_positions: np.ndarray
-    plan: object
-    evicted_scores: np.ndarray | None = None  # policy score of each plan.evicted_positions entry
-
-
-@functools.partial(jax.jit, static_argnames=("policy", "cfg"))
-def score_and_select(policy, cfg, state, feats, forced_N, budget):
-    """One event's decision, jit'd per (policy, config, padded N): forced set =
-    engine-forced ∪ the policy's keep set (real entries only), scores, kept mask."""
-    from jaxkv.policies.base import select
-
-    valid = feats.valid()
-    forced = jnp.asarray(forced_N, bool)
-    if policy.keep is not None:
-        forced = forced | policy.keep(cfg, feats)
-    forced = forced & valid
-    candidates = ~forced & valid
-    scores, state = policy.score(cfg, state, feats, candidates)
-    return select(scores, forced, candidates, budget), scores, state
-
-
-def compress_row(engine: Engine, row: int, policy, cfg, state, feats, forced_N, budget: int, layout: str, on_evict=None):
-    """One compression event on a row: score, select, apply the layout.
-
-    ``feats`` are the row's ``EventFeatures`` (live positions in order, padded
-    with ``valid_N`` false entries) and ``forced_N`` the engine-forced mask
-    (protected prefix, actionable query); the policy's own keep set is added
-    here. ``on_evict(plan, k_LMKD, v_LMKD, scores_M)``, when given, receives host
-    copies of the evicted rows and their compression scores before the layout
-    releases them (the RepairKV host tier). Returns ``(state, report)``.
-    """
-    from jaxkv.policies import layouts
-
-    valid = np.asarray(feats.valid())
-    live_pos = np.asarray(feats.positions_N)[valid]
-    keep_mask, scores, state = score_and_select(policy, cfg, state, feats, jnp.asarray(forced_N, bool), jnp.int32(budget))
-    kept = live_pos[np.asarray(keep_mask)[valid]]
-    slots = engine.row_state[row].slots
-    if layout == "dead_slot":
-        plan = layouts.dead_slot(slots, kept)
-    elif layout == "compact":
-        plan = layouts.compact(slots, kept, engine.allocate(kept.size))
-    else:
-        raise ValueError(f"unknown layout {layout!r}; known: {', '.join(layouts.LAYOUTS)}")
-    live_scores = np.asarray(scores, np.float32)[valid]
-    evicted_scores = live_scores[np.searchsorted(live_pos, plan.evicted_positions)]
-    if on_evict is not None and plan.evicted_positions.size:
-        k_LMKD, v_LMKD = engine.gather_rows(plan.evicted_slots)
-        on_evict(plan, k_LMKD, v_LMKD, evicted_scores)
-    engine.apply_layout(row, plan)
-    return state, CompressionReport(int(live_pos.size), int(kept.size), kept, plan, evicted_scores)

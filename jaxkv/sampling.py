@@ -56,3 +56,15 @@ def sample(logits_RV, key, spec: SamplerSpec, temperature, top_p):
             jnp.arange(logits.shape[0])[:, None], order
         ].set(sorted_logits)
     return jax.random.categorical(key, logits, axis=-1).astype(jnp.int32)
+
+
+def sample_rows(logits_RV, keys_R, spec: SamplerSpec, temperature_R, top_p_R):
+    """``sample`` with a key, temperature and top-p per row ``[R]``: a row's token
+    depends on its own inputs only, whatever other rows share the batch."""
+    if spec.greedy:
+        return jnp.argmax(logits_RV, axis=-1).astype(jnp.int32)
+
+    def one(logits_V, key, temperature, top_p):
+        return sample(logits_V[None], key, spec, temperature, top_p)[0]
+
+    return jax.vmap(one)(logits_RV, keys_R, temperature_R, top_p_R)

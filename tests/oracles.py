@@ -43,7 +43,7 @@ def logits_over_kept(model, prefix_tokens, keep, new_tokens, *, renumber=False):
         v_all = jnp.concatenate([kv[i][1][:, keep], v], axis=1)
         causal = np.tril(np.ones((T, T), bool))
         mask = np.concatenate([np.ones((T, len(keep)), bool), causal], axis=1)[None]
-        out, _ = attention._attend(attention._grouped(q, k.shape[2]), k_all, v_all, jnp.asarray(mask))
+        out, _ = attention._attend(attention.group_heads(q, k.shape[2]), k_all, v_all, jnp.asarray(mask))
         return out.astype(q.dtype)
 
     first = len(keep) if renumber else P

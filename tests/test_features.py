@@ -19,7 +19,7 @@ def _dense_q_and_probs(model, tokens):
         qs.append(np.asarray(q[0]))
         T = q.shape[1]
         mask = jnp.tril(jnp.ones((T, T), bool))[None]
-        out, p = attention._attend(attention._grouped(q, k.shape[2]), k, v, mask)
+        out, p = attention._attend(attention.group_heads(q, k.shape[2]), k, v, mask)
         probs.append(np.asarray(p[0]).reshape(-1, T, T))  # [Hq, T(query), T(key)]
         return out.astype(q.dtype)
 

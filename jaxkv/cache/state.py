@@ -15,6 +15,10 @@ Attributes:
   live_len: ``[R]`` int32, length of each live-index list.
   seq_len: ``[R]`` int32, next position to write (tokens seen, holes included).
 
+``RowTables`` is the same four tables for a sub-batch of rows (``take_rows``);
+jit'd steps that serve only some rows (the scheduler's batches) work on it and
+write it back with ``put_rows``, so idle rows cost nothing.
+
 Invariants: slot 0 (the sentinel) is never listed in ``live_idx[:live_len]``;
 ``live_len <= seq_len <= P``; padding writes go to the sentinel and are never read.
 The host (``jaxkv.engine``) owns the allocator and decides which slots a request
@@ -62,12 +66,46 @@ class PagedKVCache:
         return self.slot_map.shape[1]
 
 
-def append_tokens(cache: PagedKVCache, slots_RT: jax.Array, count_R: jax.Array) -> PagedKVCache:
+@struct.dataclass
+class RowTables:
+    """The tables of a sub-batch of B rows (fields as in ``PagedKVCache``, with B
+    in place of R): ``slot_map [B, P]``, ``live_idx [B, P]``, ``live_len [B]``,
+    ``seq_len [B]``."""
+
+    slot_map: jax.Array
+    live_idx: jax.Array
+    live_len: jax.Array
+    seq_len: jax.Array
+
+    @property
+    def positions(self) -> int:
+        return self.slot_map.shape[1]
+
+
+def take_rows(cache: PagedKVCache, rows_B: jax.Array) -> RowTables:
+    """The tables of rows ``rows_B``; an index ``>= R`` (padding) reads row ``R-1``."""
+    rows = jnp.minimum(rows_B, cache.rows - 1)
+    return RowTables(cache.slot_map[rows], cache.live_idx[rows], cache.live_len[rows], cache.seq_len[rows])
+
+
+def put_rows(cache: PagedKVCache, rows_B: jax.Array, tables: RowTables) -> PagedKVCache:
+    """Write a sub-batch's tables back; entries whose row index is ``>= R`` (padding)
+    are dropped."""
+    return cache.replace(
+        slot_map=cache.slot_map.at[rows_B].set(tables.slot_map, mode="drop"),
+        live_idx=cache.live_idx.at[rows_B].set(tables.live_idx, mode="drop"),
+        live_len=cache.live_len.at[rows_B].set(tables.live_len, mode="drop"),
+        seq_len=cache.seq_len.at[rows_B].set(tables.seq_len, mode="drop"),
+    )
+
+
+def append_tokens(cache, slots_RT: jax.Array, count_R: jax.Array):
     """Record that each row wrote ``count_R`` new tokens at ``slots_RT[:, :count]``.
 
-    Positions ``seq_len .. seq_len + count`` map to those slots and the slots are
-    appended to the live-index list. Entries of ``slots_RT`` past ``count_R`` are
-    ignored. This is the only place the tables grow.
+    ``cache`` is a ``PagedKVCache`` or a ``RowTables``. Positions ``seq_len ..
+    seq_len + count`` map to those slots and the slots are appended to the
+    live-index list. Entries of ``slots_RT`` past ``count_R`` are ignored. This is
+    the only place the tables grow.
     """
     R, T = slots_RT.shape
     t = jnp.arange(T)[None, :]

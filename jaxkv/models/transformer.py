@@ -204,10 +204,17 @@ class Transformer(nnx.Module):
         *,
         features: Features = NO_FEATURES,
         q_row_idx_BR=None,
+        logits_idx_BY=None,
     ):
         """Chunked prefill through the paged pool.
 
-        Returns ``(logits [B,T,V] f32, k_pool, v_pool, aux)``. Padding tokens
+        Each layer gathers the request's cached live rows from the pool (one gather
+        of ``N`` rows, never a copy of the layer), attends, and scatters the chunk's
+        K/V to ``write_slots_BT``. Logits are computed only at the chunk indices
+        ``logits_idx_BY`` (default: every index), so a prompt pays for one vocabulary
+        projection, not ``T``.
+
+        Returns ``(logits [B,Y,V] f32, k_pool, v_pool, aux)``. Padding tokens
         (index >= ``chunk_len_B``) must carry write slot 0 (the sentinel).
         """
         pools = {"k": k_pool_LSKD, "v": v_pool_LSKD}
@@ -218,9 +225,8 @@ class Transformer(nnx.Module):
                 q,
                 k,
                 v,
-                pools["k"][i],
-                pools["v"][i],
-                live_idx_BN,
+                pools["k"][i, live_idx_BN],
+                pools["v"][i, live_idx_BN],
                 live_len_B,
                 chunk_len_B,
                 return_mass=features.attn_mass,
@@ -234,6 +240,8 @@ class Transformer(nnx.Module):
             return o
 
         x = self._run(tokens_BT, positions_BT, attend)
+        if logits_idx_BY is not None:
+            x = jnp.take_along_axis(x, logits_idx_BY[:, :, None], axis=1)
         return self._logits(x).astype(jnp.float32), pools["k"], pools["v"], _stack_aux(aux)
 
     def decode(

@@ -60,8 +60,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from jaxkv.attention import group_heads, gqa_scores
+from jaxkv.buckets import bucket
 from jaxkv.cache.allocator import SENTINEL_SLOT
-from jaxkv.errors import RepairError
+from jaxkv.errors import RepairConfigError, RepairError
 
 POLICIES = ("repairkv", "random", "oldest", "staleq", "wrongq", "refresh")
 WHEN = ("turn", "tool")
@@ -96,13 +98,13 @@ class RepairConfig:
 
     def __post_init__(self):
         if int(self.k) < 1:
-            raise RepairError(f"repair budget K must be >= 1, got {self.k}")
+            raise RepairConfigError(f"repair budget K must be >= 1, got {self.k}")
         if self.policy not in POLICIES:
-            raise RepairError(f"unknown repair policy {self.policy!r}; known: {', '.join(POLICIES)}")
+            raise RepairConfigError(f"unknown repair policy {self.policy!r}; known: {', '.join(POLICIES)}")
         if self.when not in WHEN:
-            raise RepairError(f"unknown repair_when {self.when!r}; known: {', '.join(WHEN)}")
+            raise RepairConfigError(f"unknown repair_when {self.when!r}; known: {', '.join(WHEN)}")
         if self.left < 0 or self.right < 0 or self.chunk < 1 or self.signal_rows < 1:
-            raise RepairError("repair left/right must be >= 0, chunk and signal_rows >= 1")
+            raise RepairConfigError("repair left/right must be >= 0, chunk and signal_rows >= 1")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -145,14 +147,12 @@ class RepairReport:
 
 # ============================================================================ scoring
 def _group(q_LXHD, num_kv_heads):
-    L, X, Hq, D = q_LXHD.shape
-    return jnp.asarray(q_LXHD, jnp.float32).reshape(L, X, num_kv_heads, Hq // num_kv_heads, D)
+    return group_heads(jnp.asarray(q_LXHD, jnp.float32), num_kv_heads)
 
 
 def _masked_logits(q_LXKGD, q_pos_X, q_valid_X, k_LCKD, pos_C, valid_C):
     """Scaled logits ``[L, Hkv, G, X, C]`` and the visibility mask ``[X, C]``."""
-    D = q_LXKGD.shape[-1]
-    s = jnp.einsum("lxkgd,lckd->lkgxc", q_LXKGD, k_LCKD.astype(jnp.float32)) / jnp.sqrt(jnp.float32(D))
+    s = gqa_scores(q_LXKGD, k_LCKD)
     mask_XC = q_valid_X[:, None] & valid_C[None, :] & (pos_C[None, :] <= q_pos_X[:, None])
     return s, mask_XC
 
@@ -221,10 +221,6 @@ def repair_scores_streamed(q_LXHD, q_pos_X, q_valid_X, ctx_k_LNKD, ctx_pos_N, ct
     return np.concatenate([np.asarray(a) for a in out]) if out else np.zeros(0, np.float32)
 
 
-def _pow2(n: int, minimum: int = 8) -> int:
-    return 1 << (max(int(n), minimum) - 1).bit_length()
-
-
 def score_rows(signal: Signal, ctx_k_LNKD, ctx_pos_N, cand_k_LMKD, cand_pos_M, *, chunk: int = 4096, see_all: bool = False) -> np.ndarray:
     """Host entry: pad X, N, M to powers of two (compiles are reused) and run
     ``repair_scores``. ``see_all`` lets every signal row see every key (a foreign
@@ -232,7 +228,7 @@ def score_rows(signal: Signal, ctx_k_LNKD, ctx_pos_N, cand_k_LMKD, cand_pos_M, *
     q = np.asarray(signal.q_LXHD, np.float32)
     L, X, Hq, D = q.shape
     N, M = int(np.shape(ctx_pos_N)[0]), int(np.shape(cand_pos_M)[0])
-    Xp, Np, Mp = _pow2(X), _pow2(N), _pow2(M)
+    Xp, Np, Mp = (bucket(n, minimum=8, step=1 << 62) for n in (X, N, M))
     C = min(int(chunk), Mp)
     Mp = -(-Mp // C) * C
     q_pos = np.full(Xp, np.iinfo(np.int32).max if see_all else -1, np.int64)

@@ -1,0 +1,136 @@
+"""One request's per-position host record: the engine row's mirror and its tags.
+
+Every fact jaxkv keeps about a position of a running request lives here, in
+arrays of one length (the row's ``seq_len``), so that one operation re-indexes
+all of them when a compact layout renumbers the request:
+
+Attributes:
+  tokens: ``list[int]`` token id at each position (-1 where a prefix was
+    installed without its tokens, e.g. by a test).
+  slots: ``list[int]`` position -> pool slot; ``SENTINEL_SLOT`` marks a hole (a
+    position evicted by slot-map eviction, or cached as a hole by the radix tree).
+  live: ``list[int]`` the live-index list: the non-sentinel slots, in position
+    order. Decode attention reads exactly these.
+  phase: int32 ``[P]`` AgentKV phase of each position (``jaxkv.chat.Phase``).
+  pinned: bool ``[P]`` positions every kept set must contain (the protected
+    prefix and, unless a session says otherwise, the actionable query).
+  mass: float32 ``[P]`` attention mass each position has received over the
+    session so far (mean over layers and query heads, summed over query rows): H2O's
+    score.
+  renumbered: how many compact layouts renumbered the positions (0: the positions
+    are the rendered conversation's, so the request may enter the radix cache).
+  allocated: fresh slots the engine handed to this request (admission control
+    compares it with the request's reservation).
+
+Invariants (``check``): every per-position field has ``seq_len`` entries;
+``live`` equals the non-sentinel entries of ``slots`` in position order; the
+sentinel is never live. The engine is the only writer of ``slots``/``live``
+(it mirrors them on the device); the pipeline writes the tags.
+"""
+
+from __future__ import annotations
+
+from typing import Sequence
+
+import numpy as np
+
+from jaxkv.cache.allocator import SENTINEL_SLOT
+
+
+class RequestState:
+    """Host state of one engine row (see the module docstring)."""
+
+    def __init__(self, slots: Sequence[int] = (), tokens: Sequence[int] | None = None):
+        slots = [int(s) for s in slots]
+        self.slots: list[int] = slots
+        self.live: list[int] = [s for s in slots if s != SENTINEL_SLOT]
+        self.tokens: list[int] = [int(t) for t in tokens] if tokens is not None else [-1] * len(slots)
+        if len(self.tokens) != len(slots):
+            raise ValueError(f"{len(self.tokens)} tokens for {len(slots)} slots")
+        n = len(slots)
+        self.phase = np.zeros(n, np.int32)
+        self.pinned = np.zeros(n, bool)
+        self.mass = np.zeros(n, np.float32)
+        self.renumbered = 0
+        self.allocated = 0
+
+    # -- reading -----------------------------------------------------------------
+    @property
+    def seq_len(self) -> int:
+        return len(self.slots)
+
+    def owned(self) -> np.ndarray:
+        """Slots this row holds a reference on (its non-sentinel positions)."""
+        s = np.asarray(self.slots, dtype=np.int64)
+        return s[s != SENTINEL_SLOT]
+
+    def live_positions(self) -> np.ndarray:
+        """Positions of the live entries, in live-list order (= position order)."""
+        return np.flatnonzero(np.asarray(self.slots, np.int64) != SENTINEL_SLOT)
+
+    def is_live(self, position: int) -> bool:
+        return 0 <= position < len(self.slots) and self.slots[position] != SENTINEL_SLOT
+
+    # -- growing (engine) ------------------------------------------------------------
+    def append(self, tokens: Sequence[int], slots: Sequence[int]) -> None:
+        """New positions at the end: their tokens and slots (untagged: phase 0,
+        not pinned, no mass; the pipeline tags them)."""
+        tokens, slots = [int(t) for t in tokens], [int(s) for s in slots]
+        if len(tokens) != len(slots):
+            raise ValueError(f"{len(tokens)} tokens for {len(slots)} slots")
+        self.tokens += tokens
+        self.slots += slots
+        self.live += [s for s in slots if s != SENTINEL_SLOT]
+        n = len(tokens)
+        self.phase = np.concatenate([self.phase, np.zeros(n, np.int32)])
+        self.pinned = np.concatenate([self.pinned, np.zeros(n, bool)])
+        self.mass = np.concatenate([self.mass, np.zeros(n, np.float32)])
+
+    def set_tables(self, slots: Sequence[int], live: Sequence[int]) -> None:
+        """New slot map and live list for the same positions (dead-slot eviction,
+        promotion)."""
+        if len(slots) != len(self.slots):
+            raise ValueError(f"slot map of {len(slots)} positions for a request of {len(self.slots)}")
+        self.slots, self.live = [int(s) for s in slots], [int(s) for s in live]
+
+    # -- the one re-indexing operation -------------------------------------------------
+    def reindex(self, kept_positions, slots: Sequence[int], live: Sequence[int]) -> None:
+        """Renumber the request: position ``i`` afterwards is ``kept_positions[i]``
+        before (a compact layout). Every per-position field follows."""
+        kept = np.asarray(kept_positions, np.int64)
+        if len(slots) != kept.size:
+            raise ValueError(f"{len(slots)} slots for {kept.size} kept positions")
+        self.tokens = [self.tokens[p] for p in kept]
+        self.phase, self.pinned, self.mass = self.phase[kept], self.pinned[kept], self.mass[kept]
+        self.slots, self.live = [int(s) for s in slots], [int(s) for s in live]
+        self.renumbered += 1
+
+    def truncate(self, length: int) -> np.ndarray:
+        """Forget positions ``>= length``; returns the slots they held (sentinels dropped)."""
+        dropped = np.asarray(self.slots[length:], np.int64)
+        dropped = dropped[dropped != SENTINEL_SLOT]
+        gone = set(dropped.tolist())
+        self.slots, self.tokens = self.slots[:length], self.tokens[:length]
+        self.live = [s for s in self.live if s not in gone]
+        self.phase, self.pinned, self.mass = self.phase[:length], self.pinned[:length], self.mass[:length]
+        return dropped
+
+    # -- tags (pipeline) ------------------------------------------------------------
+    def tag(self, start: int, phase=None, pinned=None) -> None:
+        """Set the phase / pin of positions ``start .. start + len``."""
+        if phase is not None:
+            phase = np.asarray(phase, np.int32)
+            self.phase[start : start + phase.size] = phase
+        if pinned is not None:
+            pinned = np.asarray(pinned, bool)
+            self.pinned[start : start + pinned.size] = pinned
+
+    def add_mass(self, mass_P) -> None:
+        """Add attention mass received by positions ``0 .. len(mass_P)``."""
+        mass_P = np.asarray(mass_P, np.float32)
+        self.mass[: mass_P.size] += mass_P[: self.mass.size]
+
+    def check(self) -> None:
+        n = len(self.slots)
+        assert len(self.tokens) == n and self.phase.size == n and self.pinned.size == n and self.mass.size == n
+        assert self.live == [s for s in self.slots if s != SENTINEL_SLOT]
