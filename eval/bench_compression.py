@@ -28,7 +28,8 @@ import numpy as np  # noqa: E402
 import jaxkv  # noqa: E402
 from eval.bench_decode import fill_pool_randomly  # noqa: E402
 from jaxkv.config import ModelConfig  # noqa: E402
-from jaxkv.engine import Engine, compress_row  # noqa: E402
+from jaxkv.engine import Engine  # noqa: E402
+from jaxkv.serving.stages.retention import compress_row  # noqa: E402
 from jaxkv.policies import REGISTRY, EventFeatures, Observation  # noqa: E402
 
 CFG_125M = ModelConfig(

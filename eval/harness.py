@@ -83,7 +83,7 @@ class Cell:
 def make_examples(task: str, n: int, length: int, seed: int = EVAL_SEED_BASE, needles: int = 4):
     """``n`` generated examples of ``task`` (held out from training by seed);
     ``needles`` is the MQ-NIAH needle count (2, 4, 6 or 8)."""
-    from eval.tasks import agent_traces, mqniah
+    from jaxkv.tasks import agent_traces, mqniah
 
     if task == "agent":
         return agent_traces(n, seed, length=length)
@@ -106,7 +106,7 @@ def replay_example(model, example, cell: Cell, *, max_new_tokens: int, max_posit
     whether ``example.targets[i]`` was reproduced exactly (all False when the
     replay hit a context or memory error, ``completed`` False then)."""
     import jaxkv
-    from jaxkv.session import Session
+    from jaxkv.serving import Session
 
     policy = None if cell.method == "full" else cell.method
     options = {**TASK_SESSION_OPTIONS.get(cell.task, {}), **session_options}
@@ -450,11 +450,25 @@ def build_parser(parser=None):
     return p
 
 
+def add_command(subparsers) -> None:
+    """The ``jaxkv eval`` sub-command (entry point ``jaxkv.commands``)."""
+    e = subparsers.add_parser("eval", help="evaluate retention methods x budgets x layouts on generated tasks")
+    build_parser(e)
+    e.set_defaults(func=_cmd_eval)
+
+
+def _cmd_eval(args) -> int:
+    run(args)
+    return 0
+
+
 def _names(text, allowed, what):
     names = [x.strip() for x in str(text).split(",") if x.strip()]
     bad = [x for x in names if allowed is not None and x not in allowed]
     if bad or not names:
-        raise ValueError(f"unknown {what} {bad or text!r}; known: {', '.join(allowed)}")
+        from jaxkv.errors import ConfigError
+
+        raise ConfigError(f"unknown {what} {bad or text!r}; known: {', '.join(allowed)}")
     return names
 
 

@@ -3,7 +3,7 @@
     JAX_PLATFORMS=cpu python -m eval.repair_protocol --needles 2,4,6,8 \
         --ks 8,16,32,48,64,96,128 --n 100 --workers 2 --out eval/results/repair_mqniah
 
-For each needle count: the examples (``eval.tasks.mqniah``, held out from training)
+For each needle count: the examples (``jaxkv.tasks.mqniah``, held out from training)
 are replayed turn by turn through ``jaxkv.Session`` as the harness does
 (``eval.harness.replay_example``: teacher-forced history, each answer generated
 greedily and scored by exact match). The first-stage policy (``--first-stage``,
@@ -110,7 +110,7 @@ def cell_names(ks, policies) -> list[str]:
 def _base_session(model, setup):
     """A fresh session at ``B_base`` with repair on (turn 1 never repairs: nothing
     is shelved before it, so K and the policy do not matter until it is forked)."""
-    from jaxkv.session import Session
+    from jaxkv.serving import Session
 
     return Session(model, max_positions=setup["max_positions"], max_new_tokens=setup["max_new_tokens"],
                    policy=setup["first_stage"], budget=setup["base_budget"], layout="dead_slot", repair=1,
@@ -442,7 +442,7 @@ def write_report(out: Path, title: str) -> list[dict]:
 # ----------------------------------------------------------------------------- driver
 def run(args) -> list[dict]:
     import jaxkv
-    from eval.tasks import mqniah
+    from jaxkv.tasks import mqniah
     from tqdm import tqdm
 
     needles_list = [int(x) for x in str(args.needles).split(",")]

@@ -6,28 +6,48 @@ Public entry points (stable names):
 * ``score_logits(model, token_ids) -> logits [batch, time, vocab]`` (no cache)
 * ``generate(model, prompts, max_new_tokens, temperature=0.0, top_k=None,
   top_p=None, seed=0, stop_token_ids=None) -> list[list[int]]``
-* ``Engine``: the paged-cache engine the above and sessions are built on.
+* ``Server(model, rows=...)`` / ``Session(model, server=None, ...)``: multi-turn
+  agent sessions with a managed KV cache (retention policies, RepairKV), served
+  many at once by one scheduler (continuous batching).
+* ``policies``: the retention methods (``policies.REGISTRY``).
+* ``Engine``: the paged-cache engine the above are built on.
 
 Shape letters used across the code: B batch, T chunk tokens, N live-list length,
 P positions, S pool slots, R cache rows, L layers, Hq / Hkv (K) heads, G group,
 D head dim, M model width, F MLP width, V vocab.
 """
 
+from jaxkv import policies
 from jaxkv.engine import Engine, generate, score_logits
 from jaxkv.errors import (
+    CapacityError,
+    ChatError,
     CheckpointError,
     CheckpointNotFoundError,
     ConfigError,
     ContextLengthError,
     JaxKVError,
+    OptionError,
     OutOfSlotsError,
+    QueueFullError,
+    RadixError,
+    RepairError,
+    SchedulerError,
+    SessionBusyError,
     SlotError,
+    TurnCancelledError,
     UnsupportedModelError,
 )
 from jaxkv.models.loading import Model, load_model, model_from_config, save_pretrained
+from jaxkv.serving import ChatTurn, Server, Session, TurnResult
 
 __all__ = [
+    "ChatTurn",
     "Engine",
+    "Server",
+    "Session",
+    "TurnResult",
+    "policies",
     "Model",
     "generate",
     "load_model",
@@ -42,4 +62,13 @@ __all__ = [
     "OutOfSlotsError",
     "SlotError",
     "ContextLengthError",
+    "OptionError",
+    "ChatError",
+    "RadixError",
+    "RepairError",
+    "SchedulerError",
+    "QueueFullError",
+    "CapacityError",
+    "SessionBusyError",
+    "TurnCancelledError",
 ]

@@ -14,11 +14,11 @@ from hypothesis import strategies as st
 import jaxkv
 from jaxkv.cache.allocator import SENTINEL_SLOT
 from jaxkv.cache.host_tier import HostTier
-from jaxkv.engine import compress_row
+from jaxkv.serving.stages.retention import compress_row
 from jaxkv.errors import ConfigError, RepairError
 from jaxkv.policies import EventFeatures, attention_probs, get_policy
 from jaxkv.policies import repair
-from jaxkv.session import Server, Session, promote_rows
+from jaxkv.serving import Server, Session
 from oracles import logits_over_kept
 from test_session import WORDS, agent_model  # noqa: F401  (fixture)
 
@@ -211,10 +211,10 @@ def test_promoted_rows_are_bit_identical_and_logits_match_attention_over_kept(ag
     assert promote.size == 12
     used_before = engine.allocator.num_used
     with pytest.raises(RepairError, match="live"):  # a kept position is not a hole: nothing changes
-        promote_rows(engine, row, kept[:1], k0[:, kept[:1]], v0[:, kept[:1]])
+        engine.restore_rows(row, kept[:1], k0[:, kept[:1]], v0[:, kept[:1]])
     assert engine.allocator.num_used == used_before
     taken = tier.take("s", promote)
-    fresh = promote_rows(engine, row, taken.positions_M, taken.k_LMKD, taken.v_LMKD)
+    fresh = engine.restore_rows(row, taken.positions_M, taken.k_LMKD, taken.v_LMKD)
     state = engine.row_state[row]
     assert [state.slots[p] for p in promote] == fresh.tolist() and SENTINEL_SLOT not in fresh
     assert [state.slots[p] for p in kept] == [before[p] for p in kept]  # survivors untouched

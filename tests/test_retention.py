@@ -11,7 +11,7 @@ from hypothesis import strategies as st
 import jaxkv
 from jaxkv.cache.allocator import SENTINEL_SLOT
 from jaxkv.policies import REGISTRY
-from jaxkv.session import Server, Session
+from jaxkv.serving import Server, Session
 from test_session import TOOLS, agent_model, six_turn_conversation  # noqa: F401  (fixture)
 
 METHODS = ["streaming_llm", "snapkv", "h2o", "tova", "random", "oldest", "agentkv", "intentkv_memory", "intentkv_query"]
@@ -85,17 +85,17 @@ def test_alias_safety_under_shared_prefixes(agent_model, plan, monkeypatch):
     """Sessions share a system prompt and earlier turns; evictions under both
     layouts never free a referenced slot, never touch the sentinel, and every
     slot a row reads during decoding is held."""
-    from jaxkv import engine as engine_mod
+    from jaxkv.serving.stages import retention as retention_mod
 
     server = Server(agent_model, max_positions=1024, num_slots=2600)
-    real_compress = engine_mod.compress_row
+    real_compress = retention_mod.compress_row
 
     def checked_compress(*args, **kwargs):
         out = real_compress(*args, **kwargs)
         _check_server(server)
         return out
 
-    monkeypatch.setattr("jaxkv.session.compress_row", checked_compress)
+    monkeypatch.setattr("jaxkv.serving.stages.retention.compress_row", checked_compress)
     convo = six_turn_conversation()
     progress = {}
     for who, layout, method, budget in plan:

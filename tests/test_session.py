@@ -10,7 +10,7 @@ import jaxkv
 from jaxkv.chat import build_tokenizer
 from jaxkv.chat.toy import schema
 from jaxkv.config import ModelConfig
-from jaxkv.session import Server, Session
+from jaxkv.serving import Server, Session
 
 WORDS = "weather paris london rome tokyo sunny rainy cloudy degrees find city compare the is and in what then answer ok".split()
 TOOLS = [schema("get_weather", "current weather", city="city name"), schema("convert", "units", value="number")]
@@ -106,8 +106,10 @@ def test_bad_input(agent_model):
         session.chat([])
     with pytest.raises(jaxkv.errors.ChatError, match="wizard"):
         session.chat([{"role": "wizard", "content": "hi"}])
-    with pytest.raises(jaxkv.errors.ChatError, match="fly"):
-        session.chat([{"role": "user", "content": "x"}, {"role": "assistant", "content": "", "tool_calls": [_call("fly", to="rome")]}, {"role": "user", "content": "y"}], TOOLS)
+    with pytest.raises(jaxkv.errors.ChatError, match="fly"):  # malformed: arguments neither JSON text nor an object
+        session.chat([{"role": "user", "content": "x"}, {"role": "assistant", "content": "", "tool_calls": [{"function": {"name": "fly", "arguments": 7}}]}, {"role": "user", "content": "y"}], TOOLS)
+    # A call to a tool that was not offered is well formed: it renders and the turn runs.
+    assert session.chat([{"role": "user", "content": "x"}, {"role": "assistant", "content": "", "tool_calls": [_call("fly", to="rome")]}, {"role": "user", "content": "y"}], max_new_tokens=2)["role"] == "assistant"
     long = [{"role": "user", "content": " ".join(["weather"] * 400)}]
     with pytest.raises(jaxkv.ContextLengthError, match=r"\d+ tokens \+ 16 new tokens exceeds the context of 256"):
         session.chat(long, max_new_tokens=16)

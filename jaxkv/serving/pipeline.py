@@ -1,0 +1,473 @@
+"""The turn pipeline: one request of a session, from rendered prompt to radix insert.
+
+A turn runs these steps, in this order (``chat_turn`` / ``replay_turn``):
+
+    render (Session, caller's thread)
+      -> radix match (holes included; path locked)          Turn.open
+      -> stages.begin
+      -> prefill the unmatched suffix, capturing what stages asked for
+                                                             Turn.prefill_prompt
+      -> stages.after_prefill: compression event, repair     (stage order)
+      -> decode in chunks; stages.after_decode_chunk between them
+                                                             Turn.generate
+      -> parse (Session)
+      -> radix insert, holes synced; stages.after_insert     Turn.insert
+      -> stages.end, row closed, radix unlocked, metrics     Turn.close
+
+A turn program is a **generator**: everything on the host runs inline, and the
+two batched device steps are *yielded* as work for the scheduler
+(``PrefillWork``, ``DecodeWork``); the scheduler runs the work of many turns in
+one engine call and sends the result back. Run alone, ``run_to_completion``
+plays the scheduler's part with one turn. So a turn reads top to bottom like one
+request, while many of them share the engine's batched steps.
+
+Stages (``jaxkv.serving.stages``) plug in at the hooks named above; their
+interface is documented in ``stages/base.py``. The pipeline owns what every
+stage shares: the row, its ``RequestState`` (tokens, phases, pins, mass, slot
+map), the KV accounting, ``evict`` (which hands evicted rows to the stages that
+want them before the engine releases their slots), and the radix cache calls.
+
+Invariants: a turn holds one engine row and one radix lock from ``open`` to
+``close``, and ``close`` runs on every exit path (return, error, cancellation:
+the generator's ``finally``); at least one prompt token is always prefilled (its
+logits start the reply), so a fully cached prompt reuses all but its last token;
+only the scheduler thread runs turn programs, so host bookkeeping is never
+touched by two threads at once.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Generator
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jaxkv.cache.radix import common_prefix_length
+from jaxkv.engine import FIRST_TOKEN_KEY
+from jaxkv.models.transformer import NO_FEATURES, Features
+from jaxkv.sampling import make_sampler, sample
+from jaxkv.serving.stages.base import Capture
+
+
+# ============================================================================ work
+@dataclasses.dataclass
+class PrefillWork:
+    """Prefill ``tokens`` into the turn's row (yielded to the scheduler).
+
+    Attributes:
+      tokens: ids to append. q_idx: indices into ``tokens`` whose queries to
+        capture (or None). attn_mass: accumulate attention mass. all_logits:
+        logits of every token (else of the last). options: extra engine options a
+        stage set. handler: a stage's generator that runs this prefill itself.
+      row: the engine row (set by the turn); job: the engine's ``PrefillJob``
+        once started (the scheduler's business).
+    """
+
+    tokens: np.ndarray
+    q_idx: np.ndarray | None = None
+    attn_mass: bool = False
+    all_logits: bool = False
+    options: dict = dataclasses.field(default_factory=dict)
+    handler: Any = None
+    row: int = -1
+    job: Any = None
+
+
+@dataclasses.dataclass
+class DecodeWork:
+    """Decode up to ``n_steps`` tokens in the turn's row (yielded to the scheduler).
+
+    Attributes:
+      first_token, n_steps, sampler (temperature, top_k, top_p), key, step0 (the
+      index of the first step in the reply, for per-step keys), stop_ids,
+      features; row: the engine row; job: the engine's ``DecodeJob`` once started.
+    """
+
+    first_token: int
+    n_steps: int
+    temperature: float
+    top_k: int | None
+    top_p: float | None
+    key: jax.Array
+    step0: int
+    stop_ids: tuple
+    features: Features = NO_FEATURES
+    row: int = -1
+    job: Any = None
+
+
+@dataclasses.dataclass
+class Captured:
+    """What a prefill or decode chunk brought back for the stages.
+
+    Attributes:
+      start, end: positions of the new tokens ``[start, end)``.
+      q_positions / q_rows_LXHD: positions whose queries were captured and the
+        queries ``[L, X, Hq, D]`` (decode: every fed token).
+      mass_P: attention mass the chunk added per position (or None).
+      phases: phases of the new tokens (decode chunks).
+    """
+
+    start: int
+    end: int
+    q_positions: np.ndarray
+    q_rows_LXHD: np.ndarray | None
+    mass_P: np.ndarray | None = None
+    phases: np.ndarray | None = None
+
+    def q_rows(self, positions) -> np.ndarray:
+        """Queries at ``positions`` (each must have been captured) ``[L, X, Hq, D]``."""
+        index = {int(p): i for i, p in enumerate(self.q_positions)}
+        return self.q_rows_LXHD[:, [index[int(p)] for p in positions]]
+
+
+@dataclasses.dataclass
+class Evicted:
+    """Rows a layout plan takes off the device, as the stages see them.
+
+    Attributes:
+      plan: the ``LayoutPlan``; positions_M / slots_M / tokens_M: what leaves;
+      scores_M: the compression score that evicted each row; k_LMKD / v_LMKD:
+      host copies of their K/V (None unless a stage wants evicted rows).
+    """
+
+    plan: Any
+    positions_M: np.ndarray
+    tokens_M: np.ndarray
+    scores_M: np.ndarray
+    k_LMKD: np.ndarray | None
+    v_LMKD: np.ndarray | None
+
+
+@dataclasses.dataclass
+class TurnResult:
+    """One replayed assistant turn.
+
+    Attributes:
+      prompt_ids: the rendered request (history + generation prompt).
+      prefix_hit: prompt tokens reused from the radix cache.
+      prompt_logits: ``[len(prompt) - prefix_hit, V]`` logits of the prefilled
+        suffix (only when ``return_logits``).
+      target_ids / target_logits: the recorded assistant message's tokens and
+        their teacher-forced logits (``return_logits``).
+      generated: the parsed reply generated at this turn (``generate=True``).
+    """
+
+    prompt_ids: np.ndarray
+    prefix_hit: int
+    prompt_logits: np.ndarray | None = None
+    target_ids: np.ndarray | None = None
+    target_logits: np.ndarray | None = None
+    generated: dict | None = None
+
+
+# ============================================================================ the turn
+class Turn:
+    """One request's life on the engine (see the module docstring).
+
+    Attributes:
+      session, server, engine: where it runs. rendered: the prompt.
+      row / req: the engine row and its ``RequestState``.
+      reused: prompt tokens taken from the radix cache (holes included).
+      index: the request's index in its session (0-based).
+      uncompressed: request size without pruning (raw KV reads, peak request tokens).
+      metrics: this request's ``RequestMetrics``.
+      stages: the session's stages.
+    """
+
+    def __init__(self, session, rendered):
+        self.session = session
+        self.server = session.server
+        self.engine = self.server.engine
+        self.rendered = rendered
+        self.stages = session.stages
+        self.row: int | None = None
+        self.handle = None
+        self.reused = 0
+        self.index = -1
+        self.uncompressed = int(rendered.ids.size)
+        self.metrics = None
+        self.listener = None  # listener(ids): newly generated tokens (streaming)
+        self._sent = 0  # tokens of the current decode job already passed to the listener
+        self._began: list = []
+
+    # -- open / close ------------------------------------------------------------------
+    def open(self) -> None:
+        """Radix match, open the row with the matched prefix, tag it, begin stages."""
+        ids = self.rendered.ids
+        match = self.server.radix.match(ids)
+        self.handle = match.handle
+        self.reused = min(match.length, ids.size - 1)  # always prefill >= 1 token
+        try:
+            self.row = self.engine.open_row(match.slots[: self.reused], ids[: self.reused])
+        except Exception:
+            self.server.radix.unlock(self.handle)
+            self.handle = None
+            raise
+        self.req = self.engine.row_state[self.row]
+        self._tag_prompt(0, self.reused)
+        session = self.session
+        self.index = session._requests
+        session._requests += 1
+        self.metrics = session.metrics.start_request(
+            prompt_tokens=int(ids.size), prefix_hit_tokens=self.reused, session_id=session.session_id
+        )
+        for stage in self.stages:
+            self._began.append(stage)
+            stage.begin(self)
+
+    def close(self) -> None:
+        """End stages, close the row, unlock the radix path, end the request's
+        metrics. Safe on a turn that failed half-way."""
+        try:
+            for stage in reversed(self._began):
+                stage.end(self)
+        finally:
+            self._began = []
+            try:
+                if self.row is not None:
+                    self.engine.close_row(self.row)
+                    self.row = None
+            finally:
+                if self.handle is not None and self.handle.locked:
+                    self.server.radix.unlock(self.handle)
+                if self.metrics is not None and self.metrics.open:
+                    self.session.metrics.end_request(self.metrics)
+
+    # -- tags ------------------------------------------------------------------------
+    def pinned_prompt(self) -> np.ndarray:
+        """Pins of the prompt's positions: the protected prefix and (unless the
+        session lets events evict inside it) the actionable query."""
+        n = self.rendered.ids.size
+        pinned = np.zeros(n, bool)
+        spans = [self.rendered.spans.protected_prefix]
+        if self.session.protect_query:
+            spans.append(self.rendered.spans.actionable_query)
+        for a, b in spans:
+            pinned[a:b] = True
+        return pinned
+
+    def _tag_prompt(self, start: int, end: int) -> None:
+        """Tag positions ``[start, end)`` of the prompt (before any event of this
+        turn, so positions are still the rendered ones)."""
+        self.req.tag(start, phase=np.asarray(self.rendered.phase, np.int32)[start:end], pinned=self.pinned_prompt()[start:end])
+
+    # -- services for stages ------------------------------------------------------
+    def evict(self, plan, scores_M) -> Evicted:
+        """Apply a layout plan: hand the evicted rows to the stages that want them,
+        then let the engine release them."""
+        pos = np.asarray(plan.evicted_positions, np.int64)
+        tokens = np.asarray(self.req.tokens, np.int64)[pos]
+        wants = [s for s in self.stages if s.wants_evicted_rows] if pos.size else []
+        kv = self.engine.apply_layout(self.row, plan, keep_evicted=bool(wants))
+        evicted = Evicted(plan, pos, tokens, np.asarray(scores_M, np.float32), *(kv or (None, None)))
+        for stage in wants:
+            stage.on_evict(self, evicted)
+        return evicted
+
+    def emit(self, ids) -> None:
+        """Pass newly generated tokens to the listener, if any."""
+        if self.listener is not None and len(ids):
+            self.listener([int(t) for t in ids])
+
+    def progress(self, job) -> None:
+        """A decode job advanced (called by the scheduler after each engine step):
+        emit the tokens it sampled since the last call."""
+        new = job.tokens[self._sent :]
+        self._sent = len(job.tokens)
+        self.emit(new)
+
+    def observe_live(self) -> None:
+        """Report the request's live KV size to the metrics (after an edit)."""
+        self.metrics.on_live(len(self.req.live))
+
+    @property
+    def seq_len(self) -> int:
+        return self.req.seq_len
+
+    def actionable_kind(self) -> str | None:
+        """``"user"`` or ``"tool"``: the kind of the latest actionable message."""
+        kinds = [m.kind for m in self.rendered.messages if m.kind in ("user", "tool")]
+        return kinds[-1] if kinds else None
+
+    # -- prefill -----------------------------------------------------------------------
+    def prefill_prompt(self, *, all_logits: bool = False) -> Generator:
+        """Prefill the unmatched prompt suffix (capturing what the stages asked
+        for), then run the stages' ``after_prefill`` hooks. Returns the logits
+        (``[n, V]`` with ``all_logits``, else the last token's ``[V]``)."""
+        ids = self.rendered.ids
+        start = self.reused
+        capture = Capture.union(stage.prompt_capture(self) for stage in self.stages)
+        q_pos = capture.q_positions[capture.q_positions >= start]
+        work = PrefillWork(
+            ids[start:], q_idx=(q_pos - start) if q_pos.size else None,
+            attn_mass=capture.attn_mass, all_logits=all_logits,
+        )
+        for stage in self.stages:
+            stage.before_prefill(self, work)
+        job = yield from (work.handler if work.handler is not None else self.run(work))
+        self._tag_prompt(start, self.req.seq_len)
+        captured = Captured(start, self.req.seq_len, q_pos, job.q_rows if q_pos.size else None, self._add_mass(job.mass))
+        for stage in self.stages:
+            stage.after_prefill(self, captured)
+        self.observe_live()  # post-pruning live KV of the prompt (and promoted rows)
+        return job.result_logits()
+
+    def prefill(self, ids, *, all_logits: bool = False, phase=None) -> Generator:
+        """Prefill extra tokens (a teacher-forced reply) with no stage hooks;
+        ``phase`` tags them. Returns their logits as ``prefill_prompt`` does."""
+        start = self.req.seq_len
+        job = yield from self.run(PrefillWork(np.asarray(ids, np.int32), all_logits=all_logits))
+        if phase is not None:
+            self.req.tag(start, phase=phase)
+        return job.result_logits()
+
+    def run(self, work) -> Generator:
+        """Yield one piece of work for this turn's row; returns its engine job.
+        Slots of a prefill the turn leaves unfinished (cancelled, failed) go back."""
+        work.row = self.row
+        try:
+            yield work
+        finally:
+            job = work.job
+            if job is not None and not job.finished and hasattr(job, "slots"):
+                self.engine.abandon_prefill(job)
+        return work.job
+
+    def _add_mass(self, mass_LHP):
+        if mass_LHP is None:
+            return None
+        mass_P = np.asarray(mass_LHP).mean(axis=(0, 1)) if np.ndim(mass_LHP) == 3 else np.asarray(mass_LHP)
+        self.req.add_mass(mass_P)
+        return mass_P
+
+    # -- decode ------------------------------------------------------------------------
+    def generate(self, last_logits, n_new: int, *, temperature=0.0, top_k=None, top_p=None, seed: int = 0) -> Generator:
+        """Sample the reply: the first token from ``last_logits``, the rest in decode
+        chunks (of the stages' decode interval, else all at once). Returns its ids
+        (ending with a stop token when one came)."""
+        if n_new <= 0:
+            return []
+        spec, temp, top_p_val = make_sampler(temperature, top_k, top_p)
+        key = jax.random.key(seed)
+        first = int(sample(jnp.asarray(last_logits)[None], jax.random.fold_in(key, FIRST_TOKEN_KEY), spec, temp, top_p_val)[0])
+        reply = [first]
+        self.emit(reply)
+        stops = self.server.stop_token_ids
+        intervals = [i for i in (stage.decode_interval(self) for stage in self.stages) if i]
+        interval = min(intervals) if intervals else n_new
+        capture = Capture.union(stage.decode_capture(self) for stage in self.stages) if intervals else Capture()
+        features = Features(query_rows=capture.query_rows, attn_mass=capture.attn_mass)
+        remaining = n_new - 1
+        while reply[-1] not in stops and remaining > 0:
+            n = min(interval, remaining)
+            raw0, eff0, start = self.uncompressed, len(self.req.live), self.req.seq_len
+            self._sent = 0
+            job = yield from self.run(DecodeWork(reply[-1], n, temperature, top_k, top_p, key, len(reply) - 1, tuple(sorted(stops)), features))
+            self.progress(job)  # whatever the scheduler has not streamed yet
+            tokens = job.tokens
+            for s in range(1, len(tokens) + 1):  # each step attends to everything so far + itself
+                self.metrics.on_decode_step(raw_attended=raw0 + s, effective_attended=eff0 + s)
+            fed = self.req.tokens[start:]
+            phases = self.rendered.scanner.feed(fed).phase.astype(np.int32)
+            self.req.tag(start, phase=phases)
+            self.uncompressed += len(fed)
+            reply += tokens
+            remaining -= n
+            if features != NO_FEATURES:
+                q = np.concatenate(job.q_rows).transpose(1, 0, 2, 3) if job.q_rows else None  # [L, n, Hq, D]
+                captured = Captured(start, self.req.seq_len, np.arange(start, self.req.seq_len), q, self._add_mass(job.mass), phases)
+                more = remaining > 0 and reply[-1] not in stops
+                for stage in self.stages:
+                    stage.after_decode_chunk(self, captured, more)
+        return reply
+
+    def rewind(self, length: int) -> None:
+        """Forget positions ``>= length`` (a probe generation that replay discards;
+        evictions made meanwhile persist, like any other eviction)."""
+        self.engine.truncate_row(self.row, length)
+
+    # -- insert ------------------------------------------------------------------------
+    def insert(self) -> None:
+        """Cache the turn's tokens in the radix tree (unless renumbered) and sync
+        its holes when a stage edits them."""
+        if self.req.renumbered:  # compact layout: the row no longer matches its tokens
+            return
+        tokens = list(self.req.tokens)
+        slots = self.req.slots
+        radix = self.server.radix
+        previous = self.session._cached_ids
+        if previous is not None:  # this session's superseded tail is stale now
+            radix.drop_branch(previous, tokens)
+        radix.insert(tokens, slots)
+        self.session._cached_ids = tokens
+        if any(stage.edits_holes for stage in self.stages):  # evictions become holes, repairs fill them
+            _, filled = radix.sync_holes(tokens, slots, own_handle=self.handle)
+            for stage in self.stages:
+                stage.after_insert(self, filled)
+
+
+# ============================================================================ programs
+def chat_turn(turn: Turn, n_new: int, sampling: dict) -> Generator:
+    """One chat turn: returns the reply's token ids."""
+    try:
+        turn.open()
+        logits = yield from turn.prefill_prompt()
+        reply = yield from turn.generate(logits, n_new, **sampling)
+        turn.insert()
+        return reply
+    finally:
+        turn.close()
+
+
+def replay_turn(turn: Turn, full_ids: np.ndarray, full_phase: np.ndarray, *, generate: bool, n_new: int, return_logits: bool) -> Generator:
+    """One teacher-forced turn: prefill the prompt, optionally generate a probe
+    reply (then rewind it), prefill the recorded reply. Returns ``(result,
+    reply ids or None)``."""
+    try:
+        turn.open()
+        prompt = turn.rendered.ids
+        logits = yield from turn.prefill_prompt(all_logits=return_logits)
+        result = TurnResult(prompt, turn.reused, logits if return_logits else None)
+        reply = None
+        if generate:
+            mark = turn.req.seq_len
+            renumbered = turn.req.renumbered
+            reply = yield from turn.generate(logits[-1] if return_logits else logits, n_new)
+            if turn.req.renumbered != renumbered:
+                from jaxkv.errors import ConfigError
+
+                raise ConfigError("cannot rewind past a compact renumbering of the request's positions")
+            turn.rewind(mark)
+        if common_prefix_length(full_ids, prompt) == prompt.size and full_ids.size > prompt.size:
+            target = full_ids[prompt.size:]
+            target_logits = yield from turn.prefill(target, all_logits=return_logits, phase=full_phase[prompt.size:])
+            result.target_ids = target
+            if return_logits:
+                result.target_logits = target_logits
+        turn.insert()
+        return result, reply
+    finally:
+        turn.close()
+
+
+def run_to_completion(program: Generator, engine):
+    """Drive one turn program alone (the scheduler's part, with one row)."""
+    from jaxkv.serving.scheduler import start_work
+
+    result = None
+    try:
+        work = program.send(None)
+        while True:
+            start_work(engine, work)
+            if isinstance(work, PrefillWork):
+                while not work.job.finished:
+                    engine.step_prefill([work.job])
+            else:
+                engine.step_decode([work.job])
+            work = program.send(None)
+    except StopIteration as stop:
+        result = stop.value
+    return result

@@ -1,0 +1,357 @@
+"""The scheduler: continuous batching of many sessions' turns on one engine.
+
+Sessions submit turn programs (``jaxkv.serving.pipeline``: generators that yield
+``PrefillWork`` / ``DecodeWork``) from any thread; one scheduler thread owns the
+engine and runs them. Each loop iteration:
+
+1. **admit** queued turns, first come first served, while a row is free and the
+   pool can cover the turn's slot reservation (``TurnTask.need``: prompt + reply
+   tokens, more for repair and compact layouts) next to what running turns may
+   still allocate; the radix cache's least recently used entries are evicted to
+   make room. A turn that needs more than the whole pool fails at ``submit``
+   (``CapacityError``), and ``submit`` raises ``QueueFullError`` when
+   ``max_queue`` turns already wait: backpressure instead of unbounded memory.
+2. **advance** every running turn whose last work is done: its host code runs
+   (compression events, repair, radix insert...) until it yields the next work,
+   whose engine job starts at once (slots allocated), or finishes.
+3. **prefill**: one chunk of every pending prefill, in one batched engine step.
+4. **decode**: up to ``decode_chunk`` steps of every pending decode, one batched
+   engine step per sampler spec; rows stop on their own stop token or limit.
+
+So rows join and leave between decode chunks, long prompts are prefilled a chunk
+at a time between decode chunks of the others, and each session keeps its own
+policy, budget, layout and repair (those run in its turn's host code).
+
+Invariants: only the scheduler thread touches the engine, the radix cache, the
+host tier and the session store; a turn that fails, is cancelled or is dropped
+by ``stop`` runs its ``finally`` (``Turn.close``), so its row, slots and radix
+lock are released; a failing turn never takes others down (errors are thrown
+into its own program; a failing batched step fails only the turns in it).
+Bounded time: every admitted turn advances each iteration (decode steps are
+bounded by its ``max_new_tokens``, prefill by its prompt), and the queue is FIFO.
+"""
+
+from __future__ import annotations
+
+import collections
+import concurrent.futures
+import dataclasses
+import itertools
+import logging
+import threading
+import time
+from typing import Any, Callable, Generator
+
+from jaxkv.errors import CapacityError, JaxKVError, OutOfSlotsError, QueueFullError, TurnCancelledError
+from jaxkv.serving.pipeline import DecodeWork, PrefillWork
+
+log = logging.getLogger(__name__)
+
+DECODE_CHUNK = 16  # decode steps per batched engine call: how often rows can join or leave
+
+
+def start_work(engine, work) -> None:
+    """Start the engine job of one piece of work (allocates its slots)."""
+    if isinstance(work, PrefillWork):
+        work.job = engine.start_prefill(
+            work.row, work.tokens, all_logits=work.all_logits, q_idx=work.q_idx, attn_mass=work.attn_mass, **work.options
+        )
+    elif isinstance(work, DecodeWork):
+        work.job = engine.start_decode(
+            work.row, work.first_token, work.n_steps, temperature=work.temperature, top_k=work.top_k,
+            top_p=work.top_p, key=work.key, step0=work.step0, stop_token_ids=work.stop_ids, features=work.features,
+        )
+    else:
+        raise JaxKVError(f"a turn program yielded {type(work).__name__}, not PrefillWork or DecodeWork")
+
+
+@dataclasses.dataclass(eq=False)
+class TurnTask:
+    """A submitted turn.
+
+    Attributes:
+      program: the turn's generator (``pipeline.chat_turn`` / ``replay_turn``).
+      turn: its ``pipeline.Turn`` (row, request state).
+      need: slots reserved for it at admission.
+      future: resolves to the program's return value (or its error).
+      on_progress: called with the decode job after each engine step (streaming).
+      work: the work it waits on (None: ready to advance).
+    """
+
+    program: Generator
+    turn: Any
+    need: int
+    future: concurrent.futures.Future = dataclasses.field(default_factory=concurrent.futures.Future)
+    on_progress: Callable | None = None
+    work: Any = None
+    cancelled: bool = False
+    started: bool = False
+    id: int = 0
+
+    def cancel(self) -> None:
+        """Ask the scheduler to drop the turn; its row and slots are freed."""
+        self.cancelled = True
+
+    def outstanding(self) -> int:
+        """Slots the turn may still allocate under its reservation."""
+        req = getattr(self.turn, "req", None) if self.turn.row is not None else None
+        return max(self.need - (req.allocated if req is not None else 0), 0)
+
+
+class Scheduler:
+    """Continuous batching over one engine (module docstring).
+
+    Args:
+      engine: the ``Engine`` it drives (with ``engine.reclaim`` set to the radix
+        cache's eviction, so admission can make room).
+      max_queue: turns that may wait for admission before ``submit`` refuses.
+      decode_chunk: decode steps per batched engine call.
+    """
+
+    def __init__(self, engine, *, max_queue: int = 64, decode_chunk: int = DECODE_CHUNK):
+        if max_queue < 1 or decode_chunk < 1:
+            raise JaxKVError("max_queue and decode_chunk must be >= 1")
+        self.engine = engine
+        self.max_queue = int(max_queue)
+        self.decode_chunk = int(decode_chunk)
+        self._queue: collections.deque[TurnTask] = collections.deque()
+        self._calls: collections.deque = collections.deque()  # (fn, future) to run on the scheduler thread
+        self._running: list[TurnTask] = []
+        self._cv = threading.Condition()
+        self._thread: threading.Thread | None = None
+        self._stopping = False
+        self._ids = itertools.count()
+        self.stats = collections.Counter()  # turns_done / turns_failed / turns_cancelled / tokens_generated / prefill_tokens / steps
+        self.started_at = time.perf_counter()
+
+    # -- copies (Session.fork) ---------------------------------------------------------
+    def __deepcopy__(self, memo):
+        import copy
+
+        if self._running or self._queue:
+            raise JaxKVError("cannot copy a scheduler with turns in flight")
+        twin = Scheduler(copy.deepcopy(self.engine, memo), max_queue=self.max_queue, decode_chunk=self.decode_chunk)
+        twin.stats = collections.Counter(self.stats)
+        memo[id(self)] = twin
+        return twin
+
+    # -- public ------------------------------------------------------------------------
+    @property
+    def queue_depth(self) -> int:
+        return len(self._queue)
+
+    @property
+    def running(self) -> int:
+        return len(self._running)
+
+    def submit(self, task: TurnTask) -> concurrent.futures.Future:
+        """Queue a turn; returns its future. ``CapacityError`` if it can never fit,
+        ``QueueFullError`` if ``max_queue`` turns already wait."""
+        capacity = self.engine.allocator.capacity
+        if task.need > capacity:
+            raise CapacityError(f"the turn needs {task.need} KV slots; the whole pool holds {capacity}")
+        with self._cv:
+            if self._stopping:
+                raise JaxKVError("the server is closed")
+            if len(self._queue) >= self.max_queue:
+                raise QueueFullError(f"{len(self._queue)} turns are already waiting (max_queue={self.max_queue})")
+            task.id = next(self._ids)
+            self._queue.append(task)
+            self._ensure_thread()
+            self._cv.notify_all()
+        return task.future
+
+    def call(self, fn) -> concurrent.futures.Future:
+        """Run ``fn()`` on the scheduler thread (between iterations); returns a
+        future of its result. For host bookkeeping other threads must not touch
+        (``Session.close``)."""
+        future: concurrent.futures.Future = concurrent.futures.Future()
+        with self._cv:
+            self._calls.append((fn, future))
+            self._ensure_thread()
+            self._cv.notify_all()
+        return future
+
+    def _ensure_thread(self) -> None:
+        if self._thread is None or not self._thread.is_alive():
+            self._thread = threading.Thread(target=self._loop, name="jaxkv-scheduler", daemon=True)
+            self._thread.start()
+
+    def cancel(self, task: TurnTask) -> None:
+        with self._cv:
+            task.cancel()
+            self._cv.notify_all()
+
+    def stop(self, timeout: float | None = 30.0) -> None:
+        """Cancel every turn and end the scheduler thread."""
+        with self._cv:
+            self._stopping = True
+            for task in list(self._queue) + self._running:
+                task.cancel()
+            self._cv.notify_all()
+        if self._thread is not None and self._thread is not threading.current_thread():
+            self._thread.join(timeout)
+
+    def idle(self) -> bool:
+        return not self._queue and not self._running
+
+    # -- the loop ----------------------------------------------------------------------
+    def _loop(self) -> None:
+        while True:
+            with self._cv:
+                while not self._queue and not self._running and not self._calls and not self._stopping:
+                    self._cv.wait()
+                calls = list(self._calls)
+                self._calls.clear()
+                if self._stopping and not self._running:
+                    for task in self._queue:
+                        self._resolve_cancelled(task)
+                    self._queue.clear()
+                stopped = self._stopping and not self._running
+                self._drop_cancelled_queued()
+            for fn, future in calls:
+                try:
+                    future.set_result(fn())
+                except BaseException as err:
+                    future.set_exception(err)
+            if stopped:
+                return
+            try:
+                self._admit()
+                self._advance()
+                self._step_prefill()
+                self._step_decode()
+            except Exception as err:  # a bug, not a turn's error: fail what runs, keep serving
+                log.exception("scheduler iteration failed")
+                for task in list(self._running):
+                    self._fail(task, err)
+
+    def _drop_cancelled_queued(self) -> None:
+        for task in [t for t in self._queue if t.cancelled]:
+            self._queue.remove(task)
+            self._resolve_cancelled(task)
+
+    def _admit(self) -> None:
+        engine = self.engine
+        while True:
+            with self._cv:
+                if not self._queue or engine.free_rows == 0:
+                    return
+                task = self._queue[0]
+            outstanding = sum(t.outstanding() for t in self._running)
+            short = task.need + outstanding - engine.allocator.num_free
+            if short > 0 and engine.reclaim is not None:
+                engine.reclaim(short)
+                short = task.need + outstanding - engine.allocator.num_free
+            if short > 0:
+                return  # wait for running turns to end (need <= capacity, so it will fit)
+            with self._cv:
+                self._queue.popleft()
+            task.started = True
+            self._running.append(task)
+            self._ready(task, None)
+
+    def _advance(self) -> None:
+        for task in list(self._running):
+            if task.cancelled:
+                self._cancel_running(task)
+
+    def _ready(self, task: TurnTask, value, error: BaseException | None = None) -> None:
+        """Run a turn's host code until it yields work (started at once) or ends."""
+        while True:
+            try:
+                work = task.program.throw(error) if error is not None else task.program.send(value)
+            except StopIteration as done:
+                self._finish(task, done.value)
+                return
+            except BaseException as err:  # the program raised: its finally closed the turn
+                self._finish(task, None, err)
+                return
+            try:
+                start_work(self.engine, work)
+            except JaxKVError as err:  # no slots, context too long: the turn's own error
+                value, error = None, err
+                continue
+            task.work = work
+            return
+
+    def _finish(self, task: TurnTask, value, error: BaseException | None = None) -> None:
+        if task in self._running:
+            self._running.remove(task)
+        task.work = None
+        if error is None:
+            self.stats["turns_done"] += 1
+            task.future.set_result(value)
+        elif isinstance(error, TurnCancelledError):
+            self.stats["turns_cancelled"] += 1
+            task.future.set_exception(error)
+        else:
+            self.stats["turns_failed"] += 1
+            task.future.set_exception(error)
+        with self._cv:
+            self._cv.notify_all()
+
+    def _fail(self, task: TurnTask, error: BaseException) -> None:
+        self._ready(task, None, error)
+
+    def _cancel_running(self, task: TurnTask) -> None:
+        try:
+            task.program.close()  # GeneratorExit: the turn's finally releases row, slots, lock
+        except Exception as err:
+            log.warning("closing a cancelled turn raised %r", err)
+        self._finish(task, None, TurnCancelledError("the turn was cancelled"))
+
+    def _resolve_cancelled(self, task: TurnTask) -> None:
+        task.program.close()
+        self.stats["turns_cancelled"] += 1
+        task.future.set_exception(TurnCancelledError("the turn was cancelled before it started"))
+
+    def _step_prefill(self) -> None:
+        tasks = [t for t in self._running if isinstance(t.work, PrefillWork)]
+        if not tasks:
+            return
+        jobs = [t.work.job for t in tasks]
+        before = sum(j.done for j in jobs)
+        try:
+            self.engine.step_prefill(jobs)
+        except Exception as err:
+            for task in tasks:
+                self._fail(task, err)
+            return
+        self.stats["prefill_tokens"] += sum(j.done for j in jobs) - before
+        for task in tasks:
+            if task.work.job.finished:
+                self._ready(task, None)
+
+    def _step_decode(self) -> None:
+        tasks = [t for t in self._running if isinstance(t.work, DecodeWork)]
+        groups: dict = {}
+        for task in tasks:
+            groups.setdefault(task.work.job.spec, []).append(task)
+        for group in groups.values():
+            try:
+                self._decode_group(group)
+            except OutOfSlotsError:  # not enough slots for all: go one by one, fail only who cannot fit
+                for task in group:
+                    try:
+                        self._decode_group([task])
+                    except Exception as err:
+                        self._fail(task, err)
+            except Exception as err:
+                for task in group:
+                    self._fail(task, err)
+
+    def _decode_group(self, group) -> None:
+        jobs = [t.work.job for t in group]
+        before = [len(j.tokens) for j in jobs]
+        self.engine.step_decode(jobs, self.decode_chunk)
+        self.stats["steps"] += 1
+        for task, job, n0 in zip(group, jobs, before):
+            self.stats["tokens_generated"] += len(job.tokens) - n0
+            if task.on_progress is not None:
+                try:
+                    task.on_progress(job)
+                except Exception:  # a listener's bug must not stop the turn
+                    log.exception("on_progress listener failed")
+            if job.finished:
+                self._ready(task, None)

@@ -1,0 +1,104 @@
+"""``Server``: what many sessions share, and the scheduler that serves them.
+
+A ``Server`` owns one ``Engine`` (pool + rows), one radix prefix cache over the
+pool, one host tier (RepairKV), one LRU ``SessionStore`` of per-session policy
+state, the latest repair signals (WrongQ-K) and the ``Scheduler`` that runs every
+session's turns with continuous batching. ``server.session(**options)`` makes a
+``Session`` on it; any number of sessions may run turns at once (one thread or
+asyncio task per session), up to ``rows`` of them in the engine and
+``max_queue`` waiting.
+
+Sizing: ``num_slots`` defaults to ``2 * rows * max_positions + 1``, room for
+cached prefixes beside running requests; the radix cache gives back its least
+recently used entries when a turn needs their slots.
+
+Invariants: device state and host bookkeeping are touched only by the scheduler
+thread; ``close()`` cancels what runs (rows and slots are released) and stops
+the thread; after every turn, only the radix cache holds slots.
+"""
+
+from __future__ import annotations
+
+from jaxkv.cache.host_tier import HostTier
+from jaxkv.cache.radix import RadixTree
+from jaxkv.cache.session_store import SessionStore
+from jaxkv.chat import stop_token_ids
+from jaxkv.engine import PREFILL_CHUNK, Engine
+from jaxkv.errors import ConfigError
+from jaxkv.models.loading import Model
+from jaxkv.serving.scheduler import DECODE_CHUNK, Scheduler
+
+
+class Server:
+    """Shared serving state for many sessions.
+
+    Args:
+      model: a loaded ``Model`` with a tokenizer.
+      rows: turns that run at once (engine rows).
+      max_positions: positions per request (default: model context, at most 8192).
+      num_slots: pool slots (default ``2 * rows * max_positions + 1``).
+      session_cap: how many sessions' policy state the LRU store keeps.
+      host_tier: the ``HostTier`` evicted rows go to when a session repairs
+        (default: unbounded per session, at most 2**16 rows in all).
+      max_queue: turns that may wait for a row before ``QueueFullError``.
+      decode_chunk: decode steps per batched engine call.
+      prefill_chunk: prompt tokens per prefill step.
+      backend: decode-attention backend (``jaxkv.pallas``).
+    """
+
+    def __init__(self, model: Model, *, rows: int = 1, max_positions: int | None = None, num_slots: int | None = None, session_cap: int = 1024, backend=None, host_tier: HostTier | None = None, max_queue: int = 64, decode_chunk: int = DECODE_CHUNK, prefill_chunk: int = PREFILL_CHUNK):
+        if model.tokenizer is None:
+            raise ConfigError("sessions need a model with a tokenizer (the folder had none)")
+        if int(rows) < 1:
+            raise ConfigError(f"a server needs at least one row, got rows={rows!r}")
+        P = int(max_positions or min(model.config.max_position_embeddings, 8192))
+        self.model = model
+        self.engine = Engine(
+            model, rows=int(rows), max_positions=P, num_slots=num_slots or 2 * int(rows) * P + 1,
+            backend=backend, prefill_chunk=prefill_chunk,
+        )
+        self.radix = RadixTree(self.engine.allocator)
+        self.engine.reclaim = self.radix.evict
+        self.store = SessionStore(session_cap)
+        self.host_tier = host_tier if host_tier is not None else HostTier(global_rows=1 << 16)
+        self.repair_signals: dict = {}  # session id -> latest repair Signal (WrongQ-K); oldest first
+        self.stop_token_ids = stop_token_ids(model)
+        self.scheduler = Scheduler(self.engine, max_queue=max_queue, decode_chunk=decode_chunk)
+
+    def session(self, **options):
+        """A new ``Session`` on this server (options as in ``Session``)."""
+        from jaxkv.serving.session import Session
+
+        return Session(self.model, server=self, **options)
+
+    @property
+    def max_positions(self) -> int:
+        return self.engine.max_positions
+
+    def close(self) -> None:
+        """Cancel running and queued turns and stop the scheduler thread."""
+        self.scheduler.stop()
+
+    def __enter__(self) -> "Server":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    def snapshot(self) -> dict:
+        """Counters for monitoring (the HTTP server's ``/metrics``)."""
+        alloc = self.engine.allocator
+        live = [len(s.live) for s in self.engine.row_state if s is not None]
+        stats = self.scheduler.stats
+        return {
+            "rows": self.engine.rows,
+            "rows_busy": self.engine.rows - self.engine.free_rows,
+            "slots_capacity": alloc.capacity,
+            "slots_used": alloc.num_used,
+            "slots_free": alloc.num_free,
+            "radix_slots": int(self.radix.held_slots().size),
+            "live_kv": int(sum(live)),
+            "queue_depth": self.scheduler.queue_depth,
+            "host_tier_rows": int(sum(self.host_tier.session_size(s) for s in self.host_tier.sessions)),
+            **{k: int(v) for k, v in stats.items()},
+        }

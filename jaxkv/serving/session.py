@@ -1,0 +1,351 @@
+"""``Session``: one conversation's state, and its turns submitted to the scheduler.
+
+A ``Session`` keeps only what belongs to the conversation: its id, options, stages
+(retention, repair, ... built from its options), metrics, reports
+(``compressions``, ``repairs``), and what its previous request cached. Everything
+else lives in its ``Server``: a private one (``Session(model)``, one row) unless
+one is passed (``Server(model, rows=8).session(...)``, or ``server=``).
+
+A turn: the caller's thread renders the conversation (tags, spans, session id)
+and checks its length, then submits a turn program (``jaxkv.serving.pipeline``)
+to the server's scheduler and waits for it: ``chat`` blocks, ``achat`` awaits,
+``start_chat`` returns a handle (future, cancel, streaming of tokens).
+``replay`` feeds a recorded conversation turn by turn, teacher-forcing the
+recorded assistant messages (optionally generating a reply at each assistant
+turn for scoring, then discarding it), so evaluations do not depend on what a
+small model happens to generate. ``fork`` copies a session that owns its server
+(pool copied, weights shared), so an evaluation can branch after a shared prefix.
+
+Invariants: one turn at a time per session (``SessionBusyError`` otherwise);
+sessions never share policy state (keys are session ids, ALGORITHMS §4); option
+errors are ``ConfigError`` (unknown names: ``OptionError``) and are raised before
+anything runs.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import dataclasses
+import threading
+from typing import Any, Callable, Mapping, Sequence
+
+import numpy as np
+
+from jaxkv.chat import derive_session_id, parse_assistant, render
+from jaxkv.chat.render import tool_name
+from jaxkv.errors import ConfigError, ContextLengthError, SessionBusyError
+from jaxkv.metrics import Metrics
+from jaxkv.models.loading import Model
+from jaxkv.sampling import make_sampler
+from jaxkv.serving.pipeline import Turn, TurnResult, chat_turn, replay_turn
+from jaxkv.serving.scheduler import TurnTask
+from jaxkv.serving.server import Server
+from jaxkv.serving.stages import build_stages
+from jaxkv.serving.stages.repair import RepairStage, make_config as repair_config
+
+REPAIR_OPTIONS = ("repair", "repair_policy", "repair_when", "repair_wrong_signal")
+
+
+@dataclasses.dataclass
+class ChatTurn:
+    """The outcome of one chat turn.
+
+    Attributes:
+      reply: the parsed OpenAI-style assistant message.
+      reply_ids: generated token ids (ending with a stop token when one came).
+      prompt_tokens / cached_tokens: the rendered request and its radix-cache hit.
+      finish_reason: ``"tool_calls"``, ``"stop"`` or ``"length"``.
+    """
+
+    reply: dict
+    reply_ids: list[int]
+    prompt_tokens: int
+    cached_tokens: int
+    finish_reason: str
+
+
+class ChatHandle:
+    """A submitted chat turn: ``result()`` waits for its ``ChatTurn``; ``cancel()``
+    drops it (its row and slots are freed); ``future`` for asyncio/executors."""
+
+    def __init__(self, task: TurnTask, future: concurrent.futures.Future, scheduler):
+        self.task, self.future, self._scheduler = task, future, scheduler
+
+    def result(self, timeout: float | None = None) -> ChatTurn:
+        return self.future.result(timeout)
+
+    def cancel(self) -> None:
+        self._scheduler.cancel(self.task)
+
+
+class Session:
+    """One conversation. ``Session(model, **options)`` makes a private server.
+
+    Options:
+      server: share a ``Server`` (pool, radix cache, session store, scheduler).
+      session_id: explicit session id (else derived, ALGORITHMS.md §4).
+      keep_reasoning: render earlier reasoning too, so histories stay append-only.
+      max_new_tokens: default reply budget for ``chat``.
+      max_positions, num_slots, backend: sizing of a private server.
+      protect_query: keep the actionable query (the latest user / tool message)
+        out of eviction, as ALGORITHMS.md §1 forces (default). False lets an event
+        evict inside it: for document QA where the document and the question
+        arrive in one message (the RepairKV protocol's MQ-NIAH), so the first
+        event compresses the document with the question's signal.
+      policy, budget, layout, **policy_config: the retention stage
+        (``jaxkv.serving.stages.retention``): a method of
+        ``jaxkv.policies.REGISTRY`` (None: full cache), the budget B, ``"dead_slot"``
+        (default) or ``"compact"``, and the policy's own options (``w=16``).
+      repair, repair_policy, repair_when, repair_wrong_signal: the RepairKV stage
+        (``jaxkv.serving.stages.repair``).
+      Every other option goes to the registered stages
+        (``jaxkv.serving.stages.STAGES``); one that no stage takes raises
+        ``OptionError``.
+    """
+
+    def __init__(self, model: Model, *, server: Server | None = None, session_id: str | None = None, keep_reasoning: bool = False, max_new_tokens: int = 256, max_positions: int | None = None, num_slots: int | None = None, backend=None, protect_query: bool = True, **options):
+        if not isinstance(protect_query, bool):
+            raise ConfigError(f"protect_query must be True or False, got {protect_query!r}")
+        if server is not None and server.model is not model:
+            raise ConfigError("a session's model must be its server's model")
+        self.model = model
+        self.tokenizer = model.tokenizer
+        self.explicit_session_id = session_id
+        self.keep_reasoning = keep_reasoning
+        self.max_new_tokens = int(max_new_tokens)
+        self.protect_query = protect_query
+        self.metrics = Metrics()
+        self.session_id: str | None = None
+        self.compressions: list = []  # CompressionReports of this session, in order
+        self.repairs: list = []  # RepairReports, one per turn boundary repair ran at
+        self._cached_ids: list[int] | None = None  # what this session's last request cached
+        self._requests = 0  # requests opened so far (the turn index of reports)
+        self._busy = threading.Lock()
+        self.stages = build_stages(self, options)  # validates every option first
+        self._owns_server = server is None
+        self.server = server or Server(model, max_positions=max_positions, num_slots=num_slots, backend=backend)
+
+    # -- copies (fork) ------------------------------------------------------------
+    def __getstate__(self):
+        state = self.__dict__.copy()
+        state.pop("_busy")
+        return state
+
+    def __setstate__(self, state):
+        self.__dict__.update(state)
+        self._busy = threading.Lock()
+
+    # -- what the stages are ------------------------------------------------------
+    def _stage(self, name: str):
+        return next((s for s in self.stages if s.name == name), None)
+
+    @property
+    def retention(self):
+        """The retention choice (``RetentionSpec``), or None for the full cache."""
+        stage = self._stage("retention")
+        return stage.spec if stage is not None else None
+
+    @property
+    def repair(self):
+        """The RepairKV choice (``RepairConfig``), or None."""
+        stage = self._stage("repair")
+        return stage.config if stage is not None else None
+
+    @property
+    def repair_signal(self):
+        """The latest request's repair ``Signal`` (post-RoPE query rows of its
+        actionable query), or None before the first request or without repair."""
+        stage = self._stage("repair")
+        return stage.last_signal if stage is not None else None
+
+    # -- chat ----------------------------------------------------------------------
+    def start_chat(self, messages: Sequence[Mapping[str, Any]], tools=None, *, max_new_tokens: int | None = None, temperature: float = 0.0, top_k=None, top_p=None, seed: int = 0, on_tokens: Callable[[list[int]], None] | None = None) -> ChatHandle:
+        """Submit one chat turn; returns its handle at once. ``on_tokens(ids)`` is
+        called (on the scheduler thread) with each newly generated piece."""
+        rendered = self._render(messages, tools, add_generation_prompt=True)
+        n_new = self.max_new_tokens if max_new_tokens is None else int(max_new_tokens)
+        make_sampler(temperature, top_k, top_p)
+        self._check_length(rendered.ids.size, n_new)
+        turn = Turn(self, rendered)
+        if on_tokens is not None:
+            turn.listener = on_tokens
+        sampling = dict(temperature=temperature, top_k=top_k, top_p=top_p, seed=seed)
+        names = [tool_name(t) for t in tools] if tools else None
+
+        def finish(reply_ids):
+            text = self.tokenizer.decode(reply_ids, skip_special_tokens=False)
+            reply = parse_assistant(text, names)
+            stopped = bool(reply_ids) and reply_ids[-1] in self.server.stop_token_ids
+            reason = "tool_calls" if reply.get("tool_calls") else ("stop" if stopped or n_new == 0 else "length")
+            return ChatTurn(reply, list(reply_ids), int(rendered.ids.size), turn.reused, reason)
+
+        return self._submit(chat_turn(turn, n_new, sampling), turn, rendered.ids.size + n_new, finish)
+
+    def chat(self, messages: Sequence[Mapping[str, Any]], tools=None, *, max_new_tokens: int | None = None, temperature: float = 0.0, top_k=None, top_p=None, seed: int = 0) -> dict:
+        """Answer ``messages``: an OpenAI-style assistant message dict."""
+        handle = self.start_chat(messages, tools, max_new_tokens=max_new_tokens, temperature=temperature, top_k=top_k, top_p=top_p, seed=seed)
+        return handle.result().reply
+
+    async def achat(self, messages: Sequence[Mapping[str, Any]], tools=None, **kwargs) -> dict:
+        """``chat`` for asyncio: awaits the turn without blocking the loop;
+        cancelling the awaiting task cancels the turn."""
+        handle = self.start_chat(messages, tools, **kwargs)
+        try:
+            turn = await asyncio.wrap_future(handle.future)
+        except asyncio.CancelledError:
+            handle.cancel()
+            raise
+        return turn.reply
+
+    # -- replay ----------------------------------------------------------------------
+    def replay(self, messages: Sequence[Mapping[str, Any]], tools=None, *, generate: bool = False, max_new_tokens: int | None = None, return_logits: bool = False, start_turn: int = 0) -> list[TurnResult]:
+        """Feed a recorded conversation turn by turn (see the module docstring).
+
+        ``start_turn``: skip the first ``start_turn`` assistant turns, which this
+        session (or the session it was forked from) has already replayed; one
+        ``TurnResult`` per replayed turn."""
+        if start_turn < 0:
+            raise ValueError(f"start_turn must be >= 0, got {start_turn}")
+        results = []
+        n_new = self.max_new_tokens if max_new_tokens is None else int(max_new_tokens)
+        names = [tool_name(t) for t in tools] if tools else None
+        assistant_at = [j for j, m in enumerate(messages) if m.get("role") == "assistant"]
+        for j in assistant_at[start_turn:]:
+            prompt = self._render(messages[:j], tools, add_generation_prompt=True)
+            full = self._render(messages[: j + 1], tools, add_generation_prompt=False)
+            self._check_length(max(full.ids.size, prompt.ids.size + (n_new if generate else 0)), 0)
+            turn = Turn(self, prompt)
+            program = replay_turn(turn, full.ids, full.phase, generate=generate, n_new=n_new, return_logits=return_logits)
+            need = full.ids.size + (n_new if generate else 0)
+            result, reply = self._submit(program, turn, need, lambda out: out).result()
+            if reply is not None:
+                result.generated = parse_assistant(self.tokenizer.decode(reply, skip_special_tokens=False), names)
+            results.append(result)
+        return results
+
+    # -- lifecycle ---------------------------------------------------------------------
+    def fork(self, **repair_options) -> "Session":
+        """An independent copy of this conversation and its private server.
+
+        The copy has the same cached tokens (pool, slot maps, radix cache with its
+        holes), host tier, policy state, metrics and repair history; turns run on
+        either afterwards leave the other untouched. Evaluations use it to branch
+        after a shared prefix: the RepairKV protocol replays turn 1 once and every
+        repair policy from there, which equals replaying each from scratch (the
+        first request never repairs: nothing was shelved before it).
+
+        ``repair_options`` (``repair``, ``repair_policy``, ``repair_when``,
+        ``repair_wrong_signal``) change the copy's repair choice from its next
+        turn on, validated as in ``Session(...)``. Only a session with its own
+        server can fork (``ConfigError`` otherwise: a shared server holds other
+        sessions' state). The model's weights are shared, the pool is copied.
+        """
+        import copy
+
+        import jax
+        import jax.numpy as jnp
+
+        if not self._owns_server:
+            raise ConfigError("only a session with its own server can fork (this one shares a Server)")
+        unknown = set(repair_options) - set(REPAIR_OPTIONS)
+        if unknown:
+            raise ConfigError(f"fork changes only the repair options, not {', '.join(sorted(unknown))}")
+        old = self._stage("repair")
+        current = old.config if old is not None else None
+        config = repair_config(
+            repair_options.get("repair", current.k if current else None),
+            repair_options.get("repair_policy", current.policy if current else "repairkv"),
+            repair_options.get("repair_when", current.when if current else "turn"),
+            self._stage("retention"),
+        )
+        engine = self.server.engine
+        if not self.server.scheduler.idle() or any(state is not None for state in engine.row_state):
+            raise ConfigError("cannot fork a session in the middle of a turn (a cache row is open)")
+        memo = {id(x): x for x in (self.model, self.tokenizer, engine.params, engine.graphdef)}
+        memo[id(engine.cache)] = jax.tree.map(jnp.copy, engine.cache)  # the pool is donated by later updates
+        twin = copy.deepcopy(self, memo)
+        twin_old = twin._stage("repair")
+        stages = [s for s in twin.stages if s.name != "repair"]
+        if config is not None:
+            wrong = repair_options.get("repair_wrong_signal", twin_old.wrong_signal if twin_old else None)
+            stage = RepairStage(config, wrong)
+            stage.order = twin_old.order if twin_old else 30
+            if twin_old is not None:
+                stage.last_signal, stage.last_tokens = twin_old.last_signal, twin_old.last_tokens
+            stages.append(stage)
+        twin.stages = sorted(stages, key=lambda s: s.order)
+        return twin
+
+    def close(self) -> None:
+        """End the session: release its host-tier rows and repair signal."""
+        if self.session_id is None:
+            return
+        sid, server = self.session_id, self.server
+
+        def release():
+            server.host_tier.drop_session(sid)
+            server.repair_signals.pop(sid, None)
+
+        server.scheduler.call(release).result()
+
+    # -- helpers -------------------------------------------------------------------------
+    def _render(self, messages, tools, *, add_generation_prompt):
+        rendered = render(self.tokenizer, messages, tools, add_generation_prompt=add_generation_prompt, keep_reasoning=self.keep_reasoning)
+        if self.session_id is None:
+            self.session_id = derive_session_id(rendered.ids, rendered.spans.session_span, explicit=self.explicit_session_id)
+        return rendered
+
+    def _check_length(self, prompt_tokens: int, new_tokens: int) -> None:
+        limit = min(self.model.config.max_position_embeddings, self.server.engine.max_positions)
+        if prompt_tokens + new_tokens > limit:
+            raise ContextLengthError(
+                f"conversation of {prompt_tokens} tokens + {new_tokens} new tokens exceeds the "
+                f"context of {limit} tokens"
+            )
+
+    def _reservation(self, tokens: int) -> int:
+        """Slots a turn of ``tokens`` prompt + reply tokens may allocate: doubled for
+        a compact layout (kept rows are copied before the old ones go), plus K for
+        repair."""
+        need = int(tokens)
+        spec = self.retention
+        if spec is not None and spec.layout == "compact":
+            need *= 2
+        if self.repair is not None:
+            need += self.repair.k
+        return need
+
+    def _submit(self, program, turn, tokens: int, finish) -> ChatHandle:
+        """Submit a turn program; the session stays busy until it ends."""
+        if not self._busy.acquire(blocking=False):
+            program.close()
+            raise SessionBusyError(f"session {self.session_id!r} is already running a turn")
+        out: concurrent.futures.Future = concurrent.futures.Future()
+        task = TurnTask(program, turn, self._reservation(tokens))
+        listener = getattr(turn, "listener", None)
+        if listener is not None:
+            task.on_progress = turn.progress
+        try:
+            inner = self.server.scheduler.submit(task)
+        except BaseException:
+            self._busy.release()
+            program.close()
+            raise
+
+        def done(f: concurrent.futures.Future):
+            self._busy.release()
+            if f.cancelled():
+                out.cancel()
+                return
+            err = f.exception()
+            if err is not None:
+                out.set_exception(err)
+                return
+            try:
+                out.set_result(finish(f.result()))
+            except BaseException as e:  # a parse bug must still resolve the caller
+                out.set_exception(e)
+
+        inner.add_done_callback(done)
+        return ChatHandle(task, out, self.server.scheduler)
