@@ -131,10 +131,11 @@ def test_qwen25_layout():
         ([{"role": "robot", "content": "Hi"}], None, "unknown role"),
         ([{"content": "Hi"}], None, "unknown role"),
         (["Hi"], None, "not a mapping"),
-        ([{"role": "user", "content": "Hi"}, {"role": "assistant", "tool_calls": [CALL]}], None, "not in tools"),
+        ([{"role": "user", "content": "Hi"}, {"role": "assistant", "tool_calls": CALL}], None, "must be a list"),
+        ([{"role": "user", "content": "Hi"}, {"role": "assistant", "tool_calls": [{"function": {"arguments": {}}}]}], None, "function name"),
         (
             [{"role": "user", "content": "Hi"},
-             {"role": "assistant", "tool_calls": [{"function": {"name": "rm_rf", "arguments": {}}}]}],
+             {"role": "assistant", "tool_calls": [{"function": {"name": "rm_rf", "arguments": 3}}]}],
             TOOLS,
             "rm_rf",
         ),
@@ -144,3 +145,17 @@ def test_bad_requests_raise_chat_error(tok, messages, tools, needle):
     with pytest.raises(ChatError, match=needle) as info:
         render(tok, messages, tools=tools)
     assert isinstance(info.value, JaxKVError) and isinstance(info.value, ValueError)
+
+
+@pytest.mark.parametrize("tools", [None, TOOLS])
+def test_a_call_to_a_tool_not_offered_renders_and_is_tagged(tok, tools):
+    """Models call tools they were not offered; the history still renders, and the
+    call is tagged like any other (ACT), its result like any other (TOOL)."""
+    call = {"type": "function", "function": {"name": "rm_rf", "arguments": {"city": "Paris"}}}
+    messages = [{"role": "user", "content": "Hi"}, {"role": "assistant", "tool_calls": [call]},
+                {"role": "tool", "content": "sunny"}]
+    r = render(tok, messages, tools=tools)
+    p = [tok.convert_ids_to_tokens(int(i)) for i in r.ids]
+    at = p.index("<tool_call>", p.index("assistant"))
+    assert r.phase[at] == Phase.ACT and r.phase[at + 1] == Phase.ACT
+    assert "rm_rf" in r.text and r.phase[p.index("sunny")] == Phase.TOOL

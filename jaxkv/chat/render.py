@@ -78,8 +78,8 @@ def render(
 ) -> Rendered:
     """Render ``messages`` (OpenAI-style dicts) and tag every token.
 
-    Raises ``ChatError`` for no messages, a message that is not a mapping, an unknown
-    role, or a tool call naming a tool not in ``tools``.
+    Raises ``ChatError`` for a malformed request (``validate_messages``). A call to
+    a tool that is not in ``tools`` renders and is tagged like any other call.
     """
     validate_messages(messages, tools)
     text = tokenizer.apply_chat_template(
@@ -104,20 +104,34 @@ def tool_name(tool: Mapping[str, Any]) -> str | None:
 
 
 def validate_messages(messages: Sequence[Mapping[str, Any]], tools: Sequence[Mapping[str, Any]] | None) -> None:
-    """Check a request before rendering; raises ``ChatError`` naming the problem."""
+    """Check that a request is well formed; raises ``ChatError`` naming the problem.
+
+    Structure only: a tool call naming a tool missing from ``tools`` is well formed
+    (models call tools they were not offered, and their history must still render
+    and be tagged like any other call). Malformed: no messages, a message that is
+    not a mapping, an unknown role, ``tool_calls`` that is not a list, a call
+    without a function name, arguments that are neither a JSON string nor a mapping.
+    """
     if messages is None or len(messages) == 0:
         raise ChatError("a chat request needs at least one message")
-    offered = {tool_name(t) for t in tools or ()}
     for k, msg in enumerate(messages):
         if not isinstance(msg, Mapping):
             raise ChatError(f"message {k} is a {type(msg).__name__}, not a mapping")
         role = msg.get("role")
         if role not in ROLES:
             raise ChatError(f"message {k} has unknown role {role!r}; expected one of {sorted(ROLES)}")
-        for call in msg.get("tool_calls") or ():
+        calls = msg.get("tool_calls")
+        if calls is None:
+            continue
+        if isinstance(calls, (str, bytes, Mapping)) or not isinstance(calls, Sequence):
+            raise ChatError(f"message {k}: tool_calls must be a list of calls, got {type(calls).__name__}")
+        for j, call in enumerate(calls):
             fn = call.get("function", call) if isinstance(call, Mapping) else None
             name = fn.get("name") if isinstance(fn, Mapping) else None
-            if name not in offered:
+            if not isinstance(name, str) or not name:
+                raise ChatError(f"message {k}, tool call {j}: a call needs a function name, got {call!r}")
+            args = fn.get("arguments", fn.get("parameters", {}))
+            if not isinstance(args, (str, Mapping)):
                 raise ChatError(
-                    f"message {k} calls tool {name!r}, which is not in tools {sorted(n for n in offered if n)}"
+                    f"message {k}, tool call {j} ({name}): arguments must be a JSON string or an object, got {type(args).__name__}"
                 )
