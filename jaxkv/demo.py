@@ -1,9 +1,19 @@
-"""``jaxkv demo``: the main job, a multi-turn agent run through the engine and radix cache.
+"""``jaxkv demo``: the main job, agent sessions served at once, full cache vs managed cache.
 
 The demo loads the embedded agent model (``jaxkv/assets/embedded-agent``, or any
 checkpoint with a tokenizer via ``--model PATH``) and runs ``turns`` generated tasks
-(``eval.tasks``; held-out seeds derived from ``--seed``) as agent sessions on one
-``jaxkv.session.Server`` (one paged pool, one radix prefix cache):
+(``jaxkv.tasks``; held-out seeds derived from ``--seed``) as agent sessions, twice:
+
+1. **full cache**: every session keeps all of its KV;
+2. **managed cache**: a retention policy (``--policy``, default SnapKV) keeps
+   ``--budget`` live history tokens per request (dead-slot layout, so the radix
+   cache keeps its prefix hits), and RepairKV (``--repair`` K rows per turn
+   boundary) brings evicted rows back from the host tier when the next turn needs
+   them.
+
+Each run serves all its sessions at once on one ``Server`` (one paged pool, one
+radix prefix cache, ``--rows`` engine rows): one thread per session, the scheduler
+batching their prefills and decode steps (continuous batching). Tasks:
 
 * **agent trace** tasks run a real agent loop: the model's own reply is parsed; each
   tool call is executed against the task's simulated environment (the recorded tool
@@ -13,11 +23,11 @@ checkpoint with a tokenizer via ``--model PATH``) and runs ``turns`` generated t
 * **split-query needle** tasks (MQ-NIAH, 4 needles) ask two questions about one long
   document in two user turns; the second turn reuses the document from the radix cache.
 
-Each request prints its prefix hit, what the model did (tool calls, or its answer,
-marked right or wrong against the task's target) and the tool result abbreviated.
-The final table: task accuracy (an agent task counts when its final answer is exact,
-a needle task when both answers are), peak request tokens, prefix-hit rate and KV
-reads from the sessions' shared ``Metrics``, then the per-session metrics table.
+Each task prints, when it ends, its requests (prefix hit, what the model did, right
+or wrong against the task's target). The final table compares the two runs side by
+side: task accuracy (an agent task counts when its final answer is exact, a needle
+task when both answers are), peak live KV, raw vs effective KV reads (IntentKV
+§4.1), prefix-hit rate, and wall time.
 
 Tasks alternate agent trace / MQ-NIAH; ``length`` (default 2,048 tokens) is the
 generators' target conversation length.
@@ -41,7 +51,7 @@ def build_random_checkpoint(folder) -> str:
     """
     import jaxkv
     from jaxkv.config import ModelConfig
-    from train.embedded_model import embedded_tokenizer
+    from jaxkv.tasks import embedded_tokenizer
 
     tok = embedded_tokenizer()
     cfg = ModelConfig(
@@ -110,7 +120,7 @@ def _assistant_message(reply: dict) -> dict:
 
 
 def _request_line(session, label: str, reply: dict, mark: str = "") -> str:
-    req = session.metrics.requests[-1]
+    req = [r for r in session.metrics.requests if r.session_id == session.session_id][-1]  # metrics may be shared
     return f"  {label}: {req.prefix_hit_tokens:>4}/{req.prompt_tokens:<4} prompt tokens cached; model {_describe(reply)}{mark}"
 
 
@@ -159,20 +169,112 @@ def run_needle_task(session, example, out=print) -> bool:
 
 def demo_tasks(n: int, seed: int, length: int = 2048):
     """``n`` tasks, alternating agent trace and 4-needle MQ-NIAH (held-out seeds)."""
-    from eval.tasks.agent import one_trace
-    from eval.tasks.mqniah import one_mqniah
+    from jaxkv.tasks.agent import one_trace
+    from jaxkv.tasks.mqniah import one_mqniah
 
     base = DEMO_SEED_BASE + 1000 * seed
     return [one_trace(base + i, length=length) if i % 2 == 0 else one_mqniah(base + i, needles=4, length=length)
             for i in range(n)]
 
 
-def run_demo(model_path: str | None = None, turns: int = 4, seed: int = 0, length: int = 2048) -> int:
-    """Run ``turns`` generated agent tasks (each a multi-turn session); returns 0."""
-    import jaxkv
+_COMPILE_EVENTS = ("/jax/core/compile/jaxpr_trace_duration", "/jax/core/compile/jaxpr_to_mlir_module_duration",
+                   "/jax/core/compile/backend_compile_duration")
+_compile_seconds = [0.0]
+
+
+def _count_compiles() -> None:
+    """Sum JAX's tracing + lowering + XLA compile time (once per process)."""
+    import jax
+
+    if getattr(_count_compiles, "done", False):
+        return
+    jax.monitoring.register_event_duration_secs_listener(
+        lambda name, secs, **kw: _compile_seconds.__setitem__(0, _compile_seconds[0] + secs) if name in _COMPILE_EVENTS else None
+    )
+    _count_compiles.done = True
+
+
+def run_mode(model, tasks, *, label: str, rows: int, positions: int, options: dict, out=print) -> dict:
+    """Run every task as its own session, all at once on one server; returns the
+    mode's row of the final table (and prints each task's transcript when it ends)."""
+    import threading
+
     from jaxkv.metrics import Metrics
+    from jaxkv.serving import Server
+
+    metrics = Metrics()
+    results: list = [None] * len(tasks)
+    lock = threading.Lock()
+
+    def run_task(i, ex, server):
+        opts = dict(options)
+        if opts.get("policy") and ex.task == "mqniah":  # the document and question are one message (eval.harness)
+            opts["protect_query"] = False
+        session = server.session(max_new_tokens=MAX_NEW_TOKENS, session_id=f"task{i + 1}-{ex.task}", **opts)
+        session.metrics = metrics
+        lines = []
+        t0 = time.perf_counter()
+        try:
+            ok = run_agent_task(session, ex, lines.append) if ex.task == "agent_traces" else run_needle_task(session, ex, lines.append)
+        except Exception as err:  # shown, counted wrong; the other sessions go on
+            lines.append(f"  failed: {type(err).__name__}: {err}")
+            ok = False
+        finally:
+            session.close()
+        kind = "agent trace" if ex.task == "agent_traces" else "MQ-NIAH, 4 needles"
+        with lock:
+            out(f"\n[{label}] task {i + 1}/{len(tasks)} ({kind}, ~{ex.approx_tokens()} tokens, seed {ex.seed})")
+            for line in lines:
+                out(line)
+            out(f"  -> {'solved' if ok else 'not solved'} in {time.perf_counter() - t0:.1f}s")
+        results[i] = (ex.task, ok)
+
+    _count_compiles()
+    compile0 = _compile_seconds[0]
+    t_start = time.perf_counter()
+    with Server(model, rows=rows, max_positions=positions) as server:
+        threads = [threading.Thread(target=run_task, args=(i, ex, server)) for i, ex in enumerate(tasks)]
+        for th in threads:
+            th.start()
+        for th in threads:
+            th.join()
+    agg = metrics.as_dict()
+    return {
+        "task accuracy": f"{sum(ok for _, ok in results)}/{len(results)}",
+        "agent": _share(results, "agent_traces"),
+        "needles": _share(results, "mqniah"),
+        "requests": str(len(metrics.requests)),
+        "peak request tokens": f"{agg['peak_request_tokens']:,}",
+        "peak live KV": f"{agg['peak_live_kv']:,}",
+        "KV reads (raw / effective)": f"{agg['raw_kv_reads']:,} / {agg['effective_kv_reads']:,}",
+        "prefix-hit rate": f"{100 * agg['prefix_hit_rate']:.1f}%",
+        "wall time (of it, jit compiles)": f"{time.perf_counter() - t_start:.1f}s ({_compile_seconds[0] - compile0:.1f}s)",
+    }
+
+
+def _share(results, task) -> str:
+    sel = [ok for t, ok in results if t == task]
+    return f"{sum(sel)}/{len(sel)}" if sel else "-"
+
+
+def print_table(columns: dict, out=print) -> None:
+    """Metrics down, modes across, as a markdown table."""
+    names = list(columns)
+    keys = list(next(iter(columns.values())))
+    labels = {"agent": "  agent traces", "needles": "  MQ-NIAH (both turns)"}
+    rows = [["metric", *names]] + [[labels.get(k, k), *(columns[n][k] for n in names)] for k in keys]
+    widths = [max(len(r[c]) for r in rows) for c in range(len(rows[0]))]
+    for j, r in enumerate(rows):
+        out("| " + " | ".join(cell.ljust(w) if c == 0 else cell.rjust(w) for c, (cell, w) in enumerate(zip(r, widths))) + " |")
+        if j == 0:
+            out("|" + "|".join("-" * (w + 1) + (":" if c else "-") for c, w in enumerate(widths)) + "|")
+
+
+def run_demo(model_path: str | None = None, turns: int = 4, seed: int = 0, length: int = 2048, *, policy: str = "snapkv", budget: int = 1024, repair: int = 64, rows: int | None = None) -> int:
+    """Run ``turns`` generated agent tasks with the full cache, then with the managed
+    cache, all sessions of a run at once; print both and the side-by-side table."""
+    import jaxkv
     from jaxkv.models.loading import EMBEDDED_DIR
-    from jaxkv.session import Server
 
     t_start = time.perf_counter()
     if model_path is None and (EMBEDDED_DIR / "config.json").is_file():
@@ -187,37 +289,19 @@ def run_demo(model_path: str | None = None, turns: int = 4, seed: int = 0, lengt
               f"width {cfg.hidden_size}, vocab {cfg.vocab_size} ({time.perf_counter() - t_start:.1f}s)")
         tasks = demo_tasks(turns, seed, length)
         positions = min(cfg.max_position_embeddings, max(4096, length * 2))
-        server = Server(model, max_positions=positions)
-        metrics = Metrics()
-        results = []
-        for i, ex in enumerate(tasks, 1):
-            session = server.session(max_new_tokens=MAX_NEW_TOKENS, session_id=f"task{i}-{ex.task}")
-            session.metrics = metrics
-            kind = "agent trace" if ex.task == "agent_traces" else "MQ-NIAH, 4 needles"
-            print(f"\ntask {i}/{len(tasks)} ({kind}, ~{ex.approx_tokens()} tokens, seed {ex.seed})")
-            t0 = time.perf_counter()
-            ok = run_agent_task(session, ex) if ex.task == "agent_traces" else run_needle_task(session, ex)
-            results.append((ex.task, ok))
-            print(f"  -> {'solved' if ok else 'not solved'} in {time.perf_counter() - t0:.1f}s")
-
-        agg = metrics.as_dict()
-        rows = [("task accuracy", f"{sum(ok for _, ok in results)}/{len(results)}")]
-        for task, name in (("agent_traces", "  agent traces"), ("mqniah", "  MQ-NIAH (both turns)")):
-            sel = [ok for t, ok in results if t == task]
-            if sel:
-                rows.append((name, f"{sum(sel)}/{len(sel)}"))
-        rows += [
-            ("requests", str(len(metrics.requests))),
-            ("peak request tokens", str(agg["peak_request_tokens"])),
-            ("prefix-hit rate", f"{100 * agg['prefix_hit_rate']:.1f}% ({agg['prefix_hit_tokens']} tokens)"),
-            ("KV reads (raw / effective)", f"{agg['raw_kv_reads']:,} / {agg['effective_kv_reads']:,}"),
-            ("wall time", f"{time.perf_counter() - t_start:.1f}s"),
-        ]
-        width = max(len(k) for k, _ in rows)
-        print("\n| metric" + " " * (width - 6) + " | value |")
-        print("|" + "-" * (width + 2) + "|-------|")
-        for k, v in rows:
-            print(f"| {k.ljust(width)} | {v} |")
+        rows = rows or len(tasks)
+        managed = dict(policy=policy, budget=budget, layout="dead_slot")
+        if repair:
+            managed.update(repair=repair)
+        modes = {
+            "full cache": {},
+            f"managed ({policy} B={budget}, dead-slot" + (f", RepairKV K={repair})" if repair else ")"): managed,
+        }
+        columns = {}
+        for label, options in modes.items():
+            print(f"\n=== {label}: {len(tasks)} sessions at once on one server ({rows} rows)")
+            columns[label] = run_mode(model, tasks, label=label, rows=rows, positions=positions, options=options)
         print()
-        print(metrics.table())
+        print_table(columns)
+        print(f"\ntotal {time.perf_counter() - t_start:.1f}s")
     return 0
