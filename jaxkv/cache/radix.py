@@ -352,3 +352,50 @@ def _as_ids(values) -> np.ndarray:
     if arr.ndim > 1:
         raise RadixError(f"expected a 1-D array, got shape {arr.shape}")
     return arr.astype(np.int32).reshape(-1)
+
+
+class NamespacedRadix:
+    """One namespace of a ``RadixTree``: a view whose sequences never share a
+    prefix with another namespace's (or with the tree's un-namespaced ones).
+
+    Every sequence is keyed with one leading *namespace token*, a negative id no
+    tokenizer produces, stored with ``SENTINEL_SLOT`` (a hole: it holds no slot,
+    is never prefilled and never read). Two namespaces therefore diverge at their
+    first key position, so ``match`` only ever finds what the same namespace
+    cached, while every namespace shares the tree's LRU eviction, lock and
+    reference accounting (one pool, one ``evict``). Positions, lengths and slots
+    seen through the view exclude the namespace token.
+
+    The view offers the calls a turn makes (``match``, ``unlock``, ``insert``,
+    ``sync_holes``, ``drop_branch``), with ``RadixTree``'s semantics.
+    """
+
+    def __init__(self, tree: RadixTree, namespace: int):
+        if int(namespace) < 0:
+            raise RadixError(f"a namespace is a non-negative int, got {namespace!r}")
+        self.tree = tree
+        self.namespace = int(namespace)
+        self._key = np.asarray([-1 - self.namespace], np.int32)
+
+    def _ids(self, token_ids) -> np.ndarray:
+        return np.concatenate([self._key, _as_ids(token_ids)])
+
+    def _slots(self, slots) -> np.ndarray:
+        return np.concatenate([np.asarray([SENTINEL_SLOT], np.int32), _as_ids(slots)])
+
+    def match(self, token_ids, lock: bool = True) -> PrefixMatch:
+        found = self.tree.match(self._ids(token_ids), lock=lock)
+        return PrefixMatch(max(found.length - 1, 0), found.slots[1:], found.handle)
+
+    def unlock(self, handle: LockHandle) -> None:
+        self.tree.unlock(handle)
+
+    def insert(self, token_ids, slots) -> int:
+        return self.tree.insert(self._ids(token_ids), self._slots(slots))
+
+    def sync_holes(self, token_ids, slots, own_handle: LockHandle | None = None) -> tuple[np.ndarray, np.ndarray]:
+        freed, filled = self.tree.sync_holes(self._ids(token_ids), self._slots(slots), own_handle)
+        return freed, filled - 1  # the namespace token is a hole on both sides: never filled
+
+    def drop_branch(self, old_ids, keep_ids) -> np.ndarray:
+        return self.tree.drop_branch(self._ids(old_ids), self._ids(keep_ids))

@@ -14,6 +14,15 @@ text exactly as generated (OpenAI's convention is a JSON string; keeping the
 model's own bytes means re-rendering the message reproduces the generated tokens,
 so the next turn's prefix still matches the radix cache).
 
+Reasoning: with ``think_open`` given (the caller knows whether the generation
+prompt left a ``<think>`` block open, e.g. ``Session`` from its rendered prompt),
+the split is *positional*: reasoning is the text up to the first ``</think>``
+when the prompt opened the block, else only a ``<think>`` block that starts the
+reply (after whitespace); think markers anywhere else are content text. So a
+prefix of the text always parses to a prefix of the reasoning and of the content
+(streaming relies on this). Without it (``None``) the split guesses: a ``</think>``
+anywhere ends the reasoning, even without an opener.
+
 Never raises on model output: a call whose JSON is malformed, lacks a name, or
 names a tool not in ``tool_names`` (when given) stays in ``content`` as raw text and
 its error is appended to ``parse_errors``; an unterminated ``<think>`` or
@@ -22,6 +31,7 @@ its error is appended to ``parse_errors``; an unterminated ``<think>`` or
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import re
 from typing import Any, Collection
@@ -46,11 +56,16 @@ def stop_token_ids(model) -> frozenset[int]:
     return frozenset(stops)
 
 
-def parse_assistant(text: str, tool_names: Collection[str] | None = None) -> dict[str, Any]:
-    """Split generated ``text`` into content, reasoning and tool calls (see module doc)."""
+def parse_assistant(text: str, tool_names: Collection[str] | None = None, *, think_open: bool | None = None) -> dict[str, Any]:
+    """Split generated ``text`` into content, reasoning and tool calls (see module doc);
+    ``think_open``: whether the generation prompt left a ``<think>`` block open
+    (None: guess)."""
     errors: list[str] = []
     text = _strip_end_tokens(text)
-    reasoning, text = _split_reasoning(text, errors)
+    if think_open is None:
+        reasoning, text = _split_reasoning(text, errors)
+    else:
+        reasoning, text = _split_leading_reasoning(text, errors, think_open)
 
     calls: list[dict[str, Any]] = []
     kept: list[str] = []  # content pieces, raw text of failed calls included
@@ -89,6 +104,55 @@ def parse_assistant(text: str, tool_names: Collection[str] | None = None) -> dic
     }
 
 
+@dataclasses.dataclass(frozen=True)
+class ReplyFormat:
+    """How one turn's generated text becomes its message: everything a reader of
+    the reply needs to cut and split it exactly as the final parse does (a
+    streaming reader included).
+
+    Attributes:
+      prefix: text forced at the start of the reply (``forced_call_prefix``); it
+        was prefilled with the prompt, and the reply text starts with it.
+      think_open: the generation prompt left a ``<think>`` block open.
+      tool_names: names a tool call may use (None: any; empty: none, so every
+        call stays in ``content``).
+      stop: stop strings; the reply ends before the first one generated.
+    """
+
+    prefix: str = ""
+    think_open: bool = False
+    tool_names: tuple[str, ...] | None = None
+    stop: tuple[str, ...] = ()
+
+    def find_stop(self, text: str) -> int | None:
+        """Index in ``text`` (the reply text, prefix included) where the earliest
+        stop string generated after the prefix begins, or None."""
+        found = [i for i in (text.find(s, len(self.prefix)) for s in self.stop if s) if i >= 0]
+        return min(found) if found else None
+
+    def parse(self, text: str) -> dict[str, Any]:
+        """The message of a reply text (already cut at a stop string)."""
+        return parse_assistant(text, self.tool_names, think_open=self.think_open)
+
+
+def forced_call_prefix(layout: str, name: str | None = None) -> str:
+    """The start of a tool call in a chat template's format, to force a reply to
+    call ``name`` (or, with None, some tool: the model writes the name).
+    ``layout`` is ``jaxkv.chat.tags.ChatMarkers.layout``: ``"chatml"`` (Qwen's
+    ``<tool_call>`` JSON) or ``"llama3"`` (``<|python_tag|>`` JSON); ValueError
+    for another."""
+    quoted = json.dumps(name, ensure_ascii=False) if name is not None else None
+    if layout == "chatml":
+        head = '<tool_call>\n{"name": '
+        key = "arguments"
+    elif layout == "llama3":
+        head = '<|python_tag|>{"name": '
+        key = "parameters"
+    else:
+        raise ValueError(f"no tool-call format known for the chat layout {layout!r}")
+    return head + ('"' if quoted is None else f'{quoted}, "{key}": ')
+
+
 def _strip_end_tokens(text: str) -> str:
     text = text.rstrip()
     stripped = True
@@ -112,6 +176,22 @@ def _split_reasoning(text: str, errors: list[str]) -> tuple[str | None, str]:
         errors.append("unterminated <think> block")
         return reasoning.strip("\n"), head
     return None, text
+
+
+def _split_leading_reasoning(text: str, errors: list[str], opened: bool) -> tuple[str | None, str]:
+    """``(reasoning, rest)`` when the prompt's state is known: the reasoning is the
+    text up to the first ``</think>`` if the prompt opened the block, else the
+    reply's leading ``<think>`` block; unterminated, all of it is reasoning."""
+    if not opened:
+        stripped = text.lstrip()
+        if not stripped.startswith("<think>"):
+            return None, text
+        text = stripped[len("<think>") :]
+    reasoning, closed, rest = text.partition("</think>")
+    if not closed:
+        errors.append("unterminated <think> block")
+        return reasoning.strip("\n"), ""
+    return reasoning.strip("\n"), rest.lstrip("\n")
 
 
 def _split_calls(payload: str) -> list[str]:

@@ -75,20 +75,26 @@ def render(
     tools: Sequence[Mapping[str, Any]] | None = None,
     add_generation_prompt: bool = True,
     keep_reasoning: bool = False,
+    reply_prefix: str = "",
 ) -> Rendered:
     """Render ``messages`` (OpenAI-style dicts) and tag every token.
 
     Raises ``ChatError`` for a malformed request (``validate_messages``). A call to
     a tool that is not in ``tools`` renders and is tagged like any other call.
+    ``reply_prefix``: text appended after the generation prompt, the forced start
+    of the reply (``jaxkv.chat.parse.forced_call_prefix``); it is tokenized and
+    tagged with the prompt.
     """
     validate_messages(messages, tools)
+    if reply_prefix and not add_generation_prompt:
+        raise ChatError("a reply prefix needs the generation prompt")
     text = tokenizer.apply_chat_template(
         list(messages),
         tools=list(tools) if tools else None,
         tokenize=False,
         add_generation_prompt=add_generation_prompt,
         keep_reasoning=keep_reasoning,
-    )
+    ) + reply_prefix
     ids = np.asarray(tokenizer(text, add_special_tokens=False)["input_ids"], dtype=np.int32)
     tags, temporal, spans, found, scanner = tag_prompt(ids, chat_markers(tokenizer))
     triaxial = np.empty(ids.size, TRIAXIAL_DTYPE)

@@ -181,6 +181,7 @@ class Turn:
         self.session = session
         self.server = session.server
         self.engine = self.server.engine
+        self.radix = self.server.radix_for(getattr(session, "cache_namespace", None))  # the session's view of the cache
         self.rendered = rendered
         self.stages = session.stages
         self.row: int | None = None
@@ -190,6 +191,7 @@ class Turn:
         self.uncompressed = int(rendered.ids.size)
         self.metrics = None
         self.listener = None  # listener(ids): newly generated tokens (streaming)
+        self.stop_requested = False  # end the reply at the next decode-chunk boundary (``request_stop``)
         self._sent = 0  # tokens of the current decode job already passed to the listener
         self._began: list = []
 
@@ -197,13 +199,13 @@ class Turn:
     def open(self) -> None:
         """Radix match, open the row with the matched prefix, tag it, begin stages."""
         ids = self.rendered.ids
-        match = self.server.radix.match(ids)
+        match = self.radix.match(ids)
         self.handle = match.handle
         self.reused = min(match.length, ids.size - 1)  # always prefill >= 1 token
         try:
             self.row = self.engine.open_row(match.slots[: self.reused], ids[: self.reused])
         except Exception:
-            self.server.radix.unlock(self.handle)
+            self.radix.unlock(self.handle)
             self.handle = None
             raise
         self.req = self.engine.row_state[self.row]
@@ -214,6 +216,8 @@ class Turn:
         self.metrics = session.metrics.start_request(
             prompt_tokens=int(ids.size), prefix_hit_tokens=self.reused, session_id=session.session_id
         )
+        self.server.counters.update(prompt_tokens=int(ids.size), cached_tokens=self.reused)
+        self._repairs0 = len(session.repairs)
         for stage in self.stages:
             self._began.append(stage)
             stage.begin(self)
@@ -232,9 +236,11 @@ class Turn:
                     self.row = None
             finally:
                 if self.handle is not None and self.handle.locked:
-                    self.server.radix.unlock(self.handle)
+                    self.radix.unlock(self.handle)
                 if self.metrics is not None and self.metrics.open:
                     self.session.metrics.end_request(self.metrics)
+                    reports = self.session.repairs[self._repairs0 :]
+                    self.server.counters["repaired_rows"] += sum(len(r.promoted_positions) for r in reports)
 
     # -- tags ------------------------------------------------------------------------
     def pinned_prompt(self) -> np.ndarray:
@@ -262,6 +268,7 @@ class Turn:
         tokens = np.asarray(self.req.tokens, np.int64)[pos]
         wants = [s for s in self.stages if s.wants_evicted_rows] if pos.size else []
         kv = self.engine.apply_layout(self.row, plan, keep_evicted=bool(wants))
+        self.server.counters["evicted_tokens"] += int(pos.size)
         evicted = Evicted(plan, pos, tokens, np.asarray(scores_M, np.float32), *(kv or (None, None)))
         for stage in wants:
             stage.on_evict(self, evicted)
@@ -274,10 +281,20 @@ class Turn:
 
     def progress(self, job) -> None:
         """A decode job advanced (called by the scheduler after each engine step):
-        emit the tokens it sampled since the last call."""
+        emit the tokens it sampled since the last call; if a stop was requested,
+        end the job here (its next steps never run, no slot is taken for them)."""
         new = job.tokens[self._sent :]
         self._sent = len(job.tokens)
         self.emit(new)
+        if self.stop_requested and not job.finished:
+            job.n_steps = job.fed
+
+    def request_stop(self) -> None:
+        """End the reply early, keeping the turn: decoding stops at the next
+        decode-chunk boundary (at once when asked from the listener, which runs
+        between chunks), then the turn parses and enters the radix cache as usual.
+        Any thread may call it."""
+        self.stop_requested = True
 
     def observe_live(self) -> None:
         """Report the request's live KV size to the metrics (after an edit)."""
@@ -354,14 +371,14 @@ class Turn:
         key = jax.random.key(seed)
         first = int(sample(jnp.asarray(last_logits)[None], jax.random.fold_in(key, FIRST_TOKEN_KEY), spec, temp, top_p_val)[0])
         reply = [first]
-        self.emit(reply)
+        self.emit(reply)  # (a listener may request a stop already)
         stops = self.server.stop_token_ids
         intervals = [i for i in (stage.decode_interval(self) for stage in self.stages) if i]
         interval = min(intervals) if intervals else n_new
         capture = Capture.union(stage.decode_capture(self) for stage in self.stages) if intervals else Capture()
         features = Features(query_rows=capture.query_rows, attn_mass=capture.attn_mass)
         remaining = n_new - 1
-        while reply[-1] not in stops and remaining > 0:
+        while reply[-1] not in stops and remaining > 0 and not self.stop_requested:
             n = min(interval, remaining)
             raw0, eff0, start = self.uncompressed, len(self.req.live), self.req.seq_len
             self._sent = 0
@@ -379,7 +396,7 @@ class Turn:
             if features != NO_FEATURES:
                 q = np.concatenate(job.q_rows).transpose(1, 0, 2, 3) if job.q_rows else None  # [L, n, Hq, D]
                 captured = Captured(start, self.req.seq_len, np.arange(start, self.req.seq_len), q, self._add_mass(job.mass), phases)
-                more = remaining > 0 and reply[-1] not in stops
+                more = remaining > 0 and reply[-1] not in stops and not self.stop_requested
                 for stage in self.stages:
                     stage.after_decode_chunk(self, captured, more)
         return reply
@@ -397,7 +414,7 @@ class Turn:
             return
         tokens = list(self.req.tokens)
         slots = self.req.slots
-        radix = self.server.radix
+        radix = self.radix
         previous = self.session._cached_ids
         if previous is not None:  # this session's superseded tail is stale now
             radix.drop_branch(previous, tokens)

@@ -8,6 +8,19 @@ session's turns with continuous batching. ``server.session(**options)`` makes a
 asyncio task per session), up to ``rows`` of them in the engine and
 ``max_queue`` waiting.
 
+Cache namespaces: ``server.radix_for(name)`` is the radix cache as one
+namespace sees it (``NamespacedRadix``): sessions made with
+``cache_namespace=name`` match only prefixes cached under the same name, so
+tenants of one server never hit (or time) each other's cached prompts, while
+all of them share one pool and one LRU eviction. Sessions without a namespace
+share the un-namespaced cache.
+
+Counters (``snapshot``): besides the scheduler's, ``counters`` sums over every
+turn the prompt tokens and those taken from the radix cache
+(``prompt_tokens``, ``cached_tokens``), the positions retention evicted
+(``evicted_tokens``), the rows RepairKV promoted (``repaired_rows``) and the
+slots the radix cache gave back under pool pressure (``radix_evicted_slots``).
+
 Sizing: ``num_slots`` defaults to ``2 * rows * max_positions + 1``, room for
 cached prefixes beside running requests; the radix cache gives back its least
 recently used entries when a turn needs their slots.
@@ -19,14 +32,20 @@ the thread; after every turn, only the radix cache holds slots.
 
 from __future__ import annotations
 
+import collections
+import threading
+
 from jaxkv.cache.host_tier import HostTier
-from jaxkv.cache.radix import RadixTree
+from jaxkv.cache.radix import NamespacedRadix, RadixTree
 from jaxkv.cache.session_store import SessionStore
 from jaxkv.chat import stop_token_ids
 from jaxkv.engine import PREFILL_CHUNK, Engine
 from jaxkv.errors import ConfigError
 from jaxkv.models.loading import Model
 from jaxkv.serving.scheduler import DECODE_CHUNK, Scheduler
+
+
+COUNTERS = ("prompt_tokens", "cached_tokens", "evicted_tokens", "repaired_rows", "radix_evicted_slots")
 
 
 class Server:
@@ -58,7 +77,10 @@ class Server:
             backend=backend, prefill_chunk=prefill_chunk,
         )
         self.radix = RadixTree(self.engine.allocator)
-        self.engine.reclaim = self.radix.evict
+        self.engine.reclaim = self._reclaim
+        self.namespaces: dict[str, int] = {}  # cache namespace name -> its key in the radix tree
+        self._namespace_lock = threading.Lock()
+        self.counters = collections.Counter()  # module docstring; written on the scheduler thread
         self.store = SessionStore(session_cap)
         self.host_tier = host_tier if host_tier is not None else HostTier(global_rows=1 << 16)
         self.repair_signals: dict = {}  # session id -> latest repair Signal (WrongQ-K); oldest first
@@ -70,6 +92,30 @@ class Server:
         from jaxkv.serving.session import Session
 
         return Session(self.model, server=self, **options)
+
+    def radix_for(self, namespace: str | None):
+        """The radix cache as sessions of ``namespace`` see it (None: the shared,
+        un-namespaced cache)."""
+        if namespace is None:
+            return self.radix
+        with self._namespace_lock:
+            key = self.namespaces.setdefault(str(namespace), len(self.namespaces))
+        return NamespacedRadix(self.radix, key)
+
+    def _reclaim(self, n_slots: int):
+        """The engine's way to make room: the radix cache's LRU eviction, counted."""
+        freed = self.radix.evict(n_slots)
+        self.counters["radix_evicted_slots"] += int(freed.size)
+        return freed
+
+    def __getstate__(self):  # copies (Session.fork) get a lock of their own
+        state = self.__dict__.copy()
+        state.pop("_namespace_lock")
+        return state
+
+    def __setstate__(self, state):
+        self.__dict__.update(state)
+        self._namespace_lock = threading.Lock()
 
     @property
     def max_positions(self) -> int:
@@ -99,6 +145,7 @@ class Server:
             "radix_slots": int(self.radix.held_slots().size),
             "live_kv": int(sum(live)),
             "queue_depth": self.scheduler.queue_depth,
-            "host_tier_rows": int(sum(self.host_tier.session_size(s) for s in self.host_tier.sessions)),
+            "host_tier_rows": int(sum(self.host_tier.session_size(s) for s in self.host_tier.sessions())),
             **{k: int(v) for k, v in stats.items()},
+            **{k: int(self.counters[k]) for k in COUNTERS},
         }

@@ -32,9 +32,10 @@ from typing import Any, Callable, Mapping, Sequence
 
 import numpy as np
 
-from jaxkv.chat import derive_session_id, parse_assistant, render
-from jaxkv.chat.render import tool_name
-from jaxkv.errors import ConfigError, ContextLengthError, SessionBusyError
+from jaxkv.chat import ReplyFormat, derive_session_id, forced_call_prefix, render
+from jaxkv.chat.render import chat_markers, tool_name
+from jaxkv.chat.tags import Phase
+from jaxkv.errors import ChatError, ConfigError, ContextLengthError, SessionBusyError
 from jaxkv.metrics import Metrics
 from jaxkv.models.loading import Model
 from jaxkv.sampling import make_sampler
@@ -56,6 +57,8 @@ class ChatTurn:
       reply_ids: generated token ids (ending with a stop token when one came).
       prompt_tokens / cached_tokens: the rendered request and its radix-cache hit.
       finish_reason: ``"tool_calls"``, ``"stop"`` or ``"length"``.
+      text: the reply text that was parsed (a forced prefix included, cut before
+        a stop string); ``reply_ids`` then ends with the token that completed it.
     """
 
     reply: dict
@@ -63,20 +66,34 @@ class ChatTurn:
     prompt_tokens: int
     cached_tokens: int
     finish_reason: str
+    text: str = ""
 
 
 class ChatHandle:
     """A submitted chat turn: ``result()`` waits for its ``ChatTurn``; ``cancel()``
-    drops it (its row and slots are freed); ``future`` for asyncio/executors."""
+    drops it (its row and slots are freed, nothing is cached); ``stop()`` ends the
+    reply early but keeps the turn (it finishes, is parsed and cached);
+    ``future`` for asyncio/executors.
 
-    def __init__(self, task: TurnTask, future: concurrent.futures.Future, scheduler):
+    Attributes:
+      format: the ``ReplyFormat`` the reply text is read with (streaming readers).
+      prompt_tokens: size of the rendered request.
+    """
+
+    def __init__(self, task: TurnTask, future: concurrent.futures.Future, scheduler, format: ReplyFormat | None = None, prompt_tokens: int = 0):
         self.task, self.future, self._scheduler = task, future, scheduler
+        self.format = format or ReplyFormat()
+        self.prompt_tokens = int(prompt_tokens)
 
     def result(self, timeout: float | None = None) -> ChatTurn:
         return self.future.result(timeout)
 
     def cancel(self) -> None:
         self._scheduler.cancel(self.task)
+
+    def stop(self) -> None:
+        """End the reply at the next decode-chunk boundary (``Turn.request_stop``)."""
+        self.task.turn.request_stop()
 
 
 class Session:
@@ -88,6 +105,9 @@ class Session:
       keep_reasoning: render earlier reasoning too, so histories stay append-only.
       max_new_tokens: default reply budget for ``chat``.
       max_positions, num_slots, backend: sizing of a private server.
+      cache_namespace: the radix-cache namespace of the session's requests
+        (``Server.radix_for``): only sessions of the same namespace share cached
+        prefixes (tenants of a shared server). None: the shared cache.
       protect_query: keep the actionable query (the latest user / tool message)
         out of eviction, as ALGORITHMS.md §1 forces (default). False lets an event
         evict inside it: for document QA where the document and the question
@@ -104,7 +124,7 @@ class Session:
         ``OptionError``.
     """
 
-    def __init__(self, model: Model, *, server: Server | None = None, session_id: str | None = None, keep_reasoning: bool = False, max_new_tokens: int = 256, max_positions: int | None = None, num_slots: int | None = None, backend=None, protect_query: bool = True, **options):
+    def __init__(self, model: Model, *, server: Server | None = None, session_id: str | None = None, keep_reasoning: bool = False, max_new_tokens: int = 256, max_positions: int | None = None, num_slots: int | None = None, backend=None, protect_query: bool = True, cache_namespace: str | None = None, **options):
         if not isinstance(protect_query, bool):
             raise ConfigError(f"protect_query must be True or False, got {protect_query!r}")
         if server is not None and server.model is not model:
@@ -115,6 +135,7 @@ class Session:
         self.keep_reasoning = keep_reasoning
         self.max_new_tokens = int(max_new_tokens)
         self.protect_query = protect_query
+        self.cache_namespace = cache_namespace
         self.metrics = Metrics()
         self.session_id: str | None = None
         self.compressions: list = []  # CompressionReports of this session, in order
@@ -160,31 +181,53 @@ class Session:
         return stage.last_signal if stage is not None else None
 
     # -- chat ----------------------------------------------------------------------
-    def start_chat(self, messages: Sequence[Mapping[str, Any]], tools=None, *, max_new_tokens: int | None = None, temperature: float = 0.0, top_k=None, top_p=None, seed: int = 0, on_tokens: Callable[[list[int]], None] | None = None) -> ChatHandle:
+    def start_chat(self, messages: Sequence[Mapping[str, Any]], tools=None, *, max_new_tokens: int | None = None, temperature: float = 0.0, top_k=None, top_p=None, seed: int = 0, tool_choice=None, stop: Sequence[str] | None = None, on_tokens: Callable[[list[int]], None] | None = None) -> ChatHandle:
         """Submit one chat turn; returns its handle at once. ``on_tokens(ids)`` is
-        called (on the scheduler thread) with each newly generated piece."""
-        rendered = self._render(messages, tools, add_generation_prompt=True)
+        called (on the scheduler thread) with each newly generated piece.
+
+        ``tool_choice`` (OpenAI's): ``"auto"`` (default), ``"none"`` (the request
+        renders without ``tools`` and no call is parsed: call text stays in
+        ``content``), ``"required"`` or ``{"type": "function", "function":
+        {"name": N}}`` (the reply is forced to start a call, to any tool or to
+        ``N``: the call's opening is prefilled with the prompt, in the template's
+        format, and the model writes the rest). ``stop``: strings that end the
+        reply; it is cut before the first one generated (``finish_reason``
+        ``"stop"``) and decoding stops at the next decode-chunk boundary.
+        ``ChatError`` for a malformed choice or stop list."""
+        render_tools, names, prefix = self._tool_choice(tools, tool_choice)
+        stops = _stop_strings(stop)
+        rendered = self._render(messages, render_tools, add_generation_prompt=True, reply_prefix=prefix)
         n_new = self.max_new_tokens if max_new_tokens is None else int(max_new_tokens)
         make_sampler(temperature, top_k, top_p)
         self._check_length(rendered.ids.size, n_new)
+        think_open = bool(rendered.ids.size) and int(rendered.phase[-1]) == Phase.THINK
+        fmt = ReplyFormat(prefix, think_open, names, stops)
         turn = Turn(self, rendered)
+        if stops:
+            on_tokens = self._stop_watch(turn, fmt, on_tokens)
         if on_tokens is not None:
             turn.listener = on_tokens
         sampling = dict(temperature=temperature, top_k=top_k, top_p=top_p, seed=seed)
-        names = [tool_name(t) for t in tools] if tools else None
 
         def finish(reply_ids):
-            text = self.tokenizer.decode(reply_ids, skip_special_tokens=False)
-            reply = parse_assistant(text, names)
-            stopped = bool(reply_ids) and reply_ids[-1] in self.server.stop_token_ids
+            reply_ids = list(reply_ids)
+            text = fmt.prefix + self.tokenizer.decode(reply_ids, skip_special_tokens=False)
+            cut = fmt.find_stop(text)
+            if cut is not None:  # keep the ids up to the one that completed the stop string
+                k = next(k for k in range(1, len(reply_ids) + 1) if fmt.find_stop(fmt.prefix + self.tokenizer.decode(reply_ids[:k], skip_special_tokens=False)) is not None)
+                reply_ids, text = reply_ids[:k], text[:cut]
+            reply = fmt.parse(text)
+            stopped = cut is not None or (bool(reply_ids) and reply_ids[-1] in self.server.stop_token_ids)
             reason = "tool_calls" if reply.get("tool_calls") else ("stop" if stopped or n_new == 0 else "length")
-            return ChatTurn(reply, list(reply_ids), int(rendered.ids.size), turn.reused, reason)
+            return ChatTurn(reply, reply_ids, int(rendered.ids.size), turn.reused, reason, text)
 
-        return self._submit(chat_turn(turn, n_new, sampling), turn, rendered.ids.size + n_new, finish)
+        handle = self._submit(chat_turn(turn, n_new, sampling), turn, rendered.ids.size + n_new, finish)
+        handle.format, handle.prompt_tokens = fmt, int(rendered.ids.size)
+        return handle
 
-    def chat(self, messages: Sequence[Mapping[str, Any]], tools=None, *, max_new_tokens: int | None = None, temperature: float = 0.0, top_k=None, top_p=None, seed: int = 0) -> dict:
+    def chat(self, messages: Sequence[Mapping[str, Any]], tools=None, *, max_new_tokens: int | None = None, temperature: float = 0.0, top_k=None, top_p=None, seed: int = 0, tool_choice=None, stop: Sequence[str] | None = None) -> dict:
         """Answer ``messages``: an OpenAI-style assistant message dict."""
-        handle = self.start_chat(messages, tools, max_new_tokens=max_new_tokens, temperature=temperature, top_k=top_k, top_p=top_p, seed=seed)
+        handle = self.start_chat(messages, tools, max_new_tokens=max_new_tokens, temperature=temperature, top_k=top_k, top_p=top_p, seed=seed, tool_choice=tool_choice, stop=stop)
         return handle.result().reply
 
     async def achat(self, messages: Sequence[Mapping[str, Any]], tools=None, **kwargs) -> dict:
@@ -220,7 +263,9 @@ class Session:
             need = full.ids.size + (n_new if generate else 0)
             result, reply = self._submit(program, turn, need, lambda out: out).result()
             if reply is not None:
-                result.generated = parse_assistant(self.tokenizer.decode(reply, skip_special_tokens=False), names)
+                think_open = bool(prompt.ids.size) and int(prompt.phase[-1]) == Phase.THINK
+                fmt = ReplyFormat(think_open=think_open, tool_names=tuple(names) if names is not None else None)
+                result.generated = fmt.parse(self.tokenizer.decode(reply, skip_special_tokens=False))
             results.append(result)
         return results
 
@@ -290,8 +335,47 @@ class Session:
         server.scheduler.call(release).result()
 
     # -- helpers -------------------------------------------------------------------------
-    def _render(self, messages, tools, *, add_generation_prompt):
-        rendered = render(self.tokenizer, messages, tools, add_generation_prompt=add_generation_prompt, keep_reasoning=self.keep_reasoning)
+    def _tool_choice(self, tools, choice):
+        """``(tools to render, tool names a call may use, forced reply prefix)``."""
+        names = tuple(tool_name(t) for t in tools) if tools else None
+        if choice is None or choice == "auto":
+            return tools, names, ""
+        if choice == "none":
+            return None, (), ""
+        if choice == "required":
+            name = None
+        elif isinstance(choice, Mapping) and isinstance(choice.get("function"), Mapping) and isinstance(choice["function"].get("name"), str):
+            name = choice["function"]["name"]
+        else:
+            raise ChatError(f"tool_choice must be 'auto', 'none', 'required' or {{'type': 'function', 'function': {{'name': ...}}}}, got {choice!r}")
+        if not names:
+            raise ChatError(f"tool_choice {choice!r} needs tools")
+        if name is not None and name not in names:
+            raise ChatError(f"tool_choice names {name!r}, which is not in tools {list(names)}")
+        try:
+            prefix = forced_call_prefix(chat_markers(self.tokenizer).layout, name)
+        except ValueError as err:
+            raise ChatError(f"tool_choice {choice!r}: {err}") from None
+        return tools, names if name is None else (name,), prefix
+
+    @staticmethod
+    def _stop_watch(turn, fmt: ReplyFormat, listener):
+        """A listener that stops the turn once a stop string is generated (then
+        passes the tokens on to ``listener``)."""
+        tokenizer = turn.session.tokenizer
+        generated: list[int] = []
+
+        def watch(ids):
+            generated.extend(ids)
+            if listener is not None:
+                listener(ids)
+            if not turn.stop_requested and fmt.find_stop(fmt.prefix + tokenizer.decode(generated, skip_special_tokens=False)) is not None:
+                turn.request_stop()
+
+        return watch
+
+    def _render(self, messages, tools, *, add_generation_prompt, reply_prefix: str = ""):
+        rendered = render(self.tokenizer, messages, tools, add_generation_prompt=add_generation_prompt, keep_reasoning=self.keep_reasoning, reply_prefix=reply_prefix)
         if self.session_id is None:
             self.session_id = derive_session_id(rendered.ids, rendered.spans.session_span, explicit=self.explicit_session_id)
         return rendered
@@ -349,3 +433,14 @@ class Session:
 
         inner.add_done_callback(done)
         return ChatHandle(task, out, self.server.scheduler)
+
+
+def _stop_strings(stop) -> tuple[str, ...]:
+    """OpenAI's ``stop``: None, one string or a list of strings (empty ones ignored)."""
+    if stop is None:
+        return ()
+    if isinstance(stop, str):
+        stop = [stop]
+    if isinstance(stop, (bytes, Mapping)) or not isinstance(stop, Sequence) or not all(isinstance(s, str) for s in stop):
+        raise ChatError(f"stop must be a string or a list of strings, got {stop!r}")
+    return tuple(s for s in stop if s)
