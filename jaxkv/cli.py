@@ -17,6 +17,7 @@ import sys
 import time
 
 from jaxkv.errors import JaxKVError
+from jaxkv.server.run import add_arguments as serve_arguments  # no fastapi / uvicorn until 'serve' runs
 
 
 PLUGIN_GROUP = "jaxkv.commands"
@@ -61,6 +62,12 @@ def _cmd_demo(args) -> int:
                     policy=args.policy, budget=args.budget, repair=args.repair, rows=args.rows)
 
 
+def _cmd_serve(args) -> int:
+    from jaxkv.server.run import serve  # fastapi / uvicorn: the optional extra 'serve'
+
+    return serve(args)
+
+
 def build_parser(load: tuple = ()) -> argparse.ArgumentParser:
     """The parser; plugin commands named in ``load`` get their full parser, the
     others are listed by name only."""
@@ -89,6 +96,10 @@ def build_parser(load: tuple = ()) -> argparse.ArgumentParser:
     d.add_argument("--repair", type=int, default=64, help="RepairKV K of the managed run (0: off)")
     d.add_argument("--rows", type=int, default=None, help="engine rows (default: one per task)")
     d.set_defaults(func=_cmd_demo)
+
+    s = sub.add_parser("serve", help="OpenAI-compatible HTTP server (chat completions with tools, streaming, sessions)")
+    serve_arguments(s)
+    s.set_defaults(func=_cmd_serve)
     for name, ep in sorted(_plugins().items()):
         if name in load:
             ep.load()(sub)
