@@ -65,6 +65,7 @@ from jaxkv.models.transformer import NO_FEATURES, Features
 from jaxkv.sampling import SamplerSpec, make_sampler, sample, sample_rows
 
 PREFILL_CHUNK = 512  # tokens per prefill step; chosen by eval/bench_prefill.py (README)
+SHORT_CHUNK = 128  # the prefill width of short pieces (the other width is the chunk size)
 FIRST_TOKEN_KEY = 1 << 30  # the first reply token is drawn with fold_in(key, this)
 
 
@@ -519,7 +520,9 @@ class Engine:
             return
         states = [self._row(j.row) for j in jobs]
         pieces = [j.tokens[j.done : j.done + self.prefill_chunk] for j in jobs]
-        C = min(self.prefill_chunk, bucket(max(p.size for p in pieces)))
+        # Two chunk widths only (short pieces: a user message, a tool result; long:
+        # a prompt), so batches of different pieces reuse a handful of compiles.
+        C = self.prefill_chunk if max(p.size for p in pieces) > SHORT_CHUNK else min(SHORT_CHUNK, self.prefill_chunk)
         B = bucket(len(jobs), minimum=1)
         R = self.rows
         rows = np.full(B, R, np.int32)
@@ -629,7 +632,7 @@ class Engine:
         if any(j.spec != spec for j in jobs):
             raise JaxKVError("step_decode batches jobs of one sampler spec")
         steps = [j.n_steps - j.fed if max_steps is None else min(j.n_steps - j.fed, max_steps) for j in jobs]
-        n = max(steps)
+        n = max(steps) if max_steps is None else int(max_steps)  # a fixed chunk: one compile, rows stop at their limit
         total = sum(steps)
         if total > self.allocator.num_free and self.reclaim is not None:
             self.reclaim(total - self.allocator.num_free)
