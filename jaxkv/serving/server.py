@@ -99,6 +99,6 @@ class Server:
             "radix_slots": int(self.radix.held_slots().size),
             "live_kv": int(sum(live)),
             "queue_depth": self.scheduler.queue_depth,
-            "host_tier_rows": int(sum(self.host_tier.session_size(s) for s in self.host_tier.sessions)),
+            "host_tier_rows": int(self.host_tier.num_rows),
             **{k: int(v) for k, v in stats.items()},
         }
