@@ -57,7 +57,8 @@ from flax import nnx
 from jaxkv import pallas
 from jaxkv.buckets import bucket
 from jaxkv.cache.allocator import SENTINEL_SLOT, SlotAllocator
-from jaxkv.cache.request import RequestState
+from jaxkv.cache.host_tier import stage
+from jaxkv.cache.request import RequestState, promotion_tables
 from jaxkv.cache.state import PagedKVCache, append_tokens, put_rows, take_rows
 from jaxkv.errors import ContextLengthError, JaxKVError, OutOfSlotsError
 from jaxkv.models.loading import Model
@@ -465,9 +466,6 @@ class Engine:
         slot-map entries (holes) pointed at them and the live-index list grown in
         position order. Returns the fresh slots. ``RepairError`` (nothing changed)
         when a position is not a hole of the row."""
-        from jaxkv.cache.host_tier import stage
-        from jaxkv.policies.repair import promotion_tables
-
         pos = np.asarray(positions_M, np.int64)
         if pos.size == 0:
             return np.zeros(0, np.int64)

@@ -35,6 +35,7 @@ from typing import Sequence
 import numpy as np
 
 from jaxkv.cache.allocator import SENTINEL_SLOT
+from jaxkv.errors import RepairError
 
 
 class RequestState:
@@ -134,3 +135,21 @@ class RequestState:
         n = len(self.slots)
         assert len(self.tokens) == n and self.phase.size == n and self.pinned.size == n and self.mass.size == n
         assert self.live == [s for s in self.slots if s != SENTINEL_SLOT]
+
+
+def promotion_tables(slots_P, positions_M, fresh_M) -> tuple[list[int], list[int]]:
+    """New ``(slots, live)`` of a request after promoting ``positions_M`` into
+    ``fresh_M``: each position must be a hole (evicted, sentinel) of the request."""
+    slots = np.asarray(slots_P, np.int64).copy()
+    pos = np.asarray(positions_M, np.int64)
+    fresh = np.asarray(fresh_M, np.int64)
+    if fresh.size != pos.size or np.unique(pos).size != pos.size:
+        raise RepairError(f"promotion needs distinct positions and one fresh slot each ({pos.size} vs {fresh.size})")
+    bad = pos[(pos < 0) | (pos >= slots.size)]
+    if bad.size:
+        raise RepairError(f"promoted positions {bad[:5].tolist()} are outside the request's {slots.size} positions")
+    taken = pos[slots[pos] != SENTINEL_SLOT]
+    if taken.size:
+        raise RepairError(f"promoted positions {taken[:5].tolist()} are live, not evicted holes")
+    slots[pos] = fresh
+    return slots.tolist(), slots[slots != SENTINEL_SLOT].tolist()
