@@ -52,7 +52,7 @@ from typing import Sequence
 import jax
 import jax.numpy as jnp
 import numpy as np
-from flax import nnx
+from flax import nnx, struct
 
 from jaxkv import pallas
 from jaxkv.buckets import bucket
@@ -70,27 +70,71 @@ SHORT_CHUNK = 128  # the prefill width of short pieces (the other width is the c
 FIRST_TOKEN_KEY = 1 << 30  # the first reply token is drawn with fold_in(key, this)
 
 
+# ============================================================================ batches
+@struct.dataclass
+class PrefillBatch:
+    """One prefill step's input for B rows (padding rows: index >= R, length 0).
+
+    Attributes:
+      rows_B: cache rows served. tokens_BT: the chunk (T tokens, padded).
+      chunk_len_B: real tokens per row. slots_BT: pool slots of the chunk's tokens
+        (the sentinel for padding). q_idx_BX: chunk indices whose post-RoPE queries
+        are captured. logit_idx_BY: chunk indices whose logits are returned.
+    """
+
+    rows_B: jax.Array
+    tokens_BT: jax.Array
+    chunk_len_B: jax.Array
+    slots_BT: jax.Array
+    q_idx_BX: jax.Array
+    logit_idx_BY: jax.Array
+
+
+@struct.dataclass
+class DecodeBatch:
+    """One decode call's input for B rows (padding rows: limit 0).
+
+    Attributes:
+      rows_B: cache rows. first_token_B: the token fed at step 0. limit_B: steps
+        the row may take. slots_BN: the pool slot of each step's token. stop_BX:
+        stop tokens per row (padded with -1). key_data_B / step0_B: the row's key
+        and the reply index of step 0 (step s samples with fold_in(key, step0 + s)).
+      temperature_B / top_p_B: sampler values. forced_BN: teacher-forced tokens.
+    """
+
+    rows_B: jax.Array
+    first_token_B: jax.Array
+    limit_B: jax.Array
+    slots_BN: jax.Array
+    stop_BX: jax.Array
+    key_data_B: jax.Array
+    step0_B: jax.Array
+    temperature_B: jax.Array
+    top_p_B: jax.Array
+    forced_BN: jax.Array
+
+
 # ============================================================================ jit'd steps
 @functools.partial(
     jax.jit,
     static_argnames=("graphdef", "n_read", "features"),
     donate_argnames=("cache",),
 )
-def prefill_step(graphdef, params, cache: PagedKVCache, rows_B, tokens_BT, chunk_len_B, slots_BT, q_idx_BX, logit_idx_BY, *, n_read, features):
-    """Prefill one chunk for rows ``rows_B`` (padding rows: index >= R, length 0).
+def prefill_step(graphdef, params, cache: PagedKVCache, batch: PrefillBatch, *, n_read, features):
+    """Prefill one chunk for the rows of ``batch`` (a ``PrefillBatch``).
 
     Returns ``(logits [B,Y,V] at chunk indices logit_idx_BY, cache, aux)``.
     """
     model = nnx.merge(graphdef, params)
-    tables = take_rows(cache, rows_B)
-    T = tokens_BT.shape[1]
+    tables = take_rows(cache, batch.rows_B)
+    T = batch.tokens_BT.shape[1]
     positions = tables.seq_len[:, None] + jnp.arange(T, dtype=jnp.int32)[None, :]
     logits, k, v, aux = model.prefill(
-        tokens_BT, positions, cache.k, cache.v, tables.live_idx[:, :n_read], tables.live_len,
-        chunk_len_B, slots_BT, features=features, q_row_idx_BR=q_idx_BX, logits_idx_BY=logit_idx_BY,
+        batch.tokens_BT, positions, cache.k, cache.v, tables.live_idx[:, :n_read], tables.live_len,
+        batch.chunk_len_B, batch.slots_BT, features=features, q_row_idx_BR=batch.q_idx_BX, logits_idx_BY=batch.logit_idx_BY,
     )
-    tables = append_tokens(tables, slots_BT, chunk_len_B)
-    return logits, put_rows(cache.replace(k=k, v=v), rows_B, tables), aux
+    tables = append_tokens(tables, batch.slots_BT, batch.chunk_len_B)
+    return logits, put_rows(cache.replace(k=k, v=v), batch.rows_B, tables), aux
 
 
 @functools.partial(
@@ -102,16 +146,7 @@ def decode_loop(
     graphdef,
     params,
     cache: PagedKVCache,
-    rows_B,
-    first_token_B,
-    limit_B,
-    slots_BN,
-    stop_BX,
-    key_data_B,
-    step0_B,
-    temperature_B,
-    top_p_B,
-    forced_BN,
+    batch: DecodeBatch,
     *,
     n_steps,
     n_read,
@@ -121,7 +156,7 @@ def decode_loop(
     teacher_forced=False,
     features: Features = NO_FEATURES,
 ):
-    """Decode up to ``n_steps`` tokens for each of the rows ``rows_B``.
+    """Decode up to ``n_steps`` tokens for each row of ``batch`` (a ``DecodeBatch``).
 
     Step ``s`` feeds each active row its last token (writing its K/V at
     ``slots_BN[:, s]``) and samples the next with key ``fold_in(key_b, step0_b +
@@ -137,14 +172,15 @@ def decode_loop(
     """
     model = nnx.merge(graphdef, params)
     cfg = model.cfg
-    B = first_token_B.shape[0]
+    b = batch
+    B = b.first_token_B.shape[0]
     logits_buf = jnp.zeros((B, n_steps if return_logits else 0, cfg.vocab_size), jnp.float32)
     aux0 = {}
     if features.query_rows:
         aux0["q_rows"] = jnp.zeros((n_steps, cfg.num_layers, B, cfg.num_heads, cfg.head_dim), jnp.float32)
     if features.attn_mass:
         aux0["mass_BN"] = jnp.zeros((B, n_read), jnp.float32)
-    keys_B = jax.random.wrap_key_data(key_data_B)
+    keys_B = jax.random.wrap_key_data(b.key_data_B)
     attend = functools.partial(pallas.decode_attention, backend=backend)
 
     def cond(carry):
@@ -153,7 +189,7 @@ def decode_loop(
 
     def body(carry):
         step, k_pool, v_pool, tables, tokens, active, last, logits_buf, aux = carry
-        slot = jnp.where(active, slots_BN[:, step], SENTINEL_SLOT)
+        slot = jnp.where(active, b.slots_BN[:, step], SENTINEL_SLOT)
         pos = tables.seq_len
         tables = append_tokens(tables, slot[:, None], active.astype(jnp.int32))
         live_BN = tables.live_idx[:, :n_read]
@@ -165,23 +201,23 @@ def decode_loop(
             aux["q_rows"] = aux["q_rows"].at[step].set(step_aux["q_rows"][:, :, 0].astype(jnp.float32))
         if features.attn_mass:
             aux["mass_BN"] = aux["mass_BN"] + step_aux["attn_mass"].mean(axis=(0, 2)) * active[:, None]
-        step_keys = jax.vmap(jax.random.fold_in)(keys_B, step0_B + step)
-        nxt = sample_rows(logits, step_keys, spec, temperature_B, top_p_B)
+        step_keys = jax.vmap(jax.random.fold_in)(keys_B, b.step0_B + step)
+        nxt = sample_rows(logits, step_keys, spec, b.temperature_B, b.top_p_B)
         nxt = jnp.where(active, nxt, -1)
         tokens = tokens.at[:, step].set(nxt)
         if return_logits:
             logits_buf = logits_buf.at[:, step].set(logits)
-        stopped = (nxt[:, None] == stop_BX).any(-1)
-        new_active = active & ~stopped & (step + 1 < limit_B)
-        feed = forced_BN[:, step] if teacher_forced else nxt
+        stopped = (nxt[:, None] == b.stop_BX).any(-1)
+        new_active = active & ~stopped & (step + 1 < b.limit_B)
+        feed = b.forced_BN[:, step] if teacher_forced else nxt
         return step + 1, k_pool, v_pool, tables, tokens, new_active, feed, logits_buf, aux
 
     tokens = jnp.full((B, n_steps), -1, jnp.int32)
-    tables = take_rows(cache, rows_B)
-    carry = (jnp.int32(0), cache.k, cache.v, tables, tokens, limit_B > 0, first_token_B, logits_buf, aux0)
+    tables = take_rows(cache, b.rows_B)
+    carry = (jnp.int32(0), cache.k, cache.v, tables, tokens, b.limit_B > 0, b.first_token_B, logits_buf, aux0)
     _, k_pool, v_pool, tables, tokens, _, _, logits_buf, aux = jax.lax.while_loop(cond, body, carry)
-    fed = tables.seq_len - take_rows(cache, rows_B).seq_len
-    cache = put_rows(cache.replace(k=k_pool, v=v_pool), rows_B, tables)
+    fed = tables.seq_len - take_rows(cache, b.rows_B).seq_len
+    cache = put_rows(cache.replace(k=k_pool, v=v_pool), b.rows_B, tables)
     return tokens, fed, cache, (logits_buf if return_logits else None), aux
 
 
@@ -540,10 +576,8 @@ class Engine:
                 q_idx[b, : j.q_idx_X.size] = np.clip(j.q_idx_X - j.done, 0, C - 1)
             logit_idx[b] = np.arange(Y) if Y == C else piece.size - 1  # Y == 1: the last real token
         n_read = min(bucket(max(len(s.live) for s in states)), self.max_positions)
-        logits, self.cache, aux = prefill_step(
-            self.graphdef, self.params, self.cache, rows, tokens, counts, slots, q_idx, logit_idx,
-            n_read=n_read, features=features,
-        )
+        batch = PrefillBatch(rows, tokens, counts, slots, q_idx, logit_idx)
+        logits, self.cache, aux = prefill_step(self.graphdef, self.params, self.cache, batch, n_read=n_read, features=features)
         logits = np.asarray(logits)
         chunk_mass = np.asarray(aux["attn_mass"]) if features.attn_mass else None  # [L, B, Hq, n_read + C]
         chunk_q = np.asarray(aux["q_rows"]) if features.query_rows else None  # [L, B, X, Hq, D]
@@ -666,8 +700,9 @@ class Engine:
         return_logits = any(j.return_logits for j in jobs)
         longest = max(len(s.live) for s in states) + n
         n_read = min(bucket(longest), self.max_positions)
+        batch = DecodeBatch(rows, first, limit, slots, stop, key_data, step0, temp, top_p, forced)
         tokens, fed, self.cache, logits, aux = decode_loop(
-            self.graphdef, self.params, self.cache, rows, first, limit, slots, stop, key_data, step0, temp, top_p, forced,
+            self.graphdef, self.params, self.cache, batch,
             n_steps=n, n_read=n_read, spec=spec, backend=self.backend, return_logits=return_logits,
             teacher_forced=any(j.forced is not None for j in jobs), features=features,
         )
