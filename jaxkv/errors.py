@@ -52,3 +52,8 @@ class RepairError(JaxKVError, ValueError):
     """A RepairKV operation is invalid: a host-tier call with mismatched rows or
     unknown positions, a promotion to a position that is not a hole, or repair
     asked of a layout that renumbers positions (only ``dead_slot`` supports it)."""
+
+
+class BackendUnavailableError(ConfigError):
+    """A kernel backend was asked for that this process cannot run (``backend="gpu"``
+    without a CUDA jaxlib, ``triton`` and ``jax-triton``)."""
