@@ -20,7 +20,7 @@ from jaxkv.config import RopeConfig  # noqa: E402
 from jaxkv.errors import BackendUnavailableError, ConfigError  # noqa: E402
 from jaxkv.pallas import decode_attention, quantized_decode_attention, rope_delta  # noqa: E402
 from jaxkv.pallas.gpu import decode as gpu_decode  # noqa: E402
-from jaxkv.pallas.gpu import kernels, quant_write  # noqa: E402
+from jaxkv.pallas.gpu import kernels, launch, quant_write  # noqa: E402
 from jaxkv.pallas.gpu import rope as gpu_rope  # noqa: E402
 from jaxkv.pallas.gpu.interpret import interpret_call, run  # noqa: E402
 from jaxkv.pallas.kv_write import write_int4_rows, write_int4_rows_reference  # noqa: E402
@@ -239,3 +239,24 @@ def test_gpu_backend_without_cuda_is_a_typed_error():
         with pytest.raises(BackendUnavailableError, match=r"jax-triton.*pip install 'jaxkv\[cuda\]'") as e:
             call()
         assert isinstance(e.value, ConfigError)
+
+
+def test_triton_call_hands_the_launch_to_jax_triton(monkeypatch):
+    """The GPU adapter passes exactly the launch description (jax-triton 0.3 keywords)."""
+    seen = []
+
+    class FakeJaxTriton:
+        @staticmethod
+        def triton_call(*arrays, kernel, grid, name, num_warps, num_stages, input_output_aliases, out_shape, **params):
+            seen.append((arrays, kernel, grid, name, num_warps, num_stages, input_output_aliases, out_shape, params))
+            return [jnp.zeros(o.shape, o.dtype) for o in out_shape]
+
+    monkeypatch.setattr(launch, "_jax_triton", lambda: FakeJaxTriton)
+    pool = jnp.zeros((1, 50, 2, 64), jnp.float32)
+    slots, delta = jnp.asarray([3, 7], jnp.int32), jnp.asarray([1, -1], jnp.int32)
+    gpu_rope.rope_delta(pool, slots, delta, LLAMA3, launcher=launch.triton_call)
+    want = gpu_rope.rope_delta_launch(pool, 2)
+    arrays, kernel, grid, name, warps, stages, aliases, out_shape, params = seen[0]
+    assert kernel is kernels.rope_delta_rows and name == "rope_delta_rows"
+    assert launch.abstract(*arrays) == want.inputs and tuple(out_shape) == want.outputs
+    assert (grid, warps, stages, aliases, params) == (want.grid, want.num_warps, want.num_stages, {3: 0}, want.params)
