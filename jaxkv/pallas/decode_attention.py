@@ -4,11 +4,15 @@
 the engine calls per layer during decode. Every request reads its own list of
 slots from the shared pool (token granular, any order, padded; entries at or past
 ``live_len`` are ignored). The reference is
-``jaxkv.attention.decode_attention_reference``; the kernel is the split-K skeleton
-of ``_splitk`` with a float reader: blocks of 64 slot ids, K and V rows gathered
-straight from the pool, ``q . k`` in the input dtype with float32 accumulation,
-probabilities cast to the value dtype for ``p @ v`` (bf16 on bf16 pools, as
-flash attention does; exact for float32 pools).
+``jaxkv.attention.decode_attention_reference``. Kernels:
+
+* TPU / interpret: the Pallas split-K skeleton of ``_splitk`` with a float reader:
+  blocks of 64 slot ids, K and V rows of all heads DMA-gathered into VMEM,
+  ``q . k`` in the promoted input dtype with float32 accumulation, probabilities
+  cast to the value dtype for ``p @ v`` (bf16 on bf16 pools, as flash attention
+  does; exact for float32 pools).
+* GPU: the Triton kernel ``decode_float_tokens`` (``jaxkv.pallas.gpu.decode``), same
+  partials and the same ``_splitk.merge``.
 """
 
 from __future__ import annotations

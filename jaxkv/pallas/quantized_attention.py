@@ -6,7 +6,8 @@ pages of 32 tokens, in an ``Int2Pool``) then its INT4 tokens (``int4_idx_BN``,
 ``jaxkv.pallas.quant``. Attention is over all of them; the result does not depend
 on the order.
 
-Kernel: the split-K skeleton of ``_splitk`` runs once per part with a reader that
+Kernels: on TPU and in interpret mode the Pallas split-K skeleton of ``_splitk``
+runs once per part with a reader that
 loads packed bytes and dequantizes on the fly, and ``_splitk.merge`` combines the
 splits of both parts by log-sum-exp, so each split is bitwidth-homogeneous
 (TriAxialKV §3.2.3). A request with no INT2 pages (only INT4 tokens) goes through
@@ -20,8 +21,10 @@ Dequantization is folded into the dots instead of materialising float K/V:
   ``p @ v_c = (p * scale[:,g]) @ code_c + (p . zero[:,g])``;
 * per-channel INT2 keys: ``q . k[t] = sum_c (q_c * scale_c) . code_c[t] + q . zero``.
 
-INT2 pages are read one page (32 tokens) per step, INT4 tokens 64 per step.
-The reference dequantizes the gathered entries to float32 and calls
+INT2 pages are read one page (32 tokens) per step, INT4 tokens 64 per step. On
+NVIDIA GPUs the Triton kernels ``decode_int4_tokens`` and ``decode_int2_pages``
+(``jaxkv.pallas.gpu.decode``) produce the same partials for the same merge. The
+reference dequantizes the gathered entries to float32 and calls
 ``decode_attention_reference``.
 """
 

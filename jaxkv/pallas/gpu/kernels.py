@@ -3,8 +3,9 @@
 Every kernel takes array pointers (inputs, then outputs, in the order
 ``jax_triton.triton_call`` passes them) followed by ``tl.constexpr`` parameters
 only; shapes are constexprs, so a launch is fully described by its ``Launch``
-(``jaxkv.pallas.gpu.launch``). Keeping all Triton code in this one module lets the
-CPU test launcher load the same source a second time in interpreter mode.
+(``jaxkv.pallas.gpu.launch``). Every operation here is one the Triton interpreter
+implements for the dtypes used (bfloat16 only loaded, stored, converted to and from
+float32, and fed to ``tl.dot``), so the CPU tests run this exact source.
 
 Decode kernels (split-K, grid ``(B, Hkv, P)``): program ``(b, h, s)`` loads the
 ``G`` query rows of KV head ``h`` as one ``[GP, DP]`` tile (``GP >= 16`` rows for
