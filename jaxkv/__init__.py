@@ -20,6 +20,7 @@ D head dim, M model width, F MLP width, V vocab.
 from jaxkv import policies
 from jaxkv.engine import Engine, generate, score_logits
 from jaxkv.errors import (
+    BackendUnavailableError,
     CapacityError,
     ChatError,
     CheckpointError,
@@ -71,4 +72,5 @@ __all__ = [
     "CapacityError",
     "SessionBusyError",
     "TurnCancelledError",
+    "BackendUnavailableError",
 ]
