@@ -19,8 +19,8 @@ Loss per row (ALGORITHMS.md §4 defaults), over its labelled candidates
   here (no gradient); it is reported so the objective is the paper's.
 
 ``L = L_bce + 0.5·L_rank + 0.01·L_keep + 0.01·L_norm``, averaged over the rows of a
-step. AdamW (lr 1e-4, weight decay 0.01; ``--lr``...), linear warm-up then cosine
-decay to 5% of the peak, global-norm clipping (1.0), gradient accumulation
+step. AdamW (lr 1e-4, weight decay 0.01; ``--lr``...), linear warm-up from
+``lr/(warmup+1)`` then cosine decay to 5% of the peak, global-norm clipping (1.0), gradient accumulation
 (``optax.MultiSteps``: ``--micro-batch`` rows per micro-step, ``--accum`` micro-steps
 per update). Two epochs; each epoch shuffles the sessions (traces, seeded) and
 replays each session's rows in increasing turn order, as the memory accumulates at
@@ -205,7 +205,8 @@ def batch_loss(graphdef, params, batch, lc: LossConfig, clip_alpha: float | None
 
 def make_optimizer(args, total_updates: int):
     warmup = min(args.warmup, max(total_updates - 1, 0))
-    schedule = optax.warmup_cosine_decay_schedule(0.0, args.lr, max(warmup, 1), max(total_updates, warmup + 1), args.lr * 0.05)
+    schedule = optax.warmup_cosine_decay_schedule(args.lr / (warmup + 1), args.lr, max(warmup, 1),
+                                                  max(total_updates, warmup + 1), args.lr * 0.05)
     opt = optax.chain(optax.clip_by_global_norm(args.clip), optax.adamw(schedule, weight_decay=args.weight_decay))
     return optax.MultiSteps(opt, every_k_schedule=args.accum), schedule
 
@@ -443,14 +444,14 @@ def parse_args(argv=None):
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--stop-after", type=int, default=None, help="checkpoint, export and exit after this update")
     p.add_argument("--restart", action="store_true", help="ignore checkpoints in --out")
-    p.add_argument("--quick", action="store_true", help="3 updates of 1 row, small held-out set (tests)")
+    p.add_argument("--quick", action="store_true", help="3 updates on the same 8 rows, 4 held-out rows (tests)")
     p.add_argument("--quiet", action="store_true", help="no progress bar")
     args = p.parse_args(argv)
     args.argv = argv
     args.budgets = tuple(int(b) for b in str(args.budgets).split(","))
     if args.quick:
         args.steps = 3 if args.steps is None else args.steps
-        args.micro_batch, args.accum, args.warmup = 1, 1, 1
+        args.micro_batch, args.accum, args.warmup = 8, 1, 1  # an epoch is one step: every step sees the same rows
         args.eval_every = args.ckpt_every = args.steps
         args.max_heldout_rows = args.max_heldout_rows or 4
     return args
