@@ -244,10 +244,12 @@ def label_row(prompt, positive_T: np.ndarray, template_n: np.ndarray) -> tuple[n
 
 
 # -- one trace -----------------------------------------------------------------------------
-def trace_rows(model, messages, tools, answer_values=(), horizon: int = HORIZON, beta: float = 0.7, keep_empty=False):
+def trace_rows(model, messages, tools, answer_values=(), horizon: int = HORIZON, beta: float | None = None,
+               keep_empty=False):
     """Rows of one conversation (see the module docstring) as a dict of arrays:
-    ``kbar [T, D]`` and lists of per-row entries. ``keep_empty`` keeps rows
-    without a positive (tests)."""
+    ``kbar [T, D]`` and lists of per-row entries. ``beta``: the memory decay
+    (default: ``intentkv_memory``'s). ``keep_empty`` keeps rows without a positive (tests)."""
+    beta = intentkv.IntentKVMemoryConfig().beta if beta is None else beta
     tok = model.tokenizer
     full = render(tok, messages, tools, add_generation_prompt=False)
     enc = tok(full.text, add_special_tokens=False, return_offsets_mapping=True)
@@ -328,6 +330,12 @@ def write_shard(path: Path, arrays: dict[str, np.ndarray]) -> None:
     tmp = path.with_name(path.name + ".tmp.npz")
     np.savez(tmp, **arrays)
     os.replace(tmp, path)
+
+
+def load_meta(folder) -> dict | None:
+    """The ``meta.json`` a finished run wrote in ``folder`` (arguments and totals), or None."""
+    path = Path(folder) / "meta.json"
+    return json.loads(path.read_text()) if path.is_file() else None
 
 
 def load_shards(folder, split: str) -> list[dict[str, np.ndarray]]:

@@ -74,7 +74,7 @@ from jaxkv.policies.intentkv_head import (
     residual_scores,
     save_head,
 )
-from train.intentkv_data import load_shards
+from train.intentkv_data import load_meta, load_shards
 
 BUDGETS = (1024, 1280, 1536)
 PAD_TO = 256  # rows are padded to a multiple of this (few compiled shapes)
@@ -397,7 +397,7 @@ def train(args) -> dict:
     n_avg = max(1, min(len(train_losses) // 10, 50))
     summary = {
         "command": "python -m train.intentkv_head " + " ".join(args.argv),
-        "data": {**meta, "folder": str(data), "data_meta": _read_json(data / "meta.json")},
+        "data": {**meta, "folder": str(data), "data_meta": load_meta(data)},
         "train_seconds_this_run": round(seconds, 1),
         "loss_first": float(np.mean(train_losses[:n_avg])) if train_losses else None,
         "loss_last": float(np.mean(train_losses[-n_avg:])) if train_losses else None,
@@ -413,12 +413,8 @@ def train(args) -> dict:
     return {"losses": losses, "summary": summary, "head": trained, "records": records}
 
 
-def _read_json(path: Path):
-    return json.loads(path.read_text()) if path.is_file() else None
-
-
 def _base_model(args) -> dict:
-    meta = _read_json(Path(args.data) / "meta.json") or {}
+    meta = load_meta(args.data) or {}
     model = (meta.get("args") or {}).get("model", "unknown")
     return {"name": "embedded-agent" if model == "embedded" else str(model)}
 
