@@ -162,10 +162,13 @@ def span_keys_of(kbar_ND, span_N, capacity: int):
 
 
 def residual_scores(graphdef, params, kbar_ND, mbar_D, span_N, *, xattn: bool = True):
-    """``r [N]`` of one event: a pure function of ``params`` and the features."""
+    """``r [N]`` of one event: a pure function of ``params`` and the features.
+
+    ``span_N=None`` skips the readout (``c = 0``, what an all-masked readout gives)
+    rather than tracing an attention over constant padding."""
     head = nnx.merge(graphdef, params)
     kq_QD, kq_valid_Q = span_keys_of(kbar_ND, span_N, head.cfg.span_keys)
-    return head(token_features(kbar_ND, mbar_D), kq_QD, kq_valid_Q, xattn=xattn)
+    return head(token_features(kbar_ND, mbar_D), kq_QD, kq_valid_Q, xattn=xattn and span_N is not None)
 
 
 def alpha_of(params, alpha_max: float | None = None) -> jax.Array:
