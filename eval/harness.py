@@ -55,7 +55,8 @@ COLUMNS = (
     "prefix_hit_rate", "wall_s", "repair_policy", "repair_k", "base_budget",
 )
 REPAIR_POLICIES = ("repairkv", "random", "oldest", "staleq", "wrongq", "refresh")
-ALL_METHODS = ("full", "streaming_llm", "snapkv", "h2o", "tova", "random", "oldest", "agentkv", "intentkv_memory", "intentkv_query")
+ALL_METHODS = ("full", "streaming_llm", "snapkv", "h2o", "tova", "random", "oldest", "agentkv", "intentkv_memory", "intentkv_query",
+               "intentkv", "intentkv_no_memory", "intentkv_no_xattn", "intentkv_no_residual")
 TASKS = ("agent", "mqniah")
 EVAL_SEED_BASE = (1 << 30) + 9_000_000  # disjoint from training seeds (< 2**30)
 # Session options a task needs: an MQ-NIAH document and its first question are one

@@ -187,7 +187,7 @@ def write_safetensors(path: Path, tensors: dict[str, np.ndarray]) -> None:
     names = {np.dtype(v): k for k, v in _ST_DTYPES.items()}
     header, offset, blobs = {}, 0, []
     for name in sorted(tensors):
-        arr = np.ascontiguousarray(tensors[name])
+        arr = np.asarray(tensors[name], order="C")  # ascontiguousarray would make a scalar 1-d
         blob = arr.tobytes()
         header[name] = {"dtype": names[arr.dtype], "shape": list(arr.shape), "data_offsets": [offset, offset + len(blob)]}
         offset += len(blob)
