@@ -16,7 +16,7 @@ conversation yields the same units at any absolute offset.
 
 Signatures: MinHash (``datasketch``) over the set of token ``k``-shingles (k
 consecutive ids hashed to 32 bits), in a ``MinHashLSH`` per (tenant, namespace)
-with a low threshold (``lsh_threshold``): LSH is the recall step. Each segment also
+banded for recall (``LSH_PARAMS``: 64 bands of 2 rows): LSH is the recall step. Each segment also
 keeps a MinHash of its ``W``-token left context. Matching (``align``) then verifies
 candidates exactly: shingle hits vote for offsets; at each of the best offsets the
 segment's tokens are compared with the prompt's, giving the match fraction (the
@@ -52,7 +52,10 @@ from jaxkv.errors import ConfigError, JaxKVError
 
 NUM_PERM = 128
 SHINGLE = 6
-LSH_THRESHOLD = 0.3
+# LSH bands x rows: P(candidate | Jaccard J) = 1 - (1 - J^2)^64: 0.99 at J = 0.26 (a
+# 10%-edited window seen through a query window shifted by a quarter of its
+# length), 0.15 at J = 0.05 (unrelated text; ``align`` drops those cheaply).
+LSH_PARAMS = (64, 2)
 MINHASH_SEED = 1
 _MIX = np.uint64(0x9E3779B97F4A7C15)
 
@@ -152,8 +155,8 @@ class Segment:
 
 
 class _Space:
-    def __init__(self, threshold: float, num_perm: int):
-        self.lsh = MinHashLSH(threshold=threshold, num_perm=num_perm)
+    def __init__(self, params: tuple[int, int], num_perm: int):
+        self.lsh = MinHashLSH(num_perm=num_perm, params=params)
         self.segments: dict[int, Segment] = {}
 
 
@@ -163,18 +166,18 @@ class SegmentStore:
     Args:
       cap_bytes: bound on the bytes of stored arrays (LRU eviction past it).
       num_perm: MinHash permutations of the signatures it indexes.
-      lsh_threshold: Jaccard threshold the LSH bands are tuned for (recall step).
+      lsh_params: LSH (bands, rows per band), ``bands * rows <= num_perm``.
 
     The shingle size and ``W`` are the caller's (``minhash``), and belong in the
     namespace: signatures of different shingle sizes never share an index.
     """
 
-    def __init__(self, cap_bytes: int = 256 << 20, *, num_perm: int = NUM_PERM, lsh_threshold: float = LSH_THRESHOLD):
-        if cap_bytes < 0 or not 0.0 < lsh_threshold < 1.0:
-            raise ConfigError(f"bad segment store settings: cap_bytes={cap_bytes}, lsh_threshold={lsh_threshold}")
+    def __init__(self, cap_bytes: int = 256 << 20, *, num_perm: int = NUM_PERM, lsh_params: tuple[int, int] = LSH_PARAMS):
+        if cap_bytes < 0 or lsh_params[0] * lsh_params[1] > num_perm:
+            raise ConfigError(f"bad segment store settings: cap_bytes={cap_bytes}, lsh_params={lsh_params}, num_perm={num_perm}")
         self.cap_bytes = int(cap_bytes)
         self.num_perm = int(num_perm)
-        self.lsh_threshold = float(lsh_threshold)
+        self.lsh_params = tuple(lsh_params)
         self._spaces: dict[tuple, _Space] = {}
         self._lru: collections.OrderedDict[int, Segment] = collections.OrderedDict()
         self._ids = itertools.count(1)
@@ -237,7 +240,7 @@ class SegmentStore:
             self.evictions += 1
         space = self._spaces.get((tenant, seg.namespace))
         if space is None:
-            space = self._spaces[(tenant, seg.namespace)] = _Space(self.lsh_threshold, self.num_perm)
+            space = self._spaces[(tenant, seg.namespace)] = _Space(self.lsh_params, self.num_perm)
         space.lsh.insert(seg.id, seg.sig)
         space.segments[seg.id] = seg
         self._lru[seg.id] = seg
