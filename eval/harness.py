@@ -12,6 +12,13 @@ same history whatever the model produced. One fresh session per example, so the
 radix cache reuses prefixes across the turns of an example, never across
 examples. MQ-NIAH sessions run with ``protect_query=False`` (``TASK_SESSION_OPTIONS``):
 the document arrives in the same message as the first question.
+``shared_docs`` is the exception: its sessions are one tenant's, so every example
+of a cell runs on one ``Server`` (radix cache and segment store shared across its
+sessions), and ``--reuse none,segment,cacheblend`` repeats each cell per
+cross-query reuse mode (``jaxkv.serving.stages.reuse``), adding the columns
+``reuse``, ``prefill_tokens_computed`` (token x layer units per request),
+``prefill_s`` (per request), ``accept_rate`` and ``fallback_rate``
+(``reuse_summary``; ``-`` where the stage is off).
 
 Per cell (method, budget, layout, task) it reports: ``accuracy`` (scored turns
 exact-matched, turns of incomplete examples counted wrong), ``completion``

@@ -1,6 +1,6 @@
 """Cross-query segment reuse on ``shared_docs``: headline table, sweeps, acceptance.
 
-    JAX_PLATFORMS=cpu python -m eval.reuse_report --n 100 --sweep-n 30 --out eval/results/reuse
+    JAX_PLATFORMS=cpu python -m eval.reuse_report --n 100 --sweep-n 12 --warmup 1 --out eval/results/reuse
 
 Held-out ``shared_docs`` sessions (one tenant, one shared corpus) are replayed
 turn by turn with the harness (``eval.harness.replay_example``: teacher-forced
@@ -14,12 +14,14 @@ Configurations: ``none`` (prefix caching only: the radix cache, full recompute o
 the rest; the reference for accuracy), ``segment`` at the defaults of
 ``ReuseConfig``, ``cacheblend``; then sweeps one parameter at a time around the
 default: ``L_reuse`` (n = |L_reuse|), ``h``, ``tau_seg``, ``W`` (with
-``tau_ctx`` on, so that W matters), each at ``--sweep-n`` sessions.
+``tau_ctx`` on, so that W matters) and the acceptance test off, each at
+``--sweep-n`` sessions (the first sessions of the headline's).
 
 Per configuration: accuracy (scored turns exact-matched) and its difference from
 ``none`` in points; prefill compute per request in token x layer units (probe
 references and rejected splices included) and the saving ``none / config``;
-prefill wall time per request (CPU, this run); acceptance and fallback rates over
+prefill wall time per request (CPU, this run; mean, which includes the jit
+compiles of new bucket shapes met during the run, and median); acceptance and fallback rates over
 the spans the test judged; with ``audit`` (every reuse configuration here), the
 boundary KL against a full recompute (next-token KL at the first token after
 each accepted span) and the false-accept rate (accepted spans whose boundary KL
@@ -43,14 +45,26 @@ import numpy as np
 
 from eval import harness
 
-DEFAULTS = dict(reuse_layers=3, halo=8, tau_seg=0.8, tau_ctx=0.0, ctx_window=32, kl_epsilon=0.1)
+def _defaults() -> dict:
+    from jaxkv.serving.stages.reuse import ReuseConfig
+
+    c = ReuseConfig()
+    return dict(reuse_layers=c.reuse_layers, halo=c.halo, tau_seg=c.tau_seg, tau_ctx=c.tau_ctx, ctx_window=c.ctx_window, kl_epsilon=c.kl_epsilon)
 
 
-def configs(sweep: bool) -> dict:
-    """``name -> (reuse mode, session options)``: the headline, or the sweeps."""
+def configs(sweep) -> dict:
+    """``name -> (reuse mode, session options)``: the headline, the sweeps (one
+    parameter at a time around ``ReuseConfig``'s defaults), or the pilot grid the
+    defaults were calibrated on (``sweep="pilot"``, other seeds)."""
+    if sweep == "pilot":
+        out = {"none": ("none", {})}
+        for n in (3, 4):
+            for eps in (0.1, 1.0, float("inf")):
+                out[f"L_reuse={n},eps={eps}"] = ("segment", {"audit": True, "reuse_layers": n, "kl_epsilon": eps})
+        return out
     if not sweep:
         return {"none": ("none", {}), "segment": ("segment", {"audit": True}), "cacheblend": ("cacheblend", {"audit": True})}
-    out = {}
+    out = {"none": ("none", {})}
     for n in (1, 2, 3, 4):
         out[f"L_reuse={n}"] = ("segment", {"audit": True, "reuse_layers": n})
     for h in (0, 4, 16):
@@ -59,7 +73,7 @@ def configs(sweep: bool) -> dict:
         out[f"tau_seg={t}"] = ("segment", {"audit": True, "tau_seg": t})
     for w in (32, 64):
         out[f"W={w},tau_ctx=0.3"] = ("segment", {"audit": True, "ctx_window": w, "tau_ctx": 0.3})
-    out["none"] = ("none", {})
+    out["no acceptance test"] = ("segment", {"audit": True, "kl_epsilon": float("inf")})
     return out
 
 
@@ -71,7 +85,7 @@ def summarize(name, reuse, options, verdicts, reports, n_sessions) -> dict:
     accepted = sum(r.accepted for r in reports)
     bkl = [k for r in reports for k in r.boundary_kl]
     last = [r.last_kl for r in reports if r.last_kl is not None]
-    opts = {**DEFAULTS, **options} if reuse == "segment" else options
+    opts = {**_defaults(), **options} if reuse == "segment" else options
     return {
         "config": name, "reuse": reuse, "n": n_sessions,
         "L_reuse": opts.get("reuse_layers", "-") if reuse == "segment" else ("all" if reuse == "cacheblend" else "-"),
@@ -79,12 +93,14 @@ def summarize(name, reuse, options, verdicts, reports, n_sessions) -> dict:
         "tau_seg": opts.get("tau_seg", "-") if reuse == "segment" else "-",
         "W": opts.get("ctx_window", "-") if reuse == "segment" else "-",
         "tau_ctx": opts.get("tau_ctx", "-") if reuse == "segment" else "-",
+        "eps": opts.get("kl_epsilon", "-") if reuse == "segment" else "-",
         "accuracy": float(np.mean(flat)) if flat else 0.0,
         "requests": len(reports),
         "prefill_tokens_computed": float(np.mean(units)),
         "prefill_tokens_full": float(np.mean(full)),
         "saving": float(np.sum(full) / max(np.sum(units), 1)),
         "prefill_s": float(np.mean([r.prefill_s for r in reports])),
+        "prefill_s_median": float(np.median([r.prefill_s for r in reports])),
         "spans": spans,
         "accept_rate": accepted / spans if spans else float("nan"),
         "fallback_rate": sum(r.rejected for r in reports) / spans if spans else float("nan"),
@@ -145,12 +161,12 @@ def main(argv=None) -> int:
     p = argparse.ArgumentParser(prog="python -m eval.reuse_report", description=__doc__.splitlines()[0])
     p.add_argument("--model", default="embedded")
     p.add_argument("--n", type=int, default=100, help="sessions of the headline")
-    p.add_argument("--sweep-n", type=int, default=30, help="sessions of each sweep configuration (0: no sweeps)")
+    p.add_argument("--sweep-n", type=int, default=12, help="sessions of each sweep configuration (0: no sweeps)")
     p.add_argument("--warmup", type=int, default=3)
     p.add_argument("--max-new-tokens", type=int, default=64)
     p.add_argument("--max-positions", type=int, default=4096)
     p.add_argument("--seed", type=int, default=harness.EVAL_SEED_BASE)
-    p.add_argument("--only", choices=("headline", "sweeps"), default=None)
+    p.add_argument("--only", choices=("headline", "sweeps", "pilot"), default=None)
     p.add_argument("--out", default="eval/results/reuse")
     p.add_argument("--resume", action="store_true")
     args = p.parse_args(argv)
@@ -169,6 +185,8 @@ def main(argv=None) -> int:
         groups.append(("headline", examples, configs(False)))
     if args.sweep_n and args.only in (None, "sweeps"):
         groups.append(("sweeps", sweep_examples, configs(True)))
+    if args.only == "pilot":
+        groups.append(("pilot", sweep_examples, configs("pilot")))
     results = {}
     for key, exs, group in groups:
         gkey = json.dumps([key, args.model, len(exs), args.seed, args.max_new_tokens, sorted(group)])
@@ -186,7 +204,7 @@ def main(argv=None) -> int:
         harness.append_journal(journal, {"key": gkey, "rows": rows})
     rows = [r for key, _, _ in groups for r in results[key]]
     harness.write_csv(rows, out / "results.csv")
-    cols = ["config", "n", "L_reuse", "h", "tau_seg", "W", "tau_ctx", "accuracy", "prefill_tokens_computed", "saving", "prefill_s",
+    cols = ["config", "n", "L_reuse", "h", "tau_seg", "W", "tau_ctx", "eps", "accuracy", "prefill_tokens_computed", "saving", "prefill_s", "prefill_s_median",
             "accept_rate", "fallback_rate", "spliced_share", "boundary_kl_mean", "boundary_kl_p95", "false_accept_rate", "last_kl_mean"]
     md = [f"# Cross-query segment reuse on shared_docs ({args.model})", ""]
     for key, exs, _ in groups:
@@ -194,7 +212,7 @@ def main(argv=None) -> int:
         base = next(r for r in rs if r["reuse"] == "none")
         for r in rs:
             r["accuracy_delta_pts"] = 100 * (r["accuracy"] - base["accuracy"])
-        md += [f"## {key} ({len(exs)} held-out sessions, {base['requests']} requests)", "", table(rs, cols[:8] + ["accuracy_delta_pts"] + cols[8:]), ""]
+        md += [f"## {key} ({len(exs)} held-out sessions, {base['requests']} requests)", "", table(rs, cols[:9] + ["accuracy_delta_pts"] + cols[9:]), ""]
     (out / "report.md").write_text("\n".join(md))
     print("\n".join(md))
     return 0

@@ -772,7 +772,7 @@ class Engine:
             keys, key_pos = live, live_pos
         elif mode == "probe":
             base = int(plan.base)
-            slots = self.allocator.allocate(T)  # scratch: released below
+            slots = self.allocate(T)  # scratch (not counted against the row): released below
             before = live_pos < base
             keys, key_pos = np.concatenate([live[before], slots]), np.concatenate([live_pos[before], base + np.arange(T)])
         else:
