@@ -28,8 +28,9 @@ Segment mode, per prompt (``before_prefill`` takes the prefill over):
    ``probe_tokens x L`` token-layers; the spliced path already computed their
    logits. Accept iff every probed token's ``KL(ref || spliced) <= kl_epsilon``.
    Otherwise the row is truncated at the interior, which is recomputed in full
-   (fallback), and the rejected segments are replaced by fresh ones. Both the
-   probe and the wasted splice count in ``units`` (the savings ledger).
+   (fallback), and the rejected segments are dropped from the store; the fresh
+   computation replaces them (step 4) when no accepted splice precedes it. Both
+   the probe and the wasted splice count in ``units`` (the savings ledger).
 4. **Store.** Units of the exactly computed part of the suffix (before the first
    accepted splice) are stored (K/V of layers ``0..n-1`` gathered from the pool,
    the residual at layer ``n-1``'s input from the step), with their left context.
