@@ -4,9 +4,9 @@ A ``Server`` owns one ``Engine`` (pool + rows), one radix prefix cache over the
 pool, one host tier (RepairKV), one LRU ``SessionStore`` of per-session policy
 state, one ``SegmentStore`` (cross-query segment reuse, per tenant), the latest
 repair signals (WrongQ-K) and the ``Scheduler`` that runs every session's turns
-with continuous batching. ``server.session(**options)`` makes a ``Session`` on it; any number of sessions may run turns at once (one thread or
-asyncio task per session), up to ``rows`` of them in the engine and
-``max_queue`` waiting.
+with continuous batching. ``server.session(**options)`` makes a ``Session`` on it;
+any number of sessions may run turns at once (one thread or asyncio task per
+session), up to ``rows`` of them in the engine and ``max_queue`` waiting.
 
 Sizing: ``num_slots`` defaults to ``2 * rows * max_positions + 1``, room for
 cached prefixes beside running requests; the radix cache gives back its least
