@@ -6,7 +6,8 @@ pages of 32 tokens, in an ``Int2Pool``) then its INT4 tokens (``int4_idx_BN``,
 ``jaxkv.pallas.quant``. Attention is over all of them; the result does not depend
 on the order.
 
-Kernel: the split-K skeleton of ``_splitk`` runs once per part with a reader that
+Kernels: on TPU and in interpret mode the Pallas split-K skeleton of ``_splitk``
+runs once per part with a reader that
 loads packed bytes and dequantizes on the fly, and ``_splitk.merge`` combines the
 splits of both parts by log-sum-exp, so each split is bitwidth-homogeneous
 (TriAxialKV §3.2.3). A request with no INT2 pages (only INT4 tokens) goes through
@@ -20,8 +21,10 @@ Dequantization is folded into the dots instead of materialising float K/V:
   ``p @ v_c = (p * scale[:,g]) @ code_c + (p . zero[:,g])``;
 * per-channel INT2 keys: ``q . k[t] = sum_c (q_c * scale_c) . code_c[t] + q . zero``.
 
-INT2 pages are read one page (32 tokens) per step, INT4 tokens 64 per step.
-The reference dequantizes the gathered entries to float32 and calls
+INT2 pages are read one page (32 tokens) per step, INT4 tokens 64 per step. On
+NVIDIA GPUs the Triton kernels ``decode_int4_tokens`` and ``decode_int2_pages``
+(``jaxkv.pallas.gpu.decode``) produce the same partials for the same merge. The
+reference dequantizes the gathered entries to float32 and calls
 ``decode_attention_reference``.
 """
 
@@ -32,7 +35,6 @@ import functools
 
 import jax
 import jax.numpy as jnp
-from jax.experimental import pallas as pl
 
 from jaxkv.attention import decode_attention_reference
 from jaxkv.pallas import _splitk
@@ -42,36 +44,36 @@ from jaxkv.pallas.quant import PAGE, Int2Pool, Int4Pool, dequantize_int2_keys, d
 
 
 def _codes(data, chunk, bits):
-    """Codes of one chunk's bit-plane as float32."""
-    return ((data >> (chunk.plane * bits)) & ((1 << bits) - 1)).astype(jnp.float32)
+    """Codes of one chunk's bit-plane (``data`` uint8 ``[T, width]``) as float32."""
+    return ((data.astype(jnp.int32) >> (chunk.plane * bits)) & ((1 << bits) - 1)).astype(jnp.float32)
 
 
-def _per_token_scores(q_ref, data_ref, scale_ref, zero_ref, rows, bits, head_dim):
-    """``q . k`` ``[G, T]`` for per-token groups; ``rows(ref, last)`` gathers ``[T, last]``."""
+def _per_token_scores(q_GD, data_TR, scale_TC, zero_TC, bits):
+    """``q . k`` ``[G, T]`` for per-token groups (rows of packed codes, one scale per 32 channels)."""
     s = 0.0
-    for c in plane_chunks(head_dim, bits):
-        q_c = q_ref[:, pl.ds(c.channel, c.width)].astype(jnp.float32)
-        codes = _codes(rows(data_ref, pl.ds(c.byte, c.width)), c, bits)
-        scale = rows(scale_ref, c.group).astype(jnp.float32)
-        zero = rows(zero_ref, c.group).astype(jnp.float32)
-        s = s + _splitk.dot_nt(q_c, codes) * scale[None, :] + jnp.sum(q_c, axis=1)[:, None] * zero[None, :]
+    for c in plane_chunks(q_GD.shape[-1], bits):
+        q_c = q_GD[:, c.channel : c.channel + c.width].astype(jnp.float32)
+        codes = _codes(data_TR[:, c.byte : c.byte + c.width], c, bits)
+        scale = scale_TC[:, c.group].astype(jnp.float32)
+        zero = zero_TC[:, c.group].astype(jnp.float32)
+        s = s + _splitk.dot_nt(q_c, codes) * scale[None, :] + jnp.sum(q_c, axis=1, keepdims=True) * zero[None, :]
     return s
 
 
-def _per_token_values(p, data_ref, scale_ref, zero_ref, rows, bits, head_dim):
+def _per_token_values(p_GT, data_TR, scale_TC, zero_TC, bits, head_dim):
     """``p @ v`` chunks ``[G, width]`` for per-token groups, in ``plane_chunks`` order."""
     out = []
     for c in plane_chunks(head_dim, bits):
-        codes = _codes(rows(data_ref, pl.ds(c.byte, c.width)), c, bits)
-        scale = rows(scale_ref, c.group).astype(jnp.float32)
-        zero = rows(zero_ref, c.group).astype(jnp.float32)
-        out.append(_splitk.dot_nn(p * scale[None, :], codes) + jnp.sum(p * zero[None, :], axis=1)[:, None])
+        codes = _codes(data_TR[:, c.byte : c.byte + c.width], c, bits)
+        scale = scale_TC[:, c.group].astype(jnp.float32)
+        zero = zero_TC[:, c.group].astype(jnp.float32)
+        out.append(_splitk.dot_nn(p_GT * scale[None, :], codes) + jnp.sum(p_GT * zero[None, :], axis=1, keepdims=True))
     return out
 
 
 @dataclasses.dataclass(frozen=True)
 class Int4Tokens:
-    """Reader of INT4 K/V rows at a block of slot ids. refs: k data/scale/zero, v data/scale/zero."""
+    """Reader of INT4 K/V rows; buffers: k data/scale/zero, v data/scale/zero, each ``[K, block, ...]``."""
 
     head_dim: int
     block: int = TOKEN_BLOCK
@@ -80,18 +82,20 @@ class Int4Tokens:
     def out_chunks(self):
         return tuple((c.channel, c.width) for c in plane_chunks(self.head_dim, 4))
 
-    def scores(self, q_ref, refs, h, ids):
-        kd, ks, kz = refs[:3]
-        return [_per_token_scores(q_ref, kd, ks, kz, lambda r, last: r[ids, h, last], 4, self.head_dim)]
+    def scores(self, q_GD, bufs, k):
+        return [_per_token_scores(q_GD, bufs[0][k], bufs[1][k], bufs[2][k], 4)]
 
-    def values(self, refs, h, ids, probs):
-        vd, vs, vz = refs[3:]
-        return _per_token_values(probs[0], vd, vs, vz, lambda r, last: r[ids, h, last], 4, self.head_dim)
+    def values(self, bufs, k, probs):
+        return _per_token_values(probs[0], bufs[3][k], bufs[4][k], bufs[5][k], 4, self.head_dim)
 
 
 @dataclasses.dataclass(frozen=True)
 class Int2Pages:
-    """Reader of one INT2 page (32 tokens) per step: per-channel keys, per-token values."""
+    """Reader of one INT2 page (32 tokens) per step: per-channel keys, per-token values.
+
+    Buffers ``[K, 1, ...]``: key data ``[32, D/4]``, key scale/zero ``[D]``, value
+    data ``[32, D/4]``, value scale/zero ``[32, D/32]``.
+    """
 
     head_dim: int
     block: int = 1
@@ -100,24 +104,19 @@ class Int2Pages:
     def out_chunks(self):
         return tuple((c.channel, c.width) for c in plane_chunks(self.head_dim, 2))
 
-    def scores(self, q_ref, refs, h, page):
-        kd, ks, kz = refs[:3]
+    def scores(self, q_GD, bufs, k):
+        data, scale, zero = bufs[0][k, 0], bufs[1][k, 0], bufs[2][k, 0]
         s = 0.0
         for c in plane_chunks(self.head_dim, 2):
-            q_c = q_ref[:, pl.ds(c.channel, c.width)].astype(jnp.float32)
-            codes = _codes(kd[page, h, :, pl.ds(c.byte, c.width)], c, 2)  # [32, width]
-            scale = ks[page, h, pl.ds(c.channel, c.width)].astype(jnp.float32)
-            zero = kz[page, h, pl.ds(c.channel, c.width)].astype(jnp.float32)
-            s = s + _splitk.dot_nt(q_c * scale[None, :], codes) + jnp.sum(q_c * zero[None, :], axis=1)[:, None]
+            q_c = q_GD[:, c.channel : c.channel + c.width].astype(jnp.float32)
+            codes = _codes(data[:, c.byte : c.byte + c.width], c, 2)  # [32, width]
+            scale_c = scale[None, c.channel : c.channel + c.width].astype(jnp.float32)
+            zero_c = zero[None, c.channel : c.channel + c.width].astype(jnp.float32)
+            s = s + _splitk.dot_nt(q_c * scale_c, codes) + jnp.sum(q_c * zero_c, axis=1, keepdims=True)
         return [s]
 
-    def values(self, refs, h, page, probs):
-        vd, vs, vz = refs[3:]
-        return _per_token_values(probs[0], vd, vs, vz, lambda r, last: r[page, h, :, last], 2, self.head_dim)
-
-
-def _fields(pool):
-    return (pool.k.data, pool.k.scale, pool.k.zero, pool.v.data, pool.v.scale, pool.v.zero)
+    def values(self, bufs, k, probs):
+        return _per_token_values(probs[0], bufs[3][k, 0], bufs[4][k, 0], bufs[5][k, 0], 2, self.head_dim)
 
 
 def _check_pools(int2_pool, int2_pages_BP, int2_num_pages_B, int4_pool):
@@ -204,17 +203,17 @@ def quantized_decode_attention(
 def _quantized_decode_attention(
     q_BHD, int2_pool, int2_pages_BP, int2_num_pages_B, int4_pool, int4_idx_BN, int4_len_B, backend
 ):
+    args = (q_BHD, int2_pool, int2_pages_BP, int2_num_pages_B, int4_pool, int4_idx_BN, int4_len_B)
     if backend == "reference":
-        return quantized_decode_attention_reference(
-            q_BHD, int2_pool, int2_pages_BP, int2_num_pages_B, int4_pool, int4_idx_BN, int4_len_B
-        )
-    K, D = int4_pool.k.data.shape[1], int4_pool.k.head_dim
-    q_BKGD = _splitk.group_queries(q_BHD, K, backend)
-    parts = [_splitk.split_k(q_BKGD, Int4Tokens(D), _fields(int4_pool), int4_idx_BN, int4_len_B, backend=backend)]
+        return quantized_decode_attention_reference(*args)
+    if backend == "gpu":
+        from jaxkv.pallas.gpu import decode as gpu_decode
+        from jaxkv.pallas.gpu.launch import triton_call
+
+        return gpu_decode.quantized_decode_attention(*args, launcher=triton_call)
+    D = int4_pool.k.head_dim
+    run = functools.partial(_splitk.split_k, q_BHD, interpret=backend == "interpret")
+    parts = [run(Int4Tokens(D), int4_pool.buffers(), int4_idx_BN, int4_len_B)]
     if int2_pool is not None:
-        parts.append(
-            _splitk.split_k(
-                q_BKGD, Int2Pages(D), _fields(int2_pool), int2_pages_BP, int2_num_pages_B, backend=backend
-            )
-        )
-    return _splitk.merge(parts, q_BHD)
+        parts.append(run(Int2Pages(D), int2_pool.buffers(), int2_pages_BP, int2_num_pages_B))
+    return _splitk.merge(parts, q_BHD.dtype)

@@ -2,11 +2,11 @@
 
 A ``Server`` owns one ``Engine`` (pool + rows), one radix prefix cache over the
 pool, one host tier (RepairKV), one LRU ``SessionStore`` of per-session policy
-state, the latest repair signals (WrongQ-K) and the ``Scheduler`` that runs every
-session's turns with continuous batching. ``server.session(**options)`` makes a
-``Session`` on it; any number of sessions may run turns at once (one thread or
-asyncio task per session), up to ``rows`` of them in the engine and
-``max_queue`` waiting.
+state, one ``SegmentStore`` (cross-query segment reuse, per tenant), the latest
+repair signals (WrongQ-K) and the ``Scheduler`` that runs every session's turns
+with continuous batching. ``server.session(**options)`` makes a ``Session`` on it;
+any number of sessions may run turns at once (one thread or asyncio task per
+session), up to ``rows`` of them in the engine and ``max_queue`` waiting.
 
 Cache namespaces: ``server.radix_for(name)`` is the radix cache as one
 namespace sees it (``NamespacedRadix``): sessions made with
@@ -37,6 +37,7 @@ import threading
 
 from jaxkv.cache.host_tier import HostTier
 from jaxkv.cache.radix import NamespacedRadix, RadixTree
+from jaxkv.cache.segments import SegmentStore
 from jaxkv.cache.session_store import SessionStore
 from jaxkv.chat import stop_token_ids
 from jaxkv.engine import PREFILL_CHUNK, Engine
@@ -63,9 +64,10 @@ class Server:
       decode_chunk: decode steps per batched engine call.
       prefill_chunk: prompt tokens per prefill step.
       backend: decode-attention backend (``jaxkv.pallas``).
+      segment_cap: bytes the segment store (cross-query reuse) may hold.
     """
 
-    def __init__(self, model: Model, *, rows: int = 1, max_positions: int | None = None, num_slots: int | None = None, session_cap: int = 1024, backend=None, host_tier: HostTier | None = None, max_queue: int = 64, decode_chunk: int = DECODE_CHUNK, prefill_chunk: int = PREFILL_CHUNK):
+    def __init__(self, model: Model, *, rows: int = 1, max_positions: int | None = None, num_slots: int | None = None, session_cap: int = 1024, backend=None, host_tier: HostTier | None = None, max_queue: int = 64, decode_chunk: int = DECODE_CHUNK, prefill_chunk: int = PREFILL_CHUNK, segment_cap: int = 256 << 20):
         if model.tokenizer is None:
             raise ConfigError("sessions need a model with a tokenizer (the folder had none)")
         if int(rows) < 1:
@@ -82,6 +84,7 @@ class Server:
         self._namespace_lock = threading.Lock()
         self.counters = collections.Counter()  # module docstring; written on the scheduler thread
         self.store = SessionStore(session_cap)
+        self.segments = SegmentStore(segment_cap)  # reuse stage: per-tenant, byte-capped LRU
         self.host_tier = host_tier if host_tier is not None else HostTier(global_rows=1 << 16)
         self.repair_signals: dict = {}  # session id -> latest repair Signal (WrongQ-K); oldest first
         self.stop_token_ids = stop_token_ids(model)
@@ -145,7 +148,7 @@ class Server:
             "radix_slots": int(self.radix.held_slots().size),
             "live_kv": int(sum(live)),
             "queue_depth": self.scheduler.queue_depth,
-            "host_tier_rows": int(sum(self.host_tier.session_size(s) for s in self.host_tier.sessions())),
+            "host_tier_rows": int(self.host_tier.num_rows),
             **{k: int(v) for k, v in stats.items()},
             **{k: int(self.counters[k]) for k in COUNTERS},
         }
