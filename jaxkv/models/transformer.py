@@ -230,6 +230,12 @@ class Transformer(nnx.Module):
         aux = {"q_rows": [], "attn_mass": []}
 
         def attend(i, q, k, v):
+            # write first, then read: the chunk's slots are not in the live rows, so
+            # the gather reads the same values, and XLA can update the donated pool in
+            # place (a gather of the pool before a scatter into it made XLA:CPU copy
+            # the whole pool every layer: a prefill step cost O(pool size))
+            pools["k"] = pools["k"].at[i, write_slots_BT].set(k.astype(pools["k"].dtype))
+            pools["v"] = pools["v"].at[i, write_slots_BT].set(v.astype(pools["v"].dtype))
             o, mass = ref_attention.prefill_attention(
                 q,
                 k,
@@ -240,8 +246,6 @@ class Transformer(nnx.Module):
                 chunk_len_B,
                 return_mass=features.attn_mass,
             )
-            pools["k"] = pools["k"].at[i, write_slots_BT].set(k.astype(pools["k"].dtype))
-            pools["v"] = pools["v"].at[i, write_slots_BT].set(v.astype(pools["v"].dtype))
             if features.query_rows:
                 aux["q_rows"].append(jnp.take_along_axis(q, q_row_idx_BR[:, :, None, None], axis=1))
             if features.attn_mass:
