@@ -15,6 +15,9 @@ so it is consistent) plus the HTTP layer's own counts. Gauges describe now,
   pressure), ``jaxkv_repaired_rows_total`` (RepairKV), ``jaxkv_host_tier_rows``;
 * throughput: ``jaxkv_generated_tokens_total``, ``jaxkv_prefill_tokens_total``
   and ``jaxkv_generated_tokens_per_second`` over the last ``RATE_WINDOW_S``;
+* engine: ``jaxkv_engine_seconds_total{phase="prefill|decode"}`` (seconds the
+  scheduler spent in batched engine steps), ``jaxkv_decode_steps_total`` (batched
+  decode calls, each up to ``decode_chunk`` steps for every decoding row);
 * HTTP: ``jaxkv_http_responses_total{status=...}``.
 
 No label carries a tenant, a session or any request content.
@@ -82,6 +85,9 @@ def render(snap: dict, *, sessions: int, rate: float, responses: dict) -> str:
     _line(out, "jaxkv_generated_tokens_total", "counter", "Tokens generated.", [({}, snap.get("tokens_generated", 0))])
     _line(out, "jaxkv_prefill_tokens_total", "counter", "Prompt tokens prefilled (not cached).", [({}, snap.get("prefill_tokens", 0))])
     _line(out, "jaxkv_generated_tokens_per_second", "gauge", f"Tokens generated per second over the last {RATE_WINDOW_S:g} s.", [({}, float(rate))])
+    _line(out, "jaxkv_engine_seconds_total", "counter", "Seconds spent in batched engine steps, by phase.",
+          [({"phase": p}, float(snap.get(f"{p}_seconds", 0.0))) for p in ("prefill", "decode")])
+    _line(out, "jaxkv_decode_steps_total", "counter", "Batched decode calls (each up to decode_chunk steps of every decoding row).", [({}, snap.get("steps", 0))])
     _line(out, "jaxkv_http_responses_total", "counter", "HTTP responses, by status.",
           [({"status": str(s)}, n) for s, n in sorted(responses.items())] or [({"status": "200"}, 0)])
     return "\n".join(out) + "\n"

@@ -19,7 +19,9 @@ Counters (``snapshot``): besides the scheduler's, ``counters`` sums over every
 turn the prompt tokens and those taken from the radix cache
 (``prompt_tokens``, ``cached_tokens``), the positions retention evicted
 (``evicted_tokens``), the rows RepairKV promoted (``repaired_rows``) and the
-slots the radix cache gave back under pool pressure (``radix_evicted_slots``).
+slots the radix cache gave back under pool pressure (``radix_evicted_slots``);
+``prefill_seconds`` / ``decode_seconds`` are the scheduler's time in batched
+engine steps.
 
 Sizing: ``num_slots`` defaults to ``2 * rows * max_positions + 1``, room for
 cached prefixes beside running requests; the radix cache gives back its least
@@ -150,5 +152,7 @@ class Server:
             "queue_depth": self.scheduler.queue_depth,
             "host_tier_rows": int(self.host_tier.num_rows),
             **{k: int(v) for k, v in stats.items()},
+            "prefill_seconds": float(self.scheduler.timing["prefill_s"]),  # time in batched engine steps
+            "decode_seconds": float(self.scheduler.timing["decode_s"]),
             **{k: int(self.counters[k]) for k in COUNTERS},
         }
