@@ -543,7 +543,10 @@ class Engine:
         promotion_tables(state.slots, pos, np.ones(pos.size, np.int64))  # validate first
         fresh = self.allocate(pos.size, row)
         slots, live = promotion_tables(state.slots, pos, fresh)
-        self.cache = _write_rows(self.cache, jnp.asarray(fresh, jnp.int32), stage(np.asarray(k_LMKD)), stage(np.asarray(v_LMKD)))
+        k_LMKD, v_LMKD = np.asarray(k_LMKD), np.asarray(v_LMKD)
+        if self.mesh is None:  # pinned host memory is per device; on a mesh, jit sends each device its part
+            k_LMKD, v_LMKD = stage(k_LMKD), stage(v_LMKD)
+        self.cache = _write_rows(self.cache, jnp.asarray(fresh, jnp.int32), k_LMKD, v_LMKD)
         self.set_row_tables(row, slots, live)
         return fresh
 
