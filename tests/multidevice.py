@@ -18,6 +18,12 @@ Cases (SPEC: ``{"cases": [{"name", "kind", ...}]}``):
 * ``session``: a ``Server``/``Session`` with SnapKV eviction and RepairKV (and one
   with the compact layout) on a sharded model, against the same on one device.
 * ``errors``: meshes a model cannot use, and the error each raises.
+
+``python tests/multidevice.py --process I PORT FOLDER OUT`` is one of two processes of
+a multi-host run on this machine: ``jax.distributed`` joins them (CPU collectives
+over gloo), the mesh puts ``dp`` across the processes and ``tp`` within each (2 x 2
+devices), and every process runs the same program (SPMD): greedy ``generate`` and
+prefill logits, written to OUT by each process.
 """
 
 from __future__ import annotations
@@ -27,7 +33,8 @@ import os
 import sys
 import time
 
-DEVICES = 8
+MULTIHOST = len(sys.argv) > 1 and sys.argv[1] == "--process"
+DEVICES = 2 if MULTIHOST else 8  # per process
 os.environ["XLA_FLAGS"] = f"{os.environ.get('XLA_FLAGS', '')} --xla_force_host_platform_device_count={DEVICES}".strip()
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 sys.path.insert(0, os.path.dirname(__file__))
@@ -181,5 +188,28 @@ def main(spec_path, out_path) -> None:
         json.dump(results, f)
 
 
+def process_main(index, port, folder, out_path) -> None:
+    """One process of the two-process (multi-host) run; see the module docstring."""
+    jax.config.update("jax_cpu_collectives_implementation", "gloo")
+    jax.distributed.initialize(coordinator_address=f"127.0.0.1:{port}", num_processes=2, process_id=int(index),
+                               initialization_timeout=120)
+    rng = np.random.default_rng(3)
+    out = {"processes": jax.process_count(), "devices": jax.device_count(), "local_devices": jax.local_device_count()}
+    models = {"sharded": jaxkv.load_model(folder, mesh=make_mesh(tp=2, dp=2))}
+    if int(index) == 0:  # the reference: one local device of process 0
+        models["single"] = jaxkv.load_model(folder)
+    V = models["sharded"].config.vocab_size
+    prompts, seqs = [rng.integers(0, V, n).tolist() for n in (17, 9)], [rng.integers(0, V, 48).tolist() for _ in range(2)]
+    for name, model in models.items():
+        pre, dec, _, _ = _incremental(model, seqs, [40, 23], 6)
+        out[name] = {"generate": jaxkv.generate(model, prompts, 16), "logits": [np.concatenate(x).tolist() for x in zip(pre, dec)]}
+    with open(out_path, "w") as f:
+        json.dump(out, f)
+    jax.distributed.shutdown()
+
+
 if __name__ == "__main__":
-    main(*sys.argv[1:])
+    if MULTIHOST:
+        process_main(*sys.argv[2:])
+    else:
+        main(*sys.argv[1:])

@@ -2,7 +2,8 @@
 single-device logits, greedy generation is identical, weights and the KV pool are
 split by KV head / MLP width and stay so (donated) through the jit'd steps, the
 Pallas decode kernel runs per device, and a Session with eviction and RepairKV
-runs sharded with the same outcome as on one device.
+runs sharded with the same outcome as on one device; two processes joined by
+``jax.distributed`` (multi-host) match one device too.
 
 The device count is fixed when jax starts, so the measurements come from one
 subprocess (``tests/multidevice.py``) that this module runs once; each test
@@ -12,9 +13,11 @@ from __future__ import annotations
 
 import json
 import os
+import socket
 import subprocess
 import sys
 
+import numpy as np
 import pytest
 
 from jaxkv.models.sharding import MESH_AXIS, WEIGHT_AXES
@@ -134,3 +137,36 @@ def test_meshes_a_model_cannot_use_raise_config_error(measured):
         assert errors[name] is not None, name
         kind, message = errors[name]
         assert kind == "ConfigError" and expect in message, (name, message)
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def test_two_processes_through_jax_distributed_match_one_device(hf_checkpoint, tmp_path):
+    """Multi-host as on a cluster, on this machine: two processes joined by
+    ``jax.distributed`` (2 CPU devices each, gloo collectives), ``dp`` across the
+    processes and ``tp`` within, each running the same program: both get the same
+    greedy tokens and logits as one device."""
+    folder = str(hf_checkpoint("qwen2")[0])
+    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+    env["JAX_PLATFORMS"] = "cpu"
+    port = _free_port()
+    outs = [tmp_path / f"process{i}.json" for i in range(2)]
+    procs = [subprocess.Popen([sys.executable, os.path.join(HERE, "multidevice.py"), "--process", str(i), str(port), folder, str(outs[i])],
+                              env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True) for i in range(2)]
+    try:
+        logs = [p.communicate(timeout=600)[0] for p in procs]
+    finally:
+        for p in procs:
+            p.kill()
+    assert [p.returncode for p in procs] == [0, 0], "\n".join(log[-3000:] for log in logs)
+    first, second = (json.loads(o.read_text()) for o in outs)
+    assert (first["processes"], first["devices"], first["local_devices"]) == (2, 4, 2)
+    assert first["sharded"]["generate"] == second["sharded"]["generate"] == first["single"]["generate"]
+    assert first["sharded"]["logits"] == second["sharded"]["logits"]  # every process holds the same outputs
+    err = max(np.abs(np.asarray(a) - np.asarray(b)).max() for a, b in zip(first["sharded"]["logits"], first["single"]["logits"]))
+    print(f"\ntwo processes (dp) x 2 devices (tp) vs one device: max logit error {err:.2e}")
+    assert err <= TOL
