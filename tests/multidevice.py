@@ -195,7 +195,9 @@ def process_main(index, port, folder, out_path) -> None:
                                initialization_timeout=120)
     rng = np.random.default_rng(3)
     out = {"processes": jax.process_count(), "devices": jax.device_count(), "local_devices": jax.local_device_count()}
-    models = {"sharded": jaxkv.load_model(folder, mesh=make_mesh(tp=2, dp=2))}
+    mesh = make_mesh(tp=2, dp=2)
+    out["tp_groups_within_a_process"] = all(len({d.process_index for d in group}) == 1 for group in mesh.devices)
+    models = {"sharded": jaxkv.load_model(folder, mesh=mesh)}
     if int(index) == 0:  # the reference: one local device of process 0
         models["single"] = jaxkv.load_model(folder)
     V = models["sharded"].config.vocab_size

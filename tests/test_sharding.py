@@ -165,6 +165,7 @@ def test_two_processes_through_jax_distributed_match_one_device(hf_checkpoint, t
     assert [p.returncode for p in procs] == [0, 0], "\n".join(log[-3000:] for log in logs)
     first, second = (json.loads(o.read_text()) for o in outs)
     assert (first["processes"], first["devices"], first["local_devices"]) == (2, 4, 2)
+    assert first["tp_groups_within_a_process"]  # make_mesh keeps the per-layer all-reduces inside a host
     assert first["sharded"]["generate"] == second["sharded"]["generate"] == first["single"]["generate"]
     assert first["sharded"]["logits"] == second["sharded"]["logits"]  # every process holds the same outputs
     err = max(np.abs(np.asarray(a) - np.asarray(b)).max() for a, b in zip(first["sharded"]["logits"], first["single"]["logits"]))
