@@ -38,7 +38,10 @@ Invariants:
     to a bucket; lengths that reach shapes are bucketed (``jaxkv.buckets``), and
     decode reads ``live_idx[:, :n_read]``, so attention cost follows the live
     tokens, not the positions;
-  * the engine is not thread-safe: one thread (the scheduler's) drives it.
+  * the engine is not thread-safe: one thread (the scheduler's) drives it;
+  * with a model placed on a mesh (``jaxkv.models.sharding``), the pool is split by
+    KV head and stays so, donated, through every step, and a step's rows are split
+    over ``dp``; the host side is the same.
 
 ``generate`` and ``score_logits`` are the public one-shot entry points.
 """
