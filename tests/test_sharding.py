@@ -49,7 +49,9 @@ def measured(hf_checkpoint, tmp_path_factory):
     proc = subprocess.run([sys.executable, os.path.join(HERE, "multidevice.py"), str(spec), str(out)],
                           env=env, capture_output=True, text=True, timeout=900)
     assert proc.returncode == 0, proc.stderr[-4000:]
-    return json.loads(out.read_text())
+    results = json.loads(out.read_text())
+    print("\nmultidevice subprocess, seconds per case: " + ", ".join(f"{k} {v['wall_s']:.1f}" for k, v in results.items()))
+    return results
 
 
 pytestmark = pytest.mark.slow

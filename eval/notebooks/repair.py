@@ -40,7 +40,7 @@ tp = 1  # tensor-parallel devices: a jax.sharding Mesh over the first tp devices
 # The protocol.
 needles = "4"  # MQ-NIAH needle counts, comma list of 2, 4, 6, 8
 turns = 2  # 5: the repeated-shift schedule (needles 4 or 8)
-first_stage = "snapkv"  # snapkv, h2o or streaming_llm
+first_stage = "snapkv"  # snapkv, h2o, streaming_llm, or any policy name (intentkv_memory, intentkv: the learned head)
 ks = "16,48"  # restore budgets K
 policies = "repairkv,random,oldest"  # of repairkv, random, oldest, staleq, wrongq, refresh
 n = 3  # examples per cell
@@ -75,9 +75,11 @@ out_dir = "eval/results/notebook_repair"  # results.csv, results.md, repair_vs_k
 # evicted rows in host RAM.
 # The journal in `out_dir` makes long runs resumable (`python -m eval.repair_protocol --resume`).
 #
-# **Later (other issues):** the IntentKV residual head as a first stage, TriAxialKV
-# quantized pools under repair, and segment reuse will add their parameters here when
-# they land.
+# IntentKV as the first stage: `first_stage="intentkv_memory"` (the rule), or `"intentkv"`
+# (the learned head: the shipped one is the embedded model's; a Qwen checkpoint needs its
+# own, `python -m train.intentkv_head`). Segment reuse spans sessions that share
+# documents; its notebook is `retention.py` with `task="shared_docs"` and `reuse`.
+# **Later (another issue):** TriAxialKV quantized pools under repair.
 
 # %%
 import jax

@@ -48,6 +48,7 @@ n = 2  # examples per cell
 length = 512  # target tokens per conversation
 max_new_tokens = 48
 repair_ks = ""  # e.g. "32,96": adds RepairKV and matched no-repair cells (repair.py runs the full protocol)
+reuse = "-"  # cross-query segment reuse, with task "shared_docs": modes of none, segment, cacheblend ("-": off)
 out_dir = "eval/results/notebook_retention"  # results.csv, results.md, PNG plots
 
 # %% [markdown]
@@ -59,13 +60,14 @@ out_dir = "eval/results/notebook_retention"  # results.csv, results.md, PNG plot
 # | `dtype` | `float32` | `bfloat16` | 16 GB of weights; KV pool in bf16 |
 # | `tp` | 1 | 1 | one GPU; on a multi-GPU host, `tp` up to the KV-head count (8) |
 # | `task` | `agent` | `agent,mqniah` | |
-# | `methods` | 3 | `full,streaming_llm,snapkv,h2o,tova,random,oldest,agentkv,intentkv_memory,intentkv_query` | every registered method |
+# | `methods` | 3 | `full,streaming_llm,snapkv,h2o,tova,random,oldest,agentkv,intentkv_memory,intentkv_query` | every rule-based method; `intentkv` (the learned head) needs a head trained for the checkpoint (`python -m train.intentkv_head`), the shipped one is the embedded model's |
 # | `budgets` | `192,384` | `4096,8192,16384` | the papers' budgets: 8k is IntentKV's stress regime |
 # | `layouts` | both | `dead_slot,compact` | |
 # | `n` | 2 | 100 | |
 # | `length` | 512 | 32768 | 32K-token conversations |
 # | `max_new_tokens` | 48 | 256 | |
 # | `repair_ks` | none | `32,96` | optional RepairKV cells |
+# | `reuse` | `-` | `none,segment,cacheblend` with `task` `shared_docs` | segment reuse against CacheBlend (docs/reuse.md); one table per mode |
 # | `out_dir` | `eval/results/notebook_retention` | e.g. `eval/results/a100_retention` | |
 #
 # Decode attention uses the Triton kernels on an NVIDIA GPU without a parameter
@@ -74,9 +76,8 @@ out_dir = "eval/results/notebook_retention"  # results.csv, results.md, PNG plot
 # of 81,921 slots (2 x 40,960 positions + 1) x 144 KiB per token (36 layers, 8 KV heads,
 # bf16) = 11 GiB.
 #
-# **Later (other issues):** the IntentKV residual head (a trained method name in
-# `methods`), TriAxialKV quantization and cross-query segment reuse will add their
-# parameters here when they land.
+# **Later (another issue):** TriAxialKV quantization will add its parameters here
+# when it lands.
 
 # %%
 import jax
@@ -94,7 +95,7 @@ print(f"{model}: {cfg.model_type}, {cfg.num_layers} layers, {cfg.num_heads}/{cfg
 
 # %%
 argv = ["--model", str(model), "--task", task, "--methods", methods, "--budgets", str(budgets), "--layouts", layouts,
-        "--n", str(n), "--length", str(length), "--max-new-tokens", str(max_new_tokens), "--out", out_dir]
+        "--n", str(n), "--length", str(length), "--max-new-tokens", str(max_new_tokens), "--reuse", str(reuse), "--out", out_dir]
 if str(repair_ks).strip():
     argv += ["--repair-ks", str(repair_ks)]
 rows = harness.run(harness.build_parser().parse_args(argv), model=loaded)
@@ -107,9 +108,12 @@ from pathlib import Path
 
 from IPython.display import Image, Markdown, display
 
+metrics = ("accuracy", "raw_kv_reads") + (("prefill_tokens_computed", "accept_rate") if str(reuse) != "-" else ())
 for t in task.split(","):
-    for metric in ("accuracy", "raw_kv_reads"):
-        display(Markdown(f"### {t}: {metric}\n\n" + harness.pivot_table(rows, metric, t)))
+    for mode in dict.fromkeys(r["reuse"] for r in rows):  # "-": the reuse stage is off
+        for metric in metrics:
+            title = f"### {t}: {metric}" + ("" if mode == "-" else f", reuse {mode}")
+            display(Markdown(f"{title}\n\n" + harness.pivot_table([r for r in rows if r["reuse"] == mode], metric, t)))
 display(Markdown(harness.prefix_summary(rows).replace("\n", "\n\n")))
 for png in sorted(Path(out_dir).glob("*.png")):
     display(Image(filename=str(png)))
