@@ -17,6 +17,8 @@ Cases (SPEC: ``{"cases": [{"name", "kind", ...}]}``):
   under ``shard_map``, against one device's jnp reference.
 * ``session``: a ``Server``/``Session`` with SnapKV eviction and RepairKV (and one
   with the compact layout) on a sharded model, against the same on one device.
+* ``reuse``: cross-query segment reuse (a spliced prefill) on a sharded embedded
+  model, against the same on one device.
 * ``errors``: meshes a model cannot use, and the error each raises.
 
 ``python tests/multidevice.py --process I PORT FOLDER OUT`` is one of two processes of
@@ -62,6 +64,12 @@ def _specs(model) -> dict:
 
     flat = jax.tree_util.tree_flatten_with_path(nnx.to_pure_dict(params))[0]
     return {"/".join(str(k.key) for k in path): [*x.sharding.spec] + [None] * (x.ndim - len(x.sharding.spec)) for path, x in flat}
+
+
+def _split(x) -> list:
+    """The mesh axis each dimension of ``x`` is split over (None: whole)."""
+    spec = [*getattr(x.sharding, "spec", ())]
+    return spec + [None] * (x.ndim - len(spec))
 
 
 def _incremental(model, seqs, prefill_lens, n_decode, backend=None):
@@ -155,6 +163,30 @@ def session_case(case) -> dict:
     return out
 
 
+def reuse_case(case) -> dict:
+    """Cross-query segment reuse (``Engine.splice_prefill``) on the embedded model: a
+    second conversation splices the first one's document; the logits after the
+    spliced prefill, and what the acceptance test accepted, as on one device."""
+    from jaxkv.tasks import shared_corpus
+    from test_reuse import chat, conversation
+
+    doc = shared_corpus(5, n_docs=2, records=12, filler_tokens=24)[0]
+    single = jaxkv.load_model("embedded")
+    out = {}
+    for name, model in (("single", single), ("sharded", shard_model(single, make_mesh(tp=case["tp"], dp=case["dp"])))):
+        server = jaxkv.Server(model, max_positions=2048)
+        opts = dict(reuse="segment", tenant="t", reuse_layers=2, halo=2)
+        chat(server, *conversation(doc, 0), **opts)
+        _, stage, _ = chat(server, *conversation(doc, 2), **opts)
+        report = stage.reports[-1]
+        out[name] = {"logits": np.asarray(stage.last_logits).tolist(), "accepted": int(report.accepted),
+                     "spliced_tokens": int(report.spliced_tokens),
+                     "pool_split": _split(server.engine.cache.k)}
+        server.close()
+    out["logits_err"] = _err([out["single"].pop("logits")], [out["sharded"].pop("logits")])
+    return out
+
+
 def errors_case(case) -> dict:
     from jax.sharding import Mesh
 
@@ -174,7 +206,7 @@ def errors_case(case) -> dict:
     return out
 
 
-KINDS = {"logits": logits_case, "kernel": kernel_case, "session": session_case, "errors": errors_case}
+KINDS = {"logits": logits_case, "kernel": kernel_case, "session": session_case, "reuse": reuse_case, "errors": errors_case}
 
 
 def main(spec_path, out_path) -> None:

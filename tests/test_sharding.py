@@ -2,7 +2,7 @@
 single-device logits, greedy generation is identical, weights and the KV pool are
 split by KV head / MLP width and stay so (donated) through the jit'd steps, the
 Pallas decode kernel runs per device, and a Session with eviction and RepairKV
-runs sharded with the same outcome as on one device; two processes joined by
+(and one with segment reuse) runs sharded with the same outcome as on one device; two processes joined by
 ``jax.distributed`` (multi-host) match one device too.
 
 The device count is fixed when jax starts, so the measurements come from one
@@ -39,6 +39,7 @@ def measured(hf_checkpoint, tmp_path_factory):
     cases += [  # Llama: GQA 4 and llama3 rope scaling
         dict(name="kernel", kind="kernel", folder=str(hf_checkpoint("llama")[0]), tp=2, dp=2),
         dict(name="session", kind="session", tp=2, dp=4),
+        dict(name="reuse", kind="reuse", tp=2, dp=2),
         dict(name="errors", kind="errors", folder=folders["qwen2_biases_dp4_tp2"]),
     ]
     tmp = tmp_path_factory.mktemp("multidevice")
@@ -130,6 +131,18 @@ def test_session_with_eviction_and_repair_runs_sharded(measured):
         assert sharded[key] == single[key], key
     assert sharded["leak_free"] and single["leak_free"]
     assert sharded["pool_spec"] == "P(None, None, 'tp')"  # still split after layouts, repairs and copies
+
+
+def test_segment_reuse_runs_sharded(measured):
+    """A spliced prefill on a dp 2 x tp 2 mesh accepts and splices what one device
+    does, gives its logits within 1e-5 and leaves the pool split."""
+    m = measured["reuse"]
+    print(f"\nspliced prefill, sharded vs one device: max logit error {m['logits_err']:.2e}")
+    assert m["single"]["accepted"] > 0 and m["single"]["spliced_tokens"] > 0  # reuse did splice
+    for key in ("accepted", "spliced_tokens"):
+        assert m["sharded"][key] == m["single"][key], key
+    assert m["logits_err"] <= TOL
+    assert m["sharded"]["pool_split"] == [None, None, "tp", None] and m["single"]["pool_split"] == [None] * 4
 
 
 def test_meshes_a_model_cannot_use_raise_config_error(measured):
