@@ -55,7 +55,9 @@ def measured(hf_checkpoint, tmp_path_factory):
     return results
 
 
-pytestmark = pytest.mark.slow
+# One worker runs the whole module under `make test` (xdist --dist loadgroup), so the
+# multidevice subprocess runs once, not once per worker.
+pytestmark = [pytest.mark.slow, pytest.mark.xdist_group("multidevice")]
 
 
 @pytest.mark.parametrize("case", list(LOGITS_CASES))
