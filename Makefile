@@ -23,7 +23,7 @@ demo: $(VENV)/.installed
 	JAX_PLATFORMS=cpu $(VENV)/bin/jaxkv demo
 
 test: $(VENV)/.installed-test
-	JAX_PLATFORMS=cpu $(PY) -m pytest -q -n 2 --dist loadgroup tests
+	JAX_PLATFORMS=cpu $(PY) -m pytest -q -n 2 tests
 
 bench: $(VENV)/.installed-test
 	JAX_PLATFORMS=cpu $(PY) eval/bench_decode.py

@@ -11,6 +11,7 @@ asserts one behaviour on what it measured."""
 
 from __future__ import annotations
 
+import fcntl
 import json
 import os
 import socket
@@ -32,8 +33,7 @@ LOGITS_CASES = {
 }
 
 
-@pytest.fixture(scope="module")
-def measured(hf_checkpoint, tmp_path_factory):
+def _run_subprocess(hf_checkpoint, tmp, out) -> None:
     folders = {name: str(hf_checkpoint(fam, **over)[0]) for name, (fam, over, _, _) in LOGITS_CASES.items()}
     cases = [dict(name=name, kind="logits", folder=folders[name], tp=tp, dp=dp) for name, (_, _, tp, dp) in LOGITS_CASES.items()]
     cases += [  # Llama: GQA 4 and llama3 rope scaling
@@ -42,22 +42,36 @@ def measured(hf_checkpoint, tmp_path_factory):
         dict(name="reuse", kind="reuse", tp=2, dp=2),
         dict(name="errors", kind="errors", folder=folders["qwen2_biases_dp4_tp2"]),
     ]
-    tmp = tmp_path_factory.mktemp("multidevice")
-    spec, out = tmp / "spec.json", tmp / "out.json"
+    spec = tmp / "spec.json"
     spec.write_text(json.dumps({"cases": cases}))
     env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
     env["JAX_PLATFORMS"] = "cpu"
-    proc = subprocess.run([sys.executable, os.path.join(HERE, "multidevice.py"), str(spec), str(out)],
+    proc = subprocess.run([sys.executable, os.path.join(HERE, "multidevice.py"), str(spec), str(tmp / "partial.json")],
                           env=env, capture_output=True, text=True, timeout=900)
     assert proc.returncode == 0, proc.stderr[-4000:]
+    os.replace(tmp / "partial.json", out)
+
+
+@pytest.fixture(scope="module")
+def measured(hf_checkpoint, tmp_path_factory):
+    """The subprocess's measurements, made once per test run: under xdist every worker
+    that gets a test of this module calls this fixture, so the workers share one
+    folder (the parent of their temp folders, unique to the run) and the first one
+    to take its lock runs the subprocess while the others wait for its output."""
+    base = tmp_path_factory.getbasetemp()
+    shared = base.parent if os.environ.get("PYTEST_XDIST_WORKER") else base
+    tmp, out = shared / "multidevice", shared / "multidevice" / "out.json"
+    tmp.mkdir(exist_ok=True)
+    with open(tmp / "lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if not out.is_file():
+            _run_subprocess(hf_checkpoint, tmp, out)
     results = json.loads(out.read_text())
     print("\nmultidevice subprocess, seconds per case: " + ", ".join(f"{k} {v['wall_s']:.1f}" for k, v in results.items()))
     return results
 
 
-# One worker runs the whole module under `make test` (xdist --dist loadgroup), so the
-# multidevice subprocess runs once, not once per worker.
-pytestmark = [pytest.mark.slow, pytest.mark.xdist_group("multidevice")]
+pytestmark = pytest.mark.slow
 
 
 @pytest.mark.parametrize("case", list(LOGITS_CASES))
