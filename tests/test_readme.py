@@ -132,6 +132,7 @@ def test_readme_command_lines_parse(line, monkeypatch):
     check_command(line)
 
 
+@pytest.mark.slow  # every example, sessions, servers and the multi-device subprocesses included
 @pytest.mark.skipif(not (EMBEDDED_DIR / "config.json").is_file(), reason="embedded model not installed")
 def test_readme_python_blocks_run():
     namespace: dict = {"__name__": "readme"}
