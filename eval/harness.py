@@ -26,6 +26,14 @@ Outputs in ``--out``: ``results.csv`` (the columns in ``COLUMNS``),
 budget), plus a printed comparison of prefix-hit rates of the two layouts.
 ``--quick`` shrinks everything so the whole grid finishes in minutes on a CPU.
 
+``--compare-to best`` adds a paired comparison to ``results.md``: per budget and
+layout, every method's accuracy, its share of the full cache's, and its gain over
+the best baseline (the most accurate of ``BASELINES`` in that column) with a
+paired bootstrap 95% interval over examples (``eval.repair_protocol.paired_gain``,
+from the per-example counts every cell keeps in the journal), beside peak request
+tokens, peak live KV and raw vs effective KV reads; ``--focus METHOD`` adds that
+method's gain over each baseline. ``--compare-to METHOD`` compares with a named one.
+
 Long grids: every finished cell is appended to ``--out/cells.jsonl`` at once, and
 ``--resume`` skips the cells already there (same examples: a cell's key includes
 n, length, seed, needles and max_new_tokens), so an interrupted run loses at most
@@ -57,6 +65,12 @@ COLUMNS = (
 REPAIR_POLICIES = ("repairkv", "random", "oldest", "staleq", "wrongq", "refresh")
 ALL_METHODS = ("full", "streaming_llm", "snapkv", "h2o", "tova", "random", "oldest", "agentkv", "intentkv_memory", "intentkv_query",
                "intentkv", "intentkv_no_memory", "intentkv_no_xattn", "intentkv_no_residual")
+# The retention methods jaxkv had before IntentKV Phase 2: the baselines ``--compare-to best``
+# picks from (the learned head, its ablations and the full cache are never "the best baseline").
+BASELINES = ("streaming_llm", "snapkv", "h2o", "tova", "random", "oldest", "agentkv", "intentkv_memory", "intentkv_query")
+# A row's per-example counts (correct and scored turns, in example order): kept in the
+# journal for paired comparisons, left out of results.csv and the tables.
+PER_EXAMPLE = "per_example"
 TASKS = ("agent", "mqniah")
 EVAL_SEED_BASE = (1 << 30) + 9_000_000  # disjoint from training seeds (< 2**30)
 # Session options a task needs: an MQ-NIAH document and its first question are one
@@ -149,10 +163,12 @@ def replay_cell(model, examples, cell: Cell, *, max_new_tokens: int, max_positio
 def run_cell(model, examples, cell: Cell, *, max_new_tokens: int, max_positions: int, progress=None, **session_options) -> dict:
     t0 = time.perf_counter()
     correct = scored = completed = 0
-    metrics = []
+    metrics, correct_E, scored_E = [], [], []
     for verdicts, done, m in replay_cell(model, examples, cell, max_new_tokens=max_new_tokens,
                                          max_positions=max_positions, progress=progress, **session_options):
         correct, scored, completed = correct + sum(verdicts), scored + len(verdicts), completed + done
+        correct_E.append(int(sum(verdicts)))
+        scored_E.append(len(verdicts))
         metrics.append(m)
     mean = {k: float(np.mean([m[k] for m in metrics])) for k in ("peak_request_tokens", "peak_live_kv", "raw_kv_reads", "effective_kv_reads", "prefix_hit_rate")}
     return {
@@ -168,6 +184,7 @@ def run_cell(model, examples, cell: Cell, *, max_new_tokens: int, max_positions:
         "repair_policy": cell.repair_policy,
         "repair_k": cell.repair_k,
         "base_budget": "-" if cell.base_budget is None else cell.base_budget,
+        PER_EXAMPLE: {"correct": correct_E, "scored": scored_E},
     }
 
 
@@ -310,14 +327,14 @@ def _fmt(v):
 
 def write_csv(rows, path: Path) -> None:
     with open(path, "w", newline="") as f:
-        w = csv.DictWriter(f, fieldnames=list(rows[0].keys()))
+        w = csv.DictWriter(f, fieldnames=[c for c in rows[0] if c != PER_EXAMPLE], extrasaction="ignore")
         w.writeheader()
         for r in rows:
             w.writerow({k: (f"{v:.6g}" if isinstance(v, float) else v) for k, v in r.items()})
 
 
 def markdown_table(rows) -> str:
-    cols = list(rows[0].keys())
+    cols = [c for c in rows[0] if c != PER_EXAMPLE]
     lines = ["| " + " | ".join(cols) + " |", "|" + "---|" * len(cols)]
     lines += ["| " + " | ".join(_fmt(r[c]) for c in cols) + " |" for r in rows]
     return "\n".join(lines)
@@ -335,6 +352,79 @@ def pivot_table(rows, metric: str, task: str) -> str:
     for method in dict.fromkeys(r["method"] for r in rows if r["method"] != "full"):
         by = {(r["layout"], r["budget"]): r[metric] for r in rows if r["method"] == method}
         lines.append(f"| {method} | " + " | ".join(_fmt(by[c]) if c in by else "" for c in cols) + " |")
+    return "\n".join(lines)
+
+
+def _paired(a, b):
+    """``(gain, low, high)`` of ``a``'s pooled accuracy over ``b``'s on the same
+    examples (``eval.repair_protocol.paired_gain``: paired bootstrap 95% interval over
+    examples); None when a row lacks per-example counts (an older journal)."""
+    from eval.repair_protocol import paired_gain
+
+    if PER_EXAMPLE not in a or PER_EXAMPLE not in b:
+        return None
+    ea, eb = a[PER_EXAMPLE], b[PER_EXAMPLE]
+    if ea["scored"] != eb["scored"]:
+        raise ValueError(f"{a['method']} and {b['method']} were not scored on the same turns")
+    return paired_gain(ea["correct"], eb["correct"], ea["scored"])
+
+
+def _gain_text(g) -> str:
+    return "-" if g is None else f"{g[0]:+.3f} [{g[1]:+.3f}, {g[2]:+.3f}]"
+
+
+def comparison(rows, task: str, reference: str = "best", focus: str | None = None) -> list[dict]:
+    """Per (layout, budget) column of ``task``'s no-repair cells: the reference cell
+    (``"best"``: the most accurate of ``BASELINES`` in that column; else the named
+    method) and, for every method (the full cache included), its accuracy, its share of
+    the full cache's, and its paired gain over the reference. With ``focus``, also its
+    gain over every baseline of the column (``focus_gains``)."""
+    rows = [r for r in rows if r["task"] == task and r["repair_policy"] == "none"]
+    full = next((r for r in rows if r["method"] == "full"), None)
+    out = []
+    for layout, budget in sorted({(r["layout"], r["budget"]) for r in rows if r["method"] != "full"}):
+        col = [r for r in rows if (r["layout"], r["budget"]) == (layout, budget)]
+        if reference == "best":
+            base = [r for m in BASELINES for r in col if r["method"] == m]
+            ref = max(base, key=lambda r: r["accuracy"]) if base else None  # ties: first in BASELINES
+        else:
+            ref = next((r for r in col if r["method"] == reference), None)
+        if ref is None:
+            continue
+        entries = [{"row": r, "gain": _paired(r, ref) if r is not ref else None, "share": r["accuracy"] / full["accuracy"]
+                    if full and full["accuracy"] else None} for r in ([full] if full else []) + col]
+        focus_row = next((r for r in col if r["method"] == focus), None)
+        focus_gains = {r["method"]: _paired(focus_row, r) for m in BASELINES for r in col if r["method"] == m} if focus_row else {}
+        out.append({"layout": layout, "budget": budget, "reference": ref, "entries": entries,
+                    "focus": focus_row, "focus_gains": focus_gains})
+    return out
+
+
+def comparison_markdown(rows, task: str, reference: str = "best", focus: str | None = None) -> str:
+    """``comparison`` as markdown: one table per column (accuracy, share of the full
+    cache, gain over the reference [95% CI], peak request tokens, peak live KV, raw and
+    effective KV reads), then the focus method against each baseline."""
+    what = "the best baseline" if reference == "best" else reference
+    lines = [f"Gain = accuracy − {what}'s on the same examples, with a paired bootstrap 95% interval over "
+             f"examples (`eval.repair_protocol.paired_gain`); baselines: {', '.join(BASELINES)}.", ""]
+    for c in comparison(rows, task, reference, focus):
+        ref = c["reference"]
+        lines += [f"### {task}, {c['layout']}, B = {c['budget']}: reference {ref['method']} ({ref['accuracy']:.3f})", "",
+                  "| method | accuracy | of full cache | gain vs reference [95% CI] | peak request tokens | peak live KV "
+                  "| raw KV reads | effective KV reads |", "|---|---:|---:|---:|---:|---:|---:|---:|"]
+        for e in c["entries"]:
+            r = e["row"]
+            name = "full cache" if r["method"] == "full" else r["method"]
+            gain = "reference" if r is ref else _gain_text(e["gain"])
+            share = "-" if e["share"] is None else f"{e['share']:.3f}"
+            lines.append(f"| {name} | {r['accuracy']:.3f} | {share} | {gain} | {r['peak_request_tokens']:.0f} | "
+                         f"{r['peak_live_kv']:.0f} | {r['raw_kv_reads']:.0f} | {r['effective_kv_reads']:.0f} |")
+        if c["focus_gains"]:
+            gains = c["focus_gains"]
+            clear = all(g is not None and g[1] > 0 for g in gains.values())
+            lines += ["", f"{focus} against each baseline: " + "; ".join(f"{m} {_gain_text(g)}" for m, g in gains.items())
+                      + f". Above every baseline with the interval clear of zero: **{'yes' if clear else 'no'}**."]
+        lines.append("")
     return "\n".join(lines)
 
 
@@ -447,6 +537,9 @@ def build_parser(parser=None):
     p.add_argument("--repair-policies", default="repairkv", help=f"comma list of {', '.join(REPAIR_POLICIES)}")
     p.add_argument("--workers", type=int, default=1, help="processes replaying cells in parallel (up to the core count)")
     p.add_argument("--resume", action="store_true", help="skip cells already recorded in OUT/cells.jsonl for the same setup")
+    p.add_argument("--compare-to", default=None,
+                   help="add paired-bootstrap comparisons to results.md: 'best' (the best baseline per budget) or a method")
+    p.add_argument("--focus", default=None, help="with --compare-to: also this method's gain over every baseline")
     p.add_argument("--quick", action="store_true", help=f"small preset: {QUICK}")
     return p
 
@@ -500,6 +593,9 @@ def run(args) -> list[dict]:
     if any(k < 1 for k in repair_ks):
         raise ValueError("--repair-ks must be positive")
     repair_policies = _names(args.repair_policies, REPAIR_POLICIES, "repair policies")
+    for flag, name in (("--compare-to", args.compare_to), ("--focus", args.focus)):
+        if name is not None and name not in methods + (["best"] if flag == "--compare-to" else []):
+            raise ValueError(f"{flag} {name!r} must be {'best or ' if flag == '--compare-to' else ''}one of the methods run")
     model = jaxkv.load_model(args.model)
     if model.tokenizer is None:
         raise jaxkv.ConfigError(f"{args.model} has no tokenizer; the harness renders chats")
@@ -529,6 +625,8 @@ def run(args) -> list[dict]:
     for task in tasks:
         for metric in ("accuracy", "raw_kv_reads"):
             md += [f"## {task}: {metric}", "", pivot_table(rows, metric, task), ""]
+        if args.compare_to:
+            md += [f"## {task}: paired comparison", "", comparison_markdown(rows, task, args.compare_to, args.focus), ""]
     md += ["## All cells", "", markdown_table(rows), "", prefix_summary(rows), ""]
     (out / "results.md").write_text("\n".join(md))
     plot(rows, out)
