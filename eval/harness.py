@@ -421,9 +421,12 @@ def comparison_markdown(rows, task: str, reference: str = "best", focus: str | N
                          f"{r['peak_live_kv']:.0f} | {r['raw_kv_reads']:.0f} | {r['effective_kv_reads']:.0f} |")
         if c["focus_gains"]:
             gains = c["focus_gains"]
-            clear = all(g is not None and g[1] > 0 for g in gains.values())
+            paired = {m: g for m, g in gains.items() if g is not None}
+            unpaired = [m for m in gains if m not in paired]
+            verdict = "no" if any(g[1] <= 0 for g in paired.values()) else "yes" if not unpaired else "not decided"
             lines += ["", f"{focus} against each baseline: " + "; ".join(f"{m} {_gain_text(g)}" for m, g in gains.items())
-                      + f". Above every baseline with the interval clear of zero: **{'yes' if clear else 'no'}**."]
+                      + f". Above every baseline with the interval clear of zero: **{verdict}**"
+                      + (f" (no per-example counts for {', '.join(unpaired)}: cells from an older journal)." if unpaired else ".")]
         lines.append("")
     return "\n".join(lines)
 

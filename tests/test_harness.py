@@ -129,6 +129,11 @@ def test_compare_to_best_baseline_pairs_examples_and_never_picks_a_learned_metho
     assert col["focus_gains"]["h2o"][1] > 0 and set(col["focus_gains"]) == {"snapkv", "h2o"}
     md = harness.comparison_markdown(rows, "agent", "best", "intentkv")
     assert "reference snapkv (0.500)" in md and "+0.500 [+0.500, +0.500]" in md and "**yes**" in md
+    # a baseline cell without per-example counts (an older journal) leaves the verdict open
+    old = _row("tova", 100, [0] * n)
+    del old[harness.PER_EXAMPLE]
+    md = harness.comparison_markdown(rows + [old], "agent", "best", "intentkv")
+    assert "tova -" in md and "**not decided** (no per-example counts for tova" in md
     # a method that loses on some examples gets an interval that reaches below its gain
     rows.append(_row("tova", 100, [0, 2] * (n // 2)))
     (col,) = harness.comparison(rows, "agent", "tova")
