@@ -12,6 +12,13 @@ same history whatever the model produced. One fresh session per example, so the
 radix cache reuses prefixes across the turns of an example, never across
 examples. MQ-NIAH sessions run with ``protect_query=False`` (``TASK_SESSION_OPTIONS``):
 the document arrives in the same message as the first question.
+``shared_docs`` is the exception: its sessions are one tenant's, so every example
+of a cell runs on one ``Server`` (radix cache and segment store shared across its
+sessions), and ``--reuse none,segment,cacheblend`` repeats each cell per
+cross-query reuse mode (``jaxkv.serving.stages.reuse``), adding the columns
+``reuse``, ``prefill_tokens_computed`` (token x layer units per request),
+``prefill_s`` (per request), ``accept_rate`` and ``fallback_rate``
+(``reuse_summary``; ``-`` where the stage is off).
 
 Per cell (method, budget, layout, task) it reports: ``accuracy`` (scored turns
 exact-matched, turns of incomplete examples counted wrong), ``completion``
@@ -61,7 +68,9 @@ COLUMNS = (
     "method", "budget", "layout", "task", "n", "accuracy", "completion",
     "peak_request_tokens", "peak_live_kv", "raw_kv_reads", "effective_kv_reads",
     "prefix_hit_rate", "wall_s", "repair_policy", "repair_k", "base_budget",
+    "reuse", "prefill_tokens_computed", "prefill_s", "accept_rate", "fallback_rate",
 )
+REUSE_MODES = ("none", "segment", "cacheblend")
 REPAIR_POLICIES = ("repairkv", "random", "oldest", "staleq", "wrongq", "refresh")
 ALL_METHODS = ("full", "streaming_llm", "snapkv", "h2o", "tova", "random", "oldest", "agentkv", "intentkv_memory", "intentkv_query",
                "intentkv", "intentkv_no_memory", "intentkv_no_xattn", "intentkv_no_residual")
@@ -71,7 +80,11 @@ BASELINES = ("streaming_llm", "snapkv", "h2o", "tova", "random", "oldest", "agen
 # A row's per-example counts (correct and scored turns, in example order): kept in the
 # journal for paired comparisons, left out of results.csv and the tables.
 PER_EXAMPLE = "per_example"
-TASKS = ("agent", "mqniah")
+TASKS = ("agent", "mqniah", "shared_docs")
+# Tasks whose sessions share one Server per cell (radix cache and segment store),
+# as one tenant's sessions do: shared_docs exists to measure reuse across sessions.
+SHARED_SERVER_TASKS = ("shared_docs",)
+REUSE_TENANT = "tenant0"
 EVAL_SEED_BASE = (1 << 30) + 9_000_000  # disjoint from training seeds (< 2**30)
 # Session options a task needs: an MQ-NIAH document and its first question are one
 # user message, so events must be free to evict inside the actionable message
@@ -93,17 +106,20 @@ class Cell:
     repair_policy: str = "none"
     repair_k: int = 0
     base_budget: int | None = None
+    reuse: str = "-"
 
 
 def make_examples(task: str, n: int, length: int, seed: int = EVAL_SEED_BASE, needles: int = 4):
     """``n`` generated examples of ``task`` (held out from training by seed);
     ``needles`` is the MQ-NIAH needle count (2, 4, 6 or 8)."""
-    from jaxkv.tasks import agent_traces, mqniah
+    from jaxkv.tasks import agent_traces, mqniah, shared_docs
 
     if task == "agent":
         return agent_traces(n, seed, length=length)
     if task == "mqniah":
         return mqniah(n, seed + 500_000, needles=needles, length=length)
+    if task == "shared_docs":
+        return shared_docs(n, seed + 700_000)
     raise ValueError(f"unknown task {task!r}; known: {', '.join(TASKS)}")
 
 
@@ -114,8 +130,9 @@ def reply_matches(target, reply: dict) -> bool:
     return is_correct(Job(0, target.kind, target.expected, [], ""), reply)
 
 
-def replay_example(model, example, cell: Cell, *, max_new_tokens: int, max_positions: int, **session_options):
-    """Replay one example through a fresh ``Session`` configured for ``cell``.
+def replay_example(model, example, cell: Cell, *, max_new_tokens: int, max_positions: int, server=None, **session_options):
+    """Replay one example through a fresh ``Session`` configured for ``cell``
+    (on ``server`` when given, else on a private one).
 
     Returns ``(verdicts, completed, metrics dict, session)``: ``verdicts[i]`` says
     whether ``example.targets[i]`` was reproduced exactly (all False when the
@@ -131,7 +148,12 @@ def replay_example(model, example, cell: Cell, *, max_new_tokens: int, max_posit
         options.update(repair=cell.repair_k, repair_policy=cell.repair_policy)
     else:
         options.pop("repair_wrong_signal", None)
-    session = Session(model, max_positions=max_positions, max_new_tokens=max_new_tokens, **options)
+    if cell.reuse != "-":
+        options.update(reuse=cell.reuse, tenant=REUSE_TENANT)
+    if server is not None:
+        session = server.session(max_new_tokens=max_new_tokens, **options)
+    else:
+        session = Session(model, max_positions=max_positions, max_new_tokens=max_new_tokens, **options)
     assistant_at = [j for j, m in enumerate(example.messages) if m.get("role") == "assistant"]
     last = max(t.message_index for t in example.targets)
     try:
@@ -148,27 +170,54 @@ def replay_cell(model, examples, cell: Cell, *, max_new_tokens: int, max_positio
     metrics)`` per example; a WrongQ-K cell scores each example with the previous
     example's repair signal (another session's query)."""
     wrong_signal = None
-    for ex in examples:
-        options = dict(session_options)
-        if cell.repair_policy == "wrongq":
-            options["repair_wrong_signal"] = wrong_signal
-        verdicts, done, metrics, session = replay_example(model, ex, cell, max_new_tokens=max_new_tokens,
-                                                          max_positions=max_positions, **options)
-        wrong_signal = session.repair_signal or wrong_signal
-        if progress is not None:
-            progress(1)
-        yield verdicts, done, metrics
+    server = None
+    if cell.task in SHARED_SERVER_TASKS:
+        from jaxkv.serving import Server
+
+        server = Server(model, max_positions=max_positions)
+    try:
+        for ex in examples:
+            options = dict(session_options)
+            if cell.repair_policy == "wrongq":
+                options["repair_wrong_signal"] = wrong_signal
+            verdicts, done, metrics, session = replay_example(model, ex, cell, max_new_tokens=max_new_tokens,
+                                                              max_positions=max_positions, server=server, **options)
+            wrong_signal = session.repair_signal or wrong_signal
+            stage = session._stage("reuse")
+            metrics = dict(metrics, reuse_reports=list(stage.reports) if stage is not None else [])
+            if progress is not None:
+                progress(1)
+            yield verdicts, done, metrics
+    finally:
+        if server is not None:
+            server.close()
+
+
+def reuse_summary(reports) -> dict:
+    """Per-request means and rates of the reuse stage's ``ReuseReport``s: prefill
+    compute (token x layer units), prefill wall time, and acceptance / fallback
+    rates over the spans the acceptance test judged (``-`` where nothing ran)."""
+    if not reports:
+        return {"prefill_tokens_computed": "-", "prefill_s": "-", "accept_rate": "-", "fallback_rate": "-"}
+    spans = sum(r.spans for r in reports)
+    return {
+        "prefill_tokens_computed": float(np.mean([r.units for r in reports])),
+        "prefill_s": float(np.mean([r.prefill_s for r in reports])),
+        "accept_rate": sum(r.accepted for r in reports) / spans if spans else "-",
+        "fallback_rate": sum(r.rejected for r in reports) / spans if spans else "-",
+    }
 
 
 def run_cell(model, examples, cell: Cell, *, max_new_tokens: int, max_positions: int, progress=None, **session_options) -> dict:
     t0 = time.perf_counter()
     correct = scored = completed = 0
-    metrics, correct_E, scored_E = [], [], []
+    metrics, reports, correct_E, scored_E = [], [], [], []
     for verdicts, done, m in replay_cell(model, examples, cell, max_new_tokens=max_new_tokens,
                                          max_positions=max_positions, progress=progress, **session_options):
         correct, scored, completed = correct + sum(verdicts), scored + len(verdicts), completed + done
         correct_E.append(int(sum(verdicts)))
         scored_E.append(len(verdicts))
+        reports += m.pop("reuse_reports", [])
         metrics.append(m)
     mean = {k: float(np.mean([m[k] for m in metrics])) for k in ("peak_request_tokens", "peak_live_kv", "raw_kv_reads", "effective_kv_reads", "prefix_hit_rate")}
     return {
@@ -184,14 +233,22 @@ def run_cell(model, examples, cell: Cell, *, max_new_tokens: int, max_positions:
         "repair_policy": cell.repair_policy,
         "repair_k": cell.repair_k,
         "base_budget": "-" if cell.base_budget is None else cell.base_budget,
+        "reuse": cell.reuse,
+        **reuse_summary(reports),
         PER_EXAMPLE: {"correct": correct_E, "scored": scored_E},
     }
 
 
-def grid(methods, budgets, layouts, tasks, repair_ks=(), repair_policies=("repairkv",)) -> list[Cell]:
+def grid(methods, budgets, layouts, tasks, repair_ks=(), repair_policies=("repairkv",), reuses=("-",)) -> list[Cell]:
     """Every cell to run. With ``repair_ks``, each (method, B_base) on the dead-slot
     layout (repair needs stable positions) also gets, per K, one cell per repair
-    policy at B_base and the matched no-repair cell at B_base + K."""
+    policy at B_base and the matched no-repair cell at B_base + K. Each cell is
+    repeated per reuse mode in ``reuses`` (``"-"``: the reuse stage is off)."""
+    cells = _grid(methods, budgets, layouts, tasks, repair_ks, repair_policies)
+    return [dataclasses.replace(c, reuse=r) for c in cells for r in reuses]
+
+
+def _grid(methods, budgets, layouts, tasks, repair_ks, repair_policies) -> list[Cell]:
     cells = []
     for task in tasks:
         for method in methods:
@@ -212,7 +269,11 @@ def grid(methods, budgets, layouts, tasks, repair_ks=(), repair_policies=("repai
 
 # ----------------------------------------------------------------------------- running a grid
 def cell_key(cell: Cell) -> str:
-    return json.dumps(dataclasses.astuple(cell))
+    """A cell's journal key: its fields in order. A cell with the reuse stage off
+    (``reuse == "-"``) keeps the key it had before ``Cell.reuse`` existed, so the
+    journals written then still resume."""
+    fields = dataclasses.astuple(cell)
+    return json.dumps(fields[:-1] if cell.reuse == "-" else fields)
 
 
 def read_journal(path: Path):
@@ -336,7 +397,7 @@ def write_csv(rows, path: Path) -> None:
 def markdown_table(rows) -> str:
     cols = [c for c in rows[0] if c != PER_EXAMPLE]
     lines = ["| " + " | ".join(cols) + " |", "|" + "---|" * len(cols)]
-    lines += ["| " + " | ".join(_fmt(r[c]) for c in cols) + " |" for r in rows]
+    lines += ["| " + " | ".join(_fmt(r.get(c, "-")) for c in cols) + " |" for r in rows]
     return "\n".join(lines)
 
 
@@ -379,7 +440,7 @@ def comparison(rows, task: str, reference: str = "best", focus: str | None = Non
     method) and, for every method (the full cache included), its accuracy, its share of
     the full cache's, and its paired gain over the reference. With ``focus``, also its
     gain over every baseline of the column (``focus_gains``)."""
-    rows = [r for r in rows if r["task"] == task and r["repair_policy"] == "none"]
+    rows = [r for r in rows if r["task"] == task and r["repair_policy"] == "none" and r.get("reuse", "-") == "-"]
     full = next((r for r in rows if r["method"] == "full"), None)
     out = []
     for layout, budget in sorted({(r["layout"], r["budget"]) for r in rows if r["method"] != "full"}):
@@ -526,7 +587,7 @@ QUICK = dict(n=2, length=1024, budgets="256,512", max_new_tokens=48)
 def build_parser(parser=None):
     p = parser or argparse.ArgumentParser(prog="jaxkv eval", description=__doc__.splitlines()[0])
     p.add_argument("--model", default="embedded", help="checkpoint folder, repo id or 'embedded'")
-    p.add_argument("--task", default="agent", help="agent, mqniah, or a comma list")
+    p.add_argument("--task", default="agent", help="agent, mqniah, shared_docs, or a comma list")
     p.add_argument("--methods", default=",".join(ALL_METHODS))
     p.add_argument("--budgets", default="256,512,1024")
     p.add_argument("--layouts", default="dead_slot,compact")
@@ -538,6 +599,7 @@ def build_parser(parser=None):
     p.add_argument("--out", default="eval/results/harness")
     p.add_argument("--repair-ks", default="", help="repair budgets K (RepairKV): adds repair and matched cells")
     p.add_argument("--repair-policies", default="repairkv", help=f"comma list of {', '.join(REPAIR_POLICIES)}")
+    p.add_argument("--reuse", default="-", help=f"cross-query reuse modes, a comma list of {', '.join(REUSE_MODES)} ('-': stage off)")
     p.add_argument("--workers", type=int, default=1, help="processes replaying cells in parallel (up to the core count)")
     p.add_argument("--resume", action="store_true", help="skip cells already recorded in OUT/cells.jsonl for the same setup")
     p.add_argument("--compare-to", default=None,
@@ -596,6 +658,7 @@ def run(args) -> list[dict]:
     if any(k < 1 for k in repair_ks):
         raise ValueError("--repair-ks must be positive")
     repair_policies = _names(args.repair_policies, REPAIR_POLICIES, "repair policies")
+    reuses = _names(args.reuse, ("-",) + REUSE_MODES, "reuse modes")
     for flag, name in (("--compare-to", args.compare_to), ("--focus", args.focus)):
         if name is not None and name not in methods + (["best"] if flag == "--compare-to" else []):
             raise ValueError(f"{flag} {name!r} must be {'best or ' if flag == '--compare-to' else ''}one of the methods run")
@@ -605,7 +668,7 @@ def run(args) -> list[dict]:
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     examples = {t: make_examples(t, args.n, args.length, args.seed, args.needles) for t in tasks}
-    cells = grid(methods, budgets, layouts, tasks, repair_ks, repair_policies)
+    cells = grid(methods, budgets, layouts, tasks, repair_ks, repair_policies, reuses)
     total = sum(len(examples[c.task]) for c in cells)
     max_positions = int(min(model.config.max_position_embeddings, 1 << math.ceil(math.log2(max(2 * args.length + 4 * args.max_new_tokens, 1024)))))
     setup = dict(model=args.model, n=args.n, length=args.length, seed=args.seed, needles=args.needles,

@@ -7,8 +7,9 @@ Public entry points (stable names):
 * ``generate(model, prompts, max_new_tokens, temperature=0.0, top_k=None,
   top_p=None, seed=0, stop_token_ids=None) -> list[list[int]]``
 * ``Server(model, rows=...)`` / ``Session(model, server=None, ...)``: multi-turn
-  agent sessions with a managed KV cache (retention policies, RepairKV), served
-  many at once by one scheduler (continuous batching).
+  agent sessions with a managed KV cache (retention policies, RepairKV,
+  cross-query segment reuse: ``Session(model, reuse="segment", tenant=...)``),
+  served many at once by one scheduler (continuous batching).
 * ``policies``: the retention methods (``policies.REGISTRY``).
 * ``Engine``: the paged-cache engine the above are built on.
 

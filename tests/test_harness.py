@@ -139,3 +139,10 @@ def test_compare_to_best_baseline_pairs_examples_and_never_picks_a_learned_metho
     (col,) = harness.comparison(rows, "agent", "tova")
     g, lo, hi = next(e for e in col["entries"] if e["row"]["method"] == "snapkv")["gain"]
     assert g == 0.0 and lo < 0 < hi
+
+
+def test_a_cell_without_reuse_keeps_its_journal_key_from_before_the_reuse_field():
+    """Journals written before ``Cell.reuse`` existed (the committed harness reports) still resume."""
+    cell = harness.Cell("snapkv", 1280, "dead_slot", "agent", base_budget=1280)
+    assert harness.cell_key(cell) == '["snapkv", 1280, "dead_slot", "agent", "none", 0, 1280]'
+    assert harness.cell_key(harness.dataclasses.replace(cell, reuse="segment")).endswith(', 1280, "segment"]')

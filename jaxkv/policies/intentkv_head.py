@@ -238,7 +238,7 @@ def _unflat_params(template, tensors: dict[str, np.ndarray], where: Path):
 def save_head(head: Head, folder, **meta) -> Path:
     """Write ``head.safetensors`` + ``head.json`` into ``folder``; ``meta`` entries
     (e.g. ``base_model``, ``training``) are stored in ``head.json`` beside the config."""
-    from jaxkv.models.loading import write_safetensors
+    from jaxkv.tensorfile import write_safetensors
 
     folder = Path(folder)
     folder.mkdir(parents=True, exist_ok=True)
@@ -260,7 +260,7 @@ def load_head(folder=None) -> Head:
 
 @functools.lru_cache(maxsize=8)
 def _load_head_cached(folder: str) -> Head:
-    from jaxkv.models.loading import read_safetensors
+    from jaxkv.tensorfile import read_safetensors
 
     path = Path(folder)
     cfg_path = path / CONFIG_FILE

@@ -99,6 +99,9 @@ class Session:
         (default) or ``"compact"``, and the policy's own options (``w=16``).
       repair, repair_policy, repair_when, repair_wrong_signal: the RepairKV stage
         (``jaxkv.serving.stages.repair``).
+      reuse, tenant, reuse_layers, halo, tau_seg, ...: cross-query segment reuse
+        (``jaxkv.serving.stages.reuse``): None, ``"segment"`` or ``"cacheblend"``,
+        the tenant whose segment namespace the session uses, and ``ReuseConfig``.
       Every other option goes to the registered stages
         (``jaxkv.serving.stages.STAGES``); one that no stage takes raises
         ``OptionError``.
