@@ -40,6 +40,8 @@ paired bootstrap 95% interval over examples (``eval.repair_protocol.paired_gain`
 from the per-example counts every cell keeps in the journal), beside peak request
 tokens, peak live KV and raw vs effective KV reads; ``--focus METHOD`` adds that
 method's gain over each baseline. ``--compare-to METHOD`` compares with a named one.
+``--resume --report-only`` writes the report from the journal's finished cells of
+the grid, runs none, and lists the rest as not run.
 
 Long grids: every finished cell is appended to ``--out/cells.jsonl`` at once, and
 ``--resume`` skips the cells already there (same examples: a cell's key includes
@@ -605,6 +607,8 @@ def build_parser(parser=None):
     p.add_argument("--compare-to", default=None,
                    help="add paired-bootstrap comparisons to results.md: 'best' (the best baseline per budget) or a method")
     p.add_argument("--focus", default=None, help="with --compare-to: also this method's gain over every baseline")
+    p.add_argument("--report-only", action="store_true",
+                   help="with --resume: write the report from the cells already in the journal, run none")
     p.add_argument("--quick", action="store_true", help=f"small preset: {QUICK}")
     return p
 
@@ -678,6 +682,12 @@ def run(args) -> list[dict]:
     if not args.resume and journal.exists():
         journal.unlink()
     todo = [c for c in cells if cell_key(c) not in done]
+    if args.report_only:  # the report from the journal alone; unfinished cells are listed, not run
+        if not args.resume:
+            raise ValueError("--report-only reads the journal: pass --resume too")
+        missing, cells, todo = todo, [c for c in cells if cell_key(c) in done], []
+        if not cells:
+            raise ValueError(f"--report-only: no finished cell of this grid in {journal}")
     with tqdm(total=total, initial=total - sum(len(examples[c.task]) for c in todo), desc="jaxkv eval",
               unit="example", file=sys.stderr) as bar:
         if done:
@@ -688,6 +698,9 @@ def run(args) -> list[dict]:
     rows = [done[cell_key(c)] for c in cells]
     write_csv(rows, out / "results.csv")
     md = [f"# jaxkv eval: {args.model}", "", f"n={args.n} per cell, length {args.length}, max_new_tokens {args.max_new_tokens}", ""]
+    if args.report_only and missing:
+        md += [f"Not run (--report-only; {len(missing)} cells of the grid): "
+               + ", ".join(f"{c.method}@{c.budget}/{c.layout}/{c.task}" for c in missing) + ".", ""]
     for task in tasks:
         for metric in ("accuracy", "raw_kv_reads"):
             md += [f"## {task}: {metric}", "", pivot_table(rows, metric, task), ""]

@@ -89,6 +89,10 @@ def test_harness_resume_skips_recorded_cells_and_workers_agree(task_model_dir, t
     replayed = []
     real_run_cell = harness.run_cell
     monkeypatch.setattr(harness, "run_cell", lambda *a, **k: replayed.append(a[2]) or real_run_cell(*a, **k))
+    # --report-only writes the report from the recorded cells, runs none, lists the rest
+    reported = harness.run(_grid_args(task_model_dir, out, "--resume", "--report-only"))
+    assert replayed == [] and _without_wall(reported) == _without_wall(first[:-1])
+    assert f"Not run (--report-only; 1 cells of the grid): {first[-1]['method']}@{first[-1]['budget']}" in (out / "results.md").read_text()
     resumed = harness.run(_grid_args(task_model_dir, out, "--resume"))
     assert [(c.method, c.budget) for c in replayed] == [(first[-1]["method"], first[-1]["budget"])]
     assert _without_wall(resumed) == _without_wall(first)
