@@ -635,7 +635,10 @@ def _names(text, allowed, what):
     return names
 
 
-def run(args) -> list[dict]:
+def run(args, model=None) -> list[dict]:
+    """Run the grid ``args`` asks for (see ``build_parser``); ``model``: an already
+    loaded ``jaxkv.Model`` (a dtype, a mesh) to use instead of loading ``args.model``
+    (which then only names it in the outputs; ``--workers`` processes load the name)."""
     import jaxkv
     from jaxkv.policies import REGISTRY
     from jaxkv.policies.layouts import LAYOUTS
@@ -666,7 +669,7 @@ def run(args) -> list[dict]:
     for flag, name in (("--compare-to", args.compare_to), ("--focus", args.focus)):
         if name is not None and name not in methods + (["best"] if flag == "--compare-to" else []):
             raise ValueError(f"{flag} {name!r} must be {'best or ' if flag == '--compare-to' else ''}one of the methods run")
-    model = jaxkv.load_model(args.model)
+    model = model if model is not None else jaxkv.load_model(args.model)
     if model.tokenizer is None:
         raise jaxkv.ConfigError(f"{args.model} has no tokenizer; the harness renders chats")
     out = Path(args.out)
