@@ -33,6 +33,16 @@ Outputs in ``--out``: ``results.csv`` (the columns in ``COLUMNS``),
 budget), plus a printed comparison of prefix-hit rates of the two layouts.
 ``--quick`` shrinks everything so the whole grid finishes in minutes on a CPU.
 
+``--compare-to best`` adds a paired comparison to ``results.md``: per budget and
+layout, every method's accuracy, its share of the full cache's, and its gain over
+the best baseline (the most accurate of ``BASELINES`` in that column) with a
+paired bootstrap 95% interval over examples (``eval.repair_protocol.paired_gain``,
+from the per-example counts every cell keeps in the journal), beside peak request
+tokens, peak live KV and raw vs effective KV reads; ``--focus METHOD`` adds that
+method's gain over each baseline. ``--compare-to METHOD`` compares with a named one.
+``--resume --report-only`` writes the report from the journal's finished cells of
+the grid, runs none, and lists the rest as not run.
+
 Long grids: every finished cell is appended to ``--out/cells.jsonl`` at once, and
 ``--resume`` skips the cells already there (same examples: a cell's key includes
 n, length, seed, needles and max_new_tokens), so an interrupted run loses at most
@@ -66,6 +76,12 @@ REUSE_MODES = ("none", "segment", "cacheblend")
 REPAIR_POLICIES = ("repairkv", "random", "oldest", "staleq", "wrongq", "refresh")
 ALL_METHODS = ("full", "streaming_llm", "snapkv", "h2o", "tova", "random", "oldest", "agentkv", "intentkv_memory", "intentkv_query",
                "intentkv", "intentkv_no_memory", "intentkv_no_xattn", "intentkv_no_residual")
+# The retention methods jaxkv had before IntentKV Phase 2: the baselines ``--compare-to best``
+# picks from (the learned head, its ablations and the full cache are never "the best baseline").
+BASELINES = ("streaming_llm", "snapkv", "h2o", "tova", "random", "oldest", "agentkv", "intentkv_memory", "intentkv_query")
+# A row's per-example counts (correct and scored turns, in example order): kept in the
+# journal for paired comparisons, left out of results.csv and the tables.
+PER_EXAMPLE = "per_example"
 TASKS = ("agent", "mqniah", "shared_docs")
 # Tasks whose sessions share one Server per cell (radix cache and segment store),
 # as one tenant's sessions do: shared_docs exists to measure reuse across sessions.
@@ -197,10 +213,12 @@ def reuse_summary(reports) -> dict:
 def run_cell(model, examples, cell: Cell, *, max_new_tokens: int, max_positions: int, progress=None, **session_options) -> dict:
     t0 = time.perf_counter()
     correct = scored = completed = 0
-    metrics, reports = [], []
+    metrics, reports, correct_E, scored_E = [], [], [], []
     for verdicts, done, m in replay_cell(model, examples, cell, max_new_tokens=max_new_tokens,
                                          max_positions=max_positions, progress=progress, **session_options):
         correct, scored, completed = correct + sum(verdicts), scored + len(verdicts), completed + done
+        correct_E.append(int(sum(verdicts)))
+        scored_E.append(len(verdicts))
         reports += m.pop("reuse_reports", [])
         metrics.append(m)
     mean = {k: float(np.mean([m[k] for m in metrics])) for k in ("peak_request_tokens", "peak_live_kv", "raw_kv_reads", "effective_kv_reads", "prefix_hit_rate")}
@@ -219,6 +237,7 @@ def run_cell(model, examples, cell: Cell, *, max_new_tokens: int, max_positions:
         "base_budget": "-" if cell.base_budget is None else cell.base_budget,
         "reuse": cell.reuse,
         **reuse_summary(reports),
+        PER_EXAMPLE: {"correct": correct_E, "scored": scored_E},
     }
 
 
@@ -252,7 +271,11 @@ def _grid(methods, budgets, layouts, tasks, repair_ks, repair_policies) -> list[
 
 # ----------------------------------------------------------------------------- running a grid
 def cell_key(cell: Cell) -> str:
-    return json.dumps(dataclasses.astuple(cell))
+    """A cell's journal key: its fields in order. A cell with the reuse stage off
+    (``reuse == "-"``) keeps the key it had before ``Cell.reuse`` existed, so the
+    journals written then still resume."""
+    fields = dataclasses.astuple(cell)
+    return json.dumps(fields[:-1] if cell.reuse == "-" else fields)
 
 
 def read_journal(path: Path):
@@ -367,16 +390,16 @@ def _fmt(v):
 
 def write_csv(rows, path: Path) -> None:
     with open(path, "w", newline="") as f:
-        w = csv.DictWriter(f, fieldnames=list(rows[0].keys()))
+        w = csv.DictWriter(f, fieldnames=[c for c in rows[0] if c != PER_EXAMPLE], extrasaction="ignore")
         w.writeheader()
         for r in rows:
             w.writerow({k: (f"{v:.6g}" if isinstance(v, float) else v) for k, v in r.items()})
 
 
 def markdown_table(rows) -> str:
-    cols = list(rows[0].keys())
+    cols = [c for c in rows[0] if c != PER_EXAMPLE]
     lines = ["| " + " | ".join(cols) + " |", "|" + "---|" * len(cols)]
-    lines += ["| " + " | ".join(_fmt(r[c]) for c in cols) + " |" for r in rows]
+    lines += ["| " + " | ".join(_fmt(r.get(c, "-")) for c in cols) + " |" for r in rows]
     return "\n".join(lines)
 
 
@@ -392,6 +415,82 @@ def pivot_table(rows, metric: str, task: str) -> str:
     for method in dict.fromkeys(r["method"] for r in rows if r["method"] != "full"):
         by = {(r["layout"], r["budget"]): r[metric] for r in rows if r["method"] == method}
         lines.append(f"| {method} | " + " | ".join(_fmt(by[c]) if c in by else "" for c in cols) + " |")
+    return "\n".join(lines)
+
+
+def _paired(a, b):
+    """``(gain, low, high)`` of ``a``'s pooled accuracy over ``b``'s on the same
+    examples (``eval.repair_protocol.paired_gain``: paired bootstrap 95% interval over
+    examples); None when a row lacks per-example counts (an older journal)."""
+    from eval.repair_protocol import paired_gain
+
+    if PER_EXAMPLE not in a or PER_EXAMPLE not in b:
+        return None
+    ea, eb = a[PER_EXAMPLE], b[PER_EXAMPLE]
+    if ea["scored"] != eb["scored"]:
+        raise ValueError(f"{a['method']} and {b['method']} were not scored on the same turns")
+    return paired_gain(ea["correct"], eb["correct"], ea["scored"])
+
+
+def _gain_text(g) -> str:
+    return "-" if g is None else f"{g[0]:+.3f} [{g[1]:+.3f}, {g[2]:+.3f}]"
+
+
+def comparison(rows, task: str, reference: str = "best", focus: str | None = None) -> list[dict]:
+    """Per (layout, budget) column of ``task``'s no-repair cells: the reference cell
+    (``"best"``: the most accurate of ``BASELINES`` in that column; else the named
+    method) and, for every method (the full cache included), its accuracy, its share of
+    the full cache's, and its paired gain over the reference. With ``focus``, also its
+    gain over every baseline of the column (``focus_gains``)."""
+    rows = [r for r in rows if r["task"] == task and r["repair_policy"] == "none" and r.get("reuse", "-") == "-"]
+    full = next((r for r in rows if r["method"] == "full"), None)
+    out = []
+    for layout, budget in sorted({(r["layout"], r["budget"]) for r in rows if r["method"] != "full"}):
+        col = [r for r in rows if (r["layout"], r["budget"]) == (layout, budget)]
+        if reference == "best":
+            base = [r for m in BASELINES for r in col if r["method"] == m]
+            ref = max(base, key=lambda r: r["accuracy"]) if base else None  # ties: first in BASELINES
+        else:
+            ref = next((r for r in col if r["method"] == reference), None)
+        if ref is None:
+            continue
+        entries = [{"row": r, "gain": _paired(r, ref) if r is not ref else None, "share": r["accuracy"] / full["accuracy"]
+                    if full and full["accuracy"] else None} for r in ([full] if full else []) + col]
+        focus_row = next((r for r in col if r["method"] == focus), None)
+        focus_gains = {r["method"]: _paired(focus_row, r) for m in BASELINES for r in col if r["method"] == m} if focus_row else {}
+        out.append({"layout": layout, "budget": budget, "reference": ref, "entries": entries,
+                    "focus": focus_row, "focus_gains": focus_gains})
+    return out
+
+
+def comparison_markdown(rows, task: str, reference: str = "best", focus: str | None = None) -> str:
+    """``comparison`` as markdown: one table per column (accuracy, share of the full
+    cache, gain over the reference [95% CI], peak request tokens, peak live KV, raw and
+    effective KV reads), then the focus method against each baseline."""
+    what = "the best baseline" if reference == "best" else reference
+    lines = [f"Gain = accuracy − {what}'s on the same examples, with a paired bootstrap 95% interval over "
+             f"examples (`eval.repair_protocol.paired_gain`); baselines: {', '.join(BASELINES)}.", ""]
+    for c in comparison(rows, task, reference, focus):
+        ref = c["reference"]
+        lines += [f"### {task}, {c['layout']}, B = {c['budget']}: reference {ref['method']} ({ref['accuracy']:.3f})", "",
+                  "| method | accuracy | of full cache | gain vs reference [95% CI] | peak request tokens | peak live KV "
+                  "| raw KV reads | effective KV reads |", "|---|---:|---:|---:|---:|---:|---:|---:|"]
+        for e in c["entries"]:
+            r = e["row"]
+            name = "full cache" if r["method"] == "full" else r["method"]
+            gain = "reference" if r is ref else _gain_text(e["gain"])
+            share = "-" if e["share"] is None else f"{e['share']:.3f}"
+            lines.append(f"| {name} | {r['accuracy']:.3f} | {share} | {gain} | {r['peak_request_tokens']:.0f} | "
+                         f"{r['peak_live_kv']:.0f} | {r['raw_kv_reads']:.0f} | {r['effective_kv_reads']:.0f} |")
+        if c["focus_gains"]:
+            gains = c["focus_gains"]
+            paired = {m: g for m, g in gains.items() if g is not None}
+            unpaired = [m for m in gains if m not in paired]
+            verdict = "no" if any(g[1] <= 0 for g in paired.values()) else "yes" if not unpaired else "not decided"
+            lines += ["", f"{focus} against each baseline: " + "; ".join(f"{m} {_gain_text(g)}" for m, g in gains.items())
+                      + f". Above every baseline with the interval clear of zero: **{verdict}**"
+                      + (f" (no per-example counts for {', '.join(unpaired)}: cells from an older journal)." if unpaired else ".")]
+        lines.append("")
     return "\n".join(lines)
 
 
@@ -505,6 +604,11 @@ def build_parser(parser=None):
     p.add_argument("--reuse", default="-", help=f"cross-query reuse modes, a comma list of {', '.join(REUSE_MODES)} ('-': stage off)")
     p.add_argument("--workers", type=int, default=1, help="processes replaying cells in parallel (up to the core count)")
     p.add_argument("--resume", action="store_true", help="skip cells already recorded in OUT/cells.jsonl for the same setup")
+    p.add_argument("--compare-to", default=None,
+                   help="add paired-bootstrap comparisons to results.md: 'best' (the best baseline per budget) or a method")
+    p.add_argument("--focus", default=None, help="with --compare-to: also this method's gain over every baseline")
+    p.add_argument("--report-only", action="store_true",
+                   help="with --resume: write the report from the cells already in the journal, run none")
     p.add_argument("--quick", action="store_true", help=f"small preset: {QUICK}")
     return p
 
@@ -562,6 +666,9 @@ def run(args, model=None) -> list[dict]:
         raise ValueError("--repair-ks must be positive")
     repair_policies = _names(args.repair_policies, REPAIR_POLICIES, "repair policies")
     reuses = _names(args.reuse, ("-",) + REUSE_MODES, "reuse modes")
+    for flag, name in (("--compare-to", args.compare_to), ("--focus", args.focus)):
+        if name is not None and name not in methods + (["best"] if flag == "--compare-to" else []):
+            raise ValueError(f"{flag} {name!r} must be {'best or ' if flag == '--compare-to' else ''}one of the methods run")
     model = model if model is not None else jaxkv.load_model(args.model)
     if model.tokenizer is None:
         raise jaxkv.ConfigError(f"{args.model} has no tokenizer; the harness renders chats")
@@ -578,6 +685,12 @@ def run(args, model=None) -> list[dict]:
     if not args.resume and journal.exists():
         journal.unlink()
     todo = [c for c in cells if cell_key(c) not in done]
+    if args.report_only:  # the report from the journal alone; unfinished cells are listed, not run
+        if not args.resume:
+            raise ValueError("--report-only reads the journal: pass --resume too")
+        missing, cells, todo = todo, [c for c in cells if cell_key(c) in done], []
+        if not cells:
+            raise ValueError(f"--report-only: no finished cell of this grid in {journal}")
     with tqdm(total=total, initial=total - sum(len(examples[c.task]) for c in todo), desc="jaxkv eval",
               unit="example", file=sys.stderr) as bar:
         if done:
@@ -588,9 +701,14 @@ def run(args, model=None) -> list[dict]:
     rows = [done[cell_key(c)] for c in cells]
     write_csv(rows, out / "results.csv")
     md = [f"# jaxkv eval: {args.model}", "", f"n={args.n} per cell, length {args.length}, max_new_tokens {args.max_new_tokens}", ""]
+    if args.report_only and missing:
+        md += [f"Not run (--report-only; {len(missing)} cells of the grid): "
+               + ", ".join(f"{c.method}@{c.budget}/{c.layout}/{c.task}" for c in missing) + ".", ""]
     for task in tasks:
         for metric in ("accuracy", "raw_kv_reads"):
             md += [f"## {task}: {metric}", "", pivot_table(rows, metric, task), ""]
+        if args.compare_to:
+            md += [f"## {task}: paired comparison", "", comparison_markdown(rows, task, args.compare_to, args.focus), ""]
     md += ["## All cells", "", markdown_table(rows), "", prefix_summary(rows), ""]
     (out / "results.md").write_text("\n".join(md))
     plot(rows, out)

@@ -89,6 +89,10 @@ def test_harness_resume_skips_recorded_cells_and_workers_agree(task_model_dir, t
     replayed = []
     real_run_cell = harness.run_cell
     monkeypatch.setattr(harness, "run_cell", lambda *a, **k: replayed.append(a[2]) or real_run_cell(*a, **k))
+    # --report-only writes the report from the recorded cells, runs none, lists the rest
+    reported = harness.run(_grid_args(task_model_dir, out, "--resume", "--report-only"))
+    assert replayed == [] and _without_wall(reported) == _without_wall(first[:-1])
+    assert f"Not run (--report-only; 1 cells of the grid): {first[-1]['method']}@{first[-1]['budget']}" in (out / "results.md").read_text()
     resumed = harness.run(_grid_args(task_model_dir, out, "--resume"))
     assert [(c.method, c.budget) for c in replayed] == [(first[-1]["method"], first[-1]["budget"])]
     assert _without_wall(resumed) == _without_wall(first)
@@ -102,3 +106,47 @@ def test_harness_resume_skips_recorded_cells_and_workers_agree(task_model_dir, t
     # two worker processes reproduce the in-process rows exactly
     parallel = harness.run(_grid_args(task_model_dir, tmp_path / "parallel", "--workers", "2"))
     assert _without_wall(parallel) == _without_wall(first)
+
+
+def _row(method, budget, correct, scored=None):
+    scored = scored or [2] * len(correct)
+    return {"method": method, "budget": budget, "layout": "dead_slot" if budget != "-" else "-", "task": "agent",
+            "repair_policy": "none", "accuracy": sum(correct) / sum(scored), "peak_request_tokens": 10.0,
+            "peak_live_kv": 5.0, "raw_kv_reads": 100.0, "effective_kv_reads": 50.0,
+            harness.PER_EXAMPLE: {"correct": correct, "scored": scored}}
+
+
+def test_compare_to_best_baseline_pairs_examples_and_never_picks_a_learned_method():
+    n = 40
+    rows = [_row("full", "-", [2] * n)]
+    rows += [_row("snapkv", 100, [1] * n), _row("h2o", 100, [1] * (n // 2) + [0] * (n // 2)),
+             _row("intentkv", 100, [2] * n), _row("intentkv_no_xattn", 100, [1] * n)]
+    (col,) = harness.comparison(rows, "agent", "best", focus="intentkv")
+    assert col["reference"]["method"] == "snapkv"  # the most accurate baseline; intentkv is never one
+    by = {e["row"]["method"]: e for e in col["entries"]}
+    assert by["snapkv"]["gain"] is None  # the reference itself
+    gain, low, high = by["intentkv"]["gain"]
+    assert gain == 0.5 and low == high == 0.5  # every example gains the same: a zero-width interval
+    g, lo, hi = by["intentkv_no_xattn"]["gain"]
+    assert g == lo == hi == 0.0
+    assert by["full"]["share"] == 1.0 and by["h2o"]["share"] == 0.25
+    assert col["focus_gains"]["h2o"][1] > 0 and set(col["focus_gains"]) == {"snapkv", "h2o"}
+    md = harness.comparison_markdown(rows, "agent", "best", "intentkv")
+    assert "reference snapkv (0.500)" in md and "+0.500 [+0.500, +0.500]" in md and "**yes**" in md
+    # a baseline cell without per-example counts (an older journal) leaves the verdict open
+    old = _row("tova", 100, [0] * n)
+    del old[harness.PER_EXAMPLE]
+    md = harness.comparison_markdown(rows + [old], "agent", "best", "intentkv")
+    assert "tova -" in md and "**not decided** (no per-example counts for tova" in md
+    # a method that loses on some examples gets an interval that reaches below its gain
+    rows.append(_row("tova", 100, [0, 2] * (n // 2)))
+    (col,) = harness.comparison(rows, "agent", "tova")
+    g, lo, hi = next(e for e in col["entries"] if e["row"]["method"] == "snapkv")["gain"]
+    assert g == 0.0 and lo < 0 < hi
+
+
+def test_a_cell_without_reuse_keeps_its_journal_key_from_before_the_reuse_field():
+    """Journals written before ``Cell.reuse`` existed (the committed harness reports) still resume."""
+    cell = harness.Cell("snapkv", 1280, "dead_slot", "agent", base_budget=1280)
+    assert harness.cell_key(cell) == '["snapkv", 1280, "dead_slot", "agent", "none", 0, 1280]'
+    assert harness.cell_key(harness.dataclasses.replace(cell, reuse="segment")).endswith(', 1280, "segment"]')

@@ -375,3 +375,64 @@ def test_training_resumes_from_its_checkpoint(quick_run, tmp_path):
     np.testing.assert_allclose(resumed["losses"], result["losses"][2:], rtol=1e-5)
     for name, value in ih.flat_params(result["head"].params).items():
         np.testing.assert_allclose(ih.flat_params(resumed["head"].params)[name], value, rtol=1e-5, atol=1e-7)
+
+
+# -- label variants (named options beside §4's default) -------------------------------------------
+def test_cue_variant_adds_the_tokens_before_a_match_on_its_line():
+    from train import intentkv_data as data
+
+    pieces = ["k173", ":", " v032", "\n", "Orchid", " travel", ":", " d017", " v032x"]
+    text = "".join(pieces)
+    ends = np.cumsum([len(p) for p in pieces])
+    offsets = np.stack([ends - [len(p) for p in pieces], ends], axis=1)
+    values = ("v032", "d017")
+    plain = data.value_masks(text, offsets, values)
+    np.testing.assert_array_equal(plain, [0, 0, 1, 0, 0, 0, 0, 1, 0])  # §4: whole-word matches only
+    cue = data.value_masks(text, offsets, values, cue_tokens=4)
+    np.testing.assert_array_equal(cue, [1, 1, 1, 0, 1, 1, 1, 1, 0])  # the newline is on the previous line
+    np.testing.assert_array_equal(data.value_masks(text, offsets, values, cue_tokens=1), [0, 1, 1, 0, 0, 0, 1, 1, 0])
+
+
+def test_read_strength_is_the_largest_attention_a_reply_row_gives_each_prompt_position():
+    from train import intentkv_data as data
+
+    rng = np.random.default_rng(0)
+    T, n, end = 12, 7, 10
+    q = rng.normal(size=(L, T, HQ, D)).astype(np.float32)
+    k = rng.normal(size=(L, T, HKV, D)).astype(np.float32)
+    got = data.read_strength(q, k, n, end)
+    want = np.zeros(n)
+    for layer in range(L):
+        for h in range(HQ):
+            for r in range(n, end):
+                logits = k[layer, : r + 1, h // (HQ // HKV)] @ q[layer, r, h] / np.sqrt(D)
+                p = np.exp(logits - logits.max())
+                want = np.maximum(want, (p / p.sum())[:n])
+    np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-7)
+
+
+def test_label_variants_share_ignored_positions_and_union_by_spec(task_model_dir):
+    from train import intentkv_data as data
+
+    model = jaxkv.load_model(task_model_dir)
+    messages, tools = hand_built_conversation()
+    every = data.trace_rows(model, messages, tools, answer_values=("v022",), keep_empty=True, read_threshold=0.0)
+    none = data.trace_rows(model, messages, tools, answer_values=("v022",), keep_empty=True, read_threshold=1.01)
+    for row, row_none in zip(every["rows"], none["rows"]):
+        ignored = row["labels"] == -1
+        forced = np.zeros(row["len"], bool)
+        forced[: row["protected"]] = True
+        forced[slice(*row["span"])] = True
+        np.testing.assert_array_equal(row["labels_cue"] == -1, ignored)  # §4's ignored set
+        np.testing.assert_array_equal(row["labels_read"] == -1, forced)  # template tokens are labelled
+        assert (row["labels_read"][~forced] == 1).all()  # threshold 0: every position is read
+        assert (row_none["labels_read"][~forced] == 0).all()  # above 1: none is
+        assert ((row["labels_cue"] == 1) >= (row["labels"] == 1)).all()  # cue extends §4's label
+        np.testing.assert_array_equal(data.label_array(row_none, "actions+cue"), row_none["labels_cue"])
+        union = data.label_array(row_none, "actions+read")  # template tokens: read's 0; the rest: §4's
+        np.testing.assert_array_equal(union, np.where(ignored & ~forced, 0, row_none["labels"]))
+    assert sum((r["labels_cue"] == 1).sum() > (r["labels"] == 1).sum() for r in every["rows"]) > 0
+    with pytest.raises(ValueError):
+        data.label_keys("actions+attention")
+    with pytest.raises(KeyError):
+        data.label_array({"labels": np.zeros(3, np.int8)}, "read")

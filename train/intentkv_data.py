@@ -47,6 +47,25 @@ and for template/special tokens (special token ids, and every token the chat
 tagger marks ``Semantic.DELIM``: role headers, message delimiters, bracket
 markers); 0 otherwise. Rows with no positive are dropped.
 
+Label variants (named options; ``labels`` above is §4's and the default; the
+trainer picks with ``--labels``, ``label_array``): every row also carries
+
+* ``labels_cue`` (``cue``): §4's matches plus, per match, the up to
+  ``--cue-tokens`` (4) tokens right before it on its line (``k173: v032``,
+  ``Orchid travel: d017``): the cue a copy of the value is found by;
+* ``labels_read`` (``read``): what the model reads. A candidate is positive when
+  some token of one of the next ``--horizon`` assistant replies (turn t's own
+  included) gives it at least ``--read-threshold`` (0.2) of its attention in some
+  layer and head of the full-cache forward (``read_strength``); template tokens
+  are labelled too (0/1: they are candidates at inference and replies read them),
+  only forced tokens get −1. Measured reason (``eval.intentkv_diagnosis``): on
+  held-out label seeds, under 5% of the positions the full-cache replies read
+  carry a §4 label; a head trained on §4 alone keeps every labelled one and
+  evicts the newlines, role headers, words and keys the replies also read.
+
+A row is kept when any variant has a positive; ``label_array`` unions variants
+(``actions+read``).
+
 Seeds (disjoint from every evaluation seed; ``check_seed_ranges`` asserts it):
 training traces use the per-example seeds ``one_trace(TRAIN_SEED_BASE + i)``,
 ``TRAIN_SEED_BASE = 200,000,000``, held-out traces ``HELDOUT_SEED_BASE + i``,
@@ -99,6 +118,9 @@ HELDOUT_SEED_BASE = 300_000_000
 SPLIT_SEEDS = 10_000_000
 SPLITS = {"train": TRAIN_SEED_BASE, "heldout": HELDOUT_SEED_BASE}
 HORIZON = 5
+CUE_TOKENS = 4  # the ``cue`` variant: tokens before a match, on its line (``Orchid travel: d017``)
+READ_THRESHOLD = 0.2  # the ``read`` variant: attention weight that counts as a read
+LABEL_VARIANTS = {"actions": "labels", "cue": "labels_cue", "read": "labels_read"}  # --labels -> shard array
 EVAL_EXAMPLES = 1_000_000  # evaluation sets are assumed to use fewer examples per seed than this
 
 
@@ -213,14 +235,50 @@ def future_values(messages, j: int, horizon: int = HORIZON, answer_values=()) ->
     return values
 
 
-def value_masks(text: str, offsets: np.ndarray, values) -> np.ndarray:
-    """Bool ``[T]``: tokens whose characters overlap a whole-word match of a value."""
+def value_masks(text: str, offsets: np.ndarray, values, cue_tokens: int = 0) -> np.ndarray:
+    """Bool ``[T]``: tokens whose characters overlap a whole-word match of a value.
+
+    ``cue_tokens > 0`` (the ``cue`` label variant) also marks, for every match, the
+    up to ``cue_tokens`` tokens right before it that start on the match's line: the
+    cue a copy of the value is found by (``k173: v032`` marks ``k173`` ``:`` `` ``;
+    ``Orchid travel: d017`` marks the whole line). ``0`` is §4's label exactly."""
     hit = np.zeros(len(offsets), bool)
     starts, ends = offsets[:, 0], offsets[:, 1]
     for value in dict.fromkeys(v for v in values if v):
         for m in re.finditer(rf"(?<!\w){re.escape(value)}(?!\w)", text):
-            hit |= (starts < m.end()) & (ends > m.start())
+            match = (starts < m.end()) & (ends > m.start())
+            hit |= match
+            if cue_tokens and match.any():
+                first = int(np.argmax(match))
+                before = np.arange(max(0, first - cue_tokens), first)
+                hit[before[starts[before] >= text.rfind("\n", 0, m.start()) + 1]] = True
     return hit
+
+
+def reply_spans(tok, messages, tools) -> list[tuple[int, int, int]]:
+    """``(message index j, prompt length n, reply end)`` per assistant message: the
+    reply's tokens are positions ``[n, end)`` of the full render, its prompt ``[0, n)``."""
+    out = []
+    for j, m in enumerate(messages):
+        if m.get("role") == "assistant":
+            n = render(tok, messages[:j], tools, add_generation_prompt=True).ids.size
+            end = render(tok, messages[: j + 1], tools, add_generation_prompt=False).ids.size
+            out.append((j, n, end))
+    return out
+
+
+def read_strength(q_LTHD, k_LTKD, n: int, end: int) -> np.ndarray:
+    """``a [n]``: the largest attention weight any reply row ``[n, end)`` gives each
+    prompt position ``< n`` in the full-cache forward, over layers and query heads
+    (keys GQA-expanded; the model's own ``softmax(q·k/√D)``, causal)."""
+    L, T, H, D = q_LTHD.shape
+    k = np.repeat(np.asarray(k_LTKD[:, :end], np.float32), H // k_LTKD.shape[2], axis=2)
+    logits = np.einsum("lrhd,lthd->lhrt", np.asarray(q_LTHD[:, n:end], np.float32), k) / np.sqrt(np.float32(D))
+    causal = np.arange(end)[None, :] <= (n + np.arange(end - n))[:, None]
+    logits = np.where(causal[None, None], logits, -np.inf)
+    p = np.exp(logits - logits.max(-1, keepdims=True))
+    p /= p.sum(-1, keepdims=True)
+    return p.max(axis=(0, 1, 2))[:n]
 
 
 def template_mask(tokenizer, rendered) -> np.ndarray:
@@ -245,10 +303,13 @@ def label_row(prompt, positive_T: np.ndarray, template_n: np.ndarray) -> tuple[n
 
 # -- one trace -----------------------------------------------------------------------------
 def trace_rows(model, messages, tools, answer_values=(), horizon: int = HORIZON, beta: float | None = None,
-               keep_empty=False):
+               keep_empty=False, cue_tokens: int = CUE_TOKENS, read_threshold: float = READ_THRESHOLD):
     """Rows of one conversation (see the module docstring) as a dict of arrays:
-    ``kbar [T, D]`` and lists of per-row entries. ``beta``: the memory decay
-    (default: ``intentkv_memory``'s). ``keep_empty`` keeps rows without a positive (tests)."""
+    ``kbar [T, D]`` and lists of per-row entries, each with the three label
+    variants (``labels``: §4; ``labels_cue``: with ``cue_tokens``; ``labels_read``:
+    attention of the next ``horizon`` replies at ``read_threshold``). ``beta``: the
+    memory decay (default: ``intentkv_memory``'s). A row is kept when any variant
+    has a positive; ``keep_empty`` keeps every row (tests)."""
     beta = intentkv.IntentKVMemoryConfig().beta if beta is None else beta
     tok = model.tokenizer
     full = render(tok, messages, tools, add_generation_prompt=False)
@@ -257,13 +318,14 @@ def trace_rows(model, messages, tools, answer_values=(), horizon: int = HORIZON,
     offsets = np.asarray(enc["offset_mapping"], np.int64)
     q_LTHD, k_LTKD = capture_qk(model, full.ids)
     kbar = np.asarray(mean_keys(k_LTKD))
+    replies = reply_spans(tok, messages, tools)
+    read = [read_strength(q_LTHD, k_LTKD, n, end) >= read_threshold for _, n, end in replies]
     cfg = model.config
     state = intentkv.QueryMemory(jnp.zeros((cfg.num_layers, cfg.num_heads, cfg.head_dim), jnp.float32), jnp.zeros((), bool))
     rows = []
-    masks: dict[tuple, np.ndarray] = {}
-    for turn, j in enumerate(i for i, m in enumerate(messages) if m.get("role") == "assistant"):
+    masks: dict[tuple, tuple[np.ndarray, np.ndarray]] = {}
+    for turn, (j, n, _) in enumerate(replies):
         prompt = render(tok, messages[:j], tools, add_generation_prompt=True)
-        n = prompt.ids.size
         assert np.array_equal(full.ids[:n], prompt.ids), f"the prompt of assistant message {j} is not a prefix of the render"
         a, b = prompt.spans.actionable_query
         if b <= a:
@@ -273,16 +335,21 @@ def trace_rows(model, messages, tools, answer_values=(), horizon: int = HORIZON,
         state = intentkv.update_memory(beta, state, q_mean)
         values = tuple(future_values(messages, j, horizon, answer_values))
         if values not in masks:
-            masks[values] = value_masks(full.text, offsets, values)
-        labels, cand = label_row(prompt, masks[values], template_mask(tok, prompt))
-        if not (labels == 1).any() and not keep_empty:
+            masks[values] = (value_masks(full.text, offsets, values), value_masks(full.text, offsets, values, cue_tokens))
+        template = template_mask(tok, prompt)
+        labels, cand = label_row(prompt, masks[values][0], template)
+        labels_cue, _ = label_row(prompt, masks[values][1], template)
+        # a read is a read whatever the token: template tokens (``\n``, ``<|im_start|>``) are
+        # candidates at inference and the replies attend to them, so only forced ones are ignored
+        labels_read, _ = label_row(prompt, np.any([r[:n] for r in read[turn : turn + horizon]], axis=0), np.zeros(n, bool))
+        if not keep_empty and not any((x == 1).any() for x in (labels, labels_cue, labels_read)):
             continue
         s = memory_scores(state, k_LTKD[:, :n], q_mean, cand)
         rows.append(dict(
             turn=turn, len=n, span=(a, b), protected=prompt.spans.protected_prefix[1],
             mbar=np.asarray(mean_query(state.m_LHD)), qbar=np.asarray(mean_query(q_mean)),
             qbar_unit=np.asarray(mean_query(unit_norm(q_mean))), norm_err=norm_err,
-            s=s.astype(np.float32), labels=labels, values=values,
+            s=s.astype(np.float32), labels=labels, labels_cue=labels_cue, labels_read=labels_read, values=values,
         ))
     return {"kbar": kbar, "rows": rows, "ids": full.ids}
 
@@ -317,8 +384,9 @@ def pack_shard(traces: list[dict], seeds: list[int]) -> dict[str, np.ndarray]:
         "row_norm_err": np.asarray([r["norm_err"] for _, r in rows], np.float32),
         "row_offset": np.concatenate([[0], np.cumsum([r["len"] for _, r in rows])]).astype(np.int64),
         "s": np.concatenate([r["s"] for _, r in rows]) if rows else np.zeros(0, np.float32),
-        "labels": np.concatenate([r["labels"] for _, r in rows]) if rows else np.zeros(0, np.int8),
     }
+    for key in LABEL_VARIANTS.values():
+        out[key] = np.concatenate([r[key] for _, r in rows]) if rows else np.zeros(0, np.int8)
     return out
 
 
@@ -336,6 +404,28 @@ def load_meta(folder) -> dict | None:
     """The ``meta.json`` a finished run wrote in ``folder`` (arguments and totals), or None."""
     path = Path(folder) / "meta.json"
     return json.loads(path.read_text()) if path.is_file() else None
+
+
+def label_keys(spec: str) -> list[str]:
+    """The shard arrays of a label spec: one name of ``LABEL_VARIANTS`` (``actions``
+    is §4's label), or several joined by ``+`` (``actions+read``); ValueError otherwise."""
+    names = spec.split("+")
+    unknown = [n for n in names if n not in LABEL_VARIANTS]
+    if unknown:
+        raise ValueError(f"label spec {spec!r}: {unknown} not in {tuple(LABEL_VARIANTS)}")
+    return [LABEL_VARIANTS[n] for n in dict.fromkeys(names)]
+
+
+def label_array(arrays: dict, spec: str) -> np.ndarray:
+    """The labels of ``arrays`` (a shard, or one row of ``trace_rows``) under a label
+    spec (``label_keys``): the elementwise maximum, so a position is positive where
+    any named variant marks it, 0 where one labels it and none marks it, and −1
+    (ignored) only where all ignore it. KeyError when ``arrays`` lacks a variant."""
+    keys = label_keys(spec)
+    missing = [k for k in keys if k not in arrays]
+    if missing:
+        raise KeyError(f"no {missing} here: regenerate the rows with `python -m train.intentkv_data`")
+    return functools.reduce(np.maximum, (np.asarray(arrays[k]) for k in keys))
 
 
 def load_shards(folder, split: str) -> list[dict[str, np.ndarray]]:
@@ -369,7 +459,8 @@ def generate(args) -> dict:
             traces = []
             for seed in seeds:
                 ex = one_trace(seed, length=trace_length(seed, args.length_min, args.length_max))
-                traces.append(trace_rows(model, ex.messages, ex.tools, answer_values_of(ex), args.horizon))
+                traces.append(trace_rows(model, ex.messages, ex.tools, answer_values_of(ex), args.horizon,
+                                         cue_tokens=args.cue_tokens, read_threshold=args.read_threshold))
                 bar.update(1)
                 bar.set_postfix(split=split, rows=sum(len(t["rows"]) for t in traces))
             write_shard(path, pack_shard(traces, seeds))
@@ -383,6 +474,8 @@ def generate(args) -> dict:
             "positions": int(sum(s["labels"].size for s in shards)),
             "candidates_labelled": int(sum((s["labels"] >= 0).sum() for s in shards)),
             "positives": int(sum((s["labels"] == 1).sum() for s in shards)),
+            **{f"positives_{name}": int(sum((s[key] == 1).sum() for s in shards if key in s))
+               for name, key in LABEL_VARIANTS.items()},
             "seeds": [SPLITS[split], SPLITS[split] + _ - 1] if _ else [],
         }
     (out / "meta.json").write_text(json.dumps(summary, indent=2) + "\n")
@@ -399,6 +492,8 @@ def parse_args(argv=None):
     p.add_argument("--length-min", type=int, default=1792)
     p.add_argument("--length-max", type=int, default=2304)
     p.add_argument("--horizon", type=int, default=HORIZON, help="future actions whose values label a row")
+    p.add_argument("--cue-tokens", type=int, default=CUE_TOKENS, help="label variant cue: tokens before a match on its line")
+    p.add_argument("--read-threshold", type=float, default=READ_THRESHOLD, help="label variant read: attention that counts as a read")
     p.add_argument("--quick", action="store_true", help="a few traces (tests)")
     p.add_argument("--quiet", action="store_true", help="no progress bar")
     args = p.parse_args(argv)

@@ -74,7 +74,7 @@ from jaxkv.policies.intentkv_head import (
     residual_scores,
     save_head,
 )
-from train.intentkv_data import load_meta, load_shards
+from train.intentkv_data import label_array, label_keys, load_meta, load_shards
 
 BUDGETS = (1024, 1280, 1536)
 PAD_TO = 256  # rows are padded to a multiple of this (few compiled shapes)
@@ -101,15 +101,22 @@ class LossConfig:
 
 # -- data ----------------------------------------------------------------------------------
 class Rows:
-    """Every row of a split, with views per row (see ``train.intentkv_data``)."""
+    """Every row of a split that has a positive under ``labels`` (a label spec,
+    ``train.intentkv_data.label_array``: the shards keep a row when any variant
+    has one), with views per row (see ``train.intentkv_data``)."""
 
-    def __init__(self, shards: list[dict]):
+    def __init__(self, shards: list[dict], labels: str = "actions"):
         if not shards or sum(s["row_len"].size for s in shards) == 0:
             raise SystemExit("no rows: generate them with `python -m train.intentkv_data` first")
+        try:
+            self.labels = [label_array(s, labels) for s in shards]
+        except KeyError as e:
+            raise SystemExit(str(e)) from None
         self.items = []  # (shard, row index) in shard order
         self.shards = shards
         for si, s in enumerate(shards):
-            self.items += [(si, r) for r in range(s["row_len"].size)]
+            off = s["row_offset"]
+            self.items += [(si, r) for r in range(s["row_len"].size) if (self.labels[si][off[r] : off[r + 1]] == 1).any()]
         self.session = np.asarray([self._get(i, "row_seed") for i in range(len(self.items))], np.int64)
         self.turn = np.asarray([self._get(i, "row_turn") for i in range(len(self.items))], np.int32)
         self.length = np.asarray([self._get(i, "row_len") for i in range(len(self.items))], np.int32)
@@ -137,7 +144,7 @@ class Rows:
         span = np.zeros(n, bool)
         span[a:b] = True
         return {
-            "kbar": s["kbar"][k0 : k0 + n], "s": s["s"][o0 : o0 + n], "labels": s["labels"][o0 : o0 + n],
+            "kbar": s["kbar"][k0 : k0 + n], "s": s["s"][o0 : o0 + n], "labels": self.labels[si][o0 : o0 + n],
             "forced": forced, "span": span, "mbar": s["row_mbar"][r], "norm_err": s["row_norm_err"][r],
         }
 
@@ -322,8 +329,8 @@ def train(args) -> dict:
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     data = Path(args.data)
-    train_rows = Rows(load_shards(data, "train"))
-    heldout = Rows(load_shards(data, "heldout"))
+    train_rows = Rows(load_shards(data, "train"), args.labels)
+    heldout = Rows(load_shards(data, "heldout"), args.labels)
     if args.max_heldout_rows:
         heldout.items = heldout.items[: args.max_heldout_rows]
         heldout.length = heldout.length[: args.max_heldout_rows]
@@ -397,6 +404,7 @@ def train(args) -> dict:
     n_avg = max(1, min(len(train_losses) // 10, 50))
     summary = {
         "command": "python -m train.intentkv_head " + " ".join(args.argv),
+        "labels": args.labels,
         "data": {**meta, "folder": str(data), "data_meta": load_meta(data)},
         "train_seconds_this_run": round(seconds, 1),
         "loss_first": float(np.mean(train_losses[:n_avg])) if train_losses else None,
@@ -406,6 +414,11 @@ def train(args) -> dict:
         "heldout_final": evals[-1] if evals else None,
         "alpha": float(params["alpha"][...]),
     }
+    if args.labels != "actions":  # the same head measured on §4's labels too (their held-out rows)
+        spec4 = Rows(load_shards(data, "heldout"), "actions")
+        if args.max_heldout_rows:
+            spec4.items, spec4.length = spec4.items[: args.max_heldout_rows], spec4.length[: args.max_heldout_rows]
+        summary["heldout_final_actions_labels"] = evaluate(graphdef, params, spec4, lc, head_cfg.alpha_max, args.budgets)
     trained = Head(head_cfg, graphdef, params)
     save_head(trained, out, base_model=_base_model(args), training=summary)
     (out / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
@@ -424,6 +437,9 @@ def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0], formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     p.add_argument("--data", default="runs/intentkv-data", help="rows from `python -m train.intentkv_data`")
     p.add_argument("--out", default="runs/intentkv-head")
+    p.add_argument("--labels", default="actions",
+                   help="label spec (train.intentkv_data.label_array): actions (§4 future-action grounding, the default), "
+                        "cue (+ each match's cue tokens), read (what the next replies attend to), or a union such as actions+read")
     p.add_argument("--epochs", type=int, default=2)
     p.add_argument("--steps", type=int, default=None, help="optimizer updates (default: --epochs over the rows)")
     p.add_argument("--micro-batch", type=int, default=4, help="rows per micro-step")
@@ -444,6 +460,10 @@ def parse_args(argv=None):
     p.add_argument("--quiet", action="store_true", help="no progress bar")
     args = p.parse_args(argv)
     args.argv = argv
+    try:
+        label_keys(args.labels)
+    except ValueError as e:
+        p.error(str(e))
     args.budgets = tuple(int(b) for b in str(args.budgets).split(","))
     if args.quick:
         args.steps = 3 if args.steps is None else args.steps
