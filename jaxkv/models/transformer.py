@@ -163,6 +163,14 @@ class Transformer(nnx.Module):
                 x = x + layer.mlp(layer.post_attention_layernorm(x))
         return x
 
+    def run_layers(self, tokens_BT, positions_BT, attend):
+        """The layer loop with a caller-owned attention: ``attend(layer_index, q, k,
+        v) -> o`` (post-RoPE ``q [B,T,Hq,D]``, ``k``/``v [B,T,Hkv,D]``; returns
+        ``o [B,T,Hq,D]``). Returns final hidden states ``[B,T,M]`` (before the final
+        norm; ``logits`` projects them). For KV stores the model does not know,
+        e.g. the quantized pool of ``jaxkv.cache.quantized``."""
+        return self._run(tokens_BT, positions_BT, attend)
+
     # -- entry points ------------------------------------------------------------
     def __call__(self, tokens_BT, positions_BT=None):
         """Dense causal forward, no cache. Returns float32 logits ``[B,T,V]``."""

@@ -23,6 +23,17 @@ Dequantization is folded into the dots instead of materialising float K/V:
 INT2 pages are read one page (32 tokens) per step, INT4 tokens 64 per step.
 The reference dequantizes the gathered entries to float32 and calls
 ``decode_attention_reference``.
+
+Two optional parts serve the engine's dual pool (``jaxkv.cache.quantized``):
+
+* ``int2_mask_BP``: a uint32 bitmask per listed page (bit ``t`` set: token ``t``
+  of the page is read). A request whose eviction dropped some tokens of a page
+  still lists the page, with those bits cleared; every listed page must keep at
+  least one bit. The kernel reads masked pages through one indirection (entry
+  ``b*P + j`` -> page id and mask), so the split-K skeleton is unchanged.
+* ``float_pool`` / ``float_idx_BN`` / ``float_len_B``: a third, full-precision
+  part (KIVI's residual window of recent tokens), read by the float reader of
+  ``decode_attention`` and merged by the same log-sum-exp.
 """
 
 from __future__ import annotations
@@ -37,7 +48,7 @@ from jax.experimental import pallas as pl
 from jaxkv.attention import decode_attention_reference
 from jaxkv.pallas import _splitk
 from jaxkv.pallas._dispatch import resolve_backend
-from jaxkv.pallas.decode_attention import TOKEN_BLOCK, check_decode_inputs
+from jaxkv.pallas.decode_attention import TOKEN_BLOCK, FloatTokens, check_decode_inputs
 from jaxkv.pallas.quant import PAGE, Int2Pool, Int4Pool, dequantize_int2_keys, dequantize_rows, plane_chunks
 
 
@@ -116,6 +127,21 @@ class Int2Pages:
         return _per_token_values(probs[0], vd, vs, vz, lambda r, last: r[page, h, :, last], 2, self.head_dim)
 
 
+@dataclasses.dataclass(frozen=True)
+class MaskedInt2Pages(Int2Pages):
+    """``Int2Pages`` whose ids are entries ``b*P + j``; refs start with the entry
+    tables ``page [B*P]`` and ``mask [B*P]`` (uint32, bit t: token t is read)."""
+
+    def scores(self, q_ref, refs, h, entry):
+        page_ref, mask_ref = refs[:2]
+        s = super().scores(q_ref, refs[2:], h, page_ref[entry])[0]
+        bits = (mask_ref[entry] >> jax.lax.broadcasted_iota(jnp.uint32, (PAGE,), 0)) & jnp.uint32(1)
+        return [jnp.where(bits[None, :] > 0, s, _splitk.MASKED)]
+
+    def values(self, refs, h, entry, probs):
+        return super().values(refs[2:], h, refs[0][entry], probs)
+
+
 def _fields(pool):
     return (pool.k.data, pool.k.scale, pool.k.zero, pool.v.data, pool.v.scale, pool.v.zero)
 
@@ -137,31 +163,46 @@ def _check_pools(int2_pool, int2_pages_BP, int2_num_pages_B, int4_pool):
 
 
 def quantized_decode_attention_reference(
-    q_BHD, int2_pool, int2_pages_BP, int2_num_pages_B, int4_pool, int4_idx_BN, int4_len_B
+    q_BHD, int2_pool, int2_pages_BP, int2_num_pages_B, int4_pool, int4_idx_BN, int4_len_B,
+    int2_mask_BP=None, float_pool=None, float_idx_BN=None, float_len_B=None,
 ):
-    """Dequantize every request's entries to float32 and run the float reference."""
+    """Dequantize every request's entries to float32 and run the float reference.
+
+    Entries of request b: its INT2 tokens (pages before ``int2_num_pages_B[b]``,
+    bits of ``int2_mask_BP``), its INT4 tokens, its float tokens; the valid ones
+    are moved to the front (attention does not depend on the order).
+    """
     B, _, D = q_BHD.shape
-    k4, v4 = dequantize_rows(int4_pool.k.take(int4_idx_BN)), dequantize_rows(int4_pool.v.take(int4_idx_BN))
-    lens = int4_len_B.astype(jnp.int32)
+    K = int4_pool.k.data.shape[1]
+    ks, vs, valid = [], [], []
     if int2_pool is not None:
-        P, K = int2_pages_BP.shape[1], k4.shape[2]
+        P = int2_pages_BP.shape[1]
         k2 = dequantize_int2_keys(int2_pool.k.take(int2_pages_BP))  # [B, P, K, 32, D]
         v2 = dequantize_rows(int2_pool.v.take(int2_pages_BP))
-        k2 = k2.transpose(0, 1, 3, 2, 4).reshape(B, P * PAGE, K, D)
-        v2 = v2.transpose(0, 1, 3, 2, 4).reshape(B, P * PAGE, K, D)
-        n2 = int2_num_pages_B.astype(jnp.int32) * PAGE
-        # Entries of request b: its n2 INT2 tokens, then its INT4 tokens, then padding.
-        N4 = k4.shape[1]
-        m = jnp.arange(P * PAGE + N4)[None, :]
-        from_int2 = m < n2[:, None]
-        pick4 = jnp.clip(m - n2[:, None], 0, N4 - 1)
-        order = jnp.where(from_int2, m, P * PAGE + pick4)  # into concat([int2, int4]) per request
-        k4 = jnp.take_along_axis(jnp.concatenate([k2, k4], 1), order[..., None, None], axis=1)
-        v4 = jnp.take_along_axis(jnp.concatenate([v2, v4], 1), order[..., None, None], axis=1)
-        lens = n2 + lens
-    N, K = k4.shape[1], k4.shape[2]
+        ks.append(k2.transpose(0, 1, 3, 2, 4).reshape(B, P * PAGE, K, D))
+        vs.append(v2.transpose(0, 1, 3, 2, 4).reshape(B, P * PAGE, K, D))
+        ok = jnp.arange(P)[None, :, None] < int2_num_pages_B.astype(jnp.int32)[:, None, None]
+        if int2_mask_BP is not None:
+            bit = (int2_mask_BP.astype(jnp.uint32)[:, :, None] >> jnp.arange(PAGE, dtype=jnp.uint32)) & 1
+            ok = ok & (bit > 0)
+        valid.append(jnp.broadcast_to(ok, (B, P, PAGE)).reshape(B, P * PAGE))
+    N4 = int4_idx_BN.shape[1]
+    ks.append(dequantize_rows(int4_pool.k.take(int4_idx_BN)))
+    vs.append(dequantize_rows(int4_pool.v.take(int4_idx_BN)))
+    valid.append(jnp.arange(N4)[None, :] < int4_len_B.astype(jnp.int32)[:, None])
+    if float_pool is not None:
+        fk, fv = float_pool
+        ks.append(fk[float_idx_BN].astype(jnp.float32))
+        vs.append(fv[float_idx_BN].astype(jnp.float32))
+        valid.append(jnp.arange(float_idx_BN.shape[1])[None, :] < float_len_B.astype(jnp.int32)[:, None])
+    k, v, ok = (jnp.concatenate(x, axis=1) for x in (ks, vs, valid))
+    order = jnp.argsort(~ok, axis=1, stable=True)  # valid entries first, in order
+    k = jnp.take_along_axis(k, order[..., None, None], axis=1)
+    v = jnp.take_along_axis(v, order[..., None, None], axis=1)
+    N = k.shape[1]
     flat_idx = (jnp.arange(B)[:, None] * N + jnp.arange(N)[None, :]).astype(jnp.int32)
-    return decode_attention_reference(q_BHD, k4.reshape(B * N, K, D), v4.reshape(B * N, K, D), flat_idx, lens)
+    lens = ok.sum(axis=1).astype(jnp.int32)
+    return decode_attention_reference(q_BHD, k.reshape(B * N, K, D), v.reshape(B * N, K, D), flat_idx, lens)
 
 
 def quantized_decode_attention(
@@ -173,17 +214,25 @@ def quantized_decode_attention(
     int4_idx_BN,
     int4_len_B,
     *,
+    int2_mask_BP=None,
+    float_pool=None,
+    float_idx_BN=None,
+    float_len_B=None,
     backend=None,
 ):
     """Decode attention over INT2 pages then INT4 tokens, dequantized on the fly.
 
     Args:
       q_BHD: ``[B, Hq, D]`` float queries.
-      int2_pool: ``Int2Pool`` of ``P2`` pages, or ``None`` (then the two INT2 index
+      int2_pool: ``Int2Pool`` of ``P2`` pages, or ``None`` (then the INT2 index
         arguments are ignored and may be ``None``).
       int2_pages_BP: ``[B, P]`` int32 page ids; ``int2_num_pages_B``: ``[B]`` real pages.
       int4_pool: ``Int4Pool`` of ``S`` slots.
       int4_idx_BN: ``[B, N]`` int32 slot ids; ``int4_len_B``: ``[B]`` real slots.
+      int2_mask_BP: optional ``[B, P]`` uint32, bit ``t``: token ``t`` of the page
+        is read (default: all 32); a listed page keeps at least one bit.
+      float_pool: optional ``(k [SF, Hkv, D], v [SF, Hkv, D])`` full-precision
+        rows, read at ``float_idx_BN [B, NF]`` (``float_len_B [B]`` real).
       backend: see ``jaxkv.pallas._dispatch``.
 
     Returns:
@@ -196,25 +245,39 @@ def quantized_decode_attention(
     check_decode_inputs(q_BHD, int4_idx_BN, int4_len_B, K, D, "INT4 pool")
     if int2_pool is not None:
         check_decode_inputs(q_BHD, int2_pages_BP, int2_num_pages_B, K, D, "INT2 pool")
-    args = (q_BHD, int2_pool, int2_pages_BP, int2_num_pages_B, int4_pool, int4_idx_BN, int4_len_B)
+        if int2_mask_BP is not None and int2_mask_BP.shape != int2_pages_BP.shape:
+            raise ValueError(f"int2_mask must match int2_pages {int2_pages_BP.shape}, got {int2_mask_BP.shape}")
+    if float_pool is not None:
+        if float_pool[0].shape[1:] != (K, D):
+            raise ValueError(f"float pool rows {float_pool[0].shape[1:]} != INT4 pool [Hkv={K}, D={D}]")
+        check_decode_inputs(q_BHD, float_idx_BN, float_len_B, K, D, "float pool")
+    args = (q_BHD, int2_pool, int2_pages_BP, int2_num_pages_B, int4_pool, int4_idx_BN, int4_len_B,
+            int2_mask_BP, float_pool, float_idx_BN, float_len_B)
     return _quantized_decode_attention(*args, resolve_backend(backend))
 
 
-@functools.partial(jax.jit, static_argnums=7)
+@functools.partial(jax.jit, static_argnums=11)
 def _quantized_decode_attention(
-    q_BHD, int2_pool, int2_pages_BP, int2_num_pages_B, int4_pool, int4_idx_BN, int4_len_B, backend
+    q_BHD, int2_pool, int2_pages_BP, int2_num_pages_B, int4_pool, int4_idx_BN, int4_len_B,
+    int2_mask_BP, float_pool, float_idx_BN, float_len_B, backend,
 ):
     if backend == "reference":
         return quantized_decode_attention_reference(
-            q_BHD, int2_pool, int2_pages_BP, int2_num_pages_B, int4_pool, int4_idx_BN, int4_len_B
+            q_BHD, int2_pool, int2_pages_BP, int2_num_pages_B, int4_pool, int4_idx_BN, int4_len_B,
+            int2_mask_BP, float_pool, float_idx_BN, float_len_B,
         )
     K, D = int4_pool.k.data.shape[1], int4_pool.k.head_dim
     q_BKGD = _splitk.group_queries(q_BHD, K, backend)
     parts = [_splitk.split_k(q_BKGD, Int4Tokens(D), _fields(int4_pool), int4_idx_BN, int4_len_B, backend=backend)]
     if int2_pool is not None:
-        parts.append(
-            _splitk.split_k(
-                q_BKGD, Int2Pages(D), _fields(int2_pool), int2_pages_BP, int2_num_pages_B, backend=backend
-            )
-        )
+        if int2_mask_BP is None:
+            reader, refs, ids = Int2Pages(D), _fields(int2_pool), int2_pages_BP
+        else:  # entries b*P + j, resolved to (page, mask) inside the reader
+            B, P = int2_pages_BP.shape
+            reader = MaskedInt2Pages(D)
+            refs = (int2_pages_BP.reshape(-1).astype(jnp.int32), int2_mask_BP.reshape(-1).astype(jnp.uint32)) + _fields(int2_pool)
+            ids = jnp.arange(B * P, dtype=jnp.int32).reshape(B, P)
+        parts.append(_splitk.split_k(q_BKGD, reader, refs, ids, int2_num_pages_B, backend=backend))
+    if float_pool is not None:
+        parts.append(_splitk.split_k(q_BKGD, FloatTokens(D), tuple(float_pool), float_idx_BN, float_len_B, backend=backend))
     return _splitk.merge(parts, q_BHD)
