@@ -1,5 +1,10 @@
-"""TriAxialKV formats: round-trip bounds, the documented packing layout, and the
-quantized decode kernel (interpret) vs its reference and a float64 oracle."""
+"""TriAxialKV formats: round-trip bounds (every element within half a quantization
+step of its group), the documented packing layout, and the quantized decode kernel
+(interpret) vs its reference and a float64 oracle.
+
+Attention-output error is not asserted on i.i.d. random data here: it is measured
+per format on K/V captured from the embedded model by ``train/calibrate_triaxial.py``
+(``attention_error`` in ``jaxkv/assets/embedded-agent/triaxial.json``)."""
 
 from __future__ import annotations
 
@@ -8,7 +13,6 @@ import numpy as np
 import pytest
 
 from jaxkv.pallas import (
-    decode_attention,
     dequantize_int2_keys,
     dequantize_rows,
     quantize_int2_keys,
@@ -140,28 +144,34 @@ def test_quantized_kernel_matches_reference_and_f64(D, G, qdtype, tol):
     assert rel_err(out4[0::4], out[0::4]) <= tol
 
 
-def test_quantization_error_vs_bf16_attention():
-    """Report INT4 and mixed (~2.7 bits) error vs bf16 decode on random N(0,1) data."""
-    rng = np.random.default_rng(0)
-    B, K, G, D, N = 4, 2, 4, 128, 4096
-    n2 = 83 * 32  # 65% of tokens in INT2 pages -> 0.65*2 + 0.35*4 = 2.7 bits
-    k = jnp.asarray(rng.standard_normal((N + 1, K, D)), jnp.bfloat16)
-    v = jnp.asarray(rng.standard_normal((N + 1, K, D)), jnp.bfloat16)
-    q = jnp.asarray(rng.standard_normal((B, K * G, D)), jnp.float32)
-    all_slots = jnp.tile(jnp.arange(1, N + 1, dtype=jnp.int32), (B, 1))
-    full = jnp.full((B,), N, jnp.int32)
-    ref = decode_attention(q, k, v, all_slots, full)
-    pool4 = quantize_int4_pool(k, v)
-    out4 = quantized_decode_attention(q, None, None, None, pool4, all_slots, full)
-    pool2 = quantize_int2_pool(k[1 : 1 + n2], v[1 : 1 + n2])
-    pages = jnp.tile(jnp.arange(n2 // 32, dtype=jnp.int32), (B, 1))
-    rest = jnp.tile(jnp.arange(1 + n2, N + 1, dtype=jnp.int32), (B, 1))
-    outm = quantized_decode_attention(
-        q, pool2, pages, jnp.full((B,), n2 // 32, jnp.int32), pool4, rest, jnp.full((B,), N - n2, jnp.int32)
-    )
-    e4, em = rel_err(out4, ref), rel_err(outm, ref)
-    print(f"\nrelative error vs bf16 decode (N={N}, D={D}): INT4 {e4:.4f}, mixed INT2/INT4 (2.7 bits) {em:.4f}")
-    assert e4 < em
+def test_masked_int2_pages_and_float_part_match_f64():
+    """Per-page token masks (rows a request evicted) and the full-precision part
+    (KIVI's residual): kernel (interpret) = reference = float64 oracle."""
+    rng = np.random.default_rng(7)
+    K, G, D = 2, 2, 64
+    kv = lambda n: rng.standard_normal((n, K, D)).astype(np.float32)
+    pool2, pool4 = quantize_int2_pool(kv(6 * 32), kv(6 * 32)), quantize_int4_pool(kv(50), kv(50))
+    fk, fv = kv(40), kv(40)
+    pages = np.array([[1, 3, 0], [2, 5, 4]], np.int32)
+    npg = np.array([2, 3], np.int32)
+    mask = np.array([[0xFFFF0000, 0x1, 0], [0xFFFFFFFF, 0x80000000, 0x00F0]], np.uint32)
+    i4, n4 = np.array([[3, 7, 9, 0], [1, 2, 0, 0]], np.int32), np.array([3, 2], np.int32)
+    fi, nf = np.array([[5, 6], [7, 0]], np.int32), np.array([2, 1], np.int32)
+    q = jnp.asarray(rng.standard_normal((2, K * G, D)), jnp.float32)
+    args = (q, pool2, jnp.asarray(pages), jnp.asarray(npg), pool4, jnp.asarray(i4), jnp.asarray(n4))
+    kw = dict(int2_mask_BP=jnp.asarray(mask), float_pool=(jnp.asarray(fk), jnp.asarray(fv)),
+              float_idx_BN=jnp.asarray(fi), float_len_B=jnp.asarray(nf))
+    ref = quantized_decode_attention(*args, **kw, backend="reference")
+    out = quantized_decode_attention(*args, **kw, backend="interpret")
+    tok = lambda a: np.asarray(a, np.float64).transpose(0, 2, 1, 3).reshape(-1, K, D)
+    k2, v2 = tok(dequantize_int2_keys(pool2.k)), tok(dequantize_rows(pool2.v))
+    k4, v4 = np.asarray(dequantize_rows(pool4.k), np.float64), np.asarray(dequantize_rows(pool4.v), np.float64)
+    for b in range(2):
+        t2 = [p * 32 + t for p, m in zip(pages[b, : npg[b]], mask[b]) for t in range(32) if (int(m) >> t) & 1]
+        k = np.concatenate([k2[t2], k4[i4[b, : n4[b]]], fk[fi[b, : nf[b]]]])
+        v = np.concatenate([v2[t2], v4[i4[b, : n4[b]]], fv[fi[b, : nf[b]]]])
+        want = attention_f64(np.asarray(q[b], np.float64), k, v)
+        assert rel_err(out[b], want) <= 1e-5 and rel_err(ref[b], want) <= 1e-5
 
 
 def test_quantized_bad_inputs():
