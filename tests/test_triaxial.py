@@ -203,6 +203,26 @@ def test_quantized_decode_logits_equal_attention_over_dequantized_kv(qmodel, mod
     assert np.abs(logits[0] - want).max() <= 1e-5 * np.abs(want).max()
 
 
+def test_prefill_attends_over_the_dequantized_prefix_and_its_chunk_in_full_precision(qmodel):
+    """A second prefill on a quantized pool = a float pool holding the dequantized
+    K/V of the first (the new chunk itself in full precision)."""
+    rng = np.random.default_rng(8)
+    tokens = rng.integers(5, 500, 200).tolist()
+    bits = np.where(rng.random(128) < 0.6, 2, 4)
+    q = Engine(qmodel, rows=1, max_positions=512, prefill_chunk=128, kv_quant="triaxial")
+    f = Engine(qmodel, rows=1, max_positions=512, prefill_chunk=128)
+    rq, rf = q.open_row(), f.open_row()
+    q.prefill([rq], [tokens[:128]], kv_bits=[bits])
+    f.prefill([rf], [tokens[:128]])
+    layers = [dequantize_slots(q.cache.pool.layer(i), q.quant.geometry, jnp.asarray(q.row_state[rq].slots)) for i in range(2)]
+    slots = jnp.asarray(f.row_state[rf].slots)
+    f.cache = f.cache.replace(k=f.cache.k.at[:, slots].set(jnp.stack([k for k, _ in layers])),
+                              v=f.cache.v.at[:, slots].set(jnp.stack([v for _, v in layers])))
+    got = q.prefill([rq], [tokens[128:]], all_logits=True)[0]
+    want = f.prefill([rf], [tokens[128:]], all_logits=True)[0]
+    assert np.abs(got - want).max() <= 1e-5 * np.abs(want).max()
+
+
 def test_pool_round_trip_within_half_a_step(qmodel):
     """Through the pool's writer and reader, every element of INT2 pages (keys per
     channel, values per token) and INT4 rows is within half its quantization step."""
