@@ -24,6 +24,13 @@ applies. Read top to bottom, a request goes:
    ``decode(rows, first_tokens, n)`` runs jobs to completion.
 6. ``truncate_row`` (drop a probe generation), ``close_row`` (drop references).
 
+A quantized pool (``Engine(kv_quant=...)``: INT2 pages and INT4 slots, TriAxialKV)
+takes the same path; each step's "quantized pool" branch hands the device work to
+``jaxkv.cache.quantized`` and the host plan to ``self.quant``
+(``jaxkv.cache.quantized_host.QuantizedKV``): prefill writes each token at the
+precision its ``kv_bits`` say, decode reads page tables, eviction and promotion
+move packed rows.
+
 The scheduler (``jaxkv.serving.scheduler``) calls the job methods for many rows at
 once; a single request (``generate``, tests) calls the run-to-completion methods,
 which are the same jobs.
@@ -57,6 +64,8 @@ from flax import nnx
 from jaxkv import pallas
 from jaxkv.buckets import bucket
 from jaxkv.cache.allocator import SENTINEL_SLOT, SlotAllocator
+from jaxkv.cache.quantized import gather_keys as _gather_dequantized_keys
+from jaxkv.cache.quantized import quantized_prefill_step
 from jaxkv.cache.request import RequestState
 from jaxkv.cache.state import PagedKVCache, append_tokens, put_rows, take_rows
 from jaxkv.errors import ContextLengthError, JaxKVError, OutOfSlotsError
@@ -450,9 +459,7 @@ class Engine:
         if n is not None:
             live = np.concatenate([live, np.full(n - live.size, SENTINEL_SLOT, np.int32)])
         if self.quant is not None:  # quantized pool: dequantized keys
-            from jaxkv.cache.quantized import gather_keys
-
-            return gather_keys(self.cache, jnp.asarray(live))
+            return _gather_dequantized_keys(self.cache, jnp.asarray(live))
         return _gather_keys(self.cache.k, jnp.asarray(live))
 
     def gather_rows(self, slots) -> tuple[np.ndarray, np.ndarray]:
@@ -613,8 +620,6 @@ class Engine:
             logit_idx[b] = np.arange(Y) if Y == C else piece.size - 1  # Y == 1: the last real token
         n_read = min(bucket(max(len(s.live) for s in states)), self.max_positions)
         if self.quant is not None:  # quantized pool: dequantized prefix, chunk stored quantized
-            from jaxkv.cache.quantized import quantized_prefill_step
-
             page_src, page_ids = self.quant.chunk_pages(jobs, B, C)
             logits, self.cache, aux = quantized_prefill_step(
                 self.graphdef, self.params, self.cache, rows, tokens, counts, slots, page_src, page_ids, q_idx, logit_idx,
