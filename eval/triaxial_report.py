@@ -66,22 +66,25 @@ def goal_lines(by, none, task):
     return lines
 
 
-def sweep_table(rows, none_by_task):
+def sweep_table(rows, none_by_task, same_as):
+    """One row per (budget, mode); ``same_as[B]`` lists the budgets whose triaxial
+    allocation is the same as B's (identical serving)."""
     tasks = sorted({r["task"] for r in rows})
-    budgets = sorted({float(r["kv_bits"]) for r in rows if r["kv_bits"] != "-"})
-    out = ["| B | " + " | ".join(f"{t} accuracy | {t} Δ | {t} avg bits | {t} capacity" for t in tasks) + " |",
-           "|---:|" + "---:|" * (4 * len(tasks))]
-    for b in budgets:
+    out = ["| B (same allocation as) | kv_quant | " + " | ".join(f"{t} accuracy | {t} Δ | {t} avg bits | {t} capacity" for t in tasks) + " |",
+           "|---|---|" + "---:|" * (4 * len(tasks))]
+    keys = sorted({(float(r["kv_bits"]), r["kv_quant"]) for r in rows if r["kv_bits"] != "-"})
+    for b, mode in keys:
         cells = []
         for t in tasks:
-            r = next((r for r in rows if r["task"] == t and r["kv_bits"] != "-" and float(r["kv_bits"]) == b), None)
+            r = next((r for r in rows if r["task"] == t and r["kv_quant"] == mode and r["kv_bits"] != "-" and float(r["kv_bits"]) == b), None)
             n = none_by_task[t]
             if r is None:
                 cells += ["", "", "", ""]
                 continue
             cells += [f"{100 * r['accuracy']:.1f}%", f"{100 * (r['accuracy'] - n['accuracy']):+.1f}", f"{r['avg_bits']:.2f}",
                       f"{n['kv_bytes_per_token'] / r['kv_bytes_per_token']:.2f}x"]
-        out.append(f"| {b:.1f} | " + " | ".join(cells) + " |")
+        label = f"{b:.1f}" + (f" ({', '.join(f'{x:.1f}' for x in same_as.get(b, []) if x != b)})" if mode == "triaxial" and len(same_as.get(b, [])) > 1 else "")
+        out.append(f"| {label} | {mode} | " + " | ".join(cells) + " |")
     return "\n".join(out)
 
 
@@ -140,7 +143,17 @@ def main(argv=None) -> int:
         goals += goal_lines(by, none, task)
     md += ["## Goal of issue #17", ""] + goals + [""]
     if Path(args.sweep).exists():
-        md += ["## Budget sweep on the evaluation set (triaxial)", "", sweep_table(read_csv(args.sweep), none_by_task), ""]
+        from jaxkv.policies.quant_allocation import load_allocation
+
+        alloc = load_allocation(args.calibration, "triaxial")
+        groups: dict = {}
+        for r in cal.get("sweep", []):
+            groups.setdefault(tuple(alloc.table(r["B"]).tolist()), []).append(r["B"])
+        same_as = {b: bs for bs in groups.values() for b in bs}
+        md += ["## Budget sweep on the evaluation set", "",
+               "Budgets that give the same triaxial allocation serve identically; each group ran once, at the budget "
+               "listed first (the others in brackets). The ablations ran at the same budgets with their own allocations.", "",
+               sweep_table(read_csv(args.sweep), none_by_task, same_as), ""]
     md += ["## Calibration", "", calibration_tables(cal), "",
            "## Attention-output error per format on K/V captured from the embedded model", "",
            "Relative error ||o' - o|| / ||o|| of the attention output with the format applied to the calibration "
