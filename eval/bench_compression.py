@@ -10,6 +10,10 @@ dead-slot layout applied to the row. Its median time over repeats is printed nex
 to the median time of one greedy decode step of the same model at the same
 context, measured in the same run, and their ratio. Policy state is warmed as in
 a session (AgentKV rings filled, IntentKV memory initialised, H2O mass present).
+The actionable query span is the last ``SPAN`` live positions (``query_span_N``);
+the learned IntentKV policies run a freshly initialised head of this shape's head
+dim with a non-zero output layer (``--head PATH`` to time another): its cost does
+not depend on its weights.
 """
 
 from __future__ import annotations
@@ -17,6 +21,7 @@ from __future__ import annotations
 import argparse
 import os
 import platform
+import tempfile
 import time
 
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
@@ -36,7 +41,10 @@ CFG_125M = ModelConfig(
     model_type="qwen3", vocab_size=32000, hidden_size=768, intermediate_size=2048, num_layers=12,
     num_heads=12, num_kv_heads=4, head_dim=64, qk_norm=True, max_position_embeddings=40960,
 )
-METHODS = ("streaming_llm", "snapkv", "h2o", "tova", "random", "oldest", "agentkv", "intentkv_memory", "intentkv_query")
+METHODS = ("streaming_llm", "snapkv", "h2o", "tova", "random", "oldest", "agentkv", "intentkv_memory", "intentkv_query",
+           "intentkv")
+LEARNED = ("intentkv", "intentkv_no_memory", "intentkv_no_xattn", "intentkv_no_residual")
+SPAN = 1024  # live positions of the actionable query span (a long tool response)
 
 
 def _median_time(fn, repeats):
@@ -68,7 +76,19 @@ def _features(engine, row, n, rng, cfg):
         acc_mass_N=jnp.asarray(rng.random(n, np.float32)),
         query_mean_LHD=jnp.asarray(rng.standard_normal((L, Hq, D), np.float32)),
         seq_len=jnp.int32(n),
+        query_span_N=jnp.arange(n) >= n - SPAN,
     )
+
+
+def bench_head(cfg, folder) -> str:
+    """A head for ``cfg.head_dim`` with every parameter non-zero, saved in ``folder``."""
+    from jaxkv.policies.intentkv_head import HeadConfig, init_head, save_head
+
+    head = init_head(HeadConfig(head_dim=cfg.head_dim), seed=0)
+    leaves, treedef = jax.tree_util.tree_flatten(head.params)
+    leaves = [x + 0.01 for x in leaves]
+    head = type(head)(head.cfg, head.graphdef, jax.tree_util.tree_unflatten(treedef, leaves))
+    return str(save_head(head, folder))
 
 
 def _warm_state(policy, cfg_p, cfg, rng):
@@ -92,8 +112,11 @@ def main(argv=None) -> str:
     ap.add_argument("--methods", default=",".join(METHODS))
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--out", default=None)
+    ap.add_argument("--head", default=None, help="IntentKV head folder for the learned methods (default: a random one)")
     args = ap.parse_args(argv)
     cfg = CFG_125M
+    tmp = tempfile.TemporaryDirectory()
+    head = args.head or bench_head(cfg, tmp.name)
     rng = np.random.default_rng(0)
     model = jaxkv.model_from_config(cfg, seed=0)
     lines = [
@@ -114,7 +137,7 @@ def main(argv=None) -> str:
         decode_ms = 1e3 * _median_time(lambda: _one_step(engine, row, base), args.repeats)
         for method in args.methods.split(","):
             policy = REGISTRY[method]
-            cfg_p = policy.make_config()
+            cfg_p = policy.make_config(head=head) if method in LEARNED else policy.make_config()
             state = _warm_state(policy, cfg_p, cfg, rng)
 
             def event():

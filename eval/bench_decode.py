@@ -100,19 +100,25 @@ def bench_jaxkv(model, batch, ctx, steps) -> float:
     return batch * steps / t
 
 
-def bench_torch(tm, batch, ctx, steps) -> float:
+def random_cache(tm, batch, ctx, g):
+    """A transformers ``DynamicCache`` holding ``ctx`` random positions per layer."""
     import torch
     from transformers import DynamicCache
 
     cfg = tm.config
-    g = torch.Generator().manual_seed(0)
+    cache = DynamicCache(config=cfg)
+    for layer in range(cfg.num_hidden_layers):
+        kv = [torch.randn(batch, cfg.num_key_value_heads, ctx, cfg.head_dim, generator=g) * 0.5 for _ in range(2)]
+        cache.update(kv[0], kv[1], layer)
+    return cache
 
-    def fresh_cache():
-        cache = DynamicCache(config=cfg)
-        for layer in range(cfg.num_hidden_layers):
-            kv = [torch.randn(batch, cfg.num_key_value_heads, ctx, cfg.head_dim, generator=g) * 0.5 for _ in range(2)]
-            cache.update(kv[0], kv[1], layer)
-        return cache
+
+def bench_torch(tm, batch, ctx, steps) -> float:
+    """The manual ``model(token, past_key_values=cache)`` loop."""
+    import torch
+
+    cfg = tm.config
+    g = torch.Generator().manual_seed(0)
 
     def run(cache):
         tok = torch.randint(0, cfg.vocab_size, (batch, 1), generator=g)
@@ -122,8 +128,8 @@ def bench_torch(tm, batch, ctx, steps) -> float:
                 cache = out.past_key_values
                 tok = out.logits[:, -1].argmax(-1, keepdim=True)
 
-    run(fresh_cache())  # warm-up
-    cache = fresh_cache()
+    run(random_cache(tm, batch, ctx, g))  # warm-up
+    cache = random_cache(tm, batch, ctx, g)
     t = _timed(lambda: run(cache))
     return batch * steps / t
 
@@ -131,17 +137,12 @@ def bench_torch(tm, batch, ctx, steps) -> float:
 def bench_torch_generate(tm, batch, ctx, steps) -> float:
     """``generate`` continuing a random cache of ``ctx`` tokens by ``steps`` tokens."""
     import torch
-    from transformers import DynamicCache
 
-    cfg = tm.config
     g = torch.Generator().manual_seed(1)
 
     def run():
-        cache = DynamicCache(config=cfg)
-        for layer in range(cfg.num_hidden_layers):
-            kv = [torch.randn(batch, cfg.num_key_value_heads, ctx, cfg.head_dim, generator=g) * 0.5 for _ in range(2)]
-            cache.update(kv[0], kv[1], layer)
-        ids = torch.randint(0, cfg.vocab_size, (batch, ctx + 1), generator=g)
+        cache = random_cache(tm, batch, ctx, g)
+        ids = torch.randint(0, tm.config.vocab_size, (batch, ctx + 1), generator=g)
         t0 = time.perf_counter()
         with torch.no_grad():
             tm.generate(ids, attention_mask=torch.ones_like(ids), past_key_values=cache, max_new_tokens=steps,

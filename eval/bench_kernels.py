@@ -1,15 +1,18 @@
 """Kernel bandwidth benchmark: decode attention (bf16, INT4, mixed ~2.7 bits) and RoPE delta.
 
 For each kernel, context and batch it reports achieved bandwidth = bytes that must
-move (K/V bytes of every live entry incl. scales/zeros, index lists, q/out; for
-RoPE delta the rotated rows read and written) / median wall time, as a fraction of
+move (the static cost model of ``jaxkv.pallas.cost``: K/V bytes of every live entry
+incl. scales/zeros, index lists, q/out; for RoPE delta the rotated rows read and
+written) / median wall time, as a fraction of
 a device-to-device copy (``-x``: read + write) measured in the same run, and the
 speedup of INT4 and mixed decode over bf16 decode. Timing: warm-up call, then
 ``--reps`` calls each followed by ``block_until_ready``, median; when a working set
 is small enough to sit in cache, inputs rotate over several copies.
 
-On GPU the Pallas kernels run (``backend=None``): contexts 4k/32k/128k, batch 1 and
-32, Hkv 8, G 4, D 128. On CPU only the jnp reference exists and settings are
+On an NVIDIA GPU the Triton kernels run (``backend=None`` resolves to ``"gpu"``; a
+TPU runs the Pallas kernels): contexts 4k/32k/128k, batch 1 and 32, Hkv 8, G 4,
+D 128, so the GPU rows are directly comparable with the floors of
+``eval/results/kernels_aot.md``. On CPU only the jnp reference exists and settings are
 smaller (contexts 4k/32k, batch 1 and 4, Hkv 2) so it finishes in a few minutes;
 the table says which. Usage::
 
@@ -26,6 +29,7 @@ import jax
 import jax.numpy as jnp
 
 from jaxkv.config import RopeConfig
+from jaxkv.pallas import cost
 from jaxkv.pallas import (
     decode_attention,
     quantize_int2_pool,
@@ -53,15 +57,6 @@ def _copies(nbytes):
     return max(1, min(4, -(-CACHE_BYTES // max(nbytes, 1))))
 
 
-def _nbytes(tree):
-    return sum(x.nbytes for x in jax.tree.leaves(tree))
-
-
-def _row_bytes(pool, rows):
-    """Bytes of ``rows`` entries of a pool whose leaves have ``len`` entries each."""
-    return _nbytes(pool) * rows // jax.tree.leaves(pool)[0].shape[0]
-
-
 def copy_bandwidth(reps):
     x = jnp.ones((CACHE_BYTES // 2,), jnp.bfloat16) if jax.default_backend() == "cpu" else jnp.ones((1 << 30,), jnp.bfloat16)
     neg = jax.jit(lambda a: -a)
@@ -77,11 +72,11 @@ def bench_case(ctx, B, K, G, D, reps, key):
     q = jax.random.normal(ks[2], (B, K * G, D), jnp.bfloat16)
     idx = (jax.random.permutation(ks[3], S - 1)[: B * ctx] + 1).reshape(B, ctx).astype(jnp.int32)
     lens = jnp.full((B,), ctx, jnp.int32)
-    small = 2 * B * (K * G * D * 2) + B * ctx * 4
+    Hq = K * G
 
     rows, times = [], {}
     # bf16
-    moved = B * ctx * K * D * 2 * 2 + small
+    moved = cost.decode_float(B, Hq, K, D, ctx).bytes
     fn = jax.jit(decode_attention)
     inputs = [(q, k.copy(), v.copy(), idx, lens) for _ in range(_copies(moved))]
     times["bf16"] = _time(fn, inputs, reps)
@@ -89,7 +84,7 @@ def bench_case(ctx, B, K, G, D, reps, key):
     del inputs
     # INT4
     pool4 = quantize_int4_pool(k, v)
-    moved = _row_bytes(pool4.k, B * ctx) + _row_bytes(pool4.v, B * ctx) + small
+    moved = cost.decode_quantized(B, Hq, K, D, ctx).bytes
     fn = jax.jit(lambda q, p4, i, n: quantized_decode_attention(q, None, None, None, p4, i, n))
     inputs = [(q, jax.tree.map(jnp.copy, pool4), idx, lens) for _ in range(_copies(moved))]
     times["int4"] = _time(fn, inputs, reps)
@@ -102,10 +97,7 @@ def bench_case(ctx, B, K, G, D, reps, key):
         pages = jnp.arange(B * n2 // 32, dtype=jnp.int32).reshape(B, n2 // 32)
         npages = jnp.full((B,), n2 // 32, jnp.int32)
         idx4, len4 = idx[:, n2:], jnp.full((B,), ctx - n2, jnp.int32)
-        moved = (
-            _row_bytes(pool2.k, B * n2 // 32) + _row_bytes(pool2.v, B * n2 // 32)
-            + _row_bytes(pool4.k, B * (ctx - n2)) + _row_bytes(pool4.v, B * (ctx - n2)) + small
-        )  # fmt: skip
+        moved = cost.decode_quantized(B, Hq, K, D, ctx - n2, n2 // 32).bytes
         fn = jax.jit(quantized_decode_attention)
         inputs = [
             (q, jax.tree.map(jnp.copy, pool2), pages, npages, pool4, idx4, len4) for _ in range(_copies(moved))
@@ -116,7 +108,7 @@ def bench_case(ctx, B, K, G, D, reps, key):
     # RoPE delta over every live token of the batch, one layer
     delta = jax.random.randint(ks[4], (B * ctx,), -64, 64, jnp.int32)
     slots = idx.reshape(-1)
-    moved = 2 * B * ctx * K * D * 2 + B * ctx * 8
+    moved = cost.rope_delta(1, B * ctx, K, D).bytes
     rope = RopeConfig(theta=500000.0)
     pool = k.copy()
     t = []

@@ -12,6 +12,13 @@ same history whatever the model produced. One fresh session per example, so the
 radix cache reuses prefixes across the turns of an example, never across
 examples. MQ-NIAH sessions run with ``protect_query=False`` (``TASK_SESSION_OPTIONS``):
 the document arrives in the same message as the first question.
+``shared_docs`` is the exception: its sessions are one tenant's, so every example
+of a cell runs on one ``Server`` (radix cache and segment store shared across its
+sessions), and ``--reuse none,segment,cacheblend`` repeats each cell per
+cross-query reuse mode (``jaxkv.serving.stages.reuse``), adding the columns
+``reuse``, ``prefill_tokens_computed`` (token x layer units per request),
+``prefill_s`` (per request), ``accept_rate`` and ``fallback_rate``
+(``reuse_summary``; ``-`` where the stage is off).
 
 Per cell (method, budget, layout, task) it reports: ``accuracy`` (scored turns
 exact-matched, turns of incomplete examples counted wrong), ``completion``
@@ -63,11 +70,18 @@ COLUMNS = (
     "peak_request_tokens", "peak_live_kv", "raw_kv_reads", "effective_kv_reads",
     "prefix_hit_rate", "wall_s", "repair_policy", "repair_k", "base_budget",
     "kv_quant", "kv_bits", "avg_bits", "kv_bytes_per_token",
+    "reuse", "prefill_tokens_computed", "prefill_s", "accept_rate", "fallback_rate",
 )
 KV_QUANTS = ("none", "int4", "kivi2", "triaxial", "triaxial_no_temporal", "triaxial_no_semantic")
+REUSE_MODES = ("none", "segment", "cacheblend")
 REPAIR_POLICIES = ("repairkv", "random", "oldest", "staleq", "wrongq", "refresh")
-ALL_METHODS = ("full", "streaming_llm", "snapkv", "h2o", "tova", "random", "oldest", "agentkv", "intentkv_memory", "intentkv_query")
-TASKS = ("agent", "mqniah")
+ALL_METHODS = ("full", "streaming_llm", "snapkv", "h2o", "tova", "random", "oldest", "agentkv", "intentkv_memory", "intentkv_query",
+               "intentkv", "intentkv_no_memory", "intentkv_no_xattn", "intentkv_no_residual")
+TASKS = ("agent", "mqniah", "shared_docs")
+# Tasks whose sessions share one Server per cell (radix cache and segment store),
+# as one tenant's sessions do: shared_docs exists to measure reuse across sessions.
+SHARED_SERVER_TASKS = ("shared_docs",)
+REUSE_TENANT = "tenant0"
 EVAL_SEED_BASE = (1 << 30) + 9_000_000  # disjoint from training seeds (< 2**30)
 # Session options a task needs: an MQ-NIAH document and its first question are one
 # user message, so events must be free to evict inside the actionable message
@@ -93,17 +107,20 @@ class Cell:
     base_budget: int | None = None
     kv_quant: str = "none"
     kv_bits: float | None = None
+    reuse: str = "-"
 
 
 def make_examples(task: str, n: int, length: int, seed: int = EVAL_SEED_BASE, needles: int = 4):
     """``n`` generated examples of ``task`` (held out from training by seed);
     ``needles`` is the MQ-NIAH needle count (2, 4, 6 or 8)."""
-    from jaxkv.tasks import agent_traces, mqniah
+    from jaxkv.tasks import agent_traces, mqniah, shared_docs
 
     if task == "agent":
         return agent_traces(n, seed, length=length)
     if task == "mqniah":
         return mqniah(n, seed + 500_000, needles=needles, length=length)
+    if task == "shared_docs":
+        return shared_docs(n, seed + 700_000)
     raise ValueError(f"unknown task {task!r}; known: {', '.join(TASKS)}")
 
 
@@ -114,8 +131,9 @@ def reply_matches(target, reply: dict) -> bool:
     return is_correct(Job(0, target.kind, target.expected, [], ""), reply)
 
 
-def replay_example(model, example, cell: Cell, *, max_new_tokens: int, max_positions: int, **session_options):
-    """Replay one example through a fresh ``Session`` configured for ``cell``.
+def replay_example(model, example, cell: Cell, *, max_new_tokens: int, max_positions: int, server=None, **session_options):
+    """Replay one example through a fresh ``Session`` configured for ``cell``
+    (on ``server`` when given, else on a private one).
 
     Returns ``(verdicts, completed, metrics dict, session)``: ``verdicts[i]`` says
     whether ``example.targets[i]`` was reproduced exactly (all False when the
@@ -137,7 +155,12 @@ def replay_example(model, example, cell: Cell, *, max_new_tokens: int, max_posit
             options["kv_bits"] = cell.kv_bits
     else:
         options.pop("kv_allocation", None)
-    session = Session(model, max_positions=max_positions, max_new_tokens=max_new_tokens, **options)
+    if cell.reuse != "-":
+        options.update(reuse=cell.reuse, tenant=REUSE_TENANT)
+    if server is not None:
+        session = server.session(max_new_tokens=max_new_tokens, **options)
+    else:
+        session = Session(model, max_positions=max_positions, max_new_tokens=max_new_tokens, **options)
     assistant_at = [j for j, m in enumerate(example.messages) if m.get("role") == "assistant"]
     last = max(t.message_index for t in example.targets)
     try:
@@ -154,17 +177,43 @@ def replay_cell(model, examples, cell: Cell, *, max_new_tokens: int, max_positio
     metrics)`` per example; a WrongQ-K cell scores each example with the previous
     example's repair signal (another session's query)."""
     wrong_signal = None
-    for ex in examples:
-        options = dict(session_options)
-        if cell.repair_policy == "wrongq":
-            options["repair_wrong_signal"] = wrong_signal
-        verdicts, done, metrics, session = replay_example(model, ex, cell, max_new_tokens=max_new_tokens,
-                                                          max_positions=max_positions, **options)
-        metrics = {**metrics, "kv": kv_summary(model, session)}
-        wrong_signal = session.repair_signal or wrong_signal
-        if progress is not None:
-            progress(1)
-        yield verdicts, done, metrics
+    server = None
+    if cell.task in SHARED_SERVER_TASKS:
+        from jaxkv.serving import Server
+
+        server = Server(model, max_positions=max_positions, kv_quant=None if cell.kv_quant == "none" else cell.kv_quant)
+    try:
+        for ex in examples:
+            options = dict(session_options)
+            if cell.repair_policy == "wrongq":
+                options["repair_wrong_signal"] = wrong_signal
+            verdicts, done, metrics, session = replay_example(model, ex, cell, max_new_tokens=max_new_tokens,
+                                                              max_positions=max_positions, server=server, **options)
+            wrong_signal = session.repair_signal or wrong_signal
+            stage = session._stage("reuse")
+            metrics = dict(metrics, reuse_reports=list(stage.reports) if stage is not None else [],
+                           kv=kv_summary(model, session))
+            if progress is not None:
+                progress(1)
+            yield verdicts, done, metrics
+    finally:
+        if server is not None:
+            server.close()
+
+
+def reuse_summary(reports) -> dict:
+    """Per-request means and rates of the reuse stage's ``ReuseReport``s: prefill
+    compute (token x layer units), prefill wall time, and acceptance / fallback
+    rates over the spans the acceptance test judged (``-`` where nothing ran)."""
+    if not reports:
+        return {"prefill_tokens_computed": "-", "prefill_s": "-", "accept_rate": "-", "fallback_rate": "-"}
+    spans = sum(r.spans for r in reports)
+    return {
+        "prefill_tokens_computed": float(np.mean([r.units for r in reports])),
+        "prefill_s": float(np.mean([r.prefill_s for r in reports])),
+        "accept_rate": sum(r.accepted for r in reports) / spans if spans else "-",
+        "fallback_rate": sum(r.rejected for r in reports) / spans if spans else "-",
+    }
 
 
 def kv_summary(model, session) -> dict:
@@ -186,10 +235,11 @@ def kv_summary(model, session) -> dict:
 def run_cell(model, examples, cell: Cell, *, max_new_tokens: int, max_positions: int, progress=None, **session_options) -> dict:
     t0 = time.perf_counter()
     correct = scored = completed = 0
-    metrics = []
+    metrics, reports = [], []
     for verdicts, done, m in replay_cell(model, examples, cell, max_new_tokens=max_new_tokens,
                                          max_positions=max_positions, progress=progress, **session_options):
         correct, scored, completed = correct + sum(verdicts), scored + len(verdicts), completed + done
+        reports += m.pop("reuse_reports", [])
         metrics.append(m)
     mean = {k: float(np.mean([m[k] for m in metrics])) for k in ("peak_request_tokens", "peak_live_kv", "raw_kv_reads", "effective_kv_reads", "prefix_hit_rate")}
     kv_tokens = sum(m["kv"]["tokens"] for m in metrics) or 1.0
@@ -210,24 +260,28 @@ def run_cell(model, examples, cell: Cell, *, max_new_tokens: int, max_positions:
         "kv_bits": "-" if cell.kv_bits is None else cell.kv_bits,
         "avg_bits": sum(m["kv"]["bits"] for m in metrics) / kv_tokens,
         "kv_bytes_per_token": sum(m["kv"]["bytes"] for m in metrics) / kv_tokens,
+        "reuse": cell.reuse,
+        **reuse_summary(reports),
     }
 
 
-def grid(methods, budgets, layouts, tasks, repair_ks=(), repair_policies=("repairkv",), kv_quants=("none",), kv_bits=()) -> list[Cell]:
+def grid(methods, budgets, layouts, tasks, repair_ks=(), repair_policies=("repairkv",), kv_quants=("none",), kv_bits=(), reuses=("-",)) -> list[Cell]:
     """Every cell to run. With ``repair_ks``, each (method, B_base) on the dead-slot
     layout (repair needs stable positions) also gets, per K, one cell per repair
     policy at B_base and the matched no-repair cell at B_base + K. Every cell is
-    then run once per ``kv_quants`` mode, the triaxial modes once per ``kv_bits``
-    budget (none given: the calibrated budget)."""
+    then run once per ``kv_quants`` mode (the triaxial modes once per ``kv_bits``
+    budget; none given: the calibrated budget) and per reuse mode in ``reuses``
+    (``"-"``: the reuse stage is off)."""
     return [
-        dataclasses.replace(cell, kv_quant=q, kv_bits=b)
-        for cell in _base_grid(methods, budgets, layouts, tasks, repair_ks, repair_policies)
+        dataclasses.replace(cell, kv_quant=q, kv_bits=b, reuse=r)
+        for cell in _grid(methods, budgets, layouts, tasks, repair_ks, repair_policies)
         for q in kv_quants
         for b in ((list(kv_bits) or [None]) if q.startswith("triaxial") else [None])
+        for r in reuses
     ]
 
 
-def _base_grid(methods, budgets, layouts, tasks, repair_ks, repair_policies) -> list[Cell]:
+def _grid(methods, budgets, layouts, tasks, repair_ks, repair_policies) -> list[Cell]:
     cells = []
     for task in tasks:
         for method in methods:
@@ -439,6 +493,8 @@ def plot(rows, out_dir: Path) -> list[Path]:
         ("raw_kv_reads", "kv_reads_vs_budget.png", "KV reads per example (tokens)"),
     ):
         tasks = sorted({r["task"] for r in rows})
+        if not tasks:  # only quantized cells: their plot is accuracy_vs_kv_bits.png
+            continue
         layouts = sorted({r["layout"] for r in rows if r["layout"] != "-"}) or ["-"]
         fig, axes = plt.subplots(len(tasks), len(layouts), figsize=(6 * len(layouts), 4 * len(tasks)), squeeze=False)
         for i, task in enumerate(tasks):
@@ -533,7 +589,7 @@ QUICK = dict(n=2, length=1024, budgets="256,512", max_new_tokens=48)
 def build_parser(parser=None):
     p = parser or argparse.ArgumentParser(prog="jaxkv eval", description=__doc__.splitlines()[0])
     p.add_argument("--model", default="embedded", help="checkpoint folder, repo id or 'embedded'")
-    p.add_argument("--task", default="agent", help="agent, mqniah, or a comma list")
+    p.add_argument("--task", default="agent", help="agent, mqniah, shared_docs, or a comma list")
     p.add_argument("--methods", default=",".join(ALL_METHODS))
     p.add_argument("--budgets", default="256,512,1024")
     p.add_argument("--layouts", default="dead_slot,compact")
@@ -547,6 +603,7 @@ def build_parser(parser=None):
     p.add_argument("--repair-policies", default="repairkv", help=f"comma list of {', '.join(REPAIR_POLICIES)}")
     p.add_argument("--kv-quant", default="none", help=f"KV precision modes, comma list of {', '.join(KV_QUANTS)}")
     p.add_argument("--kv-bits", default="", help="average-bit budgets B of the triaxial modes (default: the calibrated B)")
+    p.add_argument("--reuse", default="-", help=f"cross-query reuse modes, a comma list of {', '.join(REUSE_MODES)} ('-': stage off)")
     p.add_argument("--workers", type=int, default=1, help="processes replaying cells in parallel (up to the core count)")
     p.add_argument("--resume", action="store_true", help="skip cells already recorded in OUT/cells.jsonl for the same setup")
     p.add_argument("--quick", action="store_true", help=f"small preset: {QUICK}")
@@ -609,13 +666,14 @@ def run(args) -> list[dict]:
         raise ValueError(f"--kv-bits must be numbers, got {args.kv_bits!r}") from None
     if any(not 2.0 <= b <= 4.0 for b in kv_bits):
         raise ValueError("--kv-bits must be average bits in [2, 4]")
+    reuses = _names(args.reuse, ("-",) + REUSE_MODES, "reuse modes")
     model = jaxkv.load_model(args.model)
     if model.tokenizer is None:
         raise jaxkv.ConfigError(f"{args.model} has no tokenizer; the harness renders chats")
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     examples = {t: make_examples(t, args.n, args.length, args.seed, args.needles) for t in tasks}
-    cells = grid(methods, budgets, layouts, tasks, repair_ks, repair_policies, kv_quants, kv_bits)
+    cells = grid(methods, budgets, layouts, tasks, repair_ks, repair_policies, kv_quants, kv_bits, reuses)
     total = sum(len(examples[c.task]) for c in cells)
     max_positions = int(min(model.config.max_position_embeddings, 1 << math.ceil(math.log2(max(2 * args.length + 4 * args.max_new_tokens, 1024)))))
     setup = dict(model=args.model, n=args.n, length=args.length, seed=args.seed, needles=args.needles,

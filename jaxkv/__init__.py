@@ -7,8 +7,9 @@ Public entry points (stable names):
 * ``generate(model, prompts, max_new_tokens, temperature=0.0, top_k=None,
   top_p=None, seed=0, stop_token_ids=None) -> list[list[int]]``
 * ``Server(model, rows=...)`` / ``Session(model, server=None, ...)``: multi-turn
-  agent sessions with a managed KV cache (retention policies, RepairKV), served
-  many at once by one scheduler (continuous batching).
+  agent sessions with a managed KV cache (retention policies, RepairKV,
+  cross-query segment reuse: ``Session(model, reuse="segment", tenant=...)``),
+  served many at once by one scheduler (continuous batching).
 * ``policies``: the retention methods (``policies.REGISTRY``).
 * ``Engine``: the paged-cache engine the above are built on.
 
@@ -20,6 +21,7 @@ D head dim, M model width, F MLP width, V vocab.
 from jaxkv import policies
 from jaxkv.engine import Engine, generate, score_logits
 from jaxkv.errors import (
+    BackendUnavailableError,
     CapacityError,
     ChatError,
     CheckpointError,
@@ -71,4 +73,5 @@ __all__ = [
     "CapacityError",
     "SessionBusyError",
     "TurnCancelledError",
+    "BackendUnavailableError",
 ]

@@ -39,6 +39,9 @@ def group_heads(q_XHD, num_kv_heads: int):
     return q_XHD.reshape(*lead, num_kv_heads, Hq // num_kv_heads, D)
 
 
+SMALL_X = 4  # query rows per head group up to which ``gqa_scores``/``gqa_values`` use one plain GEMM
+
+
 def gqa_scores(q_XKGD, k_NKD):
     """Scaled float32 logits ``q·k/√D`` of grouped queries against keys.
 
@@ -46,11 +49,38 @@ def gqa_scores(q_XKGD, k_NKD):
     dims (batch, layer or none). Returns ``[..., Hkv, G, X, N]``. The one place GQA
     expansion and scaling happen: attention, retention scorers and RepairKV all
     call it.
+
+    Two arrangements of the same sums: for many query rows, a dot batched over
+    (leading dims, KV head); for few (decode: X = 1), one plain GEMM of every query
+    head against every (key, KV head) pair, keeping each query head's own KV head.
+    XLA:CPU runs the batched dot of a 1-row query as many tiny products; the plain
+    GEMM does Hkv times the multiplies but is several times faster at decode
+    shapes, and its sums are the same dot products.
     """
-    D = q_XKGD.shape[-1]
-    return jnp.einsum(
-        "...xkgd,...nkd->...kgxn", q_XKGD.astype(jnp.float32), k_NKD.astype(jnp.float32)
-    ) / jnp.sqrt(jnp.float32(D))
+    *lead, X, K, G, D = q_XKGD.shape
+    N = k_NKD.shape[-3]
+    q = q_XKGD.astype(jnp.float32)
+    k = k_NKD.astype(jnp.float32)
+    scale = jnp.sqrt(jnp.float32(D))
+    if X > SMALL_X:
+        return jnp.einsum("...xkgd,...nkd->...kgxn", q, k) / scale
+    s = jnp.einsum("...xhd,...md->...xhm", q.reshape(*lead, X, K * G, D), k.reshape(*lead, N * K, D))
+    s = jnp.diagonal(s.reshape(*lead, X, K, G, N, K), axis1=-4, axis2=-1)  # [..., X, G, N, K]
+    return jnp.moveaxis(s, (-1, -3, -4), (-4, -3, -2)) / scale  # [..., K, G, X, N]
+
+
+def gqa_values(probs_KGXN, v_NKD):
+    """``probs @ V`` under GQA: ``probs [..., Hkv, G, X, N]``, ``v [..., N, Hkv, D]``
+    -> float32 ``[..., X, Hkv, G, D]``, arranged like ``gqa_scores``."""
+    *lead, K, G, X, N = probs_KGXN.shape
+    D = v_NKD.shape[-1]
+    v = v_NKD.astype(jnp.float32)
+    if X > SMALL_X:
+        return jnp.einsum("...kgxn,...nkd->...xkgd", probs_KGXN, v)
+    p = jnp.moveaxis(probs_KGXN, -2, -4).reshape(*lead, X, K * G, N)  # [..., X, Hq, N]
+    o = jnp.einsum("...xhn,...nm->...xhm", p, v.reshape(*lead, N, K * D)).reshape(*lead, X, K, G, K, D)
+    o = jnp.diagonal(o, axis1=-4, axis2=-2)  # [..., X, G, D, K]
+    return jnp.moveaxis(o, -1, -3)  # [..., X, K, G, D]
 
 
 def masked_softmax(scores, mask):
@@ -65,7 +95,7 @@ def masked_softmax(scores, mask):
 def _attend(q_BTKGD, k_BNKD, v_BNKD, mask_BTN):
     """Softmax attention with GQA; returns (out [B,T,Hq,D] f32, probs [B,K,G,T,N])."""
     probs = masked_softmax(gqa_scores(q_BTKGD, k_BNKD), mask_BTN[:, None, None])
-    out = jnp.einsum("bkgtn,bnkd->btkgd", probs, v_BNKD.astype(jnp.float32))
+    out = gqa_values(probs, v_BNKD)
     B, T, K, G, D = out.shape
     return out.reshape(B, T, K * G, D), probs
 

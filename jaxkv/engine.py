@@ -59,14 +59,15 @@ from typing import Sequence
 import jax
 import jax.numpy as jnp
 import numpy as np
-from flax import nnx
+from flax import nnx, struct
 
 from jaxkv import pallas
 from jaxkv.buckets import bucket
 from jaxkv.cache.allocator import SENTINEL_SLOT, SlotAllocator
+from jaxkv.cache.host_tier import stage
 from jaxkv.cache.quantized import gather_keys as _gather_dequantized_keys
 from jaxkv.cache.quantized import quantized_prefill_step
-from jaxkv.cache.request import RequestState
+from jaxkv.cache.request import RequestState, promotion_tables
 from jaxkv.cache.state import PagedKVCache, append_tokens, put_rows, take_rows
 from jaxkv.errors import ContextLengthError, JaxKVError, OutOfSlotsError
 from jaxkv.models.loading import Model
@@ -74,7 +75,52 @@ from jaxkv.models.transformer import NO_FEATURES, Features
 from jaxkv.sampling import SamplerSpec, make_sampler, sample, sample_rows
 
 PREFILL_CHUNK = 512  # tokens per prefill step; chosen by eval/bench_prefill.py (README)
+SHORT_CHUNK = 128  # the prefill width of short pieces (the other width is the chunk size)
 FIRST_TOKEN_KEY = 1 << 30  # the first reply token is drawn with fold_in(key, this)
+
+
+# ============================================================================ batches
+@struct.dataclass
+class PrefillBatch:
+    """One prefill step's input for B rows (padding rows: index >= R, length 0).
+
+    Attributes:
+      rows_B: cache rows served. tokens_BT: the chunk (T tokens, padded).
+      chunk_len_B: real tokens per row. slots_BT: pool slots of the chunk's tokens
+        (the sentinel for padding). q_idx_BX: chunk indices whose post-RoPE queries
+        are captured. logit_idx_BY: chunk indices whose logits are returned.
+    """
+
+    rows_B: jax.Array
+    tokens_BT: jax.Array
+    chunk_len_B: jax.Array
+    slots_BT: jax.Array
+    q_idx_BX: jax.Array
+    logit_idx_BY: jax.Array
+
+
+@struct.dataclass
+class DecodeBatch:
+    """One decode call's input for B rows (padding rows: limit 0).
+
+    Attributes:
+      rows_B: cache rows. first_token_B: the token fed at step 0. limit_B: steps
+        the row may take. slots_BN: the pool slot of each step's token. stop_BX:
+        stop tokens per row (padded with -1). key_data_B / step0_B: the row's key
+        and the reply index of step 0 (step s samples with fold_in(key, step0 + s)).
+      temperature_B / top_p_B: sampler values. forced_BN: teacher-forced tokens.
+    """
+
+    rows_B: jax.Array
+    first_token_B: jax.Array
+    limit_B: jax.Array
+    slots_BN: jax.Array
+    stop_BX: jax.Array
+    key_data_B: jax.Array
+    step0_B: jax.Array
+    temperature_B: jax.Array
+    top_p_B: jax.Array
+    forced_BN: jax.Array
 
 
 # ============================================================================ jit'd steps
@@ -83,21 +129,21 @@ FIRST_TOKEN_KEY = 1 << 30  # the first reply token is drawn with fold_in(key, th
     static_argnames=("graphdef", "n_read", "features"),
     donate_argnames=("cache",),
 )
-def prefill_step(graphdef, params, cache: PagedKVCache, rows_B, tokens_BT, chunk_len_B, slots_BT, q_idx_BX, logit_idx_BY, *, n_read, features):
-    """Prefill one chunk for rows ``rows_B`` (padding rows: index >= R, length 0).
+def prefill_step(graphdef, params, cache: PagedKVCache, batch: PrefillBatch, *, n_read, features):
+    """Prefill one chunk for the rows of ``batch`` (a ``PrefillBatch``).
 
     Returns ``(logits [B,Y,V] at chunk indices logit_idx_BY, cache, aux)``.
     """
     model = nnx.merge(graphdef, params)
-    tables = take_rows(cache, rows_B)
-    T = tokens_BT.shape[1]
+    tables = take_rows(cache, batch.rows_B)
+    T = batch.tokens_BT.shape[1]
     positions = tables.seq_len[:, None] + jnp.arange(T, dtype=jnp.int32)[None, :]
     logits, k, v, aux = model.prefill(
-        tokens_BT, positions, cache.k, cache.v, tables.live_idx[:, :n_read], tables.live_len,
-        chunk_len_B, slots_BT, features=features, q_row_idx_BR=q_idx_BX, logits_idx_BY=logit_idx_BY,
+        batch.tokens_BT, positions, cache.k, cache.v, tables.live_idx[:, :n_read], tables.live_len,
+        batch.chunk_len_B, batch.slots_BT, features=features, q_row_idx_BR=batch.q_idx_BX, logits_idx_BY=batch.logit_idx_BY,
     )
-    tables = append_tokens(tables, slots_BT, chunk_len_B)
-    return logits, put_rows(cache.replace(k=k, v=v), rows_B, tables), aux
+    tables = append_tokens(tables, batch.slots_BT, batch.chunk_len_B)
+    return logits, put_rows(cache.replace(k=k, v=v), batch.rows_B, tables), aux
 
 
 @functools.partial(
@@ -109,16 +155,7 @@ def decode_loop(
     graphdef,
     params,
     cache: PagedKVCache,
-    rows_B,
-    first_token_B,
-    limit_B,
-    slots_BN,
-    stop_BX,
-    key_data_B,
-    step0_B,
-    temperature_B,
-    top_p_B,
-    forced_BN,
+    batch: DecodeBatch,
     *,
     n_steps,
     n_read,
@@ -130,7 +167,7 @@ def decode_loop(
     kv_step=None,
     kv_args=None,
 ):
-    """Decode up to ``n_steps`` tokens for each of the rows ``rows_B``.
+    """Decode up to ``n_steps`` tokens for each row of ``batch`` (a ``DecodeBatch``).
 
     Step ``s`` feeds each active row its last token (writing its K/V at
     ``slots_BN[:, s]``) and samples the next with key ``fold_in(key_b, step0_b +
@@ -149,14 +186,15 @@ def decode_loop(
     """
     model = nnx.merge(graphdef, params)
     cfg = model.cfg
-    B = first_token_B.shape[0]
+    b = batch
+    B = b.first_token_B.shape[0]
     logits_buf = jnp.zeros((B, n_steps if return_logits else 0, cfg.vocab_size), jnp.float32)
     aux0 = {}
     if features.query_rows:
         aux0["q_rows"] = jnp.zeros((n_steps, cfg.num_layers, B, cfg.num_heads, cfg.head_dim), jnp.float32)
     if features.attn_mass:
         aux0["mass_BN"] = jnp.zeros((B, n_read), jnp.float32)
-    keys_B = jax.random.wrap_key_data(key_data_B)
+    keys_B = jax.random.wrap_key_data(b.key_data_B)
     attend = functools.partial(pallas.decode_attention, backend=backend)
 
     def cond(carry):
@@ -165,7 +203,7 @@ def decode_loop(
 
     def body(carry):
         step, kv, tables, tokens, active, last, logits_buf, aux = carry
-        slot = jnp.where(active, slots_BN[:, step], SENTINEL_SLOT)
+        slot = jnp.where(active, b.slots_BN[:, step], SENTINEL_SLOT)
         pos = tables.seq_len
         tables = append_tokens(tables, slot[:, None], active.astype(jnp.int32))
         live_BN = tables.live_idx[:, :n_read]
@@ -181,23 +219,23 @@ def decode_loop(
             aux["q_rows"] = aux["q_rows"].at[step].set(step_aux["q_rows"][:, :, 0].astype(jnp.float32))
         if features.attn_mass:
             aux["mass_BN"] = aux["mass_BN"] + step_aux["attn_mass"].mean(axis=(0, 2)) * active[:, None]
-        step_keys = jax.vmap(jax.random.fold_in)(keys_B, step0_B + step)
-        nxt = sample_rows(logits, step_keys, spec, temperature_B, top_p_B)
+        step_keys = jax.vmap(jax.random.fold_in)(keys_B, b.step0_B + step)
+        nxt = sample_rows(logits, step_keys, spec, b.temperature_B, b.top_p_B)
         nxt = jnp.where(active, nxt, -1)
         tokens = tokens.at[:, step].set(nxt)
         if return_logits:
             logits_buf = logits_buf.at[:, step].set(logits)
-        stopped = (nxt[:, None] == stop_BX).any(-1)
-        new_active = active & ~stopped & (step + 1 < limit_B)
-        feed = forced_BN[:, step] if teacher_forced else nxt
+        stopped = (nxt[:, None] == b.stop_BX).any(-1)
+        new_active = active & ~stopped & (step + 1 < b.limit_B)
+        feed = b.forced_BN[:, step] if teacher_forced else nxt
         return step + 1, kv, tables, tokens, new_active, feed, logits_buf, aux
 
     tokens = jnp.full((B, n_steps), -1, jnp.int32)
-    tables = take_rows(cache, rows_B)
-    carry = (jnp.int32(0), cache.kv, tables, tokens, limit_B > 0, first_token_B, logits_buf, aux0)
+    tables = take_rows(cache, b.rows_B)
+    carry = (jnp.int32(0), cache.kv, tables, tokens, b.limit_B > 0, b.first_token_B, logits_buf, aux0)
     _, kv, tables, tokens, _, _, logits_buf, aux = jax.lax.while_loop(cond, body, carry)
-    fed = tables.seq_len - take_rows(cache, rows_B).seq_len
-    cache = put_rows(cache.with_kv(kv), rows_B, tables)
+    fed = tables.seq_len - take_rows(cache, b.rows_B).seq_len
+    cache = put_rows(cache.with_kv(kv), b.rows_B, tables)
     return tokens, fed, cache, (logits_buf if return_logits else None), aux
 
 
@@ -533,9 +571,6 @@ class Engine:
         slot-map entries (holes) pointed at them and the live-index list grown in
         position order. Returns the fresh slots. ``RepairError`` (nothing changed)
         when a position is not a hole of the row."""
-        from jaxkv.cache.host_tier import stage
-        from jaxkv.policies.repair import promotion_tables
-
         pos = np.asarray(positions_M, np.int64)
         if pos.size == 0:
             return np.zeros(0, np.int64)
@@ -599,7 +634,9 @@ class Engine:
             return
         states = [self._row(j.row) for j in jobs]
         pieces = [j.tokens[j.done : j.done + self.prefill_chunk] for j in jobs]
-        C = min(self.prefill_chunk, bucket(max(p.size for p in pieces)))
+        # Two chunk widths only (short pieces: a user message, a tool result; long:
+        # a prompt), so batches of different pieces reuse a handful of compiles.
+        C = self.prefill_chunk if max(p.size for p in pieces) > SHORT_CHUNK else min(SHORT_CHUNK, self.prefill_chunk)
         B = bucket(len(jobs), minimum=1)
         R = self.rows
         rows = np.full(B, R, np.int32)
@@ -619,17 +656,14 @@ class Engine:
                 q_idx[b, : j.q_idx_X.size] = np.clip(j.q_idx_X - j.done, 0, C - 1)
             logit_idx[b] = np.arange(Y) if Y == C else piece.size - 1  # Y == 1: the last real token
         n_read = min(bucket(max(len(s.live) for s in states)), self.max_positions)
+        batch = PrefillBatch(rows, tokens, counts, slots, q_idx, logit_idx)
         if self.quant is not None:  # quantized pool: dequantized prefix, chunk stored quantized
             page_src, page_ids = self.quant.chunk_pages(jobs, B, C)
             logits, self.cache, aux = quantized_prefill_step(
-                self.graphdef, self.params, self.cache, rows, tokens, counts, slots, page_src, page_ids, q_idx, logit_idx,
-                n_read=n_read, features=features,
+                self.graphdef, self.params, self.cache, batch, page_src, page_ids, n_read=n_read, features=features
             )
         else:
-            logits, self.cache, aux = prefill_step(
-                self.graphdef, self.params, self.cache, rows, tokens, counts, slots, q_idx, logit_idx,
-                n_read=n_read, features=features,
-            )
+            logits, self.cache, aux = prefill_step(self.graphdef, self.params, self.cache, batch, n_read=n_read, features=features)
         logits = np.asarray(logits)
         chunk_mass = np.asarray(aux["attn_mass"]) if features.attn_mass else None  # [L, B, Hq, n_read + C]
         chunk_q = np.asarray(aux["q_rows"]) if features.query_rows else None  # [L, B, X, Hq, D]
@@ -721,7 +755,7 @@ class Engine:
         if any(j.spec != spec for j in jobs):
             raise JaxKVError("step_decode batches jobs of one sampler spec")
         steps = [j.n_steps - j.fed if max_steps is None else min(j.n_steps - j.fed, max_steps) for j in jobs]
-        n = max(steps)
+        n = max(steps) if max_steps is None else int(max_steps)  # a fixed chunk: one compile, rows stop at their limit
         total = sum(steps)
         if total > self.allocator.num_free and self.reclaim is not None:
             self.reclaim(total - self.allocator.num_free)
@@ -760,8 +794,9 @@ class Engine:
         kv_step = kv_args = None
         if self.quant is not None:  # quantized pool: page tables, new tokens INT4 (kivi2: float)
             kv_step, kv_args = self.quant.step, self.quant.decode_tables(states, [s[:k] for s, k in zip(per_job, steps)], B)
+        batch = DecodeBatch(rows, first, limit, slots, stop, key_data, step0, temp, top_p, forced)
         tokens, fed, self.cache, logits, aux = decode_loop(
-            self.graphdef, self.params, self.cache, rows, first, limit, slots, stop, key_data, step0, temp, top_p, forced,
+            self.graphdef, self.params, self.cache, batch,
             n_steps=n, n_read=n_read, spec=spec, backend=self.backend, return_logits=return_logits,
             teacher_forced=any(j.forced is not None for j in jobs), features=features, kv_step=kv_step, kv_args=kv_args,
         )
@@ -831,6 +866,115 @@ class Engine:
         if features.attn_mass:
             aux_out["attn_mass"] = [j.mass for j in jobs]
         return out_tokens, out_logits, aux_out
+
+
+    # -- segment reuse (jaxkv.splice) ----------------------------------------------------
+    def splice_prefill(self, row: int, plan, *, mode: str = "append"):
+        """Run one ``jaxkv.splice.SplicePlan`` on ``row``; returns ``(logits [Y, V],
+        resid [A, M])`` (float32 numpy: next-token logits at ``plan.logit_idx`` and
+        group A's residual at the input of layer ``plan.cut``).
+
+        ``mode``: ``"append"`` allocates slots for the plan's tokens at the row's
+        next positions and records them in the row; ``"rewrite"`` recomputes tokens
+        the row holds at ``[plan.base, plan.base + T)`` in their own slots;
+        ``"probe"`` runs on scratch slots (released after) reading only the row's
+        keys before ``plan.base``, and leaves the row as it was. Host checks
+        (context length, slots, holes) run before any device call.
+        """
+        from jaxkv.splice import PAD_POS, splice_step
+
+        state = self._row(row)
+        cfg = self.model.config
+        tokens = np.asarray(plan.tokens, np.int32).reshape(-1)
+        T = tokens.size
+        live = np.asarray(state.live, np.int64)
+        live_pos = state.live_positions()
+        if mode == "append":
+            base = state.seq_len
+            if base + T > self.max_positions:
+                raise ContextLengthError(f"row {row}: {base} cached + {T} new tokens exceed {self.max_positions} positions")
+            slots = self.allocate(T, row)
+            keys, key_pos = np.concatenate([live, slots]), np.concatenate([live_pos, base + np.arange(T)])
+        elif mode == "rewrite":
+            base = int(plan.base)
+            if base < 0 or base + T > state.seq_len:
+                raise JaxKVError(f"rewrite of positions [{base}, {base + T}) outside row {row} of {state.seq_len}")
+            slots = np.asarray(state.slots[base : base + T], np.int64)
+            if (slots == SENTINEL_SLOT).any():
+                raise JaxKVError(f"rewrite of positions [{base}, {base + T}) of row {row} crosses a hole")
+            keys, key_pos = live, live_pos
+        elif mode == "probe":
+            base = int(plan.base)
+            slots = self.allocate(T)  # scratch (not counted against the row): released below
+            before = live_pos < base
+            keys, key_pos = np.concatenate([live[before], slots]), np.concatenate([live_pos[before], base + np.arange(T)])
+        else:
+            raise JaxKVError(f"unknown splice mode {mode!r}; expected append, rewrite or probe")
+        try:
+            positions = base + np.arange(T)
+            a_idx, b_idx = np.asarray(plan.a_idx, np.int64), np.asarray(plan.b_idx, np.int64)
+            A, B = bucket(a_idx.size), bucket(b_idx.size)
+            a_tok, a_pos, a_slot = np.zeros(A, np.int32), np.full(A, -1, np.int32), np.zeros(A, np.int32)
+            a_tok[: a_idx.size], a_pos[: a_idx.size], a_slot[: a_idx.size] = tokens[a_idx], positions[a_idx], slots[a_idx]
+            in_a = np.full(T, -1, np.int64)
+            in_a[a_idx] = np.arange(a_idx.size)
+            b_src, b_pos = np.full(B, -1, np.int32), np.full(B, -1, np.int32)
+            b_slot, b_cut_slot = np.zeros(B, np.int32), np.zeros(B, np.int32)
+            b_resid = np.zeros((B, cfg.hidden_size), np.float32)
+            b_src[: b_idx.size], b_pos[: b_idx.size], b_slot[: b_idx.size] = in_a[b_idx], positions[b_idx], slots[b_idx]
+            cut_write = np.ones(b_idx.size, bool) if plan.b_cut_write is None else np.asarray(plan.b_cut_write, bool)
+            b_cut_slot[: b_idx.size] = np.where(cut_write, slots[b_idx], SENTINEL_SLOT)
+            if plan.b_resid is not None:
+                b_resid[: b_idx.size] = plan.b_resid
+            kv_idx = np.asarray(plan.kv_idx, np.int64)
+            M = bucket(kv_idx.size)
+            nl = max(plan.kv_hi - plan.kv_lo, 0)
+            kv_k = np.zeros((nl, M, cfg.num_kv_heads, cfg.head_dim), np.float32)
+            kv_v = np.zeros_like(kv_k)
+            kv_slot, kv_delta = np.zeros(M, np.int32), np.zeros(M, np.int32)
+            if kv_idx.size and nl:
+                kv_k[:, : kv_idx.size], kv_v[:, : kv_idx.size] = plan.kv_k, plan.kv_v
+                kv_slot[: kv_idx.size] = slots[kv_idx]
+                kv_delta[: kv_idx.size] = positions[kv_idx] - np.asarray(plan.kv_old_pos, np.int64)
+            order = np.argsort(key_pos, kind="stable")
+            N = bucket(max(keys.size, 1))
+            live_N, live_pos_N = np.zeros(N, np.int32), np.full(N, PAD_POS, np.int32)
+            live_N[: keys.size], live_pos_N[: keys.size] = keys[order], key_pos[order]
+            logit_idx = np.asarray(plan.logit_idx, np.int64)
+            Y = bucket(max(logit_idx.size, 1), minimum=8)
+            src = in_a if plan.cut >= cfg.num_layers else np.searchsorted(b_idx, np.arange(T))
+            logit_src = np.zeros(Y, np.int32)
+            logit_src[: logit_idx.size] = src[logit_idx]
+            logits, self.cache, resid = splice_step(
+                self.graphdef, self.params, self.cache, a_tok, a_pos, a_slot, b_src, b_resid, b_pos, b_slot, b_cut_slot,
+                kv_k, kv_v, kv_slot, kv_delta, live_N, live_pos_N, logit_src,
+                cut=int(plan.cut), kv_lo=int(plan.kv_lo), kv_hi=int(plan.kv_hi) if nl else int(plan.kv_lo),
+            )
+            logits, resid = np.asarray(logits)[: logit_idx.size], np.asarray(resid)[: a_idx.size]
+        finally:
+            if mode == "probe":
+                self.allocator.release(slots)
+        if mode == "append":
+            state.append(tokens, slots)
+            self._push_row(row)
+        return logits, resid
+
+    def key_deviation(self, x_XM, positions_X, k_old_XKD, old_positions_X, layer: int) -> np.ndarray:
+        """CacheBlend's signal: per token, the distance between the post-RoPE key of
+        ``layer`` recomputed from the residual ``x_XM`` at its input and the stored
+        key rotated from ``old_positions_X`` to ``positions_X`` (``[X]`` float32)."""
+        from jaxkv.splice import layer_key_deviation
+
+        X = len(positions_X)
+        P = bucket(X)
+        cfg = self.model.config
+        x = np.zeros((P, cfg.hidden_size), np.float32)
+        pos, delta = np.zeros(P, np.int32), np.zeros(P, np.int32)
+        k = np.zeros((P, cfg.num_kv_heads, cfg.head_dim), np.float32)
+        x[:X], pos[:X], k[:X] = x_XM, positions_X, k_old_XKD
+        delta[:X] = np.asarray(positions_X, np.int64) - np.asarray(old_positions_X, np.int64)
+        out = layer_key_deviation(self.graphdef, self.params, x, pos, k, delta, layer=int(layer))
+        return np.asarray(out)[:X]
 
 
 # ============================================================================ public

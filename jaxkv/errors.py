@@ -83,3 +83,8 @@ class SessionBusyError(JaxKVError):
 
 class TurnCancelledError(SchedulerError):
     """The turn was cancelled before it finished (its row and slots were freed)."""
+
+
+class BackendUnavailableError(ConfigError):
+    """A kernel backend was asked for that this process cannot run (``backend="gpu"``
+    without a CUDA jaxlib, ``triton`` and ``jax-triton``)."""

@@ -1,4 +1,5 @@
-"""Decode attention kernel (interpret mode) vs the jnp reference and a float64 oracle."""
+"""Decode attention Pallas kernel (the TPU kernel, run by the TPU interpreter) vs the
+jnp reference and a float64 oracle; backend dispatch and its typed errors."""
 
 from __future__ import annotations
 
@@ -8,52 +9,51 @@ import numpy as np
 import pytest
 from jax.experimental import pallas as pl
 
+import jaxkv
 from jaxkv.attention import decode_attention_reference
 from jaxkv.pallas import decode_attention, resolve_backend
-from jaxkv.pallas.testing import attention_f64, live_lists, rel_err
+from jaxkv.pallas._dispatch import pallas_options
+from jaxkv.pallas.testing import decode_f64, decode_problem, rel_err
 
-LENGTHS = (1, 31, 32, 33, 1000, 4097)  # short and long requests in one batch
+LENGTHS = (1, 31, 32, 33, 64, 65, 300)  # short and long requests in one batch
+LONG = (1, 33, 1000, 4097)
 TOL = {jnp.float32: 1e-5, jnp.bfloat16: 2e-2}
-
-
-def _problem(seed, K, G, D, dtype, lengths=LENGTHS):
-    rng = np.random.default_rng(seed)
-    S = max(lengths) + 64
-    idx, lens = live_lists(rng, lengths, max(lengths), S)
-    k = rng.standard_normal((S, K, D)).astype(np.float32)
-    v = rng.standard_normal((S, K, D)).astype(np.float32)
-    q = rng.standard_normal((len(lengths), K * G, D)).astype(np.float32)
-    cast = lambda a: jnp.asarray(a).astype(dtype)
-    return cast(q), cast(k), cast(v), jnp.asarray(idx), jnp.asarray(lens)
+_problem = decode_problem
 
 
 def test_interpret_mode_poisons_outputs():
     """The premise of every kernel test: an unwritten output block reads back NaN."""
-    out = pl.pallas_call(lambda o_ref: None, out_shape=jax.ShapeDtypeStruct((8,), jnp.float32), interpret=True)()
+    out = pl.pallas_call(lambda o_ref: None, out_shape=jax.ShapeDtypeStruct((8, 128), jnp.float32), **pallas_options(True))()
     assert np.isnan(np.asarray(out)).all()
+
+
+def _check(out, args, tol):
+    q = args[0]
+    assert out.dtype == q.dtype and out.shape == q.shape
+    assert np.isfinite(np.asarray(out, np.float32)).all()
+    assert rel_err(out, decode_attention_reference(*args)) <= tol
+    for b, want in enumerate(decode_f64(*args)):
+        assert rel_err(np.asarray(out[b], np.float32), want) <= tol, b
 
 
 @pytest.mark.parametrize(
     "D,G,dtype", [(64, 1, jnp.float32), (128, 2, jnp.bfloat16), (64, 4, jnp.bfloat16), (128, 8, jnp.float32)]
 )
 def test_kernel_matches_reference_and_f64(D, G, dtype):
-    K = 2
-    q, k, v, idx, lens = _problem(D * 10 + G, K, G, D, dtype)
-    out = decode_attention(q, k, v, idx, lens, backend="interpret")
-    assert out.dtype == dtype and out.shape == q.shape
-    assert np.isfinite(np.asarray(out, np.float32)).all()
-    ref = decode_attention_reference(q, k, v, idx, lens)
-    assert rel_err(out, ref) <= TOL[dtype]
-    f32 = lambda a: np.asarray(a, np.float32)
-    for b, n in enumerate(np.asarray(lens)):
-        rows = np.asarray(idx)[b, :n]
-        want = attention_f64(f32(q[b]), f32(k)[rows], f32(v)[rows])
-        assert rel_err(f32(out[b]), want) <= TOL[dtype], (b, n)
+    args = _problem(D * 10 + G, 2, G, D, dtype, LENGTHS)
+    _check(decode_attention(*args, backend="interpret"), args, TOL[dtype])
+
+
+@pytest.mark.slow
+def test_kernel_long_lists():
+    """Up to 4097 live tokens (every split of a request full, several blocks each)."""
+    args = _problem(11, 2, 4, 128, jnp.bfloat16, LONG)
+    _check(decode_attention(*args, backend="interpret"), args, TOL[jnp.bfloat16])
 
 
 def test_padding_entries_and_order_are_ignored():
     """Shuffling the live list and rewriting its padding changes nothing."""
-    q, k, v, idx, lens = _problem(7, 2, 4, 64, jnp.float32, lengths=(40, 300))
+    q, k, v, idx, lens = _problem(7, 2, 4, 64, jnp.float32, (40, 300))
     out = decode_attention(q, k, v, idx, lens, backend="interpret")
     rng = np.random.default_rng(1)
     idx2 = np.asarray(idx).copy()
@@ -66,15 +66,15 @@ def test_padding_entries_and_order_are_ignored():
 
 def test_cpu_default_is_the_reference():
     assert resolve_backend(None) == "reference"
-    q, k, v, idx, lens = _problem(3, 2, 2, 64, jnp.float32, lengths=(5, 9))
+    q, k, v, idx, lens = _problem(3, 2, 2, 64, jnp.float32, (5, 9))
     np.testing.assert_array_equal(
         decode_attention(q, k, v, idx, lens), decode_attention_reference(q, k, v, idx, lens)
     )
 
 
 def test_bad_inputs_raise_typed_errors():
-    q, k, v, idx, lens = _problem(4, 2, 2, 64, jnp.float32, lengths=(5, 9))
-    with pytest.raises(ValueError, match="unknown backend 'cuda'"):
+    q, k, v, idx, lens = _problem(4, 2, 2, 64, jnp.float32, (5, 9))
+    with pytest.raises(jaxkv.ConfigError, match="unknown backend 'cuda'"):
         decode_attention(q, k, v, idx, lens, backend="cuda")
     with pytest.raises(ValueError, match=r"q head_dim 32 .* != pool head_dim 64"):
         decode_attention(q[..., :32], k, v, idx, lens)
@@ -90,3 +90,11 @@ def test_bad_inputs_raise_typed_errors():
         decode_attention(q, k, v, idx.astype(jnp.float32), lens)
     with pytest.raises(TypeError, match="k_pool must be floating"):
         decode_attention(q, k.astype(jnp.int32), v, idx, lens)
+
+
+def test_empty_request_gives_zeros():
+    """A request with no live entry weighs nothing in any split: its output is exactly 0."""
+    q, k, v, idx, lens = _problem(5, 2, 2, 64, jnp.float32, (0, 40))
+    out = np.asarray(decode_attention(q, k, v, idx, lens, backend="interpret"))
+    assert (out[0] == 0).all()
+    assert rel_err(out[1], decode_f64(q, k, v, idx, lens)[1]) <= 1e-5

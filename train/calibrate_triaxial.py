@@ -117,7 +117,7 @@ def capture(graphdef, params, tokens_T):
         return o
 
     T = tokens_T.shape[0]
-    model.run_layers(tokens_T[None], jnp.arange(T, dtype=jnp.int32)[None], attend)
+    model.run_layers(model.embed_tokens(tokens_T[None]), jnp.arange(T, dtype=jnp.int32)[None], attend)
     return tuple(jnp.stack(got[n]) for n in "qkvo")
 
 

@@ -1,6 +1,6 @@
 """Re-export of ``jaxkv.tasks`` (the task generators moved into the package).
 
-``eval.tasks.agent_traces``, ``eval.tasks.mqniah`` and the submodules
+``eval.tasks.agent_traces``, ``eval.tasks.mqniah``, ``eval.tasks.shared_docs`` and the submodules
 ``eval.tasks.agent`` / ``example`` / ``mqniah`` / ``words`` keep working: each
 submodule name is the ``jaxkv.tasks`` module itself, not a copy.
 """

@@ -5,7 +5,7 @@ discarded, the rows of every layer are copied here with their ORIGINAL positions
 their token ids (to detect a conversation that diverged) and the compression
 score that evicted them. At a turn boundary the repair operator
 (``jaxkv.policies.repair``) scores them against the new turn's signal and
-promotes a budgeted subset back into the device pool (``restore_rows``), at the
+promotes a budgeted subset back into the device pool (``Engine.restore_rows``), at the
 same positions, bit for bit.
 
 Shape letters: L layers, M rows, Hkv KV heads (K in names), D head dim.
@@ -257,16 +257,3 @@ def stage(x: np.ndarray):
     (GPU/TPU), unchanged otherwise."""
     sharding = _pinned_sharding(jax.default_backend())
     return x if sharding is None else jax.device_put(x, sharding)
-
-
-@functools.partial(jax.jit, donate_argnames=("cache",))
-def restore_rows(cache, slots_M, k_LMKD, v_LMKD):
-    """Write promoted K/V rows into pool slots ``slots_M`` (a ``PagedKVCache``).
-
-    Pure and jit'd (the pool is donated). Rows are written as given: keys are
-    post-RoPE at their original positions, so no rotation is needed.
-    """
-    return cache.replace(
-        k=cache.k.at[:, slots_M].set(k_LMKD.astype(cache.k.dtype)),
-        v=cache.v.at[:, slots_M].set(v_LMKD.astype(cache.v.dtype)),
-    )

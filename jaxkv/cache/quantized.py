@@ -261,12 +261,15 @@ def _flat_plan(page_src_BQG, page_ids_BQ, T):
 
 # ============================================================================ prefill
 @functools.partial(jax.jit, static_argnames=("graphdef", "n_read", "features"), donate_argnames=("cache",))
-def quantized_prefill_step(graphdef, params, cache: QuantizedKVCache, rows_B, tokens_BT, chunk_len_B, slots_BT, page_src_BQG, page_ids_BQ, q_idx_BX, logit_idx_BY, *, n_read, features):
-    """``jaxkv.engine.prefill_step`` over a ``DualPool``: each layer attends over
-    the row's dequantized live entries plus the chunk in full precision, then
-    stores the chunk quantized (INT2 pages by the page plan, the rest by slot)."""
+def quantized_prefill_step(graphdef, params, cache: QuantizedKVCache, batch, page_src_BQG, page_ids_BQ, *, n_read, features):
+    """``jaxkv.engine.prefill_step`` over a ``DualPool`` (``batch``: a
+    ``jaxkv.engine.PrefillBatch``): each layer attends over the row's dequantized
+    live entries plus the chunk in full precision, then stores the chunk quantized
+    (INT2 pages by the page plan, the rest by slot)."""
     from jaxkv.cache.state import append_tokens, put_rows, take_rows
 
+    rows_B, tokens_BT, chunk_len_B, slots_BT = batch.rows_B, batch.tokens_BT, batch.chunk_len_B, batch.slots_BT
+    q_idx_BX, logit_idx_BY = batch.q_idx_BX, batch.logit_idx_BY
     model = nnx.merge(graphdef, params)
     geo = cache.geometry
     tables = take_rows(cache, rows_B)
@@ -290,7 +293,7 @@ def quantized_prefill_step(graphdef, params, cache: QuantizedKVCache, rows_B, to
             aux["attn_mass"].append(mass)
         return o
 
-    x = model.run_layers(tokens_BT, positions, attend)
+    x = model.run_layers(model.embed_tokens(tokens_BT), positions, attend)
     logits = model.logits(jnp.take_along_axis(x, logit_idx_BY[:, :, None], axis=1))
     tables = append_tokens(tables, slots_BT, chunk_len_B)
     aux = {name: jnp.stack(rows) for name, rows in aux.items() if rows}
@@ -370,7 +373,7 @@ class QuantDecodeStep:
                 aux["q_rows"].append(q)
             return o[:, None]
 
-        x = model.run_layers(tokens_B[:, None], positions_B[:, None], attend)
+        x = model.run_layers(model.embed_tokens(tokens_B[:, None]), positions_B[:, None], attend)
         logits = model.logits(x)[:, 0]
         return logits, state["pool"], {name: jnp.stack(rows) for name, rows in aux.items() if rows}
 

@@ -14,6 +14,8 @@ Attributes:
   phase: int32 ``[P]`` AgentKV phase of each position (``jaxkv.chat.Phase``).
   pinned: bool ``[P]`` positions every kept set must contain (the protected
     prefix and, unless a session says otherwise, the actionable query).
+  query: bool ``[P]`` positions inside the current turn's actionable query span
+    (IntentKV's K̄_Q reads them, whether pinned or not).
   mass: float32 ``[P]`` attention mass each position has received over the
     session so far (mean over layers and query heads, summed over query rows): H2O's
     score.
@@ -35,6 +37,7 @@ from typing import Sequence
 import numpy as np
 
 from jaxkv.cache.allocator import SENTINEL_SLOT
+from jaxkv.errors import RepairError
 
 
 class RequestState:
@@ -50,6 +53,7 @@ class RequestState:
         n = len(slots)
         self.phase = np.zeros(n, np.int32)
         self.pinned = np.zeros(n, bool)
+        self.query = np.zeros(n, bool)
         self.mass = np.zeros(n, np.float32)
         self.renumbered = 0
         self.allocated = 0
@@ -84,6 +88,7 @@ class RequestState:
         n = len(tokens)
         self.phase = np.concatenate([self.phase, np.zeros(n, np.int32)])
         self.pinned = np.concatenate([self.pinned, np.zeros(n, bool)])
+        self.query = np.concatenate([self.query, np.zeros(n, bool)])
         self.mass = np.concatenate([self.mass, np.zeros(n, np.float32)])
 
     def set_tables(self, slots: Sequence[int], live: Sequence[int]) -> None:
@@ -101,7 +106,7 @@ class RequestState:
         if len(slots) != kept.size:
             raise ValueError(f"{len(slots)} slots for {kept.size} kept positions")
         self.tokens = [self.tokens[p] for p in kept]
-        self.phase, self.pinned, self.mass = self.phase[kept], self.pinned[kept], self.mass[kept]
+        self.phase, self.pinned, self.query, self.mass = self.phase[kept], self.pinned[kept], self.query[kept], self.mass[kept]
         self.slots, self.live = [int(s) for s in slots], [int(s) for s in live]
         self.renumbered += 1
 
@@ -113,17 +118,21 @@ class RequestState:
         self.slots, self.tokens = self.slots[:length], self.tokens[:length]
         self.live = [s for s in self.live if s not in gone]
         self.phase, self.pinned, self.mass = self.phase[:length], self.pinned[:length], self.mass[:length]
+        self.query = self.query[:length]
         return dropped
 
     # -- tags (pipeline) ------------------------------------------------------------
-    def tag(self, start: int, phase=None, pinned=None) -> None:
-        """Set the phase / pin of positions ``start .. start + len``."""
+    def tag(self, start: int, phase=None, pinned=None, query=None) -> None:
+        """Set the phase / pin / query-span flag of positions ``start .. start + len``."""
         if phase is not None:
             phase = np.asarray(phase, np.int32)
             self.phase[start : start + phase.size] = phase
         if pinned is not None:
             pinned = np.asarray(pinned, bool)
             self.pinned[start : start + pinned.size] = pinned
+        if query is not None:
+            query = np.asarray(query, bool)
+            self.query[start : start + query.size] = query
 
     def add_mass(self, mass_P) -> None:
         """Add attention mass received by positions ``0 .. len(mass_P)``."""
@@ -133,4 +142,23 @@ class RequestState:
     def check(self) -> None:
         n = len(self.slots)
         assert len(self.tokens) == n and self.phase.size == n and self.pinned.size == n and self.mass.size == n
+        assert self.query.size == n
         assert self.live == [s for s in self.slots if s != SENTINEL_SLOT]
+
+
+def promotion_tables(slots_P, positions_M, fresh_M) -> tuple[list[int], list[int]]:
+    """New ``(slots, live)`` of a request after promoting ``positions_M`` into
+    ``fresh_M``: each position must be a hole (evicted, sentinel) of the request."""
+    slots = np.asarray(slots_P, np.int64).copy()
+    pos = np.asarray(positions_M, np.int64)
+    fresh = np.asarray(fresh_M, np.int64)
+    if fresh.size != pos.size or np.unique(pos).size != pos.size:
+        raise RepairError(f"promotion needs distinct positions and one fresh slot each ({pos.size} vs {fresh.size})")
+    bad = pos[(pos < 0) | (pos >= slots.size)]
+    if bad.size:
+        raise RepairError(f"promoted positions {bad[:5].tolist()} are outside the request's {slots.size} positions")
+    taken = pos[slots[pos] != SENTINEL_SLOT]
+    if taken.size:
+        raise RepairError(f"promoted positions {taken[:5].tolist()} are live, not evicted holes")
+    slots[pos] = fresh
+    return slots.tolist(), slots[slots != SENTINEL_SLOT].tolist()

@@ -154,22 +154,23 @@ class Transformer(nnx.Module):
 
     def _run(self, tokens_BT, positions_BT, attend):
         """Shared layer loop; ``attend(layer_index, q, k, v) -> o`` owns the cache."""
-        x = self.embed_tokens(tokens_BT)
-        for i, layer in enumerate(self.layers):
+        return self.run_layers(self.embed_tokens(tokens_BT), positions_BT, attend)
+
+    def run_layers(self, x_BTM, positions_BT, attend, start: int = 0, stop: int | None = None):
+        """Layers ``[start, stop)`` from the residual stream ``x_BTM`` at the input of
+        layer ``start``; returns the residual at the input of layer ``stop``. The one
+        layer loop: ``_run`` is ``run_layers(embed(tokens), ...)``, and segment reuse
+        (``jaxkv.splice``) runs the upper layers from a stored residual."""
+        stop = len(self.layers) if stop is None else stop
+        x = x_BTM
+        for i in range(start, stop):
+            layer = self.layers[i]
             with jax.named_scope(f"layer_{i}"):
                 h = layer.input_layernorm(x)
                 q, k, v = layer.self_attn.qkv(h, positions_BT)
                 x = x + layer.self_attn.out(attend(i, q, k, v))
                 x = x + layer.mlp(layer.post_attention_layernorm(x))
         return x
-
-    def run_layers(self, tokens_BT, positions_BT, attend):
-        """The layer loop with a caller-owned attention: ``attend(layer_index, q, k,
-        v) -> o`` (post-RoPE ``q [B,T,Hq,D]``, ``k``/``v [B,T,Hkv,D]``; returns
-        ``o [B,T,Hq,D]``). Returns final hidden states ``[B,T,M]`` (before the final
-        norm; ``logits`` projects them). For KV stores the model does not know,
-        e.g. the quantized pool of ``jaxkv.cache.quantized``."""
-        return self._run(tokens_BT, positions_BT, attend)
 
     # -- entry points ------------------------------------------------------------
     def __call__(self, tokens_BT, positions_BT=None):

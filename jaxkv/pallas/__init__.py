@@ -1,20 +1,26 @@
-"""Pallas kernels for decode and the backend dispatch in front of them.
+"""Decode-time kernels and the backend dispatch in front of them.
 
 Each kernel sits beside a plain-jnp reference (the CPU path and the test oracle),
 and one public function per kernel picks the backend with the rule in
-``_dispatch.resolve_backend``: ``None`` -> reference on CPU, Triton-lowered Pallas
-on NVIDIA GPU, Mosaic on TPU; or ``"reference"``, ``"interpret"``, ``"gpu"``, ``"tpu"``.
+``_dispatch.resolve_backend``: ``None`` -> reference on CPU, Triton (``gpu/``,
+through jax-triton) on NVIDIA GPU, Pallas through Mosaic on TPU; or
+``"reference"``, ``"interpret"`` (the Pallas TPU kernel in the TPU interpreter),
+``"gpu"``, ``"tpu"``.
 
 * ``decode_attention``: float KV pool, per-request live-index lists, GQA, split-K.
 * ``quantized_decode_attention``: INT2 pages then INT4 tokens (TriAxialKV formats,
   packing in ``quant``), dequantized on the fly, merged by log-sum-exp.
 * ``rope_delta``: rotate stored post-RoPE keys by position deltas, in place.
+* ``write_int4_rows``: quantize new K or V rows to INT4 and write them at slots.
+
+``cost`` is the static cost model of these kernels (bytes and flops per call).
 """
 
 from __future__ import annotations
 
 from jaxkv.pallas._dispatch import BACKENDS, resolve_backend
 from jaxkv.pallas.decode_attention import decode_attention
+from jaxkv.pallas.kv_write import write_int4_rows
 from jaxkv.pallas.quant import (
     Int2Pool,
     Int4Pool,
@@ -59,4 +65,5 @@ __all__ = [
     "resolve_backend",
     "rope_delta",
     "rope_delta_reference",
+    "write_int4_rows",
 ]

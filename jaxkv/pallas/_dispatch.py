@@ -3,51 +3,68 @@
 One rule for all kernels, so the engine can pass a single ``backend`` value through:
 
 * ``None``: pick from the default JAX device. CPU -> ``"reference"`` (the plain
-  jnp path, fast under XLA:CPU); NVIDIA GPU -> ``"gpu"`` (Pallas lowered through
-  Triton); TPU -> ``"tpu"`` (Pallas lowered through Mosaic).
+  jnp path, fast under XLA:CPU); NVIDIA GPU -> ``"gpu"`` when ``jax-triton`` is
+  installed, else ``"reference"`` with a warning; TPU -> ``"tpu"``.
 * ``"reference"``: the jnp reference beside the kernel (the test oracle).
-* ``"interpret"``: the Pallas kernel in interpret mode; runs anywhere, used by
-  the CPU tests. Interpret mode fills kernel outputs with NaN before the kernel
-  runs, so a program that forgets to write its output block is caught.
-* ``"gpu"`` / ``"tpu"``: the Pallas kernel compiled for that platform.
+* ``"interpret"``: the Pallas (TPU) kernel under the TPU interpreter
+  (``pltpu.InterpretParams``); runs anywhere and simulates the DMAs, semaphores
+  and memory spaces the TPU kernel uses. Outputs and scratch start as NaN, so a
+  program that forgets to write its output block is caught.
+* ``"gpu"``: the Triton kernels of ``jaxkv.pallas.gpu`` through
+  ``jax_triton.triton_call``. Needs an NVIDIA GPU, a CUDA jaxlib, ``triton`` and
+  ``jax-triton`` (``pip install 'jaxkv[cuda]'``); without them it raises
+  ``BackendUnavailableError`` before anything is traced.
+* ``"tpu"``: the Pallas kernel compiled by Mosaic. It also lowers on a CPU host
+  under an abstract TPU mesh (``jax.export(..., platforms=["tpu"])``).
 
-Anything else raises ``ValueError`` naming the accepted values.
+Anything else raises ``ConfigError`` naming the accepted values.
 """
 
 from __future__ import annotations
 
+import warnings
+
 import jax
+
+from jaxkv.errors import BackendUnavailableError, ConfigError
 
 BACKENDS = (None, "reference", "interpret", "gpu", "tpu")
 
 
 def resolve_backend(backend: str | None) -> str:
-    """Return the concrete backend (never ``None``) for ``backend``."""
+    """Return the concrete backend (never ``None``) for ``backend``.
+
+    ``"gpu"`` is checked here, eagerly: a process that cannot launch Triton kernels
+    gets a ``BackendUnavailableError`` that says what to install.
+    """
     if backend not in BACKENDS:
-        raise ValueError(f"unknown backend {backend!r}; expected one of {BACKENDS}")
-    if backend is not None:
-        return backend
-    platform = jax.default_backend()
-    if platform == "gpu" or platform == "cuda":
+        raise ConfigError(f"unknown backend {backend!r}; expected one of {BACKENDS}")
+    from jaxkv.pallas.gpu.launch import check_triton_call
+
+    if backend is None:
+        platform = jax.default_backend()
+        if platform == "tpu":
+            return "tpu"
+        if platform not in ("gpu", "cuda"):
+            return "reference"
+        try:
+            check_triton_call()
+        except BackendUnavailableError as e:
+            warnings.warn(f"{e}; decode kernels fall back to the jnp reference", stacklevel=3)
+            return "reference"
         return "gpu"
-    if platform == "tpu":
-        return "tpu"
-    return "reference"
-
-
-def pallas_options(backend: str) -> dict:
-    """Keyword arguments for ``pl.pallas_call`` on a kernel backend."""
-    if backend == "interpret":
-        return {"interpret": True}
     if backend == "gpu":
-        from jax.experimental.pallas import triton as pltriton
-
-        return {"compiler_params": pltriton.CompilerParams(num_warps=4, num_stages=2)}
-    if backend == "tpu":
-        return {}
-    raise ValueError(f"backend {backend!r} has no Pallas kernel (use the reference)")
+        check_triton_call()
+    return backend
 
 
-def min_rows(backend: str) -> int:
-    """Smallest row count of a matmul operand the backend lowers (Triton: 16)."""
-    return 16 if backend == "gpu" else 1
+def pallas_options(interpret: bool, parallel_axes: int = 2) -> dict:
+    """``pl.pallas_call`` keywords: the TPU interpreter, or Mosaic with parallel grid axes."""
+    from jax.experimental.pallas import tpu as pltpu
+
+    if interpret:
+        return {"interpret": pltpu.InterpretParams()}
+    return {"compiler_params": pltpu.CompilerParams(dimension_semantics=("parallel",) * parallel_axes)}
+
+
+__all__ = ["BACKENDS", "BackendUnavailableError", "pallas_options", "resolve_backend"]

@@ -4,11 +4,15 @@
 the engine calls per layer during decode. Every request reads its own list of
 slots from the shared pool (token granular, any order, padded; entries at or past
 ``live_len`` are ignored). The reference is
-``jaxkv.attention.decode_attention_reference``; the kernel is the split-K skeleton
-of ``_splitk`` with a float reader: blocks of 64 slot ids, K and V rows gathered
-straight from the pool, ``q . k`` in the input dtype with float32 accumulation,
-probabilities cast to the value dtype for ``p @ v`` (bf16 on bf16 pools, as
-flash attention does; exact for float32 pools).
+``jaxkv.attention.decode_attention_reference``. Kernels:
+
+* TPU / interpret: the Pallas split-K skeleton of ``_splitk`` with a float reader:
+  blocks of 64 slot ids, K and V rows of all heads DMA-gathered into VMEM,
+  ``q . k`` in the promoted input dtype with float32 accumulation, probabilities
+  cast to the value dtype for ``p @ v`` (bf16 on bf16 pools, as flash attention
+  does; exact for float32 pools).
+* GPU: the Triton kernel ``decode_float_tokens`` (``jaxkv.pallas.gpu.decode``), same
+  partials and the same ``_splitk.merge``.
 """
 
 from __future__ import annotations
@@ -28,7 +32,7 @@ TOKEN_BLOCK = 64
 
 @dataclasses.dataclass(frozen=True)
 class FloatTokens:
-    """Reader of float K/V rows ``[S, K, D]`` at a block of slot ids."""
+    """Reader of float K/V rows: buffers ``[K, block, D]`` of keys and values."""
 
     head_dim: int
     block: int = TOKEN_BLOCK
@@ -37,16 +41,13 @@ class FloatTokens:
     def out_chunks(self):
         return ((0, self.head_dim),)
 
-    def scores(self, q_ref, refs, h, ids):
-        k_ref, _ = refs
-        k = k_ref[ids, h, :]
-        q = q_ref[...]
-        dtype = jnp.promote_types(q.dtype, k.dtype)
-        return [_splitk.dot_nt(q.astype(dtype), k.astype(dtype))]
+    def scores(self, q_GD, bufs, k):
+        keys = bufs[0][k]
+        dtype = jnp.promote_types(q_GD.dtype, keys.dtype)
+        return [_splitk.dot_nt(q_GD.astype(dtype), keys.astype(dtype))]
 
-    def values(self, refs, h, ids, probs):
-        _, v_ref = refs
-        v = v_ref[ids, h, :]
+    def values(self, bufs, k, probs):
+        v = bufs[1][k]
         return [_splitk.dot_nn(probs[0].astype(v.dtype), v)]
 
 
@@ -100,9 +101,13 @@ def decode_attention(q_BHD, k_pool_SKD, v_pool_SKD, live_idx_BN, live_len_B, *, 
 def _decode_attention(q_BHD, k_pool_SKD, v_pool_SKD, live_idx_BN, live_len_B, backend):
     if backend == "reference":
         return decode_attention_reference(q_BHD, k_pool_SKD, v_pool_SKD, live_idx_BN, live_len_B)
-    K, D = k_pool_SKD.shape[1:]
-    q_BKGD = _splitk.group_queries(q_BHD, K, backend)
+    if backend == "gpu":
+        from jaxkv.pallas.gpu import decode as gpu_decode
+        from jaxkv.pallas.gpu.launch import triton_call
+
+        return gpu_decode.decode_attention(q_BHD, k_pool_SKD, v_pool_SKD, live_idx_BN, live_len_B, launcher=triton_call)
     part = _splitk.split_k(
-        q_BKGD, FloatTokens(D), (k_pool_SKD, v_pool_SKD), live_idx_BN, live_len_B, backend=backend
-    )
-    return _splitk.merge([part], q_BHD)
+        q_BHD, FloatTokens(k_pool_SKD.shape[2]), (k_pool_SKD, v_pool_SKD), live_idx_BN, live_len_B,
+        interpret=backend == "interpret",
+    )  # fmt: skip
+    return _splitk.merge([part], q_BHD.dtype)

@@ -118,7 +118,9 @@ def _fit(x: jnp.ndarray, axis: int, bits: int):
     top = (1 << bits) - 1
     zero = _round_f16(jnp.min(x, axis=axis, keepdims=True), -jnp.inf)
     zero32 = zero.astype(jnp.float32)
-    scale = _round_f16((jnp.max(x, axis=axis, keepdims=True) - zero32) / top, jnp.inf)
+    # Times the float32 reciprocal, not divided: XLA rewrites a division by a constant into this
+    # product, so writing it out makes every backend (the Triton write kernel too) round alike.
+    scale = _round_f16((jnp.max(x, axis=axis, keepdims=True) - zero32) * (1.0 / top), jnp.inf)
     scale32 = scale.astype(jnp.float32)
     ratio = (x - zero32) / jnp.where(scale32 > 0, scale32, 1.0)
     codes = jnp.where(scale32 > 0, jnp.clip(jnp.round(ratio), 0, top), 0)
@@ -239,6 +241,10 @@ class Int4Pool:
     k: PackedRows
     v: PackedRows
 
+    def buffers(self) -> tuple:
+        """``(k data, k scale, k zero, v data, v scale, v zero)``: the order kernels take them."""
+        return (self.k.data, self.k.scale, self.k.zero, self.v.data, self.v.scale, self.v.zero)
+
 
 @struct.dataclass
 class Int2Pool:
@@ -246,6 +252,10 @@ class Int2Pool:
 
     k: PackedKeyPages
     v: PackedRows
+
+    def buffers(self) -> tuple:
+        """``(k data, k scale, k zero, v data, v scale, v zero)``: the order kernels take them."""
+        return (self.k.data, self.k.scale, self.k.zero, self.v.data, self.v.scale, self.v.zero)
 
 
 def quantize_int4_pool(k_SKD: jnp.ndarray, v_SKD: jnp.ndarray) -> Int4Pool:

@@ -6,7 +6,8 @@ pages of 32 tokens, in an ``Int2Pool``) then its INT4 tokens (``int4_idx_BN``,
 ``jaxkv.pallas.quant``. Attention is over all of them; the result does not depend
 on the order.
 
-Kernel: the split-K skeleton of ``_splitk`` runs once per part with a reader that
+Kernels: on TPU and in interpret mode the Pallas split-K skeleton of ``_splitk``
+runs once per part with a reader that
 loads packed bytes and dequantizes on the fly, and ``_splitk.merge`` combines the
 splits of both parts by log-sum-exp, so each split is bitwidth-homogeneous
 (TriAxialKV §3.2.3). A request with no INT2 pages (only INT4 tokens) goes through
@@ -20,8 +21,10 @@ Dequantization is folded into the dots instead of materialising float K/V:
   ``p @ v_c = (p * scale[:,g]) @ code_c + (p . zero[:,g])``;
 * per-channel INT2 keys: ``q . k[t] = sum_c (q_c * scale_c) . code_c[t] + q . zero``.
 
-INT2 pages are read one page (32 tokens) per step, INT4 tokens 64 per step.
-The reference dequantizes the gathered entries to float32 and calls
+INT2 pages are read one page (32 tokens) per step, INT4 tokens 64 per step. On
+NVIDIA GPUs the Triton kernels ``decode_int4_tokens`` and ``decode_int2_pages``
+(``jaxkv.pallas.gpu.decode``) produce the same partials for the same merge. The
+reference dequantizes the gathered entries to float32 and calls
 ``decode_attention_reference``.
 
 Two optional parts serve the engine's dual pool (``jaxkv.cache.quantized``):
@@ -29,11 +32,16 @@ Two optional parts serve the engine's dual pool (``jaxkv.cache.quantized``):
 * ``int2_mask_BP``: a uint32 bitmask per listed page (bit ``t`` set: token ``t``
   of the page is read). A request whose eviction dropped some tokens of a page
   still lists the page, with those bits cleared; every listed page must keep at
-  least one bit. The kernel reads masked pages through one indirection (entry
-  ``b*P + j`` -> page id and mask), so the split-K skeleton is unchanged.
+  least one bit. A page's mask belongs to the request (two requests may share a
+  page and keep different tokens), so the Pallas kernel reads entries ``b*P + j``
+  of operands gathered per listed page (``masked_page_operands``: a copy of the
+  listed INT2 pages plus keep flags, so the split-K skeleton is unchanged); the
+  GPU path computes the masked INT2 part with the jnp partials of
+  ``gpu.decode.masked_int2_partials`` (the Triton INT2 kernel reads no mask yet).
 * ``float_pool`` / ``float_idx_BN`` / ``float_len_B``: a third, full-precision
   part (KIVI's residual window of recent tokens), read by the float reader of
-  ``decode_attention`` and merged by the same log-sum-exp.
+  ``decode_attention`` (Triton float kernel on GPU) and merged by the same
+  log-sum-exp.
 """
 
 from __future__ import annotations
@@ -43,7 +51,6 @@ import functools
 
 import jax
 import jax.numpy as jnp
-from jax.experimental import pallas as pl
 
 from jaxkv.attention import decode_attention_reference
 from jaxkv.pallas import _splitk
@@ -53,36 +60,36 @@ from jaxkv.pallas.quant import PAGE, Int2Pool, Int4Pool, dequantize_int2_keys, d
 
 
 def _codes(data, chunk, bits):
-    """Codes of one chunk's bit-plane as float32."""
-    return ((data >> (chunk.plane * bits)) & ((1 << bits) - 1)).astype(jnp.float32)
+    """Codes of one chunk's bit-plane (``data`` uint8 ``[T, width]``) as float32."""
+    return ((data.astype(jnp.int32) >> (chunk.plane * bits)) & ((1 << bits) - 1)).astype(jnp.float32)
 
 
-def _per_token_scores(q_ref, data_ref, scale_ref, zero_ref, rows, bits, head_dim):
-    """``q . k`` ``[G, T]`` for per-token groups; ``rows(ref, last)`` gathers ``[T, last]``."""
+def _per_token_scores(q_GD, data_TR, scale_TC, zero_TC, bits):
+    """``q . k`` ``[G, T]`` for per-token groups (rows of packed codes, one scale per 32 channels)."""
     s = 0.0
-    for c in plane_chunks(head_dim, bits):
-        q_c = q_ref[:, pl.ds(c.channel, c.width)].astype(jnp.float32)
-        codes = _codes(rows(data_ref, pl.ds(c.byte, c.width)), c, bits)
-        scale = rows(scale_ref, c.group).astype(jnp.float32)
-        zero = rows(zero_ref, c.group).astype(jnp.float32)
-        s = s + _splitk.dot_nt(q_c, codes) * scale[None, :] + jnp.sum(q_c, axis=1)[:, None] * zero[None, :]
+    for c in plane_chunks(q_GD.shape[-1], bits):
+        q_c = q_GD[:, c.channel : c.channel + c.width].astype(jnp.float32)
+        codes = _codes(data_TR[:, c.byte : c.byte + c.width], c, bits)
+        scale = scale_TC[:, c.group].astype(jnp.float32)
+        zero = zero_TC[:, c.group].astype(jnp.float32)
+        s = s + _splitk.dot_nt(q_c, codes) * scale[None, :] + jnp.sum(q_c, axis=1, keepdims=True) * zero[None, :]
     return s
 
 
-def _per_token_values(p, data_ref, scale_ref, zero_ref, rows, bits, head_dim):
+def _per_token_values(p_GT, data_TR, scale_TC, zero_TC, bits, head_dim):
     """``p @ v`` chunks ``[G, width]`` for per-token groups, in ``plane_chunks`` order."""
     out = []
     for c in plane_chunks(head_dim, bits):
-        codes = _codes(rows(data_ref, pl.ds(c.byte, c.width)), c, bits)
-        scale = rows(scale_ref, c.group).astype(jnp.float32)
-        zero = rows(zero_ref, c.group).astype(jnp.float32)
-        out.append(_splitk.dot_nn(p * scale[None, :], codes) + jnp.sum(p * zero[None, :], axis=1)[:, None])
+        codes = _codes(data_TR[:, c.byte : c.byte + c.width], c, bits)
+        scale = scale_TC[:, c.group].astype(jnp.float32)
+        zero = zero_TC[:, c.group].astype(jnp.float32)
+        out.append(_splitk.dot_nn(p_GT * scale[None, :], codes) + jnp.sum(p_GT * zero[None, :], axis=1, keepdims=True))
     return out
 
 
 @dataclasses.dataclass(frozen=True)
 class Int4Tokens:
-    """Reader of INT4 K/V rows at a block of slot ids. refs: k data/scale/zero, v data/scale/zero."""
+    """Reader of INT4 K/V rows; buffers: k data/scale/zero, v data/scale/zero, each ``[K, block, ...]``."""
 
     head_dim: int
     block: int = TOKEN_BLOCK
@@ -91,18 +98,20 @@ class Int4Tokens:
     def out_chunks(self):
         return tuple((c.channel, c.width) for c in plane_chunks(self.head_dim, 4))
 
-    def scores(self, q_ref, refs, h, ids):
-        kd, ks, kz = refs[:3]
-        return [_per_token_scores(q_ref, kd, ks, kz, lambda r, last: r[ids, h, last], 4, self.head_dim)]
+    def scores(self, q_GD, bufs, k):
+        return [_per_token_scores(q_GD, bufs[0][k], bufs[1][k], bufs[2][k], 4)]
 
-    def values(self, refs, h, ids, probs):
-        vd, vs, vz = refs[3:]
-        return _per_token_values(probs[0], vd, vs, vz, lambda r, last: r[ids, h, last], 4, self.head_dim)
+    def values(self, bufs, k, probs):
+        return _per_token_values(probs[0], bufs[3][k], bufs[4][k], bufs[5][k], 4, self.head_dim)
 
 
 @dataclasses.dataclass(frozen=True)
 class Int2Pages:
-    """Reader of one INT2 page (32 tokens) per step: per-channel keys, per-token values."""
+    """Reader of one INT2 page (32 tokens) per step: per-channel keys, per-token values.
+
+    Buffers ``[K, 1, ...]``: key data ``[32, D/4]``, key scale/zero ``[D]``, value
+    data ``[32, D/4]``, value scale/zero ``[32, D/32]``.
+    """
 
     head_dim: int
     block: int = 1
@@ -111,39 +120,42 @@ class Int2Pages:
     def out_chunks(self):
         return tuple((c.channel, c.width) for c in plane_chunks(self.head_dim, 2))
 
-    def scores(self, q_ref, refs, h, page):
-        kd, ks, kz = refs[:3]
+    def scores(self, q_GD, bufs, k):
+        data, scale, zero = bufs[0][k, 0], bufs[1][k, 0], bufs[2][k, 0]
         s = 0.0
         for c in plane_chunks(self.head_dim, 2):
-            q_c = q_ref[:, pl.ds(c.channel, c.width)].astype(jnp.float32)
-            codes = _codes(kd[page, h, :, pl.ds(c.byte, c.width)], c, 2)  # [32, width]
-            scale = ks[page, h, pl.ds(c.channel, c.width)].astype(jnp.float32)
-            zero = kz[page, h, pl.ds(c.channel, c.width)].astype(jnp.float32)
-            s = s + _splitk.dot_nt(q_c * scale[None, :], codes) + jnp.sum(q_c * zero[None, :], axis=1)[:, None]
+            q_c = q_GD[:, c.channel : c.channel + c.width].astype(jnp.float32)
+            codes = _codes(data[:, c.byte : c.byte + c.width], c, 2)  # [32, width]
+            scale_c = scale[None, c.channel : c.channel + c.width].astype(jnp.float32)
+            zero_c = zero[None, c.channel : c.channel + c.width].astype(jnp.float32)
+            s = s + _splitk.dot_nt(q_c * scale_c, codes) + jnp.sum(q_c * zero_c, axis=1, keepdims=True)
         return [s]
 
-    def values(self, refs, h, page, probs):
-        vd, vs, vz = refs[3:]
-        return _per_token_values(probs[0], vd, vs, vz, lambda r, last: r[page, h, :, last], 2, self.head_dim)
+    def values(self, bufs, k, probs):
+        return _per_token_values(probs[0], bufs[3][k, 0], bufs[4][k, 0], bufs[5][k, 0], 2, self.head_dim)
 
 
 @dataclasses.dataclass(frozen=True)
 class MaskedInt2Pages(Int2Pages):
-    """``Int2Pages`` whose ids are entries ``b*P + j``; refs start with the entry
-    tables ``page [B*P]`` and ``mask [B*P]`` (uint32, bit t: token t is read)."""
+    """``Int2Pages`` over listed pages with a per-token keep flag: a seventh
+    buffer ``[K, 1, 32]`` int32 (non-zero: the token is read)."""
 
-    def scores(self, q_ref, refs, h, entry):
-        page_ref, mask_ref = refs[:2]
-        s = super().scores(q_ref, refs[2:], h, page_ref[entry])[0]
-        bits = (mask_ref[entry] >> jax.lax.broadcasted_iota(jnp.uint32, (PAGE,), 0)) & jnp.uint32(1)
-        return [jnp.where(bits[None, :] > 0, s, _splitk.MASKED)]
-
-    def values(self, refs, h, entry, probs):
-        return super().values(refs[2:], h, refs[0][entry], probs)
+    def scores(self, q_GD, bufs, k):
+        keep = bufs[6][k, 0]  # [32]
+        return [jnp.where(keep[None, :] > 0, s, _splitk.MASKED) for s in super().scores(q_GD, bufs, k)]
 
 
-def _fields(pool):
-    return (pool.k.data, pool.k.scale, pool.k.zero, pool.v.data, pool.v.scale, pool.v.zero)
+def masked_page_operands(int2_pool, int2_pages_BP, int2_mask_BP):
+    """Operands and ids of the masked INT2 part: entry ``b*P + j`` is listed page
+    ``j`` of request ``b``, its six buffers gathered from the pool (a copy of the
+    listed pages) plus its keep flags ``[B*P, K, 32]`` int32."""
+    B, P = int2_pages_BP.shape
+    pages = int2_pages_BP.reshape(-1).astype(jnp.int32)
+    K = int2_pool.k.data.shape[1]
+    bits = (int2_mask_BP.reshape(-1).astype(jnp.uint32)[:, None] >> jnp.arange(PAGE, dtype=jnp.uint32)[None, :]) & 1
+    keep = jnp.broadcast_to(bits.astype(jnp.int32)[:, None, :], (B * P, K, PAGE))
+    operands = tuple(buf[pages] for buf in int2_pool.buffers()) + (keep,)
+    return operands, jnp.arange(B * P, dtype=jnp.int32).reshape(B, P)
 
 
 def _check_pools(int2_pool, int2_pages_BP, int2_num_pages_B, int4_pool):
@@ -261,23 +273,28 @@ def _quantized_decode_attention(
     q_BHD, int2_pool, int2_pages_BP, int2_num_pages_B, int4_pool, int4_idx_BN, int4_len_B,
     int2_mask_BP, float_pool, float_idx_BN, float_len_B, backend,
 ):
+    args = (q_BHD, int2_pool, int2_pages_BP, int2_num_pages_B, int4_pool, int4_idx_BN, int4_len_B)
     if backend == "reference":
         return quantized_decode_attention_reference(
             q_BHD, int2_pool, int2_pages_BP, int2_num_pages_B, int4_pool, int4_idx_BN, int4_len_B,
             int2_mask_BP, float_pool, float_idx_BN, float_len_B,
         )
-    K, D = int4_pool.k.data.shape[1], int4_pool.k.head_dim
-    q_BKGD = _splitk.group_queries(q_BHD, K, backend)
-    parts = [_splitk.split_k(q_BKGD, Int4Tokens(D), _fields(int4_pool), int4_idx_BN, int4_len_B, backend=backend)]
-    if int2_pool is not None:
-        if int2_mask_BP is None:
-            reader, refs, ids = Int2Pages(D), _fields(int2_pool), int2_pages_BP
-        else:  # entries b*P + j, resolved to (page, mask) inside the reader
-            B, P = int2_pages_BP.shape
-            reader = MaskedInt2Pages(D)
-            refs = (int2_pages_BP.reshape(-1).astype(jnp.int32), int2_mask_BP.reshape(-1).astype(jnp.uint32)) + _fields(int2_pool)
-            ids = jnp.arange(B * P, dtype=jnp.int32).reshape(B, P)
-        parts.append(_splitk.split_k(q_BKGD, reader, refs, ids, int2_num_pages_B, backend=backend))
+    if backend == "gpu":
+        from jaxkv.pallas.gpu import decode as gpu_decode
+        from jaxkv.pallas.gpu.launch import triton_call
+
+        return gpu_decode.quantized_decode_attention(
+            *args, int2_mask_BP=int2_mask_BP, float_pool=float_pool, float_idx_BN=float_idx_BN, float_len_B=float_len_B,
+            launcher=triton_call,
+        )
+    D = int4_pool.k.head_dim
+    run = functools.partial(_splitk.split_k, q_BHD, interpret=backend == "interpret")
+    parts = [run(Int4Tokens(D), int4_pool.buffers(), int4_idx_BN, int4_len_B)]
+    if int2_pool is not None and int2_mask_BP is None:
+        parts.append(run(Int2Pages(D), int2_pool.buffers(), int2_pages_BP, int2_num_pages_B))
+    elif int2_pool is not None:
+        operands, ids = masked_page_operands(int2_pool, int2_pages_BP, int2_mask_BP)
+        parts.append(run(MaskedInt2Pages(D), operands, ids, int2_num_pages_B))
     if float_pool is not None:
-        parts.append(_splitk.split_k(q_BKGD, FloatTokens(D), tuple(float_pool), float_idx_BN, float_len_B, backend=backend))
-    return _splitk.merge(parts, q_BHD)
+        parts.append(run(FloatTokens(D), tuple(float_pool), float_idx_BN, float_len_B))
+    return _splitk.merge(parts, q_BHD.dtype)

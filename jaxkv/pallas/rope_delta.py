@@ -16,11 +16,17 @@ Invariants:
 * ``rope_delta`` is jitted with the pool donated, so the update is in place and
   the caller's pool array is consumed.
 
-Kernel: grid ``(L, M / 64)``; a program gathers 64 rows ``[64, Hkv, D/2]`` twice
-(both halves), rotates and scatters them back. The slot list is padded to a
-multiple of 64 by repeating its last entry: the copies sit in the same block as
-the original, read the same old row and write the same new row, so the padding
-is harmless.
+Kernels: on TPU and in interpret mode the Pallas kernel below, grid
+``(L, M / 64)``: a program copies its 64 slot ids into SMEM, gathers the 64 rows
+``[Hkv, D]`` of its layer by DMA into VMEM, rotates them in float32 and writes them
+back by DMA (all gathers finish before any write starts). On NVIDIA GPUs the
+Triton kernel of ``jaxkv.pallas.gpu.rope`` does the same with pointer gathers. The
+slot list is padded to a multiple of 64 by repeating its last entry: the copies sit
+in the same block as the original, read the same old row and write the same new
+row, so the padding is harmless.
+
+Cost model: ``2 * L * M * Hkv * D * itemsize`` bytes (each moved row read and
+written once) plus ``8 * M`` bytes of slots and deltas; ``~6`` flops per element.
 """
 
 from __future__ import annotations
@@ -30,6 +36,7 @@ import functools
 import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
+from jax.experimental.pallas import tpu as pltpu
 
 from jaxkv.config import RopeConfig
 from jaxkv.rope import apply_rope, inv_frequencies
@@ -45,39 +52,60 @@ def rope_delta_reference(k_pool_LSKD, slots_M, delta_M, rope: RopeConfig):
     return k_pool_LSKD.at[:, slots_M].set(apply_rope(rows, positions, rope))
 
 
-def _kernel(slots_ref, delta_ref, inv_freq_ref, pool_in_ref, pool_ref):
-    del pool_in_ref  # aliased to pool_ref
+def _kernel(slots_hbm, delta_ref, inv_freq_ref, pool_in_hbm, pool_hbm, ids_smem, buf, sems):
+    del pool_in_hbm  # aliased to pool_hbm
     layer, blk = pl.program_id(0), pl.program_id(1)
-    half = inv_freq_ref.shape[0]
-    ids = slots_ref[pl.ds(blk * SLOT_BLOCK, SLOT_BLOCK)]
-    delta = delta_ref[pl.ds(blk * SLOT_BLOCK, SLOT_BLOCK)].astype(jnp.float32)
-    angles = delta[:, None] * inv_freq_ref[...][None, :]  # [M, D/2]
+    half = inv_freq_ref.shape[1]
+    pltpu.sync_copy(slots_hbm.at[pl.ds(blk * SLOT_BLOCK, SLOT_BLOCK)], ids_smem)
+
+    def copy(j, gather: bool):
+        row = pool_hbm.at[layer, ids_smem[j]]
+        return pltpu.make_async_copy(row, buf.at[j], sems.at[0]) if gather else pltpu.make_async_copy(
+            buf.at[j], row, sems.at[1]
+        )
+
+    def start_all(gather):
+        jax.lax.fori_loop(0, SLOT_BLOCK, lambda j, c: (copy(j, gather).start(), c)[1], 0)
+
+    start_all(gather=True)
+    pltpu.make_async_copy(buf, buf, sems.at[0]).wait()
+    angles = delta_ref[...].astype(jnp.float32) * inv_freq_ref[...]  # [64, D/2]
     cos, sin = jnp.cos(angles)[:, None, :], jnp.sin(angles)[:, None, :]
-    x1 = pool_ref[layer, ids, :, pl.ds(0, half)]
-    x2 = pool_ref[layer, ids, :, pl.ds(half, half)]
-    dtype = x1.dtype
-    x1, x2 = x1.astype(jnp.float32), x2.astype(jnp.float32)
-    pool_ref[layer, ids, :, pl.ds(0, half)] = (x1 * cos - x2 * sin).astype(dtype)
-    pool_ref[layer, ids, :, pl.ds(half, half)] = (x2 * cos + x1 * sin).astype(dtype)
+    x = buf[...]
+    x1, x2 = x[..., :half].astype(jnp.float32), x[..., half:].astype(jnp.float32)
+    buf[:, :, pl.ds(0, half)] = (x1 * cos - x2 * sin).astype(x.dtype)
+    buf[:, :, pl.ds(half, half)] = (x2 * cos + x1 * sin).astype(x.dtype)
+    start_all(gather=False)
+    pltpu.make_async_copy(buf, buf, sems.at[1]).wait()
 
 
 def _rope_delta_kernel(k_pool_LSKD, slots_M, delta_M, rope, backend):
-    L, _, _, D = k_pool_LSKD.shape
+    L, _, K, D = k_pool_LSKD.shape
     M = slots_M.shape[0]
     pad = -M % SLOT_BLOCK
     slots = jnp.concatenate([slots_M, jnp.repeat(slots_M[-1:], pad)]).astype(jnp.int32)
-    delta = jnp.concatenate([delta_M, jnp.repeat(delta_M[-1:], pad)]).astype(jnp.int32)
-    inv_freq = jnp.asarray(inv_frequencies(rope, D))
-    whole = pl.BlockSpec(memory_space=pl.ANY) if backend == "tpu" else pl.no_block_spec
+    delta = jnp.concatenate([delta_M, jnp.repeat(delta_M[-1:], pad)]).astype(jnp.int32)[:, None]
+    inv_freq = jnp.asarray(inv_frequencies(rope, D))[None, :]
+    hbm = pl.BlockSpec(memory_space=pl.ANY)
     return pl.pallas_call(
         _kernel,
         grid=(L, (M + pad) // SLOT_BLOCK),
-        in_specs=[whole] * 4,
-        out_specs=whole,
+        in_specs=[
+            hbm,
+            pl.BlockSpec((SLOT_BLOCK, 1), lambda layer, i: (i, 0)),
+            pl.BlockSpec((1, D // 2), lambda layer, i: (0, 0)),
+            hbm,
+        ],
+        out_specs=hbm,
         out_shape=jax.ShapeDtypeStruct(k_pool_LSKD.shape, k_pool_LSKD.dtype),
+        scratch_shapes=[
+            pltpu.SMEM((SLOT_BLOCK,), jnp.int32),
+            pltpu.VMEM((SLOT_BLOCK, K, D), k_pool_LSKD.dtype),
+            pltpu.SemaphoreType.DMA((2,)),
+        ],
         input_output_aliases={3: 0},
         name="rope_delta",
-        **pallas_options(backend),
+        **pallas_options(backend == "interpret"),
     )(slots, delta, inv_freq, k_pool_LSKD)
 
 
@@ -114,6 +142,11 @@ def rope_delta(k_pool, slots_M, delta_M, rope: RopeConfig, *, backend=None):
         out = pool
     elif backend == "reference":
         out = rope_delta_reference(pool, slots_M, delta_M, rope)
+    elif backend == "gpu":
+        from jaxkv.pallas.gpu import rope as gpu_rope
+        from jaxkv.pallas.gpu.launch import triton_call
+
+        out = gpu_rope.rope_delta(pool, slots_M, delta_M, rope, launcher=triton_call)
     else:
         out = _rope_delta_kernel(pool, slots_M, delta_M, rope, backend)
     return out if k_pool.ndim == 4 else out[0]

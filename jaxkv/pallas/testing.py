@@ -1,14 +1,22 @@
-"""Helpers shared by the kernel tests and ``eval/bench_kernels.py``.
+"""Helpers shared by the kernel tests (Pallas and Triton) and ``eval/bench_kernels.py``.
 
 * ``rel_err``: max-abs error relative to the reference's max-abs value.
 * ``attention_f64``: float64 numpy decode attention over explicit K/V rows, an
   oracle independent of ``jaxkv.attention``.
 * ``live_lists``: random live-index lists (random slot order, never slot 0,
   padding entries pointing at real slots so reading them would change results).
+* ``decode_problem``: a float pool, queries and live lists for a mixed batch.
+* ``decode_codes_np`` / ``mixed_quantized_problem`` / ``quantized_attention_f64``:
+  INT2/INT4 pools from random data and a float64 oracle that decodes the packed
+  bytes with numpy, from the layout documented in ``jaxkv.pallas.quant`` (not with
+  jaxkv's own dequantizers).
+* ``masked_float_problem``: the optional parts of the engine's dual pool (INT2
+  pages with per-request token masks, a float part) and their float64 oracle.
 """
 
 from __future__ import annotations
 
+import jax.numpy as jnp
 import numpy as np
 
 
@@ -34,3 +42,112 @@ def live_lists(rng: np.random.Generator, lengths, width: int, num_slots: int) ->
     """``(live_idx [B, width] int32, live_len [B] int32)`` of random distinct slots >= 1."""
     idx = np.stack([rng.permutation(num_slots - 1)[:width] + 1 for _ in lengths]).astype(np.int32)
     return idx, np.asarray(lengths, np.int32)
+
+
+def decode_problem(seed, K, G, D, dtype, lengths):
+    """``(q [B, K*G, D], k_pool, v_pool [S, K, D], live_idx, live_len)`` in ``dtype``; one request per length."""
+    rng = np.random.default_rng(seed)
+    S = max(lengths) + 64
+    idx, lens = live_lists(rng, lengths, max(max(lengths), 1), S)
+    k = rng.standard_normal((S, K, D)).astype(np.float32)
+    v = rng.standard_normal((S, K, D)).astype(np.float32)
+    q = rng.standard_normal((len(lengths), K * G, D)).astype(np.float32)
+    cast = lambda a: jnp.asarray(a).astype(dtype)
+    return cast(q), cast(k), cast(v), jnp.asarray(idx), jnp.asarray(lens)
+
+
+def decode_f64(q_BHD, k_pool_SKD, v_pool_SKD, live_idx_BN, live_len_B) -> list[np.ndarray]:
+    """``attention_f64`` of every request with at least one entry (``None`` for empty ones)."""
+    f32 = lambda a: np.asarray(a, np.float32)
+    k, v, idx = f32(k_pool_SKD), f32(v_pool_SKD), np.asarray(live_idx_BN)
+    return [
+        attention_f64(f32(q_BHD[b]), k[idx[b, :n]], v[idx[b, :n]]) if n else None
+        for b, n in enumerate(np.asarray(live_len_B))
+    ]
+
+
+def decode_codes_np(data, bits):
+    """Codes from packed bytes, written from ``jaxkv.pallas.quant``'s documented layout."""
+    data = np.asarray(data).astype(np.int64)
+    per, R = 8 // bits, data.shape[-1]
+    out = np.zeros(data.shape[:-1] + (R * per,), np.int64)
+    for i in range(per):
+        out[..., i * R : (i + 1) * R] = (data >> (bits * i)) & ((1 << bits) - 1)
+    return out
+
+
+def mixed_quantized_problem(seed, K, G, D, pages, tokens, qdtype):
+    """Pools from random data; request b reads ``pages[b]`` INT2 pages then ``tokens[b]`` INT4 slots.
+
+    Returns the positional arguments of ``quantized_decode_attention``.
+    """
+    from jaxkv.pallas.quant import quantize_int2_pool, quantize_int4_pool
+
+    rng = np.random.default_rng(seed)
+    P2, S4 = max(pages) + 8, max(tokens) + 40
+    kv = lambda n: rng.standard_normal((n, K, D)).astype(np.float32)
+    pool2, pool4 = quantize_int2_pool(kv(P2 * 32), kv(P2 * 32)), quantize_int4_pool(kv(S4), kv(S4))
+    page_ids, num_pages = live_lists(rng, pages, max(max(pages), 1), P2 + 1)
+    page_ids -= 1  # pages have no sentinel
+    slot_ids, num_slots = live_lists(rng, tokens, max(max(tokens), 1), S4)
+    q = jnp.asarray(rng.standard_normal((len(pages), K * G, D)), qdtype)
+    return q, pool2, jnp.asarray(page_ids), jnp.asarray(num_pages), pool4, jnp.asarray(slot_ids), jnp.asarray(num_slots)
+
+
+def quantized_attention_f64(q, pool2, page_ids, num_pages, pool4, slot_ids, num_slots) -> np.ndarray:
+    """float64 attention over entries dequantized by ``decode_codes_np``: ``[B, Hq, D]``."""
+    D = q.shape[-1]
+
+    def rows(p, bits):
+        codes = decode_codes_np(p.data, bits).reshape(p.data.shape[:-1] + (D // 32, 32))
+        return (np.asarray(p.zero, np.float64)[..., None] + codes * np.asarray(p.scale, np.float64)[..., None]).reshape(
+            p.data.shape[:-1] + (D,)
+        )
+
+    k4, v4 = rows(pool4.k, 4), rows(pool4.v, 4)
+    k2 = np.asarray(pool2.k.zero, np.float64)[:, :, None] + decode_codes_np(pool2.k.data, 2) * np.asarray(
+        pool2.k.scale, np.float64
+    )[:, :, None]
+    v2 = rows(pool2.v, 2)
+    tok = lambda a: a.transpose(0, 2, 1, 3).reshape(-1, a.shape[1], D)  # [P,K,32,D] -> [32P,K,D]
+    k2, v2 = tok(k2), tok(v2)
+    outs = []
+    for b in range(q.shape[0]):
+        pg = np.asarray(page_ids)[b, : int(num_pages[b])]
+        t2 = (pg[:, None] * 32 + np.arange(32)).reshape(-1)
+        t4 = np.asarray(slot_ids)[b, : int(num_slots[b])]
+        k = np.concatenate([k2[t2], k4[t4]])
+        v = np.concatenate([v2[t2], v4[t4]])
+        outs.append(attention_f64(np.asarray(q[b], np.float64), k, v))
+    return np.stack(outs)
+
+
+def masked_float_problem(seed, K=2, G=2, D=64):
+    """``(args, kwargs, want)`` of ``quantized_decode_attention`` for two requests
+    with masked INT2 pages (a partly kept page, a page keeping one token, a page
+    kept whole) and a float part; ``want[b]`` is the float64 attention over the
+    kept INT2 tokens, the INT4 tokens and the float tokens of request ``b``."""
+    from jaxkv.pallas.quant import dequantize_int2_keys, dequantize_rows, quantize_int2_pool, quantize_int4_pool
+
+    rng = np.random.default_rng(seed)
+    kv = lambda n: rng.standard_normal((n, K, D)).astype(np.float32)
+    pool2, pool4 = quantize_int2_pool(kv(6 * 32), kv(6 * 32)), quantize_int4_pool(kv(50), kv(50))
+    fk, fv = kv(40), kv(40)
+    pages, npg = np.array([[1, 3, 0], [2, 5, 4]], np.int32), np.array([2, 3], np.int32)
+    mask = np.array([[0xFFFF0000, 0x1, 0], [0xFFFFFFFF, 0x80000000, 0x00F0]], np.uint32)
+    i4, n4 = np.array([[3, 7, 9, 0], [1, 2, 0, 0]], np.int32), np.array([3, 2], np.int32)
+    fi, nf = np.array([[5, 6], [7, 0]], np.int32), np.array([2, 1], np.int32)
+    q = jnp.asarray(rng.standard_normal((2, K * G, D)), jnp.float32)
+    args = (q, pool2, jnp.asarray(pages), jnp.asarray(npg), pool4, jnp.asarray(i4), jnp.asarray(n4))
+    kw = dict(int2_mask_BP=jnp.asarray(mask), float_pool=(jnp.asarray(fk), jnp.asarray(fv)),
+              float_idx_BN=jnp.asarray(fi), float_len_B=jnp.asarray(nf))
+    tok = lambda a: np.asarray(a, np.float64).transpose(0, 2, 1, 3).reshape(-1, K, D)
+    k2, v2 = tok(dequantize_int2_keys(pool2.k)), tok(dequantize_rows(pool2.v))
+    k4, v4 = np.asarray(dequantize_rows(pool4.k), np.float64), np.asarray(dequantize_rows(pool4.v), np.float64)
+    want = []
+    for b in range(2):
+        t2 = [p * 32 + t for p, m in zip(pages[b, : npg[b]], mask[b]) for t in range(32) if (int(m) >> t) & 1]
+        k = np.concatenate([k2[t2], k4[i4[b, : n4[b]]], fk[fi[b, : nf[b]]]])
+        v = np.concatenate([v2[t2], v4[i4[b, : n4[b]]], fv[fi[b, : nf[b]]]])
+        want.append(attention_f64(np.asarray(q[b], np.float64), k, v))
+    return args, kw, want

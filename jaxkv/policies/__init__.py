@@ -30,4 +30,4 @@ __all__ = [
 ]
 
 # Importing a method's module registers it in REGISTRY.
-from jaxkv.policies import agentkv, controls, h2o, intentkv, snapkv, streaming, tova  # noqa: E402,F401
+from jaxkv.policies import agentkv, controls, h2o, intentkv, intentkv_residual, snapkv, streaming, tova  # noqa: E402,F401

@@ -61,6 +61,9 @@ class EventFeatures:
         to a bucket so scoring compiles once per bucket; padding entries sit at
         positions past ``seq_len`` (so causal masks exclude them), have zero
         keys and mass, and are neither forced nor candidates. ``None`` = all real.
+      query_span_N: which live positions lie inside the current turn's actionable
+        query span (bool ``[N]``; false on padding). IntentKV's residual head reads
+        its keys (K̄_Q). ``None`` = not computed (the head then sees no span keys).
     """
 
     keys_LNKD: jax.Array
@@ -73,6 +76,7 @@ class EventFeatures:
     query_mean_LHD: jax.Array
     seq_len: jax.Array
     valid_N: jax.Array | None = None
+    query_span_N: jax.Array | None = None
 
     def valid(self) -> jax.Array:
         """``valid_N``, or all-true when it was not given."""
@@ -107,6 +111,8 @@ class Needs:
       window: observation-window rows W (0: none).
       attn_mass: accumulate attention mass over every query (H2O; slower decode).
       query_mean: the actionable-query mean q̄_t.
+      query_span: the live positions of the actionable query span
+        (``EventFeatures.query_span_N``).
       observe_rows: query rows to feed ``observe`` (AgentKV rings).
       decode_interval: compress every Δ decoded tokens (None: after prefill only).
     """
@@ -114,6 +120,7 @@ class Needs:
     window: int = 0
     attn_mass: bool = False
     query_mean: bool = False
+    query_span: bool = False
     observe_rows: bool = False
     decode_interval: int | None = None
 

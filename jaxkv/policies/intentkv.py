@@ -62,11 +62,16 @@ def init_state(cfg: IntentKVMemoryConfig, model_cfg) -> QueryMemory:
     return QueryMemory(jnp.zeros(shape, jnp.float32), jnp.zeros((), bool))
 
 
+def blend_memory(beta: float, state: QueryMemory, q_mean_LHD):
+    """The memory update before its unit-norm projection: ``β·m_{t−1} + (1−β)·q̄_t``
+    (``q̄_1`` on the first turn)."""
+    q = jnp.asarray(q_mean_LHD, jnp.float32)
+    return jnp.where(state.initialized, beta * state.m_LHD + (1.0 - beta) * q, q)
+
+
 def update_memory(beta: float, state: QueryMemory, q_mean_LHD) -> QueryMemory:
     """Fold one turn's ``q̄_t`` into the memory (unconditionally)."""
-    q = jnp.asarray(q_mean_LHD, jnp.float32)
-    m = jnp.where(state.initialized, beta * state.m_LHD + (1.0 - beta) * q, q)
-    return QueryMemory(unit_norm(m), jnp.ones((), bool))
+    return QueryMemory(unit_norm(blend_memory(beta, state, q_mean_LHD)), jnp.ones((), bool))
 
 
 def observe(cfg: IntentKVMemoryConfig, state: QueryMemory, obs) -> QueryMemory:
@@ -79,9 +84,14 @@ def score_with(m_LHD, feats, candidates_N):
     return candidate_attention(m_LHD[:, None], feats.keys_LNKD, candidates_N)
 
 
+def scoring_memory(state: QueryMemory, feats):
+    """The ``m [L, Hq, D]`` an event scores with: the memory, or before any turn was
+    observed the unit-normalised ``q̄_t`` of the event (what the first update stores)."""
+    return jnp.where(state.initialized, state.m_LHD, unit_norm(feats.query_mean_LHD))
+
+
 def memory_score(cfg: IntentKVMemoryConfig, state: QueryMemory, feats, candidates_N):
-    m_LHD = jnp.where(state.initialized, state.m_LHD, unit_norm(feats.query_mean_LHD))
-    return score_with(m_LHD, feats, candidates_N), state
+    return score_with(scoring_memory(state, feats), feats, candidates_N), state
 
 
 def query_score(cfg: IntentKVQueryConfig, state, feats, candidates_N):

@@ -38,11 +38,11 @@ previous turn's / another session's signal), ``refresh`` (``select_refresh``:
 reselect all ``B + K`` rows from active ∪ evicted by the same scorer and rank; no
 bursts; active rows rank above evicted ones at equal score).
 
-**Apply** (host tables, ``promotion_tables``): promoted rows take fresh slots at
+**Apply** (``Engine.restore_rows``, host tables by ``jaxkv.cache.request.promotion_tables``): promoted rows take fresh slots at
 their ORIGINAL positions: the positions' slot-map entries (holes) point to the
 new slots and the live-index list grows (position order). Only the dead-slot
 layout keeps original positions; a renumbered (compact) request cannot be
-repaired (``RepairError``). The pool write is ``jaxkv.cache.host_tier.restore_rows``.
+repaired (``RepairError``).
 
 Invariants: scoring and selection are pure (no engine, no pool); the promoted set
 is a subset of the candidates, has no repeats and at most K rows; the same
@@ -329,19 +329,3 @@ def choose(cfg: RepairConfig, positions_M, comp_M, a_M=None, *, event: int = 0) 
 
 
 # ============================================================================ apply
-def promotion_tables(slots_P, positions_M, fresh_M) -> tuple[list[int], list[int]]:
-    """New ``(slots, live)`` of a request after promoting ``positions_M`` into
-    ``fresh_M``: each position must be a hole (evicted, sentinel) of the request."""
-    slots = np.asarray(slots_P, np.int64).copy()
-    pos = np.asarray(positions_M, np.int64)
-    fresh = np.asarray(fresh_M, np.int64)
-    if fresh.size != pos.size or np.unique(pos).size != pos.size:
-        raise RepairError(f"promotion needs distinct positions and one fresh slot each ({pos.size} vs {fresh.size})")
-    bad = pos[(pos < 0) | (pos >= slots.size)]
-    if bad.size:
-        raise RepairError(f"promoted positions {bad[:5].tolist()} are outside the request's {slots.size} positions")
-    taken = pos[slots[pos] != SENTINEL_SLOT]
-    if taken.size:
-        raise RepairError(f"promoted positions {taken[:5].tolist()} are live, not evicted holes")
-    slots[pos] = fresh
-    return slots.tolist(), slots[slots != SENTINEL_SLOT].tolist()

@@ -252,7 +252,9 @@ class Turn:
     def _tag_prompt(self, start: int, end: int) -> None:
         """Tag positions ``[start, end)`` of the prompt (before any event of this
         turn, so positions are still the rendered ones)."""
-        self.req.tag(start, phase=np.asarray(self.rendered.phase, np.int32)[start:end], pinned=self.pinned_prompt()[start:end])
+        a, b = self.rendered.spans.actionable_query
+        query = (np.arange(start, end) >= a) & (np.arange(start, end) < b)
+        self.req.tag(start, phase=np.asarray(self.rendered.phase, np.int32)[start:end], pinned=self.pinned_prompt()[start:end], query=query)
 
     # -- services for stages ------------------------------------------------------
     def evict(self, plan, scores_M) -> Evicted:

@@ -122,6 +122,7 @@ class Scheduler:
         self._stopping = False
         self._ids = itertools.count()
         self.stats = collections.Counter()  # turns_done / turns_failed / turns_cancelled / tokens_generated / prefill_tokens / steps
+        self.timing = {"prefill_s": 0.0, "decode_s": 0.0}  # seconds spent in batched engine steps
         self.started_at = time.perf_counter()
 
     # -- copies (Session.fork) ---------------------------------------------------------
@@ -132,6 +133,7 @@ class Scheduler:
             raise JaxKVError("cannot copy a scheduler with turns in flight")
         twin = Scheduler(copy.deepcopy(self.engine, memo), max_queue=self.max_queue, decode_chunk=self.decode_chunk)
         twin.stats = collections.Counter(self.stats)
+        twin.timing = dict(self.timing)
         memo[id(self)] = twin
         return twin
 
@@ -312,12 +314,15 @@ class Scheduler:
             return
         jobs = [t.work.job for t in tasks]
         before = sum(j.done for j in jobs)
+        t0 = time.perf_counter()
         try:
             self.engine.step_prefill(jobs)
         except Exception as err:
             for task in tasks:
                 self._fail(task, err)
             return
+        finally:
+            self.timing["prefill_s"] += time.perf_counter() - t0
         self.stats["prefill_tokens"] += sum(j.done for j in jobs) - before
         for task in tasks:
             if task.work.job.finished:
@@ -344,7 +349,11 @@ class Scheduler:
     def _decode_group(self, group) -> None:
         jobs = [t.work.job for t in group]
         before = [len(j.tokens) for j in jobs]
-        self.engine.step_decode(jobs, self.decode_chunk)
+        t0 = time.perf_counter()
+        try:
+            self.engine.step_decode(jobs, self.decode_chunk)
+        finally:
+            self.timing["decode_s"] += time.perf_counter() - t0
         self.stats["steps"] += 1
         for task, job, n0 in zip(group, jobs, before):
             self.stats["tokens_generated"] += len(job.tokens) - n0

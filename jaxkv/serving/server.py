@@ -2,11 +2,11 @@
 
 A ``Server`` owns one ``Engine`` (pool + rows), one radix prefix cache over the
 pool, one host tier (RepairKV), one LRU ``SessionStore`` of per-session policy
-state, the latest repair signals (WrongQ-K) and the ``Scheduler`` that runs every
-session's turns with continuous batching. ``server.session(**options)`` makes a
-``Session`` on it; any number of sessions may run turns at once (one thread or
-asyncio task per session), up to ``rows`` of them in the engine and
-``max_queue`` waiting.
+state, one ``SegmentStore`` (cross-query segment reuse, per tenant), the latest
+repair signals (WrongQ-K) and the ``Scheduler`` that runs every session's turns
+with continuous batching. ``server.session(**options)`` makes a ``Session`` on it;
+any number of sessions may run turns at once (one thread or asyncio task per
+session), up to ``rows`` of them in the engine and ``max_queue`` waiting.
 
 Sizing: ``num_slots`` defaults to ``2 * rows * max_positions + 1``, room for
 cached prefixes beside running requests; the radix cache gives back its least
@@ -22,6 +22,7 @@ from __future__ import annotations
 from jaxkv.cache.host_tier import HostTier
 from jaxkv.cache.quantized_host import check_mode
 from jaxkv.cache.radix import RadixTree
+from jaxkv.cache.segments import SegmentStore
 from jaxkv.cache.session_store import SessionStore
 from jaxkv.chat import stop_token_ids
 from jaxkv.engine import PREFILL_CHUNK, Engine
@@ -48,9 +49,10 @@ class Server:
       kv_quant: None (float pool) or a quantized pool's mode
         (``jaxkv.cache.quantized_host.MODES``); every session on the server uses
         it (``jaxkv.serving.stages.quantization``).
+      segment_cap: bytes the segment store (cross-query reuse) may hold.
     """
 
-    def __init__(self, model: Model, *, rows: int = 1, max_positions: int | None = None, num_slots: int | None = None, session_cap: int = 1024, backend=None, host_tier: HostTier | None = None, max_queue: int = 64, decode_chunk: int = DECODE_CHUNK, prefill_chunk: int = PREFILL_CHUNK, kv_quant=None):
+    def __init__(self, model: Model, *, rows: int = 1, max_positions: int | None = None, num_slots: int | None = None, session_cap: int = 1024, backend=None, host_tier: HostTier | None = None, max_queue: int = 64, decode_chunk: int = DECODE_CHUNK, prefill_chunk: int = PREFILL_CHUNK, kv_quant=None, segment_cap: int = 256 << 20):
         if model.tokenizer is None:
             raise ConfigError("sessions need a model with a tokenizer (the folder had none)")
         if int(rows) < 1:
@@ -65,6 +67,7 @@ class Server:
         self.radix = RadixTree(self.engine.allocator)
         self.engine.reclaim = self.radix.evict
         self.store = SessionStore(session_cap)
+        self.segments = SegmentStore(segment_cap)  # reuse stage: per-tenant, byte-capped LRU
         self.host_tier = host_tier if host_tier is not None else HostTier(global_rows=1 << 16)
         self.repair_signals: dict = {}  # session id -> latest repair Signal (WrongQ-K); oldest first
         self.stop_token_ids = stop_token_ids(model)
@@ -104,6 +107,6 @@ class Server:
             "radix_slots": int(self.radix.held_slots().size),
             "live_kv": int(sum(live)),
             "queue_depth": self.scheduler.queue_depth,
-            "host_tier_rows": int(sum(self.host_tier.session_size(s) for s in self.host_tier.sessions)),
+            "host_tier_rows": int(self.host_tier.num_rows),
             **{k: int(v) for k, v in stats.items()},
         }

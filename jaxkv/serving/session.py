@@ -103,6 +103,9 @@ class Session:
         (``jaxkv.serving.stages.quantization``): None, ``"int4"``, ``"kivi2"`` or
         ``"triaxial"`` (a private server is built with that pool; on a shared
         server the session inherits its mode, and another mode is a ``ConfigError``).
+      reuse, tenant, reuse_layers, halo, tau_seg, ...: cross-query segment reuse
+        (``jaxkv.serving.stages.reuse``): None, ``"segment"`` or ``"cacheblend"``,
+        the tenant whose segment namespace the session uses, and ``ReuseConfig``.
       Every other option goes to the registered stages
         (``jaxkv.serving.stages.STAGES``); one that no stage takes raises
         ``OptionError``.

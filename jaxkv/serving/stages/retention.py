@@ -244,6 +244,7 @@ class RetentionStage(Stage):
             query_mean_LHD=jnp.asarray(qm, jnp.float32),
             seq_len=jnp.int32(seq_len),
             valid_N=jnp.asarray(np.arange(N) < n),
+            query_span_N=jnp.asarray(pad(req.query[live_pos], False)),
         )
         forced = pad(req.pinned[live_pos], False)
         self.retention.state, report = compress_row(
@@ -284,7 +285,9 @@ def _factory(session, options: dict, built: list):
     policy = get_policy(name)
     fields = {f.name for f in dataclasses.fields(policy.config)}
     config = {k: options.pop(k) for k in list(options) if k in fields}
-    return RetentionStage(RetentionSpec.make(name, budget, layout, config))
+    spec = RetentionSpec.make(name, budget, layout, config)
+    spec.policy.init_state(spec.config, session.model.config)  # a state that cannot be built fails here, not mid-turn
+    return RetentionStage(spec)
 
 
 register("retention", 20, _factory)

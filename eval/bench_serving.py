@@ -1,0 +1,174 @@
+"""Serving throughput: 1, 4 and 8 concurrent sessions on one server (continuous batching).
+
+    JAX_PLATFORMS=cpu python eval/bench_serving.py [--models embedded,qwen3-125m]
+        [--sessions 1,4,8] [--turns 2] [--out FILE.md]
+
+Each session replays the first ``--turns`` assistant turns of its own held-out
+agent trace (``jaxkv.tasks.agent_traces``, ~1k tokens, tool schemas shared by all
+sessions): turn ``t`` asks ``Session.chat`` for a reply to the recorded history
+before the trace's t-th assistant message (teacher-forced history, as
+``jaxkv eval`` does), greedy, up to ``--max-new-tokens``. All sessions of a level
+run at once, one thread each, on one ``Server`` (rows = the largest level, as a
+deployment has one shape) whose scheduler batches their prefill chunks and
+decode steps.
+
+Models:
+* ``embedded``: the shipped 1.1M-parameter agent model (its replies stop at
+  ``<|im_end|>``: a tool call is ~20 tokens);
+* ``qwen3-125m``: the random ~125M Qwen3 of ``eval/bench_decode.py`` (hidden 768, 12
+  layers, vocab 32000) with the task tokenizer; its random replies never stop, so
+  every turn decodes ``--max-new-tokens`` tokens.
+
+Printed per model and level, side by side with the 1-session level of the same
+run: generated tokens, wall seconds, aggregate tokens/s over the wall, decode
+tokens/s (generated tokens over the seconds the scheduler spent in batched
+decode steps: the decode throughput the batching buys), p50/p95 turn latency,
+and the ratios against one session. Every level starts on a fresh server after a
+warm-up of two passes over the levels (compiles excluded, and counted during the
+timed levels; the prefix cache starts empty). CPU only; absolute numbers are for the machine named in the header.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import platform
+import statistics
+import tempfile
+import threading
+import time
+
+os.environ.setdefault("JAX_PLATFORMS", "cpu")
+
+import jax  # noqa: E402
+import numpy as np  # noqa: E402
+
+import jaxkv  # noqa: E402
+from eval.harness import EVAL_SEED_BASE  # noqa: E402
+
+SERVING_SEED = EVAL_SEED_BASE + 5_000  # held out, disjoint from the harness's examples
+QWEN3_125M = dict(
+    vocab_size=32000, hidden_size=768, intermediate_size=2048, num_layers=12, num_heads=12, num_kv_heads=4,
+    head_dim=64, qk_norm=True, max_position_embeddings=8192, rope_theta=1_000_000.0,
+)
+
+
+COMPILES = [0]
+jax.monitoring.register_event_duration_secs_listener(
+    lambda name, secs, **kw: COMPILES.__setitem__(0, COMPILES[0] + 1) if name == "/jax/core/compile/backend_compile_duration" else None
+)
+
+
+def load(name: str):
+    if name == "embedded":
+        return jaxkv.load_model("embedded"), 64
+    if name == "qwen3-125m":
+        from jaxkv.config import ModelConfig, RopeConfig
+        from jaxkv.tasks import embedded_tokenizer
+
+        tok = embedded_tokenizer()
+        theta = QWEN3_125M["rope_theta"]
+        cfg = ModelConfig(model_type="qwen3", rope=RopeConfig(theta=theta), tie_word_embeddings=False,
+                          eos_token_ids=(tok.convert_tokens_to_ids("<|im_end|>"),),
+                          **{k: v for k, v in QWEN3_125M.items() if k != "rope_theta"})
+        return jaxkv.model_from_config(cfg, seed=0, tokenizer=tok), 128
+    raise jaxkv.ConfigError(f"unknown model {name!r}; known: embedded, qwen3-125m")
+
+
+def conversations(n: int, turns: int):
+    """Per session, the histories its turns answer (recorded history before each of
+    the first ``turns`` assistant messages of its trace)."""
+    from jaxkv.tasks import agent_traces
+
+    out = []
+    for ex in agent_traces(n, SERVING_SEED, length=1024):
+        at = [j for j, m in enumerate(ex.messages) if m["role"] == "assistant"][:turns]
+        out.append(([ex.messages[:j] for j in at], ex.tools))
+    return out
+
+
+def run_level(model, n: int, convs, max_new_tokens: int, rows: int) -> dict:
+    """All ``n`` sessions at once on a fresh server of ``rows`` rows; returns the
+    level's numbers."""
+    latencies, generated = [], []
+    lock = threading.Lock()
+    with jaxkv.Server(model, rows=rows, max_positions=4096) as server:
+        sessions = [server.session(session_id=f"bench{i}", keep_reasoning=True) for i in range(n)]
+
+        def run(i):
+            histories, tools = convs[i]
+            for history in histories:
+                t0 = time.perf_counter()
+                turn = sessions[i].start_chat(history, tools, max_new_tokens=max_new_tokens).result()
+                with lock:
+                    latencies.append(time.perf_counter() - t0)
+                    generated.append(len(turn.reply_ids))
+
+        t0 = time.perf_counter()
+        threads = [threading.Thread(target=run, args=(i,)) for i in range(n)]
+        for th in threads:
+            th.start()
+        for th in threads:
+            th.join()
+        wall = time.perf_counter() - t0
+        decode_s = server.scheduler.timing["decode_s"]
+    tokens = sum(generated)
+    lat = sorted(latencies)
+    return {
+        "sessions": n, "turns": len(lat), "tokens": tokens, "wall_s": wall, "tok_s": tokens / wall,
+        "decode_tok_s": tokens / max(decode_s, 1e-9), "p50": statistics.median(lat),
+        "p95": lat[min(len(lat) - 1, int(np.ceil(0.95 * len(lat))) - 1)],
+    }
+
+
+def bench_model(name: str, levels, turns: int, out) -> list[str]:
+    model, max_new = load(name)
+    convs = conversations(max(levels), turns)
+    rows_n = max(levels)  # one server shape for every level, as a deployment has
+    for _ in range(2):  # warm-up: compile the batch shapes the levels reach
+        for n in sorted(set(levels) | {1}):
+            run_level(model, n, convs, max_new, rows_n)
+    compiles0 = COMPILES[0]
+    rows = {n: run_level(model, n, convs, max_new, rows_n) for n in sorted(set(levels) | {1})}
+    print(f"({COMPILES[0] - compiles0} XLA compiles during the timed levels)", flush=True)
+    base = rows[1]
+    lines = [
+        f"**{name}** ({model.config.num_layers} layers, width {model.config.hidden_size}, vocab {model.config.vocab_size}), "
+        f"{turns} turns per session, up to {max_new} new tokens per turn:",
+        "",
+        "| sessions | turns | generated tokens | wall s | aggregate tok/s | x 1 session | decode tok/s | x 1 session | p50 turn s | p95 turn s |",
+        "|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
+    ]
+    for n in levels:
+        r = rows[n]
+        lines.append(
+            f"| {n} | {r['turns']} | {r['tokens']} | {r['wall_s']:.1f} | {r['tok_s']:.1f} | {r['tok_s'] / base['tok_s']:.2f}x | "
+            f"{r['decode_tok_s']:.1f} | {r['decode_tok_s'] / base['decode_tok_s']:.2f}x | {r['p50']:.2f} | {r['p95']:.2f} |"
+        )
+    out("\n".join(lines) + "\n")
+    return lines
+
+
+def main(argv=None) -> str:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--models", default="embedded,qwen3-125m")
+    ap.add_argument("--sessions", default="1,4,8", help="concurrency levels")
+    ap.add_argument("--turns", type=int, default=2, help="assistant turns per session")
+    ap.add_argument("--out", default=None, help="also write the markdown here")
+    args = ap.parse_args(argv)
+    levels = [int(x) for x in args.sessions.split(",")]
+    header = (f"Serving throughput, {platform.processor() or platform.machine()}, {os.cpu_count()} cores, "
+              f"jax {jax.__version__} ({jax.default_backend()}); float32; fresh server per level after a warm-up.")
+    print(header + "\n", flush=True)
+    lines = [header, ""]
+    for name in args.models.split(","):
+        lines += bench_model(name.strip(), levels, args.turns, lambda s: print(s, flush=True)) + [""]
+    text = "\n".join(lines)
+    if args.out:
+        with open(args.out, "w") as f:
+            f.write(text)
+    return text
+
+
+if __name__ == "__main__":
+    main()

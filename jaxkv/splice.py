@@ -1,0 +1,183 @@
+"""Spliced prefill: the jit'd step of cross-query segment reuse (ALGORITHMS.md §8-9).
+
+A prompt piece is prefilled into a cache row with some of its tokens *spliced*:
+their lower layers' K/V come from a stored segment (keys delta-rotated to the new
+positions), and only part of the layer stack runs for them. One jit'd step,
+``splice_step``, serves every reuse mode through one description, ``SplicePlan``:
+
+* group A (token indices ``a_idx``) runs layers ``[0, cut)`` from the embedding;
+* group B (``b_idx``) runs layers ``[cut, L)``: a B token that is also in A
+  continues from its A residual, any other B token starts from a stored residual
+  (``b_resid``: the residual stream at the input of layer ``cut``);
+* tokens ``kv_idx`` get the K/V of layers ``[kv_lo, kv_hi)`` written from the
+  store (``kv_k`` post-RoPE at ``kv_old_pos``, rotated by ``rope_delta``); a B
+  token whose layer-``cut`` K/V were written so does not overwrite them
+  (``b_cut_write`` false);
+* every computed token attends, at each layer, to the row's keys whose position
+  is at most its own (``positional_attention``), after that layer's writes.
+
+Segment reuse with ``L_reuse = {0..n-1}`` is ``cut = n - 1``: interior tokens skip
+layers ``0..n-2``, run the last reused layer from its stored input residual with
+the spliced K/V, and every layer above (``jaxkv.serving.stages.reuse``). CacheBlend
+is two steps: layer 0 for every token (``cut = 1``, B empty), then layers
+``1..L-1`` for the recomputed tokens with the others' K/V spliced. The acceptance
+test's reference is a ``probe`` step: the probed tokens through every layer
+(``cut = L``) on scratch slots, reading only keys before them.
+
+Modes (``Engine.splice_prefill``): ``append`` allocates slots for ``tokens`` at the
+row's next positions and records them in the row; ``rewrite`` recomputes tokens
+the row already holds at ``[base, base + T)`` in their slots; ``probe`` runs on
+scratch slots (released after) and reads only the row's keys before ``base``:
+nothing of the row changes.
+
+Invariants: only slots of the piece (or scratch slots) are written, plus padding
+writes to the sentinel slot 0, which is never read; keys are read through the
+explicit ``live``/``live_pos`` lists, padded with the sentinel at position
+``PAD_POS`` (never visible). Cost model: per layer, ``|group| x N`` attention
+(queries in blocks of ``CAUSAL_BLOCK``, no diagonal skipping) plus the group's
+projections; the token x layer units a plan computes are ``SplicePlan.units``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from jaxkv.attention import CAUSAL_BLOCK, group_heads, gqa_scores, masked_softmax
+from jaxkv.pallas.rope_delta import rope_delta
+
+PAD_POS = 1 << 30  # position of padding keys: after every query, so never visible
+
+
+def positional_attention(q_CHD, q_pos_C, k_NKD, v_NKD, k_pos_N, block: int = CAUSAL_BLOCK):
+    """Each query row attends to the keys whose position is ``<=`` its own.
+
+    ``q_CHD`` post-RoPE queries at positions ``q_pos_C``; ``k_NKD`` / ``v_NKD`` keys
+    and values at ``k_pos_N`` (any order; padding at ``PAD_POS``). Queries go in
+    blocks of ``block`` rows. The GQA scaled softmax is ``jaxkv.attention``'s.
+    Returns ``[C, Hq, D]`` in ``q_CHD.dtype``.
+    """
+    C, Hq, D = q_CHD.shape
+    K = k_NKD.shape[1]
+    q = group_heads(q_CHD, K)  # [C, K, G, D]
+    v = v_NKD.astype(jnp.float32)
+    outs = []
+    for s in range(0, C, block):
+        e = min(s + block, C)
+        mask = k_pos_N[None, :] <= q_pos_C[s:e, None]  # [Cb, N]
+        probs = masked_softmax(gqa_scores(q[s:e], k_NKD), mask[None, None])  # [K, G, Cb, N]
+        outs.append(jnp.einsum("kgcn,nkd->ckgd", probs, v).reshape(e - s, Hq, D))
+    out = outs[0] if len(outs) == 1 else jnp.concatenate(outs, axis=0)
+    return out.astype(q_CHD.dtype)
+
+
+@functools.partial(jax.jit, static_argnames=("graphdef", "cut", "kv_lo", "kv_hi"), donate_argnames=("cache",))
+def splice_step(graphdef, params, cache, a_tok_A, a_pos_A, a_slot_A, b_src_B, b_resid_BM, b_pos_B, b_slot_B, b_cut_slot_B,
+                kv_k_LMKD, kv_v_LMKD, kv_slot_M, kv_delta_M, live_N, live_pos_N, logit_src_Y, *, cut, kv_lo, kv_hi):
+    """One spliced piece (module docstring). Padding: A/B entries with slot 0 and
+    position -1 (they see no key and write to the sentinel), K/V rows with slot 0.
+
+    ``logit_src_Y`` indexes group B (``b``) when B runs layers, else group A.
+    Returns ``(logits [Y, V] f32, cache, resid_AM)``: ``resid_AM`` is group A's
+    residual at the input of layer ``cut`` (what a stored segment keeps).
+    """
+    model = nnx.merge(graphdef, params)
+    L = len(model.layers)
+    dtype = cache.k.dtype
+    k_pool, v_pool = cache.k, cache.v
+    if kv_hi > kv_lo:
+        M = kv_slot_M.shape[0]
+        k_rot = rope_delta(kv_k_LMKD, jnp.arange(M, dtype=jnp.int32), kv_delta_M, model.cfg.rope)
+        k_pool = k_pool.at[kv_lo:kv_hi, kv_slot_M].set(k_rot.astype(dtype))
+        v_pool = v_pool.at[kv_lo:kv_hi, kv_slot_M].set(kv_v_LMKD.astype(dtype))
+    pools = {"k": k_pool, "v": v_pool}
+
+    def attender(q_pos, slots_for):
+        def attend(i, q, k, v):
+            slots = slots_for(i)
+            pools["k"] = pools["k"].at[i, slots].set(k[0].astype(dtype))
+            pools["v"] = pools["v"].at[i, slots].set(v[0].astype(dtype))
+            o = positional_attention(q[0], q_pos, pools["k"][i, live_N], pools["v"][i, live_N], live_pos_N)
+            return o[None]
+
+        return attend
+
+    x_a = model.run_layers(model.embed_tokens(a_tok_A[None]), a_pos_A[None], attender(a_pos_A, lambda i: a_slot_A), 0, cut)[0]
+    if cut < L:
+        from_a = (b_src_B >= 0)[:, None]
+        x_b = jnp.where(from_a, x_a[jnp.clip(b_src_B, 0)], b_resid_BM.astype(x_a.dtype))
+        slots_b = lambda i: b_cut_slot_B if i == cut else b_slot_B  # noqa: E731
+        x_out = model.run_layers(x_b[None], b_pos_B[None], attender(b_pos_B, slots_b), cut, L)[0]
+    else:
+        x_out = x_a
+    logits = model.logits(x_out[logit_src_Y])
+    return logits, cache.replace(k=pools["k"], v=pools["v"]), x_a
+
+
+@functools.partial(jax.jit, static_argnames=("graphdef", "layer"))
+def layer_key_deviation(graphdef, params, x_XM, pos_X, k_old_XKD, delta_X, *, layer):
+    """CacheBlend's selection signal: ``|| K_layer(x) - R(delta) k_old ||`` per token,
+    the recomputed post-RoPE key of ``layer`` from the residual ``x_XM`` at its input
+    against the stored key moved to the new position (``rope_delta``). ``[X]`` f32."""
+    model = nnx.merge(graphdef, params)
+    blk = model.layers[layer]
+    _, k, _ = blk.self_attn.qkv(blk.input_layernorm(x_XM[None]), pos_X[None])
+    X = pos_X.shape[0]
+    k_old = rope_delta(k_old_XKD, jnp.arange(X, dtype=jnp.int32), delta_X, model.cfg.rope)
+    diff = k[0].astype(jnp.float32) - k_old.astype(jnp.float32)
+    return jnp.sqrt(jnp.sum(diff * diff, axis=(-2, -1)))
+
+
+@dataclasses.dataclass
+class SplicePlan:
+    """What one ``splice_step`` does to a piece of ``T`` tokens (module docstring).
+
+    Attributes:
+      tokens: ``[T]`` ids of the piece, at positions ``base .. base + T``.
+      cut: group A runs layers ``[0, cut)``, group B ``[cut, L)``.
+      a_idx: ``[A]`` indices into ``tokens`` of group A, ascending.
+      b_idx: ``[B]`` indices of group B, ascending; ``b_resid``: ``[B, M]`` residual
+        at the input of layer ``cut`` for B tokens not in A (rows of A tokens are
+        ignored), or None when every B token is in A.
+      b_cut_write: ``[B]`` bool, write the layer-``cut`` K/V of that B token (False
+        where the store supplied them); None: all True.
+      kv_idx: ``[M]`` indices whose K/V of layers ``[kv_lo, kv_hi)`` come from
+        ``kv_k`` / ``kv_v`` ``[kv_hi - kv_lo, M, Hkv, D]`` (keys post-RoPE at
+        ``kv_old_pos [M]``).
+      logit_idx: ``[Y]`` indices into ``tokens`` whose next-token logits to return
+        (each must run the top layer: in B, or in A when ``cut == L``).
+      base: position of ``tokens[0]`` (``rewrite`` / ``probe`` modes; ``append``
+        uses the row's length).
+    """
+
+    tokens: np.ndarray
+    cut: int
+    a_idx: np.ndarray
+    b_idx: np.ndarray
+    b_resid: np.ndarray | None = None
+    b_cut_write: np.ndarray | None = None
+    kv_idx: np.ndarray = dataclasses.field(default_factory=lambda: np.zeros(0, np.int64))
+    kv_lo: int = 0
+    kv_hi: int = 0
+    kv_k: np.ndarray | None = None
+    kv_v: np.ndarray | None = None
+    kv_old_pos: np.ndarray | None = None
+    logit_idx: np.ndarray = dataclasses.field(default_factory=lambda: np.zeros(0, np.int64))
+    base: int = 0
+
+    def units(self, num_layers: int) -> int:
+        """Token x layer units the plan computes (a layer counts whole even when its
+        K/V projection is skipped)."""
+        return int(len(self.a_idx)) * self.cut + int(len(self.b_idx)) * (num_layers - self.cut)
+
+    @staticmethod
+    def full(tokens, cut: int, logit_idx=()) -> "SplicePlan":
+        """Every token through every layer (A = B = all), keeping the residual at ``cut``."""
+        T = len(tokens)
+        idx = np.arange(T)
+        return SplicePlan(np.asarray(tokens, np.int32), cut, idx, idx, logit_idx=np.asarray(logit_idx, np.int64))

@@ -1,0 +1,377 @@
+"""IntentKV Phase 2: the residual head, its policies, its training rows and its trainer.
+
+What each test pins down: at init ``z == s`` bit for bit and training reaches α and
+the whole MLP; ``intentkv_no_residual`` keeps exactly ``intentkv_memory``'s set
+while the full head (with a non-zero residual) does not; heads round-trip through
+``head.safetensors`` + ``head.json`` and a head for another ``head_dim`` raises
+``ConfigError``; an empty or missing query span gives finite scores; labels on a
+hand-built conversation are exactly the argument-value tokens of the next 5 calls;
+a row's rule score is what a real ``Session`` scores at its compression event; the
+training script runs 3 steps end to end and its loss falls; it resumes from its checkpoint.
+Shapes are tiny (L=2, N=48, Hq=4, Hkv=2, D=16).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+
+import jaxkv
+from jaxkv.config import ModelConfig
+from jaxkv.serving.stages.retention import score_and_select
+from jaxkv.policies import EventFeatures, get_policy
+from jaxkv.policies import intentkv_head as ih
+from jaxkv.policies.intentkv import QueryMemory
+
+L, N, HQ, HKV, D = 2, 48, 4, 2, 16
+MODEL_CFG = ModelConfig(
+    model_type="qwen3", vocab_size=64, hidden_size=64, intermediate_size=64,
+    num_layers=L, num_heads=HQ, num_kv_heads=HKV, head_dim=D,
+)
+ABLATIONS = ("intentkv", "intentkv_no_memory", "intentkv_no_xattn", "intentkv_no_residual")
+
+
+def make_feats(seed, span=True, n=N):
+    rng = np.random.default_rng(seed)
+    positions = np.sort(rng.choice(n + 16, size=n, replace=False)).astype(np.int32)
+    span_N = np.zeros(n, bool)
+    span_N[-10:] = True
+    return EventFeatures(
+        keys_LNKD=jnp.asarray(rng.normal(size=(L, n, HKV, D)), jnp.float32),
+        positions_N=jnp.asarray(positions),
+        phase_N=jnp.zeros(n, jnp.int32),
+        window_q_LWHD=jnp.zeros((L, 1, HQ, D), jnp.float32),
+        window_pos_W=jnp.zeros(1, jnp.int32),
+        window_valid_W=jnp.zeros(1, bool),
+        acc_mass_N=jnp.zeros(n, jnp.float32),
+        query_mean_LHD=jnp.asarray(rng.normal(size=(L, HQ, D)), jnp.float32),
+        seq_len=jnp.asarray(positions[-1] + 1, jnp.int32),
+        query_span_N=jnp.asarray(span_N) if span else None,
+    )
+
+
+def perturbed(head: ih.Head, seed: int, scale: float = 0.1) -> ih.Head:
+    """The head with every parameter moved randomly (a non-zero residual)."""
+    leaves, treedef = jax.tree_util.tree_flatten(head.params)
+    keys = jax.random.split(jax.random.key(seed), len(leaves))
+    leaves = [x + scale * jax.random.normal(k, x.shape) for x, k in zip(leaves, keys)]
+    return dataclasses.replace(head, params=jax.tree_util.tree_unflatten(treedef, leaves))
+
+
+@pytest.fixture(scope="module")
+def trained_like_head(tmp_path_factory):
+    """A head for D=16 with non-zero output layer, saved as a folder."""
+    folder = tmp_path_factory.mktemp("head")
+    ih.save_head(perturbed(ih.init_head(ih.HeadConfig(head_dim=D), seed=1), seed=2), folder, base_model={"name": "test"})
+    return str(folder)
+
+
+def memory_state(seed):
+    rng = np.random.default_rng(seed)
+    m = rng.normal(size=(L, HQ, D))
+    return QueryMemory(jnp.asarray(m / np.linalg.norm(m, axis=-1, keepdims=True), jnp.float32), jnp.asarray(True))
+
+
+# -- the head ---------------------------------------------------------------------------------
+def test_at_init_z_equals_s_exactly_and_training_reaches_alpha_and_the_mlp():
+    from train.intentkv_head import LossConfig, batch_loss
+
+    head = ih.init_head(ih.HeadConfig(head_dim=D), seed=0)
+    rng = np.random.default_rng(0)
+    B, n = 2, 64
+    labels = (rng.random((B, n)) < 0.1).astype(np.int8)
+    labels[:, 0] = 1
+    batch = {
+        "kbar": rng.normal(size=(B, n, D)).astype(np.float32), "s": rng.random((B, n)).astype(np.float32) / n,
+        "labels": labels, "forced": np.arange(n)[None].repeat(B, 0) >= n - 8, "valid": np.ones((B, n), bool),
+        "span": np.arange(n)[None].repeat(B, 0) >= n - 8, "mbar": rng.normal(size=(B, D)).astype(np.float32),
+        "norm_err": np.zeros(B, np.float32),
+    }
+    r = jax.vmap(lambda k, m, sp: ih.residual_scores(head.graphdef, head.params, k, m, sp))(batch["kbar"], batch["mbar"], batch["span"])
+    z = ih.combine(batch["s"], r, ih.alpha_of(head.params, 2.0))
+    np.testing.assert_array_equal(np.asarray(z), batch["s"])  # bit for bit
+
+    def grads(params):
+        return ih.flat_params(jax.grad(lambda p: batch_loss(head.graphdef, p, batch, LossConfig())[0])(params))
+
+    g0 = grads(head.params)
+    # at init r = 0: the gradient reaches the zero output layer through α = 1 ...
+    assert np.abs(g0["fc2.kernel"]).max() > 0 and np.abs(g0["fc2.bias"]).max() > 0
+    # ... and after one update it reaches α, the hidden layer and the cross-attention
+    opt = optax.sgd(0.1)
+    updates, _ = opt.update(jax.grad(lambda p: batch_loss(head.graphdef, p, batch, LossConfig())[0])(head.params), opt.init(head.params))
+    g1 = grads(optax.apply_updates(head.params, updates))
+    for name in ("alpha", "fc1.kernel", "fc1.bias", "xq.kernel", "xk.kernel", "xv.kernel", "xo.kernel"):
+        assert np.abs(g1[name]).max() > 0, name
+    # with α = 0 instead, nothing would ever move (the saddle the paper avoids)
+    frozen = ih.init_head(ih.HeadConfig(head_dim=D, alpha_init=0.0), seed=0)
+    g_frozen = ih.flat_params(jax.grad(lambda p: batch_loss(frozen.graphdef, p, batch, LossConfig())[0])(frozen.params))
+    assert all(np.abs(v).max() == 0 for v in g_frozen.values())
+
+
+def test_head_round_trips_and_records_its_head_dim(trained_like_head, tmp_path):
+    head = ih.load_head(trained_like_head)
+    record = json.loads((tmp_path.parent / trained_like_head / ih.CONFIG_FILE).read_text())
+    assert record["config"]["head_dim"] == D and record["base_model"] == {"name": "test"}
+    again = ih.load_head(ih.save_head(head, tmp_path / "copy"))
+    for name, value in ih.flat_params(head.params).items():
+        np.testing.assert_array_equal(ih.flat_params(again.params)[name], value)
+    assert np.asarray(ih.flat_params(head.params)["alpha"]).shape == ()
+
+
+def test_a_head_for_another_head_dim_raises_config_error(trained_like_head):
+    policy = get_policy("intentkv")
+    other = dataclasses.replace(MODEL_CFG, head_dim=2 * D)
+    with pytest.raises(jaxkv.ConfigError, match="head_dim 16"):
+        policy.init_state(policy.make_config(head=trained_like_head), other)
+    with pytest.raises(jaxkv.ConfigError, match="head_dim 32"):  # the shipped head is for the embedded model
+        policy.init_state(policy.make_config(), MODEL_CFG)
+
+
+def test_missing_or_malformed_head_raises_typed_errors(tmp_path, trained_like_head):
+    with pytest.raises(jaxkv.CheckpointNotFoundError):
+        ih.load_head(tmp_path / "nothing")
+    bad = tmp_path / "bad"
+    ih.save_head(ih.load_head(trained_like_head), bad)
+    record = json.loads((bad / ih.CONFIG_FILE).read_text())
+    record["config"]["hidden"] = 8  # the weights no longer fit the config
+    (bad / ih.CONFIG_FILE).write_text(json.dumps(record))
+    with pytest.raises(jaxkv.CheckpointError, match="shape"):
+        ih.load_head(bad)
+
+
+# -- the policies -----------------------------------------------------------------------------
+def decide(name, head, feats, forced, budget, state=None):
+    policy = get_policy(name)
+    cfg = policy.make_config() if head is None else policy.make_config(head=head)
+    if state is None:
+        state = policy.init_state(cfg, MODEL_CFG)
+    if hasattr(state, "memory"):
+        state = state.replace(memory=memory_state(3))
+    else:
+        state = memory_state(3)
+    kept, scores, _ = score_and_select(policy, cfg, state, feats, jnp.asarray(forced), jnp.int32(budget))
+    return np.asarray(kept), np.asarray(scores)
+
+
+def test_no_residual_keeps_exactly_the_memory_rules_set(trained_like_head):
+    forced = np.zeros(N, bool)
+    forced[:4] = forced[-10:] = True
+    differs = False
+    for seed in range(4):
+        feats = make_feats(seed)
+        for budget in (16, 24, 30):
+            kept_rule, s = decide("intentkv_memory", None, feats, forced, budget)
+            kept_nr, z_nr = decide("intentkv_no_residual", trained_like_head, feats, forced, budget)
+            np.testing.assert_array_equal(kept_nr, kept_rule)
+            np.testing.assert_array_equal(z_nr, s)
+            kept_full, z = decide("intentkv", trained_like_head, feats, forced, budget)
+            differs |= not np.array_equal(kept_full, kept_rule)
+            assert kept_full.sum() == budget and (kept_full[forced]).all()
+    assert differs  # the residual of this head changes some kept set, so the check above can fail
+
+
+def test_ablations_change_what_they_name(trained_like_head):
+    feats = make_feats(5)
+    forced = np.zeros(N, bool)
+    forced[-10:] = True
+    cand = ~forced
+    z = {name: decide(name, trained_like_head, feats, forced, 30)[1] for name in ABLATIONS}
+    for name in ("intentkv", "intentkv_no_memory", "intentkv_no_xattn"):
+        assert np.isfinite(z[name]).all() and (z[name][~cand] == 0).all()
+    assert np.abs(z["intentkv_no_xattn"] - z["intentkv"])[cand].max() > 1e-4
+    assert np.abs(z["intentkv_no_memory"] - z["intentkv"])[cand].max() > 1e-4
+    # no cross-attention == the full head reading no span key
+    no_span = dataclasses.replace(feats, query_span_N=None)
+    np.testing.assert_allclose(decide("intentkv", trained_like_head, no_span, forced, 30)[1], z["intentkv_no_xattn"], rtol=1e-6)
+    # no memory: the rule score against the unit-norm q̄_t, as intentkv_memory's first turn
+    fresh = get_policy("intentkv_memory")
+    s_q, _ = fresh.score(fresh.make_config(), fresh.init_state(fresh.make_config(), MODEL_CFG), feats, jnp.asarray(cand))
+    head = ih.load_head(trained_like_head)
+    m = feats.query_mean_LHD / jnp.linalg.norm(feats.query_mean_LHD, axis=-1, keepdims=True)
+    r = ih.residual_scores(head.graphdef, head.params, ih.mean_keys(feats.keys_LNKD), ih.mean_query(m), feats.query_span_N)
+    expected = np.where(cand, np.asarray(s_q) + float(ih.alpha_of(head.params, 2.0)) * np.asarray(r), 0.0)
+    # float32 under jit vs eager: agreement to ~1e-6 of the scores' scale
+    np.testing.assert_allclose(z["intentkv_no_memory"], expected, rtol=1e-5, atol=1e-6 * np.abs(expected).max())
+
+
+def test_empty_span_and_alpha_clip(trained_like_head):
+    head = ih.load_head(trained_like_head)
+    kbar = ih.mean_keys(make_feats(6).keys_LNKD)
+    m = jnp.ones(D) / 4
+    empty = ih.residual_scores(head.graphdef, head.params, kbar, m, jnp.zeros(N, bool))
+    none = ih.residual_scores(head.graphdef, head.params, kbar, m, None)
+    assert np.isfinite(np.asarray(empty)).all()
+    np.testing.assert_array_equal(empty, none)
+    # K̄_Q holds the last span_keys live span positions, in position order
+    span = np.zeros(N, bool)
+    span[[3, 7, 20, 30, 41]] = True
+    keys, valid = ih.span_keys_of(kbar, jnp.asarray(span), 3)
+    np.testing.assert_array_equal(keys, kbar[np.asarray([20, 30, 41])])
+    assert valid.all()
+    for alpha, clipped in ((5.0, 2.0), (-1.0, 0.0), (0.5, 0.5)):
+        params = ih.init_head(ih.HeadConfig(head_dim=D, alpha_init=alpha)).params
+        assert float(ih.alpha_of(params, 2.0)) == clipped and float(ih.alpha_of(params)) == alpha
+
+
+def test_learned_policies_run_in_a_session(task_model_dir, tmp_path):
+    """Every learned policy runs through a real session (engine-filled features, no span),
+    on both layouts and with RepairKV."""
+    from eval.tasks import agent_traces
+    from jaxkv.serving import Session
+
+    model = jaxkv.load_model(task_model_dir)
+    head = ih.save_head(perturbed(ih.init_head(ih.HeadConfig(head_dim=model.config.head_dim), 0), 1), tmp_path / "h")
+    ex = agent_traces(1, seed=3, length=1200, n_docs=2, registry=False)[0]
+    runs = [(name, {}) for name in ABLATIONS] + [("intentkv", {"layout": "compact"}), ("intentkv", {"repair": 16})]
+    for name, options in runs:
+        session = Session(model, policy=name, budget=700, head=str(head), max_positions=2048, **options)
+        session.replay(ex.messages[:-1], ex.tools)
+        assert session.compressions, (name, options)
+        assert all(c.live_after < c.live_before for c in session.compressions), (name, options)
+        if "repair" in options:
+            assert any(r.promoted_positions.size for r in session.repairs)
+
+
+# -- training rows ----------------------------------------------------------------------------
+def hand_built_conversation():
+    from eval.tasks.agent import tool_schema
+    from eval.tasks.example import tool_call
+
+    tools = [tool_schema("open"), tool_schema("lookup")]
+    opens = ["d011", "d012", "d013", "d014", "d015", "d016"]
+    messages = [
+        {"role": "system", "content": "You open documents. Never open d012 twice."},
+        {"role": "user", "content": f"Open {', '.join(opens)} in this order, then look up v021."},
+    ]
+    for i, d in enumerate(opens):
+        messages.append({"role": "assistant", "content": "", "reasoning_content": "Next document.",
+                         "tool_calls": [tool_call("open", doc_id=d)]})
+        body = f"Document {d}: k100: v100" + (", see d013" if i == 0 else "")
+        messages.append({"role": "tool", "name": "open", "content": body})
+    messages.append({"role": "assistant", "content": "", "reasoning_content": "The lookup.",
+                     "tool_calls": [tool_call("lookup", key="v021")]})
+    messages.append({"role": "tool", "name": "lookup", "content": "v021: v022"})
+    messages.append({"role": "assistant", "content": "Answer: v022.", "reasoning_content": "Done."})
+    return messages, tools
+
+
+def test_labels_are_exactly_the_argument_values_of_the_next_five_calls(task_model_dir):
+    from jaxkv.chat.render import render
+    from train import intentkv_data as data
+
+    model = jaxkv.load_model(task_model_dir)
+    tok = model.tokenizer
+    messages, tools = hand_built_conversation()
+    out = data.trace_rows(model, messages, tools, answer_values=("v022",), keep_empty=True)
+    rows = {r["turn"]: r for r in out["rows"]}
+    # the second call's event: the next five calls open d012..d016; the lookup (v021) is the sixth
+    row = rows[1]
+    assert row["values"] == ("d012", "d013", "d014", "d015", "d016")
+    j = [i for i, m in enumerate(messages) if m["role"] == "assistant"][1]
+    prompt = render(tok, messages[:j], tools, add_generation_prompt=True)
+    a, b = prompt.spans.actionable_query
+    p = prompt.spans.protected_prefix[1]
+    pieces = tok.convert_ids_to_tokens(prompt.ids.tolist())
+    expected = np.asarray([t in row["values"] for t in pieces]) & (np.arange(prompt.ids.size) >= p)
+    expected &= ~((np.arange(prompt.ids.size) >= a) & (np.arange(prompt.ids.size) < b))
+    assert expected.sum() == 5  # d012..d016 in the user message; d013 in the query span and d012 in the system prompt are not
+    np.testing.assert_array_equal(row["labels"] == 1, expected)
+    # forced positions (protected prefix, query span) and template tokens are ignored (−1)
+    assert (row["labels"][:p] == -1).all() and (row["labels"][a:b] == -1).all()
+    delim = data.template_mask(tok, prompt)
+    assert (row["labels"][delim] == -1).all()
+    assert ((row["labels"] == 0) | (row["labels"] == 1))[p:a][~delim[p:a]].all()
+    # the final answer is an action too: the lookup's event sees v021 and the answer's v022
+    assert rows[6]["values"] == ("v021", "v022")
+    assert data.future_values(messages, j, horizon=6) == ["d012", "d013", "d014", "d015", "d016", "v021"]
+
+
+def test_row_scores_are_what_a_session_scores_at_its_event(task_model_dir):
+    """The row's rule score, memory and forced set reproduce a real session's first event."""
+    from eval.tasks import agent_traces
+    from jaxkv.policies import select
+    from jaxkv.serving import Session
+    from train import intentkv_data as data
+
+    model = jaxkv.load_model(task_model_dir)
+    ex = agent_traces(1, seed=11, length=1400, n_docs=3, registry=True)[0]
+    out = data.trace_rows(model, ex.messages, ex.tools, data.answer_values_of(ex), keep_empty=True)
+    row = out["rows"][2]
+    budget = max(out["rows"][1]["len"], row["len"] - 60)
+    assert row["turn"] == 2 and out["rows"][1]["len"] <= budget < row["len"]  # the first event is this row's
+    session = Session(model, policy="intentkv_memory", budget=budget, max_positions=4096)
+    turn_j = [i for i, m in enumerate(ex.messages) if m["role"] == "assistant"][2]
+    session.replay(ex.messages[:turn_j + 1], ex.tools)
+    report = session.compressions[0]
+    n = row["len"]
+    assert report.live_before == n
+    forced = row["labels"] == -1
+    cand = np.ones(n, bool)
+    a, b = row["span"]
+    cand[: row["protected"]] = cand[a:b] = False
+    kept = np.asarray(select(jnp.asarray(row["s"]), jnp.asarray(~cand), jnp.asarray(cand), budget))
+    np.testing.assert_array_equal(np.flatnonzero(kept), report.kept_positions)
+    np.testing.assert_allclose(row["s"][report.plan.evicted_positions], report.evicted_scores, rtol=2e-4, atol=1e-7)
+    assert forced[~cand].all()
+
+
+def test_seed_ranges_are_disjoint_from_evaluation():
+    from train import intentkv_data as data
+
+    data.check_seed_ranges()
+    seeds = range(data.TRAIN_SEED_BASE, data.TRAIN_SEED_BASE + data.SPLIT_SEEDS)
+    for name, r in data.evaluation_seed_ranges().items():
+        assert seeds.stop <= r.start or r.stop <= seeds.start, name
+    from eval.harness import EVAL_SEED_BASE
+    from eval.tasks.example import example_seed
+
+    assert example_seed(EVAL_SEED_BASE, 0) in data.evaluation_seed_ranges()["harness agent"]
+
+
+# -- the trainer --------------------------------------------------------------------------------
+@pytest.fixture(scope="module")
+def quick_run(task_model_dir, tmp_path_factory):
+    from train import intentkv_data, intentkv_head
+
+    folder = tmp_path_factory.mktemp("ikv")
+    intentkv_data.generate(intentkv_data.parse_args(["--out", str(folder / "data"), "--model", str(task_model_dir),
+                                                      "--quick", "--quiet", "--length-min", "1300", "--length-max", "1500"]))
+    args = intentkv_head.parse_args(["--data", str(folder / "data"), "--out", str(folder / "head"), "--quick",
+                                     "--quiet", "--lr", "3e-3"])
+    return folder, intentkv_head.train(args)
+
+
+def test_training_runs_three_steps_and_its_loss_falls(quick_run):
+    folder, result = quick_run
+    losses = result["losses"]  # --quick: every step is the same 8 rows, so the losses compare
+    assert len(losses) == 3 and np.isfinite(losses).all()
+    assert losses[2] < losses[1] < losses[0]
+    first, last = result["summary"]["heldout_initial"], result["summary"]["heldout_final"]
+    assert first["auc_z"] == first["auc_s"] and last["auc_s"] == first["auc_s"]  # z == s before training
+    assert last["auc_z"] != first["auc_z"]
+    for name in ("head.safetensors", "head.json", "training.png", "metrics.jsonl", "summary.json"):
+        assert (folder / "head" / name).is_file(), name
+    head = ih.load_head(folder / "head")
+    assert head.cfg.head_dim == 16 and head.meta["training"]["heldout_final"]["update"] == 3
+
+
+def test_training_resumes_from_its_checkpoint(quick_run, tmp_path):
+    """Stopping after 2 updates and rerunning gives the 3-update run's losses and head."""
+    from train import intentkv_head
+
+    folder, result = quick_run
+    out = tmp_path / "resume"
+    base = ["--data", str(folder / "data"), "--out", str(out), "--quick", "--quiet", "--lr", "3e-3"]
+    first = intentkv_head.train(intentkv_head.parse_args(base + ["--stop-after", "2"]))
+    resumed = intentkv_head.train(intentkv_head.parse_args(base))
+    np.testing.assert_allclose(first["losses"], result["losses"][:2], rtol=1e-6)
+    np.testing.assert_allclose(resumed["losses"], result["losses"][2:], rtol=1e-5)
+    for name, value in ih.flat_params(result["head"].params).items():
+        np.testing.assert_allclose(ih.flat_params(resumed["head"].params)[name], value, rtol=1e-5, atol=1e-7)

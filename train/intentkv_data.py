@@ -1,0 +1,415 @@
+"""Training rows for the IntentKV residual head: agent traces replayed with the full cache.
+
+    JAX_PLATFORMS=cpu python -m train.intentkv_data --out runs/intentkv-data [--traces 1600 --heldout 200]
+
+What a row is. A session with a retention policy runs a compression event after
+the prompt of every assistant turn (IntentKV has no decode interval). With the
+full cache every position of the prompt is live and keys are causal, so one
+dense forward of the whole rendered conversation, capturing post-RoPE q/k per
+layer through ``Transformer._run``'s ``attend`` callback, gives every key the
+event of turn t sees: the prompt of assistant turn t is a prefix of the full
+render (asserted for every turn; the agent traces have one user message, so
+Qwen3's template keeps every reasoning), and the keys at its positions are the
+full forward's keys there. Per assistant turn t (prompt length ``n``) a row holds:
+
+* ``k̄_i`` for every live position ``i < n`` (mean over layers and KV heads,
+  ``intentkv_head.mean_keys``). Rows of one trace share its ``k̄ [T, D]``:
+  position ``i`` has the same key in every prompt that contains it.
+* ``s_i``: the Phase-1 memory score of the event (the registered
+  ``intentkv_memory`` score function on ``EventFeatures`` padded to the
+  session's bucket), with the memory folded turn by turn exactly as a session
+  does (``intentkv.update_memory`` with ``q̄_t``, the mean post-RoPE query over
+  the turn's actionable query span, ``β = 0.7``); ``s`` is 0 off candidates.
+* ``m̄`` (mean of the unit-norm memory), ``q̄`` (mean of ``q̄_t``) and
+  ``q̄_unit`` (mean of the unit-norm ``q̄_t``, the no-memory ablation's vector),
+  each ``[D]``; ``norm_err = mean_{l,h} (‖m_pre‖ − 1)²``, the memory's squared
+  distance from unit norm before its projection (``L_norm``).
+* the query span ``(a, b)``: ``K̄_Q`` is ``k̄[a:b]`` (every span position is
+  live), and the protected prefix end ``p``.
+* labels ``y_i ∈ {1, 0, −1}`` (``label_row``), int8.
+
+Candidates and forced tokens. As in a session (``protect_query=True``), the
+forced set is the protected prefix (system prompt + tool schemas, ``[0, p)``)
+and the actionable query span ``[a, b)``; every other position ``< n`` is a
+candidate (``cand = ~forced``; ``s`` and the softmax behind it range over
+candidates only). Forced tokens are never candidates at inference, so they carry
+label −1 and take no part in any loss or metric, whatever their text.
+
+Labels (future-action grounding, ALGORITHMS.md §4). The future actions of turn t
+are the next ``--horizon`` (5) assistant actions from turn t on, turn t's own
+call included: every tool call counts as one action and contributes its argument
+values; the final answer counts as one and contributes the values it reports
+(the generator's ``ScoredTurn.values`` of the answer: record values and the
+resolved registry value). A candidate token is positive when its characters
+overlap a whole-word literal match (``(?<!\\w)value(?!\\w)``) of a future value in
+the rendered text; −1 for forced tokens (current query span, protected prefix)
+and for template/special tokens (special token ids, and every token the chat
+tagger marks ``Semantic.DELIM``: role headers, message delimiters, bracket
+markers); 0 otherwise. Rows with no positive are dropped.
+
+Seeds (disjoint from every evaluation seed; ``check_seed_ranges`` asserts it):
+training traces use the per-example seeds ``one_trace(TRAIN_SEED_BASE + i)``,
+``TRAIN_SEED_BASE = 200,000,000``, held-out traces ``HELDOUT_SEED_BASE + i``,
+``300,000,000``, each split at most ``SPLIT_SEEDS = 10,000,000`` seeds. The
+evaluation sets use per-example seeds ``example_seed(EVAL_SEED_BASE, i) =
+996,773,056 + i`` (harness agent traces, ``EVAL_SEED_BASE = 2**30 + 9,000,000``;
+note that ``example_seed`` hashes the batch seed to below 2**30),
+``example_seed(EVAL_SEED_BASE + 500,000, i)`` (harness MQ-NIAH),
+``DEMO_SEED_BASE + 1000·seed + i`` (demo, ``2**30 + 9,000,000``, at or above
+2**30) and ``2**30 + 7,100,000 + i`` (``eval.embedded_accuracy``). Trace lengths
+are drawn per seed in ``[--length-min, --length-max]`` (1,792-2,304 tokens; the
+harness uses 2,048); documents (1-3) and the registry as the generator draws them.
+
+Shards (``SPLIT-00000.npz``, ``--shard-size`` traces each, written atomically):
+``kbar`` ``[ΣT, D]`` f32 with ``trace_offset [traces+1]``; per row ``row_trace``,
+``row_turn``, ``row_len`` (n), ``row_span [R, 2]``, ``row_protected``,
+``row_mbar / row_qbar / row_qbar_unit [R, D]``, ``row_norm_err``, ``row_seed``,
+and the per-position ``s`` f32 / ``labels`` int8 concatenated with ``row_offset
+[R+1]``. A shard that exists is skipped, so an interrupted run resumes where it
+stopped; ``meta.json`` records the arguments and totals.
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import json
+import os
+import random
+import re
+import time
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+from tqdm import tqdm
+
+from jaxkv import attention as ref_attention
+from jaxkv.chat.render import render
+from jaxkv.chat.tags import Semantic
+from jaxkv.buckets import bucket
+from jaxkv.policies import EventFeatures, get_policy, intentkv
+from jaxkv.policies.common import unit_norm
+from jaxkv.policies.intentkv_head import mean_keys, mean_query
+
+TRAIN_SEED_BASE = 200_000_000
+HELDOUT_SEED_BASE = 300_000_000
+SPLIT_SEEDS = 10_000_000
+SPLITS = {"train": TRAIN_SEED_BASE, "heldout": HELDOUT_SEED_BASE}
+HORIZON = 5
+EVAL_EXAMPLES = 1_000_000  # evaluation sets are assumed to use fewer examples per seed than this
+
+
+def evaluation_seed_ranges() -> dict[str, range]:
+    """Per-example seeds the evaluation code uses (a range per evaluation set)."""
+    from eval.embedded_accuracy import HELDOUT_SEED_BASE as ACCURACY_BASE
+    from eval.harness import EVAL_SEED_BASE
+    from eval.tasks.example import example_seed
+    from jaxkv.demo import DEMO_SEED_BASE
+
+    def batch(seed):
+        start = example_seed(seed, 0)
+        assert example_seed(seed, EVAL_EXAMPLES - 1) == start + EVAL_EXAMPLES - 1  # no wrap-around
+        return range(start, start + EVAL_EXAMPLES)
+
+    return {
+        "harness agent": batch(EVAL_SEED_BASE),
+        "harness mqniah": batch(EVAL_SEED_BASE + 500_000),
+        "demo": range(DEMO_SEED_BASE, DEMO_SEED_BASE + 1000 * 1000 + EVAL_EXAMPLES),
+        "embedded_accuracy": range(ACCURACY_BASE, ACCURACY_BASE + 100_000 + EVAL_EXAMPLES),
+    }
+
+
+def check_seed_ranges() -> None:
+    """Assert the training and held-out seed ranges meet each other and no evaluation range."""
+    ranges = {name: range(base, base + SPLIT_SEEDS) for name, base in SPLITS.items()}
+    ranges.update(evaluation_seed_ranges())
+    for name in SPLITS:
+        r = ranges[name]
+        for other, o in ranges.items():
+            assert other == name or r.stop <= o.start or o.stop <= r.start, f"seed ranges {name} {r} and {other} {o} overlap"
+
+
+# -- the frozen model's features ---------------------------------------------------------
+@functools.partial(jax.jit, static_argnums=0)
+def _capture_qk(graphdef, params, tokens_1T):
+    module = nnx.merge(graphdef, params)
+    qs, ks = [], []
+
+    def attend(i, q, k, v):
+        qs.append(q[0])
+        ks.append(k[0])
+        return ref_attention.causal_attention(q, k, v)
+
+    T = tokens_1T.shape[1]
+    module._run(tokens_1T, jnp.arange(T, dtype=jnp.int32)[None], attend)
+    return jnp.stack(qs).astype(jnp.float32), jnp.stack(ks).astype(jnp.float32)
+
+
+def capture_qk(model, ids) -> tuple[np.ndarray, np.ndarray]:
+    """Post-RoPE ``q [L, T, Hq, D]`` and ``k [L, T, Hkv, D]`` of one dense causal
+    forward of ``ids`` (padded to a bucket at the end, which causality hides)."""
+    ids = np.asarray(ids, np.int32)
+    T = ids.size
+    padded = np.zeros((1, bucket(T)), np.int32)
+    padded[0, :T] = ids
+    graphdef, params = model.split()
+    q, k = _capture_qk(graphdef, params, jnp.asarray(padded))
+    return np.asarray(q[:, :T]), np.asarray(k[:, :T])
+
+
+@functools.lru_cache(maxsize=None)
+def _memory_score_jit():
+    policy = get_policy("intentkv_memory")
+    cfg = policy.make_config()
+    return cfg, jax.jit(functools.partial(policy.score, cfg))
+
+
+def memory_scores(state, keys_LnKD, q_mean_LHD, cand_n) -> np.ndarray:
+    """``intentkv_memory``'s score at an event whose live keys are ``keys_LnKD``,
+    computed as a session does (features padded to its bucket)."""
+    L, n, K, D = keys_LnKD.shape
+    N = bucket(n)
+    keys = np.zeros((L, N, K, D), np.float32)
+    keys[:, :n] = keys_LnKD
+    cand = np.zeros(N, bool)
+    cand[:n] = cand_n
+    feats = EventFeatures(
+        keys_LNKD=jnp.asarray(keys), positions_N=jnp.arange(N, dtype=jnp.int32), phase_N=jnp.zeros(N, jnp.int32),
+        window_q_LWHD=jnp.zeros((L, 1, q_mean_LHD.shape[1], D), jnp.float32), window_pos_W=jnp.zeros(1, jnp.int32),
+        window_valid_W=jnp.zeros(1, bool), acc_mass_N=jnp.zeros(N, jnp.float32),
+        query_mean_LHD=jnp.asarray(q_mean_LHD, jnp.float32), seq_len=jnp.int32(n),
+        valid_N=jnp.asarray(np.arange(N) < n),
+    )
+    _, score = _memory_score_jit()
+    s, _ = score(state, feats, jnp.asarray(cand))
+    return np.asarray(s)[:n]
+
+
+# -- labels --------------------------------------------------------------------------------
+def future_values(messages, j: int, horizon: int = HORIZON, answer_values=()) -> list[str]:
+    """Values of the next ``horizon`` actions from assistant message ``j`` on: each
+    tool call's argument values, and the final answer's ``answer_values`` (one action)."""
+    values, actions = [], 0
+    for m in messages[j:]:
+        if m.get("role") != "assistant":
+            continue
+        calls = m.get("tool_calls") or ()
+        for call in calls:
+            if actions == horizon:
+                return values
+            args = call.get("function", call).get("arguments") or {}
+            if isinstance(args, str):
+                args = json.loads(args)
+            values += [v if isinstance(v, str) else json.dumps(v) for v in args.values()]
+            actions += 1
+        if not calls:
+            if actions == horizon:
+                return values
+            values += list(answer_values)
+            actions += 1
+    return values
+
+
+def value_masks(text: str, offsets: np.ndarray, values) -> np.ndarray:
+    """Bool ``[T]``: tokens whose characters overlap a whole-word match of a value."""
+    hit = np.zeros(len(offsets), bool)
+    starts, ends = offsets[:, 0], offsets[:, 1]
+    for value in dict.fromkeys(v for v in values if v):
+        for m in re.finditer(rf"(?<!\w){re.escape(value)}(?!\w)", text):
+            hit |= (starts < m.end()) & (ends > m.start())
+    return hit
+
+
+def template_mask(tokenizer, rendered) -> np.ndarray:
+    """Bool ``[T]``: special tokens and the tagger's DELIM tokens (template scaffolding)."""
+    special = np.isin(rendered.ids, np.asarray(sorted(tokenizer.all_special_ids), np.int64))
+    return special | (rendered.triaxial["semantic"] == Semantic.DELIM)
+
+
+def label_row(prompt, positive_T: np.ndarray, template_n: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """``(labels [n] int8, cand [n] bool)`` of one event on ``prompt`` (a ``Rendered``).
+
+    ``positive_T`` marks value matches over the full conversation (``value_masks``);
+    forced tokens (protected prefix, actionable query) and template tokens get −1."""
+    n = prompt.ids.size
+    forced = np.zeros(n, bool)
+    for a, b in (prompt.spans.protected_prefix, prompt.spans.actionable_query):
+        forced[a:b] = True
+    labels = positive_T[:n].astype(np.int8)
+    labels[forced | template_n] = -1
+    return labels, ~forced
+
+
+# -- one trace -----------------------------------------------------------------------------
+def trace_rows(model, messages, tools, answer_values=(), horizon: int = HORIZON, beta: float | None = None,
+               keep_empty=False):
+    """Rows of one conversation (see the module docstring) as a dict of arrays:
+    ``kbar [T, D]`` and lists of per-row entries. ``beta``: the memory decay
+    (default: ``intentkv_memory``'s). ``keep_empty`` keeps rows without a positive (tests)."""
+    beta = intentkv.IntentKVMemoryConfig().beta if beta is None else beta
+    tok = model.tokenizer
+    full = render(tok, messages, tools, add_generation_prompt=False)
+    enc = tok(full.text, add_special_tokens=False, return_offsets_mapping=True)
+    assert np.array_equal(np.asarray(enc["input_ids"]), full.ids), "offsets must describe the rendered ids"
+    offsets = np.asarray(enc["offset_mapping"], np.int64)
+    q_LTHD, k_LTKD = capture_qk(model, full.ids)
+    kbar = np.asarray(mean_keys(k_LTKD))
+    cfg = model.config
+    state = intentkv.QueryMemory(jnp.zeros((cfg.num_layers, cfg.num_heads, cfg.head_dim), jnp.float32), jnp.zeros((), bool))
+    rows = []
+    masks: dict[tuple, np.ndarray] = {}
+    for turn, j in enumerate(i for i, m in enumerate(messages) if m.get("role") == "assistant"):
+        prompt = render(tok, messages[:j], tools, add_generation_prompt=True)
+        n = prompt.ids.size
+        assert np.array_equal(full.ids[:n], prompt.ids), f"the prompt of assistant message {j} is not a prefix of the render"
+        a, b = prompt.spans.actionable_query
+        if b <= a:
+            continue  # no actionable query: a session folds nothing into the memory
+        q_mean = q_LTHD[:, a:b].mean(axis=1)
+        norm_err = float(np.mean((np.linalg.norm(np.asarray(intentkv.blend_memory(beta, state, q_mean)), axis=-1) - 1.0) ** 2))
+        state = intentkv.update_memory(beta, state, q_mean)
+        values = tuple(future_values(messages, j, horizon, answer_values))
+        if values not in masks:
+            masks[values] = value_masks(full.text, offsets, values)
+        labels, cand = label_row(prompt, masks[values], template_mask(tok, prompt))
+        if not (labels == 1).any() and not keep_empty:
+            continue
+        s = memory_scores(state, k_LTKD[:, :n], q_mean, cand)
+        rows.append(dict(
+            turn=turn, len=n, span=(a, b), protected=prompt.spans.protected_prefix[1],
+            mbar=np.asarray(mean_query(state.m_LHD)), qbar=np.asarray(mean_query(q_mean)),
+            qbar_unit=np.asarray(mean_query(unit_norm(q_mean))), norm_err=norm_err,
+            s=s.astype(np.float32), labels=labels, values=values,
+        ))
+    return {"kbar": kbar, "rows": rows, "ids": full.ids}
+
+
+def answer_values_of(example) -> tuple[str, ...]:
+    """The values the example's final answer reports (its answer target's ``values``)."""
+    return next((tuple(t.values) for t in example.targets if t.kind == "answer"), ())
+
+
+def trace_length(seed: int, lo: int, hi: int) -> int:
+    return random.Random(seed ^ 0x5EED).randint(lo, hi)
+
+
+# -- shards --------------------------------------------------------------------------------
+def pack_shard(traces: list[dict], seeds: list[int]) -> dict[str, np.ndarray]:
+    kbar = [t["kbar"] for t in traces]
+    rows = [(i, r) for i, t in enumerate(traces) for r in t["rows"]]
+    D = kbar[0].shape[1] if kbar else 0
+    out = {
+        "kbar": np.concatenate(kbar) if kbar else np.zeros((0, D), np.float32),
+        "trace_offset": np.concatenate([[0], np.cumsum([k.shape[0] for k in kbar])]).astype(np.int64),
+        "trace_seed": np.asarray(seeds, np.int64),
+        "row_trace": np.asarray([i for i, _ in rows], np.int32),
+        "row_seed": np.asarray([seeds[i] for i, _ in rows], np.int64),
+        "row_turn": np.asarray([r["turn"] for _, r in rows], np.int32),
+        "row_len": np.asarray([r["len"] for _, r in rows], np.int32),
+        "row_span": np.asarray([r["span"] for _, r in rows], np.int32).reshape(-1, 2),
+        "row_protected": np.asarray([r["protected"] for _, r in rows], np.int32),
+        "row_mbar": np.asarray([r["mbar"] for _, r in rows], np.float32).reshape(-1, D),
+        "row_qbar": np.asarray([r["qbar"] for _, r in rows], np.float32).reshape(-1, D),
+        "row_qbar_unit": np.asarray([r["qbar_unit"] for _, r in rows], np.float32).reshape(-1, D),
+        "row_norm_err": np.asarray([r["norm_err"] for _, r in rows], np.float32),
+        "row_offset": np.concatenate([[0], np.cumsum([r["len"] for _, r in rows])]).astype(np.int64),
+        "s": np.concatenate([r["s"] for _, r in rows]) if rows else np.zeros(0, np.float32),
+        "labels": np.concatenate([r["labels"] for _, r in rows]) if rows else np.zeros(0, np.int8),
+    }
+    return out
+
+
+def shard_path(out: Path, split: str, index: int) -> Path:
+    return out / f"{split}-{index:05d}.npz"
+
+
+def write_shard(path: Path, arrays: dict[str, np.ndarray]) -> None:
+    tmp = path.with_name(path.name + ".tmp.npz")
+    np.savez(tmp, **arrays)
+    os.replace(tmp, path)
+
+
+def load_meta(folder) -> dict | None:
+    """The ``meta.json`` a finished run wrote in ``folder`` (arguments and totals), or None."""
+    path = Path(folder) / "meta.json"
+    return json.loads(path.read_text()) if path.is_file() else None
+
+
+def load_shards(folder, split: str) -> list[dict[str, np.ndarray]]:
+    """Every shard of ``split`` in ``folder``, in order (dicts of arrays)."""
+    paths = sorted(Path(folder).glob(f"{split}-*.npz"))
+    paths = [p for p in paths if not p.name.endswith(".tmp.npz")]
+    return [dict(np.load(p)) for p in paths]
+
+
+def generate(args) -> dict:
+    from eval.tasks.agent import one_trace
+    import jaxkv
+
+    check_seed_ranges()
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    model = jaxkv.load_model(args.model)
+    plan = [("train", args.traces), ("heldout", args.heldout)]
+    total = sum(n for _, n in plan)
+    bar = tqdm(total=total, desc="traces", disable=args.quiet)
+    t0 = time.perf_counter()
+    for split, n in plan:
+        if n > SPLIT_SEEDS:
+            raise ValueError(f"--{split} {n} exceeds the split's {SPLIT_SEEDS} seeds")
+        for index, start in enumerate(range(0, n, args.shard_size)):
+            seeds = [SPLITS[split] + i for i in range(start, min(n, start + args.shard_size))]
+            path = shard_path(out, split, index)
+            if path.exists():
+                bar.update(len(seeds))
+                continue
+            traces = []
+            for seed in seeds:
+                ex = one_trace(seed, length=trace_length(seed, args.length_min, args.length_max))
+                traces.append(trace_rows(model, ex.messages, ex.tools, answer_values_of(ex), args.horizon))
+                bar.update(1)
+                bar.set_postfix(split=split, rows=sum(len(t["rows"]) for t in traces))
+            write_shard(path, pack_shard(traces, seeds))
+    bar.close()
+    summary = {"args": vars(args), "seconds": round(time.perf_counter() - t0, 1)}
+    for split, _ in plan:
+        shards = load_shards(out, split)
+        summary[split] = {
+            "traces": int(sum(s["trace_seed"].size for s in shards)),
+            "rows": int(sum(s["row_len"].size for s in shards)),
+            "positions": int(sum(s["labels"].size for s in shards)),
+            "candidates_labelled": int(sum((s["labels"] >= 0).sum() for s in shards)),
+            "positives": int(sum((s["labels"] == 1).sum() for s in shards)),
+            "seeds": [SPLITS[split], SPLITS[split] + _ - 1] if _ else [],
+        }
+    (out / "meta.json").write_text(json.dumps(summary, indent=2) + "\n")
+    return summary
+
+
+def parse_args(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0], formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    p.add_argument("--out", default="runs/intentkv-data")
+    p.add_argument("--model", default="embedded")
+    p.add_argument("--traces", type=int, default=1600, help="training traces (seeds TRAIN_SEED_BASE + i)")
+    p.add_argument("--heldout", type=int, default=200, help="held-out traces (seeds HELDOUT_SEED_BASE + i)")
+    p.add_argument("--shard-size", type=int, default=100, help="traces per shard")
+    p.add_argument("--length-min", type=int, default=1792)
+    p.add_argument("--length-max", type=int, default=2304)
+    p.add_argument("--horizon", type=int, default=HORIZON, help="future actions whose values label a row")
+    p.add_argument("--quick", action="store_true", help="a few traces (tests)")
+    p.add_argument("--quiet", action="store_true", help="no progress bar")
+    args = p.parse_args(argv)
+    if args.quick:
+        args.traces, args.heldout, args.shard_size = min(args.traces, 6), min(args.heldout, 4), 3
+    return args
+
+
+def main(argv=None):
+    print(json.dumps(generate(parse_args(argv)), indent=2))
+
+
+if __name__ == "__main__":
+    main()
