@@ -150,10 +150,11 @@ def main(argv=None) -> int:
         for r in cal.get("sweep", []):
             groups.setdefault(tuple(alloc.table(r["B"]).tolist()), []).append(r["B"])
         same_as = {b: bs for bs in groups.values() for b in bs}
-        md += ["## Budget sweep on the evaluation set", "",
+        calibrated = [dict(r, kv_bits=str(cal["budget"])) for r in grid if r["kv_quant"] == "triaxial" and r["kv_bits"] == "-"]
+        md += ["## Budget sweep on the evaluation set (triaxial)", "",
                "Budgets that give the same triaxial allocation serve identically; each group ran once, at the budget "
-               "listed first (the others in brackets). The ablations ran at the same budgets with their own allocations.", "",
-               sweep_table(read_csv(args.sweep), none_by_task, same_as), ""]
+               f"listed first (the others in brackets). B = {cal['budget']} is the calibrated cell of the table above.", "",
+               sweep_table(read_csv(args.sweep) + calibrated, none_by_task, same_as), ""]
     md += ["## Calibration", "", calibration_tables(cal), "",
            "## Attention-output error per format on K/V captured from the embedded model", "",
            "Relative error ||o' - o|| / ||o|| of the attention output with the format applied to the calibration "
