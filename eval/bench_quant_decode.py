@@ -90,12 +90,9 @@ def bench(model, mode: str, n: int, steps: int) -> tuple[float, float]:
     else:
         comp = engine.kv_composition(row)
         kv_bytes = comp[INT2] * bytes_per_token(INT2, **size) + comp[INT4] * bytes_per_token(INT4, **size)
-    snapshot = list(engine.row_state[row].slots)
     first = [int(rng.integers(0, cfg.vocab_size))]
     engine.decode([row], first, steps)  # compile + warm-up
-    extra = engine.row_state[row].slots[len(snapshot):]
-    engine.allocator.release(extra)
-    engine.set_row_tables(row, snapshot, snapshot)
+    engine.truncate_row(row, n)  # rewind to the n live tokens
     jax.block_until_ready(engine.cache.kv)
     t0 = time.perf_counter()
     engine.decode([row], first, steps)
