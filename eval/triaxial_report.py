@@ -34,13 +34,15 @@ def read_csv(path):
     return rows
 
 
-def precision_table(rows, task):
+def precision_table(rows, task, budget=None):
+    """Rows of one task at the calibrated budget (a triaxial mode's ``-`` is it)."""
     rows = [r for r in rows if r["task"] == task and r["method"] == "full"]
     none = next(r for r in rows if r["kv_quant"] == "none")
     out = ["| kv_quant | B | n | accuracy | Δ vs full precision (points) | avg bits | KV bytes / token | capacity vs bf16 |",
            "|---|---|---:|---:|---:|---:|---:|---:|"]
     for r in rows:
-        out.append(f"| {r['kv_quant']} | {r['kv_bits']} | {r['n']:.0f} | {100 * r['accuracy']:.1f}% | "
+        B = budget if r["kv_bits"] == "-" and r["kv_quant"].startswith("triaxial") else r["kv_bits"]
+        out.append(f"| {r['kv_quant']} | {B} | {r['n']:.0f} | {100 * r['accuracy']:.1f}% | "
                    f"{100 * (r['accuracy'] - none['accuracy']):+.1f} | {r['avg_bits']:.2f} | {r['kv_bytes_per_token']:.0f} | "
                    f"{none['kv_bytes_per_token'] / r['kv_bytes_per_token']:.2f}x |")
     return "\n".join(out), {r["kv_quant"]: r for r in rows}, none
@@ -95,7 +97,7 @@ def calibration_tables(cal):
         out += [f"**{name}** (axes: {', '.join(v['axes'])}; bits at B = {B}):", "",
                 "| tag | N | D(2) | D(4) | bits |", "|---|---:|---:|---:|---:|"]
         for t in v["tags"]:
-            out.append(f"| {t['name']} | {t['N']:.0f} | {t['D2']:.3g} | {t['D4']:.3g} | {v['bits'][t['name']]} |")
+            out.append(f"| {t['name'].replace('|', chr(92) + '|')} | {t['N']:.0f} | {t['D2']:.3g} | {t['D4']:.3g} | {v['bits'][t['name']]} |")
         out.append("")
     sweep = cal.get("sweep") or []
     if sweep:
@@ -108,7 +110,10 @@ def calibration_tables(cal):
         for r in sweep:
             out.append(f"| {r['B']:.1f} | {100 * r['accuracy']:.1f}% | " + " | ".join(f"{100 * r[t]:.1f}%" for t in tasks)
                        + f" | {r['avg_bits']:.2f} |")
-        out += ["", f"Calibrated B = **{B}** ({cal['criterion']}).", ""]
+        met = [r for r in sweep if full["accuracy"] - r["accuracy"] <= 0.01]
+        verdict = "" if met else (f"; no budget met it, even B = {max(r['B'] for r in sweep)} (uniform INT4 on this model), "
+                                  "so the largest budget is the fallback")
+        out += ["", f"Calibrated B = **{B}** ({cal['criterion']}{verdict}).", ""]
     return "\n".join(out)
 
 
@@ -137,7 +142,7 @@ def main(argv=None) -> int:
           "`docs/triaxial.md`.", ""]
     none_by_task, goals = {}, []
     for task in sorted({r["task"] for r in grid}):
-        table, by, none = precision_table(grid, task)
+        table, by, none = precision_table(grid, task, cal["budget"])
         none_by_task[task] = none
         md += [f"## {task}: KV precision at the calibrated B = {cal['budget']}", "", table, ""]
         goals += goal_lines(by, none, task)
