@@ -28,6 +28,15 @@ and effective KV reads, prefix-hit rate; ``wall_s`` is the cell's total time.
 The method ``full`` is the full cache: it ignores budget and layout and is run
 once per task (budget and layout columns read ``-``).
 
+KV precision (``--kv-quant none,int4,kivi2,triaxial``, TriAxialKV) crosses every
+other axis: each cell runs once per mode (``Session(kv_quant=...)``, a pool of
+that kind), and the triaxial modes once per ``--kv-bits`` budget (default: the
+calibrated one). ``avg_bits`` is the token-weighted mean of the bits each live
+token is stored at after each prompt prefill (full precision counted as 16), and
+``kv_bytes_per_token`` the bytes per token including scales and zero points
+(full precision counted as bf16), both over every request of the cell.
+``--methods full`` runs only full-cache cells.
+
 Outputs in ``--out``: ``results.csv`` (the columns in ``COLUMNS``),
 ``results.md`` and PNG plots (accuracy vs budget per method; KV reads vs
 budget), plus a printed comparison of prefix-hit rates of the two layouts.
@@ -70,8 +79,10 @@ COLUMNS = (
     "method", "budget", "layout", "task", "n", "accuracy", "completion",
     "peak_request_tokens", "peak_live_kv", "raw_kv_reads", "effective_kv_reads",
     "prefix_hit_rate", "wall_s", "repair_policy", "repair_k", "base_budget",
+    "kv_quant", "kv_bits", "avg_bits", "kv_bytes_per_token",
     "reuse", "prefill_tokens_computed", "prefill_s", "accept_rate", "fallback_rate",
 )
+KV_QUANTS = ("none", "int4", "kivi2", "triaxial", "triaxial_no_temporal", "triaxial_no_semantic")
 REUSE_MODES = ("none", "segment", "cacheblend")
 REPAIR_POLICIES = ("repairkv", "random", "oldest", "staleq", "wrongq", "refresh")
 ALL_METHODS = ("full", "streaming_llm", "snapkv", "h2o", "tova", "random", "oldest", "agentkv", "intentkv_memory", "intentkv_query",
@@ -99,7 +110,9 @@ TASK_SESSION_OPTIONS = {"mqniah": {"protect_query": False}}
 class Cell:
     """One grid cell. With repair, ``budget`` is the budget the session runs at:
     ``base_budget`` for a repair cell, ``base_budget + repair_k`` for the matched
-    no-repair cell (``repair_policy == "matched"``)."""
+    no-repair cell (``repair_policy == "matched"``). ``kv_quant`` / ``kv_bits``:
+    the session's KV precision (``"none"``: full precision; ``kv_bits`` None: the
+    calibrated budget)."""
 
     method: str
     budget: int | None
@@ -108,6 +121,8 @@ class Cell:
     repair_policy: str = "none"
     repair_k: int = 0
     base_budget: int | None = None
+    kv_quant: str = "none"
+    kv_bits: float | None = None
     reuse: str = "-"
 
 
@@ -150,6 +165,12 @@ def replay_example(model, example, cell: Cell, *, max_new_tokens: int, max_posit
         options.update(repair=cell.repair_k, repair_policy=cell.repair_policy)
     else:
         options.pop("repair_wrong_signal", None)
+    if cell.kv_quant != "none":
+        options["kv_quant"] = cell.kv_quant
+        if cell.kv_bits is not None:
+            options["kv_bits"] = cell.kv_bits
+    else:
+        options.pop("kv_allocation", None)
     if cell.reuse != "-":
         options.update(reuse=cell.reuse, tenant=REUSE_TENANT)
     if server is not None:
@@ -176,7 +197,7 @@ def replay_cell(model, examples, cell: Cell, *, max_new_tokens: int, max_positio
     if cell.task in SHARED_SERVER_TASKS:
         from jaxkv.serving import Server
 
-        server = Server(model, max_positions=max_positions)
+        server = Server(model, max_positions=max_positions, kv_quant=None if cell.kv_quant == "none" else cell.kv_quant)
     try:
         for ex in examples:
             options = dict(session_options)
@@ -186,7 +207,8 @@ def replay_cell(model, examples, cell: Cell, *, max_new_tokens: int, max_positio
                                                               max_positions=max_positions, server=server, **options)
             wrong_signal = session.repair_signal or wrong_signal
             stage = session._stage("reuse")
-            metrics = dict(metrics, reuse_reports=list(stage.reports) if stage is not None else [])
+            metrics = dict(metrics, reuse_reports=list(stage.reports) if stage is not None else [],
+                           kv=kv_summary(model, session))
             if progress is not None:
                 progress(1)
             yield verdicts, done, metrics
@@ -210,6 +232,22 @@ def reuse_summary(reports) -> dict:
     }
 
 
+def kv_summary(model, session) -> dict:
+    """``bits``, ``bytes`` and ``tokens`` summed over a session's requests (live KV
+    after each prompt prefill); a full-precision session counts 16 bits and bf16
+    bytes per token (``jaxkv.cache.quantized_host.bytes_per_token``)."""
+    from jaxkv.cache.quantized_host import FLOAT, bytes_per_token
+
+    stage = session.quantization
+    if stage is not None:
+        recs = stage.records
+        return {"bits": sum(r.bits for r in recs), "bytes": sum(r.bytes for r in recs), "tokens": sum(r.tokens for r in recs)}
+    cfg = model.config
+    n = float(sum(r.peak_live_kv for r in session.metrics.requests)) or 1.0
+    per = bytes_per_token(FLOAT, head_dim=cfg.head_dim, num_layers=cfg.num_layers, num_kv_heads=cfg.num_kv_heads)
+    return {"bits": 16.0 * n, "bytes": per * n, "tokens": n}
+
+
 def run_cell(model, examples, cell: Cell, *, max_new_tokens: int, max_positions: int, progress=None, **session_options) -> dict:
     t0 = time.perf_counter()
     correct = scored = completed = 0
@@ -222,6 +260,7 @@ def run_cell(model, examples, cell: Cell, *, max_new_tokens: int, max_positions:
         reports += m.pop("reuse_reports", [])
         metrics.append(m)
     mean = {k: float(np.mean([m[k] for m in metrics])) for k in ("peak_request_tokens", "peak_live_kv", "raw_kv_reads", "effective_kv_reads", "prefix_hit_rate")}
+    kv_tokens = sum(m["kv"]["tokens"] for m in metrics) or 1.0
     return {
         "method": cell.method,
         "budget": "-" if cell.budget is None else cell.budget,
@@ -235,19 +274,30 @@ def run_cell(model, examples, cell: Cell, *, max_new_tokens: int, max_positions:
         "repair_policy": cell.repair_policy,
         "repair_k": cell.repair_k,
         "base_budget": "-" if cell.base_budget is None else cell.base_budget,
+        "kv_quant": cell.kv_quant,
+        "kv_bits": "-" if cell.kv_bits is None else cell.kv_bits,
+        "avg_bits": sum(m["kv"]["bits"] for m in metrics) / kv_tokens,
+        "kv_bytes_per_token": sum(m["kv"]["bytes"] for m in metrics) / kv_tokens,
         "reuse": cell.reuse,
         **reuse_summary(reports),
         PER_EXAMPLE: {"correct": correct_E, "scored": scored_E},
     }
 
 
-def grid(methods, budgets, layouts, tasks, repair_ks=(), repair_policies=("repairkv",), reuses=("-",)) -> list[Cell]:
+def grid(methods, budgets, layouts, tasks, repair_ks=(), repair_policies=("repairkv",), kv_quants=("none",), kv_bits=(), reuses=("-",)) -> list[Cell]:
     """Every cell to run. With ``repair_ks``, each (method, B_base) on the dead-slot
     layout (repair needs stable positions) also gets, per K, one cell per repair
-    policy at B_base and the matched no-repair cell at B_base + K. Each cell is
-    repeated per reuse mode in ``reuses`` (``"-"``: the reuse stage is off)."""
-    cells = _grid(methods, budgets, layouts, tasks, repair_ks, repair_policies)
-    return [dataclasses.replace(c, reuse=r) for c in cells for r in reuses]
+    policy at B_base and the matched no-repair cell at B_base + K. Every cell is
+    then run once per ``kv_quants`` mode (the triaxial modes once per ``kv_bits``
+    budget; none given: the calibrated budget) and per reuse mode in ``reuses``
+    (``"-"``: the reuse stage is off)."""
+    return [
+        dataclasses.replace(cell, kv_quant=q, kv_bits=b, reuse=r)
+        for cell in _grid(methods, budgets, layouts, tasks, repair_ks, repair_policies)
+        for q in kv_quants
+        for b in ((list(kv_bits) or [None]) if q.startswith("triaxial") else [None])
+        for r in reuses
+    ]
 
 
 def _grid(methods, budgets, layouts, tasks, repair_ks, repair_policies) -> list[Cell]:
@@ -302,13 +352,14 @@ def load_journal(path: Path, setup: dict) -> dict:
     return {rec["key"]: rec["row"] for rec in read_journal(path) if rec.get("setup") == setup}
 
 
-def run_cells(model, examples, cells, setup, *, workers=1, bar=None):
+def run_cells(model, examples, cells, setup, *, workers=1, bar=None, session_options=None):
     """Yield ``(cell, row)`` as cells finish: in this process in order, or across
-    ``workers`` spawned processes in completion order."""
-    kw = dict(max_new_tokens=setup["max_new_tokens"], max_positions=setup["max_positions"])
+    ``workers`` spawned processes in completion order. ``session_options`` go to
+    every session (e.g. a ``kv_allocation`` under calibration)."""
+    kw = dict(max_new_tokens=setup["max_new_tokens"], max_positions=setup["max_positions"], **(session_options or {}))
     jobs = [(examples[c.task], c, kw) for c in cells]
     for (_, cell, _), row in pool_map(_cell_job, jobs, setup["model"], workers=workers, model=model, bar=bar,
-                                      label=lambda job: f"{job[1].task} {job[1].method} B={job[1].budget} {job[1].layout}"):
+                                      label=lambda job: f"{job[1].task} {job[1].method} B={job[1].budget} {job[1].layout} {job[1].kv_quant}"):
         yield cell, row
 
 
@@ -406,7 +457,7 @@ def markdown_table(rows) -> str:
 def pivot_table(rows, metric: str, task: str) -> str:
     """``metric`` of the no-repair cells of ``task``: one row per method, one
     column per (layout, budget); the full cache spans every column."""
-    rows = [r for r in rows if r["task"] == task and r["repair_policy"] == "none"]
+    rows = [r for r in rows if r["task"] == task and r["repair_policy"] == "none" and r.get("kv_quant", "none") == "none"]
     cols = sorted({(r["layout"], r["budget"]) for r in rows if r["method"] != "full"})
     full = [r for r in rows if r["method"] == "full"]
     lines = ["| method | " + " | ".join(f"{layout} B={b}" for layout, b in cols) + " |", "|---|" + "---|" * len(cols)]
@@ -494,13 +545,29 @@ def comparison_markdown(rows, task: str, reference: str = "best", focus: str | N
     return "\n".join(lines)
 
 
+def quant_table(rows, task: str) -> str:
+    """Accuracy, bits and bytes per KV precision of ``task``'s no-repair cells, with
+    the capacity ratio against bf16 (same bytes budget, tokens held)."""
+    rows = [r for r in rows if r["task"] == task and r["repair_policy"] == "none"]
+    full = {(r["method"], r["budget"], r["layout"]): r for r in rows if r["kv_quant"] == "none"}
+    lines = ["| method | budget | layout | kv_quant | kv_bits | accuracy | Δ vs none | avg_bits | KV bytes/token | capacity vs bf16 |",
+             "|---|---|---|---|---|---:|---:|---:|---:|---:|"]
+    for r in rows:
+        base = full.get((r["method"], r["budget"], r["layout"]))
+        delta = "" if base is None else f"{100 * (r['accuracy'] - base['accuracy']):+.1f}"
+        bf16 = base["kv_bytes_per_token"] if base is not None else float("nan")
+        lines.append(f"| {r['method']} | {r['budget']} | {r['layout']} | {r['kv_quant']} | {r['kv_bits']} | {_fmt(r['accuracy'])} | {delta} | "
+                     f"{r['avg_bits']:.2f} | {r['kv_bytes_per_token']:.0f} | {bf16 / r['kv_bytes_per_token']:.2f}x |")
+    return "\n".join(lines)
+
+
 def prefix_summary(rows) -> str:
     """Prefix-hit rate per layout (mean over methods and budgets) next to full cache."""
     out = []
     for task in sorted({r["task"] for r in rows}):
         parts = []
         for layout in ("-", "dead_slot", "compact"):
-            vals = [r["prefix_hit_rate"] for r in rows if r["task"] == task and r["layout"] == layout and r["repair_policy"] == "none"]
+            vals = [r["prefix_hit_rate"] for r in rows if r["task"] == task and r["layout"] == layout and r["repair_policy"] == "none" and r.get("kv_quant", "none") == "none"]
             if vals:
                 parts.append(f"{'full cache' if layout == '-' else layout} {np.mean(vals):.3f}")
         out.append(f"prefix-hit rate on {task}: " + ", ".join(parts))
@@ -513,14 +580,20 @@ def plot(rows, out_dir: Path) -> list[Path]:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
+    quant_rows = [r for r in rows if r.get("kv_quant", "none") != "none"]
+    rows = [r for r in rows if r.get("kv_quant", "none") == "none"]
     repair_rows = [r for r in rows if r["repair_policy"] != "none"]
     rows = [r for r in rows if r["repair_policy"] == "none"]
     paths = plot_repair(repair_rows, rows, out_dir, plt) if repair_rows else []
+    if quant_rows:
+        paths.append(plot_quant(quant_rows, rows, out_dir, plt))
     for metric, fname, ylabel in (
         ("accuracy", "accuracy_vs_budget.png", "exact-match accuracy"),
         ("raw_kv_reads", "kv_reads_vs_budget.png", "KV reads per example (tokens)"),
     ):
         tasks = sorted({r["task"] for r in rows})
+        if not tasks:  # only quantized cells: their plot is accuracy_vs_kv_bits.png
+            continue
         layouts = sorted({r["layout"] for r in rows if r["layout"] != "-"}) or ["-"]
         fig, axes = plt.subplots(len(tasks), len(layouts), figsize=(6 * len(layouts), 4 * len(tasks)), squeeze=False)
         for i, task in enumerate(tasks):
@@ -551,6 +624,32 @@ def plot(rows, out_dir: Path) -> list[Path]:
         plt.close(fig)
         paths.append(path)
     return paths
+
+
+def plot_quant(quant_rows, base_rows, out_dir: Path, plt) -> Path:
+    """Accuracy vs average KV bits per task: one marker per precision mode (a line
+    for a triaxial budget sweep), full precision as a dashed line."""
+    tasks = sorted({r["task"] for r in quant_rows})
+    fig, axes = plt.subplots(1, len(tasks), figsize=(6 * len(tasks), 4), squeeze=False)
+    for ax, task in zip(axes[0], tasks):
+        for mode in dict.fromkeys(r["kv_quant"] for r in quant_rows):
+            pts = sorted((r["avg_bits"], r["accuracy"]) for r in quant_rows
+                         if r["task"] == task and r["kv_quant"] == mode and r["method"] == "full")
+            if pts:
+                ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", label=mode)
+        for r in base_rows:
+            if r["task"] == task and r["method"] == "full":
+                ax.axhline(r["accuracy"], color="black", linestyle="--", label="full precision")
+        ax.set_title(f"{task}: full cache, KV precision")
+        ax.set_xlabel("average bits per stored KV element")
+        ax.set_ylabel("exact-match accuracy")
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=7)
+    fig.tight_layout()
+    path = out_dir / "accuracy_vs_kv_bits.png"
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
 
 
 def plot_repair(repair_rows, base_rows, out_dir: Path, plt) -> list[Path]:
@@ -601,6 +700,8 @@ def build_parser(parser=None):
     p.add_argument("--out", default="eval/results/harness")
     p.add_argument("--repair-ks", default="", help="repair budgets K (RepairKV): adds repair and matched cells")
     p.add_argument("--repair-policies", default="repairkv", help=f"comma list of {', '.join(REPAIR_POLICIES)}")
+    p.add_argument("--kv-quant", default="none", help=f"KV precision modes, comma list of {', '.join(KV_QUANTS)}")
+    p.add_argument("--kv-bits", default="", help="average-bit budgets B of the triaxial modes (default: the calibrated B)")
     p.add_argument("--reuse", default="-", help=f"cross-query reuse modes, a comma list of {', '.join(REUSE_MODES)} ('-': stage off)")
     p.add_argument("--workers", type=int, default=1, help="processes replaying cells in parallel (up to the core count)")
     p.add_argument("--resume", action="store_true", help="skip cells already recorded in OUT/cells.jsonl for the same setup")
@@ -665,6 +766,13 @@ def run(args, model=None) -> list[dict]:
     if any(k < 1 for k in repair_ks):
         raise ValueError("--repair-ks must be positive")
     repair_policies = _names(args.repair_policies, REPAIR_POLICIES, "repair policies")
+    kv_quants = _names(args.kv_quant, KV_QUANTS, "kv_quant modes")
+    try:
+        kv_bits = [float(b) for b in str(args.kv_bits).split(",") if b.strip()]
+    except ValueError:
+        raise ValueError(f"--kv-bits must be numbers, got {args.kv_bits!r}") from None
+    if any(not 2.0 <= b <= 4.0 for b in kv_bits):
+        raise ValueError("--kv-bits must be average bits in [2, 4]")
     reuses = _names(args.reuse, ("-",) + REUSE_MODES, "reuse modes")
     for flag, name in (("--compare-to", args.compare_to), ("--focus", args.focus)):
         if name is not None and name not in methods + (["best"] if flag == "--compare-to" else []):
@@ -675,7 +783,7 @@ def run(args, model=None) -> list[dict]:
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     examples = {t: make_examples(t, args.n, args.length, args.seed, args.needles) for t in tasks}
-    cells = grid(methods, budgets, layouts, tasks, repair_ks, repair_policies, reuses)
+    cells = grid(methods, budgets, layouts, tasks, repair_ks, repair_policies, kv_quants, kv_bits, reuses)
     total = sum(len(examples[c.task]) for c in cells)
     max_positions = int(min(model.config.max_position_embeddings, 1 << math.ceil(math.log2(max(2 * args.length + 4 * args.max_new_tokens, 1024)))))
     setup = dict(model=args.model, n=args.n, length=args.length, seed=args.seed, needles=args.needles,
@@ -709,6 +817,8 @@ def run(args, model=None) -> list[dict]:
             md += [f"## {task}: {metric}", "", pivot_table(rows, metric, task), ""]
         if args.compare_to:
             md += [f"## {task}: paired comparison", "", comparison_markdown(rows, task, args.compare_to, args.focus), ""]
+        if kv_quants != ["none"]:
+            md += [f"## {task}: KV precision", "", quant_table(rows, task), ""]
     md += ["## All cells", "", markdown_table(rows), "", prefix_summary(rows), ""]
     (out / "results.md").write_text("\n".join(md))
     plot(rows, out)

@@ -24,6 +24,13 @@ applies. Read top to bottom, a request goes:
    ``decode(rows, first_tokens, n)`` runs jobs to completion.
 6. ``truncate_row`` (drop a probe generation), ``close_row`` (drop references).
 
+A quantized pool (``Engine(kv_quant=...)``: INT2 pages and INT4 slots, TriAxialKV)
+takes the same path; each step's "quantized pool" branch hands the device work to
+``jaxkv.cache.quantized`` and the host plan to ``self.quant``
+(``jaxkv.cache.quantized_host.QuantizedKV``): prefill writes each token at the
+precision its ``kv_bits`` say, decode reads page tables, eviction and promotion
+move packed rows.
+
 The scheduler (``jaxkv.serving.scheduler``) calls the job methods for many rows at
 once; a single request (``generate``, tests) calls the run-to-completion methods,
 which are the same jobs.
@@ -62,9 +69,11 @@ from jaxkv import pallas
 from jaxkv.buckets import bucket
 from jaxkv.cache.allocator import SENTINEL_SLOT, SlotAllocator
 from jaxkv.cache.host_tier import stage
+from jaxkv.cache.quantized import gather_keys as _gather_dequantized_keys
+from jaxkv.cache.quantized import quantized_prefill_step
 from jaxkv.cache.request import RequestState, promotion_tables
 from jaxkv.cache.state import PagedKVCache, append_tokens, put_rows, take_rows
-from jaxkv.errors import ContextLengthError, JaxKVError, OutOfSlotsError
+from jaxkv.errors import ConfigError, ContextLengthError, JaxKVError, OutOfSlotsError
 from jaxkv.models import sharding
 from jaxkv.models.loading import Model
 from jaxkv.models.transformer import NO_FEATURES, Features
@@ -150,7 +159,7 @@ def prefill_step(graphdef, params, cache: PagedKVCache, batch: PrefillBatch, *, 
 
 @functools.partial(
     jax.jit,
-    static_argnames=("graphdef", "n_steps", "n_read", "spec", "backend", "return_logits", "teacher_forced", "features", "mesh"),
+    static_argnames=("graphdef", "n_steps", "n_read", "spec", "backend", "return_logits", "teacher_forced", "features", "mesh", "kv_step"),
     donate_argnames=("cache",),
 )
 def decode_loop(
@@ -167,6 +176,8 @@ def decode_loop(
     teacher_forced=False,
     features: Features = NO_FEATURES,
     mesh=None,
+    kv_step=None,
+    kv_args=None,
 ):
     """Decode up to ``n_steps`` tokens for each row of ``batch`` (a ``DecodeBatch``).
 
@@ -183,6 +194,9 @@ def decode_loop(
     layers and heads, summed over steps) when ``features`` asks. With a ``mesh``
     (as ``prefill_step``) decode attention runs per device on its own KV heads
     (``sharding.shard_heads``).
+
+    The pool is ``cache.kv``; a quantized cache passes its step as ``kv_step``
+    (``jaxkv.cache.quantized.QuantDecodeStep``) with its page tables as ``kv_args``.
     """
     model = nnx.merge(graphdef, params)
     cfg = model.cfg
@@ -199,18 +213,22 @@ def decode_loop(
     attend = attend if mesh is None else sharding.shard_heads(attend, mesh)
 
     def cond(carry):
-        step, _, _, _, _, active, _, _, _ = carry
+        step, _, _, _, active, _, _, _ = carry
         return (step < n_steps) & active.any()
 
     def body(carry):
-        step, k_pool, v_pool, tables, tokens, active, last, logits_buf, aux = carry
+        step, kv, tables, tokens, active, last, logits_buf, aux = carry
         slot = jnp.where(active, b.slots_BN[:, step], SENTINEL_SLOT)
         pos = tables.seq_len
         tables = append_tokens(tables, slot[:, None], active.astype(jnp.int32))
         live_BN = tables.live_idx[:, :n_read]
-        logits, k_pool, v_pool, step_aux = model.decode(
-            last, pos, k_pool, v_pool, live_BN, tables.live_len, slot, features=features, decode_attention=attend,
-        )
+        if kv_step is None:
+            logits, k_pool, v_pool, step_aux = model.decode(
+                last, pos, *kv, live_BN, tables.live_len, slot, features=features, decode_attention=attend,
+            )
+            kv = (k_pool, v_pool)
+        else:  # a quantized pool (jaxkv.cache.quantized)
+            logits, kv, step_aux = kv_step(model, last, pos, kv, kv_args, tables, slot, n_read, features)
         aux = dict(aux)
         if features.query_rows:
             aux["q_rows"] = aux["q_rows"].at[step].set(step_aux["q_rows"][:, :, 0].astype(jnp.float32))
@@ -225,14 +243,14 @@ def decode_loop(
         stopped = (nxt[:, None] == b.stop_BX).any(-1)
         new_active = active & ~stopped & (step + 1 < b.limit_B)
         feed = b.forced_BN[:, step] if teacher_forced else nxt
-        return step + 1, k_pool, v_pool, tables, tokens, new_active, feed, logits_buf, aux
+        return step + 1, kv, tables, tokens, new_active, feed, logits_buf, aux
 
     tokens = jnp.full((B, n_steps), -1, jnp.int32)
     tables = take_rows(cache, b.rows_B)
-    carry = (jnp.int32(0), cache.k, cache.v, tables, tokens, b.limit_B > 0, b.first_token_B, logits_buf, aux0)
-    _, k_pool, v_pool, tables, tokens, _, _, logits_buf, aux = jax.lax.while_loop(cond, body, carry)
+    carry = (jnp.int32(0), cache.kv, tables, tokens, b.limit_B > 0, b.first_token_B, logits_buf, aux0)
+    _, kv, tables, tokens, _, _, logits_buf, aux = jax.lax.while_loop(cond, body, carry)
     fed = tables.seq_len - take_rows(cache, b.rows_B).seq_len
-    cache = put_rows(cache.replace(k=k_pool, v=v_pool), b.rows_B, tables)
+    cache = put_rows(cache.with_kv(kv), b.rows_B, tables)
     if mesh is not None:
         (tokens, fed, logits_buf, aux), cache = sharding.replicate((tokens, fed, logits_buf, aux), mesh), constrain_cache(cache, mesh)
     return tokens, fed, cache, (logits_buf if return_logits else None), aux
@@ -299,6 +317,7 @@ class PrefillJob:
       attn_mass: accumulate the attention mass each position receives.
       logits: list of ``[n_chunk or 1, V]`` float32 arrays; q_rows ``[L, X, Hq, D]``;
       mass ``[L, Hq, seq_len]`` (positions of the whole row after the job).
+      kv_plan: a quantized engine's ``WritePlan`` (slots and INT2 pages per chunk).
     """
 
     row: int
@@ -311,6 +330,7 @@ class PrefillJob:
     logits: list = dataclasses.field(default_factory=list)
     q_rows: np.ndarray | None = None
     mass: np.ndarray | None = None
+    kv_plan: object = None
 
     @property
     def finished(self) -> bool:
@@ -389,9 +409,14 @@ class Engine:
       reclaim: optional ``reclaim(n_slots) -> freed`` called when fewer than the
         needed slots are free (e.g. the radix cache's LRU eviction); only if it
         cannot free enough does the allocation raise ``OutOfSlotsError``.
+      kv_quant: None (float pool) or a mode of ``jaxkv.cache.quantized_host.MODES``:
+        a dual INT2/INT4 (and, for ``kivi2``, float) pool whose token region holds
+        ``num_slots - 1`` tokens. Its writes and reads are the branches marked
+        "quantized pool" below, each delegating to ``self.quant``
+        (``QuantizedKV``); prefills take per-token ``kv_bits``.
     """
 
-    def __init__(self, model: Model, *, rows: int = 1, max_positions: int | None = None, num_slots: int | None = None, prefill_chunk: int = PREFILL_CHUNK, backend=None, reclaim=None):
+    def __init__(self, model: Model, *, rows: int = 1, max_positions: int | None = None, num_slots: int | None = None, prefill_chunk: int = PREFILL_CHUNK, backend=None, reclaim=None, kv_quant=None):
         cfg = model.config
         self.model = model
         self.graphdef, self.params = model.split()
@@ -401,23 +426,33 @@ class Engine:
                 f"max_positions {P} exceeds the model context {cfg.max_position_embeddings}"
             )
         self.max_positions = P
-        self.allocator = SlotAllocator(num_slots or rows * P + 1)
-        create = functools.partial(
-            PagedKVCache.create,
-            num_layers=cfg.num_layers,
-            num_slots=self.allocator.num_slots,
-            num_kv_heads=cfg.num_kv_heads,
-            head_dim=cfg.head_dim,
-            rows=rows,
-            positions=P,
-            dtype=model.dtype,
-        )
+        self.quant = None
         self.mesh = model.mesh  # tensor / data parallel (jaxkv.models.sharding), or None
-        if self.mesh is None:
-            self.cache = create()
-        else:  # made in place on the mesh: no device ever holds the whole pool
-            self.cache = jax.jit(create, out_shardings=cache_sharding(jax.eval_shape(create), self.mesh))()
         self.min_batch = sharding.axis_size(self.mesh, sharding.DP)  # every step's rows split evenly over dp
+        if kv_quant is not None and kv_quant != "none":  # quantized pool
+            if self.mesh is not None:
+                raise ConfigError("a quantized KV pool (kv_quant) is not supported on a mesh yet")
+            from jaxkv.cache.quantized_host import QuantizedKV
+
+            self.quant = QuantizedKV.sized(kv_quant, num_slots or rows * P + 1, head_dim=cfg.head_dim, float_dtype=model.dtype, backend=backend)
+            self.allocator = self.quant.allocator
+            self.cache = self.quant.create_cache(cfg, rows=rows, positions=P, dtype=model.dtype)
+        else:
+            self.allocator = SlotAllocator(num_slots or rows * P + 1)
+            create = functools.partial(
+                PagedKVCache.create,
+                num_layers=cfg.num_layers,
+                num_slots=self.allocator.num_slots,
+                num_kv_heads=cfg.num_kv_heads,
+                head_dim=cfg.head_dim,
+                rows=rows,
+                positions=P,
+                dtype=model.dtype,
+            )
+            if self.mesh is None:
+                self.cache = create()
+            else:  # made in place on the mesh: no device ever holds the whole pool
+                self.cache = jax.jit(create, out_shardings=cache_sharding(jax.eval_shape(create), self.mesh))()
         self.prefill_chunk = int(prefill_chunk)
         self.backend = backend
         self.row_state: list[RequestState | None] = [None] * rows
@@ -500,12 +535,46 @@ class Engine:
         live = np.asarray(self._row(row).live, np.int32)
         if n is not None:
             live = np.concatenate([live, np.full(n - live.size, SENTINEL_SLOT, np.int32)])
+        if self.quant is not None:  # quantized pool: dequantized keys
+            return _gather_dequantized_keys(self.cache, jnp.asarray(live))
         return _gather_keys(self.cache.k, jnp.asarray(live))
 
     def gather_rows(self, slots) -> tuple[np.ndarray, np.ndarray]:
-        """Host copies of the K and V rows at ``slots``: ``[L, M, Hkv, D]`` each."""
+        """Host copies of the K and V rows at ``slots``: ``[L, M, Hkv, D]`` each
+        (a quantized pool: packed blobs ``[L, M, Hkv, W]`` uint8, see
+        ``jaxkv.cache.quantized_host``; ``host_keys`` dequantizes their keys)."""
+        if self.quant is not None:
+            return self.quant.gather_rows(self.cache, slots)
         idx = np.asarray(slots, np.int32)
         return np.asarray(self.cache.k[:, idx]), np.asarray(self.cache.v[:, idx])
+
+    def host_keys(self, k_LMKD) -> np.ndarray:
+        """float keys of host rows from ``gather_rows`` (a quantized pool's blobs
+        dequantized; float rows as they are): what RepairKV scores."""
+        return k_LMKD if self.quant is None else self.quant.host_keys(k_LMKD)
+
+    def fresh_slots(self, row: int, positions) -> np.ndarray:
+        """Fresh slots to copy a row's ``positions`` into (a compact layout),
+        counted against the row; a quantized pool keeps each token's precision
+        class (INT2 tokens regrouped into whole pages)."""
+        if self.quant is not None:
+            return self.quant.fresh_slots(self, row, positions)
+        return self.allocate(len(positions), row)
+
+    def kv_composition(self, row: int) -> dict:
+        """Live tokens of the row per precision ``{2: n, 4: n, 16: n}`` (a float
+        pool: all 16)."""
+        state = self._row(row)
+        if self.quant is None:
+            return {2: 0, 4: 0, 16: len(state.live)}
+        return self.quant.composition(state)
+
+    def page_table(self, row: int):
+        """A quantized pool's page table of the row (``PageTable``: INT2 pages
+        first, then INT4 tokens, then float tokens), as decode reads it."""
+        if self.quant is None:
+            raise JaxKVError("page tables belong to a quantized pool (Engine(kv_quant=...))")
+        return self.quant.page_table(self._row(row))
 
     # -- eviction and promotion -----------------------------------------------------
     def apply_layout(self, row: int, plan, *, keep_evicted: bool = False):
@@ -518,7 +587,9 @@ class Engine:
         """
         state = self._row(row)
         evicted = self.gather_rows(plan.evicted_slots) if keep_evicted else None
-        if plan.copy_src.size:
+        if plan.copy_src.size and self.quant is not None:  # quantized pool: re-encode, keys rotated
+            self.cache = self.quant.compact(self.cache, plan, self.model.config.rope)
+        elif plan.copy_src.size:
             src = jnp.asarray(plan.copy_src, jnp.int32)
             dst = jnp.asarray(plan.copy_dst, jnp.int32)
             self.cache = _copy_rows(self.cache, src, dst)
@@ -544,12 +615,15 @@ class Engine:
             return np.zeros(0, np.int64)
         state = self._row(row)
         promotion_tables(state.slots, pos, np.ones(pos.size, np.int64))  # validate first
-        fresh = self.allocate(pos.size, row)
+        if self.quant is not None:  # quantized pool: packed rows back, bit-identical
+            fresh = self.quant.restore(self, row, k_LMKD, v_LMKD)
+        else:
+            fresh = self.allocate(pos.size, row)
+            k_LMKD, v_LMKD = np.asarray(k_LMKD), np.asarray(v_LMKD)
+            if self.mesh is None:  # pinned host memory is per device; on a mesh, jit sends each device its part
+                k_LMKD, v_LMKD = stage(k_LMKD), stage(v_LMKD)
+            self.cache = _write_rows(self.cache, jnp.asarray(fresh, jnp.int32), k_LMKD, v_LMKD)
         slots, live = promotion_tables(state.slots, pos, fresh)
-        k_LMKD, v_LMKD = np.asarray(k_LMKD), np.asarray(v_LMKD)
-        if self.mesh is None:  # pinned host memory is per device; on a mesh, jit sends each device its part
-            k_LMKD, v_LMKD = stage(k_LMKD), stage(v_LMKD)
-        self.cache = _write_rows(self.cache, jnp.asarray(fresh, jnp.int32), k_LMKD, v_LMKD)
         self.set_row_tables(row, slots, live)
         return fresh
 
@@ -559,19 +633,27 @@ class Engine:
         self._push_row(row)
 
     # -- prefill -------------------------------------------------------------------
-    def start_prefill(self, row: int, tokens: Sequence[int], *, all_logits: bool = False, q_idx=None, attn_mass: bool = False) -> PrefillJob:
+    def start_prefill(self, row: int, tokens: Sequence[int], *, all_logits: bool = False, q_idx=None, attn_mass: bool = False, kv_bits=None) -> PrefillJob:
         """A prefill job for ``row``; its slots are allocated now (``OutOfSlotsError``
         or ``ContextLengthError`` before any change). ``q_idx``: indices into
-        ``tokens`` whose post-RoPE queries to capture."""
+        ``tokens`` whose post-RoPE queries to capture. ``kv_bits`` (quantized pool):
+        2 or 4 per token (None: INT4; ``kivi2`` ignores it: its own rule)."""
         state = self._row(row)
         tokens = np.asarray(tokens, np.int32).reshape(-1)
         if state.seq_len + tokens.size > self.max_positions:
             raise ContextLengthError(
                 f"row {row}: {state.seq_len} cached + {tokens.size} new tokens exceed {self.max_positions} positions"
             )
-        slots = self.allocate(tokens.size, row)
+        if self.quant is not None:  # quantized pool: INT2 pages per chunk, the rest INT4 / float
+            plan = self.quant.plan(self, kv_bits, tokens.size, self.prefill_chunk)
+            state.allocated += int(tokens.size)
+            slots = plan.slots
+        elif kv_bits is not None:
+            raise JaxKVError("kv_bits needs a quantized pool (Engine(kv_quant=...))")
+        else:
+            plan, slots = None, self.allocate(tokens.size, row)
         q_idx_X = None if q_idx is None else np.asarray(q_idx, np.int64).reshape(-1)
-        job = PrefillJob(row, tokens, slots, all_logits, q_idx_X, attn_mass)
+        job = PrefillJob(row, tokens, slots, all_logits, q_idx_X, attn_mass, kv_plan=plan)
         cfg = self.model.config
         if attn_mass:
             job.mass = np.zeros((cfg.num_layers, cfg.num_heads, state.seq_len + tokens.size), np.float32)
@@ -617,7 +699,13 @@ class Engine:
             logit_idx[b] = np.arange(Y) if Y == C else piece.size - 1  # Y == 1: the last real token
         n_read = min(bucket(max(len(s.live) for s in states)), self.max_positions)
         batch = PrefillBatch(rows, tokens, counts, slots, q_idx, logit_idx)
-        logits, self.cache, aux = prefill_step(self.graphdef, self.params, self.cache, batch, n_read=n_read, features=features, mesh=self.mesh)
+        if self.quant is not None:  # quantized pool: dequantized prefix, chunk stored quantized
+            page_src, page_ids = self.quant.chunk_pages(jobs, B, C)
+            logits, self.cache, aux = quantized_prefill_step(
+                self.graphdef, self.params, self.cache, batch, page_src, page_ids, n_read=n_read, features=features
+            )
+        else:
+            logits, self.cache, aux = prefill_step(self.graphdef, self.params, self.cache, batch, n_read=n_read, features=features, mesh=self.mesh)
         logits = np.asarray(logits)
         chunk_mass = np.asarray(aux["attn_mass"]) if features.attn_mass else None  # [L, B, Hq, n_read + C]
         chunk_q = np.asarray(aux["q_rows"]) if features.query_rows else None  # [L, B, X, Hq, D]
@@ -633,8 +721,11 @@ class Engine:
             j.logits.append(logits[b, :n] if j.all_logits else logits[b, n - 1 if Y == C else 0][None])
             st.append(piece, j.slots[j.done : j.done + n])
             j.done += n
+        if self.quant is not None and self.quant.window:  # kivi2: aged residual -> INT2 pages
+            for j in jobs:
+                self.quant.settle(self, j.row)
 
-    def prefill(self, rows: Sequence[int], token_lists: Sequence[Sequence[int]], *, all_logits=False, features: Features = NO_FEATURES, q_row_positions=None):
+    def prefill(self, rows: Sequence[int], token_lists: Sequence[Sequence[int]], *, all_logits=False, features: Features = NO_FEATURES, q_row_positions=None, kv_bits=None):
         """Append ``token_lists[i]`` to ``rows[i]``; returns logits of the new tokens.
 
         Returns a list (one per row) of float32 numpy arrays: ``[n_i, V]`` when
@@ -644,7 +735,8 @@ class Engine:
         received from this prefill's query rows (summed over rows and chunks; 0
         at holes); with ``features.query_rows``, ``aux["q_rows"]`` is
         ``[L, len(rows), X, Hq, D]``: the post-RoPE queries at
-        ``q_row_positions[i]`` (X indices into ``token_lists[i]``).
+        ``q_row_positions[i]`` (X indices into ``token_lists[i]``). ``kv_bits[i]``:
+        per-token bits of row i on a quantized pool (``start_prefill``).
         """
         for r, tokens in zip(rows, token_lists):
             st = self._row(r)
@@ -661,6 +753,7 @@ class Engine:
             self.start_prefill(
                 r, t, all_logits=all_logits, attn_mass=features.attn_mass,
                 q_idx=q_row_positions[i] if features.query_rows and q_row_positions is not None else None,
+                kv_bits=None if kv_bits is None else kv_bits[i],
             )
             for i, (r, t) in enumerate(zip(rows, token_lists))
         ]
@@ -740,11 +833,14 @@ class Engine:
         return_logits = any(j.return_logits for j in jobs)
         longest = max(len(s.live) for s in states) + n
         n_read = min(bucket(longest), self.max_positions)
+        kv_step = kv_args = None
+        if self.quant is not None:  # quantized pool: page tables, new tokens INT4 (kivi2: float)
+            kv_step, kv_args = self.quant.step, self.quant.decode_tables(states, [s[:k] for s, k in zip(per_job, steps)], B)
         batch = DecodeBatch(rows, first, limit, slots, stop, key_data, step0, temp, top_p, forced)
         tokens, fed, self.cache, logits, aux = decode_loop(
             self.graphdef, self.params, self.cache, batch,
             n_steps=n, n_read=n_read, spec=spec, backend=self.backend, return_logits=return_logits,
-            teacher_forced=any(j.forced is not None for j in jobs), features=features, mesh=self.mesh,
+            teacher_forced=any(j.forced is not None for j in jobs), features=features, mesh=self.mesh, kv_step=kv_step, kv_args=kv_args,
         )
         tokens, fed = np.asarray(tokens), np.asarray(fed)
         q_rows = np.asarray(aux["q_rows"]) if features.query_rows else None
@@ -773,6 +869,9 @@ class Engine:
                     m[: j.mass.size] += j.mass
                 j.mass = m
         self.allocator.release(np.concatenate(unused))
+        if self.quant is not None and self.quant.window:  # kivi2: aged residual -> INT2 pages
+            for j in jobs:
+                self.quant.settle(self, j.row)
 
     def decode(self, rows: Sequence[int], first_tokens: Sequence[int], n_steps: int, *, temperature=0.0, top_k=None, top_p=None, key=None, stop_token_ids=(), return_logits=False, forced_tokens=None, features: Features = NO_FEATURES):
         """Feed ``first_tokens`` and decode up to ``n_steps`` tokens per row.

@@ -47,3 +47,31 @@ def task_model_dir(tmp_path_factory):
     )
     jaxkv.save_pretrained(jaxkv.model_from_config(cfg, seed=0, tokenizer=tok), folder)
     return folder
+
+
+@pytest.fixture(scope="session")
+def quant_model_dir(tmp_path_factory):
+    """A tiny random Qwen3 with head_dim 32 (quantizable) and the task tokenizer,
+    saved once with a toy TriAxialKV calibration (``triaxial.json``) beside it."""
+    import json
+
+    import jaxkv
+    from jaxkv.config import ModelConfig
+    from jaxkv.tasks import embedded_tokenizer
+
+    folder = tmp_path_factory.mktemp("quant_model")
+    tok = embedded_tokenizer()
+    cfg = ModelConfig(
+        model_type="qwen3", vocab_size=len(tok), hidden_size=64, intermediate_size=64, num_layers=2,
+        num_heads=2, num_kv_heads=1, head_dim=32, qk_norm=True, max_position_embeddings=4096,
+        eos_token_ids=(tok.convert_tokens_to_ids("<|im_end|>"),),
+    )
+    jaxkv.save_pretrained(jaxkv.model_from_config(cfg, seed=0, tokenizer=tok), folder)
+    tags = [{"index": (3 * 2 + 0) * 7 + s, "N": 100.0, "D2": 1.0 + s, "D4": 0.5} for s in range(7)]  # current|text|*
+    variant = {"axes": ["temporal", "modal", "semantic"], "tags": tags}
+    (folder / "triaxial.json").write_text(json.dumps({"budget": 3.0, "variants": {
+        "triaxial": variant,
+        "triaxial_no_temporal": {"axes": ["modal", "semantic"], "tags": [{**t, "index": t["index"] - 42} for t in tags]},
+        "triaxial_no_semantic": {"axes": ["temporal", "modal"], "tags": [{"index": 3 * 2, "N": 700.0, "D2": 10.0, "D4": 1.0}]},
+    }}))
+    return folder

@@ -150,3 +150,26 @@ def test_a_cell_without_reuse_keeps_its_journal_key_from_before_the_reuse_field(
     cell = harness.Cell("snapkv", 1280, "dead_slot", "agent", base_budget=1280)
     assert harness.cell_key(cell) == '["snapkv", 1280, "dead_slot", "agent", "none", 0, 1280]'
     assert harness.cell_key(harness.dataclasses.replace(cell, reuse="segment")).endswith(', 1280, "segment"]')
+
+
+def test_harness_kv_quant_axis_and_columns(quant_model_dir, tmp_path):
+    out = tmp_path / "quant"
+    args = harness.build_parser().parse_args([
+        "--model", str(quant_model_dir), "--task", "mqniah", "--methods", "full", "--n", "1", "--length", "300",
+        "--max-new-tokens", "4", "--kv-quant", "none,int4,triaxial", "--kv-bits", "2.0,4.0", "--out", str(out),
+    ])
+    rows = harness.run(args)
+    assert [(r["kv_quant"], r["kv_bits"]) for r in rows] == [("none", "-"), ("int4", "-"), ("triaxial", 2.0), ("triaxial", 4.0)]
+    by = {(r["kv_quant"], r["kv_bits"]): r for r in rows}
+    assert by[("none", "-")]["avg_bits"] == 16.0 and by[("int4", "-")]["avg_bits"] == 4.0
+    assert by[("triaxial", 4.0)]["avg_bits"] == 4.0 < by[("none", "-")]["avg_bits"]
+    assert 2.0 <= by[("triaxial", 2.0)]["avg_bits"] < 4.0
+    # bytes per token: bf16 4D, INT4 1.25D per layer and KV head (scales and zero points included)
+    assert by[("none", "-")]["kv_bytes_per_token"] == 2 * 1 * 4 * 32
+    assert by[("int4", "-")]["kv_bytes_per_token"] == 2 * 1 * 1.25 * 32
+    with open(out / "results.csv") as f:
+        assert tuple(csv.DictReader(f).fieldnames) == harness.COLUMNS
+    assert "## mqniah: KV precision" in (out / "results.md").read_text()
+    assert (out / "accuracy_vs_kv_bits.png").stat().st_size > 0
+    with pytest.raises(ValueError):
+        harness.run(harness.build_parser().parse_args(["--model", str(quant_model_dir), "--out", str(tmp_path), "--kv-quant", "int3"]))

@@ -1,5 +1,10 @@
-"""TriAxialKV formats: round-trip bounds, the documented packing layout, and the
-quantized decode Pallas kernel (TPU interpreter) vs its reference and a float64 oracle."""
+"""TriAxialKV formats: round-trip bounds (every element within half a quantization
+step of its group), the documented packing layout, and the quantized decode Pallas
+kernel (TPU interpreter) vs its reference and a float64 oracle.
+
+Attention-output error is not asserted on i.i.d. random data here: it is measured
+per format on K/V captured from the embedded model by ``train/calibrate_triaxial.py``
+(``attention_error`` in ``jaxkv/assets/embedded-agent/triaxial.json``)."""
 
 from __future__ import annotations
 
@@ -8,7 +13,6 @@ import numpy as np
 import pytest
 
 from jaxkv.pallas import (
-    decode_attention,
     dequantize_int2_keys,
     dequantize_rows,
     quantize_int2_keys,
@@ -18,7 +22,7 @@ from jaxkv.pallas import (
     quantize_int4_pool,
     quantized_decode_attention,
 )
-from jaxkv.pallas.testing import decode_codes_np, mixed_quantized_problem, quantized_attention_f64, rel_err
+from jaxkv.pallas.testing import decode_codes_np, masked_float_problem, mixed_quantized_problem, quantized_attention_f64, rel_err
 
 
 def _awkward(rng, shape):
@@ -89,28 +93,14 @@ def test_quantized_kernel_matches_reference_and_f64(D, G, qdtype, tol):
     assert rel_err(out4[0::4], out[0::4]) <= tol
 
 
-def test_quantization_error_vs_bf16_attention():
-    """Report INT4 and mixed (~2.7 bits) error vs bf16 decode on random N(0,1) data."""
-    rng = np.random.default_rng(0)
-    B, K, G, D, N = 4, 2, 4, 128, 4096
-    n2 = 83 * 32  # 65% of tokens in INT2 pages -> 0.65*2 + 0.35*4 = 2.7 bits
-    k = jnp.asarray(rng.standard_normal((N + 1, K, D)), jnp.bfloat16)
-    v = jnp.asarray(rng.standard_normal((N + 1, K, D)), jnp.bfloat16)
-    q = jnp.asarray(rng.standard_normal((B, K * G, D)), jnp.float32)
-    all_slots = jnp.tile(jnp.arange(1, N + 1, dtype=jnp.int32), (B, 1))
-    full = jnp.full((B,), N, jnp.int32)
-    ref = decode_attention(q, k, v, all_slots, full)
-    pool4 = quantize_int4_pool(k, v)
-    out4 = quantized_decode_attention(q, None, None, None, pool4, all_slots, full)
-    pool2 = quantize_int2_pool(k[1 : 1 + n2], v[1 : 1 + n2])
-    pages = jnp.tile(jnp.arange(n2 // 32, dtype=jnp.int32), (B, 1))
-    rest = jnp.tile(jnp.arange(1 + n2, N + 1, dtype=jnp.int32), (B, 1))
-    outm = quantized_decode_attention(
-        q, pool2, pages, jnp.full((B,), n2 // 32, jnp.int32), pool4, rest, jnp.full((B,), N - n2, jnp.int32)
-    )
-    e4, em = rel_err(out4, ref), rel_err(outm, ref)
-    print(f"\nrelative error vs bf16 decode (N={N}, D={D}): INT4 {e4:.4f}, mixed INT2/INT4 (2.7 bits) {em:.4f}")
-    assert e4 < em
+def test_masked_int2_pages_and_float_part_match_f64():
+    """Per-page token masks (rows a request evicted) and the full-precision part
+    (KIVI's residual): kernel (interpret) = reference = float64 oracle."""
+    args, kw, want = masked_float_problem(7)
+    ref = quantized_decode_attention(*args, **kw, backend="reference")
+    out = quantized_decode_attention(*args, **kw, backend="interpret")
+    for b, w in enumerate(want):
+        assert rel_err(out[b], w) <= 1e-5 and rel_err(ref[b], w) <= 1e-5
 
 
 def test_quantized_bad_inputs():

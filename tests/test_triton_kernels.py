@@ -29,6 +29,7 @@ from jaxkv.pallas.rope_delta import rope_delta_reference  # noqa: E402
 from jaxkv.pallas.testing import (  # noqa: E402
     decode_f64,
     decode_problem,
+    masked_float_problem,
     mixed_quantized_problem,
     quantized_attention_f64,
     rel_err,
@@ -133,6 +134,16 @@ def _check_quantized(args, tol):
     errs = [rel_err(np.asarray(out[b], np.float32), want[b]) for b in range(q.shape[0])]
     assert max(errs) <= tol, errs
     return out
+
+
+def test_quantized_decode_masked_pages_and_float_part():
+    """The engine's dual-pool parts on the GPU path: masked INT2 pages (jnp
+    partials) and the float part (Triton float kernel) merged with the INT4 launch."""
+    args, kw, want = masked_float_problem(7)
+    out = jax.jit(functools.partial(gpu_decode.quantized_decode_attention, launcher=interpret_call))(*args, **kw)
+    assert rel_err(out, quantized_decode_attention(*args, **kw, backend="reference")) <= 1e-5
+    for b, w in enumerate(want):
+        assert rel_err(out[b], w) <= 1e-5
 
 
 @pytest.mark.parametrize("D,G,qdtype", [(128, 2, jnp.float32), (64, 8, jnp.bfloat16)])

@@ -65,6 +65,16 @@ class PagedKVCache:
     def positions(self) -> int:
         return self.slot_map.shape[1]
 
+    @property
+    def kv(self):
+        """What a decode step reads and writes: ``(k, v)`` (a quantized cache's is
+        its ``DualPool``, ``jaxkv.cache.quantized``)."""
+        return self.k, self.v
+
+    def with_kv(self, kv) -> "PagedKVCache":
+        k, v = kv
+        return self.replace(k=k, v=v)
+
 
 @struct.dataclass
 class RowTables:

@@ -26,6 +26,22 @@ NVIDIA GPUs the Triton kernels ``decode_int4_tokens`` and ``decode_int2_pages``
 (``jaxkv.pallas.gpu.decode``) produce the same partials for the same merge. The
 reference dequantizes the gathered entries to float32 and calls
 ``decode_attention_reference``.
+
+Two optional parts serve the engine's dual pool (``jaxkv.cache.quantized``):
+
+* ``int2_mask_BP``: a uint32 bitmask per listed page (bit ``t`` set: token ``t``
+  of the page is read). A request whose eviction dropped some tokens of a page
+  still lists the page, with those bits cleared; every listed page must keep at
+  least one bit. A page's mask belongs to the request (two requests may share a
+  page and keep different tokens), so the Pallas kernel reads entries ``b*P + j``
+  of operands gathered per listed page (``masked_page_operands``: a copy of the
+  listed INT2 pages plus keep flags, so the split-K skeleton is unchanged); the
+  GPU path computes the masked INT2 part with the jnp partials of
+  ``gpu.decode.masked_int2_partials`` (the Triton INT2 kernel reads no mask yet).
+* ``float_pool`` / ``float_idx_BN`` / ``float_len_B``: a third, full-precision
+  part (KIVI's residual window of recent tokens), read by the float reader of
+  ``decode_attention`` (Triton float kernel on GPU) and merged by the same
+  log-sum-exp.
 """
 
 from __future__ import annotations
@@ -39,7 +55,7 @@ import jax.numpy as jnp
 from jaxkv.attention import decode_attention_reference
 from jaxkv.pallas import _splitk
 from jaxkv.pallas._dispatch import resolve_backend
-from jaxkv.pallas.decode_attention import TOKEN_BLOCK, check_decode_inputs
+from jaxkv.pallas.decode_attention import TOKEN_BLOCK, FloatTokens, check_decode_inputs
 from jaxkv.pallas.quant import PAGE, Int2Pool, Int4Pool, dequantize_int2_keys, dequantize_rows, plane_chunks
 
 
@@ -119,6 +135,29 @@ class Int2Pages:
         return _per_token_values(probs[0], bufs[3][k, 0], bufs[4][k, 0], bufs[5][k, 0], 2, self.head_dim)
 
 
+@dataclasses.dataclass(frozen=True)
+class MaskedInt2Pages(Int2Pages):
+    """``Int2Pages`` over listed pages with a per-token keep flag: a seventh
+    buffer ``[K, 1, 32]`` int32 (non-zero: the token is read)."""
+
+    def scores(self, q_GD, bufs, k):
+        keep = bufs[6][k, 0]  # [32]
+        return [jnp.where(keep[None, :] > 0, s, _splitk.MASKED) for s in super().scores(q_GD, bufs, k)]
+
+
+def masked_page_operands(int2_pool, int2_pages_BP, int2_mask_BP):
+    """Operands and ids of the masked INT2 part: entry ``b*P + j`` is listed page
+    ``j`` of request ``b``, its six buffers gathered from the pool (a copy of the
+    listed pages) plus its keep flags ``[B*P, K, 32]`` int32."""
+    B, P = int2_pages_BP.shape
+    pages = int2_pages_BP.reshape(-1).astype(jnp.int32)
+    K = int2_pool.k.data.shape[1]
+    bits = (int2_mask_BP.reshape(-1).astype(jnp.uint32)[:, None] >> jnp.arange(PAGE, dtype=jnp.uint32)[None, :]) & 1
+    keep = jnp.broadcast_to(bits.astype(jnp.int32)[:, None, :], (B * P, K, PAGE))
+    operands = tuple(buf[pages] for buf in int2_pool.buffers()) + (keep,)
+    return operands, jnp.arange(B * P, dtype=jnp.int32).reshape(B, P)
+
+
 def _check_pools(int2_pool, int2_pages_BP, int2_num_pages_B, int4_pool):
     for name, pool, cls in (("int2_pool", int2_pool, Int2Pool), ("int4_pool", int4_pool, Int4Pool)):
         if pool is not None and not isinstance(pool, cls):
@@ -136,31 +175,46 @@ def _check_pools(int2_pool, int2_pages_BP, int2_num_pages_B, int4_pool):
 
 
 def quantized_decode_attention_reference(
-    q_BHD, int2_pool, int2_pages_BP, int2_num_pages_B, int4_pool, int4_idx_BN, int4_len_B
+    q_BHD, int2_pool, int2_pages_BP, int2_num_pages_B, int4_pool, int4_idx_BN, int4_len_B,
+    int2_mask_BP=None, float_pool=None, float_idx_BN=None, float_len_B=None,
 ):
-    """Dequantize every request's entries to float32 and run the float reference."""
+    """Dequantize every request's entries to float32 and run the float reference.
+
+    Entries of request b: its INT2 tokens (pages before ``int2_num_pages_B[b]``,
+    bits of ``int2_mask_BP``), its INT4 tokens, its float tokens; the valid ones
+    are moved to the front (attention does not depend on the order).
+    """
     B, _, D = q_BHD.shape
-    k4, v4 = dequantize_rows(int4_pool.k.take(int4_idx_BN)), dequantize_rows(int4_pool.v.take(int4_idx_BN))
-    lens = int4_len_B.astype(jnp.int32)
+    K = int4_pool.k.data.shape[1]
+    ks, vs, valid = [], [], []
     if int2_pool is not None:
-        P, K = int2_pages_BP.shape[1], k4.shape[2]
+        P = int2_pages_BP.shape[1]
         k2 = dequantize_int2_keys(int2_pool.k.take(int2_pages_BP))  # [B, P, K, 32, D]
         v2 = dequantize_rows(int2_pool.v.take(int2_pages_BP))
-        k2 = k2.transpose(0, 1, 3, 2, 4).reshape(B, P * PAGE, K, D)
-        v2 = v2.transpose(0, 1, 3, 2, 4).reshape(B, P * PAGE, K, D)
-        n2 = int2_num_pages_B.astype(jnp.int32) * PAGE
-        # Entries of request b: its n2 INT2 tokens, then its INT4 tokens, then padding.
-        N4 = k4.shape[1]
-        m = jnp.arange(P * PAGE + N4)[None, :]
-        from_int2 = m < n2[:, None]
-        pick4 = jnp.clip(m - n2[:, None], 0, N4 - 1)
-        order = jnp.where(from_int2, m, P * PAGE + pick4)  # into concat([int2, int4]) per request
-        k4 = jnp.take_along_axis(jnp.concatenate([k2, k4], 1), order[..., None, None], axis=1)
-        v4 = jnp.take_along_axis(jnp.concatenate([v2, v4], 1), order[..., None, None], axis=1)
-        lens = n2 + lens
-    N, K = k4.shape[1], k4.shape[2]
+        ks.append(k2.transpose(0, 1, 3, 2, 4).reshape(B, P * PAGE, K, D))
+        vs.append(v2.transpose(0, 1, 3, 2, 4).reshape(B, P * PAGE, K, D))
+        ok = jnp.arange(P)[None, :, None] < int2_num_pages_B.astype(jnp.int32)[:, None, None]
+        if int2_mask_BP is not None:
+            bit = (int2_mask_BP.astype(jnp.uint32)[:, :, None] >> jnp.arange(PAGE, dtype=jnp.uint32)) & 1
+            ok = ok & (bit > 0)
+        valid.append(jnp.broadcast_to(ok, (B, P, PAGE)).reshape(B, P * PAGE))
+    N4 = int4_idx_BN.shape[1]
+    ks.append(dequantize_rows(int4_pool.k.take(int4_idx_BN)))
+    vs.append(dequantize_rows(int4_pool.v.take(int4_idx_BN)))
+    valid.append(jnp.arange(N4)[None, :] < int4_len_B.astype(jnp.int32)[:, None])
+    if float_pool is not None:
+        fk, fv = float_pool
+        ks.append(fk[float_idx_BN].astype(jnp.float32))
+        vs.append(fv[float_idx_BN].astype(jnp.float32))
+        valid.append(jnp.arange(float_idx_BN.shape[1])[None, :] < float_len_B.astype(jnp.int32)[:, None])
+    k, v, ok = (jnp.concatenate(x, axis=1) for x in (ks, vs, valid))
+    order = jnp.argsort(~ok, axis=1, stable=True)  # valid entries first, in order
+    k = jnp.take_along_axis(k, order[..., None, None], axis=1)
+    v = jnp.take_along_axis(v, order[..., None, None], axis=1)
+    N = k.shape[1]
     flat_idx = (jnp.arange(B)[:, None] * N + jnp.arange(N)[None, :]).astype(jnp.int32)
-    return decode_attention_reference(q_BHD, k4.reshape(B * N, K, D), v4.reshape(B * N, K, D), flat_idx, lens)
+    lens = ok.sum(axis=1).astype(jnp.int32)
+    return decode_attention_reference(q_BHD, k.reshape(B * N, K, D), v.reshape(B * N, K, D), flat_idx, lens)
 
 
 def quantized_decode_attention(
@@ -172,17 +226,25 @@ def quantized_decode_attention(
     int4_idx_BN,
     int4_len_B,
     *,
+    int2_mask_BP=None,
+    float_pool=None,
+    float_idx_BN=None,
+    float_len_B=None,
     backend=None,
 ):
     """Decode attention over INT2 pages then INT4 tokens, dequantized on the fly.
 
     Args:
       q_BHD: ``[B, Hq, D]`` float queries.
-      int2_pool: ``Int2Pool`` of ``P2`` pages, or ``None`` (then the two INT2 index
+      int2_pool: ``Int2Pool`` of ``P2`` pages, or ``None`` (then the INT2 index
         arguments are ignored and may be ``None``).
       int2_pages_BP: ``[B, P]`` int32 page ids; ``int2_num_pages_B``: ``[B]`` real pages.
       int4_pool: ``Int4Pool`` of ``S`` slots.
       int4_idx_BN: ``[B, N]`` int32 slot ids; ``int4_len_B``: ``[B]`` real slots.
+      int2_mask_BP: optional ``[B, P]`` uint32, bit ``t``: token ``t`` of the page
+        is read (default: all 32); a listed page keeps at least one bit.
+      float_pool: optional ``(k [SF, Hkv, D], v [SF, Hkv, D])`` full-precision
+        rows, read at ``float_idx_BN [B, NF]`` (``float_len_B [B]`` real).
       backend: see ``jaxkv.pallas._dispatch``.
 
     Returns:
@@ -195,25 +257,44 @@ def quantized_decode_attention(
     check_decode_inputs(q_BHD, int4_idx_BN, int4_len_B, K, D, "INT4 pool")
     if int2_pool is not None:
         check_decode_inputs(q_BHD, int2_pages_BP, int2_num_pages_B, K, D, "INT2 pool")
-    args = (q_BHD, int2_pool, int2_pages_BP, int2_num_pages_B, int4_pool, int4_idx_BN, int4_len_B)
+        if int2_mask_BP is not None and int2_mask_BP.shape != int2_pages_BP.shape:
+            raise ValueError(f"int2_mask must match int2_pages {int2_pages_BP.shape}, got {int2_mask_BP.shape}")
+    if float_pool is not None:
+        if float_pool[0].shape[1:] != (K, D):
+            raise ValueError(f"float pool rows {float_pool[0].shape[1:]} != INT4 pool [Hkv={K}, D={D}]")
+        check_decode_inputs(q_BHD, float_idx_BN, float_len_B, K, D, "float pool")
+    args = (q_BHD, int2_pool, int2_pages_BP, int2_num_pages_B, int4_pool, int4_idx_BN, int4_len_B,
+            int2_mask_BP, float_pool, float_idx_BN, float_len_B)
     return _quantized_decode_attention(*args, resolve_backend(backend))
 
 
-@functools.partial(jax.jit, static_argnums=7)
+@functools.partial(jax.jit, static_argnums=11)
 def _quantized_decode_attention(
-    q_BHD, int2_pool, int2_pages_BP, int2_num_pages_B, int4_pool, int4_idx_BN, int4_len_B, backend
+    q_BHD, int2_pool, int2_pages_BP, int2_num_pages_B, int4_pool, int4_idx_BN, int4_len_B,
+    int2_mask_BP, float_pool, float_idx_BN, float_len_B, backend,
 ):
     args = (q_BHD, int2_pool, int2_pages_BP, int2_num_pages_B, int4_pool, int4_idx_BN, int4_len_B)
     if backend == "reference":
-        return quantized_decode_attention_reference(*args)
+        return quantized_decode_attention_reference(
+            q_BHD, int2_pool, int2_pages_BP, int2_num_pages_B, int4_pool, int4_idx_BN, int4_len_B,
+            int2_mask_BP, float_pool, float_idx_BN, float_len_B,
+        )
     if backend == "gpu":
         from jaxkv.pallas.gpu import decode as gpu_decode
         from jaxkv.pallas.gpu.launch import triton_call
 
-        return gpu_decode.quantized_decode_attention(*args, launcher=triton_call)
+        return gpu_decode.quantized_decode_attention(
+            *args, int2_mask_BP=int2_mask_BP, float_pool=float_pool, float_idx_BN=float_idx_BN, float_len_B=float_len_B,
+            launcher=triton_call,
+        )
     D = int4_pool.k.head_dim
     run = functools.partial(_splitk.split_k, q_BHD, interpret=backend == "interpret")
     parts = [run(Int4Tokens(D), int4_pool.buffers(), int4_idx_BN, int4_len_B)]
-    if int2_pool is not None:
+    if int2_pool is not None and int2_mask_BP is None:
         parts.append(run(Int2Pages(D), int2_pool.buffers(), int2_pages_BP, int2_num_pages_B))
+    elif int2_pool is not None:
+        operands, ids = masked_page_operands(int2_pool, int2_pages_BP, int2_mask_BP)
+        parts.append(run(MaskedInt2Pages(D), operands, ids, int2_num_pages_B))
+    if float_pool is not None:
+        parts.append(run(FloatTokens(D), tuple(float_pool), float_idx_BN, float_len_B))
     return _splitk.merge(parts, q_BHD.dtype)

@@ -10,6 +10,8 @@
   INT2/INT4 pools from random data and a float64 oracle that decodes the packed
   bytes with numpy, from the layout documented in ``jaxkv.pallas.quant`` (not with
   jaxkv's own dequantizers).
+* ``masked_float_problem``: the optional parts of the engine's dual pool (INT2
+  pages with per-request token masks, a float part) and their float64 oracle.
 """
 
 from __future__ import annotations
@@ -118,3 +120,34 @@ def quantized_attention_f64(q, pool2, page_ids, num_pages, pool4, slot_ids, num_
         v = np.concatenate([v2[t2], v4[t4]])
         outs.append(attention_f64(np.asarray(q[b], np.float64), k, v))
     return np.stack(outs)
+
+
+def masked_float_problem(seed, K=2, G=2, D=64):
+    """``(args, kwargs, want)`` of ``quantized_decode_attention`` for two requests
+    with masked INT2 pages (a partly kept page, a page keeping one token, a page
+    kept whole) and a float part; ``want[b]`` is the float64 attention over the
+    kept INT2 tokens, the INT4 tokens and the float tokens of request ``b``."""
+    from jaxkv.pallas.quant import dequantize_int2_keys, dequantize_rows, quantize_int2_pool, quantize_int4_pool
+
+    rng = np.random.default_rng(seed)
+    kv = lambda n: rng.standard_normal((n, K, D)).astype(np.float32)
+    pool2, pool4 = quantize_int2_pool(kv(6 * 32), kv(6 * 32)), quantize_int4_pool(kv(50), kv(50))
+    fk, fv = kv(40), kv(40)
+    pages, npg = np.array([[1, 3, 0], [2, 5, 4]], np.int32), np.array([2, 3], np.int32)
+    mask = np.array([[0xFFFF0000, 0x1, 0], [0xFFFFFFFF, 0x80000000, 0x00F0]], np.uint32)
+    i4, n4 = np.array([[3, 7, 9, 0], [1, 2, 0, 0]], np.int32), np.array([3, 2], np.int32)
+    fi, nf = np.array([[5, 6], [7, 0]], np.int32), np.array([2, 1], np.int32)
+    q = jnp.asarray(rng.standard_normal((2, K * G, D)), jnp.float32)
+    args = (q, pool2, jnp.asarray(pages), jnp.asarray(npg), pool4, jnp.asarray(i4), jnp.asarray(n4))
+    kw = dict(int2_mask_BP=jnp.asarray(mask), float_pool=(jnp.asarray(fk), jnp.asarray(fv)),
+              float_idx_BN=jnp.asarray(fi), float_len_B=jnp.asarray(nf))
+    tok = lambda a: np.asarray(a, np.float64).transpose(0, 2, 1, 3).reshape(-1, K, D)
+    k2, v2 = tok(dequantize_int2_keys(pool2.k)), tok(dequantize_rows(pool2.v))
+    k4, v4 = np.asarray(dequantize_rows(pool4.k), np.float64), np.asarray(dequantize_rows(pool4.v), np.float64)
+    want = []
+    for b in range(2):
+        t2 = [p * 32 + t for p, m in zip(pages[b, : npg[b]], mask[b]) for t in range(32) if (int(m) >> t) & 1]
+        k = np.concatenate([k2[t2], k4[i4[b, : n4[b]]], fk[fi[b, : nf[b]]]])
+        v = np.concatenate([v2[t2], v4[i4[b, : n4[b]]], fv[fi[b, : nf[b]]]])
+        want.append(attention_f64(np.asarray(q[b], np.float64), k, v))
+    return args, kw, want

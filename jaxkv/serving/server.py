@@ -38,6 +38,7 @@ import collections
 import threading
 
 from jaxkv.cache.host_tier import HostTier
+from jaxkv.cache.quantized_host import check_mode
 from jaxkv.cache.radix import NamespacedRadix, RadixTree
 from jaxkv.cache.segments import SegmentStore
 from jaxkv.cache.session_store import SessionStore
@@ -66,19 +67,23 @@ class Server:
       decode_chunk: decode steps per batched engine call.
       prefill_chunk: prompt tokens per prefill step.
       backend: decode-attention backend (``jaxkv.pallas``).
+      kv_quant: None (float pool) or a quantized pool's mode
+        (``jaxkv.cache.quantized_host.MODES``); every session on the server uses
+        it (``jaxkv.serving.stages.quantization``).
       segment_cap: bytes the segment store (cross-query reuse) may hold.
     """
 
-    def __init__(self, model: Model, *, rows: int = 1, max_positions: int | None = None, num_slots: int | None = None, session_cap: int = 1024, backend=None, host_tier: HostTier | None = None, max_queue: int = 64, decode_chunk: int = DECODE_CHUNK, prefill_chunk: int = PREFILL_CHUNK, segment_cap: int = 256 << 20):
+    def __init__(self, model: Model, *, rows: int = 1, max_positions: int | None = None, num_slots: int | None = None, session_cap: int = 1024, backend=None, host_tier: HostTier | None = None, max_queue: int = 64, decode_chunk: int = DECODE_CHUNK, prefill_chunk: int = PREFILL_CHUNK, kv_quant=None, segment_cap: int = 256 << 20):
         if model.tokenizer is None:
             raise ConfigError("sessions need a model with a tokenizer (the folder had none)")
         if int(rows) < 1:
             raise ConfigError(f"a server needs at least one row, got rows={rows!r}")
         P = int(max_positions or min(model.config.max_position_embeddings, 8192))
         self.model = model
+        self.kv_quant = check_mode(kv_quant)
         self.engine = Engine(
             model, rows=int(rows), max_positions=P, num_slots=num_slots or 2 * int(rows) * P + 1,
-            backend=backend, prefill_chunk=prefill_chunk,
+            backend=backend, prefill_chunk=prefill_chunk, kv_quant=self.kv_quant,
         )
         self.radix = RadixTree(self.engine.allocator)
         self.engine.reclaim = self._reclaim

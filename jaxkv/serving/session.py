@@ -119,6 +119,10 @@ class Session:
         (default) or ``"compact"``, and the policy's own options (``w=16``).
       repair, repair_policy, repair_when, repair_wrong_signal: the RepairKV stage
         (``jaxkv.serving.stages.repair``).
+      kv_quant, kv_bits, kv_allocation: the KV precision
+        (``jaxkv.serving.stages.quantization``): None, ``"int4"``, ``"kivi2"`` or
+        ``"triaxial"`` (a private server is built with that pool; on a shared
+        server the session inherits its mode, and another mode is a ``ConfigError``).
       reuse, tenant, reuse_layers, halo, tau_seg, ...: cross-query segment reuse
         (``jaxkv.serving.stages.reuse``): None, ``"segment"`` or ``"cacheblend"``,
         the tenant whose segment namespace the session uses, and ``ReuseConfig``.
@@ -146,9 +150,13 @@ class Session:
         self._cached_ids: list[int] | None = None  # what this session's last request cached
         self._requests = 0  # requests opened so far (the turn index of reports)
         self._busy = threading.Lock()
+        self.server = server  # stages may read the shared server's settings (kv_quant)
         self.stages = build_stages(self, options)  # validates every option first
         self._owns_server = server is None
-        self.server = server or Server(model, max_positions=max_positions, num_slots=num_slots, backend=backend)
+        quant = self._stage("kv_quant")
+        self.server = server or Server(
+            model, max_positions=max_positions, num_slots=num_slots, backend=backend, kv_quant=quant.mode if quant else None,
+        )
 
     # -- copies (fork) ------------------------------------------------------------
     def __getstate__(self):
@@ -175,6 +183,12 @@ class Session:
         """The RepairKV choice (``RepairConfig``), or None."""
         stage = self._stage("repair")
         return stage.config if stage is not None else None
+
+    @property
+    def quantization(self):
+        """The quantization stage (``mode``, ``budget``, per-request ``records``),
+        or None for full precision."""
+        return self._stage("kv_quant")
 
     @property
     def repair_signal(self):

@@ -100,13 +100,47 @@ def decode_attention(q_BHD, k_pool_SKD, v_pool_SKD, live_idx_BN, live_len_B, *, 
 
 
 def quantized_decode_attention(
-    q_BHD, int2_pool, int2_pages_BP, int2_num_pages_B, int4_pool, int4_idx_BN, int4_len_B, *, launcher: Launcher
+    q_BHD, int2_pool, int2_pages_BP, int2_num_pages_B, int4_pool, int4_idx_BN, int4_len_B, *, launcher: Launcher,
+    int2_mask_BP=None, float_pool=None, float_idx_BN=None, float_len_B=None,
 ):
-    """``jaxkv.pallas.quantized_decode_attention`` with the Triton kernels (INT4 part, then INT2 part)."""
+    """``jaxkv.pallas.quantized_decode_attention`` with the Triton kernels (INT4
+    part, then INT2 part, then the optional float part). A masked INT2 part (pages
+    some of whose tokens the request evicted) is computed by
+    ``masked_int2_partials`` in jnp: the Triton INT2 kernel reads no mask yet."""
     check_quantized_head_dim(q_BHD.shape[-1])
     parts = [_part(launcher, kernels.decode_int4_tokens, q_BHD, int4_pool.buffers(), int4_idx_BN, int4_len_B, INT4_BLOCK)]
-    if int2_pool is not None:
+    if int2_pool is not None and int2_mask_BP is None:
         parts.append(
             _part(launcher, kernels.decode_int2_pages, q_BHD, int2_pool.buffers(), int2_pages_BP, int2_num_pages_B, PAGE_BLOCK)
         )
+    elif int2_pool is not None:
+        parts.append(masked_int2_partials(q_BHD, int2_pool, int2_pages_BP, int2_num_pages_B, int2_mask_BP))
+    if float_pool is not None:
+        q = q_BHD.astype(jnp.promote_types(q_BHD.dtype, float_pool[0].dtype))
+        parts.append(_part(launcher, kernels.decode_float_tokens, q, tuple(float_pool), float_idx_BN, float_len_B, token_block(q.dtype)))
     return merge(parts, q_BHD.dtype)
+
+
+def masked_int2_partials(q_BHD, int2_pool, int2_pages_BP, int2_num_pages_B, int2_mask_BP) -> Partials:
+    """One split (``P = 1``) of the INT2 part with per-page token masks, in jnp:
+    the listed pages dequantized to float32, masked scores, running max and sum."""
+    from jaxkv.pallas.quant import PAGE, dequantize_int2_keys, dequantize_rows
+    from jaxkv.pallas._splitk import MASKED
+
+    B, Hq, D = q_BHD.shape
+    P = int2_pages_BP.shape[1]
+    K = int2_pool.k.data.shape[1]
+    k = dequantize_int2_keys(int2_pool.k.take(int2_pages_BP))  # [B, P, K, 32, D]
+    v = dequantize_rows(int2_pool.v.take(int2_pages_BP))
+    k = k.transpose(0, 2, 1, 3, 4).reshape(B, K, P * PAGE, D)
+    v = v.transpose(0, 2, 1, 3, 4).reshape(B, K, P * PAGE, D)
+    bits = (int2_mask_BP.astype(jnp.uint32)[:, :, None] >> jnp.arange(PAGE, dtype=jnp.uint32)) & 1
+    ok = (bits > 0) & (jnp.arange(P)[None, :, None] < int2_num_pages_B.astype(jnp.int32)[:, None, None])
+    ok = ok.reshape(B, 1, 1, P * PAGE)
+    q = q_BHD.astype(jnp.float32).reshape(B, K, Hq // K, D)
+    s = jnp.einsum("bkgd,bktd->bkgt", q, k) / math.sqrt(D)
+    s = jnp.where(ok, s, MASKED)
+    m = jnp.max(s, axis=-1)
+    p = jnp.where(ok, jnp.exp(s - m[..., None]), 0.0)
+    acc = jnp.einsum("bkgt,bktd->bkgd", p, v)
+    return Partials(acc.reshape(B, 1, Hq, D), m.reshape(B, 1, Hq), p.sum(-1).reshape(B, 1, Hq))

@@ -143,7 +143,7 @@ class RepairStage(Stage):
             a = None
             if cfg.policy in repairkv.SCORED:
                 a = repairkv.score_rows(
-                    use, engine.gather_keys(turn.row), live_pos, rows.k_LMKD, rows.positions_M,
+                    use, engine.gather_keys(turn.row), live_pos, engine.host_keys(rows.k_LMKD), rows.positions_M,
                     chunk=cfg.chunk, see_all=cfg.policy == "wrongq",
                 )
             promote = repairkv.choose(cfg, rows.positions_M, rows.scores_M, a, event=turn.index)
@@ -163,7 +163,7 @@ class RepairStage(Stage):
         forced = turn.req.pinned[live_pos] | (live_pos >= turn.rendered.spans.actionable_query[0])
         keys = np.asarray(engine.gather_keys(turn.row))
         act = np.flatnonzero(~forced)
-        cand_k = np.concatenate([keys[:, act], np.asarray(rows.k_LMKD, keys.dtype)], axis=1)
+        cand_k = np.concatenate([keys[:, act], np.asarray(engine.host_keys(rows.k_LMKD), keys.dtype)], axis=1)
         cand_pos = np.concatenate([live_pos[act], rows.positions_M])
         a = repairkv.score_rows(signal, keys[:, forced], live_pos[forced], cand_k, cand_pos, chunk=cfg.chunk)
         comp = np.concatenate([np.full(act.size, np.inf, np.float32), rows.scores_M])

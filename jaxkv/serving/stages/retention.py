@@ -123,7 +123,7 @@ def compress_row(engine, row: int, policy, cfg, state, feats, forced_N, budget: 
     if layout == "dead_slot":
         plan = layouts.dead_slot(slots, kept)
     elif layout == "compact":
-        plan = layouts.compact(slots, kept, engine.allocate(kept.size, row))
+        plan = layouts.compact(slots, kept, engine.fresh_slots(row, kept))
     else:
         raise ConfigError(f"unknown layout {layout!r}; known: {', '.join(LAYOUTS)}")
     live_scores = np.asarray(scores, np.float32)[valid]

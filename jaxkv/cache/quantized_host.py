@@ -1,0 +1,622 @@
+"""Host bookkeeping of the dual quantized pool: allocator, write plans, page
+tables, the packed-row codec of the host tier, and ``QuantizedKV``, the engine's
+quantized half.
+
+Modes (``Engine(kv_quant=...)``, ``Server(kv_quant=...)``):
+
+* ``"int4"``: every token INT4 (one reserved INT2 page, no float region).
+* ``"triaxial"`` (and its ablations ``"triaxial_no_temporal"``,
+  ``"triaxial_no_semantic"``, which differ only in the allocation a session
+  uses): prompt tokens INT2 or INT4 as the prefill's ``kv_bits`` say (the
+  quantization stage derives them from tags and the calibrated allocation);
+  everything else INT4: decode tokens, and prefills with no ``kv_bits`` (a
+  teacher-forced reply is what decode would have written).
+* ``"kivi2"`` (KIVI, Liu et al. 2024, on this substrate): tokens are written in
+  full precision into the float region; after every prefill chunk and decode
+  chunk, float tokens older than the most recent ``KIVI_WINDOW = 128``
+  positions move to INT2 pages in groups of 32, oldest first (keys per channel,
+  values per token), so a request holds 128 to 159 recent float tokens (plus at
+  most one decode chunk) and everything older at 2 bits. A radix-cached prefix
+  keeps the slots the tree holds (its float window rows); the request
+  re-quantizes them the same way when they age (KIVI's rule, applied per request).
+
+Page-completion rule: within one prefill chunk, the tokens meant for INT2 fill
+pages of 32 in position order; the last ``n % 32`` of them (those that do not
+fill a page) go to INT4 (TriAxialKV §3.2.1). Precision is fixed when a token is
+written: a token matched through the radix prefix cache keeps the precision it
+was first written with (its slot, hence its region, is the tree's).
+
+``DualAllocator`` mirrors ``SlotAllocator``'s interface and invariants over the
+three regions. Its ``capacity`` / ``num_free`` / ``num_used`` count the *token
+region* (INT4, or float for ``kivi2``) only: every token can fall back to it (an
+INT2 plan short of pages writes the rest as INT4), so admission that fits the
+token region never over-commits; INT2 pages are extra room, reported by
+``pages_free`` / ``pages_used``.
+
+Packed-row codec (the host tier of RepairKV): a shelved row is one uint8 blob per
+(layer, head) for K and one for V, of one width (``blob_width``): byte 0 is the
+row's kind (2, 4 or 16), then its codes and float16 parameters (INT4: codes, scale, zero; INT2 keys: codes and
+the page's per-channel scale and zero; float: the raw values). Promotion writes
+the same bytes back: INT4 / float rows to fresh slots, INT2 rows into fresh pages
+grouped by identical page parameters, so every promoted row dequantizes to the
+same float32 values (bit-identical).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import heapq
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jaxkv.buckets import bucket
+from jaxkv.cache.allocator import SENTINEL_SLOT
+from jaxkv.cache.quantized import (
+    FLOAT,
+    INT2,
+    INT4,
+    DecodeTables,
+    Geometry,
+    QuantDecodeStep,
+    QuantizedKVCache,
+    dequantize_int2_tokens,
+    gather_packed,
+    rewrite_rows,
+    write_packed,
+)
+from jaxkv.errors import ConfigError, OutOfSlotsError, SlotError
+from jaxkv.pallas.quant import PAGE, PackedRows, dequantize_rows
+
+MODES = ("int4", "kivi2", "triaxial", "triaxial_no_temporal", "triaxial_no_semantic")
+KIVI_WINDOW = 128  # KIVI's residual: the most recent tokens kept in full precision
+
+
+def check_mode(mode) -> str | None:
+    """``None`` or a name of ``MODES`` (``"none"`` means None); ``ConfigError`` else."""
+    if mode is None or mode == "none":
+        return None
+    if mode not in MODES:
+        raise ConfigError(f"unknown kv_quant {mode!r}; known: None, {', '.join(MODES)}")
+    return mode
+
+
+def bytes_per_token(kind: int, *, head_dim: int, num_layers: int, num_kv_heads: int) -> float:
+    """KV bytes one token occupies in a format, scales and zero points included.
+
+    Per layer and KV head, K + V: INT4 ``2 (D/2 + 2*2*D/32) = 1.25 D``; INT2
+    ``(D/4 + 2*2*D/32)`` (keys: the page's per-channel scale and zero, ``4D`` bytes
+    over 32 tokens) ``+ (D/4 + 2*2*D/32)`` (values) ``= 0.75 D``; full precision
+    counted as bf16, ``2 * 2D = 4 D``.
+    """
+    D = head_dim
+    per = {INT2: 0.75 * D, INT4: 1.25 * D, FLOAT: 4.0 * D}[kind]
+    return per * num_layers * num_kv_heads
+
+
+# ============================================================================ allocator
+class DualAllocator:
+    """Reference counts over a ``Geometry``'s slots, one free list per region
+    (module docstring). INT2 pages are handed out whole (``allocate_pages``);
+    rows and the radix cache reference their slots one by one, and a page goes
+    back to its free list when all 32 of its slots are at refcount 0."""
+
+    def __init__(self, geometry: Geometry, token_kind: int = INT4):
+        self.geometry = geometry
+        self.num_slots = geometry.num_slots
+        self.token_kind = token_kind
+        self._refcount = np.zeros(self.num_slots, np.int64)
+        self._free_pages = list(range(1, geometry.pages))  # page 0 is reserved
+        self._page_out = np.zeros(geometry.pages, bool)
+        self._free = {
+            INT4: list(range(geometry.off4, geometry.off_float)),
+            FLOAT: list(range(geometry.off_float, geometry.num_slots)),
+        }
+        if token_kind == FLOAT:  # kivi2: the INT4 region is one unused row
+            self._free[INT4] = []
+
+    # -- queries ---------------------------------------------------------------
+    @property
+    def capacity(self) -> int:
+        g = self.geometry
+        return g.float_slots if self.token_kind == FLOAT else g.int4_slots
+
+    @property
+    def num_free(self) -> int:
+        return len(self._free[self.token_kind])
+
+    @property
+    def num_used(self) -> int:
+        return self.capacity - self.num_free
+
+    def free_of(self, kind: int) -> int:
+        """Free slots of a region (INT2: 32 per free page)."""
+        return PAGE * len(self._free_pages) if kind == INT2 else len(self._free[kind])
+
+    @property
+    def pages_free(self) -> int:
+        return len(self._free_pages)
+
+    @property
+    def pages_used(self) -> int:
+        return self.geometry.pages - 1 - len(self._free_pages)
+
+    def refcount(self, slot: int) -> int:
+        self._check_ids(np.asarray([slot]))
+        return int(self._refcount[slot])
+
+    def refcounts(self) -> np.ndarray:
+        return self._refcount.copy()
+
+    # -- mutations -----------------------------------------------------------------
+    def allocate(self, n: int, kind: int | None = None) -> np.ndarray:
+        """``n`` free slots of a token region (default: the token kind), refcount 1."""
+        kind = self.token_kind if kind is None else kind
+        n = int(n)
+        if n < 0:
+            raise SlotError(f"cannot allocate a negative number of slots ({n})")
+        free = self._free[kind]
+        if n > len(free):
+            raise OutOfSlotsError(f"asked for {n} {'INT4' if kind == INT4 else 'float'} KV slots but only {len(free)} are free")
+        slots = np.fromiter((heapq.heappop(free) for _ in range(n)), dtype=np.int32, count=n)
+        self._refcount[slots] = 1
+        return slots
+
+    def allocate_pages(self, counts) -> tuple[np.ndarray, np.ndarray]:
+        """Whole INT2 pages, one per entry of ``counts``; the first ``counts[i]``
+        slots of page ``i`` get refcount 1. Returns ``(page ids, slots)``, slots
+        in page order."""
+        counts = np.asarray(counts, np.int64).reshape(-1)
+        if ((counts < 1) | (counts > PAGE)).any():
+            raise SlotError(f"a page holds 1 to {PAGE} tokens, got {counts.tolist()}")
+        if counts.size > len(self._free_pages):
+            raise OutOfSlotsError(f"asked for {counts.size} INT2 pages but only {len(self._free_pages)} are free")
+        pages = np.fromiter((heapq.heappop(self._free_pages) for _ in range(counts.size)), dtype=np.int32, count=counts.size)
+        self._page_out[pages] = True
+        slots = np.concatenate([p * PAGE + np.arange(c) for p, c in zip(pages, counts)]).astype(np.int32) if pages.size else np.zeros(0, np.int32)
+        self._refcount[slots] = 1
+        return pages, slots
+
+    def ref(self, slots) -> None:
+        slots = self._as_ids(slots)
+        held = self._refcount[slots] > 0
+        if not held.all():
+            raise SlotError(f"cannot reference unallocated slots {slots[~held][:8].tolist()}")
+        np.add.at(self._refcount, slots, 1)
+
+    def release(self, slots) -> np.ndarray:
+        """Drop one reference per listed slot; returns the slots whose storage
+        became free (a token slot at 0; all 32 slots of a page whose last
+        reference went)."""
+        slots = self._as_ids(slots)
+        uniq, counts = np.unique(slots, return_counts=True)
+        short = self._refcount[uniq] < counts
+        if short.any():
+            raise SlotError(f"releasing more references than held for slots {uniq[short][:8].tolist()}")
+        self._refcount[uniq] -= counts
+        zero = uniq[self._refcount[uniq] == 0]
+        kind = self.geometry.kind(zero)
+        freed = []
+        for s in zero[kind != INT2].tolist():
+            heapq.heappush(self._free[int(self.geometry.kind(np.asarray(s)))], s)
+            freed.append(np.asarray([s]))
+        for p in np.unique(zero[kind == INT2] // PAGE).tolist():
+            if self._page_out[p] and not self._refcount[p * PAGE : (p + 1) * PAGE].any():
+                self._page_out[p] = False
+                heapq.heappush(self._free_pages, p)
+                freed.append(p * PAGE + np.arange(PAGE))
+        return np.concatenate(freed).astype(np.int32) if freed else np.zeros(0, np.int32)
+
+    # -- validation ------------------------------------------------------------------
+    def _check_ids(self, slots: np.ndarray) -> None:
+        bad = (slots < 0) | (slots >= self.num_slots)
+        if bad.any():
+            raise SlotError(f"slot ids out of range [0, {self.num_slots}): {slots[bad][:8].tolist()}")
+        if (slots == SENTINEL_SLOT).any():
+            raise SlotError("the sentinel slot 0 is never referenced or released")
+
+    def _as_ids(self, slots) -> np.ndarray:
+        arr = np.asarray(slots)
+        if arr.size and not np.issubdtype(arr.dtype, np.integer):
+            raise SlotError(f"slot ids must be integers, got dtype {arr.dtype}")
+        arr = arr.astype(np.int64).reshape(-1)
+        self._check_ids(arr)
+        return arr
+
+
+# ============================================================================ plans
+@dataclasses.dataclass
+class WritePlan:
+    """Where a run of new tokens goes.
+
+    Attributes:
+      slots: ``[T]`` int32, one slot per token (INT2 tokens: their page slot).
+      kinds: ``[T]`` int8, the kind each token is written as.
+      pages: per chunk of ``chunk`` tokens, ``(page ids [Q], token indices [Q, 32])``
+        (indices into the run, in page-token order).
+    """
+
+    slots: np.ndarray
+    kinds: np.ndarray
+    pages: list
+    chunk: int
+
+
+def page_groups(kinds, chunk: int):
+    """Apply the page-completion rule to wanted ``kinds [T]`` (in place): per chunk,
+    INT2 tokens in position order fill pages of 32, the rest become INT4. Returns
+    per chunk the ``[Q, 32]`` token indices of its pages."""
+    groups = []
+    for c in range(0, max(kinds.size, 1), chunk):
+        idx = np.flatnonzero(kinds[c : c + chunk] == INT2) + c
+        n = idx.size // PAGE * PAGE
+        kinds[idx[n:]] = INT4
+        groups.append(idx[:n].reshape(-1, PAGE))
+    return groups
+
+
+@dataclasses.dataclass(frozen=True)
+class PageTable:
+    """A request's page table as decode reads it: INT2 pages first, then INT4
+    tokens, then float tokens (TriAxialKV §3.2.3).
+
+    Attributes:
+      pages: INT2 page ids; masks: uint32 bitmask of the request's tokens in each.
+      int4: INT4 slots (position order); floats: float slots (position order).
+    """
+
+    pages: np.ndarray
+    masks: np.ndarray
+    int4: np.ndarray
+    floats: np.ndarray
+
+    def entries(self) -> np.ndarray:
+        """The one list: page ids, then INT4 slots, then float slots."""
+        return np.concatenate([self.pages, self.int4, self.floats]).astype(np.int64)
+
+
+# ============================================================================ codec
+def blob_width(D: int, float_itemsize: int) -> int:
+    """Bytes of one (layer, head) blob, K and V alike (the host tier keeps K and V
+    arrays of one shape): a kind byte and the largest payload (INT2 keys: codes
+    and the page's per-channel float16 scale and zero; or a float row)."""
+    return 1 + max(D // 2 + D // 8, D // 4 + 4 * D, D * float_itemsize)
+
+
+def _u8(x) -> np.ndarray:
+    x = np.ascontiguousarray(x)
+    return x.view(np.uint8).reshape(*x.shape[:-1], -1)
+
+
+def encode_rows(fields: dict, kinds: np.ndarray, head_dim: int, float_dtype) -> tuple[np.ndarray, np.ndarray]:
+    """Packed fields of ``gather_packed`` (``[L, M, K, ...]``) -> K and V blobs
+    ``[L, M, K, W]`` uint8 (module docstring)."""
+    D = head_dim
+    L, M, K = fields["k4_data"].shape[:3]
+    itemsize = np.dtype(float_dtype).itemsize
+    w = blob_width(D, itemsize)
+    kb, vb = np.zeros((L, M, K, w), np.uint8), np.zeros((L, M, K, w), np.uint8)
+    kb[..., 0] = vb[..., 0] = np.asarray(kinds, np.uint8)[None, :, None]
+    pieces = {
+        INT4: (("k4_data", "k4_scale", "k4_zero"), ("v4_data", "v4_scale", "v4_zero")),
+        INT2: (("k2_data", "k2_scale", "k2_zero"), ("v2_data", "v2_scale", "v2_zero")),
+        FLOAT: (("f_k",), ("f_v",)),
+    }
+    for kind, (kn, vn) in pieces.items():
+        m = np.flatnonzero(np.asarray(kinds) == kind)
+        if not m.size:
+            continue
+        for blob, names in ((kb, kn), (vb, vn)):
+            parts = np.concatenate([_u8(np.asarray(fields[n])[:, m]) for n in names], axis=-1)
+            blob[:, m, :, 1 : 1 + parts.shape[-1]] = parts
+    return kb, vb
+
+
+def decode_rows(k_blob: np.ndarray, v_blob: np.ndarray | None, head_dim: int, float_dtype) -> tuple[np.ndarray, dict]:
+    """Inverse of ``encode_rows``: ``(kinds [M], fields)``; ``fields[name]`` holds
+    the rows of that name's kind only (in row order of that kind); V fields only
+    when ``v_blob`` is given."""
+    D = head_dim
+    fd = np.dtype(float_dtype)
+    kinds = k_blob[0, :, 0, 0].astype(np.int64)
+    sizes = {
+        INT4: ((("k4_data", D // 2, np.uint8), ("k4_scale", D // 32, np.float16), ("k4_zero", D // 32, np.float16)),
+               (("v4_data", D // 2, np.uint8), ("v4_scale", D // 32, np.float16), ("v4_zero", D // 32, np.float16))),
+        INT2: ((("k2_data", D // 4, np.uint8), ("k2_scale", D, np.float16), ("k2_zero", D, np.float16)),
+               (("v2_data", D // 4, np.uint8), ("v2_scale", D // 32, np.float16), ("v2_zero", D // 32, np.float16))),
+        FLOAT: ((("f_k", D, fd),), (("f_v", D, fd),)),
+    }
+    fields = {}
+    for kind, specs in sizes.items():
+        m = np.flatnonzero(kinds == kind)
+        for blob, spec in zip((k_blob, v_blob), specs):
+            if blob is None:
+                continue
+            at = 1
+            for name, n, dtype in spec:
+                nbytes = n * np.dtype(dtype).itemsize
+                raw = np.ascontiguousarray(blob[:, m, :, at : at + nbytes])
+                fields[name] = raw.view(dtype).reshape(*raw.shape[:-1], n)
+                at += nbytes
+    return kinds, fields
+
+
+def blob_keys(k_blob: np.ndarray, head_dim: int, float_dtype) -> np.ndarray:
+    """float32 keys ``[L, M, K, D]`` of shelved rows (RepairKV scores them)."""
+    kinds, f = decode_rows(k_blob, None, head_dim, float_dtype)
+    L, M, K = k_blob.shape[:3]
+    out = np.zeros((L, M, K, head_dim), np.float32)
+    for kind in (INT4, INT2, FLOAT):
+        m = np.flatnonzero(kinds == kind)
+        if not m.size:
+            continue
+        if kind == INT4:
+            out[:, m] = np.asarray(dequantize_rows(PackedRows(jnp.asarray(f["k4_data"]), jnp.asarray(f["k4_scale"]), jnp.asarray(f["k4_zero"]), 4)))
+        elif kind == INT2:
+            out[:, m] = np.asarray(dequantize_int2_tokens(jnp.asarray(f["k2_data"]), jnp.asarray(f["k2_scale"]), jnp.asarray(f["k2_zero"])))
+        else:
+            out[:, m] = f["f_k"].astype(np.float32)
+    return out
+
+
+# ============================================================================ the engine's half
+class QuantizedKV:
+    """What an ``Engine`` built with ``kv_quant`` holds: mode, geometry, allocator,
+    the decode step, and the host plans behind every quantized write. Methods
+    take the engine (its cache, rows and reclaim) and return what the engine
+    applies; the engine stays the only writer of ``engine.cache``.
+
+    Attributes:
+      mode: a name of ``MODES``; geometry: the pool's ``Geometry``;
+      token_kind: INT4 (FLOAT for ``kivi2``): decode tokens and unplanned prefills;
+      window: KIVI's residual window (``kivi2``) or None; allocator: ``DualAllocator``;
+      step: the ``QuantDecodeStep`` passed to ``decode_loop``.
+    """
+
+    def __init__(self, mode: str, geometry: Geometry, *, head_dim: int, float_dtype, backend=None):
+        self.mode = check_mode(mode)
+        self.geometry = geometry
+        self.token_kind = FLOAT if mode == "kivi2" else INT4
+        self.window = KIVI_WINDOW if mode == "kivi2" else None
+        self.head_dim = head_dim
+        self.float_dtype = np.dtype(float_dtype)
+        self.allocator = DualAllocator(geometry, self.token_kind)
+        self.step = QuantDecodeStep(geometry, self.token_kind, backend)
+
+    @classmethod
+    def sized(cls, mode: str, num_slots: int, *, head_dim: int, float_dtype, backend=None) -> "QuantizedKV":
+        """A pool whose token region holds ``num_slots - 1`` tokens (as a float pool
+        of ``num_slots`` would) and, except for ``int4``, as many more in INT2 pages:
+        room for any mix."""
+        mode = check_mode(mode)
+        if head_dim % 32:
+            raise ConfigError(f"kv_quant needs head_dim divisible by 32, got {head_dim}")
+        n = max(int(num_slots) - 1, 1)
+        pages = 1 if mode == "int4" else 1 + -(-n // PAGE)
+        geo = Geometry(pages, 1, n) if mode == "kivi2" else Geometry(pages, n, 0)
+        return cls(mode, geo, head_dim=head_dim, float_dtype=float_dtype, backend=backend)
+
+    def create_cache(self, cfg, *, rows: int, positions: int, dtype) -> QuantizedKVCache:
+        return QuantizedKVCache.create(
+            self.geometry, num_layers=cfg.num_layers, num_kv_heads=cfg.num_kv_heads, head_dim=cfg.head_dim,
+            rows=rows, positions=positions, dtype=dtype,
+        )
+
+    # -- allocation ------------------------------------------------------------------
+    def _make_room(self, engine, pages: int, tokens: int) -> int:
+        """Reclaim radix-cached slots until ``pages`` INT2 pages and ``tokens``
+        token-region slots are free or nothing more comes back; returns how many
+        pages can be had (the token region must fit, ``OutOfSlotsError`` else)."""
+        alloc = self.allocator
+        while (alloc.pages_free < pages or alloc.num_free < tokens) and engine.reclaim is not None:
+            before = (alloc.pages_free, alloc.num_free)
+            engine.reclaim(PAGE * max(pages - alloc.pages_free, 0) + max(tokens - alloc.num_free, 0))
+            if (alloc.pages_free, alloc.num_free) == before:
+                break
+        return min(pages, alloc.pages_free)
+
+    def _fit(self, engine, kinds, groups) -> list:
+        """Make room for a plan (reclaiming radix-cached slots); pages the pool
+        cannot give become INT4, last chunk first. ``OutOfSlotsError`` (nothing
+        allocated) when the token region cannot hold the rest."""
+        want = sum(g.shape[0] for g in groups)
+        drop = want - self._make_room(engine, want, int((kinds != INT2).sum()))
+        for c in reversed(range(len(groups))):
+            k = min(drop, groups[c].shape[0])
+            if k > 0:
+                kinds[groups[c][-k:].reshape(-1)] = INT4
+                groups[c] = groups[c][:-k]
+                drop -= k
+        n_tok = int((kinds != INT2).sum())
+        self._make_room(engine, 0, n_tok)
+        if n_tok > self.allocator.num_free:
+            raise OutOfSlotsError(f"the write needs {n_tok} KV slots, {self.allocator.num_free} free")
+        return groups
+
+    def _allocate(self, kinds, groups) -> np.ndarray:
+        slots = np.zeros(kinds.size, np.int32)
+        slots[kinds != INT2] = self.allocator.allocate(int((kinds != INT2).sum()))
+        for g in groups:
+            if g.shape[0]:
+                slots[g.reshape(-1)] = self.allocator.allocate_pages(np.full(g.shape[0], PAGE))[1]
+        return slots
+
+    def plan(self, engine, bits, n: int, chunk: int) -> WritePlan:
+        """Slots for ``n`` new tokens: ``bits [n]`` (2 or 4 per token; None: the
+        token kind) through the page-completion rule. Nothing changes on failure
+        (``OutOfSlotsError``, ``ConfigError``)."""
+        if bits is None or self.token_kind == FLOAT:
+            kinds = np.full(n, self.token_kind, np.int8)
+        else:
+            bits = np.asarray(bits).reshape(-1)
+            if bits.size != n:
+                raise ConfigError(f"kv_bits has {bits.size} entries for {n} tokens")
+            if not np.isin(bits, (INT2, INT4)).all():
+                raise ConfigError(f"kv_bits must be 2 or 4 per token, got {np.unique(bits).tolist()}")
+            kinds = np.where((bits == INT2) & (self.geometry.pages > 1), INT2, INT4).astype(np.int8)
+        groups = self._fit(engine, kinds, page_groups(kinds, chunk))
+        slots = self._allocate(kinds, groups)
+        pages = [(slots[g[:, 0]] // PAGE if g.shape[0] else np.zeros(0, np.int32), g) for g in groups]
+        return WritePlan(slots, kinds, pages, chunk)
+
+    def chunk_pages(self, jobs, B: int, C: int):
+        """Page plans of the jobs' next chunks, padded: ``(page_src [B, C/32, 32]
+        chunk indices, page_ids [B, C/32])`` (padding page id: ``P2``, dropped)."""
+        Q = max(C // PAGE, 1)
+        src = np.zeros((B, Q, PAGE), np.int32)
+        ids = np.full((B, Q), self.geometry.pages, np.int32)
+        for b, j in enumerate(jobs):
+            page_ids, groups = j.kv_plan.pages[j.done // j.kv_plan.chunk]
+            src[b, : page_ids.size] = groups - j.done
+            ids[b, : page_ids.size] = page_ids
+        return jnp.asarray(src), jnp.asarray(ids)
+
+    # -- page tables -------------------------------------------------------------------
+    def page_table(self, state) -> PageTable:
+        live = np.asarray(state.live, np.int64)
+        kind = self.geometry.kind(live)
+        s2 = live[kind == INT2]
+        pages, inv = np.unique(s2 // PAGE, return_inverse=True)
+        masks = np.zeros(pages.size, np.uint32)
+        np.bitwise_or.at(masks, inv.reshape(-1), (np.uint32(1) << (s2 % PAGE).astype(np.uint32)))
+        return PageTable(pages, masks, live[kind == INT4], live[kind == FLOAT])
+
+    def decode_tables(self, states, new_slots, B: int) -> DecodeTables:
+        """Page tables of a decode batch, each row's fresh decode slots appended
+        to its token-kind part (``DecodeTables``)."""
+        tables = [self.page_table(st) for st in states]
+        n = max((len(s) for s in new_slots), default=0)
+        four = self.token_kind == INT4
+        P = bucket(max(t.pages.size for t in tables), minimum=8) if any(t.pages.size for t in tables) else 0
+        N4 = bucket(max(t.int4.size for t in tables) + (n if four else 0), minimum=16)
+        NF = bucket(max(t.floats.size for t in tables) + (0 if four else n), minimum=16) if self.geometry.float_slots else 0
+        entries = np.zeros((B, P + N4 + NF), np.int32)
+        masks = np.zeros((B, P), np.uint32)
+        n2, n4, nf, live0 = (np.zeros(B, np.int32) for _ in range(4))
+        for b, (t, new, st) in enumerate(zip(tables, new_slots, states)):
+            if four and t.floats.size:
+                raise SlotError("an INT4-decoding pool holds float tokens")
+            row = [t.pages, t.int4, np.asarray(new) if four else np.zeros(0), t.floats, np.zeros(0) if four else np.asarray(new)]
+            flat = np.concatenate(row).astype(np.int64)
+            entries[b, : flat.size] = flat
+            masks[b, : t.pages.size] = t.masks
+            n2[b], n4[b], nf[b], live0[b] = t.pages.size, t.int4.size, t.floats.size, len(st.live)
+        return DecodeTables(jnp.asarray(entries), jnp.asarray(masks), jnp.asarray(n2), jnp.asarray(n4), jnp.asarray(nf), jnp.asarray(live0), P, N4, NF)
+
+    def composition(self, state) -> dict:
+        """Live tokens of a request per kind: ``{2: n, 4: n, 16: n}``."""
+        kind = self.geometry.kind(np.asarray(state.live, np.int64))
+        return {k: int((kind == k).sum()) for k in (INT2, INT4, FLOAT)}
+
+    # -- moving rows ---------------------------------------------------------------------
+    def settle(self, engine, row: int) -> None:
+        """``kivi2``: move the row's float tokens older than the window into INT2
+        pages, in whole pages, oldest first (module docstring)."""
+        state = engine.row_state[row]
+        slots = np.asarray(state.slots, np.int64)
+        pos = np.flatnonzero((slots != SENTINEL_SLOT) & (self.geometry.kind(slots) == FLOAT))
+        aged = pos[pos < state.seq_len - self.window]
+        n = aged.size // PAGE * PAGE
+        n = PAGE * self._make_room(engine, n // PAGE, 0)
+        if n == 0:
+            return
+        aged = aged[:n]
+        pages, fresh = self.allocator.allocate_pages(np.full(n // PAGE, PAGE))
+        src = slots[aged]
+        engine.cache = self._rewrite(engine.cache, src, fresh, np.zeros(n, np.int64), np.arange(n).reshape(-1, PAGE), pages)
+        slots[aged] = fresh
+        engine.set_row_tables(row, slots.tolist(), slots[slots != SENTINEL_SLOT].tolist())
+        self.allocator.release(src)
+
+    def fresh_slots(self, engine, row: int, positions) -> np.ndarray:
+        """Fresh slots for a compact layout's kept ``positions`` (position order):
+        INT2 tokens regrouped into whole pages (the rest INT4), INT4 and float
+        tokens to their own region."""
+        state = engine.row_state[row]
+        kinds = self.geometry.kind(np.asarray(state.slots, np.int64)[np.asarray(positions, np.int64)]).astype(np.int8)
+        groups = self._fit(engine, kinds, page_groups(kinds, max(kinds.size, 1)))
+        slots = self._allocate(kinds, groups)
+        state.allocated += int(kinds.size)
+        return slots.astype(np.int64)
+
+    def compact(self, cache, plan, rope) -> QuantizedKVCache:
+        """Re-encode a compact plan's kept rows at their fresh slots, keys rotated
+        by ``plan.delta`` (INT2 pages requantized from the rotated keys)."""
+        dst = np.asarray(plan.copy_dst, np.int64)
+        two = np.flatnonzero(self.geometry.kind(dst) == INT2)
+        pages = np.unique(dst[two] // PAGE)
+        src = np.zeros((pages.size, PAGE), np.int32)
+        where = {int(s): m for m, s in zip(two, dst[two])}
+        for q, p in enumerate(pages):
+            src[q] = [where[int(p) * PAGE + t] for t in range(PAGE)]
+        return self._rewrite(cache, plan.copy_src, dst, plan.delta, src, pages, rope)
+
+    def _rewrite(self, cache, src, dst, delta, page_src, page_ids, rope=None):
+        """``rewrite_rows`` with the row and page counts padded to buckets (one
+        compile per bucket): padding rows read slot 0 and write nowhere (an INT2
+        destination is written only by its page), padding pages go to page ``P2``."""
+        M, Q = len(src), len(page_ids)
+        Mp, Qp = bucket(M, minimum=PAGE), bucket(Q, minimum=1)
+        pad = lambda a, n, fill=0: np.concatenate([np.asarray(a, np.int64).reshape(-1), np.full(n, fill, np.int64)]).astype(np.int32)
+        page_src = np.concatenate([np.asarray(page_src, np.int64).reshape(-1, PAGE), np.zeros((Qp - Q, PAGE), np.int64)]).astype(np.int32)
+        return rewrite_rows(
+            cache, jnp.asarray(pad(src, Mp - M)), jnp.asarray(pad(dst, Mp - M)), jnp.asarray(pad(delta, Mp - M)),
+            jnp.asarray(page_src), jnp.asarray(pad(page_ids, Qp - Q, self.geometry.pages)), rope=rope,
+        )
+
+    def gather_rows(self, cache, slots) -> tuple[np.ndarray, np.ndarray]:
+        """Packed host copies (blobs) of the rows at ``slots``."""
+        slots = np.asarray(slots, np.int64)
+        M = slots.size
+        pad = np.concatenate([slots, np.full(bucket(M, minimum=8) - M, SENTINEL_SLOT)])
+        fields = {k: np.asarray(v)[:, :M] for k, v in gather_packed(cache, jnp.asarray(pad, jnp.int32)).items()}
+        return encode_rows(fields, self.geometry.kind(slots), self.head_dim, self.float_dtype)
+
+    def restore(self, engine, row: int, k_blob, v_blob) -> np.ndarray:
+        """Write shelved blobs back into fresh slots (bit-identical); returns the
+        fresh slots in blob order. INT2 rows sharing page parameters share a page."""
+        kinds, f = decode_rows(np.asarray(k_blob), np.asarray(v_blob), self.head_dim, self.float_dtype)
+        M = kinds.size
+        m2 = np.flatnonzero(kinds == INT2)
+        groups: dict[bytes, list[int]] = {}
+        for i, m in enumerate(m2):
+            key = f["k2_scale"][:, i].tobytes() + f["k2_zero"][:, i].tobytes()
+            groups.setdefault(key, []).append(i)
+        chunks = [g[a : a + PAGE] for g in groups.values() for a in range(0, len(g), PAGE)]
+        n_tok = int((kinds != INT2).sum())
+        if self._make_room(engine, len(chunks), n_tok) < len(chunks) or n_tok > self.allocator.num_free:
+            raise OutOfSlotsError(f"promotion needs {len(chunks)} INT2 pages and {n_tok} slots")
+        fresh = np.zeros(M, np.int64)
+        fresh[kinds != INT2] = self.allocator.allocate(n_tok)
+        pages, page_slots = self.allocator.allocate_pages([len(c) for c in chunks]) if chunks else (np.zeros(0, np.int32), np.zeros(0, np.int32))
+        order = np.asarray([i for c in chunks for i in c], np.int64)  # INT2 rows (index into m2) in page order
+        fresh[m2[order]] = page_slots
+        engine.row_state[row].allocated += M
+        L, _, K = np.asarray(k_blob).shape[:3]
+        D, geo = self.head_dim, self.geometry
+        m4, mf = np.flatnonzero(kinds == INT4), np.flatnonzero(kinds == FLOAT)
+        pad = lambda a, n, fill: np.concatenate([a, np.full(n - a.shape[0], fill, a.dtype)]) if a.shape[0] < n else a
+        padL = lambda a, n: np.concatenate([a, np.zeros((a.shape[0], n - a.shape[1], *a.shape[2:]), a.dtype)], axis=1)
+        n4, n2, np_, nf = (bucket(x, minimum=8) for x in (m4.size, m2.size, pages.size, mf.size))
+        rows = {
+            "i4": pad(fresh[m4] - geo.off4, n4, geo.int4_slots).astype(np.int32),
+            "page": pad(pages.astype(np.int64), np_, geo.pages).astype(np.int32),
+            "p2": pad(page_slots.astype(np.int64) // PAGE, n2, geo.pages).astype(np.int32),
+            "t2": pad(page_slots.astype(np.int64) % PAGE, n2, 0).astype(np.int32),
+            "f": pad(fresh[mf] - geo.off_float, nf, geo.float_slots).astype(np.int32),
+        }
+        for name in ("k4_data", "k4_scale", "k4_zero", "v4_data", "v4_scale", "v4_zero"):
+            rows[name] = padL(f[name], n4)
+        for name in ("k2_data", "v2_data", "v2_scale", "v2_zero"):
+            rows[name] = padL(f[name][:, order], n2)
+        first = [c[0] for c in chunks]
+        for name in ("k2_scale", "k2_zero"):
+            rows[name] = padL(f[name][:, first], np_) if chunks else np.zeros((L, np_, K, D), np.float16)
+        if geo.float_slots:
+            rows["f_k"], rows["f_v"] = padL(f["f_k"], nf), padL(f["f_v"], nf)
+        engine.cache = write_packed(engine.cache, {k: jnp.asarray(v) for k, v in rows.items()})
+        return fresh
+
+    def host_keys(self, k_blob) -> np.ndarray:
+        return blob_keys(np.asarray(k_blob), self.head_dim, self.float_dtype)

@@ -1,0 +1,176 @@
+"""TriAxialKV bit allocation: per-tag INT2/INT4 under an average-bit budget.
+
+ALGORITHMS.md §7, paper §3.1.3 and App. A. Given per-tag distortions ``D_k(2)``,
+``D_k(4)`` and token counts ``N_k``, choose ``b_k in {2, 4}`` to
+
+    minimise  sum_k D_k(b_k)   subject to   sum_k N_k b_k <= B * sum_k N_k.
+
+``solve`` enumerates every assignment of the tags with ``N_k > 0`` when there
+are at most ``EXHAUSTIVE_MAX = 22`` of them (ties: fewer bits, then the lowest
+assignment index), else walks the tags by ``rho_k = (D_k(2) - D_k(4)) / (2 N_k)``
+descending and upgrades each whose ``2 N_k`` still fits (the paper's greedy).
+Tags with ``N_k = 0`` never occur in calibration and get 4 bits.
+
+``Allocation`` is a calibrated tag table (``train/calibrate_triaxial.py`` writes
+it, ``jaxkv/assets/<model>/triaxial.json`` ships it): the axes its tags keep
+(all three, or fewer for the axis ablations), one row per tag, and the
+calibrated budget. ``Allocation.table(B)`` expands the solution to a bits table
+over every ``jaxkv.chat.tags.triaxial_codes`` code, which is what the
+quantization stage indexes per prompt token.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import json
+from pathlib import Path
+
+import numpy as np
+
+from jaxkv.chat.tags import NUM_TRIAXIAL_CODES, Modal, Semantic, Temporal
+from jaxkv.errors import ConfigError
+
+EXHAUSTIVE_MAX = 22
+AXES = ("temporal", "modal", "semantic")
+_ENUMS = {"temporal": Temporal, "modal": Modal, "semantic": Semantic}
+BLOCK = 1 << 16  # assignments scored per numpy step
+
+
+def solve(D2, D4, N, budget: float) -> np.ndarray:
+    """Bits per tag (int8 2 or 4) minimising ``sum D`` within the budget (module
+    docstring). ``budget`` is the average bits B in [2, 4]."""
+    D2, D4, N = (np.asarray(x, np.float64).reshape(-1) for x in (D2, D4, N))
+    if not (D2.size == D4.size == N.size):
+        raise ConfigError(f"D2, D4, N disagree in length: {D2.size}, {D4.size}, {N.size}")
+    if not 2.0 <= budget <= 4.0:
+        raise ConfigError(f"the average-bit budget must be in [2, 4], got {budget}")
+    bits = np.full(N.size, 4, np.int8)
+    act = np.flatnonzero(N > 0)
+    if act.size == 0:
+        return bits
+    spare = (budget - 2.0) * N[act].sum() * (1 + 1e-12)  # extra bits above all-INT2
+    if act.size <= EXHAUSTIVE_MAX:
+        up = _exhaustive(D2[act], D4[act], N[act], spare)
+    else:
+        up = _greedy(D2[act], D4[act], N[act], spare)
+    bits[act] = np.where(up, 4, 2)
+    return bits
+
+
+def _exhaustive(D2, D4, N, spare) -> np.ndarray:
+    n = N.size
+    best = (np.inf, np.inf, 0)
+    gain, cost = D2 - D4, 2.0 * N
+    for start in range(0, 1 << n, BLOCK):
+        idx = np.arange(start, min(start + BLOCK, 1 << n), dtype=np.int64)
+        up = ((idx[:, None] >> np.arange(n)) & 1).astype(bool)
+        extra = up.astype(np.float64) @ cost
+        loss = D2.sum() - up.astype(np.float64) @ gain
+        loss = np.where(extra <= spare, loss, np.inf)
+        order = np.lexsort((idx, extra, loss))[0]
+        cand = (loss[order], extra[order], int(idx[order]))
+        if cand < best:
+            best = cand
+    return ((best[2] >> np.arange(n)) & 1).astype(bool)
+
+
+def _greedy(D2, D4, N, spare) -> np.ndarray:
+    rho = (D2 - D4) / (2.0 * N)
+    up = np.zeros(N.size, bool)
+    for k in sorted(range(N.size), key=lambda k: (-rho[k], k)):
+        if 2.0 * N[k] <= spare:
+            up[k] = True
+            spare -= 2.0 * N[k]
+    return up
+
+
+def tag_of_codes(codes, axes) -> np.ndarray:
+    """Tag index of full triaxial codes under ``axes`` (a subset of ``AXES``): the
+    flat index over the kept axes, in ``AXES`` order."""
+    codes = np.asarray(codes, np.int64)
+    t, rest = np.divmod(codes, len(Modal) * len(Semantic))
+    m, s = np.divmod(rest, len(Semantic))
+    values = {"temporal": t, "modal": m, "semantic": s}
+    out = np.zeros_like(codes)
+    for axis in AXES:
+        if axis in axes:
+            out = out * len(_ENUMS[axis]) + values[axis]
+    return out
+
+
+def tag_name(index: int, axes) -> str:
+    """``"current|text|obs"`` style name of a tag index under ``axes``."""
+    parts = []
+    for axis in reversed([a for a in AXES if a in axes]):
+        enum = _ENUMS[axis]
+        index, v = divmod(index, len(enum))
+        parts.append(enum(v).name.lower())
+    return "|".join(reversed(parts)) or "all"
+
+
+@dataclasses.dataclass(frozen=True)
+class Allocation:
+    """A calibrated tag table.
+
+    Attributes:
+      axes: the tag axes kept (``AXES`` or a subset: the ablations).
+      tags: tag indices (``tag_of_codes``) with rows; N, D2, D4: per tag.
+      budget: the calibrated average-bit budget B.
+    """
+
+    axes: tuple
+    tags: tuple
+    N: tuple
+    D2: tuple
+    D4: tuple
+    budget: float
+
+    @property
+    def num_tags(self) -> int:
+        n = 1
+        for axis in self.axes:
+            n *= len(_ENUMS[axis])
+        return n
+
+    def bits(self, budget: float | None = None) -> dict:
+        """``{tag name: bits}`` at ``budget`` (default: the calibrated one)."""
+        b = solve(self.D2, self.D4, self.N, self.budget if budget is None else budget)
+        return {tag_name(t, self.axes): int(x) for t, x in zip(self.tags, b)}
+
+    def table(self, budget: float | None = None) -> np.ndarray:
+        """Bits of every full triaxial code ``[NUM_TRIAXIAL_CODES]`` int8 (codes of
+        tags without calibration rows: 4)."""
+        return _table(self, self.budget if budget is None else float(budget))
+
+    @classmethod
+    def from_dict(cls, d: dict) -> "Allocation":
+        axes = tuple(d["axes"])
+        if not axes or any(a not in AXES for a in axes):
+            raise ConfigError(f"allocation axes must be a subset of {AXES}, got {axes}")
+        rows = d["tags"]
+        return cls(axes, tuple(int(r["index"]) for r in rows), tuple(float(r["N"]) for r in rows),
+                   tuple(float(r["D2"]) for r in rows), tuple(float(r["D4"]) for r in rows), float(d["budget"]))
+
+
+@functools.lru_cache(maxsize=64)
+def _table(alloc: Allocation, budget: float) -> np.ndarray:
+    bits = solve(alloc.D2, alloc.D4, alloc.N, budget)
+    per_tag = np.full(alloc.num_tags, 4, np.int8)
+    per_tag[list(alloc.tags)] = bits
+    table = per_tag[tag_of_codes(np.arange(NUM_TRIAXIAL_CODES), alloc.axes)]
+    table.setflags(write=False)
+    return table
+
+
+def load_allocation(path, variant: str = "triaxial") -> Allocation:
+    """The ``variant`` (``"triaxial"``, ``"triaxial_no_temporal"``,
+    ``"triaxial_no_semantic"``) of a calibration file; ``ConfigError`` if absent."""
+    path = Path(path)
+    if not path.exists():
+        raise ConfigError(f"no TriAxialKV calibration at {path}: run train/calibrate_triaxial.py for this model")
+    data = json.loads(path.read_text())
+    if variant not in data.get("variants", {}):
+        raise ConfigError(f"{path} has no allocation {variant!r}; it has {sorted(data.get('variants', {}))}")
+    v = data["variants"][variant]
+    return Allocation.from_dict({**v, "budget": v.get("budget", data["budget"])})

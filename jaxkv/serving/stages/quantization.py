@@ -1,0 +1,166 @@
+"""The quantization stage: the precision a session's KV is written at (TriAxialKV).
+
+Session options it owns:
+
+* ``kv_quant``: ``None`` (full precision), ``"int4"``, ``"kivi2"``,
+  ``"triaxial"`` or an axis ablation (``"triaxial_no_temporal"``,
+  ``"triaxial_no_semantic"``); modes in ``jaxkv.cache.quantized_host``.
+* ``kv_bits``: the average-bit budget B of a triaxial mode (default: the
+  calibrated B of the allocation); ``ConfigError`` for other modes.
+* ``kv_allocation``: the calibration (an ``Allocation``, a dict in its JSON
+  form, or a path); default ``<model folder>/triaxial.json``, written by
+  ``train/calibrate_triaxial.py``.
+
+How a session gets a quantized pool: the pool belongs to the server's engine, so
+the mode is a server property. ``Session(model, kv_quant=...)`` makes its
+private ``Server(model, kv_quant=...)``; a session on a shared server inherits
+the server's mode when it gives none and raises ``ConfigError`` when it asks for
+another one (a float pool cannot hold packed rows, nor a packed pool floats).
+
+What it does in a turn:
+
+* ``before_prefill``: a triaxial mode annotates the prompt prefill with
+  ``kv_bits``: each prefilled token's bit width is the allocation's bits for the
+  token's triaxial tag in *this* request's rendering (``Rendered.triaxial``);
+  the engine applies the page-completion rule. Tokens reused from the radix
+  cache are not prefilled, so they keep the precision they were first written
+  with; teacher-forced replies and decode tokens get INT4 (what decode writes).
+  ``int4`` and ``kivi2`` need no annotation (the engine's mode decides).
+* ``after_prefill`` (after retention and repair): records the request's live KV
+  per precision (``KVRecord``) in ``records``, for ``avg_bits`` and bytes per token.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from pathlib import Path
+
+import numpy as np
+
+from jaxkv.cache.quantized_host import bytes_per_token, check_mode
+from jaxkv.chat.tags import triaxial_codes
+from jaxkv.errors import ConfigError
+from jaxkv.policies.quant_allocation import Allocation, load_allocation
+from jaxkv.serving.stages.base import Stage, register
+
+ORDER = 40  # after retention (20) and repair (30): records what decode will read
+CALIBRATION_FILE = "triaxial.json"
+_UNSET = object()
+
+
+@dataclasses.dataclass(frozen=True)
+class KVRecord:
+    """One request's live KV after its prompt prefill (and compression events).
+
+    Attributes:
+      int2, int4, full: live tokens per precision.
+      bytes: their KV bytes, scales and zero points included (full precision
+        counted as bf16; ``bytes_per_token``).
+    """
+
+    int2: int
+    int4: int
+    full: int
+    bytes: float
+
+    @property
+    def tokens(self) -> int:
+        return self.int2 + self.int4 + self.full
+
+    @property
+    def bits(self) -> float:
+        """Total bits per element summed over tokens (2, 4 or 16 each)."""
+        return 2.0 * self.int2 + 4.0 * self.int4 + 16.0 * self.full
+
+
+def summarize(records) -> dict:
+    """``avg_bits`` (per element, token-weighted) and ``kv_bytes_per_token`` of
+    records (one per request)."""
+    tokens = sum(r.tokens for r in records)
+    if not tokens:
+        return {"avg_bits": float("nan"), "kv_bytes_per_token": float("nan")}
+    return {"avg_bits": sum(r.bits for r in records) / tokens, "kv_bytes_per_token": sum(r.bytes for r in records) / tokens}
+
+
+def record_of(composition: dict, cfg) -> KVRecord:
+    """``KVRecord`` of an ``Engine.kv_composition`` result for model config ``cfg``."""
+    size = dict(head_dim=cfg.head_dim, num_layers=cfg.num_layers, num_kv_heads=cfg.num_kv_heads)
+    n2, n4, nf = composition[2], composition[4], composition[16]
+    total = n2 * bytes_per_token(2, **size) + n4 * bytes_per_token(4, **size) + nf * bytes_per_token(16, **size)
+    return KVRecord(n2, n4, nf, float(total))
+
+
+class QuantizationStage(Stage):
+    """A session's KV precision (module docstring).
+
+    Attributes:
+      mode: the ``kv_quant`` mode; budget: B (triaxial modes) or None;
+      table: bits per triaxial code (triaxial modes) or None;
+      records: one ``KVRecord`` per request.
+    """
+
+    name = "kv_quant"
+
+    def __init__(self, mode: str | None, budget: float | None = None, table: np.ndarray | None = None):
+        self.mode, self.budget, self.table = mode, budget, table
+        self.records: list[KVRecord] = []
+
+    def begin(self, turn) -> None:
+        engine_mode = turn.engine.quant.mode if turn.engine.quant is not None else None
+        if engine_mode != self.mode:
+            raise ConfigError(f"session kv_quant={self.mode!r} on an engine built with kv_quant={engine_mode!r}")
+
+    def before_prefill(self, turn, work) -> None:
+        if self.table is not None:
+            codes = triaxial_codes(turn.rendered.triaxial[turn.reused :])
+            work.options["kv_bits"] = self.table[codes]
+
+    def after_prefill(self, turn, captured) -> None:
+        self.records.append(record_of(turn.engine.kv_composition(turn.row), turn.engine.model.config))
+
+
+def resolve_allocation(model, mode: str, allocation) -> Allocation:
+    """The ``Allocation`` of a triaxial mode from a session's ``kv_allocation``."""
+    if isinstance(allocation, Allocation):
+        return allocation
+    if isinstance(allocation, dict):
+        data = allocation
+        if "variants" in data:
+            v = data["variants"].get(mode)
+            if v is None:
+                raise ConfigError(f"the allocation has no {mode!r} variant")
+            return Allocation.from_dict({**v, "budget": v.get("budget", data["budget"])})
+        return Allocation.from_dict(data)
+    if allocation is None:
+        if getattr(model, "path", None) is None:
+            raise ConfigError(f"kv_quant={mode!r} needs a calibration: pass kv_allocation= (the model has no folder)")
+        allocation = Path(model.path) / CALIBRATION_FILE
+    return load_allocation(allocation, mode)
+
+
+def _factory(session, options: dict, built: list):
+    mode = options.pop("kv_quant", _UNSET)
+    bits = options.pop("kv_bits", None)
+    allocation = options.pop("kv_allocation", None)
+    server = getattr(session, "server", None)
+    server_mode = getattr(server, "kv_quant", None) if server is not None else None
+    mode = server_mode if mode is _UNSET else check_mode(mode)
+    if server is not None and mode != server_mode:
+        raise ConfigError(f"session kv_quant={mode!r} on a server built with kv_quant={server_mode!r} (its pool is shared)")
+    triaxial = mode is not None and mode.startswith("triaxial")
+    if not triaxial and (bits is not None or allocation is not None):
+        raise ConfigError(f"kv_bits / kv_allocation apply to the triaxial modes, not kv_quant={mode!r}")
+    if mode is None:
+        return None
+    if any(stage.name == "reuse" for stage in built):
+        raise ConfigError(f"kv_quant={mode!r} with cross-query reuse: the reuse stage splices float K/V into the pool")
+    if not triaxial:
+        return QuantizationStage(mode)
+    alloc = resolve_allocation(session.model, mode, allocation)
+    budget = alloc.budget if bits is None else float(bits)
+    if not 2.0 <= budget <= 4.0:
+        raise ConfigError(f"kv_bits must be an average in [2, 4], got {bits!r}")
+    return QuantizationStage(mode, budget, alloc.table(budget))
+
+
+register("kv_quant", ORDER, _factory)

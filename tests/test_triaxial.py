@@ -1,0 +1,317 @@
+"""TriAxialKV end to end on a tiny random model: the dual pool's address split and
+allocator, INT2-first page tables and the page-completion rule, decode tokens to
+INT4 (KIVI's residual for kivi2), first precision kept through the radix cache,
+packed rows shelved and promoted bit-identical, quantized decode = attention over
+the dequantized K/V, the allocation solver vs brute force, and a quantized session
+with retention (both layouts) and RepairKV."""
+
+from __future__ import annotations
+
+import itertools
+
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import jaxkv
+from jaxkv.cache.quantized import FLOAT, INT2, INT4, Geometry, dequantize_slots
+from jaxkv.cache.quantized_host import KIVI_WINDOW, DualAllocator
+from jaxkv.config import ModelConfig
+from jaxkv.engine import Engine
+from jaxkv.errors import ConfigError, OutOfSlotsError, SlotError
+from jaxkv.models.transformer import Features
+from jaxkv.pallas.quant import PAGE
+from jaxkv.policies import layouts
+from jaxkv.policies.quant_allocation import solve
+from jaxkv.serving import Server, Session
+
+
+@pytest.fixture(scope="module")
+def qmodel():
+    from jaxkv.tasks import embedded_tokenizer
+
+    tok = embedded_tokenizer()
+    cfg = ModelConfig(
+        model_type="qwen3", vocab_size=len(tok), hidden_size=64, intermediate_size=64, num_layers=2,
+        num_heads=2, num_kv_heads=1, head_dim=32, qk_norm=True, max_position_embeddings=4096,
+        eos_token_ids=(tok.convert_tokens_to_ids("<|im_end|>"),),
+    )
+    return jaxkv.model_from_config(cfg, seed=0, tokenizer=tok)
+
+
+def allocation(int2_semantics=(1, 5), budget=3.0):
+    """A calibration table over the semantic axis: the listed semantics are cheap to
+    quantize (they go to INT2 first), the others costly."""
+    return {"axes": ["semantic"], "budget": budget, "tags": [
+        {"index": s, "N": 10.0, "D2": 1.0 if s in int2_semantics else 100.0, "D4": 0.5} for s in range(7)
+    ]}
+
+
+def kinds_of(engine, row):
+    return engine.quant.geometry.kind(np.asarray(engine.row_state[row].slots, np.int64))
+
+
+# ----------------------------------------------------------------------------- pool
+def test_address_split_and_one_allocator_per_region():
+    geo = Geometry(pages=4, int4_slots=10)
+    assert (geo.off4, geo.off_float, geo.num_slots) == (128, 138, 138)
+    assert geo.kind(np.asarray([1, 127, 128, 137])).tolist() == [INT2, INT2, INT4, INT4]
+    alloc = DualAllocator(geo)
+    assert alloc.capacity == alloc.num_free == 10 and alloc.pages_free == 3  # page 0 is reserved
+    pages, slots = alloc.allocate_pages([32, 5])
+    assert pages.tolist() == [1, 2] and slots.tolist() == list(range(32, 64)) + list(range(64, 69))
+    s4 = alloc.allocate(3)
+    assert s4.tolist() == [128, 129, 130] and alloc.num_free == 7 and alloc.pages_free == 1
+    with pytest.raises(OutOfSlotsError):
+        alloc.allocate_pages([32, 32])
+    with pytest.raises(SlotError):
+        alloc.ref([69])  # an unused row of a handed-out page is not allocated
+    with pytest.raises(SlotError):
+        alloc.release([0])
+    alloc.ref(slots[:2])
+    assert alloc.release(slots[:31]).size == 0  # page 1 still holds slots 32, 33 and 63
+    assert alloc.release([32, 33, 63]).tolist() == list(range(32, 64)) and alloc.pages_free == 2
+    assert alloc.release(slots[32:]).tolist() == list(range(64, 96)) and alloc.pages_free == 3
+    assert alloc.release(s4).tolist() == [128, 129, 130] and alloc.num_free == 10
+    assert not alloc.refcounts().any()
+
+
+def test_int2_first_page_table_and_page_completion_rule(qmodel):
+    e = Engine(qmodel, rows=1, max_positions=512, prefill_chunk=128, kv_quant="triaxial")
+    rng = np.random.default_rng(0)
+    n = 150
+    bits = np.where(rng.random(n) < 0.7, 2, 4)
+    row = e.open_row()
+    e.prefill([row], [rng.integers(5, 500, n).tolist()], kv_bits=[bits])
+    want = np.full(n, INT4)
+    for c in range(0, n, 128):  # per chunk: INT2 tokens in position order fill pages, the rest INT4
+        two = np.flatnonzero(bits[c : c + 128] == 2) + c
+        want[two[: two.size // PAGE * PAGE]] = INT2
+    got = kinds_of(e, row)
+    assert got.tolist() == want.tolist() and (got == INT2).sum() >= 2 * PAGE
+    slots = np.asarray(e.row_state[row].slots)
+    for p in np.unique(slots[got == INT2] // PAGE):  # a page is 32 tokens of one chunk
+        pos = np.flatnonzero(slots // PAGE == p)
+        assert pos.size == PAGE and pos.min() // 128 == pos.max() // 128
+    table = e.page_table(row)
+    entries = table.entries()
+    n2 = table.pages.size
+    assert (entries[:n2] < e.quant.geometry.pages).all()  # INT2 pages first ...
+    assert (e.quant.geometry.kind(entries[n2:]) == INT4).all()  # ... then INT4 tokens
+    assert sorted(entries[n2:].tolist()) == sorted(slots[got == INT4].tolist())
+    assert (table.masks == 0xFFFFFFFF).all()
+    # dead-slot eviction of two tokens of the first page clears their bits only
+    first = np.flatnonzero(got == INT2)[:2]
+    keep = np.setdiff1d(np.arange(n), first)
+    e.apply_layout(row, layouts.dead_slot(e.row_state[row].slots, keep))
+    after = e.page_table(row)
+    hit = after.pages.tolist().index(int(slots[first[0]] // PAGE))
+    cleared = sum(1 << int(s % PAGE) for s in slots[first])
+    assert int(after.masks[hit]) == 0xFFFFFFFF ^ cleared and after.pages.size == n2
+
+
+def test_decode_tokens_go_to_int4_and_kivi_keeps_a_recent_float_window(qmodel):
+    rng = np.random.default_rng(1)
+    prompt = rng.integers(5, 500, 200).tolist()
+    e = Engine(qmodel, rows=1, max_positions=512, prefill_chunk=128, kv_quant="triaxial")
+    row = e.open_row()
+    e.prefill([row], [prompt], kv_bits=[np.full(200, 2)])
+    e.decode([row], [7], 16)
+    kinds = kinds_of(e, row)
+    assert (kinds[200:] == INT4).all() and kinds.size == 216
+    assert (kinds[:192] == INT2).all() and (kinds[192:200] == INT4).all()  # 200 = 6 pages + 8 leftover
+
+    k = Engine(qmodel, rows=1, max_positions=512, prefill_chunk=128, kv_quant="kivi2")
+    row = k.open_row()
+    k.prefill([row], [prompt])
+    for n_new in (0, 16, 16, 16):
+        if n_new:
+            k.decode([row], [7], n_new)
+        kinds = kinds_of(k, row)
+        floats = np.flatnonzero(kinds == FLOAT)
+        assert KIVI_WINDOW <= floats.size < KIVI_WINDOW + PAGE  # the most recent tokens, in full precision
+        assert floats.tolist() == list(range(kinds.size - floats.size, kinds.size))
+        assert (kinds[: kinds.size - floats.size] == INT2).all()  # everything older at 2 bits
+
+
+def test_prefix_cached_token_keeps_its_first_precision(qmodel):
+    """A token matched through the radix cache keeps the precision it was first
+    written with: session B (all INT4) reuses session A's INT2 prefix as is."""
+    msgs = [{"role": "system", "content": "Read the document below and answer."},
+            {"role": "user", "content": " ".join(["report budget travel legal"] * 30)},
+            {"role": "assistant", "content": "ok"}]
+    with Server(qmodel, rows=1, max_positions=1024, kv_quant="triaxial") as server:
+        a = server.session(kv_bits=2.0, kv_allocation=allocation())
+        b = server.session(kv_bits=4.0, kv_allocation=allocation())
+        a.replay(msgs)
+        b.replay(msgs)
+        ra, rb = a.quantization.records[0], b.quantization.records[0]
+        assert ra.int4 < PAGE and ra.int2 >= 3 * PAGE  # A: INT2 but for the tokens that do not fill a page
+        assert rb.int2 >= ra.int2 - 1  # B writes only its last prompt token (INT4), yet holds A's INT2 rows
+        c = server.session(kv_bits=4.0, kv_allocation=allocation())
+        c.replay([msgs[0], {"role": "user", "content": "other words entirely"}, msgs[2]])
+        hit = c.metrics.requests[0].prefix_hit_tokens
+        assert 0 < hit < PAGE and c.quantization.records[0].int2 == hit  # the shared system prompt only
+        with pytest.raises(ConfigError):
+            server.session(kv_quant="int4")
+        assert server.session(kv_allocation=allocation()).quantization.mode == "triaxial"  # inherits the pool
+
+
+@pytest.mark.parametrize("mode", ["triaxial", "kivi2"])
+def test_shelved_rows_are_promoted_back_bit_identical(qmodel, mode):
+    e = Engine(qmodel, rows=1, max_positions=512, prefill_chunk=128, kv_quant=mode)
+    rng = np.random.default_rng(2)
+    row = e.open_row()
+    bits = np.where(np.arange(200) % 3 == 0, 4, 2) if mode == "triaxial" else None
+    e.prefill([row], [rng.integers(5, 500, 200).tolist()], kv_bits=None if bits is None else [bits])
+    e.decode([row], [7], 3)
+    kinds = kinds_of(e, row)
+    pick = np.concatenate([np.flatnonzero(kinds == INT2)[[0, 1, 5, 40, 63]], np.flatnonzero(kinds != INT2)[[0, -1]]])
+    pick.sort()
+    slots = np.asarray(e.row_state[row].slots)[pick]
+    before = e.gather_rows(slots)
+    k_before = np.asarray(e.gather_keys(row))
+    keep = np.setdiff1d(np.arange(kinds.size), pick)
+    shelved = e.apply_layout(row, layouts.dead_slot(e.row_state[row].slots, keep), keep_evicted=True)
+    assert all(np.array_equal(x, y) for x, y in zip(shelved, before))
+    fresh = e.restore_rows(row, pick, *shelved)
+    assert (fresh != slots).any() and (e.quant.geometry.kind(fresh) == e.quant.geometry.kind(slots)).all()
+    after = e.gather_rows(fresh)
+    assert all(np.array_equal(x, y) for x, y in zip(after, before))  # packed bytes, page parameters included
+    assert np.array_equal(np.asarray(e.gather_keys(row)), k_before)
+    two = e.quant.geometry.kind(fresh) == INT2  # rows of one original page share one fresh page
+    assert np.unique(fresh[two] // PAGE).size == np.unique(slots[two] // PAGE).size
+
+
+@pytest.mark.parametrize("mode,backend", [("triaxial", None), ("triaxial", "interpret"), ("kivi2", None)])
+def test_quantized_decode_logits_equal_attention_over_dequantized_kv(qmodel, mode, backend):
+    """The page-table path (``quantized_decode_attention``: kernel in interpret mode,
+    reference on CPU) and the float reference over the dequantized live list give
+    the same logits; both write the new token the same way."""
+    rng = np.random.default_rng(3)
+    prompt = rng.integers(5, 500, 230).tolist()
+    bits = np.where(rng.random(230) < 0.6, 2, 4)
+    logits = []
+    for features in (Features(), Features(attn_mass=True)):
+        e = Engine(qmodel, rows=2, max_positions=512, kv_quant=mode, backend=backend)
+        rows = [e.open_row(), e.open_row()]
+        e.prefill(rows, [prompt, prompt[:150]], kv_bits=None if mode == "kivi2" else [bits, bits[:150]])
+        e.apply_layout(rows[0], layouts.dead_slot(e.row_state[rows[0]].slots, np.setdiff1d(np.arange(230), [3, 40, 41])))
+        out = e.decode(rows, [7, 9], 4, return_logits=True, forced_tokens=[[11, 12, 13], [14, 15, 16]], features=features)
+        logits.append(np.stack(out[1]))
+    want = logits[1]
+    assert np.abs(logits[0] - want).max() <= 1e-5 * np.abs(want).max()
+
+
+def test_prefill_attends_over_the_dequantized_prefix_and_its_chunk_in_full_precision(qmodel):
+    """A second prefill on a quantized pool = a float pool holding the dequantized
+    K/V of the first (the new chunk itself in full precision)."""
+    rng = np.random.default_rng(8)
+    tokens = rng.integers(5, 500, 200).tolist()
+    bits = np.where(rng.random(128) < 0.6, 2, 4)
+    q = Engine(qmodel, rows=1, max_positions=512, prefill_chunk=128, kv_quant="triaxial")
+    f = Engine(qmodel, rows=1, max_positions=512, prefill_chunk=128)
+    rq, rf = q.open_row(), f.open_row()
+    q.prefill([rq], [tokens[:128]], kv_bits=[bits])
+    f.prefill([rf], [tokens[:128]])
+    layers = [dequantize_slots(q.cache.pool.layer(i), q.quant.geometry, jnp.asarray(q.row_state[rq].slots)) for i in range(2)]
+    slots = jnp.asarray(f.row_state[rf].slots)
+    f.cache = f.cache.replace(k=f.cache.k.at[:, slots].set(jnp.stack([k for k, _ in layers])),
+                              v=f.cache.v.at[:, slots].set(jnp.stack([v for _, v in layers])))
+    got = q.prefill([rq], [tokens[128:]], all_logits=True)[0]
+    want = f.prefill([rf], [tokens[128:]], all_logits=True)[0]
+    assert np.abs(got - want).max() <= 1e-5 * np.abs(want).max()
+
+
+def test_pool_round_trip_within_half_a_step(qmodel):
+    """Through the pool's writer and reader, every element of INT2 pages (keys per
+    channel, values per token) and INT4 rows is within half its quantization step."""
+    geo = Geometry(pages=3, int4_slots=40)
+    from jaxkv.cache.quantized import DualPool, write_tokens
+
+    pool = DualPool.create(geo, num_layers=1, num_kv_heads=2, head_dim=64, dtype=jnp.float32).layer(0)
+    rng = np.random.default_rng(4)
+    x = rng.standard_normal((96, 2, 64)) * rng.uniform(0.1, 5, (96, 1, 1)) + rng.uniform(-3, 3, (96, 1, 64))
+    k, v = jnp.asarray(x, jnp.float32), jnp.asarray(x[::-1].copy(), jnp.float32)
+    slots = np.concatenate([np.arange(32, 96), geo.off4 + np.arange(32)])  # 2 pages, 32 INT4 rows
+    pool = write_tokens(pool, geo, k, v, jnp.asarray(slots), jnp.arange(64).reshape(2, PAGE), jnp.asarray([1, 2]))
+    kd, vd = (np.asarray(a, np.float64) for a in dequantize_slots(pool, geo, jnp.asarray(slots)))
+    tiny = 2.0**-20 * (np.abs(x) + 1)
+    ks2 = np.asarray(pool.int2.k.scale[1:], np.float64)  # [2, K, D] per channel
+    assert (np.abs(kd[:64] - x[:64]).reshape(2, 32, 2, 64) <= ks2[:, None] / 2 + tiny[:64].reshape(2, 32, 2, 64)).all()
+    vs2 = np.asarray(pool.int2.v.scale[1:], np.float64).transpose(0, 2, 1, 3).reshape(64, 2, 2)  # [P, K, 32, D/32] -> per token
+    assert (np.abs(vd[:64] - x[::-1][:64]).reshape(64, 2, 2, 32) <= vs2[..., None] / 2 + tiny[:64].reshape(64, 2, 2, 32)).all()
+    for rows, ref, out in ((pool.int4.k, x[64:], kd[64:]), (pool.int4.v, x[::-1][64:], vd[64:])):
+        s4 = np.asarray(rows.scale[:32], np.float64)  # [32, K, D/32]
+        assert (np.abs(out - ref).reshape(32, 2, 2, 32) <= s4[..., None] / 2 + tiny[64:].reshape(32, 2, 2, 32)).all()
+
+
+# ----------------------------------------------------------------------------- allocation
+def test_solver_matches_brute_force_on_random_tables():
+    rng = np.random.default_rng(5)
+    for trial in range(60):
+        n = int(rng.integers(1, 9))
+        D4 = rng.uniform(0, 1, n)
+        D2 = D4 + rng.exponential(1.0, n)
+        N = np.where(rng.random(n) < 0.15, 0, rng.integers(1, 500, n)).astype(float)
+        B = float(rng.uniform(2, 4))
+        got = solve(D2, D4, N, B)
+        best = None
+        for up in itertools.product((0, 1), repeat=n):
+            b = np.where(np.asarray(up, bool), 4, 2)
+            if (N * b).sum() <= B * N.sum() + 1e-9:
+                loss = np.where(b == 4, D4, D2)[N > 0].sum()
+                best = loss if best is None else min(best, loss)
+        assert (N * got).sum() <= B * N.sum() + 1e-9, trial
+        assert np.where(got == 4, D4, D2)[N > 0].sum() == pytest.approx(best), trial
+        assert (got[N == 0] == 4).all()
+
+
+def test_greedy_beyond_22_tags_follows_rho():
+    rng = np.random.default_rng(6)
+    N = rng.integers(1, 100, 30).astype(float)
+    D4 = rng.uniform(0, 1, 30)
+    D2 = D4 + rng.exponential(1.0, 30)
+    got = solve(D2, D4, N, 2.5)
+    spare = 0.5 * N.sum()
+    want = np.full(30, 2)
+    for k in np.argsort(-(D2 - D4) / (2 * N), kind="stable"):
+        if 2 * N[k] <= spare:
+            want[k], spare = 4, spare - 2 * N[k]
+    assert got.tolist() == want.tolist()
+
+
+# ----------------------------------------------------------------------------- sessions
+@pytest.mark.parametrize("layout", ["dead_slot", "compact"])
+def test_quantized_session_composes_with_retention_and_repair(qmodel, layout):
+    from jaxkv.tasks import mqniah
+
+    ex = mqniah(1, 77, needles=4, length=600)[0]  # document + question, then a second question
+    repair = {"repair": 16} if layout == "dead_slot" else {}
+    s = Session(qmodel, kv_quant="triaxial", kv_allocation=allocation(), max_positions=1024, protect_query=False,
+                policy="snapkv", budget=160, layout=layout, **repair)
+    s.replay(ex.messages, ex.tools)
+    assert any(r.live_after < r.live_before for r in s.compressions)
+    assert any(r.int2 > 0 for r in s.quantization.records)
+    if repair:
+        assert sum(r.promoted_positions.size for r in s.repairs) > 0
+    engine, radix = s.server.engine, s.server.radix
+    assert all(st is None for st in engine.row_state)
+    held = np.bincount(radix.held_slots(), minlength=engine.allocator.num_slots)
+    assert np.array_equal(engine.allocator.refcounts(), held)  # only the radix cache holds slots
+    pages = np.unique(radix.held_slots()[engine.quant.geometry.kind(radix.held_slots()) == INT2] // PAGE)
+    assert engine.allocator.pages_used == pages.size
+
+
+def test_session_options_are_checked(qmodel):
+    with pytest.raises(ConfigError):
+        Session(qmodel, kv_quant="int3")
+    with pytest.raises(ConfigError):
+        Session(qmodel, kv_quant="int4", kv_bits=2.5)
+    with pytest.raises(ConfigError):
+        Session(qmodel, kv_quant="triaxial", kv_allocation=allocation(), kv_bits=1.5)
+    with pytest.raises(ConfigError):
+        Session(qmodel, kv_quant="triaxial")  # an in-memory model has no calibration file
+    with Server(qmodel, rows=1, max_positions=256) as server:
+        with pytest.raises(ConfigError):
+            server.session(kv_quant="kivi2")  # a float pool cannot hold packed rows

@@ -1,0 +1,423 @@
+"""TriAxialKV calibration: per-tag distortion, INT2/INT4 allocation, budget sweep.
+
+    python -m train.calibrate_triaxial --model embedded --n 24 --workers 2 \\
+        --out jaxkv/assets/embedded-agent/triaxial.json --plots eval/results/triaxial
+
+ALGORITHMS.md §7 and the paper's §3.1.4, on held-out calibration conversations
+(agent traces and 4-needle MQ-NIAH, seeds disjoint from training and from the
+evaluation harness):
+
+1. **Tags as written.** Each conversation is replayed the way the harness serves
+   it (``Session.replay``: per assistant turn, the prompt's unmatched suffix is
+   prefilled, then the recorded reply teacher-forced). A token's tag is its
+   triaxial tag in the request that *writes* it, since a radix-cached token keeps
+   the precision it was first written with; reply tokens are written as decode
+   would write them (INT4) and take no part in the allocation.
+2. **Capture.** The last scored turn's prompt is run through the model once
+   (dense causal prefill), capturing post-RoPE Q, K and V at every layer.
+3. **Distortion.** For each tag ``k`` present in a request and ``b in {2, 4}``,
+   only tag-``k`` tokens are quantized in the serving formats
+   (``jaxkv.pallas.quant``: INT4 per token; INT2 keys per channel over pages of
+   32 tag-``k`` tokens in position order, INT2 values per token, the tokens that
+   do not fill a page INT4), attention is replayed for every query row, and the
+   output MSE against full precision is taken per head. ``D_k(b)`` = max over
+   heads, mean over the requests where ``k`` occurs, sum over layers.
+   ``N_k`` = tokens written with tag ``k``, summed over requests (INST tags: the
+   median per request, as the prefix cache stores one copy).
+4. **Allocation** (``jaxkv.policies.quant_allocation.solve``) for the full tag
+   space and the two ablations (temporal or semantic axis collapsed, D and N
+   recomputed on the coarser tags).
+5. **Budget sweep** B in {2.0, 2.2, ..., 4.0}: the calibration conversations are
+   replayed through the serving path (``eval.harness``) with the triaxial
+   allocation at each B (identical allocations run once); the calibrated B is the
+   smallest whose accuracy over all scored turns of both tasks is within 1 point
+   of full precision on the same conversations (none within a point: B = 4.0).
+
+Also reported, on the captured K/V: the attention-output error of each format
+(int4, int2, kivi2, triaxial at the calibrated B): relative error of every
+query row and of the last row (a decode step), per layer.
+
+Outputs: the JSON allocation (``--out``: tag table with N, D(2), D(4) per
+variant, the calibrated B, the sweep, the attention errors), and in ``--plots``
+``dk_per_tag.png`` (D_k(2) and D_k(4) per tag) and ``calibration_sweep.png``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import json
+import sys
+import time
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+CALIBRATION_SEED = (1 << 30) + 7_000_000  # disjoint from training (< 2**30) and eval (+9e6)
+BUDGETS = tuple(round(2.0 + 0.2 * i, 1) for i in range(11))
+TOLERANCE = 0.01  # one accuracy point
+VARIANTS = {
+    "triaxial": ("temporal", "modal", "semantic"),
+    "triaxial_no_temporal": ("modal", "semantic"),
+    "triaxial_no_semantic": ("temporal", "modal"),
+}
+ROW_BLOCK = 256
+
+
+def calibration_examples(n: int, length: int):
+    """``{task: [Example]}``: ``n`` agent traces and ``n`` 4-needle MQ-NIAH examples."""
+    from jaxkv.tasks import agent_traces, mqniah
+
+    return {"agent": agent_traces(n, CALIBRATION_SEED, length=length),
+            "mqniah": mqniah(n, CALIBRATION_SEED + 500_000, needles=4, length=length)}
+
+
+def written_codes(tokenizer, example):
+    """The last scored turn's prompt and, per token, the triaxial code it is written
+    with when the harness replays the conversation (-1: a teacher-forced reply
+    token, written as decode would write it). Returns ``(ids [T], codes [T])``."""
+    from jaxkv.cache.radix import common_prefix_length
+    from jaxkv.chat import render
+    from jaxkv.chat.tags import triaxial_codes
+
+    msgs, tools = example.messages, example.tools or None
+    last = max(t.message_index for t in example.targets)
+    turns = [j for j, m in enumerate(msgs) if m.get("role") == "assistant" and j <= last]
+    final = render(tokenizer, msgs[:last], tools, add_generation_prompt=True)
+    codes = np.full(final.ids.size, -1, np.int64)
+    cached = None
+    for j in turns:
+        prompt = render(tokenizer, msgs[:j], tools, add_generation_prompt=True)
+        start = 0 if cached is None else min(common_prefix_length(cached, prompt.ids), prompt.ids.size - 1)
+        end = min(prompt.ids.size, final.ids.size)
+        codes[start:end] = triaxial_codes(prompt.triaxial)[start:end]
+        full = render(tokenizer, msgs[: j + 1], tools, add_generation_prompt=False)
+        codes[prompt.ids.size : min(full.ids.size, final.ids.size)] = -1
+        cached = full.ids
+    return final.ids, codes
+
+
+@functools.partial(jax.jit, static_argnames=("graphdef",))
+def capture(graphdef, params, tokens_T):
+    """Dense causal prefill of one request; post-RoPE ``q [L, T, Hq, D]``,
+    ``k``/``v [L, T, K, D]`` and attention outputs ``o [L, T, Hq, D]``."""
+    from flax import nnx
+
+    from jaxkv.attention import causal_attention
+
+    model = nnx.merge(graphdef, params)
+    got = {"q": [], "k": [], "v": [], "o": []}
+
+    def attend(i, q, k, v):
+        o = causal_attention(q, k, v)
+        for name, x in zip("qkvo", (q, k, v, o)):
+            got[name].append(x[0].astype(jnp.float32))
+        return o
+
+    T = tokens_T.shape[0]
+    model.run_layers(model.embed_tokens(tokens_T[None]), jnp.arange(T, dtype=jnp.int32)[None], attend)
+    return tuple(jnp.stack(got[n]) for n in "qkvo")
+
+
+@jax.jit
+def replay_error(q, k, v, o_ref, int4_mask, page_idx, page_ok, row_ok):
+    """Attention outputs with some tokens quantized, against ``o_ref``, per layer.
+
+    Tokens in ``page_idx [Q, 32]`` (where ``page_ok``) are INT2 pages (keys per
+    channel, values per token); tokens in ``int4_mask`` INT4; all others stay
+    full precision. Returns ``(mse [L, Hq]`` over real
+    rows and channels, ``rel [L]`` (Frobenius over real rows), ``last [L]`` (the
+    last real row))``.
+    """
+    from jaxkv.attention import causal_attention
+    from jaxkv.pallas.quant import dequantize_int2_pool, dequantize_rows, quantize_int2_pool, quantize_rows
+
+    T = k.shape[1]
+    flat = page_idx.reshape(-1)
+    dst = jnp.where(jnp.repeat(page_ok, 32), flat, T)
+    last = jnp.max(jnp.where(row_ok, jnp.arange(T), 0))
+
+    def one(q, k, v, o_ref):
+        k_ = jnp.where(int4_mask[:, None, None], dequantize_rows(quantize_rows(k, 4)), k)
+        v_ = jnp.where(int4_mask[:, None, None], dequantize_rows(quantize_rows(v, 4)), v)
+        k2, v2 = dequantize_int2_pool(quantize_int2_pool(k[flat], v[flat]))
+        k_ = k_.at[dst].set(k2, mode="drop")
+        v_ = v_.at[dst].set(v2, mode="drop")
+        o = causal_attention(q[None], k_[None], v_[None])[0]
+        d2 = ((o - o_ref) ** 2) * row_ok[:, None, None]
+        mse = d2.sum(axis=(0, 2)) / (row_ok.sum() * o.shape[-1])
+        rel = jnp.sqrt(d2.sum()) / jnp.sqrt(((o_ref**2) * row_ok[:, None, None]).sum())
+        rel_last = jnp.linalg.norm(o[last] - o_ref[last]) / jnp.linalg.norm(o_ref[last])
+        return mse, rel, rel_last
+
+    return jax.vmap(one)(q, k, v, o_ref)
+
+
+def pages_of(token_idx, Tp: int):
+    """Pages of 32 of ``token_idx`` (position order) padded to ``Tp/32`` rows and
+    the leftover tokens (INT4 under the page-completion rule)."""
+    token_idx = np.asarray(token_idx, np.int64)
+    n = token_idx.size // 32 * 32
+    Q = Tp // 32
+    idx = np.zeros((Q, 32), np.int32)
+    ok = np.zeros(Q, bool)
+    idx[: n // 32] = token_idx[:n].reshape(-1, 32)
+    ok[: n // 32] = True
+    return idx, ok, token_idx[n:]
+
+
+class Capture:
+    """One calibration request: padded captures and write-time codes."""
+
+    def __init__(self, model, ids, codes):
+        from jaxkv.buckets import bucket
+
+        graphdef, params = model.split()
+        self.T = ids.size
+        self.Tp = bucket(self.T, minimum=ROW_BLOCK, step=ROW_BLOCK)
+        tokens = np.zeros(self.Tp, np.int32)
+        tokens[: self.T] = ids
+        self.q, self.k, self.v, self.o = capture(graphdef, params, jnp.asarray(tokens))
+        self.codes = np.concatenate([codes, np.full(self.Tp - self.T, -1)])
+        self.row_ok = jnp.asarray(np.arange(self.Tp) < self.T)
+
+    def error(self, int4_tokens=(), int2_tokens=(), float_leftover=False):
+        """Errors with these tokens quantized (the rest full precision); INT2 tokens
+        that do not fill a page are INT4, or full precision with ``float_leftover``
+        (KIVI's residual)."""
+        int4 = np.zeros(self.Tp, bool)
+        int4[np.asarray(int4_tokens, np.int64)] = True
+        idx, ok, left = pages_of(int2_tokens, self.Tp)
+        if not float_leftover:
+            int4[left] = True
+        mse, rel, last = replay_error(self.q, self.k, self.v, self.o, jnp.asarray(int4),
+                                      jnp.asarray(idx), jnp.asarray(ok), self.row_ok)
+        return np.asarray(mse), np.asarray(rel), np.asarray(last)
+
+
+def distortion_tables(captures, log=print):
+    """Per variant: ``{tag index: (N, D2, D4)}`` (module docstring, step 3)."""
+    from jaxkv.chat.tags import Semantic
+    from jaxkv.policies.quant_allocation import tag_of_codes
+
+    tables = {}
+    memo = {}
+    for name, axes in VARIANTS.items():
+        per_tag: dict[int, dict] = {}
+        for r, cap in enumerate(captures):
+            written = np.flatnonzero(cap.codes >= 0)
+            tags = tag_of_codes(cap.codes[written], axes)
+            for tag in np.unique(tags):
+                members = written[tags == tag]
+                entry = per_tag.setdefault(int(tag), {"counts": [], "d2": [], "d4": [], "inst": None})
+                entry["counts"].append(members.size)
+                key = (r, members.tobytes())
+                if key not in memo:  # the same token set under another variant: reuse
+                    d4 = cap.error(int4_tokens=members)[0].max(axis=1)  # max over heads, per layer
+                    d2 = cap.error(int2_tokens=members)[0].max(axis=1)
+                    memo[key] = (d2, d4)
+                d2, d4 = memo[key]
+                entry["d2"].append(d2)
+                entry["d4"].append(d4)
+                if "semantic" in axes:
+                    entry["inst"] = bool((cap.codes[members] % len(Semantic) == Semantic.INST).all())
+        table = {}
+        for tag, e in sorted(per_tag.items()):
+            N = float(np.median(e["counts"])) if e["inst"] else float(np.sum(e["counts"]))
+            # mean over requests (where the tag occurs), then sum over layers
+            table[tag] = (N, float(np.mean(e["d2"], axis=0).sum()), float(np.mean(e["d4"], axis=0).sum()))
+        tables[name] = table
+        log(f"{name}: {len(table)} tags")
+    return tables
+
+
+def allocation_dict(axes, table, budget):
+    from jaxkv.policies.quant_allocation import tag_name
+
+    return {"axes": list(axes), "budget": budget, "tags": [
+        {"index": t, "name": tag_name(t, axes), "N": n, "D2": d2, "D4": d4} for t, (n, d2, d4) in table.items()
+    ]}
+
+
+def attention_errors(captures, alloc, budget):
+    """Relative attention-output error per format on the captured K/V (mean over
+    requests; per layer and mean), all rows and the last row."""
+    from jaxkv.cache.quantized_host import KIVI_WINDOW
+
+    table = alloc.table(budget)
+    out = {}
+    for fmt in ("int4", "int2", "kivi2", "triaxial"):
+        rel, last = [], []
+        for cap in captures:
+            every = np.arange(cap.T)
+            if fmt == "int4":
+                e = cap.error(int4_tokens=every)
+            elif fmt == "int2":
+                e = cap.error(int2_tokens=every)
+            elif fmt == "kivi2":
+                e = cap.error(int2_tokens=every[: max(cap.T - KIVI_WINDOW, 0)], float_leftover=True)
+            else:  # written tokens by the allocation, reply tokens INT4
+                codes = cap.codes[: cap.T]
+                bits = np.where(codes >= 0, table[np.maximum(codes, 0)], 4)
+                e = cap.error(int4_tokens=every[bits == 4], int2_tokens=every[bits == 2])
+            rel.append(e[1])
+            last.append(e[2])
+        out[fmt] = {"all_rows_per_layer": np.mean(rel, axis=0).tolist(), "all_rows": float(np.mean(rel)),
+                    "last_row_per_layer": np.mean(last, axis=0).tolist(), "last_row": float(np.mean(last))}
+    return out
+
+
+def sweep(model_name, examples, alloc_dict, *, workers, max_new_tokens, length, log=print):
+    """Calibration accuracy (pooled scored turns) of full precision and of the
+    triaxial allocation at each budget; identical allocations run once."""
+    from eval import harness
+    from jaxkv.policies.quant_allocation import Allocation
+
+    alloc = Allocation.from_dict(alloc_dict)
+    groups: dict[tuple, list[float]] = {}
+    for B in BUDGETS:
+        groups.setdefault(tuple(alloc.table(B).tolist()), []).append(B)
+    reps = [bs[0] for bs in groups.values()]
+    cells = [harness.Cell("full", None, None, t) for t in examples]
+    cells += [harness.Cell("full", None, None, t, kv_quant="triaxial", kv_bits=B) for B in reps for t in examples]
+    import math
+
+    max_positions = int(min(4096, 1 << math.ceil(math.log2(max(2 * length + 4 * max_new_tokens, 1024)))))
+    setup = dict(model=model_name, n=len(next(iter(examples.values()))), length=length, seed=CALIBRATION_SEED,
+                 needles=4, max_new_tokens=max_new_tokens, max_positions=max_positions)
+    rows = {}
+    t0 = time.perf_counter()
+    for cell, row in harness.run_cells(None if workers > 1 else _load(model_name), examples, cells, setup,
+                                       workers=workers, session_options={"kv_allocation": alloc_dict}):
+        rows[(cell.kv_quant, cell.kv_bits, cell.task)] = row
+        log(f"  {cell.task} {cell.kv_quant} B={cell.kv_bits}: accuracy {row['accuracy']:.3f} avg_bits {row['avg_bits']:.2f} ({time.perf_counter() - t0:.0f} s)")
+    turns = {t: sum(len(e.targets) for e in examples[t]) for t in examples}
+
+    def pooled(q, b):
+        return sum(rows[(q, b, t)]["accuracy"] * turns[t] for t in examples) / sum(turns.values())
+
+    def bits(q, b):
+        return float(np.mean([rows[(q, b, t)]["avg_bits"] for t in examples]))
+
+    full = {"accuracy": pooled("none", None), **{t: rows[("none", None, t)]["accuracy"] for t in examples}}
+    out = []
+    for bs in groups.values():
+        rep = bs[0]
+        for B in bs:
+            out.append({"B": B, "accuracy": pooled("triaxial", rep), "avg_bits": bits("triaxial", rep),
+                        **{t: rows[("triaxial", rep, t)]["accuracy"] for t in examples},
+                        **{f"{t}_avg_bits": rows[("triaxial", rep, t)]["avg_bits"] for t in examples}})
+    return full, sorted(out, key=lambda r: r["B"])
+
+
+def _load(name):
+    import jaxkv
+
+    return jaxkv.load_model(name)
+
+
+def plot(data, out_dir: Path):
+    """``dk_per_tag.png`` and ``calibration_sweep.png`` from a calibration file's data."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    out_dir.mkdir(parents=True, exist_ok=True)
+    tags = data["variants"]["triaxial"]["tags"]
+    bits = data["variants"]["triaxial"]["bits"]
+    x = np.arange(len(tags))
+    fig, ax = plt.subplots(figsize=(max(7, 1.1 * len(tags)), 4.5))
+    ax.bar(x - 0.2, [t["D2"] for t in tags], 0.4, label="D_k(2)")
+    ax.bar(x + 0.2, [t["D4"] for t in tags], 0.4, label="D_k(4)")
+    ax.set_yscale("log")
+    ax.set_xticks(x, [f"{t['name']}\nN={t['N']:.0f}, {bits[t['name']]} bits" for t in tags], rotation=30, ha="right", fontsize=7)
+    ax.set_ylabel("attention-output MSE")
+    ax.set_title(f"per-tag distortion (max heads, mean requests, sum layers); bits at B={data['budget']}", fontsize=9)
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(out_dir / "dk_per_tag.png", dpi=110)
+    plt.close(fig)
+    sweep_rows, full = data["sweep"], data["full_precision"]
+    if not sweep_rows:
+        return
+    fig, ax = plt.subplots(figsize=(6, 4))
+    ax.plot([r["B"] for r in sweep_rows], [r["accuracy"] for r in sweep_rows], marker="o", label="triaxial (pooled turns)")
+    ax.axhline(full["accuracy"], color="black", linestyle="--", label="full precision")
+    ax.axhline(full["accuracy"] - TOLERANCE, color="gray", linestyle=":", label="-1 point")
+    ax.set_xlabel("budget B (average bits)")
+    ax.set_ylabel("calibration accuracy")
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(out_dir / "calibration_sweep.png", dpi=110)
+    plt.close(fig)
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--model", default="embedded")
+    ap.add_argument("--n", type=int, default=24, help="calibration conversations per task")
+    ap.add_argument("--length", type=int, default=2048)
+    ap.add_argument("--max-new-tokens", type=int, default=64)
+    ap.add_argument("--workers", type=int, default=1)
+    ap.add_argument("--out", default="jaxkv/assets/embedded-agent/triaxial.json")
+    ap.add_argument("--plots", default="eval/results/triaxial")
+    ap.add_argument("--skip-sweep", action="store_true", help="tables only; B = --budget")
+    ap.add_argument("--budget", type=float, default=None, help="use this B instead of sweeping")
+    ap.add_argument("--replot", action="store_true", help="only redraw the plots from --out")
+    args = ap.parse_args(argv)
+    if args.replot:
+        plot(json.loads(Path(args.out).read_text()), Path(args.plots))
+        return 0
+    log = lambda *a: print(*a, file=sys.stderr, flush=True)  # noqa: E731
+    from jaxkv.policies.quant_allocation import Allocation
+
+    model = _load(args.model)
+    examples = calibration_examples(args.n, args.length)
+    t0 = time.perf_counter()
+    captures = [Capture(model, *written_codes(model.tokenizer, ex)) for exs in examples.values() for ex in exs]
+    log(f"captured {len(captures)} requests ({time.perf_counter() - t0:.0f} s)")
+    tables = distortion_tables(captures, log)
+    log(f"distortion tables ({time.perf_counter() - t0:.0f} s)")
+    tri = allocation_dict(VARIANTS["triaxial"], tables["triaxial"], 4.0)
+    full, sweep_rows = None, []
+    if args.budget is not None:
+        budget = args.budget
+    else:
+        full, sweep_rows = sweep(args.model, examples, tri, workers=args.workers, max_new_tokens=args.max_new_tokens,
+                                 length=args.length, log=log)
+        ok = [r["B"] for r in sweep_rows if r["accuracy"] >= full["accuracy"] - TOLERANCE]
+        budget = min(ok) if ok else max(BUDGETS)  # none within a point: the most precise budget
+    log(f"calibrated B = {budget}")
+    variants = {}
+    for name, axes in VARIANTS.items():
+        d = allocation_dict(axes, tables[name], budget)
+        d["bits"] = Allocation.from_dict(d).bits()
+        variants[name] = d
+    errors = attention_errors(captures, Allocation.from_dict(variants["triaxial"]), budget)
+    data = {
+        "model": args.model,
+        "budget": budget,
+        "criterion": f"smallest B in {list(BUDGETS)} whose pooled calibration accuracy is within {TOLERANCE:.2f} of full precision",
+        "calibration": {"seed": CALIBRATION_SEED, "n_per_task": args.n, "tasks": list(examples), "length": args.length,
+                        "requests": len(captures), "command": "python -m train.calibrate_triaxial " + " ".join(argv or sys.argv[1:])},
+        "full_precision": full,
+        "sweep": sweep_rows,
+        "attention_error": errors,
+        "variants": variants,
+    }
+    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+    Path(args.out).write_text(json.dumps(data, indent=1) + "\n")
+    plot(data, Path(args.plots))
+    log(f"wrote {args.out} ({time.perf_counter() - t0:.0f} s)")
+    print(json.dumps({k: data[k] for k in ("budget", "full_precision", "attention_error")}, indent=1))
+    for name, v in variants.items():
+        print(name, v["bits"])
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
