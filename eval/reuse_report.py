@@ -180,7 +180,7 @@ def main(argv=None) -> int:
     p.add_argument("--max-positions", type=int, default=4096)
     p.add_argument("--seed", type=int, default=harness.EVAL_SEED_BASE)
     p.add_argument("--only", choices=("headline", "sweeps", "pilot"), default=None)
-    p.add_argument("--passes", default=None, help="comma list of configurations to run now (default: all missing)")
+    p.add_argument("--passes", default=None, help="comma list of configurations to run now (default: all missing); a name with commas is named by its parts")
     p.add_argument("--out", default="eval/results/reuse")
     p.add_argument("--resume", action="store_true")
     args = p.parse_args(argv)
@@ -208,7 +208,7 @@ def main(argv=None) -> int:
     for group, n, cfgs in groups:
         for name, (reuse, options) in cfgs.items():
             k = key(name, n, reuse, options)
-            if k in done or (wanted is not None and name not in wanted):
+            if k in done or (wanted is not None and not set(name.split(",")) <= wanted):  # names may hold commas
                 continue
             t0 = time.perf_counter()
             print(f"{group} {name}: {n} sessions", file=sys.stderr)
