@@ -172,9 +172,7 @@ def _restore(engine, row, base):
 def _one_step(engine, row, base):
     engine.decode([row], [1], 1)
     jax.block_until_ready(engine.cache.k)
-    extra = engine.row_state[row].slots[len(base):]
-    engine.allocator.release(extra)
-    engine.set_row_tables(row, base, base)
+    engine.truncate_row(row, len(base))
 
 
 if __name__ == "__main__":

@@ -92,9 +92,7 @@ def bench_jaxkv(model, batch, ctx, steps) -> float:
     snapshot = [list(engine.row_state[r].slots) for r in rows]
     engine.decode(rows, first, steps)  # compile + warm-up
     for r, s in zip(rows, snapshot):  # rewind the rows to the context only
-        extra = engine.row_state[r].slots[len(s):]
-        engine.allocator.release(extra)
-        engine.set_row_tables(r, s, s)
+        engine.truncate_row(r, len(s))
     jax.block_until_ready(engine.cache.k)
     t = _timed(lambda: engine.decode(rows, first, steps))
     return batch * steps / t

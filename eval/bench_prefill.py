@@ -156,11 +156,16 @@ def main(argv=None) -> str:
         tm, model, n_params = build_models(folder)
         header = (f"Random Qwen3 {n_params / 1e6:.0f}M float32, batch 1, {platform.processor() or platform.machine()}, "
                   f"{os.cpu_count()} cores, jax {jax.__version__} ({jax.default_backend()}), torch {torch.__version__}; "
-                  f"medians of {args.repeats} runs after a warm-up.")
+                  f"medians of {args.repeats} runs after a warm-up; load average at start "
+                  f"{os.getloadavg()[0]:.2f}.")
         print(header, "\n", flush=True)
         lines = [header, "", "### Prefill", ""] + prefill_table(tm, model, lengths, chunks, args.repeats)
         if args.decode:
             lines += ["", "### Decode (same run)", ""] + decode_table(tm, model, n_params, args.steps, (512, 4096), (1, 8))
+    load = os.getloadavg()
+    lines += ["", f"Load average (1/5/15 min) at the end of the run: {load[0]:.2f} / {load[1]:.2f} / {load[2]:.2f} "
+              f"(about 0 on an idle machine; other jobs running would show here)."]
+    print(lines[-1], flush=True)
     text = "\n".join(lines) + "\n"
     if args.out:
         with open(args.out, "w") as f:
