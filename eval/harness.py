@@ -531,7 +531,10 @@ def _names(text, allowed, what):
     return names
 
 
-def run(args) -> list[dict]:
+def run(args, model=None) -> list[dict]:
+    """Run the grid ``args`` asks for (see ``build_parser``); ``model``: an already
+    loaded ``jaxkv.Model`` (a dtype, a mesh) to use instead of loading ``args.model``
+    (which then only names it in the outputs; ``--workers`` processes load the name)."""
     import jaxkv
     from jaxkv.policies import REGISTRY
     from jaxkv.policies.layouts import LAYOUTS
@@ -559,7 +562,7 @@ def run(args) -> list[dict]:
         raise ValueError("--repair-ks must be positive")
     repair_policies = _names(args.repair_policies, REPAIR_POLICIES, "repair policies")
     reuses = _names(args.reuse, ("-",) + REUSE_MODES, "reuse modes")
-    model = jaxkv.load_model(args.model)
+    model = model if model is not None else jaxkv.load_model(args.model)
     if model.tokenizer is None:
         raise jaxkv.ConfigError(f"{args.model} has no tokenizer; the harness renders chats")
     out = Path(args.out)

@@ -440,7 +440,9 @@ def write_report(out: Path, title: str) -> list[dict]:
 
 
 # ----------------------------------------------------------------------------- driver
-def run(args) -> list[dict]:
+def run(args, model=None) -> list[dict]:
+    """Run the protocol ``args`` asks for; ``model``: an already loaded ``jaxkv.Model``
+    (a dtype, a mesh) to use instead of loading ``args.model`` (as ``harness.run``)."""
     import jaxkv
     from jaxkv.tasks import mqniah
     from tqdm import tqdm
@@ -462,7 +464,7 @@ def run(args) -> list[dict]:
         rows = write_report(out, title)
         print(markdown(rows))
         return rows
-    model = jaxkv.load_model(args.model)
+    model = model if model is not None else jaxkv.load_model(args.model)
     out.mkdir(parents=True, exist_ok=True)
     max_positions = int(min(model.config.max_position_embeddings,
                             1 << math.ceil(math.log2(max(2 * args.length + 8 * args.max_new_tokens, 1024)))))

@@ -2,7 +2,8 @@
 
 Public entry points (stable names):
 
-* ``load_model(path_or_repo_id, dtype="float32" | "bfloat16") -> Model``
+* ``load_model(path_or_repo_id, dtype="float32" | "bfloat16", mesh=None) -> Model``
+  (``mesh``: a ``jax.sharding.Mesh``, see ``jaxkv.models.sharding``)
 * ``score_logits(model, token_ids) -> logits [batch, time, vocab]`` (no cache)
 * ``generate(model, prompts, max_new_tokens, temperature=0.0, top_k=None,
   top_p=None, seed=0, stop_token_ids=None) -> list[list[int]]``

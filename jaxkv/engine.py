@@ -38,7 +38,10 @@ Invariants:
     to a bucket; lengths that reach shapes are bucketed (``jaxkv.buckets``), and
     decode reads ``live_idx[:, :n_read]``, so attention cost follows the live
     tokens, not the positions;
-  * the engine is not thread-safe: one thread (the scheduler's) drives it.
+  * the engine is not thread-safe: one thread (the scheduler's) drives it;
+  * with a model placed on a mesh (``jaxkv.models.sharding``), the pool is split by
+    KV head and stays so, donated, through every step, and a step's rows are split
+    over ``dp``; the host side is the same.
 
 ``generate`` and ``score_logits`` are the public one-shot entry points.
 """
@@ -53,6 +56,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx, struct
+from jax.sharding import NamedSharding, PartitionSpec
 
 from jaxkv import pallas
 from jaxkv.buckets import bucket
@@ -61,6 +65,7 @@ from jaxkv.cache.host_tier import stage
 from jaxkv.cache.request import RequestState, promotion_tables
 from jaxkv.cache.state import PagedKVCache, append_tokens, put_rows, take_rows
 from jaxkv.errors import ContextLengthError, JaxKVError, OutOfSlotsError
+from jaxkv.models import sharding
 from jaxkv.models.loading import Model
 from jaxkv.models.transformer import NO_FEATURES, Features
 from jaxkv.sampling import SamplerSpec, make_sampler, sample, sample_rows
@@ -117,15 +122,18 @@ class DecodeBatch:
 # ============================================================================ jit'd steps
 @functools.partial(
     jax.jit,
-    static_argnames=("graphdef", "n_read", "features"),
+    static_argnames=("graphdef", "n_read", "features", "mesh"),
     donate_argnames=("cache",),
 )
-def prefill_step(graphdef, params, cache: PagedKVCache, batch: PrefillBatch, *, n_read, features):
+def prefill_step(graphdef, params, cache: PagedKVCache, batch: PrefillBatch, *, n_read, features, mesh=None):
     """Prefill one chunk for the rows of ``batch`` (a ``PrefillBatch``).
 
+    With a ``mesh`` (the model's, ``jaxkv.models.sharding``) the batch is split over
+    ``dp``, the pool stays split by KV head, and the outputs come back replicated.
     Returns ``(logits [B,Y,V] at chunk indices logit_idx_BY, cache, aux)``.
     """
     model = nnx.merge(graphdef, params)
+    batch = batch if mesh is None else sharding.constrain_rows(batch, mesh)
     tables = take_rows(cache, batch.rows_B)
     T = batch.tokens_BT.shape[1]
     positions = tables.seq_len[:, None] + jnp.arange(T, dtype=jnp.int32)[None, :]
@@ -134,12 +142,15 @@ def prefill_step(graphdef, params, cache: PagedKVCache, batch: PrefillBatch, *, 
         batch.chunk_len_B, batch.slots_BT, features=features, q_row_idx_BR=batch.q_idx_BX, logits_idx_BY=batch.logit_idx_BY,
     )
     tables = append_tokens(tables, batch.slots_BT, batch.chunk_len_B)
-    return logits, put_rows(cache.replace(k=k, v=v), batch.rows_B, tables), aux
+    cache = put_rows(cache.replace(k=k, v=v), batch.rows_B, tables)
+    if mesh is not None:
+        (logits, aux), cache = sharding.replicate((logits, aux), mesh), constrain_cache(cache, mesh)
+    return logits, cache, aux
 
 
 @functools.partial(
     jax.jit,
-    static_argnames=("graphdef", "n_steps", "n_read", "spec", "backend", "return_logits", "teacher_forced", "features"),
+    static_argnames=("graphdef", "n_steps", "n_read", "spec", "backend", "return_logits", "teacher_forced", "features", "mesh"),
     donate_argnames=("cache",),
 )
 def decode_loop(
@@ -155,6 +166,7 @@ def decode_loop(
     return_logits=False,
     teacher_forced=False,
     features: Features = NO_FEATURES,
+    mesh=None,
 ):
     """Decode up to ``n_steps`` tokens for each row of ``batch`` (a ``DecodeBatch``).
 
@@ -168,11 +180,13 @@ def decode_loop(
     Returns ``(tokens [B,n], n_fed [B], cache, logits [B,n,V] or None, aux)``:
     ``aux["q_rows"]`` ``[n, L, B, Hq, D]`` (post-RoPE query of each fed token) and
     ``aux["mass_BN"]`` (attention mass each live-list entry received, mean over
-    layers and heads, summed over steps) when ``features`` asks.
+    layers and heads, summed over steps) when ``features`` asks. With a ``mesh``
+    (as ``prefill_step``) decode attention runs per device on its own KV heads
+    (``sharding.shard_heads``).
     """
     model = nnx.merge(graphdef, params)
     cfg = model.cfg
-    b = batch
+    b = batch if mesh is None else sharding.constrain_rows(batch, mesh)
     B = b.first_token_B.shape[0]
     logits_buf = jnp.zeros((B, n_steps if return_logits else 0, cfg.vocab_size), jnp.float32)
     aux0 = {}
@@ -182,6 +196,7 @@ def decode_loop(
         aux0["mass_BN"] = jnp.zeros((B, n_read), jnp.float32)
     keys_B = jax.random.wrap_key_data(b.key_data_B)
     attend = functools.partial(pallas.decode_attention, backend=backend)
+    attend = attend if mesh is None else sharding.shard_heads(attend, mesh)
 
     def cond(carry):
         step, _, _, _, _, active, _, _, _ = carry
@@ -218,7 +233,22 @@ def decode_loop(
     _, k_pool, v_pool, tables, tokens, _, _, logits_buf, aux = jax.lax.while_loop(cond, body, carry)
     fed = tables.seq_len - take_rows(cache, b.rows_B).seq_len
     cache = put_rows(cache.replace(k=k_pool, v=v_pool), b.rows_B, tables)
+    if mesh is not None:
+        (tokens, fed, logits_buf, aux), cache = sharding.replicate((tokens, fed, logits_buf, aux), mesh), constrain_cache(cache, mesh)
     return tokens, fed, cache, (logits_buf if return_logits else None), aux
+
+
+def cache_sharding(cache: PagedKVCache, mesh) -> PagedKVCache:
+    """Where each array of ``cache`` lives on ``mesh`` (a pytree of ``NamedSharding``):
+    the pool split by KV head (``sharding.POOL_SPEC``), the tables replicated."""
+    pool = NamedSharding(mesh, sharding.POOL_SPEC)
+    return jax.tree.map(lambda _: NamedSharding(mesh, PartitionSpec()), cache).replace(k=pool, v=pool)
+
+
+def constrain_cache(cache: PagedKVCache, mesh) -> PagedKVCache:
+    """Inside jit: keep ``cache`` in ``cache_sharding`` (a donated pool comes back
+    where it was, so its buffers are reused)."""
+    return jax.lax.with_sharding_constraint(cache, cache_sharding(cache, mesh))
 
 
 @functools.partial(jax.jit, static_argnames=("graphdef",))
@@ -372,7 +402,8 @@ class Engine:
             )
         self.max_positions = P
         self.allocator = SlotAllocator(num_slots or rows * P + 1)
-        self.cache = PagedKVCache.create(
+        create = functools.partial(
+            PagedKVCache.create,
             num_layers=cfg.num_layers,
             num_slots=self.allocator.num_slots,
             num_kv_heads=cfg.num_kv_heads,
@@ -381,6 +412,12 @@ class Engine:
             positions=P,
             dtype=model.dtype,
         )
+        self.mesh = model.mesh  # tensor / data parallel (jaxkv.models.sharding), or None
+        if self.mesh is None:
+            self.cache = create()
+        else:  # made in place on the mesh: no device ever holds the whole pool
+            self.cache = jax.jit(create, out_shardings=cache_sharding(jax.eval_shape(create), self.mesh))()
+        self.min_batch = sharding.axis_size(self.mesh, sharding.DP)  # every step's rows split evenly over dp
         self.prefill_chunk = int(prefill_chunk)
         self.backend = backend
         self.row_state: list[RequestState | None] = [None] * rows
@@ -509,7 +546,10 @@ class Engine:
         promotion_tables(state.slots, pos, np.ones(pos.size, np.int64))  # validate first
         fresh = self.allocate(pos.size, row)
         slots, live = promotion_tables(state.slots, pos, fresh)
-        self.cache = _write_rows(self.cache, jnp.asarray(fresh, jnp.int32), stage(np.asarray(k_LMKD)), stage(np.asarray(v_LMKD)))
+        k_LMKD, v_LMKD = np.asarray(k_LMKD), np.asarray(v_LMKD)
+        if self.mesh is None:  # pinned host memory is per device; on a mesh, jit sends each device its part
+            k_LMKD, v_LMKD = stage(k_LMKD), stage(v_LMKD)
+        self.cache = _write_rows(self.cache, jnp.asarray(fresh, jnp.int32), k_LMKD, v_LMKD)
         self.set_row_tables(row, slots, live)
         return fresh
 
@@ -557,7 +597,7 @@ class Engine:
         # Two chunk widths only (short pieces: a user message, a tool result; long:
         # a prompt), so batches of different pieces reuse a handful of compiles.
         C = self.prefill_chunk if max(p.size for p in pieces) > SHORT_CHUNK else min(SHORT_CHUNK, self.prefill_chunk)
-        B = bucket(len(jobs), minimum=1)
+        B = bucket(len(jobs), minimum=self.min_batch)
         R = self.rows
         rows = np.full(B, R, np.int32)
         tokens = np.zeros((B, C), np.int32)
@@ -577,7 +617,7 @@ class Engine:
             logit_idx[b] = np.arange(Y) if Y == C else piece.size - 1  # Y == 1: the last real token
         n_read = min(bucket(max(len(s.live) for s in states)), self.max_positions)
         batch = PrefillBatch(rows, tokens, counts, slots, q_idx, logit_idx)
-        logits, self.cache, aux = prefill_step(self.graphdef, self.params, self.cache, batch, n_read=n_read, features=features)
+        logits, self.cache, aux = prefill_step(self.graphdef, self.params, self.cache, batch, n_read=n_read, features=features, mesh=self.mesh)
         logits = np.asarray(logits)
         chunk_mass = np.asarray(aux["attn_mass"]) if features.attn_mass else None  # [L, B, Hq, n_read + C]
         chunk_q = np.asarray(aux["q_rows"]) if features.query_rows else None  # [L, B, X, Hq, D]
@@ -671,7 +711,7 @@ class Engine:
         fresh = self.allocator.allocate(total)  # raises before any change
         per_job = np.split(fresh, np.cumsum(steps)[:-1])
         states = [self._row(j.row) for j in jobs]
-        B = bucket(len(jobs), minimum=1)
+        B = bucket(len(jobs), minimum=self.min_batch)
         R = self.rows
         rows = np.full(B, R, np.int32)
         first = np.zeros(B, np.int32)
@@ -704,7 +744,7 @@ class Engine:
         tokens, fed, self.cache, logits, aux = decode_loop(
             self.graphdef, self.params, self.cache, batch,
             n_steps=n, n_read=n_read, spec=spec, backend=self.backend, return_logits=return_logits,
-            teacher_forced=any(j.forced is not None for j in jobs), features=features,
+            teacher_forced=any(j.forced is not None for j in jobs), features=features, mesh=self.mesh,
         )
         tokens, fed = np.asarray(tokens), np.asarray(fed)
         q_rows = np.asarray(aux["q_rows"]) if features.query_rows else None

@@ -7,13 +7,16 @@
   included); ``python -m MODULE ...`` and ``python path/to/script.py ...`` lines
   run the script's ``main`` with ``ArgumentParser.parse_args`` stopped right after
   parsing, so an unknown flag or a bad value fails here, without the minutes-long
-  run. ``make``, ``curl``, ``pip`` and ``cd`` lines are left to CI and the server
-  tests.
+  run. ``jupytext`` and ``papermill`` lines go through those tools' own parsers, the
+  notebook they name must be one of ``eval/notebooks`` and every ``-p NAME`` one of
+  its parameters. ``make``, ``curl``, ``pip`` and ``cd`` lines are left to CI and
+  the server tests.
 """
 
 from __future__ import annotations
 
 import argparse
+import ast
 import importlib
 import re
 import runpy
@@ -63,12 +66,42 @@ def _parse_only(argv: list[str], run) -> None:
         argparse.ArgumentParser.parse_args = real
 
 
+NOTEBOOK_TOOLS = ("jupytext", "papermill")
+
+
+def check_notebook_command(tool: str, args: list[str]) -> None:
+    """A ``jupytext``/``papermill`` line of the README: parsed by the tool's parser; the
+    notebook is a jupytext script of ``eval/notebooks`` (``X.ipynb`` is the pairing
+    of ``X.py``) and papermill's ``-p`` names are parameters of it."""
+    import jupytext
+
+    if tool == "jupytext":
+        from jupytext.cli import parse_jupytext_args
+
+        notebooks = parse_jupytext_args(args).notebooks
+        assert notebooks and all((README.parent / n).is_file() for n in notebooks), args
+        return
+    from papermill.cli import papermill as command
+
+    params = command.make_context("papermill", list(args)).params
+    name = Path(params["notebook_path"]).stem
+    script = README.parent / "eval" / "notebooks" / f"{name}.py"
+    assert script.is_file(), f"papermill runs {params['notebook_path']}, not a notebook of eval/notebooks"
+    (cell,) = [c for c in jupytext.read(script).cells if "parameters" in c.metadata.get("tags", [])]
+    known = {t.id for node in ast.parse(cell.source).body if isinstance(node, ast.Assign) for t in node.targets}
+    unknown = sorted({p for p, _ in params["parameters"]} - known)
+    assert not unknown, f"{name}: no parameters {unknown}"
+
+
 def check_command(line: str) -> None:
     words = shlex.split(line)
     while words and re.fullmatch(r"[A-Z_]+=\S*", words[0]):  # env assignments
         words.pop(0)
     prog, args = words[0], words[1:]
     if Path(prog).name in SKIPPED:
+        return
+    if Path(prog).name in NOTEBOOK_TOOLS:
+        check_notebook_command(Path(prog).name, args)
         return
     if Path(prog).name == "jaxkv":
         from jaxkv import cli
@@ -90,7 +123,7 @@ def test_readme_has_code_blocks():
 
 @pytest.mark.parametrize("line", [line for block in blocks("bash") for line in command_lines(block)])
 def test_readme_command_lines_parse(line, monkeypatch):
-    if not line.startswith(("python", "jaxkv", ".venv", "JAX_PLATFORMS")) and shlex.split(line)[0] not in SKIPPED:
+    if not line.startswith(("python", "jaxkv", ".venv", "JAX_PLATFORMS") + NOTEBOOK_TOOLS) and shlex.split(line)[0] not in SKIPPED:
         pytest.fail(f"README command of an unknown kind: {line}")
     first = shlex.split(line)
     if any(Path(w).name.startswith("python") and i + 1 < len(first) and first[i + 1].endswith(".py") for i, w in enumerate(first)):
@@ -99,6 +132,7 @@ def test_readme_command_lines_parse(line, monkeypatch):
     check_command(line)
 
 
+@pytest.mark.slow  # every example, sessions, servers and the multi-device subprocesses included
 @pytest.mark.skipif(not (EMBEDDED_DIR / "config.json").is_file(), reason="embedded model not installed")
 def test_readme_python_blocks_run():
     namespace: dict = {"__name__": "readme"}

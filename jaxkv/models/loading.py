@@ -33,6 +33,7 @@ from flax import nnx
 
 from jaxkv.config import ModelConfig
 from jaxkv.errors import CheckpointError, CheckpointNotFoundError
+from jaxkv.models import sharding
 from jaxkv.tensorfile import read_safetensors, write_safetensors  # noqa: F401  (re-exported)
 from jaxkv.models.transformer import Transformer
 
@@ -51,6 +52,8 @@ class Model:
       tokenizer: a ``transformers`` tokenizer when the folder has one, else None.
       dtype: parameter dtype (``jnp.float32`` or ``jnp.bfloat16``).
       path: the folder it was loaded from (None for in-memory models).
+      mesh: the ``jax.sharding.Mesh`` the weights are split over
+        (``jaxkv.models.sharding``), or None: one device.
     """
 
     config: ModelConfig
@@ -58,6 +61,7 @@ class Model:
     tokenizer: Any = None
     dtype: Any = jnp.float32
     path: Path | None = None
+    mesh: Any = None
 
     def split(self):
         """``(graphdef, params)``: split once, pass ``params`` to jit'd steps."""
@@ -167,11 +171,18 @@ def model_from_config(cfg: ModelConfig, dtype="float32", seed: int = 0, tokenize
     return Model(cfg, Transformer(cfg, dt, rngs=nnx.Rngs(seed)), tokenizer, dt)
 
 
-def load_model(path_or_repo_id, dtype="float32", *, load_tokenizer: bool = True) -> Model:
-    """Load a Llama / Qwen2 / Qwen3 HF checkpoint (see the module docstring)."""
+def load_model(path_or_repo_id, dtype="float32", mesh=None, *, load_tokenizer: bool = True) -> Model:
+    """Load a Llama / Qwen2 / Qwen3 HF checkpoint (see the module docstring).
+
+    With a ``mesh`` (``jaxkv.models.sharding``), each weight goes straight from the
+    memory-mapped file to its shards on the mesh's devices (tensor parallel over
+    ``tp``); ``None`` puts the model on the default device.
+    """
     dt = parse_dtype(dtype)
     folder = resolve_checkpoint(path_or_repo_id)
     cfg = read_config(folder)
+    if mesh is not None:
+        sharding.check_mesh(cfg, mesh)
     tensors = read_safetensors(folder)
 
     abstract = nnx.eval_shape(lambda: Transformer(cfg, dt, rngs=nnx.Rngs(0)))
@@ -195,7 +206,10 @@ def load_model(path_or_repo_id, dtype="float32", *, load_tokenizer: bool = True)
         arr = np.asarray(tensors[name])
         if transpose:
             arr = arr.T
-        _set(pure, path, jnp.asarray(arr.astype(np.float32) if arr.dtype != dt else arr, dtype=dt))
+        if mesh is None:
+            _set(pure, path, jnp.asarray(arr.astype(np.float32) if arr.dtype != dt else arr, dtype=dt))
+        else:
+            _set(pure, path, sharding.place(arr, path, mesh, dt))
     nnx.replace_by_pure_dict(state, pure)
     module = nnx.merge(graphdef, state)
 
@@ -204,7 +218,7 @@ def load_model(path_or_repo_id, dtype="float32", *, load_tokenizer: bool = True)
         from transformers import AutoTokenizer
 
         tokenizer = AutoTokenizer.from_pretrained(str(folder))
-    return Model(cfg, module, tokenizer, dt, folder)
+    return Model(cfg, module, tokenizer, dt, folder, mesh)
 
 
 def save_pretrained(model: Model, out_dir, *, hf_config: dict | None = None) -> Path:

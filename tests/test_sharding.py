@@ -1,0 +1,204 @@
+"""Tensor and data parallelism on 8 virtual CPU devices: sharded logits equal
+single-device logits, greedy generation is identical, weights and the KV pool are
+split by KV head / MLP width and stay so (donated) through the jit'd steps, the
+Pallas decode kernel runs per device, and a Session with eviction and RepairKV
+(and one with segment reuse) runs sharded with the same outcome as on one device; two processes joined by
+``jax.distributed`` (multi-host) match one device too.
+
+The device count is fixed when jax starts, so the measurements come from one
+subprocess (``tests/multidevice.py``) that this module runs once; each test
+asserts one behaviour on what it measured."""
+
+from __future__ import annotations
+
+import fcntl
+import json
+import os
+import socket
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+from jaxkv.models.sharding import MESH_AXIS, WEIGHT_AXES
+
+HERE = os.path.dirname(__file__)
+TOL = 1e-5  # fp32: sharded vs single device (only the all-reduce order differs)
+
+LOGITS_CASES = {
+    # name: (family, checkpoint overrides, tp, dp)
+    "qwen2_biases_dp4_tp2": ("qwen2", {}, 2, 4),
+    "qwen3_8kv_tp8": ("qwen3", {"num_attention_heads": 8, "num_key_value_heads": 8}, 8, 1),
+}
+
+
+def _run_subprocess(hf_checkpoint, tmp, out) -> None:
+    folders = {name: str(hf_checkpoint(fam, **over)[0]) for name, (fam, over, _, _) in LOGITS_CASES.items()}
+    cases = [dict(name=name, kind="logits", folder=folders[name], tp=tp, dp=dp) for name, (_, _, tp, dp) in LOGITS_CASES.items()]
+    cases += [  # Llama: GQA 4 and llama3 rope scaling
+        dict(name="kernel", kind="kernel", folder=str(hf_checkpoint("llama")[0]), tp=2, dp=2),
+        dict(name="session", kind="session", tp=2, dp=4),
+        dict(name="reuse", kind="reuse", tp=2, dp=2),
+        dict(name="errors", kind="errors", folder=folders["qwen2_biases_dp4_tp2"]),
+    ]
+    spec = tmp / "spec.json"
+    spec.write_text(json.dumps({"cases": cases}))
+    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+    env["JAX_PLATFORMS"] = "cpu"
+    proc = subprocess.run([sys.executable, os.path.join(HERE, "multidevice.py"), str(spec), str(tmp / "partial.json")],
+                          env=env, capture_output=True, text=True, timeout=900)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    os.replace(tmp / "partial.json", out)
+
+
+@pytest.fixture(scope="module")
+def measured(hf_checkpoint, tmp_path_factory):
+    """The subprocess's measurements, made once per test run: under xdist every worker
+    that gets a test of this module calls this fixture, so the workers share one
+    folder (the parent of their temp folders, unique to the run) and the first one
+    to take its lock runs the subprocess while the others wait for its output."""
+    base = tmp_path_factory.getbasetemp()
+    shared = base.parent if os.environ.get("PYTEST_XDIST_WORKER") else base
+    tmp, out = shared / "multidevice", shared / "multidevice" / "out.json"
+    tmp.mkdir(exist_ok=True)
+    with open(tmp / "lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if not out.is_file():
+            _run_subprocess(hf_checkpoint, tmp, out)
+    results = json.loads(out.read_text())
+    print("\nmultidevice subprocess, seconds per case: " + ", ".join(f"{k} {v['wall_s']:.1f}" for k, v in results.items()))
+    return results
+
+
+pytestmark = pytest.mark.slow
+
+
+@pytest.mark.parametrize("case", list(LOGITS_CASES))
+def test_sharded_logits_equal_single_device(measured, case):
+    m = measured[case]
+    assert m["devices"] == 8
+    _, _, tp, dp = LOGITS_CASES[case]
+    assert m["mesh"] == {"dp": dp, "tp": tp}
+    print(f"\n{case}: max |sharded - single| dense {m['dense_err']:.2e}, prefill {m['prefill_err']:.2e}, "
+          f"decode {m['decode_err']:.2e} (logits up to {m['dense_scale']:.1f})")
+    for what in ("dense", "prefill", "decode"):
+        assert m[f"{what}_err"] <= TOL, what
+
+
+@pytest.mark.parametrize("case", list(LOGITS_CASES))
+def test_greedy_generate_is_identical(measured, case):
+    m = measured[case]
+    assert [len(g) for g in m["generate_sharded"]] == [24, 24, 24]
+    assert m["generate_sharded"] == m["generate_single"]
+
+
+SPLIT_COLUMNS = ("q_proj", "k_proj", "v_proj", "gate_proj", "up_proj")  # kernels [M, heads x D or F]
+SPLIT_ROWS = ("o_proj", "down_proj")  # kernels [heads x D or F, M]
+
+
+def _expected_split(module: str, param: str, ndim: int) -> list:
+    """The mesh axis each dimension of a weight should be split over."""
+    if module in SPLIT_COLUMNS:
+        return [None, "tp"] if param == "kernel" else ["tp"]
+    if module in SPLIT_ROWS and param == "kernel":
+        return ["tp", None]
+    return [None] * ndim  # embeddings, norms, LM head, output biases: replicated
+
+
+@pytest.mark.parametrize("case", list(LOGITS_CASES))
+def test_weights_split_by_kv_head_and_mlp_width(measured, case):
+    """Every weight loaded with ``mesh=`` is placed by its role: q/k/v (and their
+    biases) by output column, o_proj by input row (heads); gate/up by column and
+    down by row (MLP width); everything else replicated."""
+    specs = measured[case]["weight_specs"]
+    for path, split in specs.items():
+        assert split == _expected_split(*path.split("/")[-2:], len(split)), path
+    n_split = sum("tp" in split for split in specs.values())
+    biases = 3 if LOGITS_CASES[case][0] == "qwen2" else 0
+    assert n_split == 2 * (7 + biases)  # 2 layers x (7 kernels + q/k/v biases)
+    assert set(MESH_AXIS) <= {a for axes in WEIGHT_AXES.values() for a in axes}
+
+
+@pytest.mark.parametrize("case", list(LOGITS_CASES))
+def test_pool_split_by_kv_head_and_donated(measured, case):
+    m = measured[case]
+    _, _, tp, dp = LOGITS_CASES[case]
+    L, S, K, D = m["pool_shape"]
+    assert m["pool_spec"] == "P(None, None, 'tp')"
+    assert m["pool_devices"] == tp * dp  # replicated over dp, split over tp
+    assert m["pool_shard_shape"] == [L, S, K // tp, D]
+    assert m["donated_sharded"] and m["donated_single"]  # the step reused the pool's buffers
+
+
+def test_pallas_decode_kernel_runs_per_device(measured):
+    """backend="interpret" (the Pallas TPU kernel) under shard_map on a dp x tp mesh
+    equals the one-device jnp reference."""
+    m = measured["kernel"]
+    print(f"\nsharded Pallas decode vs single-device reference: {m['decode_err']:.2e}")
+    assert m["decode_err"] <= TOL
+
+
+def test_session_with_eviction_and_repair_runs_sharded(measured):
+    single, sharded = measured["session"]["single"], measured["session"]["sharded"]
+    assert sum(len(p) for p in single["promoted"]) > 0  # repair did promote rows
+    assert single["kept"] and all(single["kept"])  # eviction ran
+    for key in ("replies", "promoted", "live_after", "kept", "host_tier_rows"):
+        assert sharded[key] == single[key], key
+    assert sharded["leak_free"] and single["leak_free"]
+    assert sharded["pool_spec"] == "P(None, None, 'tp')"  # still split after layouts, repairs and copies
+
+
+def test_segment_reuse_runs_sharded(measured):
+    """A spliced prefill on a dp 2 x tp 2 mesh accepts and splices what one device
+    does, gives its logits within 1e-5 and leaves the pool split."""
+    m = measured["reuse"]
+    print(f"\nspliced prefill, sharded vs one device: max logit error {m['logits_err']:.2e}")
+    assert m["single"]["accepted"] > 0 and m["single"]["spliced_tokens"] > 0  # reuse did splice
+    for key in ("accepted", "spliced_tokens"):
+        assert m["sharded"][key] == m["single"][key], key
+    assert m["logits_err"] <= TOL
+    assert m["sharded"]["pool_split"] == [None, None, "tp", None] and m["single"]["pool_split"] == [None] * 4
+
+
+def test_meshes_a_model_cannot_use_raise_config_error(measured):
+    errors = measured["errors"]
+    for name, expect in (("tp_not_dividing_kv_heads", "KV heads"), ("dp_not_power_of_two", "power of two"),
+                         ("unknown_axis", "mesh axes"), ("too_many_devices", "devices")):
+        assert errors[name] is not None, name
+        kind, message = errors[name]
+        assert kind == "ConfigError" and expect in message, (name, message)
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def test_two_processes_through_jax_distributed_match_one_device(hf_checkpoint, tmp_path):
+    """Multi-host as on a cluster, on this machine: two processes joined by
+    ``jax.distributed`` (2 CPU devices each, gloo collectives), ``dp`` across the
+    processes and ``tp`` within, each running the same program: both get the same
+    greedy tokens and logits as one device."""
+    folder = str(hf_checkpoint("qwen2")[0])
+    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+    env["JAX_PLATFORMS"] = "cpu"
+    port = _free_port()
+    outs = [tmp_path / f"process{i}.json" for i in range(2)]
+    procs = [subprocess.Popen([sys.executable, os.path.join(HERE, "multidevice.py"), "--process", str(i), str(port), folder, str(outs[i])],
+                              env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True) for i in range(2)]
+    try:
+        logs = [p.communicate(timeout=600)[0] for p in procs]
+    finally:
+        for p in procs:
+            p.kill()
+    assert [p.returncode for p in procs] == [0, 0], "\n".join(log[-3000:] for log in logs)
+    first, second = (json.loads(o.read_text()) for o in outs)
+    assert (first["processes"], first["devices"], first["local_devices"]) == (2, 4, 2)
+    assert first["tp_groups_within_a_process"]  # make_mesh keeps the per-layer all-reduces inside a host
+    assert first["sharded"]["generate"] == second["sharded"]["generate"] == first["single"]["generate"]
+    assert first["sharded"]["logits"] == second["sharded"]["logits"]  # every process holds the same outputs
+    err = max(np.abs(np.asarray(a) - np.asarray(b)).max() for a, b in zip(first["sharded"]["logits"], first["single"]["logits"]))
+    print(f"\ntwo processes (dp) x 2 devices (tp) vs one device: max logit error {err:.2e}")
+    assert err <= TOL
