@@ -35,7 +35,7 @@ def model():
 
 @pytest.fixture(scope="module")
 def doc():
-    return shared_corpus(5, n_docs=2, records=12, filler_tokens=24)[0]
+    return shared_corpus(5, n_shelves=1, length=1400)[0]  # 14 records
 
 
 def conversation(doc, history: int):

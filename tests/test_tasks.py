@@ -217,3 +217,48 @@ def test_long_examples_stay_unique_when_the_pools_run_short():
         # document ids that head their document
         assert all(idents.count(i) <= 2 for i in idents)
         assert abs(ex.approx_tokens() - 8192) < 0.05 * 8192
+
+
+# sha256 (first 16 hex digits) of the generated examples, pinned before the shelf
+# path of ``one_trace`` (``jaxkv.tasks.shared_docs``) existed: agent traces, and so
+# the embedded model's training data and every agent result, are unchanged by it.
+AGENT_DIGESTS = {
+    (12, 3, 1500, None, None): "e971a0a7da24456f",
+    (4, 4, 4096, 3, True): "d202cfd83d1835fc",
+    (6, 1 << 30, 2048, None, None): "312b139b7a1d81ce",
+    (6, 99, 1100, 1, False): "e2554855072a2548",
+}
+
+
+@pytest.mark.parametrize("args", sorted(AGENT_DIGESTS, key=str))
+def test_agent_traces_are_byte_identical_for_fixed_seeds(args):
+    import dataclasses
+    import hashlib
+
+    n, seed, length, n_docs, registry = args
+    exs = agent_traces(n, seed, length=length, n_docs=n_docs, registry=registry)
+    blob = json.dumps([dataclasses.asdict(e) for e in exs], sort_keys=True).encode()
+    assert hashlib.sha256(blob).hexdigest()[:16] == AGENT_DIGESTS[args]
+
+
+def test_shared_docs_sessions_are_agent_traces_over_a_shared_corpus():
+    from jaxkv.tasks import shared_corpus, shared_docs
+    from jaxkv.tasks.agent import opened_documents
+
+    corpus = {d.doc_id: d for d in shared_corpus(0)}
+    assert len(corpus) == 12 and len({d.project for d in corpus.values()}) == 4
+    for ex in shared_docs(30, 5):
+        assert ex.task == "shared_docs"
+        for d in opened_documents(ex):
+            assert d == corpus[d.doc_id]  # verbatim, with the corpus's records
+        # identifiers unique within the session: each occurs once in the tool responses
+        # (less the documents' headers, which repeat their search result, and the
+        # registry's needle, which repeats the first value)
+        tool_text = "\n".join(m["content"].split("\n", 1)[1] if m["name"] == "open" else m["content"]
+                              for m in ex.messages if m["role"] == "tool")
+        if ex.labels["registry"]:
+            tool_text = tool_text.replace(f"\n{ex.labels['values'][0]}: {ex.labels['resolved']}\n", "\n")
+        for ident in set(re.findall(r"\b[kvd]\d{3}\b", tool_text)):
+            assert len(re.findall(rf"\b{ident}\b", tool_text)) == 1, ident
+        for key, value in zip(ex.labels["keys"], ex.labels["values"]):
+            assert f"{key}: {value}" in tool_text

@@ -37,11 +37,26 @@ that is not the skeleton is distractor records, split between the search results
 and the documents / registry table (the rest, evenly). Identifiers come from fixed
 pools (``jaxkv.tasks.words``); past the pools' capacity the rest of each table is
 filler sentences.
+
+Documents from a corpus (``one_trace(..., shelves=...)``, the segment-reuse workload
+``jaxkv.tasks.shared_docs``): the same builder, with the opened documents taken from
+a ``Shelf`` (documents of one project with distinct topics, keys, values and ids,
+themselves the documents of a generated trace) instead of generated for the trace:
+the trace draws a shelf and 1-3 of its documents in its own order; project, topics,
+document ids and document texts are the shelf's, each needle is a record of its
+document drawn by the trace, and everything else (tools, search results, registry,
+reasoning, answer, their sizes from ``table_sizes``) is drawn as for a generated
+trace, from an identifier pool without the shelf's identifiers, so identifiers stay
+unique within the trace. Without ``shelves`` a trace is what it always was: the
+random draws are the same, in the same order, so every seed gives the same trace
+byte for byte (``tests/test_tasks.py`` pins digests).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import random
+import re
 
 from jaxkv.tasks.example import (
     Example,
@@ -83,17 +98,70 @@ def _records(rng: random.Random, needle: str, n_records: int, filler_tokens: int
     return "\n".join(lines), at
 
 
-def one_trace(seed: int, length: int = 2048, n_docs: int | None = None, registry: bool | None = None) -> Example:
-    """One agent trace (see the module docstring); ``n_docs`` in 1..3, ``registry`` on/off."""
+@dataclasses.dataclass(frozen=True)
+class Document:
+    """One corpus document: id, project, topic, its ``(key, value)`` records in text
+    order, and ``text`` (the ``open`` tool response, verbatim)."""
+
+    doc_id: str
+    project: str
+    topic: str
+    records: tuple
+    text: str
+
+
+@dataclasses.dataclass(frozen=True)
+class Shelf:
+    """Documents of one project with pairwise distinct topics, keys, values and ids."""
+
+    project: str
+    docs: tuple
+
+    @property
+    def identifiers(self) -> frozenset:
+        return frozenset(x for d in self.docs for x in (d.doc_id, *(i for rec in d.records for i in rec)))
+
+
+def opened_documents(example: Example) -> list[Document]:
+    """The documents ``example`` opens, in order, parsed from its ``open`` responses."""
+    out = []
+    for i, m in enumerate(example.messages):
+        if m["role"] == "tool" and m["name"] == "open":
+            doc_id = example.messages[i - 1]["tool_calls"][0]["function"]["arguments"]["doc_id"]
+            header = m["content"].split("\n", 1)[0]  # "Document d123: <project> <topic> report"
+            project, topic = header.split(": ", 1)[1].rsplit(" report", 1)[0].split(" ", 1)
+            records = tuple(tuple(line.split(": ")) for line in m["content"].split("\n")[1:-1] if _RECORD_RE.fullmatch(line))
+            out.append(Document(doc_id, project, topic, records, m["content"]))
+    return out
+
+
+_RECORD_RE = re.compile(r"k\d{3}: v\d{3}")
+
+
+def one_trace(seed: int, length: int = 2048, n_docs: int | None = None, registry: bool | None = None,
+              shelves: list[Shelf] | None = None) -> Example:
+    """One agent trace (see the module docstring); ``n_docs`` in 1..3, ``registry`` on/off;
+    with ``shelves``, the documents are a shelf's (a ``"shared_docs"`` example)."""
     rng = random.Random(seed)
     ids = IdentifierPool(rng)
     n_docs = n_docs if n_docs is not None else rng.randint(1, 3)
     registry = registry if registry is not None else rng.random() < 0.6
-    project = rng.choice(PROJECTS)
-    topics = rng.sample(TOPICS, n_docs)
-    keys = [ids.key() for _ in topics]
-    values = [ids.value() for _ in topics]
-    doc_ids = [ids.doc_id() for _ in topics]
+    if shelves is None:
+        project = rng.choice(PROJECTS)
+        topics = rng.sample(TOPICS, n_docs)
+        keys = [ids.key() for _ in topics]
+        values = [ids.value() for _ in topics]
+        doc_ids = [ids.doc_id() for _ in topics]
+        texts = [None] * n_docs
+    else:
+        shelf = shelves[rng.randrange(len(shelves))]
+        if n_docs > len(shelf.docs):
+            raise ValueError(f"{n_docs} documents asked of a shelf of {len(shelf.docs)}")
+        ids.exclude(shelf.identifiers)
+        opened = rng.sample(shelf.docs, n_docs)
+        project, topics, doc_ids, texts = shelf.project, [d.topic for d in opened], [d.doc_id for d in opened], [d.text for d in opened]
+        wanted = [rng.choice(d.records) for d in opened]
+        keys, values = [k for k, _ in wanted], [v for _, v in wanted]
     resolved = ids.value() if registry else None
 
     used = ["search", "open"] + (["lookup"] if registry else [])
@@ -134,16 +202,19 @@ def one_trace(seed: int, length: int = 2048, n_docs: int | None = None, registry
                          "content": f"Search results for {query}:\n" + "\n".join(lines) + f"\n{SEARCH_FOOTER}"})
 
         previous = "the search"
-        for key, value, d, t in zip(keys, values, doc_ids, topics):
+        for key, value, d, t, text in zip(keys, values, doc_ids, topics, texts):
             messages.append({
                 "role": "assistant", "content": "",
                 "reasoning_content": f"After {previous}, next is {t} {key}. {project} {t}: {d}",
                 "tool_calls": [tool_call("open", doc_id=d)],
             })
-            body, at = _records(r, f"{key}: {value}", n_records, filler_tokens, lambda: f"{pool.key()}: {pool.value()}")
+            if text is None:
+                body, at = _records(r, f"{key}: {value}", n_records, filler_tokens, lambda: f"{pool.key()}: {pool.value()}")
+                text = f"Document {d}: {project} {t} report\n{body}\nEnd of the {t} report."
+            else:
+                at = text.split("\n").index(f"{key}: {value}") - 1
             labels["needle_lines"].append(at)
-            messages.append({"role": "tool", "name": "open",
-                             "content": f"Document {d}: {project} {t} report\n{body}\nEnd of the {t} report."})
+            messages.append({"role": "tool", "name": "open", "content": text})
             previous = t
 
         # "topic k: v" per record, in the user's order and with the user's separators:
@@ -173,15 +244,7 @@ def one_trace(seed: int, length: int = 2048, n_docs: int | None = None, registry
         return messages, labels
 
     skeleton, _ = build(0, 0)
-    budget = max(0, length - conversation_tokens(skeleton, tools))
-    record_tokens = approx_tokens("k123: v123\n")
-    search_tokens = approx_tokens(f"{project} budget records: d123\n")
-    n_search = min(ids.left("d"), max(MIN_SEARCH_DISTRACTORS, int(budget * SEARCH_SHARE / search_tokens)))
-    n_tables = n_docs + int(registry)
-    table_tokens = max(MIN_RECORD_DISTRACTORS * record_tokens, int(budget * (1 - SEARCH_SHARE) / n_tables))
-    # Records per table, capped so the key and value pools last for every table.
-    n_records = min(table_tokens // record_tokens, ids.left("k") // n_docs, ids.left("v") // (n_docs + 2 * int(registry)))
-    messages, labels = build(n_search, n_records, table_tokens - n_records * record_tokens)
+    messages, labels = build(*table_sizes(ids, project, length - conversation_tokens(skeleton, tools), n_docs, registry))
 
     targets = []
     for i, m in enumerate(messages):
@@ -194,7 +257,22 @@ def one_trace(seed: int, length: int = 2048, n_docs: int | None = None, registry
         else:
             targets.append(scored(messages, i, "answer", m["content"], labels["answer_values"]))
     labels.update(n_docs=n_docs, registry=registry)
-    return Example("agent_traces", seed, messages, tools, targets, labels)
+    return Example("agent_traces" if shelves is None else "shared_docs", seed, messages, tools, targets, labels)
+
+
+def table_sizes(ids: IdentifierPool, project: str, budget: int, n_docs: int, registry: bool) -> tuple[int, int, int]:
+    """``(search distractors, records per table, filler tokens per table)`` of a trace
+    with ``budget`` tokens beyond its skeleton: 15% to the search results, the rest
+    evenly to the documents and the registry, records capped so the pools last."""
+    budget = max(0, budget)
+    record_tokens = approx_tokens("k123: v123\n")
+    search_tokens = approx_tokens(f"{project} budget records: d123\n")
+    n_search = min(ids.left("d"), max(MIN_SEARCH_DISTRACTORS, int(budget * SEARCH_SHARE / search_tokens)))
+    n_tables = n_docs + int(registry)
+    table_tokens = max(MIN_RECORD_DISTRACTORS * record_tokens, int(budget * (1 - SEARCH_SHARE) / n_tables))
+    # Records per table, capped so the key and value pools last for every table.
+    n_records = min(table_tokens // record_tokens, ids.left("k") // n_docs, ids.left("v") // (n_docs + 2 * int(registry)))
+    return n_search, n_records, table_tokens - n_records * record_tokens
 
 
 def agent_traces(n: int, seed: int, length: int = 2048, n_docs: int | None = None,

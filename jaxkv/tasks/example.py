@@ -149,6 +149,12 @@ class IdentifierPool:
         """Identifiers of pool ``prefix`` (``"k"``, ``"v"``, ``"d"``) not yet drawn."""
         return len(self._left[prefix])
 
+    def exclude(self, identifiers) -> None:
+        """Never draw ``identifiers`` (those an example takes from elsewhere)."""
+        gone = set(identifiers)
+        for prefix, left in self._left.items():
+            left[:] = [x for x in left if x not in gone]
+
     def draw(self, prefix: str) -> str:
         left = self._left[prefix]
         if not left:
