@@ -321,11 +321,16 @@ def _grid(methods, budgets, layouts, tasks, repair_ks, repair_policies) -> list[
 
 # ----------------------------------------------------------------------------- running a grid
 def cell_key(cell: Cell) -> str:
-    """A cell's journal key: its fields in order. A cell with the reuse stage off
-    (``reuse == "-"``) keeps the key it had before ``Cell.reuse`` existed, so the
-    journals written then still resume."""
+    """A cell's journal key: its fields in order. Fields added later are left out
+    while they hold their defaults, so older journals still resume: a full-precision
+    cell (``kv_quant == "none"``, ``kv_bits`` None) keys as before those fields
+    existed, and one with the reuse stage off (``reuse == "-"``) also as before
+    ``Cell.reuse`` did."""
     fields = dataclasses.astuple(cell)
-    return json.dumps(fields[:-1] if cell.reuse == "-" else fields)
+    base, (kv_quant, kv_bits, reuse) = fields[:-3], fields[-3:]
+    if kv_quant != "none" or kv_bits is not None:
+        return json.dumps(fields)
+    return json.dumps(base if reuse == "-" else base + (reuse,))
 
 
 def read_journal(path: Path):
