@@ -164,7 +164,7 @@ def main(argv=None) -> str:
             lines += ["", "### Decode (same run)", ""] + decode_table(tm, model, n_params, args.steps, (512, 4096), (1, 8))
     load = os.getloadavg()
     lines += ["", f"Load average (1/5/15 min) at the end of the run: {load[0]:.2f} / {load[1]:.2f} / {load[2]:.2f} "
-              f"(about 0 on an idle machine; other jobs running would show here)."]
+              f"(the bench itself keeps about 2 on these 2 cores; other jobs running would push it higher)."]
     print(lines[-1], flush=True)
     text = "\n".join(lines) + "\n"
     if args.out:
