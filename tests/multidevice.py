@@ -170,7 +170,7 @@ def reuse_case(case) -> dict:
     from jaxkv.tasks import shared_corpus
     from test_reuse import chat, conversation
 
-    doc = shared_corpus(5, n_docs=2, records=12, filler_tokens=24)[0]
+    doc = shared_corpus(5, n_shelves=1, length=1400)[0]  # the document test_reuse uses
     single = jaxkv.load_model("embedded")
     out = {}
     for name, model in (("single", single), ("sharded", shard_model(single, make_mesh(tp=case["tp"], dp=case["dp"])))):
