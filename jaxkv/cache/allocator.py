@@ -98,16 +98,27 @@ class SlotAllocator:
 
     # -- validation ----------------------------------------------------------
     def _check_ids(self, slots: np.ndarray) -> None:
-        bad = (slots < 0) | (slots >= self.num_slots)
-        if bad.any():
-            raise SlotError(f"slot ids out of range [0, {self.num_slots}): {slots[bad][:8].tolist()}")
-        if (slots == SENTINEL_SLOT).any():
-            raise SlotError("the sentinel slot 0 is never referenced or released")
+        check_slot_ids(slots, self.num_slots)
 
     def _as_ids(self, slots) -> np.ndarray:
-        arr = np.asarray(slots)
-        if arr.size and not np.issubdtype(arr.dtype, np.integer):
-            raise SlotError(f"slot ids must be integers, got dtype {arr.dtype}")
-        arr = arr.astype(np.int64).reshape(-1)
-        self._check_ids(arr)
-        return arr
+        return as_slot_ids(slots, self.num_slots)
+
+
+def check_slot_ids(slots: np.ndarray, num_slots: int) -> None:
+    """``SlotError`` unless every id is a real slot of a pool of ``num_slots``
+    (in range, and not the sentinel): the one check of every allocator."""
+    bad = (slots < 0) | (slots >= num_slots)
+    if bad.any():
+        raise SlotError(f"slot ids out of range [0, {num_slots}): {slots[bad][:8].tolist()}")
+    if (slots == SENTINEL_SLOT).any():
+        raise SlotError("the sentinel slot 0 is never referenced or released")
+
+
+def as_slot_ids(slots, num_slots: int) -> np.ndarray:
+    """``slots`` as a flat int64 array of checked slot ids (``SlotError`` otherwise)."""
+    arr = np.asarray(slots)
+    if arr.size and not np.issubdtype(arr.dtype, np.integer):
+        raise SlotError(f"slot ids must be integers, got dtype {arr.dtype}")
+    arr = arr.astype(np.int64).reshape(-1)
+    check_slot_ids(arr, num_slots)
+    return arr

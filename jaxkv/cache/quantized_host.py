@@ -52,7 +52,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxkv.buckets import bucket
-from jaxkv.cache.allocator import SENTINEL_SLOT
+from jaxkv.cache.allocator import SENTINEL_SLOT, as_slot_ids, check_slot_ids
 from jaxkv.cache.quantized import (
     FLOAT,
     INT2,
@@ -210,19 +210,10 @@ class DualAllocator:
 
     # -- validation ------------------------------------------------------------------
     def _check_ids(self, slots: np.ndarray) -> None:
-        bad = (slots < 0) | (slots >= self.num_slots)
-        if bad.any():
-            raise SlotError(f"slot ids out of range [0, {self.num_slots}): {slots[bad][:8].tolist()}")
-        if (slots == SENTINEL_SLOT).any():
-            raise SlotError("the sentinel slot 0 is never referenced or released")
+        check_slot_ids(slots, self.num_slots)
 
     def _as_ids(self, slots) -> np.ndarray:
-        arr = np.asarray(slots)
-        if arr.size and not np.issubdtype(arr.dtype, np.integer):
-            raise SlotError(f"slot ids must be integers, got dtype {arr.dtype}")
-        arr = arr.astype(np.int64).reshape(-1)
-        self._check_ids(arr)
-        return arr
+        return as_slot_ids(slots, self.num_slots)
 
 
 # ============================================================================ plans
