@@ -13,6 +13,9 @@ Public entry points (stable names):
   served many at once by one scheduler (continuous batching).
 * ``policies``: the retention methods (``policies.REGISTRY``).
 * ``Engine``: the paged-cache engine the above are built on.
+* ``tasks``: the synthetic agent tasks (agent traces, MQ-NIAH, shared docs);
+  ``server``: the OpenAI-compatible HTTP layer (needs the ``serve`` extra). Both
+  are imported on first use, so ``import jaxkv`` stays light.
 
 Shape letters used across the code: B batch, T chunk tokens, N live-list length,
 P positions, S pool slots, R cache rows, L layers, Hq / Hkv (K) heads, G group,
@@ -44,6 +47,18 @@ from jaxkv.errors import (
 from jaxkv.models.loading import Model, load_model, model_from_config, save_pretrained
 from jaxkv.serving import ChatTurn, Server, Session, TurnResult
 
+_LAZY_SUBMODULES = ("tasks", "server")
+
+
+def __getattr__(name: str):
+    """``jaxkv.tasks`` / ``jaxkv.server`` on first use (the server pulls in FastAPI)."""
+    if name in _LAZY_SUBMODULES:
+        import importlib
+
+        return importlib.import_module(f"jaxkv.{name}")
+    raise AttributeError(f"module 'jaxkv' has no attribute {name!r}")
+
+
 __all__ = [
     "ChatTurn",
     "Engine",
@@ -51,6 +66,7 @@ __all__ = [
     "Session",
     "TurnResult",
     "policies",
+    "tasks",
     "Model",
     "generate",
     "load_model",
