@@ -32,7 +32,14 @@ reported (the served turns were batched with up to ``--clients`` others).
 Usage:
   python eval/bench_server.py [--seconds 60] [--clients 16] [--warmup 60] [--length 1024]
       [--max-tokens 96] [--traces 200] [--policy P --budget B --repair K] [--out FILE.md]
-      [--stage all|serve|check]
+      [--stage all|serve|check] [--model embedded|qwen3-125m|FOLDER]
+
+The embedded model is KV-bound (4.4 MB of weights against ~4-8 MB of KV per row
+per decode step), so a batched step costs about as much per token as a single
+row's and concurrency buys little on it; ``--model qwen3-125m`` serves a random
+model whose weights dominate a step, as a real checkpoint's do (its replies are
+random text: the traces still replay teacher-forced, and the offline check still
+compares every reply).
 
 ``--stage serve`` runs the served phases and saves them (``FILE.phases.json``);
 ``--stage check`` then runs the offline check and writes the report, so the two
@@ -67,7 +74,7 @@ def free_port() -> int:
 
 
 def start_server(args, port: int) -> subprocess.Popen:
-    cmd = [sys.executable, "-m", "jaxkv.cli", "serve", "--model", args.model, "--host", "127.0.0.1", "--port", str(port),
+    cmd = [sys.executable, "-m", "jaxkv.cli", "serve", "--model", checkpoint(args.model), "--host", "127.0.0.1", "--port", str(port),
            "--rows", str(args.clients), "--max-queue", str(4 * args.clients), "--max-tokens", str(args.max_tokens),
            "--log-level", "warning"]
     if args.policy:
@@ -77,6 +84,28 @@ def start_server(args, port: int) -> subprocess.Popen:
     root = Path(__file__).resolve().parent.parent
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(root), os.environ.get("PYTHONPATH")]))}
     return subprocess.Popen(cmd, env=env)
+
+
+def checkpoint(model: str) -> str:
+    """The folder ``jaxkv serve --model`` gets. ``qwen3-125m`` is the random ~125M
+    Qwen3 body of ``eval/bench_decode.py`` with the task tokenizer and its
+    1,909-token vocabulary (so every generated id prints; 78M parameters),
+    exported once to the temp folder (seed 0: the same weights every time);
+    any other name is passed through (a checkpoint folder, or ``embedded``)."""
+    if model != "qwen3-125m":
+        return model
+    import tempfile
+
+    folder = Path(tempfile.gettempdir()) / "jaxkv-bench-qwen3-125m-v1909"
+    if not (folder / "config.json").exists():
+        from eval.bench_serving import random_qwen3_125m
+        from jaxkv.models.loading import save_pretrained
+        from jaxkv.tasks import embedded_tokenizer
+
+        partial = folder.with_name(folder.name + ".partial")
+        save_pretrained(random_qwen3_125m(vocab_size=len(embedded_tokenizer())), partial)
+        partial.rename(folder)
+    return str(folder)
 
 
 def wait_healthy(url: str, proc: subprocess.Popen, timeout: float = 300.0) -> None:
@@ -201,7 +230,7 @@ def verify_offline(phases, examples_by_seed, args) -> dict:
     """Replay every served session alone on an in-process Server; compare replies."""
     import jaxkv
 
-    model = jaxkv.load_model(args.model)
+    model = jaxkv.load_model(checkpoint(args.model))
     options = {}
     if args.policy:
         options.update(policy=args.policy, budget=args.budget, layout="dead_slot")
@@ -274,7 +303,8 @@ def report(args, phases, check, command: str) -> str:
 
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--model", default="embedded", help="checkpoint with a tokenizer (default: the embedded agent model)")
+    p.add_argument("--model", default="embedded", help="checkpoint with a tokenizer (default: the embedded agent model), "
+                   "or qwen3-125m: a random ~125M Qwen3 body with the task tokenizer, built once into the temp folder")
     p.add_argument("--seconds", type=float, default=60.0, help="length of each phase")
     p.add_argument("--clients", type=int, default=16, help="concurrent clients of the second phase (and server rows)")
     p.add_argument("--warmup", type=float, default=60.0, help="seconds of unmeasured load first (1 client for a third of it, then --clients)")

@@ -50,12 +50,6 @@ import jaxkv  # noqa: E402
 from eval.harness import EVAL_SEED_BASE  # noqa: E402
 
 SERVING_SEED = EVAL_SEED_BASE + 5_000  # held out, disjoint from the harness's examples
-QWEN3_125M = dict(
-    vocab_size=32000, hidden_size=768, intermediate_size=2048, num_layers=12, num_heads=12, num_kv_heads=4,
-    head_dim=64, qk_norm=True, max_position_embeddings=8192, rope_theta=1_000_000.0,
-)
-
-
 MAX_WARMUP_PASSES = 5
 MAX_LEVEL_TRIES = 3
 COMPILES = [0]
@@ -64,19 +58,27 @@ jax.monitoring.register_event_duration_secs_listener(
 )
 
 
+def random_qwen3_125m(vocab_size: int | None = None) -> "jaxkv.Model":
+    """The random ~125M Qwen3 of ``eval/bench_decode.py`` (seed 0) with the task
+    tokenizer and ``<|im_end|>`` as its stop token. ``vocab_size`` replaces the
+    32k vocabulary (the server bench passes the tokenizer's own, so that every
+    generated id prints as text)."""
+    from eval.bench_decode import QWEN3_125M
+    from jaxkv.config import ModelConfig
+    from jaxkv.tasks import embedded_tokenizer
+
+    tok = embedded_tokenizer()
+    hf = {**QWEN3_125M, "model_type": "qwen3", "eos_token_id": tok.convert_tokens_to_ids("<|im_end|>")}
+    if vocab_size is not None:
+        hf["vocab_size"] = vocab_size
+    return jaxkv.model_from_config(ModelConfig.from_hf(hf), seed=0, tokenizer=tok)
+
+
 def load(name: str):
     if name == "embedded":
         return jaxkv.load_model("embedded"), 64
     if name == "qwen3-125m":
-        from jaxkv.config import ModelConfig, RopeConfig
-        from jaxkv.tasks import embedded_tokenizer
-
-        tok = embedded_tokenizer()
-        theta = QWEN3_125M["rope_theta"]
-        cfg = ModelConfig(model_type="qwen3", rope=RopeConfig(theta=theta), tie_word_embeddings=False,
-                          eos_token_ids=(tok.convert_tokens_to_ids("<|im_end|>"),),
-                          **{k: v for k, v in QWEN3_125M.items() if k != "rope_theta"})
-        return jaxkv.model_from_config(cfg, seed=0, tokenizer=tok), 128
+        return random_qwen3_125m(), 128
     raise jaxkv.ConfigError(f"unknown model {name!r}; known: embedded, qwen3-125m")
 
 

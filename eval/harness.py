@@ -209,6 +209,8 @@ def replay_cell(model, examples, cell: Cell, *, max_new_tokens: int, max_positio
             stage = session._stage("reuse")
             metrics = dict(metrics, reuse_reports=list(stage.reports) if stage is not None else [],
                            kv=kv_summary(model, session))
+            if server is None:
+                session.close()  # its private server (pool, scheduler thread) goes now, not at exit
             if progress is not None:
                 progress(1)
             yield verdicts, done, metrics

@@ -670,15 +670,24 @@ class Engine:
         return self.allocator.release(rest)
 
     def step_prefill(self, jobs: Sequence[PrefillJob]) -> None:
-        """Advance every unfinished job by one chunk, in one ``prefill_step``."""
-        jobs = [j for j in jobs if not j.finished]
-        if not jobs:
-            return
+        """Advance every unfinished job by one chunk: one ``prefill_step`` per chunk
+        width. Two widths only (short pieces: a user message, a tool result; long:
+        a prompt), so batches of different pieces reuse a handful of compiles, and
+        a short piece batched with a long one is not padded to the long width (the
+        step's cost is rows x width x read window)."""
+        short_width = min(SHORT_CHUNK, self.prefill_chunk)
+        by_width: dict[int, list[PrefillJob]] = {}
+        for j in jobs:
+            if not j.finished:
+                piece = min(j.tokens.size - j.done, self.prefill_chunk)
+                by_width.setdefault(short_width if piece <= short_width else self.prefill_chunk, []).append(j)
+        for C, group in sorted(by_width.items()):
+            self._prefill_chunk(group, C)
+
+    def _prefill_chunk(self, jobs: Sequence[PrefillJob], C: int) -> None:
+        """One ``prefill_step`` of the next piece (at most ``C`` tokens) of each job."""
         states = [self._row(j.row) for j in jobs]
-        pieces = [j.tokens[j.done : j.done + self.prefill_chunk] for j in jobs]
-        # Two chunk widths only (short pieces: a user message, a tool result; long:
-        # a prompt), so batches of different pieces reuse a handful of compiles.
-        C = self.prefill_chunk if max(p.size for p in pieces) > SHORT_CHUNK else min(SHORT_CHUNK, self.prefill_chunk)
+        pieces = [j.tokens[j.done : j.done + C] for j in jobs]
         B = bucket(len(jobs), minimum=self.min_batch)
         R = self.rows
         rows = np.full(B, R, np.int32)

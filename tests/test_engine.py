@@ -85,6 +85,28 @@ def test_prefix_with_holes_is_neither_read_nor_refilled(qwen3):
     assert _rel(got, ref) <= 1e-4
 
 
+def test_short_piece_batched_with_a_long_one_keeps_its_own_width(qwen3, monkeypatch):
+    """One prefill step per chunk width: a 40-token piece next to a 300-token prompt
+    runs at width 128 (not padded to 512) and gets its solo logits bit for bit."""
+    import jaxkv.engine as engine_mod
+
+    rng = np.random.default_rng(3)
+    long_prompt, short_prompt = rng.integers(0, 1024, 300).tolist(), rng.integers(0, 1024, 40).tolist()  # model context: 512
+    solo = jaxkv.Engine(qwen3, rows=2, max_positions=512, prefill_chunk=512)
+    ref = solo.prefill([solo.open_row()], [short_prompt], all_logits=True)[0]
+    widths = []
+    real_step = engine_mod.prefill_step
+    monkeypatch.setattr(engine_mod, "prefill_step", lambda *a, **k: (widths.append(a[3].tokens_BT.shape), real_step(*a, **k))[1])
+    engine = jaxkv.Engine(qwen3, rows=2, max_positions=512, prefill_chunk=512)
+    a, b = engine.open_row(), engine.open_row()
+    jobs = [engine.start_prefill(a, long_prompt), engine.start_prefill(b, short_prompt, all_logits=True)]
+    engine.step_prefill(jobs)
+    assert all(j.finished for j in jobs)
+    assert sorted(w[1] for w in widths) == [128, 512] and all(w[0] == 1 for w in widths)
+    got = np.concatenate(jobs[1].logits)
+    assert got.shape == ref.shape and (got == ref).all()
+
+
 def test_out_of_slots_changes_nothing(qwen3):
     engine = jaxkv.Engine(qwen3, rows=2, max_positions=64, num_slots=50)
     row = engine.open_row()

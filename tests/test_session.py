@@ -116,3 +116,37 @@ def test_bad_input(agent_model):
     # Nothing leaked: no row open, no slot held.
     assert session.server.engine.allocator.num_used == session.server.radix.held_slots().size
     assert all(r is None for r in session.server.engine.row_state)
+
+
+def test_private_server_stops_with_its_session(agent_model):
+    """A session's private server (its scheduler thread holds the pool) stops on
+    close, and when the session is dropped without close; a shared one keeps going."""
+    import gc
+    import weakref
+
+    conv = [{"role": "user", "content": "weather in paris"}]
+    session = Session(agent_model, max_positions=256)
+    session.chat(conv, max_new_tokens=2)
+    thread = session.server.scheduler._thread
+    session.close()
+    session.close()  # idempotent
+    assert session.closed and not thread.is_alive()
+    with pytest.raises(jaxkv.JaxKVError, match="closed"):
+        session.chat(conv, max_new_tokens=2)
+
+    dropped = Session(agent_model, max_positions=256)
+    dropped.chat(conv, max_new_tokens=2)
+    thread, engine = dropped.server.scheduler._thread, weakref.ref(dropped.server.engine)
+    del dropped
+    gc.collect()  # the session (a cycle with its stages): its finalizer stops the server
+    thread.join(10)
+    gc.collect()  # then the server, engine and pool are garbage
+    assert not thread.is_alive() and engine() is None
+
+    server = Server(agent_model, max_positions=256)
+    shared = server.session()
+    shared.chat(conv, max_new_tokens=2)
+    shared.close()
+    assert not shared.closed and server.scheduler._thread.is_alive()
+    assert server.session().chat(conv, max_new_tokens=2)["role"] == "assistant"
+    server.close()

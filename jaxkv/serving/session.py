@@ -16,6 +16,9 @@ turn for scoring, then discarding it), so evaluations do not depend on what a
 small model happens to generate. ``fork`` copies a session that owns its server
 (pool copied, weights shared), so an evaluation can branch after a shared prefix.
 
+A private server lives as long as its session: ``close`` (or the session being
+garbage-collected) stops its scheduler thread, which is what holds the pool.
+
 Invariants: one turn at a time per session (``SessionBusyError`` otherwise);
 sessions never share policy state (keys are session ids, ALGORITHMS §4); option
 errors are ``ConfigError`` (unknown names: ``OptionError``) and are raised before
@@ -28,6 +31,7 @@ import asyncio
 import concurrent.futures
 import dataclasses
 import threading
+import weakref
 from typing import Any, Callable, Mapping, Sequence
 
 import numpy as np
@@ -157,16 +161,24 @@ class Session:
         self.server = server or Server(
             model, max_positions=max_positions, num_slots=num_slots, backend=backend, kv_quant=quant.mode if quant else None,
         )
+        self._watch_private_server()
+
+    def _watch_private_server(self) -> None:
+        """A private server stops with its session: its scheduler thread holds the
+        engine (pool), so a dropped session would otherwise keep both forever."""
+        self._server_finalizer = weakref.finalize(self, Server.close, self.server) if self._owns_server else None
 
     # -- copies (fork) ------------------------------------------------------------
     def __getstate__(self):
         state = self.__dict__.copy()
         state.pop("_busy")
+        state.pop("_server_finalizer", None)
         return state
 
     def __setstate__(self, state):
         self.__dict__.update(state)
         self._busy = threading.Lock()
+        self._watch_private_server()
 
     # -- what the stages are ------------------------------------------------------
     def _stage(self, name: str):
@@ -340,16 +352,23 @@ class Session:
         return twin
 
     def close(self) -> None:
-        """End the session: release its host-tier rows and repair signal."""
-        if self.session_id is None:
-            return
-        sid, server = self.session_id, self.server
+        """End the session: release its host-tier rows and repair signal, and stop
+        its private server (a shared server keeps running). Idempotent."""
+        if self.session_id is not None and not self.closed:
+            sid, server = self.session_id, self.server
 
-        def release():
-            server.host_tier.drop_session(sid)
-            server.repair_signals.pop(sid, None)
+            def release():
+                server.host_tier.drop_session(sid)
+                server.repair_signals.pop(sid, None)
 
-        server.scheduler.call(release).result()
+            server.scheduler.call(release).result()
+        if self._server_finalizer is not None:
+            self._server_finalizer()  # Server.close, once
+
+    @property
+    def closed(self) -> bool:
+        """Whether this session's private server was stopped (``close``)."""
+        return self._server_finalizer is not None and not self._server_finalizer.alive
 
     # -- helpers -------------------------------------------------------------------------
     def _tool_choice(self, tools, choice):
