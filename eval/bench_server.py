@@ -64,6 +64,7 @@ os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
 import numpy as np  # noqa: E402
 
+MAX_POSITIONS = 4096  # per request: the traces are ~1-2k tokens (the pool is rows x 2 x this)
 SEED_OFFSET = 70_000  # trace seeds: EVAL_SEED_BASE + SEED_OFFSET + ... (held out from training)
 
 
@@ -75,7 +76,7 @@ def free_port() -> int:
 
 def start_server(args, port: int) -> subprocess.Popen:
     cmd = [sys.executable, "-m", "jaxkv.cli", "serve", "--model", checkpoint(args.model), "--host", "127.0.0.1", "--port", str(port),
-           "--rows", str(args.clients), "--max-queue", str(4 * args.clients), "--max-tokens", str(args.max_tokens),
+           "--rows", str(args.clients), "--max-positions", str(MAX_POSITIONS), "--max-queue", str(4 * args.clients), "--max-tokens", str(args.max_tokens),
            "--log-level", "warning"]
     if args.policy:
         cmd += ["--policy", args.policy, "--budget", str(args.budget)]

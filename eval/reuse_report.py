@@ -1,6 +1,6 @@
 """Cross-query segment reuse on ``shared_docs``: headline table, sweeps, acceptance.
 
-    JAX_PLATFORMS=cpu python -m eval.reuse_report --n 100 --sweep-n 20 --warmup 1 --resume \
+    JAX_PLATFORMS=cpu python -m eval.reuse_report --n 100 --sweep-n 100 --warmup 1 --resume \
         [--passes none,segment] --out eval/results/reuse
 
 Held-out ``shared_docs`` sessions (one tenant, one shared corpus; in-distribution
@@ -174,7 +174,7 @@ def main(argv=None) -> int:
     p = argparse.ArgumentParser(prog="python -m eval.reuse_report", description=__doc__.splitlines()[0])
     p.add_argument("--model", default="embedded")
     p.add_argument("--n", type=int, default=100, help="sessions of the headline")
-    p.add_argument("--sweep-n", type=int, default=20, help="sessions of each sweep configuration (0: no sweeps)")
+    p.add_argument("--sweep-n", type=int, default=100, help="sessions of each sweep configuration (0: no sweeps)")
     p.add_argument("--warmup", type=int, default=1)
     p.add_argument("--max-new-tokens", type=int, default=64)
     p.add_argument("--max-positions", type=int, default=4096)
