@@ -16,6 +16,39 @@ import pytest  # noqa: E402
 import hf_models  # noqa: E402
 
 
+MAX_MAPPINGS = 20_000  # release compiled programs past this many memory mappings
+
+
+def _mappings() -> int:
+    try:
+        with open("/proc/self/maps") as f:
+            return sum(1 for _ in f)
+    except OSError:  # no procfs (macOS): nothing to count
+        return 0
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _release_compiled_programs():
+    """After a module, drop the compiled XLA programs once the process holds more
+    than ``MAX_MAPPINGS`` memory mappings. One process runs the whole suite; every
+    compiled CPU program keeps mappings of its own, and the suite used to reach
+    the kernel's limit (``vm.max_map_count``, 65,530 here) around its 31st module
+    and abort inside an XLA compile. Releasing only past the threshold keeps the
+    recompiles (models shared across modules) rare."""
+    yield
+    before = _mappings()
+    if before > MAX_MAPPINGS:
+        import gc
+
+        import jax
+
+        gc.collect()
+        jax.clear_caches()
+    if os.environ.get("JAXKV_TEST_MAPS_LOG"):  # how many mappings the module left, and after
+        with open(os.environ["JAXKV_TEST_MAPS_LOG"], "a") as log:
+            log.write(f"{before} {_mappings()}\n")
+
+
 @pytest.fixture(scope="session")
 def hf_checkpoint(tmp_path_factory):
     """``hf_checkpoint(family, **overrides) -> (folder, torch_model)``, cached."""
