@@ -81,6 +81,7 @@ from jaxkv.sampling import SamplerSpec, make_sampler, sample, sample_rows
 
 PREFILL_CHUNK = 512  # tokens per prefill step; chosen by eval/bench_prefill.py (README)
 SHORT_CHUNK = 128  # the prefill width of short pieces (the other width is the chunk size)
+DECODE_ROW_STEP = 4  # decode batches: powers of two up to 4 rows, then multiples of 4
 FIRST_TOKEN_KEY = 1 << 30  # the first reply token is drawn with fold_in(key, this)
 
 
@@ -670,11 +671,16 @@ class Engine:
         return self.allocator.release(rest)
 
     def step_prefill(self, jobs: Sequence[PrefillJob]) -> None:
-        """Advance every unfinished job by one chunk: one ``prefill_step`` per chunk
-        width. Two widths only (short pieces: a user message, a tool result; long:
-        a prompt), so batches of different pieces reuse a handful of compiles, and
-        a short piece batched with a long one is not padded to the long width (the
-        step's cost is rows x width x read window)."""
+        """Advance every unfinished job by one chunk.
+
+        A step costs rows x width x read window, padding included (a padding row
+        runs the whole forward on its width), so the jobs are split before they
+        are padded: by chunk width (two widths only, short pieces such as a user
+        message or a tool result, and long ones such as a prompt, so batches reuse
+        a handful of compiles), then, shortest context first, into power-of-two
+        groups (9 jobs run as 8 + 1, not as 16 rows), so rows of similar context
+        share a read window and no row is padding unless a mesh's data-parallel
+        size asks for it."""
         short_width = min(SHORT_CHUNK, self.prefill_chunk)
         by_width: dict[int, list[PrefillJob]] = {}
         for j in jobs:
@@ -682,7 +688,13 @@ class Engine:
                 piece = min(j.tokens.size - j.done, self.prefill_chunk)
                 by_width.setdefault(short_width if piece <= short_width else self.prefill_chunk, []).append(j)
         for C, group in sorted(by_width.items()):
-            self._prefill_chunk(group, C)
+            group.sort(key=lambda j: len(self._row(j.row).live))
+            while group:
+                take = 1 << (len(group).bit_length() - 1)  # the largest power of two <= len(group)
+                if take < self.min_batch:
+                    take = len(group)  # the rest, padded up to the mesh's rows
+                self._prefill_chunk(group[-take:], C)
+                group = group[:-take]
 
     def _prefill_chunk(self, jobs: Sequence[PrefillJob], C: int) -> None:
         """One ``prefill_step`` of the next piece (at most ``C`` tokens) of each job."""
@@ -813,7 +825,9 @@ class Engine:
         fresh = self.allocator.allocate(total)  # raises before any change
         per_job = np.split(fresh, np.cumsum(steps)[:-1])
         states = [self._row(j.row) for j in jobs]
-        B = bucket(len(jobs), minimum=self.min_batch)
+        # Rows: multiples of 4 past 4 (12 jobs run as 12 rows, not 16): a padding row
+        # still gathers and attends over the whole read window every step.
+        B = bucket(len(jobs), minimum=self.min_batch, step=max(DECODE_ROW_STEP, self.min_batch))
         R = self.rows
         rows = np.full(B, R, np.int32)
         first = np.zeros(B, np.int32)

@@ -107,6 +107,34 @@ def test_short_piece_batched_with_a_long_one_keeps_its_own_width(qwen3, monkeypa
     assert got.shape == ref.shape and (got == ref).all()
 
 
+def test_prefill_batches_split_into_power_of_two_groups_without_padding_rows(qwen3, monkeypatch):
+    """Three pieces of one width run as a step of 2 rows and a step of 1 (no
+    padding row: it would run the whole forward), longest contexts together, and
+    each row's logits match its solo prefill."""
+    import jaxkv.engine as engine_mod
+
+    rng = np.random.default_rng(4)
+    contexts = [rng.integers(0, 1024, n).tolist() for n in (10, 200, 90)]
+    pieces = [rng.integers(0, 1024, 20).tolist() for _ in contexts]
+    solo = []
+    for ctx, piece in zip(contexts, pieces):
+        e = jaxkv.Engine(qwen3, rows=1, max_positions=512)
+        r = e.open_row()
+        e.prefill([r], [ctx])
+        solo.append(e.prefill([r], [piece], all_logits=True)[0])
+    engine = jaxkv.Engine(qwen3, rows=3, max_positions=512)
+    rows = [engine.open_row() for _ in contexts]
+    engine.prefill(rows, contexts)
+    steps = []
+    real_step = engine_mod.prefill_step
+    monkeypatch.setattr(engine_mod, "prefill_step", lambda *a, **k: (steps.append(np.asarray(a[3].rows_B).tolist()), real_step(*a, **k))[1])
+    jobs = [engine.start_prefill(r, p, all_logits=True) for r, p in zip(rows, pieces)]
+    engine.step_prefill(jobs)
+    assert steps == [[rows[2], rows[1]], [rows[0]]]  # the two longer contexts first, then the shortest; no padding row
+    for job, ref in zip(jobs, solo):
+        assert _rel(np.concatenate(job.logits), ref) <= 1e-5
+
+
 def test_out_of_slots_changes_nothing(qwen3):
     engine = jaxkv.Engine(qwen3, rows=2, max_positions=64, num_slots=50)
     row = engine.open_row()
