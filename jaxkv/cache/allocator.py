@@ -27,24 +27,15 @@ from jaxkv.errors import OutOfSlotsError, SlotError
 SENTINEL_SLOT = 0
 
 
-class SlotAllocator:
-    """Reference-counted free list over pool slots ``1 .. num_slots - 1``."""
+class RefCountedSlots:
+    """The reference counts every allocator keeps over a pool's slots ``0 ..
+    num_slots - 1`` (the sentinel is never counted): queries, ``ref``, dropping
+    references, and the id checks. Subclasses own the free lists (``capacity``,
+    ``num_free``, ``allocate``, ``release``)."""
 
     def __init__(self, num_slots: int):
-        if num_slots < 2:
-            raise SlotError(f"a pool needs at least 2 slots (sentinel + 1), got {num_slots}")
         self.num_slots = int(num_slots)
         self._refcount = np.zeros(self.num_slots, dtype=np.int64)
-        self._free: list[int] = list(range(1, self.num_slots))  # already a valid heap
-
-    # -- queries -------------------------------------------------------------
-    @property
-    def capacity(self) -> int:
-        return self.num_slots - 1
-
-    @property
-    def num_free(self) -> int:
-        return len(self._free)
 
     @property
     def num_used(self) -> int:
@@ -58,7 +49,49 @@ class SlotAllocator:
         """A copy of the refcount table ``[S]``."""
         return self._refcount.copy()
 
-    # -- mutations -----------------------------------------------------------
+    def ref(self, slots) -> None:
+        """Add one reference to each listed slot (repeats count repeatedly)."""
+        slots = self._as_ids(slots)
+        held = self._refcount[slots] > 0
+        if not held.all():
+            raise SlotError(f"cannot reference unallocated slots {slots[~held][:8].tolist()}")
+        np.add.at(self._refcount, slots, 1)
+
+    def _drop_refs(self, slots) -> np.ndarray:
+        """Drop one reference per listed slot (``SlotError``, before any change,
+        for more than are held); returns the distinct slots now at 0."""
+        slots = self._as_ids(slots)
+        uniq, counts = np.unique(slots, return_counts=True)
+        short = self._refcount[uniq] < counts
+        if short.any():
+            raise SlotError(f"releasing more references than held for slots {uniq[short][:8].tolist()}")
+        self._refcount[uniq] -= counts
+        return uniq[self._refcount[uniq] == 0]
+
+    def _check_ids(self, slots: np.ndarray) -> None:
+        check_slot_ids(slots, self.num_slots)
+
+    def _as_ids(self, slots) -> np.ndarray:
+        return as_slot_ids(slots, self.num_slots)
+
+
+class SlotAllocator(RefCountedSlots):
+    """Reference-counted free list over pool slots ``1 .. num_slots - 1``."""
+
+    def __init__(self, num_slots: int):
+        if num_slots < 2:
+            raise SlotError(f"a pool needs at least 2 slots (sentinel + 1), got {num_slots}")
+        super().__init__(num_slots)
+        self._free: list[int] = list(range(1, self.num_slots))  # already a valid heap
+
+    @property
+    def capacity(self) -> int:
+        return self.num_slots - 1
+
+    @property
+    def num_free(self) -> int:
+        return len(self._free)
+
     def allocate(self, n: int) -> np.ndarray:
         """Hand out ``n`` free slots with refcount 1 (lowest ids first)."""
         n = int(n)
@@ -73,35 +106,12 @@ class SlotAllocator:
         self._refcount[slots] = 1
         return slots
 
-    def ref(self, slots) -> None:
-        """Add one reference to each listed slot (repeats count repeatedly)."""
-        slots = self._as_ids(slots)
-        held = self._refcount[slots] > 0
-        if not held.all():
-            raise SlotError(f"cannot reference unallocated slots {slots[~held][:8].tolist()}")
-        np.add.at(self._refcount, slots, 1)
-
     def release(self, slots) -> np.ndarray:
         """Drop one reference from each listed slot; returns the slots now free."""
-        slots = self._as_ids(slots)
-        uniq, counts = np.unique(slots, return_counts=True)
-        short = self._refcount[uniq] < counts
-        if short.any():
-            raise SlotError(
-                f"releasing more references than held for slots {uniq[short][:8].tolist()}"
-            )
-        self._refcount[uniq] -= counts
-        freed = uniq[self._refcount[uniq] == 0]
+        freed = self._drop_refs(slots)
         for s in freed.tolist():
             heapq.heappush(self._free, s)
         return freed.astype(np.int32)
-
-    # -- validation ----------------------------------------------------------
-    def _check_ids(self, slots: np.ndarray) -> None:
-        check_slot_ids(slots, self.num_slots)
-
-    def _as_ids(self, slots) -> np.ndarray:
-        return as_slot_ids(slots, self.num_slots)
 
 
 def check_slot_ids(slots: np.ndarray, num_slots: int) -> None:

@@ -52,7 +52,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxkv.buckets import bucket
-from jaxkv.cache.allocator import SENTINEL_SLOT, as_slot_ids, check_slot_ids
+from jaxkv.cache.allocator import SENTINEL_SLOT, RefCountedSlots
 from jaxkv.cache.quantized import (
     FLOAT,
     INT2,
@@ -96,17 +96,16 @@ def bytes_per_token(kind: int, *, head_dim: int, num_layers: int, num_kv_heads: 
 
 
 # ============================================================================ allocator
-class DualAllocator:
+class DualAllocator(RefCountedSlots):
     """Reference counts over a ``Geometry``'s slots, one free list per region
     (module docstring). INT2 pages are handed out whole (``allocate_pages``);
     rows and the radix cache reference their slots one by one, and a page goes
     back to its free list when all 32 of its slots are at refcount 0."""
 
     def __init__(self, geometry: Geometry, token_kind: int = INT4):
+        super().__init__(geometry.num_slots)
         self.geometry = geometry
-        self.num_slots = geometry.num_slots
         self.token_kind = token_kind
-        self._refcount = np.zeros(self.num_slots, np.int64)
         self._free_pages = list(range(1, geometry.pages))  # page 0 is reserved
         self._page_out = np.zeros(geometry.pages, bool)
         self._free = {
@@ -126,10 +125,6 @@ class DualAllocator:
     def num_free(self) -> int:
         return len(self._free[self.token_kind])
 
-    @property
-    def num_used(self) -> int:
-        return self.capacity - self.num_free
-
     def free_of(self, kind: int) -> int:
         """Free slots of a region (INT2: 32 per free page)."""
         return PAGE * len(self._free_pages) if kind == INT2 else len(self._free[kind])
@@ -141,13 +136,6 @@ class DualAllocator:
     @property
     def pages_used(self) -> int:
         return self.geometry.pages - 1 - len(self._free_pages)
-
-    def refcount(self, slot: int) -> int:
-        self._check_ids(np.asarray([slot]))
-        return int(self._refcount[slot])
-
-    def refcounts(self) -> np.ndarray:
-        return self._refcount.copy()
 
     # -- mutations -----------------------------------------------------------------
     def allocate(self, n: int, kind: int | None = None) -> np.ndarray:
@@ -178,24 +166,11 @@ class DualAllocator:
         self._refcount[slots] = 1
         return pages, slots
 
-    def ref(self, slots) -> None:
-        slots = self._as_ids(slots)
-        held = self._refcount[slots] > 0
-        if not held.all():
-            raise SlotError(f"cannot reference unallocated slots {slots[~held][:8].tolist()}")
-        np.add.at(self._refcount, slots, 1)
-
     def release(self, slots) -> np.ndarray:
         """Drop one reference per listed slot; returns the slots whose storage
         became free (a token slot at 0; all 32 slots of a page whose last
         reference went)."""
-        slots = self._as_ids(slots)
-        uniq, counts = np.unique(slots, return_counts=True)
-        short = self._refcount[uniq] < counts
-        if short.any():
-            raise SlotError(f"releasing more references than held for slots {uniq[short][:8].tolist()}")
-        self._refcount[uniq] -= counts
-        zero = uniq[self._refcount[uniq] == 0]
+        zero = self._drop_refs(slots)
         kind = self.geometry.kind(zero)
         freed = []
         for s in zero[kind != INT2].tolist():
@@ -207,13 +182,6 @@ class DualAllocator:
                 heapq.heappush(self._free_pages, p)
                 freed.append(p * PAGE + np.arange(PAGE))
         return np.concatenate(freed).astype(np.int32) if freed else np.zeros(0, np.int32)
-
-    # -- validation ------------------------------------------------------------------
-    def _check_ids(self, slots: np.ndarray) -> None:
-        check_slot_ids(slots, self.num_slots)
-
-    def _as_ids(self, slots) -> np.ndarray:
-        return as_slot_ids(slots, self.num_slots)
 
 
 # ============================================================================ plans
