@@ -64,22 +64,27 @@ def hf_checkpoint(tmp_path_factory):
     return make
 
 
-@pytest.fixture(scope="session")
-def task_model_dir(tmp_path_factory):
-    """A tiny random Qwen3 with the embedded model's task tokenizer, saved once."""
+def save_task_model(folder, **dims):
+    """A tiny random Qwen3 with the embedded model's task tokenizer, saved to
+    ``folder`` (``dims``: hidden_size, intermediate_size, heads, head_dim)."""
     import jaxkv
     from jaxkv.config import ModelConfig
     from jaxkv.tasks import embedded_tokenizer
 
-    folder = tmp_path_factory.mktemp("task_model")
     tok = embedded_tokenizer()
     cfg = ModelConfig(
-        model_type="qwen3", vocab_size=len(tok), hidden_size=32, intermediate_size=64, num_layers=2,
-        num_heads=2, num_kv_heads=1, head_dim=16, qk_norm=True, max_position_embeddings=4096,
-        eos_token_ids=(tok.convert_tokens_to_ids("<|im_end|>"),),
+        model_type="qwen3", vocab_size=len(tok), num_layers=2, qk_norm=True, max_position_embeddings=4096,
+        eos_token_ids=(tok.convert_tokens_to_ids("<|im_end|>"),), **dims,
     )
     jaxkv.save_pretrained(jaxkv.model_from_config(cfg, seed=0, tokenizer=tok), folder)
     return folder
+
+
+@pytest.fixture(scope="session")
+def task_model_dir(tmp_path_factory):
+    """A tiny random Qwen3 with the embedded model's task tokenizer, saved once."""
+    return save_task_model(tmp_path_factory.mktemp("task_model"), hidden_size=32, intermediate_size=64,
+                           num_heads=2, num_kv_heads=1, head_dim=16)
 
 
 @pytest.fixture(scope="session")
@@ -88,18 +93,8 @@ def quant_model_dir(tmp_path_factory):
     saved once with a toy TriAxialKV calibration (``triaxial.json``) beside it."""
     import json
 
-    import jaxkv
-    from jaxkv.config import ModelConfig
-    from jaxkv.tasks import embedded_tokenizer
-
-    folder = tmp_path_factory.mktemp("quant_model")
-    tok = embedded_tokenizer()
-    cfg = ModelConfig(
-        model_type="qwen3", vocab_size=len(tok), hidden_size=64, intermediate_size=64, num_layers=2,
-        num_heads=2, num_kv_heads=1, head_dim=32, qk_norm=True, max_position_embeddings=4096,
-        eos_token_ids=(tok.convert_tokens_to_ids("<|im_end|>"),),
-    )
-    jaxkv.save_pretrained(jaxkv.model_from_config(cfg, seed=0, tokenizer=tok), folder)
+    folder = save_task_model(tmp_path_factory.mktemp("quant_model"), hidden_size=64, intermediate_size=64,
+                             num_heads=2, num_kv_heads=1, head_dim=32)
     tags = [{"index": (3 * 2 + 0) * 7 + s, "N": 100.0, "D2": 1.0 + s, "D4": 0.5} for s in range(7)]  # current|text|*
     variant = {"axes": ["temporal", "modal", "semantic"], "tags": tags}
     (folder / "triaxial.json").write_text(json.dumps({"budget": 3.0, "variants": {
