@@ -31,16 +31,13 @@ import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 
 import jaxkv  # noqa: E402
-from eval.bench_decode import fill_pool_randomly  # noqa: E402
+from eval.bench_decode import QWEN3_125M, fill_pool_randomly  # noqa: E402
 from jaxkv.config import ModelConfig  # noqa: E402
 from jaxkv.engine import Engine  # noqa: E402
 from jaxkv.serving.stages.retention import compress_row  # noqa: E402
 from jaxkv.policies import REGISTRY, EventFeatures, Observation  # noqa: E402
 
-CFG_125M = ModelConfig(
-    model_type="qwen3", vocab_size=32000, hidden_size=768, intermediate_size=2048, num_layers=12,
-    num_heads=12, num_kv_heads=4, head_dim=64, qk_norm=True, max_position_embeddings=40960,
-)
+CFG_125M = ModelConfig.from_hf({**QWEN3_125M, "model_type": "qwen3", "max_position_embeddings": 40960})  # the decode bench's shape
 METHODS = ("streaming_llm", "snapkv", "h2o", "tova", "random", "oldest", "agentkv", "intentkv_memory", "intentkv_query",
            "intentkv")
 LEARNED = ("intentkv", "intentkv_no_memory", "intentkv_no_xattn", "intentkv_no_residual")

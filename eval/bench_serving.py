@@ -37,7 +37,6 @@ import argparse
 import os
 import platform
 import statistics
-import tempfile
 import threading
 import time
 
