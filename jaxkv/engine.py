@@ -11,7 +11,8 @@ applies. Read top to bottom, a request goes:
    holes: neither re-prefilled nor read.
 2. ``start_prefill(row, tokens, ...) -> PrefillJob``: slots are allocated on the
    host (before any change), then ``step_prefill(jobs)`` advances every job by one
-   chunk in one batched jit'd ``prefill_step`` over just those rows.
+   chunk in batched jit'd ``prefill_step`` calls over just those rows (one per
+   chunk width and power-of-two group, so no row is padding).
    ``prefill(rows, token_lists)`` runs jobs to completion.
 3. ``apply_layout(row, plan, keep_evicted=)``: a compression event's decision (a
    ``LayoutPlan``); with ``keep_evicted`` the evicted rows' K/V come back as host
