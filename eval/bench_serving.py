@@ -1,7 +1,7 @@
 """Serving throughput: 1, 4 and 8 concurrent sessions on one server (continuous batching).
 
     JAX_PLATFORMS=cpu python eval/bench_serving.py [--models embedded,qwen3-125m]
-        [--sessions 1,4,8] [--turns 2] [--out FILE.md]
+        [--sessions 1,4,8] [--turns 2] [--decode-chunk 16] [--out FILE.md]
 
 Each session replays the first ``--turns`` assistant turns of its own held-out
 agent trace (``jaxkv.tasks.agent_traces``, ~1k tokens, tool schemas shared by all
@@ -22,7 +22,9 @@ Models:
 Printed per model and level, side by side with the 1-session level of the same
 run: generated tokens, wall seconds, aggregate tokens/s over the wall, decode
 tokens/s (generated tokens over the seconds the scheduler spent in batched
-decode steps: the decode throughput the batching buys), p50/p95 turn latency,
+decode steps: the decode throughput the batching buys), generated tokens per
+batched decode call (``decode_chunk`` steps times the rows that took part),
+p50/p95 turn latency,
 and the ratios against one session. Every level starts on a fresh server after a
 warm-up of passes over the levels until a pass compiles nothing (at least two, at
 most five). Thread timing decides which batch shapes a level meets, so a timed
@@ -47,6 +49,7 @@ import numpy as np  # noqa: E402
 
 import jaxkv  # noqa: E402
 from eval.harness import EVAL_SEED_BASE  # noqa: E402
+from jaxkv.serving.scheduler import DECODE_CHUNK  # noqa: E402
 
 SERVING_SEED = EVAL_SEED_BASE + 5_000  # held out, disjoint from the harness's examples
 MAX_WARMUP_PASSES = 5
@@ -93,12 +96,12 @@ def conversations(n: int, turns: int):
     return out
 
 
-def run_level(model, n: int, convs, max_new_tokens: int, rows: int) -> dict:
+def run_level(model, n: int, convs, max_new_tokens: int, rows: int, decode_chunk: int = DECODE_CHUNK) -> dict:
     """All ``n`` sessions at once on a fresh server of ``rows`` rows; returns the
     level's numbers."""
     latencies, generated = [], []
     lock = threading.Lock()
-    with jaxkv.Server(model, rows=rows, max_positions=4096) as server:
+    with jaxkv.Server(model, rows=rows, max_positions=4096, decode_chunk=decode_chunk) as server:
         sessions = [server.session(session_id=f"bench{i}", keep_reasoning=True) for i in range(n)]
 
         def run(i):
@@ -118,16 +121,17 @@ def run_level(model, n: int, convs, max_new_tokens: int, rows: int) -> dict:
             th.join()
         wall = time.perf_counter() - t0
         decode_s = server.scheduler.timing["decode_s"]
+        decode_calls = server.scheduler.stats["steps"]
     tokens = sum(generated)
     lat = sorted(latencies)
     return {
         "sessions": n, "turns": len(lat), "tokens": tokens, "wall_s": wall, "tok_s": tokens / wall,
-        "decode_tok_s": tokens / max(decode_s, 1e-9), "p50": statistics.median(lat),
+        "decode_tok_s": tokens / max(decode_s, 1e-9), "per_call": tokens / max(decode_calls, 1), "p50": statistics.median(lat),
         "p95": lat[min(len(lat) - 1, int(np.ceil(0.95 * len(lat))) - 1)],
     }
 
 
-def bench_model(name: str, levels, turns: int, out) -> list[str]:
+def bench_model(name: str, levels, turns: int, out, decode_chunk: int = DECODE_CHUNK) -> list[str]:
     model, max_new = load(name)
     convs = conversations(max(levels), turns)
     rows_n = max(levels)  # one server shape for every level, as a deployment has
@@ -137,7 +141,7 @@ def bench_model(name: str, levels, turns: int, out) -> list[str]:
     for p in range(1, MAX_WARMUP_PASSES + 1):
         before = COMPILES[0]
         for n in sorted(set(levels) | {1}):
-            run_level(model, n, convs, max_new, rows_n)
+            run_level(model, n, convs, max_new, rows_n, decode_chunk)
         if p >= 2 and COMPILES[0] == before:
             break
     print(f"(warm-up: {p} passes, the last with {COMPILES[0] - before} XLA compiles)", flush=True)
@@ -147,7 +151,7 @@ def bench_model(name: str, levels, turns: int, out) -> list[str]:
     for n in sorted(set(levels) | {1}):
         for tries[n] in range(1, MAX_LEVEL_TRIES + 1):
             compiles0 = COMPILES[0]
-            rows[n] = run_level(model, n, convs, max_new, rows_n)
+            rows[n] = run_level(model, n, convs, max_new, rows_n, decode_chunk)
             rows[n]["compiles"] = COMPILES[0] - compiles0
             if rows[n]["compiles"] == 0:
                 break
@@ -156,17 +160,17 @@ def bench_model(name: str, levels, turns: int, out) -> list[str]:
     base = rows[1]
     lines = [
         f"**{name}** ({model.config.num_layers} layers, width {model.config.hidden_size}, vocab {model.config.vocab_size}), "
-        f"{turns} turns per session, up to {max_new} new tokens per turn; warm-up {p} passes, "
+        f"{turns} turns per session, up to {max_new} new tokens per turn, decode chunk {decode_chunk}; warm-up {p} passes, "
         f"{timed_compiles} XLA compiles inside the kept timed runs:",
         "",
-        "| sessions | turns | generated tokens | wall s | aggregate tok/s | x 1 session | decode tok/s | x 1 session | p50 turn s | p95 turn s |",
-        "|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
+        "| sessions | turns | generated tokens | wall s | aggregate tok/s | x 1 session | decode tok/s | x 1 session | tokens per decode call | p50 turn s | p95 turn s |",
+        "|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]
     for n in levels:
         r = rows[n]
         lines.append(
             f"| {n} | {r['turns']} | {r['tokens']} | {r['wall_s']:.1f} | {r['tok_s']:.1f} | {r['tok_s'] / base['tok_s']:.2f}x | "
-            f"{r['decode_tok_s']:.1f} | {r['decode_tok_s'] / base['decode_tok_s']:.2f}x | {r['p50']:.2f} | {r['p95']:.2f} |"
+            f"{r['decode_tok_s']:.1f} | {r['decode_tok_s'] / base['decode_tok_s']:.2f}x | {r['per_call']:.1f} | {r['p50']:.2f} | {r['p95']:.2f} |"
         )
     out("\n".join(lines) + "\n")
     return lines
@@ -177,6 +181,7 @@ def main(argv=None) -> str:
     ap.add_argument("--models", default="embedded,qwen3-125m")
     ap.add_argument("--sessions", default="1,4,8", help="concurrency levels")
     ap.add_argument("--turns", type=int, default=2, help="assistant turns per session")
+    ap.add_argument("--decode-chunk", type=int, default=DECODE_CHUNK, help="decode steps per batched engine call")
     ap.add_argument("--out", default=None, help="also write the markdown here")
     args = ap.parse_args(argv)
     levels = [int(x) for x in args.sessions.split(",")]
@@ -185,7 +190,7 @@ def main(argv=None) -> str:
     print(header + "\n", flush=True)
     lines = [header, ""]
     for name in args.models.split(","):
-        lines += bench_model(name.strip(), levels, args.turns, lambda s: print(s, flush=True)) + [""]
+        lines += bench_model(name.strip(), levels, args.turns, lambda s: print(s, flush=True), args.decode_chunk) + [""]
     text = "\n".join(lines)
     if args.out:
         with open(args.out, "w") as f:

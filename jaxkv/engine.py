@@ -77,7 +77,7 @@ from jaxkv.cache.state import PagedKVCache, append_tokens, put_rows, take_rows
 from jaxkv.errors import ConfigError, ContextLengthError, JaxKVError, OutOfSlotsError
 from jaxkv.models import sharding
 from jaxkv.models.loading import Model
-from jaxkv.models.transformer import NO_FEATURES, Features
+from jaxkv.models.transformer import NO_FEATURES, DecodeWindow, Features
 from jaxkv.sampling import SamplerSpec, make_sampler, sample, sample_rows
 
 PREFILL_CHUNK = 512  # tokens per prefill step; chosen by eval/bench_prefill.py (README)
@@ -180,6 +180,7 @@ def decode_loop(
     mesh=None,
     kv_step=None,
     kv_args=None,
+    window: DecodeWindow | None = None,
 ):
     """Decode up to ``n_steps`` tokens for each row of ``batch`` (a ``DecodeBatch``).
 
@@ -199,6 +200,10 @@ def decode_loop(
 
     The pool is ``cache.kv``; a quantized cache passes its step as ``kv_step``
     (``jaxkv.cache.quantized.QuantDecodeStep``) with its page tables as ``kv_args``.
+    With a ``window`` (``gather_decode_window`` of the same rows, see
+    ``gather_window``) every step attends over that copy of the rows' live K/V
+    plus the chunk's own new rows (``decode_attention_two_parts``) and gathers
+    nothing from the pool.
     """
     model = nnx.merge(graphdef, params)
     cfg = model.cfg
@@ -227,11 +232,14 @@ def decode_loop(
         if kv_step is None:
             logits, k_pool, v_pool, step_aux = model.decode(
                 last, pos, *kv, live_BN, tables.live_len, slot, features=features, decode_attention=attend,
+                window=aux["window"]._replace(step=step) if window is not None else None,
             )
             kv = (k_pool, v_pool)
         else:  # a quantized pool (jaxkv.cache.quantized)
             logits, kv, step_aux = kv_step(model, last, pos, kv, kv_args, tables, slot, n_read, features)
         aux = dict(aux)
+        if "window" in aux:
+            aux["window"] = step_aux["window"]
         if features.query_rows:
             aux["q_rows"] = aux["q_rows"].at[step].set(step_aux["q_rows"][:, :, 0].astype(jnp.float32))
         if features.attn_mass:
@@ -249,13 +257,53 @@ def decode_loop(
 
     tokens = jnp.full((B, n_steps), -1, jnp.int32)
     tables = take_rows(cache, b.rows_B)
+    if window is not None:
+        aux0["window"] = window
     carry = (jnp.int32(0), cache.kv, tables, tokens, b.limit_B > 0, b.first_token_B, logits_buf, aux0)
     _, kv, tables, tokens, _, _, logits_buf, aux = jax.lax.while_loop(cond, body, carry)
+    aux.pop("window", None)
     fed = tables.seq_len - take_rows(cache, b.rows_B).seq_len
     cache = put_rows(cache.with_kv(kv), b.rows_B, tables)
     if mesh is not None:
         (tokens, fed, logits_buf, aux), cache = sharding.replicate((tokens, fed, logits_buf, aux), mesh), constrain_cache(cache, mesh)
     return tokens, fed, cache, (logits_buf if return_logits else None), aux
+
+
+@functools.partial(jax.jit, static_argnames=("width", "n_steps"))
+def gather_decode_window(cache: PagedKVCache, rows_B, *, width: int, n_steps: int) -> DecodeWindow:
+    """The ``DecodeWindow`` of a decode chunk of ``n_steps`` steps over ``rows_B``:
+    the first ``width`` entries of each row's live list, head-major.
+
+    A jit of its own, not the start of ``decode_loop``: there, reading the pool
+    before the loop writes it made XLA:CPU copy the whole pool every call."""
+    tables = take_rows(cache, rows_B)
+    live_BW = tables.live_idx[:, :width]
+    L, B = cache.k.shape[0], rows_B.shape[0]
+    k_old = tuple(jnp.transpose(cache.k[i][live_BW], (0, 2, 3, 1)) for i in range(L))  # L x [B, Hkv, D, W]
+    v_old = tuple(jnp.transpose(cache.v[i][live_BW], (0, 2, 1, 3)) for i in range(L))  # L x [B, Hkv, W, D]
+    new = tuple(jnp.zeros((B, n_steps, *cache.k.shape[2:]), cache.k.dtype) for _ in range(L))
+    return DecodeWindow(k_old, v_old, tables.live_len, new, new, jnp.int32(0))
+
+
+def gather_window(cache: PagedKVCache, B: int, width: int, backend, mesh, kv_step) -> bool:
+    """Whether ``Engine.step_decode`` has ``decode_loop`` gather each row's live
+    K/V once per chunk (a ``DecodeWindow`` of ``width`` entries per row) instead of
+    gathering it from the pool in every step.
+
+    On the CPU reference path the per-step gather is a large part of decode
+    attention: XLA:CPU gathers rows far slower than it streams a contiguous array
+    (``eval/bench_decode.py`` prints both). The window costs one ``[B, width,
+    Hkv, D]`` copy of K and of V per layer, so it is used only while that copy is
+    no larger than the pool (``B * width <= S``). Kernel backends read the pool
+    through the live list directly and never use it; nor do the quantized pool
+    and a mesh, which have their own steps.
+    """
+    return (
+        kv_step is None
+        and mesh is None
+        and pallas.resolve_backend(backend) == "reference"
+        and B * width <= cache.k.shape[1]
+    )
 
 
 def cache_sharding(cache: PagedKVCache, mesh) -> PagedKVCache:
@@ -457,6 +505,7 @@ class Engine:
                 self.cache = jax.jit(create, out_shardings=cache_sharding(jax.eval_shape(create), self.mesh))()
         self.prefill_chunk = int(prefill_chunk)
         self.backend = backend
+        self.decode_window = True  # CPU reference: gather each row's K/V once per decode chunk (``gather_window``)
         self.row_state: list[RequestState | None] = [None] * rows
         self.reclaim = reclaim
 
@@ -861,10 +910,15 @@ class Engine:
         if self.quant is not None:  # quantized pool: page tables, new tokens INT4 (kivi2: float)
             kv_step, kv_args = self.quant.step, self.quant.decode_tables(states, [s[:k] for s, k in zip(per_job, steps)], B)
         batch = DecodeBatch(rows, first, limit, slots, stop, key_data, step0, temp, top_p, forced)
+        width = min(bucket(max(len(s.live) for s in states)), self.max_positions)
+        window = None
+        if self.decode_window and gather_window(self.cache, B, width, self.backend, self.mesh, kv_step):
+            window = gather_decode_window(self.cache, jnp.asarray(rows), width=width, n_steps=n)
         tokens, fed, self.cache, logits, aux = decode_loop(
             self.graphdef, self.params, self.cache, batch,
             n_steps=n, n_read=n_read, spec=spec, backend=self.backend, return_logits=return_logits,
             teacher_forced=any(j.forced is not None for j in jobs), features=features, mesh=self.mesh, kv_step=kv_step, kv_args=kv_args,
+            window=window,
         )
         tokens, fed = np.asarray(tokens), np.asarray(fed)
         q_rows = np.asarray(aux["q_rows"]) if features.query_rows else None

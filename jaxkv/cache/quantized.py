@@ -54,7 +54,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx, struct
 
-from jaxkv.attention import decode_attention_reference, prefill_attention
+from jaxkv.attention import decode_attention_rows, prefill_attention
 from jaxkv.pallas import quantized_decode_attention
 from jaxkv.pallas.quant import (
     PAGE,
@@ -357,9 +357,7 @@ class QuantDecodeStep:
             state["pool"] = state["pool"].set_layer(i, layer)
             if features.attn_mass:
                 kd, vd = dequantize_slots(layer, geo, live)
-                B, N, K, D = kd.shape
-                flat = (jnp.arange(B)[:, None] * N + jnp.arange(N)[None, :]).astype(jnp.int32)
-                o, probs = decode_attention_reference(q[:, 0], kd.reshape(B * N, K, D), vd.reshape(B * N, K, D), flat, tables.live_len, return_probs=True)
+                o, probs = decode_attention_rows(q[:, 0], kd, vd, tables.live_len, return_probs=True)
                 aux["attn_mass"].append(probs)
             else:
                 o = quantized_decode_attention(

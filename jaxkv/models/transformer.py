@@ -27,6 +27,7 @@ per-key attention mass) are returned in an ``aux`` dict when the static
 from __future__ import annotations
 
 import dataclasses
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -269,31 +270,81 @@ class Transformer(nnx.Module):
         *,
         features: Features = NO_FEATURES,
         decode_attention=ref_attention.decode_attention_reference,
+        window: DecodeWindow | None = None,
     ):
         """One decode step. ``live_idx_BN[:live_len]`` must already list the new slot.
 
         ``decode_attention(q_BHD, k_pool_SKD, v_pool_SKD, live_idx_BN, live_len_B)
         -> out_BHD`` reads one layer of the pool. Returns ``(logits [B,V] f32, k_pool, v_pool, aux)``.
+
+        With a ``window`` (``DecodeWindow``) the step reads no pool rows: it writes
+        its new K/V to the pool and to the window's new rows at ``window.step``,
+        and attends over the window's two parts (``decode_attention_two_parts``).
+        The updated window is ``aux["window"]``; ``aux["attn_mass"]`` is still per
+        live-list entry ``[L, B, Hq, N]``.
         """
         pools = {"k": k_pool_LSKD, "v": v_pool_LSKD}
         aux = {"q_rows": [], "attn_mass": []}
+        if window is not None:
+            new_rows = {"k": list(window.k_new), "v": list(window.v_new)}
+            B, N = live_idx_BN.shape
+            len_new_B = jnp.full((B,), window.step + 1, jnp.int32)
+            new_at_BT = jnp.minimum(window.len_B[:, None] + jnp.arange(window.k_new[0].shape[1])[None, :], N - 1)
 
         def attend(i, q, k, v):
             pools["k"] = pools["k"].at[i, write_slots_B].set(k[:, 0].astype(pools["k"].dtype))
             pools["v"] = pools["v"].at[i, write_slots_B].set(v[:, 0].astype(pools["v"].dtype))
-            if features.attn_mass:
-                o, probs = ref_attention.decode_attention_reference(
+            if window is not None:
+                for name, x in (("k", k), ("v", v)):
+                    new_rows[name][i] = new_rows[name][i].at[:, window.step].set(x[:, 0].astype(new_rows[name][i].dtype))
+                out = ref_attention.decode_attention_two_parts(
+                    q[:, 0], window.k[i], window.v[i], window.len_B, new_rows["k"][i], new_rows["v"][i], len_new_B,
+                    return_probs=features.attn_mass,
+                )
+                if features.attn_mass:  # back to live-list order: new row t is entry len_B + t
+                    o, (p_old, p_new) = out
+                    p_BHN = jnp.pad(p_old, ((0, 0), (0, 0), (0, N - p_old.shape[-1])))
+                    p_BHN = jax.vmap(lambda p, at, add: p.at[:, at].add(add))(p_BHN, new_at_BT, p_new)
+                    out = (o, p_BHN)
+            elif features.attn_mass:
+                out = ref_attention.decode_attention_reference(
                     q[:, 0], pools["k"][i], pools["v"][i], live_idx_BN, live_len_B, return_probs=True
                 )
-                aux["attn_mass"].append(probs)
             else:
-                o = decode_attention(q[:, 0], pools["k"][i], pools["v"][i], live_idx_BN, live_len_B)
+                out = decode_attention(q[:, 0], pools["k"][i], pools["v"][i], live_idx_BN, live_len_B)
+            o = out
+            if features.attn_mass:
+                o, probs = out
+                aux["attn_mass"].append(probs)
             if features.query_rows:
                 aux["q_rows"].append(q)
             return o[:, None]
 
         x = self._run(tokens_B[:, None], positions_B[:, None], attend)
-        return self._logits(x)[:, 0].astype(jnp.float32), pools["k"], pools["v"], _stack_aux(aux)
+        aux = _stack_aux(aux)
+        if window is not None:
+            aux["window"] = window._replace(k_new=tuple(new_rows["k"]), v_new=tuple(new_rows["v"]))
+        return self._logits(x)[:, 0].astype(jnp.float32), pools["k"], pools["v"], aux
+
+
+class DecodeWindow(NamedTuple):
+    """What a decode chunk reads instead of the pool (``Transformer.decode``).
+
+    ``k``/``v``: per layer, each row's live K/V rows in list order, gathered once
+    before the chunk and read-only in it, head-major (keys ``[B, Hkv, D, W]``,
+    values ``[B, Hkv, W, D]``, see ``decode_attention_two_parts``); the first
+    ``len_B`` are real. ``k_new``/``v_new``: per layer ``[B, T, Hkv, D]``, the rows the
+    chunk's steps write, step ``s`` at index ``s``; ``step`` is the current one.
+    One array per layer, not one ``[L, ...]`` array: XLA:CPU then updates each in
+    place inside the loop. Live-list entry ``len_B + s`` is new row ``s``.
+    """
+
+    k: tuple
+    v: tuple
+    len_B: jax.Array
+    k_new: tuple
+    v_new: tuple
+    step: jax.Array
 
 
 def _stack_aux(aux):

@@ -25,7 +25,7 @@ INT2 pages are read one page (32 tokens) per step, INT4 tokens 64 per step. On
 NVIDIA GPUs the Triton kernels ``decode_int4_tokens`` and ``decode_int2_pages``
 (``jaxkv.pallas.gpu.decode``) produce the same partials for the same merge. The
 reference dequantizes the gathered entries to float32 and calls
-``decode_attention_reference``.
+``decode_attention_rows``.
 
 Two optional parts serve the engine's dual pool (``jaxkv.cache.quantized``):
 
@@ -52,7 +52,7 @@ import functools
 import jax
 import jax.numpy as jnp
 
-from jaxkv.attention import decode_attention_reference
+from jaxkv.attention import decode_attention_rows
 from jaxkv.pallas import _splitk
 from jaxkv.pallas._dispatch import resolve_backend
 from jaxkv.pallas.decode_attention import TOKEN_BLOCK, FloatTokens, check_decode_inputs
@@ -211,10 +211,7 @@ def quantized_decode_attention_reference(
     order = jnp.argsort(~ok, axis=1, stable=True)  # valid entries first, in order
     k = jnp.take_along_axis(k, order[..., None, None], axis=1)
     v = jnp.take_along_axis(v, order[..., None, None], axis=1)
-    N = k.shape[1]
-    flat_idx = (jnp.arange(B)[:, None] * N + jnp.arange(N)[None, :]).astype(jnp.int32)
-    lens = ok.sum(axis=1).astype(jnp.int32)
-    return decode_attention_reference(q_BHD, k.reshape(B * N, K, D), v.reshape(B * N, K, D), flat_idx, lens)
+    return decode_attention_rows(q_BHD, k, v, ok.sum(axis=1).astype(jnp.int32))
 
 
 def quantized_decode_attention(
