@@ -261,6 +261,24 @@ def verify_offline(phases, examples_by_seed, args) -> dict:
             "mismatches": mismatches, "wall_s": time.perf_counter() - t0}
 
 
+def engine_ceiling(one: dict, many: dict) -> str:
+    """What the engine's own work allows: at ``many`` clients, engine seconds
+    (prefill + decode) per generated token, against one client's wall seconds per
+    token. Their quotient bounds the throughput ratio even if the server never
+    idled and HTTP cost nothing."""
+    gen = many["engine"]["generated"]
+    prefill_ms = 1e3 * many["engine"]["prefill_s"] / max(gen, 1)
+    decode_ms = 1e3 * many["engine"]["decode_s"] / max(gen, 1)
+    one_ms = 1e3 / max(one["tokens_per_s"], 1e-9)
+    busy = (many["engine"]["prefill_s"] + many["engine"]["decode_s"]) / many["wall_s"]
+    return (
+        f"Engine ceiling: at {many['clients']} clients the engine spends {prefill_ms:.2f} ms of prefill and {decode_ms:.2f} ms "
+        f"of decode per generated token and is busy {busy:.0%} of the wall; one client takes {one_ms:.2f} ms of wall per token, "
+        f"so no scheduling can take the ratio above {one_ms / (prefill_ms + decode_ms):.2f}x with this engine work. "
+        f"3x needs at most {one_ms / 3:.2f} ms of engine work per token."
+    )
+
+
 def report(args, phases, check, command: str) -> str:
     one, many = phases
     ratio = many["tokens_per_s"] / one["tokens_per_s"] if one["tokens_per_s"] else float("nan")
@@ -290,6 +308,7 @@ def report(args, phases, check, command: str) -> str:
     lines += [f"| {a} | {b} | {c} |" for a, b, c in rows[1:]]
     lines += [
         "", f"Throughput at {many['clients']} clients / 1 client: **{ratio:.2f}x** (target >= 3x).", "",
+        engine_ceiling(one, many), "",
         f"Offline check (each session alone, jaxkv.Session on an in-process Server, same options): "
         f"{check['equal_sessions']}/{check['sessions']} sessions and {check['equal_turns']}/{check['turns']} turns "
         f"reply exactly as served ({check['wall_s']:.0f} s).",
