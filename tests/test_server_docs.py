@@ -55,3 +55,17 @@ def test_serve_flags_become_session_rules():
             rules_from_args(cli.build_parser().parse_args(["serve", *bad]))
     everything = rules_from_args(cli.build_parser().parse_args(["serve", "--allow-policies", "all"]))
     assert {"snapkv", "h2o", "full"} <= everything.allow_policies
+
+
+def test_decode_chunk_flag_reaches_the_scheduler():
+    import jaxkv
+    from jaxkv.server.run import make_app
+    from jaxkv.serving.scheduler import DECODE_CHUNK
+
+    assert cli.build_parser().parse_args(["serve"]).decode_chunk == DECODE_CHUNK
+    args = cli.build_parser().parse_args(["serve", "--decode-chunk", "8"])
+    app = make_app(jaxkv.load_model("embedded"), rows=1, max_positions=256, decode_chunk=args.decode_chunk)
+    try:
+        assert app.state.jaxkv.server.scheduler.decode_chunk == 8
+    finally:
+        app.state.jaxkv.server.close()

@@ -14,14 +14,15 @@ import threading
 from pathlib import Path
 
 from jaxkv.server.sessions import FULL, OptionRules, load_api_keys
+from jaxkv.serving.scheduler import DECODE_CHUNK
 
 
-def make_app(model, *, model_name: str = "embedded", rows: int = 4, max_queue: int = 64, max_positions: int | None = None, num_slots: int | None = None, api_keys=(), rules: OptionRules = OptionRules(), max_tokens: int = 256, session_cap: int = 1024):
+def make_app(model, *, model_name: str = "embedded", rows: int = 4, max_queue: int = 64, max_positions: int | None = None, num_slots: int | None = None, api_keys=(), rules: OptionRules = OptionRules(), max_tokens: int = 256, session_cap: int = 1024, decode_chunk: int = DECODE_CHUNK):
     """A ``Server`` on ``model`` and the OpenAI app over it (the app owns the server)."""
     from jaxkv.server.app import ServeConfig, create_app
     from jaxkv.serving import Server
 
-    server = Server(model, rows=rows, max_queue=max_queue, max_positions=max_positions, num_slots=num_slots)
+    server = Server(model, rows=rows, max_queue=max_queue, max_positions=max_positions, num_slots=num_slots, decode_chunk=decode_chunk)
     config = ServeConfig(model_name, tuple(api_keys), rules, max_tokens, session_cap)
     return create_app(server, config, own_server=True)
 
@@ -82,6 +83,8 @@ def add_arguments(p) -> None:
     p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
     p.add_argument("--rows", type=int, default=4, help="turns that run at once (engine rows)")
     p.add_argument("--max-queue", type=int, default=64, help="turns that may wait for a row before 429")
+    p.add_argument("--decode-chunk", type=int, default=DECODE_CHUNK,
+                   help="decode steps per batched engine call: rows join and leave, and streams flush, between calls")
     p.add_argument("--max-positions", type=int, default=None, help="positions per request (default: the model context, at most 8192)")
     p.add_argument("--num-slots", type=int, default=None, help="KV pool slots (default: 2 x rows x positions + 1)")
     p.add_argument("--max-tokens", type=int, default=256, help="reply budget of a request that names none")
@@ -129,7 +132,8 @@ def serve(args) -> int:
     model = jaxkv.load_model(args.model, dtype=args.dtype)
     name = args.served_model_name or ("embedded" if args.model == "embedded" else Path(args.model).name or args.model)
     app = make_app(model, model_name=name, rows=args.rows, max_queue=args.max_queue, max_positions=args.max_positions,
-                   num_slots=args.num_slots, api_keys=keys, rules=rules, max_tokens=args.max_tokens, session_cap=args.session_cap)
+                   num_slots=args.num_slots, api_keys=keys, rules=rules, max_tokens=args.max_tokens, session_cap=args.session_cap,
+                   decode_chunk=args.decode_chunk)
     probe = app.state.jaxkv.server.session(**rules.resolve({}))  # a bad --policy/--budget/--repair fails now, not per request
     del probe
     auth = f"{len(keys)} API key(s)" if keys else "no authentication"
