@@ -81,7 +81,7 @@ from jaxkv.models.transformer import NO_FEATURES, DecodeWindow, Features
 from jaxkv.sampling import SamplerSpec, make_sampler, sample, sample_rows
 
 PREFILL_CHUNK = 512  # tokens per prefill step; chosen by eval/bench_prefill.py (README)
-SHORT_CHUNK = 128  # the prefill width of short pieces (the other width is the chunk size)
+SHORT_CHUNK = 128  # the narrowest prefill width (wider ones: powers of two up to the chunk size)
 DECODE_ROW_STEP = 4  # decode batches: powers of two up to 4 rows, then multiples of 4
 FIRST_TOKEN_KEY = 1 << 30  # the first reply token is drawn with fold_in(key, this)
 
@@ -725,9 +725,9 @@ class Engine:
 
         A step costs rows x width x read window, padding included (a padding row
         runs the whole forward on its width), so the jobs are split before they
-        are padded: by chunk width (two widths only, short pieces such as a user
-        message or a tool result, and long ones such as a prompt, so batches reuse
-        a handful of compiles), then, shortest context first, into power-of-two
+        are padded: by chunk width (a power of two from ``SHORT_CHUNK`` up to the
+        chunk size, so a piece is padded less than 2x and batches reuse a handful
+        of compiles: 128, 256, 512 at the defaults), then, shortest context first, into power-of-two
         groups (9 jobs run as 8 + 1, not as 16 rows), so rows of similar context
         share a read window and no row is padding unless a mesh's data-parallel
         size asks for it."""
@@ -736,7 +736,8 @@ class Engine:
         for j in jobs:
             if not j.finished:
                 piece = min(j.tokens.size - j.done, self.prefill_chunk)
-                by_width.setdefault(short_width if piece <= short_width else self.prefill_chunk, []).append(j)
+                width = min(bucket(piece, minimum=short_width, step=self.prefill_chunk), self.prefill_chunk)
+                by_width.setdefault(width, []).append(j)
         for C, group in sorted(by_width.items()):
             group.sort(key=lambda j: len(self._row(j.row).live))
             while group:

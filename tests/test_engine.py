@@ -107,6 +107,28 @@ def test_short_piece_batched_with_a_long_one_keeps_its_own_width(qwen3, monkeypa
     assert got.shape == ref.shape and (got == ref).all()
 
 
+def test_prefill_width_is_the_power_of_two_above_the_piece(qwen3, monkeypatch):
+    """Pieces of 40, 200 and 300 tokens run at widths 128, 256 and 512 (a piece is
+    padded less than 2x), each with its solo logits."""
+    import jaxkv.engine as engine_mod
+
+    rng = np.random.default_rng(5)
+    prompts = [rng.integers(0, 1024, n).tolist() for n in (40, 200, 300)]
+    solo = []
+    for p in prompts:
+        e = jaxkv.Engine(qwen3, rows=1, max_positions=512, prefill_chunk=512)
+        solo.append(e.prefill([e.open_row()], [p], all_logits=True)[0])
+    widths = []
+    real_step = engine_mod.prefill_step
+    monkeypatch.setattr(engine_mod, "prefill_step", lambda *a, **k: (widths.append(a[3].tokens_BT.shape[1]), real_step(*a, **k))[1])
+    engine = jaxkv.Engine(qwen3, rows=3, max_positions=512, prefill_chunk=512)
+    jobs = [engine.start_prefill(engine.open_row(), p, all_logits=True) for p in prompts]
+    engine.step_prefill(jobs)
+    assert sorted(widths) == [128, 256, 512] and all(j.finished for j in jobs)
+    for job, ref in zip(jobs, solo):
+        assert _rel(np.concatenate(job.logits), ref) <= 1e-5
+
+
 def test_prefill_batches_split_into_power_of_two_groups_without_padding_rows(qwen3, monkeypatch):
     """Three pieces of one width run as a step of 2 rows and a step of 1 (no
     padding row: it would run the whole forward), longest contexts together, and
