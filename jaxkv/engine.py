@@ -81,6 +81,7 @@ from jaxkv.models.transformer import NO_FEATURES, DecodeWindow, Features
 from jaxkv.sampling import SamplerSpec, make_sampler, sample, sample_rows
 
 PREFILL_CHUNK = 512  # tokens per prefill step; chosen by eval/bench_prefill.py (README)
+WINDOW_STEP = 128  # CPU decode window widths: powers of two up to this, then multiples of it
 SHORT_CHUNK = 128  # the narrowest prefill width (wider ones: powers of two up to the chunk size)
 DECODE_ROW_STEP = 4  # decode batches: powers of two up to 4 rows, then multiples of 4
 FIRST_TOKEN_KEY = 1 << 30  # the first reply token is drawn with fold_in(key, this)
@@ -911,7 +912,10 @@ class Engine:
         if self.quant is not None:  # quantized pool: page tables, new tokens INT4 (kivi2: float)
             kv_step, kv_args = self.quant.step, self.quant.decode_tables(states, [s[:k] for s, k in zip(per_job, steps)], B)
         batch = DecodeBatch(rows, first, limit, slots, stop, key_data, step0, temp, top_p, forced)
-        width = min(bucket(max(len(s.live) for s in states)), self.max_positions)
+        # The window's width sets every step's attention work, so it is bucketed finer
+        # than shapes elsewhere (multiples of WINDOW_STEP past it): a row of 1,100 live
+        # tokens reads 1,152 entries, not 1,536. More widths mean more compiles, once.
+        width = min(bucket(max(len(s.live) for s in states), step=WINDOW_STEP), self.max_positions)
         window = None
         if self.decode_window and gather_window(self.cache, B, width, self.backend, self.mesh, kv_step):
             window = gather_decode_window(self.cache, jnp.asarray(rows), width=width, n_steps=n)
