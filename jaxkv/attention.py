@@ -18,7 +18,8 @@ Three entry points:
   over two such row sets (the CPU decode loop's gathered rows and its new ones).
 
 ``gqa_scores`` and ``masked_softmax`` are the one GQA-grouped, scaled, masked
-softmax of the project: the retention scorers (``jaxkv.policies``) and RepairKV
+softmax of the project (``decode_attention_two_parts`` forms the same scaled
+sums for its head-major keys and feeds them to ``masked_softmax``): the retention scorers (``jaxkv.policies``) and RepairKV
 build on them.
 
 Invariants: scores and softmax are float32 whatever the input dtype; masked entries
@@ -186,8 +187,9 @@ def decode_attention_rows(q_BHD, k_BNKD, v_BNKD, live_len_B, *, return_probs=Fal
 
     ``k_BNKD``/``v_BNKD`` hold each request's live rows (entries at or past
     ``live_len_B`` are ignored). The reference gathers the rows from the pool and
-    calls this; the quantized references dequantize them first. Returns ``out [B,Hq,D]`` in ``q_BHD.dtype`` and, with ``return_probs``,
-    the float32 probabilities ``[B,Hq,N]``.
+    calls this; the quantized references dequantize them first. Returns
+    ``out [B,Hq,D]`` in ``q_BHD.dtype`` and, with ``return_probs``, the float32
+    probabilities ``[B,Hq,N]``.
     """
     B, Hq, D = q_BHD.shape
     K = k_BNKD.shape[2]
@@ -205,8 +207,8 @@ def decode_attention_two_parts(q_BHD, k_BKDW, v_BKWD, len_B, k_BTKD, v_BTKD, len
     ``[B, Hkv, D, W]``, values ``v_BKWD`` ``[B, Hkv, W, D]``) and the first
     ``len_new_B`` rows of part two, in row layout (``k_BTKD``, ``v_BTKD``).
 
-    One softmax over both parts (the probabilities of their concatenation); the
-    output sums the two parts' ``probs @ V``, so it differs from one reduction over
+    One ``masked_softmax`` over both parts' scores (the probabilities of their
+    concatenation; only the scores are concatenated, never the K/V); the output sums the two parts' ``probs @ V``, so it differs from one reduction over
     the concatenation only in rounding. The engine's CPU decode loop reads this
     way: part one is the live rows it gathered before the chunk, read-only in the
     loop, laid out so that XLA:CPU runs both products as plain batched GEMMs with
@@ -221,12 +223,9 @@ def decode_attention_two_parts(q_BHD, k_BKDW, v_BKWD, len_B, k_BTKD, v_BTKD, len
     q_BKGD = q_BHD.reshape(B, K, Hq // K, D).astype(jnp.float32) / jnp.sqrt(jnp.float32(D))
     old = jnp.einsum("bkgd,bkdw->bkgw", q_BKGD, k_BKDW.astype(jnp.float32))
     new = jnp.einsum("bkgd,btkd->bkgt", q_BKGD, k_BTKD.astype(jnp.float32))
-    old = jnp.where((jnp.arange(W)[None, :] < len_B[:, None])[:, None, None, :], old, MASKED)
-    new = jnp.where((jnp.arange(T)[None, :] < len_new_B[:, None])[:, None, None, :], new, MASKED)
-    top = jnp.maximum(old.max(-1, keepdims=True), new.max(-1, keepdims=True))  # one softmax over both parts
-    e_old, e_new = jnp.exp(old - top), jnp.exp(new - top)
-    total = e_old.sum(-1, keepdims=True) + e_new.sum(-1, keepdims=True)
-    p_old, p_new = e_old / total, e_new / total
+    ok_BE = jnp.concatenate([jnp.arange(W)[None, :] < len_B[:, None], jnp.arange(T)[None, :] < len_new_B[:, None]], axis=-1)
+    probs = masked_softmax(jnp.concatenate([old, new], axis=-1), ok_BE[:, None, None, :])  # [B, K, G, W+T]
+    p_old, p_new = probs[..., :W], probs[..., W:]
     out = jnp.einsum("bkgw,bkwd->bkgd", p_old, v_BKWD.astype(jnp.float32))
     out = out + jnp.einsum("bkgt,btkd->bkgd", p_new, v_BTKD.astype(jnp.float32))
     out = out.reshape(B, Hq, D).astype(q_BHD.dtype)
