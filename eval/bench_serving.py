@@ -1,7 +1,7 @@
 """Serving throughput: 1, 4 and 8 concurrent sessions on one server (continuous batching).
 
     JAX_PLATFORMS=cpu python eval/bench_serving.py [--models embedded,qwen3-125m]
-        [--sessions 1,4,8] [--turns 2] [--decode-chunk 16] [--repeats 3] [--out FILE.md]
+        [--sessions 1,4,8] [--turns 2] [--decode-chunk N] [--repeats 3] [--out FILE.md]
 
 Each session replays the first ``--turns`` assistant turns of its own held-out
 agent trace (``jaxkv.tasks.agent_traces``, ~1k tokens, tool schemas shared by all
@@ -154,7 +154,7 @@ def bench_model(name: str, levels, turns: int, out, decode_chunk: int = DECODE_C
     runs, tries = {n: [] for n in sorted(set(levels) | {1})}, {}
     for _ in range(repeats):
         for n in runs:
-            for t in range(1, MAX_LEVEL_TRIES + 1):
+            for _ in range(MAX_LEVEL_TRIES):
                 tries[n] = tries.get(n, 0) + 1
                 compiles0 = COMPILES[0]
                 run = run_level(model, n, convs, max_new, rows_n, decode_chunk)
