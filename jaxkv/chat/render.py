@@ -22,6 +22,7 @@ token; ``decode(ids) == text``; spans are half-open ``(start, end)`` into ``ids`
 from __future__ import annotations
 
 import dataclasses
+import re
 import weakref
 from typing import Any, Mapping, Sequence
 
@@ -86,6 +87,12 @@ def render(
     tagged with the prompt.
     """
     validate_messages(messages, tools)
+    if tools and not template_takes_tools(tokenizer):
+        raise ChatError(
+            "this model's chat template has no tool section, so the tool schemas would be dropped silently; "
+            "send the request without `tools` (describe the tools in the system message if the model should know them), "
+            "or serve a model whose template renders tools"
+        )
     if reply_prefix and not add_generation_prompt:
         raise ChatError("a reply prefix needs the generation prompt")
     text = tokenizer.apply_chat_template(
@@ -100,6 +107,21 @@ def render(
     triaxial = np.empty(ids.size, TRIAXIAL_DTYPE)
     triaxial["temporal"], triaxial["modal"], triaxial["semantic"] = temporal, tags.modal, tags.semantic
     return Rendered(text, ids, tags.phase, triaxial, spans, tuple(found), scanner)
+
+
+def template_takes_tools(tokenizer) -> bool:
+    """Whether the tokenizer's chat template renders ``tools`` at all.
+
+    A template that never reads the ``tools`` variable (SmolLM2's ChatML template,
+    for one) would drop the schemas without a word, and the model would answer as
+    if no tool existed. ``render`` refuses such a request with ``ChatError`` (an
+    HTTP 400) instead: the caller decides whether to describe the tools in the
+    system message, which is a prompt-design choice jaxkv should not make for it.
+    """
+    template = getattr(tokenizer, "chat_template", None)
+    if isinstance(template, dict):  # named templates: "default" plus "tool_use" etc.
+        return any(re.search(r"\btools\b", t or "") for t in template.values())
+    return bool(template) and re.search(r"\btools\b", template) is not None
 
 
 def tool_name(tool: Mapping[str, Any]) -> str | None:

