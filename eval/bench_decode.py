@@ -1,4 +1,4 @@
-"""Decode throughput: jaxkv vs transformers on the same random Qwen3 (~125M), CPU.
+"""Decode throughput: jaxkv vs transformers on the same weights (a random ~125M Qwen3, or ``--model``), CPU.
 
 Both run the same weights (built in torch, saved, loaded by jaxkv) in float32,
 batch 1 and 8, context 512 and 4096, in one process, so the numbers are
@@ -20,7 +20,10 @@ batch's context, so ``floor tok/s = batch / ((weight bytes + KV bytes) / read
 bandwidth)``, the read bandwidth measured here by a multi-threaded reduction over
 a 1 GiB array. Reports each engine's fraction of that floor.
 
-Usage: python eval/bench_decode.py [--steps 16] [--contexts 512,4096] [--batches 1,8] [--out FILE.md]
+``--model NAME_OR_PATH`` runs both on a real checkpoint instead (for example
+``smollm2-135m-instruct``; transformers reads the same float32 weights).
+
+Usage: python eval/bench_decode.py [--model M] [--steps 16] [--contexts 512,4096] [--batches 1,8] [--out FILE.md]
 """
 
 from __future__ import annotations
@@ -61,16 +64,27 @@ def _timed(fn) -> float:
     return time.perf_counter() - t0
 
 
-def build_models(folder):
+def build_models(folder, model: str | None = None):
+    """``(transformers model, jaxkv model, parameter count, label)`` on the same float32
+    weights: the random ~125M Qwen3 (``model=None``, built in torch and saved to
+    ``folder``), or any name or path ``jaxkv.load_model`` takes (transformers then
+    loads the folder jaxkv read, or jaxkv's export of it to ``folder``: a GGUF or a
+    reference model's converted copy)."""
     import torch
     import transformers
 
-    torch.manual_seed(0)
-    cfg = transformers.Qwen3Config(**QWEN3_125M)
-    tm = transformers.Qwen3ForCausalLM(cfg).eval()
-    tm.save_pretrained(folder)
+    if model is None:
+        torch.manual_seed(0)
+        cfg = transformers.Qwen3Config(**QWEN3_125M)
+        tm = transformers.Qwen3ForCausalLM(cfg).eval()
+        tm.save_pretrained(folder)
+        n_params = sum(p.numel() for p in tm.parameters())
+        return tm, jaxkv.load_model(folder), n_params, f"Random Qwen3 {n_params / 1e6:.0f}M"
+    ours = jaxkv.load_model(model)
+    source = ours.path if ours.path is not None and (ours.path / "config.json").is_file() else jaxkv.save_pretrained(ours, folder)
+    tm = transformers.AutoModelForCausalLM.from_pretrained(str(source), dtype=torch.float32).eval()
     n_params = sum(p.numel() for p in tm.parameters())
-    return tm, jaxkv.load_model(folder), n_params
+    return tm, ours, n_params, f"{model} ({ours.config.model_type}, {n_params / 1e6:.0f}M)"
 
 
 def fill_pool_randomly(engine, rng) -> None:
@@ -158,7 +172,7 @@ def bench_torch_generate(tm, batch, ctx, steps) -> float:
     return batch * steps / run()
 
 
-def decode_table(tm, model, n_params, steps, contexts, batches) -> list[str]:
+def decode_table(tm, model, n_params, steps, contexts, batches, label: str = "random Qwen3") -> list[str]:
     """The decode rows (printed as they come): jaxkv vs the faster transformers loop."""
     import torch
 
@@ -166,7 +180,7 @@ def decode_table(tm, model, n_params, steps, contexts, batches) -> list[str]:
     cfg = model.config
     weight_bytes = n_params * 4
     lines = [
-        f"Decode throughput, random Qwen3 {n_params / 1e6:.0f}M float32, {platform.processor() or platform.machine()}, "
+        f"Decode throughput, {label} float32, {platform.processor() or platform.machine()}, "
         f"{os.cpu_count()} cores, jax {jax.__version__} ({jax.default_backend()}), torch {torch.__version__}; "
         f"measured read bandwidth {bw:.1f} GB/s; {steps} timed greedy steps after warm-up.",
         "",
@@ -197,15 +211,16 @@ def main(argv=None) -> str:
     ap.add_argument("--steps", type=int, default=16)
     ap.add_argument("--contexts", default="512,4096")
     ap.add_argument("--batches", default="1,8")
+    ap.add_argument("--model", default=None, help="any name or path jaxkv.load_model takes (default: a random ~125M Qwen3)")
     ap.add_argument("--out", default=None, help="also write the markdown table here")
     args = ap.parse_args(argv)
     import torch
 
     torch.set_num_threads(os.cpu_count() or 1)
     with tempfile.TemporaryDirectory() as folder:
-        tm, model, n_params = build_models(folder)
+        tm, model, n_params, label = build_models(folder, args.model)
         lines = decode_table(tm, model, n_params, args.steps, [int(c) for c in args.contexts.split(",")],
-                             [int(b) for b in args.batches.split(",")])
+                             [int(b) for b in args.batches.split(",")], label)
     table = "\n".join(lines) + "\n"
     if args.out:
         with open(args.out, "w") as f:

