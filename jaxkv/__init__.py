@@ -43,6 +43,7 @@ from jaxkv.errors import (
     SlotError,
     TurnCancelledError,
     UnsupportedModelError,
+    UnsupportedTensorTypeError,
 )
 from jaxkv.models.loading import Model, load_model, model_from_config, save_pretrained
 from jaxkv.serving import ChatTurn, Server, Session, TurnResult
@@ -78,6 +79,7 @@ __all__ = [
     "UnsupportedModelError",
     "CheckpointError",
     "CheckpointNotFoundError",
+    "UnsupportedTensorTypeError",
     "OutOfSlotsError",
     "SlotError",
     "ContextLengthError",

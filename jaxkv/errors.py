@@ -31,6 +31,11 @@ class CheckpointNotFoundError(CheckpointError, FileNotFoundError):
     """A path or repo id does not resolve to a checkpoint folder or file."""
 
 
+class UnsupportedTensorTypeError(CheckpointError):
+    """A checkpoint stores a tensor in a type jaxkv cannot read (a GGUF quantization
+    the ``gguf`` package does not dequantize)."""
+
+
 class OutOfSlotsError(JaxKVError, MemoryError):
     """The KV pool has fewer free slots than a request asked for."""
 
