@@ -7,7 +7,9 @@ the file's metadata, checks every tensor against that config, dequantizes each w
 and whatever else that function implements) and returns a ``GGUFCheckpoint``:
 the ``ModelConfig``, the config dict, the tensors under the names
 ``jaxkv.models.loading.hf_parameter_map`` uses, and the tokenizer. No part of the
-format is parsed here by hand.
+format is parsed here by hand. With ``lazy=True`` (what ``load_model`` uses) each
+tensor is dequantized only when read, so loading holds one float32 tensor at a
+time beside the model rather than a float32 copy of the whole file.
 
 Conventions undone on the way (so the tensors are exactly the HF checkpoint's):
 
@@ -78,8 +80,9 @@ class GGUFCheckpoint:
       config: the ``ModelConfig``.
       hf_config: the ``config.json`` dict transformers would write for it
         (``ModelConfig.from_hf(hf_config) == config``).
-      tensors: HF tensor name -> float32 numpy array, HF layout, every name of
-        ``hf_parameter_map(config)`` and nothing else.
+      tensors: HF tensor name -> float32 numpy array (``GGUFTensor`` when read
+        with ``lazy=True``), HF layout, every name of ``hf_parameter_map(config)``
+        and nothing else.
       tokenizer: a transformers tokenizer with the file's chat template, or None
         (not asked for, or the file has no tokenizer metadata).
       path: the ``.gguf`` file.
@@ -238,8 +241,40 @@ def unpermute_qk(w: np.ndarray, num_heads: int) -> np.ndarray:
     return per_head.swapaxes(1, 2).reshape(w.shape)
 
 
-def read_gguf(path, *, load_tokenizer: bool = True) -> GGUFCheckpoint:
-    """Read and dequantize a ``.gguf`` file (see the module docstring)."""
+class GGUFTensor:
+    """One tensor of an open GGUF file under its HF name: ``shape`` (HF layout) known
+    up front, dequantized to float32 (and, for llama's q/k, un-permuted) on
+    ``np.asarray(t)``, a fresh array each time."""
+
+    def __init__(self, tensor, shape: tuple[int, ...], qk_heads: int | None, path: Path):
+        self._tensor, self.shape, self._qk_heads, self.path = tensor, shape, qk_heads, path
+
+    @property
+    def ndim(self) -> int:
+        return len(self.shape)
+
+    @property
+    def type_name(self) -> str:
+        return self._tensor.tensor_type.name
+
+    def __array__(self, dtype=None, copy=None):
+        t = self._tensor
+        try:
+            arr = gguf.quants.dequantize(t.data, t.tensor_type)
+        except (ValueError, TypeError) as err:
+            raise CheckpointError(f"{self.path}: tensor {t.name} ({t.tensor_type.name}) is corrupt: {err}") from err
+        arr = np.asarray(arr, np.float32).reshape(self.shape)
+        if self._qk_heads is not None:
+            arr = unpermute_qk(arr, self._qk_heads)
+        return arr if dtype is None else arr.astype(dtype, copy=False)
+
+
+def read_gguf(path, *, load_tokenizer: bool = True, lazy: bool = False) -> GGUFCheckpoint:
+    """Read a ``.gguf`` file (see the module docstring); every check runs here.
+
+    ``lazy=False``: ``tensors`` holds dequantized float32 arrays. ``lazy=True``: it
+    holds ``GGUFTensor`` s that dequantize when read (``np.asarray``), so a loader
+    holds one float32 tensor at a time instead of the whole model (``load_model``)."""
     path = Path(path).expanduser()
     reader = open_reader(path)
     hf = hf_config_from_metadata(reader)
@@ -259,21 +294,18 @@ def read_gguf(path, *, load_tokenizer: bool = True) -> GGUFCheckpoint:
     shapes = {hf_name: tuple(int(n) for n in reversed(by_name[g].shape)) for hf_name, g in names.items() if g in by_name}
     check_tensor_shapes(cfg, shapes, str(path), file_names=names)
 
-    tensors = {}
-    for hf_name, g in names.items():
-        t = by_name[g]
-        try:
-            arr = gguf.quants.dequantize(t.data, t.tensor_type)
-        except (ValueError, TypeError) as err:
-            raise CheckpointError(f"{path}: tensor {g} ({t.tensor_type.name}) is corrupt: {err}") from err
-        arr = np.asarray(arr, np.float32).reshape(shapes[hf_name])
-        if cfg.model_type in QK_PERMUTED_ARCHITECTURES:
-            if ".self_attn.q_proj." in hf_name:
-                arr = unpermute_qk(arr, cfg.num_heads)
-            elif ".self_attn.k_proj." in hf_name:
-                arr = unpermute_qk(arr, cfg.num_kv_heads)
-        tensors[hf_name] = arr
+    def qk_heads(hf_name: str) -> int | None:
+        if cfg.model_type not in QK_PERMUTED_ARCHITECTURES:
+            return None
+        if ".self_attn.q_proj." in hf_name:
+            return cfg.num_heads
+        if ".self_attn.k_proj." in hf_name:
+            return cfg.num_kv_heads
+        return None
 
+    tensors = {hf_name: GGUFTensor(by_name[g], shapes[hf_name], qk_heads(hf_name), path) for hf_name, g in names.items()}
+    if not lazy:
+        tensors = {name: np.asarray(t) for name, t in tensors.items()}
     tokenizer = read_tokenizer(reader, path) if load_tokenizer else None
     return GGUFCheckpoint(cfg, hf, tensors, tokenizer, path)
 

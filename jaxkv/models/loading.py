@@ -67,7 +67,8 @@ class Model:
       module: the ``Transformer`` NNX module.
       tokenizer: a ``transformers`` tokenizer when the folder has one, else None.
       dtype: parameter dtype (``jnp.float32`` or ``jnp.bfloat16``).
-      path: the folder it was loaded from (None for in-memory models).
+      path: the folder it was loaded from (for a GGUF file, the folder holding it;
+        None for in-memory models).
       mesh: the ``jax.sharding.Mesh`` the weights are split over
         (``jaxkv.models.sharding``), or None: one device.
     """
@@ -116,6 +117,8 @@ def resolve_checkpoint(path_or_repo_id: str | os.PathLike) -> Path:
         if p.suffix == GGUF_SUFFIX:
             return p
         raise CheckpointNotFoundError(f"{p} is a file; expected a checkpoint folder or a {GGUF_SUFFIX} file")
+    if p.suffix == GGUF_SUFFIX:
+        raise CheckpointNotFoundError(f"no GGUF file at {name!r}")
     if name.startswith((".", "/", "~")) or name.count("/") != 1:
         raise CheckpointNotFoundError(f"no checkpoint folder at {name!r} (and it is not a repo id)")
     from huggingface_hub import snapshot_download
@@ -291,7 +294,7 @@ def load_model(path_or_repo_id, dtype="float32", mesh=None, *, load_tokenizer: b
 def _load_gguf(path: Path, dt, mesh, load_tokenizer: bool) -> Model:
     from jaxkv.models.gguf import read_gguf
 
-    ckpt = read_gguf(path, load_tokenizer=load_tokenizer)
+    ckpt = read_gguf(path, load_tokenizer=load_tokenizer, lazy=True)
     if mesh is not None:
         sharding.check_mesh(ckpt.config, mesh)
     module = build_module(ckpt.config, ckpt.tensors, dt, mesh, str(path))
