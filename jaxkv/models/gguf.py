@@ -26,8 +26,8 @@ Conventions undone on the way (so the tensors are exactly the HF checkpoint's):
 
 Config from metadata (keys per ``gguf.Keys``): ``{arch}.block_count``,
 ``embedding_length``, ``feed_forward_length``, ``attention.head_count`` /
-``head_count_kv``, ``attention.key_length`` (head_dim; else hidden / heads),
-``attention.layer_norm_rms_epsilon``, ``context_length``, ``rope.freq_base``,
+``head_count_kv``, ``attention.key_length`` (head_dim; else ``rope.dimension_count``,
+else hidden / heads; rotary dimensions must equal head_dim), ``attention.layer_norm_rms_epsilon``, ``context_length``, ``rope.freq_base``,
 ``rope.scaling.type`` / ``factor`` (``linear`` only), ``vocab_size`` (else the
 embedding's rows); tied head when there is no ``output.weight``; attention biases
 when the file has ``attn_q.bias`` (always for ``qwen2``); q/k norms for ``qwen3``;
@@ -58,7 +58,6 @@ import gguf
 import numpy as np
 
 from jaxkv.config import SUPPORTED_MODEL_TYPES, ModelConfig
-from jaxkv.models.loading import check_tensor_shapes, hf_parameter_map
 from jaxkv.errors import (
     CheckpointError,
     CheckpointNotFoundError,
@@ -66,6 +65,7 @@ from jaxkv.errors import (
     UnsupportedModelError,
     UnsupportedTensorTypeError,
 )
+from jaxkv.models.loading import check_tensor_shapes, hf_parameter_map
 
 HF_ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM"}
 # The architectures llama.cpp's converter stores with Q/K rows permuted (LlamaModel.permute).
@@ -156,10 +156,13 @@ def hf_config_from_metadata(reader: gguf.GGUFReader) -> dict:
         if len(set(kv_heads)) != 1:
             raise ConfigError(f"GGUF {arch} has per-layer KV head counts {sorted(set(kv_heads))}; jaxkv needs one count")
         kv_heads = kv_heads[0]
-    head_dim = key(A.KEY_LENGTH) or hidden // heads
+    rotary_dims = key(R.DIMENSION_COUNT)
+    head_dim = key(A.KEY_LENGTH) or rotary_dims or hidden // heads
     value_dim = key(A.VALUE_LENGTH) or head_dim
     if value_dim != head_dim:
         raise ConfigError(f"GGUF key length {head_dim} != value length {value_dim}; jaxkv needs them equal")
+    if rotary_dims not in (None, head_dim):
+        raise ConfigError(f"GGUF rotary dimensions {rotary_dims} != head_dim {head_dim}; jaxkv rotates whole heads only")
     vocab = key(L.VOCAB_SIZE)
     if vocab is None and "token_embd.weight" in tensors:
         vocab = int(tensors["token_embd.weight"].shape[-1])  # GGUF shape: [hidden, vocab]
@@ -207,7 +210,7 @@ def hf_config_from_metadata(reader: gguf.GGUFReader) -> dict:
 @functools.cache
 def dequantizable(qtype: gguf.GGMLQuantizationType) -> bool:
     """Whether ``gguf.quants.dequantize`` implements ``qtype`` (probed on one zero block)."""
-    block, type_size = gguf.GGML_QUANT_SIZES[qtype]
+    _, type_size = gguf.GGML_QUANT_SIZES[qtype]
     try:
         gguf.quants.dequantize(np.zeros((1, type_size), np.uint8), qtype)
     except NotImplementedError:
