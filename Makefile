@@ -4,7 +4,7 @@ VENV   := .venv
 PY     := $(VENV)/bin/python
 PIP    := $(PY) -m pip
 
-.PHONY: demo test venv venv-test bench clean
+.PHONY: demo test venv venv-test venv-cuda bench device-check clean
 
 $(VENV)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -16,8 +16,13 @@ $(VENV)/.installed-test: $(VENV)/.installed pyproject.toml
 	$(PIP) install -q -e ".[test]"
 	touch $@
 
+$(VENV)/.installed-cuda: $(VENV)/.installed pyproject.toml
+	$(PIP) install -q -e ".[cuda]"
+	touch $@
+
 venv: $(VENV)/.installed
 venv-test: $(VENV)/.installed-test
+venv-cuda: $(VENV)/.installed-cuda
 
 demo: $(VENV)/.installed
 	JAX_PLATFORMS=cpu $(VENV)/bin/jaxkv demo
@@ -27,6 +32,11 @@ test: $(VENV)/.installed-test
 
 bench: $(VENV)/.installed-test
 	JAX_PLATFORMS=cpu $(PY) eval/bench_decode.py
+
+# On an NVIDIA GPU: kernels, decode attention, end-to-end decode/prefill vs transformers and the
+# quantized pool, under 8 minutes; writes eval/results/device_<gpu>.md (eval/device_check.py).
+device-check: $(VENV)/.installed-cuda
+	$(PY) eval/device_check.py
 
 clean:
 	rm -rf $(VENV) build *.egg-info

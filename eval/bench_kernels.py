@@ -46,7 +46,8 @@ CACHE_BYTES = 256 << 20  # rotate inputs until the set of copies exceeds this
 INT2_FRACTION = 0.65  # 0.65 * 2 + 0.35 * 4 = 2.7 bits
 
 
-def _time(fn, inputs, reps):
+def median_call_seconds(fn, inputs, reps):
+    """Median wall time of ``fn(*inputs[i])`` (rotating over ``inputs``) after one warm-up call."""
     jax.block_until_ready(fn(*inputs[0]))
     times = []
     for i in range(reps):
@@ -68,7 +69,7 @@ def copy_bandwidth(reps, nbytes=None):
         nbytes = CACHE_BYTES if jax.default_backend() == "cpu" else 2 << 30
     x = jnp.ones((nbytes // 2,), jnp.bfloat16)
     neg = jax.jit(lambda a: -a)
-    return 2 * x.nbytes / _time(neg, [(x,)], reps)
+    return 2 * x.nbytes / median_call_seconds(neg, [(x,)], reps)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -136,7 +137,7 @@ def bench_case(ctx, B, K, G, D, reps, key):
     for case in cases:
         fn = jax.jit(case.public)
         inputs = [(q, *jax.tree.map(jnp.copy, case.operands)) for _ in range(input_copies(case.cost.bytes))]
-        times[case.name] = _time(fn, inputs, reps)
+        times[case.name] = median_call_seconds(fn, inputs, reps)
         rows.append((case.name, case.cost.bytes, times[case.name]))
         del inputs
     # RoPE delta over every live token of the batch, one layer

@@ -44,8 +44,9 @@ from jaxkv.pallas.quant import PAGE  # noqa: E402
 INT2_SHARE = 0.65  # mixed pool: 0.65 * 2 + 0.35 * 4 = 2.7 bits
 
 
-def build_model(max_context: int, dtype="float32"):
-    cfg = ModelConfig.from_hf({**QWEN3_125M, "model_type": "qwen3", "max_position_embeddings": max_context})
+def build_model(max_context: int, dtype="float32", config=QWEN3_125M):
+    """A random Qwen3 of ``config`` (default the ~125M shape) whose context holds ``max_context``."""
+    cfg = ModelConfig.from_hf({**config, "model_type": "qwen3", "max_position_embeddings": max_context})
     return jaxkv.model_from_config(cfg, dtype=dtype, seed=0)
 
 

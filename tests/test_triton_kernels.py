@@ -27,6 +27,7 @@ from jaxkv.pallas.kv_write import write_int4_rows, write_int4_rows_reference  # 
 from jaxkv.pallas.quant import quantize_int4  # noqa: E402
 from jaxkv.pallas.rope_delta import rope_delta_reference  # noqa: E402
 from jaxkv.pallas.testing import (  # noqa: E402
+    LLAMA3_ROPE as LLAMA3,
     decode_f64,
     decode_problem,
     int4_write_problem,
@@ -41,10 +42,6 @@ from jaxkv.pallas.testing import (  # noqa: E402
 from jaxkv.rope import inv_frequencies  # noqa: E402
 
 LENGTHS = (1, 31, 32, 33, 64, 65, 300)
-LLAMA3 = RopeConfig(
-    theta=500000, rope_type="llama3", factor=8, low_freq_factor=1, high_freq_factor=4,
-    original_max_position_embeddings=8192,
-)  # fmt: skip
 
 gpu_float = jax.jit(functools.partial(gpu_decode.decode_attention, launcher=interpret_call))
 gpu_quantized = jax.jit(functools.partial(gpu_decode.quantized_decode_attention, launcher=interpret_call))

@@ -15,6 +15,7 @@
 * ``request_errors``: the worst request's ``rel_err`` against per-request oracles.
 * ``rope_delta_problem`` / ``int4_write_problem``: inputs of the RoPE delta
   rotation and of the INT4 quantizing write, from random data.
+* ``LLAMA3_ROPE``: Llama-3 RoPE scaling, the hardest frequencies the rotation kernels see.
 * ``TOL`` / ``tolerance``: the error each kernel test allows per query dtype.
 
 ``eval/device_check.py`` runs these same problems and bounds on a GPU, at
@@ -25,6 +26,13 @@ from __future__ import annotations
 
 import jax.numpy as jnp
 import numpy as np
+
+from jaxkv.config import RopeConfig
+
+LLAMA3_ROPE = RopeConfig(
+    theta=500000, rope_type="llama3", factor=8, low_freq_factor=1, high_freq_factor=4,
+    original_max_position_embeddings=8192,
+)  # fmt: skip
 
 
 TOL = {jnp.dtype(jnp.float32): 1e-5, jnp.dtype(jnp.bfloat16): 2e-2}  # by query dtype
