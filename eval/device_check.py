@@ -818,7 +818,11 @@ def run_check(parts: list[Part], *, dry_run: bool, out: str | None, logs: Path, 
 
 
 def main(argv=None) -> str:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap = argparse.ArgumentParser(
+        description=__doc__.splitlines()[0],
+        epilog="Install on a fresh GPU machine: pip install -e '.[cuda]' (make device-check PYTHON=python3 does it "
+               "and runs the check). Parts and time limits: see the module docstring.",
+    )  # fmt: skip
     ap.add_argument("--dry-run", action="store_true", help="tiny shapes on the CPU, Triton interpreter (make test runs it)")
     ap.add_argument("--out", help="report path (default eval/results/device_<gpu name>.md; the results JSON goes beside it)")
     ap.add_argument("--parts", help=f"comma-separated subset of {','.join(PARTS_BY_NAME)} (env always runs)")
