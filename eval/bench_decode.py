@@ -64,35 +64,43 @@ def _timed(fn) -> float:
     return time.perf_counter() - t0
 
 
-def build_models(folder, model: str | None = None):
-    """``(transformers model, jaxkv model, parameter count, label)`` on the same float32
-    weights: the random ~125M Qwen3 (``model=None``, built in torch and saved to
-    ``folder``), or any name or path ``jaxkv.load_model`` takes (transformers then
-    loads the folder jaxkv read, or jaxkv's export of it to ``folder``: a GGUF or a
-    reference model's converted copy)."""
+def build_models(folder, model: str | None = None, *, config=QWEN3_125M, dtype="float32"):
+    """``(transformers model, jaxkv model, parameter count, label)`` on the same weights:
+    a random Qwen3 of ``config`` (``model=None``: built in torch, float32, saved to
+    ``folder``, loaded by jaxkv in ``dtype``), or any name or path ``jaxkv.load_model``
+    takes (transformers then loads the folder jaxkv read, or jaxkv's export of it to
+    ``folder``: a GGUF or a reference model's converted copy)."""
     import torch
     import transformers
 
     if model is None:
         torch.manual_seed(0)
-        cfg = transformers.Qwen3Config(**QWEN3_125M)
+        cfg = transformers.Qwen3Config(**config)
         tm = transformers.Qwen3ForCausalLM(cfg).eval()
         tm.save_pretrained(folder)
         n_params = sum(p.numel() for p in tm.parameters())
-        return tm, jaxkv.load_model(folder), n_params, f"Random Qwen3 {n_params / 1e6:.0f}M"
-    ours = jaxkv.load_model(model)
+        return tm, jaxkv.load_model(folder, dtype=dtype), n_params, f"Random Qwen3 {n_params / 1e6:.0f}M"
+    ours = jaxkv.load_model(model, dtype=dtype)
     source = ours.path if ours.path is not None and (ours.path / "config.json").is_file() else jaxkv.save_pretrained(ours, folder)
     tm = transformers.AutoModelForCausalLM.from_pretrained(str(source), dtype=torch.float32).eval()
     n_params = sum(p.numel() for p in tm.parameters())
     return tm, ours, n_params, f"{model} ({ours.config.model_type}, {n_params / 1e6:.0f}M)"
 
 
+def decode_bytes_per_step(cfg, n_params: int, batch: int, ctx: int, itemsize: int) -> int:
+    """What one decode step must read: every weight once plus the batch's K and V."""
+    kv = batch * ctx * cfg.num_layers * 2 * cfg.num_kv_heads * cfg.head_dim * itemsize
+    return n_params * itemsize + kv
+
+
 def fill_pool_randomly(engine, rng) -> None:
-    """Random K/V in the whole pool (decode cost does not depend on the values)."""
-    shape = engine.cache.k.shape
+    """Random K/V in the whole pool, in its dtype, drawn on its device (decode cost
+    does not depend on the values)."""
+    key = jax.random.key(int(rng.integers(1 << 31)))
+    k, v = engine.cache.k, engine.cache.v
     engine.cache = engine.cache.replace(
-        k=jnp.asarray(rng.standard_normal(shape, np.float32) * 0.5),
-        v=jnp.asarray(rng.standard_normal(shape, np.float32) * 0.5),
+        k=jax.random.normal(jax.random.fold_in(key, 0), k.shape, k.dtype) * 0.5,
+        v=jax.random.normal(jax.random.fold_in(key, 1), v.shape, v.dtype) * 0.5,
     )
 
 
@@ -119,15 +127,39 @@ def bench_jaxkv(model, batch, ctx, steps, window=True) -> float:
     return batch * steps / t
 
 
+def torch_place(tm):
+    """``(device, dtype)`` of a transformers model's weights: where its inputs and cache go."""
+    p = next(tm.parameters())
+    return p.device, p.dtype
+
+
+def torch_sync(tm) -> None:
+    """Wait for the model's device (CUDA work is asynchronous; the CPU needs nothing)."""
+    import torch
+
+    device, _ = torch_place(tm)
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def torch_generator(tm, seed: int):
+    import torch
+
+    return torch.Generator(device=torch_place(tm)[0]).manual_seed(seed)
+
+
 def random_cache(tm, batch, ctx, g):
-    """A transformers ``DynamicCache`` holding ``ctx`` random positions per layer."""
+    """A transformers ``DynamicCache`` holding ``ctx`` random positions per layer, drawn
+    with ``g`` on the model's device, in its dtype."""
     import torch
     from transformers import DynamicCache
 
     cfg = tm.config
+    device, dtype = torch_place(tm)
     cache = DynamicCache(config=cfg)
+    shape = (batch, cfg.num_key_value_heads, ctx, cfg.head_dim)
     for layer in range(cfg.num_hidden_layers):
-        kv = [torch.randn(batch, cfg.num_key_value_heads, ctx, cfg.head_dim, generator=g) * 0.5 for _ in range(2)]
+        kv = [torch.randn(shape, generator=g, device=device, dtype=dtype) * 0.5 for _ in range(2)]
         cache.update(kv[0], kv[1], layer)
     return cache
 
@@ -137,18 +169,20 @@ def bench_torch(tm, batch, ctx, steps) -> float:
     import torch
 
     cfg = tm.config
-    g = torch.Generator().manual_seed(0)
+    g = torch_generator(tm, 0)
 
     def run(cache):
-        tok = torch.randint(0, cfg.vocab_size, (batch, 1), generator=g)
+        tok = torch.randint(0, cfg.vocab_size, (batch, 1), generator=g, device=g.device)
         with torch.no_grad():
             for _ in range(steps):
                 out = tm(tok, past_key_values=cache, use_cache=True)
                 cache = out.past_key_values
                 tok = out.logits[:, -1].argmax(-1, keepdim=True)
+        torch_sync(tm)
 
     run(random_cache(tm, batch, ctx, g))  # warm-up
     cache = random_cache(tm, batch, ctx, g)
+    torch_sync(tm)
     t = _timed(lambda: run(cache))
     return batch * steps / t
 
@@ -157,15 +191,17 @@ def bench_torch_generate(tm, batch, ctx, steps) -> float:
     """``generate`` continuing a random cache of ``ctx`` tokens by ``steps`` tokens."""
     import torch
 
-    g = torch.Generator().manual_seed(1)
+    g = torch_generator(tm, 1)
 
     def run():
         cache = random_cache(tm, batch, ctx, g)
-        ids = torch.randint(0, tm.config.vocab_size, (batch, ctx + 1), generator=g)
+        ids = torch.randint(0, tm.config.vocab_size, (batch, ctx + 1), generator=g, device=g.device)
+        torch_sync(tm)
         t0 = time.perf_counter()
         with torch.no_grad():
             tm.generate(ids, attention_mask=torch.ones_like(ids), past_key_values=cache, max_new_tokens=steps,
                         min_new_tokens=steps, do_sample=False, pad_token_id=0)
+        torch_sync(tm)
         return time.perf_counter() - t0
 
     run()  # warm-up
@@ -178,7 +214,6 @@ def decode_table(tm, model, n_params, steps, contexts, batches, label: str = "ra
 
     bw = read_bandwidth_gbs()
     cfg = model.config
-    weight_bytes = n_params * 4
     lines = [
         f"Decode throughput, {label} float32, {platform.processor() or platform.machine()}, "
         f"{os.cpu_count()} cores, jax {jax.__version__} ({jax.default_backend()}), torch {torch.__version__}; "
@@ -190,8 +225,7 @@ def decode_table(tm, model, n_params, steps, contexts, batches, label: str = "ra
     print("\n".join(lines), flush=True)
     for batch in batches:
         for ctx in contexts:
-            kv_bytes = batch * ctx * cfg.num_layers * 2 * cfg.num_kv_heads * cfg.head_dim * 4
-            floor = batch / ((weight_bytes + kv_bytes) / (bw * 1e9))
+            floor = batch / (decode_bytes_per_step(cfg, n_params, batch, ctx, 4) / (bw * 1e9))
             ours = bench_jaxkv(model, batch, ctx, steps)
             ours_gather = bench_jaxkv(model, batch, ctx, steps, window=False)
             loop = bench_torch(tm, batch, ctx, steps)

@@ -22,8 +22,11 @@ the table says which. Usage::
 from __future__ import annotations
 
 import argparse
+import dataclasses
+import functools
 import statistics
 import time
+from typing import Callable
 
 import jax
 import jax.numpy as jnp
@@ -43,7 +46,8 @@ CACHE_BYTES = 256 << 20  # rotate inputs until the set of copies exceeds this
 INT2_FRACTION = 0.65  # 0.65 * 2 + 0.35 * 4 = 2.7 bits
 
 
-def _time(fn, inputs, reps):
+def median_call_seconds(fn, inputs, reps):
+    """Median wall time of ``fn(*inputs[i])`` (rotating over ``inputs``) after one warm-up call."""
     jax.block_until_ready(fn(*inputs[0]))
     times = []
     for i in range(reps):
@@ -53,19 +57,55 @@ def _time(fn, inputs, reps):
     return statistics.median(times)
 
 
-def _copies(nbytes):
+def input_copies(nbytes):
+    """Copies of a working set of ``nbytes`` to rotate over so that repeated calls miss the cache."""
     return max(1, min(4, -(-CACHE_BYTES // max(nbytes, 1))))
 
 
-def copy_bandwidth(reps):
-    x = jnp.ones((CACHE_BYTES // 2,), jnp.bfloat16) if jax.default_backend() == "cpu" else jnp.ones((1 << 30,), jnp.bfloat16)
+def copy_bandwidth(reps, nbytes=None):
+    """Device copy bandwidth (bytes read + written per second) of ``-x`` over ``nbytes``
+    (default: 2 GiB on an accelerator, ``CACHE_BYTES`` on the CPU)."""
+    if nbytes is None:
+        nbytes = CACHE_BYTES if jax.default_backend() == "cpu" else 2 << 30
+    x = jnp.ones((nbytes // 2,), jnp.bfloat16)
     neg = jax.jit(lambda a: -a)
-    return 2 * x.nbytes / _time(neg, [(x,)], reps)
+    return 2 * x.nbytes / median_call_seconds(neg, [(x,)], reps)
 
 
-def bench_case(ctx, B, K, G, D, reps, key):
-    """Rows of the table for one (context, batch)."""
-    ks = jax.random.split(key, 6)
+@dataclasses.dataclass(frozen=True)
+class DecodeCase:
+    """One decode-attention call to time: ``public(q, *operands, backend=...)``, or the
+    Triton glue with an explicit launcher, ``triton(launcher)(q, *operands)``.
+
+    Attributes:
+      name: the table's kernel column ("decode bf16", "decode INT4", "decode mixed 2.7b").
+      operands: the arguments after the queries (pools, lists; ``None`` for absent parts).
+      quantized: ``quantized_decode_attention`` (else ``decode_attention``).
+      cost: bytes and flops that must move (``jaxkv.pallas.cost``).
+    """
+
+    name: str
+    operands: tuple
+    quantized: bool
+    cost: cost.Cost
+
+    @property
+    def public(self) -> Callable:
+        return quantized_decode_attention if self.quantized else decode_attention
+
+    def triton(self, launcher) -> Callable:
+        """The ``jaxkv.pallas.gpu.decode`` glue of this call with ``launcher`` (imports triton)."""
+        from jaxkv.pallas.gpu import decode as gpu_decode
+
+        fn = gpu_decode.quantized_decode_attention if self.quantized else gpu_decode.decode_attention
+        return functools.partial(fn, launcher=launcher)
+
+
+def decode_cases(ctx, B, K, G, D, key):
+    """``(q [B, K*G, D] bf16, cases)``: bf16 pool, INT4 pool and the mixed INT2/INT4 pool
+    (the first ``INT2_FRACTION`` of each request's tokens in INT2 pages) over the same
+    random K/V, every request holding ``ctx`` live tokens in random slots."""
+    ks = jax.random.split(key, 4)
     S = B * ctx + 1
     k = jax.random.normal(ks[0], (S, K, D), jnp.bfloat16)
     v = jax.random.normal(ks[1], (S, K, D), jnp.bfloat16)
@@ -73,40 +113,35 @@ def bench_case(ctx, B, K, G, D, reps, key):
     idx = (jax.random.permutation(ks[3], S - 1)[: B * ctx] + 1).reshape(B, ctx).astype(jnp.int32)
     lens = jnp.full((B,), ctx, jnp.int32)
     Hq = K * G
-
-    rows, times = [], {}
-    # bf16
-    moved = cost.decode_float(B, Hq, K, D, ctx).bytes
-    fn = jax.jit(decode_attention)
-    inputs = [(q, k.copy(), v.copy(), idx, lens) for _ in range(_copies(moved))]
-    times["bf16"] = _time(fn, inputs, reps)
-    rows.append(("decode bf16", moved, times["bf16"]))
-    del inputs
-    # INT4
     pool4 = quantize_int4_pool(k, v)
-    moved = cost.decode_quantized(B, Hq, K, D, ctx).bytes
-    fn = jax.jit(lambda q, p4, i, n: quantized_decode_attention(q, None, None, None, p4, i, n))
-    inputs = [(q, jax.tree.map(jnp.copy, pool4), idx, lens) for _ in range(_copies(moved))]
-    times["int4"] = _time(fn, inputs, reps)
-    rows.append(("decode INT4", moved, times["int4"]))
-    del inputs
-    # mixed: the first n2 tokens of each request in INT2 pages, the rest INT4
+    cases = [
+        DecodeCase("decode bf16", (k, v, idx, lens), False, cost.decode_float(B, Hq, K, D, ctx)),
+        DecodeCase("decode INT4", (None, None, None, pool4, idx, lens), True, cost.decode_quantized(B, Hq, K, D, ctx)),
+    ]
     n2 = int(INT2_FRACTION * ctx) // 32 * 32
     if n2:
         pool2 = quantize_int2_pool(k[1 : 1 + B * n2], v[1 : 1 + B * n2])
         pages = jnp.arange(B * n2 // 32, dtype=jnp.int32).reshape(B, n2 // 32)
         npages = jnp.full((B,), n2 // 32, jnp.int32)
         idx4, len4 = idx[:, n2:], jnp.full((B,), ctx - n2, jnp.int32)
-        moved = cost.decode_quantized(B, Hq, K, D, ctx - n2, n2 // 32).bytes
-        fn = jax.jit(quantized_decode_attention)
-        inputs = [
-            (q, jax.tree.map(jnp.copy, pool2), pages, npages, pool4, idx4, len4) for _ in range(_copies(moved))
-        ]
-        times["mixed"] = _time(fn, inputs, reps)
-        rows.append(("decode mixed 2.7b", moved, times["mixed"]))
+        mixed = cost.decode_quantized(B, Hq, K, D, ctx - n2, n2 // 32)
+        cases.append(DecodeCase("decode mixed 2.7b", (pool2, pages, npages, pool4, idx4, len4), True, mixed))
+    return q, cases
+
+
+def bench_case(ctx, B, K, G, D, reps, key):
+    """Rows of the table for one (context, batch)."""
+    q, cases = decode_cases(ctx, B, K, G, D, key)
+    k, _, idx, _ = cases[0].operands
+    rows, times = [], {}
+    for case in cases:
+        fn = jax.jit(case.public)
+        inputs = [(q, *jax.tree.map(jnp.copy, case.operands)) for _ in range(input_copies(case.cost.bytes))]
+        times[case.name] = median_call_seconds(fn, inputs, reps)
+        rows.append((case.name, case.cost.bytes, times[case.name]))
         del inputs
     # RoPE delta over every live token of the batch, one layer
-    delta = jax.random.randint(ks[4], (B * ctx,), -64, 64, jnp.int32)
+    delta = jax.random.randint(jax.random.fold_in(key, 4), (B * ctx,), -64, 64, jnp.int32)
     slots = idx.reshape(-1)
     moved = cost.rope_delta(1, B * ctx, K, D).bytes
     rope = RopeConfig(theta=500000.0)
@@ -117,7 +152,8 @@ def bench_case(ctx, B, K, G, D, reps, key):
         pool = jax.block_until_ready(rope_delta(pool, slots, delta, rope))
         t.append(time.perf_counter() - t0)
     rows.append(("rope delta", moved, statistics.median(t[1:])))
-    return [(name, ctx, B, m, s, times["bf16"] / s if name.startswith("decode") else None) for name, m, s in rows]
+    bf16 = times["decode bf16"]
+    return [(name, ctx, B, m, s, bf16 / s if name.startswith("decode") else None) for name, m, s in rows]
 
 
 def main(argv=None):

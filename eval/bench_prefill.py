@@ -43,7 +43,7 @@ import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 
-from eval.bench_decode import build_models, decode_table  # noqa: E402
+from eval.bench_decode import build_models, decode_table, torch_generator, torch_sync  # noqa: E402
 from jaxkv.engine import PREFILL_CHUNK, Engine  # noqa: E402
 
 
@@ -111,12 +111,14 @@ def bench_generate_ttft(model, T: int, repeats: int) -> float:
 def bench_torch(tm, T: int, repeats: int, keep_last: bool) -> float:
     import torch
 
-    ids = torch.randint(0, tm.config.vocab_size, (1, T), generator=torch.Generator().manual_seed(T))
+    g = torch_generator(tm, T)
+    ids = torch.randint(0, tm.config.vocab_size, (1, T), generator=g, device=g.device)
     kwargs = {"logits_to_keep": 1} if keep_last else {}
 
     def run():
         with torch.no_grad():
             tm(ids, use_cache=True, **kwargs)
+        torch_sync(tm)
 
     run()
     return median_time(run, repeats)

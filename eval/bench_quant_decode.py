@@ -44,9 +44,10 @@ from jaxkv.pallas.quant import PAGE  # noqa: E402
 INT2_SHARE = 0.65  # mixed pool: 0.65 * 2 + 0.35 * 4 = 2.7 bits
 
 
-def build_model(max_context: int):
-    cfg = ModelConfig.from_hf({**QWEN3_125M, "model_type": "qwen3", "max_position_embeddings": max_context})
-    return jaxkv.model_from_config(cfg, seed=0)
+def build_model(max_context: int, dtype="float32", config=QWEN3_125M):
+    """A random Qwen3 of ``config`` (default the ~125M shape) whose context holds ``max_context``."""
+    cfg = ModelConfig.from_hf({**config, "model_type": "qwen3", "max_position_embeddings": max_context})
+    return jaxkv.model_from_config(cfg, dtype=dtype, seed=0)
 
 
 def fill_packed_randomly(engine, rng) -> None:
@@ -86,7 +87,7 @@ def bench(model, mode: str, n: int, steps: int) -> tuple[float, float]:
     cfg = model.config
     size = dict(head_dim=cfg.head_dim, num_layers=cfg.num_layers, num_kv_heads=cfg.num_kv_heads)
     if kv_quant is None:
-        kv_bytes = n * bytes_per_token(FLOAT, **size) * 2  # float32: twice bf16
+        kv_bytes = n * bytes_per_token(FLOAT, **size) * jnp.dtype(model.dtype).itemsize / 2  # FLOAT counts bf16
     else:
         comp = engine.kv_composition(row)
         kv_bytes = comp[INT2] * bytes_per_token(INT2, **size) + comp[INT4] * bytes_per_token(INT4, **size)

@@ -10,12 +10,7 @@ import pytest
 from jaxkv.config import RopeConfig
 from jaxkv.rope import apply_rope, inv_frequencies
 from jaxkv.pallas import rope_delta
-from jaxkv.pallas.testing import rel_err
-
-LLAMA3 = RopeConfig(
-    theta=500000, rope_type="llama3", factor=8, low_freq_factor=1, high_freq_factor=4,
-    original_max_position_embeddings=8192,
-)  # fmt: skip
+from jaxkv.pallas.testing import LLAMA3_ROPE as LLAMA3, rel_err
 
 
 def _setup(seed, shape, max_pos, max_delta, moved):

@@ -27,21 +27,21 @@ from jaxkv.pallas.kv_write import write_int4_rows, write_int4_rows_reference  # 
 from jaxkv.pallas.quant import quantize_int4  # noqa: E402
 from jaxkv.pallas.rope_delta import rope_delta_reference  # noqa: E402
 from jaxkv.pallas.testing import (  # noqa: E402
+    LLAMA3_ROPE as LLAMA3,
     decode_f64,
     decode_problem,
+    int4_write_problem,
     masked_float_problem,
     mixed_quantized_problem,
     quantized_attention_f64,
     rel_err,
+    request_errors,
+    rope_delta_problem,
+    tolerance,
 )
 from jaxkv.rope import inv_frequencies  # noqa: E402
 
-TOL = {jnp.float32: 1e-5, jnp.bfloat16: 2e-2}
 LENGTHS = (1, 31, 32, 33, 64, 65, 300)
-LLAMA3 = RopeConfig(
-    theta=500000, rope_type="llama3", factor=8, low_freq_factor=1, high_freq_factor=4,
-    original_max_position_embeddings=8192,
-)  # fmt: skip
 
 gpu_float = jax.jit(functools.partial(gpu_decode.decode_attention, launcher=interpret_call))
 gpu_quantized = jax.jit(functools.partial(gpu_decode.quantized_decode_attention, launcher=interpret_call))
@@ -52,9 +52,7 @@ def _check_decode(out, args, tol):
     assert out.dtype == q.dtype and out.shape == q.shape
     assert np.isfinite(np.asarray(out, np.float32)).all()  # every partial was written (outputs start as NaN)
     assert rel_err(out, decode_attention(*args, backend="reference")) <= tol
-    errs = [rel_err(np.asarray(out[b], np.float32), want) for b, want in enumerate(decode_f64(*args))]
-    assert max(errs) <= tol, errs
-    return max(errs)
+    assert request_errors(out, decode_f64(*args)) <= tol
 
 
 # --------------------------------------------------------------------------- float decode
@@ -65,7 +63,7 @@ def _check_decode(out, args, tol):
 )
 def test_float_decode_matches_reference_and_f64(D, G, dtype):
     args = decode_problem(D + G, 2, G, D, dtype, LENGTHS)
-    _check_decode(gpu_float(*args), args, TOL[dtype])
+    _check_decode(gpu_float(*args), args, tolerance(dtype))
 
 
 @pytest.mark.slow
@@ -73,7 +71,7 @@ def test_float_decode_matches_reference_and_f64(D, G, dtype):
 def test_float_decode_long_lists(dtype):
     """Lists up to 4097 tokens: the production split count (65 splits of one block each)."""
     args = decode_problem(3, 2, 4, 128, dtype, (1, 33, 1000, 4097))
-    _check_decode(gpu_float(*args), args, TOL[dtype])
+    _check_decode(gpu_float(*args), args, tolerance(dtype))
 
 
 def test_float_decode_ignores_order_and_padding_and_empty_requests():
@@ -130,9 +128,7 @@ def _check_quantized(args, tol):
     q = args[0]
     assert out.dtype == q.dtype and np.isfinite(np.asarray(out, np.float32)).all()
     assert rel_err(out, quantized_decode_attention(*args, backend="reference")) <= tol
-    want = quantized_attention_f64(*args)
-    errs = [rel_err(np.asarray(out[b], np.float32), want[b]) for b in range(q.shape[0])]
-    assert max(errs) <= tol, errs
+    assert request_errors(out, quantized_attention_f64(*args)) <= tol
     return out
 
 
@@ -142,8 +138,7 @@ def test_quantized_decode_masked_pages_and_float_part():
     args, kw, want = masked_float_problem(7)
     out = jax.jit(functools.partial(gpu_decode.quantized_decode_attention, launcher=interpret_call))(*args, **kw)
     assert rel_err(out, quantized_decode_attention(*args, **kw, backend="reference")) <= 1e-5
-    for b, w in enumerate(want):
-        assert rel_err(out[b], w) <= 1e-5
+    assert request_errors(out, want) <= 1e-5
 
 
 @pytest.mark.parametrize("D,G,qdtype", [(128, 2, jnp.float32), (64, 8, jnp.bfloat16)])
@@ -151,19 +146,19 @@ def test_quantized_decode_matches_reference_and_f64(D, G, qdtype):
     # (INT2 pages, INT4 tokens): INT4 only, one token, page boundaries, long mixed, INT4 only.
     pages, tokens = (0, 3, 1, 12, 0), (33, 1, 32, 300, 31)
     args = mixed_quantized_problem(D + G, 2, G, D, pages, tokens, qdtype)
-    out = _check_quantized(args, TOL[qdtype])
+    out = _check_quantized(args, tolerance(qdtype))
     # Without an INT2 pool only the INT4 launch runs; requests 0 and 4 had no pages anyway.
     q, _, _, _, pool4, slots, n = args
     out4 = gpu_quantized(q, None, None, None, pool4, slots, n)
-    assert rel_err(out4, quantized_decode_attention(q, None, None, None, pool4, slots, n)) <= TOL[qdtype]
-    assert rel_err(out4[0::4], out[0::4]) <= TOL[qdtype]
+    assert rel_err(out4, quantized_decode_attention(q, None, None, None, pool4, slots, n)) <= tolerance(qdtype)
+    assert rel_err(out4[0::4], out[0::4]) <= tolerance(qdtype)
 
 
 @pytest.mark.slow
 def test_quantized_decode_long_lists():
     """4097 INT4 tokens in one request, 40 INT2 pages and 1000 tokens in the other (bf16, G 4)."""
     args = mixed_quantized_problem(5, 2, 4, 128, (0, 40), (4097, 1000), jnp.bfloat16)
-    _check_quantized(args, TOL[jnp.bfloat16])
+    _check_quantized(args, tolerance(jnp.bfloat16))
 
 
 def test_quantized_decode_rejects_head_dims_it_cannot_tile():
@@ -179,13 +174,10 @@ def test_quantized_decode_rejects_head_dims_it_cannot_tile():
     "rope,shape,dtype", [(RopeConfig(), (3, 300, 2, 128), jnp.float32), (LLAMA3, (2, 200, 3, 64), jnp.bfloat16)]
 )
 def test_rope_delta_matches_reference_and_touches_only_its_rows(rope, shape, dtype):
-    rng = np.random.default_rng(shape[1])
-    pool = jnp.asarray(rng.standard_normal(shape), dtype)
-    slots = jnp.asarray(rng.permutation(shape[1])[:130], jnp.int32)
-    delta = jnp.asarray(rng.integers(-5000, 5000, 130), jnp.int32)
+    pool, slots, delta = rope_delta_problem(shape[1], shape, dtype, 130)
     out = jax.jit(functools.partial(gpu_rope.rope_delta, rope=rope, launcher=interpret_call))(pool, slots, delta)
     assert out.dtype == dtype
-    assert rel_err(out, rope_delta_reference(pool, slots, delta, rope)) <= TOL[dtype]
+    assert rel_err(out, rope_delta_reference(pool, slots, delta, rope)) <= tolerance(dtype)
     untouched = np.setdiff1d(np.arange(shape[1]), np.asarray(slots))
     assert np.array_equal(np.asarray(out)[:, untouched], np.asarray(pool)[:, untouched])  # bit-identical
 
@@ -211,12 +203,7 @@ def test_rope_delta_long_deltas_within_float32_angle_bound():
 
 @pytest.mark.parametrize("D,dtype", [(64, jnp.float32), (128, jnp.bfloat16), (128, jnp.float32)])
 def test_int4_write_is_bit_identical_to_quantize_rows(D, dtype):
-    rng = np.random.default_rng(D)
-    x = rng.standard_normal((70, 2, D)) * rng.uniform(0.01, 8, (70, 2, 1)) + rng.uniform(-5, 5, (70, 2, 1))
-    x[0, 0, :32] = 1.25  # a constant group: scale 0, codes 0
-    x = jnp.asarray(x, dtype)
-    rows = quantize_int4(jnp.asarray(rng.standard_normal((200, 2, D)), jnp.float32))
-    slots = jnp.asarray(rng.permutation(199)[:70] + 1, jnp.int32)
+    rows, slots, x = int4_write_problem(D, 70, 2, D, 200, dtype)  # row 0 head 0 starts with a constant group
     got = jax.jit(functools.partial(quant_write.write_int4_rows, launcher=interpret_call))(rows, slots, x)
     want = write_int4_rows_reference(rows, slots, x)
     for a, b in zip((got.data, got.scale, got.zero), (want.data, want.scale, want.zero)):

@@ -12,12 +12,35 @@
   jaxkv's own dequantizers).
 * ``masked_float_problem``: the optional parts of the engine's dual pool (INT2
   pages with per-request token masks, a float part) and their float64 oracle.
+* ``request_errors``: the worst request's ``rel_err`` against per-request oracles.
+* ``rope_delta_problem`` / ``int4_write_problem``: inputs of the RoPE delta
+  rotation and of the INT4 quantizing write, from random data.
+* ``LLAMA3_ROPE``: Llama-3 RoPE scaling, the hardest frequencies the rotation kernels see.
+* ``TOL`` / ``tolerance``: the error each kernel test allows per query dtype.
+
+``eval/device_check.py`` runs these same problems and bounds on a GPU, at
+production shapes, so the CPU tests and the device check test one thing.
 """
 
 from __future__ import annotations
 
 import jax.numpy as jnp
 import numpy as np
+
+from jaxkv.config import RopeConfig
+
+LLAMA3_ROPE = RopeConfig(
+    theta=500000, rope_type="llama3", factor=8, low_freq_factor=1, high_freq_factor=4,
+    original_max_position_embeddings=8192,
+)  # fmt: skip
+
+
+TOL = {jnp.dtype(jnp.float32): 1e-5, jnp.dtype(jnp.bfloat16): 2e-2}  # by query dtype
+
+
+def tolerance(dtype) -> float:
+    """The kernel tests' error bound for queries of ``dtype`` (``TOL``)."""
+    return TOL[jnp.dtype(dtype)]
 
 
 def rel_err(out, ref) -> float:
@@ -36,6 +59,11 @@ def attention_f64(q_HD, k_NKD, v_NKD) -> np.ndarray:
     p = np.exp(s - s.max(-1, keepdims=True))
     p /= p.sum(-1, keepdims=True)
     return np.einsum("kgn,nkd->kgd", p, v).reshape(Hq, D)
+
+
+def request_errors(out_BHD, wants) -> float:
+    """Worst ``rel_err`` of ``out[b]`` against ``wants[b]`` (requests whose oracle is ``None`` skipped)."""
+    return max(rel_err(np.asarray(out_BHD[b], np.float32), want) for b, want in enumerate(wants) if want is not None)
 
 
 def live_lists(rng: np.random.Generator, lengths, width: int, num_slots: int) -> tuple[np.ndarray, np.ndarray]:
@@ -151,3 +179,26 @@ def masked_float_problem(seed, K=2, G=2, D=64):
         v = np.concatenate([v2[t2], v4[i4[b, : n4[b]]], fv[fi[b, : nf[b]]]])
         want.append(attention_f64(np.asarray(q[b], np.float64), k, v))
     return args, kw, want
+
+
+def rope_delta_problem(seed, shape_LSKD, dtype, moved: int, max_delta: int = 5000):
+    """``(pool [L, S, Hkv, D], slots [moved] distinct, delta [moved] in [-max_delta, max_delta))``."""
+    rng = np.random.default_rng(seed)
+    pool = jnp.asarray(rng.standard_normal(shape_LSKD), dtype)
+    slots = jnp.asarray(rng.permutation(shape_LSKD[1])[:moved], jnp.int32)
+    delta = jnp.asarray(rng.integers(-max_delta, max_delta, moved), jnp.int32)
+    return pool, slots, delta
+
+
+def int4_write_problem(seed, T, K, D, S, dtype):
+    """``(rows, slots [T], x [T, K, D])``: an INT4 ``PackedRows`` of ``S`` slots, ``T``
+    distinct slots >= 1, and new rows of varied scale and offset per (row, head), the
+    first group of row 0 head 0 constant (its scale must come out 0)."""
+    from jaxkv.pallas.quant import quantize_int4
+
+    rng = np.random.default_rng(seed)
+    x = rng.standard_normal((T, K, D)) * rng.uniform(0.01, 8, (T, K, 1)) + rng.uniform(-5, 5, (T, K, 1))
+    x[0, 0, :32] = 1.25
+    rows = quantize_int4(jnp.asarray(rng.standard_normal((S, K, D)), jnp.float32))
+    slots = jnp.asarray(rng.permutation(S - 1)[:T] + 1, jnp.int32)
+    return rows, slots, jnp.asarray(x, dtype)

@@ -1,0 +1,150 @@
+"""The device check (``eval/device_check.py``) without a device: its CPU dry run end to
+end, its report writer on a recorded result, and its per-part watchdog."""
+
+from __future__ import annotations
+
+import copy
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from eval import device_check, device_report
+
+REPO = Path(__file__).resolve().parent.parent
+FIXTURE = Path(__file__).resolve().parent / "data" / "device_check_results.json"
+
+
+def _row_line(text: str, *cells: str) -> str:
+    """The report line of the table row starting with ``cells``."""
+    start = "| " + " | ".join(cells) + " |"
+    lines = [line for line in text.splitlines() if line.startswith(start)]
+    assert len(lines) == 1, (start, lines)
+    return lines[0]
+
+
+@pytest.mark.slow
+def test_dry_run_writes_every_table_marked_dry_run(tmp_path):
+    out = tmp_path / "report.md"
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")]))
+    proc = subprocess.run(
+        [sys.executable, "eval/device_check.py", "--dry-run", "--out", str(out), "--logs", str(tmp_path / "logs")],
+        cwd=REPO, env=env, capture_output=True, text=True, timeout=600,
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    text = out.read_text()
+    results = json.loads(out.with_suffix(".json").read_text())
+    assert text in proc.stdout  # printed as well as written
+    assert text.startswith("# jaxkv device check: cpu (dry run)") and "no number below measures a GPU" in text
+    for table in device_report.TABLES:
+        assert device_report.heading(table.title, True) + "\n" in text, table.title
+    assert text.count(f"({device_report.DRY_RUN_MARK})\n") == len(device_report.TABLES) + 1  # every table and the title
+
+    parts = results["parts"]
+    assert list(parts) == [p.name for p in device_check.PARTS]
+    assert {name: p["status"] for name, p in parts.items()} == {p.name: "ok" for p in device_check.PARTS}
+    assert all(p["seconds"] <= p["limit_s"] for p in parts.values())
+    assert not any(p["info"].get("errors") for p in parts.values()), [p["info"].get("errors") for p in parts.values()]
+    env_info = parts["env"]["info"]
+    assert env_info["copy_bandwidth"] > 0 and env_info["matmul_flops"] > 0 and env_info["versions"]["jax"]
+    # every check ran through the Triton interpreter and passed its bound
+    kernels = parts["kernels"]["rows"]
+    assert len(kernels) == len(device_check.kernel_checks(device_check.DRY_RUN)) and all(r["passed"] for r in kernels)
+    # every timing and every baseline was measured
+    for key, fields in (("attention", ("kernel_s", "xla_s")), ("decode", ("jaxkv_tok_s", "hf_loop_tok_s", "hf_generate_tok_s")),
+                        ("prefill", ("jaxkv_s", "hf_all_s", "hf_last_s")), ("quant", ("s_per_token", "kv_bytes"))):  # fmt: skip
+        rows = device_report._rows(results, key)
+        assert rows and all(r[f] > 0 for r in rows for f in fields), (key, rows)
+    assert [r["kernel"] for r in device_report._rows(results, "attention")] == ["decode bf16", "decode INT4", "decode mixed 2.7b"]
+    assert {r["pool"].split(" ")[0] for r in device_report._rows(results, "quant")} == {"float", "int4", "triaxial"}
+    assert "(not measured)" not in text and "## Failures" not in text
+    assert device_report.render(results) == text  # the report is a function of the recorded results
+
+
+def test_report_from_recorded_results():
+    """Every table from a recorded (fixture) result; derived columns computed from it;
+    unfinished parts, failed checks and errors marked."""
+    results = json.loads(FIXTURE.read_text())
+    before = copy.deepcopy(results)
+    text = device_report.render(results)
+    assert results == before and device_report.render(results) == text  # pure
+    for table in device_report.TABLES:
+        assert device_report.heading(table.title, False) + "\n" in text
+    assert device_report.DRY_RUN_MARK not in text
+
+    env = results["parts"]["env"]["info"]
+    bw = env["copy_bandwidth"]
+    assert "| triton | 3.6.0 |" in text and "| torch | not installed |" in text and "| driver | 999.1 |" in text
+    # attention: floor = bytes / copy bandwidth; floor / Triton; XLA / Triton
+    att = results["parts"]["attention"]["rows"][0]
+    floor = att["bytes"] / bw
+    line = _row_line(text, "decode bf16", "32768", "8")
+    assert f"| {floor * 1e6:.1f} | {att['kernel_s'] * 1e6:.1f} | {floor / att['kernel_s']:.0%} |" in line
+    assert f"| {att['xla_s'] / att['kernel_s']:.2f}x |" in line
+    assert "n/a (BackendUnavailableError: fixture)" in _row_line(text, "decode INT4", "32768", "8")
+    # decode: ratio against the faster transformers loop; floor tok/s = batch * bw / bytes per step
+    dec = results["parts"]["e2e"]["rows"][0]
+    line = _row_line(text, "1", "512")
+    ref = max(dec["hf_loop_tok_s"], dec["hf_generate_tok_s"])
+    assert f"| {dec['jaxkv_tok_s'] / ref:.2f}x | {bw / dec['bytes_per_step']:.0f} |" in line
+    assert "| 600.0 | n/a | 4.00x |" in _row_line(text, "8", "4096")  # a missing baseline: the other one
+    # quant: speed and bytes relative to the float pool of the same context
+    fl, i4 = results["parts"]["quant"]["rows"][:2]
+    line = _row_line(text, "32768", "1", "int4")
+    assert f"| {fl['s_per_token'] / i4['s_per_token']:.2f}x |" in line and f"| {i4['kv_bytes'] / fl['kv_bytes']:.2f}x |" in line
+    # unfinished parts, failures
+    assert "> **Part `e2e`: timed out** after 180 s: killed at its 180 s limit" in text
+    assert "> **Part `attention`: stopped at deadline**" in text and "(stopped before 4096 tokens x 8)" in text
+    prefill = text.split(device_report.heading(device_report.TABLES[5].title, False))[1].split("## ")[0]
+    assert "(not measured)" in prefill
+    assert "**FAIL**" in _row_line(text, "decode masked INT2 pages + float part")
+    assert "ERROR: XlaRuntimeError: INTERNAL: fixture failure" in _row_line(text, "INT4 quantizing write")
+    failures = text.split("## Failures")[1]
+    assert "compiling decode for batch 32" in failures and "hf_generate_tok_s (table decode, batch 8, ctx 4096)" in failures
+    assert "1/3 kernel checks pass" in text and "not finished: `attention` (stopped at deadline), `e2e` (timed out)" in text
+
+
+def test_render_command_rewrites_the_report(tmp_path, capsys):
+    out = tmp_path / "again.md"
+    text = device_check.main(["--render", str(FIXTURE), "--out", str(out)])
+    assert out.read_text() == text == device_report.render(json.loads(FIXTURE.read_text()))
+    assert text in capsys.readouterr().out
+
+
+def test_watchdog_kills_a_part_past_its_limit(tmp_path):
+    """A part still running at its limit is killed (its whole process group) and marked;
+    the check goes on with what it had recorded."""
+    part = device_check.PARTS_BY_NAME["env"]
+    entry = device_check.run_part(part, dry_run=True, limit_s=0.5, logs=tmp_path)  # jax alone imports longer
+    assert entry["status"] == "timed out" and entry["seconds"] < 10
+    assert entry["error"].startswith("exit code -9") and entry["rows"] == []
+    results = {"dry_run": True, "parts": {"env": entry}}
+    assert "> **Part `env`: timed out**" in device_report.render(results)
+
+
+def test_failed_part_is_marked_with_its_error(tmp_path):
+    """Without --dry-run the parts ask JAX for CUDA: on a CPU-only jaxlib the part fails,
+    and the report carries its error instead of numbers."""
+    part = device_check.PARTS_BY_NAME["env"]
+    entry = device_check.run_part(part, dry_run=False, limit_s=120, logs=tmp_path)
+    if entry["status"] == "ok":
+        pytest.skip("this machine has a CUDA device")
+    assert entry["status"] == "failed" and "JAX found no CUDA device" in entry["error"]
+    text = device_report.render({"dry_run": False, "parts": {"env": entry}})
+    assert "> **Part `env`: failed**" in text and "## Failures" in text
+
+
+def test_recorder_keeps_each_row_as_it_comes(tmp_path):
+    """What a killed part leaves behind: every row recorded before the kill."""
+    rec = device_check.Recorder(tmp_path / "part.json", limit_s=100)
+    rec.add({"n": 1})
+    row = rec.add({"n": 2})
+    rec.measure(row, "x_s", lambda: 0.5)
+    rec.measure(row, "y_s", lambda: 1 / 0)
+    saved = json.loads((tmp_path / "part.json").read_text())
+    assert saved["rows"] == [{"n": 1}, {"n": 2, "x_s": 0.5, "y_s": None}]
+    assert saved["info"]["errors"] == ["y_s (n 2): ZeroDivisionError: division by zero"]
+    assert not rec.out_of_time("next") and device_check.Recorder(tmp_path / "b.json", limit_s=0).out_of_time("next")
