@@ -244,7 +244,7 @@ def run_mode(model, tasks, *, label: str, rows: int, positions: int, options: di
 
     def run_task(i, ex, server):
         opts = dict(options)
-        if opts.get("policy") and ex.task == "mqniah":  # the document and question are one message (eval.harness)
+        if opts.get("policy") and ex.task in ("mqniah", "passkey", "niah"):  # the document is the user turn: not protected as the query
             opts["protect_query"] = False
         session = server.session(max_new_tokens=MAX_NEW_TOKENS, session_id=f"task{i + 1}-{ex.task}", **opts)
         session.metrics = metrics

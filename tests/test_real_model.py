@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import dataclasses
 
-import numpy as np
 import pytest
 from flax import nnx
 
@@ -65,7 +64,7 @@ def test_a_managed_session_answers_a_real_passkey_task(smollm2):
     comes in turn 2; the real model still names the key, and the full cache does."""
     (ex,) = passkey(1, 20_251_125, 1024, smollm2.tokenizer)
     replies = {}
-    for label, options in {"full": {}, "managed": dict(policy="snapkv", budget=512, layout="dead_slot", repair=32)}.items():
+    for label, options in {"full": {}, "managed": dict(policy="snapkv", budget=512, layout="dead_slot", repair=32, protect_query=False)}.items():
         session = jaxkv.Session(smollm2, max_new_tokens=12, **options)
         try:
             session.replay(ex.messages[:2])
@@ -73,8 +72,8 @@ def test_a_managed_session_answers_a_real_passkey_task(smollm2):
         finally:
             session.close()
         replies[label] = reply["content"]
-        if options:
-            assert session.retention.records[-1].live_after <= 512 + 64  # the budget held (plus the turn's own tokens)
+        if options:  # the document was compressed to the budget before the question came
+            assert session.compressions and session.compressions[0].live_after <= 512 < session.compressions[0].live_before
     assert is_correct(ex, replies["full"]), replies
     assert is_correct(ex, replies["managed"]), replies
 
@@ -92,13 +91,17 @@ MECHANISMS = (
 @pytest.mark.parametrize("options", MECHANISMS, ids=lambda o: "-".join(f"{k}={v}" for k, v in o.items()))
 def test_every_mechanism_runs_a_multi_turn_conversation_on_the_real_weights(shallow, options):
     (ex,) = niah(1, 7, 384, shallow.tokenizer)
+    if "policy" in options:
+        options = dict(options, protect_query=False)  # the document is the user turn: let the policy evict in it
     session = jaxkv.Session(shallow, max_new_tokens=6, max_positions=1024, **options)
     try:
         first = session.replay(ex.messages[:2])
         reply = session.chat(ex.messages[:3], reply_prefix=ex.labels["reply_prefix"])
     finally:
         session.close()
-    assert first[0].prompt_ids.size == ex.labels["prompt_tokens"] - len(shallow.tokenizer(ex.messages[2]["content"])["input_ids"]) - 0 or True
+    assert len(first) == 1
+    if "policy" in options:
+        assert session.compressions and session.compressions[0].live_after <= 160
     assert reply["role"] == "assistant" and reply["content"].startswith(ex.labels["reply_prefix"])
     assert len(reply["content"]) > len(ex.labels["reply_prefix"])
 
@@ -148,4 +151,3 @@ def test_generate_cli_on_the_real_model(capsys, smollm2_gguf):
     assert main(["generate", "--model", NAME, "--prompt", "What is 2+2? Answer with a number.", "--max-new-tokens", "6"]) == 0
     out = capsys.readouterr().out
     assert "4" in out
-    assert np.isfinite(len(out))
