@@ -4,7 +4,7 @@ VENV   := .venv
 PY     := $(VENV)/bin/python
 PIP    := $(PY) -m pip
 
-.PHONY: demo test venv venv-test venv-cuda fetch bench device-check clean
+.PHONY: demo test docs venv venv-test venv-cuda fetch bench device-check clean
 
 $(VENV)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -35,6 +35,11 @@ demo: $(VENV)/.installed
 test: $(VENV)/.installed-test fetch
 	JAX_PLATFORMS=cpu $(PY) -m pytest -q -n 2 tests
 
+# The documentation site into site/ (mkdocs.yml); any warning (a broken link or anchor, a
+# public name the API reference cannot find) fails the build. make test runs it too.
+docs: $(VENV)/.installed-test
+	NO_MKDOCS_2_WARNING=1 $(PY) -m mkdocs build --strict
+
 bench: $(VENV)/.installed-test
 	JAX_PLATFORMS=cpu $(PY) eval/bench_decode.py
 
@@ -44,4 +49,4 @@ device-check: $(VENV)/.installed-cuda
 	$(PY) eval/device_check.py
 
 clean:
-	rm -rf $(VENV) build *.egg-info
+	rm -rf $(VENV) build site *.egg-info
