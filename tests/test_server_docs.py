@@ -1,7 +1,7 @@
-"""``docs/server.md`` (the README's server section) stays true to the code: its
+"""``docs/server.md`` stays true to the code: its
 command lines parse with the real parsers, and ``jaxkv serve``'s flags turn into
 the session rules they promise. (Its python block needs the embedded model and
-a minute of CPU; the README test runs it once merged.)"""
+a minute of CPU; tests/test_readme.py runs it with every page of docs/.)"""
 
 from __future__ import annotations
 
