@@ -30,6 +30,7 @@ import importlib
 import re
 import runpy
 import shlex
+import sys
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -265,3 +266,17 @@ def test_readme_python_blocks_run():
 @pytest.mark.parametrize("page", [p for p in PAGES[1:] if checked("python", p)], ids=lambda p: p.name)
 def test_docs_python_blocks_run(page):
     run_page(page)
+
+
+def test_fence_markers_are_read_from_the_info_string(tmp_path, monkeypatch):
+    """A marked fence is skipped with its reason; an unmarked non-python/bash fence is an error."""
+    monkeypatch.setattr(sys.modules[__name__], "ROOT", tmp_path)
+    page = tmp_path / "page.md"
+    page.write_text("text\n\n```python long-running\nrun()\n```\n\n```text output\n42\n```\n\n```json\n{}\n```\n\n```bash\njaxkv demo\n```\n")
+    slow, shown, data, shell = fences(page)
+    assert (slow.language, slow.markers, slow.body, slow.line) == ("python", ("long-running",), "run()\n", 3)
+    assert "page.md:3 is marked 'long-running'" in slow.skip_reason and "page.md:7" in shown.skip_reason
+    assert data.skip_reason is None and shell.skip_reason is None
+    with pytest.raises(AssertionError, match="neither run nor marked"):
+        test_every_fence_is_checked_or_marked(data)
+    test_every_fence_is_checked_or_marked(shell)
