@@ -67,7 +67,8 @@ from flax import nnx, struct
 from jax.sharding import NamedSharding, PartitionSpec
 
 from jaxkv import pallas
-from jaxkv.buckets import bucket
+from jaxkv import buckets
+from jaxkv.buckets import DECODE_ROW_STEP, SHORT_CHUNK, WINDOW_STEP, bucket  # noqa: F401 (re-exported)
 from jaxkv.cache.allocator import SENTINEL_SLOT, SlotAllocator
 from jaxkv.cache.host_tier import stage
 from jaxkv.cache.quantized import gather_keys as _gather_dequantized_keys
@@ -81,9 +82,6 @@ from jaxkv.models.transformer import NO_FEATURES, DecodeWindow, Features
 from jaxkv.sampling import SamplerSpec, make_sampler, sample, sample_rows
 
 PREFILL_CHUNK = 512  # tokens per prefill step; chosen by eval/bench_prefill.py (README)
-WINDOW_STEP = 128  # CPU decode window widths: powers of two up to this, then multiples of it
-SHORT_CHUNK = 128  # the narrowest prefill width (wider ones: powers of two up to the chunk size)
-DECODE_ROW_STEP = 4  # decode batches: powers of two up to 4 rows, then multiples of 4
 FIRST_TOKEN_KEY = 1 << 30  # the first reply token is drawn with fold_in(key, this)
 
 
@@ -732,13 +730,10 @@ class Engine:
         groups (9 jobs run as 8 + 1, not as 16 rows), so rows of similar context
         share a read window and no row is padding unless a mesh's data-parallel
         size asks for it."""
-        short_width = min(SHORT_CHUNK, self.prefill_chunk)
         by_width: dict[int, list[PrefillJob]] = {}
         for j in jobs:
             if not j.finished:
-                piece = min(j.tokens.size - j.done, self.prefill_chunk)
-                width = min(bucket(piece, minimum=short_width, step=self.prefill_chunk), self.prefill_chunk)
-                by_width.setdefault(width, []).append(j)
+                by_width.setdefault(buckets.prefill_width(j.tokens.size - j.done, self.prefill_chunk), []).append(j)
         for C, group in sorted(by_width.items()):
             group.sort(key=lambda j: len(self._row(j.row).live))
             while group:
@@ -752,7 +747,7 @@ class Engine:
         """One ``prefill_step`` of the next piece (at most ``C`` tokens) of each job."""
         states = [self._row(j.row) for j in jobs]
         pieces = [j.tokens[j.done : j.done + C] for j in jobs]
-        B = bucket(len(jobs), minimum=self.min_batch)
+        B = buckets.prefill_rows(len(jobs), self.min_batch)
         R = self.rows
         rows = np.full(B, R, np.int32)
         tokens = np.zeros((B, C), np.int32)
@@ -770,7 +765,7 @@ class Engine:
             if j.q_idx_X is not None:
                 q_idx[b, : j.q_idx_X.size] = np.clip(j.q_idx_X - j.done, 0, C - 1)
             logit_idx[b] = np.arange(Y) if Y == C else piece.size - 1  # Y == 1: the last real token
-        n_read = min(bucket(max(len(s.live) for s in states)), self.max_positions)
+        n_read = buckets.read_length(max(len(s.live) for s in states), self.max_positions)
         batch = PrefillBatch(rows, tokens, counts, slots, q_idx, logit_idx)
         if self.quant is not None:  # quantized pool: dequantized prefix, chunk stored quantized
             page_src, page_ids = self.quant.chunk_pages(jobs, B, C)
@@ -879,7 +874,7 @@ class Engine:
         states = [self._row(j.row) for j in jobs]
         # Rows: multiples of 4 past 4 (12 jobs run as 12 rows, not 16): a padding row
         # still gathers and attends over the whole read window every step.
-        B = bucket(len(jobs), minimum=self.min_batch, step=max(DECODE_ROW_STEP, self.min_batch))
+        B = buckets.decode_rows(len(jobs), self.min_batch)
         R = self.rows
         rows = np.full(B, R, np.int32)
         first = np.zeros(B, np.int32)
@@ -907,7 +902,7 @@ class Engine:
         )
         return_logits = any(j.return_logits for j in jobs)
         longest = max(len(s.live) for s in states) + n
-        n_read = min(bucket(longest), self.max_positions)
+        n_read = buckets.read_length(longest, self.max_positions)
         kv_step = kv_args = None
         if self.quant is not None:  # quantized pool: page tables, new tokens INT4 (kivi2: float)
             kv_step, kv_args = self.quant.step, self.quant.decode_tables(states, [s[:k] for s, k in zip(per_job, steps)], B)
@@ -915,7 +910,7 @@ class Engine:
         # The window's width sets every step's attention work, so it is bucketed finer
         # than shapes elsewhere (multiples of WINDOW_STEP past it): a row of 1,100 live
         # tokens reads 1,152 entries, not 1,536. More widths mean more compiles, once.
-        width = min(bucket(max(len(s.live) for s in states), step=WINDOW_STEP), self.max_positions)
+        width = buckets.window_width(max(len(s.live) for s in states), self.max_positions)
         window = None
         if self.decode_window and gather_window(self.cache, B, width, self.backend, self.mesh, kv_step):
             window = gather_decode_window(self.cache, jnp.asarray(rows), width=width, n_steps=n)
@@ -994,6 +989,58 @@ class Engine:
 
 
     # -- segment reuse (jaxkv.splice) ----------------------------------------------------
+    # -- warm-up -------------------------------------------------------------------
+    WARMUP_SAMPLERS = {"greedy": {}, "sample": {"temperature": 1.0}, "top_p": {"temperature": 1.0, "top_p": 0.9}}
+
+    def warmup(self, decode_chunk: int, *, samplers=("greedy", "sample", "top_p"), stop_token_ids=(), progress=None) -> int:
+        """Compile every program of ``buckets.shape_set`` (prefill steps by rows,
+        width and read length; decode calls by rows, read length and window width,
+        for each sampler in ``samplers``, names of ``WARMUP_SAMPLERS``) by running
+        each once on scratch rows, through the same methods requests use (so a
+        quantized pool warms its own steps). ``stop_token_ids`` must be the
+        server's (their count is a shape). ``progress(n)`` is called after each
+        program. The engine must be idle; scratch rows are closed afterwards.
+        Returns how many programs it ran."""
+        if any(state is not None for state in self.row_state):
+            raise JaxKVError("warm-up needs an idle engine (a row is open)")
+        shapes = buckets.shape_set(self.rows, self.max_positions, self.prefill_chunk, decode_chunk, self.min_batch)
+        sampler_options = [self.WARMUP_SAMPLERS[name] for name in samplers]
+        work: dict[int, dict[int, list]] = {}  # jobs -> live length -> programs to run there
+        for B, C, _, live in shapes.prefill:
+            jobs = min(B, self.rows)
+            work.setdefault(jobs, {}).setdefault(live, []).append(("prefill", C))
+        for B, _, _, live in shapes.decode:
+            jobs = next(j for j in range(1, self.rows + 1) if buckets.decode_rows(j, self.min_batch) == B)
+            work.setdefault(jobs, {}).setdefault(live, []).extend(("decode", opts) for opts in sampler_options)
+        ran = 0
+        for jobs, by_live in sorted(work.items()):
+            rows = [self.open_row() for _ in range(jobs)]
+            try:
+                for live, programs in sorted(by_live.items()):
+                    self._warm_grow(rows, live)
+                    for kind, arg in programs:
+                        if kind == "prefill":
+                            self.step_prefill([self.start_prefill(r, np.zeros(arg, np.int32)) for r in rows])
+                        else:
+                            self.step_decode([
+                                self.start_decode(r, 0, decode_chunk, stop_token_ids=stop_token_ids, **arg) for r in rows
+                            ], decode_chunk)
+                        for r in rows:
+                            self.truncate_row(r, live)
+                        ran += 1
+                        if progress is not None:
+                            progress(1)
+            finally:
+                for r in rows:
+                    self.close_row(r)
+        return ran
+
+    def _warm_grow(self, rows, live: int) -> None:
+        """Prefill scratch rows up to ``live`` positions (warm-up)."""
+        need = live - self._row(rows[0]).seq_len
+        if need > 0:
+            self.prefill(rows, [np.zeros(need, np.int32)] * len(rows))
+
     def splice_prefill(self, row: int, plan, *, mode: str = "append"):
         """Run one ``jaxkv.splice.SplicePlan`` on ``row``; returns ``(logits [Y, V],
         resid [A, M])`` (float32 numpy: next-token logits at ``plan.logit_idx`` and
