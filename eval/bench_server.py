@@ -27,7 +27,11 @@ Then every session is run again offline, one at a time: a ``jaxkv.Session`` on
 one in-process ``jaxkv.Server`` (rows=1, the same session options as the
 served sessions), with the same requests; its replies (content, reasoning, tool
 calls) must equal the served ones. The count of equal sessions and turns is
-reported (the served turns were batched with up to ``--clients`` others).
+reported (the served turns were batched with up to ``--clients`` others), and for
+every differing turn the first divergent token of the offline reply with its
+top-2 logit margin in that solo run (``first_divergence``): below 1e-4 it is a
+greedy near tie that batched arithmetic (XLA:CPU is not batch-invariant, ~4e-6)
+can flip.
 
 Usage:
   python eval/bench_server.py [--seconds 60] [--clients 16] [--warmup 60] [--length 1024]
@@ -140,6 +144,33 @@ def reply_of(message) -> dict:
     return {"content": message.content or "", "reasoning": (message.model_extra or {}).get("reasoning_content") or "", "calls": calls}
 
 
+def first_divergence(served: dict, offline_turn, tokenizer) -> tuple[int | None, float]:
+    """Where a served reply first differs from its offline replay, as the index of
+    the offline reply token whose text the first differing character falls in,
+    and that token's top-2 logit margin in the offline (solo) run. The fields
+    (reasoning, content, each call's name and arguments) are compared in order;
+    the first differing one is located in the offline reply text. When it cannot
+    be located, the smallest margin of the whole reply is returned (index None)."""
+    offline = reply_of(offline_turn.reply)
+    fields = lambda r: [r["reasoning"], r["content"], *[part for call in r["calls"] for part in call]]  # noqa: E731
+    a, b = fields(offline), fields(served)
+    margins = np.asarray(offline_turn.reply_margins if offline_turn.reply_margins is not None else [], np.float32)
+    fallback = (None, float(margins.min()) if margins.size else float("inf"))
+    diff = next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
+    if diff >= len(a) or not a[diff]:
+        return fallback
+    value, other = a[diff], b[diff] if diff < len(b) else ""
+    at = offline_turn.text.find(value)
+    if at < 0:
+        return fallback
+    char = at + len(os.path.commonprefix([value, other]))
+    ids = offline_turn.reply_ids
+    for k in range(len(ids)):
+        if len(tokenizer.decode(ids[: k + 1], skip_special_tokens=False)) > char:
+            return k, float(margins[k]) if k < margins.size else float("inf")
+    return fallback
+
+
 def server_counters(url: str) -> dict:
     """The engine counters of ``/metrics``: busy seconds by phase, decode calls, tokens."""
     import httpx
@@ -245,15 +276,19 @@ def verify_offline(phases, examples_by_seed, args) -> dict:
             for record in phase["sessions"]:
                 example = examples_by_seed[record["seed"]]
                 session = server.session(session_id=record["session_id"], **options)
+                session.record_margins = True  # each offline reply token's top-2 logit margin
                 same = True
                 for j, served in zip(record["turns"], record["replies"]):
-                    offline = reply_of(session.chat(example.messages[:j], example.tools, max_new_tokens=args.max_tokens, temperature=0.0))
+                    result = session.start_chat(example.messages[:j], example.tools, max_new_tokens=args.max_tokens, temperature=0.0).result()
+                    offline = reply_of(result.reply)
                     turns += 1
                     if offline == served:
                         equal_turns += 1
                     else:
                         same = False
-                        mismatches.append({"session": record["session_id"], "turn": j, "served": served, "offline": offline})
+                        token, margin = first_divergence(served, result, model.tokenizer)
+                        mismatches.append({"session": record["session_id"], "turn": j, "served": served, "offline": offline,
+                                           "first_token": token, "margin": margin})
                 session.close()
                 sessions += 1
                 equal_sessions += same
@@ -314,7 +349,9 @@ def report(args, phases, check, command: str) -> str:
         f"reply exactly as served ({check['wall_s']:.0f} s).",
     ]
     for m in check["mismatches"][:5]:
-        lines.append(f"- mismatch {m['session']} turn {m['turn']}: served {json.dumps(m['served'])[:160]} / offline {json.dumps(m['offline'])[:160]}")
+        lines.append(f"- mismatch {m['session']} turn {m['turn']}: first divergent token {m['first_token']} of the offline reply, "
+                     f"its solo top-2 logit margin {m['margin']:.2e} ({'a near tie' if m['margin'] < 1e-4 else 'NOT a near tie'}); "
+                     f"served {json.dumps(m['served'])[:160]} / offline {json.dumps(m['offline'])[:160]}")
     for phase in phases:
         for e in phase["errors"][:5]:
             lines.append(f"- error ({phase['clients']} clients): {e[:200]}")

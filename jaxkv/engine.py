@@ -160,7 +160,7 @@ def prefill_step(graphdef, params, cache: PagedKVCache, batch: PrefillBatch, *, 
 
 @functools.partial(
     jax.jit,
-    static_argnames=("graphdef", "n_steps", "n_read", "spec", "backend", "return_logits", "teacher_forced", "features", "mesh", "kv_step"),
+    static_argnames=("graphdef", "n_steps", "n_read", "spec", "backend", "return_logits", "teacher_forced", "features", "mesh", "kv_step", "regroup"),
     donate_argnames=("cache",),
 )
 def decode_loop(
@@ -180,6 +180,7 @@ def decode_loop(
     kv_step=None,
     kv_args=None,
     window: DecodeWindow | None = None,
+    regroup: bool = False,
 ):
     """Decode up to ``n_steps`` tokens for each row of ``batch`` (a ``DecodeBatch``).
 
@@ -195,7 +196,11 @@ def decode_loop(
     ``aux["mass_BN"]`` (attention mass each live-list entry received, mean over
     layers and heads, summed over steps) when ``features`` asks. With a ``mesh``
     (as ``prefill_step``) decode attention runs per device on its own KV heads
-    (``sharding.shard_heads``).
+    (``sharding.shard_heads``). With ``regroup`` the call also ends once half of
+    its rows or more have stopped (after at least one step): every step costs
+    every row of the batch (a stopped row still reads its K/V), so the rest
+    continue in the caller's next call with fewer rows, beside any row that is
+    ready to join. A row's tokens do not depend on where calls end.
 
     The pool is ``cache.kv``; a quantized cache passes its step as ``kv_step``
     (``jaxkv.cache.quantized.QuantDecodeStep``) with its page tables as ``kv_args``.
@@ -218,9 +223,14 @@ def decode_loop(
     attend = functools.partial(pallas.decode_attention, backend=backend)
     attend = attend if mesh is None else sharding.shard_heads(attend, mesh)
 
+    started = (b.limit_B > 0).sum()
+
     def cond(carry):
         step, _, _, _, active, _, _, _ = carry
-        return (step < n_steps) & active.any()
+        go_on = (step < n_steps) & active.any()
+        if regroup:
+            go_on = go_on & ((step == 0) | (2 * active.sum() > started))
+        return go_on
 
     def body(carry):
         step, kv, tables, tokens, active, last, logits_buf, aux = carry
@@ -853,9 +863,11 @@ class Engine:
             step0, None if forced_tokens is None else list(forced_tokens), return_logits, features,
         )
 
-    def step_decode(self, jobs: Sequence[DecodeJob], max_steps: int | None = None) -> None:
+    def step_decode(self, jobs: Sequence[DecodeJob], max_steps: int | None = None, *, regroup: bool = False) -> None:
         """Advance every unfinished job by up to ``max_steps`` steps (default: all
         it has left) in one ``decode_loop``. All jobs must share one sampler spec.
+        ``regroup``: end the call once half its rows have stopped (``decode_loop``;
+        the caller then calls again for the unfinished jobs, as the scheduler does).
         Slots for the steps are allocated first (``OutOfSlotsError`` before any
         change) and the unused ones released after."""
         jobs = [j for j in jobs if not j.finished]
@@ -918,7 +930,7 @@ class Engine:
             self.graphdef, self.params, self.cache, batch,
             n_steps=n, n_read=n_read, spec=spec, backend=self.backend, return_logits=return_logits,
             teacher_forced=any(j.forced is not None for j in jobs), features=features, mesh=self.mesh, kv_step=kv_step, kv_args=kv_args,
-            window=window,
+            window=window, regroup=regroup,
         )
         tokens, fed = np.asarray(tokens), np.asarray(fed)
         q_rows = np.asarray(aux["q_rows"]) if features.query_rows else None
@@ -1024,7 +1036,7 @@ class Engine:
                         else:
                             self.step_decode([
                                 self.start_decode(r, 0, decode_chunk, stop_token_ids=stop_token_ids, **arg) for r in rows
-                            ], decode_chunk)
+                            ], decode_chunk, regroup=True)  # as the scheduler calls it
                         for r in rows:
                             self.truncate_row(r, live)
                         ran += 1

@@ -14,26 +14,17 @@ import threading
 
 import pytest
 
-import jaxkv
 from jaxkv import buckets, compiles
 from jaxkv.serving import Server
+from conftest import TINY_WORDS, tiny_chat_model
 
-WORDS = "weather paris london rome tokyo sunny rainy cloudy degrees find city the is and what answer".split()
+WORDS = TINY_WORDS
 SAMPLERS = ("greedy", "sample")
 
 
 @pytest.fixture(scope="module")
 def tiny_model():
-    from jaxkv.chat import build_tokenizer
-    from jaxkv.config import ModelConfig
-
-    tok = build_tokenizer(WORDS)
-    cfg = ModelConfig(
-        model_type="qwen3", vocab_size=len(tok), hidden_size=32, intermediate_size=64, num_layers=2,
-        num_heads=2, num_kv_heads=1, head_dim=32, qk_norm=True, max_position_embeddings=256,
-        eos_token_ids=(tok.convert_tokens_to_ids("<|im_end|>"),),
-    )
-    return jaxkv.model_from_config(cfg, seed=0, tokenizer=tok)
+    return tiny_chat_model(head_dim=32, max_positions=256)
 
 
 def test_shape_set_is_finite_and_small():

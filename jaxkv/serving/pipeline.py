@@ -83,6 +83,7 @@ class DecodeWork:
       first_token, n_steps, sampler (temperature, top_k, top_p), key, step0 (the
       index of the first step in the reply, for per-step keys), stop_ids,
       features; row: the engine row; job: the engine's ``DecodeJob`` once started.
+      return_logits: bring back each step's logits (reply margins, diagnostics).
     """
 
     first_token: int
@@ -96,6 +97,7 @@ class DecodeWork:
     features: Features = NO_FEATURES
     row: int = -1
     job: Any = None
+    return_logits: bool = False
 
 
 @dataclasses.dataclass
@@ -153,6 +155,9 @@ class TurnResult:
       target_ids / target_logits: the recorded assistant message's tokens and
         their teacher-forced logits (``return_logits``).
       generated: the parsed reply generated at this turn (``generate=True``).
+      reply_ids: its token ids. reply_margins: for each of them, the top-1 minus
+        top-2 logit of the distribution it was drawn from (``reply_margins=True``):
+        how near a greedy tie each choice was.
     """
 
     prompt_ids: np.ndarray
@@ -161,6 +166,8 @@ class TurnResult:
     target_ids: np.ndarray | None = None
     target_logits: np.ndarray | None = None
     generated: dict | None = None
+    reply_ids: list | None = None
+    reply_margins: np.ndarray | None = None
 
 
 # ============================================================================ the turn
@@ -199,6 +206,8 @@ class Turn:
         self.uncompressed = int(rendered.ids.size)
         self.metrics = None
         self.listener = None  # listener(ids): newly generated tokens (streaming)
+        self.record_margins = bool(getattr(session, "record_margins", False))  # each reply token's top-2 logit margin
+        self.reply_margins: list[float] = []
         self.stop_requested = False  # end the reply at the next decode-chunk boundary (``request_stop``)
         self._sent = 0  # tokens of the current decode job already passed to the listener
         self._began: list = []
@@ -409,6 +418,8 @@ class Turn:
         key = jax.random.key(seed)
         first = int(sample(jnp.asarray(last_logits)[None], jax.random.fold_in(key, FIRST_TOKEN_KEY), spec, temp, top_p_val)[0])
         reply = [first]
+        if self.record_margins:
+            self.reply_margins = list(_top2_margins(np.asarray(last_logits)[None]))
         self.emit(reply)  # (a listener may request a stop already)
         stops = self.server.stop_token_ids
         intervals = [i for i in (stage.decode_interval(self) for stage in self.stages) if i]
@@ -420,7 +431,12 @@ class Turn:
             n = min(interval, remaining)
             raw0, eff0, start = self.uncompressed, len(self.req.live), self.req.seq_len
             self._sent = 0
-            job = yield from self.run(DecodeWork(reply[-1], n, temperature, top_k, top_p, key, len(reply) - 1, tuple(sorted(stops)), features))
+            job = yield from self.run(DecodeWork(
+                reply[-1], n, temperature, top_k, top_p, key, len(reply) - 1, tuple(sorted(stops)), features,
+                return_logits=self.record_margins,
+            ))
+            if self.record_margins and job.logits:
+                self.reply_margins += list(_top2_margins(np.concatenate(job.logits)))
             self.progress(job)  # whatever the scheduler has not streamed yet
             tokens = job.tokens
             for s in range(1, len(tokens) + 1):  # each step attends to everything so far + itself
@@ -478,6 +494,12 @@ def chat_turn(turn: Turn, n_new: int, sampling: dict) -> Generator:
         turn.close()
 
 
+def _top2_margins(logits_NV: np.ndarray) -> np.ndarray:
+    """Top-1 minus top-2 logit of each row."""
+    top2 = np.sort(np.asarray(logits_NV, np.float32), axis=-1)[:, -2:]
+    return top2[:, 1] - top2[:, 0]
+
+
 def replay_turn(turn: Turn, full_ids: np.ndarray, full_phase: np.ndarray, *, generate: bool, n_new: int, return_logits: bool) -> Generator:
     """One teacher-forced turn: prefill the prompt, optionally generate a probe
     reply (then rewind it), prefill the recorded reply. Returns ``(result,
@@ -492,6 +514,9 @@ def replay_turn(turn: Turn, full_ids: np.ndarray, full_phase: np.ndarray, *, gen
             mark = turn.req.seq_len
             renumbered = turn.req.renumbered
             reply = yield from turn.generate(logits[-1] if return_logits else logits, n_new)
+            result.reply_ids = list(reply)
+            if turn.record_margins:
+                result.reply_margins = np.asarray(turn.reply_margins[: len(reply)], np.float32)
             if turn.req.renumbered != renumbered:
                 from jaxkv.errors import ConfigError
 
