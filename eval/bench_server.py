@@ -4,7 +4,9 @@ Starts ``jaxkv serve`` (the real command, in a subprocess, on 127.0.0.1 and a
 free port; nothing leaves localhost) with the embedded agent model, then runs
 two phases of ``--seconds`` each, one client and ``--clients`` clients, after
 ``--warmup`` seconds of the same load unmeasured (the engine compiles a program
-per shape bucket it meets; a cold server spends most of a minute compiling):
+per shape bucket it meets; a cold server spends most of a minute compiling). The
+server starts with ``--no-warmup`` unless ``--server-warmup`` asks for the
+command's start-up warm-up (every program of the shape set, minutes on 2 cores):
 
 * each client takes held-out agent traces (``jaxkv.tasks.agent_traces``, seeds
   from ``eval.harness.EVAL_SEED_BASE``, a separate pool per phase, at most
@@ -86,6 +88,8 @@ def start_server(args, port: int) -> subprocess.Popen:
         cmd += ["--policy", args.policy, "--budget", str(args.budget)]
     if args.repair:
         cmd += ["--repair", str(args.repair)]
+    if not args.server_warmup:  # the bench warms the server with its own unmeasured load
+        cmd += ["--no-warmup"]
     root = Path(__file__).resolve().parent.parent
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(root), os.environ.get("PYTHONPATH")]))}
     return subprocess.Popen(cmd, env=env)
@@ -372,6 +376,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--budget", type=int, default=None)
     p.add_argument("--repair", type=int, default=0)
     p.add_argument("--out", default=None, help="also write the report (markdown) and a .json beside it")
+    p.add_argument("--server-warmup", action="store_true",
+                   help="start jaxkv serve with its start-up warm-up (every engine program compiled) instead of --no-warmup")
     p.add_argument("--stage", default="all", choices=["all", "serve", "check"],
                    help="serve: the timed phases only, saved to OUT.phases.json; check: the offline check of a saved "
                         "run and the report (two shorter jobs instead of one)")
@@ -424,7 +430,7 @@ def serve_phases(args, pools) -> list[dict]:
     url = f"http://127.0.0.1:{port}"
     proc = start_server(args, port)
     try:
-        wait_healthy(url, proc)
+        wait_healthy(url, proc, timeout=3600.0 if args.server_warmup else 300.0)
         import httpx
 
         model_name = httpx.get(url + "/v1/models", timeout=30).json()["data"][0]["id"]
