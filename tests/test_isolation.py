@@ -38,7 +38,7 @@ def _conversation():
 
     ex = agent_traces(2, 7_711_001, length=640)[1]
     targets = sorted(t.message_index for t in ex.targets)
-    return ex.messages[: targets[2] + 1], ex.tools  # three assistant turns
+    return ex.messages[: targets[1] + 1], ex.tools  # two assistant turns
 
 
 def _replay(session, conversation):
