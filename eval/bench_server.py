@@ -4,7 +4,9 @@ Starts ``jaxkv serve`` (the real command, in a subprocess, on 127.0.0.1 and a
 free port; nothing leaves localhost) with the embedded agent model, then runs
 two phases of ``--seconds`` each, one client and ``--clients`` clients, after
 ``--warmup`` seconds of the same load unmeasured (the engine compiles a program
-per shape bucket it meets; a cold server spends most of a minute compiling):
+per shape bucket it meets; a cold server spends most of a minute compiling). The
+server starts with ``--no-warmup`` unless ``--server-warmup`` asks for the
+command's start-up warm-up (every program of the shape set, minutes on 2 cores):
 
 * each client takes held-out agent traces (``jaxkv.tasks.agent_traces``, seeds
   from ``eval.harness.EVAL_SEED_BASE``, a separate pool per phase, at most
@@ -27,7 +29,11 @@ Then every session is run again offline, one at a time: a ``jaxkv.Session`` on
 one in-process ``jaxkv.Server`` (rows=1, the same session options as the
 served sessions), with the same requests; its replies (content, reasoning, tool
 calls) must equal the served ones. The count of equal sessions and turns is
-reported (the served turns were batched with up to ``--clients`` others).
+reported (the served turns were batched with up to ``--clients`` others), and for
+every differing turn the first divergent token of the offline reply with its
+top-2 logit margin in that solo run (``first_divergence``): below 1e-4 it is a
+greedy near tie that batched arithmetic (XLA:CPU is not batch-invariant, ~4e-6)
+can flip.
 
 Usage:
   python eval/bench_server.py [--seconds 60] [--clients 16] [--warmup 60] [--length 1024]
@@ -82,6 +88,8 @@ def start_server(args, port: int) -> subprocess.Popen:
         cmd += ["--policy", args.policy, "--budget", str(args.budget)]
     if args.repair:
         cmd += ["--repair", str(args.repair)]
+    if not args.server_warmup:  # the bench warms the server with its own unmeasured load
+        cmd += ["--no-warmup"]
     root = Path(__file__).resolve().parent.parent
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(root), os.environ.get("PYTHONPATH")]))}
     return subprocess.Popen(cmd, env=env)
@@ -138,6 +146,33 @@ def reply_of(message) -> dict:
         return {"content": message.get("content") or "", "reasoning": message.get("reasoning_content") or "", "calls": calls}
     calls = [[c.function.name, c.function.arguments] for c in message.tool_calls or ()]
     return {"content": message.content or "", "reasoning": (message.model_extra or {}).get("reasoning_content") or "", "calls": calls}
+
+
+def first_divergence(served: dict, offline_turn, tokenizer) -> tuple[int | None, float]:
+    """Where a served reply first differs from its offline replay, as the index of
+    the offline reply token whose text the first differing character falls in,
+    and that token's top-2 logit margin in the offline (solo) run. The fields
+    (reasoning, content, each call's name and arguments) are compared in order;
+    the first differing one is located in the offline reply text. When it cannot
+    be located, the smallest margin of the whole reply is returned (index None)."""
+    offline = reply_of(offline_turn.reply)
+    fields = lambda r: [r["reasoning"], r["content"], *[part for call in r["calls"] for part in call]]  # noqa: E731
+    a, b = fields(offline), fields(served)
+    margins = np.asarray(offline_turn.reply_margins if offline_turn.reply_margins is not None else [], np.float32)
+    fallback = (None, float(margins.min()) if margins.size else float("inf"))
+    diff = next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
+    if diff >= len(a) or not a[diff]:
+        return fallback
+    value, other = a[diff], b[diff] if diff < len(b) else ""
+    at = offline_turn.text.find(value)
+    if at < 0:
+        return fallback
+    char = at + len(os.path.commonprefix([value, other]))
+    ids = offline_turn.reply_ids
+    for k in range(len(ids)):
+        if len(tokenizer.decode(ids[: k + 1], skip_special_tokens=False)) > char:
+            return k, float(margins[k]) if k < margins.size else float("inf")
+    return fallback
 
 
 def server_counters(url: str) -> dict:
@@ -245,15 +280,19 @@ def verify_offline(phases, examples_by_seed, args) -> dict:
             for record in phase["sessions"]:
                 example = examples_by_seed[record["seed"]]
                 session = server.session(session_id=record["session_id"], **options)
+                session.record_margins = True  # each offline reply token's top-2 logit margin
                 same = True
                 for j, served in zip(record["turns"], record["replies"]):
-                    offline = reply_of(session.chat(example.messages[:j], example.tools, max_new_tokens=args.max_tokens, temperature=0.0))
+                    result = session.start_chat(example.messages[:j], example.tools, max_new_tokens=args.max_tokens, temperature=0.0).result()
+                    offline = reply_of(result.reply)
                     turns += 1
                     if offline == served:
                         equal_turns += 1
                     else:
                         same = False
-                        mismatches.append({"session": record["session_id"], "turn": j, "served": served, "offline": offline})
+                        token, margin = first_divergence(served, result, model.tokenizer)
+                        mismatches.append({"session": record["session_id"], "turn": j, "served": served, "offline": offline,
+                                           "first_token": token, "margin": margin})
                 session.close()
                 sessions += 1
                 equal_sessions += same
@@ -314,7 +353,9 @@ def report(args, phases, check, command: str) -> str:
         f"reply exactly as served ({check['wall_s']:.0f} s).",
     ]
     for m in check["mismatches"][:5]:
-        lines.append(f"- mismatch {m['session']} turn {m['turn']}: served {json.dumps(m['served'])[:160]} / offline {json.dumps(m['offline'])[:160]}")
+        lines.append(f"- mismatch {m['session']} turn {m['turn']}: first divergent token {m['first_token']} of the offline reply, "
+                     f"its solo top-2 logit margin {m['margin']:.2e} ({'a near tie' if m['margin'] < 1e-4 else 'NOT a near tie'}); "
+                     f"served {json.dumps(m['served'])[:160]} / offline {json.dumps(m['offline'])[:160]}")
     for phase in phases:
         for e in phase["errors"][:5]:
             lines.append(f"- error ({phase['clients']} clients): {e[:200]}")
@@ -335,6 +376,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--budget", type=int, default=None)
     p.add_argument("--repair", type=int, default=0)
     p.add_argument("--out", default=None, help="also write the report (markdown) and a .json beside it")
+    p.add_argument("--server-warmup", action="store_true",
+                   help="start jaxkv serve with its start-up warm-up (every engine program compiled) instead of --no-warmup")
     p.add_argument("--stage", default="all", choices=["all", "serve", "check"],
                    help="serve: the timed phases only, saved to OUT.phases.json; check: the offline check of a saved "
                         "run and the report (two shorter jobs instead of one)")
@@ -387,7 +430,7 @@ def serve_phases(args, pools) -> list[dict]:
     url = f"http://127.0.0.1:{port}"
     proc = start_server(args, port)
     try:
-        wait_healthy(url, proc)
+        wait_healthy(url, proc, timeout=3600.0 if args.server_warmup else 300.0)
         import httpx
 
         model_name = httpx.get(url + "/v1/models", timeout=30).json()["data"][0]["id"]

@@ -182,7 +182,8 @@ def bench_model(name: str, levels, turns: int, out, decode_chunk: int = DECODE_C
         )
     top = max(levels)
     lines += ["", f"{top} sessions reach **{rows[top]['decode_tok_s'] / base['decode_tok_s']:.2f}x** one session's decode tokens/s "
-              f"({rows[top]['decode_tok_s']:.1f} vs {base['decode_tok_s']:.1f}; target for the ~125M model: >= 3x)."]
+              f"({rows[top]['decode_tok_s']:.1f} vs {base['decode_tok_s']:.1f}; targets at 8 sessions: >= 2x on the embedded model, "
+              f">= 3x on the ~125M model)."]
     out("\n".join(lines) + "\n")
     return lines
 

@@ -67,7 +67,8 @@ from flax import nnx, struct
 from jax.sharding import NamedSharding, PartitionSpec
 
 from jaxkv import pallas
-from jaxkv.buckets import bucket
+from jaxkv import buckets
+from jaxkv.buckets import DECODE_ROW_STEP, SHORT_CHUNK, WINDOW_STEP, bucket  # noqa: F401 (re-exported)
 from jaxkv.cache.allocator import SENTINEL_SLOT, SlotAllocator
 from jaxkv.cache.host_tier import stage
 from jaxkv.cache.quantized import gather_keys as _gather_dequantized_keys
@@ -81,9 +82,6 @@ from jaxkv.models.transformer import NO_FEATURES, DecodeWindow, Features
 from jaxkv.sampling import SamplerSpec, make_sampler, sample, sample_rows
 
 PREFILL_CHUNK = 512  # tokens per prefill step; chosen by eval/bench_prefill.py (README)
-WINDOW_STEP = 128  # CPU decode window widths: powers of two up to this, then multiples of it
-SHORT_CHUNK = 128  # the narrowest prefill width (wider ones: powers of two up to the chunk size)
-DECODE_ROW_STEP = 4  # decode batches: powers of two up to 4 rows, then multiples of 4
 FIRST_TOKEN_KEY = 1 << 30  # the first reply token is drawn with fold_in(key, this)
 
 
@@ -162,7 +160,7 @@ def prefill_step(graphdef, params, cache: PagedKVCache, batch: PrefillBatch, *, 
 
 @functools.partial(
     jax.jit,
-    static_argnames=("graphdef", "n_steps", "n_read", "spec", "backend", "return_logits", "teacher_forced", "features", "mesh", "kv_step"),
+    static_argnames=("graphdef", "n_steps", "n_read", "spec", "backend", "return_logits", "teacher_forced", "features", "mesh", "kv_step", "regroup"),
     donate_argnames=("cache",),
 )
 def decode_loop(
@@ -182,6 +180,7 @@ def decode_loop(
     kv_step=None,
     kv_args=None,
     window: DecodeWindow | None = None,
+    regroup: bool = False,
 ):
     """Decode up to ``n_steps`` tokens for each row of ``batch`` (a ``DecodeBatch``).
 
@@ -197,7 +196,11 @@ def decode_loop(
     ``aux["mass_BN"]`` (attention mass each live-list entry received, mean over
     layers and heads, summed over steps) when ``features`` asks. With a ``mesh``
     (as ``prefill_step``) decode attention runs per device on its own KV heads
-    (``sharding.shard_heads``).
+    (``sharding.shard_heads``). With ``regroup`` the call also ends once half of
+    its rows or more have stopped (after at least one step): every step costs
+    every row of the batch (a stopped row still reads its K/V), so the rest
+    continue in the caller's next call with fewer rows, beside any row that is
+    ready to join. A row's tokens do not depend on where calls end.
 
     The pool is ``cache.kv``; a quantized cache passes its step as ``kv_step``
     (``jaxkv.cache.quantized.QuantDecodeStep``) with its page tables as ``kv_args``.
@@ -220,9 +223,14 @@ def decode_loop(
     attend = functools.partial(pallas.decode_attention, backend=backend)
     attend = attend if mesh is None else sharding.shard_heads(attend, mesh)
 
+    started = (b.limit_B > 0).sum()
+
     def cond(carry):
         step, _, _, _, active, _, _, _ = carry
-        return (step < n_steps) & active.any()
+        go_on = (step < n_steps) & active.any()
+        if regroup:
+            go_on = go_on & ((step == 0) | (2 * active.sum() > started))
+        return go_on
 
     def body(carry):
         step, kv, tables, tokens, active, last, logits_buf, aux = carry
@@ -732,13 +740,10 @@ class Engine:
         groups (9 jobs run as 8 + 1, not as 16 rows), so rows of similar context
         share a read window and no row is padding unless a mesh's data-parallel
         size asks for it."""
-        short_width = min(SHORT_CHUNK, self.prefill_chunk)
         by_width: dict[int, list[PrefillJob]] = {}
         for j in jobs:
             if not j.finished:
-                piece = min(j.tokens.size - j.done, self.prefill_chunk)
-                width = min(bucket(piece, minimum=short_width, step=self.prefill_chunk), self.prefill_chunk)
-                by_width.setdefault(width, []).append(j)
+                by_width.setdefault(buckets.prefill_width(j.tokens.size - j.done, self.prefill_chunk), []).append(j)
         for C, group in sorted(by_width.items()):
             group.sort(key=lambda j: len(self._row(j.row).live))
             while group:
@@ -752,7 +757,7 @@ class Engine:
         """One ``prefill_step`` of the next piece (at most ``C`` tokens) of each job."""
         states = [self._row(j.row) for j in jobs]
         pieces = [j.tokens[j.done : j.done + C] for j in jobs]
-        B = bucket(len(jobs), minimum=self.min_batch)
+        B = buckets.prefill_rows(len(jobs), self.min_batch)
         R = self.rows
         rows = np.full(B, R, np.int32)
         tokens = np.zeros((B, C), np.int32)
@@ -770,7 +775,7 @@ class Engine:
             if j.q_idx_X is not None:
                 q_idx[b, : j.q_idx_X.size] = np.clip(j.q_idx_X - j.done, 0, C - 1)
             logit_idx[b] = np.arange(Y) if Y == C else piece.size - 1  # Y == 1: the last real token
-        n_read = min(bucket(max(len(s.live) for s in states)), self.max_positions)
+        n_read = buckets.read_length(max(len(s.live) for s in states), self.max_positions)
         batch = PrefillBatch(rows, tokens, counts, slots, q_idx, logit_idx)
         if self.quant is not None:  # quantized pool: dequantized prefix, chunk stored quantized
             page_src, page_ids = self.quant.chunk_pages(jobs, B, C)
@@ -858,9 +863,11 @@ class Engine:
             step0, None if forced_tokens is None else list(forced_tokens), return_logits, features,
         )
 
-    def step_decode(self, jobs: Sequence[DecodeJob], max_steps: int | None = None) -> None:
+    def step_decode(self, jobs: Sequence[DecodeJob], max_steps: int | None = None, *, regroup: bool = False) -> None:
         """Advance every unfinished job by up to ``max_steps`` steps (default: all
         it has left) in one ``decode_loop``. All jobs must share one sampler spec.
+        ``regroup``: end the call once half its rows have stopped (``decode_loop``;
+        the caller then calls again for the unfinished jobs, as the scheduler does).
         Slots for the steps are allocated first (``OutOfSlotsError`` before any
         change) and the unused ones released after."""
         jobs = [j for j in jobs if not j.finished]
@@ -879,7 +886,7 @@ class Engine:
         states = [self._row(j.row) for j in jobs]
         # Rows: multiples of 4 past 4 (12 jobs run as 12 rows, not 16): a padding row
         # still gathers and attends over the whole read window every step.
-        B = bucket(len(jobs), minimum=self.min_batch, step=max(DECODE_ROW_STEP, self.min_batch))
+        B = buckets.decode_rows(len(jobs), self.min_batch)
         R = self.rows
         rows = np.full(B, R, np.int32)
         first = np.zeros(B, np.int32)
@@ -907,7 +914,7 @@ class Engine:
         )
         return_logits = any(j.return_logits for j in jobs)
         longest = max(len(s.live) for s in states) + n
-        n_read = min(bucket(longest), self.max_positions)
+        n_read = buckets.read_length(longest, self.max_positions)
         kv_step = kv_args = None
         if self.quant is not None:  # quantized pool: page tables, new tokens INT4 (kivi2: float)
             kv_step, kv_args = self.quant.step, self.quant.decode_tables(states, [s[:k] for s, k in zip(per_job, steps)], B)
@@ -915,7 +922,7 @@ class Engine:
         # The window's width sets every step's attention work, so it is bucketed finer
         # than shapes elsewhere (multiples of WINDOW_STEP past it): a row of 1,100 live
         # tokens reads 1,152 entries, not 1,536. More widths mean more compiles, once.
-        width = min(bucket(max(len(s.live) for s in states), step=WINDOW_STEP), self.max_positions)
+        width = buckets.window_width(max(len(s.live) for s in states), self.max_positions)
         window = None
         if self.decode_window and gather_window(self.cache, B, width, self.backend, self.mesh, kv_step):
             window = gather_decode_window(self.cache, jnp.asarray(rows), width=width, n_steps=n)
@@ -923,7 +930,7 @@ class Engine:
             self.graphdef, self.params, self.cache, batch,
             n_steps=n, n_read=n_read, spec=spec, backend=self.backend, return_logits=return_logits,
             teacher_forced=any(j.forced is not None for j in jobs), features=features, mesh=self.mesh, kv_step=kv_step, kv_args=kv_args,
-            window=window,
+            window=window, regroup=regroup,
         )
         tokens, fed = np.asarray(tokens), np.asarray(fed)
         q_rows = np.asarray(aux["q_rows"]) if features.query_rows else None
@@ -994,6 +1001,58 @@ class Engine:
 
 
     # -- segment reuse (jaxkv.splice) ----------------------------------------------------
+    # -- warm-up -------------------------------------------------------------------
+    WARMUP_SAMPLERS = {"greedy": {}, "sample": {"temperature": 1.0}, "top_p": {"temperature": 1.0, "top_p": 0.9}}
+
+    def warmup(self, decode_chunk: int, *, samplers=("greedy", "sample", "top_p"), stop_token_ids=(), progress=None) -> int:
+        """Compile every program of ``buckets.shape_set`` (prefill steps by rows,
+        width and read length; decode calls by rows, read length and window width,
+        for each sampler in ``samplers``, names of ``WARMUP_SAMPLERS``) by running
+        each once on scratch rows, through the same methods requests use (so a
+        quantized pool warms its own steps). ``stop_token_ids`` must be the
+        server's (their count is a shape). ``progress(n)`` is called after each
+        program. The engine must be idle; scratch rows are closed afterwards.
+        Returns how many programs it ran."""
+        if any(state is not None for state in self.row_state):
+            raise JaxKVError("warm-up needs an idle engine (a row is open)")
+        shapes = buckets.shape_set(self.rows, self.max_positions, self.prefill_chunk, decode_chunk, self.min_batch)
+        sampler_options = [self.WARMUP_SAMPLERS[name] for name in samplers]
+        work: dict[int, dict[int, list]] = {}  # jobs -> live length -> programs to run there
+        for B, C, _, live in shapes.prefill:
+            jobs = min(B, self.rows)
+            work.setdefault(jobs, {}).setdefault(live, []).append(("prefill", C))
+        for B, _, _, live in shapes.decode:
+            jobs = next(j for j in range(1, self.rows + 1) if buckets.decode_rows(j, self.min_batch) == B)
+            work.setdefault(jobs, {}).setdefault(live, []).extend(("decode", opts) for opts in sampler_options)
+        ran = 0
+        for jobs, by_live in sorted(work.items()):
+            rows = [self.open_row() for _ in range(jobs)]
+            try:
+                for live, programs in sorted(by_live.items()):
+                    self._warm_grow(rows, live)
+                    for kind, arg in programs:
+                        if kind == "prefill":
+                            self.step_prefill([self.start_prefill(r, np.zeros(arg, np.int32)) for r in rows])
+                        else:
+                            self.step_decode([
+                                self.start_decode(r, 0, decode_chunk, stop_token_ids=stop_token_ids, **arg) for r in rows
+                            ], decode_chunk, regroup=True)  # as the scheduler calls it
+                        for r in rows:
+                            self.truncate_row(r, live)
+                        ran += 1
+                        if progress is not None:
+                            progress(1)
+            finally:
+                for r in rows:
+                    self.close_row(r)
+        return ran
+
+    def _warm_grow(self, rows, live: int) -> None:
+        """Prefill scratch rows up to ``live`` positions (warm-up)."""
+        need = live - self._row(rows[0]).seq_len
+        if need > 0:
+            self.prefill(rows, [np.zeros(need, np.int32)] * len(rows))
+
     def splice_prefill(self, row: int, plan, *, mode: str = "append"):
         """Run one ``jaxkv.splice.SplicePlan`` on ``row``; returns ``(logits [Y, V],
         resid [A, M])`` (float32 numpy: next-token logits at ``plan.logit_idx`` and

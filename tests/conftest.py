@@ -127,3 +127,22 @@ def smollm2_tokenizer(smollm2_gguf):
     from jaxkv.models import registry
 
     return AutoTokenizer.from_pretrained(str(registry.converted_dir(SMOLLM2)))
+
+
+TINY_WORDS = "weather paris london rome tokyo sunny rainy cloudy degrees find city the is and what answer".split()
+
+
+def tiny_chat_model(head_dim: int = 16, max_positions: int = 1024):
+    """A random 2-layer Qwen3 with a toy tokenizer over ``TINY_WORDS``: fast to
+    compile, for scheduler and serving tests (head_dim 32 for quantized pools)."""
+    import jaxkv
+    from jaxkv.chat import build_tokenizer
+    from jaxkv.config import ModelConfig
+
+    tok = build_tokenizer(TINY_WORDS)
+    cfg = ModelConfig(
+        model_type="qwen3", vocab_size=len(tok), hidden_size=32, intermediate_size=64, num_layers=2,
+        num_heads=2, num_kv_heads=1, head_dim=head_dim, qk_norm=True, max_position_embeddings=max_positions,
+        eos_token_ids=(tok.convert_tokens_to_ids("<|im_end|>"),),
+    )
+    return jaxkv.model_from_config(cfg, seed=0, tokenizer=tok)

@@ -230,3 +230,27 @@ def test_decode_window_equals_per_step_gather(qwen3):
         np.testing.assert_allclose(a, b, atol=1e-6)
     for a, b in zip(aux_w["q_rows"], aux_g["q_rows"]):  # layer > 0 queries carry the rounding of the layers below
         assert _rel(a, b) <= 1e-5
+
+
+def test_regrouped_decode_calls_give_the_same_tokens(qwen3):
+    """``step_decode(..., regroup=True)`` ends a call once half its rows stopped and
+    the caller goes on with the rest: each row's tokens and logits are those of one
+    uninterrupted call."""
+    rng = np.random.default_rng(3)
+    prompts = [rng.integers(0, 1024, n).tolist() for n in (50, 33, 71, 12)]
+    limits = [3, 4, 24, 24]  # two rows stop early
+    runs = {}
+    for regroup in (False, True):
+        engine = jaxkv.Engine(qwen3, rows=4, max_positions=256, prefill_chunk=32)
+        rows = [engine.open_row() for _ in prompts]
+        engine.prefill(rows, prompts)
+        jobs = [engine.start_decode(r, 5, n, return_logits=True) for r, n in zip(rows, limits)]
+        calls = 0
+        while not all(j.finished for j in jobs):
+            engine.step_decode(jobs, 32, regroup=regroup)
+            calls += 1
+        runs[regroup] = ([j.tokens for j in jobs], [np.concatenate(j.logits) for j in jobs], calls)
+    assert runs[False][2] == 1 and runs[True][2] == 2  # the two long rows went on in a 2-row call
+    assert runs[True][0] == runs[False][0]
+    for a, b in zip(runs[True][1], runs[False][1]):
+        assert _rel(a, b) <= 1e-5

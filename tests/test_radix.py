@@ -78,13 +78,20 @@ def test_holes_are_returned_as_sentinels_and_never_referenced():
     alloc.release(slots[1:3])  # positions 1 and 2 were evicted: their slots are free
     slot_map = slots.copy()
     slot_map[1:3] = SENTINEL_SLOT
-    tree.insert(tokens, slot_map)
+    with pytest.raises(RadixError):  # holes belong to somebody
+        tree.insert(tokens, slot_map)
+    tree.insert(tokens, slot_map, owner=7)
     alloc.release(slot_map[slot_map != SENTINEL_SLOT])
     assert alloc.refcount(slots[0]) == 1 and alloc.refcount(slots[3]) == 1
     assert alloc.refcounts()[SENTINEL_SLOT] == 0
-    m = tree.match(tokens + [9])
-    assert m.length == 4 and m.slots.tolist() == [slots[0], 0, 0, slots[3]]
+    m = tree.match(tokens + [9], owner=7)
+    assert m.length == 4 and m.slots.tolist() == [slots[0], 0, 0, slots[3]] and m.private_from == 1
     tree.unlock(m.handle)
+    # Anyone else (another owner, a full-cache request) stops at the first hole.
+    for other in (None, 8):
+        m = tree.match(tokens + [9], owner=other, lock=False)
+        assert m.length == 1 and m.slots.tolist() == [slots[0]] and m.private_from == 1
+    tree.check_invariants()
     assert sorted(tree.evict(4).tolist()) == sorted([slots[0], slots[3]])
     assert alloc.refcounts()[SENTINEL_SLOT] == 0 and alloc.num_used == 0
 
@@ -154,7 +161,7 @@ def test_refcounts_stay_consistent_under_random_operations(data):
     alloc = SlotAllocator(40)
     tree = RadixTree(alloc)
     external = np.zeros(alloc.num_slots, np.int64)  # references held by running requests
-    running = []  # (tokens, match, slot_map)
+    running = []  # (tokens, match, slot_map, owner)
     token_seq = st.lists(st.integers(1, 3), min_size=0, max_size=10)
 
     def check():
@@ -162,15 +169,16 @@ def test_refcounts_stay_consistent_under_random_operations(data):
         held = np.bincount(tree.held_slots(), minlength=alloc.num_slots)
         assert (alloc.refcounts() == held + external).all()
         assert alloc.refcounts()[SENTINEL_SLOT] == 0 and held[SENTINEL_SLOT] == 0
-        for tokens, m, _ in running:  # locked paths survive
-            again = tree.match(tokens, lock=False)
-            assert again.length >= m.length and (again.slots[: m.length] == m.slots).all()
+        for _, m, _, _ in running:  # locked paths survive, slots and holes as matched
+            path = [n.slots for n in m.handle._node.path_to_root()][::-1]
+            assert (np.concatenate(path) == m.slots).all()
 
     for _ in range(data.draw(st.integers(1, 25))):
         op = data.draw(st.sampled_from(["start", "finish", "evict", "finish"]))
         if op == "start":
             tokens = data.draw(token_seq)
-            m = tree.match(tokens)
+            owner = data.draw(st.sampled_from([None, 1, 2]))
+            m = tree.match(tokens, owner=owner)
             mine = m.slots[m.slots != SENTINEL_SLOT]
             alloc.ref(mine)
             np.add.at(external, mine, 1)
@@ -187,15 +195,18 @@ def test_refcounts_stay_consistent_under_random_operations(data):
                 check()
                 continue
             np.add.at(external, new, 1)
-            # some new positions get evicted by the request's policy: holes
-            holes = np.array(data.draw(st.lists(st.booleans(), min_size=need, max_size=need)), bool)
+            # some new positions get evicted by the request's policy: holes (an owner's only)
+            holes = np.array(data.draw(st.lists(st.booleans(), min_size=need, max_size=need)), bool) & (owner is not None)
             alloc.release(new[holes])
             np.add.at(external, new[holes], -1)
             new[holes] = SENTINEL_SLOT
-            running.append((tokens, m, np.concatenate([m.slots, new]).astype(np.int32)))
+            running.append((tokens, m, np.concatenate([m.slots, new]).astype(np.int32), owner))
         elif op == "finish" and running:
-            tokens, m, slot_map = running.pop(data.draw(st.integers(0, len(running) - 1)))
-            tree.insert(tokens, slot_map)
+            tokens, m, slot_map, owner = running.pop(data.draw(st.integers(0, len(running) - 1)))
+            hole = np.flatnonzero(slot_map == SENTINEL_SLOT)
+            read_private = [m.private_from] if m.private_from < m.length else []
+            private_from = min([*read_private, *hole.tolist(), len(tokens)])
+            tree.insert(tokens, slot_map, owner=owner, private_from=private_from)
             mine = slot_map[slot_map != SENTINEL_SLOT]
             alloc.release(mine)
             np.add.at(external, mine, -1)
@@ -205,7 +216,7 @@ def test_refcounts_stay_consistent_under_random_operations(data):
             assert (alloc.refcounts()[freed] == 0).all() and external[freed].sum() == 0
             assert SENTINEL_SLOT not in freed.tolist()
         check()
-    for tokens, m, slot_map in running:
+    for _, m, _, _ in running:
         tree.unlock(m.handle)
     assert tree.num_locked_nodes == 0
     tree.check_invariants()

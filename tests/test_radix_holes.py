@@ -9,9 +9,13 @@ from jaxkv.cache.allocator import SENTINEL_SLOT, SlotAllocator
 from jaxkv.cache.radix import RadixTree
 
 
-def _cached(tree, alloc, ids):
+OWNER = 3  # the session whose evictions these are (holes are private: jaxkv.cache.radix)
+
+
+def _cached(tree, alloc, ids, private_from=0):
+    """Cache ``ids`` as ``OWNER``'s (private from ``private_from``)."""
     slots = alloc.allocate(len(ids))
-    tree.insert(ids, slots)
+    tree.insert(ids, slots, owner=OWNER, private_from=private_from)
     alloc.release(slots)  # only the tree holds them now
     return slots
 
@@ -23,17 +27,17 @@ def test_punch_and_fill_on_an_exclusive_sequence():
     slots = _cached(tree, alloc, ids)
     request = slots.copy()
     request[[3, 4]] = SENTINEL_SLOT  # the request evicted positions 3 and 4
-    freed, filled = tree.sync_holes(ids, request)
+    freed, filled = tree.sync_holes(ids, request, owner=OWNER)
     assert sorted(freed.tolist()) == sorted(slots[[3, 4]].tolist()) and filled.size == 0
-    assert tree.match(ids, lock=False).slots.tolist() == request.tolist()
+    assert tree.match(ids, lock=False, owner=OWNER).slots.tolist() == request.tolist()
     # A later request repairs position 3 into a fresh slot: the tree takes it.
     fresh = alloc.allocate(1)
     repaired = request.copy()
     repaired[3] = fresh[0]
-    freed, filled = tree.sync_holes(ids, repaired)
+    freed, filled = tree.sync_holes(ids, repaired, owner=OWNER)
     assert freed.size == 0 and filled.tolist() == [3]
     assert alloc.refcount(int(fresh[0])) == 2  # the request's reference + the tree's
-    assert tree.match(ids, lock=False).slots.tolist() == repaired.tolist()
+    assert tree.match(ids, lock=False, owner=OWNER).slots.tolist() == repaired.tolist()
     tree.check_invariants()
 
 
@@ -46,11 +50,11 @@ def test_shared_prefix_is_protected():
     _cached(tree, alloc, b)  # b shares a's first five tokens
     request = slots_a.copy()
     request[[1, 6]] = SENTINEL_SLOT  # 1 is shared with b, 6 is a's own
-    freed, _ = tree.sync_holes(a, request)
+    freed, _ = tree.sync_holes(a, request, owner=OWNER)
     assert freed.tolist() == [int(slots_a[6])]
-    got = tree.match(a, lock=False).slots
+    got = tree.match(a, lock=False, owner=OWNER).slots
     assert got[1] == slots_a[1] and got[6] == SENTINEL_SLOT
-    assert tree.match(b, lock=False).slots[1] == slots_a[1]
+    assert tree.match(b, lock=False, owner=OWNER).slots[1] == slots_a[1]
 
 
 def test_positions_locked_by_another_request_are_protected():
@@ -58,16 +62,16 @@ def test_positions_locked_by_another_request_are_protected():
     tree = RadixTree(alloc)
     ids = list(range(1, 9))
     slots = _cached(tree, alloc, ids)
-    other = tree.match(ids[:6])  # another running request holds the first six
-    mine = tree.match(ids)
+    other = tree.match(ids[:6], owner=OWNER)  # another running request holds the first six
+    mine = tree.match(ids, owner=OWNER)
     request = slots.copy()
     request[[2, 7]] = SENTINEL_SLOT
-    freed, _ = tree.sync_holes(ids, request, own_handle=mine.handle)
+    freed, _ = tree.sync_holes(ids, request, own_handle=mine.handle, owner=OWNER)
     assert freed.tolist() == [int(slots[7])]
     tree.unlock(other.handle)
     tree.unlock(mine.handle)
     tree.check_invariants()
-    assert np.count_nonzero(tree.match(ids, lock=False).slots == SENTINEL_SLOT) == 1
+    assert np.count_nonzero(tree.match(ids, lock=False, owner=OWNER).slots == SENTINEL_SLOT) == 1
 
 
 def test_drop_branch_removes_only_the_superseded_tail():
@@ -78,14 +82,14 @@ def test_drop_branch_removes_only_the_superseded_tail():
     old_slots = _cached(tree, alloc, old)
     _cached(tree, alloc, new)
     assert tree.num_tokens == 7 + 4
-    freed = tree.drop_branch(old, new)
+    freed = tree.drop_branch(old, new, owner=OWNER)
     assert sorted(freed.tolist()) == sorted(old_slots[4:].tolist())
-    assert tree.match(old, lock=False).length == 4 and tree.match(new, lock=False).length == 8
+    assert tree.match(old, lock=False, owner=OWNER).length == 4 and tree.match(new, lock=False, owner=OWNER).length == 8
     # A tail another request holds, or another sequence extends, stays.
     third = [1, 2, 3, 4, 9, 9, 9, 9, 8]
     _cached(tree, alloc, third)
-    handle = tree.match(third).handle
-    assert tree.drop_branch(third, new).size == 0
+    handle = tree.match(third, owner=OWNER).handle
+    assert tree.drop_branch(third, new, owner=OWNER).size == 0
     tree.unlock(handle)
-    assert tree.drop_branch(new, [1, 2, 3]).size == 0  # 'third' extends 'new': kept
+    assert tree.drop_branch(new, [1, 2, 3], owner=OWNER).size == 0  # 'third' extends 'new': kept
     tree.check_invariants()

@@ -331,7 +331,7 @@ def test_repairs_persist_in_the_radix_cache(agent_model):
     from jaxkv.chat import render
 
     ids = render(agent_model.tokenizer, convo, None, add_generation_prompt=False, keep_reasoning=True).ids
-    cached = server.radix.match(ids, lock=False).slots
+    cached = server.radix.match(ids, lock=False, owner=session.cache_owner).slots  # its own (private) holes
     assert (cached[promoted] != SENTINEL_SLOT).all()
     shelved = set(server.host_tier.rows(session.session_id).positions_M.tolist()) if server.host_tier.session_size(session.session_id) else set()
     assert not shelved & set(promoted.tolist())

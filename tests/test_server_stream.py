@@ -233,12 +233,14 @@ def test_radix_namespaces_never_share_a_prefix():
     a, b = NamespacedRadix(tree, 0), NamespacedRadix(tree, 1)
     tokens = np.arange(10, 20)
     slots = alloc.allocate(10)
-    a.insert(tokens, slots)
+    owner = 5  # a session of namespace a whose policy will punch a hole: its rows are private
+    a.insert(tokens, slots, owner=owner, private_from=0)
     alloc.release(slots)  # the tree holds them now
-    assert a.match(tokens, lock=False).length == 10
-    assert np.array_equal(a.match(tokens, lock=False).slots, slots)
-    assert b.match(tokens, lock=False).length == 0 and tree.match(tokens, lock=False).length == 0
-    m = b.match(tokens)
+    assert a.match(tokens, lock=False, owner=owner).length == 10
+    assert np.array_equal(a.match(tokens, lock=False, owner=owner).slots, slots)
+    assert a.match(tokens, lock=False).length == 0  # private to its owner
+    assert b.match(tokens, lock=False, owner=owner).length == 0 and tree.match(tokens, lock=False, owner=owner).length == 0
+    m = b.match(tokens, owner=owner)
     assert m.length == 0
     b.unlock(m.handle)
     assert alloc.num_used == 10 and np.array_equal(np.sort(tree.held_slots()), np.sort(slots))
@@ -246,11 +248,11 @@ def test_radix_namespaces_never_share_a_prefix():
     # holes: the view's positions exclude the namespace token
     holed = slots.copy()
     holed[3] = 0
-    freed, filled = a.sync_holes(tokens, holed)
+    freed, filled = a.sync_holes(tokens, holed, owner=owner)
     assert freed.tolist() == [slots[3]] and filled.size == 0
     fresh = alloc.allocate(1)
     holed[3] = fresh[0]
-    freed, filled = a.sync_holes(tokens, holed)
+    freed, filled = a.sync_holes(tokens, holed, owner=owner)
     assert filled.tolist() == [3]
     assert tree.evict(100).size == 9 and alloc.num_used == 1  # the filled slot keeps our own reference
     tree.check_invariants()

@@ -17,7 +17,9 @@ so it is consistent) plus the HTTP layer's own counts. Gauges describe now,
   and ``jaxkv_generated_tokens_per_second`` over the last ``RATE_WINDOW_S``;
 * engine: ``jaxkv_engine_seconds_total{phase="prefill|decode"}`` (seconds the
   scheduler spent in batched engine steps), ``jaxkv_decode_steps_total`` (batched
-  decode calls, each up to ``decode_chunk`` steps for every decoding row);
+  decode calls, each up to ``decode_chunk`` steps for every decoding row),
+  ``jaxkv_xla_compiles_total`` / ``jaxkv_xla_cache_hits_total`` (XLA programs
+  the process compiled or loaded, ``jaxkv.compiles``: flat after warm-up);
 * HTTP: ``jaxkv_http_responses_total{status=...}``.
 
 No label carries a tenant, a session or any request content.
@@ -88,6 +90,9 @@ def render(snap: dict, *, sessions: int, rate: float, responses: dict) -> str:
     _line(out, "jaxkv_engine_seconds_total", "counter", "Seconds spent in batched engine steps, by phase.",
           [({"phase": p}, float(snap.get(f"{p}_seconds", 0.0))) for p in ("prefill", "decode")])
     _line(out, "jaxkv_decode_steps_total", "counter", "Batched decode calls (each up to decode_chunk steps of every decoding row).", [({}, snap.get("steps", 0))])
+    _line(out, "jaxkv_xla_compiles_total", "counter", "XLA programs this process compiled or loaded from the persistent cache (after warm-up a request adds none).",
+          [({}, snap.get("xla_compiles", 0))])
+    _line(out, "jaxkv_xla_cache_hits_total", "counter", "XLA programs loaded from the persistent compilation cache.", [({}, snap.get("xla_cache_hits", 0))])
     _line(out, "jaxkv_http_responses_total", "counter", "HTTP responses, by status.",
           [({"status": str(s)}, n) for s, n in sorted(responses.items())] or [({"status": "200"}, 0)])
     return "\n".join(out) + "\n"

@@ -4,7 +4,9 @@ benchmarks and notebooks).
 
 ``make_app(model, ...)`` builds a ``Server`` and the app that owns it (closed
 when the app shuts down). ``serve(args)`` is the command: it loads the model,
-builds the app from the command's flags and runs uvicorn until interrupted.
+builds the app from the command's flags (warm-up on unless ``--no-warmup``:
+every engine program compiled, through the persistent compilation cache, before
+the port opens) and runs uvicorn until interrupted.
 """
 
 from __future__ import annotations
@@ -17,12 +19,13 @@ from jaxkv.server.sessions import FULL, OptionRules, load_api_keys
 from jaxkv.serving.scheduler import DECODE_CHUNK
 
 
-def make_app(model, *, model_name: str = "embedded", rows: int = 4, max_queue: int = 64, max_positions: int | None = None, num_slots: int | None = None, api_keys=(), rules: OptionRules = OptionRules(), max_tokens: int = 256, session_cap: int = 1024, decode_chunk: int = DECODE_CHUNK):
-    """A ``Server`` on ``model`` and the OpenAI app over it (the app owns the server)."""
+def make_app(model, *, model_name: str = "embedded", rows: int = 4, max_queue: int = 64, max_positions: int | None = None, num_slots: int | None = None, api_keys=(), rules: OptionRules = OptionRules(), max_tokens: int = 256, session_cap: int = 1024, decode_chunk: int = DECODE_CHUNK, warmup: bool = False):
+    """A ``Server`` on ``model`` and the OpenAI app over it (the app owns the server);
+    ``warmup`` compiles the server's whole shape set first (``Server.warmup``)."""
     from jaxkv.server.app import ServeConfig, create_app
     from jaxkv.serving import Server
 
-    server = Server(model, rows=rows, max_queue=max_queue, max_positions=max_positions, num_slots=num_slots, decode_chunk=decode_chunk)
+    server = Server(model, rows=rows, max_queue=max_queue, max_positions=max_positions, num_slots=num_slots, decode_chunk=decode_chunk, warmup=warmup)
     config = ServeConfig(model_name, tuple(api_keys), rules, max_tokens, session_cap)
     return create_app(server, config, own_server=True)
 
@@ -98,6 +101,8 @@ def add_arguments(p) -> None:
     p.add_argument("--max-repair", type=int, default=0, help="largest RepairKV K a request may ask (default: --repair)")
     p.add_argument("--keep-reasoning", action="store_true", help="render earlier turns' reasoning too (append-only histories)")
     p.add_argument("--session-cap", type=int, default=1024, help="live sessions kept (LRU)")
+    p.add_argument("--no-warmup", dest="warmup", action="store_false",
+                   help="skip compiling every engine program at start-up (the first requests then compile theirs)")
     p.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
 
 
@@ -133,10 +138,12 @@ def serve(args) -> int:
     name = args.served_model_name or ("embedded" if args.model == "embedded" else Path(args.model).name or args.model)
     app = make_app(model, model_name=name, rows=args.rows, max_queue=args.max_queue, max_positions=args.max_positions,
                    num_slots=args.num_slots, api_keys=keys, rules=rules, max_tokens=args.max_tokens, session_cap=args.session_cap,
-                   decode_chunk=args.decode_chunk)
+                   decode_chunk=args.decode_chunk, warmup=args.warmup)
     probe = app.state.jaxkv.server.session(**rules.resolve({}))  # a bad --policy/--budget/--repair fails now, not per request
     del probe
     auth = f"{len(keys)} API key(s)" if keys else "no authentication"
-    print(f"jaxkv serve: model {name!r} on http://{args.host}:{args.port}/v1 ({args.rows} rows, {auth})", flush=True)
+    warm = app.state.jaxkv.server.warmup_seconds
+    warmed = f", warm-up {warm:.0f} s" if warm is not None else ", no warm-up"
+    print(f"jaxkv serve: model {name!r} on http://{args.host}:{args.port}/v1 ({args.rows} rows, {auth}{warmed})", flush=True)
     uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level)
     return 0

@@ -83,6 +83,7 @@ class DecodeWork:
       first_token, n_steps, sampler (temperature, top_k, top_p), key, step0 (the
       index of the first step in the reply, for per-step keys), stop_ids,
       features; row: the engine row; job: the engine's ``DecodeJob`` once started.
+      return_logits: bring back each step's logits (reply margins, diagnostics).
     """
 
     first_token: int
@@ -96,6 +97,7 @@ class DecodeWork:
     features: Features = NO_FEATURES
     row: int = -1
     job: Any = None
+    return_logits: bool = False
 
 
 @dataclasses.dataclass
@@ -153,6 +155,9 @@ class TurnResult:
       target_ids / target_logits: the recorded assistant message's tokens and
         their teacher-forced logits (``return_logits``).
       generated: the parsed reply generated at this turn (``generate=True``).
+      reply_ids: its token ids. reply_margins: for each of them, the top-1 minus
+        top-2 logit of the distribution it was drawn from (``reply_margins=True``):
+        how near a greedy tie each choice was.
     """
 
     prompt_ids: np.ndarray
@@ -161,6 +166,8 @@ class TurnResult:
     target_ids: np.ndarray | None = None
     target_logits: np.ndarray | None = None
     generated: dict | None = None
+    reply_ids: list | None = None
+    reply_margins: np.ndarray | None = None
 
 
 # ============================================================================ the turn
@@ -171,6 +178,11 @@ class Turn:
       session, server, engine: where it runs. rendered: the prompt.
       row / req: the engine row and its ``RequestState``.
       reused: prompt tokens taken from the radix cache (holes included).
+      owner / makes_holes / private_from: the session's radix owner; whether
+        its stages can make holes (a turn that cannot reads public nodes only,
+        so it never attends over a hole); the first position this turn read
+        from its owner's private nodes or evicted (None: none), where its
+        insert turns private (``jaxkv.cache.radix``).
       index: the request's index in its session (0-based).
       uncompressed: request size without pruning (raw KV reads, peak request tokens).
       metrics: this request's ``RequestMetrics``.
@@ -182,6 +194,9 @@ class Turn:
         self.server = session.server
         self.engine = self.server.engine
         self.radix = self.server.radix_for(getattr(session, "cache_namespace", None))  # the session's view of the cache
+        self.owner = session.cache_owner  # whose private radix nodes (holes) this turn may read and write
+        self.makes_holes = any(stage.edits_holes for stage in session.stages)  # else it reads public nodes only
+        self.private_from: int | None = None  # first position read from a private path or evicted (radix docstring)
         self.rendered = rendered
         self.stages = session.stages
         self.row: int | None = None
@@ -191,6 +206,8 @@ class Turn:
         self.uncompressed = int(rendered.ids.size)
         self.metrics = None
         self.listener = None  # listener(ids): newly generated tokens (streaming)
+        self.record_margins = bool(getattr(session, "record_margins", False))  # each reply token's top-2 logit margin
+        self.reply_margins: list[float] = []
         self.stop_requested = False  # end the reply at the next decode-chunk boundary (``request_stop``)
         self._sent = 0  # tokens of the current decode job already passed to the listener
         self._began: list = []
@@ -199,9 +216,10 @@ class Turn:
     def open(self) -> None:
         """Radix match, open the row with the matched prefix, tag it, begin stages."""
         ids = self.rendered.ids
-        match = self.radix.match(ids)
+        match = self.radix.match(ids, owner=self.owner if self.makes_holes else None)
         self.handle = match.handle
-        self.reused = min(match.length, ids.size - 1)  # always prefill >= 1 token
+        self.reused = self._reuse_limit(match.length)
+        self.private_from = match.private_from if match.private_from < self.reused else None
         try:
             self.row = self.engine.open_row(match.slots[: self.reused], ids[: self.reused])
         except Exception:
@@ -221,6 +239,30 @@ class Turn:
         for stage in self.stages:
             self._began.append(stage)
             stage.begin(self)
+
+    def _reuse_limit(self, matched: int) -> int:
+        """How many of the ``matched`` cached prompt tokens this turn reuses.
+
+        All but the last (its logits start the reply). A turn whose stages
+        observe its prefill (query rows, attention mass: a retention policy's
+        inputs) reuses past its own session's history only inside the protected
+        prefix and before the first row it observes, so it observes exactly what
+        it would observe alone, and every decision its stages make is the one
+        it would make alone (other sessions' cached prefixes only save it the
+        prefill of what its policy never looks at).
+        """
+        ids = self.rendered.ids
+        limit = min(matched, ids.size - 1)
+        previous = self.session._cached_ids
+        own = min(common_prefix_length(previous, ids) if previous is not None else 0, ids.size - 1)
+        if limit <= own:
+            return limit
+        self.reused = own  # the capture this turn would ask for alone
+        capture = Capture.union(stage.prompt_capture(self) for stage in self.stages)
+        if not capture.q_positions.size and not capture.attn_mass:
+            return limit
+        first_observed = int(capture.q_positions.min()) if capture.q_positions.size else limit
+        return min(limit, max(own, min(self.rendered.spans.protected_prefix[1], first_observed)))
 
     def close(self) -> None:
         """End stages, close the row, unlock the radix path, end the request's
@@ -270,6 +312,9 @@ class Turn:
         tokens = np.asarray(self.req.tokens, np.int64)[pos]
         wants = [s for s in self.stages if s.wants_evicted_rows] if pos.size else []
         kv = self.engine.apply_layout(self.row, plan, keep_evicted=bool(wants))
+        if pos.size:  # every later token attends over these holes: the rest is the owner's
+            first = int(pos.min())
+            self.private_from = first if self.private_from is None else min(self.private_from, first)
         self.server.counters["evicted_tokens"] += int(pos.size)
         evicted = Evicted(plan, pos, tokens, np.asarray(scores_M, np.float32), *(kv or (None, None)))
         for stage in wants:
@@ -373,6 +418,8 @@ class Turn:
         key = jax.random.key(seed)
         first = int(sample(jnp.asarray(last_logits)[None], jax.random.fold_in(key, FIRST_TOKEN_KEY), spec, temp, top_p_val)[0])
         reply = [first]
+        if self.record_margins:
+            self.reply_margins = list(_top2_margins(np.asarray(last_logits)[None]))
         self.emit(reply)  # (a listener may request a stop already)
         stops = self.server.stop_token_ids
         intervals = [i for i in (stage.decode_interval(self) for stage in self.stages) if i]
@@ -384,7 +431,12 @@ class Turn:
             n = min(interval, remaining)
             raw0, eff0, start = self.uncompressed, len(self.req.live), self.req.seq_len
             self._sent = 0
-            job = yield from self.run(DecodeWork(reply[-1], n, temperature, top_k, top_p, key, len(reply) - 1, tuple(sorted(stops)), features))
+            job = yield from self.run(DecodeWork(
+                reply[-1], n, temperature, top_k, top_p, key, len(reply) - 1, tuple(sorted(stops)), features,
+                return_logits=self.record_margins,
+            ))
+            if self.record_margins and job.logits:
+                self.reply_margins += list(_top2_margins(np.concatenate(job.logits)))
             self.progress(job)  # whatever the scheduler has not streamed yet
             tokens = job.tokens
             for s in range(1, len(tokens) + 1):  # each step attends to everything so far + itself
@@ -416,14 +468,15 @@ class Turn:
             return
         tokens = list(self.req.tokens)
         slots = self.req.slots
-        radix = self.radix
+        radix, owner = self.radix, self.owner
         previous = self.session._cached_ids
         if previous is not None:  # this session's superseded tail is stale now
-            radix.drop_branch(previous, tokens)
-        radix.insert(tokens, slots)
+            radix.drop_branch(previous, tokens, owner=owner)
+        private_from = len(tokens) if self.private_from is None else min(self.private_from, len(tokens))
+        radix.insert(tokens, slots, owner=owner, private_from=private_from)
         self.session._cached_ids = tokens
-        if any(stage.edits_holes for stage in self.stages):  # evictions become holes, repairs fill them
-            _, filled = radix.sync_holes(tokens, slots, own_handle=self.handle)
+        if self.makes_holes:  # evictions become holes, repairs fill them (private nodes only)
+            _, filled = radix.sync_holes(tokens, slots, own_handle=self.handle, owner=owner)
             for stage in self.stages:
                 stage.after_insert(self, filled)
 
@@ -441,6 +494,12 @@ def chat_turn(turn: Turn, n_new: int, sampling: dict) -> Generator:
         turn.close()
 
 
+def _top2_margins(logits_NV: np.ndarray) -> np.ndarray:
+    """Top-1 minus top-2 logit of each row."""
+    top2 = np.sort(np.asarray(logits_NV, np.float32), axis=-1)[:, -2:]
+    return top2[:, 1] - top2[:, 0]
+
+
 def replay_turn(turn: Turn, full_ids: np.ndarray, full_phase: np.ndarray, *, generate: bool, n_new: int, return_logits: bool) -> Generator:
     """One teacher-forced turn: prefill the prompt, optionally generate a probe
     reply (then rewind it), prefill the recorded reply. Returns ``(result,
@@ -455,6 +514,9 @@ def replay_turn(turn: Turn, full_ids: np.ndarray, full_phase: np.ndarray, *, gen
             mark = turn.req.seq_len
             renumbered = turn.req.renumbered
             reply = yield from turn.generate(logits[-1] if return_logits else logits, n_new)
+            result.reply_ids = list(reply)
+            if turn.record_margins:
+                result.reply_margins = np.asarray(turn.reply_margins[: len(reply)], np.float32)
             if turn.req.renumbered != renumbered:
                 from jaxkv.errors import ConfigError
 

@@ -66,6 +66,7 @@ def start_work(engine, work) -> None:
         work.job = engine.start_decode(
             work.row, work.first_token, work.n_steps, temperature=work.temperature, top_k=work.top_k,
             top_p=work.top_p, key=work.key, step0=work.step0, stop_token_ids=work.stop_ids, features=work.features,
+            return_logits=work.return_logits,
         )
     else:
         raise JaxKVError(f"a turn program yielded {type(work).__name__}, not PrefillWork or DecodeWork")
@@ -357,7 +358,7 @@ class Scheduler:
         before = [len(j.tokens) for j in jobs]
         t0 = time.perf_counter()
         try:
-            self.engine.step_decode(jobs, self.decode_chunk)
+            self.engine.step_decode(jobs, self.decode_chunk, regroup=True)  # rows that stop early leave the batch
         finally:
             self.timing["decode_s"] += time.perf_counter() - t0
         self.stats["steps"] += 1

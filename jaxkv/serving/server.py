@@ -8,6 +8,13 @@ with continuous batching. ``server.session(**options)`` makes a ``Session`` on i
 any number of sessions may run turns at once (one thread or asyncio task per
 session), up to ``rows`` of them in the engine and ``max_queue`` waiting.
 
+Holes are private: a cached prefix's holes, and every token computed after one,
+belong to the session (or explicit cache namespace) whose policy made them
+(``cache_owner``; the rule is ``jaxkv.cache.radix``'s). Another session reuses a
+cached prefix up to the first hole it did not make and prefills the rest; a
+full-cache session never reads a hole; a session's next turn reuses its own
+pruned prefix, holes included.
+
 Cache namespaces: ``server.radix_for(name)`` is the radix cache as one
 namespace sees it (``NamespacedRadix``): sessions made with
 ``cache_namespace=name`` match only prefixes cached under the same name, so
@@ -23,6 +30,17 @@ slots the radix cache gave back under pool pressure (``radix_evicted_slots``);
 ``prefill_seconds`` / ``decode_seconds`` are the scheduler's time in batched
 engine steps.
 
+Compiled programs: every shape the engine's steps take comes from the finite
+set of ``jaxkv.buckets.shape_set``. ``Server(..., warmup=True)`` (or
+``server.warmup()``) compiles all of it before the server accepts a turn, with a
+progress bar, through JAX's persistent compilation cache in the user cache folder
+(``jaxkv.compiles``), so a restart loads instead of compiling; then one short
+chat turn per sampler compiles the turn pipeline's own small programs.
+``snapshot()`` reports ``xla_compiles`` (programs this process compiled or
+loaded; after warm-up a full-cache request adds none) and
+``xla_cache_hits``. Not in the set (compiled on first use): a retention
+policy's scorer programs and feature captures, ``top_k`` values, segment reuse.
+
 Sizing: ``num_slots`` defaults to ``2 * rows * max_positions + 1``, room for
 cached prefixes beside running requests; the radix cache gives back its least
 recently used entries when a turn needs their slots.
@@ -37,6 +55,7 @@ from __future__ import annotations
 import collections
 import threading
 
+from jaxkv import compiles
 from jaxkv.cache.host_tier import HostTier
 from jaxkv.cache.quantized_host import check_mode
 from jaxkv.cache.radix import NamespacedRadix, RadixTree
@@ -71,9 +90,12 @@ class Server:
         (``jaxkv.cache.quantized_host.MODES``); every session on the server uses
         it (``jaxkv.serving.stages.quantization``).
       segment_cap: bytes the segment store (cross-query reuse) may hold.
+      warmup: compile every program of the engine's shape set before returning
+        (``warmup``; module docstring): True for every sampler, or the names of
+        the samplers to warm (``Engine.WARMUP_SAMPLERS``).
     """
 
-    def __init__(self, model: Model, *, rows: int = 1, max_positions: int | None = None, num_slots: int | None = None, session_cap: int = 1024, backend=None, host_tier: HostTier | None = None, max_queue: int = 64, decode_chunk: int = DECODE_CHUNK, prefill_chunk: int = PREFILL_CHUNK, kv_quant=None, segment_cap: int = 256 << 20):
+    def __init__(self, model: Model, *, rows: int = 1, max_positions: int | None = None, num_slots: int | None = None, session_cap: int = 1024, backend=None, host_tier: HostTier | None = None, max_queue: int = 64, decode_chunk: int = DECODE_CHUNK, prefill_chunk: int = PREFILL_CHUNK, kv_quant=None, segment_cap: int = 256 << 20, warmup=False):
         if model.tokenizer is None:
             raise ConfigError("sessions need a model with a tokenizer (the folder had none)")
         if int(rows) < 1:
@@ -88,6 +110,8 @@ class Server:
         self.radix = RadixTree(self.engine.allocator)
         self.engine.reclaim = self._reclaim
         self.namespaces: dict[str, int] = {}  # cache namespace name -> its key in the radix tree
+        self.namespace_owners: dict[str, int] = {}  # cache namespace name -> the radix owner of its holes
+        self._owners_made = 0  # radix owners handed out (``cache_owner``)
         self._namespace_lock = threading.Lock()
         self.counters = collections.Counter()  # module docstring; written on the scheduler thread
         self.store = SessionStore(session_cap)
@@ -96,6 +120,38 @@ class Server:
         self.repair_signals: dict = {}  # session id -> latest repair Signal (WrongQ-K); oldest first
         self.stop_token_ids = stop_token_ids(model)
         self.scheduler = Scheduler(self.engine, max_queue=max_queue, decode_chunk=decode_chunk)
+        self.warmup_seconds: float | None = None
+        if warmup:
+            self.warmup(**({} if warmup is True else {"samplers": tuple(warmup)}))
+
+    def warmup(self, *, samplers=("greedy", "sample", "top_p"), progress: bool = True) -> int:
+        """Compile the engine's whole shape set (``Engine.warmup``) on the
+        scheduler thread, then run one short chat turn per sampler (the turn
+        pipeline's own programs); the persistent compilation cache is turned on
+        first. Call it before serving. Returns the programs the engine ran."""
+        import time
+
+        from tqdm.auto import tqdm
+
+        from jaxkv import buckets, compiles
+        from jaxkv.engine import Engine
+
+        compiles.enable_persistent_cache()
+        t0 = time.perf_counter()
+        eng = self.engine
+        total = buckets.shape_set(eng.rows, eng.max_positions, eng.prefill_chunk, self.scheduler.decode_chunk, eng.min_batch)
+        total = len(total.prefill) + len(total.decode) * len(samplers)
+        with tqdm(total=total, desc="jaxkv warm-up (XLA programs)", unit="prog", disable=not progress) as bar:
+            ran = self.scheduler.call(lambda: eng.warmup(
+                self.scheduler.decode_chunk, samplers=samplers, stop_token_ids=self.stop_token_ids, progress=bar.update,
+            )).result()
+        session = self.session()
+        for name in samplers:
+            session.chat([{"role": "user", "content": "warm up"}], max_new_tokens=2, **Engine.WARMUP_SAMPLERS[name])
+        session.close()
+        self.scheduler.call(lambda: self.radix.evict(eng.allocator.capacity)).result()  # forget the scratch turns
+        self.warmup_seconds = time.perf_counter() - t0
+        return ran
 
     def session(self, **options):
         """A new ``Session`` on this server (options as in ``Session``)."""
@@ -111,6 +167,17 @@ class Server:
         with self._namespace_lock:
             key = self.namespaces.setdefault(str(namespace), len(self.namespaces))
         return NamespacedRadix(self.radix, key)
+
+    def cache_owner(self, namespace: str | None) -> int:
+        """A radix owner for a new session (``jaxkv.cache.radix``: whose holes a
+        request may read): a fresh one per session, one per explicit namespace."""
+        with self._namespace_lock:
+            if namespace is not None and str(namespace) in self.namespace_owners:
+                return self.namespace_owners[str(namespace)]
+            self._owners_made += 1
+            if namespace is not None:
+                self.namespace_owners[str(namespace)] = self._owners_made
+            return self._owners_made
 
     def _reclaim(self, n_slots: int):
         """The engine's way to make room: the radix cache's LRU eviction, counted."""
@@ -159,5 +226,7 @@ class Server:
             **{k: int(v) for k, v in stats.items()},
             "prefill_seconds": float(self.scheduler.timing["prefill_s"]),  # time in batched engine steps
             "decode_seconds": float(self.scheduler.timing["decode_s"]),
+            "xla_compiles": compiles.count(),
+            "xla_cache_hits": compiles.cache_hits(),
             **{k: int(self.counters[k]) for k in COUNTERS},
         }

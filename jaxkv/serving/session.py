@@ -63,6 +63,8 @@ class ChatTurn:
       finish_reason: ``"tool_calls"``, ``"stop"`` or ``"length"``.
       text: the reply text that was parsed (a forced prefix included, cut before
         a stop string); ``reply_ids`` then ends with the token that completed it.
+      reply_margins: each reply token's top-2 logit margin when the session
+        records them (``Session.record_margins``), else None.
     """
 
     reply: dict
@@ -71,6 +73,7 @@ class ChatTurn:
     cached_tokens: int
     finish_reason: str
     text: str = ""
+    reply_margins: object = None
 
 
 class ChatHandle:
@@ -111,7 +114,9 @@ class Session:
       max_positions, num_slots, backend: sizing of a private server.
       cache_namespace: the radix-cache namespace of the session's requests
         (``Server.radix_for``): only sessions of the same namespace share cached
-        prefixes (tenants of a shared server). None: the shared cache.
+        prefixes (tenants of a shared server). None: the shared cache. Holes a
+        session's policy makes are its own (the namespace's, when given): other
+        sessions reuse a cached prefix only up to them (``jaxkv.cache.radix``).
       protect_query: keep the actionable query (the latest user / tool message)
         out of eviction, as ALGORITHMS.md §1 forces (default). False lets an event
         evict inside it: for document QA where the document and the question
@@ -152,6 +157,7 @@ class Session:
         self.compressions: list = []  # CompressionReports of this session, in order
         self.repairs: list = []  # RepairReports, one per turn boundary repair ran at
         self._cached_ids: list[int] | None = None  # what this session's last request cached
+        self.record_margins = False  # diagnostics: each reply token's top-2 logit margin (ChatTurn / TurnResult)
         self._requests = 0  # requests opened so far (the turn index of reports)
         self._busy = threading.Lock()
         self.server = server  # stages may read the shared server's settings (kv_quant)
@@ -161,6 +167,7 @@ class Session:
         self.server = server or Server(
             model, max_positions=max_positions, num_slots=num_slots, backend=backend, kv_quant=quant.mode if quant else None,
         )
+        self.cache_owner = self.server.cache_owner(cache_namespace)  # whose holes it reads (jaxkv.cache.radix)
         self._watch_private_server()
 
     def _watch_private_server(self) -> None:
@@ -255,7 +262,8 @@ class Session:
             reply = fmt.parse(text)
             stopped = cut is not None or turn.stop_requested or (bool(reply_ids) and reply_ids[-1] in self.server.stop_token_ids)
             reason = "tool_calls" if reply.get("tool_calls") else ("stop" if stopped or n_new == 0 else "length")
-            return ChatTurn(reply, reply_ids, int(rendered.ids.size), turn.reused, reason, text)
+            margins = np.asarray(turn.reply_margins[: len(reply_ids)], np.float32) if turn.record_margins else None
+            return ChatTurn(reply, reply_ids, int(rendered.ids.size), turn.reused, reason, text, margins)
 
         handle = self._submit(chat_turn(turn, n_new, sampling), turn, rendered.ids.size + n_new, finish)
         handle.format, handle.prompt_tokens = fmt, int(rendered.ids.size)
@@ -278,12 +286,14 @@ class Session:
         return turn.reply
 
     # -- replay ----------------------------------------------------------------------
-    def replay(self, messages: Sequence[Mapping[str, Any]], tools=None, *, generate: bool = False, max_new_tokens: int | None = None, return_logits: bool = False, start_turn: int = 0) -> list[TurnResult]:
+    def replay(self, messages: Sequence[Mapping[str, Any]], tools=None, *, generate: bool = False, max_new_tokens: int | None = None, return_logits: bool = False, start_turn: int = 0, reply_margins: bool = False) -> list[TurnResult]:
         """Feed a recorded conversation turn by turn (see the module docstring).
 
         ``start_turn``: skip the first ``start_turn`` assistant turns, which this
         session (or the session it was forked from) has already replayed; one
-        ``TurnResult`` per replayed turn."""
+        ``TurnResult`` per replayed turn. ``reply_margins``: record each generated
+        token's top-2 logit margin (``TurnResult.reply_margins``; the decode
+        calls then bring back logits, a separate compiled program)."""
         if start_turn < 0:
             raise ValueError(f"start_turn must be >= 0, got {start_turn}")
         results = []
@@ -295,6 +305,7 @@ class Session:
             full = self._render(messages[: j + 1], tools, add_generation_prompt=False)
             self._check_length(max(full.ids.size, prompt.ids.size + (n_new if generate else 0)), 0)
             turn = Turn(self, prompt)
+            turn.record_margins = bool(reply_margins) or self.record_margins
             program = replay_turn(turn, full.ids, full.phase, generate=generate, n_new=n_new, return_logits=return_logits)
             need = full.ids.size + (n_new if generate else 0)
             result, reply = self._submit(program, turn, need, lambda out: out).result()

@@ -89,6 +89,7 @@ class CompressionReport:
     kept_positions: np.ndarray
     plan: object
     evicted_scores: np.ndarray | None = None  # policy score of each plan.evicted_positions entry
+    decision_margin: float = float("inf")  # lowest kept candidate score minus highest evicted one (inf: none evicted)
 
 
 @functools.partial(jax.jit, static_argnames=("policy", "cfg"))
@@ -128,13 +129,19 @@ def compress_row(engine, row: int, policy, cfg, state, feats, forced_N, budget: 
         raise ConfigError(f"unknown layout {layout!r}; known: {', '.join(LAYOUTS)}")
     live_scores = np.asarray(scores, np.float32)[valid]
     evicted_scores = live_scores[np.searchsorted(live_pos, plan.evicted_positions)]
+    margin = float("inf")  # how far the decision was from flipping (a near tie under other arithmetic)
+    if evicted_scores.size:
+        boundary = float(evicted_scores.max())
+        kept_free = np.isin(live_pos, kept) & ~np.asarray(forced_N, bool)[valid]
+        above = live_scores[kept_free & (live_scores >= boundary)]
+        margin = float(above.min() - boundary) if above.size else float("inf")
     if apply is not None:
         apply(plan, evicted_scores)
     else:
         kv = engine.apply_layout(row, plan, keep_evicted=on_evict is not None and plan.evicted_positions.size > 0)
         if kv is not None:
             on_evict(plan, *kv, evicted_scores)
-    return state, CompressionReport(int(live_pos.size), int(kept.size), kept, plan, evicted_scores)
+    return state, CompressionReport(int(live_pos.size), int(kept.size), kept, plan, evicted_scores, margin)
 
 
 @functools.partial(jax.jit, static_argnums=(0, 1))

@@ -1,0 +1,90 @@
+"""XLA compiles: a process-wide count, and JAX's persistent compilation cache.
+
+* ``count()``: how many XLA programs this process has compiled (or loaded from the
+  persistent cache) so far, read from JAX's own monitoring event for backend
+  compiles (``jax.monitoring``; the listener is installed once, on import).
+  ``cache_hits()``: how many of them came from the persistent cache. A server
+  reports both on ``/metrics``; after warm-up a request should add none.
+* ``enable_persistent_cache(path=None)``: turn on JAX's persistent compilation
+  cache (``jax_compilation_cache_dir``) in the user cache folder, so a restarted
+  server loads its programs instead of compiling them: ``$JAXKV_XLA_CACHE`` if
+  set, else ``$XDG_CACHE_HOME/jaxkv/xla`` (default ``~/.cache/jaxkv/xla``);
+  ``JAXKV_XLA_CACHE=off`` disables it. Every program is cached, however quick its
+  compile (``jax_persistent_cache_min_compile_time_secs = 0``): a serving process
+  compiles hundreds of small programs whose sum is what start-up pays. JAX
+  decides at its first compile whether a cache is used, so the call resets that
+  decision (``compilation_cache.reset_cache``); a process that already chose a
+  cache folder keeps it.
+
+The cache folder is trusted code (JAX's warning): keep it private to the user.
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+from pathlib import Path
+
+import jax
+
+ENV_CACHE = "JAXKV_XLA_CACHE"
+_BACKEND_COMPILE = "/jax/core/compile/backend_compile_duration"
+_CACHE_HIT = "/jax/compilation_cache/cache_hits"
+
+_lock = threading.Lock()
+_counts = {"compiles": 0, "cache_hits": 0}
+
+
+def _on_duration(event: str, duration: float, **_) -> None:
+    if event == _BACKEND_COMPILE:
+        with _lock:
+            _counts["compiles"] += 1
+
+
+def _on_event(event: str, **_) -> None:
+    if event == _CACHE_HIT:
+        with _lock:
+            _counts["cache_hits"] += 1
+
+
+jax.monitoring.register_event_duration_secs_listener(_on_duration)
+jax.monitoring.register_event_listener(_on_event)
+
+
+def count() -> int:
+    """XLA programs compiled (or loaded from the persistent cache) by this process."""
+    return _counts["compiles"]
+
+
+def cache_hits() -> int:
+    """Programs the persistent compilation cache supplied."""
+    return _counts["cache_hits"]
+
+
+def default_cache_dir() -> Path | None:
+    """The persistent cache folder (module docstring), or None when disabled."""
+    env = os.environ.get(ENV_CACHE)
+    if env is not None:
+        return None if env.strip().lower() in ("", "0", "off", "none") else Path(env).expanduser()
+    base = os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache"
+    return Path(base) / "jaxkv" / "xla"
+
+
+def enable_persistent_cache(path: str | os.PathLike | None = None) -> Path | None:
+    """Point JAX's persistent compilation cache at ``path`` (default
+    ``default_cache_dir()``); returns the folder in use (the process's own if it
+    already chose one), or None when disabled."""
+    current = jax.config.jax_compilation_cache_dir
+    if current:
+        return Path(current)
+    folder = Path(path).expanduser() if path is not None else default_cache_dir()
+    if folder is None:
+        return None
+    folder.mkdir(parents=True, exist_ok=True, mode=0o700)
+    jax.config.update("jax_compilation_cache_dir", str(folder))
+    jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
+    jax.config.update("jax_persistent_cache_min_entry_size_bytes", -1)
+    from jax.experimental.compilation_cache import compilation_cache
+
+    compilation_cache.reset_cache()  # re-read the settings at the next compile
+    return folder

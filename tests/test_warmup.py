@@ -1,0 +1,71 @@
+"""Compiled programs are bounded and compiled at start-up (jaxkv.buckets, Server(warmup=...)).
+
+After ``Server(..., warmup=...)`` a randomized mix of 30 turns (prompt lengths,
+reply lengths, 1-2 concurrent sessions, greedy and sampled replies, a float and
+an INT4 pool; head_dim 32, as quantized pools ask) compiles no XLA program (``jaxkv.compiles.count``). Sizes are tiny
+(2 rows, 64 positions) so the whole shape set compiles in seconds; the full set
+of a default server is a bench figure (README).
+"""
+
+from __future__ import annotations
+
+import random
+import threading
+
+import pytest
+
+from jaxkv import buckets, compiles
+from jaxkv.serving import Server
+from conftest import TINY_WORDS, tiny_chat_model
+
+WORDS = TINY_WORDS
+SAMPLERS = ("greedy", "sample")
+
+
+@pytest.fixture(scope="module")
+def tiny_model():
+    return tiny_chat_model(head_dim=32, max_positions=256)
+
+
+def test_shape_set_is_finite_and_small():
+    s = buckets.shape_set(8, 4096, 512, 32)
+    assert 0 < s.size < 400
+    assert {C for _, C, _, _ in s.prefill} == {128, 256, 512}
+    assert {B for B, *_ in s.decode} == {1, 2, 4, 8}
+    assert all(r <= 4096 and w <= 4096 for _, r, w, _ in s.decode)
+
+
+@pytest.mark.parametrize("kv_quant", [None, "int4"])
+def test_no_compile_after_warmup(tiny_model, monkeypatch, kv_quant):
+    monkeypatch.setenv(compiles.ENV_CACHE, "off")  # keep the user's cache folder out of the test
+    server = Server(tiny_model, rows=2, max_positions=64, prefill_chunk=64, decode_chunk=8, kv_quant=kv_quant, warmup=SAMPLERS)
+    try:
+        assert server.warmup_seconds is not None
+        before = compiles.count()
+        rng = random.Random(7 if kv_quant else 3)
+        errors: list = []
+
+        def turn(seed):
+            r = random.Random(seed)
+            try:
+                message = " ".join(r.choice(WORDS) for _ in range(r.randint(1, 14)))
+                sampling = r.choice([{}, {"temperature": 0.8, "seed": seed}])
+                server.session().chat([{"role": "user", "content": message}], max_new_tokens=r.randint(1, 20), **sampling)
+            except Exception as err:  # surfaced below
+                errors.append(err)
+
+        done = 0
+        while done < 15:  # 15 turns per pool, 30 in all
+            k = min(rng.randint(1, 2), 15 - done)
+            threads = [threading.Thread(target=turn, args=(rng.randrange(1 << 30),)) for _ in range(k)]
+            for th in threads:
+                th.start()
+            for th in threads:
+                th.join(timeout=120)
+            done += k
+        assert not errors, errors
+        assert server.scheduler.stats["turns_done"] >= 15
+        assert compiles.count() == before, f"{compiles.count() - before} XLA compiles after warm-up"
+        assert server.snapshot()["xla_compiles"] == compiles.count()
+    finally:
+        server.close()
