@@ -32,8 +32,11 @@ fetch: $(VENV)/.installed
 demo: $(VENV)/.installed
 	JAX_PLATFORMS=cpu $(VENV)/bin/jaxkv demo
 
+# One run's XLA programs are shared by its two workers through a persistent
+# compilation cache that starts empty (tests/conftest.py).
 test: $(VENV)/.installed-test fetch
-	JAX_PLATFORMS=cpu $(PY) -m pytest -q -n 2 tests
+	rm -rf .pytest-xla
+	JAX_PLATFORMS=cpu JAXKV_XLA_CACHE=$(CURDIR)/.pytest-xla $(PY) -m pytest -q -n 2 tests
 
 # The documentation site into site/ (mkdocs.yml); any warning (a broken link or anchor, a
 # public name the API reference cannot find) fails the build. make test runs it too.

@@ -8,7 +8,8 @@
 * ``enable_persistent_cache(path=None)``: turn on JAX's persistent compilation
   cache (``jax_compilation_cache_dir``) in the user cache folder, so a restarted
   server loads its programs instead of compiling them: ``$JAXKV_XLA_CACHE`` if
-  set, else ``$XDG_CACHE_HOME/jaxkv/xla`` (default ``~/.cache/jaxkv/xla``);
+  set, else ``xla/`` in the user cache folder (``jaxkv.models.registry.user_cache_dir``:
+  ``$JAXKV_CACHE``, ``$XDG_CACHE_HOME/jaxkv`` or ``~/.cache/jaxkv``);
   ``JAXKV_XLA_CACHE=off`` disables it. Every program is cached, however quick its
   compile (``jax_persistent_cache_min_compile_time_secs = 0``): a serving process
   compiles hundreds of small programs whose sum is what start-up pays. JAX
@@ -63,11 +64,12 @@ def cache_hits() -> int:
 
 def default_cache_dir() -> Path | None:
     """The persistent cache folder (module docstring), or None when disabled."""
+    from jaxkv.models.registry import user_cache_dir
+
     env = os.environ.get(ENV_CACHE)
     if env is not None:
         return None if env.strip().lower() in ("", "0", "off", "none") else Path(env).expanduser()
-    base = os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache"
-    return Path(base) / "jaxkv" / "xla"
+    return user_cache_dir() / "xla"
 
 
 def enable_persistent_cache(path: str | os.PathLike | None = None) -> Path | None:

@@ -16,6 +16,15 @@ import pytest  # noqa: E402
 import hf_models  # noqa: E402
 
 
+if os.environ.get("JAXKV_XLA_CACHE"):
+    # ``make test`` points JAX's persistent compilation cache at a folder it empties
+    # first: the two xdist workers, and a worker recompiling after
+    # ``_release_compiled_programs``, load a program the run already compiled
+    # instead of compiling it again. Every run still starts from no cache.
+    from jaxkv import compiles
+
+    compiles.enable_persistent_cache()
+
 MAX_MAPPINGS = 20_000  # release compiled programs past this many memory mappings
 
 
