@@ -30,11 +30,12 @@ def test_shipped_files_are_complete_and_small():
     assert cfg["model_type"] == "qwen3"
 
 
-def test_reaches_80_percent_on_20_heldout_examples(model):
-    """10 MQ-NIAH (4 needles, both turns) + 10 agent traces, full cache, >= 2,048 tokens."""
+def test_reaches_80_percent_on_12_heldout_examples(model):
+    """6 MQ-NIAH (4 needles, both turns: 12 scored turns) + 6 agent traces, full cache,
+    >= 2,048 tokens: a regression guard (eval/embedded_accuracy.py measures 200 per task)."""
     from eval.embedded_accuracy import evaluate
 
-    rows, request_tokens, _ = evaluate(model, n=10, length=EVAL_LENGTH, batch=10, verbose=False)
+    rows, request_tokens, _ = evaluate(model, n=6, length=EVAL_LENGTH, batch=6, verbose=False)
     overall = {r["task"]: r["acc"] for r in rows if r["scored"] == "all scored turns"}
     assert all(peak_min >= EVAL_LENGTH for _, peak_min, _ in request_tokens.values()), request_tokens
     assert len(overall) == 2

@@ -1,5 +1,6 @@
 """The evaluation notebooks (``eval/notebooks/*.py``, jupytext percent scripts stored
 without outputs) run under papermill on the CPU with their default (small) parameters
+and one example per cell (``n=1``)
 and produce their table and plots; every parameter is documented for the A100 run.
 
 A fresh clone has no Jupyter kernel registered, so the tests write a kernelspec that
@@ -74,7 +75,7 @@ def test_notebook_runs_on_the_cpu_and_shows_its_table_and_plots(name, kernel, tm
     source = jupytext.read(NOTEBOOKS / f"{name}.py")
     t0 = time.perf_counter()
     executed = papermill.execute_notebook(
-        source, str(tmp_path / f"{name}.ipynb"), parameters={"out_dir": str(out_dir)}, kernel_name=kernel,
+        source, str(tmp_path / f"{name}.ipynb"), parameters={"out_dir": str(out_dir), "n": 1}, kernel_name=kernel,
         cwd=str(REPO), progress_bar=False, execution_timeout=600,
     )
     print(f"\n{name} notebook: {time.perf_counter() - t0:.1f} s")

@@ -161,7 +161,7 @@ def small_model():
 SESSION_KINDS = [{}, {"policy": "snapkv", "budget": 24, "w": 4}, {"policy": "h2o", "budget": 24, "repair": 4}, {"policy": "random", "budget": 20, "layout": "compact"}]
 
 
-@settings(max_examples=12, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow])
+@settings(max_examples=8, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow])
 @given(
     ops=st.lists(
         st.tuples(st.sampled_from(["turn", "turn", "turn", "cancel", "huge"]), st.integers(0, 5), st.integers(1, 60), st.integers(0, 24)),
