@@ -79,7 +79,8 @@ def test_a_managed_session_answers_a_real_passkey_task(smollm2):
 
 
 MECHANISMS = (
-    [dict(policy=name, budget=160, layout="dead_slot") for name in sorted(REGISTRY) if not name.startswith("intentkv")]
+    [dict(policy=name, budget=160, layout="dead_slot") for name in sorted(REGISTRY)
+     if not name.startswith("intentkv") and name not in ("oldest", "random")]  # the two controls: tests/test_retention.py
     + [dict(policy="snapkv", budget=160, layout="compact")]
     + [dict(policy="snapkv", budget=160, layout="dead_slot", repair=16),
        dict(kv_quant="int4"),
