@@ -36,7 +36,7 @@ demo: $(VENV)/.installed
 # compilation cache that starts empty (tests/conftest.py).
 test: $(VENV)/.installed-test fetch
 	rm -rf .pytest-xla
-	JAX_PLATFORMS=cpu JAXKV_XLA_CACHE=$(CURDIR)/.pytest-xla $(PY) -m pytest -q -n 2 --dist loadgroup tests
+	JAX_PLATFORMS=cpu JAXKV_XLA_CACHE=$(CURDIR)/.pytest-xla $(PY) -m pytest -q -n 2 --dist worksteal tests
 
 # The documentation site into site/ (mkdocs.yml); any warning (a broken link or anchor, a
 # public name the API reference cannot find) fails the build. make test runs it too.

@@ -71,10 +71,7 @@ def measured(hf_checkpoint, tmp_path_factory):
     return results
 
 
-# One xdist worker takes the whole module (``make test`` runs ``--dist loadgroup``):
-# otherwise a second worker holding one of its tests blocks on the lock above for the
-# subprocess's minute, idle, while the first one runs it.
-pytestmark = [pytest.mark.slow, pytest.mark.xdist_group("multidevice")]
+pytestmark = pytest.mark.slow
 
 
 @pytest.mark.parametrize("case", list(LOGITS_CASES))
