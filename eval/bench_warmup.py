@@ -9,7 +9,9 @@ persistent compilation cache (a fresh folder: every program compiled), the
 second on the cache the first left (a restart: programs loaded). Prints the
 programs in the shape set (``jaxkv.buckets.shape_set``), XLA programs compiled
 or loaded, cache hits and wall seconds of each. CPU only; absolute numbers are
-for the machine named in the header.
+for the machine named in the header. The 1-minute load average before and after
+is printed: a run that starts above 0.5 (another job on the machine) is not a
+start-up figure.
 """
 
 from __future__ import annotations
@@ -47,16 +49,19 @@ def main(argv=None) -> int:
     ap.add_argument("--out", default=None)
     args = ap.parse_args(argv)
     runs = []
+    load_before = os.getloadavg()[0]
     with tempfile.TemporaryDirectory() as cache:
         env = {**os.environ, "JAXKV_XLA_CACHE": cache}
         for label in ("cold (empty cache)", "restart (cache filled)"):
             out = subprocess.run([sys.executable, "-c", CHILD, args.model, str(args.rows), str(args.max_positions)],
                                  env=env, check=True, capture_output=True, text=True).stdout
             runs.append((label, json.loads(out.strip().splitlines()[-1])))
+    load_after = os.getloadavg()[0]
     lines = [
         f"# Server warm-up: {args.model}, rows={args.rows}, max_positions={args.max_positions}",
         f"Machine: {platform.machine()} {platform.processor() or ''}, {os.cpu_count()} cores; `python eval/bench_warmup.py"
         f" --model {args.model} --rows {args.rows} --max-positions {args.max_positions}`",
+        f"1-minute load average {load_before:.2f} before, {load_after:.2f} after.",
         "",
         "| start | shape-set programs | XLA programs compiled or loaded | from the cache | seconds |",
         "|---|---|---|---|---|",

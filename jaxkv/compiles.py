@@ -17,6 +17,19 @@
   decision (``compilation_cache.reset_cache``); a process that already chose a
   cache folder keeps it.
 
+* ``release_if_crowded()``: on Linux every compiled XLA:CPU program keeps its own
+  memory mappings, one code, read-only and data section per kernel (about 100-400
+  per program; no XLA flag merges them), and a process that passes the kernel's
+  limit (``vm.max_map_count``, 65,530 by default) aborts inside its next compile
+  ("LLVM ERROR: Unable to allocate section memory"). A server's whole shape set is
+  more programs than that limit holds (``jaxkv serve``'s default: 519 programs,
+  ~60k mappings at 220 of them). So the warm-up and the scheduler call this after
+  any step that compiled: past ``CROWDED_FRACTION`` of the limit it drops every
+  compiled program from memory (``jax.clear_caches``); the next call of each
+  retraces and loads it from the persistent cache (counted by ``count()`` and
+  ``cache_hits()``) instead of compiling it. ``releases()`` counts the drops.
+  Where the count cannot be read (no procfs) nothing is released.
+
 The cache folder is trusted code (JAX's warning): keep it private to the user.
 """
 
@@ -32,8 +45,12 @@ ENV_CACHE = "JAXKV_XLA_CACHE"
 _BACKEND_COMPILE = "/jax/core/compile/backend_compile_duration"
 _CACHE_HIT = "/jax/compilation_cache/cache_hits"
 
+CROWDED_FRACTION = 0.6  # of vm.max_map_count: release compiled programs past this
+DEFAULT_MAP_LIMIT = 65_530  # Linux's default vm.max_map_count, when the setting cannot be read
+
 _lock = threading.Lock()
-_counts = {"compiles": 0, "cache_hits": 0}
+_counts = {"compiles": 0, "cache_hits": 0, "releases": 0}
+_checked_at = [-1]  # count() when release_if_crowded last read the mappings
 
 
 def _on_duration(event: str, duration: float, **_) -> None:
@@ -60,6 +77,51 @@ def count() -> int:
 def cache_hits() -> int:
     """Programs the persistent compilation cache supplied."""
     return _counts["cache_hits"]
+
+
+def releases() -> int:
+    """How many times ``release_if_crowded`` dropped the compiled programs."""
+    return _counts["releases"]
+
+
+def mappings() -> int | None:
+    """Memory mappings this process holds (``/proc/self/maps``), None without procfs."""
+    try:
+        with open("/proc/self/maps", "rb") as f:
+            return sum(1 for _ in f)
+    except OSError:
+        return None
+
+
+def map_limit() -> int:
+    """The kernel's per-process mapping limit (``vm.max_map_count``)."""
+    try:
+        with open("/proc/sys/vm/max_map_count") as f:
+            return int(f.read().strip())
+    except (OSError, ValueError):
+        return DEFAULT_MAP_LIMIT
+
+
+def release_if_crowded(fraction: float = CROWDED_FRACTION, *, limit: int | None = None) -> bool:
+    """Drop every compiled program from memory if the process holds more than
+    ``fraction`` of ``limit`` (default ``map_limit()``) mappings (module
+    docstring). Reads the mappings only when a program was compiled or loaded
+    since the last call, so calling it after every engine step costs nothing in
+    steady state. Returns whether it released."""
+    seen = count()
+    if seen == _checked_at[0]:
+        return False
+    _checked_at[0] = seen
+    held = mappings()
+    if held is None or held <= fraction * (limit if limit is not None else map_limit()):
+        return False
+    import gc
+
+    gc.collect()
+    jax.clear_caches()
+    with _lock:
+        _counts["releases"] += 1
+    return True
 
 
 def default_cache_dir() -> Path | None:

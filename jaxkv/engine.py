@@ -67,7 +67,7 @@ from flax import nnx, struct
 from jax.sharding import NamedSharding, PartitionSpec
 
 from jaxkv import pallas
-from jaxkv import buckets
+from jaxkv import buckets, compiles
 from jaxkv.buckets import DECODE_ROW_STEP, SHORT_CHUNK, WINDOW_STEP, bucket  # noqa: F401 (re-exported)
 from jaxkv.cache.allocator import SENTINEL_SLOT, SlotAllocator
 from jaxkv.cache.host_tier import stage
@@ -1011,7 +1011,10 @@ class Engine:
         each once on scratch rows, through the same methods requests use (so a
         quantized pool warms its own steps). ``stop_token_ids`` must be the
         server's (their count is a shape). ``progress(n)`` is called after each
-        program. The engine must be idle; scratch rows are closed afterwards.
+        program. Where the process cannot hold every program's memory mappings,
+        the compiled programs are dropped as it fills (``compiles.release_if_crowded``):
+        the persistent cache keeps them for the requests that need them. The
+        engine must be idle; scratch rows are closed afterwards.
         Returns how many programs it ran."""
         if any(state is not None for state in self.row_state):
             raise JaxKVError("warm-up needs an idle engine (a row is open)")
@@ -1039,6 +1042,7 @@ class Engine:
                             ], decode_chunk, regroup=True)  # as the scheduler calls it
                         for r in rows:
                             self.truncate_row(r, live)
+                        compiles.release_if_crowded()  # the whole set may not fit the process's mappings
                         ran += 1
                         if progress is not None:
                             progress(1)

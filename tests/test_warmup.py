@@ -69,3 +69,40 @@ def test_no_compile_after_warmup(tiny_model, monkeypatch, kv_quant):
         assert server.snapshot()["xla_compiles"] == compiles.count()
     finally:
         server.close()
+
+
+def test_a_shape_set_larger_than_the_mapping_limit_warms_and_serves_without_compiling(tiny_model, monkeypatch, tmp_path):
+    """On Linux each compiled XLA:CPU program holds hundreds of memory mappings and a
+    process past ``vm.max_map_count`` aborts in its next compile, so a default
+    server's whole shape set cannot stay in memory (``jaxkv.compiles``). With the
+    limit lowered to a few programs above what the process holds, the warm-up drops
+    its compiled programs as it fills, and the turns that follow give the replies of
+    a server that never dropped one, loading what they need from the persistent
+    cache without compiling anything."""
+    if compiles.mappings() is None:
+        pytest.skip("no /proc/self/maps on this platform")
+    compiles.enable_persistent_cache(tmp_path / "xla")  # the process's own folder if it already has one
+    conversations = [[{"role": "user", "content": " ".join(WORDS[(i * 5 + j) % len(WORDS)] for j in range(3 + 4 * i))}] for i in range(4)]
+    options = dict(rows=2, max_positions=64, prefill_chunk=64, decode_chunk=8)
+
+    reference = Server(tiny_model, **options)
+    try:
+        expected = [reference.session().chat(c, max_new_tokens=12) for c in conversations]
+    finally:
+        reference.close()
+
+    releases = compiles.releases()
+    crowded = int((compiles.mappings() + 1500) / compiles.CROWDED_FRACTION)  # room for a few programs
+    monkeypatch.setattr(compiles, "map_limit", lambda: crowded)
+    server = Server(tiny_model, **options, warmup=("greedy",))
+    try:
+        assert compiles.releases() > releases, "the warm-up never reached the lowered limit"
+        compiled, loaded = compiles.count(), compiles.cache_hits()
+        replies = [server.session().chat(c, max_new_tokens=12) for c in conversations]
+        assert replies == expected
+        print(f"after warm-up: {compiles.count() - compiled} programs loaded, {compiles.releases() - releases} releases")
+        assert compiles.count() > compiled, "no program was dropped and reloaded: the limit was never reached in the turns"
+        assert compiles.count() - compiled == compiles.cache_hits() - loaded, "a turn compiled a program instead of loading it"
+        assert server.snapshot()["xla_releases"] == compiles.releases()
+    finally:
+        server.close()

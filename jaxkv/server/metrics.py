@@ -19,7 +19,9 @@ so it is consistent) plus the HTTP layer's own counts. Gauges describe now,
   scheduler spent in batched engine steps), ``jaxkv_decode_steps_total`` (batched
   decode calls, each up to ``decode_chunk`` steps for every decoding row),
   ``jaxkv_xla_compiles_total`` / ``jaxkv_xla_cache_hits_total`` (XLA programs
-  the process compiled or loaded, ``jaxkv.compiles``: flat after warm-up);
+  the process compiled or loaded, ``jaxkv.compiles``: flat after warm-up while
+  every program fits the process's memory mappings), ``jaxkv_xla_releases_total``
+  (times the compiled programs were dropped near the mapping limit);
 * HTTP: ``jaxkv_http_responses_total{status=...}``.
 
 No label carries a tenant, a session or any request content.
@@ -93,6 +95,8 @@ def render(snap: dict, *, sessions: int, rate: float, responses: dict) -> str:
     _line(out, "jaxkv_xla_compiles_total", "counter", "XLA programs this process compiled or loaded from the persistent cache (after warm-up a request adds none).",
           [({}, snap.get("xla_compiles", 0))])
     _line(out, "jaxkv_xla_cache_hits_total", "counter", "XLA programs loaded from the persistent compilation cache.", [({}, snap.get("xla_cache_hits", 0))])
+    _line(out, "jaxkv_xla_releases_total", "counter", "Times the compiled programs were dropped near the process's memory-mapping limit (reloaded from the persistent cache on next use).",
+          [({}, snap.get("xla_releases", 0))])
     _line(out, "jaxkv_http_responses_total", "counter", "HTTP responses, by status.",
           [({"status": str(s)}, n) for s, n in sorted(responses.items())] or [({"status": "200"}, 0)])
     return "\n".join(out) + "\n"

@@ -42,6 +42,7 @@ import threading
 import time
 from typing import Any, Callable, Generator
 
+from jaxkv import compiles
 from jaxkv.errors import CapacityError, JaxKVError, OutOfSlotsError, QueueFullError, TurnCancelledError
 from jaxkv.serving.pipeline import DecodeWork, PrefillWork
 
@@ -230,6 +231,7 @@ class Scheduler:
                 self._advance()
                 self._step_prefill()
                 self._step_decode()
+                compiles.release_if_crowded()  # before a compile could pass the mapping limit
             except Exception as err:  # a bug, not a turn's error: fail what runs, keep serving
                 log.exception("scheduler iteration failed")
                 for task in list(self._running):

@@ -38,7 +38,12 @@ progress bar, through JAX's persistent compilation cache in the user cache folde
 chat turn per sampler compiles the turn pipeline's own small programs.
 ``snapshot()`` reports ``xla_compiles`` (programs this process compiled or
 loaded; after warm-up a full-cache request adds none) and
-``xla_cache_hits``. Not in the set (compiled on first use): a retention
+``xla_cache_hits``. A CPU process cannot hold a large shape set in memory (each
+compiled program keeps hundreds of memory mappings; ``jaxkv.compiles``): the
+warm-up and the scheduler drop the compiled programs near the kernel's limit
+(``xla_releases``), and a request then loads the program it needs from the
+persistent cache (counted in ``xla_compiles`` and ``xla_cache_hits``), never
+compiling it again. Not in the set (compiled on first use): a retention
 policy's scorer programs and feature captures, ``top_k`` values, segment reuse.
 
 Sizing: ``num_slots`` defaults to ``2 * rows * max_positions + 1``, room for
@@ -228,5 +233,6 @@ class Server:
             "decode_seconds": float(self.scheduler.timing["decode_s"]),
             "xla_compiles": compiles.count(),
             "xla_cache_hits": compiles.cache_hits(),
+            "xla_releases": compiles.releases(),
             **{k: int(self.counters[k]) for k in COUNTERS},
         }
