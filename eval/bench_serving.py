@@ -201,9 +201,11 @@ def main(argv=None) -> str:
     header = (f"Serving throughput, {platform.processor() or platform.machine()}, {os.cpu_count()} cores, "
               f"jax {jax.__version__} ({jax.default_backend()}); float32; fresh server per level after a warm-up.")
     print(header + "\n", flush=True)
-    lines = [header, ""]
+    lines = [header, "", f"1-minute load average before the run: {os.getloadavg()[0]:.2f} (a run that starts above 0.5 shares the machine).", ""]
     for name in args.models.split(","):
         lines += bench_model(name.strip(), levels, args.turns, lambda s: print(s, flush=True), args.decode_chunk, args.repeats) + [""]
+    lines.append(f"1-minute load average after the run: {os.getloadavg()[0]:.2f} (the bench's own two cores).")
+    print(lines[-1], flush=True)
     text = "\n".join(lines)
     if args.out:
         with open(args.out, "w") as f:
