@@ -28,7 +28,9 @@
   compiled program from memory (``jax.clear_caches``); the next call of each
   retraces and loads it from the persistent cache (counted by ``count()`` and
   ``cache_hits()``) instead of compiling it. ``releases()`` counts the drops.
-  Where the count cannot be read (no procfs) nothing is released.
+  Where the count cannot be read (no procfs) nothing is released; where no
+  persistent cache is on (``JAXKV_XLA_CACHE=off``, or a server that never ran
+  ``warmup``) a dropped program compiles again when next needed.
 
 The cache folder is trusted code (JAX's warning): keep it private to the user.
 """
