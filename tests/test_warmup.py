@@ -91,8 +91,11 @@ def test_a_shape_set_larger_than_the_mapping_limit_warms_and_serves_without_comp
     finally:
         reference.close()
 
+    import jax
+
+    jax.clear_caches()  # the warm-up below must bring its programs back (an earlier test may hold them)
     releases = compiles.releases()
-    crowded = int((compiles.mappings() + 1500) / compiles.CROWDED_FRACTION)  # room for a few programs
+    crowded = int((compiles.mappings() + 600) / compiles.CROWDED_FRACTION)  # room for a few programs
     monkeypatch.setattr(compiles, "map_limit", lambda: crowded)
     server = Server(tiny_model, **options, warmup=("greedy",))
     try:
