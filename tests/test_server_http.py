@@ -146,6 +146,7 @@ def test_stop_strings_cut_streamed_and_plain_replies_alike(tiny):
 BAD = [  # (body changes, status, error type, code, param)
     ({"model": "gpt-4"}, 404, "not_found_error", "model_not_found", "model"),
     ({"n": 2}, 400, "invalid_request_error", "invalid_value", "n"),
+    ({"ignore_eos": "yes"}, 400, "invalid_request_error", "invalid_value", "ignore_eos"),
     ({"messages": []}, 400, "invalid_request_error", "invalid_value", "messages"),
     ({"messages": "hi"}, 400, "invalid_request_error", "invalid_value", "messages"),
     ({"messages": [{"role": "wizard", "content": "hi"}]}, 400, "invalid_request_error", "invalid_value", "messages"),
@@ -323,6 +324,20 @@ def test_agent_trace_solved_through_tool_call_round_trips(embedded):
     assert answer is not None, f"no answer after {MAX_AGENT_STEPS} steps"
     assert reply_matches(example.targets[-1], {"content": answer.content, "tool_calls": []}), answer.content
     assert len(cached) >= 3 and all(n > 0 for n in cached[1:]), cached
+
+
+@needs_embedded
+def test_ignore_eos_decodes_max_tokens_past_the_stop_token(embedded):
+    """vLLM's ``ignore_eos`` (benchmarks time replies of a fixed length): the reply
+    that stops at ``<|im_end|>`` goes on to ``max_tokens``, streamed or not."""
+    c = client(embedded.url)
+    kw = dict(model="embedded", messages=[{"role": "user", "content": "hello"}], temperature=0, max_tokens=60)
+    short = c.chat.completions.create(**kw)
+    assert short.choices[0].finish_reason == "stop" and short.usage.completion_tokens < 60
+    long = c.chat.completions.create(**kw, extra_body={"ignore_eos": True})
+    assert long.usage.completion_tokens == 60 and long.choices[0].finish_reason == "length"
+    *_, finish, use = stream_reply(c.chat.completions.create(**kw, extra_body={"ignore_eos": True}, stream=True, stream_options={"include_usage": True}))
+    assert use.completion_tokens == 60 and finish == "length"
 
 
 @needs_embedded

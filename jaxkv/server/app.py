@@ -292,7 +292,7 @@ def create_app(server, config: ServeConfig, *, own_server: bool = False) -> Fast
         def start():  # worker thread: render + submit (the scheduler's checks raise here)
             handle = entry.session.start_chat(
                 req.messages, req.tools, max_new_tokens=prepared.n_new, temperature=temperature, top_k=req.top_k,
-                top_p=req.top_p, seed=seed, tool_choice=req.tool_choice, stop=req.stop, on_tokens=on_tokens,
+                top_p=req.top_p, seed=seed, tool_choice=req.tool_choice, stop=req.stop, on_tokens=on_tokens, ignore_eos=req.ignore_eos,
             )
             handle.future.add_done_callback(lambda f: loop.call_soon_threadsafe(finished, f))
             return handle

@@ -56,7 +56,7 @@ UNSUPPORTED = {  # field -> values that are fine (the default)
 }
 KNOWN = frozenset({
     "model", "messages", "tools", "tool_choice", "max_tokens", "max_completion_tokens", "temperature",
-    "top_p", "seed", "stop", "stream", "stream_options", "n", "response_format", "session_id", "top_k",
+    "top_p", "seed", "stop", "stream", "stream_options", "n", "response_format", "session_id", "top_k", "ignore_eos",
     *SESSION_OPTIONS,
 }) | IGNORED | frozenset(UNSUPPORTED)
 MAX_STOP = 16
@@ -71,6 +71,8 @@ class ChatRequest:
       tools (None when absent or empty), tool_choice (None: auto).
       max_tokens: reply budget (None: the server's default, within the context).
       temperature (None: 1.0 as OpenAI), top_p, top_k, seed (None: random), stop.
+      ignore_eos: vLLM's extension: decode ``max_tokens`` tokens, past the model's
+        stop tokens (benchmarks use it to time replies of a fixed length).
       stream, include_usage.
       session_id: ``extra_body["session_id"]`` (the header is the caller's).
       options: the session options the request names (``SESSION_OPTIONS``).
@@ -86,6 +88,7 @@ class ChatRequest:
     top_k: int | None = None
     seed: int | None = None
     stop: tuple[str, ...] = ()
+    ignore_eos: bool = False
     stream: bool = False
     include_usage: bool = False
     session_id: str | None = None
@@ -215,6 +218,9 @@ def parse_chat_request(body) -> ChatRequest:
     options = body.get("stream_options")
     if options is not None and (not isinstance(options, dict) or not isinstance(options.get("include_usage", False), bool)):
         raise invalid("'stream_options' must be {'include_usage': bool}", "stream_options")
+    ignore_eos = body.get("ignore_eos", False)
+    if not isinstance(ignore_eos, bool):
+        raise invalid("'ignore_eos' must be true or false", "ignore_eos")
     session_id = body.get("session_id")
     if session_id is not None and (not isinstance(session_id, str) or not session_id or len(session_id) > 256):
         raise invalid("'session_id' must be a non-empty string of at most 256 characters", "session_id")
@@ -229,6 +235,7 @@ def parse_chat_request(body) -> ChatRequest:
         top_k=_int(body, "top_k", 1),
         seed=_int(body, "seed"),
         stop=tuple(s for s in stop or () if s),
+        ignore_eos=ignore_eos,
         stream=stream,
         include_usage=bool(options and options.get("include_usage")),
         session_id=session_id,

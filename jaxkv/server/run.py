@@ -19,13 +19,14 @@ from jaxkv.server.sessions import FULL, OptionRules, load_api_keys
 from jaxkv.serving.scheduler import DECODE_CHUNK
 
 
-def make_app(model, *, model_name: str = "embedded", rows: int = 4, max_queue: int = 64, max_positions: int | None = None, num_slots: int | None = None, api_keys=(), rules: OptionRules = OptionRules(), max_tokens: int = 256, session_cap: int = 1024, decode_chunk: int = DECODE_CHUNK, warmup: bool = False):
+def make_app(model, *, model_name: str = "embedded", rows: int = 4, max_queue: int = 64, max_positions: int | None = None, num_slots: int | None = None, api_keys=(), rules: OptionRules = OptionRules(), max_tokens: int = 256, session_cap: int = 1024, decode_chunk: int = DECODE_CHUNK, warmup: bool = False, kv_quant: str | None = None):
     """A ``Server`` on ``model`` and the OpenAI app over it (the app owns the server);
-    ``warmup`` compiles the server's whole shape set first (``Server.warmup``)."""
+    ``warmup`` compiles the server's whole shape set first (``Server.warmup``);
+    ``kv_quant`` quantizes its KV pool (``jaxkv.cache.quantized``: every session)."""
     from jaxkv.server.app import ServeConfig, create_app
     from jaxkv.serving import Server
 
-    server = Server(model, rows=rows, max_queue=max_queue, max_positions=max_positions, num_slots=num_slots, decode_chunk=decode_chunk, warmup=warmup)
+    server = Server(model, rows=rows, max_queue=max_queue, max_positions=max_positions, num_slots=num_slots, decode_chunk=decode_chunk, warmup=warmup, kv_quant=kv_quant)
     config = ServeConfig(model_name, tuple(api_keys), rules, max_tokens, session_cap)
     return create_app(server, config, own_server=True)
 
@@ -99,6 +100,8 @@ def add_arguments(p) -> None:
                    help="policies a request may choose with extra_body policy ('full' = full cache; 'all' = every one)")
     p.add_argument("--max-budget", type=int, default=None, help="largest budget a request may ask (default: any)")
     p.add_argument("--max-repair", type=int, default=0, help="largest RepairKV K a request may ask (default: --repair)")
+    p.add_argument("--kv-quant", default=None, metavar="FORMAT",
+                   help="quantize the KV pool of every session (int4, int2, kivi2, triaxial, ...; default: float)")
     p.add_argument("--keep-reasoning", action="store_true", help="render earlier turns' reasoning too (append-only histories)")
     p.add_argument("--session-cap", type=int, default=1024, help="live sessions kept (LRU)")
     p.add_argument("--no-warmup", dest="warmup", action="store_false",
@@ -138,7 +141,7 @@ def serve(args) -> int:
     name = args.served_model_name or ("embedded" if args.model == "embedded" else Path(args.model).name or args.model)
     app = make_app(model, model_name=name, rows=args.rows, max_queue=args.max_queue, max_positions=args.max_positions,
                    num_slots=args.num_slots, api_keys=keys, rules=rules, max_tokens=args.max_tokens, session_cap=args.session_cap,
-                   decode_chunk=args.decode_chunk, warmup=args.warmup)
+                   decode_chunk=args.decode_chunk, warmup=args.warmup, kv_quant=args.kv_quant)
     probe = app.state.jaxkv.server.session(**rules.resolve({}))  # a bad --policy/--budget/--repair fails now, not per request
     del probe
     auth = f"{len(keys)} API key(s)" if keys else "no authentication"

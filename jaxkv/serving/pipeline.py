@@ -202,6 +202,7 @@ class Turn:
         self.row: int | None = None
         self.handle = None
         self.reused = 0
+        self.ignore_eos = False  # decode past the model's stop tokens (Session.start_chat)
         self.index = -1
         self.uncompressed = int(rendered.ids.size)
         self.metrics = None
@@ -421,7 +422,7 @@ class Turn:
         if self.record_margins:
             self.reply_margins = list(_top2_margins(np.asarray(last_logits)[None]))
         self.emit(reply)  # (a listener may request a stop already)
-        stops = self.server.stop_token_ids
+        stops = () if self.ignore_eos else self.server.stop_token_ids
         intervals = [i for i in (stage.decode_interval(self) for stage in self.stages) if i]
         interval = min(intervals) if intervals else n_new
         capture = Capture.union(stage.decode_capture(self) for stage in self.stages) if intervals else Capture()

@@ -217,7 +217,7 @@ class Session:
         return stage.last_signal if stage is not None else None
 
     # -- chat ----------------------------------------------------------------------
-    def start_chat(self, messages: Sequence[Mapping[str, Any]], tools=None, *, max_new_tokens: int | None = None, temperature: float = 0.0, top_k=None, top_p=None, seed: int = 0, tool_choice=None, stop: Sequence[str] | None = None, on_tokens: Callable[[list[int]], None] | None = None, reply_prefix: str = "") -> ChatHandle:
+    def start_chat(self, messages: Sequence[Mapping[str, Any]], tools=None, *, max_new_tokens: int | None = None, temperature: float = 0.0, top_k=None, top_p=None, seed: int = 0, tool_choice=None, stop: Sequence[str] | None = None, on_tokens: Callable[[list[int]], None] | None = None, reply_prefix: str = "", ignore_eos: bool = False) -> ChatHandle:
         """Submit one chat turn; returns its handle at once. ``on_tokens(ids)`` is
         called (on the scheduler thread) with each newly generated piece.
 
@@ -231,7 +231,9 @@ class Session:
         ``"stop"``) and decoding stops at the next decode-chunk boundary.
         ``reply_prefix``: text the reply is forced to start with (rendered after
         the generation prompt, like a forced tool call's opening); the returned
-        ``content`` includes it. ``ChatError`` for a malformed choice or stop
+        ``content`` includes it. ``ignore_eos``: decode all ``max_new_tokens``,
+        past the model's stop tokens (vLLM's option of that name; for benchmarks).
+        ``ChatError`` for a malformed choice or stop
         list, or a reply prefix together with a forced tool choice."""
         render_tools, names, prefix = self._tool_choice(tools, tool_choice)
         if reply_prefix:
@@ -246,6 +248,7 @@ class Session:
         think_open = bool(rendered.ids.size) and int(rendered.phase[-1]) == Phase.THINK
         fmt = ReplyFormat(prefix, think_open, names, stops)
         turn = Turn(self, rendered)
+        turn.ignore_eos = bool(ignore_eos)
         if stops:
             on_tokens = self._stop_watch(turn, fmt, on_tokens)
         if on_tokens is not None:
@@ -260,7 +263,7 @@ class Session:
                 k = next(k for k in range(1, len(reply_ids) + 1) if fmt.find_stop(fmt.prefix + self.tokenizer.decode(reply_ids[:k], skip_special_tokens=False)) is not None)
                 reply_ids, text = reply_ids[:k], text[:cut]
             reply = fmt.parse(text)
-            stopped = cut is not None or turn.stop_requested or (bool(reply_ids) and reply_ids[-1] in self.server.stop_token_ids)
+            stopped = cut is not None or turn.stop_requested or (not turn.ignore_eos and bool(reply_ids) and reply_ids[-1] in self.server.stop_token_ids)
             reason = "tool_calls" if reply.get("tool_calls") else ("stop" if stopped or n_new == 0 else "length")
             margins = np.asarray(turn.reply_margins[: len(reply_ids)], np.float32) if turn.record_margins else None
             return ChatTurn(reply, reply_ids, int(rendered.ids.size), turn.reused, reason, text, margins)
