@@ -329,6 +329,11 @@ class Running:
     def __enter__(self):
         import httpx
 
+        import socket
+
+        with socket.socket() as probe:  # a server left from an earlier run would answer in this one's place
+            if probe.connect_ex(("127.0.0.1", self.port)) == 0:
+                raise RuntimeError(f"port {self.port} is already in use (a server left running?); stop it or pass --port")
         self.out = open(self.log, "w")
         t0 = time.perf_counter()
         self.proc = subprocess.Popen(self.argv, env=self.env, stdout=self.out, stderr=subprocess.STDOUT, cwd=str(pathlib.Path(__file__).resolve().parents[1]))
