@@ -138,9 +138,10 @@ def masked_int2_partials(q_BHD, int2_pool, int2_pages_BP, int2_num_pages_B, int2
     ok = (bits > 0) & (jnp.arange(P)[None, :, None] < int2_num_pages_B.astype(jnp.int32)[:, None, None])
     ok = ok.reshape(B, 1, 1, P * PAGE)
     q = q_BHD.astype(jnp.float32).reshape(B, K, Hq // K, D)
-    s = jnp.einsum("bkgd,bktd->bkgt", q, k) / math.sqrt(D)
+    exact = jax.lax.Precision.HIGHEST  # float32 dots as the Triton parts do them (ieee), not TF32
+    s = jnp.einsum("bkgd,bktd->bkgt", q, k, precision=exact) / math.sqrt(D)
     s = jnp.where(ok, s, MASKED)
     m = jnp.max(s, axis=-1)
     p = jnp.where(ok, jnp.exp(s - m[..., None]), 0.0)
-    acc = jnp.einsum("bkgt,bktd->bkgd", p, v)
+    acc = jnp.einsum("bkgt,bktd->bkgd", p, v, precision=exact)
     return Partials(acc.reshape(B, 1, Hq, D), m.reshape(B, 1, Hq), p.sum(-1).reshape(B, 1, Hq))
