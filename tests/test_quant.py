@@ -22,7 +22,15 @@ from jaxkv.pallas import (
     quantize_int4_pool,
     quantized_decode_attention,
 )
-from jaxkv.pallas.testing import decode_codes_np, masked_float_problem, mixed_quantized_problem, quantized_attention_f64, rel_err
+from jaxkv.pallas.testing import (
+    decode_codes_np,
+    int4_fit_np,
+    int4_write_problem,
+    masked_float_problem,
+    mixed_quantized_problem,
+    quantized_attention_f64,
+    rel_err,
+)
 
 
 def _awkward(rng, shape):
@@ -65,6 +73,28 @@ def test_int2_keys_per_channel_roundtrip_and_layout():
     assert (np.abs(deq - x_pages) <= _bound(p.scale, p.zero, 3)[:, :, None, :]).all()
     want = np.asarray(p.zero, np.float64)[:, :, None] + decode_codes_np(p.data, 2) * np.asarray(p.scale, np.float64)[:, :, None]
     np.testing.assert_allclose(deq, want, rtol=1e-6, atol=1e-6)
+
+
+def test_int4_codes_equal_the_float32_oracle_on_ties():
+    """Codes, scales and zeros bit for bit as ``int4_fit_np`` (IEEE division), ties included.
+
+    This problem holds two groups whose ratio is exactly k + 0.5: XLA's rewrite of a
+    division by a broadcast scale into a product with its reciprocal rounded both to the
+    other code, and the Triton write kernel (an IEEE division) then disagreed with the
+    reference (found by the device check on an H200)."""
+    _, _, x = int4_write_problem(4, 512, 8, 128, 1024, jnp.bfloat16)
+    codes, scale, zero = int4_fit_np(x)
+    ties = np.isclose(np.modf(np.asarray(_ratios(x, scale, zero)))[0], 0.5, rtol=0, atol=0)
+    assert ties.sum() >= 2  # the premise: the problem has exact ties
+    got = quantize_int4(x)
+    assert np.array_equal(np.asarray(got.scale), scale) and np.array_equal(np.asarray(got.zero), zero)
+    assert np.array_equal(decode_codes_np(np.asarray(got.data), 4), codes)
+
+
+def _ratios(x, scale, zero):
+    g = np.asarray(jnp.asarray(x, jnp.float32)).reshape(*x.shape[:-1], -1, 32)
+    s = scale.astype(np.float32)
+    return (g - zero.astype(np.float32)[..., None]) / np.where(s > 0, s, np.float32(1))[..., None]
 
 
 def test_quantize_rejects_bad_shapes():

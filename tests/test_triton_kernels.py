@@ -28,8 +28,10 @@ from jaxkv.pallas.quant import quantize_int4  # noqa: E402
 from jaxkv.pallas.rope_delta import rope_delta_reference  # noqa: E402
 from jaxkv.pallas.testing import (  # noqa: E402
     LLAMA3_ROPE as LLAMA3,
+    decode_codes_np,
     decode_f64,
     decode_problem,
+    int4_fit_np,
     int4_write_problem,
     masked_float_problem,
     mixed_quantized_problem,
@@ -209,6 +211,10 @@ def test_int4_write_is_bit_identical_to_quantize_rows(D, dtype):
     for a, b in zip((got.data, got.scale, got.zero), (want.data, want.scale, want.zero)):
         assert a.dtype == b.dtype and np.array_equal(np.asarray(a), np.asarray(b))
     assert np.asarray(got.scale)[slots[0], 0, 0] == 0  # the constant group
+    codes, scale, zero = int4_fit_np(x)  # and both equal the numpy float32 oracle
+    at = np.asarray(slots)
+    assert np.array_equal(decode_codes_np(np.asarray(got.data)[at], 4), codes)
+    assert np.array_equal(np.asarray(got.scale)[at], scale) and np.array_equal(np.asarray(got.zero)[at], zero)
 
 
 def test_int4_write_public_function_runs_the_reference_on_cpu():

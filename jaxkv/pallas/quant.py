@@ -10,7 +10,8 @@ Formats (ALGORITHMS.md §7, TriAxialKV §3.2.1), all asymmetric with group 32:
   (page, head) every channel has its own ``(scale, zero)`` over the page's 32 tokens.
   Tokens that do not fill a page are stored as INT4 (the caller's job).
 
-Code: ``c = clip(round((x - zero) / scale), 0, 2**bits - 1)``; value
+Code: ``c = clip(round((x - zero) / scale), 0, 2**bits - 1)`` (IEEE float32
+division, round half to even); value
 ``x_hat = zero + c * scale`` (float32). ``scale`` and ``zero`` are float16 with
 *directed* rounding: ``zero`` is rounded down (``zero <= min``) and ``scale`` up
 (``zero + (2**bits - 1) * scale >= max``), so every x of a group lies inside the
@@ -106,10 +107,26 @@ def unpack(data: jnp.ndarray, bits: int) -> jnp.ndarray:
 
 
 def _round_f16(x: jnp.ndarray, direction: float) -> jnp.ndarray:
-    """float32 -> float16 rounded toward ``direction`` (+inf or -inf)."""
-    h = x.astype(jnp.float16)
-    wrong = (h.astype(jnp.float32) < x) if direction > 0 else (h.astype(jnp.float32) > x)
-    return jnp.where(wrong, jnp.nextafter(h, jnp.float16(direction)), h)
+    """float32 -> float16 rounded toward ``direction`` (+inf or -inf), bit for bit alike on
+    every backend and in the Triton write kernel (``kernels._f16_directed``).
+
+    The nearest float16 passes an optimization barrier: without it XLA:GPU may drop the
+    float32 -> float16 -> float32 round trip (its default excess precision), never see
+    the rounding, and leave half the scales rounded to nearest (seen on an H200). The
+    step to the neighbour is integer arithmetic on the bits, not ``nextafter``, which a
+    backend may evaluate in float32.
+    """
+    h = jax.lax.optimization_barrier(x.astype(jnp.float16))
+    back = h.astype(jnp.float32)
+    up = direction > 0
+    wrong = (back < x) if up else (back > x)
+    bits = jax.lax.bitcast_convert_type(h, jnp.int16)
+    toward_zero, away = (bits - 1, bits + 1)
+    if up:  # from zero the step is the smallest positive subnormal, 0x0001
+        stepped = jnp.where(back == 0, jnp.int16(1), jnp.where(back > 0, away, toward_zero))
+    else:  # from zero the step is the smallest negative subnormal, 0x8001
+        stepped = jnp.where(back == 0, jnp.int16(-32767), jnp.where(back > 0, toward_zero, away))
+    return jnp.where(wrong, jax.lax.bitcast_convert_type(stepped.astype(jnp.int16), jnp.float16), h)
 
 
 def _fit(x: jnp.ndarray, axis: int, bits: int):
@@ -122,7 +139,12 @@ def _fit(x: jnp.ndarray, axis: int, bits: int):
     # product, so writing it out makes every backend (the Triton write kernel too) round alike.
     scale = _round_f16((jnp.max(x, axis=axis, keepdims=True) - zero32) * (1.0 / top), jnp.inf)
     scale32 = scale.astype(jnp.float32)
-    ratio = (x - zero32) / jnp.where(scale32 > 0, scale32, 1.0)
+    # An IEEE division, as the Triton write kernel's ``div_rn``: XLA rewrites a division by a
+    # broadcast value into a product with its reciprocal (on the CPU too), which rounds
+    # differently and lands ties (ratio exactly k + 0.5) on the other code; behind an
+    # optimization barrier the divisor is no broadcast, and the division stays a division.
+    divisor = jax.lax.optimization_barrier(jnp.broadcast_to(jnp.where(scale32 > 0, scale32, 1.0), x.shape))
+    ratio = (x - zero32) / divisor
     codes = jnp.where(scale32 > 0, jnp.clip(jnp.round(ratio), 0, top), 0)
     return codes.astype(jnp.uint8), jnp.squeeze(scale, axis), jnp.squeeze(zero, axis)
 

@@ -15,6 +15,8 @@
 * ``request_errors``: the worst request's ``rel_err`` against per-request oracles.
 * ``rope_delta_problem`` / ``int4_write_problem``: inputs of the RoPE delta
   rotation and of the INT4 quantizing write, from random data.
+* ``int4_fit_np``: per-token INT4 codes and parameters in numpy float32 (IEEE
+  division, float16 steps by ``nextafter``), the oracle both quantizers must equal.
 * ``LLAMA3_ROPE``: Llama-3 RoPE scaling, the hardest frequencies the rotation kernels see.
 * ``TOL`` / ``tolerance``: the error each kernel test allows per query dtype.
 
@@ -202,3 +204,26 @@ def int4_write_problem(seed, T, K, D, S, dtype):
     rows = quantize_int4(jnp.asarray(rng.standard_normal((S, K, D)), jnp.float32))
     slots = jnp.asarray(rng.permutation(S - 1)[:T] + 1, jnp.int32)
     return rows, slots, jnp.asarray(x, dtype)
+
+
+def int4_fit_np(x_TKD) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """``(codes uint8 [T, K, D], scale f16 [T, K, D/32], zero f16 [T, K, D/32])`` of
+    ``jaxkv.pallas.quant``'s per-token INT4 rule, computed in numpy float32: zero is the
+    group minimum rounded down to float16, scale ``(max - zero) * float32(1/15)`` rounded
+    up, codes ``round_half_even((x - zero) / scale)`` with an IEEE division. Bit for bit
+    what ``quantize_rows(x, 4)`` and the Triton write kernel must produce."""
+    x = np.asarray(jnp.asarray(x_TKD, jnp.float32))
+    T, K, D = x.shape
+    g = x.reshape(T, K, D // 32, 32)
+
+    def f16(v, up):
+        h = v.astype(np.float16)
+        wrong = (h.astype(np.float32) < v) if up else (h.astype(np.float32) > v)
+        return np.where(wrong, np.nextafter(h, np.float16(np.inf if up else -np.inf)), h)
+
+    zero = f16(g.min(-1), up=False)
+    scale = f16((g.max(-1) - zero.astype(np.float32)) * np.float32(1.0 / 15), up=True)
+    s32 = scale.astype(np.float32)
+    ratio = (g - zero.astype(np.float32)[..., None]) / np.where(s32 > 0, s32, np.float32(1))[..., None]
+    codes = np.where(s32[..., None] > 0, np.clip(np.round(ratio), 0, 15), 0).astype(np.uint8)
+    return codes.reshape(T, K, D), scale, zero
