@@ -74,7 +74,7 @@ from jaxkv.cache.host_tier import stage
 from jaxkv.cache.quantized import gather_keys as _gather_dequantized_keys
 from jaxkv.cache.quantized import quantized_prefill_step
 from jaxkv.cache.request import RequestState, promotion_tables
-from jaxkv.cache.state import PagedKVCache, append_tokens, put_rows, take_rows
+from jaxkv.cache.state import PagedKVCache, append_tokens, float_pool_dtype, put_rows, take_rows
 from jaxkv.errors import ConfigError, ContextLengthError, JaxKVError, OutOfSlotsError
 from jaxkv.models import sharding
 from jaxkv.models.loading import Model
@@ -455,6 +455,11 @@ class DecodeJob:
 
 
 # ============================================================================ the engine
+def _platform(mesh) -> str:
+    """The platform the pool lives on: the mesh's devices', else JAX's default backend."""
+    return mesh.devices.flat[0].platform if mesh is not None else jax.default_backend()
+
+
 class Engine:
     """A paged KV pool plus the host bookkeeping for up to ``rows`` requests.
 
@@ -506,7 +511,7 @@ class Engine:
                 head_dim=cfg.head_dim,
                 rows=rows,
                 positions=P,
-                dtype=model.dtype,
+                dtype=float_pool_dtype(model.dtype, _platform(self.mesh)),
             )
             if self.mesh is None:
                 self.cache = create()

@@ -52,8 +52,11 @@ def test_bf16_paged_logits_within_the_bf16_bound(hf_checkpoint, family):
     assert all(x.dtype == jnp.bfloat16 for x in jax.tree.leaves(model.split()[1]))
     seq = _parity_input()
     got, engine = _paged_logits(model, seq, 40)  # 2 chunks of prefill, 24 decode steps
-    assert engine.cache.k.dtype == engine.cache.v.dtype == jnp.bfloat16
+    # on XLA:CPU a bf16 model's pool is float32 holding bf16 values (cache.state.float_pool_dtype)
+    assert engine.cache.k.dtype == engine.cache.v.dtype == (jnp.float32 if jax.default_backend() == "cpu" else jnp.bfloat16)
     assert got.dtype == np.float32 and got.shape == (64, 1024)
+    k = np.asarray(engine.cache.k, np.float32)  # and it holds bf16 values: what a bf16 pool would
+    assert np.any(k != 0) and np.array_equal(k, np.asarray(engine.cache.k.astype(jnp.bfloat16), np.float32))
     err = _rel(got, _hf_logits(torch_model, seq))
     print(f"\n{family}: bf16 paged logits vs float32 transformers: {err:.4f}")
     assert err <= BF16_BOUND
@@ -77,7 +80,8 @@ def test_bf16_decode_through_the_pallas_kernel_within_the_bf16_bound(hf_checkpoi
 
 def test_bf16_evicted_rows_come_back_bit_identical(hf_checkpoint):
     """RepairKV on a bf16 pool: rows shelved at eviction and restored are the same
-    bf16 bits (the host tier keeps the pool's dtype, no float32 round trip)."""
+    bits (the host tier keeps the pool's dtype: bf16, or on the CPU float32 holding bf16
+    values, ``float_pool_dtype``)."""
     folder, _ = hf_checkpoint("qwen3")
     model = jaxkv.load_model(folder, dtype="bfloat16")
     engine = jaxkv.Engine(model, rows=1, max_positions=128)
@@ -85,7 +89,7 @@ def test_bf16_evicted_rows_come_back_bit_identical(hf_checkpoint):
     engine.prefill([row], [np.random.default_rng(9).integers(0, 1024, 40).tolist()])
     before = list(engine.row_state[row].slots)
     k0, v0 = engine.gather_rows(before)
-    assert k0.dtype == jnp.bfloat16
+    assert k0.dtype == engine.cache.k.dtype
     shelved = {}
 
     def on_evict(plan, k, v, scores):
@@ -98,12 +102,13 @@ def test_bf16_evicted_rows_come_back_bit_identical(hf_checkpoint):
     compress_row(engine, row, policy, policy.make_config(seed=1), policy.init_state(None, None), feats, forced, 16,
                  "dead_slot", on_evict=on_evict)
     pos = shelved["positions"][:6]
-    assert shelved["k"].dtype == jnp.bfloat16 and all(engine.row_state[row].slots[p] == SENTINEL_SLOT for p in pos)
+    assert shelved["k"].dtype == engine.cache.k.dtype and all(engine.row_state[row].slots[p] == SENTINEL_SLOT for p in pos)
     fresh = engine.restore_rows(row, pos, shelved["k"][:, :6], shelved["v"][:, :6])
     k1, v1 = engine.gather_rows(fresh)
-    assert k1.dtype == jnp.bfloat16
-    assert np.array_equal(k1.view(np.uint16), k0[:, pos].view(np.uint16))
-    assert np.array_equal(v1.view(np.uint16), v0[:, pos].view(np.uint16))
+    assert k1.dtype == engine.cache.k.dtype
+    bits = np.uint16 if k1.dtype.itemsize == 2 else np.uint32
+    assert np.array_equal(k1.view(bits), k0[:, pos].view(bits))
+    assert np.array_equal(v1.view(bits), v0[:, pos].view(bits))
 
 
 def _features(engine, row, n):

@@ -15,6 +15,9 @@ Attributes:
   live_len: ``[R]`` int32, length of each live-index list.
   seq_len: ``[R]`` int32, next position to write (tokens seen, holes included).
 
+``float_pool_dtype`` is the dtype an engine stores a float pool in (the model's,
+except bfloat16 on XLA:CPU: see there).
+
 ``RowTables`` is the same four tables for a sub-batch of rows (``take_rows``);
 jit'd steps that serve only some rows (the scheduler's batches) work on it and
 write it back with ``put_rows``, so idle rows cost nothing.
@@ -131,3 +134,19 @@ def append_tokens(cache, slots_RT: jax.Array, count_R: jax.Array):
         live_len=cache.live_len + count_R,
         seq_len=cache.seq_len + count_R,
     )
+
+
+def float_pool_dtype(model_dtype, platform: str):
+    """The dtype of a float KV pool for a model of ``model_dtype`` on ``platform``.
+
+    The model's dtype, except bfloat16 on XLA:CPU, which is stored as float32. A
+    bfloat16 model's K/V leave its projections in bfloat16, so float32 holds the same
+    values exactly and attention reads what a bfloat16 pool would give it; the cost is
+    twice the pool's memory. The reason is XLA:CPU's bfloat16 scatter: it converts the
+    whole ``[L, S, Hkv, D]`` pool to float32 and back around every write, so a
+    one-row-per-layer write into SmolLM2's pool at 40,000 slots took 2.8 s against
+    0.07 ms in float32 (float16 and integer scatters run as fast as float32), and
+    ``jaxkv serve --dtype bfloat16`` could not finish a 256-token reply in 8 minutes.
+    """
+    dtype = jnp.dtype(model_dtype)
+    return jnp.dtype(jnp.float32) if platform == "cpu" and dtype == jnp.bfloat16 else dtype
