@@ -229,12 +229,12 @@ def test_pool_round_trip_within_half_a_step(qmodel):
     geo = Geometry(pages=3, int4_slots=40)
     from jaxkv.cache.quantized import DualPool, write_tokens
 
-    pool = DualPool.create(geo, num_layers=1, num_kv_heads=2, head_dim=64, dtype=jnp.float32).layer(0)
+    pool = DualPool.create(geo, num_layers=1, num_kv_heads=2, head_dim=64, dtype=jnp.float32)
     rng = np.random.default_rng(4)
     x = rng.standard_normal((96, 2, 64)) * rng.uniform(0.1, 5, (96, 1, 1)) + rng.uniform(-3, 3, (96, 1, 64))
     k, v = jnp.asarray(x, jnp.float32), jnp.asarray(x[::-1].copy(), jnp.float32)
     slots = np.concatenate([np.arange(32, 96), geo.off4 + np.arange(32)])  # 2 pages, 32 INT4 rows
-    pool = write_tokens(pool, geo, k, v, jnp.asarray(slots), jnp.arange(64).reshape(2, PAGE), jnp.asarray([1, 2]))
+    pool = write_tokens(pool, geo, 0, k, v, jnp.asarray(slots), jnp.arange(64).reshape(2, PAGE), jnp.asarray([1, 2])).layer(0)
     kd, vd = (np.asarray(a, np.float64) for a in dequantize_slots(pool, geo, jnp.asarray(slots)))
     tiny = 2.0**-20 * (np.abs(x) + 1)
     ks2 = np.asarray(pool.int2.k.scale[1:], np.float64)  # [2, K, D] per channel

@@ -133,9 +133,6 @@ class DualPool:
         """One layer's pool (the leading L axis removed)."""
         return jax.tree.map(lambda a: a[i], self)
 
-    def set_layer(self, i, layer: "DualPool") -> "DualPool":
-        return jax.tree.map(lambda a, b: a.at[i].set(b), self, layer)
-
 
 @struct.dataclass
 class QuantizedKVCache:
@@ -213,41 +210,46 @@ def dequantize_slots(pool: DualPool, geo: Geometry, slots):
 
 
 # ============================================================================ writes
-def _scatter(rows: PackedRows, idx, new: PackedRows) -> PackedRows:
-    at = lambda a, b: a.at[idx].set(b, mode="drop")
-    return PackedRows(at(rows.data, new.data), at(rows.scale, new.scale), at(rows.zero, new.zero), rows.bits)
+def _scatter(rows: PackedRows, at, new: PackedRows) -> PackedRows:
+    put = lambda a, b: a.at[at].set(b, mode="drop")
+    return PackedRows(put(rows.data, new.data), put(rows.scale, new.scale), put(rows.zero, new.zero), rows.bits)
 
 
-def write_tokens(pool: DualPool, geo: Geometry, k_XKD, v_XKD, slots_X, page_src_QG=None, page_ids_Q=None) -> DualPool:
-    """Store float K/V rows ``[X, K, D]`` into one layer's pool at ``slots_X``.
+def write_tokens(pool: DualPool, geo: Geometry, i, k_XKD, v_XKD, slots_X, page_src_QG=None, page_ids_Q=None) -> DualPool:
+    """Store float K/V rows ``[X, K, D]`` into layer ``i`` of the pool at ``slots_X``.
 
     INT4 and float slots are written row by row (quantized per token for INT4).
     INT2 pages are written whole: page ``page_ids_Q[q]`` is quantized from rows
     ``page_src_QG[q]`` (32 indices into X, in the page's token order); page id
     ``geo.pages`` is padding. The INT2 slots in ``slots_X`` are not used (a page
     plan says where INT2 tokens go).
+
+    Every scatter indexes the whole ``[L, ...]`` arrays at ``(i, rows)``: taking the
+    layer out and setting it back made XLA:CPU copy every region's layer twice per
+    layer and step, O(pool) per decode token (20x the float pool's step at 40,000
+    slots for SmolLM2). Callers read the layer after writing it, for the same reason.
     """
     slots_X = slots_X.astype(jnp.int32)
     kind = geo.kind(slots_X)
     i4 = jnp.where(kind == INT4, slots_X - geo.off4, geo.int4_slots)
     pool = pool.replace(int4=Int4Pool(
-        _scatter(pool.int4.k, i4, quantize_rows(k_XKD, 4)), _scatter(pool.int4.v, i4, quantize_rows(v_XKD, 4))
+        _scatter(pool.int4.k, (i, i4), quantize_rows(k_XKD, 4)), _scatter(pool.int4.v, (i, i4), quantize_rows(v_XKD, 4))
     ))
     if geo.float_slots:
         f = jnp.where(kind == FLOAT, slots_X - geo.off_float, geo.float_slots)
         pool = pool.replace(
-            flt_k=pool.flt_k.at[f].set(k_XKD.astype(pool.flt_k.dtype), mode="drop"),
-            flt_v=pool.flt_v.at[f].set(v_XKD.astype(pool.flt_v.dtype), mode="drop"),
+            flt_k=pool.flt_k.at[i, f].set(k_XKD.astype(pool.flt_k.dtype), mode="drop"),
+            flt_v=pool.flt_v.at[i, f].set(v_XKD.astype(pool.flt_v.dtype), mode="drop"),
         )
     if page_ids_Q is not None and page_ids_Q.shape[0]:
         src = page_src_QG.reshape(-1).astype(jnp.int32)
         new = quantize_int2_pool(k_XKD[src], v_XKD[src])  # pages [Q, K, 32, ...]
         ids = page_ids_Q.astype(jnp.int32)
         kp = pool.int2.k
-        at = lambda a, b: a.at[ids].set(b, mode="drop")
+        put = lambda a, b: a.at[i, ids].set(b, mode="drop")
         pool = pool.replace(int2=Int2Pool(
-            PackedKeyPages(at(kp.data, new.k.data), at(kp.scale, new.k.scale), at(kp.zero, new.k.zero)),
-            _scatter(pool.int2.v, ids, new.v),
+            PackedKeyPages(put(kp.data, new.k.data), put(kp.scale, new.k.scale), put(kp.zero, new.k.zero)),
+            _scatter(pool.int2.v, (i, ids), new.v),
         ))
     return pool
 
@@ -281,12 +283,12 @@ def quantized_prefill_step(graphdef, params, cache: QuantizedKVCache, batch, pag
     aux = {"q_rows": [], "attn_mass": []}
 
     def attend(i, q, k, v):
-        layer = state["pool"].layer(i)
-        k_cached, v_cached = dequantize_slots(layer, geo, live)
-        o, mass = prefill_attention(q, k, v, k_cached, v_cached, tables.live_len, chunk_len_B, return_mass=features.attn_mass)
+        # write first, then read (``write_tokens``): the chunk's slots and pages are
+        # not among the live entries, so the read sees the same values
         K, D = k.shape[2:]
-        layer = write_tokens(layer, geo, k.reshape(B * T, K, D), v.reshape(B * T, K, D), slots_BT.reshape(-1), src, ids)
-        state["pool"] = state["pool"].set_layer(i, layer)
+        state["pool"] = write_tokens(state["pool"], geo, i, k.reshape(B * T, K, D), v.reshape(B * T, K, D), slots_BT.reshape(-1), src, ids)
+        k_cached, v_cached = dequantize_slots(state["pool"].layer(i), geo, live)
+        o, mass = prefill_attention(q, k, v, k_cached, v_cached, tables.live_len, chunk_len_B, return_mass=features.attn_mass)
         if features.query_rows:
             aux["q_rows"].append(jnp.take_along_axis(q, q_idx_BX[:, :, None, None], axis=1))
         if features.attn_mass:
@@ -353,8 +355,8 @@ class QuantDecodeStep:
         aux = {"q_rows": [], "attn_mass": []}
 
         def attend(i, q, k, v):
-            layer = write_tokens(state["pool"].layer(i), geo, k[:, 0], v[:, 0], write_slots_B)
-            state["pool"] = state["pool"].set_layer(i, layer)
+            state["pool"] = write_tokens(state["pool"], geo, i, k[:, 0], v[:, 0], write_slots_B)
+            layer = state["pool"].layer(i)
             if features.attn_mass:
                 kd, vd = dequantize_slots(layer, geo, live)
                 o, probs = decode_attention_rows(q[:, 0], kd, vd, tables.live_len, return_probs=True)
@@ -387,11 +389,10 @@ def rewrite_rows(cache: QuantizedKVCache, src_M, dst_M, delta_M, page_src_QG, pa
     pool = cache.pool
     L = pool.flt_k.shape[0]
     for i in range(L):
-        layer = pool.layer(i)
-        k, v = dequantize_slots(layer, geo, src_M)
+        k, v = dequantize_slots(pool.layer(i), geo, src_M)
         if rope is not None:
             k = apply_rope(k, delta_M, rope)
-        pool = pool.set_layer(i, write_tokens(layer, geo, k, v, dst_M, page_src_QG, page_ids_Q))
+        pool = write_tokens(pool, geo, i, k, v, dst_M, page_src_QG, page_ids_Q)
     return cache.with_kv(pool)
 
 
