@@ -203,6 +203,28 @@ def test_quantized_decode_logits_equal_attention_over_dequantized_kv(qmodel, mod
     assert np.abs(logits[0] - want).max() <= 1e-5 * np.abs(want).max()
 
 
+@pytest.mark.parametrize("mode", ["int4", "kivi2"])
+def test_quantized_rows_decode_alike_alone_and_batched(qmodel, mode):
+    """A row's logits do not depend on the rows prefilled and decoded beside it: each
+    row's writes land in its own slots and pages, in every layer (the writer scatters
+    into the whole ``[L, ...]`` arrays at (layer, rows))."""
+    rng = np.random.default_rng(5)
+    prompts = [rng.integers(5, 500, n).tolist() for n in (230, 150, 97)]
+    forced = [[11, 12, 13, 14, 15], [21, 22, 23, 24, 25], [31, 32, 33, 34, 35]]
+
+    def run(which):
+        e = Engine(qmodel, rows=3, max_positions=512, kv_quant=mode)
+        rows = [e.open_row() for _ in which]
+        e.prefill(rows, [prompts[i] for i in which])
+        out = e.decode(rows, [7] * len(which), 6, return_logits=True, forced_tokens=[forced[i] for i in which])
+        return np.stack(out[1])
+
+    together = run([0, 1, 2])
+    for i in range(3):
+        alone = run([i])[0]
+        assert np.abs(alone - together[i]).max() <= 1e-5 * np.abs(alone).max()
+
+
 def test_prefill_attends_over_the_dequantized_prefix_and_its_chunk_in_full_precision(qmodel):
     """A second prefill on a quantized pool = a float pool holding the dequantized
     K/V of the first (the new chunk itself in full precision)."""
