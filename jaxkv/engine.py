@@ -493,14 +493,15 @@ class Engine:
         self.quant = None
         self.mesh = model.mesh  # tensor / data parallel (jaxkv.models.sharding), or None
         self.min_batch = sharding.axis_size(self.mesh, sharding.DP)  # every step's rows split evenly over dp
+        pool_dtype = float_pool_dtype(model.dtype, _platform(self.mesh))  # float pool, or a quantized pool's float region
         if kv_quant is not None and kv_quant != "none":  # quantized pool
             if self.mesh is not None:
                 raise ConfigError("a quantized KV pool (kv_quant) is not supported on a mesh yet")
             from jaxkv.cache.quantized_host import QuantizedKV
 
-            self.quant = QuantizedKV.sized(kv_quant, num_slots or rows * P + 1, head_dim=cfg.head_dim, float_dtype=model.dtype, backend=backend)
+            self.quant = QuantizedKV.sized(kv_quant, num_slots or rows * P + 1, head_dim=cfg.head_dim, float_dtype=pool_dtype, backend=backend)
             self.allocator = self.quant.allocator
-            self.cache = self.quant.create_cache(cfg, rows=rows, positions=P, dtype=model.dtype)
+            self.cache = self.quant.create_cache(cfg, rows=rows, positions=P, dtype=pool_dtype)
         else:
             self.allocator = SlotAllocator(num_slots or rows * P + 1)
             create = functools.partial(
@@ -511,7 +512,7 @@ class Engine:
                 head_dim=cfg.head_dim,
                 rows=rows,
                 positions=P,
-                dtype=float_pool_dtype(model.dtype, _platform(self.mesh)),
+                dtype=pool_dtype,
             )
             if self.mesh is None:
                 self.cache = create()

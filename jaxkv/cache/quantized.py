@@ -23,7 +23,7 @@ N live entries, E page-table entries.
   int2: ``Int2Pool``: k.data ``[L, P2, K, 32, D/4]``, k.scale/zero ``[L, P2, K, D]``;
     v.data ``[L, P2, K, 32, D/4]``, v.scale/zero ``[L, P2, K, 32, D/32]``.
   int4: ``Int4Pool``: k/v.data ``[L, S4, K, D/2]``, k/v.scale/zero ``[L, S4, K, D/32]``.
-  flt_k, flt_v: ``[L, SF, K, D]`` in the model dtype.
+  flt_k, flt_v: ``[L, SF, K, D]`` in the model dtype (``jaxkv.cache.state.float_pool_dtype``: float32 for bf16 on the CPU).
 
 Writes (``write_tokens``) take a chunk's float K/V, one slot per token and a page
 plan (which chunk tokens fill which INT2 page, in order): an INT2 page is quantized

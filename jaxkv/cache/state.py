@@ -137,7 +137,8 @@ def append_tokens(cache, slots_RT: jax.Array, count_R: jax.Array):
 
 
 def float_pool_dtype(model_dtype, platform: str):
-    """The dtype of a float KV pool for a model of ``model_dtype`` on ``platform``.
+    """The dtype of a float KV pool (or of a quantized pool's float region) for a model
+    of ``model_dtype`` on ``platform``.
 
     The model's dtype, except bfloat16 on XLA:CPU, which is stored as float32. A
     bfloat16 model's K/V leave its projections in bfloat16, so float32 holds the same
