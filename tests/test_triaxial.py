@@ -152,9 +152,14 @@ def test_prefix_cached_token_keeps_its_first_precision(qmodel):
         c.replay([msgs[0], {"role": "user", "content": "other words entirely"}, msgs[2]])
         hit = c.metrics.requests[0].prefix_hit_tokens
         assert 0 < hit < PAGE and c.quantization.records[0].int2 == hit  # the shared system prompt only
-        with pytest.raises(ConfigError):
-            server.session(kv_quant="int4")
+        for other in ("kivi2", None):  # a float region this pool does not have
+            with pytest.raises(ConfigError):
+                server.session(kv_quant=other)
         assert server.session(kv_allocation=allocation()).quantization.mode == "triaxial"  # inherits the pool
+        d = server.session(kv_quant="int4")  # same regions, no kv_bits: every token INT4, A's prefix as written
+        d.replay(msgs)
+        rd = d.quantization.records[0]
+        assert rd.int2 == rb.int2 and rd.full == 0
 
 
 @pytest.mark.parametrize("mode", ["triaxial", "kivi2"])

@@ -82,6 +82,23 @@ def check_mode(mode) -> str | None:
     return mode
 
 
+# Modes a pool built for one mode can serve per request: they write the same
+# regions and differ only in the prefill's ``kv_bits`` annotation (the triaxial
+# modes and ``int4``, on a pool with INT2 pages), so sessions of each share it.
+_POOL_SERVES = {
+    None: (None,),
+    "int4": ("int4",),  # no INT2 pages: a triaxial plan would silently fall back to INT4
+    "kivi2": ("kivi2",),
+    **{m: ("int4", "triaxial", "triaxial_no_temporal", "triaxial_no_semantic") for m in MODES if m.startswith("triaxial")},
+}
+
+
+def servable_modes(pool_mode) -> tuple:
+    """The ``kv_quant`` modes a session may ask for on a pool built with
+    ``pool_mode`` (``None``: the float pool, which serves only full precision)."""
+    return _POOL_SERVES[check_mode(pool_mode)]
+
+
 def bytes_per_token(kind: int, *, head_dim: int, num_layers: int, num_kv_heads: int) -> float:
     """KV bytes one token occupies in a format, scales and zero points included.
 

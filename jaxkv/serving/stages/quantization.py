@@ -12,10 +12,13 @@ Session options it owns:
   ``train/calibrate_triaxial.py``.
 
 How a session gets a quantized pool: the pool belongs to the server's engine, so
-the mode is a server property. ``Session(model, kv_quant=...)`` makes its
+its regions are a server property. ``Session(model, kv_quant=...)`` makes its
 private ``Server(model, kv_quant=...)``; a session on a shared server inherits
-the server's mode when it gives none and raises ``ConfigError`` when it asks for
-another one (a float pool cannot hold packed rows, nor a packed pool floats).
+the server's mode when it gives none, and may ask for any mode the pool serves
+(``jaxkv.cache.quantized_host.servable_modes``: a triaxial pool serves ``int4``
+and every triaxial mode, since they write the same regions and differ only in
+the prefill's ``kv_bits``); another mode raises ``ConfigError`` (a float pool
+cannot hold packed rows, nor an INT4 pool without pages a triaxial plan).
 
 What it does in a turn:
 
@@ -37,7 +40,7 @@ from pathlib import Path
 
 import numpy as np
 
-from jaxkv.cache.quantized_host import bytes_per_token, check_mode
+from jaxkv.cache.quantized_host import bytes_per_token, check_mode, servable_modes
 from jaxkv.chat.tags import triaxial_codes
 from jaxkv.errors import ConfigError
 from jaxkv.policies.quant_allocation import Allocation, load_allocation
@@ -107,7 +110,7 @@ class QuantizationStage(Stage):
 
     def begin(self, turn) -> None:
         engine_mode = turn.engine.quant.mode if turn.engine.quant is not None else None
-        if engine_mode != self.mode:
+        if self.mode not in servable_modes(engine_mode):
             raise ConfigError(f"session kv_quant={self.mode!r} on an engine built with kv_quant={engine_mode!r}")
 
     def before_prefill(self, turn, work) -> None:
@@ -145,8 +148,9 @@ def _factory(session, options: dict, built: list):
     server = getattr(session, "server", None)
     server_mode = getattr(server, "kv_quant", None) if server is not None else None
     mode = server_mode if mode is _UNSET else check_mode(mode)
-    if server is not None and mode != server_mode:
-        raise ConfigError(f"session kv_quant={mode!r} on a server built with kv_quant={server_mode!r} (its pool is shared)")
+    if server is not None and mode not in servable_modes(server_mode):
+        raise ConfigError(f"session kv_quant={mode!r} on a server built with kv_quant={server_mode!r} "
+                          f"(its pool is shared and serves {list(servable_modes(server_mode))})")
     triaxial = mode is not None and mode.startswith("triaxial")
     if not triaxial and (bits is not None or allocation is not None):
         raise ConfigError(f"kv_bits / kv_allocation apply to the triaxial modes, not kv_quant={mode!r}")
