@@ -25,12 +25,13 @@ applies. Read top to bottom, a request goes:
    ``decode(rows, first_tokens, n)`` runs jobs to completion.
 6. ``truncate_row`` (drop a probe generation), ``close_row`` (drop references).
 
-A quantized pool (``Engine(kv_quant=...)``: INT2 pages and INT4 slots, TriAxialKV)
-takes the same path; each step's "quantized pool" branch hands the device work to
-``jaxkv.cache.quantized`` and the host plan to ``self.quant``
-(``jaxkv.cache.quantized_host.QuantizedKV``): prefill writes each token at the
-precision its ``kv_bits`` say, decode reads page tables, eviction and promotion
-move packed rows.
+The pool is one object behind one interface (``jaxkv.cache.pools``):
+``self.pool`` is ``FloatKV`` (full precision) or ``QuantizedKV`` (``Engine(kv_quant=...)``:
+INT2 pages, INT4 and float slots, TriAxialKV). The engine's jit'd steps call its
+device ops (``prefill_op``, ``decode_op``) and its methods call the pool's host
+plans, so nothing here branches on the pool's kind: a quantized prefill writes
+each token at the precision its ``kv_bits`` say, decode reads page tables,
+eviction and promotion move packed rows, all inside the pool's module.
 
 The scheduler (``jaxkv.serving.scheduler``) calls the job methods for many rows at
 once; a single request (``generate``, tests) calls the run-to-completion methods,
@@ -69,13 +70,11 @@ from jax.sharding import NamedSharding, PartitionSpec
 from jaxkv import pallas
 from jaxkv import buckets, compiles
 from jaxkv.buckets import DECODE_ROW_STEP, SHORT_CHUNK, WINDOW_STEP, bucket  # noqa: F401 (re-exported)
-from jaxkv.cache.allocator import SENTINEL_SLOT, SlotAllocator
-from jaxkv.cache.host_tier import stage
-from jaxkv.cache.quantized import gather_keys as _gather_dequantized_keys
-from jaxkv.cache.quantized import quantized_prefill_step
+from jaxkv.cache.allocator import SENTINEL_SLOT
+from jaxkv.cache.pools import FloatDecodeStep, FloatPrefill, make_pool
 from jaxkv.cache.request import RequestState, promotion_tables
 from jaxkv.cache.state import PagedKVCache, append_tokens, float_pool_dtype, put_rows, take_rows
-from jaxkv.errors import ConfigError, ContextLengthError, JaxKVError, OutOfSlotsError
+from jaxkv.errors import ContextLengthError, JaxKVError, OutOfSlotsError
 from jaxkv.models import sharding
 from jaxkv.models.loading import Model
 from jaxkv.models.transformer import NO_FEATURES, DecodeWindow, Features
@@ -132,13 +131,14 @@ class DecodeBatch:
 # ============================================================================ jit'd steps
 @functools.partial(
     jax.jit,
-    static_argnames=("graphdef", "n_read", "features", "mesh"),
+    static_argnames=("graphdef", "n_read", "features", "mesh", "kv_op"),
     donate_argnames=("cache",),
 )
-def prefill_step(graphdef, params, cache: PagedKVCache, batch: PrefillBatch, *, n_read, features, mesh=None):
+def prefill_step(graphdef, params, cache: PagedKVCache, batch: PrefillBatch, *, n_read, features, mesh=None, kv_op=None, kv_args=None):
     """Prefill one chunk for the rows of ``batch`` (a ``PrefillBatch``).
 
-    With a ``mesh`` (the model's, ``jaxkv.models.sharding``) the batch is split over
+    ``kv_op`` is the pool's ``prefill_op`` (``jaxkv.cache.pools``; default: the float
+    pool's) with its per-chunk ``kv_args`` (a quantized pool's page plan). With a ``mesh`` (the model's, ``jaxkv.models.sharding``) the batch is split over
     ``dp``, the pool stays split by KV head, and the outputs come back replicated.
     Returns ``(logits [B,Y,V] at chunk indices logit_idx_BY, cache, aux)``.
     """
@@ -147,12 +147,10 @@ def prefill_step(graphdef, params, cache: PagedKVCache, batch: PrefillBatch, *, 
     tables = take_rows(cache, batch.rows_B)
     T = batch.tokens_BT.shape[1]
     positions = tables.seq_len[:, None] + jnp.arange(T, dtype=jnp.int32)[None, :]
-    logits, k, v, aux = model.prefill(
-        batch.tokens_BT, positions, cache.k, cache.v, tables.live_idx[:, :n_read], tables.live_len,
-        batch.chunk_len_B, batch.slots_BT, features=features, q_row_idx_BR=batch.q_idx_BX, logits_idx_BY=batch.logit_idx_BY,
-    )
+    kv_op = kv_op if kv_op is not None else FloatPrefill()
+    logits, kv, aux = kv_op(model, batch, tables, positions, cache.kv, kv_args, n_read, features)
     tables = append_tokens(tables, batch.slots_BT, batch.chunk_len_B)
-    cache = put_rows(cache.replace(k=k, v=v), batch.rows_B, tables)
+    cache = put_rows(cache.with_kv(kv), batch.rows_B, tables)
     if mesh is not None:
         (logits, aux), cache = sharding.replicate((logits, aux), mesh), constrain_cache(cache, mesh)
     return logits, cache, aux
@@ -202,8 +200,9 @@ def decode_loop(
     continue in the caller's next call with fewer rows, beside any row that is
     ready to join. A row's tokens do not depend on where calls end.
 
-    The pool is ``cache.kv``; a quantized cache passes its step as ``kv_step``
-    (``jaxkv.cache.quantized.QuantDecodeStep``) with its page tables as ``kv_args``.
+    The pool is ``cache.kv``; each step is the pool's ``decode_op`` (``kv_step``,
+    ``jaxkv.cache.pools``; default: the float pool's) with its per-call ``kv_args``
+    (a quantized pool's page tables).
     With a ``window`` (``gather_decode_window`` of the same rows, see
     ``gather_window``) every step attends over that copy of the rows' live K/V
     plus the chunk's own new rows (``decode_attention_two_parts``) and gathers
@@ -223,6 +222,7 @@ def decode_loop(
     attend = functools.partial(pallas.decode_attention, backend=backend)
     attend = attend if mesh is None else sharding.shard_heads(attend, mesh)
 
+    step_op = kv_step if kv_step is not None else FloatDecodeStep()
     started = (b.limit_B > 0).sum()
 
     def cond(carry):
@@ -237,15 +237,10 @@ def decode_loop(
         slot = jnp.where(active, b.slots_BN[:, step], SENTINEL_SLOT)
         pos = tables.seq_len
         tables = append_tokens(tables, slot[:, None], active.astype(jnp.int32))
-        live_BN = tables.live_idx[:, :n_read]
-        if kv_step is None:
-            logits, k_pool, v_pool, step_aux = model.decode(
-                last, pos, *kv, live_BN, tables.live_len, slot, features=features, decode_attention=attend,
-                window=aux["window"]._replace(step=step) if window is not None else None,
-            )
-            kv = (k_pool, v_pool)
-        else:  # a quantized pool (jaxkv.cache.quantized)
-            logits, kv, step_aux = kv_step(model, last, pos, kv, kv_args, tables, slot, n_read, features)
+        logits, kv, step_aux = step_op(
+            model, last, pos, kv, kv_args, tables, slot, n_read, features, attend=attend,
+            window=aux["window"]._replace(step=step) if window is not None else None,
+        )
         aux = dict(aux)
         if "window" in aux:
             aux["window"] = step_aux["window"]
@@ -294,7 +289,7 @@ def gather_decode_window(cache: PagedKVCache, rows_B, *, width: int, n_steps: in
     return DecodeWindow(k_old, v_old, tables.live_len, new, new, jnp.int32(0))
 
 
-def gather_window(cache: PagedKVCache, B: int, width: int, backend, mesh, kv_step) -> bool:
+def gather_window(cache: PagedKVCache, B: int, width: int, backend, mesh, uses_window: bool = True) -> bool:
     """Whether ``Engine.step_decode`` has ``decode_loop`` gather each row's live
     K/V once per chunk (a ``DecodeWindow`` of ``width`` entries per row) instead of
     gathering it from the pool in every step.
@@ -304,11 +299,12 @@ def gather_window(cache: PagedKVCache, B: int, width: int, backend, mesh, kv_ste
     (``eval/bench_decode.py`` prints both). The window costs one ``[B, width,
     Hkv, D]`` copy of K and of V per layer, so it is used only while that copy is
     no larger than the pool (``B * width <= S``). Kernel backends read the pool
-    through the live list directly and never use it; nor do the quantized pool
-    and a mesh, which have their own steps.
+    through the live list directly and never use it; nor do a pool whose
+    ``uses_window`` is false (the quantized pool reads its page tables) and a
+    mesh, which have their own steps.
     """
     return (
-        kv_step is None
+        uses_window
         and mesh is None
         and pallas.resolve_backend(backend) == "reference"
         and B * width <= cache.k.shape[1]
@@ -317,9 +313,11 @@ def gather_window(cache: PagedKVCache, B: int, width: int, backend, mesh, kv_ste
 
 def cache_sharding(cache: PagedKVCache, mesh) -> PagedKVCache:
     """Where each array of ``cache`` lives on ``mesh`` (a pytree of ``NamedSharding``):
-    the pool split by KV head (``sharding.POOL_SPEC``), the tables replicated."""
+    every pool array split by KV head (its axis 2 in both pools' layouts,
+    ``sharding.POOL_SPEC``), the tables replicated."""
     pool = NamedSharding(mesh, sharding.POOL_SPEC)
-    return jax.tree.map(lambda _: NamedSharding(mesh, PartitionSpec()), cache).replace(k=pool, v=pool)
+    replicated = jax.tree.map(lambda _: NamedSharding(mesh, PartitionSpec()), cache)
+    return replicated.with_kv(jax.tree.map(lambda _: pool, cache.kv))
 
 
 def constrain_cache(cache: PagedKVCache, mesh) -> PagedKVCache:
@@ -331,25 +329,6 @@ def constrain_cache(cache: PagedKVCache, mesh) -> PagedKVCache:
 @functools.partial(jax.jit, static_argnames=("graphdef",))
 def _dense_logits(graphdef, params, tokens_BT):
     return nnx.merge(graphdef, params)(tokens_BT)
-
-
-@jax.jit
-def _gather_keys(k_LSKD, slots_N):
-    return k_LSKD[:, slots_N].astype(jnp.float32)
-
-
-@functools.partial(jax.jit, donate_argnames=("cache",))
-def _copy_rows(cache: PagedKVCache, src_M, dst_M):
-    return cache.replace(k=cache.k.at[:, dst_M].set(cache.k[:, src_M]), v=cache.v.at[:, dst_M].set(cache.v[:, src_M]))
-
-
-@functools.partial(jax.jit, donate_argnames=("cache",))
-def _write_rows(cache: PagedKVCache, slots_M, k_LMKD, v_LMKD):
-    """Write K/V rows as given (post-RoPE at their original positions: no rotation)."""
-    return cache.replace(
-        k=cache.k.at[:, slots_M].set(k_LMKD.astype(cache.k.dtype)),
-        v=cache.v.at[:, slots_M].set(v_LMKD.astype(cache.v.dtype)),
-    )
 
 
 @functools.partial(jax.jit, donate_argnames=("cache",))
@@ -475,9 +454,8 @@ class Engine:
         cannot free enough does the allocation raise ``OutOfSlotsError``.
       kv_quant: None (float pool) or a mode of ``jaxkv.cache.quantized_host.MODES``:
         a dual INT2/INT4 (and, for ``kivi2``, float) pool whose token region holds
-        ``num_slots - 1`` tokens. Its writes and reads are the branches marked
-        "quantized pool" below, each delegating to ``self.quant``
-        (``QuantizedKV``); prefills take per-token ``kv_bits``.
+        ``num_slots - 1`` tokens; prefills take per-token ``kv_bits``. Either is
+        ``self.pool`` (``jaxkv.cache.pools``).
     """
 
     def __init__(self, model: Model, *, rows: int = 1, max_positions: int | None = None, num_slots: int | None = None, prefill_chunk: int = PREFILL_CHUNK, backend=None, reclaim=None, kv_quant=None):
@@ -490,34 +468,17 @@ class Engine:
                 f"max_positions {P} exceeds the model context {cfg.max_position_embeddings}"
             )
         self.max_positions = P
-        self.quant = None
         self.mesh = model.mesh  # tensor / data parallel (jaxkv.models.sharding), or None
         self.min_batch = sharding.axis_size(self.mesh, sharding.DP)  # every step's rows split evenly over dp
         pool_dtype = float_pool_dtype(model.dtype, _platform(self.mesh))  # float pool, or a quantized pool's float region
-        if kv_quant is not None and kv_quant != "none":  # quantized pool
-            if self.mesh is not None:
-                raise ConfigError("a quantized KV pool (kv_quant) is not supported on a mesh yet")
-            from jaxkv.cache.quantized_host import QuantizedKV
-
-            self.quant = QuantizedKV.sized(kv_quant, num_slots or rows * P + 1, head_dim=cfg.head_dim, float_dtype=pool_dtype, backend=backend)
-            self.allocator = self.quant.allocator
-            self.cache = self.quant.create_cache(cfg, rows=rows, positions=P, dtype=pool_dtype)
-        else:
-            self.allocator = SlotAllocator(num_slots or rows * P + 1)
-            create = functools.partial(
-                PagedKVCache.create,
-                num_layers=cfg.num_layers,
-                num_slots=self.allocator.num_slots,
-                num_kv_heads=cfg.num_kv_heads,
-                head_dim=cfg.head_dim,
-                rows=rows,
-                positions=P,
-                dtype=pool_dtype,
-            )
-            if self.mesh is None:
-                self.cache = create()
-            else:  # made in place on the mesh: no device ever holds the whole pool
-                self.cache = jax.jit(create, out_shardings=cache_sharding(jax.eval_shape(create), self.mesh))()
+        self.pool = make_pool(kv_quant, num_slots or rows * P + 1, head_dim=cfg.head_dim, float_dtype=pool_dtype, backend=backend)
+        self.pool.check_mesh(self.mesh)
+        self.allocator = self.pool.allocator
+        create = self.pool.cache_factory(cfg, rows=rows, positions=P, dtype=pool_dtype)
+        if self.mesh is None:
+            self.cache = create()
+        else:  # made in place on the mesh: no device ever holds the whole pool
+            self.cache = jax.jit(create, out_shardings=cache_sharding(jax.eval_shape(create), self.mesh))()
         self.prefill_chunk = int(prefill_chunk)
         self.backend = backend
         self.decode_window = True  # CPU reference: gather each row's K/V once per decode chunk (``gather_window``)
@@ -601,46 +562,45 @@ class Engine:
         live = np.asarray(self._row(row).live, np.int32)
         if n is not None:
             live = np.concatenate([live, np.full(n - live.size, SENTINEL_SLOT, np.int32)])
-        if self.quant is not None:  # quantized pool: dequantized keys
-            return _gather_dequantized_keys(self.cache, jnp.asarray(live))
-        return _gather_keys(self.cache.k, jnp.asarray(live))
+        return self.pool.gather_keys(self.cache, live)
 
     def gather_rows(self, slots) -> tuple[np.ndarray, np.ndarray]:
         """Host copies of the K and V rows at ``slots``: ``[L, M, Hkv, D]`` each
         (a quantized pool: packed blobs ``[L, M, Hkv, W]`` uint8, see
         ``jaxkv.cache.quantized_host``; ``host_keys`` dequantizes their keys)."""
-        if self.quant is not None:
-            return self.quant.gather_rows(self.cache, slots)
-        idx = np.asarray(slots, np.int32)
-        return np.asarray(self.cache.k[:, idx]), np.asarray(self.cache.v[:, idx])
+        return self.pool.gather_rows(self.cache, slots)
+
+    def gather_float(self, slots) -> tuple[np.ndarray, np.ndarray]:
+        """float32 host copies of the K and V rows at ``slots`` ``[L, M, Hkv, D]``
+        (a quantized pool's dequantized): what a reused segment stores."""
+        return self.pool.gather_float(self.cache, slots)
+
+    def write_float(self, row: int, slots, k_LMKD, v_LMKD) -> None:
+        """Write float K/V rows ``[L, M, Hkv, D]`` at ``slots`` the row owns (a
+        quantized pool quantizes them as a prefill would)."""
+        self._row(row)
+        self.pool.write_float(self, row, slots, k_LMKD, v_LMKD)
 
     def host_keys(self, k_LMKD) -> np.ndarray:
         """float keys of host rows from ``gather_rows`` (a quantized pool's blobs
         dequantized; float rows as they are): what RepairKV scores."""
-        return k_LMKD if self.quant is None else self.quant.host_keys(k_LMKD)
+        return self.pool.host_keys(k_LMKD)
 
     def fresh_slots(self, row: int, positions) -> np.ndarray:
         """Fresh slots to copy a row's ``positions`` into (a compact layout),
         counted against the row; a quantized pool keeps each token's precision
         class (INT2 tokens regrouped into whole pages)."""
-        if self.quant is not None:
-            return self.quant.fresh_slots(self, row, positions)
-        return self.allocate(len(positions), row)
+        return self.pool.fresh_slots(self, row, positions)
 
     def kv_composition(self, row: int) -> dict:
         """Live tokens of the row per precision ``{2: n, 4: n, 16: n}`` (a float
         pool: all 16)."""
-        state = self._row(row)
-        if self.quant is None:
-            return {2: 0, 4: 0, 16: len(state.live)}
-        return self.quant.composition(state)
+        return self.pool.composition(self._row(row))
 
     def page_table(self, row: int):
         """A quantized pool's page table of the row (``PageTable``: INT2 pages
         first, then INT4 tokens, then float tokens), as decode reads it."""
-        if self.quant is None:
-            raise JaxKVError("page tables belong to a quantized pool (Engine(kv_quant=...))")
-        return self.quant.page_table(self._row(row))
+        return self.pool.page_table(self._row(row))
 
     # -- eviction and promotion -----------------------------------------------------
     def apply_layout(self, row: int, plan, *, keep_evicted: bool = False):
@@ -653,14 +613,8 @@ class Engine:
         """
         state = self._row(row)
         evicted = self.gather_rows(plan.evicted_slots) if keep_evicted else None
-        if plan.copy_src.size and self.quant is not None:  # quantized pool: re-encode, keys rotated
-            self.cache = self.quant.compact(self.cache, plan, self.model.config.rope)
-        elif plan.copy_src.size:
-            src = jnp.asarray(plan.copy_src, jnp.int32)
-            dst = jnp.asarray(plan.copy_dst, jnp.int32)
-            self.cache = _copy_rows(self.cache, src, dst)
-            k = pallas.rope_delta(self.cache.k, dst, jnp.asarray(plan.delta, jnp.int32), self.model.config.rope)
-            self.cache = self.cache.replace(k=k)
+        if plan.copy_src.size:  # kept rows to fresh slots, keys rotated (a quantized pool re-encodes)
+            self.cache = self.pool.compact(self.cache, plan, self.model.config.rope)
         if plan.renumbered:
             state.reindex(plan.kept_positions, plan.slots, plan.live)
             self._push_row(row)
@@ -681,14 +635,7 @@ class Engine:
             return np.zeros(0, np.int64)
         state = self._row(row)
         promotion_tables(state.slots, pos, np.ones(pos.size, np.int64))  # validate first
-        if self.quant is not None:  # quantized pool: packed rows back, bit-identical
-            fresh = self.quant.restore(self, row, k_LMKD, v_LMKD)
-        else:
-            fresh = self.allocate(pos.size, row)
-            k_LMKD, v_LMKD = np.asarray(k_LMKD), np.asarray(v_LMKD)
-            if self.mesh is None:  # pinned host memory is per device; on a mesh, jit sends each device its part
-                k_LMKD, v_LMKD = stage(k_LMKD), stage(v_LMKD)
-            self.cache = _write_rows(self.cache, jnp.asarray(fresh, jnp.int32), k_LMKD, v_LMKD)
+        fresh = self.pool.restore(self, row, k_LMKD, v_LMKD)  # bit-identical rows in fresh slots
         slots, live = promotion_tables(state.slots, pos, fresh)
         self.set_row_tables(row, slots, live)
         return fresh
@@ -710,14 +657,7 @@ class Engine:
             raise ContextLengthError(
                 f"row {row}: {state.seq_len} cached + {tokens.size} new tokens exceed {self.max_positions} positions"
             )
-        if self.quant is not None:  # quantized pool: INT2 pages per chunk, the rest INT4 / float
-            plan = self.quant.plan(self, kv_bits, tokens.size, self.prefill_chunk)
-            state.allocated += int(tokens.size)
-            slots = plan.slots
-        elif kv_bits is not None:
-            raise JaxKVError("kv_bits needs a quantized pool (Engine(kv_quant=...))")
-        else:
-            plan, slots = None, self.allocate(tokens.size, row)
+        plan, slots = self.pool.plan_prefill(self, row, kv_bits, tokens.size, self.prefill_chunk)
         q_idx_X = None if q_idx is None else np.asarray(q_idx, np.int64).reshape(-1)
         job = PrefillJob(row, tokens, slots, all_logits, q_idx_X, attn_mass, kv_plan=plan)
         cfg = self.model.config
@@ -783,13 +723,10 @@ class Engine:
             logit_idx[b] = np.arange(Y) if Y == C else piece.size - 1  # Y == 1: the last real token
         n_read = buckets.read_length(max(len(s.live) for s in states), self.max_positions)
         batch = PrefillBatch(rows, tokens, counts, slots, q_idx, logit_idx)
-        if self.quant is not None:  # quantized pool: dequantized prefix, chunk stored quantized
-            page_src, page_ids = self.quant.chunk_pages(jobs, B, C)
-            logits, self.cache, aux = quantized_prefill_step(
-                self.graphdef, self.params, self.cache, batch, page_src, page_ids, n_read=n_read, features=features
-            )
-        else:
-            logits, self.cache, aux = prefill_step(self.graphdef, self.params, self.cache, batch, n_read=n_read, features=features, mesh=self.mesh)
+        logits, self.cache, aux = prefill_step(
+            self.graphdef, self.params, self.cache, batch, n_read=n_read, features=features, mesh=self.mesh,
+            kv_op=self.pool.prefill_op, kv_args=self.pool.prefill_args(jobs, B, C),
+        )
         logits = np.asarray(logits)
         chunk_mass = np.asarray(aux["attn_mass"]) if features.attn_mass else None  # [L, B, Hq, n_read + C]
         chunk_q = np.asarray(aux["q_rows"]) if features.query_rows else None  # [L, B, X, Hq, D]
@@ -805,9 +742,7 @@ class Engine:
             j.logits.append(logits[b, :n] if j.all_logits else logits[b, n - 1 if Y == C else 0][None])
             st.append(piece, j.slots[j.done : j.done + n])
             j.done += n
-        if self.quant is not None and self.quant.window:  # kivi2: aged residual -> INT2 pages
-            for j in jobs:
-                self.quant.settle(self, j.row)
+        self.pool.settle(self, [j.row for j in jobs])  # kivi2: aged residual -> INT2 pages
 
     def prefill(self, rows: Sequence[int], token_lists: Sequence[Sequence[int]], *, all_logits=False, features: Features = NO_FEATURES, q_row_positions=None, kv_bits=None):
         """Append ``token_lists[i]`` to ``rows[i]``; returns logits of the new tokens.
@@ -921,21 +856,19 @@ class Engine:
         return_logits = any(j.return_logits for j in jobs)
         longest = max(len(s.live) for s in states) + n
         n_read = buckets.read_length(longest, self.max_positions)
-        kv_step = kv_args = None
-        if self.quant is not None:  # quantized pool: page tables, new tokens INT4 (kivi2: float)
-            kv_step, kv_args = self.quant.step, self.quant.decode_tables(states, [s[:k] for s, k in zip(per_job, steps)], B)
+        kv_args = self.pool.decode_args(states, [s[:k] for s, k in zip(per_job, steps)], B)  # page tables
         batch = DecodeBatch(rows, first, limit, slots, stop, key_data, step0, temp, top_p, forced)
         # The window's width sets every step's attention work, so it is bucketed finer
         # than shapes elsewhere (multiples of WINDOW_STEP past it): a row of 1,100 live
         # tokens reads 1,152 entries, not 1,536. More widths mean more compiles, once.
         width = buckets.window_width(max(len(s.live) for s in states), self.max_positions)
         window = None
-        if self.decode_window and gather_window(self.cache, B, width, self.backend, self.mesh, kv_step):
+        if self.decode_window and gather_window(self.cache, B, width, self.backend, self.mesh, self.pool.uses_window):
             window = gather_decode_window(self.cache, jnp.asarray(rows), width=width, n_steps=n)
         tokens, fed, self.cache, logits, aux = decode_loop(
             self.graphdef, self.params, self.cache, batch,
             n_steps=n, n_read=n_read, spec=spec, backend=self.backend, return_logits=return_logits,
-            teacher_forced=any(j.forced is not None for j in jobs), features=features, mesh=self.mesh, kv_step=kv_step, kv_args=kv_args,
+            teacher_forced=any(j.forced is not None for j in jobs), features=features, mesh=self.mesh, kv_step=self.pool.decode_op, kv_args=kv_args,
             window=window, regroup=regroup,
         )
         tokens, fed = np.asarray(tokens), np.asarray(fed)
@@ -965,9 +898,7 @@ class Engine:
                     m[: j.mass.size] += j.mass
                 j.mass = m
         self.allocator.release(np.concatenate(unused))
-        if self.quant is not None and self.quant.window:  # kivi2: aged residual -> INT2 pages
-            for j in jobs:
-                self.quant.settle(self, j.row)
+        self.pool.settle(self, [j.row for j in jobs])  # kivi2: aged residual -> INT2 pages
 
     def decode(self, rows: Sequence[int], first_tokens: Sequence[int], n_steps: int, *, temperature=0.0, top_k=None, top_p=None, key=None, stop_token_ids=(), return_logits=False, forced_tokens=None, features: Features = NO_FEATURES):
         """Feed ``first_tokens`` and decode up to ``n_steps`` tokens per row.

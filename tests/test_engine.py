@@ -221,7 +221,7 @@ def test_decode_window_equals_per_step_gather(qwen3):
         runs[window] = engine.decode(
             rows, [5, 6, 7], 20, return_logits=True, features=Features(attn_mass=True, query_rows=True)
         )
-        assert gather_window(engine.cache, 4, 128, engine.backend, None, None)
+        assert gather_window(engine.cache, 4, 128, engine.backend, None, engine.pool.uses_window)
     (tok_w, log_w, aux_w), (tok_g, log_g, aux_g) = runs[True], runs[False]
     assert tok_w == tok_g
     for a, b in zip(log_w, log_g):

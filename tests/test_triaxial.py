@@ -48,7 +48,7 @@ def allocation(int2_semantics=(1, 5), budget=3.0):
 
 
 def kinds_of(engine, row):
-    return engine.quant.geometry.kind(np.asarray(engine.row_state[row].slots, np.int64))
+    return engine.pool.geometry.kind(np.asarray(engine.row_state[row].slots, np.int64))
 
 
 # ----------------------------------------------------------------------------- pool
@@ -96,8 +96,8 @@ def test_int2_first_page_table_and_page_completion_rule(qmodel):
     table = e.page_table(row)
     entries = table.entries()
     n2 = table.pages.size
-    assert (entries[:n2] < e.quant.geometry.pages).all()  # INT2 pages first ...
-    assert (e.quant.geometry.kind(entries[n2:]) == INT4).all()  # ... then INT4 tokens
+    assert (entries[:n2] < e.pool.geometry.pages).all()  # INT2 pages first ...
+    assert (e.pool.geometry.kind(entries[n2:]) == INT4).all()  # ... then INT4 tokens
     assert sorted(entries[n2:].tolist()) == sorted(slots[got == INT4].tolist())
     assert (table.masks == 0xFFFFFFFF).all()
     # dead-slot eviction of two tokens of the first page clears their bits only
@@ -180,11 +180,11 @@ def test_shelved_rows_are_promoted_back_bit_identical(qmodel, mode):
     shelved = e.apply_layout(row, layouts.dead_slot(e.row_state[row].slots, keep), keep_evicted=True)
     assert all(np.array_equal(x, y) for x, y in zip(shelved, before))
     fresh = e.restore_rows(row, pick, *shelved)
-    assert (fresh != slots).any() and (e.quant.geometry.kind(fresh) == e.quant.geometry.kind(slots)).all()
+    assert (fresh != slots).any() and (e.pool.geometry.kind(fresh) == e.pool.geometry.kind(slots)).all()
     after = e.gather_rows(fresh)
     assert all(np.array_equal(x, y) for x, y in zip(after, before))  # packed bytes, page parameters included
     assert np.array_equal(np.asarray(e.gather_keys(row)), k_before)
-    two = e.quant.geometry.kind(fresh) == INT2  # rows of one original page share one fresh page
+    two = e.pool.geometry.kind(fresh) == INT2  # rows of one original page share one fresh page
     assert np.unique(fresh[two] // PAGE).size == np.unique(slots[two] // PAGE).size
 
 
@@ -241,7 +241,7 @@ def test_prefill_attends_over_the_dequantized_prefix_and_its_chunk_in_full_preci
     rq, rf = q.open_row(), f.open_row()
     q.prefill([rq], [tokens[:128]], kv_bits=[bits])
     f.prefill([rf], [tokens[:128]])
-    layers = [dequantize_slots(q.cache.pool.layer(i), q.quant.geometry, jnp.asarray(q.row_state[rq].slots)) for i in range(2)]
+    layers = [dequantize_slots(q.cache.pool.layer(i), q.pool.geometry, jnp.asarray(q.row_state[rq].slots)) for i in range(2)]
     slots = jnp.asarray(f.row_state[rf].slots)
     f.cache = f.cache.replace(k=f.cache.k.at[:, slots].set(jnp.stack([k for k, _ in layers])),
                               v=f.cache.v.at[:, slots].set(jnp.stack([v for _, v in layers])))
@@ -326,7 +326,7 @@ def test_quantized_session_composes_with_retention_and_repair(qmodel, layout):
     assert all(st is None for st in engine.row_state)
     held = np.bincount(radix.held_slots(), minlength=engine.allocator.num_slots)
     assert np.array_equal(engine.allocator.refcounts(), held)  # only the radix cache holds slots
-    pages = np.unique(radix.held_slots()[engine.quant.geometry.kind(radix.held_slots()) == INT2] // PAGE)
+    pages = np.unique(radix.held_slots()[engine.pool.geometry.kind(radix.held_slots()) == INT2] // PAGE)
     assert engine.allocator.pages_used == pages.size
 
 

@@ -37,7 +37,7 @@ Decode reads the request's *page table* (``DecodeTables``): its INT2 pages first
 INT4 slots, then its float slots, through ``jaxkv.pallas.quantized_decode_attention``;
 tokens a decode step writes are appended to the INT4 part (the float part for
 ``kivi2``). Prefill attends over the dequantized prefix plus its own chunk in full
-precision, then stores the chunk quantized (``quantized_prefill_step``).
+precision, then stores the chunk quantized (``QuantPrefill``).
 
 Invariants: page 0 is never written; a write touches only its slots and pages;
 the same bytes always dequantize to the same float32 values, so packed rows moved
@@ -52,7 +52,7 @@ import functools
 import jax
 import jax.numpy as jnp
 import numpy as np
-from flax import nnx, struct
+from flax import struct
 
 from jaxkv.attention import decode_attention_rows, prefill_attention
 from jaxkv.pallas import quantized_decode_attention
@@ -262,44 +262,42 @@ def _flat_plan(page_src_BQG, page_ids_BQ, T):
 
 
 # ============================================================================ prefill
-@functools.partial(jax.jit, static_argnames=("graphdef", "n_read", "features"), donate_argnames=("cache",))
-def quantized_prefill_step(graphdef, params, cache: QuantizedKVCache, batch, page_src_BQG, page_ids_BQ, *, n_read, features):
-    """``jaxkv.engine.prefill_step`` over a ``DualPool`` (``batch``: a
-    ``jaxkv.engine.PrefillBatch``): each layer attends over the row's dequantized
-    live entries plus the chunk in full precision, then stores the chunk quantized
-    (INT2 pages by the page plan, the rest by slot)."""
-    from jaxkv.cache.state import append_tokens, put_rows, take_rows
+@dataclasses.dataclass(frozen=True)
+class QuantPrefill:
+    """One prefill chunk over a ``DualPool`` (hashable: a static argument of
+    ``jaxkv.engine.prefill_step``; ``kv_args`` is the chunk's page plan
+    ``(page_src [B, Q, 32], page_ids [B, Q])``): each layer stores the chunk
+    quantized (INT2 pages by the page plan, the rest by slot), then attends over
+    the row's dequantized live entries plus the chunk in full precision."""
 
-    rows_B, tokens_BT, chunk_len_B, slots_BT = batch.rows_B, batch.tokens_BT, batch.chunk_len_B, batch.slots_BT
-    q_idx_BX, logit_idx_BY = batch.q_idx_BX, batch.logit_idx_BY
-    model = nnx.merge(graphdef, params)
-    geo = cache.geometry
-    tables = take_rows(cache, rows_B)
-    B, T = tokens_BT.shape
-    positions = tables.seq_len[:, None] + jnp.arange(T, dtype=jnp.int32)[None, :]
-    live = tables.live_idx[:, :n_read]
-    src, ids = _flat_plan(page_src_BQG, page_ids_BQ, T)
-    state = {"pool": cache.pool}
-    aux = {"q_rows": [], "attn_mass": []}
+    geometry: Geometry
 
-    def attend(i, q, k, v):
-        # write first, then read (``write_tokens``): the chunk's slots and pages are
-        # not among the live entries, so the read sees the same values
-        K, D = k.shape[2:]
-        state["pool"] = write_tokens(state["pool"], geo, i, k.reshape(B * T, K, D), v.reshape(B * T, K, D), slots_BT.reshape(-1), src, ids)
-        k_cached, v_cached = dequantize_slots(state["pool"].layer(i), geo, live)
-        o, mass = prefill_attention(q, k, v, k_cached, v_cached, tables.live_len, chunk_len_B, return_mass=features.attn_mass)
-        if features.query_rows:
-            aux["q_rows"].append(jnp.take_along_axis(q, q_idx_BX[:, :, None, None], axis=1))
-        if features.attn_mass:
-            aux["attn_mass"].append(mass)
-        return o
+    def __call__(self, model, batch, tables, positions, pool: DualPool, kv_args, n_read, features):
+        geo = self.geometry
+        page_src_BQG, page_ids_BQ = kv_args
+        chunk_len_B, slots_BT, q_idx_BX = batch.chunk_len_B, batch.slots_BT, batch.q_idx_BX
+        B, T = batch.tokens_BT.shape
+        live = tables.live_idx[:, :n_read]
+        src, ids = _flat_plan(page_src_BQG, page_ids_BQ, T)
+        state = {"pool": pool}
+        aux = {"q_rows": [], "attn_mass": []}
 
-    x = model.run_layers(model.embed_tokens(tokens_BT), positions, attend)
-    logits = model.logits(jnp.take_along_axis(x, logit_idx_BY[:, :, None], axis=1))
-    tables = append_tokens(tables, slots_BT, chunk_len_B)
-    aux = {name: jnp.stack(rows) for name, rows in aux.items() if rows}
-    return logits, put_rows(cache.with_kv(state["pool"]), rows_B, tables), aux
+        def attend(i, q, k, v):
+            # write first, then read (``write_tokens``): the chunk's slots and pages are
+            # not among the live entries, so the read sees the same values
+            K, D = k.shape[2:]
+            state["pool"] = write_tokens(state["pool"], geo, i, k.reshape(B * T, K, D), v.reshape(B * T, K, D), slots_BT.reshape(-1), src, ids)
+            k_cached, v_cached = dequantize_slots(state["pool"].layer(i), geo, live)
+            o, mass = prefill_attention(q, k, v, k_cached, v_cached, tables.live_len, chunk_len_B, return_mass=features.attn_mass)
+            if features.query_rows:
+                aux["q_rows"].append(jnp.take_along_axis(q, q_idx_BX[:, :, None, None], axis=1))
+            if features.attn_mass:
+                aux["attn_mass"].append(mass)
+            return o
+
+        x = model.run_layers(model.embed_tokens(batch.tokens_BT), positions, attend)
+        logits = model.logits(jnp.take_along_axis(x, batch.logit_idx_BY[:, :, None], axis=1))
+        return logits, state["pool"], {name: jnp.stack(rows) for name, rows in aux.items() if rows}
 
 
 # ============================================================================ decode
@@ -341,7 +339,9 @@ class QuantDecodeStep:
     decode_kind: int = INT4
     backend: str | None = None
 
-    def __call__(self, model, tokens_B, positions_B, pool: DualPool, ops: DecodeTables, tables, write_slots_B, n_read, features):
+    def __call__(self, model, tokens_B, positions_B, pool: DualPool, ops: DecodeTables, tables, write_slots_B, n_read, features, *, attend=None, window=None):
+        # ``attend`` / ``window`` are the float pool's (a kernel backend, a gathered
+        # window): this step reads the page tables with its own attention
         geo = self.geometry
         appended = tables.live_len - ops.live_len0_B
         n4 = ops.n4_B + (appended if self.decode_kind == INT4 else 0)
@@ -354,7 +354,7 @@ class QuantDecodeStep:
         state = {"pool": pool}
         aux = {"q_rows": [], "attn_mass": []}
 
-        def attend(i, q, k, v):
+        def read_pages(i, q, k, v):
             state["pool"] = write_tokens(state["pool"], geo, i, k[:, 0], v[:, 0], write_slots_B)
             layer = state["pool"].layer(i)
             if features.attn_mass:
@@ -373,7 +373,7 @@ class QuantDecodeStep:
                 aux["q_rows"].append(q)
             return o[:, None]
 
-        x = model.run_layers(model.embed_tokens(tokens_B[:, None]), positions_B[:, None], attend)
+        x = model.run_layers(model.embed_tokens(tokens_B[:, None]), positions_B[:, None], read_pages)
         logits = model.logits(x)[:, 0]
         return logits, state["pool"], {name: jnp.stack(rows) for name, rows in aux.items() if rows}
 
@@ -418,6 +418,23 @@ def _gather_layer(pool: DualPool, geo: Geometry, slots_M):
 def gather_keys(cache: QuantizedKVCache, slots_N):
     """Dequantized keys of every layer at ``slots_N``: ``[L, N, K, D]`` float32."""
     return jax.vmap(lambda layer: dequantize_slots(layer, cache.geometry, slots_N)[0])(cache.pool)
+
+
+@jax.jit
+def gather_dequantized(cache: QuantizedKVCache, slots_M):
+    """Dequantized keys and values of every layer at ``slots_M``: two ``[L, M, K, D]`` float32."""
+    return jax.vmap(lambda layer: dequantize_slots(layer, cache.geometry, slots_M))(cache.pool)
+
+
+@functools.partial(jax.jit, donate_argnames=("cache",))
+def rewrite_float(cache: QuantizedKVCache, slots_M, k_LMKD, v_LMKD):
+    """Write float rows of every layer at token-region ``slots_M`` (INT4 quantized
+    per token, float as they are; INT2 slots, the sentinel padding among them,
+    are not written: ``write_tokens``)."""
+    pool = cache.pool
+    for i in range(k_LMKD.shape[0]):
+        pool = write_tokens(pool, cache.geometry, i, k_LMKD[i], v_LMKD[i], slots_M)
+    return cache.with_kv(pool)
 
 
 @jax.jit

@@ -45,6 +45,7 @@ same float32 values (bit-identical).
 from __future__ import annotations
 
 import dataclasses
+import functools
 import heapq
 
 import jax
@@ -61,8 +62,12 @@ from jaxkv.cache.quantized import (
     Geometry,
     QuantDecodeStep,
     QuantizedKVCache,
+    QuantPrefill,
     dequantize_int2_tokens,
+    gather_dequantized,
+    gather_keys,
     gather_packed,
+    rewrite_float,
     rewrite_rows,
     write_packed,
 )
@@ -338,17 +343,20 @@ def blob_keys(k_blob: np.ndarray, head_dim: int, float_dtype) -> np.ndarray:
 
 # ============================================================================ the engine's half
 class QuantizedKV:
-    """What an ``Engine`` built with ``kv_quant`` holds: mode, geometry, allocator,
-    the decode step, and the host plans behind every quantized write. Methods
-    take the engine (its cache, rows and reclaim) and return what the engine
-    applies; the engine stays the only writer of ``engine.cache``.
+    """The quantized pool behind the engine's pool interface (``jaxkv.cache.pools``):
+    mode, geometry, allocator, the device steps, and the host plans behind every
+    quantized write. Methods take the engine (its cache, rows and reclaim) and set
+    ``engine.cache`` or return the cache for it; nothing else writes it.
 
     Attributes:
       mode: a name of ``MODES``; geometry: the pool's ``Geometry``;
       token_kind: INT4 (FLOAT for ``kivi2``): decode tokens and unplanned prefills;
       window: KIVI's residual window (``kivi2``) or None; allocator: ``DualAllocator``;
-      step: the ``QuantDecodeStep`` passed to ``decode_loop``.
+      prefill_op / decode_op: the ``QuantPrefill`` / ``QuantDecodeStep`` the
+      engine's jit'd steps call.
     """
+
+    uses_window = False  # decode reads the page tables with its own attention
 
     def __init__(self, mode: str, geometry: Geometry, *, head_dim: int, float_dtype, backend=None):
         self.mode = check_mode(mode)
@@ -358,7 +366,8 @@ class QuantizedKV:
         self.head_dim = head_dim
         self.float_dtype = np.dtype(float_dtype)
         self.allocator = DualAllocator(geometry, self.token_kind)
-        self.step = QuantDecodeStep(geometry, self.token_kind, backend)
+        self.prefill_op = QuantPrefill(geometry)
+        self.decode_op = QuantDecodeStep(geometry, self.token_kind, backend)
 
     @classmethod
     def sized(cls, mode: str, num_slots: int, *, head_dim: int, float_dtype, backend=None) -> "QuantizedKV":
@@ -373,10 +382,15 @@ class QuantizedKV:
         geo = Geometry(pages, 1, n) if mode == "kivi2" else Geometry(pages, n, 0)
         return cls(mode, geo, head_dim=head_dim, float_dtype=float_dtype, backend=backend)
 
-    def create_cache(self, cfg, *, rows: int, positions: int, dtype) -> QuantizedKVCache:
-        return QuantizedKVCache.create(
-            self.geometry, num_layers=cfg.num_layers, num_kv_heads=cfg.num_kv_heads, head_dim=cfg.head_dim,
-            rows=rows, positions=positions, dtype=dtype,
+    def check_mesh(self, mesh) -> None:
+        if mesh is not None:
+            raise ConfigError("a quantized KV pool (kv_quant) is not supported on a mesh yet")
+
+    def cache_factory(self, cfg, *, rows: int, positions: int, dtype):
+        """A zero-argument function making the empty cache (as ``FloatKV``'s)."""
+        return functools.partial(
+            QuantizedKVCache.create, self.geometry, num_layers=cfg.num_layers, num_kv_heads=cfg.num_kv_heads,
+            head_dim=cfg.head_dim, rows=rows, positions=positions, dtype=dtype,
         )
 
     # -- allocation ------------------------------------------------------------------
@@ -436,6 +450,19 @@ class QuantizedKV:
         pages = [(slots[g[:, 0]] // PAGE if g.shape[0] else np.zeros(0, np.int32), g) for g in groups]
         return WritePlan(slots, kinds, pages, chunk)
 
+    def plan_prefill(self, engine, row: int, kv_bits, n: int, chunk: int):
+        """``(WritePlan, slots)`` of a prefill of ``n`` tokens (``plan``), counted
+        against the row."""
+        plan = self.plan(engine, kv_bits, n, chunk)
+        engine.row_state[row].allocated += int(n)
+        return plan, plan.slots
+
+    def prefill_args(self, jobs, B: int, C: int):
+        return self.chunk_pages(jobs, B, C)
+
+    def decode_args(self, states, new_slots, B: int) -> DecodeTables:
+        return self.decode_tables(states, new_slots, B)
+
     def chunk_pages(self, jobs, B: int, C: int):
         """Page plans of the jobs' next chunks, padded: ``(page_src [B, C/32, 32]
         chunk indices, page_ids [B, C/32])`` (padding page id: ``P2``, dropped)."""
@@ -486,7 +513,13 @@ class QuantizedKV:
         return {k: int((kind == k).sum()) for k in (INT2, INT4, FLOAT)}
 
     # -- moving rows ---------------------------------------------------------------------
-    def settle(self, engine, row: int) -> None:
+    def settle(self, engine, rows) -> None:
+        """After a write: ``kivi2`` moves each row's aged residual to INT2 pages."""
+        if self.window:
+            for row in rows:
+                self.settle_row(engine, row)
+
+    def settle_row(self, engine, row: int) -> None:
         """``kivi2``: move the row's float tokens older than the window into INT2
         pages, in whole pages, oldest first (module docstring)."""
         state = engine.row_state[row]
@@ -596,3 +629,27 @@ class QuantizedKV:
 
     def host_keys(self, k_blob) -> np.ndarray:
         return blob_keys(np.asarray(k_blob), self.head_dim, self.float_dtype)
+
+    def gather_keys(self, cache, live) -> jax.Array:
+        """Dequantized post-RoPE keys ``[L, N, K, D]`` float32 at ``live``."""
+        return gather_keys(cache, jnp.asarray(live, jnp.int32))
+
+    def gather_float(self, cache, slots) -> tuple[np.ndarray, np.ndarray]:
+        """Dequantized K and V ``[L, M, K, D]`` float32 at ``slots``."""
+        slots = np.asarray(slots, np.int64)
+        M = slots.size
+        pad = np.concatenate([slots, np.full(bucket(M, minimum=8) - M, SENTINEL_SLOT)]).astype(np.int32)
+        k, v = gather_dequantized(cache, jnp.asarray(pad))
+        return np.asarray(k)[:, :M], np.asarray(v)[:, :M]
+
+    def write_float(self, engine, row: int, slots, k_LMKD, v_LMKD) -> None:
+        """Float rows written at ``slots`` (the row's, in the token region:
+        INT4, or float for ``kivi2``), quantized as a prefill would write them."""
+        slots = np.asarray(slots, np.int64)
+        if (self.geometry.kind(slots) == INT2).any():
+            raise SlotError("write_float writes token-region slots, not INT2 pages")
+        M = slots.size
+        Mp = bucket(M, minimum=8)
+        pad = lambda a: np.concatenate([np.asarray(a, np.float32), np.zeros((a.shape[0], Mp - M, *a.shape[2:]), np.float32)], axis=1)
+        at = np.concatenate([slots, np.full(Mp - M, SENTINEL_SLOT)]).astype(np.int32)
+        engine.cache = rewrite_float(engine.cache, jnp.asarray(at), jnp.asarray(pad(np.asarray(k_LMKD))), jnp.asarray(pad(np.asarray(v_LMKD))))

@@ -109,7 +109,7 @@ class QuantizationStage(Stage):
         self.records: list[KVRecord] = []
 
     def begin(self, turn) -> None:
-        engine_mode = turn.engine.quant.mode if turn.engine.quant is not None else None
+        engine_mode = turn.engine.pool.mode
         if self.mode not in servable_modes(engine_mode):
             raise ConfigError(f"session kv_quant={self.mode!r} on an engine built with kv_quant={engine_mode!r}")
 

@@ -1,0 +1,200 @@
+"""The engine's KV pool interface, and the float pool behind it.
+
+``jaxkv.engine.Engine`` holds one pool object (``engine.pool``) and calls only the
+methods below; the float pool (``FloatKV``, here) and the quantized pool
+(``jaxkv.cache.quantized_host.QuantizedKV``) implement them, so the engine has no
+branch on the pool's kind and a new format is one module. ``make_pool`` is the one
+place that picks the kind.
+
+The interface (every method that changes device state takes the engine and sets
+``engine.cache`` itself, or returns the new cache for the engine to set; the host
+checks run first, so a failing call changes nothing):
+
+* ``mode``: ``None`` (full precision) or a ``kv_quant`` mode; ``allocator``: the
+  slot allocator (``SlotAllocator`` interface); ``uses_window``: whether the CPU
+  decode may gather a per-chunk window of the rows' K/V (``engine.gather_window``).
+* device steps, hashable so they are static arguments of the engine's jit'd steps:
+  ``prefill_op(model, batch, tables, positions, kv, kv_args, n_read, features)
+  -> (logits, kv, aux)`` (one chunk: attention over the live entries plus the
+  chunk, the chunk written at its slots) and ``decode_op(model, tokens_B,
+  positions_B, kv, kv_args, tables, write_slots_B, n_read, features, *, attend,
+  window) -> (logits, kv, aux)`` (one step: the token written, then read);
+* host plans: ``plan_prefill(engine, row, kv_bits, n, chunk) -> (plan, slots)``,
+  ``prefill_args(jobs, B, C)`` and ``decode_args(states, new_slots, B)`` (the
+  steps' ``kv_args``), ``settle(engine, rows)`` (after every write: kivi2's aging);
+* reads: ``gather_keys(cache, live)`` (float post-RoPE keys, what scorers read),
+  ``gather_rows(cache, slots)`` (host copies, what the RepairKV tier shelves),
+  ``host_keys(rows)`` (float keys of such copies), ``gather_float(cache, slots)``
+  (float K and V of rows, what a reused segment stores), ``composition(state)``,
+  ``page_table(state)``;
+* moves: ``fresh_slots(engine, row, positions)`` and ``compact(cache, plan, rope)``
+  (a compact layout), ``restore(engine, row, k, v)`` (promotion, bit-identical),
+  ``write_float(engine, row, slots, k, v)`` (rows given in float written at
+  slots the row owns, at the slots' precision).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jaxkv import pallas
+from jaxkv.cache.allocator import SlotAllocator
+from jaxkv.cache.host_tier import stage
+from jaxkv.cache.state import PagedKVCache
+from jaxkv.errors import JaxKVError
+
+
+def make_pool(kv_quant, num_slots: int, *, head_dim: int, float_dtype, backend=None):
+    """The pool of an engine: ``FloatKV`` for ``kv_quant`` None / ``"none"``, else a
+    ``QuantizedKV`` of that mode (``ConfigError`` for an unknown mode)."""
+    from jaxkv.cache.quantized_host import QuantizedKV, check_mode
+
+    mode = check_mode(kv_quant)
+    if mode is None:
+        return FloatKV(num_slots)
+    return QuantizedKV.sized(mode, num_slots, head_dim=head_dim, float_dtype=float_dtype, backend=backend)
+
+
+# ============================================================================ device steps
+@dataclasses.dataclass(frozen=True)
+class FloatPrefill:
+    """One prefill chunk over the float pool: the model's own ``prefill`` (attention
+    over the live entries plus the chunk; the chunk's K/V scattered at its slots)."""
+
+    def __call__(self, model, batch, tables, positions, kv, kv_args, n_read, features):
+        k, v = kv
+        logits, k, v, aux = model.prefill(
+            batch.tokens_BT, positions, k, v, tables.live_idx[:, :n_read], tables.live_len,
+            batch.chunk_len_B, batch.slots_BT, features=features, q_row_idx_BR=batch.q_idx_BX, logits_idx_BY=batch.logit_idx_BY,
+        )
+        return logits, (k, v), aux
+
+
+@dataclasses.dataclass(frozen=True)
+class FloatDecodeStep:
+    """One decode step over the float pool: the model's own ``decode`` with the
+    engine's attention function (a kernel backend, sharded on a mesh) and, on the
+    CPU reference path, the chunk's gathered window."""
+
+    def __call__(self, model, tokens_B, positions_B, kv, kv_args, tables, write_slots_B, n_read, features, *, attend, window):
+        logits, k, v, aux = model.decode(
+            tokens_B, positions_B, *kv, tables.live_idx[:, :n_read], tables.live_len, write_slots_B,
+            features=features, decode_attention=attend, window=window,
+        )
+        return logits, (k, v), aux
+
+
+@jax.jit
+def _gather_keys(k_LSKD, slots_N):
+    return k_LSKD[:, slots_N].astype(jnp.float32)
+
+
+@jax.jit
+def _gather_kv(k_LSKD, v_LSKD, slots_N):
+    return k_LSKD[:, slots_N].astype(jnp.float32), v_LSKD[:, slots_N].astype(jnp.float32)
+
+
+@functools.partial(jax.jit, donate_argnames=("cache",))
+def _copy_rows(cache: PagedKVCache, src_M, dst_M):
+    return cache.replace(k=cache.k.at[:, dst_M].set(cache.k[:, src_M]), v=cache.v.at[:, dst_M].set(cache.v[:, src_M]))
+
+
+@functools.partial(jax.jit, donate_argnames=("cache",))
+def _write_rows(cache: PagedKVCache, slots_M, k_LMKD, v_LMKD):
+    """Write K/V rows as given (post-RoPE at their original positions: no rotation)."""
+    return cache.replace(
+        k=cache.k.at[:, slots_M].set(k_LMKD.astype(cache.k.dtype)),
+        v=cache.v.at[:, slots_M].set(v_LMKD.astype(cache.v.dtype)),
+    )
+
+
+# ============================================================================ the float pool
+class FloatKV:
+    """The full-precision pool (``PagedKVCache``): one slot space, K/V stored in the
+    pool dtype (``jaxkv.cache.state.float_pool_dtype``), every slot alike.
+
+    Attributes: ``allocator`` (``SlotAllocator`` over ``num_slots``, the sentinel
+    included); ``mode`` None; ``prefill_op`` / ``decode_op`` the steps above.
+    """
+
+    mode = None
+    uses_window = True
+    prefill_op = FloatPrefill()
+    decode_op = FloatDecodeStep()
+
+    def __init__(self, num_slots: int):
+        self.allocator = SlotAllocator(num_slots)
+
+    def check_mesh(self, mesh) -> None:
+        """Any mesh jaxkv accepts (the pool is split by KV head)."""
+
+    def cache_factory(self, cfg, *, rows: int, positions: int, dtype):
+        """A zero-argument function making the empty cache (jit'd onto a mesh by the engine)."""
+        return functools.partial(
+            PagedKVCache.create, num_layers=cfg.num_layers, num_slots=self.allocator.num_slots,
+            num_kv_heads=cfg.num_kv_heads, head_dim=cfg.head_dim, rows=rows, positions=positions, dtype=dtype,
+        )
+
+    # -- writes --------------------------------------------------------------------
+    def plan_prefill(self, engine, row: int, kv_bits, n: int, chunk: int):
+        if kv_bits is not None:
+            raise JaxKVError("kv_bits needs a quantized pool (Engine(kv_quant=...))")
+        return None, engine.allocate(n, row)
+
+    def prefill_args(self, jobs, B: int, C: int):
+        return None
+
+    def decode_args(self, states, new_slots, B: int):
+        return None
+
+    def settle(self, engine, rows) -> None:
+        """Nothing ages in a float pool."""
+
+    def write_float(self, engine, row: int, slots, k_LMKD, v_LMKD) -> None:
+        engine.cache = _write_rows(engine.cache, jnp.asarray(slots, jnp.int32), jnp.asarray(k_LMKD), jnp.asarray(v_LMKD))
+
+    # -- reads ---------------------------------------------------------------------
+    def gather_keys(self, cache, live) -> jax.Array:
+        return _gather_keys(cache.k, jnp.asarray(live, jnp.int32))
+
+    def gather_rows(self, cache, slots) -> tuple[np.ndarray, np.ndarray]:
+        idx = np.asarray(slots, np.int32)
+        return np.asarray(cache.k[:, idx]), np.asarray(cache.v[:, idx])
+
+    def gather_float(self, cache, slots) -> tuple[np.ndarray, np.ndarray]:
+        k, v = _gather_kv(cache.k, cache.v, jnp.asarray(slots, jnp.int32))
+        return np.asarray(k), np.asarray(v)
+
+    def host_keys(self, k_LMKD) -> np.ndarray:
+        return k_LMKD
+
+    def composition(self, state) -> dict:
+        return {2: 0, 4: 0, 16: len(state.live)}
+
+    def page_table(self, state):
+        raise JaxKVError("page tables belong to a quantized pool (Engine(kv_quant=...))")
+
+    # -- moving rows ---------------------------------------------------------------
+    def fresh_slots(self, engine, row: int, positions) -> np.ndarray:
+        return engine.allocate(len(positions), row)
+
+    def compact(self, cache, plan, rope):
+        """Copy a compact plan's kept rows to their fresh slots, keys rotated by ``plan.delta``."""
+        dst = jnp.asarray(plan.copy_dst, jnp.int32)
+        cache = _copy_rows(cache, jnp.asarray(plan.copy_src, jnp.int32), dst)
+        return cache.replace(k=pallas.rope_delta(cache.k, dst, jnp.asarray(plan.delta, jnp.int32), rope))
+
+    def restore(self, engine, row: int, k_LMKD, v_LMKD) -> np.ndarray:
+        """Shelved rows back into fresh slots, unchanged; returns the slots."""
+        k_LMKD, v_LMKD = np.asarray(k_LMKD), np.asarray(v_LMKD)
+        fresh = engine.allocate(k_LMKD.shape[1], row)
+        if engine.mesh is None:  # pinned host memory is per device; on a mesh, jit sends each device its part
+            k_LMKD, v_LMKD = stage(k_LMKD), stage(v_LMKD)
+        engine.cache = _write_rows(engine.cache, jnp.asarray(fresh, jnp.int32), k_LMKD, v_LMKD)
+        return fresh
+
