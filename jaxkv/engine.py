@@ -1073,7 +1073,7 @@ class Engine:
             logits, self.cache, resid = splice_step(
                 self.graphdef, self.params, self.cache, a_tok, a_pos, a_slot, b_src, b_resid, b_pos, b_slot, b_cut_slot,
                 kv_k, kv_v, kv_slot, kv_delta, live_N, live_pos_N, logit_src,
-                cut=int(plan.cut), kv_lo=int(plan.kv_lo), kv_hi=int(plan.kv_hi) if nl else int(plan.kv_lo),
+                cut=int(plan.cut), kv_lo=int(plan.kv_lo), kv_hi=int(plan.kv_hi) if nl else int(plan.kv_lo), io=self.pool.layer_io,
             )
             logits, resid = np.asarray(logits)[: logit_idx.size], np.asarray(resid)[: a_idx.size]
         finally:
@@ -1082,6 +1082,7 @@ class Engine:
         if mode == "append":
             state.append(tokens, slots)
             self._push_row(row)
+            self.pool.settle(self, [row])  # kivi2: aged residual -> INT2 pages
         return logits, resid
 
     def key_deviation(self, x_XM, positions_X, k_old_XKD, old_positions_X, layer: int) -> np.ndarray:

@@ -76,11 +76,16 @@ def positional_attention(q_CHD, q_pos_C, k_NKD, v_NKD, k_pos_N, block: int = CAU
     return out.astype(q_CHD.dtype)
 
 
-@functools.partial(jax.jit, static_argnames=("graphdef", "cut", "kv_lo", "kv_hi"), donate_argnames=("cache",))
+@functools.partial(jax.jit, static_argnames=("graphdef", "cut", "kv_lo", "kv_hi", "io"), donate_argnames=("cache",))
 def splice_step(graphdef, params, cache, a_tok_A, a_pos_A, a_slot_A, b_src_B, b_resid_BM, b_pos_B, b_slot_B, b_cut_slot_B,
-                kv_k_LMKD, kv_v_LMKD, kv_slot_M, kv_delta_M, live_N, live_pos_N, logit_src_Y, *, cut, kv_lo, kv_hi):
+                kv_k_LMKD, kv_v_LMKD, kv_slot_M, kv_delta_M, live_N, live_pos_N, logit_src_Y, *, cut, kv_lo, kv_hi, io):
     """One spliced piece (module docstring). Padding: A/B entries with slot 0 and
     position -1 (they see no key and write to the sentinel), K/V rows with slot 0.
+
+    The pool is read and written one layer at a time through ``io``, the pool's
+    ``layer_io`` (``jaxkv.cache.pools``): ``io.write(kv, i, k_XKD, v_XKD, slots_X)``
+    stores float rows at the slots' precision, ``io.read(kv, i, slots_N)`` gives
+    them back in float, so a quantized pool splices as the float pool does.
 
     ``logit_src_Y`` indexes group B (``b``) when B runs layers, else group A.
     Returns ``(logits [Y, V] f32, cache, resid_AM)``: ``resid_AM`` is group A's
@@ -88,21 +93,19 @@ def splice_step(graphdef, params, cache, a_tok_A, a_pos_A, a_slot_A, b_src_B, b_
     """
     model = nnx.merge(graphdef, params)
     L = len(model.layers)
-    dtype = cache.k.dtype
-    k_pool, v_pool = cache.k, cache.v
+    kv = cache.kv
     if kv_hi > kv_lo:
         M = kv_slot_M.shape[0]
         k_rot = rope_delta(kv_k_LMKD, jnp.arange(M, dtype=jnp.int32), kv_delta_M, model.cfg.rope)
-        k_pool = k_pool.at[kv_lo:kv_hi, kv_slot_M].set(k_rot.astype(dtype))
-        v_pool = v_pool.at[kv_lo:kv_hi, kv_slot_M].set(kv_v_LMKD.astype(dtype))
-    pools = {"k": k_pool, "v": v_pool}
+        for i in range(kv_lo, kv_hi):
+            kv = io.write(kv, i, k_rot[i - kv_lo], kv_v_LMKD[i - kv_lo], kv_slot_M)
+    pools = {"kv": kv}
 
     def attender(q_pos, slots_for):
         def attend(i, q, k, v):
-            slots = slots_for(i)
-            pools["k"] = pools["k"].at[i, slots].set(k[0].astype(dtype))
-            pools["v"] = pools["v"].at[i, slots].set(v[0].astype(dtype))
-            o = positional_attention(q[0], q_pos, pools["k"][i, live_N], pools["v"][i, live_N], live_pos_N)
+            pools["kv"] = io.write(pools["kv"], i, k[0], v[0], slots_for(i))
+            k_live, v_live = io.read(pools["kv"], i, live_N)
+            o = positional_attention(q[0], q_pos, k_live, v_live, live_pos_N)
             return o[None]
 
         return attend
@@ -116,7 +119,7 @@ def splice_step(graphdef, params, cache, a_tok_A, a_pos_A, a_slot_A, b_src_B, b_
     else:
         x_out = x_a
     logits = model.logits(x_out[logit_src_Y])
-    return logits, cache.replace(k=pools["k"], v=pools["v"]), x_a
+    return logits, cache.with_kv(pools["kv"]), x_a
 
 
 @functools.partial(jax.jit, static_argnames=("graphdef", "layer"))

@@ -13,7 +13,8 @@ checks run first, so a failing call changes nothing):
 * ``mode``: ``None`` (full precision) or a ``kv_quant`` mode; ``allocator``: the
   slot allocator (``SlotAllocator`` interface); ``uses_window``: whether the CPU
   decode may gather a per-chunk window of the rows' K/V (``engine.gather_window``).
-* device steps, hashable so they are static arguments of the engine's jit'd steps:
+* device steps, hashable so they are static arguments of the engine's jit'd steps
+  (``layer_io``: one layer's ``write`` / ``read`` in float, for the spliced prefill):
   ``prefill_op(model, batch, tables, positions, kv, kv_args, n_read, features)
   -> (logits, kv, aux)`` (one chunk: attention over the live entries plus the
   chunk, the chunk written at its slots) and ``decode_op(model, tokens_B,
@@ -89,6 +90,19 @@ class FloatDecodeStep:
         return logits, (k, v), aux
 
 
+@dataclasses.dataclass(frozen=True)
+class FloatLayerIO:
+    """One layer's write and read of the float pool (``jaxkv.splice.splice_step``)."""
+
+    def write(self, kv, i, k_XKD, v_XKD, slots_X):
+        k, v = kv
+        return k.at[i, slots_X].set(k_XKD.astype(k.dtype)), v.at[i, slots_X].set(v_XKD.astype(v.dtype))
+
+    def read(self, kv, i, slots_N):
+        k, v = kv
+        return k[i, slots_N], v[i, slots_N]
+
+
 @jax.jit
 def _gather_keys(k_LSKD, slots_N):
     return k_LSKD[:, slots_N].astype(jnp.float32)
@@ -126,6 +140,7 @@ class FloatKV:
     uses_window = True
     prefill_op = FloatPrefill()
     decode_op = FloatDecodeStep()
+    layer_io = FloatLayerIO()
 
     def __init__(self, num_slots: int):
         self.allocator = SlotAllocator(num_slots)

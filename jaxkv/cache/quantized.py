@@ -300,6 +300,22 @@ class QuantPrefill:
         return logits, state["pool"], {name: jnp.stack(rows) for name, rows in aux.items() if rows}
 
 
+@dataclasses.dataclass(frozen=True)
+class QuantLayerIO:
+    """One layer's write and read of a ``DualPool`` in float (``jaxkv.splice``):
+    rows written at their slots' precision (INT4 quantized per token, float as
+    they are; INT2 slots, the sentinel among them, are not written), read back
+    dequantized."""
+
+    geometry: Geometry
+
+    def write(self, pool: DualPool, i, k_XKD, v_XKD, slots_X) -> DualPool:
+        return write_tokens(pool, self.geometry, i, k_XKD, v_XKD, slots_X)
+
+    def read(self, pool: DualPool, i, slots_N):
+        return dequantize_slots(pool.layer(i), self.geometry, slots_N)
+
+
 # ============================================================================ decode
 @struct.dataclass
 class DecodeTables:

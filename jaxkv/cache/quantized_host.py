@@ -62,6 +62,7 @@ from jaxkv.cache.quantized import (
     Geometry,
     QuantDecodeStep,
     QuantizedKVCache,
+    QuantLayerIO,
     QuantPrefill,
     dequantize_int2_tokens,
     gather_dequantized,
@@ -367,6 +368,7 @@ class QuantizedKV:
         self.float_dtype = np.dtype(float_dtype)
         self.allocator = DualAllocator(geometry, self.token_kind)
         self.prefill_op = QuantPrefill(geometry)
+        self.layer_io = QuantLayerIO(geometry)
         self.decode_op = QuantDecodeStep(geometry, self.token_kind, backend)
 
     @classmethod

@@ -156,8 +156,6 @@ def _factory(session, options: dict, built: list):
         raise ConfigError(f"kv_bits / kv_allocation apply to the triaxial modes, not kv_quant={mode!r}")
     if mode is None:
         return None
-    if any(stage.name == "reuse" for stage in built):
-        raise ConfigError(f"kv_quant={mode!r} with cross-query reuse: the reuse stage splices float K/V into the pool")
     if not triaxial:
         return QuantizationStage(mode)
     alloc = resolve_allocation(session.model, mode, allocation)

@@ -465,7 +465,7 @@ class ReuseStage(Stage):
             return 0
         lo, hi = min(a for a, _ in units), max(b for _, b in units)
         slots = turn.req.slots[lo:hi]
-        k, v = turn.engine.gather_rows(slots)
+        k, v = turn.engine.gather_float(slots)  # float K/V, whatever the pool stores
         store, stored = turn.server.segments, 0
         for a, b in units:
             seg = store.add(
