@@ -113,6 +113,35 @@ def test_models_and_a_plain_chat(tiny):
     assert c.chat.completions.create(model="tiny", messages=MESSAGES, temperature=0).usage.completion_tokens <= 16
 
 
+def test_metrics_are_prometheus_text_with_latency_histograms(tiny):
+    """Every old name with its type, and the three histograms count what the
+    requests did: one first token and ``tokens - 1`` inter-token latencies per
+    request, streamed or not, one queue wait per turn."""
+    from prometheus_client.parser import text_string_to_metric_families
+    from test_server_metrics import HISTOGRAMS, OLD_METRICS, check_histogram, exposition_types, samples
+
+    def scrape():
+        r = httpx.get(tiny.url + "/metrics", headers={"Authorization": f"Bearer {KEYS[0]}"}, timeout=30)
+        assert r.status_code == 200 and r.headers["content-type"] == "text/plain; version=0.0.4; charset=utf-8"
+        list(text_string_to_metric_families(r.text))  # the whole body parses
+        return r.text
+
+    assert wait_until(lambda: (m := metrics(tiny.url))["jaxkv_rows_busy"] == 0 and m["jaxkv_queue_depth"] == 0)
+    before = samples(scrape())
+    c = client(tiny.url)
+    kw = dict(model="tiny", messages=MESSAGES, temperature=0, extra_body={"ignore_eos": True, "session_id": "histograms"})
+    plain = c.chat.completions.create(**kw, max_tokens=48)  # 1 token, then decode chunks of 32 and 15
+    streamed = stream_reply(c.chat.completions.create(**kw, max_tokens=8, stream=True, stream_options={"include_usage": True}))
+    assert (plain.usage.completion_tokens, streamed[4].completion_tokens) == (48, 8)
+    text = wait_until(lambda: (t := scrape()) and samples(t)["jaxkv_queue_wait_seconds_count"][0].value == check_histogram(before, "jaxkv_queue_wait_seconds") + 2 and t, 10)
+    assert text, scrape()
+    types, after = exposition_types(text), samples(text)
+    assert all(types.get(name) == kind and name in after for name, (kind, _, _) in OLD_METRICS.items()), types
+    grown = {name: check_histogram(after, name) - check_histogram(before, name) for name in HISTOGRAMS}
+    assert all(types[name] == "histogram" for name in HISTOGRAMS)
+    assert grown == {"jaxkv_time_to_first_token_seconds": 2, "jaxkv_inter_token_latency_seconds": 47 + 7, "jaxkv_queue_wait_seconds": 2}
+
+
 def test_streaming_deltas_equal_the_greedy_non_streaming_reply(tiny):
     c = client(tiny.url)
     for i, (messages, tools) in enumerate([(MESSAGES, TOOLS), (MESSAGES[1:], None), (MESSAGES + [{"role": "assistant", "content": "ok"}, {"role": "user", "content": "And pricing?"}], TOOLS)]):
