@@ -5,8 +5,9 @@ On a tiny random model (its replies are noise, which is what streaming must
 survive): plain chat, streaming equal to the greedy non-streaming reply, every
 bad input with its status and OpenAI error, ``/health`` fine afterwards, a full
 queue (429 + ``Retry-After``), an interrupted stream that frees its row and
-slots (seen through ``/metrics``), API keys (401) and tenants that never share a
-session or a cached prefix.
+slots (seen through ``/metrics``), ``/metrics`` as Prometheus text whose latency
+histograms count what the requests did, API keys (401) and tenants that never
+share a session or a cached prefix.
 
 On the embedded agent model: a held-out agent trace driven as real tool-call
 round trips (the model calls a tool, the test answers with the trace's recorded
@@ -111,6 +112,41 @@ def test_models_and_a_plain_chat(tiny):
     assert r.usage.prompt_tokens_details.cached_tokens <= r.usage.prompt_tokens
     # without max_tokens the server's default (16) applies
     assert c.chat.completions.create(model="tiny", messages=MESSAGES, temperature=0).usage.completion_tokens <= 16
+
+
+def test_metrics_are_prometheus_text_with_latency_histograms(tiny):
+    """Every old name with its type, and the three histograms count what the
+    requests did: one first token and ``tokens - 1`` inter-token latencies per
+    request, streamed or not, one queue wait per turn."""
+    from prometheus_client.parser import text_string_to_metric_families
+    from test_server_metrics import HISTOGRAMS, OLD_METRICS, check_histogram, exposition_types, samples
+
+    def scrape():
+        r = httpx.get(tiny.url + "/metrics", headers={"Authorization": f"Bearer {KEYS[0]}"}, timeout=30)
+        assert r.status_code == 200 and r.headers["content-type"] == "text/plain; version=0.0.4; charset=utf-8"
+        list(text_string_to_metric_families(r.text))  # the whole body parses
+        return r.text
+
+    assert wait_until(lambda: (m := metrics(tiny.url))["jaxkv_rows_busy"] == 0 and m["jaxkv_queue_depth"] == 0)
+    before = samples(scrape())
+    c = client(tiny.url)
+    kw = dict(model="tiny", messages=MESSAGES, temperature=0, extra_body={"session_id": "histograms"})
+    plain = c.chat.completions.create(**kw, max_tokens=48)  # 1 token, then decode chunks of up to 32
+    streamed = stream_reply(c.chat.completions.create(**kw, max_tokens=8, stream=True, stream_options={"include_usage": True}))
+    tokens = (plain.usage.completion_tokens, streamed[4].completion_tokens)
+    assert tokens[0] > 33, f"the plain reply ({tokens[0]} tokens) should span several decode calls"
+
+    def after_both_turns_ended():  # their queue waits are observed as the turns end, beside the responses
+        text = scrape()
+        return text if check_histogram(samples(text), "jaxkv_queue_wait_seconds") >= check_histogram(before, "jaxkv_queue_wait_seconds") + 2 else None
+
+    text = wait_until(after_both_turns_ended, 10)
+    assert text, scrape()
+    types, after = exposition_types(text), samples(text)
+    assert all(types.get(name) == kind and name in after for name, (kind, _, _) in OLD_METRICS.items()), types
+    grown = {name: check_histogram(after, name) - check_histogram(before, name) for name in HISTOGRAMS}
+    assert all(types[name] == "histogram" for name in HISTOGRAMS)
+    assert grown == {"jaxkv_time_to_first_token_seconds": 2, "jaxkv_inter_token_latency_seconds": sum(tokens) - 2, "jaxkv_queue_wait_seconds": 2}
 
 
 def test_streaming_deltas_equal_the_greedy_non_streaming_reply(tiny):

@@ -11,10 +11,12 @@ It never runs the model itself.
 * ``streaming``: token ids to message deltas that concatenate to the final reply;
 * ``sessions``: tenants (API keys), session keys, allowed options, the session store;
 * ``errors``: OpenAI's error shape and the status of every typed error;
-* ``metrics``: the Prometheus exposition of ``Server.snapshot()``;
+* ``metrics``: ``/metrics`` through ``prometheus_client``: ``Server.snapshot()``
+  and the latency histograms (time to first token, inter-token, queue wait);
 * ``run``: ``make_app``, ``BackgroundServer`` (uvicorn in a thread) and ``serve``.
 
-FastAPI and uvicorn are the optional extra ``serve`` (``pip install jaxkv[serve]``);
+FastAPI, uvicorn and prometheus_client are the optional extra ``serve``
+(``pip install jaxkv[serve]``);
 ``import jaxkv`` never imports this package, and this package imports them only
 when a name that needs them is first used (``jaxkv serve --help`` works without).
 """

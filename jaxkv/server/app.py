@@ -14,7 +14,8 @@ session turns and turns back into responses. A chat request:
 4. await ``asyncio.wrap_future(handle.future)``, or stream: ``on_tokens`` runs on
    the scheduler thread and hands the ids to the event loop
    (``loop.call_soon_threadsafe``), where ``ReplyStream`` turns them into SSE
-   chunks.
+   chunks. Streamed or not, ``on_tokens`` also times the tokens
+   (``metrics.TokenTimes``), and the turn's end records its queue wait.
 
 Invariants: the event loop never runs the model or touches the engine; a
 request's session lock is released when its turn ends, whatever happens to the
@@ -37,7 +38,7 @@ import secrets
 import time
 
 from fastapi import FastAPI, Request
-from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
+from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.background import BackgroundTask
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
@@ -76,7 +77,8 @@ class ServeConfig:
 
 
 class ServingState:
-    """The app's state: the ``Server``, tenants, the session store, counters."""
+    """The app's state: the ``Server``, tenants, the session store, counters and
+    the metrics registry (``metrics.ServerMetrics``)."""
 
     def __init__(self, server, config: ServeConfig):
         self.server = server
@@ -85,6 +87,7 @@ class ServingState:
         self.tenants = Tenants(config.api_keys)
         self.store = SessionStore(self._make_session, lambda s: s.close(), config.session_cap, config.max_waiting)
         self.rate = prom.TokenRate()
+        self.metrics = prom.ServerMetrics()
         self.responses: collections.Counter = collections.Counter()
         self.turn_seconds = 1.0  # moving average of turn latency (Retry-After)
         self.limit = min(server.model.config.max_position_embeddings, server.max_positions)
@@ -238,12 +241,13 @@ def create_app(server, config: ServeConfig, *, own_server: bool = False) -> Fast
     async def metrics(request: Request):
         tenant(request)
         snap = await asyncio.wrap_future(server.scheduler.call(server.snapshot))
-        state.rate.sample(snap["tokens_generated"] if "tokens_generated" in snap else 0)
-        text = prom.render(snap, sessions=len(state.store), rate=state.rate.rate(), responses=dict(state.responses))
-        return PlainTextResponse(text, media_type="text/plain; version=0.0.4")
+        state.rate.sample(snap.get("tokens_generated", 0))
+        scraped = prom.ServerState(snap, len(state.store), state.rate.rate(), dict(state.responses))
+        return Response(state.metrics.exposition(scraped), media_type=prom.CONTENT_TYPE)
 
     @app.post("/v1/chat/completions")
     async def chat_completions(request: Request):
+        arrived = time.perf_counter()  # time to first token counts from here
         who = tenant(request)
         try:
             body = json.loads(await request.body())
@@ -286,7 +290,13 @@ def create_app(server, config: ServeConfig, *, own_server: bool = False) -> Fast
             raise
         temperature = DEFAULT_TEMPERATURE if req.temperature is None else req.temperature
         seed = req.seed if req.seed is not None else (secrets.randbelow(1 << 31) if temperature > 0 else 0)
-        on_tokens = (lambda ids: loop.call_soon_threadsafe(queue.put_nowait, ids)) if queue is not None else None
+        token_times = state.metrics.token_times(arrived)
+
+        def on_tokens(ids):  # scheduler thread: time the tokens, hand them to the stream
+            token_times.on_tokens(ids)
+            if queue is not None:
+                loop.call_soon_threadsafe(queue.put_nowait, ids)
+
         started = time.perf_counter()
 
         def start():  # worker thread: render + submit (the scheduler's checks raise here)
@@ -294,10 +304,11 @@ def create_app(server, config: ServeConfig, *, own_server: bool = False) -> Fast
                 req.messages, req.tools, max_new_tokens=prepared.n_new, temperature=temperature, top_k=req.top_k,
                 top_p=req.top_p, seed=seed, tool_choice=req.tool_choice, stop=req.stop, on_tokens=on_tokens, ignore_eos=req.ignore_eos,
             )
-            handle.future.add_done_callback(lambda f: loop.call_soon_threadsafe(finished, f))
+            handle.future.add_done_callback(lambda f: loop.call_soon_threadsafe(finished, handle))
             return handle
 
-        def finished(future):
+        def finished(handle):
+            state.metrics.observe_queue_wait(handle.task)
             state.turn_seconds = 0.8 * state.turn_seconds + 0.2 * (time.perf_counter() - started)
             if queue is not None:
                 queue.put_nowait(None)  # after every token the turn emitted

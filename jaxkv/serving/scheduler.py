@@ -84,6 +84,9 @@ class TurnTask:
       future: resolves to the program's return value (or its error).
       on_progress: called with the decode job after each engine step (streaming).
       work: the work it waits on (None: ready to advance).
+      submitted_at / admitted_at: ``time.perf_counter()`` when ``submit`` queued
+        it and when ``_admit`` gave it a row (None until then); their difference
+        is its queue wait (``jaxkv_queue_wait_seconds`` on ``/metrics``).
     """
 
     program: Generator
@@ -95,6 +98,8 @@ class TurnTask:
     cancelled: bool = False
     started: bool = False
     id: int = 0
+    submitted_at: float | None = None
+    admitted_at: float | None = None
 
     def cancel(self) -> None:
         """Ask the scheduler to drop the turn; its row and slots are freed."""
@@ -166,6 +171,7 @@ class Scheduler:
             if len(self._queue) >= self.max_queue:
                 raise QueueFullError(f"{len(self._queue)} turns are already waiting (max_queue={self.max_queue})")
             task.id = next(self._ids)
+            task.submitted_at = time.perf_counter()
             self._queue.append(task)
             self._ensure_thread()
             self._cv.notify_all()
@@ -259,6 +265,7 @@ class Scheduler:
             with self._cv:
                 self._queue.popleft()
             task.started = True
+            task.admitted_at = time.perf_counter()
             self._running.append(task)
             self._ready(task, None)
 
