@@ -5,7 +5,8 @@ Public entry points (stable names):
 * ``load_model(path_or_repo_id, dtype="float32" | "bfloat16", mesh=None) -> Model``
   (a folder, a ``.gguf`` file, a HF repo id, ``"embedded"`` or a reference model
   name such as ``"smollm2-135m-instruct"``, fetched once by ``jaxkv fetch``)
-  (``mesh``: a ``jax.sharding.Mesh``, see ``jaxkv.models.sharding``)
+  (``mesh``: a ``jax.sharding.Mesh`` with axes ``tp`` / ``dp``, e.g. from
+  ``jax.make_mesh``; see ``jaxkv.models.sharding``)
 * ``score_logits(model, token_ids) -> logits [batch, time, vocab]`` (no cache)
 * ``generate(model, prompts, max_new_tokens, temperature=0.0, top_k=None,
   top_p=None, seed=0, stop_token_ids=None) -> list[list[int]]``

@@ -19,6 +19,11 @@ Cases (SPEC: ``{"cases": [{"name", "kind", ...}]}``):
   with the compact layout) on a sharded model, against the same on one device.
 * ``reuse``: cross-query segment reuse (a spliced prefill) on a sharded embedded
   model, against the same on one device.
+* ``user_meshes``: meshes a user builds with JAX's own constructors, not jaxkv's
+  ``make_mesh``: ``jax.make_mesh`` (Explicit axes, JAX's default) and
+  ``jax.sharding.Mesh`` (Auto axes), each through ``load_model``, against one
+  device: ``score_logits``, greedy ``generate``, a private ``Session``'s and a
+  ``Server``-backed session's turns (teacher-forced logits, generated tokens).
 * ``errors``: meshes a model cannot use, and the error each raises.
 
 ``python tests/multidevice.py --process I PORT FOLDER OUT`` is one of two processes of
@@ -187,6 +192,82 @@ def reuse_case(case) -> dict:
     return out
 
 
+def _qwen3_with_tokenizer(folder: str) -> str:
+    """A random Qwen3 with 8 query heads and 4 KV heads (the issue's) and a word
+    tokenizer with a chat template, saved as an HF folder."""
+    from jaxkv.chat import build_tokenizer
+    from jaxkv.config import ModelConfig
+    from test_session import WORDS
+
+    tok = build_tokenizer(WORDS)
+    cfg = ModelConfig(
+        model_type="qwen3", vocab_size=len(tok), hidden_size=64, intermediate_size=128, num_layers=2,
+        num_heads=8, num_kv_heads=4, head_dim=16, qk_norm=True, max_position_embeddings=1024,
+        eos_token_ids=(tok.convert_tokens_to_ids("<|im_end|>"),),
+    )
+    jaxkv.save_pretrained(jaxkv.model_from_config(cfg, seed=0, tokenizer=tok), folder)
+    return folder
+
+
+def user_meshes_case(case) -> dict:
+    """The user's own meshes (see the module docstring): per mesh, how it was
+    typed, what ``Model.mesh`` became, and the largest logit error against one
+    device of each path; greedy tokens of each path for both."""
+    from jax.sharding import Mesh
+    from jaxkv.serving import Server, Session
+    from test_session import six_turn_conversation
+
+    folder = _qwen3_with_tokenizer(case["folder"])
+    devices = jax.devices()
+    meshes = {
+        "jax_make_mesh_dp2_tp4": lambda: jax.make_mesh((2, 4), ("dp", "tp")),  # JAX's default: Explicit
+        "sharding_Mesh_tp2": lambda: Mesh(np.asarray(devices[:2]), ("tp",)),  # Auto
+    }
+    rng = np.random.default_rng(4)
+    single = jaxkv.load_model(folder)
+    V = single.config.vocab_size
+    ids = rng.integers(0, V, (2, 40))
+    prompts = [rng.integers(0, V, n).tolist() for n in (13, 30, 6)]
+    msgs = six_turn_conversation()[:5]  # two assistant turns: the second reuses the first's prefix
+
+    def run(model) -> dict:
+        out = {"dense": np.asarray(jaxkv.score_logits(model, ids)), "generate": jaxkv.generate(model, prompts, 12)}
+        for name, make in (("session", lambda: Session(model, keep_reasoning=True, max_positions=512)),
+                           ("server_session", lambda: Session(model, server=server, keep_reasoning=True))):
+            server = Server(model, max_positions=512) if name == "server_session" else None
+            session = make()
+            turns = session.replay(msgs, None, generate=True, max_new_tokens=4, return_logits=True)
+            out[name] = [np.concatenate([t.prompt_logits, t.target_logits]) for t in turns]
+            out[name + "_tokens"] = [list(map(int, t.reply_ids)) for t in turns]
+            session.close()
+            if server is not None:
+                server.close()
+        return out
+
+    ref = run(single)
+    result = {"single": {k: ref[k] for k in ref if k == "generate" or k.endswith("_tokens")}}
+    for name, make in meshes.items():
+        mesh = make()
+        try:
+            model = jaxkv.load_model(folder, mesh=mesh)
+            got = run(model)
+        except Exception as e:  # reported per mesh, asserted by the test (the other cases still run)
+            result[name] = {"error": f"{type(e).__name__}: {str(e)[:500]}"}
+            continue
+        result[name] = {
+            "axis_types": [str(t) for t in mesh.axis_types], "mesh": dict(mesh.shape),
+            "model_axis_types": [str(t) for t in model.mesh.axis_types],
+            "same_devices": model.mesh.devices.tolist() == mesh.devices.tolist(),
+            "dense_err": _err([ref["dense"]], [got["dense"]]), "dense_scale": _scale([ref["dense"]]),
+            "session_err": _err(ref["session"], got["session"]),
+            "server_session_err": _err(ref["server_session"], got["server_session"]),
+            "generate": got["generate"], "session_tokens": got["session_tokens"],
+            "server_session_tokens": got["server_session_tokens"],
+            "weights_split": sum("tp" in spec for spec in _specs(model).values()),
+        }
+    return result
+
+
 def errors_case(case) -> dict:
     from jax.sharding import Mesh
 
@@ -206,7 +287,8 @@ def errors_case(case) -> dict:
     return out
 
 
-KINDS = {"logits": logits_case, "kernel": kernel_case, "session": session_case, "reuse": reuse_case, "errors": errors_case}
+KINDS = {"logits": logits_case, "kernel": kernel_case, "session": session_case, "reuse": reuse_case,
+         "user_meshes": user_meshes_case, "errors": errors_case}
 
 
 def main(spec_path, out_path) -> None:

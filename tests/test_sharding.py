@@ -3,7 +3,11 @@ single-device logits, greedy generation is identical, weights and the KV pool ar
 split by KV head / MLP width and stay so (donated) through the jit'd steps, the
 Pallas decode kernel runs per device, and a Session with eviction and RepairKV
 (and one with segment reuse) runs sharded with the same outcome as on one device; two processes joined by
-``jax.distributed`` (multi-host) match one device too.
+``jax.distributed`` (multi-host) match one device too. Meshes users build with JAX's
+own constructors (``jax.make_mesh``: Explicit axes; ``jax.sharding.Mesh``: Auto)
+work the same through ``load_model``; a mesh or context jaxkv cannot use is refused
+with ``ConfigError`` before any step (those checks run in this process, on one
+device).
 
 The device count is fixed when jax starts, so the measurements come from one
 subprocess (``tests/multidevice.py``) that this module runs once; each test
@@ -18,9 +22,13 @@ import socket
 import subprocess
 import sys
 
+import jax
 import numpy as np
 import pytest
+from jax.sharding import AxisType, Mesh
 
+import jaxkv
+from jaxkv.errors import ConfigError
 from jaxkv.models.sharding import MESH_AXIS, WEIGHT_AXES
 
 HERE = os.path.dirname(__file__)
@@ -40,6 +48,7 @@ def _run_subprocess(hf_checkpoint, tmp, out) -> None:
         dict(name="kernel", kind="kernel", folder=str(hf_checkpoint("llama")[0]), tp=2, dp=2),
         dict(name="session", kind="session", tp=2, dp=4),
         dict(name="reuse", kind="reuse", tp=2, dp=2),
+        dict(name="user_meshes", kind="user_meshes", folder=str(tmp / "qwen3_8heads_4kv")),
         dict(name="errors", kind="errors", folder=folders["qwen2_biases_dp4_tp2"]),
     ]
     spec = tmp / "spec.json"
@@ -168,6 +177,76 @@ def test_meshes_a_model_cannot_use_raise_config_error(measured):
         assert errors[name] is not None, name
         kind, message = errors[name]
         assert kind == "ConfigError" and expect in message, (name, message)
+
+
+USER_MESHES = {  # name in multidevice.user_meshes_case: (axis types as built, mesh shape)
+    "jax_make_mesh_dp2_tp4": (["AxisType.Explicit"] * 2, {"dp": 2, "tp": 4}),
+    "sharding_Mesh_tp2": (["AxisType.Auto"], {"tp": 2}),
+}
+
+
+@pytest.mark.parametrize("name", list(USER_MESHES))
+def test_meshes_built_with_jax_match_one_device(measured, name):
+    """A random Qwen3 (8 query heads, 4 KV heads) loaded with a mesh from
+    ``jax.make_mesh`` (Explicit axes, JAX's default) or ``jax.sharding.Mesh`` (Auto):
+    ``score_logits`` and the teacher-forced logits of a private ``Session``'s and a
+    ``Server``-backed session's two turns equal one device's within 1e-5; greedy
+    ``generate`` and the sessions' generated tokens are the same tokens. The model
+    lives on the same devices with Auto axes, its weights split as usual."""
+    m, single = measured["user_meshes"][name], measured["user_meshes"]["single"]
+    assert "error" not in m, m.get("error")
+    types, shape = USER_MESHES[name]
+    assert m["axis_types"] == types and m["mesh"] == shape  # the mesh really was built that way
+    assert m["model_axis_types"] == ["AxisType.Auto"] * len(types) and m["same_devices"]
+    assert m["weights_split"] == 2 * 7  # 2 layers x (q, k, v, o, gate, up, down)
+    print(f"\n{name}: max |mesh - one device| score_logits {m['dense_err']:.2e}, session {m['session_err']:.2e}, "
+          f"server session {m['server_session_err']:.2e} (logits up to {m['dense_scale']:.2f})")
+    for what in ("dense", "session", "server_session"):
+        assert m[f"{what}_err"] <= TOL, what
+    assert [len(g) for g in single["generate"]] == [12, 12, 12]
+    for what in ("generate", "session_tokens", "server_session_tokens"):
+        assert m[what] == single[what], what
+
+
+@pytest.fixture(scope="module")
+def qwen2_folder(hf_checkpoint):
+    return hf_checkpoint("qwen2")[0]
+
+
+def _one_device_mesh(axis_type=AxisType.Explicit, names=("tp",)) -> Mesh:
+    return Mesh(np.asarray(jax.devices()[:1]).reshape((1,) * len(names)), names, axis_types=(axis_type,) * len(names))
+
+
+@pytest.mark.parametrize("mesh, message", [
+    (lambda: _one_device_mesh(AxisType.Manual), "AxisType.Manual"),
+    (lambda: jax.make_mesh((1,), ("model",)), "mesh axes must be 'tp' and/or 'dp'"),
+    (lambda: _one_device_mesh().abstract_mesh, "must be a jax.sharding.Mesh"),
+    (lambda: ("tp", 1), "must be a jax.sharding.Mesh"),
+], ids=["manual_axis", "axis_named_model", "abstract_mesh", "not_a_mesh"])
+def test_a_mesh_jaxkv_cannot_use_is_refused_at_load_model(qwen2_folder, mesh, message):
+    with pytest.raises(ConfigError, match=message):
+        jaxkv.load_model(qwen2_folder, mesh=mesh())
+
+
+def test_explicit_mesh_is_used_as_auto_and_a_foreign_context_mesh_is_refused(qwen2_folder):
+    """In this process (one device): a ``jax.make_mesh`` mesh (Explicit) becomes
+    ``Model.mesh`` with Auto axes over the same device and scores like no mesh; under
+    ``jax.set_mesh`` of an Explicit mesh a step would fail inside JAX, so jaxkv
+    refuses it with ``ConfigError`` before any step, while ``jax.set_mesh(model.mesh)``
+    is fine."""
+    user = jax.make_mesh((1,), ("tp",))
+    assert user.axis_types == (AxisType.Explicit,)  # JAX's default, the case of the issue
+    model = jaxkv.load_model(qwen2_folder, mesh=user)
+    assert model.mesh.axis_types == (AxisType.Auto,) and model.mesh.devices.tolist() == user.devices.tolist()
+    ids = np.random.default_rng(5).integers(0, model.config.vocab_size, (1, 12))
+    ref = np.asarray(jaxkv.score_logits(jaxkv.load_model(qwen2_folder), ids))
+    assert np.abs(np.asarray(jaxkv.score_logits(model, ids)) - ref).max() <= TOL
+    with jax.set_mesh(user), pytest.raises(ConfigError, match="jax.set_mesh"):
+        jaxkv.score_logits(model, ids)
+    with jax.set_mesh(user), pytest.raises(ConfigError, match="jax.set_mesh"):
+        jaxkv.generate(model, [[1, 2]], 2)
+    with jax.set_mesh(model.mesh):
+        assert np.abs(np.asarray(jaxkv.score_logits(model, ids)) - ref).max() <= TOL
 
 
 def _free_port() -> int:

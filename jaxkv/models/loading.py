@@ -84,7 +84,10 @@ class Model:
     mesh: Any = None
 
     def split(self):
-        """``(graphdef, params)``: split once, pass ``params`` to jit'd steps."""
+        """``(graphdef, params)``: split once, pass ``params`` to jit'd steps. On a
+        mesh, ``ConfigError`` under a foreign ``jax.set_mesh`` context
+        (``sharding.check_context``)."""
+        sharding.check_context(self.mesh)
         cached = getattr(self, "_split", None)
         if cached is None:
             cached = nnx.split(self.module)
@@ -275,7 +278,10 @@ def load_model(path_or_repo_id, dtype="float32", mesh=None, *, load_tokenizer: b
 
     With a ``mesh`` (``jaxkv.models.sharding``), each weight goes straight from the
     host to its shards on the mesh's devices (tensor parallel over ``tp``);
-    ``None`` puts the model on the default device.
+    ``None`` puts the model on the default device. Any ``jax.sharding.Mesh`` with
+    axes ``tp`` and/or ``dp`` (``jax.make_mesh``'s Explicit axes are used as Auto:
+    ``Model.mesh`` is that mesh); one the model cannot use raises ``ConfigError``
+    here (``sharding.check_mesh``).
     """
     dt = parse_dtype(dtype)
     if registry.reference_model(os.fspath(path_or_repo_id)) is not None:
@@ -286,7 +292,7 @@ def load_model(path_or_repo_id, dtype="float32", mesh=None, *, load_tokenizer: b
     folder = where
     cfg = read_config(folder)
     if mesh is not None:
-        sharding.check_mesh(cfg, mesh)
+        mesh = sharding.usable_mesh(cfg, mesh)  # ConfigError here, before anything is read
     module = build_module(cfg, read_safetensors(folder), dt, mesh, str(folder))
 
     tokenizer = None
@@ -302,7 +308,7 @@ def _load_gguf(path: Path, dt, mesh, load_tokenizer: bool) -> Model:
 
     ckpt = read_gguf(path, load_tokenizer=load_tokenizer, lazy=True)
     if mesh is not None:
-        sharding.check_mesh(ckpt.config, mesh)
+        mesh = sharding.usable_mesh(ckpt.config, mesh)
     module = build_module(ckpt.config, ckpt.tensors, dt, mesh, str(path))
     return Model(ckpt.config, module, ckpt.tokenizer, dt, path.parent, mesh)
 

@@ -2,8 +2,30 @@
 
 A mesh has a ``tp`` axis (tensor parallel) and optionally a ``dp`` axis (data
 parallel over the rows of a step); ``make_mesh(tp=4, dp=2)`` builds one over the
-local devices, and any ``Mesh`` with those axis names works (multi-host: a mesh over
-``jax.devices()`` after ``jax.distributed.initialize()``).
+local devices, and any ``Mesh`` with those axis names works, whoever built it
+(multi-host: a mesh over ``jax.devices()`` after ``jax.distributed.initialize()``).
+
+Which meshes, and the one rule for axis types (``usable_mesh``, run by
+``load_model`` and ``shard_model`` before any weight is placed): jaxkv's shardings
+are auto-partitioned, i.e. every ``PartitionSpec`` below says where an array lives
+and XLA's partitioner chooses the collectives (the all-reduce after ``o_proj``
+contracts a ``tp``-split dimension). That is JAX's ``AxisType.Auto``. A mesh from
+``jax.sharding.Mesh(devices, names)`` has Auto axes; one from ``jax.make_mesh``
+has Explicit axes by default, under which such a contraction is a type error
+(``ShardingTypeError``) and ``with_sharding_constraint`` may name no axis. So an
+Explicit axis is taken as Auto: the model is placed on ``Mesh(mesh.devices,
+mesh.axis_names, axis_types=Auto...)`` (the same devices in the same order, the
+same names, so the same placement) and ``Model.mesh`` is that mesh. A Manual axis
+(the mesh of code running inside a ``shard_map`` over that axis) is refused with
+``ConfigError``: jaxkv runs its own ``jit``/``shard_map`` over the whole mesh.
+
+JAX's other way to name a mesh, the context (``with jax.set_mesh(m):``), is not
+needed and is ignored on one device. On a mesh, jaxkv's steps must not be traced
+under a context mesh other than ``model.mesh`` (JAX rejects the mix of an
+Explicit context with Auto-placed weights deep inside the step), so
+``check_context`` refuses it with ``ConfigError`` when a step's inputs are taken
+(``Model.split``: ``score_logits``, ``generate``, a new ``Engine``, ``Server`` or
+``Session``); ``with jax.set_mesh(model.mesh):`` is fine.
 
 What is split, and where XLA puts the collectives:
 
@@ -26,9 +48,11 @@ name of the module that owns it and the parameter's name; ``MESH_AXIS`` maps
 logical axes to mesh axes, and every ``PartitionSpec`` is derived from the two. A
 weight not named there is replicated (always correct, just not split).
 
-Invariants (``check_mesh``, ``ConfigError`` otherwise): the axes are ``tp`` and/or
-``dp``; ``tp`` divides Hkv (whole KV heads per device) and F; ``dp`` is a power of
-two (the engine's batch buckets are, so every step's batch splits evenly).
+Invariants (``check_mesh``, ``ConfigError`` otherwise, at ``load_model``): a concrete
+``jax.sharding.Mesh`` (not an ``AbstractMesh``); the axes are ``tp`` and/or ``dp``,
+each Auto or Explicit (not Manual); ``tp`` divides Hkv (whole KV heads per device,
+hence also the query heads) and F; ``dp`` is a power of two (the engine's batch
+buckets are, so every step's batch splits evenly).
 """
 
 from __future__ import annotations
@@ -37,7 +61,7 @@ import dataclasses
 
 import jax
 import numpy as np
-from jax.sharding import Mesh, NamedSharding
+from jax.sharding import AxisType, Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from jaxkv.errors import ConfigError
@@ -92,10 +116,19 @@ def check_mesh(cfg, mesh: Mesh) -> None:
     """``ConfigError`` unless ``mesh`` can hold a model of config ``cfg`` (see the
     module docstring's invariants)."""
     if not isinstance(mesh, Mesh):
-        raise ConfigError(f"mesh must be a jax.sharding.Mesh, got {type(mesh).__name__}")
+        raise ConfigError(
+            f"mesh must be a jax.sharding.Mesh over devices (jax.make_mesh, jax.sharding.Mesh or "
+            f"jaxkv.models.sharding.make_mesh), got {type(mesh).__name__}"
+        )
     extra = [a for a in mesh.axis_names if a not in (TP, DP)]
     if extra:
         raise ConfigError(f"mesh axes must be {TP!r} and/or {DP!r}, got {mesh.axis_names}")
+    manual = [a for a, t in zip(mesh.axis_names, mesh.axis_types) if t == AxisType.Manual]
+    if manual:
+        raise ConfigError(
+            f"mesh axes {manual} are AxisType.Manual (the mesh inside a shard_map); jaxkv partitions its "
+            f"own steps over the whole mesh and needs Auto or Explicit axes, got axis_types={mesh.axis_types}"
+        )
     tp, dp = axis_size(mesh, TP), axis_size(mesh, DP)
     if cfg.num_kv_heads % tp or cfg.intermediate_size % tp:
         raise ConfigError(
@@ -103,6 +136,30 @@ def check_mesh(cfg, mesh: Mesh) -> None:
         )
     if dp & (dp - 1):
         raise ConfigError(f"dp={dp} must be a power of two (the engine's batch buckets are)")
+
+
+def usable_mesh(cfg, mesh: Mesh) -> Mesh:
+    """The mesh jaxkv places a model of config ``cfg`` on, for a user's ``mesh``:
+    ``check_mesh``, then the same devices and axis names with every axis Auto
+    (``mesh`` itself when it already is; see the module docstring's rule)."""
+    check_mesh(cfg, mesh)
+    if all(t == AxisType.Auto for t in mesh.axis_types):
+        return mesh
+    return Mesh(mesh.devices, mesh.axis_names, axis_types=(AxisType.Auto,) * len(mesh.axis_names))
+
+
+def check_context(mesh: Mesh | None) -> None:
+    """``ConfigError`` when a model placed on ``mesh`` is used under a context mesh
+    (``jax.set_mesh``) other than ``mesh`` itself; nothing on one device."""
+    if mesh is None:
+        return
+    context = jax.sharding.get_abstract_mesh()
+    if not context.empty and context != mesh.abstract_mesh:
+        raise ConfigError(
+            f"a model on a mesh is used under jax.set_mesh({context}); its weights are on {mesh.abstract_mesh} "
+            f"(jaxkv's steps need Auto axes): call jaxkv outside the set_mesh block, or inside "
+            f"jax.set_mesh(model.mesh)"
+        )
 
 
 def weight_spec(path) -> P:
@@ -133,7 +190,7 @@ def shard_model(model, mesh: Mesh):
     on ``mesh`` (``load_model(..., mesh=)`` places them while loading instead)."""
     from flax import nnx
 
-    check_mesh(model.config, mesh)
+    mesh = usable_mesh(model.config, mesh)
     graphdef, state = nnx.split(model.module)
     pure = jax.tree_util.tree_map_with_path(
         lambda path, x: place(np.asarray(jax.device_get(x)), tuple(k.key for k in path), mesh, x.dtype),
