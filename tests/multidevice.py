@@ -19,6 +19,8 @@ Cases (SPEC: ``{"cases": [{"name", "kind", ...}]}``):
   with the compact layout) on a sharded model, against the same on one device.
 * ``reuse``: cross-query segment reuse (a spliced prefill) on a sharded embedded
   model, against the same on one device.
+* ``quant``: a quantized pool (INT4) on a sharded embedded model with segment
+  reuse, SnapKV and RepairKV, against the same on one device.
 * ``user_meshes``: meshes a user builds with JAX's own constructors, not jaxkv's
   ``make_mesh``: ``jax.make_mesh`` (Explicit axes, JAX's default) and
   ``jax.sharding.Mesh`` (Auto axes), each through ``load_model``, against one
@@ -192,6 +194,32 @@ def reuse_case(case) -> dict:
     return out
 
 
+def quant_case(case) -> dict:
+    """A quantized pool (``kv_quant="int4"``) on a sharded embedded model: a spliced
+    prefill (segment reuse) and a SnapKV + RepairKV session on one server, against
+    the same on one device; where each region of the pool ended up."""
+    from jaxkv.tasks import shared_corpus
+    from test_reuse import chat, conversation
+
+    doc = shared_corpus(5, n_shelves=1, length=1400)[0]
+    single = jaxkv.load_model("embedded")
+    out = {}
+    for name, model in (("single", single), ("sharded", shard_model(single, make_mesh(tp=case["tp"], dp=case["dp"])))):
+        server = jaxkv.Server(model, max_positions=2048, kv_quant="int4")
+        opts = dict(reuse="segment", tenant="t", reuse_layers=2, halo=2)
+        chat(server, *conversation(doc, 0), **opts)
+        _, stage, _ = chat(server, *conversation(doc, 2), **opts)
+        managed = server.session(policy="snapkv", budget=200, repair=16)
+        turns = managed.replay(conversation(doc, 1)[0] + [{"role": "assistant", "content": "done"}], None, generate=True, max_new_tokens=3)
+        pool = server.engine.cache.pool
+        out[name] = {"logits": np.asarray(stage.last_logits).tolist(), "accepted": int(stage.reports[-1].accepted),
+                     "replies": [t.generated for t in turns], "promoted": sum(r.promoted_positions.size for r in managed.repairs),
+                     "int4_split": _split(pool.int4.k.data), "int2_split": _split(pool.int2.k.scale)}
+        server.close()
+    out["logits_err"] = _err([out["single"].pop("logits")], [out["sharded"].pop("logits")])
+    return out
+
+
 def _qwen3_with_tokenizer(folder: str) -> str:
     """A random Qwen3 with 8 query heads and 4 KV heads (the issue's) and a word
     tokenizer with a chat template, saved as an HF folder."""
@@ -287,7 +315,7 @@ def errors_case(case) -> dict:
     return out
 
 
-KINDS = {"logits": logits_case, "kernel": kernel_case, "session": session_case, "reuse": reuse_case,
+KINDS = {"logits": logits_case, "kernel": kernel_case, "session": session_case, "reuse": reuse_case, "quant": quant_case,
          "user_meshes": user_meshes_case, "errors": errors_case}
 
 

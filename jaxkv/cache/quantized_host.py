@@ -385,8 +385,8 @@ class QuantizedKV:
         return cls(mode, geo, head_dim=head_dim, float_dtype=float_dtype, backend=backend)
 
     def check_mesh(self, mesh) -> None:
-        if mesh is not None:
-            raise ConfigError("a quantized KV pool (kv_quant) is not supported on a mesh yet")
+        """Any mesh jaxkv accepts: every region is split by KV head (its axis 2),
+        the page tables and slot tables replicated, as the float pool's."""
 
     def cache_factory(self, cfg, *, rows: int, positions: int, dtype):
         """A zero-argument function making the empty cache (as ``FloatKV``'s)."""
