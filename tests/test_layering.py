@@ -90,3 +90,73 @@ def test_the_parts_import_graph_has_no_cycle():
 
     for node in list(graph):
         visit(node)
+
+
+def module_import_graph() -> dict[str, set[str]]:
+    """Module -> the ``jaxkv`` modules it imports (top level or inside a function).
+
+    ``from pkg import name`` is an edge to ``pkg.name`` when that is a module (the
+    package's ``__init__`` runs first either way, as for every submodule import),
+    else to ``pkg``."""
+    modules = {}
+    for path in PACKAGE.rglob("*.py"):
+        rel = path.relative_to(PACKAGE.parent).with_suffix("")
+        modules[".".join(rel.parts[:-1] if rel.name == "__init__" else rel.parts)] = path
+    graph = {}
+    for module, path in modules.items():
+        out = set()
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Import):
+                names = [a.name for a in node.names]
+            elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+                names = [f"{node.module}.{a.name}" if f"{node.module}.{a.name}" in modules else node.module for a in node.names]
+            else:
+                continue
+            out.update(n for n in names if n in modules and n != module)
+        graph[module] = out
+    return graph
+
+
+def import_circles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """The graph's strongly connected components of more than one module (Tarjan)."""
+    index, low, stack, on_stack, circles = {}, {}, [], set(), []
+
+    def visit(node):
+        index[node] = low[node] = len(index)
+        stack.append(node)
+        on_stack.add(node)
+        for nxt in graph[node]:
+            if nxt not in index:
+                visit(nxt)
+                low[node] = min(low[node], low[nxt])
+            elif nxt in on_stack:
+                low[node] = min(low[node], index[nxt])
+        if low[node] == index[node]:
+            component = []
+            while True:
+                top = stack.pop()
+                on_stack.discard(top)
+                component.append(top)
+                if top == node:
+                    break
+            if len(component) > 1:
+                circles.append(sorted(component))
+
+    for node in sorted(graph):
+        if node not in index:
+            visit(node)
+    return circles
+
+
+def test_the_module_import_graph_has_no_circle():
+    """Module by module, imports run one way (DESIGN.md): no two modules import
+    each other, nor does any longer loop close. Prints the edges into serving."""
+    graph = module_import_graph()
+    for module in ("jaxkv.serving.pipeline", "jaxkv.serving.scheduler", "jaxkv.serving.server", "jaxkv.serving.session"):
+        print(module, "->", sorted(m for m in graph[module] if m.startswith("jaxkv.serving")))
+    assert import_circles(graph) == []
+
+
+def test_the_circle_finder_finds_a_circle():
+    graph = {"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}
+    assert import_circles(graph) == [["a", "b", "c"]]

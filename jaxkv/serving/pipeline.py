@@ -46,6 +46,7 @@ import numpy as np
 
 from jaxkv.cache.radix import common_prefix_length
 from jaxkv.engine import FIRST_TOKEN_KEY
+from jaxkv.errors import JaxKVError
 from jaxkv.models.transformer import NO_FEATURES, Features
 from jaxkv.sampling import make_sampler, sample
 from jaxkv.serving.stages.base import Capture
@@ -540,10 +541,24 @@ def replay_turn(turn: Turn, full_ids: np.ndarray, full_phase: np.ndarray, *, gen
         turn.close()
 
 
+def start_work(engine, work) -> None:
+    """Start the engine job of one piece of work (allocates its slots)."""
+    if isinstance(work, PrefillWork):
+        work.job = engine.start_prefill(
+            work.row, work.tokens, all_logits=work.all_logits, q_idx=work.q_idx, attn_mass=work.attn_mass, **work.options
+        )
+    elif isinstance(work, DecodeWork):
+        work.job = engine.start_decode(
+            work.row, work.first_token, work.n_steps, temperature=work.temperature, top_k=work.top_k,
+            top_p=work.top_p, key=work.key, step0=work.step0, stop_token_ids=work.stop_ids, features=work.features,
+            return_logits=work.return_logits,
+        )
+    else:
+        raise JaxKVError(f"a turn program yielded {type(work).__name__}, not PrefillWork or DecodeWork")
+
+
 def run_to_completion(program: Generator, engine):
     """Drive one turn program alone (the scheduler's part, with one row)."""
-    from jaxkv.serving.scheduler import start_work
-
     result = None
     try:
         work = program.send(None)

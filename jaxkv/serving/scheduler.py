@@ -44,7 +44,7 @@ from typing import Any, Callable, Generator
 
 from jaxkv import compiles
 from jaxkv.errors import CapacityError, JaxKVError, OutOfSlotsError, QueueFullError, TurnCancelledError
-from jaxkv.serving.pipeline import DecodeWork, PrefillWork
+from jaxkv.serving.pipeline import DecodeWork, PrefillWork, start_work
 
 log = logging.getLogger(__name__)
 
@@ -55,22 +55,6 @@ log = logging.getLogger(__name__)
 # sessions, medians of 3 runs): 32 gives 3.24x one session's decode tokens/s and
 # p50 turn 5.5 s; 16 gives 2.92x and 6.0 s.
 DECODE_CHUNK = 32
-
-
-def start_work(engine, work) -> None:
-    """Start the engine job of one piece of work (allocates its slots)."""
-    if isinstance(work, PrefillWork):
-        work.job = engine.start_prefill(
-            work.row, work.tokens, all_logits=work.all_logits, q_idx=work.q_idx, attn_mass=work.attn_mass, **work.options
-        )
-    elif isinstance(work, DecodeWork):
-        work.job = engine.start_decode(
-            work.row, work.first_token, work.n_steps, temperature=work.temperature, top_k=work.top_k,
-            top_p=work.top_p, key=work.key, step0=work.step0, stop_token_ids=work.stop_ids, features=work.features,
-            return_logits=work.return_logits,
-        )
-    else:
-        raise JaxKVError(f"a turn program yielded {type(work).__name__}, not PrefillWork or DecodeWork")
 
 
 @dataclasses.dataclass(eq=False)

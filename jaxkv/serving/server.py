@@ -158,11 +158,14 @@ class Server:
         self.warmup_seconds = time.perf_counter() - t0
         return ran
 
+    # The class ``session()`` builds. ``jaxkv.serving.session`` sets it to ``Session``
+    # when it is imported (always, through ``jaxkv.serving``): a session knows its
+    # server, the server only this hook, so the two modules import one way.
+    session_type = None
+
     def session(self, **options):
         """A new ``Session`` on this server (options as in ``Session``)."""
-        from jaxkv.serving.session import Session
-
-        return Session(self.model, server=self, **options)
+        return self.session_type(self.model, server=self, **options)
 
     def radix_for(self, namespace: str | None):
         """The radix cache as sessions of ``namespace`` see it (None: the shared,

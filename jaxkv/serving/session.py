@@ -501,3 +501,6 @@ def _stop_strings(stop) -> tuple[str, ...]:
     if isinstance(stop, (bytes, Mapping)) or not isinstance(stop, Sequence) or not all(isinstance(s, str) for s in stop):
         raise ChatError(f"stop must be a string or a list of strings, got {stop!r}")
     return tuple(s for s in stop if s)
+
+
+Server.session_type = Session  # ``Server.session`` builds sessions of this module (see there)
