@@ -191,8 +191,9 @@ def model_folder() -> pathlib.Path:
     """The float32 folder jaxkv converted from the registry's GGUF (config,
     safetensors, tokenizer and chat template: what vLLM loads)."""
     from jaxkv.models import registry
+    from jaxkv.models.loading import fetch_reference
 
-    registry.fetch(MODEL, log=lambda *a: None)
+    fetch_reference(MODEL, log=lambda *a: None)
     return registry.converted_dir(MODEL)
 
 

