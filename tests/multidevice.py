@@ -209,7 +209,7 @@ def quant_case(case) -> dict:
         opts = dict(reuse="segment", tenant="t", reuse_layers=2, halo=2)
         chat(server, *conversation(doc, 0), **opts)
         _, stage, _ = chat(server, *conversation(doc, 2), **opts)
-        managed = server.session(policy="snapkv", budget=200, repair=16)
+        managed = server.session(policy="snapkv", budget=120, repair=16)
         turns = managed.replay(conversation(doc, 1)[0] + [{"role": "assistant", "content": "done"}], None, generate=True, max_new_tokens=3)
         pool = server.engine.cache.pool
         out[name] = {"logits": np.asarray(stage.last_logits).tolist(), "accepted": int(stage.reports[-1].accepted),

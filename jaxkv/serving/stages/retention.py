@@ -284,11 +284,12 @@ class RetentionStage(Stage):
 def _factory(session, options: dict, built: list):
     name = options.pop("policy", None)
     budget = options.pop("budget", None)
-    layout = options.pop("layout", "dead_slot")
+    layout = options.pop("layout", None)
     if name is None:
-        if budget is not None:
-            raise ConfigError("budget needs a retention policy (policy=...)")
+        if budget is not None or layout is not None:
+            raise ConfigError(f"{'budget' if budget is not None else 'layout'} needs a retention policy (policy=...)")
         return None
+    layout = "dead_slot" if layout is None else layout
     policy = get_policy(name)
     fields = {f.name for f in dataclasses.fields(policy.config)}
     config = {k: options.pop(k) for k in list(options) if k in fields}

@@ -6,6 +6,13 @@ default ``"default"``) and ``ReuseConfig``'s fields (``reuse_layers=4, halo=8,
 tau_seg=0.8, kl_epsilon=2.0, ...``). The radix prefix cache stays on in every mode: the stage
 only sees the prompt suffix the radix match did not cover.
 
+With other stages: a stage that reads prefill features (SnapKV's window queries,
+H2O's and TOVA's attention mass, AgentKV's observed rows, RepairKV's query rows)
+needs every prompt token through every layer, which a spliced token skips, so
+those prefills run in full; their reports say so (``ReuseReport.skipped``) and
+the replies are the session's without reuse. A policy that reads no prefill
+feature (``streaming_llm``) splices as a session without one would, then evicts.
+
 Segment mode, per prompt (``before_prefill`` takes the prefill over):
 
 1. **Match.** The suffix is cut into units (``segment_units``: windows inside the
@@ -153,6 +160,7 @@ class ReuseReport:
         ``BOUNDARY`` tokens after its interior, and at the last prompt token.
       false_accepts: accepted spans whose boundary KL exceeds ``kl_epsilon`` (audit).
       stored: segments stored. prefill_s: wall time of the prefill (audit excluded).
+      skipped: why the prefill ran in full instead (None: it went through reuse).
     """
 
     suffix_tokens: int
@@ -169,6 +177,7 @@ class ReuseReport:
     last_kl: float | None = None
     false_accepts: int = 0
     stored: int = 0
+    skipped: str | None = None
     prefill_s: float = 0.0
 
 
@@ -222,8 +231,14 @@ class ReuseStage(Stage):
         self._origin = 0
 
     def before_prefill(self, turn, work) -> None:
-        if work.q_idx is not None or work.attn_mass or work.all_logits:
-            return  # another stage needs prefill features the spliced path does not produce
+        needs = [name for name, on in (("query rows", work.q_idx is not None), ("attention mass", work.attn_mass), ("every logit", work.all_logits)) if on]
+        if needs:
+            # Another stage (a retention policy's scorer, a replay's logits) reads
+            # prefill features that spliced tokens never produce (they skip the
+            # lower layers): this prefill runs in full, and the report says why.
+            full = int(work.tokens.size) * turn.engine.model.config.num_layers
+            self.reports.append(ReuseReport(int(work.tokens.size), units=full, full_units=full, skipped=" and ".join(needs)))
+            return
         work.handler = self._handler(turn, work)
 
     # -- the prefill ---------------------------------------------------------------------
