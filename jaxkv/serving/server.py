@@ -9,11 +9,12 @@ any number of sessions may run turns at once (one thread or asyncio task per
 session), up to ``rows`` of them in the engine and ``max_queue`` waiting.
 
 Holes are private: a cached prefix's holes, and every token computed after one,
-belong to the session (or explicit cache namespace) whose policy made them
-(``cache_owner``; the rule is ``jaxkv.cache.radix``'s). Another session reuses a
-cached prefix up to the first hole it did not make and prefills the rest; a
-full-cache session never reads a hole; a session's next turn reuses its own
-pruned prefix, holes included.
+belong to the session whose policy made them (``cache_owner``: one radix owner
+per session, whatever its cache namespace; the rule is ``jaxkv.cache.radix``'s).
+Another session, of the same namespace or not, reuses a cached prefix up to the
+first hole it did not make and prefills the rest; a full-cache session never
+reads a hole; a session's next turn reuses its own pruned prefix, holes
+included.
 
 Cache namespaces: ``server.radix_for(name)`` is the radix cache as one
 namespace sees it (``NamespacedRadix``): sessions made with
@@ -115,7 +116,6 @@ class Server:
         self.radix = RadixTree(self.engine.allocator)
         self.engine.reclaim = self._reclaim
         self.namespaces: dict[str, int] = {}  # cache namespace name -> its key in the radix tree
-        self.namespace_owners: dict[str, int] = {}  # cache namespace name -> the radix owner of its holes
         self._owners_made = 0  # radix owners handed out (``cache_owner``)
         self._namespace_lock = threading.Lock()
         self.counters = collections.Counter()  # module docstring; written on the scheduler thread
@@ -173,15 +173,12 @@ class Server:
             key = self.namespaces.setdefault(str(namespace), len(self.namespaces))
         return NamespacedRadix(self.radix, key)
 
-    def cache_owner(self, namespace: str | None) -> int:
-        """A radix owner for a new session (``jaxkv.cache.radix``: whose holes a
-        request may read): a fresh one per session, one per explicit namespace."""
+    def cache_owner(self) -> int:
+        """A fresh radix owner for a new session (``jaxkv.cache.radix``: whose
+        holes a request may read): holes are never shared between sessions, even
+        of one cache namespace."""
         with self._namespace_lock:
-            if namespace is not None and str(namespace) in self.namespace_owners:
-                return self.namespace_owners[str(namespace)]
             self._owners_made += 1
-            if namespace is not None:
-                self.namespace_owners[str(namespace)] = self._owners_made
             return self._owners_made
 
     def _reclaim(self, n_slots: int):
