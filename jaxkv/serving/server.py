@@ -129,11 +129,13 @@ class Server:
         if warmup:
             self.warmup(**({} if warmup is True else {"samplers": tuple(warmup)}))
 
-    def warmup(self, *, samplers=("greedy", "sample", "top_p"), progress: bool = True) -> int:
+    def warmup(self, *, samplers=("greedy", "sample", "top_p"), progress: bool = True, session_options: dict | None = None) -> int:
         """Compile the engine's whole shape set (``Engine.warmup``) on the
         scheduler thread, then run one short chat turn per sampler (the turn
-        pipeline's own programs); the persistent compilation cache is turned on
-        first. Call it before serving. Returns the programs the engine ran."""
+        pipeline's own programs) in a scratch session made with
+        ``session_options`` (e.g. a triaxial pool's ``kv_allocation``); the
+        persistent compilation cache is turned on first. Call it before serving.
+        Returns the programs the engine ran."""
         import time
 
         from tqdm.auto import tqdm
@@ -150,7 +152,7 @@ class Server:
             ran = self.scheduler.call(lambda: eng.warmup(
                 self.scheduler.decode_chunk, samplers=samplers, stop_token_ids=self.stop_token_ids, progress=bar.update,
             )).result()
-        session = self.session()
+        session = self.session(**(session_options or {}))
         for name in samplers:
             session.chat([{"role": "user", "content": "warm up"}], max_new_tokens=2, **Engine.WARMUP_SAMPLERS[name])
         session.close()
