@@ -12,7 +12,9 @@ so it is consistent) plus the HTTP layer's own counts. Gauges describe now,
 * cache: ``jaxkv_prompt_tokens_total``, ``jaxkv_cached_prompt_tokens_total`` and
   their ratio ``jaxkv_prefix_hit_rate``; ``jaxkv_evicted_tokens_total``
   (retention), ``jaxkv_prefix_cache_evicted_slots_total`` (LRU under pool
-  pressure), ``jaxkv_repaired_rows_total`` (RepairKV), ``jaxkv_host_tier_rows``;
+  pressure), ``jaxkv_repaired_rows_total`` (RepairKV), ``jaxkv_host_tier_rows``,
+  ``jaxkv_segment_reused_tokens_total`` (prompt tokens spliced by segment reuse,
+  summed by the HTTP layer over the turns it served);
 * throughput: ``jaxkv_generated_tokens_total``, ``jaxkv_prefill_tokens_total``
   and ``jaxkv_generated_tokens_per_second`` over the last ``RATE_WINDOW_S``;
 * engine: ``jaxkv_engine_seconds_total{phase="prefill|decode"}`` (seconds the
@@ -63,8 +65,10 @@ def _line(out: list, name: str, kind: str, help: str, values) -> None:
         out.append(f"{name}{label} {float(value):.6g}" if isinstance(value, float) else f"{name}{label} {int(value)}")
 
 
-def render(snap: dict, *, sessions: int, rate: float, responses: dict) -> str:
-    """The exposition text of one ``Server.snapshot()`` plus the HTTP counts."""
+def render(snap: dict, *, sessions: int, rate: float, responses: dict, mechanisms: dict | None = None) -> str:
+    """The exposition text of one ``Server.snapshot()`` plus the HTTP layer's
+    counts (``responses`` by status; ``mechanisms``: summed turn reports)."""
+    mechanisms = mechanisms or {}
     out: list[str] = []
     cap = max(snap["slots_capacity"], 1)
     _line(out, "jaxkv_pool_slots", "gauge", "KV pool slots (sentinel excluded).",
@@ -85,6 +89,8 @@ def render(snap: dict, *, sessions: int, rate: float, responses: dict) -> str:
     _line(out, "jaxkv_evicted_tokens_total", "counter", "KV positions evicted by retention policies.", [({}, snap["evicted_tokens"])])
     _line(out, "jaxkv_prefix_cache_evicted_slots_total", "counter", "Slots the prefix cache gave back under pool pressure.", [({}, snap["radix_evicted_slots"])])
     _line(out, "jaxkv_repaired_rows_total", "counter", "KV rows RepairKV promoted back from the host tier.", [({}, snap["repaired_rows"])])
+    _line(out, "jaxkv_segment_reused_tokens_total", "counter", "Prompt tokens spliced from stored KV segments (cross-query reuse).",
+          [({}, mechanisms.get("reused_tokens", 0))])
     _line(out, "jaxkv_host_tier_rows", "gauge", "Evicted KV rows shelved in the host tier.", [({}, snap["host_tier_rows"])])
     _line(out, "jaxkv_generated_tokens_total", "counter", "Tokens generated.", [({}, snap.get("tokens_generated", 0))])
     _line(out, "jaxkv_prefill_tokens_total", "counter", "Prompt tokens prefilled (not cached).", [({}, snap.get("prefill_tokens", 0))])

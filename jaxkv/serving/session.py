@@ -210,6 +210,12 @@ class Session:
         return self._stage("kv_quant")
 
     @property
+    def reuse(self):
+        """The segment-reuse stage (``config``, ``tenant``, per-prompt ``reports``),
+        or None without cross-query reuse."""
+        return self._stage("reuse")
+
+    @property
     def repair_signal(self):
         """The latest request's repair ``Signal`` (post-RoPE query rows of its
         actionable query), or None before the first request or without repair."""
