@@ -4,6 +4,8 @@
   full cache, a repairing session, a second session of the same policy), one
   after another in several orders on one shared ``Server``: every session gets
   the replies and the compression decisions it gets alone on a fresh server.
+* Two sessions of one cache namespace (a tenant) pruning one document
+  differently each own their holes.
 * A hypothesis test over random conversation sets with shared prefixes, driven
   through the radix cache the way a turn drives it (match, evict some rows,
   insert, sync holes): no request ever matches a hole, or a token computed after
@@ -133,3 +135,25 @@ def test_no_request_matches_a_hole_or_a_tainted_token_another_session_made(data)
         held = np.bincount(tree.held_slots(), minlength=alloc.num_slots)
         assert np.array_equal(alloc.refcounts(), held)  # only the tree holds slots between turns
     assert tree.num_locked_nodes == 0
+
+
+def test_sessions_of_one_cache_namespace_own_their_holes(quant_model_dir):
+    """Two sessions of one cache namespace (one tenant of the HTTP server) prune a
+    shared document with different policies: each gets a radix owner of its own.
+    With one owner per namespace, the second turn's hole sync raised
+    ``RadixError: sync_holes: only 75 of 101 tokens are cached``."""
+    from jaxkv.tasks import shared_corpus
+
+    doc = shared_corpus(5, n_shelves=1, length=600)[0]
+
+    def chat(question):
+        return [{"role": "system", "content": "You are a research agent."}, {"role": "user", "content": f"Read this document.\n{doc.text}"},
+                {"role": "assistant", "content": "Done."}, {"role": "user", "content": question}]
+
+    with Server(jaxkv.load_model(quant_model_dir), rows=2, max_positions=1024) as server:
+        first = server.session(cache_namespace="tenant", policy="streaming_llm", budget=48)
+        second = server.session(cache_namespace="tenant", policy="snapkv", budget=48)
+        first.chat(chat("What is the first record?"), max_new_tokens=2)
+        second.chat(chat("Which record comes last?"), max_new_tokens=2)
+        assert first.compressions and second.compressions and first.cache_owner != second.cache_owner
+        server.radix.check_invariants()

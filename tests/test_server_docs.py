@@ -49,7 +49,7 @@ def test_serve_flags_become_session_rules():
     args = cli.build_parser().parse_args(["serve", "--policy", "snapkv", "--budget", "512", "--repair", "32", "--allow-policies", "h2o,full", "--max-budget", "1024"])
     rules = rules_from_args(args)
     assert rules.resolve({}) == {"keep_reasoning": False, "policy": "snapkv", "budget": 512, "layout": "dead_slot", "repair": 32}
-    assert rules.resolve({"policy": "full"}) == {"keep_reasoning": False, "repair": 32}
+    assert rules.resolve({"policy": "full"}) == {"keep_reasoning": False}  # the default repair applies to policies only
     for bad in (["--allow-policies", "nonsense"], ["--policy", "snapkv"]):
         with pytest.raises(ConfigError):
             rules_from_args(cli.build_parser().parse_args(["serve", *bad]))

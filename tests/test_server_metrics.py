@@ -19,7 +19,7 @@ from jaxkv.errors import JaxKVError
 from jaxkv.server import metrics as prom
 
 # name -> (type, label name or None, label values that are always there), as
-# /metrics exposed them before prometheus_client wrote it
+# /metrics exposed them before prometheus_client wrote it (and one added since)
 OLD_METRICS = {
     "jaxkv_pool_slots": ("gauge", "state", {"capacity", "used", "free"}),
     "jaxkv_pool_occupancy": ("gauge", None, None),
@@ -46,6 +46,7 @@ OLD_METRICS = {
     "jaxkv_xla_cache_hits_total": ("counter", None, None),
     "jaxkv_xla_releases_total": ("counter", None, None),
     "jaxkv_http_responses_total": ("counter", "status", {"200"}),
+    "jaxkv_segment_reused_tokens_total": ("counter", None, None),  # added with per-request reuse
 }
 HISTOGRAMS = ("jaxkv_time_to_first_token_seconds", "jaxkv_inter_token_latency_seconds", "jaxkv_queue_wait_seconds")
 

@@ -286,7 +286,7 @@ def test_option_rules_allow_only_what_the_server_allows():
     rules = OptionRules("snapkv", 512, repair=16, allow_policies=frozenset({"h2o", "full"}), max_budget=1024, max_repair=32)
     assert rules.resolve({}) == {"keep_reasoning": False, "policy": "snapkv", "budget": 512, "layout": "dead_slot", "repair": 16}
     assert rules.resolve({"policy": "h2o", "budget": 256, "repair": 0}) == {"keep_reasoning": False, "policy": "h2o", "budget": 256, "layout": "dead_slot"}
-    assert rules.resolve({"policy": None}) == {"keep_reasoning": False, "repair": 16}
+    assert rules.resolve({"policy": None}) == {"keep_reasoning": False}  # the default repair needs a policy: off with the full cache
     for bad, code in [({"policy": "tova"}, "option_not_allowed"), ({"budget": 4096}, "option_not_allowed"),
                       ({"repair": 64}, "option_not_allowed"), ({"budget": 0}, "invalid_value"), ({"repair": "x"}, "invalid_value")]:
         with pytest.raises(APIError) as err:

@@ -9,8 +9,8 @@ returns them as sentinel slots and the engine neither re-prefills nor reads them
 Ownership of holes (isolation between sessions). A hole exists because some
 session's retention policy evicted the row, and every token computed after it in
 that session attended over the pruned context. Such state belongs to its *owner*
-(a positive int: one per session, or one per explicit cache namespace, chosen by
-the server) and nobody else may read it:
+(a positive int, one per session, chosen by the server) and nobody else may
+read it:
   * the tree is split into *public* nodes (``owner == 0``) and *private* nodes
     of one owner. A public node never holds a hole, and every token on a public
     path was computed over a hole-free prefix: it is what a full-cache prefill

@@ -7,15 +7,20 @@ session turns and turns back into responses. A chat request:
 2. in a worker thread: render the request (``jaxkv.chat.render``: the
    messages' structure is checked there), derive its session key, size its
    reply;
-3. check out its session from the store (tenant-namespaced, options resolved),
-   wait for the session's previous turn (its lock), submit the turn
-   (``Session.start_chat``; the queue, context and pool checks raise here, before
-   any response starts);
+3. check out its session from the store (tenant-namespaced, options resolved
+   against the allow-list by ``OptionRules.resolve``; a new session is built with
+   the tenant's radix namespace and segment-reuse tenant, and any ``JaxKVError``
+   building it is a 400), wait for the session's previous turn (its lock), submit
+   the turn (``Session.start_chat``; the queue, context and pool checks raise
+   here, before any response starts);
 4. await ``asyncio.wrap_future(handle.future)``, or stream: ``on_tokens`` runs on
    the scheduler thread and hands the ids to the event loop
    (``loop.call_soon_threadsafe``), where ``ReplyStream`` turns them into SSE
    chunks. Streamed or not, ``on_tokens`` also times the tokens
-   (``metrics.TokenTimes``), and the turn's end records its queue wait.
+   (``metrics.TokenTimes``), and the turn's end records its queue wait;
+5. as the turn ends (on the scheduler thread, before the session's lock is
+   released), ``sessions.turn_report`` reads what its mechanisms did; the
+   response carries it as ``jaxkv`` (a stream: in its usage chunk).
 
 Invariants: the event loop never runs the model or touches the engine; a
 request's session lock is released when its turn ends, whatever happens to the
@@ -46,8 +51,9 @@ from jaxkv.chat import forced_call_prefix, render
 from jaxkv.chat.render import chat_markers
 from jaxkv.server import metrics as prom
 from jaxkv.server.errors import APIError, from_exception, invalid
-from jaxkv.server.protocol import ChatRequest, chunk, completion, message_of, new_id, parse_chat_request, usage
-from jaxkv.server.sessions import PUBLIC, OptionRules, SessionStore, Tenants, session_key
+from jaxkv.errors import JaxKVError
+from jaxkv.server.protocol import SESSION_OPTIONS, ChatRequest, chunk, completion, message_of, new_id, parse_chat_request, usage
+from jaxkv.server.sessions import PUBLIC, OptionRules, SessionStore, Tenants, cache_namespace, ledger, session_key, turn_report
 from jaxkv.server.streaming import ReplyStream
 
 log = logging.getLogger(__name__)
@@ -89,13 +95,23 @@ class ServingState:
         self.rate = prom.TokenRate()
         self.metrics = prom.ServerMetrics()
         self.responses: collections.Counter = collections.Counter()
+        self.mechanisms = collections.Counter(reused_tokens=0)  # summed turn reports (/metrics); keys fixed up front
         self.turn_seconds = 1.0  # moving average of turn latency (Retry-After)
         self.limit = min(server.model.config.max_position_embeddings, server.max_positions)
 
     def _make_session(self, key, options):
+        """A session of ``key = (tenant, session key)``: its ids, radix namespace
+        (``cache_namespace``: the tenant's, split by KV precision) and segment-reuse
+        tenant are the tenant's. A ``JaxKVError`` while building it
+        (options the stages refuse together) is a 400, never a 500."""
         tenant, sid = key
-        namespace = tenant if self.tenants.enabled else None
-        return self.server.session(session_id=f"{tenant}/{sid}", cache_namespace=namespace, **options)
+        namespace = cache_namespace(tenant if self.tenants.enabled else None, options, self.config.rules)
+        scoped = {"tenant": tenant} if options.get("reuse") else {}  # segments stored and matched per tenant
+        try:
+            return self.server.session(session_id=f"{tenant}/{sid}", cache_namespace=namespace, **options, **scoped)
+        except JaxKVError as err:
+            param = next((name for name in SESSION_OPTIONS if name in str(err)), None)
+            raise invalid(f"these session options cannot run together on this server: {err}", param) from None
 
     def retry_after(self) -> int:
         waiting = self.server.scheduler.queue_depth + 1
@@ -242,7 +258,7 @@ def create_app(server, config: ServeConfig, *, own_server: bool = False) -> Fast
         tenant(request)
         snap = await asyncio.wrap_future(server.scheduler.call(server.snapshot))
         state.rate.sample(snap.get("tokens_generated", 0))
-        scraped = prom.ServerState(snap, len(state.store), state.rate.rate(), dict(state.responses))
+        scraped = prom.ServerState(snap, len(state.store), state.rate.rate(), dict(state.responses), dict(state.mechanisms))
         return Response(state.metrics.exposition(scraped), media_type=prom.CONTENT_TYPE)
 
     @app.post("/v1/chat/completions")
@@ -299,12 +315,26 @@ def create_app(server, config: ServeConfig, *, own_server: bool = False) -> Fast
 
         started = time.perf_counter()
 
+        report: dict = {}  # what the mechanisms did (turn_report), filled as the turn ends
+
         def start():  # worker thread: render + submit (the scheduler's checks raise here)
+            before = ledger(entry.session)
             handle = entry.session.start_chat(
                 req.messages, req.tools, max_new_tokens=prepared.n_new, temperature=temperature, top_k=req.top_k,
                 top_p=req.top_p, seed=seed, tool_choice=req.tool_choice, stop=req.stop, on_tokens=on_tokens, ignore_eos=req.ignore_eos,
             )
-            handle.future.add_done_callback(lambda f: loop.call_soon_threadsafe(finished, handle))
+
+            def ended(f):  # the scheduler thread, while the session lock is still held
+                try:
+                    if not f.cancelled() and f.exception() is None:
+                        report.update(turn_report(entry.session, before))
+                        state.mechanisms["reused_tokens"] += report["reused_tokens"]
+                except Exception:  # a report must never keep the session locked
+                    log.exception("reading the turn's report failed")
+                finally:
+                    loop.call_soon_threadsafe(finished, handle)
+
+            handle.future.add_done_callback(ended)
             return handle
 
         def finished(handle):
@@ -325,7 +355,7 @@ def create_app(server, config: ServeConfig, *, own_server: bool = False) -> Fast
         rid = new_id("chatcmpl-")
         if req.stream:
             return StreamingResponse(
-                _stream(state, req, handle, queue, rid), media_type="text/event-stream",
+                _stream(state, req, handle, queue, rid, report), media_type="text/event-stream",
                 headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no", **headers},
                 background=BackgroundTask(handle.cancel),  # a stream that never started: drop its turn
             )
@@ -340,12 +370,14 @@ def create_app(server, config: ServeConfig, *, own_server: bool = False) -> Fast
         finally:
             watcher.cancel()
         use = usage(turn.prompt_tokens, len(turn.reply_ids), turn.cached_tokens)
-        return JSONResponse(completion(rid, config.model_name, message_of(turn.reply), turn.finish_reason, use), headers=headers)
+        body = completion(rid, config.model_name, message_of(turn.reply), turn.finish_reason, use)
+        body["jaxkv"] = report
+        return JSONResponse(body, headers=headers)
 
     return app
 
 
-async def _stream(state: ServingState, req: ChatRequest, handle, queue: asyncio.Queue, rid: str):
+async def _stream(state: ServingState, req: ChatRequest, handle, queue: asyncio.Queue, rid: str, report: dict):
     """The SSE body of a streamed turn (module docstring of ``streaming``)."""
     model, created = state.config.model_name, int(time.time())
     extra = {"include_usage": req.include_usage}
@@ -364,8 +396,9 @@ async def _stream(state: ServingState, req: ChatRequest, handle, queue: asyncio.
         for delta in stream.finish(turn.reply):
             yield _sse(chunk(rid, model, created, delta, **extra))
         yield _sse(chunk(rid, model, created, {}, turn.finish_reason, **extra))
-        if req.include_usage:
-            yield _sse(chunk(rid, model, created, None, use=usage(turn.prompt_tokens, len(turn.reply_ids), turn.cached_tokens), include_usage=True))
+        if req.include_usage:  # the usage chunk also carries what the mechanisms did
+            last = chunk(rid, model, created, None, use=usage(turn.prompt_tokens, len(turn.reply_ids), turn.cached_tokens), include_usage=True)
+            yield _sse({**last, "jaxkv": report})
         yield "data: [DONE]\n\n"
     finally:
         if not handle.future.done():  # the client went away mid-stream

@@ -11,7 +11,8 @@ means a bug, and says so).
 | 400    | invalid_request_error   | unsupported_parameter     | a field jaxkv does not honour (logprobs, ...)      |
 | 400    | invalid_request_error   | context_length_exceeded   | prompt + ``max_tokens`` exceed the context         |
 | 400    | invalid_request_error   | kv_capacity_exceeded      | the turn needs more KV slots than the whole pool   |
-| 400    | invalid_request_error   | option_not_allowed        | an ``extra_body`` override the server forbids      |
+| 400    | invalid_request_error   | option_not_allowed        | an ``extra_body`` option the server does not allow |
+| 400    | invalid_request_error   | invalid_value             | options a session's stages refuse together         |
 | 400    | invalid_request_error   | session_options_mismatch  | options differ from the ones the session runs with |
 | 401    | authentication_error    | invalid_api_key           | missing or wrong ``Authorization: Bearer`` key     |
 | 404    | not_found_error         | model_not_found / ...     | unknown model or path                              |

@@ -28,7 +28,9 @@ Metrics, as a scraper sees them (a counter's name is its ``_total`` series):
 * cache: ``jaxkv_prompt_tokens_total``, ``jaxkv_cached_prompt_tokens_total`` and
   their ratio ``jaxkv_prefix_hit_rate``; ``jaxkv_evicted_tokens_total``
   (retention), ``jaxkv_prefix_cache_evicted_slots_total`` (LRU under pool
-  pressure), ``jaxkv_repaired_rows_total`` (RepairKV), ``jaxkv_host_tier_rows``;
+  pressure), ``jaxkv_repaired_rows_total`` (RepairKV), ``jaxkv_host_tier_rows``,
+  ``jaxkv_segment_reused_tokens_total`` (prompt tokens spliced by segment reuse,
+  summed by the HTTP layer over the turns it served);
 * throughput: ``jaxkv_generated_tokens_total``, ``jaxkv_prefill_tokens_total``
   and ``jaxkv_generated_tokens_per_second`` over the last ``RATE_WINDOW_S``;
 * engine: ``jaxkv_engine_seconds_total{phase="prefill|decode"}`` (seconds the
@@ -120,12 +122,14 @@ class ServerState:
       sessions: live sessions in the HTTP session store.
       tokens_per_second: ``TokenRate.rate()``.
       responses: HTTP responses so far, by status code.
+      mechanisms: the HTTP layer's sums of its turns' reports (``reused_tokens``).
     """
 
     snapshot: Mapping[str, float]
     sessions: int
     tokens_per_second: float
     responses: Mapping[int, int]
+    mechanisms: Mapping[str, int] = dataclasses.field(default_factory=dict)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -209,6 +213,8 @@ STATE_METRICS = (
     StateMetric("jaxkv_prefix_cache_evicted_slots_total", "counter", "Slots the prefix cache gave back under pool pressure.",
                 _snapshot("radix_evicted_slots")),
     StateMetric("jaxkv_repaired_rows_total", "counter", "KV rows RepairKV promoted back from the host tier.", _snapshot("repaired_rows")),
+    StateMetric("jaxkv_segment_reused_tokens_total", "counter", "Prompt tokens spliced from stored KV segments (cross-query reuse).",
+                lambda state: state.mechanisms.get("reused_tokens", 0)),
     StateMetric("jaxkv_host_tier_rows", "gauge", "Evicted KV rows shelved in the host tier.", _snapshot("host_tier_rows")),
     StateMetric("jaxkv_generated_tokens_total", "counter", "Tokens generated.", _counted("tokens_generated")),
     StateMetric("jaxkv_prefill_tokens_total", "counter", "Prompt tokens prefilled (not cached).", _counted("prefill_tokens")),

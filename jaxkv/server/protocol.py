@@ -15,14 +15,17 @@ What a request may carry:
   ``temperature``, ``top_p``, ``seed``, ``stop``, ``stream``,
   ``stream_options.include_usage``, ``n`` (1 only);
 * jaxkv's (``extra_body``): ``session_id``, ``top_k``, and the session options
-  ``policy`` / ``budget`` / ``repair`` (what the server allows: ``sessions``);
+  ``policy`` / ``budget`` / ``layout`` / ``repair`` / ``kv_quant`` / ``kv_bits`` /
+  ``reuse`` (``SESSION_OPTIONS``; what the server allows is checked by
+  ``sessions.OptionRules``, not here);
 * fields that change nothing here and are accepted as such (``user``,
   ``metadata``, ``parallel_tool_calls``, ...). A field that would change the
   answer in a way jaxkv does not implement (``logprobs``, penalties,
   ``logit_bias``, a JSON ``response_format``) is refused, and so is an unknown
   field, so a typo in ``extra_body`` does not silently lose a session.
 
-Responses: ``completion(...)`` is the ``chat.completion`` object,
+Responses: ``completion(...)`` is the ``chat.completion`` object (the app adds
+``jaxkv``: what the session's mechanisms did, ``sessions.turn_report``),
 ``chunk(...)`` one ``chat.completion.chunk``; ``message_of(reply)`` turns a
 parsed reply (``jaxkv.chat.parse_assistant``) into the OpenAI message, giving
 each tool call an id (``call_...``).
@@ -37,7 +40,7 @@ from typing import Any
 
 from jaxkv.server.errors import invalid
 
-SESSION_OPTIONS = ("policy", "budget", "repair")
+SESSION_OPTIONS = ("policy", "budget", "layout", "repair", "kv_quant", "kv_bits", "reuse")  # checked by sessions.OptionRules
 IGNORED = frozenset({
     "user", "metadata", "store", "service_tier", "parallel_tool_calls", "prompt_cache_key",
     "prompt_cache_retention", "safety_identifier", "modalities", "reasoning_effort", "verbosity",

@@ -9,11 +9,12 @@ any number of sessions may run turns at once (one thread or asyncio task per
 session), up to ``rows`` of them in the engine and ``max_queue`` waiting.
 
 Holes are private: a cached prefix's holes, and every token computed after one,
-belong to the session (or explicit cache namespace) whose policy made them
-(``cache_owner``; the rule is ``jaxkv.cache.radix``'s). Another session reuses a
-cached prefix up to the first hole it did not make and prefills the rest; a
-full-cache session never reads a hole; a session's next turn reuses its own
-pruned prefix, holes included.
+belong to the session whose policy made them (``cache_owner``: one radix owner
+per session, whatever its cache namespace; the rule is ``jaxkv.cache.radix``'s).
+Another session, of the same namespace or not, reuses a cached prefix up to the
+first hole it did not make and prefills the rest; a full-cache session never
+reads a hole; a session's next turn reuses its own pruned prefix, holes
+included.
 
 Cache namespaces: ``server.radix_for(name)`` is the radix cache as one
 namespace sees it (``NamespacedRadix``): sessions made with
@@ -115,7 +116,6 @@ class Server:
         self.radix = RadixTree(self.engine.allocator)
         self.engine.reclaim = self._reclaim
         self.namespaces: dict[str, int] = {}  # cache namespace name -> its key in the radix tree
-        self.namespace_owners: dict[str, int] = {}  # cache namespace name -> the radix owner of its holes
         self._owners_made = 0  # radix owners handed out (``cache_owner``)
         self._namespace_lock = threading.Lock()
         self.counters = collections.Counter()  # module docstring; written on the scheduler thread
@@ -129,11 +129,13 @@ class Server:
         if warmup:
             self.warmup(**({} if warmup is True else {"samplers": tuple(warmup)}))
 
-    def warmup(self, *, samplers=("greedy", "sample", "top_p"), progress: bool = True) -> int:
+    def warmup(self, *, samplers=("greedy", "sample", "top_p"), progress: bool = True, session_options: dict | None = None) -> int:
         """Compile the engine's whole shape set (``Engine.warmup``) on the
         scheduler thread, then run one short chat turn per sampler (the turn
-        pipeline's own programs); the persistent compilation cache is turned on
-        first. Call it before serving. Returns the programs the engine ran."""
+        pipeline's own programs) in a scratch session made with
+        ``session_options`` (e.g. a triaxial pool's ``kv_allocation``); the
+        persistent compilation cache is turned on first. Call it before serving.
+        Returns the programs the engine ran."""
         import time
 
         from tqdm.auto import tqdm
@@ -150,7 +152,7 @@ class Server:
             ran = self.scheduler.call(lambda: eng.warmup(
                 self.scheduler.decode_chunk, samplers=samplers, stop_token_ids=self.stop_token_ids, progress=bar.update,
             )).result()
-        session = self.session()
+        session = self.session(**(session_options or {}))
         for name in samplers:
             session.chat([{"role": "user", "content": "warm up"}], max_new_tokens=2, **Engine.WARMUP_SAMPLERS[name])
         session.close()
@@ -176,15 +178,12 @@ class Server:
             key = self.namespaces.setdefault(str(namespace), len(self.namespaces))
         return NamespacedRadix(self.radix, key)
 
-    def cache_owner(self, namespace: str | None) -> int:
-        """A radix owner for a new session (``jaxkv.cache.radix``: whose holes a
-        request may read): a fresh one per session, one per explicit namespace."""
+    def cache_owner(self) -> int:
+        """A fresh radix owner for a new session (``jaxkv.cache.radix``: whose
+        holes a request may read): holes are never shared between sessions, even
+        of one cache namespace."""
         with self._namespace_lock:
-            if namespace is not None and str(namespace) in self.namespace_owners:
-                return self.namespace_owners[str(namespace)]
             self._owners_made += 1
-            if namespace is not None:
-                self.namespace_owners[str(namespace)] = self._owners_made
             return self._owners_made
 
     def _reclaim(self, n_slots: int):

@@ -115,7 +115,7 @@ class Session:
       cache_namespace: the radix-cache namespace of the session's requests
         (``Server.radix_for``): only sessions of the same namespace share cached
         prefixes (tenants of a shared server). None: the shared cache. Holes a
-        session's policy makes are its own (the namespace's, when given): other
+        session's policy makes are its own, whatever its namespace: other
         sessions reuse a cached prefix only up to them (``jaxkv.cache.radix``).
       protect_query: keep the actionable query (the latest user / tool message)
         out of eviction, as ALGORITHMS.md §1 forces (default). False lets an event
@@ -167,7 +167,7 @@ class Session:
         self.server = server or Server(
             model, max_positions=max_positions, num_slots=num_slots, backend=backend, kv_quant=quant.mode if quant else None,
         )
-        self.cache_owner = self.server.cache_owner(cache_namespace)  # whose holes it reads (jaxkv.cache.radix)
+        self.cache_owner = self.server.cache_owner()  # whose holes it reads (jaxkv.cache.radix): its own only
         self._watch_private_server()
 
     def _watch_private_server(self) -> None:
@@ -208,6 +208,12 @@ class Session:
         """The quantization stage (``mode``, ``budget``, per-request ``records``),
         or None for full precision."""
         return self._stage("kv_quant")
+
+    @property
+    def reuse(self):
+        """The segment-reuse stage (``config``, ``tenant``, per-prompt ``reports``),
+        or None without cross-query reuse."""
+        return self._stage("reuse")
 
     @property
     def repair_signal(self):
