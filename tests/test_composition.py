@@ -18,7 +18,7 @@ single-mechanism references where they must match:
 The pairs with a mesh run in the 8-device process (``tests/test_sharding.py``:
 ``session``: policy + layout + RepairKV; ``reuse``; ``quant``: an INT4 pool with
 reuse, SnapKV and RepairKV; ``user_meshes``: a ``Server`` and ``Session``); the
-HTTP pairs in ``tests/test_server_http.py`` (every per-request option against the
+HTTP pairs in ``tests/test_server_options.py`` (every per-request option against the
 ``Session`` it builds). ``PAIRS`` names the test that covers each pair and
 ``test_every_pair_is_covered`` checks that each one exists. Pairs without a
 meaning raise ``ConfigError`` (``test_meaningless_pairs_raise_config_error``).
@@ -49,10 +49,10 @@ PAIRS = {  # (a, b) -> "module::test" that runs the pair
     ("kv_quant", "mesh"): "test_sharding::test_quantized_pool_with_reuse_eviction_and_repair_runs_sharded",
     ("reuse", "mesh"): "test_sharding::test_segment_reuse_runs_sharded",
     ("mesh", "http"): "test_sharding::test_meshes_built_with_jax_match_one_device",
-    ("policy", "http"): "test_server_http::test_every_per_request_option_matches_its_session",
-    ("repair", "http"): "test_server_http::test_every_per_request_option_matches_its_session",
-    ("kv_quant", "http"): "test_server_http::test_every_per_request_option_matches_its_session",
-    ("reuse", "http"): "test_server_http::test_every_per_request_option_matches_its_session",
+    ("policy", "http"): "test_server_options::test_every_per_request_option_matches_its_session",
+    ("repair", "http"): "test_server_options::test_every_per_request_option_matches_its_session",
+    ("kv_quant", "http"): "test_server_options::test_every_per_request_option_matches_its_session",
+    ("reuse", "http"): "test_server_options::test_every_per_request_option_matches_its_session",
 }
 NEW_TOKENS = 3
 WIDE = 100_000  # a budget no conversation here reaches: the policy evicts nothing

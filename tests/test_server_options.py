@@ -65,13 +65,19 @@ def model(quant_model_dir):
     return jaxkv.load_model(quant_model_dir)
 
 
+APPS = {  # the two servers' settings (make_app keywords)
+    "served": dict(rows=2, max_positions=2048, max_tokens=4, rules=OptionRules(
+        allow_policies={"snapkv", "streaming_llm"}, max_budget=256, allow_layouts={"compact"}, max_repair=16, allow_reuse={"segment"})),
+    "quantized": dict(rows=1, max_positions=1024, max_tokens=4, rules=OptionRules(kv_quant="triaxial", allow_kv_quant={"int4"}, max_kv_bits=3.5)),
+}
+
+
 @pytest.fixture(scope="module")
 def served(model):
     """A float pool, full cache by default; requests may choose snapkv or
     streaming_llm with a budget up to 256, the compact layout, RepairKV up to 16
     rows and segment reuse. Two API keys: two tenants."""
-    rules = OptionRules(allow_policies={"snapkv", "streaming_llm"}, max_budget=256, allow_layouts={"compact"}, max_repair=16, allow_reuse={"segment"})
-    app = make_app(model, model_name="tiny", rows=2, max_positions=2048, api_keys=KEYS, rules=rules, max_tokens=4)
+    app = make_app(model, model_name="tiny", api_keys=KEYS, **APPS["served"])
     with BackgroundServer(app) as running:
         running.state = app.state.jaxkv
         yield running
@@ -81,8 +87,7 @@ def served(model):
 def quantized(model):
     """A triaxial pool (TriAxialKV by default, the calibration's 3.0 bits); requests
     may choose int4 instead, and kv_bits up to 3.5. No API keys."""
-    rules = OptionRules(kv_quant="triaxial", allow_kv_quant={"int4"}, max_kv_bits=3.5)
-    app = make_app(model, model_name="tiny", rows=1, max_positions=1024, rules=rules, max_tokens=4)
+    app = make_app(model, model_name="tiny", **APPS["quantized"])
     with BackgroundServer(app) as running:
         yield running
 
@@ -191,6 +196,76 @@ def test_one_tenants_sessions_prune_one_document_each_their_own_way(served, doc)
     owners = {e.session.cache_owner for (tenant, key), e in served.state.store._entries.items() if key in ("explicit:prune-1", "explicit:prune-2")}
     assert len(owners) == 2
     served.state.server.radix.check_invariants()
+
+
+# ============================================================================ HTTP against the library
+HTTP_CASES = [  # (fixture, extra_body): each mechanism chosen per request over HTTP
+    ("served", {"policy": "snapkv", "budget": BUDGET}),
+    ("served", {"policy": "streaming_llm", "budget": BUDGET, "layout": "compact"}),
+    ("served", {"policy": "snapkv", "budget": BUDGET, "repair": 16}),
+    ("served", {"reuse": "segment"}),
+    ("quantized", {"kv_quant": "int4"}),
+    ("quantized", {"kv_bits": 2}),
+]
+
+
+@pytest.mark.parametrize("fixture,extra", HTTP_CASES, ids=lambda x: x if isinstance(x, str) else "+".join(x))
+def test_every_per_request_option_matches_its_session(model, fixture, extra):
+    """A two-turn conversation sent over HTTP with ``extra`` to a fresh app, and
+    the same turns through a ``Session`` built with the options that app resolves
+    for it on a fresh ``Server`` of the same settings: the same replies and the
+    same mechanism counts. (Fresh on both sides: cached prefixes keep the
+    precision they were first written at, so what earlier requests left in a
+    pool can change a quantized reply.) Reuse runs a first conversation that
+    stores the document, then one behind another system prompt that splices it."""
+    settings = APPS[fixture]
+    app = make_app(model, model_name="tiny", **settings)
+    options = settings["rules"].resolve(extra)
+    with BackgroundServer(app) as running:
+        over_http = _converse_over_http(running.url, extra)
+    _compare_with_session(model, settings, options, extra, over_http)
+
+
+def _conversations(extra) -> list:
+    doc = shared_corpus(5, n_shelves=1, length=600)[2]
+    systems = ["You compare HTTP with the library.", "You are the second reader of it."] if "reuse" in extra else ["You compare HTTP with the library."]
+    return [[{"role": "system", "content": system}, {"role": "user", "content": f"Read this document.\n{doc.text}"}] for system in systems]
+
+
+def _converse_over_http(url, extra) -> list:
+    """Per conversation: (reply 1, reply 2, report 1, report 2)."""
+    tag = "-".join(f"{k}{v}" for k, v in extra.items())
+    over_http = []
+    for c, msgs in enumerate(_conversations(extra)):
+        first, report1 = ask(url, msgs, session_id=f"lib-{tag}-{c}", **extra)
+        msgs2 = msgs + [{"role": "assistant", "content": first.choices[0].message.content or ""}, {"role": "user", "content": "What is the first record?"}]
+        second, report2 = ask(url, msgs2, session_id=f"lib-{tag}-{c}", **extra)
+        over_http.append((first.choices[0].message.content, second.choices[0].message.content, report1, report2))
+    return over_http
+
+
+def _compare_with_session(model, settings, options, extra, over_http) -> None:
+    kv_quant = settings["rules"].kv_quant
+    with jaxkv.Server(model, rows=settings["rows"], max_positions=settings["max_positions"], kv_quant=kv_quant) as server:
+        for (content1, content2, report1, report2), msgs in zip(over_http, _conversations(extra)):
+            session = server.session(tenant="reference", **options) if "reuse" in extra else server.session(**options)
+            one = session.chat(msgs, max_new_tokens=2)
+            msgs2 = msgs + [{"role": "assistant", "content": one.get("content") or ""}, {"role": "user", "content": "What is the first record?"}]
+            two = session.chat(msgs2, max_new_tokens=2)
+            assert (one.get("content"), two.get("content")) == (content1, content2), extra
+            if "reuse" in extra:
+                reused = sum(r.spliced_tokens for r in session.reuse.reports)
+                assert reused == report1["reused_tokens"] + report2["reused_tokens"], extra
+            evicted = sum(c.live_before - c.live_after for c in session.compressions)
+            assert evicted == report1["evicted_tokens"] + report2["evicted_tokens"], extra
+            assert sum(r.promoted_positions.size for r in session.repairs) == report1["repaired_rows"] + report2["repaired_rows"], extra
+    if "reuse" in extra:
+        assert over_http[1][2]["reused_tokens"] > 0  # the second conversation did splice
+    if "repair" in extra:
+        assert over_http[0][3]["repaired_rows"] > 0
+    if "policy" in extra:
+        assert over_http[0][3]["evicted_tokens"] > 0
+    assert all(c1 and c2 for c1, c2, _, _ in over_http)  # replies to compare, not two empty strings
 
 
 # ============================================================================ what is refused

@@ -144,6 +144,14 @@ class ReuseConfig:
         return (self.mode, n, self.ctx_window, self.shingle)
 
 
+def _precision(turn) -> tuple:
+    """The session's KV precision, part of a segment's namespace: a segment holds
+    the pool's float view of rows written at that precision, so sessions of
+    another precision (or the float pool) never splice it."""
+    quant = turn.session.quantization
+    return (None, None) if quant is None else (quant.mode, quant.budget)
+
+
 @dataclasses.dataclass
 class ReuseReport:
     """One prompt prefill under reuse.
@@ -270,7 +278,7 @@ class ReuseStage(Stage):
         n_reuse = min(cfg.reuse_layers, L)
         cut = n_reuse - 1
         start, n = turn.reused, ids.size
-        store, ns = turn.server.segments, cfg.namespace(L)
+        store, ns = turn.server.segments, cfg.namespace(L) + (_precision(turn),)
         spans = self._match(turn, ns, min_len=2 * cfg.halo + cfg.min_interior)
         resid = np.zeros((n - start, engine.model.config.hidden_size), np.float32)
         got: dict[int, np.ndarray] = {}  # position -> spliced-path logits (audit)
@@ -346,7 +354,7 @@ class ReuseStage(Stage):
         L = engine.model.config.num_layers
         start, n = turn.reused, ids.size
         T = n - start
-        store, ns = turn.server.segments, cfg.namespace(L)
+        store, ns = turn.server.segments, cfg.namespace(L) + (_precision(turn),)
         spans = self._match(turn, ns, min_len=cfg.min_interior)
         # step 1: layer 0 for every suffix token (K/V exact: they depend on token and position)
         plan1 = SplicePlan(ids[start:n], 1, np.arange(T), np.zeros(0, np.int64))
