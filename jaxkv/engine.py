@@ -134,7 +134,7 @@ class DecodeBatch:
     static_argnames=("graphdef", "n_read", "features", "mesh", "kv_op"),
     donate_argnames=("cache",),
 )
-def prefill_step(graphdef, params, cache: PagedKVCache, batch: PrefillBatch, *, n_read, features, mesh=None, kv_op=None, kv_args=None):
+def prefill_step(graphdef, params, cache: PagedKVCache, batch: PrefillBatch, *, n_read, features, mesh=None, kv_op=FloatPrefill(), kv_args=None):
     """Prefill one chunk for the rows of ``batch`` (a ``PrefillBatch``).
 
     ``kv_op`` is the pool's ``prefill_op`` (``jaxkv.cache.pools``; default: the float
@@ -147,7 +147,6 @@ def prefill_step(graphdef, params, cache: PagedKVCache, batch: PrefillBatch, *, 
     tables = take_rows(cache, batch.rows_B)
     T = batch.tokens_BT.shape[1]
     positions = tables.seq_len[:, None] + jnp.arange(T, dtype=jnp.int32)[None, :]
-    kv_op = kv_op if kv_op is not None else FloatPrefill()
     logits, kv, aux = kv_op(model, batch, tables, positions, cache.kv, kv_args, n_read, features)
     tables = append_tokens(tables, batch.slots_BT, batch.chunk_len_B)
     cache = put_rows(cache.with_kv(kv), batch.rows_B, tables)
@@ -175,7 +174,7 @@ def decode_loop(
     teacher_forced=False,
     features: Features = NO_FEATURES,
     mesh=None,
-    kv_step=None,
+    kv_step=FloatDecodeStep(),
     kv_args=None,
     window: DecodeWindow | None = None,
     regroup: bool = False,
@@ -222,7 +221,6 @@ def decode_loop(
     attend = functools.partial(pallas.decode_attention, backend=backend)
     attend = attend if mesh is None else sharding.shard_heads(attend, mesh)
 
-    step_op = kv_step if kv_step is not None else FloatDecodeStep()
     started = (b.limit_B > 0).sum()
 
     def cond(carry):
@@ -237,7 +235,7 @@ def decode_loop(
         slot = jnp.where(active, b.slots_BN[:, step], SENTINEL_SLOT)
         pos = tables.seq_len
         tables = append_tokens(tables, slot[:, None], active.astype(jnp.int32))
-        logits, kv, step_aux = step_op(
+        logits, kv, step_aux = kv_step(
             model, last, pos, kv, kv_args, tables, slot, n_read, features, attend=attend,
             window=aux["window"]._replace(step=step) if window is not None else None,
         )

@@ -160,3 +160,18 @@ def test_the_module_import_graph_has_no_circle():
 def test_the_circle_finder_finds_a_circle():
     graph = {"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}
     assert import_circles(graph) == [["a", "b", "c"]]
+
+
+def test_the_engine_never_branches_on_the_pool_kind():
+    """``jaxkv/engine.py`` calls the pool interface (``jaxkv.cache.pools``) and never
+    tests which pool it holds: no condition reads a quantization mode or a pool
+    class, and the engine imports no quantized-pool module."""
+    tree = ast.parse((PACKAGE / "engine.py").read_text())
+    words = {"quant", "kv_quant", "kv_step", "kv_op", "token_kind", "QuantizedKV", "FloatKV", "DualPool", "QuantizedKVCache", "PagedKVCache"}
+    conditions = [n.test for n in ast.walk(tree) if isinstance(n, (ast.If, ast.IfExp, ast.While))]
+    conditions += [v for n in ast.walk(tree) if isinstance(n, ast.BoolOp) for v in n.values]
+    named = sorted({ast.unparse(c) for c in conditions for sub in ast.walk(c)
+                    if isinstance(sub, (ast.Name, ast.Attribute)) and (sub.id if isinstance(sub, ast.Name) else sub.attr) in words})
+    assert named == [], named
+    imported = {n.module for n in ast.walk(tree) if isinstance(n, ast.ImportFrom) and n.module}
+    assert not {m for m in imported if "quantized" in m}, imported
