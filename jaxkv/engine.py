@@ -579,6 +579,14 @@ class Engine:
         self._row(row)
         self.pool.write_float(self, row, slots, k_LMKD, v_LMKD)
 
+    def requantize(self, row: int, positions, bits) -> None:
+        """Move the row's tokens at ``positions`` to the precision ``bits`` (2 or 4
+        per token) choose, as a prefill with these ``kv_bits`` would have written
+        them (a quantized pool: 2-bit tokens into whole INT2 pages): for tokens
+        first written another way, such as a spliced prefill's."""
+        self._row(row)
+        self.pool.requantize(self, row, positions, bits)
+
     def host_keys(self, k_LMKD) -> np.ndarray:
         """float keys of host rows from ``gather_rows`` (a quantized pool's blobs
         dequantized; float rows as they are): what RepairKV scores."""

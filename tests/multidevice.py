@@ -19,8 +19,8 @@ Cases (SPEC: ``{"cases": [{"name", "kind", ...}]}``):
   with the compact layout) on a sharded model, against the same on one device.
 * ``reuse``: cross-query segment reuse (a spliced prefill) on a sharded embedded
   model, against the same on one device.
-* ``quant``: a quantized pool (INT4) on a sharded embedded model with segment
-  reuse, SnapKV and RepairKV, against the same on one device.
+* ``quant``: a quantized pool (INT4) on a sharded embedded model, a spliced
+  prefill and a plain chat, against the same on one device.
 * ``user_meshes``: meshes a user builds with JAX's own constructors, not jaxkv's
   ``make_mesh``: ``jax.make_mesh`` (Explicit axes, JAX's default) and
   ``jax.sharding.Mesh`` (Auto axes), each through ``load_model``, against one
@@ -196,8 +196,10 @@ def reuse_case(case) -> dict:
 
 def quant_case(case) -> dict:
     """A quantized pool (``kv_quant="int4"``) on a sharded embedded model: a spliced
-    prefill (segment reuse) and a SnapKV + RepairKV session on one server, against
-    the same on one device; where each region of the pool ended up."""
+    prefill (segment reuse) and a plain chat (the pool's own prefill and decode) on
+    one server, against the same on one device; where each region ended up.
+    (Retention and RepairKV on a quantized pool: ``tests/test_composition.py``;
+    on a mesh: the ``session`` case.)"""
     from jaxkv.tasks import shared_corpus
     from test_reuse import chat, conversation
 
@@ -209,12 +211,10 @@ def quant_case(case) -> dict:
         opts = dict(reuse="segment", tenant="t", reuse_layers=2, halo=2)
         chat(server, *conversation(doc, 0), **opts)
         _, stage, _ = chat(server, *conversation(doc, 2), **opts)
-        managed = server.session(policy="snapkv", budget=120, repair=16)
-        turns = managed.replay(conversation(doc, 1)[0] + [{"role": "assistant", "content": "done"}], None, generate=True, max_new_tokens=3)
+        plain = server.session().chat(*conversation(doc, 1), max_new_tokens=3)  # the pool's own prefill, then decode
         pool = server.engine.cache.pool
         out[name] = {"logits": np.asarray(stage.last_logits).tolist(), "accepted": int(stage.reports[-1].accepted),
-                     "replies": [t.generated for t in turns], "promoted": sum(r.promoted_positions.size for r in managed.repairs),
-                     "int4_split": _split(pool.int4.k.data), "int2_split": _split(pool.int2.k.scale)}
+                     "reply": plain, "int4_split": _split(pool.int4.k.data), "int2_split": _split(pool.int2.k.scale)}
         server.close()
     out["logits_err"] = _err([out["single"].pop("logits")], [out["sharded"].pop("logits")])
     return out

@@ -171,14 +171,14 @@ def test_segment_reuse_runs_sharded(measured):
     assert m["sharded"]["pool_split"] == [None, None, "tp", None] and m["single"]["pool_split"] == [None] * 4
 
 
-def test_quantized_pool_with_reuse_eviction_and_repair_runs_sharded(measured):
+def test_quantized_pool_with_reuse_runs_sharded(measured):
     """An INT4 pool on a dp 2 x tp 2 mesh: every region split by KV head; a spliced
-    prefill accepts what one device does with its logits within 1e-5; a SnapKV +
-    RepairKV session replies and promotes as on one device."""
+    prefill accepts what one device does with its logits within 1e-5; a plain chat
+    (the pool's prefill and decode) replies as on one device."""
     m = measured["quant"]
     print(f"\nINT4 pool, spliced prefill, sharded vs one device: max logit error {m['logits_err']:.2e}")
-    assert m["single"]["accepted"] > 0 and m["single"]["promoted"] > 0  # reuse spliced, repair promoted
-    for key in ("accepted", "replies", "promoted"):
+    assert m["single"]["accepted"] > 0  # reuse spliced
+    for key in ("accepted", "reply"):
         assert m["sharded"][key] == m["single"][key], key
     assert m["logits_err"] <= TOL
     assert m["sharded"]["int4_split"][:3] == [None, None, "tp"] and m["sharded"]["int2_split"][:3] == [None, None, "tp"]

@@ -22,7 +22,9 @@ checks run first, so a failing call changes nothing):
   window) -> (logits, kv, aux)`` (one step: the token written, then read);
 * host plans: ``plan_prefill(engine, row, kv_bits, n, chunk) -> (plan, slots)``,
   ``prefill_args(jobs, B, C)`` and ``decode_args(states, new_slots, B)`` (the
-  steps' ``kv_args``), ``settle(engine, rows)`` (after every write: kivi2's aging);
+  steps' ``kv_args``), ``settle(engine, rows)`` (after every write: kivi2's aging),
+  ``requantize(engine, row, positions, bits)`` (tokens written another way moved
+  to the precision ``kv_bits`` choose);
 * reads: ``gather_keys(cache, live)`` (float post-RoPE keys, what scorers read),
   ``gather_rows(cache, slots)`` (host copies, what the RepairKV tier shelves),
   ``host_keys(rows)`` (float keys of such copies), ``gather_float(cache, slots)``
@@ -169,6 +171,10 @@ class FloatKV:
 
     def settle(self, engine, rows) -> None:
         """Nothing ages in a float pool."""
+
+    def requantize(self, engine, row: int, positions, bits) -> None:
+        if bits is not None:
+            raise JaxKVError("kv_bits needs a quantized pool (Engine(kv_quant=...))")
 
     def write_float(self, engine, row: int, slots, k_LMKD, v_LMKD) -> None:
         engine.cache = _write_rows(engine.cache, jnp.asarray(slots, jnp.int32), jnp.asarray(k_LMKD), jnp.asarray(v_LMKD))

@@ -540,6 +540,29 @@ class QuantizedKV:
         engine.set_row_tables(row, slots.tolist(), slots[slots != SENTINEL_SLOT].tolist())
         self.allocator.release(src)
 
+    def requantize(self, engine, row: int, positions, bits) -> None:
+        """Move the row's tokens at ``positions`` whose ``bits`` are 2 into INT2
+        pages, whole pages in position order (the page-completion rule over those
+        tokens: the ones that do not fill a page keep their precision): the
+        precision a prefill with these ``kv_bits`` would have written, for tokens
+        first written another way (a spliced prefill writes the token region)."""
+        if self.geometry.pages <= 1:
+            return
+        state = engine.row_state[row]
+        slots = np.asarray(state.slots, np.int64)
+        pos = np.asarray(positions, np.int64)[np.asarray(bits).reshape(-1) == INT2]
+        pos = pos[(slots[pos] != SENTINEL_SLOT) & (self.geometry.kind(slots[pos]) != INT2)]
+        n = PAGE * self._make_room(engine, pos.size // PAGE, 0)
+        if n == 0:
+            return
+        pos = pos[:n]
+        pages, fresh = self.allocator.allocate_pages(np.full(n // PAGE, PAGE))
+        src = slots[pos]
+        engine.cache = self._rewrite(engine.cache, src, fresh, np.zeros(n, np.int64), np.arange(n).reshape(-1, PAGE), pages)
+        slots[pos] = fresh
+        engine.set_row_tables(row, slots.tolist(), slots[slots != SENTINEL_SLOT].tolist())
+        self.allocator.release(src)
+
     def fresh_slots(self, engine, row: int, positions) -> np.ndarray:
         """Fresh slots for a compact layout's kept ``positions`` (position order):
         INT2 tokens regrouped into whole pages (the rest INT4), INT4 and float

@@ -12,6 +12,10 @@ needs every prompt token through every layer, which a spliced token skips, so
 those prefills run in full; their reports say so (``ReuseReport.skipped``) and
 the replies are the session's without reuse. A policy that reads no prefill
 feature (``streaming_llm``) splices as a session without one would, then evicts.
+On a quantized pool the spliced prefill writes the token region (INT4; kivi2:
+float), and a triaxial session's tokens whose tags choose 2 bits then move to
+INT2 pages (``Engine.requantize``), so reused tokens are stored at the precision
+their tags choose.
 
 Segment mode, per prompt (``before_prefill`` takes the prefill over):
 
@@ -266,6 +270,9 @@ class ReuseStage(Stage):
             logits, audit_s = self._segment(turn, rep)
         else:
             logits, audit_s = self._cacheblend(turn, rep)
+        bits = work.options.get("kv_bits")  # a triaxial session: its tags' 2-bit tokens go to INT2 pages now
+        if bits is not None:
+            turn.engine.requantize(turn.row, np.arange(turn.reused, turn.reused + work.tokens.size), bits)
         rep.prefill_s = time.perf_counter() - t0 - audit_s
         self.reports.append(rep)
         self.last_logits = logits
