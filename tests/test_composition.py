@@ -15,6 +15,8 @@ single-mechanism references where they must match:
   precision the pool stores, so the spliced prefill adds less error than the
   quantization itself (``test_segment_reuse_on_a_quantized_pool``).
 
+Retention and RepairKV on a quantized pool (both layouts, TriAxialKV) are
+``test_triaxial``'s ``test_quantized_session_composes_with_retention_and_repair``.
 The pairs with a mesh run in the 8-device process (``tests/test_sharding.py``:
 ``session``: policy + layout + RepairKV; ``reuse``; ``quant``: an INT4 pool with
 reuse, SnapKV and RepairKV; ``user_meshes``: a ``Server`` and ``Session``); the
@@ -40,8 +42,8 @@ from test_reuse import conversation as document_conversation
 MECHANISMS = ("policy", "repair", "kv_quant", "reuse", "mesh", "http")
 PAIRS = {  # (a, b) -> "module::test" that runs the pair
     ("policy", "repair"): "test_composition::test_policy_and_repair_compose",
-    ("policy", "kv_quant"): "test_composition::test_retention_composes_with_a_quantized_pool",
-    ("repair", "kv_quant"): "test_composition::test_retention_composes_with_a_quantized_pool",
+    ("policy", "kv_quant"): "test_triaxial::test_quantized_session_composes_with_retention_and_repair",
+    ("repair", "kv_quant"): "test_triaxial::test_quantized_session_composes_with_retention_and_repair",
     ("policy", "reuse"): "test_composition::test_retention_composes_with_segment_reuse",
     ("repair", "reuse"): "test_composition::test_retention_composes_with_segment_reuse",
     ("kv_quant", "reuse"): "test_composition::test_segment_reuse_on_a_quantized_pool",
@@ -107,18 +109,6 @@ def test_policy_and_repair_compose(model, talk):
             s, _, _ = replay(server, msgs, tools, policy="snapkv", budget=100, **options)
             assert any(c.live_after < c.live_before for c in s.compressions)
             assert "repair" not in options or sum(r.promoted_positions.size for r in s.repairs) > 0
-        assert_no_leak(server)
-
-
-def test_retention_composes_with_a_quantized_pool(model, talk):
-    msgs, tools, _ = talk
-    with jaxkv.Server(model, max_positions=2048, kv_quant="int4") as server:
-        _, alone, _ = replay(server, msgs, tools)
-        _, wide, _ = replay(server, msgs, tools, policy="h2o", budget=WIDE, repair=16)
-        assert wide == alone
-        s, _, _ = replay(server, msgs, tools, policy="h2o", budget=100, repair=16)
-        assert any(c.live_after < c.live_before for c in s.compressions)
-        assert sum(r.promoted_positions.size for r in s.repairs) > 0
         assert_no_leak(server)
 
 
