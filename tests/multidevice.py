@@ -18,7 +18,8 @@ Cases (SPEC: ``{"cases": [{"name", "kind", ...}]}``):
 * ``session``: a ``Server``/``Session`` with SnapKV eviction and RepairKV (and one
   with the compact layout) on a sharded model, against the same on one device.
 * ``reuse``: cross-query segment reuse (a spliced prefill) on a sharded embedded
-  model, against the same on one device.
+  model, against the same on one device; then the OpenAI app on that model, a
+  plain request and one with SnapKV + RepairKV chosen in it.
 * ``quant``: a quantized pool (INT4) on a sharded embedded model, a spliced
   prefill and a plain chat, against the same on one device.
 * ``user_meshes``: meshes a user builds with JAX's own constructors, not jaxkv's
@@ -190,6 +191,7 @@ def reuse_case(case) -> dict:
                      "spliced_tokens": int(report.spliced_tokens),
                      "pool_split": _split(server.engine.cache.k)}
         server.close()
+        out[name]["http"] = _http_turns(model, conversation(doc, 1)[0])
     out["logits_err"] = _err([out["single"].pop("logits")], [out["sharded"].pop("logits")])
     return out
 
@@ -217,6 +219,26 @@ def quant_case(case) -> dict:
                      "reply": plain, "int4_split": _split(pool.int4.k.data), "int2_split": _split(pool.int2.k.scale)}
         server.close()
     out["logits_err"] = _err([out["single"].pop("logits")], [out["sharded"].pop("logits")])
+    return out
+
+
+def _http_turns(model, msgs) -> dict:
+    """Two turns of one session through the OpenAI app on ``model`` (in process,
+    ``fastapi.testclient``), the second with SnapKV and RepairKV chosen per
+    request: the replies and what the server reports it ran."""
+    from fastapi.testclient import TestClient
+
+    from jaxkv.server import OptionRules, make_app
+
+    rules = OptionRules(allow_policies={"snapkv"}, max_budget=512, max_repair=16)
+    app = make_app(model, model_name="m", rows=1, max_positions=2048, max_tokens=4, rules=rules)
+    out = {}
+    with TestClient(app) as client:
+        for turn, extra in enumerate(({}, {"policy": "snapkv", "budget": 100, "repair": 16})):
+            body = {"model": "m", "messages": msgs, "max_tokens": 3, "temperature": 0, "session_id": f"mesh-{turn}", **extra}
+            r = client.post("/v1/chat/completions", json=body).json()
+            out[f"turn{turn}"] = {"content": r["choices"][0]["message"].get("content"), "options": r["jaxkv"]["options"],
+                                  "evicted": r["jaxkv"]["evicted_tokens"]}
     return out
 
 

@@ -51,7 +51,7 @@ PAIRS = {  # (a, b) -> "module::test" that runs the pair
     ("repair", "mesh"): "test_sharding::test_session_with_eviction_and_repair_runs_sharded",
     ("kv_quant", "mesh"): "test_sharding::test_quantized_pool_with_reuse_runs_sharded",
     ("reuse", "mesh"): "test_sharding::test_segment_reuse_runs_sharded",
-    ("mesh", "http"): "test_sharding::test_meshes_built_with_jax_match_one_device",
+    ("mesh", "http"): "test_sharding::test_the_http_app_on_a_mesh_replies_as_on_one_device",
     ("policy", "http"): "test_server_options::test_every_per_request_option_matches_its_session",
     ("repair", "http"): "test_server_options::test_every_per_request_option_matches_its_session",
     ("kv_quant", "http"): "test_server_options::test_every_per_request_option_matches_its_session",

@@ -171,6 +171,15 @@ def test_segment_reuse_runs_sharded(measured):
     assert m["sharded"]["pool_split"] == [None, None, "tp", None] and m["single"]["pool_split"] == [None] * 4
 
 
+def test_the_http_app_on_a_mesh_replies_as_on_one_device(measured):
+    """The OpenAI app over a dp 2 x tp 2 model: a plain request and one choosing
+    SnapKV + RepairKV in ``extra_body`` reply as on one device, and the second
+    evicted what it evicts there."""
+    single, sharded = measured["reuse"]["single"]["http"], measured["reuse"]["sharded"]["http"]
+    assert single["turn1"]["options"]["policy"] == "snapkv" and single["turn1"]["evicted"] > 0
+    assert sharded == single
+
+
 def test_quantized_pool_with_reuse_runs_sharded(measured):
     """An INT4 pool on a dp 2 x tp 2 mesh: every region split by KV head; a spliced
     prefill accepts what one device does with its logits within 1e-5; a plain chat
