@@ -573,12 +573,6 @@ class Engine:
         (a quantized pool's dequantized): what a reused segment stores."""
         return self.pool.gather_float(self.cache, slots)
 
-    def write_float(self, row: int, slots, k_LMKD, v_LMKD) -> None:
-        """Write float K/V rows ``[L, M, Hkv, D]`` at ``slots`` the row owns (a
-        quantized pool quantizes them as a prefill would)."""
-        self._row(row)
-        self.pool.write_float(self, row, slots, k_LMKD, v_LMKD)
-
     def requantize(self, row: int, positions, bits) -> None:
         """Move the row's tokens at ``positions`` to the precision ``bits`` (2 or 4
         per token) choose, as a prefill with these ``kv_bits`` would have written

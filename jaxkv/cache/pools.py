@@ -31,9 +31,7 @@ checks run first, so a failing call changes nothing):
   (float K and V of rows, what a reused segment stores), ``composition(state)``,
   ``page_table(state)``;
 * moves: ``fresh_slots(engine, row, positions)`` and ``compact(cache, plan, rope)``
-  (a compact layout), ``restore(engine, row, k, v)`` (promotion, bit-identical),
-  ``write_float(engine, row, slots, k, v)`` (rows given in float written at
-  slots the row owns, at the slots' precision).
+  (a compact layout), ``restore(engine, row, k, v)`` (promotion, bit-identical).
 """
 
 from __future__ import annotations
@@ -46,7 +44,8 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxkv import pallas
-from jaxkv.cache.allocator import SlotAllocator
+from jaxkv.buckets import bucket
+from jaxkv.cache.allocator import SENTINEL_SLOT, SlotAllocator
 from jaxkv.cache.host_tier import stage
 from jaxkv.cache.state import PagedKVCache
 from jaxkv.errors import JaxKVError
@@ -176,9 +175,6 @@ class FloatKV:
         if bits is not None:
             raise JaxKVError("kv_bits needs a quantized pool (Engine(kv_quant=...))")
 
-    def write_float(self, engine, row: int, slots, k_LMKD, v_LMKD) -> None:
-        engine.cache = _write_rows(engine.cache, jnp.asarray(slots, jnp.int32), jnp.asarray(k_LMKD), jnp.asarray(v_LMKD))
-
     # -- reads ---------------------------------------------------------------------
     def gather_keys(self, cache, live) -> jax.Array:
         return _gather_keys(cache.k, jnp.asarray(live, jnp.int32))
@@ -188,8 +184,13 @@ class FloatKV:
         return np.asarray(cache.k[:, idx]), np.asarray(cache.v[:, idx])
 
     def gather_float(self, cache, slots) -> tuple[np.ndarray, np.ndarray]:
-        k, v = _gather_kv(cache.k, cache.v, jnp.asarray(slots, jnp.int32))
-        return np.asarray(k), np.asarray(v)
+        """float32 K and V at ``slots``, gathered at a bucketed width (one compile
+        per bucket; padding reads the sentinel)."""
+        slots = np.asarray(slots, np.int64)
+        M = slots.size
+        pad = np.concatenate([slots, np.full(bucket(M, minimum=8) - M, SENTINEL_SLOT)]).astype(np.int32)
+        k, v = _gather_kv(cache.k, cache.v, jnp.asarray(pad))
+        return np.asarray(k)[:, :M], np.asarray(v)[:, :M]
 
     def host_keys(self, k_LMKD) -> np.ndarray:
         return k_LMKD

@@ -442,17 +442,6 @@ def gather_dequantized(cache: QuantizedKVCache, slots_M):
     return jax.vmap(lambda layer: dequantize_slots(layer, cache.geometry, slots_M))(cache.pool)
 
 
-@functools.partial(jax.jit, donate_argnames=("cache",))
-def rewrite_float(cache: QuantizedKVCache, slots_M, k_LMKD, v_LMKD):
-    """Write float rows of every layer at token-region ``slots_M`` (INT4 quantized
-    per token, float as they are; INT2 slots, the sentinel padding among them,
-    are not written: ``write_tokens``)."""
-    pool = cache.pool
-    for i in range(k_LMKD.shape[0]):
-        pool = write_tokens(pool, cache.geometry, i, k_LMKD[i], v_LMKD[i], slots_M)
-    return cache.with_kv(pool)
-
-
 @jax.jit
 def gather_packed(cache: QuantizedKVCache, slots_M):
     """Packed fields of every layer at ``slots_M``: a dict of ``[L, M, K, ...]``."""

@@ -66,9 +66,8 @@ from jaxkv.cache.quantized import (
     QuantPrefill,
     dequantize_int2_tokens,
     gather_dequantized,
-    gather_keys,
+    gather_keys as gather_dequantized_keys,
     gather_packed,
-    rewrite_float,
     rewrite_rows,
     write_packed,
 )
@@ -527,18 +526,7 @@ class QuantizedKV:
         state = engine.row_state[row]
         slots = np.asarray(state.slots, np.int64)
         pos = np.flatnonzero((slots != SENTINEL_SLOT) & (self.geometry.kind(slots) == FLOAT))
-        aged = pos[pos < state.seq_len - self.window]
-        n = aged.size // PAGE * PAGE
-        n = PAGE * self._make_room(engine, n // PAGE, 0)
-        if n == 0:
-            return
-        aged = aged[:n]
-        pages, fresh = self.allocator.allocate_pages(np.full(n // PAGE, PAGE))
-        src = slots[aged]
-        engine.cache = self._rewrite(engine.cache, src, fresh, np.zeros(n, np.int64), np.arange(n).reshape(-1, PAGE), pages)
-        slots[aged] = fresh
-        engine.set_row_tables(row, slots.tolist(), slots[slots != SENTINEL_SLOT].tolist())
-        self.allocator.release(src)
+        self._into_pages(engine, row, slots, pos[pos < state.seq_len - self.window])
 
     def requantize(self, engine, row: int, positions, bits) -> None:
         """Move the row's tokens at ``positions`` whose ``bits`` are 2 into INT2
@@ -548,10 +536,14 @@ class QuantizedKV:
         first written another way (a spliced prefill writes the token region)."""
         if self.geometry.pages <= 1:
             return
-        state = engine.row_state[row]
-        slots = np.asarray(state.slots, np.int64)
+        slots = np.asarray(engine.row_state[row].slots, np.int64)
         pos = np.asarray(positions, np.int64)[np.asarray(bits).reshape(-1) == INT2]
-        pos = pos[(slots[pos] != SENTINEL_SLOT) & (self.geometry.kind(slots[pos]) != INT2)]
+        self._into_pages(engine, row, slots, pos[(slots[pos] != SENTINEL_SLOT) & (self.geometry.kind(slots[pos]) != INT2)])
+
+    def _into_pages(self, engine, row: int, slots, pos) -> None:
+        """Re-encode the row's tokens at positions ``pos`` (in order) into fresh
+        INT2 pages, as many whole pages as they fill and the pool can give; the
+        rest keep their slots. ``slots``: the row's slot map (updated in place)."""
         n = PAGE * self._make_room(engine, pos.size // PAGE, 0)
         if n == 0:
             return
@@ -657,7 +649,7 @@ class QuantizedKV:
 
     def gather_keys(self, cache, live) -> jax.Array:
         """Dequantized post-RoPE keys ``[L, N, K, D]`` float32 at ``live``."""
-        return gather_keys(cache, jnp.asarray(live, jnp.int32))
+        return gather_dequantized_keys(cache, jnp.asarray(live, jnp.int32))
 
     def gather_float(self, cache, slots) -> tuple[np.ndarray, np.ndarray]:
         """Dequantized K and V ``[L, M, K, D]`` float32 at ``slots``."""
@@ -666,15 +658,3 @@ class QuantizedKV:
         pad = np.concatenate([slots, np.full(bucket(M, minimum=8) - M, SENTINEL_SLOT)]).astype(np.int32)
         k, v = gather_dequantized(cache, jnp.asarray(pad))
         return np.asarray(k)[:, :M], np.asarray(v)[:, :M]
-
-    def write_float(self, engine, row: int, slots, k_LMKD, v_LMKD) -> None:
-        """Float rows written at ``slots`` (the row's, in the token region:
-        INT4, or float for ``kivi2``), quantized as a prefill would write them."""
-        slots = np.asarray(slots, np.int64)
-        if (self.geometry.kind(slots) == INT2).any():
-            raise SlotError("write_float writes token-region slots, not INT2 pages")
-        M = slots.size
-        Mp = bucket(M, minimum=8)
-        pad = lambda a: np.concatenate([np.asarray(a, np.float32), np.zeros((a.shape[0], Mp - M, *a.shape[2:]), np.float32)], axis=1)
-        at = np.concatenate([slots, np.full(Mp - M, SENTINEL_SLOT)]).astype(np.int32)
-        engine.cache = rewrite_float(engine.cache, jnp.asarray(at), jnp.asarray(pad(np.asarray(k_LMKD))), jnp.asarray(pad(np.asarray(v_LMKD))))
