@@ -6,8 +6,13 @@
 * ``shared_docs``: agent sessions of one tenant opening documents of a shared
   corpus (the same text at many positions): the segment-reuse workload.
 * ``embedded_tokenizer``: the word-level tokenizer of the embedded model.
+* ``haystack``: real-model tasks in the model's own tokens (issue #32): ``passkey``,
+  RULER-style ``niah`` over text that ships with Python, and ``lm_text``
+  continuation windows, as ``HaystackExample`` records; ``token_plan`` gives the
+  exact ids (compressed request, rest, answer) in the question-aware or -agnostic
+  setting, so jaxkv and kvpress score the same tokens.
 
-Every generator returns ``Example`` records (messages, tools, scored turns with
+The synthetic generators return ``Example`` records (messages, tools, scored turns with
 evidence spans, labels); ``vocabulary()`` lists every prose word they emit, for
 ``jaxkv.chat.toy.build_tokenizer``. They live in the package because the demo,
 the trainers and the evaluation all use them; ``eval.tasks`` re-exports them.
@@ -15,6 +20,8 @@ the trainers and the evaluation all use them; ``eval.tasks`` re-exports them.
 
 from jaxkv.tasks.agent import agent_traces
 from jaxkv.tasks.example import Evidence, Example, ScoredTurn, approx_tokens
+from jaxkv.tasks.haystack import (HaystackExample, TokenPlan, answer_digit_positions, lm_text, niah, passkey,
+                                  reply_correct, token_plan)
 from jaxkv.tasks.mqniah import NEEDLE_COUNTS, mqniah
 from jaxkv.tasks.shared_docs import shared_corpus, shared_docs
 from jaxkv.tasks.tokenizer import embedded_tokenizer, template_words
@@ -23,14 +30,22 @@ from jaxkv.tasks.words import vocabulary
 __all__ = [
     "Evidence",
     "Example",
+    "HaystackExample",
     "NEEDLE_COUNTS",
     "ScoredTurn",
+    "TokenPlan",
     "agent_traces",
+    "answer_digit_positions",
     "approx_tokens",
     "embedded_tokenizer",
+    "lm_text",
     "mqniah",
+    "niah",
+    "passkey",
+    "reply_correct",
     "shared_corpus",
     "shared_docs",
     "template_words",
+    "token_plan",
     "vocabulary",
 ]

@@ -1,0 +1,481 @@
+"""Real-model long-context tasks (issue #32): passkey, RULER-style needles, and LM continuation.
+
+The synthetic tasks (``agent``, ``mqniah``) speak the embedded model's word-level
+vocabulary. These are for pretrained models: every generator takes the model's
+tokenizer, and ``length`` is measured in that tokenizer's tokens, so jaxkv and a
+peer library (kvpress) consume the very same ids (``token_plan``).
+
+* ``passkey``: a 5-digit key (first digit nonzero) in the repeated noise filler
+  ``PASSKEY_FILLER``, inserted at a sentence boundary at a depth drawn uniformly in
+  [0, 1]; the question asks for the key.
+* ``niah``: RULER-style needles ("One of the special magic numbers for Lisbon is:
+  4512907.") in a haystack of real text that ships with Python (``haystack="prose"``:
+  the reference topics of ``pydoc_data.topics`` then the docstrings of a fixed list
+  of standard-library modules; ``haystack="code"``: the source of the same modules),
+  inserted at line boundaries. Variants (``VARIANTS``): ``single`` (one needle,
+  asked), ``multikey`` (``NEEDLES`` needles with distinct keys, one asked; the
+  distractor keys are never asked), ``multivalue`` (``NEEDLES`` needles of one key
+  with distinct values, all asked; the answer lists them in document order).
+* ``lm``: a window of the prose corpus tokenized raw (no chat template):
+  ``context_ids`` is exactly ``length`` tokens and ``target_ids`` the next
+  ``continuation`` tokens.
+
+Two settings (``SETTINGS``), as kvpress's ``query_aware`` true/false:
+
+* ``"aware"``: document and question in one user message, so the question is in
+  the observation window when the request is compressed;
+* ``"agnostic"``: the document is the first user message, ``ACK`` the first
+  assistant reply, the question the second user message: the cache is compressed
+  when turn 1 ends, before the question exists (the case RepairKV exists for).
+
+Invariants (``tests/test_haystack_tasks.py``):
+
+* deterministic: example ``i`` of a call is a function of ``example_seed(seed, i)``
+  and the other arguments (``lm``: of ``seed`` and ``i``, since its windows are drawn
+  jointly so that they never overlap within a call; a longer call extends a shorter
+  one);
+* passkey/niah: the aware compressed request (``token_plan(ex, tok, "aware").compressed``)
+  is within ``LENGTH_TOLERANCE`` of ``length``; lm: ``len(context_ids) == length``;
+* every needle's ``labels["needles"][k]`` has ``document[char_start:char_end] ==`` its
+  sentence; ``depth`` is the drawn depth and ``position`` the realised one: the
+  fraction of the haystack's own text (the other needles excluded) before the
+  needle, within half a haystack unit (a line, a filler sentence) of ``depth``;
+* every value is a whole digit run of the document, and no haystack text holds a
+  run of five or more digits, so a value can only come from its needle.
+
+The documents start with a short instruction (``labels["body_start"]`` is where the
+haystack begins), as RULER's and kvpress's contexts do. The texts are read from the
+running interpreter, so they are the same for a given Python version.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import importlib
+import inspect
+import random
+import re
+import warnings
+import weakref
+from typing import NamedTuple
+
+import numpy as np
+
+from jaxkv.errors import ChatError
+from jaxkv.tasks.example import example_seed
+
+SETTINGS = ("aware", "agnostic")
+ACK = "I have read the document."
+TASKS = ("passkey", "niah_single", "niah_multikey", "niah_multivalue", "lm")
+VARIANTS = ("single", "multikey", "multivalue")
+HAYSTACKS = ("prose", "code")
+NEEDLES = 4  # needles of a multikey / multivalue example
+LENGTH_TOLERANCE = 0.02
+CONTINUATION = 256
+
+PASSKEY_FILLER = "The grass is green. The sky is blue. The sun is yellow. Here we go. There and back again."
+PASSKEY_INTRO = ("There is an important info hidden inside a lot of irrelevant text. "
+                 "Find it and memorize it. I will quiz you about the important information there.")
+PASSKEY_NEEDLE = "The pass key is {key}. Remember it. {key} is the pass key."
+PASSKEY_QUESTION = "What is the pass key? Answer with the number only."
+
+NIAH_INTRO = ("Some special magic numbers are hidden within the following text. "
+              "Make sure to memorize it. I will quiz you about the numbers afterwards.")
+NIAH_NEEDLE = "One of the special magic numbers for {key} is: {value}."
+NIAH_QUESTION = "What is the special magic number for {key} mentioned in the provided text? Answer with the number only."
+NIAH_QUESTION_ALL = ("What are all the special magic numbers for {key} mentioned in the provided text? "
+                     "Answer with the numbers only, separated by commas.")
+
+# Needle keys: one-word city names, each a distinct key.
+KEYS = tuple("""
+Lisbon Nairobi Osaka Quito Reykjavik Tbilisi Hanoi Lima Oslo Dakar Montreal Bergen Cusco Porto Seville
+Tallinn Valparaiso Zanzibar Kyoto Marrakesh Adelaide Bogota Cairo Dublin Edinburgh Florence Geneva Havana
+Istanbul Jakarta Kigali Lagos Manila Naples Ottawa Prague Riga Santiago Tunis Utrecht Vienna Windhoek
+Yerevan Zagreb Athens Berlin Boston Budapest Chicago Copenhagen Denver Seattle Helsinki Houston Madrid
+Melbourne Milan Munich Nagoya Perth Phoenix Rotterdam Salzburg Seoul Shanghai Stockholm Sydney Taipei
+Tehran Toronto Vancouver Warsaw Zurich Accra Amman Antwerp Baghdad Bangkok Barcelona Beirut Belgrade
+Bratislava Brisbane Brussels Bucharest Calgary Casablanca Dallas Damascus Delhi Doha Dubai Glasgow
+Hamburg Kabul Karachi Kampala Krakow Lyon Mumbai Beijing
+""".split())
+
+# Standard-library modules whose docstrings (prose) or source (code) make the haystacks,
+# in a fixed order so that a seed means the same text on every machine with one Python.
+CORPUS_MODULES = (
+    "argparse", "bisect", "calendar", "collections", "configparser", "contextlib", "csv", "dataclasses",
+    "datetime", "decimal", "difflib", "email.message", "enum", "fractions", "functools", "gzip", "heapq",
+    "http.client", "inspect", "ipaddress", "json", "logging", "mailbox", "pathlib", "pickle", "pprint",
+    "queue", "random", "shutil", "statistics", "string", "subprocess", "tarfile", "tempfile", "textwrap",
+    "threading", "tokenize", "typing", "unittest", "urllib.parse", "uuid", "warnings", "weakref", "zipfile",
+)
+_BANNED = re.compile(r"\d{5,}|magic number|pass ?key", re.IGNORECASE)
+
+
+# --------------------------------------------------------------------------- the record
+@dataclasses.dataclass(frozen=True)
+class HaystackExample:
+    """One real-model example (see the module docstring).
+
+    Attributes:
+      task: one of ``TASKS``.
+      seed: per-example seed (``example_seed(batch_seed, i)``).
+      length: target tokens (passkey/niah: the aware compressed request; lm: the context).
+      document: the haystack with its needles (lm: the context text).
+      question: the question ("" for lm).
+      answer: the reference reply ("58203", "1234567, 7654321"; lm: the continuation text).
+      values: the digit strings the reply must contain, in document order (lm: ()).
+      labels: ``{"needles": [{"key", "value", "char_start", "char_end", "depth",
+        "position", "asked"}], "body_start", "prompt_tokens", ...}``; lm: the window.
+      context_ids, target_ids: lm only: the context and the scored continuation tokens.
+    """
+
+    task: str
+    seed: int
+    length: int
+    document: str
+    question: str
+    answer: str
+    values: tuple[str, ...]
+    labels: dict
+    context_ids: tuple[int, ...] = ()
+    target_ids: tuple[int, ...] = ()
+
+    def messages(self, setting: str) -> list[dict]:
+        """The conversation in ``setting``, the reference answer as its last message."""
+        if self.task == "lm":
+            raise ValueError("the lm task has no chat form; use context_ids and target_ids")
+        if setting == "aware":
+            return [{"role": "user", "content": f"{self.document}\n\n{self.question}"},
+                    {"role": "assistant", "content": self.answer}]
+        if setting == "agnostic":
+            return [{"role": "user", "content": self.document}, {"role": "assistant", "content": ACK},
+                    {"role": "user", "content": self.question}, {"role": "assistant", "content": self.answer}]
+        raise ValueError(f"setting must be one of {SETTINGS}, got {setting!r}")
+
+
+class TokenPlan(NamedTuple):
+    """The ids of one example in one setting (``np.int32`` arrays): ``compressed`` is the
+    request compressed once, ``rest`` what is fed after it before the answer (the
+    acknowledgement and the question in the agnostic setting; empty when aware),
+    ``answer`` the reference answer's tokens (no end-of-turn marker)."""
+
+    compressed: np.ndarray
+    rest: np.ndarray
+    answer: np.ndarray
+
+
+def token_plan(example: HaystackExample, tokenizer, setting: str) -> TokenPlan:
+    """``TokenPlan`` of ``example``: each part renders with ``jaxkv.chat.render.render``
+    and extends the previous one token for token (ChatML templates do); a template
+    that does not raises ``ChatError``."""
+    if example.task == "lm":
+        return TokenPlan(np.asarray(example.context_ids, np.int32), np.zeros(0, np.int32),
+                         np.asarray(example.target_ids, np.int32))
+    from jaxkv.chat.render import render
+
+    messages = example.messages(setting)
+    compressed = render(tokenizer, messages[:1], add_generation_prompt=True)
+    prompt = render(tokenizer, messages[:-1], add_generation_prompt=True) if len(messages) > 2 else compressed
+    full = render(tokenizer, messages, add_generation_prompt=False)
+    _extends(compressed.ids, prompt.ids, "the compressed request", f"the {setting} prompt up to the answer")
+    _extends(prompt.ids, full.ids, f"the {setting} prompt", "the conversation with its answer")
+    if not full.text.startswith(prompt.text):
+        raise ChatError(f"the chat template's text of the {setting} prompt is not a prefix of the conversation's")
+    cut = full.text.index(example.answer, len(prompt.text)) + len(example.answer)
+    upto = np.asarray(tokenizer(full.text[:cut], add_special_tokens=False)["input_ids"], np.int32)
+    _extends(prompt.ids, upto, f"the {setting} prompt", "the conversation up to the answer text")
+    _extends(upto, full.ids, "the conversation up to the answer text", "the whole conversation")
+    return TokenPlan(compressed.ids, prompt.ids[compressed.ids.size:], upto[prompt.ids.size:])
+
+
+def _extends(prefix: np.ndarray, ids: np.ndarray, what: str, of: str) -> None:
+    if ids.size < prefix.size or not np.array_equal(ids[: prefix.size], prefix):
+        at = next((i for i in range(min(prefix.size, ids.size)) if prefix[i] != ids[i]), min(prefix.size, ids.size))
+        raise ChatError(f"{what} ({prefix.size} tokens) is not a token prefix of {of} ({ids.size} tokens): they differ "
+                        f"at token {at}; this chat template (or tokenizer) does not extend a conversation token for token")
+
+
+# --------------------------------------------------------------------------- scoring
+def reply_correct(example: HaystackExample, text: str) -> bool:
+    """Greedy exact match: every value is a whole digit run of ``text``; with one value,
+    the reply's first digit run is that value ("12345" and "The key is 12345." are
+    right for 12345, "123456" is not)."""
+    if not example.values:
+        raise ValueError(f"the {example.task} task has no values to match")
+    runs = re.findall(r"\d+", text or "")
+    if len(example.values) == 1:
+        return bool(runs) and runs[0] == example.values[0]
+    return all(v in runs for v in example.values)
+
+
+def answer_digit_positions(example: HaystackExample, tokenizer, answer_ids) -> np.ndarray:
+    """Indices into ``answer_ids`` (``token_plan(...).answer``) whose tokens hold a digit:
+    the tokens the teacher-forced score (argmax, NLL) is taken on."""
+    del example  # the same rule for every task
+    return np.asarray([i for i, t in enumerate(np.asarray(answer_ids).tolist())
+                       if any(c.isdigit() for c in tokenizer.decode([t]))], np.int64)
+
+
+# --------------------------------------------------------------------------- corpora
+@functools.lru_cache(maxsize=None)
+def prose_documents() -> tuple[str, ...]:
+    """The prose corpus: every ``pydoc_data.topics`` topic (sorted by name), then the
+    docstrings of ``CORPUS_MODULES`` (each module's, then its own public classes,
+    their public methods and its functions, sorted by name; each text once)."""
+    from pydoc_data.topics import topics
+
+    docs = [topics[k].strip("\n") for k in sorted(topics)]
+    seen: set[str] = set()
+    for name in CORPUS_MODULES:
+        module = importlib.import_module(name)
+        objs = [module]
+        with warnings.catch_warnings():  # typing's deprecated aliases warn when read
+            warnings.simplefilter("ignore", DeprecationWarning)
+            namespace = dict(vars(module))
+        for attr in sorted(namespace):
+            obj = namespace[attr]
+            if attr.startswith("_") or getattr(obj, "__module__", None) != name:
+                continue
+            if inspect.isclass(obj) or inspect.isfunction(obj):
+                objs.append(obj)
+                if inspect.isclass(obj):
+                    objs += [f for a, f in sorted(vars(obj).items()) if not a.startswith("_") and inspect.isfunction(f)]
+        for obj in objs:
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore", DeprecationWarning)
+                doc = inspect.getdoc(obj)
+            if doc and doc not in seen:
+                seen.add(doc)
+                docs.append(doc.strip("\n"))
+    return tuple(docs)
+
+
+@functools.lru_cache(maxsize=None)
+def haystack_lines(haystack: str = "prose") -> tuple[str, ...]:
+    """The niah haystack as lines, in corpus order: the prose documents (a blank line
+    after each) or the modules' source; lines with a run of 5+ digits or the needles'
+    words are left out."""
+    if haystack == "prose":
+        lines = [line for doc in prose_documents() for line in doc.split("\n") + [""]]
+    elif haystack == "code":
+        lines = [line for name in CORPUS_MODULES for line in inspect.getsource(importlib.import_module(name)).split("\n")]
+    else:
+        raise ValueError(f"haystack must be one of {HAYSTACKS}, got {haystack!r}")
+    return tuple(line.rstrip() for line in lines if not _BANNED.search(line))
+
+
+_counts_cache: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
+
+
+def _per_tokenizer(tokenizer) -> dict:
+    try:
+        return _counts_cache.setdefault(tokenizer, {})
+    except TypeError:  # not weak-referenceable: no cache
+        return {}
+
+
+def _line_tokens(tokenizer, haystack: str) -> np.ndarray:
+    """Tokens of each haystack line with its newline (an estimate for fitting lengths)."""
+    cache = _per_tokenizer(tokenizer)
+    if ("lines", haystack) not in cache:
+        ids = tokenizer([line + "\n" for line in haystack_lines(haystack)], add_special_tokens=False)["input_ids"]
+        cache[("lines", haystack)] = np.asarray([len(x) for x in ids], np.int64)
+    return cache[("lines", haystack)]
+
+
+def corpus_ids(tokenizer) -> np.ndarray:
+    """The prose corpus tokenized raw (each document with a blank line after it),
+    concatenated: the ``lm`` task's token stream."""
+    cache = _per_tokenizer(tokenizer)
+    if "corpus" not in cache:
+        ids = tokenizer([d + "\n\n" for d in prose_documents()], add_special_tokens=False, verbose=False)["input_ids"]
+        cache["corpus"] = np.concatenate([np.asarray(x, np.int32) for x in ids])
+    return cache["corpus"]
+
+
+# --------------------------------------------------------------------------- building
+def _place(units: list[str], sep: str, needles: list[tuple[float, str]]) -> tuple[str, list[tuple[int, int, float]]]:
+    """Join ``units`` with ``sep``, each needle at the unit boundary nearest its depth
+    (the fraction of the units' own text before it). Returns the text and, per needle,
+    ``(char_start, char_end, position)``; needles at one boundary keep their order."""
+    starts = np.cumsum([0] + [len(u) + len(sep) for u in units])[:-1] if units else np.zeros(0, np.int64)
+    total = len(sep.join(units))
+    bounds = np.append(starts, total)  # boundary j: before unit j; the last is the end
+    at: dict[int, list[int]] = {}
+    where = []
+    for i, (depth, _) in enumerate(needles):
+        j = int(np.argmin(np.abs(bounds - depth * total)))
+        at.setdefault(j, []).append(i)
+        where.append(j)
+    pieces, spans, pos = [], [None] * len(needles), 0
+    for j in range(len(units) + 1):
+        for i in at.get(j, ()):
+            pos += len(sep) if pieces else 0
+            spans[i] = (pos, pos + len(needles[i][1]), float(bounds[j]) / max(total, 1))
+            pieces.append(needles[i][1])
+            pos += len(needles[i][1])
+        if j < len(units):
+            pos += len(sep) if pieces else 0
+            pieces.append(units[j])
+            pos += len(units[j])
+    return sep.join(pieces), spans
+
+
+def _fit(tokenizer, length: int, unit_tokens: np.ndarray, build) -> tuple[dict, int]:
+    """The unit count whose ``build(k) -> fields`` gives an aware compressed request
+    closest to ``length`` tokens: estimate from ``unit_tokens`` (the tokens of unit i),
+    render, correct by the miss, then bisect the bracket (about 5-10 renders).
+    Raises ``_NoFit`` when no count is within ``LENGTH_TOLERANCE``."""
+    from jaxkv.chat.render import render
+
+    cum = np.cumsum(unit_tokens)
+    tried: dict[int, tuple[dict, int]] = {}
+
+    def measure(k: int) -> int:
+        if k not in tried:
+            fields = build(k)
+            user = f"{fields['document']}\n\n{fields['question']}"
+            tried[k] = (fields, int(render(tokenizer, [{"role": "user", "content": user}]).ids.size))
+        return tried[k][1]
+
+    lo, hi = 0, len(cum)  # measure(lo) < length <= measure(hi) once both are known
+    body = length - measure(0)
+    for _ in range(24):
+        k = int(np.searchsorted(cum, max(body, 0)))
+        if not lo < k < hi or k in tried:
+            if hi - lo <= 1:
+                break
+            k = (lo + hi) // 2
+        n = measure(k)
+        if abs(n - length) <= max(1, length // 400):
+            break
+        lo, hi = (k, hi) if n < length else (lo, k)
+        body += length - n
+    fields, n = min(tried.values(), key=lambda fn: abs(fn[1] - length))
+    if abs(n - length) > LENGTH_TOLERANCE * length:
+        raise _NoFit(f"could not fit {length} tokens within {LENGTH_TOLERANCE:.0%} (closest: {n})")
+    return fields, n
+
+
+class _NoFit(ValueError):
+    pass
+
+
+def _check_length(length: int) -> None:
+    if length < 256:
+        raise ValueError(f"length must be at least 256 tokens, got {length}")
+
+
+# --------------------------------------------------------------------------- passkey
+def passkey(n: int, *, length: int, seed: int, tokenizer) -> list[HaystackExample]:
+    """``n`` passkey examples whose aware request is ``length`` tokens (module docstring)."""
+    _check_length(length)
+    return [_one_passkey(example_seed(seed, i), length, tokenizer) for i in range(n)]
+
+
+def _one_passkey(seed: int, length: int, tokenizer) -> HaystackExample:
+    rng = random.Random(seed)
+    key = str(rng.randrange(10_000, 100_000))
+    depth = rng.random()
+    needle = PASSKEY_NEEDLE.format(key=key)
+    sentences = re.findall(r"[^.]+\.", PASSKEY_FILLER)
+    sentences = [s.strip() for s in sentences]
+    per = np.asarray([len(x) for x in tokenizer([" " + s for s in sentences], add_special_tokens=False)["input_ids"]])
+    body_start = len(PASSKEY_INTRO) + 2
+    cycles = length // int(per.sum()) + 2
+
+    def build(k: int) -> dict:
+        body, spans = _place([sentences[i % len(sentences)] for i in range(k)], " ", [(depth, needle)])
+        start, end, position = spans[0]
+        label = dict(key="pass key", value=key, char_start=body_start + start, char_end=body_start + end,
+                     depth=depth, position=position, asked=True)
+        return dict(document=f"{PASSKEY_INTRO}\n\n{body}", question=PASSKEY_QUESTION, needles=[label], units=k)
+
+    fields, n = _fit(tokenizer, length, np.tile(per, cycles), build)
+    labels = {"needles": fields["needles"], "body_start": body_start, "haystack": "filler",
+              "haystack_units": fields["units"], "prompt_tokens": n}
+    return HaystackExample("passkey", seed, length, fields["document"], fields["question"], key, (key,), labels)
+
+
+# --------------------------------------------------------------------------- niah
+def niah(n: int, *, length: int, seed: int, tokenizer, variant: str | None = None,
+         haystack: str = "prose") -> list[HaystackExample]:
+    """``n`` RULER-style needle examples whose aware request is ``length`` tokens.
+
+    ``variant``: one of ``VARIANTS``, or None for ``VARIANTS[i % 3]`` in example ``i``;
+    ``haystack``: ``"prose"`` (default) or ``"code"`` (module docstring)."""
+    _check_length(length)
+    if variant is not None and variant not in VARIANTS:
+        raise ValueError(f"variant must be one of {VARIANTS} or None, got {variant!r}")
+    if haystack not in HAYSTACKS:
+        raise ValueError(f"haystack must be one of {HAYSTACKS}, got {haystack!r}")
+    return [_one_niah(example_seed(seed, i), length, tokenizer, variant or VARIANTS[i % len(VARIANTS)], haystack)
+            for i in range(n)]
+
+
+def _one_niah(seed: int, length: int, tokenizer, variant: str, haystack: str) -> HaystackExample:
+    rng = random.Random(seed)
+    lines, counts = haystack_lines(haystack), _line_tokens(tokenizer, haystack)
+    first = rng.randrange(len(lines))
+    count = 1 if variant == "single" else NEEDLES
+    keys = rng.sample(KEYS, 1 if variant == "multivalue" else count)
+    keys = keys * count if variant == "multivalue" else keys
+    values = rng.sample(range(1_000_000, 10_000_000), count)
+    values = [str(v) for v in values]
+    depths = [rng.random() for _ in range(count)]
+    asked = keys[rng.randrange(count)]
+    question = (NIAH_QUESTION_ALL if variant == "multivalue" else NIAH_QUESTION).format(key=asked)
+    needles = [NIAH_NEEDLE.format(key=k, value=v) for k, v in zip(keys, values)]
+    body_start = len(NIAH_INTRO) + 2
+    span = min(len(lines), int(3 * length / max(counts.mean(), 1)) + 200)  # lines enough for any request
+
+    def build(k: int, shift: int) -> dict:
+        units = [lines[(first + shift + i) % len(lines)] for i in range(k)]
+        body, spans = _place(units, "\n", list(zip(depths, needles)))
+        order = sorted(range(count), key=lambda i: spans[i][0])
+        labels = [dict(key=keys[i], value=values[i], char_start=body_start + spans[i][0],
+                       char_end=body_start + spans[i][1], depth=depths[i], position=spans[i][2],
+                       asked=keys[i] == asked) for i in order]
+        return dict(document=f"{NIAH_INTRO}\n\n{body}", question=question, needles=labels, units=k, first=first + shift)
+
+    # A window whose every cut misses the tolerance (a long digit-heavy line at its
+    # end) starts one line later instead: deterministic, and rare.
+    for shift in range(64):
+        try:
+            window = np.arange(first + shift, first + shift + span) % len(lines)
+            fields, n = _fit(tokenizer, length, counts[window], functools.partial(build, shift=shift))
+            break
+        except _NoFit as error:
+            last = error
+    else:
+        raise ValueError(f"{last}, from any of 64 starting lines") from last
+    found = tuple(nd["value"] for nd in fields["needles"] if nd["asked"])
+    labels = {"needles": fields["needles"], "variant": variant, "asked_key": asked, "body_start": body_start,
+              "haystack": haystack, "first_line": fields["first"] % len(lines), "haystack_units": fields["units"], "prompt_tokens": n}
+    return HaystackExample(f"niah_{variant}", seed, length, fields["document"], question, ", ".join(found), found, labels)
+
+
+# --------------------------------------------------------------------------- lm
+def lm_text(n: int, *, length: int, seed: int, tokenizer, continuation: int = CONTINUATION) -> list[HaystackExample]:
+    """``n`` continuation examples: ``length`` context tokens of the prose corpus and the
+    next ``continuation`` tokens to score. The corpus is cut into consecutive windows of
+    ``length + continuation`` tokens and example ``i`` takes the ``i``-th window of a
+    shuffle drawn from ``seed``, so windows never overlap within a call; raises
+    ``ValueError`` when the corpus holds fewer than ``n`` windows."""
+    if length < 1 or continuation < 1:
+        raise ValueError(f"length and continuation must be positive, got {length} and {continuation}")
+    ids = corpus_ids(tokenizer)
+    width = length + continuation
+    slots = list(range(ids.size // width))
+    if n > len(slots):
+        raise ValueError(f"the corpus ({ids.size} tokens) holds {len(slots)} windows of {width} tokens, fewer than {n}")
+    random.Random(seed).shuffle(slots)
+    out = []
+    for i in range(n):
+        start = slots[i] * width
+        context, target = ids[start : start + length], ids[start + length : start + width]
+        labels = {"token_start": start, "window": slots[i], "corpus_tokens": int(ids.size)}
+        out.append(HaystackExample("lm", example_seed(seed, i), length, tokenizer.decode(context.tolist()), "",
+                                   tokenizer.decode(target.tolist()), (), labels,
+                                   tuple(context.tolist()), tuple(target.tolist())))
+    return out
