@@ -58,9 +58,10 @@ def decode_rows(n_jobs: int, min_batch: int = 1) -> int:
     return bucket(n_jobs, minimum=min_batch, step=max(DECODE_ROW_STEP, min_batch))
 
 
-def prefill_width(piece: int, chunk: int) -> int:
-    """Chunk width of a prefill step whose next piece has ``piece`` tokens."""
-    short = min(SHORT_CHUNK, chunk)
+def prefill_width(piece: int, chunk: int, short_chunk: int = SHORT_CHUNK) -> int:
+    """Chunk width of a prefill step whose next piece has ``piece`` tokens
+    (``short_chunk``: the narrowest width, a power of two)."""
+    short = min(short_chunk, chunk)
     return min(bucket(min(piece, chunk), minimum=short, step=chunk), chunk)
 
 
@@ -94,12 +95,12 @@ class ShapeSet:
         return len(self.prefill) + len(self.decode)
 
 
-def shape_set(rows: int, max_positions: int, prefill_chunk: int, decode_chunk: int, min_batch: int = 1) -> ShapeSet:
+def shape_set(rows: int, max_positions: int, prefill_chunk: int, decode_chunk: int, min_batch: int = 1, short_chunk: int = SHORT_CHUNK) -> ShapeSet:
     """The finite shape set of one engine (module docstring)."""
     P, n = int(max_positions), int(decode_chunk)
     prefill_groups = sorted({prefill_rows(1 << k, min_batch) for k in range(max(rows, 1).bit_length()) if 1 << k <= rows})
     decode_groups = sorted({decode_rows(b, min_batch) for b in range(1, rows + 1)})
-    widths = sorted({prefill_width(p, prefill_chunk) for p in range(1, prefill_chunk + 1)})
+    widths = sorted({prefill_width(p, prefill_chunk, short_chunk) for p in range(1, prefill_chunk + 1)})
     prefill = []
     for C in widths:
         longest: dict[int, int] = {}  # read length -> the longest live length that reads it

@@ -57,6 +57,7 @@ Invariants:
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import functools
 from typing import Sequence
@@ -432,6 +433,16 @@ class DecodeJob:
 
 
 # ============================================================================ the engine
+@dataclasses.dataclass(frozen=True)
+class EngineCheckpoint:
+    """What ``Engine.checkpoint`` saved: the device pool and tables, each row's
+    ``RequestState`` (None: free) and the allocator's state."""
+
+    cache: PagedKVCache
+    rows: list
+    allocator_state: dict
+
+
 def _platform(mesh) -> str:
     """The platform the pool lives on: the mesh's devices', else JAX's default backend."""
     return mesh.devices.flat[0].platform if mesh is not None else jax.default_backend()
@@ -478,6 +489,7 @@ class Engine:
         else:  # made in place on the mesh: no device ever holds the whole pool
             self.cache = jax.jit(create, out_shardings=cache_sharding(jax.eval_shape(create), self.mesh))()
         self.prefill_chunk = int(prefill_chunk)
+        self.short_chunk = SHORT_CHUNK  # narrowest prefill width (``buckets.prefill_width``); narrower pads less, compiles more
         self.backend = backend
         self.decode_window = True  # CPU reference: gather each row's K/V once per decode chunk (``gather_window``)
         self.row_state: list[RequestState | None] = [None] * rows
@@ -501,6 +513,27 @@ class Engine:
         if row is not None:
             self._row(row).allocated += int(n)
         return slots
+
+    # -- branches ----------------------------------------------------------------
+    def checkpoint(self) -> "EngineCheckpoint":
+        """Everything a later ``rollback`` needs to undo what happens meanwhile:
+        a copy of the device pool and tables (later steps donate the live one)
+        and of the host bookkeeping (rows, allocator). Evaluations branch with
+        it: try one decision on an open row, measure, roll back, try the next,
+        without prefilling the shared prompt again."""
+        return EngineCheckpoint(jax.tree.map(jnp.copy, self.cache), copy.deepcopy(self.row_state), copy.deepcopy(self.allocator.__dict__))
+
+    def rollback(self, checkpoint: "EngineCheckpoint") -> None:
+        """Return to ``checkpoint`` (it stays valid: roll back to it again later).
+        Host objects are restored in place, so references to an open row's
+        ``RequestState`` or to the allocator keep pointing at the live ones."""
+        self.cache = jax.tree.map(jnp.copy, checkpoint.cache)
+        self.allocator.__dict__.update(copy.deepcopy(checkpoint.allocator_state))
+        for row, saved in enumerate(checkpoint.rows):
+            if saved is None or self.row_state[row] is None:
+                self.row_state[row] = copy.deepcopy(saved)
+            else:
+                self.row_state[row].__dict__.update(copy.deepcopy(saved.__dict__))
 
     # -- rows --------------------------------------------------------------------
     def open_row(self, prefix_slots: Sequence[int] = (), prefix_tokens: Sequence[int] | None = None) -> int:
@@ -689,7 +722,7 @@ class Engine:
         by_width: dict[int, list[PrefillJob]] = {}
         for j in jobs:
             if not j.finished:
-                by_width.setdefault(buckets.prefill_width(j.tokens.size - j.done, self.prefill_chunk), []).append(j)
+                by_width.setdefault(buckets.prefill_width(j.tokens.size - j.done, self.prefill_chunk, self.short_chunk), []).append(j)
         for C, group in sorted(by_width.items()):
             group.sort(key=lambda j: len(self._row(j.row).live))
             while group:
@@ -955,7 +988,7 @@ class Engine:
         Returns how many programs it ran."""
         if any(state is not None for state in self.row_state):
             raise JaxKVError("warm-up needs an idle engine (a row is open)")
-        shapes = buckets.shape_set(self.rows, self.max_positions, self.prefill_chunk, decode_chunk, self.min_batch)
+        shapes = buckets.shape_set(self.rows, self.max_positions, self.prefill_chunk, decode_chunk, self.min_batch, self.short_chunk)
         sampler_options = [self.WARMUP_SAMPLERS[name] for name in samplers]
         work: dict[int, dict[int, list]] = {}  # jobs -> live length -> programs to run there
         for B, C, _, live in shapes.prefill:

@@ -68,9 +68,9 @@ def test_needles_at_their_drawn_depths_and_values_in_the_document(smollm2_tokeni
         runs = re.findall(r"\d+", ex.document)
         for v in ex.values:
             assert runs.count(v) == (2 if ex.task == "passkey" else 1), (ex.task, v)  # only in its needle
-        assert ex.answer == ", ".join(ex.values)
+        assert ex.answer.endswith(", ".join(ex.values) + ".") and ex.labels.get("asked_key", "pass key") in ex.answer
     passkeys = [e for e in examples if e.task == "passkey"]
-    assert all(len(e.answer) == 5 and e.answer[0] != "0" for e in passkeys)
+    assert all(len(e.values[0]) == 5 and e.values[0][0] != "0" and e.answer == f"The pass key is {e.values[0]}." for e in passkeys)
 
 
 def test_variants_ask_the_right_needles(smollm2_tokenizer):
@@ -137,7 +137,7 @@ def test_a_template_that_does_not_extend_is_refused(smollm2_tokenizer):
 
 def test_reply_correct(smollm2_tokenizer):
     (ex,) = passkey(1, length=512, seed=1, tokenizer=smollm2_tokenizer)
-    key = ex.answer
+    key = ex.values[0]
     assert reply_correct(ex, key) and reply_correct(ex, f"The pass key is {key}.")
     assert not reply_correct(ex, key + "6") and not reply_correct(ex, "6" + key)
     assert not reply_correct(ex, f"1 then {key}") and not reply_correct(ex, "") and not reply_correct(ex, None)

@@ -386,6 +386,7 @@ class Turn:
         ``phase`` tags them. Returns their logits as ``prefill_prompt`` does."""
         start = self.req.seq_len
         job = yield from self.run(PrefillWork(np.asarray(ids, np.int32), all_logits=all_logits))
+        self.uncompressed += self.req.seq_len - start
         if phase is not None:
             self.req.tag(start, phase=phase)
         return job.result_logits()
@@ -465,6 +466,7 @@ class Turn:
     def rewind(self, length: int) -> None:
         """Forget positions ``>= length`` (a probe generation that replay discards;
         evictions made meanwhile persist, like any other eviction)."""
+        self.uncompressed -= max(0, self.req.seq_len - length)
         self.engine.truncate_row(self.row, length)
 
     # -- insert ------------------------------------------------------------------------

@@ -146,7 +146,7 @@ class Server:
         compiles.enable_persistent_cache()
         t0 = time.perf_counter()
         eng = self.engine
-        total = buckets.shape_set(eng.rows, eng.max_positions, eng.prefill_chunk, self.scheduler.decode_chunk, eng.min_batch)
+        total = buckets.shape_set(eng.rows, eng.max_positions, eng.prefill_chunk, self.scheduler.decode_chunk, eng.min_batch, eng.short_chunk)
         total = len(total.prefill) + len(total.decode) * len(samplers)
         with tqdm(total=total, desc="jaxkv warm-up (XLA programs)", unit="prog", disable=not progress) as bar:
             ran = self.scheduler.call(lambda: eng.warmup(

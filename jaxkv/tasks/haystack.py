@@ -78,14 +78,18 @@ PASSKEY_FILLER = "The grass is green. The sky is blue. The sun is yellow. Here w
 PASSKEY_INTRO = ("There is an important info hidden inside a lot of irrelevant text. "
                  "Find it and memorize it. I will quiz you about the important information there.")
 PASSKEY_NEEDLE = "The pass key is {key}. Remember it. {key} is the pass key."
-PASSKEY_QUESTION = "What is the pass key? Answer with the number only."
+PASSKEY_QUESTION = "What is the pass key?"
+# Reference replies: a sentence ending in the value(s), as RULER's answer prefixes
+# have it, so teacher forcing scores the digits where the model would say them.
+PASSKEY_ANSWER = "The pass key is {key}."
 
 NIAH_INTRO = ("Some special magic numbers are hidden within the following text. "
               "Make sure to memorize it. I will quiz you about the numbers afterwards.")
 NIAH_NEEDLE = "One of the special magic numbers for {key} is: {value}."
-NIAH_QUESTION = "What is the special magic number for {key} mentioned in the provided text? Answer with the number only."
-NIAH_QUESTION_ALL = ("What are all the special magic numbers for {key} mentioned in the provided text? "
-                     "Answer with the numbers only, separated by commas.")
+NIAH_QUESTION = "What is the special magic number for {key} mentioned in the provided text?"
+NIAH_QUESTION_ALL = "What are all the special magic numbers for {key} mentioned in the provided text?"
+NIAH_ANSWER = "The special magic number for {key} is {values}."
+NIAH_ANSWER_ALL = "The special magic numbers for {key} are {values}."
 
 # Needle keys: one-word city names, each a distinct key.
 KEYS = tuple("""
@@ -111,6 +115,12 @@ CORPUS_MODULES = (
 _BANNED = re.compile(r"\d{5,}|magic number|pass ?key", re.IGNORECASE)
 
 
+# The evaluation seed base of every real-model report (jaxkv and kvpress sides):
+# disjoint from the training (< 2**30), held-out (+3e6), calibration (+7e6) and
+# agent-evaluation (+9e6) seed ranges used elsewhere in this repository.
+EVAL_SEED = (1 << 30) + 11_000_000
+
+
 # --------------------------------------------------------------------------- the record
 @dataclasses.dataclass(frozen=True)
 class HaystackExample:
@@ -122,7 +132,8 @@ class HaystackExample:
       length: target tokens (passkey/niah: the aware compressed request; lm: the context).
       document: the haystack with its needles (lm: the context text).
       question: the question ("" for lm).
-      answer: the reference reply ("58203", "1234567, 7654321"; lm: the continuation text).
+      answer: the reference reply, a sentence ending in the values ("The pass key is 58203.",
+        "The special magic numbers for Lima are 1234567, 7654321."; lm: the continuation text).
       values: the digit strings the reply must contain, in document order (lm: ()).
       labels: ``{"needles": [{"key", "value", "char_start", "char_end", "depth",
         "position", "asked"}], "body_start", "prompt_tokens", ...}``; lm: the window.
@@ -394,7 +405,7 @@ def _one_passkey(seed: int, length: int, tokenizer) -> HaystackExample:
     fields, n = _fit(tokenizer, length, np.tile(per, cycles), build)
     labels = {"needles": fields["needles"], "body_start": body_start, "haystack": "filler",
               "haystack_units": fields["units"], "prompt_tokens": n}
-    return HaystackExample("passkey", seed, length, fields["document"], fields["question"], key, (key,), labels)
+    return HaystackExample("passkey", seed, length, fields["document"], fields["question"], PASSKEY_ANSWER.format(key=key), (key,), labels)
 
 
 # --------------------------------------------------------------------------- niah
@@ -452,7 +463,8 @@ def _one_niah(seed: int, length: int, tokenizer, variant: str, haystack: str) ->
     found = tuple(nd["value"] for nd in fields["needles"] if nd["asked"])
     labels = {"needles": fields["needles"], "variant": variant, "asked_key": asked, "body_start": body_start,
               "haystack": haystack, "first_line": fields["first"] % len(lines), "haystack_units": fields["units"], "prompt_tokens": n}
-    return HaystackExample(f"niah_{variant}", seed, length, fields["document"], question, ", ".join(found), found, labels)
+    answer = (NIAH_ANSWER_ALL if variant == "multivalue" else NIAH_ANSWER).format(key=asked, values=", ".join(found))
+    return HaystackExample(f"niah_{variant}", seed, length, fields["document"], question, answer, found, labels)
 
 
 # --------------------------------------------------------------------------- lm
@@ -479,3 +491,20 @@ def lm_text(n: int, *, length: int, seed: int, tokenizer, continuation: int = CO
                                    tokenizer.decode(target.tolist()), (), labels,
                                    tuple(context.tolist()), tuple(target.tolist())))
     return out
+
+
+def examples(task: str, n: int, *, length: int, tokenizer, seed: int | None = None) -> list[HaystackExample]:
+    """The evaluation examples of ``task`` (``passkey``, ``niah`` with the variants
+    in turn, ``niah_<variant>``, ``lm``) drawn from ``seed`` (default ``EVAL_SEED``):
+    what every side of a real-model report runs. Example ``i`` does not depend on ``n``."""
+    seed = EVAL_SEED if seed is None else int(seed)
+    if task == "passkey":
+        return passkey(n, length=length, seed=seed, tokenizer=tokenizer)
+    if task == "niah" or task.startswith("niah_"):
+        variant = None if task == "niah" else task.split("_", 1)[1]
+        if variant is not None and variant not in VARIANTS:
+            raise ValueError(f"unknown niah variant {variant!r}; known: {', '.join(VARIANTS)}")
+        return niah(n, length=length, seed=seed, tokenizer=tokenizer, variant=variant)
+    if task == "lm":
+        return lm_text(n, length=length, seed=seed, tokenizer=tokenizer)
+    raise ValueError(f"unknown task {task!r}; known: passkey, niah, {', '.join('niah_' + v for v in VARIANTS)}, lm")
