@@ -1,0 +1,295 @@
+"""Retention methods on a real model, every cell branched from one prefill (issue #32).
+
+    JAX_PLATFORMS=cpu python -m eval.real_model --model smollm2-135m-instruct \\
+        --task passkey --context 2048 --n 100 --ratios 0.25,0.5,0.75 \\
+        --out eval/results/real_smollm2/jaxkv --resume
+
+Protocol (the one kvpress uses, so the two sides run the same examples the same
+way; ``eval.kvpress_side`` is the other side): each example's ``token_plan``
+(``jaxkv.tasks.haystack``) splits its ids into the request that is compressed
+once, the ``rest`` fed after it (question-agnostic: the acknowledgement and the
+question's turn) and the ``answer``. A cell compresses the request's KV once,
+when its prefill ends, to ``budget_for_ratio`` live tokens, then feeds the rest
+and the answer with no further event:
+
+* teacher forced: the answer's digit tokens' exact argmax (``tf_correct``) and
+  their mean NLL (``answer_nll``);
+* greedy: up to ``--max-new`` tokens from the same cache, scored by
+  ``reply_correct`` (``gen_correct``);
+* ``lm``: the mean NLL of the continuation and the mean KL(full || cell) per
+  token, against the full cache's logits of the same run.
+
+Settings: ``aware`` (the question is in the compressed request, inside every
+observation window) and ``agnostic`` (the document is turn 1, compressed when its
+prefill ends; the question arrives in turn 2). ``protect_query=False`` in both,
+so jaxkv may evict inside the question as kvpress may; the protected prefix
+(the system prompt) stays pinned, as in every jaxkv session.
+
+One prefill per (example, setting), every cell branched from it: the request is
+prefilled once by a session whose probe stage captures the union of what every
+cell's policy observes (window queries, attention mass, phase rows). Each cell
+then builds its own ``RetentionStage`` and runs its compression event on those
+features, exactly as the stage does at the end of a prefill, measures, and the
+engine rolls back (``Engine.checkpoint`` / ``rollback``) for the next cell.
+``tests/test_real_model_eval.py`` checks that a branched cell equals a session
+running that policy alone. Cells: the full cache, then each method x ratio.
+
+Journal: one JSON line per finished (task, length, seed, setting) in
+``OUT/examples.jsonl`` with every cell; ``--resume`` skips what is there.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import math
+import os
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+
+from jaxkv.serving.stages.base import Capture, Stage
+
+METHODS = ("snapkv", "tova", "h2o", "streaming_llm", "random", "agentkv", "intentkv_memory", "intentkv_query")
+RATIOS = (0.25, 0.5, 0.75)
+MAX_NEW = 48  # a multivalue reply names four 7-digit values; replies stop at the end-of-turn token
+SHORT_PIECES = 16  # narrowest prefill width: the rest + answer pieces are ~10-40 tokens
+
+
+def budget_for_ratio(ratio: float, n_request: int) -> int:
+    """Live tokens a cell keeps of an ``n_request``-token compressed request at
+    kvpress's ``compression_ratio`` (the fraction removed): kvpress keeps
+    ``int(n * (1 - ratio))`` tokens in every layer and head; jaxkv keeps that
+    many tokens for all of them."""
+    if not 0.0 <= ratio < 1.0:
+        raise ValueError(f"ratio must be in [0, 1), got {ratio}")
+    return max(1, int(n_request * (1.0 - ratio)))
+
+
+@dataclasses.dataclass(frozen=True)
+class Cell:
+    """One branch: a retention method at a ratio (``method=None``: the full cache)."""
+
+    method: str | None
+    ratio: float = 0.0
+
+    @property
+    def name(self) -> str:
+        return "full" if self.method is None else f"{self.method}@{self.ratio:g}"
+
+
+def positions_for(context: int, answer_room: int = 256) -> int:
+    """The engine's position count for a context length: one pool shape per
+    length (so one compile set), with room for the rest, answer and reply."""
+    return int(math.ceil((context * 1.02 + answer_room) / 256) * 256)
+
+
+# ----------------------------------------------------------------------------- branching
+class ProbeStage(Stage):
+    """Captures, at the request's prefill, the union of what the cells observe."""
+
+    name = "probe"
+    order = 90
+
+    def __init__(self, stages):
+        self.cell_stages = stages
+        self.captured = None
+
+    def prompt_capture(self, turn) -> Capture:
+        return Capture.union([Capture()] + [s.prompt_capture(turn) for s in self.cell_stages])
+
+    def after_prefill(self, turn, captured) -> None:
+        self.captured = captured
+
+
+def _retention_stage(cell: Cell, budget: int):
+    from jaxkv.serving.stages.retention import RetentionSpec, RetentionStage
+
+    return RetentionStage(RetentionSpec.make(cell.method, budget, "dead_slot", {}))
+
+
+def branch_program(turn, probe: ProbeStage, cells, stages, measure):
+    """A turn program: prefill the request once, then for each cell run its
+    compression event on the captured features, ``measure`` (a generator
+    yielding engine work), and roll the engine back. Returns ``{cell name: result}``."""
+    try:
+        turn.open()
+        first_logits = yield from turn.prefill_prompt()
+        checkpoint = turn.engine.checkpoint()
+        n_reports = len(turn.session.compressions)
+        out = {}
+        for cell, stage in zip(cells, stages):
+            t0 = time.perf_counter()
+            kept = turn.req.live_positions().size
+            if stage is not None:
+                stage.begin(turn)
+                stage.prompt_capture(turn)  # the positions its features come from
+                stage.after_prefill(turn, probe.captured)  # the compression event, as at the end of a prefill
+                stage.end(turn)
+                kept = turn.req.live_positions().size
+            result = yield from measure(turn, first_logits)
+            result.update(kept=int(kept), seconds=round(time.perf_counter() - t0, 3))
+            out[cell.name] = result
+            turn.engine.rollback(checkpoint)
+            del turn.session.compressions[n_reports:]
+        return out
+    finally:
+        turn.close()
+
+
+# ----------------------------------------------------------------------------- measuring
+def _log_softmax(x):
+    x = np.asarray(x, np.float64)
+    m = x.max(axis=-1, keepdims=True)
+    return x - m - np.log(np.exp(x - m).sum(axis=-1, keepdims=True))
+
+
+def answer_measure(example, plan, tokenizer, digit_idx, max_new: int):
+    """Teacher-forced and greedy scoring of a retrieval answer (module docstring)."""
+    from jaxkv.tasks import reply_correct
+
+    def measure(turn, first_logits):
+        mark = turn.req.seq_len
+        # one prefill of rest + answer (all logits): the rest's last row predicts the answer's first token
+        logits = yield from turn.prefill(np.concatenate([plan.rest, plan.answer]), all_logits=True)
+        logits = np.concatenate([np.asarray(first_logits, np.float32)[None], np.asarray(logits, np.float32)])
+        r = plan.rest.size
+        last = logits[r]  # what the reply starts from
+        pred = logits[r : r + plan.answer.size]  # row i predicts answer token i
+        logp = _log_softmax(pred[digit_idx])
+        target = plan.answer[digit_idx]
+        nll = float(-logp[np.arange(target.size), target].mean())
+        tf_ok = bool((pred[digit_idx].argmax(-1) == target).all())
+        turn.rewind(mark + r)
+        reply = yield from turn.generate(last, max_new)
+        text = tokenizer.decode(list(reply), skip_special_tokens=True)
+        return {"tf_correct": tf_ok, "answer_nll": round(nll, 5), "gen_correct": bool(reply_correct(example, text)), "reply": text}
+
+    return measure
+
+
+def lm_measure(plan, reference: dict):
+    """Continuation NLL and KL(full || cell) per token; the first cell (the full
+    cache) fills ``reference`` with its log-probabilities."""
+
+    def measure(turn, first_logits):
+        logits = yield from turn.prefill(plan.answer, all_logits=True)
+        pred = np.concatenate([np.asarray(first_logits, np.float32)[None], np.asarray(logits, np.float32)[:-1]])
+        logp = _log_softmax(pred)
+        nll = float(-logp[np.arange(plan.answer.size), plan.answer].mean())
+        if "logp" not in reference:
+            reference["logp"] = logp
+        ref = reference["logp"]
+        kl = float((np.exp(ref) * (ref - logp)).sum(axis=-1).mean())
+        return {"nll": round(nll, 5), "kl": round(max(kl, 0.0), 6)}
+
+    return measure
+
+
+# ----------------------------------------------------------------------------- one example
+def lm_rendered(ids, tokenizer):
+    """Raw text ids as a ``Rendered`` (no chat template: the tagger finds no
+    message, so every token is tagged OTHERS and no span is protected)."""
+    from jaxkv.chat.render import Rendered, chat_markers
+    from jaxkv.chat.tags import TRIAXIAL_DTYPE, tag_prompt
+
+    ids = np.asarray(ids, np.int32)
+    tags, temporal, spans, found, scanner = tag_prompt(ids, chat_markers(tokenizer))
+    tri = np.empty(ids.size, TRIAXIAL_DTYPE)
+    tri["temporal"], tri["modal"], tri["semantic"] = temporal, tags.modal, tags.semantic
+    return Rendered("", ids, tags.phase, tri, spans, tuple(found), scanner)
+
+
+def run_example(model, example, setting: str, cells, *, positions: int, max_new: int = MAX_NEW) -> dict:
+    """Every cell of one (example, setting), branched from one prefill."""
+    from jaxkv.serving import Session
+    from jaxkv.serving.pipeline import Turn, run_to_completion
+    from jaxkv.tasks import answer_digit_positions, token_plan
+
+    tok = model.tokenizer
+    plan = token_plan(example, tok, setting)
+    n_request = int(plan.compressed.size)
+    session = Session(model, max_positions=positions, protect_query=False, max_new_tokens=max_new)
+    session.server.engine.short_chunk = SHORT_PIECES
+    try:
+        stages = [None if c.method is None else _retention_stage(c, budget_for_ratio(c.ratio, n_request)) for c in cells]
+        probe = ProbeStage([s for s in stages if s is not None])
+        session.stages = sorted(list(session.stages) + [probe], key=lambda s: s.order)
+        if example.task == "lm":
+            rendered = lm_rendered(plan.compressed, tok)
+            measure = lm_measure(plan, {})
+        else:
+            messages = example.messages(setting)
+            rendered = session._render(messages[:1], None, add_generation_prompt=True)
+            if not np.array_equal(rendered.ids, plan.compressed):
+                raise AssertionError("the session's rendering differs from the token plan")
+            measure = answer_measure(example, plan, tok, answer_digit_positions(example, tok, plan.answer), max_new)
+        turn = Turn(session, rendered)
+        program = branch_program(turn, probe, cells, stages, measure)
+        need = n_request + plan.rest.size + plan.answer.size + max_new
+        session._check_length(need, 0)
+        results = run_to_completion(program, session.server.engine)
+    finally:
+        session.close()
+    return {"n_request": n_request, "cells": results}
+
+
+# ----------------------------------------------------------------------------- driver
+def read_journal(path: Path) -> list[dict]:
+    if not path.is_file():
+        return []
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(prog="python -m eval.real_model", description=__doc__.splitlines()[0])
+    p.add_argument("--model", default="smollm2-135m-instruct")
+    p.add_argument("--task", default="passkey", help="passkey, niah, niah_single|niah_multikey|niah_multivalue, lm")
+    p.add_argument("--context", type=int, default=2048)
+    p.add_argument("--n", type=int, default=100)
+    p.add_argument("--first", type=int, default=0, help="skip the first examples (split a run)")
+    p.add_argument("--ratios", default=",".join(f"{r:g}" for r in RATIOS))
+    p.add_argument("--methods", default=",".join(METHODS))
+    p.add_argument("--settings", default=None, help="aware,agnostic (lm: agnostic only)")
+    p.add_argument("--seed", type=int, default=None, help="the evaluation seed base (default: jaxkv.tasks.haystack's)")
+    p.add_argument("--max-new", type=int, default=MAX_NEW)
+    p.add_argument("--out", type=Path, default=Path("eval/results/real_smollm2/jaxkv"))
+    p.add_argument("--resume", action="store_true")
+    args = p.parse_args(argv)
+
+    import jaxkv
+    from jaxkv.tasks import haystack
+
+    from tqdm import tqdm
+
+    ratios = [float(r) for r in args.ratios.split(",") if r]
+    methods = [m for m in args.methods.split(",") if m]
+    cells = [Cell(None)] + [Cell(m, r) for m in methods for r in ratios]
+    settings = args.settings.split(",") if args.settings else (["agnostic"] if args.task == "lm" else ["aware", "agnostic"])
+    model = jaxkv.load_model(args.model)
+    examples = haystack.examples(args.task, args.first + args.n, length=args.context, tokenizer=model.tokenizer, seed=args.seed)[args.first :]
+    args.out.mkdir(parents=True, exist_ok=True)
+    journal = args.out / "examples.jsonl"
+    done = {(r["task"], r["context"], r["seed"], r["setting"]) for r in read_journal(journal)} if args.resume else set()
+    positions = positions_for(args.context)
+    setup = {"model": args.model, "ratios": ratios, "methods": methods, "max_new": args.max_new, "positions": positions,
+             "threads": os.environ.get("XLA_FLAGS", "")}
+    todo = [(ex, s) for ex in examples for s in settings if (args.task, args.context, ex.seed, s) not in done]
+    bar = tqdm(todo, desc=f"{args.task} {args.context}", unit="ex")
+    for ex, setting in bar:
+        t0 = time.perf_counter()
+        record = run_example(model, ex, setting, cells, positions=positions, max_new=args.max_new)
+        record.update(task=args.task, variant=ex.labels.get("variant", ex.task), context=args.context, seed=ex.seed,
+                      setting=setting, length=ex.length, seconds=round(time.perf_counter() - t0, 2), setup=setup)
+        with journal.open("a") as f:
+            f.write(json.dumps(record) + "\n")
+        full = record["cells"]["full"]
+        bar.set_postfix(s=f"{record['seconds']:.0f}", full=full.get("tf_correct", full.get("nll")))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

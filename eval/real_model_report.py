@@ -1,0 +1,279 @@
+"""The real-model report: jaxkv and kvpress on the same examples (issue #32).
+
+    python -m eval.real_model_report --root eval/results/real_smollm2
+
+Reads the journals ``ROOT/jaxkv/examples.jsonl`` (``eval.real_model``) and
+``ROOT/kvpress/examples.jsonl`` (``eval.kvpress_side``): one record per (task,
+context, seed, setting) with every cell, each cell keyed ``"full"`` or
+``"<method>@<ratio>"``. Writes ``ROOT/README.md`` (tables), ``ROOT/results.csv``
+(one row per side, task, context, setting, method, ratio) and
+``ROOT/accuracy_vs_ratio.png`` (jaxkv solid, kvpress dashed, one panel per task
+and setting; the full cache's ceiling as a grey band).
+
+Statistics: accuracy is the mean of per-example 0/1 verdicts with a percentile
+bootstrap 95% interval over examples; a comparison of two cells uses only the
+examples both ran and a paired bootstrap (``eval.repair_protocol.paired_gain``).
+A (task, context, setting) whose full cache is below ``--min-full`` is reported
+as a ceiling and left out of the comparisons.
+"""
+
+from __future__ import annotations
+
+import argparse
+import csv
+import json
+import sys
+from collections import defaultdict
+from pathlib import Path
+
+import numpy as np
+
+from eval.repair_protocol import paired_gain
+
+SIDES = ("jaxkv", "kvpress")
+# jaxkv method -> the kvpress press that implements the same rule
+COUNTERPARTS = {
+    "snapkv": "snapkv",
+    "streaming_llm": "streaming_llm",
+    "tova": "tova",
+    "h2o": "observed_attention",
+    "random": "random",
+}
+BOOTSTRAP = 2000
+
+
+def read(path: Path) -> list[dict]:
+    if not path.is_file():
+        return []
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+
+
+def split_cell(name: str) -> tuple[str, float]:
+    if name == "full":
+        return "full", 0.0
+    method, ratio = name.rsplit("@", 1)
+    return method, float(ratio)
+
+
+def verdicts(records: list[dict]) -> dict:
+    """``{(task, context, setting): {cell: {seed: cell record}}}``, latest record wins."""
+    out: dict = defaultdict(lambda: defaultdict(dict))
+    for rec in records:
+        for cell, res in rec["cells"].items():
+            out[(rec["task"], rec["context"], rec["setting"])][cell][rec["seed"]] = res
+    return out
+
+
+def mean_ci(x, seed: int = 0) -> tuple[float, float, float]:
+    x = np.asarray(x, np.float64)
+    if x.size == 0:
+        return float("nan"), float("nan"), float("nan")
+    rng = np.random.default_rng(seed)
+    boot = x[rng.integers(0, x.size, size=(BOOTSTRAP, x.size))].mean(1)
+    lo, hi = np.percentile(boot, [2.5, 97.5])
+    return float(x.mean()), float(lo), float(hi)
+
+
+def score_of(task: str):
+    """The per-example score of a cell: retrieval tasks 0/1 (teacher forced and
+    greedy), ``lm`` the NLL increase over the full cache and the KL."""
+    if task == "lm":
+        return ("nll_increase", "kl")
+    return ("tf_correct", "gen_correct")
+
+
+def rows_for(side: str, table: dict) -> list[dict]:
+    rows = []
+    for (task, context, setting), cells in sorted(table.items()):
+        full = cells.get("full", {})
+        for cell, by_seed in sorted(cells.items()):
+            method, ratio = split_cell(cell)
+            seeds = sorted(by_seed)
+            row = {"side": side, "task": task, "context": context, "setting": setting, "method": method, "ratio": ratio, "n": len(seeds)}
+            if task == "lm":
+                inc = [by_seed[s]["nll"] - full[s]["nll"] for s in seeds if s in full]
+                row.update(zip(("nll_increase", "nll_increase_lo", "nll_increase_hi"), mean_ci(inc)))
+                row.update(zip(("kl", "kl_lo", "kl_hi"), mean_ci([by_seed[s]["kl"] for s in seeds])))
+            else:
+                row.update(zip(("tf_acc", "tf_lo", "tf_hi"), mean_ci([by_seed[s]["tf_correct"] for s in seeds])))
+                row.update(zip(("gen_acc", "gen_lo", "gen_hi"), mean_ci([by_seed[s]["gen_correct"] for s in seeds])))
+                row["answer_nll"] = float(np.mean([by_seed[s]["answer_nll"] for s in seeds]))
+            rows.append(row)
+    return rows
+
+
+def paired(a: dict, b: dict, key: str):
+    """Paired gain of cell ``a`` over cell ``b`` on their common examples."""
+    seeds = sorted(set(a) & set(b))
+    if not seeds:
+        return None
+    x = [float(a[s][key]) for s in seeds]
+    y = [float(b[s][key]) for s in seeds]
+    g, lo, hi = paired_gain(x, y, np.ones(len(seeds)))
+    return g, lo, hi, len(seeds)
+
+
+def fmt_ci(m, lo, hi, pct=True) -> str:
+    if m != m:
+        return "-"
+    if pct:
+        return f"{100 * m:.0f} [{100 * lo:.0f}, {100 * hi:.0f}]"
+    return f"{m:.3f} [{lo:.3f}, {hi:.3f}]"
+
+
+def best_cell(cells: dict, ratio: float, key: str, lower_better: bool = False):
+    """The cell at ``ratio`` with the best mean ``key`` (name, {seed: record})."""
+    best = None
+    for name, by_seed in cells.items():
+        if name == "full" or split_cell(name)[1] != ratio:
+            continue
+        m = float(np.mean([float(r[key]) for r in by_seed.values()]))
+        m = -m if lower_better else m
+        if best is None or m > best[0]:
+            best = (m, name, by_seed)
+    return (best[1], best[2]) if best else (None, None)
+
+
+def report(root: Path, min_full: float = 0.5) -> str:
+    tables = {side: verdicts(read(root / side / "examples.jsonl")) for side in SIDES}
+    rows = [r for side in SIDES for r in rows_for(side, tables[side])]
+    if rows:
+        fields = sorted({k for r in rows for k in r}, key=lambda k: list(rows[0]).index(k) if k in rows[0] else 99)
+        with (root / "results.csv").open("w", newline="") as f:
+            w = csv.DictWriter(f, fieldnames=fields)
+            w.writeheader()
+            w.writerows(rows)
+    lines = ["# jaxkv and kvpress on SmolLM2-135M-Instruct, on the same examples", ""]
+    secs = {side: sum(rec.get("seconds", 0) for rec in read(root / side / "examples.jsonl")) for side in SIDES}
+    lines += [f"CPU time in the journals: jaxkv {secs['jaxkv'] / 3600:.2f} h, kvpress {secs['kvpress'] / 3600:.2f} h "
+              "(2-core x86_64; sums of per-example seconds).", ""]
+    # ceilings
+    lines += ["## The full cache (the ceiling)", "", "| task | context | setting | side | n | teacher-forced % | greedy % |", "|---|---:|---|---|---:|---:|---:|"]
+    usable = set()
+    for key in sorted(set(tables["jaxkv"]) | set(tables["kvpress"])):
+        task, context, setting = key
+        for side in SIDES:
+            full = tables[side].get(key, {}).get("full")
+            if not full:
+                continue
+            if task == "lm":
+                nll = np.mean([r["nll"] for r in full.values()])
+                lines.append(f"| {task} | {context} | {setting} | {side} | {len(full)} | NLL {nll:.3f} | - |")
+                usable.add(key)
+                continue
+            tf = mean_ci([r["tf_correct"] for r in full.values()])
+            gen = mean_ci([r["gen_correct"] for r in full.values()])
+            lines.append(f"| {task} | {context} | {setting} | {side} | {len(full)} | {fmt_ci(*tf)} | {fmt_ci(*gen)} |")
+            if side == "jaxkv" and tf[0] >= min_full:
+                usable.add(key)
+    lines.append("")
+    dropped = sorted(k for k in set(tables["jaxkv"]) if k not in usable)
+    if dropped:
+        lines += [f"Left out of the comparisons (full cache below {100 * min_full:.0f}%): " + ", ".join(f"{t} {c} {s}" for t, c, s in dropped), ""]
+    # per-task tables
+    for key in sorted(usable):
+        task, context, setting = key
+        metric = "nll_increase" if task == "lm" else "tf_acc"
+        lines += [f"## {task}, {context} tokens, question-{setting}", ""]
+        ratios = sorted({r["ratio"] for r in rows if (r["task"], r["context"], r["setting"]) == key and r["method"] != "full"})
+        lines += ["| side | method | " + " | ".join(f"ratio {x:g}" for x in ratios) + " |", "|---|---|" + "---:|" * len(ratios)]
+        for side in SIDES:
+            methods = sorted({r["method"] for r in rows if r["side"] == side and (r["task"], r["context"], r["setting"]) == key and r["method"] != "full"})
+            for m in methods:
+                cells = []
+                for x in ratios:
+                    r = next((r for r in rows if r["side"] == side and (r["task"], r["context"], r["setting"], r["method"], r["ratio"]) == (*key, m, x)), None)
+                    if r is None:
+                        cells.append("-")
+                    elif task == "lm":
+                        cells.append(f"{fmt_ci(r['nll_increase'], r['nll_increase_lo'], r['nll_increase_hi'], pct=False)} (KL {r['kl']:.3f})")
+                    else:
+                        cells.append(f"{fmt_ci(r['tf_acc'], r['tf_lo'], r['tf_hi'])} / {100 * r['gen_acc']:.0f}")
+                lines.append(f"| {side} | {m} | " + " | ".join(cells) + " |")
+        lines.append("")
+        if task != "lm":
+            lines.append("Cells: teacher-forced accuracy % [95% interval] / greedy exact match %.")
+        else:
+            lines.append("Cells: NLL increase over the full cache, nats/token [95% interval] (mean KL(full || cell) per token).")
+        lines.append("")
+        # head to head
+        score = "nll" if task == "lm" else "tf_correct"
+        lower = task == "lm"
+        jx, kp = tables["jaxkv"].get(key, {}), tables["kvpress"].get(key, {})
+        h2h = []
+        for x in ratios:
+            jn, jc = best_cell(jx, x, score, lower)
+            kn, kc = best_cell(kp, x, score, lower)
+            if jc and kc:
+                res = paired(jc, kc, score)
+                if res:
+                    g, lo, hi, n = res
+                    if lower:
+                        g, lo, hi = -g, -hi, -lo
+                    h2h.append(f"| {x:g} | {jn} | {kn} | {n} | {g * (1 if lower else 100):+.{3 if lower else 0}f} [{lo * (1 if lower else 100):+.{3 if lower else 0}f}, {hi * (1 if lower else 100):+.{3 if lower else 0}f}] |")
+        if h2h:
+            unit = "nats (positive: jaxkv lower NLL)" if lower else "points"
+            lines += [f"Best of each side, paired on common examples (gain of jaxkv's best, {unit}):", "",
+                      "| ratio | jaxkv best | kvpress best | n | gain [95%] |", "|---:|---|---|---:|---:|", *h2h, ""]
+        cp = []
+        for jm, km in COUNTERPARTS.items():
+            for x in ratios:
+                a, b = jx.get(f"{jm}@{x:g}"), kp.get(f"{km}@{x:g}")
+                if a and b:
+                    res = paired(a, b, score)
+                    if res:
+                        g, lo, hi, n = res
+                        s = 1 if lower else 100
+                        cp.append(f"| {jm} vs {km} | {x:g} | {n} | {g * s:+.{3 if lower else 0}f} [{lo * s:+.{3 if lower else 0}f}, {hi * s:+.{3 if lower else 0}f}] |")
+        if cp:
+            lines += ["Counterparts (jaxkv minus kvpress, paired):", "", "| pair | ratio | n | difference [95%] |", "|---|---:|---:|---:|", *cp, ""]
+    text = "\n".join(lines) + "\n"
+    plot(root, rows, usable)
+    return text
+
+
+def plot(root: Path, rows: list[dict], usable: set) -> None:
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return
+    keys = sorted(k for k in usable if k[0] != "lm")
+    if not keys:
+        return
+    fig, axes = plt.subplots(1, len(keys), figsize=(4.2 * len(keys), 3.8), squeeze=False)
+    for ax, key in zip(axes[0], keys):
+        sel = [r for r in rows if (r["task"], r["context"], r["setting"]) == key]
+        full = [r for r in sel if r["method"] == "full" and r["side"] == "jaxkv"]
+        if full:
+            ax.axhspan(100 * full[0]["tf_lo"], 100 * full[0]["tf_hi"], color="0.85")
+            ax.axhline(100 * full[0]["tf_acc"], color="0.5", lw=1)
+        for side, style in (("jaxkv", "-"), ("kvpress", "--")):
+            for m in sorted({r["method"] for r in sel if r["side"] == side and r["method"] != "full"}):
+                pts = sorted((r["ratio"], 100 * r["tf_acc"]) for r in sel if r["side"] == side and r["method"] == m)
+                ax.plot(*zip(*pts), style, marker="o", ms=3, label=f"{side}: {m}")
+        ax.set_title(f"{key[0]} {key[1]} ({key[2]})", fontsize=9)
+        ax.set_xlabel("fraction of KV removed")
+        ax.set_ylabel("teacher-forced accuracy %")
+        ax.set_ylim(-3, 103)
+    axes[0][-1].legend(fontsize=6, loc="lower left")
+    fig.tight_layout()
+    fig.savefig(root / "accuracy_vs_ratio.png", dpi=120)
+    plt.close(fig)
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(prog="python -m eval.real_model_report", description=__doc__.splitlines()[0])
+    p.add_argument("--root", type=Path, default=Path("eval/results/real_smollm2"))
+    p.add_argument("--min-full", type=float, default=0.5)
+    args = p.parse_args(argv)
+    text = report(args.root, args.min_full)
+    (args.root / "README.md").write_text(text)
+    print(text)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,100 @@
+"""The real-model evaluation's branching (``eval.real_model``) and its budget rule.
+
+Every cell of an example is branched from one prefill: the probe captures what
+every cell's policy observes, each cell runs its compression event on those
+features, measures, and the engine rolls back. A branched cell must be the
+session that runs its policy alone: the same kept positions and the same answer
+logits. Checked on a two-layer cut of SmolLM2 (its real tokenizer, template and
+head layout; the first layers' attention is what the policies score) with a
+short passkey example.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import numpy as np
+import pytest
+from flax import nnx
+
+import jaxkv
+from eval.real_model import Cell, ProbeStage, _retention_stage, branch_program, budget_for_ratio
+from jaxkv.serving import Session
+from jaxkv.serving.pipeline import Turn, run_to_completion
+from jaxkv.tasks import haystack, token_plan
+
+POLICIES = ("snapkv", "h2o", "agentkv")  # window rows, attention mass, per-phase rows
+ROUNDING = 1e-4  # logits are ~10-30 in size: a few float32 ulps
+
+
+def test_budget_for_ratio_keeps_what_kvpress_keeps():
+    # kvpress keeps int(n * (1 - ratio)) tokens per layer and head
+    assert [budget_for_ratio(r, 2044) for r in (0.0, 0.25, 0.5, 0.75)] == [2044, 1533, 1022, 511]
+    assert budget_for_ratio(0.5, 7) == 3 and budget_for_ratio(0.99, 10) == 1
+    with pytest.raises(ValueError):
+        budget_for_ratio(1.0, 100)
+
+
+@pytest.fixture(scope="module")
+def shallow(smollm2_gguf):
+    model = jaxkv.load_model("smollm2-135m-instruct")
+    cfg = dataclasses.replace(model.config, num_layers=2)
+    small = jaxkv.model_from_config(cfg, tokenizer=model.tokenizer)
+    graphdef, state = nnx.split(small.module)
+    pure, source = nnx.to_pure_dict(state), nnx.to_pure_dict(nnx.state(model.module))
+    pure["embed_tokens"], pure["norm"] = source["embed_tokens"], source["norm"]
+    for i in range(2):
+        pure["layers"][i] = source["layers"][i]
+    nnx.replace_by_pure_dict(state, pure)
+    small.module = nnx.merge(graphdef, state)
+    return small
+
+
+def _answer_logits(target):
+    def measure(turn, first_logits):
+        logits = yield from turn.prefill(target, all_logits=True)
+        pred = np.concatenate([np.asarray(first_logits)[None], np.asarray(logits)[:-1]])
+        return {"pred": pred, "live": turn.req.live_positions().copy()}
+
+    return measure
+
+
+@pytest.mark.slow
+def test_a_branched_cell_is_its_policy_alone(shallow):
+    tok = shallow.tokenizer
+    (ex,) = haystack.examples("passkey", 1, length=384, tokenizer=tok)
+    plan = token_plan(ex, tok, "aware")
+    budget = budget_for_ratio(0.5, plan.compressed.size)
+    cells = [Cell(None)] + [Cell(p, 0.5) for p in POLICIES]
+
+    session = Session(shallow, max_positions=512, protect_query=False)
+    stages = [None] + [_retention_stage(c, budget) for c in cells[1:]]
+    probe = ProbeStage(stages[1:])
+    session.stages = sorted(list(session.stages) + [probe], key=lambda s: s.order)
+    turn = Turn(session, session._render(ex.messages("aware")[:1], None, add_generation_prompt=True))
+    # the recorded reply as the alone session's replay feeds it (answer + end of turn): the same pieces, the same programs
+    target = session._render(ex.messages("aware"), None, add_generation_prompt=False).ids[plan.compressed.size :]
+    branched = run_to_completion(branch_program(turn, probe, cells, stages, _answer_logits(target)), session.server.engine)
+    session.close()
+
+    assert branched["full"]["live"].size == plan.compressed.size + target.size
+    for policy in POLICIES:
+        alone = Session(shallow, max_positions=512, protect_query=False, policy=policy, budget=budget)
+        (result,) = alone.replay(ex.messages("aware"), return_logits=True)
+        (event,) = alone.compressions
+        cell = branched[f"{policy}@0.5"]
+        assert np.array_equal(cell["live"][: budget], event.kept_positions), policy
+        assert np.array_equal(result.target_ids, target)
+        expected = np.concatenate([np.asarray(result.prompt_logits)[-1:], np.asarray(result.target_logits)[:-1]])
+        # Equal up to float32 rounding: the probe's prefill captures more (attention
+        # mass, more query rows) than the policy's own, so XLA compiles another
+        # program for it; the full cell against a plain full-cache session shows the same.
+        np.testing.assert_allclose(cell["pred"], expected, rtol=0, atol=ROUNDING, err_msg=policy)
+        # ... far below what the eviction itself changes (the comparison can fail)
+        assert np.abs(cell["pred"] - branched["full"]["pred"]).max() > 100 * ROUNDING, policy
+        alone.close()
+    plain = Session(shallow, max_positions=512, protect_query=False)
+    (result,) = plain.replay(ex.messages("aware"), return_logits=True)
+    expected = np.concatenate([np.asarray(result.prompt_logits)[-1:], np.asarray(result.target_logits)[:-1]])
+    np.testing.assert_allclose(branched["full"]["pred"], expected, rtol=0, atol=ROUNDING)
+    plain.close()
