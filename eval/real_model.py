@@ -237,6 +237,58 @@ def run_example(model, example, setting: str, cells, *, positions: int, max_new:
     return {"n_request": n_request, "cells": results}
 
 
+# ----------------------------------------------------------------------------- multi-turn sessions
+def session_cells(method: str, ratio: float, k: int) -> list[tuple[str, dict]]:
+    """RepairKV's matched-budget trio in the question-agnostic setting, as real
+    multi-turn sessions (``name``, session options at a budget ``B`` given later):
+    no repair at B, RepairKV with K rows at B, and no repair at B + K (the same
+    live budget as the repaired cache). Unlike a branched cell, the budget holds
+    for the whole session: the question's turn ends with its own event."""
+    tag = f"{method}@{ratio:g}"
+    return [(f"session:{tag}", {"policy": method}),
+            (f"repairkv{k}:{tag}", {"policy": method, "repair": k}),
+            (f"matched{k}:{tag}", {"policy": method, "extra": k})]
+
+
+def run_sessions(model, example, cells, ratio: float, *, positions: int, max_new: int = MAX_NEW) -> dict:
+    """Replay the agnostic conversation through one fresh ``Session`` per cell;
+    score turn 2's answer as the branched cells do."""
+    from jaxkv.serving import Session
+    from jaxkv.tasks import answer_digit_positions, reply_correct, token_plan
+
+    tok = model.tokenizer
+    plan = token_plan(example, tok, "agnostic")
+    budget = budget_for_ratio(ratio, int(plan.compressed.size))
+    digit_idx = answer_digit_positions(example, tok, plan.answer)
+    messages = example.messages("agnostic")
+    out = {}
+    for name, options in cells:
+        options = dict(options)
+        t0 = time.perf_counter()
+        b = budget + options.pop("extra", 0)
+        session = Session(model, max_positions=positions, protect_query=False, max_new_tokens=max_new, budget=b, **options)
+        try:
+            session.server.engine.short_chunk = SHORT_PIECES
+            turns = session.replay(messages, generate=True, return_logits=True, max_new_tokens=max_new)
+            last = turns[-1]
+            target = np.asarray(last.target_ids)
+            if not np.array_equal(target[: plan.answer.size], plan.answer):
+                raise AssertionError("the replayed answer differs from the token plan")
+            pred = np.concatenate([np.asarray(last.prompt_logits, np.float32)[-1:], np.asarray(last.target_logits, np.float32)])[: plan.answer.size]
+            logp = _log_softmax(pred[digit_idx])
+            want = plan.answer[digit_idx]
+            text = tok.decode(list(last.reply_ids or []), skip_special_tokens=True)
+            out[name] = {"tf_correct": bool((pred[digit_idx].argmax(-1) == want).all()),
+                         "answer_nll": round(float(-logp[np.arange(want.size), want].mean()), 5),
+                         "gen_correct": bool(reply_correct(example, text)), "reply": text, "budget": int(b),
+                         "kept": int(session.compressions[0].live_after) if session.compressions else None,
+                         "repaired": int(sum(len(r.promoted_positions) for r in session.repairs)),
+                         "seconds": round(time.perf_counter() - t0, 3)}
+        finally:
+            session.close()
+    return {"n_request": int(plan.compressed.size), "cells": out}
+
+
 # ----------------------------------------------------------------------------- driver
 def read_journal(path: Path) -> list[dict]:
     if not path.is_file():
@@ -258,6 +310,11 @@ def main(argv=None) -> int:
     p.add_argument("--max-new", type=int, default=MAX_NEW)
     p.add_argument("--out", type=Path, default=Path("eval/results/real_smollm2/jaxkv"))
     p.add_argument("--resume", action="store_true")
+    p.add_argument("--repair", type=int, default=None, metavar="K",
+                   help="instead of the branched grid: RepairKV with K rows, matched no-repair at B+K and no repair at B, "
+                        "as multi-turn sessions in the agnostic setting (--repair-method at --repair-ratio)")
+    p.add_argument("--repair-method", default="snapkv")
+    p.add_argument("--repair-ratio", type=float, default=0.5)
     args = p.parse_args(argv)
 
     import jaxkv
@@ -272,7 +329,9 @@ def main(argv=None) -> int:
     model = jaxkv.load_model(args.model)
     examples = haystack.examples(args.task, args.first + args.n, length=args.context, tokenizer=model.tokenizer, seed=args.seed)[args.first :]
     args.out.mkdir(parents=True, exist_ok=True)
-    journal = args.out / "examples.jsonl"
+    journal = args.out / ("sessions.jsonl" if args.repair is not None else "examples.jsonl")
+    if args.repair is not None:
+        settings = ["agnostic"]
     done = {(r["task"], r["context"], r["seed"], r["setting"]) for r in read_journal(journal)} if args.resume else set()
     positions = positions_for(args.context)
     setup = {"model": args.model, "ratios": ratios, "methods": methods, "max_new": args.max_new, "positions": positions,
@@ -281,13 +340,17 @@ def main(argv=None) -> int:
     bar = tqdm(todo, desc=f"{args.task} {args.context}", unit="ex")
     for ex, setting in bar:
         t0 = time.perf_counter()
-        record = run_example(model, ex, setting, cells, positions=positions, max_new=args.max_new)
+        if args.repair is not None:
+            trio = session_cells(args.repair_method, args.repair_ratio, args.repair)
+            record = run_sessions(model, ex, trio, args.repair_ratio, positions=positions, max_new=args.max_new)
+        else:
+            record = run_example(model, ex, setting, cells, positions=positions, max_new=args.max_new)
         record.update(task=args.task, variant=ex.labels.get("variant", ex.task), context=args.context, seed=ex.seed,
                       setting=setting, length=ex.length, seconds=round(time.perf_counter() - t0, 2), setup=setup)
         with journal.open("a") as f:
             f.write(json.dumps(record) + "\n")
-        full = record["cells"]["full"]
-        bar.set_postfix(s=f"{record['seconds']:.0f}", full=full.get("tf_correct", full.get("nll")))
+        first = next(iter(record["cells"].values()))
+        bar.set_postfix(s=f"{record['seconds']:.0f}", first=first.get("tf_correct", first.get("nll")))
     return 0
 
 

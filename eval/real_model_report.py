@@ -125,7 +125,7 @@ def best_cell(cells: dict, ratio: float, key: str, lower_better: bool = False):
     """The cell at ``ratio`` with the best mean ``key`` (name, {seed: record})."""
     best = None
     for name, by_seed in cells.items():
-        if name == "full" or split_cell(name)[1] != ratio:
+        if name == "full" or ":" in name or split_cell(name)[1] != ratio:  # session cells: another budget rule
             continue
         m = float(np.mean([float(r[key]) for r in by_seed.values()]))
         m = -m if lower_better else m
@@ -135,7 +135,7 @@ def best_cell(cells: dict, ratio: float, key: str, lower_better: bool = False):
 
 
 def report(root: Path, min_full: float = 0.5) -> str:
-    tables = {side: verdicts(read(root / side / "examples.jsonl")) for side in SIDES}
+    tables = {side: verdicts(read(root / side / "examples.jsonl") + read(root / side / "sessions.jsonl")) for side in SIDES}
     rows = [r for side in SIDES for r in rows_for(side, tables[side])]
     if rows:
         fields = sorted({k for r in rows for k in r}, key=lambda k: list(rows[0]).index(k) if k in rows[0] else 99)
@@ -144,7 +144,7 @@ def report(root: Path, min_full: float = 0.5) -> str:
             w.writeheader()
             w.writerows(rows)
     lines = ["# jaxkv and kvpress on SmolLM2-135M-Instruct, on the same examples", ""]
-    secs = {side: sum(rec.get("seconds", 0) for rec in read(root / side / "examples.jsonl")) for side in SIDES}
+    secs = {side: sum(rec.get("seconds", 0) for f in ("examples.jsonl", "sessions.jsonl") for rec in read(root / side / f)) for side in SIDES}
     lines += [f"CPU time in the journals: jaxkv {secs['jaxkv'] / 3600:.2f} h, kvpress {secs['kvpress'] / 3600:.2f} h "
               "(2-core x86_64; sums of per-example seconds).", ""]
     # ceilings
@@ -227,6 +227,22 @@ def report(root: Path, min_full: float = 0.5) -> str:
                         cp.append(f"| {jm} vs {km} | {x:g} | {n} | {g * s:+.{3 if lower else 0}f} [{lo * s:+.{3 if lower else 0}f}, {hi * s:+.{3 if lower else 0}f}] |")
         if cp:
             lines += ["Counterparts (jaxkv minus kvpress, paired):", "", "| pair | ratio | n | difference [95%] |", "|---|---:|---:|---:|", *cp, ""]
+        repair = sorted(n for n in jx if n.startswith("repairkv"))
+        if repair and task != "lm":
+            rl = []
+            for name in repair:
+                x = split_cell(name)[1]
+                for other, label in ((jx.get("full"), "full cache"), (best_cell(kp, x, score)[1], f"kvpress best at {x:g}"),
+                                     (jx.get(name.replace("repairkv", "matched")), "matched no-repair (B + K)"),
+                                     (jx.get("session:" + name.split(":", 1)[1]), "no repair (B)")):
+                    if other:
+                        res = paired(jx[name], other, score)
+                        if res:
+                            g, lo, hi, n = res
+                            rl.append(f"| {name} | {label} | {n} | {100 * g:+.0f} [{100 * lo:+.0f}, {100 * hi:+.0f}] |")
+            if rl:
+                lines += ["RepairKV across the turn boundary (multi-turn sessions; gain in points, paired):", "",
+                          "| cell | against | n | gain [95%] |", "|---|---|---:|---:|", *rl, ""]
     text = "\n".join(lines) + "\n"
     plot(root, rows, usable)
     return text
