@@ -336,7 +336,7 @@ def main(argv=None) -> int:
     positions = positions_for(args.context)
     setup = {"model": args.model, "ratios": ratios, "methods": methods, "max_new": args.max_new, "positions": positions,
              "threads": os.environ.get("XLA_FLAGS", "")}
-    todo = [(ex, s) for ex in examples for s in settings if (args.task, args.context, ex.seed, s) not in done]
+    todo = [(ex, s) for ex in examples for s in settings if (ex.task, args.context, ex.seed, s) not in done]
     bar = tqdm(todo, desc=f"{args.task} {args.context}", unit="ex")
     for ex, setting in bar:
         t0 = time.perf_counter()
@@ -345,7 +345,7 @@ def main(argv=None) -> int:
             record = run_sessions(model, ex, trio, args.repair_ratio, positions=positions, max_new=args.max_new)
         else:
             record = run_example(model, ex, setting, cells, positions=positions, max_new=args.max_new)
-        record.update(task=args.task, variant=ex.labels.get("variant", ex.task), context=args.context, seed=ex.seed,
+        record.update(task=ex.task, context=args.context, seed=ex.seed,
                       setting=setting, length=ex.length, seconds=round(time.perf_counter() - t0, 2), setup=setup)
         with journal.open("a") as f:
             f.write(json.dumps(record) + "\n")
