@@ -19,7 +19,7 @@ stack, precision):
   same on an INT4 KV pool; their replies are compared with ``jaxkv-f32``'s.
 
 Workloads, identical for every server (prompts built from real text that ships
-with Python, ``jaxkv.tasks.retrieval.haystack_units``, and jaxkv's held-out agent
+with Python, ``jaxkv.tasks.haystack.haystack_units``, and jaxkv's held-out agent
 traces, rendered by each server with SmolLM2's own chat template):
 
 * **decode**: one stream, a 256-token greedy reply after a 512- or 4,096-token
@@ -205,9 +205,9 @@ def rendered_tokens(tokenizer, messages) -> int:
 
 def text_prompt(tokenizer, n_tokens: int, offset: int, nonce: str, ask: str) -> list[dict]:
     """One user message of real text whose chat rendering has about ``n_tokens`` tokens."""
-    from jaxkv.tasks.retrieval import haystack_units
+    from jaxkv.tasks.haystack import haystack_units
 
-    units, sep = haystack_units("docs")
+    units, sep = haystack_units("prose")
     head = f"[{nonce}] {ask}\n\n"
 
     def rendered(k):

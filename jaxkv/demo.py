@@ -170,34 +170,37 @@ def run_needle_task(session, example, out=print) -> bool:
 
 
 def run_retrieval_task(session, example, out=print) -> bool:
-    """A passkey / needle task in the question-agnostic setting: the document turn
-    is replayed (its recorded acknowledgement teacher-forced, so a managed cache
-    compresses the document before the question exists), then the question is
-    answered greedily with the reply started by the task's prefix."""
-    from jaxkv.tasks.retrieval import is_correct
+    """A passkey / needle task (``jaxkv.tasks.haystack``) in the question-agnostic
+    setting: the document turn is replayed (its recorded acknowledgement
+    teacher-forced, so a managed cache compresses the document before the question
+    exists), then the question is answered greedily (``greedy_messages``) with the
+    reply started by the reference reply's words before the value (``reply_prefix``)."""
+    from jaxkv.tasks.haystack import greedy_messages, reply_correct, reply_prefix
 
-    msgs = example.messages
+    msgs = greedy_messages(example, "agnostic")
     what = "passkey" if example.task == "passkey" else f"needle ({example.labels['variant']})"
     depths = ", ".join(f"{n['depth']:.2f}" for n in example.labels["needles"])
     out(f"  user: {what} document of ~{example.labels['prompt_tokens']:,} tokens (needle depth {depths})")
     session.replay(msgs[:2])
     out(_request_line(session, "turn 1", {"content": msgs[1]["content"]}, "  (recorded)"))
-    reply = session.chat(msgs[:3], max_new_tokens=8 * len(example.targets[0].values) + 8, reply_prefix=example.labels["reply_prefix"])
+    reply = session.chat(msgs[:3], max_new_tokens=8 * len(example.values) + 8, reply_prefix=reply_prefix(example))
     text = (reply.get("content") or "").strip()
-    ok = is_correct(example, text)
-    expected = ", ".join(example.targets[0].values)
+    ok = reply_correct(example, text)
+    expected = ", ".join(example.values)
     out(f"  user: {_short(msgs[2]['content'], 80)}")
     out(_request_line(session, "turn 2", reply, "  [right]" if ok else f"  [wrong: expected {expected}]"))
     return ok
 
 
 def retrieval_tasks(n: int, seed: int, length: int, tokenizer):
-    """``n`` tasks for a pretrained model, alternating passkey and single-needle NIAH
-    over standard-library docstrings (held-out seeds), question-agnostic."""
-    from jaxkv.tasks.retrieval import niah, passkey
+    """``n`` tasks for a pretrained model (``jaxkv.tasks.haystack``), alternating
+    passkey and single-needle NIAH over the prose haystack (held-out seeds), run
+    question-agnostic; ``length`` is the document and question's tokens."""
+    from jaxkv.tasks.haystack import niah, passkey
 
     base = DEMO_SEED_BASE + 1000 * seed
-    return [passkey(1, base + i, length, tokenizer)[0] if i % 2 == 0 else niah(1, base + i, length, tokenizer)[0]
+    return [passkey(1, length=length, seed=base + i, tokenizer=tokenizer)[0] if i % 2 == 0
+            else niah(1, length=length, seed=base + i, tokenizer=tokenizer, variant="single")[0]
             for i in range(n)]
 
 
@@ -211,7 +214,7 @@ def demo_tasks(n: int, seed: int, length: int = 2048):
             for i in range(n)]
 
 
-KINDS = {"agent_traces": "agent traces", "mqniah": "MQ-NIAH (both turns)", "passkey": "passkey", "niah": "needle in a haystack"}
+KINDS = {"agent_traces": "agent traces", "mqniah": "MQ-NIAH (both turns)", "passkey": "passkey", "niah_single": "needle in a haystack"}
 
 _COMPILE_EVENTS = ("/jax/core/compile/jaxpr_trace_duration", "/jax/core/compile/jaxpr_to_mlir_module_duration",
                    "/jax/core/compile/backend_compile_duration")
@@ -244,7 +247,7 @@ def run_mode(model, tasks, *, label: str, rows: int, positions: int, options: di
 
     def run_task(i, ex, server):
         opts = dict(options)
-        if opts.get("policy") and ex.task in ("mqniah", "passkey", "niah"):  # the document is the user turn: not protected as the query
+        if opts.get("policy") and ex.task in ("mqniah", "passkey", "niah_single"):  # the document is the user turn: not protected as the query
             opts["protect_query"] = False
         session = server.session(max_new_tokens=MAX_NEW_TOKENS, session_id=f"task{i + 1}-{ex.task}", **opts)
         session.metrics = metrics

@@ -1,9 +1,10 @@
 """The real-model task generators (``jaxkv.tasks.haystack``, issue #32) on SmolLM2's tokenizer.
 
 Seeded determinism, lengths within 2% of the target at 1k/2k/4k/8k tokens, needles
-at their drawn depths, the answer's values in the document, multikey distractors
-never asked, ``token_plan``'s prefix extensions and answer tokens, exact-match
-scoring, and the lm windows (exact lengths, no overlap). Tokenizer only: no weights.
+at their drawn depths (at the haystack unit boundary nearest it), the answer's values
+in the document, multikey distractors never asked, ``token_plan``'s prefix extensions
+and answer tokens, exact-match scoring and the reply prefix, and the lm windows (exact
+lengths, no overlap). Tokenizer only: no weights.
 """
 
 from __future__ import annotations
@@ -15,7 +16,7 @@ import pytest
 
 from jaxkv.errors import ChatError
 from jaxkv.tasks import haystack as H
-from jaxkv.tasks import lm_text, niah, passkey, reply_correct, token_plan
+from jaxkv.tasks import lm_text, niah, passkey, reply_correct, reply_prefix, token_plan
 
 
 def _needle_text(ex, nd):
@@ -32,7 +33,8 @@ def test_seeded_and_each_example_reproducible(smollm2_tokenizer):
     tok = smollm2_tokenizer
     a = _all(tok, 1024)
     assert a == _all(tok, 1024)
-    assert a != _all(tok, 1024, seed=8)
+    other = _all(tok, 1024, seed=8)
+    assert a != other and all(x.values != y.values for x, y in zip(a, other))
     assert [e.task for e in a] == ["passkey", "niah_single", "niah_multikey", "niah_multivalue"]
     # example i depends on (seed, i) only: a longer call extends a shorter one
     assert niah(2, length=1024, seed=7, tokenizer=tok) == a[1:3]
@@ -69,8 +71,43 @@ def test_needles_at_their_drawn_depths_and_values_in_the_document(smollm2_tokeni
         for v in ex.values:
             assert runs.count(v) == (2 if ex.task == "passkey" else 1), (ex.task, v)  # only in its needle
         assert ex.answer.endswith(", ".join(ex.values) + ".") and ex.labels.get("asked_key", "pass key") in ex.answer
+        assert reply_correct(ex, ex.answer) and ex.answer.startswith(reply_prefix(ex) + " " + ex.values[0])
     passkeys = [e for e in examples if e.task == "passkey"]
     assert all(len(e.values[0]) == 5 and e.values[0][0] != "0" and e.answer == f"The pass key is {e.values[0]}." for e in passkeys)
+
+
+def _units_of(ex):
+    """The haystack units an example's body is made of, and their separator (module docstring)."""
+    units, sep = H.haystack_units(ex.labels["haystack"])
+    first = ex.labels.get("first_line", 0)
+    return [units[(first + i) % len(units)] for i in range(ex.labels["haystack_units"])], sep
+
+
+def test_needles_sit_at_the_unit_boundary_nearest_their_depth(smollm2_tokenizer):
+    """The body is exactly ``labels["haystack_units"]`` units of its haystack with the
+    needles between them, each at the unit boundary nearest its drawn depth (so within
+    half a unit of it); over many examples the drawn depths cover the document."""
+    tok = smollm2_tokenizer
+    passkeys = passkey(24, length=512, seed=3, tokenizer=tok)
+    examples = passkeys + niah(3, length=1024, seed=3, tokenizer=tok) + niah(1, length=1024, seed=3, tokenizer=tok, haystack="code")
+    for ex in examples:
+        units, sep = _units_of(ex)
+        total = len(sep.join(units))
+        bounds = np.cumsum([0] + [len(u) + len(sep) for u in units[:-1]] + [len(units[-1])])  # boundary j: before unit j
+        at: dict = {}
+        for nd in ex.labels["needles"]:
+            (j,) = np.flatnonzero(np.isclose(bounds / total, nd["position"], rtol=0, atol=1e-12))[:1]
+            miss = np.abs(bounds - nd["depth"] * total)
+            assert miss[j] <= miss.min() + 1e-9, (ex.task, ex.seed)
+            at.setdefault(int(j), []).append(_needle_text(ex, nd))
+        pieces = [p for j in range(len(units) + 1) for p in at.get(j, []) + units[j : j + 1]]
+        assert ex.document[ex.labels["body_start"]:] == sep.join(pieces), (ex.task, ex.seed)
+    drawn = sorted(ex.labels["needles"][0]["depth"] for ex in passkeys)
+    assert drawn[0] < 0.3 and drawn[-1] > 0.7  # uniform draws cover the document
+    assert H.haystack_units("filler") == (tuple(s.strip() for s in re.findall(r"[^.]+\.", H.PASSKEY_FILLER)), " ")
+    assert H.haystack_units("prose") == (H.haystack_lines("prose"), "\n")
+    with pytest.raises(ValueError, match="haystack"):
+        H.haystack_units("docs")
 
 
 def test_variants_ask_the_right_needles(smollm2_tokenizer):
@@ -99,6 +136,7 @@ def test_token_plan_extends_and_ends_on_the_answer(smollm2_tokenizer, setting):
         plan = token_plan(ex, tok, setting)
         assert all(a.dtype == np.int32 for a in plan)
         messages = ex.messages(setting)
+        assert len(messages) == (4 if setting == "agnostic" else 2) and messages[-1]["content"] == ex.answer
         head = np.concatenate([plan.compressed, plan.rest])
         assert np.array_equal(head, render(tok, messages[:-1]).ids)
         full = render(tok, messages, add_generation_prompt=False).ids
@@ -144,8 +182,19 @@ def test_reply_correct(smollm2_tokenizer):
     mv = niah(1, length=512, seed=1, tokenizer=smollm2_tokenizer, variant="multivalue")[0]
     assert reply_correct(mv, mv.answer) and reply_correct(mv, " and ".join(reversed(mv.values)))
     assert not reply_correct(mv, ", ".join(mv.values[:-1])) and not reply_correct(mv, mv.answer.replace(mv.values[0], mv.values[0] + "1"))
+    assert reply_prefix(ex) == "The pass key is"
+    for setting in H.SETTINGS:  # the passkey question asks for the number only; other tasks as they are
+        asked, plain = H.greedy_messages(ex, setting), ex.messages(setting)
+        question = asked[-2]["content"]
+        assert question.endswith("? " + H.NUMBER_ONLY) and question.count(H.NUMBER_ONLY) == 1
+        assert question in (plain[-2]["content"], plain[-2]["content"] + " " + H.NUMBER_ONLY)
+        assert asked[:-2] + asked[-1:] == plain[:-2] + plain[-1:]
+        assert H.greedy_messages(mv, setting) == mv.messages(setting)
+    assert reply_prefix(mv) == f"The special magic numbers for {mv.labels['asked_key']} are"
     with pytest.raises(ValueError):
         reply_correct(lm_text(1, length=64, seed=0, tokenizer=smollm2_tokenizer)[0], "1")
+    with pytest.raises(ValueError):
+        reply_prefix(lm_text(1, length=64, seed=0, tokenizer=smollm2_tokenizer)[0])
 
 
 def test_lm_windows(smollm2_tokenizer):

@@ -20,7 +20,7 @@ from flax import nnx
 import jaxkv
 from jaxkv.errors import ChatError, ConfigError
 from jaxkv.policies import REGISTRY
-from jaxkv.tasks.retrieval import is_correct, niah, passkey
+from jaxkv.tasks.haystack import greedy_messages, niah, passkey, reply_correct, reply_prefix
 
 NAME = "smollm2-135m-instruct"
 
@@ -64,18 +64,19 @@ def test_a_managed_session_answers_a_real_passkey_task(smollm2):
     the end of turn 1 (SnapKV, dead-slot, RepairKV), the question comes in turn 2;
     the real model names the key with the full cache and with the managed one.
     Both sessions share one server, so they share its compiled programs."""
-    (ex,) = passkey(1, 20_251_125, 640, smollm2.tokenizer)
+    (ex,) = passkey(1, length=640, seed=20_251_125, tokenizer=smollm2.tokenizer)
+    messages = greedy_messages(ex, "agnostic")
     replies = {}
     with jaxkv.Server(smollm2, rows=1, max_positions=768) as server:
         for label, options in {"full": {}, "managed": dict(policy="snapkv", budget=320, layout="dead_slot", repair=32, protect_query=False)}.items():
             session = server.session(max_new_tokens=8, **options)
-            session.replay(ex.messages[:2])
-            replies[label] = session.chat(ex.messages[:3], reply_prefix=ex.labels["reply_prefix"])["content"]
+            session.replay(messages[:2])
+            replies[label] = session.chat(messages[:3], reply_prefix=reply_prefix(ex))["content"]
             if options:  # the document was compressed to the budget before the question came
                 assert session.compressions and session.compressions[0].live_after <= 320 < session.compressions[0].live_before
             session.close()
-    assert is_correct(ex, replies["full"]), replies
-    assert is_correct(ex, replies["managed"]), replies
+    assert reply_correct(ex, replies["full"]), replies
+    assert reply_correct(ex, replies["managed"]), replies
 
 
 MECHANISMS = (
@@ -91,20 +92,21 @@ MECHANISMS = (
 
 @pytest.mark.parametrize("options", MECHANISMS, ids=lambda o: "-".join(f"{k}={v}" for k, v in o.items()))
 def test_every_mechanism_runs_a_multi_turn_conversation_on_the_real_weights(shallow, options):
-    (ex,) = niah(1, 7, 384, shallow.tokenizer)
+    (ex,) = niah(1, length=384, seed=7, tokenizer=shallow.tokenizer, variant="single")
+    messages, prefix = greedy_messages(ex, "agnostic"), reply_prefix(ex)
     if "policy" in options:
         options = dict(options, protect_query=False)  # the document is the user turn: let the policy evict in it
     session = jaxkv.Session(shallow, max_new_tokens=6, max_positions=1024, **options)
     try:
-        first = session.replay(ex.messages[:2])
-        reply = session.chat(ex.messages[:3], reply_prefix=ex.labels["reply_prefix"])
+        first = session.replay(messages[:2])
+        reply = session.chat(messages[:3], reply_prefix=prefix)
     finally:
         session.close()
     assert len(first) == 1
     if "policy" in options:
         assert session.compressions and session.compressions[0].live_after <= 160
-    assert reply["role"] == "assistant" and reply["content"].startswith(ex.labels["reply_prefix"])
-    assert len(reply["content"]) > len(ex.labels["reply_prefix"])
+    assert reply["role"] == "assistant" and reply["content"].startswith(prefix)
+    assert len(reply["content"]) > len(prefix)
 
 
 def test_triaxial_without_a_calibration_for_this_model_is_a_config_error(shallow):

@@ -44,8 +44,13 @@ Invariants (``tests/test_haystack_tasks.py``):
   run of five or more digits, so a value can only come from its needle.
 
 The documents start with a short instruction (``labels["body_start"]`` is where the
-haystack begins), as RULER's and kvpress's contexts do. The texts are read from the
-running interpreter, so they are the same for a given Python version.
+haystack begins), as RULER's and kvpress's contexts do. The body is
+``labels["haystack_units"]`` consecutive units of ``haystack_units(labels["haystack"])``
+(cyclically, from unit ``labels.get("first_line", 0)``) with each needle at the unit
+boundary nearest its depth. ``reply_prefix`` is the reference reply up to its first
+value ("The pass key is"): a reply started with it names the value next;
+``greedy_messages`` is the conversation a small model answers greedily. The texts are
+read from the running interpreter, so they are the same for a given Python version.
 """
 
 from __future__ import annotations
@@ -219,6 +224,38 @@ def reply_correct(example: HaystackExample, text: str) -> bool:
     return all(v in runs for v in example.values)
 
 
+def reply_prefix(example: HaystackExample) -> str:
+    """The reference reply up to its first value, without the space before it ("The pass
+    key is", "The special magic number for Lima is"): the start of a reply that a small
+    model, forced to continue it, completes with the value (``Session.chat(...,
+    reply_prefix=)``), so greedy exact match reads the digits where teacher forcing scores them."""
+    if not example.values:
+        raise ValueError(f"the {example.task} task has no values to prefix")
+    return example.answer[: example.answer.index(example.values[0])].rstrip()
+
+
+# Said after the passkey question by ``greedy_messages`` (as the retired
+# jaxkv.tasks.retrieval asked it): not part of the examples.
+NUMBER_ONLY = "Answer with the number only."
+
+
+def greedy_messages(example: HaystackExample, setting: str) -> list[dict]:
+    """``example.messages(setting)`` for a small model's greedy reply: the passkey
+    question is followed by ``NUMBER_ONLY`` (unless it already ends with it); every
+    other task's messages are returned as they are. SmolLM2-135M-Instruct, asked
+    "What is the pass key?" in the agnostic setting with its reply started by
+    ``reply_prefix``, says what a pass key is instead of naming it (0 of 6 examples at
+    640 tokens with the full cache; 6 of 6 with ``NUMBER_ONLY``; aware, 3 of 3 without
+    it; niah single, 4 of 4 either way). The examples, their ``token_plan`` and
+    ``reply_correct`` are unchanged."""
+    messages = [dict(m) for m in example.messages(setting)]
+    if example.task == "passkey":
+        last_user = max(i for i, m in enumerate(messages) if m["role"] == "user")
+        if not messages[last_user]["content"].endswith(NUMBER_ONLY):
+            messages[last_user]["content"] += " " + NUMBER_ONLY
+    return messages
+
+
 def answer_digit_positions(example: HaystackExample, tokenizer, answer_ids) -> np.ndarray:
     """Indices into ``answer_ids`` (``token_plan(...).answer``) whose tokens hold a digit:
     the tokens the teacher-forced score (argmax, NLL) is taken on."""
@@ -273,6 +310,17 @@ def haystack_lines(haystack: str = "prose") -> tuple[str, ...]:
     else:
         raise ValueError(f"haystack must be one of {HAYSTACKS}, got {haystack!r}")
     return tuple(line.rstrip() for line in lines if not _BANNED.search(line))
+
+
+def haystack_units(haystack: str = "prose") -> tuple[tuple[str, ...], str]:
+    """The units a haystack is made of, in order, and the separator that joins them:
+    ``"prose"`` and ``"code"``: the niah lines (``haystack_lines``) joined by newlines;
+    ``"filler"``: the sentences of ``PASSKEY_FILLER`` joined by spaces (passkey cycles
+    them). ``labels["haystack"]`` names an example's haystack. Also real text of any
+    length for a workload that needs some (``eval/bench_peers.py``)."""
+    if haystack == "filler":
+        return tuple(s.strip() for s in re.findall(r"[^.]+\.", PASSKEY_FILLER)), " "
+    return haystack_lines(haystack), "\n"
 
 
 _counts_cache: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
@@ -389,14 +437,13 @@ def _one_passkey(seed: int, length: int, tokenizer) -> HaystackExample:
     key = str(rng.randrange(10_000, 100_000))
     depth = rng.random()
     needle = PASSKEY_NEEDLE.format(key=key)
-    sentences = re.findall(r"[^.]+\.", PASSKEY_FILLER)
-    sentences = [s.strip() for s in sentences]
+    sentences, sep = haystack_units("filler")
     per = np.asarray([len(x) for x in tokenizer([" " + s for s in sentences], add_special_tokens=False)["input_ids"]])
     body_start = len(PASSKEY_INTRO) + 2
     cycles = length // int(per.sum()) + 2
 
     def build(k: int) -> dict:
-        body, spans = _place([sentences[i % len(sentences)] for i in range(k)], " ", [(depth, needle)])
+        body, spans = _place([sentences[i % len(sentences)] for i in range(k)], sep, [(depth, needle)])
         start, end, position = spans[0]
         label = dict(key="pass key", value=key, char_start=body_start + start, char_end=body_start + end,
                      depth=depth, position=position, asked=True)
@@ -426,7 +473,7 @@ def niah(n: int, *, length: int, seed: int, tokenizer, variant: str | None = Non
 
 def _one_niah(seed: int, length: int, tokenizer, variant: str, haystack: str) -> HaystackExample:
     rng = random.Random(seed)
-    lines, counts = haystack_lines(haystack), _line_tokens(tokenizer, haystack)
+    (lines, sep), counts = haystack_units(haystack), _line_tokens(tokenizer, haystack)
     first = rng.randrange(len(lines))
     count = 1 if variant == "single" else NEEDLES
     keys = rng.sample(KEYS, 1 if variant == "multivalue" else count)
@@ -442,7 +489,7 @@ def _one_niah(seed: int, length: int, tokenizer, variant: str, haystack: str) ->
 
     def build(k: int, shift: int) -> dict:
         units = [lines[(first + shift + i) % len(lines)] for i in range(k)]
-        body, spans = _place(units, "\n", list(zip(depths, needles)))
+        body, spans = _place(units, sep, list(zip(depths, needles)))
         order = sorted(range(count), key=lambda i: spans[i][0])
         labels = [dict(key=keys[i], value=values[i], char_start=body_start + spans[i][0],
                        char_end=body_start + spans[i][1], depth=depths[i], position=spans[i][2],
