@@ -695,7 +695,11 @@ QUICK = dict(n=2, length=1024, budgets="256,512", max_new_tokens=48)
 def build_parser(parser=None):
     p = parser or argparse.ArgumentParser(prog="jaxkv eval", description=__doc__.splitlines()[0])
     p.add_argument("--model", default="embedded", help="checkpoint folder, repo id or 'embedded'")
-    p.add_argument("--task", default="agent", help="agent, mqniah, shared_docs, or a comma list")
+    p.add_argument("--task", default="agent", help="agent, mqniah, shared_docs, or a comma list; or a real-model task "
+                   "(passkey, niah, niah_<variant>, lm: eval.real_model with --context, --ratios, --settings)")
+    p.add_argument("--context", type=int, default=2048, help="real-model tasks: the compressed request's tokens")
+    p.add_argument("--ratios", default="0.25,0.5,0.75", help="real-model tasks: kvpress compression ratios (fraction removed)")
+    p.add_argument("--settings", default=None, help="real-model tasks: aware,agnostic")
     p.add_argument("--methods", default=",".join(ALL_METHODS))
     p.add_argument("--budgets", default="256,512,1024")
     p.add_argument("--layouts", default="dead_slot,compact")
@@ -729,8 +733,33 @@ def add_command(subparsers) -> None:
 
 
 def _cmd_eval(args) -> int:
+    if _real_model_task(args):
+        return 0
     run(args)
     return 0
+
+
+def _real_model_task(args) -> bool:
+    """Hand a real-model task (``eval.real_model``) its grid: every method at
+    kvpress's ratios, each cell branched from one prefill. Returns whether it did."""
+    from eval import real_model
+
+    if args.task not in real_model.REAL_TASKS:
+        return False
+    if args.model == "embedded":
+        from jaxkv.errors import ConfigError
+
+        raise ConfigError(f"task {args.task!r} needs a pretrained model's tokenizer and chat template; "
+                          "pass --model smollm2-135m-instruct (or another checkpoint)")
+    methods = [m for m in args.methods.split(",") if m and m != "full"]
+    grid = argparse.Namespace(
+        model=args.model, task=args.task, context=args.context, n=args.n, first=0, ratios=args.ratios,
+        methods=",".join(methods) if args.methods != ",".join(ALL_METHODS) else ",".join(real_model.METHODS),
+        settings=args.settings, seed=None, max_new=real_model.MAX_NEW, out=Path(args.out), resume=args.resume,
+        repair=int(args.repair_ks.split(",")[0]) if args.repair_ks else None, repair_method="snapkv", repair_ratio=0.5,
+    )
+    real_model.run_grid(grid)
+    return True
 
 
 def _names(text, allowed, what):
@@ -837,7 +866,8 @@ def run(args, model=None) -> list[dict]:
 
 def main(argv=None) -> int:
     args = build_parser().parse_args(argv)
-    run(args)
+    if not _real_model_task(args):
+        run(args)
     return 0
 
 

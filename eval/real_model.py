@@ -296,6 +296,9 @@ def read_journal(path: Path) -> list[dict]:
     return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
 
 
+REAL_TASKS = ("passkey", "niah", "niah_single", "niah_multikey", "niah_multivalue", "lm")
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(prog="python -m eval.real_model", description=__doc__.splitlines()[0])
     p.add_argument("--model", default="smollm2-135m-instruct")
@@ -315,8 +318,11 @@ def main(argv=None) -> int:
                         "as multi-turn sessions in the agnostic setting (--repair-method at --repair-ratio)")
     p.add_argument("--repair-method", default="snapkv")
     p.add_argument("--repair-ratio", type=float, default=0.5)
-    args = p.parse_args(argv)
+    return run_grid(p.parse_args(argv))
 
+
+def run_grid(args) -> int:
+    """Run the cells ``args`` asks for (the options of ``main``), appending to the journal."""
     import jaxkv
     from jaxkv.tasks import haystack
 
