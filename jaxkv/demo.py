@@ -173,11 +173,11 @@ def run_retrieval_task(session, example, out=print) -> bool:
     """A passkey / needle task (``jaxkv.tasks.haystack``) in the question-agnostic
     setting: the document turn is replayed (its recorded acknowledgement
     teacher-forced, so a managed cache compresses the document before the question
-    exists), then the question is answered greedily (``greedy_messages``) with the
+    exists), then the question is answered greedily with the
     reply started by the reference reply's words before the value (``reply_prefix``)."""
-    from jaxkv.tasks.haystack import greedy_messages, reply_correct, reply_prefix
+    from jaxkv.tasks.haystack import reply_correct, reply_prefix
 
-    msgs = greedy_messages(example, "agnostic")
+    msgs = example.messages("agnostic")
     what = "passkey" if example.task == "passkey" else f"needle ({example.labels['variant']})"
     depths = ", ".join(f"{n['depth']:.2f}" for n in example.labels["needles"])
     out(f"  user: {what} document of ~{example.labels['prompt_tokens']:,} tokens (needle depth {depths})")

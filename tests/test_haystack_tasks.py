@@ -183,13 +183,9 @@ def test_reply_correct(smollm2_tokenizer):
     assert reply_correct(mv, mv.answer) and reply_correct(mv, " and ".join(reversed(mv.values)))
     assert not reply_correct(mv, ", ".join(mv.values[:-1])) and not reply_correct(mv, mv.answer.replace(mv.values[0], mv.values[0] + "1"))
     assert reply_prefix(ex) == "The pass key is"
-    for setting in H.SETTINGS:  # the passkey question asks for the number only; other tasks as they are
-        asked, plain = H.greedy_messages(ex, setting), ex.messages(setting)
-        question = asked[-2]["content"]
-        assert question.endswith("? " + H.NUMBER_ONLY) and question.count(H.NUMBER_ONLY) == 1
-        assert question in (plain[-2]["content"], plain[-2]["content"] + " " + H.NUMBER_ONLY)
-        assert asked[:-2] + asked[-1:] == plain[:-2] + plain[-1:]
-        assert H.greedy_messages(mv, setting) == mv.messages(setting)
+    for setting in H.SETTINGS:  # every question asks for the number(s) only (a small model names them then)
+        assert ex.messages(setting)[-2]["content"].endswith("? Answer with the number only.")
+        assert mv.messages(setting)[-2]["content"].endswith("? Answer with the numbers only, separated by commas.")
     assert reply_prefix(mv) == f"The special magic numbers for {mv.labels['asked_key']} are"
     with pytest.raises(ValueError):
         reply_correct(lm_text(1, length=64, seed=0, tokenizer=smollm2_tokenizer)[0], "1")

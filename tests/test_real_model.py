@@ -20,7 +20,7 @@ from flax import nnx
 import jaxkv
 from jaxkv.errors import ChatError, ConfigError
 from jaxkv.policies import REGISTRY
-from jaxkv.tasks.haystack import greedy_messages, niah, passkey, reply_correct, reply_prefix
+from jaxkv.tasks.haystack import niah, passkey, reply_correct, reply_prefix
 
 NAME = "smollm2-135m-instruct"
 
@@ -65,7 +65,7 @@ def test_a_managed_session_answers_a_real_passkey_task(smollm2):
     the real model names the key with the full cache and with the managed one.
     Both sessions share one server, so they share its compiled programs."""
     (ex,) = passkey(1, length=640, seed=20_251_125, tokenizer=smollm2.tokenizer)
-    messages = greedy_messages(ex, "agnostic")
+    messages = ex.messages("agnostic")
     replies = {}
     with jaxkv.Server(smollm2, rows=1, max_positions=768) as server:
         for label, options in {"full": {}, "managed": dict(policy="snapkv", budget=320, layout="dead_slot", repair=32, protect_query=False)}.items():
@@ -93,7 +93,7 @@ MECHANISMS = (
 @pytest.mark.parametrize("options", MECHANISMS, ids=lambda o: "-".join(f"{k}={v}" for k, v in o.items()))
 def test_every_mechanism_runs_a_multi_turn_conversation_on_the_real_weights(shallow, options):
     (ex,) = niah(1, length=384, seed=7, tokenizer=shallow.tokenizer, variant="single")
-    messages, prefix = greedy_messages(ex, "agnostic"), reply_prefix(ex)
+    messages, prefix = ex.messages("agnostic"), reply_prefix(ex)
     if "policy" in options:
         options = dict(options, protect_query=False)  # the document is the user turn: let the policy evict in it
     session = jaxkv.Session(shallow, max_new_tokens=6, max_positions=1024, **options)

@@ -10,8 +10,8 @@
   RULER-style ``niah`` over text that ships with Python, and ``lm_text``
   continuation windows, as ``HaystackExample`` records; ``token_plan`` gives the
   exact ids (compressed request, rest, answer) in the question-aware or -agnostic
-  setting, so jaxkv and kvpress score the same tokens; ``greedy_messages``,
-  ``reply_prefix`` and ``reply_correct`` ask, start and score a greedy reply.
+  setting, so jaxkv and kvpress score the same tokens; ``reply_prefix`` and
+  ``reply_correct`` start and score a greedy reply.
 
 The synthetic generators return ``Example`` records (messages, tools, scored turns with
 evidence spans, labels); ``vocabulary()`` lists every prose word they emit, for
@@ -21,7 +21,7 @@ the trainers and the evaluation all use them; ``eval.tasks`` re-exports them.
 
 from jaxkv.tasks.agent import agent_traces
 from jaxkv.tasks.example import Evidence, Example, ScoredTurn, approx_tokens
-from jaxkv.tasks.haystack import (HaystackExample, TokenPlan, answer_digit_positions, greedy_messages, lm_text, niah,
+from jaxkv.tasks.haystack import (HaystackExample, TokenPlan, answer_digit_positions, lm_text, niah,
                                   passkey, reply_correct, reply_prefix, token_plan)
 from jaxkv.tasks.mqniah import NEEDLE_COUNTS, mqniah
 from jaxkv.tasks.shared_docs import shared_corpus, shared_docs
@@ -39,7 +39,6 @@ __all__ = [
     "answer_digit_positions",
     "approx_tokens",
     "embedded_tokenizer",
-    "greedy_messages",
     "lm_text",
     "mqniah",
     "niah",

@@ -48,8 +48,10 @@ haystack begins), as RULER's and kvpress's contexts do. The body is
 ``labels["haystack_units"]`` consecutive units of ``haystack_units(labels["haystack"])``
 (cyclically, from unit ``labels.get("first_line", 0)``) with each needle at the unit
 boundary nearest its depth. ``reply_prefix`` is the reference reply up to its first
-value ("The pass key is"): a reply started with it names the value next;
-``greedy_messages`` is the conversation a small model answers greedily. The texts are
+value ("The pass key is"): a reply started with it names the value next. Every
+question asks for the number only: SmolLM2-135M-Instruct, asked "What is the pass
+key?" after the document's turn, says what a pass key is instead of naming it (0 of
+6 examples with the full cache; 6 of 6 with the instruction). The texts are
 read from the running interpreter, so they are the same for a given Python version.
 """
 
@@ -83,16 +85,19 @@ PASSKEY_FILLER = "The grass is green. The sky is blue. The sun is yellow. Here w
 PASSKEY_INTRO = ("There is an important info hidden inside a lot of irrelevant text. "
                  "Find it and memorize it. I will quiz you about the important information there.")
 PASSKEY_NEEDLE = "The pass key is {key}. Remember it. {key} is the pass key."
-PASSKEY_QUESTION = "What is the pass key?"
+PASSKEY_QUESTION = "What is the pass key? Answer with the number only."
 # Reference replies: a sentence ending in the value(s), as RULER's answer prefixes
-# have it, so teacher forcing scores the digits where the model would say them.
+# have it, so teacher forcing scores the digits where the model says them (asked for
+# the number only, SmolLM2 still answers "The pass key is 58203."; without the
+# instruction it rambles about what a pass key is).
 PASSKEY_ANSWER = "The pass key is {key}."
 
 NIAH_INTRO = ("Some special magic numbers are hidden within the following text. "
               "Make sure to memorize it. I will quiz you about the numbers afterwards.")
 NIAH_NEEDLE = "One of the special magic numbers for {key} is: {value}."
-NIAH_QUESTION = "What is the special magic number for {key} mentioned in the provided text?"
-NIAH_QUESTION_ALL = "What are all the special magic numbers for {key} mentioned in the provided text?"
+NIAH_QUESTION = "What is the special magic number for {key} mentioned in the provided text? Answer with the number only."
+NIAH_QUESTION_ALL = ("What are all the special magic numbers for {key} mentioned in the provided text? "
+                     "Answer with the numbers only, separated by commas.")
 NIAH_ANSWER = "The special magic number for {key} is {values}."
 NIAH_ANSWER_ALL = "The special magic numbers for {key} are {values}."
 
@@ -232,28 +237,6 @@ def reply_prefix(example: HaystackExample) -> str:
     if not example.values:
         raise ValueError(f"the {example.task} task has no values to prefix")
     return example.answer[: example.answer.index(example.values[0])].rstrip()
-
-
-# Said after the passkey question by ``greedy_messages`` (as the retired
-# jaxkv.tasks.retrieval asked it): not part of the examples.
-NUMBER_ONLY = "Answer with the number only."
-
-
-def greedy_messages(example: HaystackExample, setting: str) -> list[dict]:
-    """``example.messages(setting)`` for a small model's greedy reply: the passkey
-    question is followed by ``NUMBER_ONLY`` (unless it already ends with it); every
-    other task's messages are returned as they are. SmolLM2-135M-Instruct, asked
-    "What is the pass key?" in the agnostic setting with its reply started by
-    ``reply_prefix``, says what a pass key is instead of naming it (0 of 6 examples at
-    640 tokens with the full cache; 6 of 6 with ``NUMBER_ONLY``; aware, 3 of 3 without
-    it; niah single, 4 of 4 either way). The examples, their ``token_plan`` and
-    ``reply_correct`` are unchanged."""
-    messages = [dict(m) for m in example.messages(setting)]
-    if example.task == "passkey":
-        last_user = max(i for i, m in enumerate(messages) if m["role"] == "user")
-        if not messages[last_user]["content"].endswith(NUMBER_ONLY):
-            messages[last_user]["content"] += " " + NUMBER_ONLY
-    return messages
 
 
 def answer_digit_positions(example: HaystackExample, tokenizer, answer_ids) -> np.ndarray:
