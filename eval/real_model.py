@@ -347,7 +347,7 @@ def run_grid(args) -> int:
     if args.repair is not None:
         settings = ["agnostic"]
     done = {(r["task"], r["context"], r["seed"], r["setting"]) for r in read_journal(journal)} if args.resume else set()
-    positions = positions_for(args.context)
+    positions = min(positions_for(args.context), model.config.max_position_embeddings)
     setup = {"model": args.model, "ratios": ratios, "methods": methods, "max_new": args.max_new, "positions": positions,
              "threads": os.environ.get("XLA_FLAGS", "")}
     todo = [(ex, s) for ex in examples for s in settings if (ex.task, args.context, ex.seed, s) not in done]
