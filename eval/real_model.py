@@ -42,6 +42,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import gc
 import json
 import math
 import os
@@ -363,6 +364,8 @@ def run_grid(args) -> int:
                       setting=setting, length=ex.length, seconds=round(time.perf_counter() - t0, 2), setup=setup)
         with journal.open("a") as f:
             f.write(json.dumps(record) + "\n")
+        gc.collect()  # a closed session's pool sits in reference cycles (stages, turns); free it now, not at the next GC
+
         first = next(iter(record["cells"].values()))
         bar.set_postfix(s=f"{record['seconds']:.0f}", first=first.get("tf_correct", first.get("nll")))
     return 0
