@@ -33,11 +33,11 @@ from eval.repair_protocol import paired_gain
 SIDES = ("jaxkv", "kvpress")
 # jaxkv method -> the kvpress press that implements the same rule
 COUNTERPARTS = {
-    "snapkv": "snapkv",
-    "streaming_llm": "streaming_llm",
-    "tova": "tova",
-    "h2o": "observed_attention",
-    "random": "random",
+    "snapkv": "SnapKVPress",
+    "streaming_llm": "StreamingLLMPress",
+    "tova": "TOVAPress",
+    "h2o": "ObservedAttentionPress",
+    "random": "RandomPress",
 }
 BOOTSTRAP = 2000
 
@@ -55,10 +55,24 @@ def split_cell(name: str) -> tuple[str, float]:
     return method, float(ratio)
 
 
+def flatten(records: list[dict]) -> list[dict]:
+    """One record per (example, setting): jaxkv's journal already is; kvpress's
+    holds both settings of an example (``settings: {setting: {cells}}``) and names
+    the example's own task ``example_task``."""
+    out = []
+    for rec in records:
+        if "settings" in rec:
+            task = rec.get("example_task", rec["task"])
+            out += [dict(rec, task=task, setting=setting, cells=block["cells"]) for setting, block in rec["settings"].items()]
+        else:
+            out.append(rec)
+    return out
+
+
 def verdicts(records: list[dict]) -> dict:
     """``{(task, context, setting): {cell: {seed: cell record}}}``, latest record wins."""
     out: dict = defaultdict(lambda: defaultdict(dict))
-    for rec in records:
+    for rec in flatten(records):
         for cell, res in rec["cells"].items():
             out[(rec["task"], rec["context"], rec["setting"])][cell][rec["seed"]] = res
     return out
@@ -144,7 +158,11 @@ def report(root: Path, min_full: float = 0.5) -> str:
             w.writeheader()
             w.writerows(rows)
     lines = ["# jaxkv and kvpress on SmolLM2-135M-Instruct, on the same examples", ""]
-    secs = {side: sum(rec.get("seconds", 0) for f in ("examples.jsonl", "sessions.jsonl") for rec in read(root / side / f)) for side in SIDES}
+    def seconds(rec):
+        sec = rec.get("seconds", 0)
+        return sec.get("total", 0) if isinstance(sec, dict) else sec
+
+    secs = {side: sum(seconds(rec) for f in ("examples.jsonl", "sessions.jsonl") for rec in read(root / side / f)) for side in SIDES}
     lines += [f"CPU time in the journals: jaxkv {secs['jaxkv'] / 3600:.2f} h, kvpress {secs['kvpress'] / 3600:.2f} h "
               "(2-core x86_64; sums of per-example seconds).", ""]
     # ceilings
