@@ -438,7 +438,7 @@ class Rows:
     to the slots after the padding, at the position ids given (kvpress's: continuing
     from the uncompressed length)."""
 
-    def __init__(self, model, rows: Sequence[list], extra: int):
+    def __init__(self, model, rows: Sequence[list], extra: int, consume: bool = False):
         import torch
         from transformers import DynamicCache
 
@@ -455,6 +455,8 @@ class Rows:
             for r, row in enumerate(rows):
                 k[r, :, : lengths[r]] = row[layer][0][0]
                 v[r, :, : lengths[r]] = row[layer][1][0]
+                if consume:  # the caller's per-layer lists: free each layer once copied
+                    row[layer] = None
             layers.append(grow(k, v))
             layers[-1].resize(width)
         self.cache.layers = layers
@@ -496,15 +498,17 @@ class Continuation:
 
 
 def continue_rows(model, rows: Sequence[list], start: int, rest, answer, prefill_last, *, stops=(),
-                  teacher_force=True, greedy=True, max_new_tokens: int = MAX_NEW_TOKENS) -> Continuation:
+                  teacher_force=True, greedy=True, max_new_tokens: int = MAX_NEW_TOKENS,
+                  consume: bool = False) -> Continuation:
     """Feed ``rest`` then (teacher-forced) ``answer`` after each row's compressed cache
     (``rows``: per row, per layer (keys, values)) at positions ``start, start + 1, ...``;
     then greedy generation after ``rest``, rows dropping out of the batch as they stop.
     ``prefill_last``: the prefill's last logits, which predict the first answer token
-    when ``rest`` is empty."""
+    when ``rest`` is empty. ``consume``: empty ``rows``' per-layer lists while copying
+    them into the batch (bounds the memory: the cells' caches are held once)."""
     import torch
 
-    batch = Rows(model, rows, extra=len(rest) + len(answer) + max_new_tokens)
+    batch = Rows(model, rows, extra=len(rest) + len(answer) + max_new_tokens, consume=consume)
     b = len(rows)
     rest_t = torch.as_tensor(np.asarray(rest), dtype=torch.long)[None].expand(b, -1)
     ans_t = torch.as_tensor(np.asarray(answer), dtype=torch.long)[None].expand(b, -1)
@@ -620,18 +624,20 @@ def run_setting(model, tokenizer, example, setting: str, presses: dict, *, stops
     prefill = shared_prefill(model, plan.compressed, presses, example.seed, prefill_attention(presses.values()))
     names = [FULL, *prefill.cells]
     kv = [prefill.full, *prefill.cells.values()]
+    kept = [rows[0][0].shape[2] for rows in kv]
+    del prefill.full, prefill.cells
     # One batch; the lm task (256 teacher-forced tokens, no generation) one batch per kept
     # length instead, which bounds the logits held at once (rows x 256 x vocabulary).
     batches = [list(range(len(names)))]
     if lm_task:
         by_length: dict[int, list[int]] = {}
-        for b, rows in enumerate(kv):
-            by_length.setdefault(rows[0][0].shape[2], []).append(b)
+        for b, n in enumerate(kept):
+            by_length.setdefault(n, []).append(b)
         batches = list(by_length.values())
     logits_of, generated_of = {}, {}
     for batch in batches:
         cont = continue_rows(model, [kv[b] for b in batch], prefill.length, plan.rest, plan.answer, prefill.last_logits,
-                             stops=stops, greedy=not lm_task, max_new_tokens=max_new_tokens)
+                             stops=stops, greedy=not lm_task, max_new_tokens=max_new_tokens, consume=True)
         for i, b in enumerate(batch):
             logits_of[b] = cont.answer_logits[i]
             generated_of[b] = cont.generated[i] if cont.generated is not None else None
@@ -640,7 +646,7 @@ def run_setting(model, tokenizer, example, setting: str, presses: dict, *, stops
     cells, full_logp = {}, None
     for b, name in enumerate(names):  # the full cache first (the lm task's KL reference)
         press, ratio = (FULL, 0.0) if name == FULL else (name.split("@")[0], float(name.split("@")[1]))
-        row = {"press": press, "ratio": ratio, "kept": int(kv[b][0][0].shape[2])}
+        row = {"press": press, "ratio": ratio, "kept": int(kept[b])}
         if lm_task:
             logp = torch.log_softmax(logits_of[b].float(), dim=-1)
             if name == FULL:
@@ -740,6 +746,35 @@ def done_keys(path: Path) -> set[tuple]:
     return keys
 
 
+def summary(path: Path) -> str:
+    """A plain-text table of ``path`` (``examples.jsonl``): per task (niah: per variant), context, setting and
+    cell, the examples, teacher-forced and greedy accuracy (%) and the mean answer NLL
+    (lm: the mean NLL, its increase over the full cache and the KL)."""
+    rows: dict[tuple, list] = {}
+    for line in Path(path).read_text().splitlines():
+        if not line.strip():
+            continue
+        rec = json.loads(line)
+        for setting, res in rec["settings"].items():
+            for name, cell in res["cells"].items():
+                full = res["cells"][FULL]
+                rows.setdefault((rec["example_task"], rec["context"], setting, name), []).append((cell, full))
+    out = []
+    for (task, context, setting, name), cells in sorted(rows.items(), key=lambda kv: (kv[0][:3], kv[0][3] != FULL, kv[0][3])):
+        n = len(cells)
+        if "nll" in cells[0][0]:
+            nll = np.mean([c["nll"] for c, _ in cells])
+            delta = np.mean([c["nll"] - f["nll"] for c, f in cells])
+            kl = np.mean([c["kl"] for c, _ in cells])
+            out.append(f"{task:15s} {context:5d} {setting:8s} {name:28s} n={n:3d}  nll {nll:.3f}  {delta:+.3f}  kl {kl:.3f}")
+        else:
+            tf = 100 * np.mean([bool(c["tf_correct"]) for c, _ in cells])
+            gen = 100 * np.mean([c["gen_correct"] for c, _ in cells])
+            nll = np.mean([c["answer_nll"] for c, _ in cells if c["answer_nll"] is not None])
+            out.append(f"{task:15s} {context:5d} {setting:8s} {name:28s} n={n:3d}  tf {tf:5.1f}  greedy {gen:5.1f}  nll {nll:.3f}")
+    return "\n".join(out)
+
+
 def _versions() -> dict:
     import importlib.metadata as md
 
@@ -748,7 +783,7 @@ def _versions() -> dict:
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(prog="python -m eval.kvpress_side", description=__doc__.splitlines()[0])
-    ap.add_argument("--task", choices=TASK_CHOICES, required=True)
+    ap.add_argument("--task", choices=TASK_CHOICES, default="passkey")
     ap.add_argument("--context", type=int, default=2048, help="target length in tokens")
     ap.add_argument("--n", type=int, default=50, help="examples")
     ap.add_argument("--first", type=int, default=0, help="skip the first examples (split a run)")
@@ -766,7 +801,11 @@ def main(argv=None) -> int:
                          "write OUT/verify.json and exit (1 if it fails)")
     ap.add_argument("--verify-presses", default=",".join(VERIFY_PRESSES),
                     help="presses --verify checks (plus ObservedAttentionPress when attention is eager)")
+    ap.add_argument("--summary", action="store_true", help="print the accuracy table of OUT/examples.jsonl and exit")
     args = ap.parse_args(argv)
+    if args.summary:
+        print(summary(args.out / "examples.jsonl"))
+        return 0
 
     import torch
     from tqdm import tqdm
