@@ -277,7 +277,13 @@ def plot(root: Path, rows: list[dict], usable: set) -> None:
     keys = sorted(k for k in usable if k[0] != "lm")
     if not keys:
         return
-    fig, axes = plt.subplots(1, len(keys), figsize=(4.2 * len(keys), 3.8), squeeze=False)
+    fig, axes = plt.subplots(1, len(keys), figsize=(4.2 * len(keys), 4.6), squeeze=False)
+    # a jaxkv method and its kvpress counterpart share a colour (solid vs dashed)
+    family = {**{m: m for m in COUNTERPARTS}, **{press: m for m, press in COUNTERPARTS.items()}}
+    names = sorted({family.get(r["method"], r["method"]) for r in rows if r["method"] != "full"})
+    palette = plt.get_cmap("tab20").colors
+    colour = {name: palette[i % len(palette)] for i, name in enumerate(names)}
+    handles = {}
     for ax, key in zip(axes[0], keys):
         sel = [r for r in rows if (r["task"], r["context"], r["setting"]) == key]
         full = [r for r in sel if r["method"] == "full" and r["side"] == "jaxkv"]
@@ -287,14 +293,15 @@ def plot(root: Path, rows: list[dict], usable: set) -> None:
         for side, style in (("jaxkv", "-"), ("kvpress", "--")):
             for m in sorted({r["method"] for r in sel if r["side"] == side and r["method"] != "full"}):
                 pts = sorted((r["ratio"], 100 * r["tf_acc"]) for r in sel if r["side"] == side and r["method"] == m)
-                ax.plot(*zip(*pts), style, marker="o", ms=3, label=f"{side}: {m}")
+                (line,) = ax.plot(*zip(*pts), style, marker="o", ms=3, color=colour[family.get(m, m)])
+                handles[f"{side}: {m}"] = line
         ax.set_title(f"{key[0]} {key[1]} ({key[2]})", fontsize=9)
         ax.set_xlabel("fraction of KV removed")
         ax.set_ylabel("teacher-forced accuracy %")
         ax.set_ylim(-3, 103)
-    axes[0][-1].legend(fontsize=6, loc="lower left")
-    fig.tight_layout()
-    fig.savefig(root / "accuracy_vs_ratio.png", dpi=120)
+    fig.legend(list(handles.values()), list(handles), fontsize=6, loc="lower center", ncol=4, frameon=False)
+    fig.subplots_adjust(bottom=0.3)
+    fig.savefig(root / "accuracy_vs_ratio.png", dpi=120, bbox_inches="tight")
     plt.close(fig)
 
 
