@@ -27,7 +27,8 @@ position ids continue from the *uncompressed* length, as kvpress's
 * teacher forced: ``tf_correct`` = the argmax equals the reference at every
   digit-bearing answer token (``answer_digit_positions``); ``answer_nll`` = the
   mean NLL over those tokens;
-* greedy: up to ``MAX_NEW_TOKENS`` tokens after ``compressed + rest``, stopped at
+* greedy: up to ``haystack.reply_budget`` tokens (the reference reply + 8, at most
+  ``--max-new-tokens``) after ``compressed + rest``, stopped at
   the end-of-turn token, scored by ``reply_correct``;
 * ``lm``: ``compressed`` = the context, ``answer`` = the 256 target tokens:
   the mean NLL per target token and the mean KL(full || pressed) per token.
@@ -149,7 +150,7 @@ PRESSES = (
 EAGER_PRESSES = frozenset({"ObservedAttentionPress"})  # need the attention weights (eager attention)
 RATIOS = (0.25, 0.5, 0.75)
 SETTINGS = ("aware", "agnostic")
-MAX_NEW_TOKENS = 24
+MAX_NEW_TOKENS = 48  # the cap; each reply's own budget is haystack.reply_budget (the same rule as jaxkv's)
 FULL = "full"
 # the presses --verify compares with kvpress's own path (plus ObservedAttentionPress when eager)
 VERIFY_PRESSES = ("SnapKVPress", "RandomPress", "ExpectedAttentionPress")
@@ -619,6 +620,8 @@ def run_setting(model, tokenizer, example, setting: str, presses: dict, *, stops
     import torch
     from jaxkv import tasks
 
+    from jaxkv.tasks.haystack import reply_budget
+
     plan = tasks.token_plan(example, tokenizer, setting)
     lm_task = example.task == "lm"
     prefill = shared_prefill(model, plan.compressed, presses, example.seed, prefill_attention(presses.values()))
@@ -637,7 +640,7 @@ def run_setting(model, tokenizer, example, setting: str, presses: dict, *, stops
     logits_of, generated_of = {}, {}
     for batch in batches:
         cont = continue_rows(model, [kv[b] for b in batch], prefill.length, plan.rest, plan.answer, prefill.last_logits,
-                             stops=stops, greedy=not lm_task, max_new_tokens=max_new_tokens, consume=True)
+                             stops=stops, greedy=not lm_task, max_new_tokens=reply_budget(plan, max_new_tokens), consume=True)
         for i, b in enumerate(batch):
             logits_of[b] = cont.answer_logits[i]
             generated_of[b] = cont.generated[i] if cont.generated is not None else None

@@ -14,7 +14,7 @@ and the answer with no further event:
 
 * teacher forced: the answer's digit tokens' exact argmax (``tf_correct``) and
   their mean NLL (``answer_nll``);
-* greedy: up to ``reply_budget`` tokens from the same cache, scored by
+* greedy: up to ``haystack.reply_budget`` tokens from the same cache, scored by
   ``reply_correct`` (``gen_correct``);
 * ``lm``: the mean NLL of the continuation and the mean KL(full || cell) per
   token, against the full cache's logits of the same run.
@@ -53,18 +53,11 @@ from pathlib import Path
 import numpy as np
 
 from jaxkv.serving.stages.base import Capture, Stage
+from jaxkv.tasks import haystack
 
 METHODS = ("snapkv", "tova", "h2o", "streaming_llm", "random", "agentkv", "intentkv_memory", "intentkv_query")
 RATIOS = (0.25, 0.5, 0.75)
-MAX_NEW = 48  # the cap of a greedy reply (a multivalue reply names four 7-digit values)
-REPLY_SLACK = 8  # a greedy reply may run this many tokens past the reference reply's length
-
-
-def reply_budget(plan, max_new: int = MAX_NEW) -> int:
-    """Tokens a greedy reply may take: the reference reply's length plus
-    ``REPLY_SLACK`` (a reply that has not named the values by then is wrong
-    anyway; a rambling cell would otherwise decode to the cap), at most ``max_new``."""
-    return min(int(max_new), int(plan.answer.size) + REPLY_SLACK)
+MAX_NEW = 48  # the cap of a greedy reply (haystack.reply_budget sets each reply's own)
 SHORT_PIECES = 16  # narrowest prefill width: the rest + answer pieces are ~10-40 tokens
 
 
@@ -173,7 +166,7 @@ def answer_measure(example, plan, tokenizer, digit_idx, max_new: int):
         nll = float(-logp[np.arange(target.size), target].mean())
         tf_ok = bool((pred[digit_idx].argmax(-1) == target).all())
         turn.rewind(mark + r)
-        reply = yield from turn.generate(last, reply_budget(plan, max_new))
+        reply = yield from turn.generate(last, haystack.reply_budget(plan, max_new))
         text = tokenizer.decode(list(reply), skip_special_tokens=True)
         return {"tf_correct": tf_ok, "answer_nll": round(nll, 5), "gen_correct": bool(reply_correct(example, text)), "reply": text}
 
@@ -278,7 +271,7 @@ def run_sessions(model, example, cells, ratio: float, *, positions: int, max_new
         session = Session(model, max_positions=positions, protect_query=False, max_new_tokens=max_new, budget=b, **options)
         try:
             session.server.engine.short_chunk = SHORT_PIECES
-            turns = session.replay(messages, generate=True, return_logits=True, max_new_tokens=reply_budget(plan, max_new))
+            turns = session.replay(messages, generate=True, return_logits=True, max_new_tokens=haystack.reply_budget(plan, max_new))
             last = turns[-1]
             target = np.asarray(last.target_ids)
             if not np.array_equal(target[: plan.answer.size], plan.answer):
@@ -333,7 +326,6 @@ def main(argv=None) -> int:
 def run_grid(args) -> int:
     """Run the cells ``args`` asks for (the options of ``main``), appending to the journal."""
     import jaxkv
-    from jaxkv.tasks import haystack
 
     from tqdm import tqdm
 

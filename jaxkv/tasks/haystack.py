@@ -538,3 +538,15 @@ def examples(task: str, n: int, *, length: int, tokenizer, seed: int | None = No
     if task == "lm":
         return lm_text(n, length=length, seed=seed, tokenizer=tokenizer)
     raise ValueError(f"unknown task {task!r}; known: passkey, niah, {', '.join('niah_' + v for v in VARIANTS)}, lm")
+
+
+REPLY_SLACK = 8  # a greedy reply may run this many tokens past the reference reply
+REPLY_CAP = 48  # ... and never more (a multivalue reply names four 7-digit values)
+
+
+def reply_budget(plan: TokenPlan, cap: int = REPLY_CAP) -> int:
+    """Tokens a greedy reply may take on every side of a report: the reference
+    reply's length plus ``REPLY_SLACK``, at most ``cap``. A reply that has not
+    named the values by then is wrong anyway (``reply_correct`` reads the first
+    digit run), and a cell that rambles would otherwise decode to the cap."""
+    return min(int(cap), int(np.asarray(plan.answer).size) + REPLY_SLACK)
