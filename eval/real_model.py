@@ -73,10 +73,12 @@ def budget_for_ratio(ratio: float, n_request: int) -> int:
 
 @dataclasses.dataclass(frozen=True)
 class Cell:
-    """One branch: a retention method at a ratio (``method=None``: the full cache)."""
+    """One branch: a retention method at a ratio (``method=None``: the full cache),
+    with the policy's config fields in ``options`` (``(("w", 64),)``; empty: defaults)."""
 
     method: str | None
     ratio: float = 0.0
+    options: tuple = ()
 
     @property
     def name(self) -> str:
@@ -110,7 +112,7 @@ class ProbeStage(Stage):
 def _retention_stage(cell: Cell, budget: int):
     from jaxkv.serving.stages.retention import RetentionSpec, RetentionStage
 
-    return RetentionStage(RetentionSpec.make(cell.method, budget, "dead_slot", {}))
+    return RetentionStage(RetentionSpec.make(cell.method, budget, "dead_slot", dict(cell.options)))
 
 
 def branch_program(turn, probe: ProbeStage, cells, stages, measure):

@@ -27,15 +27,11 @@ def main(argv=None) -> int:
 
     import jaxkv
     from eval import real_model
-    from jaxkv.serving.stages.retention import RetentionSpec, RetentionStage
     from jaxkv.tasks import haystack
 
-    def stage(cell, budget):
-        return RetentionStage(RetentionSpec.make(cell.method, budget, "dead_slot", KVPRESS_SNAPKV))
-
     model = jaxkv.load_model("smollm2-135m-instruct")
-    cells = [real_model.Cell(None)] + [real_model.Cell("snapkv", r) for r in real_model.RATIOS]
-    real_model._retention_stage = stage  # every snapkv cell with kvpress's window and pooling
+    options = tuple(sorted(KVPRESS_SNAPKV.items()))
+    cells = [real_model.Cell(None)] + [real_model.Cell("snapkv", r, options) for r in real_model.RATIOS]
     correct: dict = {}
     for ex in haystack.examples("passkey", args.n, length=args.context, tokenizer=model.tokenizer):
         rec = real_model.run_example(model, ex, args.setting, cells, positions=real_model.positions_for(args.context))
