@@ -62,21 +62,18 @@ def test_by_name_loads_the_real_checkpoint(smollm2):
 def test_a_managed_session_answers_a_real_passkey_task(smollm2):
     """Question-agnostic passkey: the document is compressed to half its length at
     the end of turn 1 (SnapKV, dead-slot, RepairKV), the question comes in turn 2;
-    the real model names the key with the full cache and with the managed one.
-    Both sessions share one server, so they share its compiled programs."""
-    (ex,) = passkey(1, length=640, seed=20_251_125, tokenizer=smollm2.tokenizer)
+    the real model still names the key. (The full cache's ceiling on this task is
+    the real-model report's: ``eval/results/real_smollm2``.)"""
+    (ex,) = passkey(1, length=512, seed=20_251_125, tokenizer=smollm2.tokenizer)
     messages = ex.messages("agnostic")
-    replies = {}
-    with jaxkv.Server(smollm2, rows=1, max_positions=768) as server:
-        for label, options in {"full": {}, "managed": dict(policy="snapkv", budget=320, layout="dead_slot", repair=32, protect_query=False)}.items():
-            session = server.session(max_new_tokens=8, **options)
-            session.replay(messages[:2])
-            replies[label] = session.chat(messages[:3], reply_prefix=reply_prefix(ex))["content"]
-            if options:  # the document was compressed to the budget before the question came
-                assert session.compressions and session.compressions[0].live_after <= 320 < session.compressions[0].live_before
-            session.close()
-    assert reply_correct(ex, replies["full"]), replies
-    assert reply_correct(ex, replies["managed"]), replies
+    with jaxkv.Server(smollm2, rows=1, max_positions=640) as server:
+        session = server.session(max_new_tokens=8, policy="snapkv", budget=256, layout="dead_slot", repair=32, protect_query=False)
+        session.replay(messages[:2])
+        reply = session.chat(messages[:3], reply_prefix=reply_prefix(ex))["content"]
+        first = session.compressions[0]  # the document was compressed to the budget before the question came
+        assert first.live_after <= 256 < first.live_before
+        session.close()
+    assert reply_correct(ex, reply), reply
 
 
 MECHANISMS = (
