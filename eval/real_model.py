@@ -15,7 +15,14 @@ and the answer with no further event:
 * teacher forced: the answer's digit tokens' exact argmax (``tf_correct``) and
   their mean NLL (``answer_nll``);
 * greedy: up to ``haystack.reply_budget`` tokens from the same cache, scored by
-  ``reply_correct`` (``gen_correct``);
+  ``reply_correct`` (``gen_correct``). Greedy decoding emits the answer's tokens for
+  as long as each is the argmax of its teacher-forced row (by induction on the
+  position), so it starts from the first answer token that is not, with the
+  answer's agreeing prefix already in the cache; a reply whose every answer token
+  agrees is the answer itself, which names every value (``reply`` then stops at
+  the answer's end; ``decoded`` counts the tokens actually decoded). The only
+  difference from decoding every token is that the agreeing prefix's keys come
+  from a prefill instead of decode steps (float32 rounding);
 * ``lm``: the mean NLL of the continuation and the mean KL(full || cell) per
   token, against the full cache's logits of the same run.
 
@@ -161,16 +168,25 @@ def answer_measure(example, plan, tokenizer, digit_idx, max_new: int):
         logits = yield from turn.prefill(np.concatenate([plan.rest, plan.answer]), all_logits=True)
         logits = np.concatenate([np.asarray(first_logits, np.float32)[None], np.asarray(logits, np.float32)])
         r = plan.rest.size
-        last = logits[r]  # what the reply starts from
         pred = logits[r : r + plan.answer.size]  # row i predicts answer token i
         logp = _log_softmax(pred[digit_idx])
         target = plan.answer[digit_idx]
         nll = float(-logp[np.arange(target.size), target].mean())
         tf_ok = bool((pred[digit_idx].argmax(-1) == target).all())
-        turn.rewind(mark + r)
-        reply = yield from turn.generate(last, haystack.reply_budget(plan, max_new))
-        text = tokenizer.decode(list(reply), skip_special_tokens=True)
-        return {"tf_correct": tf_ok, "answer_nll": round(nll, 5), "gen_correct": bool(reply_correct(example, text)), "reply": text}
+        # Greedy shares the teacher-forced prefix: up to the first answer token that is
+        # not the argmax, greedy decoding emits the answer itself (by induction), so
+        # it decodes only from there (module docstring).
+        wrong = np.flatnonzero(pred.argmax(-1) != plan.answer)
+        agree = int(wrong[0]) if wrong.size else int(plan.answer.size)
+        budget = haystack.reply_budget(plan, max_new)
+        if agree == plan.answer.size:
+            reply = list(plan.answer)  # names every value; what follows cannot change the first digit run
+        else:
+            turn.rewind(mark + r + agree)
+            reply = list(plan.answer[:agree]) + (yield from turn.generate(logits[r + agree], budget - agree))
+        text = tokenizer.decode(reply, skip_special_tokens=True)
+        return {"tf_correct": tf_ok, "answer_nll": round(nll, 5), "gen_correct": bool(reply_correct(example, text)),
+                "reply": text, "decoded": len(reply) - agree}
 
     return measure
 
