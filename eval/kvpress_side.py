@@ -29,7 +29,9 @@ position ids continue from the *uncompressed* length, as kvpress's
   mean NLL over those tokens;
 * greedy: up to ``haystack.reply_budget`` tokens (the reference reply + 8, at most
   ``--max-new-tokens``) after ``compressed + rest``, stopped at
-  the end-of-turn token, scored by ``reply_correct``;
+  the end-of-turn token, scored by ``reply_correct``; a cell whose every answer
+  token is its teacher-forced argmax is not decoded (greedy would emit the answer
+  itself; its reply is the answer), as on jaxkv's side;
 * ``lm``: ``compressed`` = the context, ``answer`` = the 256 target tokens:
   the mean NLL per target token and the mean KL(full || pressed) per token.
 
@@ -500,13 +502,17 @@ class Continuation:
 
 def continue_rows(model, rows: Sequence[list], start: int, rest, answer, prefill_last, *, stops=(),
                   teacher_force=True, greedy=True, max_new_tokens: int = MAX_NEW_TOKENS,
-                  consume: bool = False) -> Continuation:
+                  consume: bool = False, skip_agreeing: bool = False) -> Continuation:
     """Feed ``rest`` then (teacher-forced) ``answer`` after each row's compressed cache
     (``rows``: per row, per layer (keys, values)) at positions ``start, start + 1, ...``;
     then greedy generation after ``rest``, rows dropping out of the batch as they stop.
     ``prefill_last``: the prefill's last logits, which predict the first answer token
     when ``rest`` is empty. ``consume``: empty ``rows``' per-layer lists while copying
-    them into the batch (bounds the memory: the cells' caches are held once)."""
+    them into the batch (bounds the memory: the cells' caches are held once).
+    ``skip_agreeing`` (with teacher forcing): a row whose every answer token is its
+    teacher-forced argmax is not decoded; greedy decoding would emit the answer
+    itself (by induction), so its ``generated`` is the answer (no stop id), as
+    ``eval.real_model`` does on jaxkv's side."""
     import torch
 
     batch = Rows(model, rows, extra=len(rest) + len(answer) + max_new_tokens, consume=consume)
@@ -532,7 +538,12 @@ def continue_rows(model, rows: Sequence[list], start: int, rest, answer, prefill
             stop = set(int(t) for t in stops)
             tok = last.argmax(-1)
             gen = [[int(t)] for t in tok]
-            active = [r for r in range(b) if gen[r][-1] not in stop]
+            agreeing = set()
+            if skip_agreeing and res.answer_logits is not None:
+                agreeing = set(np.flatnonzero((res.answer_logits.argmax(-1) == ans_t).all(-1).numpy()).tolist())
+                for r in agreeing:
+                    gen[r] = [int(t) for t in np.asarray(answer)]
+            active = [r for r in range(b) if r not in agreeing and gen[r][-1] not in stop]
             if len(active) < b:
                 batch.select(active)
                 tok = tok[active]
@@ -640,7 +651,8 @@ def run_setting(model, tokenizer, example, setting: str, presses: dict, *, stops
     logits_of, generated_of = {}, {}
     for batch in batches:
         cont = continue_rows(model, [kv[b] for b in batch], prefill.length, plan.rest, plan.answer, prefill.last_logits,
-                             stops=stops, greedy=not lm_task, max_new_tokens=reply_budget(plan, max_new_tokens), consume=True)
+                             stops=stops, greedy=not lm_task, max_new_tokens=reply_budget(plan, max_new_tokens), consume=True,
+                             skip_agreeing=True)
         for i, b in enumerate(batch):
             logits_of[b] = cont.answer_logits[i]
             generated_of[b] = cont.generated[i] if cont.generated is not None else None
