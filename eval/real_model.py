@@ -129,7 +129,7 @@ def branch_program(turn, probe: ProbeStage, cells, stages, measure):
     try:
         turn.open()
         first_logits = yield from turn.prefill_prompt()
-        checkpoint = turn.engine.checkpoint()
+        checkpoint = turn.engine.checkpoint(kv=False)  # cells write only fresh slots (float pool, dead-slot)
         n_reports = len(turn.session.compressions)
         out = {}
         for cell, stage in zip(cells, stages):
@@ -146,6 +146,7 @@ def branch_program(turn, probe: ProbeStage, cells, stages, measure):
             out[cell.name] = result
             turn.engine.rollback(checkpoint)
             del turn.session.compressions[n_reports:]
+        turn.engine.discard(checkpoint)
         return out
     finally:
         turn.close()

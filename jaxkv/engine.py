@@ -435,12 +435,14 @@ class DecodeJob:
 # ============================================================================ the engine
 @dataclasses.dataclass(frozen=True)
 class EngineCheckpoint:
-    """What ``Engine.checkpoint`` saved: the device pool and tables, each row's
-    ``RequestState`` (None: free) and the allocator's state."""
+    """What ``Engine.checkpoint`` saved: the device pool and tables (or the tables
+    alone, a tuple, with ``kv=False``), each row's ``RequestState`` (None: free),
+    the allocator's state and, with ``kv=False``, the slots it pins."""
 
-    cache: PagedKVCache
+    cache: PagedKVCache | tuple
     rows: list
     allocator_state: dict
+    held: np.ndarray | None = None  # kv=False: the slots held at the checkpoint, pinned until a rollback
 
 
 def _platform(mesh) -> str:
@@ -515,25 +517,52 @@ class Engine:
         return slots
 
     # -- branches ----------------------------------------------------------------
-    def checkpoint(self) -> "EngineCheckpoint":
+    def checkpoint(self, *, kv: bool = True) -> "EngineCheckpoint":
         """Everything a later ``rollback`` needs to undo what happens meanwhile:
-        a copy of the device pool and tables (later steps donate the live one)
-        and of the host bookkeeping (rows, allocator). Evaluations branch with
-        it: try one decision on an open row, measure, roll back, try the next,
-        without prefilling the shared prompt again."""
-        return EngineCheckpoint(jax.tree.map(jnp.copy, self.cache), copy.deepcopy(self.row_state), copy.deepcopy(self.allocator.__dict__))
+        a copy of the device tables and, with ``kv``, of the pool (later steps
+        donate the live ones), and of the host bookkeeping (rows, allocator).
+        Evaluations branch with it: try one decision on an open row, measure, roll
+        back, try the next, without prefilling the shared prompt again.
+
+        ``kv=False`` skips the pool's copy (the larger part by far, once per
+        rollback too). Every slot held at the checkpoint then keeps one more
+        reference until the rollback (which takes it again for the next branch), so
+        a slot an eviction frees meanwhile is not handed out again and new tokens
+        land in slots that were free: the KV of every slot held at the checkpoint
+        is untouched by prefill, decode and dead-slot or compact evictions on the
+        float pool. A quantized pool (its pages settle and requantize in place), a
+        segment-reuse rewrite or a repair that writes back needs ``kv=True``."""
+        rows, allocator_state = copy.deepcopy(self.row_state), copy.deepcopy(self.allocator.__dict__)
+        if kv:
+            return EngineCheckpoint(jax.tree.map(jnp.copy, self.cache), rows, allocator_state)
+        tables = tuple(jnp.copy(t) for t in (self.cache.slot_map, self.cache.live_idx, self.cache.live_len, self.cache.seq_len))
+        held = np.flatnonzero(self.allocator.refcounts() > 0)
+        self.allocator.ref(held)
+        return EngineCheckpoint(tables, rows, allocator_state, held)
 
     def rollback(self, checkpoint: "EngineCheckpoint") -> None:
         """Return to ``checkpoint`` (it stays valid: roll back to it again later).
         Host objects are restored in place, so references to an open row's
         ``RequestState`` or to the allocator keep pointing at the live ones."""
-        self.cache = jax.tree.map(jnp.copy, checkpoint.cache)
+        if checkpoint.held is not None:  # tables only (checkpoint(kv=False)): the pool stays as it is
+            slot_map, live_idx, live_len, seq_len = (jnp.copy(t) for t in checkpoint.cache)
+            self.cache = self.cache.replace(slot_map=slot_map, live_idx=live_idx, live_len=live_len, seq_len=seq_len)
+        else:
+            self.cache = jax.tree.map(jnp.copy, checkpoint.cache)
         self.allocator.__dict__.update(copy.deepcopy(checkpoint.allocator_state))
+        if checkpoint.held is not None:
+            self.allocator.ref(checkpoint.held)  # pinned again for the next branch
         for row, saved in enumerate(checkpoint.rows):
             if saved is None or self.row_state[row] is None:
                 self.row_state[row] = copy.deepcopy(saved)
             else:
                 self.row_state[row].__dict__.update(copy.deepcopy(saved.__dict__))
+
+    def discard(self, checkpoint: "EngineCheckpoint") -> None:
+        """Done with ``checkpoint``: drop the references a ``kv=False`` checkpoint
+        holds on its slots (call it after the last rollback to it)."""
+        if checkpoint.held is not None:
+            self.allocator.release(checkpoint.held)
 
     # -- rows --------------------------------------------------------------------
     def open_row(self, prefix_slots: Sequence[int] = (), prefix_tokens: Sequence[int] | None = None) -> int:

@@ -2,7 +2,8 @@
 
 Every cell of an example is branched from one prefill: the probe captures what
 every cell's policy observes, each cell runs its compression event on those
-features, measures, and the engine rolls back. A branched cell must be the
+features, measures, and the engine rolls back (its tables only: the slots held at
+the prefill stay pinned, so the pool needs no copy). A branched cell must be the
 session that runs its policy alone: the same kept positions and the same answer
 logits. Checked on a two-layer cut of SmolLM2 (its real tokenizer, template and
 head layout; the first layers' attention is what the policies score) with a
@@ -75,6 +76,8 @@ def test_a_branched_cell_is_its_policy_alone(shallow):
     # the recorded reply as the alone session's replay feeds it (answer + end of turn): the same pieces, the same programs
     target = session._render(ex.messages("aware"), None, add_generation_prompt=False).ids[plan.compressed.size :]
     branched = run_to_completion(branch_program(turn, probe, cells, stages, _answer_logits(target)), session.server.engine)
+    # the branches roll back on a tables-only checkpoint (Engine.checkpoint(kv=False)), whose pins are dropped after
+    assert session.server.engine.allocator.num_used == 0
     session.close()
 
     assert branched["full"]["live"].size == plan.compressed.size + target.size
