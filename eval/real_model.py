@@ -153,10 +153,30 @@ def branch_program(turn, probe: ProbeStage, cells, stages, measure):
 
 
 # ----------------------------------------------------------------------------- measuring
-def _log_softmax(x):
+def log_softmax(x):
     x = np.asarray(x, np.float64)
     m = x.max(axis=-1, keepdims=True)
     return x - m - np.log(np.exp(x - m).sum(axis=-1, keepdims=True))
+
+
+def digit_scores(pred, answer, digit_idx) -> dict:
+    """Teacher-forced score of an answer: ``pred[i]`` the logits predicting
+    ``answer[i]``; ``tf_correct`` (every digit token its row's argmax) and
+    ``answer_nll`` (their mean NLL)."""
+    pred, want = np.asarray(pred)[digit_idx], np.asarray(answer)[digit_idx]
+    logp = log_softmax(pred)
+    return {"tf_correct": bool((pred.argmax(-1) == want).all()),
+            "answer_nll": round(float(-logp[np.arange(want.size), want].mean()), 5)}
+
+
+def replayed_answer_logits(result, answer) -> np.ndarray:
+    """The logits predicting each ``answer`` token from a replayed turn's
+    ``TurnResult`` (``return_logits``): the prompt's last row, then every reply
+    row but the last (row i of a prefill follows token i)."""
+    if not np.array_equal(np.asarray(result.target_ids)[: len(answer)], answer):
+        raise AssertionError("the replayed reply's tokens differ from the token plan's answer")
+    rows = [np.asarray(result.prompt_logits, np.float32)[-1:], np.asarray(result.target_logits, np.float32)[:-1]]
+    return np.concatenate(rows)[: len(answer)]
 
 
 def answer_measure(example, plan, tokenizer, digit_idx, max_new: int):
@@ -170,10 +190,6 @@ def answer_measure(example, plan, tokenizer, digit_idx, max_new: int):
         logits = np.concatenate([np.asarray(first_logits, np.float32)[None], np.asarray(logits, np.float32)])
         r = plan.rest.size
         pred = logits[r : r + plan.answer.size]  # row i predicts answer token i
-        logp = _log_softmax(pred[digit_idx])
-        target = plan.answer[digit_idx]
-        nll = float(-logp[np.arange(target.size), target].mean())
-        tf_ok = bool((pred[digit_idx].argmax(-1) == target).all())
         # Greedy shares the teacher-forced prefix: up to the first answer token that is
         # not the argmax, greedy decoding emits the answer itself (by induction), so
         # it decodes only from there (module docstring).
@@ -186,7 +202,7 @@ def answer_measure(example, plan, tokenizer, digit_idx, max_new: int):
             turn.rewind(mark + r + agree)
             reply = list(plan.answer[:agree]) + (yield from turn.generate(logits[r + agree], budget - agree))
         text = tokenizer.decode(reply, skip_special_tokens=True)
-        return {"tf_correct": tf_ok, "answer_nll": round(nll, 5), "gen_correct": bool(reply_correct(example, text)),
+        return {**digit_scores(pred, plan.answer, digit_idx), "gen_correct": bool(reply_correct(example, text)),
                 "reply": text, "decoded": len(reply) - agree}
 
     return measure
@@ -199,7 +215,7 @@ def lm_measure(plan, reference: dict):
     def measure(turn, first_logits):
         logits = yield from turn.prefill(plan.answer, all_logits=True)
         pred = np.concatenate([np.asarray(first_logits, np.float32)[None], np.asarray(logits, np.float32)[:-1]])
-        logp = _log_softmax(pred)
+        logp = log_softmax(pred)
         nll = float(-logp[np.arange(plan.answer.size), plan.answer].mean())
         if "logp" not in reference:
             reference["logp"] = logp
@@ -292,15 +308,9 @@ def run_sessions(model, example, cells, ratio: float, *, positions: int, max_new
             session.server.engine.short_chunk = SHORT_PIECES
             turns = session.replay(messages, generate=True, return_logits=True, max_new_tokens=haystack.reply_budget(plan, max_new))
             last = turns[-1]
-            target = np.asarray(last.target_ids)
-            if not np.array_equal(target[: plan.answer.size], plan.answer):
-                raise AssertionError("the replayed answer differs from the token plan")
-            pred = np.concatenate([np.asarray(last.prompt_logits, np.float32)[-1:], np.asarray(last.target_logits, np.float32)])[: plan.answer.size]
-            logp = _log_softmax(pred[digit_idx])
-            want = plan.answer[digit_idx]
+            pred = replayed_answer_logits(last, plan.answer)
             text = tok.decode(list(last.reply_ids or []), skip_special_tokens=True)
-            out[name] = {"tf_correct": bool((pred[digit_idx].argmax(-1) == want).all()),
-                         "answer_nll": round(float(-logp[np.arange(want.size), want].mean()), 5),
+            out[name] = {**digit_scores(pred, plan.answer, digit_idx),
                          "gen_correct": bool(reply_correct(example, text)), "reply": text, "budget": int(b),
                          "kept": int(session.compressions[0].live_after) if session.compressions else None,
                          "repaired": int(sum(len(r.promoted_positions) for r in session.repairs)),

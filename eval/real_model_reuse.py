@@ -38,8 +38,7 @@ import sys
 import time
 from pathlib import Path
 
-import numpy as np
-
+from eval.real_model import digit_scores, read_journal, replayed_answer_logits
 from jaxkv.tasks import haystack
 
 MODES = ("none", "segment", "cacheblend")
@@ -55,12 +54,6 @@ def primer_messages(example) -> list[dict]:
     return [{"role": "system", "content": PRIMER_SYSTEM},
             {"role": "user", "content": example.document},
             {"role": "assistant", "content": haystack.ACK}]
-
-
-def _log_softmax(x):
-    x = np.asarray(x, np.float64)
-    m = x.max(axis=-1, keepdims=True)
-    return x - m - np.log(np.exp(x - m).sum(axis=-1, keepdims=True))
 
 
 def run_mode(model, example, mode: str, *, positions: int, max_new: int) -> dict:
@@ -84,15 +77,9 @@ def run_mode(model, example, mode: str, *, positions: int, max_new: int) -> dict
         # teacher forcing on the same cache: the prompt is now this session's radix prefix
         (result,) = target.replay(messages, return_logits=True)
         target.close()
-    if not np.array_equal(result.target_ids[: plan.answer.size], plan.answer):
-        raise AssertionError("the replayed reply's tokens differ from the token plan's answer")
-    pred = np.concatenate([np.asarray(result.prompt_logits)[-1:], np.asarray(result.target_logits)[:-1]])[: plan.answer.size]
-    logp = _log_softmax(pred[digits])
-    target_ids = plan.answer[digits]
     text = reply.get("content") or ""
     row = {
-        "tf_correct": bool((pred[digits].argmax(-1) == target_ids).all()),
-        "answer_nll": round(float(-logp[np.arange(target_ids.size), target_ids].mean()), 5),
+        **digit_scores(replayed_answer_logits(result, plan.answer), plan.answer, digits),
         "gen_correct": bool(haystack.reply_correct(example, text)),
         "reply": text,
         "seconds": round(seconds, 3),
@@ -101,10 +88,6 @@ def run_mode(model, example, mode: str, *, positions: int, max_new: int) -> dict
         row.update(spliced=int(report.spliced_tokens), units=int(report.units), full_units=int(report.full_units),
                    accepted=int(report.accepted), rejected=int(report.rejected), skipped=report.skipped)
     return row
-
-
-def read_journal(path: Path) -> list[dict]:
-    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()] if path.is_file() else []
 
 
 def main(argv=None) -> int:
