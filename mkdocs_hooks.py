@@ -3,6 +3,8 @@
 * ``docs/index.md`` is a placeholder; at build time its content is replaced by
   ``README.md`` with the README's ``docs/...`` links made relative to ``docs/``, so the
   front door is written once and the strict build checks its links like any page's.
+  README links to other repository files (reports under ``eval/results/``), which the
+  site does not contain, become their text followed by the path in code.
 * Pages show plots where they are committed, beside their reports
   (``![...](../eval/results/.../x.png)``, a path that also works when the page is read
   on a code host). The build copies every PNG of ``eval/results/`` and
@@ -23,7 +25,13 @@ SITE_PREFIX = "repo"
 
 
 def readme_as_home(readme: str) -> str:
-    """README text with links into ``docs/`` rewritten for a page that lives there."""
+    """README text with links into ``docs/`` rewritten for a page that lives there.
+
+    Relative links to repository files outside ``docs/`` (not pictures, which
+    ``plot_links_to_site`` handles) name the file in code instead: the site has no copy.
+    """
+    outside_docs = r"(?<!!)\[([^\]]+)\]\(((?!docs/|https?:|#|mailto:)[^)\s]+)\)"
+    readme = re.sub(outside_docs, r"\1 (`\2`)", readme)
     return re.sub(r"\]\(docs/", "](", readme)
 
 
