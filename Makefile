@@ -39,11 +39,13 @@ demo: $(VENV)/.installed
 
 # One run's XLA programs are shared by its two workers through a persistent
 # compilation cache that starts empty (tests/conftest.py). The suite is mostly XLA
-# compiles of small programs, so it compiles without LLVM's optimization passes
-# (XLA_FLAGS below): 13-16% less wall time on the 2-core CPU, measured on the
-# compile-heavy and the real-model modules alike. `pytest` run directly keeps
-# XLA's defaults, the pipeline users get.
-TEST_XLA_FLAGS := --xla_backend_optimization_level=0
+# compiles of small programs (~2/3 of a tiny-model test's time), so it compiles
+# cheaply (XLA_FLAGS below): without LLVM's optimization passes (13-16% less wall
+# time on the 2-core CPU), with XLA:CPU's older loop emitters instead of its MLIR
+# fusion emitters and one LLVM module per program (a third less compile time on
+# tests/test_isolation.py; the 8-device subprocess of tests/test_sharding.py in half
+# the time). `pytest` run directly keeps XLA's defaults, the pipeline users get.
+TEST_XLA_FLAGS := --xla_backend_optimization_level=0 --xla_cpu_use_fusion_emitters=false --xla_cpu_parallel_codegen_split_count=1
 test: $(VENV)/.installed-test fetch
 	rm -rf .pytest-xla
 	JAX_PLATFORMS=cpu XLA_FLAGS="$(TEST_XLA_FLAGS)" JAXKV_XLA_CACHE=$(CURDIR)/.pytest-xla $(PY) -m pytest -q -n 2 --dist worksteal tests
