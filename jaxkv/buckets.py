@@ -24,7 +24,8 @@ start-up (``Engine.warmup``, ``Server(warmup=True)``).
   the engine's positions;
 * decode window widths (the CPU decode path's per-call copy of each row's K/V):
   ``window_width``, powers of two up to ``WINDOW_STEP``, then multiples of it;
-* decode steps per call: the scheduler's decode chunk (one value).
+* decode steps per call: the scheduler's decode chunk (one value, ``DECODE_CHUNK``
+  by default; a turn driven alone, ``run_to_completion``, uses it too).
 
 Outside this set: feature captures (query rows ``X``, all-prompt logits), a
 policy's own scorer programs, ``top_k`` values and the segment-reuse splice
@@ -38,6 +39,13 @@ import dataclasses
 WINDOW_STEP = 128  # CPU decode window widths: powers of two up to this, then multiples of it
 SHORT_CHUNK = 128  # the narrowest prefill width (wider ones: powers of two up to the chunk size)
 DECODE_ROW_STEP = 4  # decode batches: powers of two up to 4 rows, then multiples of 4
+# Decode steps per batched engine call: how often rows can join or leave. Each call
+# has a fixed cost (on the CPU, gathering every row's live K/V once: see
+# ``jaxkv.engine.gather_window``) that a longer chunk spreads over more tokens.
+# Chosen by measurement (``eval/bench_serving.py --decode-chunk``, ~125M model, 8
+# sessions, medians of 3 runs): 32 gives 3.24x one session's decode tokens/s and
+# p50 turn 5.5 s; 16 gives 2.92x and 6.0 s.
+DECODE_CHUNK = 32
 
 
 def bucket(n: int, minimum: int = 16, step: int = 512) -> int:

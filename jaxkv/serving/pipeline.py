@@ -44,6 +44,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from jaxkv.buckets import DECODE_CHUNK
 from jaxkv.cache.radix import common_prefix_length
 from jaxkv.engine import FIRST_TOKEN_KEY
 from jaxkv.errors import JaxKVError
@@ -560,7 +561,9 @@ def start_work(engine, work) -> None:
 
 
 def run_to_completion(program: Generator, engine):
-    """Drive one turn program alone (the scheduler's part, with one row)."""
+    """Drive one turn program alone (the scheduler's part, with one row). Decodes
+    in the scheduler's fixed chunks, as the scheduler does, so a reply's length does
+    not pick the decode program (one compile per window width, not per length)."""
     result = None
     try:
         work = program.send(None)
@@ -570,7 +573,8 @@ def run_to_completion(program: Generator, engine):
                 while not work.job.finished:
                     engine.step_prefill([work.job])
             else:
-                engine.step_decode([work.job])
+                while not work.job.finished:
+                    engine.step_decode([work.job], DECODE_CHUNK)
             work = program.send(None)
     except StopIteration as stop:
         result = stop.value

@@ -43,18 +43,12 @@ import time
 from typing import Any, Callable, Generator
 
 from jaxkv import compiles
+from jaxkv.buckets import DECODE_CHUNK  # the default decode chunk (re-exported here)
 from jaxkv.errors import CapacityError, JaxKVError, OutOfSlotsError, QueueFullError, TurnCancelledError
 from jaxkv.serving.pipeline import DecodeWork, PrefillWork, start_work
 
 log = logging.getLogger(__name__)
 
-# Decode steps per batched engine call: how often rows can join or leave. Each call
-# has a fixed cost (on the CPU, gathering every row's live K/V once: see
-# ``jaxkv.engine.gather_window``) that a longer chunk spreads over more tokens.
-# Chosen by measurement (``eval/bench_serving.py --decode-chunk``, ~125M model, 8
-# sessions, medians of 3 runs): 32 gives 3.24x one session's decode tokens/s and
-# p50 turn 5.5 s; 16 gives 2.92x and 6.0 s.
-DECODE_CHUNK = 32
 
 
 @dataclasses.dataclass(eq=False)
