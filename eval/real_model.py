@@ -229,15 +229,17 @@ def lm_measure(plan, reference: dict):
 # ----------------------------------------------------------------------------- one example
 def lm_rendered(ids, tokenizer):
     """Raw text ids as a ``Rendered`` (no chat template: the tagger finds no
-    message, so every token is tagged OTHERS and no span is protected)."""
+    message, so every token is tagged OTHERS). No span is protected: the tagger
+    reads a prompt without messages as all protected prefix (``Spans``), which
+    would pin every token and leave nothing for a policy to evict."""
     from jaxkv.chat.render import Rendered, chat_markers
-    from jaxkv.chat.tags import TRIAXIAL_DTYPE, tag_prompt
+    from jaxkv.chat.tags import TRIAXIAL_DTYPE, Spans, tag_prompt
 
     ids = np.asarray(ids, np.int32)
-    tags, temporal, spans, found, scanner = tag_prompt(ids, chat_markers(tokenizer))
+    tags, temporal, _, found, scanner = tag_prompt(ids, chat_markers(tokenizer))
     tri = np.empty(ids.size, TRIAXIAL_DTYPE)
     tri["temporal"], tri["modal"], tri["semantic"] = temporal, tags.modal, tags.semantic
-    return Rendered("", ids, tags.phase, tri, spans, tuple(found), scanner)
+    return Rendered("", ids, tags.phase, tri, Spans((0, 0), (0, 0), (0, 0)), tuple(found), scanner)
 
 
 def run_example(model, example, setting: str, cells, *, positions: int, max_new: int = MAX_NEW) -> dict:

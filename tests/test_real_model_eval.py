@@ -101,3 +101,19 @@ def test_a_branched_cell_is_its_policy_alone(shallow):
     expected = np.concatenate([np.asarray(result.prompt_logits)[-1:], np.asarray(result.target_logits)[:-1]])
     np.testing.assert_allclose(branched["full"]["pred"], expected, rtol=0, atol=ROUNDING)
     plain.close()
+
+
+def test_lm_cells_compress_the_text_to_their_budget(shallow):
+    """The ``lm`` task's raw text has no chat messages, so nothing in it is protected:
+    each cell keeps its ratio's budget and its continuation's NLL and KL move."""
+    from eval.real_model import positions_for, run_example
+
+    example = haystack.examples("lm", 1, length=512, tokenizer=shallow.tokenizer)[0]
+    cells = [Cell(None), Cell("snapkv", 0.5), Cell("streaming_llm", 0.75)]
+    record = run_example(shallow, example, "agnostic", cells, positions=positions_for(512))
+    n, out = record["n_request"], record["cells"]
+    assert out["full"]["kept"] == n and out["full"]["kl"] == 0.0
+    for cell in cells[1:]:
+        got = out[cell.name]
+        assert got["kept"] == budget_for_ratio(cell.ratio, n), (cell.name, got)
+        assert got["kl"] > 0 and got["nll"] != out["full"]["nll"], (cell.name, got)
