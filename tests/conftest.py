@@ -25,6 +25,21 @@ if os.environ.get("JAXKV_XLA_CACHE"):
 
     compiles.enable_persistent_cache()
 
+# The modules with the longest tests (worker-seconds under make test's flags, from
+# ``pytest --durations``), run first: under xdist's work stealing a long test that
+# starts near the end leaves the other worker idle until it finishes, while short
+# tests at the end balance the two workers. Modules stay whole (their module-scoped
+# fixtures are set up once); only the order changes, never what runs.
+LONGEST_FIRST = ("test_sharding.py", "test_scheduler.py", "test_embedded.py", "test_gguf.py", "test_warmup.py",
+                 "test_triaxial.py", "test_readme.py", "test_real_model.py", "test_harness.py", "test_isolation.py",
+                 "test_notebooks.py", "test_composition.py", "test_device_check.py")
+
+
+def pytest_collection_modifyitems(config, items):
+    rank = {name: i for i, name in enumerate(LONGEST_FIRST)}
+    items.sort(key=lambda item: rank.get(item.path.name, len(rank)))  # stable: each module stays in its order
+
+
 MAX_MAPPINGS = 20_000  # release compiled programs past this many memory mappings
 
 
