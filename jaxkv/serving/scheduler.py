@@ -50,7 +50,6 @@ from jaxkv.serving.pipeline import DecodeWork, PrefillWork, start_work
 log = logging.getLogger(__name__)
 
 
-
 @dataclasses.dataclass(eq=False)
 class TurnTask:
     """A submitted turn.
