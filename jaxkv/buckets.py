@@ -27,9 +27,18 @@ start-up (``Engine.warmup``, ``Server(warmup=True)``).
 * decode steps per call: the scheduler's decode chunk (one value, ``DECODE_CHUNK``
   by default; a turn driven alone, ``run_to_completion``, uses it too).
 
-Outside this set: feature captures (query rows ``X``, all-prompt logits), a
-policy's own scorer programs, ``top_k`` values and the segment-reuse splice
-compile on first use.
+* compression events (a retention policy's key gather, scoring and ``observe``):
+  ``event_sizes``, the ``bucket`` of the row's live length; the observation
+  window and the observed rows are padded to fixed sizes
+  (``jaxkv.serving.stages.retention``);
+* feature captures: a prefill step that captures query rows captures all of
+  its ``width`` rows, so a capturing step is one variant per plain step (and
+  another for attention mass); decode calls capture query rows always (one row
+  per step), attention mass in a variant; steps of different feature sets never
+  share a batch.
+
+Outside this set: all-prompt logits, ``top_k`` values and the segment-reuse
+splice compile on first use.
 """
 
 from __future__ import annotations
@@ -76,6 +85,12 @@ def prefill_width(piece: int, chunk: int, short_chunk: int = SHORT_CHUNK) -> int
 def read_length(live: int, max_positions: int) -> int:
     """Live-list entries a step reads for rows of at most ``live`` entries."""
     return min(bucket(live), max_positions)
+
+
+def event_sizes(max_positions: int) -> list[int]:
+    """Live-list lengths a compression event is padded to (``bucket`` of the
+    row's live length), for rows of up to ``max_positions`` positions."""
+    return sorted({bucket(n) for n in range(1, int(max_positions) + 1)})
 
 
 def window_width(live: int, max_positions: int) -> int:

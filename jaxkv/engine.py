@@ -742,17 +742,20 @@ class Engine:
 
         A step costs rows x width x read window, padding included (a padding row
         runs the whole forward on its width), so the jobs are split before they
-        are padded: by chunk width (a power of two from ``SHORT_CHUNK`` up to the
+        are padded: by the features they capture (query rows, attention mass: a
+        plain job never pays for another's, and each step is one program
+        variant), by chunk width (a power of two from ``SHORT_CHUNK`` up to the
         chunk size, so a piece is padded less than 2x and batches reuse a handful
         of compiles: 128, 256, 512 at the defaults), then, shortest context first, into power-of-two
         groups (9 jobs run as 8 + 1, not as 16 rows), so rows of similar context
         share a read window and no row is padding unless a mesh's data-parallel
         size asks for it."""
-        by_width: dict[int, list[PrefillJob]] = {}
+        by_width: dict[tuple, list[PrefillJob]] = {}
         for j in jobs:
             if not j.finished:
-                by_width.setdefault(buckets.prefill_width(j.tokens.size - j.done, self.prefill_chunk, self.short_chunk), []).append(j)
-        for C, group in sorted(by_width.items()):
+                C = buckets.prefill_width(j.tokens.size - j.done, self.prefill_chunk, self.short_chunk)
+                by_width.setdefault((C, j.q_idx_X is not None, j.attn_mass), []).append(j)
+        for (C, *_), group in sorted(by_width.items()):
             group.sort(key=lambda j: len(self._row(j.row).live))
             while group:
                 take = 1 << (len(group).bit_length() - 1)  # the largest power of two <= len(group)
@@ -771,8 +774,11 @@ class Engine:
         tokens = np.zeros((B, C), np.int32)
         slots = np.zeros((B, C), np.int32)
         counts = np.zeros(B, np.int32)
+        # One feature set per step (step_prefill groups jobs by it), so a capturing
+        # step is a variant of the plain one: query rows of every chunk row (X = C,
+        # the host keeps the ones it asked for) and/or attention mass.
         features = Features(query_rows=any(j.q_idx_X is not None for j in jobs), attn_mass=any(j.attn_mass for j in jobs))
-        X = bucket(max((j.q_idx_X.size for j in jobs if j.q_idx_X is not None), default=1), minimum=8)
+        X = C if features.query_rows else 1
         Y = C if any(j.all_logits for j in jobs) else 1
         q_idx = np.zeros((B, X), np.int32)
         logit_idx = np.zeros((B, Y), np.int32)
@@ -781,7 +787,7 @@ class Engine:
             tokens[b, : piece.size] = piece
             slots[b, : piece.size] = j.slots[j.done : j.done + piece.size]
             if j.q_idx_X is not None:
-                q_idx[b, : j.q_idx_X.size] = np.clip(j.q_idx_X - j.done, 0, C - 1)
+                q_idx[b, : piece.size] = np.arange(piece.size)  # every row of the piece
             logit_idx[b] = np.arange(Y) if Y == C else piece.size - 1  # Y == 1: the last real token
         n_read = buckets.read_length(max(len(s.live) for s in states), self.max_positions)
         batch = PrefillBatch(rows, tokens, counts, slots, q_idx, logit_idx)
@@ -791,7 +797,7 @@ class Engine:
         )
         logits = np.asarray(logits)
         chunk_mass = np.asarray(aux["attn_mass"]) if features.attn_mass else None  # [L, B, Hq, n_read + C]
-        chunk_q = np.asarray(aux["q_rows"]) if features.query_rows else None  # [L, B, X, Hq, D]
+        chunk_q = np.asarray(aux["q_rows"]) if features.query_rows else None  # [L, B, C, Hq, D]
         for b, (j, st, piece) in enumerate(zip(jobs, states, pieces)):
             n = piece.size
             if j.attn_mass:
@@ -799,8 +805,8 @@ class Engine:
                 j.mass[:, :, live_pos] += chunk_mass[:, b, :, : live_pos.size]
                 j.mass[:, :, st.seq_len : st.seq_len + n] += chunk_mass[:, b, :, n_read : n_read + n]
             if j.q_idx_X is not None:
-                here = (j.q_idx_X >= j.done) & (j.q_idx_X < j.done + n)
-                j.q_rows[:, here] = chunk_q[:, b, : j.q_idx_X.size][:, here]
+                here = np.flatnonzero((j.q_idx_X >= j.done) & (j.q_idx_X < j.done + n))
+                j.q_rows[:, here] = chunk_q[:, b, j.q_idx_X[here] - j.done]
             j.logits.append(logits[b, :n] if j.all_logits else logits[b, n - 1 if Y == C else 0][None])
             st.append(piece, j.slots[j.done : j.done + n])
             j.done += n
@@ -912,13 +918,13 @@ class Engine:
             if j.forced is not None:
                 f = j.forced[j.fed : j.fed + n]
                 forced[b, : len(f)] = f
-        features = Features(
-            query_rows=any(j.features.query_rows for j in jobs), attn_mass=any(j.features.attn_mass for j in jobs)
-        )
+        # Query rows every call captures (one compiled program for capturing and
+        # plain jobs); attention mass is a variant (the scheduler groups by it).
+        features = Features(query_rows=True, attn_mass=any(j.features.attn_mass for j in jobs))
         return_logits = any(j.return_logits for j in jobs)
         longest = max(len(s.live) for s in states) + n
         n_read = buckets.read_length(longest, self.max_positions)
-        kv_args = self.pool.decode_args(states, [s[:k] for s, k in zip(per_job, steps)], B)  # page tables
+        kv_args = self.pool.decode_args(states, [s[:k] for s, k in zip(per_job, steps)], B, n)  # page tables
         batch = DecodeBatch(rows, first, limit, slots, stop, key_data, step0, temp, top_p, forced)
         # The window's width sets every step's attention work, so it is bucketed finer
         # than shapes elsewhere (multiples of WINDOW_STEP past it): a row of 1,100 live
@@ -934,7 +940,7 @@ class Engine:
             window=window, regroup=regroup,
         )
         tokens, fed = np.asarray(tokens), np.asarray(fed)
-        q_rows = np.asarray(aux["q_rows"]) if features.query_rows else None
+        q_rows = np.asarray(aux["q_rows"]) if any(j.features.query_rows for j in jobs) else None
         mass_BN = np.asarray(aux["mass_BN"]) if features.attn_mass else None
         unused = []
         for b, (j, st, s) in enumerate(zip(jobs, states, per_job)):
@@ -1003,12 +1009,16 @@ class Engine:
     # -- warm-up -------------------------------------------------------------------
     WARMUP_SAMPLERS = {"greedy": {}, "sample": {"temperature": 1.0}, "top_p": {"temperature": 1.0, "top_p": 0.9}}
 
-    def warmup(self, decode_chunk: int, *, samplers=("greedy", "sample", "top_p"), stop_token_ids=(), progress=None) -> int:
+    def warmup(self, decode_chunk: int, *, samplers=("greedy", "sample", "top_p"), stop_token_ids=(), progress=None, prefill_rows: bool = False, prefill_mass: bool = False, decode_mass: bool = False) -> int:
         """Compile every program of ``buckets.shape_set`` (prefill steps by rows,
         width and read length; decode calls by rows, read length and window width,
         for each sampler in ``samplers``, names of ``WARMUP_SAMPLERS``) by running
         each once on scratch rows, through the same methods requests use (so a
-        quantized pool warms its own steps). ``stop_token_ids`` must be the
+        quantized pool warms its own steps). ``prefill_rows`` adds the variant of
+        every prefill program that captures query rows (retention policies'
+        windows and spans), ``prefill_mass`` / ``decode_mass`` the attention-mass
+        variant of every prefill / decode program (H2O-like policies; decode
+        programs capture query rows always). ``stop_token_ids`` must be the
         server's (their count is a shape). ``progress(n)`` is called after each
         program. Where the process cannot hold every program's memory mappings,
         the compiled programs are dropped as it fills (``compiles.release_if_crowded``):
@@ -1019,13 +1029,17 @@ class Engine:
             raise JaxKVError("warm-up needs an idle engine (a row is open)")
         shapes = buckets.shape_set(self.rows, self.max_positions, self.prefill_chunk, decode_chunk, self.min_batch, self.short_chunk)
         sampler_options = [self.WARMUP_SAMPLERS[name] for name in samplers]
+        prefill_variants = [(False, False)] + [v for v, on in (((True, False), prefill_rows), ((False, True), prefill_mass)) if on]  # (rows, mass)
+        decode_variants = [Features(attn_mass=m) for m in ([False, True] if decode_mass else [False])]
         work: dict[int, dict[int, list]] = {}  # jobs -> live length -> programs to run there
         for B, C, _, live in shapes.prefill:
             jobs = min(B, self.rows)
-            work.setdefault(jobs, {}).setdefault(live, []).append(("prefill", C))
+            work.setdefault(jobs, {}).setdefault(live, []).extend(("prefill", (C, f)) for f in prefill_variants)
         for B, _, _, live in shapes.decode:
             jobs = next(j for j in range(1, self.rows + 1) if buckets.decode_rows(j, self.min_batch) == B)
-            work.setdefault(jobs, {}).setdefault(live, []).extend(("decode", opts) for opts in sampler_options)
+            work.setdefault(jobs, {}).setdefault(live, []).extend(
+                ("decode", (opts, f)) for f in decode_variants for opts in sampler_options
+            )
         ran = 0
         for jobs, by_live in sorted(work.items()):
             rows = [self.open_row() for _ in range(jobs)]
@@ -1034,10 +1048,14 @@ class Engine:
                     self._warm_grow(rows, live)
                     for kind, arg in programs:
                         if kind == "prefill":
-                            self.step_prefill([self.start_prefill(r, np.zeros(arg, np.int32)) for r in rows])
+                            C, (rows_q, mass) = arg
+                            self.step_prefill([
+                                self.start_prefill(r, np.zeros(C, np.int32), q_idx=[0] if rows_q else None, attn_mass=mass) for r in rows
+                            ])
                         else:
+                            opts, f = arg
                             self.step_decode([
-                                self.start_decode(r, 0, decode_chunk, stop_token_ids=stop_token_ids, **arg) for r in rows
+                                self.start_decode(r, 0, decode_chunk, stop_token_ids=stop_token_ids, features=f, **opts) for r in rows
                             ], decode_chunk, regroup=True)  # as the scheduler calls it
                         for r in rows:
                             self.truncate_row(r, live)

@@ -1,10 +1,16 @@
 """Compiled programs are bounded and compiled at start-up (jaxkv.buckets, Server(warmup=...)).
 
 After ``Server(..., warmup=...)`` a randomized mix of 30 turns (prompt lengths,
-reply lengths, 1-2 concurrent sessions, greedy and sampled replies, a float and
-an INT4 pool; head_dim 32, as quantized pools ask) compiles no XLA program (``jaxkv.compiles.count``). Sizes are tiny
-(2 rows, 64 positions) so the whole shape set compiles in seconds; the full set
-of a default server is a bench figure (README).
+reply lengths, 1-2 concurrent sessions, greedy and sampled replies, the full
+cache and retention policies at random budgets; a float pool, then an INT4 pool
+with greedy turns and fewer policies; head_dim 32, as quantized pools ask)
+compiles no XLA program (``jaxkv.compiles.count``). The policies warmed (and
+drawn) cover every kind of program a policy adds: observation-window and
+query-span captures (SnapKV, IntentKV), attention mass in prefill and decode
+(H2O), ``observe`` and decode captures (AgentKV), and their events at every
+live bucket. Sizes are tiny (2 rows, 64 positions) so the whole shape set
+compiles in seconds; the full set of a default server is a bench figure
+(README).
 """
 
 from __future__ import annotations
@@ -20,6 +26,7 @@ from conftest import TINY_WORDS, tiny_chat_model
 
 WORDS = TINY_WORDS
 SAMPLERS = ("greedy", "sample")
+POLICIES = ("snapkv", "h2o", "agentkv", "intentkv_query")
 
 
 @pytest.fixture(scope="module")
@@ -35,22 +42,32 @@ def test_shape_set_is_finite_and_small():
     assert all(r <= 4096 and w <= 4096 for _, r, w, _ in s.decode)
 
 
-@pytest.mark.parametrize("kv_quant", [None, "int4"])
-def test_no_compile_after_warmup(tiny_model, monkeypatch, kv_quant):
+# The float pool runs every sampler and policy above; the INT4 pool (whose steps
+# are the same programs with another KV format) greedy turns and one policy per
+# feature variant, to keep the suite's time.
+CASES = [(None, SAMPLERS, POLICIES), ("int4", ("greedy",), ("snapkv", "h2o"))]
+
+
+@pytest.mark.parametrize("kv_quant,samplers,policies", CASES, ids=["float", "int4"])
+def test_no_compile_after_warmup(tiny_model, monkeypatch, kv_quant, samplers, policies):
     monkeypatch.setenv(compiles.ENV_CACHE, "off")  # keep the user's cache folder out of the test
-    server = Server(tiny_model, rows=2, max_positions=64, prefill_chunk=64, decode_chunk=8, kv_quant=kv_quant, warmup=SAMPLERS)
+    server = Server(tiny_model, rows=2, max_positions=64, prefill_chunk=64, decode_chunk=8, kv_quant=kv_quant, warmup=samplers, warmup_policies=policies)
     try:
         assert server.warmup_seconds is not None
         before = compiles.count()
         rng = random.Random(7 if kv_quant else 3)
         errors: list = []
+        events: list = []
 
         def turn(seed):
             r = random.Random(seed)
             try:
                 message = " ".join(r.choice(WORDS) for _ in range(r.randint(1, 14)))
-                sampling = r.choice([{}, {"temperature": 0.8, "seed": seed}])
-                server.session().chat([{"role": "user", "content": message}], max_new_tokens=r.randint(1, 20), **sampling)
+                sampling = r.choice([{}, {"temperature": 0.8, "seed": seed}][: len(samplers)])
+                policy = r.choice((None,) + policies)
+                session = server.session(**({} if policy is None else {"policy": policy, "budget": r.choice((6, 10, 14))}))
+                session.chat([{"role": "user", "content": message}], max_new_tokens=r.randint(1, 20), **sampling)
+                events.extend(session.compressions)
             except Exception as err:  # surfaced below
                 errors.append(err)
 
@@ -65,6 +82,7 @@ def test_no_compile_after_warmup(tiny_model, monkeypatch, kv_quant):
             done += k
         assert not errors, errors
         assert server.scheduler.stats["turns_done"] >= 15
+        assert events, "no turn compressed: the policies' event programs were never exercised"
         assert compiles.count() == before, f"{compiles.count() - before} XLA compiles after warm-up"
         assert server.snapshot()["xla_compiles"] == compiles.count()
     finally:

@@ -21,7 +21,7 @@ checks run first, so a failing call changes nothing):
   positions_B, kv, kv_args, tables, write_slots_B, n_read, features, *, attend,
   window) -> (logits, kv, aux)`` (one step: the token written, then read);
 * host plans: ``plan_prefill(engine, row, kv_bits, n, chunk) -> (plan, slots)``,
-  ``prefill_args(jobs, B, C)`` and ``decode_args(states, new_slots, B)`` (the
+  ``prefill_args(jobs, B, C)`` and ``decode_args(states, new_slots, B, steps)`` (the
   steps' ``kv_args``), ``settle(engine, rows)`` (after every write: kivi2's aging),
   ``requantize(engine, row, positions, bits)`` (tokens written another way moved
   to the precision ``kv_bits`` choose);
@@ -165,7 +165,7 @@ class FloatKV:
     def prefill_args(self, jobs, B: int, C: int):
         return None
 
-    def decode_args(self, states, new_slots, B: int):
+    def decode_args(self, states, new_slots, B: int, steps: int):
         return None
 
     def settle(self, engine, rows) -> None:
@@ -177,7 +177,7 @@ class FloatKV:
 
     # -- reads ---------------------------------------------------------------------
     def gather_keys(self, cache, live) -> jax.Array:
-        return _gather_keys(cache.k, jnp.asarray(live, jnp.int32))
+        return _gather_keys(cache.k, np.asarray(live, np.int32))
 
     def gather_rows(self, cache, slots) -> tuple[np.ndarray, np.ndarray]:
         idx = np.asarray(slots, np.int32)

@@ -461,8 +461,8 @@ class QuantizedKV:
     def prefill_args(self, jobs, B: int, C: int):
         return self.chunk_pages(jobs, B, C)
 
-    def decode_args(self, states, new_slots, B: int) -> DecodeTables:
-        return self.decode_tables(states, new_slots, B)
+    def decode_args(self, states, new_slots, B: int, steps: int) -> DecodeTables:
+        return self.decode_tables(states, new_slots, B, steps)
 
     def chunk_pages(self, jobs, B: int, C: int):
         """Page plans of the jobs' next chunks, padded: ``(page_src [B, C/32, 32]
@@ -486,11 +486,13 @@ class QuantizedKV:
         np.bitwise_or.at(masks, inv.reshape(-1), (np.uint32(1) << (s2 % PAGE).astype(np.uint32)))
         return PageTable(pages, masks, live[kind == INT4], live[kind == FLOAT])
 
-    def decode_tables(self, states, new_slots, B: int) -> DecodeTables:
+    def decode_tables(self, states, new_slots, B: int, steps: int | None = None) -> DecodeTables:
         """Page tables of a decode batch, each row's fresh decode slots appended
-        to its token-kind part (``DecodeTables``)."""
+        to its token-kind part (``DecodeTables``). ``steps``: the call's step
+        count, which sizes the room for new slots (so a call's shape does not
+        depend on how many steps its rows have left; default: the most new slots)."""
         tables = [self.page_table(st) for st in states]
-        n = max((len(s) for s in new_slots), default=0)
+        n = max((len(s) for s in new_slots), default=0) if steps is None else int(steps)
         four = self.token_kind == INT4
         P = bucket(max(t.pages.size for t in tables), minimum=8) if any(t.pages.size for t in tables) else 0
         N4 = bucket(max(t.int4.size for t in tables) + (n if four else 0), minimum=16)
@@ -649,7 +651,7 @@ class QuantizedKV:
 
     def gather_keys(self, cache, live) -> jax.Array:
         """Dequantized post-RoPE keys ``[L, N, K, D]`` float32 at ``live``."""
-        return gather_dequantized_keys(cache, jnp.asarray(live, jnp.int32))
+        return gather_dequantized_keys(cache, np.asarray(live, np.int32))
 
     def gather_float(self, cache, slots) -> tuple[np.ndarray, np.ndarray]:
         """Dequantized K and V ``[L, M, K, D]`` float32 at ``slots``."""

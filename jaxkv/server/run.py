@@ -9,8 +9,9 @@ allowed ``kv_quant`` mode (``check_rules``), so what the server cannot serve is
 a ``ConfigError`` at start-up, not a 400 on every request. ``serve(args)`` is
 the command: it turns the flags into ``OptionRules`` (``rules_from_args``;
 ``--allow OPTION=VALUES`` with ``parse_allow``), loads the model, builds the app
-(warm-up on unless ``--no-warmup``: every engine program compiled, through the
-persistent compilation cache, before the port opens) and runs uvicorn until
+(warm-up on unless ``--no-warmup``: every engine program compiled, with those
+of the retention policies the rules allow, through the persistent compilation
+cache, before the port opens) and runs uvicorn until
 interrupted.
 
 ``--allow`` (repeatable): ``policy=A,B`` / ``layout=A,B`` / ``kv_quant=A,B`` /
@@ -32,7 +33,8 @@ from jaxkv.serving.scheduler import DECODE_CHUNK
 
 def make_app(model, *, model_name: str = "embedded", rows: int = 4, max_queue: int = 64, max_positions: int | None = None, num_slots: int | None = None, api_keys=(), rules: OptionRules = OptionRules(), max_tokens: int = 256, session_cap: int = 1024, decode_chunk: int = DECODE_CHUNK, warmup: bool = False, kv_quant: str | None = None):
     """A ``Server`` on ``model`` and the OpenAI app over it (the app owns the server);
-    ``warmup`` compiles the server's whole shape set first (``Server.warmup``).
+    ``warmup`` compiles the server's whole shape set first (``Server.warmup``),
+    with the programs of the retention policies ``rules`` let requests run.
 
     The KV pool's format is ``rules.kv_quant`` (``jaxkv.cache.quantized``; every
     session's default); ``kv_quant`` is the same, for callers without rules (the two
@@ -56,12 +58,18 @@ def make_app(model, *, model_name: str = "embedded", rows: int = 4, max_queue: i
         check_rules(server, rules)
         if warmup:
             samplers = {} if warmup is True else {"samplers": tuple(warmup)}
-            server.warmup(**samplers, session_options=_warmup_options(rules))
+            server.warmup(**samplers, session_options=_warmup_options(rules), policies=_warmup_policies(rules))
     except BaseException:
         server.close()
         raise
     config = ServeConfig(model_name, tuple(api_keys), rules, max_tokens, session_cap)
     return create_app(server, config, own_server=True)
+
+
+def _warmup_policies(rules: OptionRules) -> list[str]:
+    """The retention policies a request on this server may run (the default and
+    the allow-list, ``"full"`` aside): the warm-up compiles their programs."""
+    return sorted(({rules.policy} | set(rules.allow_policies)) - {None, "full"})
 
 
 def _warmup_options(rules: OptionRules) -> dict:

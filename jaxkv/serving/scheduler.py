@@ -325,7 +325,8 @@ class Scheduler:
         tasks = [t for t in self._running if isinstance(t.work, DecodeWork)]
         groups: dict = {}
         for task in tasks:
-            groups.setdefault(task.work.job.spec, []).append(task)
+            job = task.work.job  # one call per sampler, and per attention-mass capture (a program variant)
+            groups.setdefault((job.spec, job.features.attn_mass), []).append(task)
         for group in groups.values():
             try:
                 self._decode_group(group)

@@ -44,8 +44,13 @@ compiled program keeps hundreds of memory mappings; ``jaxkv.compiles``): the
 warm-up and the scheduler drop the compiled programs near the kernel's limit
 (``xla_releases``), and a request then loads the program it needs from the
 persistent cache (counted in ``xla_compiles`` and ``xla_cache_hits``), never
-compiling it again. Not in the set (compiled on first use): a retention
-policy's scorer programs and feature captures, ``top_k`` values, segment reuse.
+compiling it again. The warm-up also compiles what retention policies add (by
+default every registered policy at its default config; ``warmup_policies``):
+the feature-capturing variants of the steps (query rows, attention mass) and
+each policy's event programs.
+Not in the set (compiled on first use): a policy config whose shapes differ
+from the ones warmed (a wider observation window), ``top_k`` values, all-prompt
+logits, segment reuse.
 
 Sizing: ``num_slots`` defaults to ``2 * rows * max_positions + 1``, room for
 cached prefixes beside running requests; the radix cache gives back its least
@@ -99,9 +104,11 @@ class Server:
       warmup: compile every program of the engine's shape set before returning
         (``warmup``; module docstring): True for every sampler, or the names of
         the samplers to warm (``Engine.WARMUP_SAMPLERS``).
+      warmup_policies: the retention policies whose programs the warm-up
+        compiles too (None: every registered policy, at its default config).
     """
 
-    def __init__(self, model: Model, *, rows: int = 1, max_positions: int | None = None, num_slots: int | None = None, session_cap: int = 1024, backend=None, host_tier: HostTier | None = None, max_queue: int = 64, decode_chunk: int = DECODE_CHUNK, prefill_chunk: int = PREFILL_CHUNK, kv_quant=None, segment_cap: int = 256 << 20, warmup=False):
+    def __init__(self, model: Model, *, rows: int = 1, max_positions: int | None = None, num_slots: int | None = None, session_cap: int = 1024, backend=None, host_tier: HostTier | None = None, max_queue: int = 64, decode_chunk: int = DECODE_CHUNK, prefill_chunk: int = PREFILL_CHUNK, kv_quant=None, segment_cap: int = 256 << 20, warmup=False, warmup_policies=None):
         if model.tokenizer is None:
             raise ConfigError("sessions need a model with a tokenizer (the folder had none)")
         if int(rows) < 1:
@@ -127,15 +134,19 @@ class Server:
         self.scheduler = Scheduler(self.engine, max_queue=max_queue, decode_chunk=decode_chunk)
         self.warmup_seconds: float | None = None
         if warmup:
-            self.warmup(**({} if warmup is True else {"samplers": tuple(warmup)}))
+            self.warmup(**({} if warmup is True else {"samplers": tuple(warmup)}), policies=warmup_policies)
 
-    def warmup(self, *, samplers=("greedy", "sample", "top_p"), progress: bool = True, session_options: dict | None = None) -> int:
+    def warmup(self, *, samplers=("greedy", "sample", "top_p"), progress: bool = True, session_options: dict | None = None, policies=None) -> int:
         """Compile the engine's whole shape set (``Engine.warmup``) on the
-        scheduler thread, then run one short chat turn per sampler (the turn
-        pipeline's own programs) in a scratch session made with
-        ``session_options`` (e.g. a triaxial pool's ``kv_allocation``); the
+        scheduler thread, with the feature-capturing variants of its steps that
+        ``policies`` need (None: every registered retention policy; names, or
+        ``(name, config dict)`` pairs for a non-default config) and each policy's
+        event programs (``retention.warm_events``); then build a scratch session
+        per policy (its state and head) and run one short chat turn per sampler
+        (the turn pipeline's own programs) in a scratch session made with
+        ``session_options`` (e.g. a triaxial pool's ``kv_allocation``). The
         persistent compilation cache is turned on first. Call it before serving.
-        Returns the programs the engine ran."""
+        Returns the programs run."""
         import time
 
         from tqdm.auto import tqdm
@@ -143,15 +154,23 @@ class Server:
         from jaxkv import buckets, compiles
         from jaxkv.engine import Engine
 
+        from jaxkv.serving.stages.retention import policy_warmup, warm_events
+
         compiles.enable_persistent_cache()
         t0 = time.perf_counter()
         eng = self.engine
-        total = buckets.shape_set(eng.rows, eng.max_positions, eng.prefill_chunk, self.scheduler.decode_chunk, eng.min_batch, eng.short_chunk)
-        total = len(total.prefill) + len(total.decode) * len(samplers)
-        with tqdm(total=total, desc="jaxkv warm-up (XLA programs)", unit="prog", disable=not progress) as bar:
+        specs, prefill_rows, prefill_mass, decode_mass = policy_warmup(policies)
+        shapes = buckets.shape_set(eng.rows, eng.max_positions, eng.prefill_chunk, self.scheduler.decode_chunk, eng.min_batch, eng.short_chunk)
+        total = len(shapes.prefill) * (1 + prefill_rows + prefill_mass) + len(shapes.decode) * len(samplers) * (1 + decode_mass)
+        with tqdm(total=total + len(specs), desc="jaxkv warm-up (XLA programs)", unit="prog", disable=not progress) as bar:
             ran = self.scheduler.call(lambda: eng.warmup(
                 self.scheduler.decode_chunk, samplers=samplers, stop_token_ids=self.stop_token_ids, progress=bar.update,
+                prefill_rows=prefill_rows, prefill_mass=prefill_mass, decode_mass=decode_mass,
             )).result()
+            for options, spec in specs:
+                self.session(**options).close()  # the policy's state and head, as a session builds them
+                ran += self.scheduler.call(lambda: warm_events(spec, eng)).result()
+                bar.update(1)
         session = self.session(**(session_options or {}))
         for name in samplers:
             session.chat([{"role": "user", "content": "warm up"}], max_new_tokens=2, **Engine.WARMUP_SAMPLERS[name])

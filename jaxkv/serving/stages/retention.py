@@ -34,12 +34,24 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxkv.buckets import bucket
+from jaxkv.buckets import bucket, event_sizes
+from jaxkv.cache.allocator import SENTINEL_SLOT
+from jaxkv.chat.tags import Phase
 from jaxkv.errors import ConfigError
 from jaxkv.policies import EventFeatures, Observation, get_policy, layouts
 from jaxkv.policies.base import select
 from jaxkv.policies.layouts import LAYOUTS
 from jaxkv.serving.stages.base import Capture, Stage, register
+
+
+PROMPT_RING_ROWS = 64  # query rows per phase a prompt feeds ``observe`` (``Needs.observe_rows=True``)
+OBSERVE_ROWS = len(Phase) * PROMPT_RING_ROWS  # rows of every ``observe`` call (padded): one compile
+
+
+def window_rows(needs) -> int:
+    """Query rows of every event's observation window (``EventFeatures.window_q_LWHD``),
+    padded to the policy's window so an event's shape depends only on its live bucket."""
+    return max(int(needs.window), 1)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -118,7 +130,7 @@ def compress_row(engine, row: int, policy, cfg, state, feats, forced_N, budget: 
     """
     valid = np.asarray(feats.valid())
     live_pos = np.asarray(feats.positions_N)[valid]
-    keep_mask, scores, state = score_and_select(policy, cfg, state, feats, jnp.asarray(forced_N, bool), jnp.int32(budget))
+    keep_mask, scores, state = score_and_select(policy, cfg, state, feats, np.asarray(forced_N, bool), np.int32(budget))
     kept = live_pos[np.asarray(keep_mask)[valid]]
     slots = engine.row_state[row].slots
     if layout == "dead_slot":
@@ -184,7 +196,7 @@ class RetentionStage(Stage):
         ring_pos = np.zeros(0, np.int64)
         if needs.observe_rows and n > offset:
             phase = np.asarray(turn.rendered.phase, np.int32)
-            per_phase = int(needs.observe_rows) if not isinstance(needs.observe_rows, bool) else 64
+            per_phase = int(needs.observe_rows) if not isinstance(needs.observe_rows, bool) else PROMPT_RING_ROWS
             ring_pos = np.sort(np.concatenate([
                 np.flatnonzero(phase[offset:] == ph)[-per_phase:] + offset for ph in np.unique(phase[offset:])
             ]))
@@ -227,12 +239,7 @@ class RetentionStage(Stage):
             return
         cfg = turn.engine.model.config
         seq_len = req.seq_len
-        if self.window is not None:
-            wq, wpos = self.window
-            wvalid = np.asarray([req.is_live(p) or p >= seq_len - 1 for p in wpos])
-        else:
-            wq = np.zeros((cfg.num_layers, 1, cfg.num_heads, cfg.head_dim), np.float32)
-            wpos, wvalid = np.zeros(1, np.int64), np.zeros(1, bool)
+        wq, wpos, wvalid = self._window_rows(cfg, req, seq_len)
         qm = self.query_mean if self.query_mean is not None else np.zeros((cfg.num_layers, cfg.num_heads, cfg.head_dim), np.float32)
         n, N = live_pos.size, bucket(live_pos.size)  # one compile per bucket, not per event
 
@@ -240,18 +247,18 @@ class RetentionStage(Stage):
             x = np.asarray(x)
             return np.concatenate([x, np.full(N - n, fill, x.dtype)])
 
-        feats = EventFeatures(
+        feats = EventFeatures(  # host arrays: a jnp.asarray here would compile a transfer per shape
             keys_LNKD=turn.engine.gather_keys(turn.row, N),
-            positions_N=jnp.asarray(np.concatenate([live_pos, seq_len + 1 + np.arange(N - n)]), jnp.int32),
-            phase_N=jnp.asarray(pad(req.phase[live_pos], 3), jnp.int32),
-            window_q_LWHD=jnp.asarray(wq, jnp.float32),
-            window_pos_W=jnp.asarray(wpos, jnp.int32),
-            window_valid_W=jnp.asarray(wvalid),
-            acc_mass_N=jnp.asarray(pad(req.mass[live_pos], 0.0), jnp.float32),
-            query_mean_LHD=jnp.asarray(qm, jnp.float32),
-            seq_len=jnp.int32(seq_len),
-            valid_N=jnp.asarray(np.arange(N) < n),
-            query_span_N=jnp.asarray(pad(req.query[live_pos], False)),
+            positions_N=np.concatenate([live_pos, seq_len + 1 + np.arange(N - n)]).astype(np.int32),
+            phase_N=pad(req.phase[live_pos], 3).astype(np.int32),
+            window_q_LWHD=wq,
+            window_pos_W=wpos,
+            window_valid_W=wvalid,
+            acc_mass_N=pad(req.mass[live_pos], 0.0).astype(np.float32),
+            query_mean_LHD=np.asarray(qm, np.float32),
+            seq_len=np.int32(seq_len),
+            valid_N=np.arange(N) < n,
+            query_span_N=pad(req.query[live_pos], False),
         )
         forced = pad(req.pinned[live_pos], False)
         self.retention.state, report = compress_row(
@@ -263,10 +270,25 @@ class RetentionStage(Stage):
             self.window = None
         turn.observe_live()
 
+    def _window_rows(self, cfg, req, seq_len: int):
+        """The observation window as an event reads it: ``window_rows`` query rows
+        (the captured ones first, then invalid zero rows), their positions and
+        validity. A window shorter than the policy's (a short prompt suffix, a
+        short decode chunk) is padded, so the event compiles once per live bucket."""
+        W = window_rows(self.needs)
+        wq = np.zeros((cfg.num_layers, W, cfg.num_heads, cfg.head_dim), np.float32)
+        wpos, wvalid = np.full(W, max(seq_len - 1, 0), np.int32), np.zeros(W, bool)  # padding rows see every key (no empty softmax)
+        if self.window is not None:
+            q, pos = self.window
+            k = min(W, pos.size)
+            wq[:, :k], wpos[:k] = q[:, -k:], pos[-k:]
+            wvalid[:k] = [req.is_live(p) or p >= seq_len - 1 for p in pos[-k:]]
+        return wq, wpos, wvalid
+
     def _observe(self, turn, q_LXHD, phase_X, *, new_turn: bool) -> None:
         cfg = turn.engine.model.config
         n = 0 if q_LXHD is None else q_LXHD.shape[1]
-        X = bucket(max(n, 1), minimum=8)  # padded rows: one compile per bucket
+        X = bucket(max(n, 1), minimum=OBSERVE_ROWS)  # padded rows: one compile (more only past OBSERVE_ROWS)
         q = np.zeros((cfg.num_layers, X, cfg.num_heads, cfg.head_dim), np.float32)
         phases = np.zeros(X, np.int32)
         if n:
@@ -274,11 +296,68 @@ class RetentionStage(Stage):
             phases[:n] = phase_X
         qm = self.query_mean if self.query_mean is not None else np.zeros((cfg.num_layers, cfg.num_heads, cfg.head_dim), np.float32)
         obs = Observation(
-            q_LXHD=jnp.asarray(q), phase_X=jnp.asarray(phases), valid_X=jnp.asarray(np.arange(X) < n),
-            query_mean_LHD=jnp.asarray(qm, jnp.float32),
-            new_turn=jnp.asarray(bool(new_turn and self.query_mean is not None)),
+            q_LXHD=q, phase_X=phases, valid_X=np.arange(X) < n,
+            query_mean_LHD=np.asarray(qm, np.float32),
+            new_turn=np.bool_(new_turn and self.query_mean is not None),
         )
         self.retention.state = _observe_jit(self.spec.policy.observe, self.spec.config, self.retention.state, obs)
+
+
+def policy_warmup(policies=None):
+    """What a server's warm-up compiles for retention ``policies`` (None: every
+    registered policy at its default config; else names, or ``(name, config
+    dict)`` pairs): ``(specs, prefill_rows, prefill_mass, decode_mass)``, where
+    ``specs`` pairs each policy's scratch-session options with its spec, and the
+    flags say which variants of the engine's steps its turns run: prefill steps
+    that capture query rows (windows, query spans, phase rows) or attention
+    mass, and decode calls that accumulate attention mass (only with a decode
+    interval; decode calls capture query rows always, ``jaxkv.engine``)."""
+    from jaxkv.policies import REGISTRY
+
+    items = sorted(REGISTRY) if policies is None else list(policies)
+    specs, prefill_rows, prefill_mass, decode_mass = [], False, False, False
+    for item in items:
+        name, config = (item, {}) if isinstance(item, str) else (item[0], dict(item[1]))
+        spec = RetentionSpec.make(name, 1, "dead_slot", config)
+        specs.append(({"policy": name, "budget": 1, **config}, spec))
+        needs = spec.policy.needs(spec.config)
+        prefill_rows |= bool(needs.window or needs.query_mean or needs.observe_rows)
+        prefill_mass |= bool(needs.attn_mass)
+        decode_mass |= bool(needs.attn_mass and needs.decode_interval)
+    return specs, prefill_rows, prefill_mass, decode_mass
+
+
+def warm_events(spec: RetentionSpec, engine) -> int:
+    """Compile one policy's event programs for every live bucket an engine's rows
+    can reach (``buckets.event_sizes``): the key gather, ``score_and_select`` and
+    ``observe``, on zero features of each shape (the server's warm-up). The shapes
+    are those ``RetentionStage.compress`` and ``_observe`` build. Returns the
+    programs run."""
+    cfg = engine.model.config
+    needs = spec.policy.needs(spec.config)
+    state = spec.policy.init_state(spec.config, cfg)
+    W = window_rows(needs)
+    ran = 0
+    for N in event_sizes(engine.max_positions):
+        keys = engine.pool.gather_keys(engine.cache, np.full(N, SENTINEL_SLOT, np.int32))
+        feats = EventFeatures(
+            keys_LNKD=keys, positions_N=np.arange(N, dtype=np.int32), phase_N=np.zeros(N, np.int32),
+            window_q_LWHD=np.zeros((cfg.num_layers, W, cfg.num_heads, cfg.head_dim), np.float32),
+            window_pos_W=np.zeros(W, np.int32), window_valid_W=np.zeros(W, bool),
+            acc_mass_N=np.zeros(N, np.float32), query_mean_LHD=np.zeros((cfg.num_layers, cfg.num_heads, cfg.head_dim), np.float32),
+            seq_len=np.int32(N), valid_N=np.ones(N, bool), query_span_N=np.zeros(N, bool),
+        )
+        jax.block_until_ready(score_and_select(spec.policy, spec.config, state, feats, np.zeros(N, bool), np.int32(1)))
+        ran += 2
+    if spec.policy.observe is not None:
+        obs = Observation(
+            q_LXHD=np.zeros((cfg.num_layers, OBSERVE_ROWS, cfg.num_heads, cfg.head_dim), np.float32),
+            phase_X=np.zeros(OBSERVE_ROWS, np.int32), valid_X=np.zeros(OBSERVE_ROWS, bool),
+            query_mean_LHD=np.zeros((cfg.num_layers, cfg.num_heads, cfg.head_dim), np.float32), new_turn=np.bool_(False),
+        )
+        jax.block_until_ready(_observe_jit(spec.policy.observe, spec.config, state, obs))
+        ran += 1
+    return ran
 
 
 def _factory(session, options: dict, built: list):
