@@ -256,6 +256,21 @@ def dequantize_int2_keys(pages: PackedKeyPages) -> jnp.ndarray:
     return pages.zero.astype(jnp.float32)[..., None, :] + codes * pages.scale.astype(jnp.float32)[..., None, :]
 
 
+@functools.partial(jax.jit, static_argnames="bits")
+def key_pages_round_trip(k_TKD: jnp.ndarray, bits: int) -> jnp.ndarray:
+    """``k[T, K, D]`` (T % 32 == 0) quantized per channel over pages of 32 tokens at
+    ``bits`` and dequantized, float32 ``[T, K, D]``: the INT2 pool's key format at 2
+    bits (equal to ``dequantize_int2_keys(quantize_int2_keys(k))`` in token order),
+    KIVI-4's at 4. For error analysis (``eval.quant_attention_error``): no pool stores
+    4-bit key pages yet."""
+    if bits not in (2, 4):
+        raise ValueError(f"bits must be 2 or 4, got {bits}")
+    check_head_dim(k_TKD.shape[-1])
+    codes, scale, zero = _fit(_pages(k_TKD), 2, bits)
+    pages = zero.astype(jnp.float32)[:, :, None, :] + codes.astype(jnp.float32) * scale.astype(jnp.float32)[:, :, None, :]
+    return _tokens(pages)
+
+
 @struct.dataclass
 class Int4Pool:
     """INT4 pool: per-token keys and values ``PackedRows`` of shape ``[S, K, ...]``."""
