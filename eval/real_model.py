@@ -41,6 +41,12 @@ engine rolls back (``Engine.checkpoint`` / ``rollback``) for the next cell.
 ``tests/test_real_model_eval.py`` checks that a branched cell equals a session
 running that policy alone. Cells: the full cache, then each method x ratio.
 
+KV quantization (issue #26, ``--kv-quant int4,kivi2``): instead of retention
+cells, each example runs once per KV format in a session of its own (a quantized
+pool is written by the prefill, so formats cannot share one), full cache, no
+compression: the float pool first (cell ``full``, the reference of the ``lm``
+KL), then ``kv:<format>``, each measured as above. Journal ``quant.jsonl``.
+
 Journal: one JSON line per finished (task, length, seed, setting) in
 ``OUT/examples.jsonl`` with every cell; ``--resume`` skips what is there.
 """
@@ -276,6 +282,52 @@ def run_example(model, example, setting: str, cells, *, positions: int, max_new:
     return {"n_request": n_request, "cells": results}
 
 
+def single_program(turn, measure):
+    """A turn program: prefill the request, then ``measure`` on the full cache."""
+    try:
+        turn.open()
+        first_logits = yield from turn.prefill_prompt()
+        t0 = time.perf_counter()
+        result = yield from measure(turn, first_logits)
+        result.update(kept=int(turn.req.live_positions().size), measure_seconds=round(time.perf_counter() - t0, 3))
+        return result
+    finally:
+        turn.close()
+
+
+def run_quant_example(model, example, setting: str, formats, *, positions: int, max_new: int = MAX_NEW) -> dict:
+    """The full cache of one (example, setting) on the float pool (cell ``full``)
+    and on each KV format in ``formats`` (cells ``kv:<format>``), one session each."""
+    from jaxkv.serving import Session
+    from jaxkv.serving.pipeline import Turn, run_to_completion
+    from jaxkv.tasks import answer_digit_positions, token_plan
+
+    tok = model.tokenizer
+    plan = token_plan(example, tok, setting)
+    reference: dict = {}
+    out = {}
+    for fmt in (None, *formats):
+        t0 = time.perf_counter()
+        session = Session(model, max_positions=positions, protect_query=False, max_new_tokens=max_new, kv_quant=fmt)
+        session.server.engine.short_chunk = SHORT_PIECES
+        try:
+            if example.task == "lm":
+                rendered = lm_rendered(plan.compressed, tok)
+                measure = lm_measure(plan, reference)
+            else:
+                rendered = session._render(example.messages(setting)[:1], None, add_generation_prompt=True)
+                if not np.array_equal(rendered.ids, plan.compressed):
+                    raise AssertionError("the session's rendering differs from the token plan")
+                measure = answer_measure(example, plan, tok, answer_digit_positions(example, tok, plan.answer), max_new)
+            session._check_length(int(plan.compressed.size) + plan.rest.size + plan.answer.size + max_new, 0)
+            result = run_to_completion(single_program(Turn(session, rendered), measure), session.server.engine)
+        finally:
+            session.close()
+        result["seconds"] = round(time.perf_counter() - t0, 3)
+        out["full" if fmt is None else f"kv:{fmt}"] = result
+    return {"n_request": int(plan.compressed.size), "cells": out}
+
+
 # ----------------------------------------------------------------------------- multi-turn sessions
 def session_cells(method: str, ratio: float, k: int) -> list[tuple[str, dict]]:
     """RepairKV's matched-budget trio in the question-agnostic setting, as real
@@ -349,6 +401,9 @@ def main(argv=None) -> int:
     p.add_argument("--repair", type=int, default=None, metavar="K",
                    help="instead of the branched grid: RepairKV with K rows, matched no-repair at B+K and no repair at B, "
                         "as multi-turn sessions in the agnostic setting (--repair-method at --repair-ratio)")
+    p.add_argument("--kv-quant", default=None, metavar="FORMATS",
+                   help="instead of the retention grid: the full cache on the float pool and on each of these KV "
+                        "formats (int4,kivi2,...), one session each (journal quant.jsonl)")
     p.add_argument("--repair-method", default="snapkv")
     p.add_argument("--repair-ratio", type=float, default=0.5)
     return run_grid(p.parse_args(argv))
@@ -367,12 +422,16 @@ def run_grid(args) -> int:
     model = jaxkv.load_model(args.model)
     examples = haystack.examples(args.task, args.first + args.n, length=args.context, tokenizer=model.tokenizer, seed=args.seed)[args.first :]
     args.out.mkdir(parents=True, exist_ok=True)
-    journal = args.out / ("sessions.jsonl" if args.repair is not None else "examples.jsonl")
+    kv_formats = [f for f in (getattr(args, "kv_quant", None) or "").split(",") if f]
+    if kv_formats and args.repair is not None:
+        raise SystemExit("--kv-quant and --repair are separate runs")
+    journal = args.out / ("sessions.jsonl" if args.repair is not None else "quant.jsonl" if kv_formats else "examples.jsonl")
     if args.repair is not None:
         settings = ["agnostic"]
     done = {(r["task"], r["context"], r["seed"], r["setting"]) for r in read_journal(journal)} if args.resume else set()
     positions = min(positions_for(args.context), model.config.max_position_embeddings)
     setup = {"model": args.model, "ratios": ratios, "methods": methods, "max_new": args.max_new, "positions": positions,
+             **({"kv_quant": kv_formats} if kv_formats else {}),
              "threads": os.environ.get("XLA_FLAGS", "")}
     todo = [(ex, s) for ex in examples for s in settings if (ex.task, args.context, ex.seed, s) not in done]
     bar = tqdm(todo, desc=f"{args.task} {args.context}", unit="ex")
@@ -381,6 +440,8 @@ def run_grid(args) -> int:
         if args.repair is not None:
             trio = session_cells(args.repair_method, args.repair_ratio, args.repair)
             record = run_sessions(model, ex, trio, args.repair_ratio, positions=positions, max_new=args.max_new)
+        elif kv_formats:
+            record = run_quant_example(model, ex, setting, kv_formats, positions=positions, max_new=args.max_new)
         else:
             record = run_example(model, ex, setting, cells, positions=positions, max_new=args.max_new)
         record.update(task=ex.task, context=args.context, seed=ex.seed,
