@@ -287,9 +287,10 @@ def single_program(turn, measure):
     try:
         turn.open()
         first_logits = yield from turn.prefill_prompt()
+        kept = int(turn.req.live_positions().size)  # the request's tokens, before the measure feeds more
         t0 = time.perf_counter()
         result = yield from measure(turn, first_logits)
-        result.update(kept=int(turn.req.live_positions().size), measure_seconds=round(time.perf_counter() - t0, 3))
+        result.update(kept=kept, measure_seconds=round(time.perf_counter() - t0, 3))
         return result
     finally:
         turn.close()

@@ -117,3 +117,19 @@ def test_lm_cells_compress_the_text_to_their_budget(shallow):
         got = out[cell.name]
         assert got["kept"] == budget_for_ratio(cell.ratio, n), (cell.name, got)
         assert got["kl"] > 0 and got["nll"] != out["full"]["nll"], (cell.name, got)
+
+
+def test_quant_cells_run_each_format_on_its_own_pool(shallow):
+    """``--kv-quant``: the float pool's full cache is the reference (KL 0) and each
+    format's full cache, written by its own prefill, moves the continuation's NLL
+    and KL without evicting anything."""
+    from eval.real_model import positions_for, run_quant_example
+
+    example = haystack.examples("lm", 1, length=512, tokenizer=shallow.tokenizer)[0]
+    record = run_quant_example(shallow, example, "agnostic", ["int4", "kivi2"], positions=positions_for(512))
+    n, out = record["n_request"], record["cells"]
+    assert list(out) == ["full", "kv:int4", "kv:kivi2"]
+    assert out["full"]["kl"] == 0.0 and all(c["kept"] == n for c in out.values())
+    for name in ("kv:int4", "kv:kivi2"):
+        assert out[name]["kl"] > 0 and out[name]["nll"] != out["full"]["nll"], (name, out[name])
+    assert out["kv:kivi2"]["kl"] > out["kv:int4"]["kl"]  # 2-bit keys and values past KIVI's window err more than INT4
