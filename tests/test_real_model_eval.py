@@ -133,3 +133,18 @@ def test_quant_cells_run_each_format_on_its_own_pool(shallow):
     for name in ("kv:int4", "kv:kivi2"):
         assert out[name]["kl"] > 0 and out[name]["nll"] != out["full"]["nll"], (name, out[name])
     assert out["kv:kivi2"]["kl"] > out["kv:int4"]["kl"]  # 2-bit keys and values past KIVI's window err more than INT4
+
+
+def test_quant_report_counts_scales_and_kivis_float_window():
+    """Bytes per token with scales and zero points: INT4 5 bits per element (3.2x bf16);
+    KIVI-2 at 2,048 tokens: 1,920 in INT2 pages (3 bits), the 128 newest in float (16)."""
+    from types import SimpleNamespace
+
+    from eval.real_model_quant_report import storage
+
+    cfg = SimpleNamespace(head_dim=64, num_layers=30, num_kv_heads=3)
+    int4, kivi2 = storage("int4", 2048, cfg), storage("kivi2", 2048, cfg)
+    assert int4["bits"] == pytest.approx(5.0) and int4["capacity"] == pytest.approx(3.2)
+    assert int4["bytes"] == pytest.approx(1.25 * 64 * 30 * 3)
+    assert kivi2["bits"] == pytest.approx((1920 * 3 + 128 * 16) / 2048)
+    assert storage("none", 2048, cfg)["capacity"] == 1.0

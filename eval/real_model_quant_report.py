@@ -1,0 +1,117 @@
+"""The KV-quantization report on a real model (issue #26) from ``eval.real_model --kv-quant`` journals.
+
+    python -m eval.real_model_quant_report --root eval/results/real_smollm2_quant
+
+Reads ``ROOT/quant.jsonl`` (one line per example: the float pool's full cache,
+cell ``full``, and each format's, ``kv:<format>``, on the same example) and writes
+``ROOT/README.md``:
+
+* ``lm``: per format, the mean continuation NLL increase over the float pool
+  (nats per token) and the mean KL(full || format) per token, each with a 95%
+  bootstrap interval over examples (the NLL increase is paired by construction);
+* retrieval tasks: teacher-forced and greedy accuracy per format, and the paired
+  difference from the float pool with its interval;
+* storage: KV bytes per token (K + V, every layer and KV head, scales and zero
+  points included; ``jaxkv.cache.quantized_host.bytes_per_token``), average stored
+  bits per element and capacity against bf16, for the request as its prefill
+  leaves it (KIVI: the tokens past its window in INT2 pages, the rest in float).
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import json
+from pathlib import Path
+
+import numpy as np
+
+from eval.real_model_report import mean_ci
+
+PAGE = 32
+
+
+def read(path: Path) -> list[dict]:
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+
+
+def storage(fmt: str, n_tokens: float, config) -> dict:
+    """Bytes per token, stored bits per element and capacity vs bf16 of a request of
+    ``n_tokens`` as its prefill leaves it in ``fmt``."""
+    from jaxkv.cache.quantized import FLOAT, INT2, INT4
+    from jaxkv.cache.quantized_host import KIVI_WINDOW, bytes_per_token
+
+    geo = dict(head_dim=config.head_dim, num_layers=config.num_layers, num_kv_heads=config.num_kv_heads)
+    if fmt == "int4":
+        per = bytes_per_token(INT4, **geo)
+    elif fmt == "kivi2":
+        paged = max(n_tokens - KIVI_WINDOW, 0) // PAGE * PAGE
+        per = (paged * bytes_per_token(INT2, **geo) + (n_tokens - paged) * bytes_per_token(FLOAT, **geo)) / n_tokens
+    else:
+        per = bytes_per_token(FLOAT, **geo)
+    elements = 2 * config.head_dim * config.num_layers * config.num_kv_heads
+    return {"bytes": per, "bits": 8 * per / elements, "capacity": bytes_per_token(FLOAT, **geo) / per}
+
+
+def report(root: Path, model_name: str = "smollm2-135m-instruct") -> str:
+    import jaxkv
+
+    records = read(root / "quant.jsonl")
+    config = jaxkv.load_model(model_name, load_tokenizer=False).config  # the geometry the bytes follow
+    groups = collections.defaultdict(list)
+    for r in records:
+        groups[(r["task"], r["context"], r["setting"])].append(r)
+    seconds = sum(r["seconds"] for r in records)
+    lines = [f"# KV quantization on {model_name}: the full cache on each KV format, on the same examples", "",
+             f"Journal `quant.jsonl`: {len(records)} examples, {seconds / 3600:.2f} h of CPU in all (2-core x86_64, "
+             "sums of per-example seconds, mostly shared with other runs). Regenerate: "
+             f"`python -m eval.real_model_quant_report --root {root}` after "
+             f"`python -m eval.real_model --task lm --context 2048 --n 50 --kv-quant int4,kivi2 --out {root} --resume`.", ""]
+    for (task, context, setting), recs in sorted(groups.items()):
+        formats = [c for c in recs[0]["cells"] if c != "full"]
+        n_tokens = float(np.mean([r["n_request"] for r in recs]))
+        lines += [f"## {task}, {context} tokens, {setting} ({len(recs)} examples)", ""]
+        if task == "lm":
+            full = np.array([r["cells"]["full"]["nll"] for r in recs])
+            lines += [f"Float pool (the ceiling): continuation NLL {full.mean():.3f} nats/token.", "",
+                      "| format | NLL increase, nats/token [95%] | KL(full \\|\\| format) per token [95%] | KV bytes / token | stored bits | capacity vs bf16 |",
+                      "|---|---:|---:|---:|---:|---:|"]
+            for fmt in formats:
+                d = np.array([r["cells"][fmt]["nll"] for r in recs]) - full
+                kl = np.array([r["cells"][fmt]["kl"] for r in recs])
+                st = storage(fmt.split(":", 1)[1], n_tokens, config)
+                m, lo, hi = mean_ci(d)
+                km, klo, khi = mean_ci(kl)
+                lines.append(f"| {fmt.split(':', 1)[1]} | {m:+.4f} [{lo:+.4f}, {hi:+.4f}] | {km:.4f} [{klo:.4f}, {khi:.4f}] | "
+                             f"{st['bytes']:.0f} | {st['bits']:.2f} | {st['capacity']:.2f}x |")
+        else:
+            lines += ["| format | teacher-forced % | greedy % | Δ teacher-forced pt [95%] | KV bytes / token | stored bits | capacity vs bf16 |",
+                      "|---|---:|---:|---:|---:|---:|---:|"]
+            full = np.array([r["cells"]["full"]["tf_correct"] for r in recs], float)
+            for fmt in ["full"] + formats:
+                tf = np.array([r["cells"][fmt]["tf_correct"] for r in recs], float)
+                gen = np.array([r["cells"][fmt]["gen_correct"] for r in recs], float)
+                m, lo, hi = mean_ci(100 * (tf - full))
+                st = storage("none" if fmt == "full" else fmt.split(":", 1)[1], n_tokens, config)
+                name = "none (float)" if fmt == "full" else fmt.split(":", 1)[1]
+                lines.append(f"| {name} | {100 * tf.mean():.0f} | {100 * gen.mean():.0f} | {m:+.1f} [{lo:+.1f}, {hi:+.1f}] | "
+                             f"{st['bytes']:.0f} | {st['bits']:.2f} | {st['capacity']:.2f}x |")
+        lines.append("")
+    lines += ["Stored bits count the scales and zero points (INT4 = 5 bits per element, INT2 = 3, float counted as "
+              "bf16 = 16), for the request as its prefill leaves it; capacity is bf16's bytes per token over the format's.", ""]
+    return "\n".join(lines)
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--root", type=Path, default=Path("eval/results/real_smollm2_quant"))
+    p.add_argument("--model", default="smollm2-135m-instruct")
+    args = p.parse_args(argv)
+    text = report(args.root, args.model)
+    (args.root / "README.md").write_text(text)
+    print(text)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
