@@ -134,6 +134,18 @@ def test_a_head_for_another_head_dim_raises_config_error(trained_like_head):
         policy.init_state(policy.make_config(), MODEL_CFG)
 
 
+def test_a_head_for_another_model_with_the_same_head_dim_raises_config_error(tmp_path):
+    """The trainer records the model's signature; a model of the same head_dim but
+    other layer counts is refused, the model it was trained for is not."""
+    policy = get_policy("intentkv")
+    head = ih.init_head(ih.HeadConfig(head_dim=D), seed=3)
+    folder = ih.save_head(head, tmp_path / "h", base_model={"name": "model A", "signature": ih.model_signature(MODEL_CFG)})
+    policy.init_state(policy.make_config(head=str(folder)), MODEL_CFG)
+    deeper = dataclasses.replace(MODEL_CFG, num_layers=L + 1)
+    with pytest.raises(jaxkv.ConfigError, match=r"model A, not this model: num_layers 2 \(head\) vs 3 \(model\)"):
+        policy.init_state(policy.make_config(head=str(folder)), deeper)
+
+
 def test_missing_or_malformed_head_raises_typed_errors(tmp_path, trained_like_head):
     with pytest.raises(jaxkv.CheckpointNotFoundError):
         ih.load_head(tmp_path / "nothing")
@@ -436,3 +448,31 @@ def test_label_variants_share_ignored_positions_and_union_by_spec(task_model_dir
         data.label_keys("actions+attention")
     with pytest.raises(KeyError):
         data.label_array({"labels": np.zeros(3, np.int8)}, "read")
+
+
+def test_traces_for_a_template_without_tools_give_rows_of_that_models_shapes(smollm2_gguf):
+    """SmolLM2's template has no tool section: the agent trace is rendered with its
+    tools inlined (``jaxkv.tasks.example.for_template``), one message for one, and
+    the rows take the model's own shapes (head_dim 64, its layers and heads), with
+    labels read from the original calls (here a 2-layer cut, for time)."""
+    from jaxkv.chat.render import render, template_takes_tools
+    from jaxkv.tasks import agent_traces
+    from jaxkv.tasks.example import for_template
+    from train.intentkv_data import answer_values_of, trace_rows
+
+    full = jaxkv.load_model("smollm2-135m-instruct")
+    model = jaxkv.model_from_config(dataclasses.replace(full.config, num_layers=2), tokenizer=full.tokenizer)
+    (ex,) = agent_traces(1, 200_000_123, length=700)
+    assert not template_takes_tools(model.tokenizer)
+    shown = for_template(ex, model.tokenizer)
+    assert shown.tools == [] and len(shown.messages) == len(ex.messages)
+    text = render(model.tokenizer, shown.messages, None, add_generation_prompt=False).text
+    call = ex.messages[2]["tool_calls"][0]["function"]
+    assert f'"name": "{call["name"]}"' in text and all(t["function"]["name"] in text for t in ex.tools)
+    out = trace_rows(model, shown.messages, None, answer_values_of(ex), label_messages=ex.messages, keep_empty=True)
+    cfg = model.config
+    assert out["kbar"].shape == (out["ids"].size, cfg.head_dim) and out["rows"]
+    assert any((r["labels"] == 1).any() for r in out["rows"])  # the original calls' values label the rows
+    for r in out["rows"]:
+        assert r["mbar"].shape == r["qbar"].shape == (cfg.head_dim,) and r["s"].shape == r["labels"].shape == (r["len"],)
+    assert ex is not shown and for_template(shown, model.tokenizer) is shown  # nothing left to inline

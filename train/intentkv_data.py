@@ -303,13 +303,17 @@ def label_row(prompt, positive_T: np.ndarray, template_n: np.ndarray) -> tuple[n
 
 # -- one trace -----------------------------------------------------------------------------
 def trace_rows(model, messages, tools, answer_values=(), horizon: int = HORIZON, beta: float | None = None,
-               keep_empty=False, cue_tokens: int = CUE_TOKENS, read_threshold: float = READ_THRESHOLD):
+               keep_empty=False, cue_tokens: int = CUE_TOKENS, read_threshold: float = READ_THRESHOLD,
+               label_messages=None):
     """Rows of one conversation (see the module docstring) as a dict of arrays:
     ``kbar [T, D]`` and lists of per-row entries, each with the three label
     variants (``labels``: §4; ``labels_cue``: with ``cue_tokens``; ``labels_read``:
     attention of the next ``horizon`` replies at ``read_threshold``). ``beta``: the
     memory decay (default: ``intentkv_memory``'s). A row is kept when any variant
-    has a positive; ``keep_empty`` keeps every row (tests)."""
+    has a positive; ``keep_empty`` keeps every row (tests). ``label_messages``: the
+    conversation the future actions are read from when ``messages`` is its
+    rendering for a template without tools (``jaxkv.tasks.example.inline_tools``,
+    one message for one); default ``messages``."""
     beta = intentkv.IntentKVMemoryConfig().beta if beta is None else beta
     tok = model.tokenizer
     full = render(tok, messages, tools, add_generation_prompt=False)
@@ -333,7 +337,7 @@ def trace_rows(model, messages, tools, answer_values=(), horizon: int = HORIZON,
         q_mean = q_LTHD[:, a:b].mean(axis=1)
         norm_err = float(np.mean((np.linalg.norm(np.asarray(intentkv.blend_memory(beta, state, q_mean)), axis=-1) - 1.0) ** 2))
         state = intentkv.update_memory(beta, state, q_mean)
-        values = tuple(future_values(messages, j, horizon, answer_values))
+        values = tuple(future_values(messages if label_messages is None else label_messages, j, horizon, answer_values))
         if values not in masks:
             masks[values] = (value_masks(full.text, offsets, values), value_masks(full.text, offsets, values, cue_tokens))
         template = template_mask(tok, prompt)
@@ -438,6 +442,7 @@ def load_shards(folder, split: str) -> list[dict[str, np.ndarray]]:
 def generate(args) -> dict:
     from eval.tasks.agent import one_trace
     import jaxkv
+    from jaxkv.tasks.example import for_template
 
     check_seed_ranges()
     out = Path(args.out)
@@ -459,13 +464,17 @@ def generate(args) -> dict:
             traces = []
             for seed in seeds:
                 ex = one_trace(seed, length=trace_length(seed, args.length_min, args.length_max))
-                traces.append(trace_rows(model, ex.messages, ex.tools, answer_values_of(ex), args.horizon,
-                                         cue_tokens=args.cue_tokens, read_threshold=args.read_threshold))
+                shown = for_template(ex, model.tokenizer)  # SmolLM2: tools inlined as text
+                traces.append(trace_rows(model, shown.messages, shown.tools or None, answer_values_of(ex), args.horizon,
+                                         cue_tokens=args.cue_tokens, read_threshold=args.read_threshold,
+                                         label_messages=ex.messages))
                 bar.update(1)
                 bar.set_postfix(split=split, rows=sum(len(t["rows"]) for t in traces))
             write_shard(path, pack_shard(traces, seeds))
     bar.close()
-    summary = {"args": vars(args), "seconds": round(time.perf_counter() - t0, 1)}
+    from jaxkv.policies.intentkv_head import model_signature
+
+    summary = {"args": vars(args), "model_signature": model_signature(model.config), "seconds": round(time.perf_counter() - t0, 1)}
     for split, _ in plan:
         shards = load_shards(out, split)
         summary[split] = {

@@ -429,7 +429,10 @@ def train(args) -> dict:
 def _base_model(args) -> dict:
     meta = load_meta(args.data) or {}
     model = (meta.get("args") or {}).get("model", "unknown")
-    return {"name": "embedded-agent" if model == "embedded" else str(model)}
+    base = {"name": "embedded-agent" if model == "embedded" else str(model)}
+    if meta.get("model_signature"):  # the model the rows came from (check_head_model)
+        base["signature"] = meta["model_signature"]
+    return base
 
 
 def parse_args(argv=None):

@@ -35,8 +35,12 @@ A cross-attention width, X cross-attention heads, Hd hidden width.
 Files (``save_head`` / ``load_head``): ``head.safetensors`` (float32 parameters,
 named by their path in the module, e.g. ``fc1.kernel``) and ``head.json`` (the
 ``HeadConfig``, ``head_dim`` included, plus free-form ``base_model`` and
-``training`` records). Loading a head for a model with another ``head_dim``
-raises ``jaxkv.ConfigError`` (``check_head_dim``).
+``training`` records). ``base_model`` holds the model's ``signature``
+(``model_signature``: layer, head and width counts, vocabulary), written by the
+trainer from its data. A head runs only on the model it was trained for: a
+session with another ``head_dim`` or another signature raises
+``jaxkv.ConfigError`` (``check_head_model``); a head whose ``base_model`` records
+no signature is checked by ``head_dim`` alone.
 """
 
 from __future__ import annotations
@@ -277,6 +281,34 @@ def _load_head_cached(folder: str) -> Head:
     params = _unflat_params(template.params, dict(read_safetensors(path)), path)
     meta = {k: v for k, v in record.items() if k not in ("format", "version", "config")}
     return Head(cfg, template.graphdef, params, meta)
+
+
+SIGNATURE_FIELDS = ("num_layers", "num_heads", "num_kv_heads", "head_dim", "hidden_size", "vocab_size")
+
+
+def model_signature(model_cfg) -> dict:
+    """What identifies the model a head's features came from: its layer, head and
+    width counts and vocabulary size (two checkpoints of one architecture share it)."""
+    return {name: int(getattr(model_cfg, name)) for name in SIGNATURE_FIELDS}
+
+
+def check_head_model(head: Head, model_cfg, where="") -> None:
+    """``ConfigError`` unless the head was trained for this model: its ``head_dim``
+    (``check_head_dim``), then the ``base_model`` signature it records, if any."""
+    check_head_dim(head, model_cfg.head_dim, where)
+    recorded = head.meta.get("base_model", {}).get("signature")
+    if recorded is None:
+        return
+    mine = model_signature(model_cfg)
+    differ = {k: (recorded.get(k), mine[k]) for k in mine if recorded.get(k) != mine[k]}
+    if differ:
+        base = head.meta.get("base_model", {}).get("name", "another model")
+        fields = ", ".join(f"{k} {a} (head) vs {b} (model)" for k, (a, b) in differ.items())
+        raise ConfigError(
+            f"IntentKV head{(' ' + where) if where else ''} was trained for {base}, not this model: {fields}. "
+            f"Train one for this model with `python -m train.intentkv_data --model M` and "
+            f"`python -m train.intentkv_head`, and pass head=PATH."
+        )
 
 
 def check_head_dim(head: Head, head_dim: int, where="") -> None:

@@ -45,7 +45,7 @@ from jaxkv.policies.common import unit_norm
 from jaxkv.policies.intentkv_head import (
     HeadConfig,
     alpha_of,
-    check_head_dim,
+    check_head_model,
     combine,
     load_head,
     mean_keys,
@@ -91,7 +91,7 @@ class IntentKVHeadState:
 
 def init_state(cfg: IntentKVConfig, model_cfg) -> IntentKVHeadState:
     head = load_head(cfg.head)
-    check_head_dim(head, model_cfg.head_dim, f"at {cfg.head}" if cfg.head else "shipped for the embedded model")
+    check_head_model(head, model_cfg, f"at {cfg.head}" if cfg.head else "shipped for the embedded model")
     return IntentKVHeadState(intentkv.init_state(cfg, model_cfg), head.params, head.graphdef, head.cfg)
 
 

@@ -109,6 +109,58 @@ class Example:
         return conversation_tokens(self.messages, self.tools)
 
 
+def inline_tools(messages, tools) -> list[dict]:
+    """The conversation as plain text messages, for a chat template with no tool
+    section (SmolLM2's ChatML renders each message's role and ``content`` and
+    nothing else). The task code makes this prompt-design choice for its own
+    conversations; ``jaxkv.chat.render`` refuses ``tools`` such a template would
+    drop and leaves the choice to the caller:
+
+    * the system message gains one line per tool schema (JSON) and how to call one;
+    * an assistant message's reasoning goes first, in ``<think>..</think>``, then its
+      content, then each call as ``<tool_call>{"name": .., "arguments": {..}}</tool_call>``
+      (the bracket text Qwen's templates write, so ``jaxkv.chat.parse`` reads the
+      model's own calls back);
+    * tool results keep the ``tool`` role (the tagger's TOOL phase).
+
+    Messages stay one for one (index ``j`` here is index ``j`` of the input), so
+    scored turns and labels that point at message indices still hold.
+    """
+    if tools and not (messages and messages[0].get("role") == "system"):
+        raise ValueError("inline_tools needs a system message to carry the tool schemas (indices stay one for one)")
+    out = []
+    schemas = "\n".join(json.dumps(t) for t in tools or ())
+    for i, m in enumerate(messages):
+        m = dict(m)
+        if i == 0 and m.get("role") == "system" and schemas:
+            m["content"] = (f"{m.get('content') or ''}\n\nTools you can call, one JSON schema per line:\n{schemas}\n"
+                            'To call a tool, reply with <tool_call>{"name": ..., "arguments": {...}}</tool_call>.')
+        if m.get("role") == "assistant":
+            parts = []
+            if m.get("reasoning_content"):
+                parts.append(f"<think>\n{m['reasoning_content']}\n</think>")
+            if m.get("content"):
+                parts.append(m["content"])
+            for call in m.get("tool_calls") or ():
+                fn = call.get("function", call)
+                args = fn.get("arguments") or {}
+                args = json.loads(args) if isinstance(args, str) else args
+                parts.append("<tool_call>" + json.dumps({"name": fn["name"], "arguments": args}) + "</tool_call>")
+            m = {"role": "assistant", "content": "\n".join(parts)}
+        out.append(m)
+    return out
+
+
+def for_template(example: "Example", tokenizer) -> "Example":
+    """``example`` as ``tokenizer``'s chat template can render it: unchanged when
+    the template renders tools, else with ``inline_tools`` and no ``tools``."""
+    from jaxkv.chat.render import template_takes_tools
+
+    if not example.tools or template_takes_tools(tokenizer):
+        return example
+    return dataclasses.replace(example, messages=inline_tools(example.messages, example.tools), tools=[])
+
+
 def approx_tokens(text: str) -> int:
     """Tokens of ``text`` under the embedded tokenizer (see the module docstring)."""
     n = 0
