@@ -52,6 +52,19 @@ method's gain over each baseline. ``--compare-to METHOD`` compares with a named 
 ``--resume --report-only`` writes the report from the journal's finished cells of
 the grid, runs none, and lists the rest as not run.
 
+Fidelity (``--fidelity``, issue #27): how close, token by token, the managed
+cache keeps the model to its full-cache behaviour on the turns after a compression
+event, beside accuracy. Every replay also teacher-forces the recorded assistant
+turns with their logits. The ``full`` cell of a task runs first and stores, per
+example, each recorded token's NLL and its distribution as the top
+``FIDELITY_TOP`` (64) tokens plus the rest's mass (``OUT/fidelity/``); every
+other cell, on the turns whose reply follows at least one of its compression
+events (``TurnResult.compressions``), reports ``nll_increase`` (mean NLL, managed
+minus full, nats per recorded token) and ``kl`` (KL(full || managed) per token on
+those 65 bins: a lower bound of the full-vocabulary KL, equal to it when the top
+64 carry all the mass), token-weighted over examples, ``fidelity_tokens`` the
+tokens counted, and per-example values for paired intervals.
+
 Long grids: every finished cell is appended to ``--out/cells.jsonl`` at once, and
 ``--resume`` skips the cells already there (same examples: a cell's key includes
 n, length, seed, needles and max_new_tokens), so an interrupted run loses at most
@@ -81,7 +94,9 @@ COLUMNS = (
     "prefix_hit_rate", "wall_s", "repair_policy", "repair_k", "base_budget",
     "kv_quant", "kv_bits", "avg_bits", "kv_bytes_per_token",
     "reuse", "prefill_tokens_computed", "prefill_s", "accept_rate", "fallback_rate",
+    "fidelity_tokens", "nll_increase", "kl",
 )
+FIDELITY_TOP = 64  # tokens of the full cache's distribution kept per position (plus the rest's mass)
 KV_QUANTS = ("none", "int4", "kivi2", "triaxial", "triaxial_no_temporal", "triaxial_no_semantic")
 REUSE_MODES = ("none", "segment", "cacheblend")
 REPAIR_POLICIES = ("repairkv", "random", "oldest", "staleq", "wrongq", "refresh")
@@ -147,15 +162,93 @@ def reply_matches(target, reply: dict) -> bool:
     return is_correct(Job(0, target.kind, target.expected, [], ""), reply)
 
 
-def replay_example(model, example, cell: Cell, *, max_new_tokens: int, max_positions: int, server=None, **session_options):
+def _log_softmax(x):
+    x = np.asarray(x, np.float64)
+    m = x.max(axis=-1, keepdims=True)
+    return (x - m - np.log(np.exp(x - m).sum(axis=-1, keepdims=True))).astype(np.float32)
+
+
+def recorded_logp(turn) -> np.ndarray | None:
+    """``[n, V]`` log-probabilities predicting a replayed turn's recorded reply tokens
+    (the prompt's last row, then every reply row but the last), or None."""
+    if turn.target_ids is None or turn.target_logits is None or not len(turn.target_ids):
+        return None
+    rows = np.concatenate([np.asarray(turn.prompt_logits, np.float32)[-1:], np.asarray(turn.target_logits, np.float32)[:-1]])
+    return _log_softmax(rows)
+
+
+def binned_reference(logp_NV: np.ndarray, top: int = FIDELITY_TOP) -> dict:
+    """The full cache's distributions, compressed: per position the ``top`` most
+    likely token ids, their log-probabilities and the log of the rest's mass."""
+    k = min(top, logp_NV.shape[-1])
+    ids = np.argpartition(-logp_NV, k - 1, axis=-1)[:, :k]
+    top_logp = np.take_along_axis(logp_NV, ids, axis=-1)
+    rest = np.clip(1.0 - np.exp(top_logp.astype(np.float64)).sum(-1), 0.0, 1.0)
+    return {"ids": ids.astype(np.int32), "logp": top_logp.astype(np.float32), "rest": rest.astype(np.float64)}
+
+
+def binned_kl(ref: dict, logp_NV: np.ndarray) -> np.ndarray:
+    """KL(full || managed) per position over the reference's bins (its top tokens
+    and the rest), from the managed cache's full ``logp``. By the data processing
+    inequality it is at most the KL over the whole vocabulary, and equal to it when
+    the top tokens are the whole vocabulary."""
+    p = np.exp(ref["logp"].astype(np.float64))
+    q = np.exp(np.take_along_axis(logp_NV, ref["ids"], axis=-1).astype(np.float64))
+    q_rest = np.clip(1.0 - q.sum(-1), 1e-300, 1.0)
+    p_rest = ref["rest"]
+    kl = (p * (ref["logp"] - np.log(np.maximum(q, 1e-300)))).sum(-1)
+    kl += np.where(p_rest > 0, p_rest * (np.log(np.maximum(p_rest, 1e-300)) - np.log(q_rest)), 0.0)
+    return np.maximum(kl, 0.0)
+
+
+def fidelity_of(turns, cell: Cell, example, folder: Path) -> dict:
+    """The full cell writes the example's reference; another cell compares with it
+    on the turns after its first compression event (module docstring)."""
+    path = folder / f"{cell.task}-{example.seed}.npz"
+    logps = [recorded_logp(t) for t in turns]
+    if cell.method == "full":
+        keep = [(i, lp) for i, lp in enumerate(logps) if lp is not None]
+        refs = [binned_reference(lp) for _, lp in keep]
+        nll = [-np.take_along_axis(lp, np.asarray(turns[i].target_ids)[: len(lp), None], -1)[:, 0] for i, lp in keep]
+        folder.mkdir(parents=True, exist_ok=True)
+        np.savez(path, turn=np.array([i for i, _ in keep], np.int32), offsets=np.cumsum([0] + [len(x) for x in nll]),
+                 nll=np.concatenate(nll) if nll else np.zeros(0), ids=np.concatenate([r["ids"] for r in refs]) if refs else np.zeros((0, 1), np.int32),
+                 logp=np.concatenate([r["logp"] for r in refs]) if refs else np.zeros((0, 1), np.float32),
+                 rest=np.concatenate([r["rest"] for r in refs]) if refs else np.zeros(0))
+        return {"tokens": 0, "dnll": 0.0, "kl": 0.0}
+    if not path.is_file():
+        raise FileNotFoundError(f"{path}: the full cell's reference for this example (run the full cell first)")
+    ref = np.load(path)
+    tokens, dnll, kl = 0, 0.0, 0.0
+    for j, i in enumerate(ref["turn"]):
+        lp = logps[i] if i < len(logps) else None
+        if lp is None or turns[i].compressions == 0:
+            continue
+        a, b = ref["offsets"][j], ref["offsets"][j + 1]
+        target = np.asarray(turns[i].target_ids)[: b - a]
+        nll = -np.take_along_axis(lp, target[:, None], -1)[:, 0]
+        tokens += b - a
+        dnll += float(nll.sum() - ref["nll"][a:b].sum())
+        kl += float(binned_kl({"ids": ref["ids"][a:b], "logp": ref["logp"][a:b], "rest": ref["rest"][a:b]}, lp).sum())
+    return {"tokens": int(tokens), "dnll": dnll, "kl": kl}
+
+
+def replay_example(model, example, cell: Cell, *, max_new_tokens: int, max_positions: int, server=None,
+                   fidelity: Path | None = None, **session_options):
     """Replay one example through a fresh ``Session`` configured for ``cell``
     (on ``server`` when given, else on a private one).
 
     Returns ``(verdicts, completed, metrics dict, session)``: ``verdicts[i]`` says
     whether ``example.targets[i]`` was reproduced exactly (all False when the
-    replay hit a context or memory error, ``completed`` False then)."""
+    replay hit a context or memory error, ``completed`` False then). With
+    ``fidelity`` (a folder), the metrics carry ``fidelity`` (``fidelity_of``).
+    A chat template without a tool section gets the example with its tools
+    inlined as text (``jaxkv.tasks.example.for_template``)."""
     import jaxkv
     from jaxkv.serving import Session
+    from jaxkv.tasks.example import for_template
+
+    example = for_template(example, model.tokenizer)
 
     policy = None if cell.method == "full" else cell.method
     options = {**TASK_SESSION_OPTIONS.get(cell.task, {}), **session_options}
@@ -180,12 +273,16 @@ def replay_example(model, example, cell: Cell, *, max_new_tokens: int, max_posit
     assistant_at = [j for j, m in enumerate(example.messages) if m.get("role") == "assistant"]
     last = max(t.message_index for t in example.targets)
     try:
-        turns = session.replay(example.messages[: last + 1], example.tools or None, generate=True, max_new_tokens=max_new_tokens)
+        turns = session.replay(example.messages[: last + 1], example.tools or None, generate=True, max_new_tokens=max_new_tokens,
+                               return_logits=fidelity is not None)
     except (jaxkv.ContextLengthError, jaxkv.OutOfSlotsError):
         return [False] * len(example.targets), False, session.metrics.as_dict(), session
     by_index = dict(zip(assistant_at, turns))
     verdicts = [reply_matches(t, by_index[t.message_index].generated) for t in example.targets]
-    return verdicts, True, session.metrics.as_dict(), session
+    metrics = session.metrics.as_dict()
+    if fidelity is not None:
+        metrics["fidelity"] = fidelity_of(turns, cell, example, Path(fidelity))
+    return verdicts, True, metrics, session
 
 
 def replay_cell(model, examples, cell: Cell, *, max_new_tokens: int, max_positions: int, progress=None, **session_options):
@@ -253,13 +350,14 @@ def kv_summary(model, session) -> dict:
 def run_cell(model, examples, cell: Cell, *, max_new_tokens: int, max_positions: int, progress=None, **session_options) -> dict:
     t0 = time.perf_counter()
     correct = scored = completed = 0
-    metrics, reports, correct_E, scored_E = [], [], [], []
+    metrics, reports, correct_E, scored_E, fidelity = [], [], [], [], []
     for verdicts, done, m in replay_cell(model, examples, cell, max_new_tokens=max_new_tokens,
                                          max_positions=max_positions, progress=progress, **session_options):
         correct, scored, completed = correct + sum(verdicts), scored + len(verdicts), completed + done
         correct_E.append(int(sum(verdicts)))
         scored_E.append(len(verdicts))
         reports += m.pop("reuse_reports", [])
+        fidelity.append(m.pop("fidelity", None))
         metrics.append(m)
     mean = {k: float(np.mean([m[k] for m in metrics])) for k in ("peak_request_tokens", "peak_live_kv", "raw_kv_reads", "effective_kv_reads", "prefix_hit_rate")}
     kv_tokens = sum(m["kv"]["tokens"] for m in metrics) or 1.0
@@ -282,8 +380,23 @@ def run_cell(model, examples, cell: Cell, *, max_new_tokens: int, max_positions:
         "kv_bytes_per_token": sum(m["kv"]["bytes"] for m in metrics) / kv_tokens,
         "reuse": cell.reuse,
         **reuse_summary(reports),
-        PER_EXAMPLE: {"correct": correct_E, "scored": scored_E},
+        **fidelity_summary(fidelity, cell),
+        PER_EXAMPLE: {"correct": correct_E, "scored": scored_E,
+                      **({"fidelity": [f for f in fidelity]} if any(f is not None for f in fidelity) else {})},
     }
+
+
+def fidelity_summary(per_example, cell: Cell) -> dict:
+    """``fidelity_tokens``, ``nll_increase`` and ``kl`` of a cell, token-weighted over
+    its examples (``-`` without ``--fidelity``, and for the full cell: 0 by definition)."""
+    got = [f for f in per_example if f is not None]
+    if not got or cell.method == "full":
+        return {"fidelity_tokens": "-", "nll_increase": "-", "kl": "-"}
+    tokens = sum(f["tokens"] for f in got)
+    if tokens == 0:
+        return {"fidelity_tokens": 0, "nll_increase": "-", "kl": "-"}
+    return {"fidelity_tokens": tokens, "nll_increase": sum(f["dnll"] for f in got) / tokens,
+            "kl": sum(f["kl"] for f in got) / tokens}
 
 
 def grid(methods, budgets, layouts, tasks, repair_ks=(), repair_policies=("repairkv",), kv_quants=("none",), kv_bits=(), reuses=("-",)) -> list[Cell]:
@@ -721,6 +834,9 @@ def build_parser(parser=None):
     p.add_argument("--focus", default=None, help="with --compare-to: also this method's gain over every baseline")
     p.add_argument("--report-only", action="store_true",
                    help="with --resume: write the report from the cells already in the journal, run none")
+    p.add_argument("--fidelity", action="store_true",
+                   help="also teacher-force the recorded turns: NLL increase and KL against the full cell after each "
+                        "compression event (needs the method full; its cells run first)")
     p.add_argument("--quick", action="store_true", help=f"small preset: {QUICK}")
     return p
 
@@ -824,6 +940,11 @@ def run(args, model=None) -> list[dict]:
     max_positions = int(min(model.config.max_position_embeddings, 1 << math.ceil(math.log2(max(2 * args.length + 4 * args.max_new_tokens, 1024)))))
     setup = dict(model=args.model, n=args.n, length=args.length, seed=args.seed, needles=args.needles,
                  max_new_tokens=args.max_new_tokens, max_positions=max_positions)
+    fidelity = getattr(args, "fidelity", False)
+    if fidelity:
+        if "full" not in methods:
+            raise ValueError("--fidelity compares every cell with the full cache: add full to --methods")
+        setup["fidelity"] = True  # a journal of cells without it does not match
     journal = out / "cells.jsonl"
     done = load_journal(journal, setup) if args.resume else {}
     if not args.resume and journal.exists():
@@ -839,9 +960,13 @@ def run(args, model=None) -> list[dict]:
               unit="example", file=sys.stderr) as bar:
         if done:
             tqdm.write(f"--resume: {len(cells) - len(todo)} of {len(cells)} cells already in {journal}", file=sys.stderr)
-        for cell, row in run_cells(model, examples, todo, setup, workers=args.workers, bar=bar):
-            done[cell_key(cell)] = row
-            append_journal(journal, {"setup": setup, "key": cell_key(cell), "row": row})
+        # with --fidelity the full cells write the references every other cell reads: they run first
+        passes = [[c for c in todo if c.method == "full"], [c for c in todo if c.method != "full"]] if fidelity else [todo]
+        options = {"fidelity": out / "fidelity"} if fidelity else None
+        for cells_now in passes:
+            for cell, row in run_cells(model, examples, cells_now, setup, workers=args.workers, bar=bar, session_options=options):
+                done[cell_key(cell)] = row
+                append_journal(journal, {"setup": setup, "key": cell_key(cell), "row": row})
     rows = [done[cell_key(c)] for c in cells]
     write_csv(rows, out / "results.csv")
     md = [f"# jaxkv eval: {args.model}", "", f"n={args.n} per cell, length {args.length}, max_new_tokens {args.max_new_tokens}", ""]
@@ -849,7 +974,7 @@ def run(args, model=None) -> list[dict]:
         md += [f"Not run (--report-only; {len(missing)} cells of the grid): "
                + ", ".join(f"{c.method}@{c.budget}/{c.layout}/{c.task}" for c in missing) + ".", ""]
     for task in tasks:
-        for metric in ("accuracy", "raw_kv_reads"):
+        for metric in ("accuracy", "raw_kv_reads") + (("nll_increase", "kl") if fidelity else ()):
             md += [f"## {task}: {metric}", "", pivot_table(rows, metric, task), ""]
         if args.compare_to:
             md += [f"## {task}: paired comparison", "", comparison_markdown(rows, task, args.compare_to, args.focus), ""]

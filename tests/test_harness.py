@@ -173,3 +173,33 @@ def test_harness_kv_quant_axis_and_columns(quant_model_dir, tmp_path):
     assert (out / "accuracy_vs_kv_bits.png").stat().st_size > 0
     with pytest.raises(ValueError):
         harness.run(harness.build_parser().parse_args(["--model", str(quant_model_dir), "--out", str(tmp_path), "--kv-quant", "int3"]))
+
+
+def test_binned_kl_is_the_exact_kl_with_every_token_and_a_lower_bound_with_fewer():
+    import numpy as np
+
+    rng = np.random.default_rng(0)
+    full, managed = (harness._log_softmax(rng.normal(size=(5, 40)) * 2) for _ in range(2))
+    exact = (np.exp(full) * (full - managed)).sum(-1)
+    np.testing.assert_allclose(harness.binned_kl(harness.binned_reference(full, top=40), managed), exact, rtol=1e-5, atol=1e-7)
+    coarse = harness.binned_kl(harness.binned_reference(full, top=4), managed)
+    assert (coarse <= exact + 1e-9).all() and (coarse > 0).all()
+
+
+def test_fidelity_compares_each_cell_with_the_full_cache_after_its_events(task_model_dir, tmp_path):
+    """--fidelity: the full cell runs first and writes its references; a compressing
+    cell reports the NLL increase and KL on the turns after its first event."""
+    out = tmp_path / "fid"
+    args = harness.build_parser().parse_args([
+        "--model", str(task_model_dir), "--task", "agent", "--methods", "snapkv,full", "--budgets", "150,100000",
+        "--layouts", "dead_slot", "--n", "1", "--length", "600", "--max-new-tokens", "4", "--fidelity", "--out", str(out),
+    ])
+    rows = harness.run(args)
+    by = {(r["method"], r["budget"]): r for r in rows}
+    assert by[("full", "-")]["nll_increase"] == "-" and sorted(p.name for p in (out / "fidelity").iterdir())
+    small = by[("snapkv", 150)]
+    assert small["fidelity_tokens"] > 0 and small["kl"] > 0 and small["nll_increase"] != 0
+    assert by[("snapkv", 100000)]["fidelity_tokens"] == 0  # a budget above the trace never compresses: nothing to compare
+    with pytest.raises(ValueError, match="add full"):
+        harness.run(harness.build_parser().parse_args(["--model", str(task_model_dir), "--methods", "snapkv", "--fidelity",
+                                                       "--out", str(tmp_path / "x"), "--n", "1"]))

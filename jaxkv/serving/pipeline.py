@@ -160,6 +160,9 @@ class TurnResult:
       reply_ids: its token ids. reply_margins: for each of them, the top-1 minus
         top-2 logit of the distribution it was drawn from (``reply_margins=True``):
         how near a greedy tie each choice was.
+      compressions: the session's compression events before the recorded reply
+        was fed (this turn's own prompt event included): 0 while the cache is
+        still the full cache.
     """
 
     prompt_ids: np.ndarray
@@ -170,6 +173,7 @@ class TurnResult:
     generated: dict | None = None
     reply_ids: list | None = None
     reply_margins: np.ndarray | None = None
+    compressions: int = 0
 
 
 # ============================================================================ the turn
@@ -532,6 +536,7 @@ def replay_turn(turn: Turn, full_ids: np.ndarray, full_phase: np.ndarray, *, gen
 
                 raise ConfigError("cannot rewind past a compact renumbering of the request's positions")
             turn.rewind(mark)
+        result.compressions = len(turn.session.compressions)
         if common_prefix_length(full_ids, prompt) == prompt.size and full_ids.size > prompt.size:
             target = full_ids[prompt.size:]
             target_logits = yield from turn.prefill(target, all_logits=return_logits, phase=full_phase[prompt.size:])
