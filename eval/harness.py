@@ -162,19 +162,15 @@ def reply_matches(target, reply: dict) -> bool:
     return is_correct(Job(0, target.kind, target.expected, [], ""), reply)
 
 
-def _log_softmax(x):
-    x = np.asarray(x, np.float64)
-    m = x.max(axis=-1, keepdims=True)
-    return (x - m - np.log(np.exp(x - m).sum(axis=-1, keepdims=True))).astype(np.float32)
-
-
 def recorded_logp(turn) -> np.ndarray | None:
     """``[n, V]`` log-probabilities predicting a replayed turn's recorded reply tokens
     (the prompt's last row, then every reply row but the last), or None."""
+    from eval.real_model import log_softmax
+
     if turn.target_ids is None or turn.target_logits is None or not len(turn.target_ids):
         return None
     rows = np.concatenate([np.asarray(turn.prompt_logits, np.float32)[-1:], np.asarray(turn.target_logits, np.float32)[:-1]])
-    return _log_softmax(rows)
+    return log_softmax(rows).astype(np.float32)
 
 
 def binned_reference(logp_NV: np.ndarray, top: int = FIDELITY_TOP) -> dict:

@@ -159,13 +159,11 @@ def measure(model_name: str, n: int, length: int, log=print) -> dict:
     cfg = model.config
     graphdef, params = model.split()
     prompts = workload(model_name, model.tokenizer, n, length)
+    from tqdm import tqdm
+
     per_prompt = []
-    try:
-        from tqdm import tqdm
-    except ImportError:  # pragma: no cover - tqdm ships with the test extras
-        tqdm = None
     items = [(task, ids) for task, all_ids in prompts.items() for ids in all_ids]
-    bar = tqdm(items, desc=f"{model_name}", unit="prompt") if tqdm else items
+    bar = tqdm(items, desc=f"{model_name}", unit="prompt")
     t0 = time.perf_counter()
     for task, ids in bar:
         T = int(ids.size)

@@ -248,11 +248,25 @@ def lm_rendered(ids, tokenizer):
     return Rendered("", ids, tags.phase, tri, Spans((0, 0), (0, 0), (0, 0)), tuple(found), scanner)
 
 
+def request_and_measure(session, example, setting: str, plan, max_new: int, reference: dict):
+    """The compressed request as the session renders it (``lm``: the raw text) and
+    the measure of the example's task; checks the rendering is the token plan's."""
+    from jaxkv.tasks import answer_digit_positions
+
+    tok = session.model.tokenizer
+    if example.task == "lm":
+        return lm_rendered(plan.compressed, tok), lm_measure(plan, reference)
+    rendered = session._render(example.messages(setting)[:1], None, add_generation_prompt=True)
+    if not np.array_equal(rendered.ids, plan.compressed):
+        raise AssertionError("the session's rendering differs from the token plan")
+    return rendered, answer_measure(example, plan, tok, answer_digit_positions(example, tok, plan.answer), max_new)
+
+
 def run_example(model, example, setting: str, cells, *, positions: int, max_new: int = MAX_NEW) -> dict:
     """Every cell of one (example, setting), branched from one prefill."""
     from jaxkv.serving import Session
     from jaxkv.serving.pipeline import Turn, run_to_completion
-    from jaxkv.tasks import answer_digit_positions, token_plan
+    from jaxkv.tasks import token_plan
 
     tok = model.tokenizer
     plan = token_plan(example, tok, setting)
@@ -263,15 +277,7 @@ def run_example(model, example, setting: str, cells, *, positions: int, max_new:
         stages = [None if c.method is None else _retention_stage(c, budget_for_ratio(c.ratio, n_request)) for c in cells]
         probe = ProbeStage([s for s in stages if s is not None])
         session.stages = sorted(list(session.stages) + [probe], key=lambda s: s.order)
-        if example.task == "lm":
-            rendered = lm_rendered(plan.compressed, tok)
-            measure = lm_measure(plan, {})
-        else:
-            messages = example.messages(setting)
-            rendered = session._render(messages[:1], None, add_generation_prompt=True)
-            if not np.array_equal(rendered.ids, plan.compressed):
-                raise AssertionError("the session's rendering differs from the token plan")
-            measure = answer_measure(example, plan, tok, answer_digit_positions(example, tok, plan.answer), max_new)
+        rendered, measure = request_and_measure(session, example, setting, plan, max_new, {})
         turn = Turn(session, rendered)
         program = branch_program(turn, probe, cells, stages, measure)
         need = n_request + plan.rest.size + plan.answer.size + max_new
@@ -301,7 +307,7 @@ def run_quant_example(model, example, setting: str, formats, *, positions: int, 
     and on each KV format in ``formats`` (cells ``kv:<format>``), one session each."""
     from jaxkv.serving import Session
     from jaxkv.serving.pipeline import Turn, run_to_completion
-    from jaxkv.tasks import answer_digit_positions, token_plan
+    from jaxkv.tasks import token_plan
 
     tok = model.tokenizer
     plan = token_plan(example, tok, setting)
@@ -312,14 +318,7 @@ def run_quant_example(model, example, setting: str, formats, *, positions: int, 
         session = Session(model, max_positions=positions, protect_query=False, max_new_tokens=max_new, kv_quant=fmt)
         session.server.engine.short_chunk = SHORT_PIECES
         try:
-            if example.task == "lm":
-                rendered = lm_rendered(plan.compressed, tok)
-                measure = lm_measure(plan, reference)
-            else:
-                rendered = session._render(example.messages(setting)[:1], None, add_generation_prompt=True)
-                if not np.array_equal(rendered.ids, plan.compressed):
-                    raise AssertionError("the session's rendering differs from the token plan")
-                measure = answer_measure(example, plan, tok, answer_digit_positions(example, tok, plan.answer), max_new)
+            rendered, measure = request_and_measure(session, example, setting, plan, max_new, reference)
             session._check_length(int(plan.compressed.size) + plan.rest.size + plan.answer.size + max_new, 0)
             result = run_to_completion(single_program(Turn(session, rendered), measure), session.server.engine)
         finally:
