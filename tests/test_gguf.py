@@ -12,6 +12,7 @@ dequantize, a missing tensor) raise their typed errors before anything is built.
 from __future__ import annotations
 
 import json
+import os
 
 import numpy as np
 import pytest
@@ -308,3 +309,43 @@ def test_smollm2_tokenizer_and_chat_template(smollm2):
     assert rendered.text == tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
     assert rendered.text.endswith("<|im_start|>assistant\n")
     assert ours.config.eos_token_ids == (mine.convert_tokens_to_ids("<|im_end|>"),)
+
+
+def test_a_converted_tokenizer_is_cached_per_file_and_converter(tmp_path, monkeypatch):
+    """The first read of a file's tokenizer converts it and saves the result in the
+    user cache; the next read loads that copy (same ids, template from the file, no
+    conversion); a changed file (new mtime) is converted again."""
+    from types import SimpleNamespace
+
+    from conftest import tiny_chat_model
+    from jaxkv.models import gguf as jaxkv_gguf
+
+    monkeypatch.setenv("JAXKV_CACHE", str(tmp_path / "cache"))
+    path = tmp_path / "model.gguf"
+    path.write_bytes(b"not read: the reader below stands in for the file's metadata")
+    fields = {gguf.Keys.Tokenizer.MODEL: SimpleNamespace(contents=lambda: "gpt2"),
+              gguf.Keys.Tokenizer.CHAT_TEMPLATE: SimpleNamespace(contents=lambda: "{{ messages[0]['content'] }}")}
+    reader = SimpleNamespace(get_field=fields.get)
+    converted = tiny_chat_model().tokenizer
+    conversions = []
+    real_from_pretrained = transformers.AutoTokenizer.from_pretrained
+
+    def from_pretrained(folder, **kwargs):
+        if "gguf_file" in kwargs:
+            conversions.append(kwargs["gguf_file"])
+            return converted
+        return real_from_pretrained(folder, **kwargs)
+
+    monkeypatch.setattr(transformers.AutoTokenizer, "from_pretrained", from_pretrained)
+    text = "what is the weather in paris"
+    first = jaxkv_gguf.read_tokenizer(reader, path)
+    assert conversions == ["model.gguf"] and jaxkv_gguf.tokenizer_cache_dir(path).is_dir()
+    second = jaxkv_gguf.read_tokenizer(reader, path)
+    assert conversions == ["model.gguf"]  # read from the cache
+    assert second is not converted and second(text)["input_ids"] == first(text)["input_ids"] == converted(text)["input_ids"]
+    assert second.chat_template == "{{ messages[0]['content'] }}"
+    assert not [p for p in jaxkv_gguf.tokenizer_cache_dir(path).parent.iterdir() if p.name.startswith(".partial")]
+    stat = path.stat()
+    os.utime(path, ns=(stat.st_atime_ns, stat.st_mtime_ns + 10**9))
+    jaxkv_gguf.read_tokenizer(reader, path)
+    assert conversions == ["model.gguf"] * 2  # a changed file is converted afresh
