@@ -4,19 +4,26 @@ VENV   := .venv
 PY     := $(VENV)/bin/python
 PIP    := $(PY) -m pip
 
+# pip installs with --no-compile: byte-compiling every installed file (torch, triton,
+# jaxlib, ...) was about 90 of a fresh test venv's 210 s on the 2-core CPU; Python
+# compiles what a run imports instead, the first time, and keeps it (the recipes below
+# run without PYTHONDONTWRITEBYTECODE, which some environments set: without .pyc files
+# every process of the suite would import torch and jax from source, ~9 s more each).
+unexport PYTHONDONTWRITEBYTECODE
+
 .PHONY: demo test docs venv venv-test venv-cuda venv-kvpress fetch bench device-check clean
 
 $(VENV)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
-	$(PIP) install -q -e .
+	$(PIP) install -q --no-compile -e .
 	touch $@
 
 $(VENV)/.installed-test: $(VENV)/.installed pyproject.toml
-	$(PIP) install -q -e ".[test]"
+	$(PIP) install -q --no-compile -e ".[test]"
 	touch $@
 
 $(VENV)/.installed-cuda: $(VENV)/.installed pyproject.toml
-	$(PIP) install -q -e ".[cuda]"
+	$(PIP) install -q --no-compile -e ".[cuda]"
 	touch $@
 
 venv: $(VENV)/.installed
