@@ -2,7 +2,8 @@
 
 * The same conversation replayed by sessions of every retention policy (and the
   full cache, a repairing session, a second session of the same policy), one
-  after another in several orders on one shared ``Server``: every session gets
+  after another on one shared ``Server``, in an order and its reverse (so every
+  pair of kinds runs in both orders): every session gets
   the replies and the compression decisions it gets alone on a fresh server.
 * Two sessions of one cache namespace (a tenant) pruning one document
   differently each own their holes.
@@ -15,7 +16,6 @@
 
 from __future__ import annotations
 
-import random
 
 import numpy as np
 import pytest
@@ -61,7 +61,7 @@ def test_every_policy_replies_on_a_shared_server_as_alone():
     evicting = [i for i, (_, kept, _) in enumerate(alone) if any(len(k) < max(map(len, kept)) for k in kept)]
     assert evicting, "the conversation must make some policy evict"
     order = list(range(len(KINDS)))
-    orders = [order, order[::-1], random.Random(0).sample(order, len(order))]
+    orders = [order, order[::-1]]  # every pair of kinds meets in both orders, each kind after itself too
     for run in orders:
         # Each policy twice in a row (the second one finds the first one's pruned prefix).
         run = [i for i in run for _ in (0, 1)]
