@@ -159,3 +159,34 @@ def test_a_call_to_a_tool_not_offered_renders_and_is_tagged(tok, tools):
     at = p.index("<tool_call>", p.index("assistant"))
     assert r.phase[at] == Phase.ACT and r.phase[at + 1] == Phase.ACT
     assert "rm_rf" in r.text and r.phase[p.index("sunny")] == Phase.TOOL
+
+
+CONTENT_ONLY_TEMPLATE = (  # SmolLM2's layout: ChatML with each message's role and content, nothing else
+    "{% for m in messages %}<|im_start|>{{ m.role }}\n{{ m.content }}<|im_end|>\n{% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+
+
+def test_calls_in_the_history_render_as_text_where_the_template_drops_tool_calls(tok, smollm2_tokenizer):
+    """A template that never reads ``tool_calls`` would drop an earlier turn's calls
+    without a word; they render as the text a model writes for them instead, which
+    the reply parser reads back as the same call. Reasoning goes in only with
+    ``keep_reasoning``. A template that renders calls is left to render them."""
+    import copy
+
+    from jaxkv.chat.parse import parse_assistant
+
+    plain = copy.deepcopy(tok)
+    plain.chat_template = CONTENT_ONLY_TEMPLATE
+    history = MESSAGES[1:]  # user, assistant (reasoning + a call), tool
+    for tokenizer in (plain, smollm2_tokenizer):
+        r = render(tokenizer, history)
+        assistant = r.text.split("<|im_start|>assistant\n")[1].split("<|im_end|>")[0]
+        assert assistant == '<tool_call>{"name": "get_weather", "arguments": {"city": "Paris"}}</tool_call>'
+        assert parse_assistant(assistant)["tool_calls"] == [{"type": "function", "function": {"name": "get_weather", "arguments": '{"city": "Paris"}'}}]
+        kept = render(tokenizer, history, keep_reasoning=True).text
+        assert "<think>\nhmm\n</think>\n<tool_call>" in kept
+    p = pieces(plain, render(plain, history))
+    at = p.index("<tool_call>")
+    assert render(plain, history).phase[at] == Phase.ACT  # tagged as the call it is
+    assert render(tok, history).text == tok.apply_chat_template(history, tokenize=False, add_generation_prompt=True)

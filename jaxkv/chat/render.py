@@ -22,6 +22,7 @@ token; ``decode(ids) == text``; spans are half-open ``(start, end)`` into ``ids`
 from __future__ import annotations
 
 import dataclasses
+import json
 import re
 import weakref
 from typing import Any, Mapping, Sequence
@@ -81,12 +82,19 @@ def render(
     """Render ``messages`` (OpenAI-style dicts) and tag every token.
 
     Raises ``ChatError`` for a malformed request (``validate_messages``). A call to
-    a tool that is not in ``tools`` renders and is tagged like any other call.
+    a tool that is not in ``tools`` renders and is tagged like any other call. A
+    template that never reads ``tool_calls`` (SmolLM2's ChatML) would drop the calls
+    of earlier assistant turns, so those turns render as the text a model writes for
+    its calls instead (``assistant_as_text``): the history keeps what the model did,
+    in the words the reply parser reads back.
     ``reply_prefix``: text appended after the generation prompt, the forced start
     of the reply (``jaxkv.chat.parse.forced_call_prefix``); it is tokenized and
     tagged with the prompt.
     """
     validate_messages(messages, tools)
+    if not template_reads(tokenizer, "tool_calls"):
+        messages = [assistant_as_text(m, reasoning=keep_reasoning) if m.get("role") == "assistant" and m.get("tool_calls") else m
+                    for m in messages]
     if tools and not template_takes_tools(tokenizer):
         raise ChatError(
             "this model's chat template has no tool section, so the tool schemas would be dropped silently; "
@@ -118,10 +126,35 @@ def template_takes_tools(tokenizer) -> bool:
     HTTP 400) instead: the caller decides whether to describe the tools in the
     system message, which is a prompt-design choice jaxkv should not make for it.
     """
+    return template_reads(tokenizer, "tools")
+
+
+def template_reads(tokenizer, variable: str) -> bool:
+    """Whether the tokenizer's chat template (any of its named templates) mentions
+    ``variable`` (``tools``, ``tool_calls``) at all."""
     template = getattr(tokenizer, "chat_template", None)
+    pattern = rf"\b{re.escape(variable)}\b"
     if isinstance(template, dict):  # named templates: "default" plus "tool_use" etc.
-        return any(re.search(r"\btools\b", t or "") for t in template.values())
-    return bool(template) and re.search(r"\btools\b", template) is not None
+        return any(re.search(pattern, t or "") for t in template.values())
+    return bool(template) and re.search(pattern, template) is not None
+
+
+def assistant_as_text(message: Mapping[str, Any], reasoning: bool = True) -> dict:
+    """An assistant message as plain text, for a template that renders only ``content``:
+    the reasoning first in ``<think>..</think>`` (if ``reasoning``), then the content,
+    then each call as ``<tool_call>{"name": .., "arguments": {..}}</tool_call>`` (the
+    bracket text Qwen's templates write, which ``jaxkv.chat.parse`` reads back)."""
+    parts = []
+    if reasoning and message.get("reasoning_content"):
+        parts.append(f"<think>\n{message['reasoning_content']}\n</think>")
+    if message.get("content"):
+        parts.append(message["content"])
+    for call in message.get("tool_calls") or ():
+        fn = call.get("function", call)
+        args = fn.get("arguments") or {}
+        args = json.loads(args) if isinstance(args, str) else args
+        parts.append("<tool_call>" + json.dumps({"name": fn["name"], "arguments": args}) + "</tool_call>")
+    return {"role": "assistant", "content": "\n".join(parts)}
 
 
 def tool_name(tool: Mapping[str, Any]) -> str | None:

@@ -117,15 +117,17 @@ def inline_tools(messages, tools) -> list[dict]:
     drop and leaves the choice to the caller:
 
     * the system message gains one line per tool schema (JSON) and how to call one;
-    * an assistant message's reasoning goes first, in ``<think>..</think>``, then its
-      content, then each call as ``<tool_call>{"name": .., "arguments": {..}}</tool_call>``
-      (the bracket text Qwen's templates write, so ``jaxkv.chat.parse`` reads the
-      model's own calls back);
+    * an assistant message becomes ``jaxkv.chat.render.assistant_as_text``: its
+      reasoning in ``<think>..</think>``, its content, then each call as
+      ``<tool_call>{"name": .., "arguments": {..}}</tool_call>`` (the bracket text
+      Qwen's templates write, so ``jaxkv.chat.parse`` reads the model's own calls back);
     * tool results keep the ``tool`` role (the tagger's TOOL phase).
 
     Messages stay one for one (index ``j`` here is index ``j`` of the input), so
     scored turns and labels that point at message indices still hold.
     """
+    from jaxkv.chat.render import assistant_as_text
+
     if tools and not (messages and messages[0].get("role") == "system"):
         raise ValueError("inline_tools needs a system message to carry the tool schemas (indices stay one for one)")
     out = []
@@ -136,17 +138,7 @@ def inline_tools(messages, tools) -> list[dict]:
             m["content"] = (f"{m.get('content') or ''}\n\nTools you can call, one JSON schema per line:\n{schemas}\n"
                             'To call a tool, reply with <tool_call>{"name": ..., "arguments": {...}}</tool_call>.')
         if m.get("role") == "assistant":
-            parts = []
-            if m.get("reasoning_content"):
-                parts.append(f"<think>\n{m['reasoning_content']}\n</think>")
-            if m.get("content"):
-                parts.append(m["content"])
-            for call in m.get("tool_calls") or ():
-                fn = call.get("function", call)
-                args = fn.get("arguments") or {}
-                args = json.loads(args) if isinstance(args, str) else args
-                parts.append("<tool_call>" + json.dumps({"name": fn["name"], "arguments": args}) + "</tool_call>")
-            m = {"role": "assistant", "content": "\n".join(parts)}
+            m = assistant_as_text(m)
         out.append(m)
     return out
 
