@@ -17,7 +17,12 @@ step than the float pool and reads fewer bytes. Pool contents are random (decode
 cost does not depend on the values). The KV bytes each pool reads per step and
 the ratio to the float pool's tokens/s are printed side by side.
 
-Usage: python eval/bench_quant_decode.py [--steps 16] [--contexts 4096,32768] [--out FILE.md]
+``--model NAME_OR_PATH`` runs a real checkpoint instead (for SmolLM2-135M-Instruct:
+``--model smollm2-135m-instruct --contexts 4096,8000``; its context is 8,192
+positions, so a context must leave room for the timed steps). The 1-minute load
+average is printed before and after: a run that starts above 0.5 shared the machine.
+
+Usage: python eval/bench_quant_decode.py [--steps 16] [--contexts 4096,32768] [--model M] [--out FILE.md]
 """
 
 from __future__ import annotations
@@ -104,13 +109,24 @@ def main(argv=None) -> str:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--steps", type=int, default=16)
     ap.add_argument("--contexts", default="4096,32768")
+    ap.add_argument("--model", default=None, help="a model name or folder (default: the random ~125M Qwen3)")
     ap.add_argument("--out", default=None)
     args = ap.parse_args(argv)
     contexts = [int(c) for c in args.contexts.split(",")]
-    model = build_model(max(contexts) + args.steps + 64)
+    load_before = os.getloadavg()[0]
+    if args.model:
+        model = jaxkv.load_model(args.model)
+        room = model.config.max_position_embeddings - args.steps - 1
+        if max(contexts) > room:
+            ap.error(f"--contexts: {args.model} holds {model.config.max_position_embeddings} positions, so at most {room} live tokens with {args.steps} steps")
+    else:
+        model = build_model(max(contexts) + args.steps + 64)
     n_params = sum(x.size for x in jax.tree.leaves(model.split()[1]))
+    what = f"{args.model} ({n_params / 1e6:.0f}M" if args.model else f"random Qwen3 ({n_params / 1e6:.0f}M"
     lines = [
-        f"Quantized vs float KV pool, decode, random Qwen3 {n_params / 1e6:.0f}M float32 weights, batch 1, "
+        f"1-minute load average before the run: {load_before:.2f}.",
+        "",
+        f"Quantized vs float KV pool, decode, {what} float32 weights), batch 1, "
         f"{platform.processor() or platform.machine()}, {os.cpu_count()} cores, jax {jax.__version__} ({jax.default_backend()}); "
         f"{args.steps} timed greedy steps after warm-up; quantized attention = the jnp reference (dequantize, then attend).",
         "",
@@ -126,6 +142,8 @@ def main(argv=None) -> str:
             row = f"| {n} | {mode} | {tps:.2f} | {tps / base[0]:.2f}x | {kv_bytes / 2**20:.1f} MiB | {kv_bytes / base[1]:.2f}x |"
             lines.append(row)
             print(row, flush=True)
+    lines += ["", f"1-minute load average after the run: {os.getloadavg()[0]:.2f}."]
+    print(lines[-1], flush=True)
     table = "\n".join(lines) + "\n"
     if args.out:
         with open(args.out, "w") as f:
