@@ -99,6 +99,10 @@ def report(root: Path, model_name: str = "smollm2-135m-instruct") -> str:
         lines.append("")
     lines += ["Stored bits count the scales and zero points (INT4 = 5 bits per element, INT2 = 3, float counted as "
               "bf16 = 16), for the request as its prefill leaves it; capacity is bf16's bytes per token over the format's.", ""]
+    for speed in sorted(root.glob("decode_speed_cpu_*.md")):  # eval/bench_quant_decode.py --model ... --out
+        lines += [f"## Decode speed on the CPU ({speed.stem.rsplit('_', 1)[1]}, `{speed.name}`)", "",
+                  f"`python eval/bench_quant_decode.py --model {model_name} --contexts 4096,8000 --out {root / speed.name}`, "
+                  "on an otherwise idle machine:", "", speed.read_text().strip(), ""]
     return "\n".join(lines)
 
 
