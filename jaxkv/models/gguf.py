@@ -375,4 +375,3 @@ def _save_converted_tokenizer(tokenizer, folder: Path) -> None:
         pass
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
-
