@@ -122,10 +122,10 @@ class ProbeStage(Stage):
         self.captured = captured
 
 
-def _retention_stage(cell: Cell, budget: int):
+def _retention_stage(cell: Cell, budget: int, model):
     from jaxkv.serving.stages.retention import RetentionSpec, RetentionStage
 
-    return RetentionStage(RetentionSpec.make(cell.method, budget, "dead_slot", dict(cell.options)))
+    return RetentionStage(RetentionSpec.make(cell.method, budget, "dead_slot", dict(cell.options), model=model))
 
 
 def branch_program(turn, probe: ProbeStage, cells, stages, measure):
@@ -274,7 +274,7 @@ def run_example(model, example, setting: str, cells, *, positions: int, max_new:
     session = Session(model, max_positions=positions, protect_query=False, max_new_tokens=max_new)
     session.server.engine.short_chunk = SHORT_PIECES
     try:
-        stages = [None if c.method is None else _retention_stage(c, budget_for_ratio(c.ratio, n_request)) for c in cells]
+        stages = [None if c.method is None else _retention_stage(c, budget_for_ratio(c.ratio, n_request), session.model) for c in cells]
         probe = ProbeStage([s for s in stages if s is not None])
         session.stages = sorted(list(session.stages) + [probe], key=lambda s: s.order)
         rendered, measure = request_and_measure(session, example, setting, plan, max_new, {})

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import shutil
 
 import jax
 import jax.numpy as jnp
@@ -353,10 +354,11 @@ def quick_run(task_model_dir, tmp_path_factory):
     from train import intentkv_data, intentkv_head
 
     folder = tmp_path_factory.mktemp("ikv")
+    shutil.copytree(task_model_dir, folder / "model")  # --export writes the head into this model's folder
     intentkv_data.generate(intentkv_data.parse_args(["--out", str(folder / "data"), "--model", str(task_model_dir),
                                                       "--quick", "--quiet", "--length-min", "1300", "--length-max", "1500"]))
     args = intentkv_head.parse_args(["--data", str(folder / "data"), "--out", str(folder / "head"), "--quick",
-                                     "--quiet", "--lr", "3e-3"])
+                                     "--quiet", "--lr", "3e-3", "--export", str(folder / "model" / ih.HEAD_FOLDER)])
     return folder, intentkv_head.train(args)
 
 
@@ -372,6 +374,31 @@ def test_training_runs_three_steps_and_its_loss_falls(quick_run):
         assert (folder / "head" / name).is_file(), name
     head = ih.load_head(folder / "head")
     assert head.cfg.head_dim == 16 and head.meta["training"]["heldout_final"]["update"] == 3
+
+
+def test_an_exported_head_is_what_sessions_on_its_model_load_and_carries_its_card(quick_run, task_model_dir):
+    """``--export MODEL_FOLDER/intentkv-head``: a session with ``policy="intentkv"``
+    and no ``head=`` on that model runs the trained head; the same model without
+    one is refused (the embedded model's head was trained for another model)."""
+    from jaxkv.errors import ConfigError
+    from jaxkv.serving import Session
+
+    folder, result = quick_run
+    exported = folder / "model" / ih.HEAD_FOLDER
+    for name in ("head.safetensors", "head.json", "training.png", "README.md"):
+        assert (exported / name).is_file(), name
+    card = (exported / "README.md").read_text()
+    assert str(task_model_dir) in card and "ROC-AUC" in card and f"{result['summary']['alpha']:.3f}" in card
+    with pytest.raises(ConfigError, match="intentkv-head"):
+        Session(jaxkv.load_model(task_model_dir), policy="intentkv", budget=700)
+    model = jaxkv.load_model(folder / "model")
+    assert ih.head_folder_of(model) == exported
+    session = Session(model, policy="intentkv", budget=700, max_positions=2048)
+    (stage,) = [s for s in session.stages if s.name == "retention"]
+    assert stage.spec.config.head == str(exported)
+    head = ih.load_head(stage.spec.config.head)
+    for name, value in ih.flat_params(result["head"].params).items():
+        np.testing.assert_array_equal(ih.flat_params(head.params)[name], value)
 
 
 def test_training_resumes_from_its_checkpoint(quick_run, tmp_path):

@@ -43,7 +43,10 @@ the head's initial weights of ``--seed``. Orbax checkpoints (``OUT/ckpt``) every
 ``--ckpt-every`` updates; a rerun resumes from the latest (``--restart`` ignores
 them). Outputs in ``--out``: ``metrics.jsonl``, ``training.png`` (loss and held-out
 metrics), ``head.safetensors`` + ``head.json`` (config, base model, training record),
-``summary.json``.
+``summary.json`` and ``README.md`` (the head's card). ``--export DIR`` copies the
+head, its plot and card to ``DIR``: ``<model folder>/intentkv-head`` is where
+``Session(model, policy="intentkv")`` finds a model's head
+(``jaxkv.policies.intentkv_head.head_folder_of``).
 """
 
 from __future__ import annotations
@@ -423,7 +426,70 @@ def train(args) -> dict:
     save_head(trained, out, base_model=_base_model(args), training=summary)
     (out / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
     plot(records, out / "training.png", args.budgets)
+    (out / "README.md").write_text(head_card(trained, _base_model(args), summary, args.budgets))
+    if args.export:
+        export_head(out, Path(args.export))
     return {"losses": losses, "summary": summary, "head": trained, "records": records}
+
+
+CARD_FILES = ("head.safetensors", "head.json", "training.png", "README.md")
+
+
+def head_card(head: Head, base_model: dict, summary: dict, budgets) -> str:
+    """The head's card (``README.md`` beside it): what it is for, what it was
+    trained on, and its held-out metrics against the rule it corrects."""
+    n_params = sum(int(np.size(x)) for x in jax.tree.leaves(head.params))
+    data = summary["data"].get("data_meta") or {}
+    split = lambda name: data.get(name) or {}  # noqa: E731
+    fin, ini = summary.get("heldout_final") or {}, summary.get("heldout_initial") or {}
+    rows = [("ROC-AUC (per row)", "auc")] + [(f"recall at B = {b}", f"recall{b}") for b in budgets]
+    table = "\n".join(f"| {label} | {fin.get(key + '_s', float('nan')):.3f} | {ini.get(key + '_z', float('nan')):.3f} | "
+                      f"{fin.get(key + '_z', float('nan')):.3f} |" for label, key in rows)
+    sig = base_model.get("signature") or {}
+    return f"""# intentkv-head for {base_model.get('name', 'unknown')}
+
+IntentKV's learned residual head (ALGORITHMS.md §4): `z_i = s_i + α·r_i`, the
+QueryMemory rule `s` plus a small head `r` on the frozen model's mean keys and
+queries (`jaxkv/policies/intentkv_head.py`). `Session(model, policy="intentkv")`
+finds it in the model's folder (`<model folder>/intentkv-head`), or pass
+`head=PATH`. It refuses any other model (`jaxkv.ConfigError`): it was trained for
+{', '.join(f'{k} {v}' for k, v in sig.items()) or 'the model recorded in head.json'}.
+
+| file | what |
+|---|---|
+| `head.safetensors` | {n_params:,} float32 parameters |
+| `head.json` | `HeadConfig`, the base model's signature, the training record |
+| `training.png` | loss and held-out metrics during training |
+
+## Training
+
+    {summary['command']}
+
+- Data: `{summary['data'].get('folder')}`, model `{(data.get('args') or {}).get('model', '?')}`:
+  {split('train').get('traces', '?')} training traces ({split('train').get('rows', '?')} rows, seeds
+  {split('train').get('seeds')}) and {split('heldout').get('traces', '?')} held-out traces
+  ({split('heldout').get('rows', '?')} rows, seeds {split('heldout').get('seeds')}), disjoint from every
+  evaluation seed (`train.intentkv_data.check_seed_ranges`); data generation took {data.get('seconds', '?')} s.
+- Labels: `{summary['labels']}`; {summary['train_seconds_this_run']} s of training in the last run;
+  loss {summary['loss_first']:.4f} -> {summary['loss_last']:.4f} (mean of {summary['loss_window']} updates); α = {summary['alpha']:.3f}.
+
+## Held-out rows
+
+| metric | rule `s` alone | head, before training | head `z`, trained |
+|---|---:|---:|---:|
+{table}
+"""
+
+
+def export_head(out: Path, folder: Path) -> Path:
+    """Copy the trained head and its card from ``out`` into ``folder`` (a model
+    folder's ``intentkv-head``, where sessions find it)."""
+    import shutil
+
+    folder.mkdir(parents=True, exist_ok=True)
+    for name in CARD_FILES:
+        shutil.copy2(out / name, folder / name)
+    return folder
 
 
 def _base_model(args) -> dict:
@@ -440,6 +506,8 @@ def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0], formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     p.add_argument("--data", default="runs/intentkv-data", help="rows from `python -m train.intentkv_data`")
     p.add_argument("--out", default="runs/intentkv-head")
+    p.add_argument("--export", default=None,
+                   help="also copy the head and its card here, e.g. MODEL_FOLDER/intentkv-head (where sessions find it)")
     p.add_argument("--labels", default="actions",
                    help="label spec (train.intentkv_data.label_array): actions (§4 future-action grounding, the default), "
                         "cue (+ each match's cue tokens), read (what the next replies attend to), or a union such as actions+read")

@@ -62,8 +62,10 @@ HEAD_FORMAT = "jaxkv-intentkv-head"
 HEAD_VERSION = 1
 WEIGHTS_FILE = "head.safetensors"
 CONFIG_FILE = "head.json"
-# The head trained for the embedded model (``train/intentkv_head.py``), shipped beside it.
-DEFAULT_HEAD_DIR = Path(__file__).resolve().parents[1] / "assets" / "embedded-agent" / "intentkv-head"
+# A model's trained head lives in its folder under this name (``train.intentkv_head
+# --export``); the embedded model's ships there.
+HEAD_FOLDER = "intentkv-head"
+DEFAULT_HEAD_DIR = Path(__file__).resolve().parents[1] / "assets" / "embedded-agent" / HEAD_FOLDER
 
 
 @dataclasses.dataclass(frozen=True)
@@ -253,6 +255,23 @@ def save_head(head: Head, folder, **meta) -> Path:
     return folder
 
 
+_TRAIN_ONE = (f"Train one for this model with `python -m train.intentkv_data --model M` and "
+              f"`python -m train.intentkv_head --export MODEL_FOLDER/{HEAD_FOLDER}` (sessions find it there), "
+              f"or pass head=PATH.")
+
+
+def head_folder_of(model) -> Path | None:
+    """The head trained for ``model``: ``<model folder>/intentkv-head`` when that
+    folder holds one (for a model loaded by name, the folder holding its GGUF),
+    else None (``IntentKVConfig``'s default then: the embedded model's head, which
+    ``check_head_model`` refuses for any other model)."""
+    path = getattr(model, "path", None)
+    if path is None:
+        return None
+    folder = Path(path) / HEAD_FOLDER
+    return folder if (folder / CONFIG_FILE).is_file() else None
+
+
 def load_head(folder=None) -> Head:
     """Read a head saved by ``save_head`` (default: the one shipped for the embedded model).
 
@@ -306,8 +325,7 @@ def check_head_model(head: Head, model_cfg, where="") -> None:
         fields = ", ".join(f"{k} {a} (head) vs {b} (model)" for k, (a, b) in differ.items())
         raise ConfigError(
             f"IntentKV head{(' ' + where) if where else ''} was trained for {base}, not this model: {fields}. "
-            f"Train one for this model with `python -m train.intentkv_data --model M` and "
-            f"`python -m train.intentkv_head`, and pass head=PATH."
+            f"{_TRAIN_ONE}"
         )
 
 
@@ -317,6 +335,5 @@ def check_head_dim(head: Head, head_dim: int, where="") -> None:
         base = head.meta.get("base_model", {}).get("name", "another model")
         raise ConfigError(
             f"IntentKV head{(' ' + where) if where else ''} was trained for head_dim {head.cfg.head_dim} "
-            f"({base}); this model has head_dim {head_dim}. Train one with "
-            f"`python -m train.intentkv_head` and pass head=PATH."
+            f"({base}); this model has head_dim {head_dim}. {_TRAIN_ONE}"
         )

@@ -64,8 +64,18 @@ class RetentionSpec:
     layout: str
 
     @classmethod
-    def make(cls, name, budget, layout, options):
+    def make(cls, name, budget, layout, options, model=None):
+        """``model``: the session's model; a policy with a learned head (``head``
+        in its config) and none given takes the head trained for that model
+        (``<model folder>/intentkv-head``, ``intentkv_head.head_folder_of``)."""
         policy = get_policy(name)
+        options = dict(options)
+        if options.get("head") is None and "head" in {f.name for f in dataclasses.fields(policy.config)}:
+            from jaxkv.policies.intentkv_head import head_folder_of
+
+            found = head_folder_of(model)
+            if found is not None:
+                options["head"] = str(found)
         config = policy.make_config(**options)
         if budget is None or int(budget) < 1:
             raise ConfigError(f"policy {name!r} needs a positive budget, got {budget!r}")
@@ -372,7 +382,7 @@ def _factory(session, options: dict, built: list):
     policy = get_policy(name)
     fields = {f.name for f in dataclasses.fields(policy.config)}
     config = {k: options.pop(k) for k in list(options) if k in fields}
-    spec = RetentionSpec.make(name, budget, layout, config)
+    spec = RetentionSpec.make(name, budget, layout, config, model=session.model)
     spec.policy.init_state(spec.config, session.model.config)  # a state that cannot be built fails here, not mid-turn
     return RetentionStage(spec)
 
