@@ -26,7 +26,10 @@ exact-matched, turns of incomplete examples counted wrong), ``completion``
 of the KV accounting (``jaxkv.metrics``): peak request tokens, peak live KV, raw
 and effective KV reads, prefix-hit rate; ``wall_s`` is the cell's total time.
 The method ``full`` is the full cache: it ignores budget and layout and is run
-once per task (budget and layout columns read ``-``).
+once per task (budget and layout columns read ``-``). Budgets are live KV tokens,
+or fractions in (0, 1) of each example's length (``--budgets 0.5,0.65``: the
+tokens of its conversation up to the last scored turn, rendered with the model's
+template), for traces whose lengths differ from model to model.
 
 KV precision (``--kv-quant none,int4,kivi2,triaxial``, TriAxialKV) crosses every
 other axis: each cell runs once per mode (``Session(kv_quant=...)``, a pool of
@@ -127,10 +130,11 @@ class Cell:
     ``base_budget`` for a repair cell, ``base_budget + repair_k`` for the matched
     no-repair cell (``repair_policy == "matched"``). ``kv_quant`` / ``kv_bits``:
     the session's KV precision (``"none"``: full precision; ``kv_bits`` None: the
-    calibrated budget)."""
+    calibrated budget). A float ``budget`` is a fraction of each example's length
+    (``session_budget``)."""
 
     method: str
-    budget: int | None
+    budget: int | float | None
     layout: str | None
     task: str
     repair_policy: str = "none"
@@ -248,8 +252,10 @@ def replay_example(model, example, cell: Cell, *, max_new_tokens: int, max_posit
 
     policy = None if cell.method == "full" else cell.method
     options = {**TASK_SESSION_OPTIONS.get(cell.task, {}), **session_options}
+    assistant_at = [j for j, m in enumerate(example.messages) if m.get("role") == "assistant"]
+    last = max(t.message_index for t in example.targets)
     if policy is not None:
-        options.update(policy=policy, budget=cell.budget, layout=cell.layout)
+        options.update(policy=policy, budget=session_budget(cell.budget, model.tokenizer, example, last), layout=cell.layout)
     if cell.repair_policy in REPAIR_POLICIES:
         options.update(repair=cell.repair_k, repair_policy=cell.repair_policy)
     else:
@@ -266,8 +272,6 @@ def replay_example(model, example, cell: Cell, *, max_new_tokens: int, max_posit
         session = server.session(max_new_tokens=max_new_tokens, **options)
     else:
         session = Session(model, max_positions=max_positions, max_new_tokens=max_new_tokens, **options)
-    assistant_at = [j for j, m in enumerate(example.messages) if m.get("role") == "assistant"]
-    last = max(t.message_index for t in example.targets)
     try:
         turns = session.replay(example.messages[: last + 1], example.tools or None, generate=True, max_new_tokens=max_new_tokens,
                                return_logits=fidelity is not None)
@@ -279,6 +283,33 @@ def replay_example(model, example, cell: Cell, *, max_new_tokens: int, max_posit
     if fidelity is not None:
         metrics["fidelity"] = fidelity_of(turns, cell, example, Path(fidelity))
     return verdicts, True, metrics, session
+
+
+def session_budget(budget, tokenizer, example, last: int) -> int:
+    """A cell's budget for one example: an integer as given; a fraction in (0, 1)
+    of the example's length, the tokens of its conversation up to the last scored
+    turn (message ``last``) rendered with the model's template (``--budgets 0.5,0.65``)."""
+    if isinstance(budget, float):
+        from jaxkv.chat import render
+
+        n = render(tokenizer, example.messages[: last + 1], example.tools or None, add_generation_prompt=False).ids.size
+        return max(1, round(budget * n))
+    return budget
+
+
+def parse_budgets(spec: str) -> list:
+    """``--budgets``: integers (live KV tokens) or fractions in (0, 1) of each
+    example's length (``session_budget``); ``ValueError`` otherwise."""
+    out = []
+    for b in _names(spec, None, "budgets"):
+        try:
+            value = int(b) if b.strip().lstrip("-").isdigit() else float(b)
+        except ValueError:
+            raise ValueError(f"budgets must be integers or fractions in (0, 1), got {b!r}") from None
+        if (isinstance(value, int) and value < 1) or (isinstance(value, float) and not 0.0 < value < 1.0):
+            raise ValueError(f"budgets must be integers >= 1 or fractions in (0, 1), got {b!r}")
+        out.append(value)
+    return out
 
 
 def replay_cell(model, examples, cell: Cell, *, max_new_tokens: int, max_positions: int, progress=None, **session_options):
@@ -810,7 +841,8 @@ def build_parser(parser=None):
     p.add_argument("--ratios", default="0.25,0.5,0.75", help="real-model tasks: kvpress compression ratios (fraction removed)")
     p.add_argument("--settings", default=None, help="real-model tasks: aware,agnostic")
     p.add_argument("--methods", default=",".join(ALL_METHODS))
-    p.add_argument("--budgets", default="256,512,1024")
+    p.add_argument("--budgets", default="256,512,1024",
+                   help="live KV tokens, or fractions in (0, 1) of each example's rendered length (0.5,0.65)")
     p.add_argument("--layouts", default="dead_slot,compact")
     p.add_argument("--n", type=int, default=100, help="examples per cell")
     p.add_argument("--length", type=int, default=2048, help="target tokens per conversation")
@@ -899,12 +931,11 @@ def run(args, model=None) -> list[dict]:
     methods = _names(args.methods, ("full",) + tuple(sorted(REGISTRY)), "methods")
     layouts = _names(args.layouts, LAYOUTS, "layouts")
     tasks = _names(args.task, TASKS, "tasks")
-    try:
-        budgets = [int(b) for b in _names(args.budgets, None, "budgets")]
-    except ValueError:
-        raise ValueError(f"budgets must be integers, got {args.budgets!r}") from None
-    if any(b < 1 for b in budgets) or args.n < 1:
-        raise ValueError("budgets and --n must be positive")
+    budgets = parse_budgets(args.budgets)
+    if any(isinstance(b, float) for b in budgets) and str(args.repair_ks).strip():
+        raise ValueError("--repair-ks adds K tokens to a budget: give budgets as token counts, not fractions")
+    if args.n < 1:
+        raise ValueError("--n must be positive")
     if args.workers < 1:
         raise ValueError(f"--workers must be at least 1, got {args.workers}")
     try:

@@ -205,3 +205,30 @@ def test_fidelity_compares_each_cell_with_the_full_cache_after_its_events(task_m
     with pytest.raises(ValueError, match="add full"):
         harness.run(harness.build_parser().parse_args(["--model", str(task_model_dir), "--methods", "snapkv", "--fidelity",
                                                        "--out", str(tmp_path / "x"), "--n", "1"]))
+
+
+def test_fractional_budgets_are_a_share_of_each_examples_rendered_length(task_model_dir, tmp_path):
+    import jaxkv
+    from jaxkv.chat import render
+
+    assert harness.parse_budgets("0.5,0.65,700") == [0.5, 0.65, 700]
+    for bad in ("1.5", "0", "0.0", "-3", "half"):
+        with pytest.raises(ValueError):
+            harness.parse_budgets(bad)
+    model = jaxkv.load_model(task_model_dir)
+    examples = harness.make_examples("mqniah", 2, 600) + harness.make_examples("mqniah", 1, 900)
+    for ex in examples:
+        last = max(t.message_index for t in ex.targets)
+        n = render(model.tokenizer, ex.messages[: last + 1], ex.tools or None, add_generation_prompt=False).ids.size
+        assert harness.session_budget(0.5, model.tokenizer, ex, last) == round(0.5 * n)
+        assert harness.session_budget(300, model.tokenizer, ex, last) == 300
+    args = harness.build_parser().parse_args([
+        "--model", str(task_model_dir), "--task", "mqniah", "--methods", "full,snapkv", "--budgets", "0.5",
+        "--layouts", "dead_slot", "--n", "1", "--length", "600", "--max-new-tokens", "4", "--out", str(tmp_path / "run"),
+    ])
+    rows = {r["method"]: r for r in harness.run(args)}
+    assert rows["snapkv"]["budget"] == 0.5
+    assert rows["snapkv"]["peak_live_kv"] < rows["full"]["peak_live_kv"]
+    with pytest.raises(ValueError, match="fractions"):
+        harness.run(harness.build_parser().parse_args(["--model", str(task_model_dir), "--out", str(tmp_path / "r2"),
+                                                       "--budgets", "0.5", "--repair-ks", "16"]))
