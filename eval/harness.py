@@ -692,6 +692,53 @@ def comparison_markdown(rows, task: str, reference: str = "best", focus: str | N
     return "\n".join(lines)
 
 
+def paired_nll_difference(a: list, b: list, *, seed=0) -> tuple[float, float, float]:
+    """``a``'s token-weighted NLL increase minus ``b``'s on the same examples, with a
+    paired percentile bootstrap 95% interval over examples. ``a``, ``b``: per-example
+    fidelity dicts (``fidelity_of``: ``tokens``, ``dnll``)."""
+    from eval.repair_protocol import BOOTSTRAP_SAMPLES
+
+    if len(a) != len(b):
+        raise ValueError("fidelity of different example lists")
+    ta, da, tb, db = (np.asarray([f[k] for f in x], np.float64) for x, k in ((a, "tokens"), (a, "dnll"), (b, "tokens"), (b, "dnll")))
+    rng = np.random.default_rng(seed)
+    idx = rng.integers(0, ta.size, size=(BOOTSTRAP_SAMPLES, ta.size))
+    with np.errstate(invalid="ignore", divide="ignore"):
+        boot = da[idx].sum(1) / ta[idx].sum(1) - db[idx].sum(1) / tb[idx].sum(1)
+    low, high = np.nanpercentile(boot, [2.5, 97.5])
+    return float(da.sum() / ta.sum() - db.sum() / tb.sum()), float(low), float(high)
+
+
+def fidelity_comparison_markdown(rows, task: str) -> str:
+    """Per (layout, budget) column of ``task``'s no-repair cells: every method's NLL
+    increase and KL over the full cache on the turns after its compression events,
+    and its NLL increase minus that of the best baseline (the lowest of
+    ``BASELINES``) with a paired bootstrap 95% interval over examples."""
+    rows = [r for r in rows if r["task"] == task and r["repair_policy"] == "none" and r.get("reuse", "-") == "-"
+            and r["method"] != "full" and isinstance(r.get("nll_increase"), float) and "fidelity" in r.get(PER_EXAMPLE, {})]
+    lines = ["NLL increase = mean NLL of the recorded assistant tokens after a compression event, managed minus full "
+             "cache (nats/token); Δ = minus the best baseline's on the same examples (negative: closer to the full "
+             f"cache), paired bootstrap 95% interval over examples; baselines: {', '.join(BASELINES)}.", ""]
+    for layout, budget in sorted({(r["layout"], r["budget"]) for r in rows}, key=str):
+        col = [r for r in rows if (r["layout"], r["budget"]) == (layout, budget)]
+        base = [r for m in BASELINES for r in col if r["method"] == m]
+        if not base:
+            continue
+        ref = min(base, key=lambda r: r["nll_increase"])
+        lines += [f"### {task}, {layout}, B = {budget}: best baseline {ref['method']} ({ref['nll_increase']:+.4f})", "",
+                  "| method | NLL increase | KL per token | Δ NLL vs best baseline [95% CI] | tokens | accuracy |",
+                  "|---|---:|---:|---:|---:|---:|"]
+        for r in sorted(col, key=lambda r: r["nll_increase"]):
+            if r is ref:
+                gain = "reference"
+            else:
+                d = paired_nll_difference(r[PER_EXAMPLE]["fidelity"], ref[PER_EXAMPLE]["fidelity"])
+                gain = f"{d[0]:+.4f} [{d[1]:+.4f}, {d[2]:+.4f}]"
+            lines.append(f"| {r['method']} | {r['nll_increase']:+.4f} | {r['kl']:.4f} | {gain} | {r['fidelity_tokens']} | {r['accuracy']:.3f} |")
+        lines.append("")
+    return "\n".join(lines)
+
+
 def quant_table(rows, task: str) -> str:
     """Accuracy, bits and bytes per KV precision of ``task``'s no-repair cells, with
     the capacity ratio against bf16 (same bytes budget, tokens held)."""
@@ -1005,6 +1052,8 @@ def run(args, model=None) -> list[dict]:
             md += [f"## {task}: {metric}", "", pivot_table(rows, metric, task), ""]
         if args.compare_to:
             md += [f"## {task}: paired comparison", "", comparison_markdown(rows, task, args.compare_to, args.focus), ""]
+        if fidelity:
+            md += [f"## {task}: fidelity against the best baseline", "", fidelity_comparison_markdown(rows, task), ""]
         if kv_quants != ["none"]:
             md += [f"## {task}: KV precision", "", quant_table(rows, task), ""]
     md += ["## All cells", "", markdown_table(rows), "", prefix_summary(rows), ""]

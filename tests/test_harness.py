@@ -202,6 +202,7 @@ def test_fidelity_compares_each_cell_with_the_full_cache_after_its_events(task_m
     small = by[("snapkv", 150)]
     assert small["fidelity_tokens"] > 0 and small["kl"] > 0 and small["nll_increase"] != 0
     assert by[("snapkv", 100000)]["fidelity_tokens"] == 0  # a budget above the trace never compresses: nothing to compare
+    assert "## agent: fidelity against the best baseline" in (out / "results.md").read_text()
     with pytest.raises(ValueError, match="add full"):
         harness.run(harness.build_parser().parse_args(["--model", str(task_model_dir), "--methods", "snapkv", "--fidelity",
                                                        "--out", str(tmp_path / "x"), "--n", "1"]))
@@ -232,3 +233,24 @@ def test_fractional_budgets_are_a_share_of_each_examples_rendered_length(task_mo
     with pytest.raises(ValueError, match="fractions"):
         harness.run(harness.build_parser().parse_args(["--model", str(task_model_dir), "--out", str(tmp_path / "r2"),
                                                        "--budgets", "0.5", "--repair-ks", "16"]))
+
+
+def test_fidelity_differences_are_paired_over_examples_against_the_lowest_baseline():
+    """The table's reference is the baseline with the lowest NLL increase; a method
+    whose every example loses less than it gets a negative difference with its whole
+    interval below zero; the reference against itself differs by exactly zero."""
+    def row(method, dnll):
+        fid = [{"tokens": 10, "dnll": d, "kl": abs(d)} for d in dnll]
+        return {"method": method, "task": "agent", "layout": "dead_slot", "budget": 0.5, "repair_policy": "none",
+                "reuse": "-", "accuracy": 0.5, "fidelity_tokens": 10 * len(dnll), "nll_increase": sum(dnll) / (10 * len(dnll)),
+                "kl": sum(map(abs, dnll)) / (10 * len(dnll)), harness.PER_EXAMPLE: {"fidelity": fid}}
+
+    snap, h2o = row("snapkv", [1.0, 2.0, 3.0, 4.0]), row("h2o", [2.0, 3.0, 5.0, 6.0])
+    head = row("intentkv", [0.5, 1.5, 2.0, 3.5])
+    diff, low, high = harness.paired_nll_difference(head[harness.PER_EXAMPLE]["fidelity"], snap[harness.PER_EXAMPLE]["fidelity"])
+    assert diff == pytest.approx((7.5 - 10.0) / 40) and low <= diff <= high < 0
+    assert harness.paired_nll_difference(snap[harness.PER_EXAMPLE]["fidelity"], snap[harness.PER_EXAMPLE]["fidelity"]) == (0.0, 0.0, 0.0)
+    md = harness.fidelity_comparison_markdown([h2o, head, snap], "agent")
+    assert "best baseline snapkv (+0.2500)" in md
+    lines = [x for x in md.splitlines() if x.startswith("| intentkv") or x.startswith("| h2o")]
+    assert lines[0].startswith("| intentkv | +0.1875") and lines[1].startswith("| h2o | +0.4000 | 0.4000 | +0.1500")
