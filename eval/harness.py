@@ -55,6 +55,12 @@ method's gain over each baseline. ``--compare-to METHOD`` compares with a named 
 ``--resume --report-only`` writes the report from the journal's finished cells of
 the grid, runs none, and lists the rest as not run.
 
+Accuracy without generation (``--accuracy teacher``): a scored turn counts when
+every token of its recorded reply is the argmax of its teacher-forced row, which is
+what greedy decoding would reproduce exactly; the replay then decodes nothing (a
+real model's decode steps are most of a greedy replay's time). It is stricter than
+the greedy score, which matches the call or answer only, not the reasoning.
+
 Fidelity (``--fidelity``, issue #27): how close, token by token, the managed
 cache keeps the model to its full-cache behaviour on the turns after a compression
 event, beside accuracy. Every replay also teacher-forces the recorded assistant
@@ -177,6 +183,18 @@ def recorded_logp(turn) -> np.ndarray | None:
     return log_softmax(rows).astype(np.float32)
 
 
+def teacher_forced_match(turn) -> bool:
+    """Whether every token of a turn's recorded reply is the argmax of its
+    teacher-forced row: exactly what greedy decoding from the same cache would
+    reproduce, token for token (by induction on the position), without decoding.
+    Stricter than ``reply_matches`` (the whole reply, reasoning included, not only
+    the call), and computed from the logits a replay brings back anyway."""
+    logp = recorded_logp(turn)
+    if logp is None:
+        return False
+    return bool(np.array_equal(logp.argmax(-1), np.asarray(turn.target_ids)[: len(logp)]))
+
+
 def binned_reference(logp_NV: np.ndarray, top: int = FIDELITY_TOP) -> dict:
     """The full cache's distributions, compressed: per position the ``top`` most
     likely token ids, their log-probabilities and the log of the rest's mass."""
@@ -234,7 +252,7 @@ def fidelity_of(turns, cell: Cell, example, folder: Path) -> dict:
 
 
 def replay_example(model, example, cell: Cell, *, max_new_tokens: int, max_positions: int, server=None,
-                   fidelity: Path | None = None, **session_options):
+                   fidelity: Path | None = None, accuracy: str = "greedy", **session_options):
     """Replay one example through a fresh ``Session`` configured for ``cell``
     (on ``server`` when given, else on a private one).
 
@@ -242,6 +260,8 @@ def replay_example(model, example, cell: Cell, *, max_new_tokens: int, max_posit
     whether ``example.targets[i]`` was reproduced exactly (all False when the
     replay hit a context or memory error, ``completed`` False then). With
     ``fidelity`` (a folder), the metrics carry ``fidelity`` (``fidelity_of``).
+    ``accuracy``: ``"greedy"`` (each scored turn generated and matched) or
+    ``"teacher"`` (no generation: ``teacher_forced_match`` on the recorded reply).
     A chat template without a tool section gets the example with its tools
     inlined as text (``jaxkv.tasks.example.for_template``)."""
     import jaxkv
@@ -273,12 +293,15 @@ def replay_example(model, example, cell: Cell, *, max_new_tokens: int, max_posit
     else:
         session = Session(model, max_positions=max_positions, max_new_tokens=max_new_tokens, **options)
     try:
-        turns = session.replay(example.messages[: last + 1], example.tools or None, generate=True, max_new_tokens=max_new_tokens,
-                               return_logits=fidelity is not None)
+        turns = session.replay(example.messages[: last + 1], example.tools or None, generate=accuracy == "greedy",
+                               max_new_tokens=max_new_tokens, return_logits=fidelity is not None or accuracy == "teacher")
     except (jaxkv.ContextLengthError, jaxkv.OutOfSlotsError):
         return [False] * len(example.targets), False, session.metrics.as_dict(), session
     by_index = dict(zip(assistant_at, turns))
-    verdicts = [reply_matches(t, by_index[t.message_index].generated) for t in example.targets]
+    if accuracy == "teacher":
+        verdicts = [teacher_forced_match(by_index[t.message_index]) for t in example.targets]
+    else:
+        verdicts = [reply_matches(t, by_index[t.message_index].generated) for t in example.targets]
     metrics = session.metrics.as_dict()
     if fidelity is not None:
         metrics["fidelity"] = fidelity_of(turns, cell, example, Path(fidelity))
@@ -909,6 +932,9 @@ def build_parser(parser=None):
     p.add_argument("--focus", default=None, help="with --compare-to: also this method's gain over every baseline")
     p.add_argument("--report-only", action="store_true",
                    help="with --resume: write the report from the cells already in the journal, run none")
+    p.add_argument("--accuracy", choices=("greedy", "teacher"), default="greedy",
+                   help="greedy: generate each scored turn and match it; teacher: no generation, a turn counts when every "
+                        "recorded reply token is the argmax of its teacher-forced row (what greedy would reproduce exactly)")
     p.add_argument("--fidelity", action="store_true",
                    help="also teacher-force the recorded turns: NLL increase and KL against the full cell after each "
                         "compression event (needs the method full; its cells run first)")
@@ -1015,6 +1041,9 @@ def run(args, model=None) -> list[dict]:
     setup = dict(model=args.model, n=args.n, length=args.length, seed=args.seed, needles=args.needles,
                  max_new_tokens=args.max_new_tokens, max_positions=max_positions)
     fidelity = getattr(args, "fidelity", False)
+    teacher = getattr(args, "accuracy", "greedy") == "teacher"
+    if teacher:
+        setup["accuracy"] = "teacher"  # a journal of greedy cells does not match
     if fidelity:
         if "full" not in methods:
             raise ValueError("--fidelity compares every cell with the full cache: add full to --methods")
@@ -1036,14 +1065,15 @@ def run(args, model=None) -> list[dict]:
             tqdm.write(f"--resume: {len(cells) - len(todo)} of {len(cells)} cells already in {journal}", file=sys.stderr)
         # with --fidelity the full cells write the references every other cell reads: they run first
         passes = [[c for c in todo if c.method == "full"], [c for c in todo if c.method != "full"]] if fidelity else [todo]
-        options = {"fidelity": out / "fidelity"} if fidelity else None
+        options = {**({"fidelity": out / "fidelity"} if fidelity else {}), **({"accuracy": "teacher"} if teacher else {})} or None
         for cells_now in passes:
             for cell, row in run_cells(model, examples, cells_now, setup, workers=args.workers, bar=bar, session_options=options):
                 done[cell_key(cell)] = row
                 append_journal(journal, {"setup": setup, "key": cell_key(cell), "row": row})
     rows = [done[cell_key(c)] for c in cells]
     write_csv(rows, out / "results.csv")
-    md = [f"# jaxkv eval: {args.model}", "", f"n={args.n} per cell, length {args.length}, max_new_tokens {args.max_new_tokens}", ""]
+    md = [f"# jaxkv eval: {args.model}", "", f"n={args.n} per cell, length {args.length}, max_new_tokens {args.max_new_tokens}"
+          + (", accuracy by teacher forcing (every recorded reply token the argmax; no generation)" if teacher else ""), ""]
     if args.report_only and missing:
         md += [f"Not run (--report-only; {len(missing)} cells of the grid): "
                + ", ".join(f"{c.method}@{c.budget}/{c.layout}/{c.task}" for c in missing) + ".", ""]

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import csv
 
+import numpy as np
 import pytest
 
 from eval import harness
@@ -254,3 +255,39 @@ def test_fidelity_differences_are_paired_over_examples_against_the_lowest_baseli
     assert "best baseline snapkv (+0.2500)" in md
     lines = [x for x in md.splitlines() if x.startswith("| intentkv") or x.startswith("| h2o")]
     assert lines[0].startswith("| intentkv | +0.1875") and lines[1].startswith("| h2o | +0.4000 | 0.4000 | +0.1500")
+
+
+def test_teacher_forced_accuracy_counts_a_turn_only_when_every_reply_token_is_the_argmax(task_model_dir, tmp_path):
+    """--accuracy teacher decodes nothing; a turn counts when every recorded reply
+    token is the argmax of its teacher-forced row (the prompt's last row predicts
+    the first reply token, each reply row the next)."""
+    import types
+
+    rng = np.random.default_rng(0)
+    prompt_logits, target_logits = rng.normal(size=(3, 11)), rng.normal(size=(4, 11))
+    rows = np.concatenate([prompt_logits[-1:], target_logits[:-1]])
+    turn = types.SimpleNamespace(prompt_logits=prompt_logits, target_logits=target_logits, target_ids=rows.argmax(-1))
+    assert harness.teacher_forced_match(turn)
+    for i in range(4):
+        wrong = rows.argmax(-1).copy()
+        wrong[i] = (wrong[i] + 1) % 11
+        assert not harness.teacher_forced_match(types.SimpleNamespace(prompt_logits=prompt_logits, target_logits=target_logits,
+                                                                      target_ids=wrong))
+    assert not harness.teacher_forced_match(types.SimpleNamespace(prompt_logits=None, target_logits=None, target_ids=None))
+
+    import jaxkv
+
+    model = jaxkv.load_model(task_model_dir)
+    ex = harness.make_examples("agent", 1, 600)[0]
+    cell = harness.Cell("snapkv", 150, "dead_slot", "agent")
+    verdicts, done, _, session = harness.replay_example(model, ex, cell, max_new_tokens=8, max_positions=2048, accuracy="teacher")
+    assert done and verdicts == [False] * len(ex.targets)  # a random model reproduces no recorded reply
+    assert session.compressions and all(m.decode_steps == 0 for m in session.metrics.requests)  # nothing decoded
+    session.close()
+    args = harness.build_parser().parse_args([
+        "--model", str(task_model_dir), "--task", "agent", "--methods", "full", "--n", "1", "--length", "600",
+        "--accuracy", "teacher", "--out", str(tmp_path / "t"),
+    ])
+    (row,) = harness.run(args)
+    assert row["accuracy"] == 0.0 and row["completion"] == 1.0
+    assert "accuracy by teacher forcing" in (tmp_path / "t" / "results.md").read_text()
