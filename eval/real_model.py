@@ -49,6 +49,8 @@ KL), then ``kv:<format>``, each measured as above. Journal ``quant.jsonl``.
 
 Journal: one JSON line per finished (task, length, seed, setting) in
 ``OUT/examples.jsonl`` with every cell; ``--resume`` skips what is there.
+``--journal examples_<name>.jsonl`` runs more methods on the same examples into a
+journal of their own (the report merges every ``examples*.jsonl`` by example).
 """
 
 from __future__ import annotations
@@ -398,6 +400,9 @@ def main(argv=None) -> int:
     p.add_argument("--max-new", type=int, default=MAX_NEW)
     p.add_argument("--out", type=Path, default=Path("eval/results/real_smollm2/jaxkv"))
     p.add_argument("--resume", action="store_true")
+    p.add_argument("--journal", default="examples.jsonl",
+                   help="the retention grid's journal in --out; another examples*.jsonl adds cells (methods) to the same "
+                        "examples, which the report merges by example")
     p.add_argument("--repair", type=int, default=None, metavar="K",
                    help="instead of the branched grid: RepairKV with K rows, matched no-repair at B+K and no repair at B, "
                         "as multi-turn sessions in the agnostic setting (--repair-method at --repair-ratio)")
@@ -425,7 +430,7 @@ def run_grid(args) -> int:
     kv_formats = [f for f in (getattr(args, "kv_quant", None) or "").split(",") if f]
     if kv_formats and args.repair is not None:
         raise SystemExit("--kv-quant and --repair are separate runs")
-    journal = args.out / ("sessions.jsonl" if args.repair is not None else "quant.jsonl" if kv_formats else "examples.jsonl")
+    journal = args.out / ("sessions.jsonl" if args.repair is not None else "quant.jsonl" if kv_formats else args.journal)
     if args.repair is not None:
         settings = ["agnostic"]
     done = {(r["task"], r["context"], r["seed"], r["setting"]) for r in read_journal(journal)} if args.resume else set()

@@ -2,8 +2,9 @@
 
     python -m eval.real_model_report --root eval/results/real_smollm2
 
-Reads the journals ``ROOT/jaxkv/examples.jsonl`` (``eval.real_model``) and
-``ROOT/kvpress/examples.jsonl`` (``eval.kvpress_side``): one record per (task,
+Reads the journals ``ROOT/jaxkv/examples*.jsonl`` (``eval.real_model``; the
+cells of one example merge across files) and ``ROOT/kvpress/examples.jsonl``
+(``eval.kvpress_side``): one record per (task,
 context, seed, setting) with every cell, each cell keyed ``"full"`` or
 ``"<method>@<ratio>"``. Writes ``ROOT/README.md`` (tables), ``ROOT/results.csv``
 (one row per side, task, context, setting, method, ratio) and
@@ -46,6 +47,14 @@ def read(path: Path) -> list[dict]:
     if not path.is_file():
         return []
     return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+
+
+def journals(folder: Path) -> list[Path]:
+    """A side's journals: ``examples.jsonl`` first, then other ``examples*.jsonl``
+    (more methods on the same examples, ``eval.real_model --journal``), then
+    ``sessions.jsonl`` (RepairKV); cells of one example merge across them."""
+    extra = sorted(p for p in folder.glob("examples*.jsonl") if p.name != "examples.jsonl")
+    return [folder / "examples.jsonl", *extra, folder / "sessions.jsonl"]
 
 
 def split_cell(name: str) -> tuple[str, float]:
@@ -149,7 +158,7 @@ def best_cell(cells: dict, ratio: float, key: str, lower_better: bool = False):
 
 
 def report(root: Path, min_full: float = 0.5) -> str:
-    tables = {side: verdicts(read(root / side / "examples.jsonl") + read(root / side / "sessions.jsonl")) for side in SIDES}
+    tables = {side: verdicts([rec for f in journals(root / side) for rec in read(f)]) for side in SIDES}
     rows = [r for side in SIDES for r in rows_for(side, tables[side])]
     if rows:
         fields = sorted({k for r in rows for k in r}, key=lambda k: list(rows[0]).index(k) if k in rows[0] else 99)
@@ -162,7 +171,7 @@ def report(root: Path, min_full: float = 0.5) -> str:
         sec = rec.get("seconds", 0)
         return sec.get("total", 0) if isinstance(sec, dict) else sec
 
-    secs = {side: sum(seconds(rec) for f in ("examples.jsonl", "sessions.jsonl") for rec in read(root / side / f)) for side in SIDES}
+    secs = {side: sum(seconds(rec) for f in journals(root / side) for rec in read(f)) for side in SIDES}
     lines += [f"CPU time in the journals: jaxkv {secs['jaxkv'] / 3600:.2f} h, kvpress {secs['kvpress'] / 3600:.2f} h "
               "(2-core x86_64; sums of per-example seconds).", ""]
     # ceilings

@@ -146,3 +146,26 @@ def test_quant_report_counts_scales_and_kivis_float_window():
     assert int4["bytes"] == pytest.approx(1.25 * 64 * 30 * 3)
     assert kivi2["bits"] == pytest.approx((1920 * 3 + 128 * 16) / 2048)
     assert storage("none", 2048, cfg)["capacity"] == 1.0
+
+
+def test_report_merges_the_cells_of_one_example_across_journals(tmp_path):
+    """``eval.real_model --journal examples_<name>.jsonl`` adds methods to examples
+    already journaled; the report reads every examples*.jsonl and merges by example."""
+    import json
+
+    from eval import real_model_report as rep
+
+    side = tmp_path / "jaxkv"
+    side.mkdir()
+    def write(name, cells):
+        with (side / name).open("w") as f:
+            for seed in (1, 2):
+                f.write(json.dumps({"task": "passkey", "context": 2048, "seed": seed, "setting": "agnostic",
+                                    "cells": {c: {"tf_correct": seed == 1} for c in cells}}) + "\n")
+    write("examples.jsonl", ["full", "snapkv@0.5"])
+    write("examples_intentkv.jsonl", ["full", "intentkv@0.5"])
+    assert [p.name for p in rep.journals(side)] == ["examples.jsonl", "examples_intentkv.jsonl", "sessions.jsonl"]
+    table = rep.verdicts([r for f in rep.journals(side) for r in rep.read(f)])
+    cells = table[("passkey", 2048, "agnostic")]
+    assert set(cells) == {"full", "snapkv@0.5", "intentkv@0.5"}
+    assert all(set(by_seed) == {1, 2} for by_seed in cells.values())
