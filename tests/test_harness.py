@@ -224,13 +224,7 @@ def test_fractional_budgets_are_a_share_of_each_examples_rendered_length(task_mo
         n = render(model.tokenizer, ex.messages[: last + 1], ex.tools or None, add_generation_prompt=False).ids.size
         assert harness.session_budget(0.5, model.tokenizer, ex, last) == round(0.5 * n)
         assert harness.session_budget(300, model.tokenizer, ex, last) == 300
-    args = harness.build_parser().parse_args([
-        "--model", str(task_model_dir), "--task", "mqniah", "--methods", "full,snapkv", "--budgets", "0.5",
-        "--layouts", "dead_slot", "--n", "1", "--length", "600", "--max-new-tokens", "4", "--out", str(tmp_path / "run"),
-    ])
-    rows = {r["method"]: r for r in harness.run(args)}
-    assert rows["snapkv"]["budget"] == 0.5
-    assert rows["snapkv"]["peak_live_kv"] < rows["full"]["peak_live_kv"]
+    # a grid with a fractional budget: test_teacher_forced_accuracy_... runs one
     with pytest.raises(ValueError, match="fractions"):
         harness.run(harness.build_parser().parse_args(["--model", str(task_model_dir), "--out", str(tmp_path / "r2"),
                                                        "--budgets", "0.5", "--repair-ks", "16"]))
@@ -285,9 +279,11 @@ def test_teacher_forced_accuracy_counts_a_turn_only_when_every_reply_token_is_th
     assert session.compressions and all(m.decode_steps == 0 for m in session.metrics.requests)  # nothing decoded
     session.close()
     args = harness.build_parser().parse_args([
-        "--model", str(task_model_dir), "--task", "agent", "--methods", "full", "--n", "1", "--length", "600",
-        "--accuracy", "teacher", "--out", str(tmp_path / "t"),
+        "--model", str(task_model_dir), "--task", "agent", "--methods", "full,snapkv", "--budgets", "0.5",
+        "--layouts", "dead_slot", "--n", "1", "--length", "600", "--accuracy", "teacher", "--out", str(tmp_path / "t"),
     ])
-    (row,) = harness.run(args)
-    assert row["accuracy"] == 0.0 and row["completion"] == 1.0
+    rows = {r["method"]: r for r in harness.run(args)}
+    assert all(r["accuracy"] == 0.0 and r["completion"] == 1.0 for r in rows.values())
+    assert rows["snapkv"]["budget"] == 0.5  # a fraction of each example's length
+    assert rows["snapkv"]["peak_live_kv"] < rows["full"]["peak_live_kv"]
     assert "accuracy by teacher forcing" in (tmp_path / "t" / "results.md").read_text()
