@@ -518,7 +518,7 @@ def test_a_named_models_head_is_found_beside_its_converted_copy(tmp_path, monkey
     converted = registry.converted_dir(name)
     converted.mkdir(parents=True)
     model = types.SimpleNamespace(path=converted)
-    shipped = ih.SHIPPED_ASSETS / name / ih.HEAD_FOLDER
+    shipped = registry.SHIPPED_ASSETS / name / ih.HEAD_FOLDER
     assert ih.head_folder_of(model) == (shipped if (shipped / ih.CONFIG_FILE).is_file() else None)
     shutil.copytree(trained_like_head, registry.model_dir(name) / ih.HEAD_FOLDER)
     assert ih.head_folder_of(model) == registry.model_dir(name) / ih.HEAD_FOLDER

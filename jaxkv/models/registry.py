@@ -21,7 +21,8 @@ Layout of the cache (``user_cache_dir()``: ``$JAXKV_CACHE``, else
     models/<name>/float32/             a converted copy: config.json, model.safetensors,
                                        tokenizer files, converted.json (stamp)
     models/<name>/intentkv-head/       an IntentKV head trained for the model, if any
-                                       (jaxkv.policies.intentkv_head.head_folder_of)
+    models/<name>/triaxial.json        a TriAxialKV calibration for the model, if any
+                                       (both looked up by artifact_paths)
     tokenizers/<key>/                  the tokenizer converted from any GGUF file jaxkv
                                        loaded (jaxkv.models.gguf.tokenizer_cache_dir)
 
@@ -116,6 +117,24 @@ def reference_model(name: str) -> ReferenceModel | None:
 
 def model_dir(name: str) -> Path:
     return user_cache_dir() / "models" / name
+
+
+SHIPPED_ASSETS = Path(__file__).resolve().parents[1] / "assets"
+
+
+def artifact_paths(model_path, name: str) -> list[Path]:
+    """Where a file or folder trained for a model (``name``: an IntentKV head
+    folder, a TriAxialKV calibration) is looked for, first found wins:
+    ``<model folder>/<name>``; for a reference model loaded by name (its converted
+    copy, which a reconversion replaces), also ``<cache>/models/<model>/<name>``
+    (where training writes it) and ``jaxkv/assets/<model>/<name>`` (shipped)."""
+    if model_path is None:
+        return []
+    out = [Path(model_path) / name]
+    ref = reference_name_of(model_path)
+    if ref is not None:
+        out += [model_dir(ref) / name, SHIPPED_ASSETS / ref / name]
+    return out
 
 
 def reference_name_of(path) -> str | None:

@@ -65,8 +65,7 @@ CONFIG_FILE = "head.json"
 # A model's trained head lives in its folder under this name (``train.intentkv_head
 # --export``); the embedded model's ships there.
 HEAD_FOLDER = "intentkv-head"
-SHIPPED_ASSETS = Path(__file__).resolve().parents[1] / "assets"
-DEFAULT_HEAD_DIR = SHIPPED_ASSETS / "embedded-agent" / HEAD_FOLDER
+DEFAULT_HEAD_DIR = Path(__file__).resolve().parents[1] / "assets" / "embedded-agent" / HEAD_FOLDER
 
 
 @dataclasses.dataclass(frozen=True)
@@ -273,13 +272,7 @@ def head_folder_of(model) -> Path | None:
        reconversion replaces), then the head shipped in ``jaxkv/assets/<name>/``."""
     from jaxkv.models import registry
 
-    path = getattr(model, "path", None)
-    if path is None:
-        return None
-    candidates = [Path(path) / HEAD_FOLDER]
-    name = registry.reference_name_of(path)
-    if name is not None:
-        candidates += [registry.model_dir(name) / HEAD_FOLDER, SHIPPED_ASSETS / name / HEAD_FOLDER]
+    candidates = registry.artifact_paths(getattr(model, "path", None), HEAD_FOLDER)
     return next((c for c in candidates if (c / CONFIG_FILE).is_file()), None)
 
 

@@ -8,8 +8,9 @@ Session options it owns:
 * ``kv_bits``: the average-bit budget B of a triaxial mode (default: the
   calibrated B of the allocation); ``ConfigError`` for other modes.
 * ``kv_allocation``: the calibration (an ``Allocation``, a dict in its JSON
-  form, or a path); default ``<model folder>/triaxial.json``, written by
-  ``train/calibrate_triaxial.py``.
+  form, or a path); default ``<model folder>/triaxial.json``, or for a model
+  loaded by name ``<cache>/models/<name>/triaxial.json``
+  (``jaxkv.models.registry.artifact_paths``), written by ``train/calibrate_triaxial.py``.
 
 How a session gets a quantized pool: the pool belongs to the server's engine, so
 its regions are a server property. ``Session(model, kv_quant=...)`` makes its
@@ -135,9 +136,12 @@ def resolve_allocation(model, mode: str, allocation) -> Allocation:
             return Allocation.from_dict({**v, "budget": v.get("budget", data["budget"])})
         return Allocation.from_dict(data)
     if allocation is None:
-        if getattr(model, "path", None) is None:
+        from jaxkv.models.registry import artifact_paths
+
+        candidates = artifact_paths(getattr(model, "path", None), CALIBRATION_FILE)
+        if not candidates:
             raise ConfigError(f"kv_quant={mode!r} needs a calibration: pass kv_allocation= (the model has no folder)")
-        allocation = Path(model.path) / CALIBRATION_FILE
+        allocation = next((c for c in candidates if c.is_file()), candidates[0])
     return load_allocation(allocation, mode)
 
 
