@@ -304,9 +304,27 @@ def single_program(turn, measure):
         turn.close()
 
 
-def run_quant_example(model, example, setting: str, formats, *, positions: int, max_new: int = MAX_NEW) -> dict:
+def format_options(fmt: str, allocation=None) -> dict:
+    """Session options of a KV format spec: a ``kv_quant`` mode (``int4``,
+    ``kivi2``, ``triaxial``, an ablation), a triaxial mode at an average-bit
+    budget (``triaxial@3.0``), and ``allocation`` as the triaxial modes'
+    ``kv_allocation`` (None: the model's calibration file)."""
+    mode, _, bits = fmt.partition("@")
+    opts = {"kv_quant": mode}
+    if bits:
+        opts["kv_bits"] = float(bits)
+    if allocation is not None and mode.startswith("triaxial"):
+        opts["kv_allocation"] = allocation
+    return opts
+
+
+def run_quant_example(model, example, setting: str, formats, *, positions: int, max_new: int = MAX_NEW,
+                      allocation=None) -> dict:
     """The full cache of one (example, setting) on the float pool (cell ``full``)
-    and on each KV format in ``formats`` (cells ``kv:<format>``), one session each."""
+    and on each KV format spec in ``formats`` (``format_options``; cells
+    ``kv:<spec>``), one session each. A quantized cell also records ``kv``: the
+    compressed request's live tokens per precision and their bytes after its
+    prefill (``jaxkv.serving.stages.quantization.KVRecord``)."""
     from jaxkv.serving import Session
     from jaxkv.serving.pipeline import Turn, run_to_completion
     from jaxkv.tasks import token_plan
@@ -317,12 +335,17 @@ def run_quant_example(model, example, setting: str, formats, *, positions: int, 
     out = {}
     for fmt in (None, *formats):
         t0 = time.perf_counter()
-        session = Session(model, max_positions=positions, protect_query=False, max_new_tokens=max_new, kv_quant=fmt)
+        options = {"kv_quant": None} if fmt is None else format_options(fmt, allocation)
+        session = Session(model, max_positions=positions, protect_query=False, max_new_tokens=max_new, **options)
         session.server.engine.short_chunk = SHORT_PIECES
         try:
             rendered, measure = request_and_measure(session, example, setting, plan, max_new, reference)
             session._check_length(int(plan.compressed.size) + plan.rest.size + plan.answer.size + max_new, 0)
             result = run_to_completion(single_program(Turn(session, rendered), measure), session.server.engine)
+            stage = session.quantization
+            if stage is not None and stage.records:
+                first = stage.records[0]
+                result["kv"] = {"int2": first.int2, "int4": first.int4, "full": first.full, "bytes": first.bytes}
         finally:
             session.close()
         result["seconds"] = round(time.perf_counter() - t0, 3)

@@ -131,6 +131,15 @@ def test_quant_cells_run_each_format_on_its_own_pool(shallow):
     assert list(out) == ["full", "kv:int4"]
     assert out["full"]["kl"] == 0.0 and all(c["kept"] == n for c in out.values())
     assert out["kv:int4"]["kl"] > 0 and out["kv:int4"]["nll"] != out["full"]["nll"], out["kv:int4"]
+    assert out["kv:int4"]["kv"]["int4"] >= n and out["kv:int4"]["kv"]["int2"] == 0 and "kv" not in out["full"]
+
+
+def test_format_specs_name_a_mode_its_budget_and_allocation():
+    from eval.real_model import format_options
+
+    assert format_options("int4") == {"kv_quant": "int4"}
+    assert format_options("triaxial@2.6", {"x": 1}) == {"kv_quant": "triaxial", "kv_bits": 2.6, "kv_allocation": {"x": 1}}
+    assert format_options("kivi2", {"x": 1}) == {"kv_quant": "kivi2"}
 
 
 def test_quant_report_counts_scales_and_kivis_float_window():
