@@ -178,3 +178,23 @@ def test_report_merges_the_cells_of_one_example_across_journals(tmp_path):
     cells = table[("passkey", 2048, "agnostic")]
     assert set(cells) == {"full", "snapkv@0.5", "intentkv@0.5"}
     assert all(set(by_seed) == {1, 2} for by_seed in cells.values())
+
+
+def test_triaxial_calibration_of_a_real_model_tags_its_conversations_and_streams_its_tables(shallow):
+    """``train.calibrate_triaxial`` on a pretrained model: a passkey request is the
+    question-agnostic conversation with the acknowledgement coded as a reply (-1,
+    written as decode writes it) and every other token tagged; tables built one
+    capture at a time equal those of all captures at once."""
+    from train import calibrate_triaxial as ct
+
+    reqs = list(ct.calibration_requests(shallow, ["passkey", "niah"], 1, 512))
+    assert [t for t, _, _ in reqs] == ["passkey", "niah"]
+    for _, ids, codes in reqs:
+        assert ids.size == codes.size and 0 < (codes == -1).sum() < 16 and (codes >= 0).sum() > 480
+    caps = [ct.Capture(shallow, ids, codes) for _, ids, codes in reqs]
+    streamed = ct.DistortionTables()
+    for cap in caps:
+        streamed.add(cap)
+    assert streamed.tables() == ct.distortion_tables(caps, log=lambda *a: None)
+    with pytest.raises(ValueError, match="unknown calibration task"):
+        list(ct.calibration_requests(shallow, ["chess"], 1, 512))

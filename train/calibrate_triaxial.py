@@ -2,6 +2,25 @@
 
     python -m train.calibrate_triaxial --model embedded --n 24 --workers 2 \\
         --out jaxkv/assets/embedded-agent/triaxial.json --plots eval/results/triaxial
+    python -m train.calibrate_triaxial --model smollm2-135m-instruct --n 8 --sweep-n 8 --error-requests 6
+
+Any model ``jaxkv.load_model`` loads. The embedded model calibrates on its own
+synthetic tasks and its agent accuracy (below). A pretrained model
+(``--tasks``, default ``agent,passkey,niah`` for any model but the embedded one)
+calibrates on agent traces rendered with its template (tools inlined as text
+where the template has no tool section) and on the real-model passkey/niah tasks
+in their question-agnostic conversation (``jaxkv.tasks.haystack``; document,
+acknowledgement, question); its budget sweep runs ``eval.real_model``'s
+quantized cells instead of the harness (a 135M model solves none of the agent
+turns): passkey/niah teacher-forced accuracy (``--sweep-n`` each) and the ``lm``
+continuation's NLL, and the calibrated B is the smallest whose accuracy is within
+one point of full precision and whose NLL increase is at most ``NLL_TOLERANCE``
+(0.05 nats/token). Its ``triaxial.json`` goes to ``<cache>/models/<name>/`` for
+a model loaded by name (where ``kv_quant="triaxial"`` finds it,
+``jaxkv.models.registry.artifact_paths``), else the model's folder, unless
+``--out`` says otherwise; captures are streamed (a 30-layer model's Q/K/V/O of a
+2k request are ~0.4 GB), keeping ``--error-requests`` of them for the
+attention-error table.
 
 ALGORITHMS.md §7 and the paper's §3.1.4, on held-out calibration conversations
 (agent traces and 4-needle MQ-NIAH, seeds disjoint from training and from the
@@ -58,6 +77,9 @@ import numpy as np
 CALIBRATION_SEED = (1 << 30) + 7_000_000  # disjoint from training (< 2**30) and eval (+9e6)
 BUDGETS = tuple(round(2.0 + 0.2 * i, 1) for i in range(11))
 TOLERANCE = 0.01  # one accuracy point
+NLL_TOLERANCE = 0.05  # nats/token on lm: the real-model criterion's second half (issue #26's goal)
+REAL_TASKS = ("agent", "passkey", "niah")
+HAYSTACK_SEED = CALIBRATION_SEED + 800_000  # real-model tasks: disjoint from jaxkv.tasks.haystack.EVAL_SEED
 VARIANTS = {
     "triaxial": ("temporal", "modal", "semantic"),
     "triaxial_no_temporal": ("modal", "semantic"),
@@ -72,6 +94,32 @@ def calibration_examples(n: int, length: int):
 
     return {"agent": agent_traces(n, CALIBRATION_SEED, length=length),
             "mqniah": mqniah(n, CALIBRATION_SEED + 500_000, needles=4, length=length)}
+
+
+def calibration_requests(model, tasks, n: int, length: int):
+    """``(task, ids [T], codes [T])`` per calibration request (``written_codes``):
+    ``agent``/``mqniah``: ``n`` synthetic conversations (rendered for the model's
+    template); ``passkey``/``niah``: ``n`` real-model examples of ``length`` tokens
+    in the question-agnostic conversation, whose last scored turn is the answer."""
+    import types
+
+    from jaxkv.tasks import haystack
+    from jaxkv.tasks.example import for_template
+
+    tok = model.tokenizer
+    synthetic = {t: exs for t, exs in calibration_examples(n, length).items() if t in tasks} if {"agent", "mqniah"} & set(tasks) else {}
+    for task in tasks:
+        if task in synthetic:
+            for ex in synthetic[task]:
+                yield (task, *written_codes(tok, for_template(ex, tok)))
+        elif task in ("passkey", "niah"):
+            for ex in haystack.examples(task, n, length=length, tokenizer=tok, seed=HAYSTACK_SEED):
+                messages = ex.messages("agnostic")
+                conversation = types.SimpleNamespace(messages=messages, tools=None,
+                                                     targets=[types.SimpleNamespace(message_index=len(messages) - 1)])
+                yield (task, *written_codes(tok, conversation))
+        else:
+            raise ValueError(f"unknown calibration task {task!r}; known: agent, mqniah, passkey, niah")
 
 
 def written_codes(tokenizer, example):
@@ -197,24 +245,27 @@ class Capture:
         return np.asarray(mse), np.asarray(rel), np.asarray(last)
 
 
-def distortion_tables(captures, log=print):
-    """Per variant: ``{tag index: (N, D2, D4)}`` (module docstring, step 3)."""
-    from jaxkv.chat.tags import Semantic
-    from jaxkv.policies.quant_allocation import tag_of_codes
+class DistortionTables:
+    """Per variant: ``{tag index: (N, D2, D4)}`` (module docstring, step 3), built
+    one capture at a time (``add``) so captures need not stay in memory."""
 
-    tables = {}
-    memo = {}
-    for name, axes in VARIANTS.items():
-        per_tag: dict[int, dict] = {}
-        for r, cap in enumerate(captures):
-            written = np.flatnonzero(cap.codes >= 0)
+    def __init__(self):
+        self.per_variant: dict[str, dict[int, dict]] = {name: {} for name in VARIANTS}
+
+    def add(self, cap) -> None:
+        from jaxkv.chat.tags import Semantic
+        from jaxkv.policies.quant_allocation import tag_of_codes
+
+        memo = {}  # the same token set under another variant: reuse
+        written = np.flatnonzero(cap.codes >= 0)
+        for name, axes in VARIANTS.items():
             tags = tag_of_codes(cap.codes[written], axes)
             for tag in np.unique(tags):
                 members = written[tags == tag]
-                entry = per_tag.setdefault(int(tag), {"counts": [], "d2": [], "d4": [], "inst": None})
+                entry = self.per_variant[name].setdefault(int(tag), {"counts": [], "d2": [], "d4": [], "inst": None})
                 entry["counts"].append(members.size)
-                key = (r, members.tobytes())
-                if key not in memo:  # the same token set under another variant: reuse
+                key = members.tobytes()
+                if key not in memo:
                     d4 = cap.error(int4_tokens=members)[0].max(axis=1)  # max over heads, per layer
                     d2 = cap.error(int2_tokens=members)[0].max(axis=1)
                     memo[key] = (d2, d4)
@@ -223,12 +274,26 @@ def distortion_tables(captures, log=print):
                 entry["d4"].append(d4)
                 if "semantic" in axes:
                     entry["inst"] = bool((cap.codes[members] % len(Semantic) == Semantic.INST).all())
-        table = {}
-        for tag, e in sorted(per_tag.items()):
-            N = float(np.median(e["counts"])) if e["inst"] else float(np.sum(e["counts"]))
-            # mean over requests (where the tag occurs), then sum over layers
-            table[tag] = (N, float(np.mean(e["d2"], axis=0).sum()), float(np.mean(e["d4"], axis=0).sum()))
-        tables[name] = table
+
+    def tables(self) -> dict:
+        tables = {}
+        for name, per_tag in self.per_variant.items():
+            table = {}
+            for tag, e in sorted(per_tag.items()):
+                N = float(np.median(e["counts"])) if e["inst"] else float(np.sum(e["counts"]))
+                # mean over requests (where the tag occurs), then sum over layers
+                table[tag] = (N, float(np.mean(e["d2"], axis=0).sum()), float(np.mean(e["d4"], axis=0).sum()))
+            tables[name] = table
+        return tables
+
+
+def distortion_tables(captures, log=print):
+    """``DistortionTables`` of a list of captures."""
+    acc = DistortionTables()
+    for cap in captures:
+        acc.add(cap)
+    tables = acc.tables()
+    for name, table in tables.items():
         log(f"{name}: {len(table)} tags")
     return tables
 
@@ -312,6 +377,67 @@ def sweep(model_name, examples, alloc_dict, *, workers, max_new_tokens, length, 
     return full, sorted(out, key=lambda r: r["B"])
 
 
+def real_sweep(model, alloc_dict, *, n: int, length: int, log=print):
+    """The real-model budget sweep (module docstring): full precision and the
+    triaxial allocation at each budget (identical allocations once) on ``n``
+    passkey, ``n`` niah (question-agnostic) and ``n`` lm examples, each example's
+    cells from ``eval.real_model.run_quant_example``."""
+    from eval.real_model import positions_for, run_quant_example
+    from jaxkv.policies.quant_allocation import Allocation
+    from jaxkv.tasks import haystack
+    from tqdm import tqdm
+
+    alloc = Allocation.from_dict(alloc_dict)
+    groups: dict[tuple, list[float]] = {}
+    for B in BUDGETS:
+        groups.setdefault(tuple(alloc.table(B).tolist()), []).append(B)
+    reps = [bs[0] for bs in groups.values()]
+    specs = [f"triaxial@{B}" for B in reps]
+    positions = min(positions_for(length), model.config.max_position_embeddings)
+    examples = [(t, ex) for t in ("passkey", "niah", "lm")
+                for ex in haystack.examples(t, n, length=length, tokenizer=model.tokenizer, seed=HAYSTACK_SEED)]
+    cells: dict[str, list] = {"full": [], **{s: [] for s in specs}}
+    for task, ex in tqdm(examples, desc=f"sweep ({len(reps)} allocations)", unit="ex"):
+        rec = run_quant_example(model, ex, "agnostic", specs, positions=positions, allocation=alloc_dict)
+        for name, res in rec["cells"].items():
+            cells[name.removeprefix("kv:")].append((task, res))
+
+    def summary(name):
+        rows = cells[name]
+        acc = [float(r["tf_correct"]) for t, r in rows if t != "lm"]
+        nll = [r["nll"] for t, r in rows if t == "lm"]
+        kv = [r["kv"] for _, r in rows if "kv" in r]
+        tokens = sum(k["int2"] + k["int4"] + k["full"] for k in kv)
+        return {"accuracy": float(np.mean(acc)), "lm_nll": float(np.mean(nll)),
+                "avg_bits": (sum(2 * k["int2"] + 4 * k["int4"] + 16 * k["full"] for k in kv) / tokens) if tokens else 16.0,
+                "kv_bytes_per_token": (sum(k["bytes"] for k in kv) / tokens) if tokens else None,
+                **{t: float(np.mean([float(r["tf_correct"]) for tt, r in rows if tt == t])) for t in ("passkey", "niah")}}
+
+    full = summary("full")
+    out = []
+    for bs in groups.values():
+        got = summary(f"triaxial@{bs[0]}")
+        for B in bs:
+            out.append({"B": B, **got, "nll_increase": got["lm_nll"] - full["lm_nll"]})
+    for r in sorted(out, key=lambda r: r["B"]):
+        log(f"  B={r['B']}: accuracy {r['accuracy']:.3f} (full {full['accuracy']:.3f}), lm NLL +{r['nll_increase']:.4f}, "
+            f"{r['avg_bits']:.2f} bits")
+    return full, sorted(out, key=lambda r: r["B"])
+
+
+def default_out(model, name: str) -> Path:
+    """Where a calibration for ``model`` goes by default: the embedded model's
+    shipped file, else the first of ``registry.artifact_paths`` that is not a
+    converted copy (a named model's cache folder), else the model's folder."""
+    from jaxkv.models import registry
+    from jaxkv.serving.stages.quantization import CALIBRATION_FILE
+
+    if name == "embedded":
+        return Path("jaxkv/assets/embedded-agent") / CALIBRATION_FILE
+    paths = registry.artifact_paths(model.path, CALIBRATION_FILE)
+    return paths[1] if len(paths) > 1 else paths[0]
+
+
 def _load(name):
     import jaxkv
 
@@ -350,7 +476,14 @@ def plot(data, out_dir: Path):
     ax.set_xlabel("budget B (average bits)")
     ax.set_ylabel("calibration accuracy")
     ax.grid(alpha=0.3)
-    ax.legend(fontsize=8)
+    ax.legend(fontsize=8, loc="lower left")
+    if "nll_increase" in sweep_rows[0]:  # a real model's sweep: the lm criterion too
+        ax2 = ax.twinx()
+        ax2.plot([r["B"] for r in sweep_rows], [r["nll_increase"] for r in sweep_rows], marker="s", color="tab:red",
+                 label="lm NLL increase (nats/token)")
+        ax2.axhline(NLL_TOLERANCE, color="tab:red", linestyle=":", label=f"{NLL_TOLERANCE} nats")
+        ax2.set_ylabel("lm NLL increase over full precision", color="tab:red")
+        ax2.legend(fontsize=8, loc="upper right")
     fig.tight_layout()
     fig.savefig(out_dir / "calibration_sweep.png", dpi=110)
     plt.close(fig)
@@ -359,60 +492,89 @@ def plot(data, out_dir: Path):
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--model", default="embedded")
+    ap.add_argument("--tasks", default=None,
+                    help="calibration tasks (default: agent,mqniah for the embedded model, else agent,passkey,niah)")
     ap.add_argument("--n", type=int, default=24, help="calibration conversations per task")
     ap.add_argument("--length", type=int, default=2048)
     ap.add_argument("--max-new-tokens", type=int, default=64)
     ap.add_argument("--workers", type=int, default=1)
-    ap.add_argument("--out", default="jaxkv/assets/embedded-agent/triaxial.json")
-    ap.add_argument("--plots", default="eval/results/triaxial")
+    ap.add_argument("--sweep-n", type=int, default=8, help="real models: passkey, niah and lm examples of the sweep, each")
+    ap.add_argument("--error-requests", type=int, default=None,
+                    help="captures kept for the attention-error table (default: all; a real model's are large)")
+    ap.add_argument("--out", default=None, help="the calibration file (default: where kv_quant='triaxial' finds it)")
+    ap.add_argument("--plots", default=None, help="plot folder (default: eval/results/triaxial[/<model>])")
     ap.add_argument("--skip-sweep", action="store_true", help="tables only; B = --budget")
     ap.add_argument("--budget", type=float, default=None, help="use this B instead of sweeping")
     ap.add_argument("--replot", action="store_true", help="only redraw the plots from --out")
     args = ap.parse_args(argv)
+    embedded = args.model == "embedded"
+    plots = Path(args.plots or ("eval/results/triaxial" if embedded else f"eval/results/triaxial/{Path(args.model).name}"))
     if args.replot:
-        plot(json.loads(Path(args.out).read_text()), Path(args.plots))
+        plot(json.loads(Path(args.out).read_text()), plots)
         return 0
     log = lambda *a: print(*a, file=sys.stderr, flush=True)  # noqa: E731
+    from tqdm import tqdm
+
     from jaxkv.policies.quant_allocation import Allocation
 
     model = _load(args.model)
-    examples = calibration_examples(args.n, args.length)
+    out = Path(args.out) if args.out else default_out(model, args.model)
+    tasks = [t for t in (args.tasks or ("agent,mqniah" if embedded else ",".join(REAL_TASKS))).split(",") if t]
     t0 = time.perf_counter()
-    captures = [Capture(model, *written_codes(model.tokenizer, ex)) for exs in examples.values() for ex in exs]
-    log(f"captured {len(captures)} requests ({time.perf_counter() - t0:.0f} s)")
-    tables = distortion_tables(captures, log)
-    log(f"distortion tables ({time.perf_counter() - t0:.0f} s)")
+    acc, kept, n_requests = DistortionTables(), [], 0
+    for task, ids, codes in tqdm(calibration_requests(model, tasks, args.n, args.length), total=args.n * len(tasks),
+                                 desc="capture + distortion", unit="request"):
+        cap = Capture(model, ids, codes)
+        acc.add(cap)
+        n_requests += 1
+        if args.error_requests is None or len(kept) < args.error_requests:
+            kept.append(cap)
+    tables = acc.tables()
+    log(f"captured {n_requests} requests, distortion tables ({time.perf_counter() - t0:.0f} s)")
     tri = allocation_dict(VARIANTS["triaxial"], tables["triaxial"], 4.0)
     full, sweep_rows = None, []
-    if args.budget is not None:
-        budget = args.budget
-    else:
+    if args.budget is not None or args.skip_sweep:
+        budget = args.budget if args.budget is not None else max(BUDGETS)
+        criterion = "given (--budget)"
+    elif embedded:
+        examples = {t: exs for t, exs in calibration_examples(args.n, args.length).items() if t in tasks}
         full, sweep_rows = sweep(args.model, examples, tri, workers=args.workers, max_new_tokens=args.max_new_tokens,
                                  length=args.length, log=log)
         ok = [r["B"] for r in sweep_rows if r["accuracy"] >= full["accuracy"] - TOLERANCE]
         budget = min(ok) if ok else max(BUDGETS)  # none within a point: the most precise budget
+        criterion = f"smallest B in {list(BUDGETS)} whose pooled calibration accuracy is within {TOLERANCE:.2f} of full precision"
+    else:
+        full, sweep_rows = real_sweep(model, tri, n=args.sweep_n, length=args.length, log=log)
+        ok = [r["B"] for r in sweep_rows
+              if r["accuracy"] >= full["accuracy"] - TOLERANCE and r["nll_increase"] <= NLL_TOLERANCE]
+        budget = min(ok) if ok else max(BUDGETS)
+        criterion = (f"smallest B in {list(BUDGETS)} whose passkey/niah teacher-forced accuracy is within {TOLERANCE:.2f} "
+                     f"of full precision and whose lm NLL increase is at most {NLL_TOLERANCE} nats/token")
     log(f"calibrated B = {budget}")
     variants = {}
     for name, axes in VARIANTS.items():
         d = allocation_dict(axes, tables[name], budget)
         d["bits"] = Allocation.from_dict(d).bits()
         variants[name] = d
-    errors = attention_errors(captures, Allocation.from_dict(variants["triaxial"]), budget)
+    errors = attention_errors(kept, Allocation.from_dict(variants["triaxial"]), budget)
     data = {
         "model": args.model,
         "budget": budget,
-        "criterion": f"smallest B in {list(BUDGETS)} whose pooled calibration accuracy is within {TOLERANCE:.2f} of full precision",
-        "calibration": {"seed": CALIBRATION_SEED, "n_per_task": args.n, "tasks": list(examples), "length": args.length,
-                        "requests": len(captures), "command": "python -m train.calibrate_triaxial " + " ".join(argv or sys.argv[1:])},
+        "criterion": criterion,
+        "calibration": {"seed": CALIBRATION_SEED, "n_per_task": args.n, "tasks": tasks, "length": args.length,
+                        "requests": n_requests, "error_requests": len(kept), "seconds": round(time.perf_counter() - t0, 1),
+                        "command": "python -m train.calibrate_triaxial " + " ".join(argv or sys.argv[1:])},
         "full_precision": full,
         "sweep": sweep_rows,
         "attention_error": errors,
         "variants": variants,
     }
-    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.out).write_text(json.dumps(data, indent=1) + "\n")
-    plot(data, Path(args.plots))
-    log(f"wrote {args.out} ({time.perf_counter() - t0:.0f} s)")
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(data, indent=1) + "\n")
+    plot(data, plots)
+    if not embedded:
+        (plots / "triaxial.json").write_text(out.read_text())  # the calibration beside its plots, in the report
+    log(f"wrote {out} ({time.perf_counter() - t0:.0f} s)")
     print(json.dumps({k: data[k] for k in ("budget", "full_precision", "attention_error")}, indent=1))
     for name, v in variants.items():
         print(name, v["bits"])
