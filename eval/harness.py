@@ -985,7 +985,8 @@ def _names(text, allowed, what):
     if bad or not names:
         from jaxkv.errors import ConfigError
 
-        raise ConfigError(f"unknown {what} {bad or text!r}; known: {', '.join(allowed)}")
+        known = ", ".join(allowed) if allowed is not None else "a non-empty comma list"
+        raise ConfigError(f"unknown {what} {bad or text!r}; known: {known}")
     return names
 
 

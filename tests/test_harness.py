@@ -214,7 +214,7 @@ def test_fractional_budgets_are_a_share_of_each_examples_rendered_length(task_mo
     from jaxkv.chat import render
 
     assert harness.parse_budgets("0.5,0.65,700") == [0.5, 0.65, 700]
-    for bad in ("1.5", "0", "0.0", "-3", "half"):
+    for bad in ("1.5", "0", "0.0", "-3", "half", ""):
         with pytest.raises(ValueError):
             harness.parse_budgets(bad)
     model = jaxkv.load_model(task_model_dir)
