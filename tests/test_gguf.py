@@ -349,3 +349,16 @@ def test_a_converted_tokenizer_is_cached_per_file_and_converter(tmp_path, monkey
     os.utime(path, ns=(stat.st_atime_ns, stat.st_mtime_ns + 10**9))
     jaxkv_gguf.read_tokenizer(reader, path)
     assert conversions == ["model.gguf"] * 2  # a changed file is converted afresh
+
+
+def test_the_shipped_intentkv_head_is_smollm2s(smollm2):
+    """The head in ``jaxkv/assets/smollm2-135m-instruct`` passes the model check for
+    SmolLM2 (head_dim and signature) and is refused for the embedded model."""
+    from jaxkv.errors import ConfigError
+    from jaxkv.models import registry
+    from jaxkv.policies import intentkv_head as ih
+
+    head = ih.load_head(registry.SHIPPED_ASSETS / "smollm2-135m-instruct" / ih.HEAD_FOLDER)
+    ih.check_head_model(head, smollm2[0].config)
+    with pytest.raises(ConfigError):
+        ih.check_head_model(head, jaxkv.load_model("embedded").config)
