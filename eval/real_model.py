@@ -344,8 +344,7 @@ def run_quant_example(model, example, setting: str, formats, *, positions: int, 
             result = run_to_completion(single_program(Turn(session, rendered), measure), session.server.engine)
             stage = session.quantization
             if stage is not None and stage.records:
-                first = stage.records[0]
-                result["kv"] = {"int2": first.int2, "int4": first.int4, "full": first.full, "bytes": first.bytes}
+                result["kv"] = dataclasses.asdict(stage.records[0])
         finally:
             session.close()
         result["seconds"] = round(time.perf_counter() - t0, 3)

@@ -384,6 +384,7 @@ def real_sweep(model, alloc_dict, *, n: int, length: int, log=print):
     cells from ``eval.real_model.run_quant_example``."""
     from eval.real_model import positions_for, run_quant_example
     from jaxkv.policies.quant_allocation import Allocation
+    from jaxkv.serving.stages.quantization import KVRecord, summarize
     from jaxkv.tasks import haystack
     from tqdm import tqdm
 
@@ -406,11 +407,9 @@ def real_sweep(model, alloc_dict, *, n: int, length: int, log=print):
         rows = cells[name]
         acc = [float(r["tf_correct"]) for t, r in rows if t != "lm"]
         nll = [r["nll"] for t, r in rows if t == "lm"]
-        kv = [r["kv"] for _, r in rows if "kv" in r]
-        tokens = sum(k["int2"] + k["int4"] + k["full"] for k in kv)
-        return {"accuracy": float(np.mean(acc)), "lm_nll": float(np.mean(nll)),
-                "avg_bits": (sum(2 * k["int2"] + 4 * k["int4"] + 16 * k["full"] for k in kv) / tokens) if tokens else 16.0,
-                "kv_bytes_per_token": (sum(k["bytes"] for k in kv) / tokens) if tokens else None,
+        records = [KVRecord(**r["kv"]) for _, r in rows if "kv" in r]  # the float cell has none: 16 bits
+        kv = summarize(records) if records else {"avg_bits": 16.0, "kv_bytes_per_token": None}
+        return {"accuracy": float(np.mean(acc)), "lm_nll": float(np.mean(nll)), **kv,
                 **{t: float(np.mean([float(r["tf_correct"]) for tt, r in rows if tt == t])) for t in ("passkey", "niah")}}
 
     full = summary("full")
