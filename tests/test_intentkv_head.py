@@ -25,7 +25,7 @@ import pytest
 
 import jaxkv
 from jaxkv.config import ModelConfig
-from jaxkv.serving.stages.retention import score_and_select
+from jaxkv.serving.stages.retention import head_folder_of, score_and_select
 from jaxkv.policies import EventFeatures, get_policy
 from jaxkv.policies import intentkv_head as ih
 from jaxkv.policies.intentkv import QueryMemory
@@ -392,7 +392,7 @@ def test_an_exported_head_is_what_sessions_on_its_model_load_and_carries_its_car
     with pytest.raises(ConfigError, match="intentkv-head"):
         Session(jaxkv.load_model(task_model_dir), policy="intentkv", budget=700)
     model = jaxkv.load_model(folder / "model")
-    assert ih.head_folder_of(model) == exported
+    assert head_folder_of(model) == exported
     session = Session(model, policy="intentkv", budget=700, max_positions=2048)
     (stage,) = [s for s in session.stages if s.name == "retention"]
     assert stage.spec.config.head == str(exported)
@@ -519,8 +519,8 @@ def test_a_named_models_head_is_found_beside_its_converted_copy(tmp_path, monkey
     converted.mkdir(parents=True)
     model = types.SimpleNamespace(path=converted)
     shipped = registry.SHIPPED_ASSETS / name / ih.HEAD_FOLDER
-    assert ih.head_folder_of(model) == (shipped if (shipped / ih.CONFIG_FILE).is_file() else None)
+    assert head_folder_of(model) == (shipped if (shipped / ih.CONFIG_FILE).is_file() else None)
     shutil.copytree(trained_like_head, registry.model_dir(name) / ih.HEAD_FOLDER)
-    assert ih.head_folder_of(model) == registry.model_dir(name) / ih.HEAD_FOLDER
-    assert ih.head_folder_of(types.SimpleNamespace(path=tmp_path / "elsewhere")) is None
-    assert ih.head_folder_of(types.SimpleNamespace(path=None)) is None
+    assert head_folder_of(model) == registry.model_dir(name) / ih.HEAD_FOLDER
+    assert head_folder_of(types.SimpleNamespace(path=tmp_path / "elsewhere")) is None
+    assert head_folder_of(types.SimpleNamespace(path=None)) is None

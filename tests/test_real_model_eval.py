@@ -69,7 +69,7 @@ def test_a_branched_cell_is_its_policy_alone(shallow):
     cells = [Cell(None)] + [Cell(p, 0.5) for p in POLICIES]
 
     session = Session(shallow, max_positions=512, protect_query=False)
-    stages = [None] + [_retention_stage(c, budget) for c in cells[1:]]
+    stages = [None] + [_retention_stage(c, budget, shallow) for c in cells[1:]]
     probe = ProbeStage(stages[1:])
     session.stages = sorted(list(session.stages) + [probe], key=lambda s: s.order)
     turn = Turn(session, session._render(ex.messages("aware")[:1], None, add_generation_prompt=True))

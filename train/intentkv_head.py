@@ -46,7 +46,7 @@ metrics), ``head.safetensors`` + ``head.json`` (config, base model, training rec
 ``summary.json`` and ``README.md`` (the head's card). ``--export DIR`` copies the
 head, its plot and card to ``DIR``: ``<model folder>/intentkv-head`` is where
 ``Session(model, policy="intentkv")`` finds a model's head
-(``jaxkv.policies.intentkv_head.head_folder_of``).
+(``jaxkv.serving.stages.retention.head_folder_of``).
 """
 
 from __future__ import annotations

@@ -260,22 +260,6 @@ _TRAIN_ONE = (f"Train one for this model with `python -m train.intentkv_data --m
               f"or pass head=PATH.")
 
 
-def head_folder_of(model) -> Path | None:
-    """The head trained for ``model``, or None (``IntentKVConfig``'s default then:
-    the embedded model's head, which ``check_head_model`` refuses for any other
-    model). Looked for, first found wins:
-
-    1. ``<model folder>/intentkv-head`` (a checkpoint folder; the embedded model's
-       ships there);
-    2. for a reference model loaded by name, ``<cache>/models/<name>/intentkv-head``
-       (``train.intentkv_head --export``; outside the converted copy, which a
-       reconversion replaces), then the head shipped in ``jaxkv/assets/<name>/``."""
-    from jaxkv.models import registry
-
-    candidates = registry.artifact_paths(getattr(model, "path", None), HEAD_FOLDER)
-    return next((c for c in candidates if (c / CONFIG_FILE).is_file()), None)
-
-
 def load_head(folder=None) -> Head:
     """Read a head saved by ``save_head`` (default: the one shipped for the embedded model).
 

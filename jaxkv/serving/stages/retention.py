@@ -38,8 +38,11 @@ from jaxkv.buckets import bucket, event_sizes
 from jaxkv.cache.allocator import SENTINEL_SLOT
 from jaxkv.chat.tags import Phase
 from jaxkv.errors import ConfigError
+from jaxkv.models import registry
 from jaxkv.policies import EventFeatures, Observation, get_policy, layouts
 from jaxkv.policies.base import select
+from jaxkv.policies.intentkv_head import CONFIG_FILE as HEAD_CONFIG_FILE
+from jaxkv.policies.intentkv_head import HEAD_FOLDER
 from jaxkv.policies.layouts import LAYOUTS
 from jaxkv.serving.stages.base import Capture, Stage, register
 
@@ -52,6 +55,22 @@ def window_rows(needs) -> int:
     """Query rows of every event's observation window (``EventFeatures.window_q_LWHD``),
     padded to the policy's window so an event's shape depends only on its live bucket."""
     return max(int(needs.window), 1)
+
+
+def head_folder_of(model):
+    """The IntentKV head trained for ``model``, or None (``IntentKVConfig``'s default
+    then: the embedded model's head, which ``check_head_model`` refuses for any other
+    model). Looked for, first found wins (``registry.artifact_paths``):
+
+    1. ``<model folder>/intentkv-head`` (a checkpoint folder; the embedded model's
+       ships there);
+    2. for a reference model loaded by name, ``<cache>/models/<name>/intentkv-head``
+       (``train.intentkv_head --export``; outside the converted copy, which a
+       reconversion replaces), then the head shipped in ``jaxkv/assets/<name>/``.
+
+    Lives here, not in ``policies``, because policies never import ``models``."""
+    candidates = registry.artifact_paths(getattr(model, "path", None), HEAD_FOLDER)
+    return next((c for c in candidates if (c / HEAD_CONFIG_FILE).is_file()), None)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -67,12 +86,10 @@ class RetentionSpec:
     def make(cls, name, budget, layout, options, model=None):
         """``model``: the session's model; a policy with a learned head (``head``
         in its config) and none given takes the head trained for that model
-        (``<model folder>/intentkv-head``, ``intentkv_head.head_folder_of``)."""
+        (``head_folder_of``)."""
         policy = get_policy(name)
         options = dict(options)
         if options.get("head") is None and "head" in {f.name for f in dataclasses.fields(policy.config)}:
-            from jaxkv.policies.intentkv_head import head_folder_of
-
             found = head_folder_of(model)
             if found is not None:
                 options["head"] = str(found)
