@@ -41,6 +41,7 @@ COUNTERPARTS = {
     "random": "RandomPress",
 }
 BOOTSTRAP = 2000
+HEAD, HEAD_RULE = "intentkv", "intentkv_memory"  # IntentKV's learned head and the rule it corrects (issue #27)
 
 
 def read(path: Path) -> list[dict]:
@@ -157,6 +158,59 @@ def best_cell(cells: dict, ratio: float, key: str, lower_better: bool = False):
     return (best[1], best[2]) if best else (None, None)
 
 
+def answer_nll_increase(cells: dict) -> dict:
+    """``{cell: {seed: {"inc": answer NLL minus the full cache's}}}`` over the
+    examples that also ran the full cache; each side against its own full cache
+    (kvpress's torch numerics and kept counts differ slightly from jaxkv's)."""
+    full = cells.get("full", {})
+    return {name: {s: {"inc": float(r["answer_nll"]) - float(full[s]["answer_nll"])} for s, r in by_seed.items() if s in full}
+            for name, by_seed in cells.items() if name != "full" and ":" not in name}
+
+
+def head_fidelity(tables: dict, key: tuple, ratios: list) -> list[str]:
+    """Issue #27's fidelity table on a retrieval task: every method's mean NLL
+    increase on the answer tokens over its side's full cache, and the learned
+    head (``intentkv``) paired against its rule (``intentkv_memory``) and against
+    the best baseline at each ratio (the lowest mean increase of any other
+    method, either side, among those run on at least half of the head's examples). Differences are head minus other: negative is better.
+    KL is not recorded for retrieval cells (their answers are scored by NLL and
+    argmax only)."""
+    inc = {side: answer_nll_increase(tables[side].get(key, {})) for side in SIDES}
+    lines = [f"Answer NLL increase over the full cache (nats/token [95% interval]; issue #27's fidelity measure on the answer tokens):", "",
+             "| side | method | " + " | ".join(f"ratio {x:g}" for x in ratios) + " |", "|---|---|" + "---:|" * len(ratios)]
+    for side in SIDES:
+        for m in sorted({split_cell(n)[0] for n in inc[side]}):
+            row = []
+            for x in ratios:
+                by_seed = inc[side].get(f"{m}@{x:g}")
+                row.append(fmt_ci(*mean_ci([r["inc"] for r in by_seed.values()]), pct=False) if by_seed else "-")
+            lines.append(f"| {side} | {m} | " + " | ".join(row) + " |")
+    pairs = []
+    for x in ratios:
+        head = inc["jaxkv"].get(f"{HEAD}@{x:g}")
+        if not head:
+            continue
+        # a baseline competes on at least half of the head's examples (a 3-example pilot does not)
+        others = [(side, name, by_seed) for side in SIDES for name, by_seed in inc[side].items()
+                  if split_cell(name)[1] == x and split_cell(name)[0] != HEAD and 2 * len(set(by_seed) & set(head)) >= len(head)]
+        if not others:
+            continue
+        best = min(others, key=lambda o: np.mean([r["inc"] for r in o[2].values()]))
+        rule = next(((s, n, b) for s, n, b in others if (s, split_cell(n)[0]) == ("jaxkv", HEAD_RULE)), None)
+        for label, other in (("rule", rule), ("best baseline", best)):
+            if other is None:
+                continue
+            res = paired(head, other[2], "inc")
+            if res:
+                g, lo, hi, n = res
+                pairs.append(f"| {x:g} | {label}: {other[0]} {split_cell(other[1])[0]} | {n} | {g:+.3f} [{lo:+.3f}, {hi:+.3f}] |")
+    if pairs:
+        lines += ["", f"The learned head (`{HEAD}`) against its rule and the best baseline, paired on common examples "
+                  "(head minus other, nats/token; negative: the head keeps the answer closer to the full cache):", "",
+                  "| ratio | against | n | difference [95%] |", "|---:|---|---:|---:|", *pairs]
+    return lines + [""]
+
+
 def report(root: Path, min_full: float = 0.5) -> str:
     tables = {side: verdicts([rec for f in journals(root / side) for rec in read(f)]) for side in SIDES}
     rows = [r for side in SIDES for r in rows_for(side, tables[side])]
@@ -254,6 +308,8 @@ def report(root: Path, min_full: float = 0.5) -> str:
                         cp.append(f"| {jm} vs {km} | {x:g} | {n} | {g * s:+.{3 if lower else 0}f} [{lo * s:+.{3 if lower else 0}f}, {hi * s:+.{3 if lower else 0}f}] |")
         if cp:
             lines += ["Counterparts (jaxkv minus kvpress, paired):", "", "| pair | ratio | n | difference [95%] |", "|---|---:|---:|---:|", *cp, ""]
+        if task != "lm" and any(split_cell(n)[0] == HEAD for n in jx):
+            lines += head_fidelity(tables, key, ratios)
         repair = sorted(n for n in jx if n.startswith("repairkv"))
         if repair and task != "lm":
             rl = []

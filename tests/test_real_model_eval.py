@@ -180,6 +180,27 @@ def test_report_merges_the_cells_of_one_example_across_journals(tmp_path):
     assert all(set(by_seed) == {1, 2} for by_seed in cells.values())
 
 
+def test_head_fidelity_pairs_answer_nll_increases_against_the_rule_and_a_best_baseline_with_enough_examples():
+    """Issue #27 on passkey/niah: each cell's answer NLL minus its own side's full
+    cache, the head paired with its rule and with the best baseline; a baseline run
+    on fewer than half of the head's examples (a pilot) cannot be the best."""
+    from eval import real_model_report as rep
+
+    seeds = range(10)
+    def side(full, cells):
+        table = {"full": {s: {"answer_nll": full} for s in seeds}}
+        for name, (value, n) in cells.items():
+            table[name] = {s: {"answer_nll": full + value + 0.01 * s} for s in list(seeds)[:n]}
+        return {("passkey", 2048, "agnostic"): table}
+    tables = {"jaxkv": side(0.1, {"intentkv@0.5": (1.0, 10), "intentkv_memory@0.5": (1.5, 10), "snapkv@0.5": (0.8, 10)}),
+              "kvpress": side(0.3, {"KeyDiffPress@0.5": (0.0, 3), "TOVAPress@0.5": (0.7, 5)})}
+    inc = rep.answer_nll_increase(tables["kvpress"][("passkey", 2048, "agnostic")])
+    assert inc["TOVAPress@0.5"][4]["inc"] == pytest.approx(0.74)  # against kvpress's own full cache
+    lines = rep.head_fidelity(tables, ("passkey", 2048, "agnostic"), [0.5])
+    pairs = [line for line in lines if line.startswith("| 0.5 |")]
+    assert pairs == ["| 0.5 | rule: jaxkv intentkv_memory | 10 | -0.500 [-0.500, -0.500] |",
+                     "| 0.5 | best baseline: kvpress TOVAPress | 5 | +0.300 [+0.300, +0.300] |"]
+
 def test_triaxial_calibration_of_a_real_model_tags_its_conversations_and_streams_its_tables(shallow):
     """``train.calibrate_triaxial`` on a pretrained model: a passkey request is the
     question-agnostic conversation with the acknowledgement coded as a reply (-1,
