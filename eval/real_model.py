@@ -13,7 +13,11 @@ when its prefill ends, to ``budget_for_ratio`` live tokens, then feeds the rest
 and the answer with no further event:
 
 * teacher forced: the answer's digit tokens' exact argmax (``tf_correct``) and
-  their mean NLL (``answer_nll``);
+  their mean NLL (``answer_nll``). The answer's other tokens are given, not
+  scored: SmolLM2 writes a space token before a number, and a cell whose argmax
+  there is another word (" a unique identifier ...") still scores its digits.
+  That is where greedy and teacher-forced scores part (question-agnostic passkey:
+  every such gap, all methods);
 * greedy: up to ``haystack.reply_budget`` tokens from the same cache, scored by
   ``reply_correct`` (``gen_correct``). Greedy decoding emits the answer's tokens for
   as long as each is the argmax of its teacher-forced row (by induction on the
