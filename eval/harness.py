@@ -759,7 +759,37 @@ def fidelity_comparison_markdown(rows, task: str) -> str:
                 gain = f"{d[0]:+.4f} [{d[1]:+.4f}, {d[2]:+.4f}]"
             lines.append(f"| {r['method']} | {r['nll_increase']:+.4f} | {r['kl']:.4f} | {gain} | {r['fidelity_tokens']} | {r['accuracy']:.3f} |")
         lines.append("")
+        lines += head_verdict(col, ref)
     return "\n".join(lines)
+
+
+HEAD, HEAD_RULE = "intentkv", "intentkv_memory"  # IntentKV's learned head and the rule it corrects
+
+
+def head_verdict(col: list, ref: dict) -> list[str]:
+    """Issue #27's verdict in one (layout, budget) column where the learned head ran:
+    the head minus its rule (paired, the minimum) and whether it has the lowest NLL
+    increase of every method with its interval against the best baseline clear of
+    zero (the goal), among the methods in the column (``--report-only`` lists the
+    grid's cells not run yet)."""
+    head = next((r for r in col if r["method"] == HEAD), None)
+    if head is None:
+        return []
+    rule = next((r for r in col if r["method"] == HEAD_RULE), None)
+    lines = []
+    if rule is not None:
+        d, lo, hi = paired_nll_difference(head[PER_EXAMPLE]["fidelity"], rule[PER_EXAMPLE]["fidelity"])
+        beats = "beats its rule" if hi < 0 else ("loses to its rule" if lo > 0 else "does not separate from its rule")
+        lines.append(f"- Minimum: the head minus `{HEAD_RULE}`: {d:+.4f} [{lo:+.4f}, {hi:+.4f}]: the head {beats}.")
+    d, lo, hi = paired_nll_difference(head[PER_EXAMPLE]["fidelity"], ref[PER_EXAMPLE]["fidelity"])
+    lowest = min(col, key=lambda r: r["nll_increase"])["method"] == HEAD
+    met = lowest and hi < 0
+    lines.append(f"- Goal: the head minus the best baseline (`{ref['method']}`): {d:+.4f} [{lo:+.4f}, {hi:+.4f}]; "
+                 + ("met (lowest of all methods, interval below zero)." if met else
+                    f"not met ({'lowest, but the interval includes zero' if lowest else 'not the lowest NLL increase'})."))
+    if rule is None:
+        lines.append(f"- Minimum: `{HEAD_RULE}` is not in this column yet.")
+    return lines + [""]
 
 
 def quant_table(rows, task: str) -> str:

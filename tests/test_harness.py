@@ -249,6 +249,15 @@ def test_fidelity_differences_are_paired_over_examples_against_the_lowest_baseli
     assert "best baseline snapkv (+0.2500)" in md
     lines = [x for x in md.splitlines() if x.startswith("| intentkv") or x.startswith("| h2o")]
     assert lines[0].startswith("| intentkv | +0.1875") and lines[1].startswith("| h2o | +0.4000 | 0.4000 | +0.1500")
+    # the verdicts: without its rule in the column only the goal, here met
+    assert "- Goal: the head minus the best baseline (`snapkv`): -0.0625" in md and "met (lowest" in md
+    assert "- Minimum: `intentkv_memory` is not in this column yet." in md
+    rule = row("intentkv_memory", [0.4, 1.4, 1.9, 3.4])  # better on every example: the best baseline now
+    md = harness.fidelity_comparison_markdown([h2o, head, snap, rule], "agent")
+    assert "- Minimum: the head minus `intentkv_memory`: +0.0100" in md and "loses to its rule" in md
+    assert "best baseline (`intentkv_memory`)" in md and "not met (not the lowest NLL increase)" in md
+    worse = row("intentkv_memory", [0.6, 1.6, 2.1, 3.6])
+    assert "the head beats its rule" in harness.fidelity_comparison_markdown([h2o, head, snap, worse], "agent")
 
 
 def test_teacher_forced_accuracy_counts_a_turn_only_when_every_reply_token_is_the_argmax(task_model_dir, tmp_path):
