@@ -201,6 +201,7 @@ def test_head_fidelity_pairs_answer_nll_increases_against_the_rule_and_a_best_ba
     assert pairs == ["| 0.5 | rule: jaxkv intentkv_memory | 10 | -0.500 [-0.500, -0.500] |",
                      "| 0.5 | best baseline: kvpress TOVAPress | 5 | +0.300 [+0.300, +0.300] |"]
 
+
 def test_triaxial_calibration_of_a_real_model_tags_its_conversations_and_streams_its_tables(shallow):
     """``train.calibrate_triaxial`` on a pretrained model: a passkey request is the
     question-agnostic conversation with the acknowledgement coded as a reply (-1,
@@ -217,5 +218,13 @@ def test_triaxial_calibration_of_a_real_model_tags_its_conversations_and_streams
     for cap in caps:
         streamed.add(cap)
     assert streamed.tables() == ct.distortion_tables(caps, log=lambda *a: None)
+    # a resumed run merges the journaled entries (JSON: string tags) instead of replaying
+    import json
+
+    journaled = [json.loads(json.dumps(ct.DistortionTables.request_entries(cap))) for cap in caps]
+    resumed = ct.DistortionTables()
+    for entries in journaled:
+        resumed.merge(entries)
+    assert resumed.tables() == streamed.tables()
     with pytest.raises(ValueError, match="unknown calibration task"):
         list(ct.calibration_requests(shallow, ["chess"], 1, 512))

@@ -56,6 +56,13 @@ Also reported, on the captured K/V: the attention-output error of each format
 (int4, int2, kivi2, triaxial at the calibrated B): relative error of every
 query row and of the last row (a decode step), per layer.
 
+Resumable (``--resume``): each request's distortion entries and each sweep
+example's cells are journaled as they finish in ``--work`` (``distortion.jsonl``,
+``sweep.jsonl``; default ``runs/calibrate-triaxial/<model>``); a resumed run with
+the same setup merges them instead of replaying (the attention-error table's
+captures are recomputed: one forward each), and sweep examples are reused only
+under the same allocations.
+
 Outputs: the JSON allocation (``--out``: tag table with N, D(2), D(4) per
 variant, the calibrated B, the sweep, the attention errors), and in ``--plots``
 ``dk_per_tag.png`` (D_k(2) and D_k(4) per tag) and ``calibration_sweep.png``.
@@ -247,33 +254,53 @@ class Capture:
 
 class DistortionTables:
     """Per variant: ``{tag index: (N, D2, D4)}`` (module docstring, step 3), built
-    one capture at a time (``add``) so captures need not stay in memory."""
+    one capture at a time (``add``) so captures need not stay in memory. A
+    request's contribution (``request_entries``) is plain JSON, so a run can
+    journal it and a resumed run ``merge`` it back instead of replaying."""
 
     def __init__(self):
         self.per_variant: dict[str, dict[int, dict]] = {name: {} for name in VARIANTS}
 
-    def add(self, cap) -> None:
+    @staticmethod
+    def request_entries(cap) -> dict:
+        """``{variant: {tag: {"count", "d2" [L], "d4" [L], "inst"}}}`` of one capture."""
         from jaxkv.chat.tags import Semantic
         from jaxkv.policies.quant_allocation import tag_of_codes
 
         memo = {}  # the same token set under another variant: reuse
         written = np.flatnonzero(cap.codes >= 0)
+        out = {}
         for name, axes in VARIANTS.items():
             tags = tag_of_codes(cap.codes[written], axes)
+            out[name] = {}
             for tag in np.unique(tags):
                 members = written[tags == tag]
-                entry = self.per_variant[name].setdefault(int(tag), {"counts": [], "d2": [], "d4": [], "inst": None})
-                entry["counts"].append(members.size)
                 key = members.tobytes()
                 if key not in memo:
                     d4 = cap.error(int4_tokens=members)[0].max(axis=1)  # max over heads, per layer
                     d2 = cap.error(int2_tokens=members)[0].max(axis=1)
-                    memo[key] = (d2, d4)
+                    memo[key] = (d2.tolist(), d4.tolist())
                 d2, d4 = memo[key]
-                entry["d2"].append(d2)
-                entry["d4"].append(d4)
-                if "semantic" in axes:
-                    entry["inst"] = bool((cap.codes[members] % len(Semantic) == Semantic.INST).all())
+                inst = bool((cap.codes[members] % len(Semantic) == Semantic.INST).all()) if "semantic" in axes else None
+                out[name][int(tag)] = {"count": int(members.size), "d2": d2, "d4": d4, "inst": inst}
+        return out
+
+    def merge(self, entries: dict) -> None:
+        """Add one request's ``request_entries`` (tags may be JSON strings)."""
+        for name, per_tag in entries.items():
+            for tag, e in per_tag.items():
+                entry = self.per_variant[name].setdefault(int(tag), {"counts": [], "d2": [], "d4": [], "inst": None})
+                entry["counts"].append(e["count"])
+                entry["d2"].append(np.asarray(e["d2"]))
+                entry["d4"].append(np.asarray(e["d4"]))
+                if e["inst"] is not None:
+                    entry["inst"] = e["inst"]
+
+    def add(self, cap) -> dict:
+        """Add one capture; returns its ``request_entries``."""
+        entries = self.request_entries(cap)
+        self.merge(entries)
+        return entries
 
     def tables(self) -> dict:
         tables = {}
@@ -377,11 +404,14 @@ def sweep(model_name, examples, alloc_dict, *, workers, max_new_tokens, length, 
     return full, sorted(out, key=lambda r: r["B"])
 
 
-def real_sweep(model, alloc_dict, *, n: int, length: int, log=print):
+def real_sweep(model, alloc_dict, *, n: int, length: int, log=print, journal: Path | None = None, resume: bool = False):
     """The real-model budget sweep (module docstring): full precision and the
     triaxial allocation at each budget (identical allocations once) on ``n``
     passkey, ``n`` niah (question-agnostic) and ``n`` lm examples, each example's
-    cells from ``eval.real_model.run_quant_example``."""
+    cells from ``eval.real_model.run_quant_example``. With ``journal`` each
+    example's cells are appended as it finishes; ``resume`` reuses those of the
+    same allocations (a changed distortion table changes them: nothing reused)."""
+    from eval.harness import append_journal, load_journal
     from eval.real_model import positions_for, run_quant_example
     from jaxkv.policies.quant_allocation import Allocation
     from jaxkv.serving.stages.quantization import KVRecord, summarize
@@ -398,8 +428,17 @@ def real_sweep(model, alloc_dict, *, n: int, length: int, log=print):
     examples = [(t, ex) for t in ("passkey", "niah", "lm")
                 for ex in haystack.examples(t, n, length=length, tokenizer=model.tokenizer, seed=HAYSTACK_SEED)]
     cells: dict[str, list] = {"full": [], **{s: [] for s in specs}}
-    for task, ex in tqdm(examples, desc=f"sweep ({len(reps)} allocations)", unit="ex"):
-        rec = run_quant_example(model, ex, "agnostic", specs, positions=positions, allocation=alloc_dict)
+    setup = {"allocations": {s: alloc.table(B).tolist() for s, B in zip(specs, reps)}, "n": n, "length": length}
+    if journal is not None and not resume and journal.exists():
+        journal.unlink()
+    done = load_journal(journal, setup) if journal is not None and resume else {}
+    for i, (task, ex) in enumerate(tqdm(examples, desc=f"sweep ({len(reps)} allocations)", unit="ex")):
+        key = f"{task}:{i}"
+        rec = done.get(key)
+        if rec is None:
+            rec = run_quant_example(model, ex, "agnostic", specs, positions=positions, allocation=alloc_dict)
+            if journal is not None:
+                append_journal(journal, {"setup": setup, "key": key, "row": rec})
         for name, res in rec["cells"].items():
             cells[name.removeprefix("kv:")].append((task, res))
 
@@ -505,6 +544,10 @@ def main(argv=None) -> int:
     ap.add_argument("--skip-sweep", action="store_true", help="tables only; B = --budget")
     ap.add_argument("--budget", type=float, default=None, help="use this B instead of sweeping")
     ap.add_argument("--replot", action="store_true", help="only redraw the plots from --out")
+    ap.add_argument("--work", default=None,
+                    help="journals of finished requests (distortion.jsonl, sweep.jsonl; default runs/calibrate-triaxial/<model>)")
+    ap.add_argument("--resume", action="store_true",
+                    help="reuse the journaled requests and sweep examples of the same setup instead of replaying them")
     args = ap.parse_args(argv)
     embedded = args.model == "embedded"
     plots = Path(args.plots or ("eval/results/triaxial" if embedded else f"eval/results/triaxial/{Path(args.model).name}"))
@@ -520,13 +563,31 @@ def main(argv=None) -> int:
     out = Path(args.out) if args.out else default_out(model, args.model)
     tasks = [t for t in (args.tasks or ("agent,mqniah" if embedded else ",".join(REAL_TASKS))).split(",") if t]
     t0 = time.perf_counter()
+    from eval.harness import append_journal, load_journal
+
+    work = Path(args.work or f"runs/calibrate-triaxial/{Path(args.model).name}")
+    work.mkdir(parents=True, exist_ok=True)
+    journal_setup = {"model": args.model, "tasks": tasks, "n": args.n, "length": args.length}
+    journal = work / "distortion.jsonl"
+    if not args.resume and journal.exists():
+        journal.unlink()
+    done = load_journal(journal, journal_setup) if args.resume else {}
+    if done:
+        log(f"--resume: {len(done)} requests' distortion already in {journal}")
     acc, kept, n_requests = DistortionTables(), [], 0
     for task, ids, codes in tqdm(calibration_requests(model, tasks, args.n, args.length), total=args.n * len(tasks),
                                  desc="capture + distortion", unit="request"):
-        cap = Capture(model, ids, codes)
-        acc.add(cap)
+        key = f"{task}:{n_requests}"
         n_requests += 1
-        if args.error_requests is None or len(kept) < args.error_requests:
+        keep = args.error_requests is None or len(kept) < args.error_requests
+        if key in done:
+            acc.merge(done[key])
+            if keep:
+                kept.append(Capture(model, ids, codes))  # one forward, for the attention-error table
+            continue
+        cap = Capture(model, ids, codes)
+        append_journal(journal, {"setup": journal_setup, "key": key, "row": acc.add(cap)})
+        if keep:
             kept.append(cap)
     tables = acc.tables()
     log(f"captured {n_requests} requests, distortion tables ({time.perf_counter() - t0:.0f} s)")
@@ -543,7 +604,8 @@ def main(argv=None) -> int:
         budget = min(ok) if ok else max(BUDGETS)  # none within a point: the most precise budget
         criterion = f"smallest B in {list(BUDGETS)} whose pooled calibration accuracy is within {TOLERANCE:.2f} of full precision"
     else:
-        full, sweep_rows = real_sweep(model, tri, n=args.sweep_n, length=args.length, log=log)
+        full, sweep_rows = real_sweep(model, tri, n=args.sweep_n, length=args.length, log=log,
+                                      journal=work / "sweep.jsonl", resume=args.resume)
         ok = [r["B"] for r in sweep_rows
               if r["accuracy"] >= full["accuracy"] - TOLERANCE and r["nll_increase"] <= NLL_TOLERANCE]
         budget = min(ok) if ok else max(BUDGETS)
