@@ -546,6 +546,13 @@ def pool_map(job_fn, jobs, model_name, *, workers=1, model=None, bar=None, label
     order. ``job_fn`` must be a module-level function (it is pickled); it calls
     ``progress(n)`` after each example, which advances ``bar``; ``label(job)`` is
     shown on the bar while (in-process) or after (workers) a job runs.
+
+    Each worker process runs one job and is replaced (``max_tasks_per_child=1``):
+    a worker's memory grows with every example it replays (each new trace length
+    and budget compiles more programs; ~65 MB an example on SmolLM2), and a
+    worker kept across cells reached 14 GB and was killed for memory three cells
+    into a 15-cell grid. A fresh worker costs one model load and one cell's
+    compiles (~1 minute on SmolLM2, against ~25 minutes a cell).
     """
     if workers == 1 or len(jobs) <= 1:
         for job in jobs:
@@ -559,7 +566,7 @@ def pool_map(job_fn, jobs, model_name, *, workers=1, model=None, bar=None, label
     ctx = mp.get_context("spawn")
     with ctx.Manager() as manager:
         ticks = manager.Queue()  # examples replayed by the workers, for the progress bar
-        with cf.ProcessPoolExecutor(max_workers=min(workers, len(jobs)), mp_context=ctx,
+        with cf.ProcessPoolExecutor(max_workers=min(workers, len(jobs)), mp_context=ctx, max_tasks_per_child=1,
                                     initializer=_worker_init, initargs=(model_name, ticks)) as pool:
             pending = {pool.submit(_worker_job, job_fn, job): job for job in jobs}
             while pending:
