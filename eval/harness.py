@@ -106,7 +106,7 @@ COLUMNS = (
     "fidelity_tokens", "nll_increase", "kl",
 )
 FIDELITY_TOP = 64  # tokens of the full cache's distribution kept per position (plus the rest's mass)
-KV_QUANTS = ("none", "int4", "kivi2", "triaxial", "triaxial_no_temporal", "triaxial_no_semantic")
+KV_QUANTS = ("none", "int4", "kivi2", "kivi4", "triaxial", "triaxial_no_temporal", "triaxial_no_semantic")
 REUSE_MODES = ("none", "segment", "cacheblend")
 REPAIR_POLICIES = ("repairkv", "random", "oldest", "staleq", "wrongq", "refresh")
 ALL_METHODS = ("full", "streaming_llm", "snapkv", "h2o", "tova", "random", "oldest", "agentkv", "intentkv_memory", "intentkv_query",

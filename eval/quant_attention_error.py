@@ -25,8 +25,9 @@ with the same queries:
 * ``kivi2``: ``int2_pages`` with the most recent 128-159 tokens in full
   precision (``kv_quant="kivi2"``: groups of 32 leave the window oldest first);
 * ``kivi4``: KIVI's layout at 4 bits (keys per channel over pages, values per
-  token, the same window). Simulated with ``jaxkv.pallas.quant.key_pages_round_trip``:
-  no pool stores 4-bit key pages yet.
+  token, the same window): ``kv_quant="kivi4"``'s pages, through
+  ``jaxkv.pallas.quant.key_pages_round_trip`` (the pool's own quantize and
+  dequantize).
 
 Per layer, averaged over prompts: the relative attention-output error over all
 query rows (Frobenius) and over the last row (what one decode step reads); the

@@ -310,7 +310,7 @@ def single_program(turn, measure):
 
 def format_options(fmt: str, allocation=None) -> dict:
     """Session options of a KV format spec: a ``kv_quant`` mode (``int4``,
-    ``kivi2``, ``triaxial``, an ablation), a triaxial mode at an average-bit
+    ``kivi2``, ``kivi4``, ``triaxial``, an ablation), a triaxial mode at an average-bit
     budget (``triaxial@3.0``), and ``allocation`` as the triaxial modes'
     ``kv_allocation`` (None: the model's calibration file)."""
     mode, _, bits = fmt.partition("@")

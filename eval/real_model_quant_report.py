@@ -44,9 +44,10 @@ def storage(fmt: str, n_tokens: float, config) -> dict:
     geo = dict(head_dim=config.head_dim, num_layers=config.num_layers, num_kv_heads=config.num_kv_heads)
     if fmt == "int4":
         per = bytes_per_token(INT4, **geo)
-    elif fmt == "kivi2":
+    elif fmt in ("kivi2", "kivi4"):  # kivi4's 4-bit pages take INT4's bytes per token
         paged = max(n_tokens - KIVI_WINDOW, 0) // PAGE * PAGE
-        per = (paged * bytes_per_token(INT2, **geo) + (n_tokens - paged) * bytes_per_token(FLOAT, **geo)) / n_tokens
+        page_kind = INT2 if fmt == "kivi2" else INT4
+        per = (paged * bytes_per_token(page_kind, **geo) + (n_tokens - paged) * bytes_per_token(FLOAT, **geo)) / n_tokens
     else:
         per = bytes_per_token(FLOAT, **geo)
     elements = 2 * config.head_dim * config.num_layers * config.num_kv_heads

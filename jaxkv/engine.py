@@ -464,7 +464,7 @@ class Engine:
         needed slots are free (e.g. the radix cache's LRU eviction); only if it
         cannot free enough does the allocation raise ``OutOfSlotsError``.
       kv_quant: None (float pool) or a mode of ``jaxkv.cache.quantized_host.MODES``:
-        a dual INT2/INT4 (and, for ``kivi2``, float) pool whose token region holds
+        a dual INT2/INT4 (and, for ``kivi2``/``kivi4``, float) pool whose token region holds
         ``num_slots - 1`` tokens; prefills take per-token ``kv_bits``. Either is
         ``self.pool`` (``jaxkv.cache.pools``).
     """
@@ -712,7 +712,7 @@ class Engine:
         """A prefill job for ``row``; its slots are allocated now (``OutOfSlotsError``
         or ``ContextLengthError`` before any change). ``q_idx``: indices into
         ``tokens`` whose post-RoPE queries to capture. ``kv_bits`` (quantized pool):
-        2 or 4 per token (None: INT4; ``kivi2`` ignores it: its own rule)."""
+        2 or 4 per token (None: INT4; ``kivi2``/``kivi4`` ignore it: KIVI's own rule)."""
         state = self._row(row)
         tokens = np.asarray(tokens, np.int32).reshape(-1)
         if state.seq_len + tokens.size > self.max_positions:

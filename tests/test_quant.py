@@ -97,6 +97,38 @@ def _ratios(x, scale, zero):
     return (g - zero.astype(np.float32)[..., None]) / np.where(s > 0, s, np.float32(1))[..., None]
 
 
+def test_four_bit_key_pages_roundtrip_and_layout():
+    """KIVI-4's pages: the INT2 page format with 4-bit codes (``D/2`` bytes a row)."""
+    rng = np.random.default_rng(1)
+    k = _awkward(rng, (64, 2, 64))  # 2 pages
+    p = quantize_int2_keys(k, 4)
+    assert p.bits == 4 and p.data.shape == (2, 2, 32, 32) and p.scale.shape == (2, 2, 64)
+    deq = np.asarray(dequantize_int2_keys(p), np.float64)
+    x_pages = k.reshape(2, 32, 2, 64).transpose(0, 2, 1, 3)
+    assert (np.abs(deq - x_pages) <= _bound(p.scale, p.zero, 15)[:, :, None, :]).all()
+    want = np.asarray(p.zero, np.float64)[:, :, None] + decode_codes_np(p.data, 4) * np.asarray(p.scale, np.float64)[:, :, None]
+    np.testing.assert_allclose(deq, want, rtol=1e-6, atol=1e-6)
+    two = np.asarray(dequantize_int2_keys(quantize_int2_keys(k)), np.float64)
+    assert np.abs(deq - x_pages).mean() < np.abs(two - x_pages).mean() / 3  # 15 steps instead of 3
+
+
+@pytest.mark.parametrize("masked", [False, True])
+def test_four_bit_pages_decode_matches_reference_and_f64(masked):
+    """Decode attention over KIVI-4's pages: kernel (interpret) = reference = float64
+    oracle, with and without per-page token masks and the float part."""
+    if masked:
+        args, kw, want = masked_float_problem(11, page_bits=4)
+    else:
+        pages, tokens = (0, 3, 12), (33, 1, 130)
+        args, kw = mixed_quantized_problem(9, 2, 2, 64, pages, tokens, jnp.float32, page_bits=4), {}
+        want = quantized_attention_f64(*args)
+    assert args[1].bits == 4
+    ref = quantized_decode_attention(*args, **kw, backend="reference")
+    out = quantized_decode_attention(*args, **kw, backend="interpret")
+    for b, w in enumerate(want):
+        assert rel_err(out[b], w) <= 1e-5 and rel_err(ref[b], w) <= 1e-5, b
+
+
 def test_quantize_rejects_bad_shapes():
     with pytest.raises(ValueError, match="head_dim divisible by 32, got 48"):
         quantize_int4(np.zeros((4, 2, 48), np.float32))

@@ -144,7 +144,8 @@ def test_format_specs_name_a_mode_its_budget_and_allocation():
 
 def test_quant_report_counts_scales_and_kivis_float_window():
     """Bytes per token with scales and zero points: INT4 5 bits per element (3.2x bf16);
-    KIVI-2 at 2,048 tokens: 1,920 in INT2 pages (3 bits), the 128 newest in float (16)."""
+    KIVI-2 at 2,048 tokens: 1,920 in INT2 pages (3 bits), the 128 newest in float (16);
+    KIVI-4's pages store as INT4 does (5 bits)."""
     from types import SimpleNamespace
 
     from eval.real_model_quant_report import storage
@@ -154,6 +155,7 @@ def test_quant_report_counts_scales_and_kivis_float_window():
     assert int4["bits"] == pytest.approx(5.0) and int4["capacity"] == pytest.approx(3.2)
     assert int4["bytes"] == pytest.approx(1.25 * 64 * 30 * 3)
     assert kivi2["bits"] == pytest.approx((1920 * 3 + 128 * 16) / 2048)
+    assert storage("kivi4", 2048, cfg)["bits"] == pytest.approx((1920 * 5 + 128 * 16) / 2048)  # 4-bit pages: INT4's bytes
     assert storage("none", 2048, cfg)["capacity"] == 1.0
 
 

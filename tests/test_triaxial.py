@@ -121,17 +121,21 @@ def test_decode_tokens_go_to_int4_and_kivi_keeps_a_recent_float_window(qmodel):
     assert (kinds[200:] == INT4).all() and kinds.size == 216
     assert (kinds[:192] == INT2).all() and (kinds[192:200] == INT4).all()  # 200 = 6 pages + 8 leftover
 
-    k = Engine(qmodel, rows=1, max_positions=512, prefill_chunk=128, kv_quant="kivi2")
-    row = k.open_row()
-    k.prefill([row], [prompt])
-    for n_new in (0, 16, 16, 16):
-        if n_new:
-            k.decode([row], [7], n_new)
-        kinds = kinds_of(k, row)
-        floats = np.flatnonzero(kinds == FLOAT)
-        assert KIVI_WINDOW <= floats.size < KIVI_WINDOW + PAGE  # the most recent tokens, in full precision
-        assert floats.tolist() == list(range(kinds.size - floats.size, kinds.size))
-        assert (kinds[: kinds.size - floats.size] == INT2).all()  # everything older at 2 bits
+    for mode, page_bits in (("kivi2", 2), ("kivi4", 4)):
+        k = Engine(qmodel, rows=1, max_positions=512, prefill_chunk=128, kv_quant=mode)
+        assert k.cache.pool.int2.bits == page_bits and k.cache.pool.int2.k.data.shape[-1] == 32 * page_bits // 8
+        row = k.open_row()
+        k.prefill([row], [prompt])
+        for n_new in (0, 16, 16, 16):
+            if n_new:
+                k.decode([row], [7], n_new)
+            kinds = kinds_of(k, row)
+            floats = np.flatnonzero(kinds == FLOAT)
+            assert KIVI_WINDOW <= floats.size < KIVI_WINDOW + PAGE  # the most recent tokens, in full precision
+            assert floats.tolist() == list(range(kinds.size - floats.size, kinds.size))
+            assert (kinds[: kinds.size - floats.size] == INT2).all()  # everything older in pages of page_bits
+            paged = kinds.size - floats.size
+            assert k.kv_composition(row) == {2: paged if page_bits == 2 else 0, 4: paged if page_bits == 4 else 0, 16: floats.size}
 
 
 def test_prefix_cached_token_keeps_its_first_precision(qmodel):
@@ -162,7 +166,7 @@ def test_prefix_cached_token_keeps_its_first_precision(qmodel):
         assert rd.int2 == rb.int2 and rd.full == 0
 
 
-@pytest.mark.parametrize("mode", ["triaxial", "kivi2"])
+@pytest.mark.parametrize("mode", ["triaxial", "kivi2", "kivi4"])
 def test_shelved_rows_are_promoted_back_bit_identical(qmodel, mode):
     e = Engine(qmodel, rows=1, max_positions=512, prefill_chunk=128, kv_quant=mode)
     rng = np.random.default_rng(2)
@@ -188,7 +192,7 @@ def test_shelved_rows_are_promoted_back_bit_identical(qmodel, mode):
     assert np.unique(fresh[two] // PAGE).size == np.unique(slots[two] // PAGE).size
 
 
-@pytest.mark.parametrize("mode,backend", [("triaxial", None), ("triaxial", "interpret"), ("kivi2", None)])
+@pytest.mark.parametrize("mode,backend", [("triaxial", None), ("triaxial", "interpret"), ("kivi2", None), ("kivi4", None), ("kivi4", "interpret")])
 def test_quantized_decode_logits_equal_attention_over_dequantized_kv(qmodel, mode, backend):
     """The page-table path (``quantized_decode_attention``: kernel in interpret mode,
     reference on CPU) and the float reference over the dequantized live list give
@@ -200,7 +204,7 @@ def test_quantized_decode_logits_equal_attention_over_dequantized_kv(qmodel, mod
     for features in (Features(), Features(attn_mass=True)):
         e = Engine(qmodel, rows=2, max_positions=512, kv_quant=mode, backend=backend)
         rows = [e.open_row(), e.open_row()]
-        e.prefill(rows, [prompt, prompt[:150]], kv_bits=None if mode == "kivi2" else [bits, bits[:150]])
+        e.prefill(rows, [prompt, prompt[:150]], kv_bits=None if mode.startswith("kivi") else [bits, bits[:150]])
         e.apply_layout(rows[0], layouts.dead_slot(e.row_state[rows[0]].slots, np.setdiff1d(np.arange(230), [3, 40, 41])))
         out = e.decode(rows, [7, 9], 4, return_logits=True, forced_tokens=[[11, 12, 13], [14, 15, 16]], features=features)
         logits.append(np.stack(out[1]))
@@ -208,7 +212,7 @@ def test_quantized_decode_logits_equal_attention_over_dequantized_kv(qmodel, mod
     assert np.abs(logits[0] - want).max() <= 1e-5 * np.abs(want).max()
 
 
-@pytest.mark.parametrize("mode", ["int4", "kivi2"])
+@pytest.mark.parametrize("mode", ["int4", "kivi2", "kivi4"])
 def test_quantized_rows_decode_alike_alone_and_batched(qmodel, mode):
     """A row's logits do not depend on the rows prefilled and decoded beside it: each
     row's writes land in its own slots and pages, in every layer (the writer scatters
@@ -250,13 +254,15 @@ def test_prefill_attends_over_the_dequantized_prefix_and_its_chunk_in_full_preci
     assert np.abs(got - want).max() <= 1e-5 * np.abs(want).max()
 
 
-def test_pool_round_trip_within_half_a_step(qmodel):
-    """Through the pool's writer and reader, every element of INT2 pages (keys per
-    channel, values per token) and INT4 rows is within half its quantization step."""
+@pytest.mark.parametrize("page_bits", [2, 4])
+def test_pool_round_trip_within_half_a_step(qmodel, page_bits):
+    """Through the pool's writer and reader, every element of pages (keys per
+    channel, values per token; INT2, or KIVI-4's 4 bits) and INT4 rows is within
+    half its quantization step."""
     geo = Geometry(pages=3, int4_slots=40)
     from jaxkv.cache.quantized import DualPool, write_tokens
 
-    pool = DualPool.create(geo, num_layers=1, num_kv_heads=2, head_dim=64, dtype=jnp.float32)
+    pool = DualPool.create(geo, num_layers=1, num_kv_heads=2, head_dim=64, dtype=jnp.float32, page_bits=page_bits)
     rng = np.random.default_rng(4)
     x = rng.standard_normal((96, 2, 64)) * rng.uniform(0.1, 5, (96, 1, 1)) + rng.uniform(-3, 3, (96, 1, 64))
     k, v = jnp.asarray(x, jnp.float32), jnp.asarray(x[::-1].copy(), jnp.float32)
@@ -264,6 +270,7 @@ def test_pool_round_trip_within_half_a_step(qmodel):
     pool = write_tokens(pool, geo, 0, k, v, jnp.asarray(slots), jnp.arange(64).reshape(2, PAGE), jnp.asarray([1, 2])).layer(0)
     kd, vd = (np.asarray(a, np.float64) for a in dequantize_slots(pool, geo, jnp.asarray(slots)))
     tiny = 2.0**-20 * (np.abs(x) + 1)
+    assert pool.int2.k.data.shape[-1] == 64 * page_bits // 8
     ks2 = np.asarray(pool.int2.k.scale[1:], np.float64)  # [2, K, D] per channel
     assert (np.abs(kd[:64] - x[:64]).reshape(2, 32, 2, 64) <= ks2[:, None] / 2 + tiny[:64].reshape(2, 32, 2, 64)).all()
     vs2 = np.asarray(pool.int2.v.scale[1:], np.float64).transpose(0, 2, 1, 3).reshape(64, 2, 2)  # [P, K, 32, D/32] -> per token

@@ -143,6 +143,21 @@ def test_quantized_decode_masked_pages_and_float_part():
     assert request_errors(out, want) <= 1e-5
 
 
+@pytest.mark.parametrize("masked", [False, True])
+def test_four_bit_pages_take_the_jnp_page_part(masked):
+    """KIVI-4's 4-bit pages on the GPU path: the page part runs through the jnp
+    partials (the Triton page kernel reads 2-bit codes), masked or not, and merges
+    with the INT4 (and float) launches as the reference does."""
+    if masked:
+        args, kw, want = masked_float_problem(13, page_bits=4)
+    else:
+        args, kw = mixed_quantized_problem(12, 2, 2, 64, (0, 3, 12), (33, 1, 130), jnp.float32, page_bits=4), {}
+        want = quantized_attention_f64(*args)
+    out = jax.jit(functools.partial(gpu_decode.quantized_decode_attention, launcher=interpret_call))(*args, **kw)
+    assert rel_err(out, quantized_decode_attention(*args, **kw, backend="reference")) <= 1e-5
+    assert request_errors(out, want) <= 1e-5
+
+
 @pytest.mark.parametrize("D,G,qdtype", [(128, 2, jnp.float32), (64, 8, jnp.bfloat16)])
 def test_quantized_decode_matches_reference_and_f64(D, G, qdtype):
     # (INT2 pages, INT4 tokens): INT4 only, one token, page boundaries, long mixed, INT4 only.

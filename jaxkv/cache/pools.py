@@ -22,7 +22,7 @@ checks run first, so a failing call changes nothing):
   window) -> (logits, kv, aux)`` (one step: the token written, then read);
 * host plans: ``plan_prefill(engine, row, kv_bits, n, chunk) -> (plan, slots)``,
   ``prefill_args(jobs, B, C)`` and ``decode_args(states, new_slots, B, steps)`` (the
-  steps' ``kv_args``), ``settle(engine, rows)`` (after every write: kivi2's aging),
+  steps' ``kv_args``), ``settle(engine, rows)`` (after every write: the KIVI modes' aging),
   ``requantize(engine, row, positions, bits)`` (tokens written another way moved
   to the precision ``kv_bits`` choose);
 * reads: ``gather_keys(cache, live)`` (float post-RoPE keys, what scorers read),

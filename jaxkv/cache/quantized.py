@@ -21,7 +21,9 @@ N live entries, E page-table entries.
 
 ``DualPool`` attributes:
   int2: ``Int2Pool``: k.data ``[L, P2, K, 32, D/4]``, k.scale/zero ``[L, P2, K, D]``;
-    v.data ``[L, P2, K, 32, D/4]``, v.scale/zero ``[L, P2, K, 32, D/32]``.
+    v.data ``[L, P2, K, 32, D/4]``, v.scale/zero ``[L, P2, K, 32, D/32]``. A
+    ``kivi4`` pool's pages hold 4-bit codes instead (data ``[..., D/2]``): the page
+    region keeps its name and its INT2 token kind, and ``Int2Pool.bits`` says 4.
   int4: ``Int4Pool``: k/v.data ``[L, S4, K, D/2]``, k/v.scale/zero ``[L, S4, K, D/32]``.
   flt_k, flt_v: ``[L, SF, K, D]`` in the model dtype (``jaxkv.cache.state.float_pool_dtype``: float32 for bf16 on the CPU).
 
@@ -36,7 +38,7 @@ Decode reads the request's *page table* (``DecodeTables``): its INT2 pages first
 (page ids, with a bitmask of the page's tokens the request still holds), then its
 INT4 slots, then its float slots, through ``jaxkv.pallas.quantized_decode_attention``;
 tokens a decode step writes are appended to the INT4 part (the float part for
-``kivi2``). Prefill attends over the dequantized prefix plus its own chunk in full
+``kivi2``/``kivi4``). Prefill attends over the dequantized prefix plus its own chunk in full
 precision, then stores the chunk quantized (``QuantPrefill``).
 
 Invariants: page 0 is never written; a write touches only its slots and pages;
@@ -78,7 +80,7 @@ class Geometry:
 
     Attributes:
       pages: INT2 pages ``P2``, the reserved page 0 included (>= 1).
-      int4_slots: INT4 rows ``S4`` (>= 1: a ``kivi2`` pool keeps one unused row so
+      int4_slots: INT4 rows ``S4`` (>= 1: a KIVI pool keeps one unused row so
         the decode kernel's INT4 part is well formed). float_slots: float rows
         ``SF`` (0: none).
     """
@@ -119,13 +121,15 @@ class DualPool:
     flt_v: jax.Array
 
     @classmethod
-    def create(cls, geo: Geometry, *, num_layers, num_kv_heads, head_dim, dtype) -> "DualPool":
+    def create(cls, geo: Geometry, *, num_layers, num_kv_heads, head_dim, dtype, page_bits: int = 2) -> "DualPool":
+        """An empty pool; ``page_bits``: the page region's code width (2; ``kivi4``: 4)."""
         L, P2, S4, SF, K, D = num_layers, geo.pages, geo.int4_slots, geo.float_slots, num_kv_heads, head_dim
         u8, f16 = jnp.uint8, jnp.float16
         rows = lambda n, bits: PackedRows(jnp.zeros((L, n, K, D * bits // 8), u8), jnp.zeros((L, n, K, D // 32), f16), jnp.zeros((L, n, K, D // 32), f16), bits)
+        R = D * page_bits // 8
         int2 = Int2Pool(
-            PackedKeyPages(jnp.zeros((L, P2, K, PAGE, D // 4), u8), jnp.zeros((L, P2, K, D), f16), jnp.zeros((L, P2, K, D), f16)),
-            PackedRows(jnp.zeros((L, P2, K, PAGE, D // 4), u8), jnp.zeros((L, P2, K, PAGE, D // 32), f16), jnp.zeros((L, P2, K, PAGE, D // 32), f16), 2),
+            PackedKeyPages(jnp.zeros((L, P2, K, PAGE, R), u8), jnp.zeros((L, P2, K, D), f16), jnp.zeros((L, P2, K, D), f16), page_bits),
+            PackedRows(jnp.zeros((L, P2, K, PAGE, R), u8), jnp.zeros((L, P2, K, PAGE, D // 32), f16), jnp.zeros((L, P2, K, PAGE, D // 32), f16), page_bits),
         )
         return cls(int2, Int4Pool(rows(S4, 4), rows(S4, 4)), jnp.zeros((L, SF, K, D), dtype), jnp.zeros((L, SF, K, D), dtype))
 
@@ -154,8 +158,9 @@ class QuantizedKVCache:
     geometry: Geometry = struct.field(pytree_node=False)
 
     @classmethod
-    def create(cls, geo: Geometry, *, num_layers, num_kv_heads, head_dim, rows, positions, dtype):
-        pool = DualPool.create(geo, num_layers=num_layers, num_kv_heads=num_kv_heads, head_dim=head_dim, dtype=dtype)
+    def create(cls, geo: Geometry, *, num_layers, num_kv_heads, head_dim, rows, positions, dtype, page_bits: int = 2):
+        pool = DualPool.create(geo, num_layers=num_layers, num_kv_heads=num_kv_heads, head_dim=head_dim, dtype=dtype,
+                               page_bits=page_bits)
         z = lambda *shape: jnp.zeros(shape, jnp.int32)
         return cls(pool, z(rows, positions), z(rows, positions), z(rows), z(rows), geo)
 
@@ -181,10 +186,10 @@ class QuantizedKVCache:
 
 
 # ============================================================================ reads
-def dequantize_int2_tokens(data, scale, zero):
-    """float32 keys of INT2 tokens given each token's packed row ``[..., D/4]`` and
-    its page's per-channel ``scale``/``zero`` ``[..., D]``."""
-    return zero.astype(jnp.float32) + unpack(data, 2).astype(jnp.float32) * scale.astype(jnp.float32)
+def dequantize_int2_tokens(data, scale, zero, bits: int = 2):
+    """float32 keys of page tokens given each token's packed row ``[..., D*bits/8]``
+    and its page's per-channel ``scale``/``zero`` ``[..., D]``."""
+    return zero.astype(jnp.float32) + unpack(data, bits).astype(jnp.float32) * scale.astype(jnp.float32)
 
 
 def dequantize_slots(pool: DualPool, geo: Geometry, slots):
@@ -197,8 +202,8 @@ def dequantize_slots(pool: DualPool, geo: Geometry, slots):
     if geo.pages > 1:
         page, t = jnp.clip(slots // PAGE, 0, geo.pages - 1), slots % PAGE
         kp, vp = pool.int2.k, pool.int2.v
-        k2 = dequantize_int2_tokens(kp.data[page, :, t], kp.scale[page], kp.zero[page])
-        v2 = dequantize_rows(PackedRows(vp.data[page, :, t], vp.scale[page, :, t], vp.zero[page, :, t], 2))
+        k2 = dequantize_int2_tokens(kp.data[page, :, t], kp.scale[page], kp.zero[page], kp.bits)
+        v2 = dequantize_rows(PackedRows(vp.data[page, :, t], vp.scale[page, :, t], vp.zero[page, :, t], vp.bits))
         two = (kind == INT2)[..., None, None]
         k, v = jnp.where(two, k2, k), jnp.where(two, v2, v)
     if geo.float_slots:
@@ -243,12 +248,12 @@ def write_tokens(pool: DualPool, geo: Geometry, i, k_XKD, v_XKD, slots_X, page_s
         )
     if page_ids_Q is not None and page_ids_Q.shape[0]:
         src = page_src_QG.reshape(-1).astype(jnp.int32)
-        new = quantize_int2_pool(k_XKD[src], v_XKD[src])  # pages [Q, K, 32, ...]
+        new = quantize_int2_pool(k_XKD[src], v_XKD[src], pool.int2.bits)  # pages [Q, K, 32, ...]
         ids = page_ids_Q.astype(jnp.int32)
         kp = pool.int2.k
         put = lambda a, b: a.at[i, ids].set(b, mode="drop")
         pool = pool.replace(int2=Int2Pool(
-            PackedKeyPages(put(kp.data, new.k.data), put(kp.scale, new.k.scale), put(kp.zero, new.k.zero)),
+            PackedKeyPages(put(kp.data, new.k.data), put(kp.scale, new.k.scale), put(kp.zero, new.k.zero), kp.bits),
             _scatter(pool.int2.v, (i, ids), new.v),
         ))
     return pool
@@ -466,8 +471,8 @@ def write_packed(cache: QuantizedKVCache, rows: dict):
         k2, v2 = layer.int2.k, layer.int2.v
         pt = (r["p2"], slice(None), r["t2"])
         int2 = Int2Pool(
-            PackedKeyPages(k2.data.at[pt].set(r["k2_data"], mode="drop"), at(k2.scale, r["page"], r["k2_scale"]), at(k2.zero, r["page"], r["k2_zero"])),
-            PackedRows(v2.data.at[pt].set(r["v2_data"], mode="drop"), v2.scale.at[pt].set(r["v2_scale"], mode="drop"), v2.zero.at[pt].set(r["v2_zero"], mode="drop"), 2),
+            PackedKeyPages(k2.data.at[pt].set(r["k2_data"], mode="drop"), at(k2.scale, r["page"], r["k2_scale"]), at(k2.zero, r["page"], r["k2_zero"]), k2.bits),
+            PackedRows(v2.data.at[pt].set(r["v2_data"], mode="drop"), v2.scale.at[pt].set(r["v2_scale"], mode="drop"), v2.zero.at[pt].set(r["v2_zero"], mode="drop"), v2.bits),
         )
         layer = layer.replace(int2=int2, int4=int4)
         if geo.float_slots:

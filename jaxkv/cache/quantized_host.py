@@ -19,6 +19,12 @@ Modes (``Engine(kv_quant=...)``, ``Server(kv_quant=...)``):
   most one decode chunk) and everything older at 2 bits. A radix-cached prefix
   keeps the slots the tree holds (its float window rows); the request
   re-quantizes them the same way when they age (KIVI's rule, applied per request).
+* ``"kivi4"``: ``kivi2`` with 4-bit pages (keys per channel, values per token;
+  KIVI's recommendation for GQA models). The page region keeps its INT2 token
+  kind (``Geometry.kind``); ``QuantizedKV.page_bits`` is 4 and every count of
+  precision (``composition``) reports those tokens as 4-bit. On NVIDIA GPUs its
+  page part runs through ``gpu.decode.masked_int2_partials`` (jnp): the Triton
+  page kernel reads 2-bit codes only.
 
 Page-completion rule: within one prefill chunk, the tokens meant for INT2 fill
 pages of 32 in position order; the last ``n % 32`` of them (those that do not
@@ -74,7 +80,8 @@ from jaxkv.cache.quantized import (
 from jaxkv.errors import ConfigError, OutOfSlotsError, SlotError
 from jaxkv.pallas.quant import PAGE, PackedRows, dequantize_rows
 
-MODES = ("int4", "kivi2", "triaxial", "triaxial_no_temporal", "triaxial_no_semantic")
+MODES = ("int4", "kivi2", "kivi4", "triaxial", "triaxial_no_temporal", "triaxial_no_semantic")
+KIVI_PAGE_BITS = {"kivi2": 2, "kivi4": 4}  # the KIVI modes: a float residual window, then pages of these bits
 KIVI_WINDOW = 128  # KIVI's residual: the most recent tokens kept in full precision
 
 
@@ -94,6 +101,7 @@ _POOL_SERVES = {
     None: (None,),
     "int4": ("int4",),  # no INT2 pages: a triaxial plan would silently fall back to INT4
     "kivi2": ("kivi2",),
+    "kivi4": ("kivi4",),
     **{m: ("int4", "triaxial", "triaxial_no_temporal", "triaxial_no_semantic") for m in MODES if m.startswith("triaxial")},
 }
 
@@ -107,7 +115,8 @@ def servable_modes(pool_mode) -> tuple:
 def bytes_per_token(kind: int, *, head_dim: int, num_layers: int, num_kv_heads: int) -> float:
     """KV bytes one token occupies in a format, scales and zero points included.
 
-    Per layer and KV head, K + V: INT4 ``2 (D/2 + 2*2*D/32) = 1.25 D``; INT2
+    Per layer and KV head, K + V: INT4 ``2 (D/2 + 2*2*D/32) = 1.25 D`` (``kivi4``'s
+    4-bit pages too: keys ``D/2 + 4D/32``, values ``D/2 + 2*2*D/32``); INT2
     ``(D/4 + 2*2*D/32)`` (keys: the page's per-channel scale and zero, ``4D`` bytes
     over 32 tokens) ``+ (D/4 + 2*2*D/32)`` (values) ``= 0.75 D``; full precision
     counted as bf16, ``2 * 2D = 4 D``.
@@ -258,11 +267,11 @@ class PageTable:
 
 
 # ============================================================================ codec
-def blob_width(D: int, float_itemsize: int) -> int:
+def blob_width(D: int, float_itemsize: int, page_bits: int = 2) -> int:
     """Bytes of one (layer, head) blob, K and V alike (the host tier keeps K and V
-    arrays of one shape): a kind byte and the largest payload (INT2 keys: codes
+    arrays of one shape): a kind byte and the largest payload (page keys: codes
     and the page's per-channel float16 scale and zero; or a float row)."""
-    return 1 + max(D // 2 + D // 8, D // 4 + 4 * D, D * float_itemsize)
+    return 1 + max(D // 2 + D // 8, D * page_bits // 8 + 4 * D, D * float_itemsize)
 
 
 def _u8(x) -> np.ndarray:
@@ -270,13 +279,13 @@ def _u8(x) -> np.ndarray:
     return x.view(np.uint8).reshape(*x.shape[:-1], -1)
 
 
-def encode_rows(fields: dict, kinds: np.ndarray, head_dim: int, float_dtype) -> tuple[np.ndarray, np.ndarray]:
+def encode_rows(fields: dict, kinds: np.ndarray, head_dim: int, float_dtype, page_bits: int = 2) -> tuple[np.ndarray, np.ndarray]:
     """Packed fields of ``gather_packed`` (``[L, M, K, ...]``) -> K and V blobs
     ``[L, M, K, W]`` uint8 (module docstring)."""
     D = head_dim
     L, M, K = fields["k4_data"].shape[:3]
     itemsize = np.dtype(float_dtype).itemsize
-    w = blob_width(D, itemsize)
+    w = blob_width(D, itemsize, page_bits)
     kb, vb = np.zeros((L, M, K, w), np.uint8), np.zeros((L, M, K, w), np.uint8)
     kb[..., 0] = vb[..., 0] = np.asarray(kinds, np.uint8)[None, :, None]
     pieces = {
@@ -294,7 +303,7 @@ def encode_rows(fields: dict, kinds: np.ndarray, head_dim: int, float_dtype) -> 
     return kb, vb
 
 
-def decode_rows(k_blob: np.ndarray, v_blob: np.ndarray | None, head_dim: int, float_dtype) -> tuple[np.ndarray, dict]:
+def decode_rows(k_blob: np.ndarray, v_blob: np.ndarray | None, head_dim: int, float_dtype, page_bits: int = 2) -> tuple[np.ndarray, dict]:
     """Inverse of ``encode_rows``: ``(kinds [M], fields)``; ``fields[name]`` holds
     the rows of that name's kind only (in row order of that kind); V fields only
     when ``v_blob`` is given."""
@@ -304,8 +313,8 @@ def decode_rows(k_blob: np.ndarray, v_blob: np.ndarray | None, head_dim: int, fl
     sizes = {
         INT4: ((("k4_data", D // 2, np.uint8), ("k4_scale", D // 32, np.float16), ("k4_zero", D // 32, np.float16)),
                (("v4_data", D // 2, np.uint8), ("v4_scale", D // 32, np.float16), ("v4_zero", D // 32, np.float16))),
-        INT2: ((("k2_data", D // 4, np.uint8), ("k2_scale", D, np.float16), ("k2_zero", D, np.float16)),
-               (("v2_data", D // 4, np.uint8), ("v2_scale", D // 32, np.float16), ("v2_zero", D // 32, np.float16))),
+        INT2: ((("k2_data", D * page_bits // 8, np.uint8), ("k2_scale", D, np.float16), ("k2_zero", D, np.float16)),
+               (("v2_data", D * page_bits // 8, np.uint8), ("v2_scale", D // 32, np.float16), ("v2_zero", D // 32, np.float16))),
         FLOAT: ((("f_k", D, fd),), (("f_v", D, fd),)),
     }
     fields = {}
@@ -323,9 +332,9 @@ def decode_rows(k_blob: np.ndarray, v_blob: np.ndarray | None, head_dim: int, fl
     return kinds, fields
 
 
-def blob_keys(k_blob: np.ndarray, head_dim: int, float_dtype) -> np.ndarray:
+def blob_keys(k_blob: np.ndarray, head_dim: int, float_dtype, page_bits: int = 2) -> np.ndarray:
     """float32 keys ``[L, M, K, D]`` of shelved rows (RepairKV scores them)."""
-    kinds, f = decode_rows(k_blob, None, head_dim, float_dtype)
+    kinds, f = decode_rows(k_blob, None, head_dim, float_dtype, page_bits)
     L, M, K = k_blob.shape[:3]
     out = np.zeros((L, M, K, head_dim), np.float32)
     for kind in (INT4, INT2, FLOAT):
@@ -335,7 +344,7 @@ def blob_keys(k_blob: np.ndarray, head_dim: int, float_dtype) -> np.ndarray:
         if kind == INT4:
             out[:, m] = np.asarray(dequantize_rows(PackedRows(jnp.asarray(f["k4_data"]), jnp.asarray(f["k4_scale"]), jnp.asarray(f["k4_zero"]), 4)))
         elif kind == INT2:
-            out[:, m] = np.asarray(dequantize_int2_tokens(jnp.asarray(f["k2_data"]), jnp.asarray(f["k2_scale"]), jnp.asarray(f["k2_zero"])))
+            out[:, m] = np.asarray(dequantize_int2_tokens(jnp.asarray(f["k2_data"]), jnp.asarray(f["k2_scale"]), jnp.asarray(f["k2_zero"]), page_bits))
         else:
             out[:, m] = f["f_k"].astype(np.float32)
     return out
@@ -350,8 +359,9 @@ class QuantizedKV:
 
     Attributes:
       mode: a name of ``MODES``; geometry: the pool's ``Geometry``;
-      token_kind: INT4 (FLOAT for ``kivi2``): decode tokens and unplanned prefills;
-      window: KIVI's residual window (``kivi2``) or None; allocator: ``DualAllocator``;
+      token_kind: INT4 (FLOAT for ``kivi2``/``kivi4``): decode tokens and unplanned prefills;
+      window: KIVI's residual window (``kivi2``/``kivi4``) or None; page_bits: the
+      page region's code width (4 for ``kivi4``, else 2); allocator: ``DualAllocator``;
       prefill_op / decode_op: the ``QuantPrefill`` / ``QuantDecodeStep`` the
       engine's jit'd steps call.
     """
@@ -361,8 +371,10 @@ class QuantizedKV:
     def __init__(self, mode: str, geometry: Geometry, *, head_dim: int, float_dtype, backend=None):
         self.mode = check_mode(mode)
         self.geometry = geometry
-        self.token_kind = FLOAT if mode == "kivi2" else INT4
-        self.window = KIVI_WINDOW if mode == "kivi2" else None
+        kivi = mode in KIVI_PAGE_BITS
+        self.token_kind = FLOAT if kivi else INT4
+        self.window = KIVI_WINDOW if kivi else None
+        self.page_bits = KIVI_PAGE_BITS.get(mode, 2)
         self.head_dim = head_dim
         self.float_dtype = np.dtype(float_dtype)
         self.allocator = DualAllocator(geometry, self.token_kind)
@@ -380,7 +392,7 @@ class QuantizedKV:
             raise ConfigError(f"kv_quant needs head_dim divisible by 32, got {head_dim}")
         n = max(int(num_slots) - 1, 1)
         pages = 1 if mode == "int4" else 1 + -(-n // PAGE)
-        geo = Geometry(pages, 1, n) if mode == "kivi2" else Geometry(pages, n, 0)
+        geo = Geometry(pages, 1, n) if mode in KIVI_PAGE_BITS else Geometry(pages, n, 0)
         return cls(mode, geo, head_dim=head_dim, float_dtype=float_dtype, backend=backend)
 
     def check_mesh(self, mesh) -> None:
@@ -391,7 +403,7 @@ class QuantizedKV:
         """A zero-argument function making the empty cache (as ``FloatKV``'s)."""
         return functools.partial(
             QuantizedKVCache.create, self.geometry, num_layers=cfg.num_layers, num_kv_heads=cfg.num_kv_heads,
-            head_dim=cfg.head_dim, rows=rows, positions=positions, dtype=dtype,
+            head_dim=cfg.head_dim, rows=rows, positions=positions, dtype=dtype, page_bits=self.page_bits,
         )
 
     # -- allocation ------------------------------------------------------------------
@@ -511,13 +523,17 @@ class QuantizedKV:
         return DecodeTables(jnp.asarray(entries), jnp.asarray(masks), jnp.asarray(n2), jnp.asarray(n4), jnp.asarray(nf), jnp.asarray(live0), P, N4, NF)
 
     def composition(self, state) -> dict:
-        """Live tokens of a request per kind: ``{2: n, 4: n, 16: n}``."""
+        """Live tokens of a request per bits per element: ``{2: n, 4: n, 16: n}``
+        (``kivi4``'s page tokens count as 4: their bytes per token are INT4's,
+        ``bytes_per_token``)."""
         kind = self.geometry.kind(np.asarray(state.live, np.int64))
-        return {k: int((kind == k).sum()) for k in (INT2, INT4, FLOAT)}
+        out = {INT2: 0, INT4: int((kind == INT4).sum()), FLOAT: int((kind == FLOAT).sum())}
+        out[self.page_bits] += int((kind == INT2).sum())
+        return out
 
     # -- moving rows ---------------------------------------------------------------------
     def settle(self, engine, rows) -> None:
-        """After a write: ``kivi2`` moves each row's aged residual to INT2 pages."""
+        """After a write: ``kivi2``/``kivi4`` move each row's aged residual to pages."""
         if self.window:
             for row in rows:
                 self.settle_row(engine, row)
@@ -599,12 +615,12 @@ class QuantizedKV:
         M = slots.size
         pad = np.concatenate([slots, np.full(bucket(M, minimum=8) - M, SENTINEL_SLOT)])
         fields = {k: np.asarray(v)[:, :M] for k, v in gather_packed(cache, jnp.asarray(pad, jnp.int32)).items()}
-        return encode_rows(fields, self.geometry.kind(slots), self.head_dim, self.float_dtype)
+        return encode_rows(fields, self.geometry.kind(slots), self.head_dim, self.float_dtype, self.page_bits)
 
     def restore(self, engine, row: int, k_blob, v_blob) -> np.ndarray:
         """Write shelved blobs back into fresh slots (bit-identical); returns the
         fresh slots in blob order. INT2 rows sharing page parameters share a page."""
-        kinds, f = decode_rows(np.asarray(k_blob), np.asarray(v_blob), self.head_dim, self.float_dtype)
+        kinds, f = decode_rows(np.asarray(k_blob), np.asarray(v_blob), self.head_dim, self.float_dtype, self.page_bits)
         M = kinds.size
         m2 = np.flatnonzero(kinds == INT2)
         groups: dict[bytes, list[int]] = {}
@@ -647,7 +663,7 @@ class QuantizedKV:
         return fresh
 
     def host_keys(self, k_blob) -> np.ndarray:
-        return blob_keys(np.asarray(k_blob), self.head_dim, self.float_dtype)
+        return blob_keys(np.asarray(k_blob), self.head_dim, self.float_dtype, self.page_bits)
 
     def gather_keys(self, cache, live) -> jax.Array:
         """Dequantized post-RoPE keys ``[L, N, K, D]`` float32 at ``live``."""

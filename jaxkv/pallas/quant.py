@@ -175,24 +175,25 @@ class PackedRows:
 
 @struct.dataclass
 class PackedKeyPages:
-    """INT2 keys per channel over pages of 32 tokens.
+    """Keys per channel over pages of 32 tokens (INT2; KIVI-4's pages: 4 bits).
 
     Attributes:
-      data: uint8 ``[P, K, 32, D/4]`` packed codes, one packed row per token.
+      data: uint8 ``[P, K, 32, D*bits/8]`` packed codes, one packed row per token.
       scale, zero: float16 ``[P, K, D]``, shared by the page's 32 tokens.
+      bits: 2 or 4 (static).
     """
 
     data: jnp.ndarray
     scale: jnp.ndarray
     zero: jnp.ndarray
-    bits = 2
+    bits: int = struct.field(pytree_node=False, default=2)
 
     @property
     def head_dim(self) -> int:
         return self.scale.shape[-1]
 
     def take(self, index) -> "PackedKeyPages":
-        return PackedKeyPages(self.data[index], self.scale[index], self.zero[index])
+        return PackedKeyPages(self.data[index], self.scale[index], self.zero[index], self.bits)
 
 
 @functools.partial(jax.jit, static_argnames="bits")
@@ -241,34 +242,31 @@ def _tokens(x_PKTD: jnp.ndarray) -> jnp.ndarray:
     return x_PKTD.transpose(0, 2, 1, 3).reshape(P * T, K, D)
 
 
-@jax.jit
-def quantize_int2_keys(k_TKD: jnp.ndarray) -> PackedKeyPages:
-    """INT2 keys per channel over pages: ``k[T, K, D]`` (T % 32 == 0) -> pages."""
+@functools.partial(jax.jit, static_argnames="bits")
+def quantize_int2_keys(k_TKD: jnp.ndarray, bits: int = 2) -> PackedKeyPages:
+    """Keys per channel over pages: ``k[T, K, D]`` (T % 32 == 0) -> pages of
+    ``bits``-bit codes (2: the INT2 pool's; 4: KIVI-4's)."""
+    if bits not in (2, 4):
+        raise ValueError(f"bits must be 2 or 4, got {bits}")
     check_head_dim(k_TKD.shape[-1])
-    codes, scale, zero = _fit(_pages(k_TKD), 2, 2)  # groups along the page's tokens
-    return PackedKeyPages(pack(codes, 2), scale, zero)
+    codes, scale, zero = _fit(_pages(k_TKD), 2, bits)  # groups along the page's tokens
+    return PackedKeyPages(pack(codes, bits), scale, zero, bits)
 
 
 @jax.jit
 def dequantize_int2_keys(pages: PackedKeyPages) -> jnp.ndarray:
-    """float32 ``[..., P, K, 32, D]`` keys of INT2 key pages (any leading axes)."""
-    codes = unpack(pages.data, 2).astype(jnp.float32)
+    """float32 ``[..., P, K, 32, D]`` keys of key pages (any leading axes, any bits)."""
+    codes = unpack(pages.data, pages.bits).astype(jnp.float32)
     return pages.zero.astype(jnp.float32)[..., None, :] + codes * pages.scale.astype(jnp.float32)[..., None, :]
 
 
 @functools.partial(jax.jit, static_argnames="bits")
 def key_pages_round_trip(k_TKD: jnp.ndarray, bits: int) -> jnp.ndarray:
     """``k[T, K, D]`` (T % 32 == 0) quantized per channel over pages of 32 tokens at
-    ``bits`` and dequantized, float32 ``[T, K, D]``: the INT2 pool's key format at 2
-    bits (equal to ``dequantize_int2_keys(quantize_int2_keys(k))`` in token order),
-    KIVI-4's at 4. For error analysis (``eval.quant_attention_error``): no pool stores
-    4-bit key pages yet."""
-    if bits not in (2, 4):
-        raise ValueError(f"bits must be 2 or 4, got {bits}")
-    check_head_dim(k_TKD.shape[-1])
-    codes, scale, zero = _fit(_pages(k_TKD), 2, bits)
-    pages = zero.astype(jnp.float32)[:, :, None, :] + codes.astype(jnp.float32) * scale.astype(jnp.float32)[:, :, None, :]
-    return _tokens(pages)
+    ``bits`` and dequantized, float32 ``[T, K, D]`` in token order: the page pool's
+    key format (2 bits: INT2; 4: KIVI-4's). For error analysis
+    (``eval.quant_attention_error``)."""
+    return _tokens(dequantize_int2_keys(quantize_int2_keys(k_TKD, bits)))
 
 
 @struct.dataclass
@@ -285,7 +283,9 @@ class Int4Pool:
 
 @struct.dataclass
 class Int2Pool:
-    """INT2 pool of pages: per-channel keys, per-token values, ``[P, K, 32, ...]``."""
+    """The pool of pages: per-channel keys, per-token values, ``[P, K, 32, ...]``;
+    INT2 codes, or 4-bit ones for KIVI-4 (``bits``, keys and values alike).
+    The name stays the INT2 pool's: every mode but ``kivi4`` stores 2 bits here."""
 
     k: PackedKeyPages
     v: PackedRows
@@ -294,16 +294,21 @@ class Int2Pool:
         """``(k data, k scale, k zero, v data, v scale, v zero)``: the order kernels take them."""
         return (self.k.data, self.k.scale, self.k.zero, self.v.data, self.v.scale, self.v.zero)
 
+    @property
+    def bits(self) -> int:
+        return self.k.bits
+
 
 def quantize_int4_pool(k_SKD: jnp.ndarray, v_SKD: jnp.ndarray) -> Int4Pool:
     """Quantize a whole float pool to INT4 (slot ``s`` stays slot ``s``)."""
     return Int4Pool(quantize_int4(k_SKD), quantize_int4(v_SKD))
 
 
-@jax.jit
-def quantize_int2_pool(k_TKD: jnp.ndarray, v_TKD: jnp.ndarray) -> Int2Pool:
-    """Quantize ``T = 32 P`` tokens into ``P`` INT2 pages (token ``t`` -> page ``t // 32``)."""
-    return Int2Pool(quantize_int2_keys(k_TKD), quantize_int2_values(_pages(v_TKD)))
+@functools.partial(jax.jit, static_argnames="bits")
+def quantize_int2_pool(k_TKD: jnp.ndarray, v_TKD: jnp.ndarray, bits: int = 2) -> Int2Pool:
+    """Quantize ``T = 32 P`` tokens into ``P`` pages (token ``t`` -> page ``t // 32``)
+    of ``bits``-bit codes (2: INT2; 4: KIVI-4's pages)."""
+    return Int2Pool(quantize_int2_keys(k_TKD, bits), quantize_rows(_pages(v_TKD), bits))
 
 
 def dequantize_int4_pool(pool: Int4Pool) -> tuple[jnp.ndarray, jnp.ndarray]:

@@ -107,32 +107,34 @@ class Int4Tokens:
 
 @dataclasses.dataclass(frozen=True)
 class Int2Pages:
-    """Reader of one INT2 page (32 tokens) per step: per-channel keys, per-token values.
+    """Reader of one page (32 tokens) per step: per-channel keys, per-token values,
+    ``bits``-bit codes (2: INT2; 4: KIVI-4's pages).
 
-    Buffers ``[K, 1, ...]``: key data ``[32, D/4]``, key scale/zero ``[D]``, value
-    data ``[32, D/4]``, value scale/zero ``[32, D/32]``.
+    Buffers ``[K, 1, ...]``: key data ``[32, D*bits/8]``, key scale/zero ``[D]``,
+    value data ``[32, D*bits/8]``, value scale/zero ``[32, D/32]``.
     """
 
     head_dim: int
     block: int = 1
+    bits: int = 2
 
     @property
     def out_chunks(self):
-        return tuple((c.channel, c.width) for c in plane_chunks(self.head_dim, 2))
+        return tuple((c.channel, c.width) for c in plane_chunks(self.head_dim, self.bits))
 
     def scores(self, q_GD, bufs, k):
         data, scale, zero = bufs[0][k, 0], bufs[1][k, 0], bufs[2][k, 0]
         s = 0.0
-        for c in plane_chunks(self.head_dim, 2):
+        for c in plane_chunks(self.head_dim, self.bits):
             q_c = q_GD[:, c.channel : c.channel + c.width].astype(jnp.float32)
-            codes = _codes(data[:, c.byte : c.byte + c.width], c, 2)  # [32, width]
+            codes = _codes(data[:, c.byte : c.byte + c.width], c, self.bits)  # [32, width]
             scale_c = scale[None, c.channel : c.channel + c.width].astype(jnp.float32)
             zero_c = zero[None, c.channel : c.channel + c.width].astype(jnp.float32)
             s = s + _splitk.dot_nt(q_c * scale_c, codes) + jnp.sum(q_c * zero_c, axis=1, keepdims=True)
         return [s]
 
     def values(self, bufs, k, probs):
-        return _per_token_values(probs[0], bufs[3][k, 0], bufs[4][k, 0], bufs[5][k, 0], 2, self.head_dim)
+        return _per_token_values(probs[0], bufs[3][k, 0], bufs[4][k, 0], bufs[5][k, 0], self.bits, self.head_dim)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -165,8 +167,9 @@ def _check_pools(int2_pool, int2_pages_BP, int2_num_pages_B, int4_pool):
     if int4_pool.k.bits != 4 or int4_pool.v.bits != 4:
         raise ValueError("int4_pool must hold 4-bit keys and values")
     if int2_pool is not None:
-        if int2_pool.v.bits != 2:
-            raise ValueError("int2_pool values must be 2-bit")
+        if int2_pool.k.bits not in (2, 4) or int2_pool.v.bits != int2_pool.k.bits:
+            raise ValueError(f"int2_pool pages must hold keys and values of one width, 2 or 4 bits; got "
+                             f"{int2_pool.k.bits} and {int2_pool.v.bits}")
         if int2_pool.k.head_dim != int4_pool.k.head_dim or int2_pool.k.data.shape[1] != int4_pool.k.data.shape[1]:
             raise ValueError(
                 f"INT2 and INT4 pools disagree: INT2 keys {int2_pool.k.scale.shape} [P, Hkv, D], "
@@ -288,10 +291,10 @@ def _quantized_decode_attention(
     run = functools.partial(_splitk.split_k, q_BHD, interpret=backend == "interpret")
     parts = [run(Int4Tokens(D), int4_pool.buffers(), int4_idx_BN, int4_len_B)]
     if int2_pool is not None and int2_mask_BP is None:
-        parts.append(run(Int2Pages(D), int2_pool.buffers(), int2_pages_BP, int2_num_pages_B))
+        parts.append(run(Int2Pages(D, bits=int2_pool.bits), int2_pool.buffers(), int2_pages_BP, int2_num_pages_B))
     elif int2_pool is not None:
         operands, ids = masked_page_operands(int2_pool, int2_pages_BP, int2_mask_BP)
-        parts.append(run(MaskedInt2Pages(D), operands, ids, int2_num_pages_B))
+        parts.append(run(MaskedInt2Pages(D, bits=int2_pool.bits), operands, ids, int2_num_pages_B))
     if float_pool is not None:
         parts.append(run(FloatTokens(D), tuple(float_pool), float_idx_BN, float_len_B))
     return _splitk.merge(parts, q_BHD.dtype)

@@ -106,8 +106,9 @@ def decode_codes_np(data, bits):
     return out
 
 
-def mixed_quantized_problem(seed, K, G, D, pages, tokens, qdtype):
-    """Pools from random data; request b reads ``pages[b]`` INT2 pages then ``tokens[b]`` INT4 slots.
+def mixed_quantized_problem(seed, K, G, D, pages, tokens, qdtype, page_bits=2):
+    """Pools from random data; request b reads ``pages[b]`` pages (INT2, or
+    ``page_bits``) then ``tokens[b]`` INT4 slots.
 
     Returns the positional arguments of ``quantized_decode_attention``.
     """
@@ -116,7 +117,7 @@ def mixed_quantized_problem(seed, K, G, D, pages, tokens, qdtype):
     rng = np.random.default_rng(seed)
     P2, S4 = max(pages) + 8, max(tokens) + 40
     kv = lambda n: rng.standard_normal((n, K, D)).astype(np.float32)
-    pool2, pool4 = quantize_int2_pool(kv(P2 * 32), kv(P2 * 32)), quantize_int4_pool(kv(S4), kv(S4))
+    pool2, pool4 = quantize_int2_pool(kv(P2 * 32), kv(P2 * 32), page_bits), quantize_int4_pool(kv(S4), kv(S4))
     page_ids, num_pages = live_lists(rng, pages, max(max(pages), 1), P2 + 1)
     page_ids -= 1  # pages have no sentinel
     slot_ids, num_slots = live_lists(rng, tokens, max(max(tokens), 1), S4)
@@ -135,10 +136,10 @@ def quantized_attention_f64(q, pool2, page_ids, num_pages, pool4, slot_ids, num_
         )
 
     k4, v4 = rows(pool4.k, 4), rows(pool4.v, 4)
-    k2 = np.asarray(pool2.k.zero, np.float64)[:, :, None] + decode_codes_np(pool2.k.data, 2) * np.asarray(
+    k2 = np.asarray(pool2.k.zero, np.float64)[:, :, None] + decode_codes_np(pool2.k.data, pool2.k.bits) * np.asarray(
         pool2.k.scale, np.float64
     )[:, :, None]
-    v2 = rows(pool2.v, 2)
+    v2 = rows(pool2.v, pool2.v.bits)
     tok = lambda a: a.transpose(0, 2, 1, 3).reshape(-1, a.shape[1], D)  # [P,K,32,D] -> [32P,K,D]
     k2, v2 = tok(k2), tok(v2)
     outs = []
@@ -152,7 +153,7 @@ def quantized_attention_f64(q, pool2, page_ids, num_pages, pool4, slot_ids, num_
     return np.stack(outs)
 
 
-def masked_float_problem(seed, K=2, G=2, D=64):
+def masked_float_problem(seed, K=2, G=2, D=64, page_bits=2):
     """``(args, kwargs, want)`` of ``quantized_decode_attention`` for two requests
     with masked INT2 pages (a partly kept page, a page keeping one token, a page
     kept whole) and a float part; ``want[b]`` is the float64 attention over the
@@ -161,7 +162,7 @@ def masked_float_problem(seed, K=2, G=2, D=64):
 
     rng = np.random.default_rng(seed)
     kv = lambda n: rng.standard_normal((n, K, D)).astype(np.float32)
-    pool2, pool4 = quantize_int2_pool(kv(6 * 32), kv(6 * 32)), quantize_int4_pool(kv(50), kv(50))
+    pool2, pool4 = quantize_int2_pool(kv(6 * 32), kv(6 * 32), page_bits), quantize_int4_pool(kv(50), kv(50))
     fk, fv = kv(40), kv(40)
     pages, npg = np.array([[1, 3, 0], [2, 5, 4]], np.int32), np.array([2, 3], np.int32)
     mask = np.array([[0xFFFF0000, 0x1, 0], [0xFFFFFFFF, 0x80000000, 0x00F0]], np.uint32)

@@ -167,7 +167,7 @@ def add_arguments(p) -> None:
     p.add_argument("--layout", default="dead_slot", choices=["dead_slot", "compact"])
     p.add_argument("--repair", type=int, default=0, help="RepairKV K rows per turn boundary (0: off; needs --policy)")
     p.add_argument("--kv-quant", default=None, metavar="FORMAT",
-                   help="the KV pool's format and every session's default: int4, kivi2, triaxial or its ablations "
+                   help="the KV pool's format and every session's default: int4, kivi2, kivi4, triaxial or its ablations "
                         "(jaxkv.cache.quantized_host.MODES; default: float)")
     p.add_argument("--kv-bits", type=float, default=None, metavar="B",
                    help="average bits of triaxial sessions, in [2, 4] (default: the calibration's)")

@@ -129,7 +129,7 @@ class Session:
       repair, repair_policy, repair_when, repair_wrong_signal: the RepairKV stage
         (``jaxkv.serving.stages.repair``).
       kv_quant, kv_bits, kv_allocation: the KV precision
-        (``jaxkv.serving.stages.quantization``): None, ``"int4"``, ``"kivi2"`` or
+        (``jaxkv.serving.stages.quantization``): None, ``"int4"``, ``"kivi2"``, ``"kivi4"`` or
         ``"triaxial"`` (a private server is built with that pool; on a shared
         server the session inherits its mode, and another mode is a ``ConfigError``).
       reuse, tenant, reuse_layers, halo, tau_seg, ...: cross-query segment reuse

@@ -2,7 +2,7 @@
 
 Session options it owns:
 
-* ``kv_quant``: ``None`` (full precision), ``"int4"``, ``"kivi2"``,
+* ``kv_quant``: ``None`` (full precision), ``"int4"``, ``"kivi2"``, ``"kivi4"``,
   ``"triaxial"`` or an axis ablation (``"triaxial_no_temporal"``,
   ``"triaxial_no_semantic"``); modes in ``jaxkv.cache.quantized_host``.
 * ``kv_bits``: the average-bit budget B of a triaxial mode (default: the
@@ -29,7 +29,7 @@ What it does in a turn:
   the engine applies the page-completion rule. Tokens reused from the radix
   cache are not prefilled, so they keep the precision they were first written
   with; teacher-forced replies and decode tokens get INT4 (what decode writes).
-  ``int4`` and ``kivi2`` need no annotation (the engine's mode decides).
+  ``int4``, ``kivi2`` and ``kivi4`` need no annotation (the engine's mode decides).
 * ``after_prefill`` (after retention and repair): records the request's live KV
   per precision (``KVRecord``) in ``records``, for ``avg_bits`` and bytes per token.
 """

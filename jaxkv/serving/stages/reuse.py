@@ -12,8 +12,8 @@ needs every prompt token through every layer, which a spliced token skips, so
 those prefills run in full; their reports say so (``ReuseReport.skipped``) and
 the replies are the session's without reuse. A policy that reads no prefill
 feature (``streaming_llm``) splices as a session without one would, then evicts.
-On a quantized pool the spliced prefill writes the token region (INT4; kivi2:
-float), and a triaxial session's tokens whose tags choose 2 bits then move to
+On a quantized pool the spliced prefill writes the token region (INT4; the KIVI
+modes: float), and a triaxial session's tokens whose tags choose 2 bits then move to
 INT2 pages (``Engine.requantize``), so reused tokens are stored at the precision
 their tags choose.
 
