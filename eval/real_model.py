@@ -426,9 +426,10 @@ def main(argv=None) -> int:
     p.add_argument("--max-new", type=int, default=MAX_NEW)
     p.add_argument("--out", type=Path, default=Path("eval/results/real_smollm2/jaxkv"))
     p.add_argument("--resume", action="store_true")
-    p.add_argument("--journal", default="examples.jsonl",
-                   help="the retention grid's journal in --out; another examples*.jsonl adds cells (methods) to the same "
-                        "examples, which the report merges by example")
+    p.add_argument("--journal", default=None,
+                   help="the journal in --out (default: examples.jsonl for the retention grid, quant.jsonl with "
+                        "--kv-quant); another examples*.jsonl (or quant*.jsonl) adds cells (methods, formats) to the "
+                        "same examples, which the reports merge by example")
     p.add_argument("--repair", type=int, default=None, metavar="K",
                    help="instead of the branched grid: RepairKV with K rows, matched no-repair at B+K and no repair at B, "
                         "as multi-turn sessions in the agnostic setting (--repair-method at --repair-ratio)")
@@ -456,7 +457,7 @@ def run_grid(args) -> int:
     kv_formats = [f for f in (getattr(args, "kv_quant", None) or "").split(",") if f]
     if kv_formats and args.repair is not None:
         raise SystemExit("--kv-quant and --repair are separate runs")
-    journal = args.out / ("sessions.jsonl" if args.repair is not None else "quant.jsonl" if kv_formats else args.journal)
+    journal = args.out / ("sessions.jsonl" if args.repair is not None else args.journal or ("quant.jsonl" if kv_formats else "examples.jsonl"))
     if args.repair is not None:
         settings = ["agnostic"]
     done = {(r["task"], r["context"], r["seed"], r["setting"]) for r in read_journal(journal)} if args.resume else set()

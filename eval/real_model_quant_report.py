@@ -2,9 +2,11 @@
 
     python -m eval.real_model_quant_report --root eval/results/real_smollm2_quant
 
-Reads ``ROOT/quant.jsonl`` (one line per example: the float pool's full cache,
-cell ``full``, and each format's, ``kv:<format>``, on the same example) and writes
-``ROOT/README.md``:
+Reads ``ROOT/quant.jsonl`` and any other ``ROOT/quant*.jsonl`` (one line per
+example: the float pool's full cache, cell ``full``, and each format's,
+``kv:<format>``, on the same example; formats added later by ``--journal`` merge
+by example, ``merged``) and writes ``ROOT/README.md``, each format's row over the
+examples it ran, paired with the full cache of the same run:
 
 * ``lm``: per format, the mean continuation NLL increase over the float pool
   (nats per token) and the mean KL(full || format) per token, each with a 95%
@@ -14,7 +16,8 @@ cell ``full``, and each format's, ``kv:<format>``, on the same example) and writ
 * storage: KV bytes per token (K + V, every layer and KV head, scales and zero
   points included; ``jaxkv.cache.quantized_host.bytes_per_token``), average stored
   bits per element and capacity against bf16, for the request as its prefill
-  leaves it (KIVI: the tokens past its window in INT2 pages, the rest in float).
+  leaves it (KIVI: the tokens past its window in pages, INT2 or KIVI-4's 4 bits,
+  the rest in float).
 """
 
 from __future__ import annotations
@@ -32,6 +35,8 @@ PAGE = 32
 
 
 def read(path: Path) -> list[dict]:
+    if not path.is_file():
+        return []
     return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
 
 
@@ -54,52 +59,73 @@ def storage(fmt: str, n_tokens: float, config) -> dict:
     return {"bytes": per, "bits": 8 * per / elements, "capacity": bytes_per_token(FLOAT, **geo) / per}
 
 
+def merged(root: Path) -> list[dict]:
+    """One record per (task, context, seed, setting) from ``quant.jsonl`` and any
+    other ``quant*.jsonl`` (more formats on the same examples, ``eval.real_model
+    --journal``): cells merge, the first journal's full cache kept (every journal
+    recomputes it on the same machine); ``seconds`` add up."""
+    out: dict = {}
+    paths = [root / "quant.jsonl", *sorted(p for p in root.glob("quant*.jsonl") if p.name != "quant.jsonl")]
+    for path in paths:
+        for rec in read(path):
+            key = (rec["task"], rec["context"], rec["seed"], rec["setting"])
+            if key not in out:
+                out[key] = dict(rec, cells=dict(rec["cells"]))
+            else:
+                kept = out[key]
+                kept["cells"].update({k: v for k, v in rec["cells"].items() if k not in kept["cells"]})
+                kept["seconds"] = kept["seconds"] + rec["seconds"]
+    return list(out.values())
+
+
 def report(root: Path, model_name: str = "smollm2-135m-instruct") -> str:
     import jaxkv
 
-    records = read(root / "quant.jsonl")
+    records = merged(root)
     config = jaxkv.load_model(model_name, load_tokenizer=False).config  # the geometry the bytes follow
     groups = collections.defaultdict(list)
     for r in records:
         groups[(r["task"], r["context"], r["setting"])].append(r)
     seconds = sum(r["seconds"] for r in records)
     lines = [f"# KV quantization on {model_name}: the full cache on each KV format, on the same examples", "",
-             f"Journal `quant.jsonl`: {len(records)} examples, {seconds / 3600:.2f} h of CPU in all (2-core x86_64, "
+             f"Journals `quant*.jsonl`: {len(records)} examples, {seconds / 3600:.2f} h of CPU in all (2-core x86_64, "
              "sums of per-example seconds, mostly shared with other runs). Regenerate: "
              f"`python -m eval.real_model_quant_report --root {root}` after "
              f"`python -m eval.real_model --task lm --context 2048 --n 50 --kv-quant int4,kivi2 --out {root} --resume`.", ""]
-    for (task, context, setting), recs in sorted(groups.items()):
-        formats = [c for c in recs[0]["cells"] if c != "full"]
-        n_tokens = float(np.mean([r["n_request"] for r in recs]))
-        lines += [f"## {task}, {context} tokens, {setting} ({len(recs)} examples)", ""]
+    for (task, context, setting), every in sorted(groups.items()):
+        formats = list(dict.fromkeys(c for r in every for c in r["cells"] if c != "full"))
+        n_tokens = float(np.mean([r["n_request"] for r in every]))
+        # each format's row: the examples it ran (a format added later may cover fewer so far), paired with the full cache
+        ran = {fmt: [r for r in every if fmt in r["cells"]] for fmt in ["full"] + formats}
+        lines += [f"## {task}, {context} tokens, {setting} ({len(every)} examples)", ""]
         if task == "lm":
-            full = np.array([r["cells"]["full"]["nll"] for r in recs])
+            full = np.array([r["cells"]["full"]["nll"] for r in every])
             lines += [f"Float pool (the ceiling): continuation NLL {full.mean():.3f} nats/token.", "",
-                      "| format | NLL increase, nats/token [95%] | KL(full \\|\\| format) per token [95%] | KV bytes / token | stored bits | capacity vs bf16 |",
-                      "|---|---:|---:|---:|---:|---:|"]
+                      "| format | n | NLL increase, nats/token [95%] | KL(full \\|\\| format) per token [95%] | KV bytes / token | stored bits | capacity vs bf16 |",
+                      "|---|---:|---:|---:|---:|---:|---:|"]
             for fmt in formats:
-                d = np.array([r["cells"][fmt]["nll"] for r in recs]) - full
-                kl = np.array([r["cells"][fmt]["kl"] for r in recs])
+                d = np.array([r["cells"][fmt]["nll"] - r["cells"]["full"]["nll"] for r in ran[fmt]])
+                kl = np.array([r["cells"][fmt]["kl"] for r in ran[fmt]])
                 st = storage(fmt.split(":", 1)[1], n_tokens, config)
                 m, lo, hi = mean_ci(d)
                 km, klo, khi = mean_ci(kl)
-                lines.append(f"| {fmt.split(':', 1)[1]} | {m:+.4f} [{lo:+.4f}, {hi:+.4f}] | {km:.4f} [{klo:.4f}, {khi:.4f}] | "
+                lines.append(f"| {fmt.split(':', 1)[1]} | {d.size} | {m:+.4f} [{lo:+.4f}, {hi:+.4f}] | {km:.4f} [{klo:.4f}, {khi:.4f}] | "
                              f"{st['bytes']:.0f} | {st['bits']:.2f} | {st['capacity']:.2f}x |")
         else:
-            lines += ["| format | teacher-forced % | greedy % | Δ teacher-forced pt [95%] | KV bytes / token | stored bits | capacity vs bf16 |",
-                      "|---|---:|---:|---:|---:|---:|---:|"]
-            full = np.array([r["cells"]["full"]["tf_correct"] for r in recs], float)
+            lines += ["| format | n | teacher-forced % | greedy % | Δ teacher-forced pt [95%] | KV bytes / token | stored bits | capacity vs bf16 |",
+                      "|---|---:|---:|---:|---:|---:|---:|---:|"]
             for fmt in ["full"] + formats:
-                tf = np.array([r["cells"][fmt]["tf_correct"] for r in recs], float)
-                gen = np.array([r["cells"][fmt]["gen_correct"] for r in recs], float)
+                full = np.array([r["cells"]["full"]["tf_correct"] for r in ran[fmt]], float)
+                tf = np.array([r["cells"][fmt]["tf_correct"] for r in ran[fmt]], float)
+                gen = np.array([r["cells"][fmt]["gen_correct"] for r in ran[fmt]], float)
                 m, lo, hi = mean_ci(100 * (tf - full))
                 st = storage("none" if fmt == "full" else fmt.split(":", 1)[1], n_tokens, config)
                 name = "none (float)" if fmt == "full" else fmt.split(":", 1)[1]
-                lines.append(f"| {name} | {100 * tf.mean():.0f} | {100 * gen.mean():.0f} | {m:+.1f} [{lo:+.1f}, {hi:+.1f}] | "
+                lines.append(f"| {name} | {tf.size} | {100 * tf.mean():.0f} | {100 * gen.mean():.0f} | {m:+.1f} [{lo:+.1f}, {hi:+.1f}] | "
                              f"{st['bytes']:.0f} | {st['bits']:.2f} | {st['capacity']:.2f}x |")
         lines.append("")
     lines += ["Stored bits count the scales and zero points (INT4 = 5 bits per element, INT2 = 3, float counted as "
-              "bf16 = 16), for the request as its prefill leaves it; capacity is bf16's bytes per token over the format's.", ""]
+              "bf16 = 16; KIVI-4's 4-bit pages store as INT4 does), for the request as its prefill leaves it; capacity is bf16's bytes per token over the format's.", ""]
     for speed in sorted(root.glob("decode_speed_cpu_*.md")):  # eval/bench_quant_decode.py --model ... --out
         lines += [f"## Decode speed on the CPU ({speed.stem.rsplit('_', 1)[1]}, `{speed.name}`)", "",
                   f"`python eval/bench_quant_decode.py --model {model_name} --contexts 4096,8000 --out {root / speed.name}`, "

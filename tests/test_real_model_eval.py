@@ -159,6 +159,26 @@ def test_quant_report_counts_scales_and_kivis_float_window():
     assert storage("none", 2048, cfg)["capacity"] == 1.0
 
 
+def test_quant_report_merges_formats_added_by_another_journal(tmp_path):
+    """``--kv-quant kivi4 --journal quant_kivi4.jsonl`` adds a format to examples
+    already journaled: cells merge by example, the first journal's full cache kept."""
+    import json
+
+    from eval.real_model_quant_report import merged
+
+    def write(name, seeds, cells):
+        with (tmp_path / name).open("w") as f:
+            for seed in seeds:
+                f.write(json.dumps({"task": "lm", "context": 2048, "seed": seed, "setting": "agnostic", "seconds": 1.0,
+                                    "n_request": 2048, "cells": {c: {"nll": v + seed} for c, v in cells.items()}}) + "\n")
+    write("quant.jsonl", [1, 2, 3], {"full": 2.0, "kv:int4": 2.01})
+    write("quant_kivi4.jsonl", [2, 3], {"full": 9.0, "kv:kivi4": 2.02})
+    recs = {r["seed"]: r for r in merged(tmp_path)}
+    assert sorted(recs) == [1, 2, 3] and set(recs[1]["cells"]) == {"full", "kv:int4"}
+    assert set(recs[2]["cells"]) == {"full", "kv:int4", "kv:kivi4"} and recs[2]["cells"]["full"]["nll"] == 4.0
+    assert recs[3]["seconds"] == 2.0
+
+
 def test_report_merges_the_cells_of_one_example_across_journals(tmp_path):
     """``eval.real_model --journal examples_<name>.jsonl`` adds methods to examples
     already journaled; the report reads every examples*.jsonl and merges by example."""
