@@ -473,8 +473,20 @@ def test_label_variants_share_ignored_positions_and_union_by_spec(task_model_dir
     assert sum((r["labels_cue"] == 1).sum() > (r["labels"] == 1).sum() for r in every["rows"]) > 0
     with pytest.raises(ValueError):
         data.label_keys("actions+attention")
+    with pytest.raises(ValueError, match="threshold"):
+        data.label_keys("read@2")
     with pytest.raises(KeyError):
         data.label_array({"labels": np.zeros(3, np.int8)}, "read")
+    # read@T relabels from the stored strengths: at the generation threshold it is the read variant itself
+    for row in none["rows"]:
+        at = data.READ_THRESHOLD
+        strong = row["read_max"].astype(np.float32) >= at
+        relabelled = data.label_array(row, f"read@{at}")
+        np.testing.assert_array_equal(relabelled == -1, row["labels_read"] == -1)
+        np.testing.assert_array_equal(relabelled[relabelled >= 0], strong[relabelled >= 0])
+        assert data.label_keys(f"actions+read@{at}") == ["labels", "labels_read", "read_max"]
+        lower = data.label_array(row, "read@0.01")
+        assert ((lower == 1) >= (relabelled == 1)).all() and (lower == 1).sum() > (relabelled == 1).sum()
 
 
 def test_traces_for_a_template_without_tools_give_rows_of_that_models_shapes(smollm2_gguf):

@@ -64,7 +64,9 @@ trainer picks with ``--labels``, ``label_array``): every row also carries
   evicts the newlines, role headers, words and keys the replies also read.
 
 A row is kept when any variant has a positive; ``label_array`` unions variants
-(``actions+read``).
+(``actions+read``). Rows also carry ``read_max`` (float16): the attention weight
+behind ``labels_read`` before its threshold, so ``read@T`` (``actions+read@0.05``)
+labels at another threshold without regenerating the rows.
 
 Seeds (disjoint from every evaluation seed; ``check_seed_ranges`` asserts it):
 training traces use the per-example seeds ``one_trace(TRAIN_SEED_BASE + i)``,
@@ -328,7 +330,7 @@ def trace_rows(model, messages, tools, answer_values=(), horizon: int = HORIZON,
     q_LTHD, k_LTKD = capture_qk(model, full.ids)
     kbar = np.asarray(mean_keys(k_LTKD))
     replies = reply_spans(tok, messages, tools)
-    read = [read_strength(q_LTHD, k_LTKD, n, end) >= read_threshold for _, n, end in replies]
+    strength = [read_strength(q_LTHD, k_LTKD, n, end) for _, n, end in replies]
     cfg = model.config
     state = intentkv.QueryMemory(jnp.zeros((cfg.num_layers, cfg.num_heads, cfg.head_dim), jnp.float32), jnp.zeros((), bool))
     rows = []
@@ -350,7 +352,8 @@ def trace_rows(model, messages, tools, answer_values=(), horizon: int = HORIZON,
         labels_cue, _ = label_row(prompt, masks[values][1], template)
         # a read is a read whatever the token: template tokens (``\n``, ``<|im_start|>``) are
         # candidates at inference and the replies attend to them, so only forced ones are ignored
-        labels_read, _ = label_row(prompt, np.any([r[:n] for r in read[turn : turn + horizon]], axis=0), np.zeros(n, bool))
+        read_max = np.max([r[:n] for r in strength[turn : turn + horizon]], axis=0)
+        labels_read, _ = label_row(prompt, read_max >= read_threshold, np.zeros(n, bool))
         if not keep_empty and not any((x == 1).any() for x in (labels, labels_cue, labels_read)):
             continue
         s = memory_scores(state, k_LTKD[:, :n], q_mean, cand)
@@ -359,6 +362,7 @@ def trace_rows(model, messages, tools, answer_values=(), horizon: int = HORIZON,
             mbar=np.asarray(mean_query(state.m_LHD)), qbar=np.asarray(mean_query(q_mean)),
             qbar_unit=np.asarray(mean_query(unit_norm(q_mean))), norm_err=norm_err,
             s=s.astype(np.float32), labels=labels, labels_cue=labels_cue, labels_read=labels_read, values=values,
+            read_max=read_max.astype(np.float16),
         ))
     return {"kbar": kbar, "rows": rows, "ids": full.ids}
 
@@ -396,6 +400,7 @@ def pack_shard(traces: list[dict], seeds: list[int]) -> dict[str, np.ndarray]:
     }
     for key in LABEL_VARIANTS.values():
         out[key] = np.concatenate([r[key] for _, r in rows]) if rows else np.zeros(0, np.int8)
+    out["read_max"] = np.concatenate([r["read_max"] for _, r in rows]) if rows else np.zeros(0, np.float16)
     return out
 
 
@@ -416,25 +421,45 @@ def load_meta(folder) -> dict | None:
 
 
 def label_keys(spec: str) -> list[str]:
-    """The shard arrays of a label spec: one name of ``LABEL_VARIANTS`` (``actions``
-    is §4's label), or several joined by ``+`` (``actions+read``); ValueError otherwise."""
-    names = spec.split("+")
-    unknown = [n for n in names if n not in LABEL_VARIANTS]
-    if unknown:
-        raise ValueError(f"label spec {spec!r}: {unknown} not in {tuple(LABEL_VARIANTS)}")
-    return [LABEL_VARIANTS[n] for n in dict.fromkeys(names)]
+    """The shard arrays of a label spec: names of ``LABEL_VARIANTS`` joined by ``+``
+    (``actions`` is §4's label; ``actions+read``), where ``read@T`` is the ``read``
+    variant at attention threshold ``T`` (from ``read_max``); ValueError otherwise."""
+    keys = []
+    for name in dict.fromkeys(spec.split("+")):
+        base, at, threshold = name.partition("@")
+        if base not in LABEL_VARIANTS or (at and base != "read"):
+            raise ValueError(f"label spec {spec!r}: {name!r} is not one of {tuple(LABEL_VARIANTS)} or read@T")
+        if at:
+            try:
+                if not 0.0 < float(threshold) <= 1.0:
+                    raise ValueError
+            except ValueError:
+                raise ValueError(f"label spec {spec!r}: read@T needs an attention threshold in (0, 1], got {threshold!r}") from None
+            keys += ["labels_read", "read_max"]
+        else:
+            keys.append(LABEL_VARIANTS[base])
+    return list(dict.fromkeys(keys))
 
 
 def label_array(arrays: dict, spec: str) -> np.ndarray:
     """The labels of ``arrays`` (a shard, or one row of ``trace_rows``) under a label
     spec (``label_keys``): the elementwise maximum, so a position is positive where
     any named variant marks it, 0 where one labels it and none marks it, and −1
-    (ignored) only where all ignore it. KeyError when ``arrays`` lacks a variant."""
-    keys = label_keys(spec)
-    missing = [k for k in keys if k not in arrays]
+    (ignored) only where all ignore it. ``read@T``: positive where ``read_max >= T``,
+    −1 where ``labels_read`` ignores the position (forced tokens). KeyError when
+    ``arrays`` lacks what the spec needs (rows generated before ``read_max``)."""
+    missing = [k for k in label_keys(spec) if k not in arrays]
     if missing:
         raise KeyError(f"no {missing} here: regenerate the rows with `python -m train.intentkv_data`")
-    return functools.reduce(np.maximum, (np.asarray(arrays[k]) for k in keys))
+    parts = []
+    for name in dict.fromkeys(spec.split("+")):
+        base, _, threshold = name.partition("@")
+        if threshold:
+            read = np.asarray(arrays["read_max"], np.float32) >= float(threshold)
+            parts.append(np.where(np.asarray(arrays["labels_read"]) == -1, -1, read).astype(np.int8))
+        else:
+            parts.append(np.asarray(arrays[LABEL_VARIANTS[base]]))
+    return functools.reduce(np.maximum, parts)
 
 
 def load_shards(folder, split: str) -> list[dict[str, np.ndarray]]:

@@ -510,7 +510,8 @@ def parse_args(argv=None):
                    help="also copy the head and its card here, e.g. MODEL_FOLDER/intentkv-head (where sessions find it)")
     p.add_argument("--labels", default="actions",
                    help="label spec (train.intentkv_data.label_array): actions (§4 future-action grounding, the default), "
-                        "cue (+ each match's cue tokens), read (what the next replies attend to), or a union such as actions+read")
+                        "cue (+ each match's cue tokens), read (what the next replies attend to), read@T (read at attention "
+                        "threshold T, from the rows' read_max), or a union such as actions+read or actions+read@0.05")
     p.add_argument("--epochs", type=int, default=2)
     p.add_argument("--steps", type=int, default=None, help="optimizer updates (default: --epochs over the rows)")
     p.add_argument("--micro-batch", type=int, default=4, help="rows per micro-step")
