@@ -294,7 +294,8 @@ def replay_example(model, example, cell: Cell, *, max_new_tokens: int, max_posit
         session = Session(model, max_positions=max_positions, max_new_tokens=max_new_tokens, **options)
     try:
         turns = session.replay(example.messages[: last + 1], example.tools or None, generate=accuracy == "greedy",
-                               max_new_tokens=max_new_tokens, return_logits=fidelity is not None or accuracy == "teacher")
+                               max_new_tokens=max_new_tokens,
+                               return_logits="reply" if fidelity is not None or accuracy == "teacher" else False)
     except (jaxkv.ContextLengthError, jaxkv.OutOfSlotsError):
         return [False] * len(example.targets), False, session.metrics.as_dict(), session
     by_index = dict(zip(assistant_at, turns))

@@ -69,6 +69,14 @@ def test_six_turn_replay_reuses_prefix_and_matches_oracle(agent_model):
     assert m["prefix_hit_rate"] == pytest.approx(m["prefix_hit_tokens"] / prompt_tokens)
     assert m["prefix_hit_rate"] > 0.7
     print(f"6-turn replay prefix-hit rate: {m['prefix_hit_rate']:.3f}")
+    # return_logits="reply": the prompt's last row only, and the reply's rows, as with True
+    lean = Session(agent_model, keep_reasoning=True, max_positions=1024).replay(msgs, TOOLS, return_logits="reply")
+    for turn, every in zip(lean, turns):
+        assert turn.prompt_logits.shape == (1, every.prompt_logits.shape[1])
+        assert np.abs(turn.prompt_logits[0] - every.prompt_logits[-1]).max() <= 1e-5 * np.abs(every.prompt_logits[-1]).max()
+        assert np.abs(turn.target_logits - every.target_logits).max() <= 1e-5 * np.abs(every.target_logits).max()
+    with pytest.raises(ValueError, match="return_logits"):
+        Session(agent_model, max_positions=1024).replay(msgs, TOOLS, return_logits="all")
 
 
 def test_dropped_reasoning_diverges_and_is_handled(agent_model):

@@ -153,7 +153,8 @@ class TurnResult:
       prompt_ids: the rendered request (history + generation prompt).
       prefix_hit: prompt tokens reused from the radix cache.
       prompt_logits: ``[len(prompt) - prefix_hit, V]`` logits of the prefilled
-        suffix (only when ``return_logits``).
+        suffix (``return_logits=True``), or its last row ``[1, V]``
+        (``return_logits="reply"``).
       target_ids / target_logits: the recorded assistant message's tokens and
         their teacher-forced logits (``return_logits``).
       generated: the parsed reply generated at this turn (``generate=True``).
@@ -514,20 +515,25 @@ def _top2_margins(logits_NV: np.ndarray) -> np.ndarray:
     return top2[:, 1] - top2[:, 0]
 
 
-def replay_turn(turn: Turn, full_ids: np.ndarray, full_phase: np.ndarray, *, generate: bool, n_new: int, return_logits: bool) -> Generator:
+def replay_turn(turn: Turn, full_ids: np.ndarray, full_phase: np.ndarray, *, generate: bool, n_new: int, return_logits: bool | str) -> Generator:
     """One teacher-forced turn: prefill the prompt, optionally generate a probe
     reply (then rewind it), prefill the recorded reply. Returns ``(result,
-    reply ids or None)``."""
+    reply ids or None)``. ``return_logits``: ``True`` (every prompt row and the
+    reply), ``"reply"`` (the prompt's last row and the reply) or ``False``."""
+    if return_logits not in (True, False, "reply"):
+        raise ValueError(f"return_logits must be True, False or 'reply', got {return_logits!r}")
     try:
         turn.open()
         prompt = turn.rendered.ids
-        logits = yield from turn.prefill_prompt(all_logits=return_logits)
-        result = TurnResult(prompt, turn.reused, logits if return_logits else None)
+        every_row = return_logits is True
+        logits = yield from turn.prefill_prompt(all_logits=every_row)
+        last = logits[-1] if every_row else logits
+        result = TurnResult(prompt, turn.reused, (logits if every_row else np.asarray(last)[None]) if return_logits else None)
         reply = None
         if generate:
             mark = turn.req.seq_len
             renumbered = turn.req.renumbered
-            reply = yield from turn.generate(logits[-1] if return_logits else logits, n_new)
+            reply = yield from turn.generate(last, n_new)
             result.reply_ids = list(reply)
             if turn.record_margins:
                 result.reply_margins = np.asarray(turn.reply_margins[: len(reply)], np.float32)
@@ -539,7 +545,7 @@ def replay_turn(turn: Turn, full_ids: np.ndarray, full_phase: np.ndarray, *, gen
         result.compressions = len(turn.session.compressions)
         if common_prefix_length(full_ids, prompt) == prompt.size and full_ids.size > prompt.size:
             target = full_ids[prompt.size:]
-            target_logits = yield from turn.prefill(target, all_logits=return_logits, phase=full_phase[prompt.size:])
+            target_logits = yield from turn.prefill(target, all_logits=bool(return_logits), phase=full_phase[prompt.size:])
             result.target_ids = target
             if return_logits:
                 result.target_logits = target_logits

@@ -295,14 +295,20 @@ class Session:
         return turn.reply
 
     # -- replay ----------------------------------------------------------------------
-    def replay(self, messages: Sequence[Mapping[str, Any]], tools=None, *, generate: bool = False, max_new_tokens: int | None = None, return_logits: bool = False, start_turn: int = 0, reply_margins: bool = False) -> list[TurnResult]:
+    def replay(self, messages: Sequence[Mapping[str, Any]], tools=None, *, generate: bool = False, max_new_tokens: int | None = None, return_logits: bool | str = False, start_turn: int = 0, reply_margins: bool = False) -> list[TurnResult]:
         """Feed a recorded conversation turn by turn (see the module docstring).
 
         ``start_turn``: skip the first ``start_turn`` assistant turns, which this
         session (or the session it was forked from) has already replayed; one
         ``TurnResult`` per replayed turn. ``reply_margins``: record each generated
         token's top-2 logit margin (``TurnResult.reply_margins``; the decode
-        calls then bring back logits, a separate compiled program)."""
+        calls then bring back logits, a separate compiled program).
+        ``return_logits``: ``True`` keeps every prefilled prompt row's logits and
+        the recorded reply's; ``"reply"`` keeps the reply's and only the prompt's
+        last row (``prompt_logits`` ``[1, V]``, which predicts the reply's first
+        token): what teacher-forced scoring reads, without the vocabulary
+        projection of every prompt row (~a fifth of a SmolLM2 prefill) or its
+        ``[T, V]`` array."""
         if start_turn < 0:
             raise ValueError(f"start_turn must be >= 0, got {start_turn}")
         results = []
