@@ -29,6 +29,7 @@ from pathlib import Path
 
 import numpy as np
 
+from eval.harness import HEAD, HEAD_RULE  # IntentKV's learned head and the rule it corrects (issue #27)
 from eval.repair_protocol import paired_gain
 
 SIDES = ("jaxkv", "kvpress")
@@ -41,7 +42,6 @@ COUNTERPARTS = {
     "random": "RandomPress",
 }
 BOOTSTRAP = 2000
-HEAD, HEAD_RULE = "intentkv", "intentkv_memory"  # IntentKV's learned head and the rule it corrects (issue #27)
 
 
 def read(path: Path) -> list[dict]:
