@@ -358,7 +358,8 @@ def quick_run(task_model_dir, tmp_path_factory):
     intentkv_data.generate(intentkv_data.parse_args(["--out", str(folder / "data"), "--model", str(task_model_dir),
                                                       "--quick", "--quiet", "--length-min", "1300", "--length-max", "1500"]))
     args = intentkv_head.parse_args(["--data", str(folder / "data"), "--out", str(folder / "head"), "--quick",
-                                     "--quiet", "--lr", "3e-3", "--export", str(folder / "model" / ih.HEAD_FOLDER)])
+                                     "--quiet", "--lr", "3e-3", "--export", str(folder / "model" / ih.HEAD_FOLDER),
+                                     "--measure-labels", "actions,read@0.05"])
     return folder, intentkv_head.train(args)
 
 
@@ -369,11 +370,34 @@ def test_training_runs_three_steps_and_its_loss_falls(quick_run):
     assert losses[2] < losses[1] < losses[0]
     first, last = result["summary"]["heldout_initial"], result["summary"]["heldout_final"]
     assert first["auc_z"] == first["auc_s"] and last["auc_s"] == first["auc_s"]  # z == s before training
+    # the label-free yardstick: the share of the next replies' attention mass kept at B
+    measured = [b for b in (1024, 1280, 1536) if f"mass{b}_z" in first]
+    assert 1024 in measured
+    for b in measured:
+        assert first[f"mass{b}_z"] == first[f"mass{b}_s"] and 0.0 < last[f"mass{b}_z"] <= 1.0
     assert last["auc_z"] != first["auc_z"]
     for name in ("head.safetensors", "head.json", "training.png", "metrics.jsonl", "summary.json"):
         assert (folder / "head" / name).is_file(), name
     head = ih.load_head(folder / "head")
     assert head.cfg.head_dim == 16 and head.meta["training"]["heldout_final"]["update"] == 3
+
+
+def test_the_trained_head_is_also_measured_on_other_labels(quick_run):
+    """``--measure-labels actions,read@0.05`` with ``--labels actions``: the final head
+    is measured once more, on the held-out rows with a ``read@0.05`` positive, in the
+    summary and the card; the training labels are not measured twice."""
+    from train import intentkv_head
+    from train.intentkv_data import load_shards
+
+    folder, result = quick_run
+    other = result["summary"]["heldout_final_on"]
+    assert set(other) == {"read@0.05"}
+    m = other["read@0.05"]
+    rows = intentkv_head.Rows(load_shards(folder / "data", "heldout"), "read@0.05")
+    assert m["heldout_rows"] == min(4, len(rows))  # --quick keeps 4 held-out rows
+    assert all(0.0 <= m[f"recall{b}_{name}"] <= 1.0 for b in (1024, 1280, 1536) for name in "zs")
+    card = (folder / "head" / "README.md").read_text()
+    assert "The same head on `read@0.05` labels" in card and f"{m['auc_z']:.3f}" in card
 
 
 def test_an_exported_head_is_what_sessions_on_its_model_load_and_carries_its_card(quick_run, task_model_dir):
@@ -440,14 +464,38 @@ def test_read_strength_is_the_largest_attention_a_reply_row_gives_each_prompt_po
     q = rng.normal(size=(L, T, HQ, D)).astype(np.float32)
     k = rng.normal(size=(L, T, HKV, D)).astype(np.float32)
     got = data.read_strength(q, k, n, end)
-    want = np.zeros(n)
+    strongest, mass = data.read_stats(q, k, n, end)
+    want, want_mass = np.zeros(n), np.zeros(n)
     for layer in range(L):
         for h in range(HQ):
             for r in range(n, end):
                 logits = k[layer, : r + 1, h // (HQ // HKV)] @ q[layer, r, h] / np.sqrt(D)
                 p = np.exp(logits - logits.max())
                 want = np.maximum(want, (p / p.sum())[:n])
+                want_mass += (p / p.sum())[:n] / (L * HQ * (end - n))
     np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-7)
+    np.testing.assert_array_equal(strongest, got)
+    np.testing.assert_allclose(mass, want_mass, rtol=1e-5, atol=1e-8)  # mean over layers, heads and rows
+
+
+def test_mass_labels_are_the_top_fraction_of_each_rows_candidates_by_attention_mass():
+    from train import intentkv_data as data
+
+    # two rows of 5 and 4 positions; the first row's position 0 is forced
+    arrays = {"labels_read": np.asarray([-1, 0, 1, 0, 0, 0, 0, 1, 0], np.int8),
+              "read_mass": np.asarray([9.0, 0.1, 0.4, 0.3, 0.2, 0.5, 0.9, 0.1, 0.7], np.float32),
+              "row_offset": np.asarray([0, 5, 9])}
+    got = data.label_array(arrays, "mass@0.5")
+    # row 1: 4 candidates, top 2 by mass (0.4, 0.3); row 2: 4 candidates, top 2 (0.9, 0.7)
+    np.testing.assert_array_equal(got, [-1, 0, 1, 1, 0, 0, 1, 0, 1])
+    assert data.label_keys("actions+mass@0.3") == ["labels", "labels_read", "read_mass"]
+    one_row = {k: v[:5] for k, v in arrays.items() if k != "row_offset"}  # a row of trace_rows
+    np.testing.assert_array_equal(data.label_array(one_row, "mass@0.25"), [-1, 0, 1, 0, 0])
+    for bad in ("mass@1", "mass@0", "mass@x", "mass"):
+        with pytest.raises(ValueError, match="fraction"):
+            data.label_keys(bad)
+    with pytest.raises(KeyError):
+        data.label_array({"labels_read": arrays["labels_read"]}, "mass@0.5")
 
 
 def test_label_variants_share_ignored_positions_and_union_by_spec(task_model_dir):

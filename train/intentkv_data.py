@@ -66,7 +66,15 @@ trainer picks with ``--labels``, ``label_array``): every row also carries
 A row is kept when any variant has a positive; ``label_array`` unions variants
 (``actions+read``). Rows also carry ``read_max`` (float16): the attention weight
 behind ``labels_read`` before its threshold, so ``read@T`` (``actions+read@0.05``)
-labels at another threshold without regenerating the rows.
+labels at another threshold without regenerating the rows; and ``read_mass``
+(float32): the mean attention weight the next ``--horizon`` replies give each
+position (over layers, query heads and reply rows, ``read_stats``), so ``mass@F``
+labels the fraction ``F`` of each row's candidates with the most mass: what the
+replies' attention outputs lose most when they are evicted. Measured reason
+(SmolLM2, the first grid of issue #27): a head trained on ``actions+read`` (30% of
+candidates positive at 0.2) kept the replies further from the full cache than its
+rule; ``read_max`` is a maximum over 270 heads, and one head attending to a token
+says little about what evicting it costs.
 
 Seeds (disjoint from every evaluation seed; ``check_seed_ranges`` asserts it):
 training traces use the per-example seeds ``one_trace(TRAIN_SEED_BASE + i)``,
@@ -95,6 +103,7 @@ from __future__ import annotations
 import argparse
 import functools
 import json
+import math
 import os
 import random
 import re
@@ -273,8 +282,17 @@ def read_strength(q_LTHD, k_LTKD, n: int, end: int) -> np.ndarray:
     """``a [n]``: the largest attention weight any reply row ``[n, end)`` gives each
     prompt position ``< n`` in the full-cache forward, over layers and query heads
     (the model's own ``softmax(q·k/√D)``, causal; query head ``h`` reads KV head
-    ``h // (Hq / Hkv)``). One batched matmul per (layer, KV head, group): a plain
-    ``einsum`` over the GQA-expanded keys took 10 s per reply on SmolLM2's 30 x 9 heads."""
+    ``h // (Hq / Hkv)``)."""
+    return read_stats(q_LTHD, k_LTKD, n, end)[0]
+
+
+def read_stats(q_LTHD, k_LTKD, n: int, end: int) -> tuple[np.ndarray, np.ndarray]:
+    """``(read_strength, mass)``, each ``[n]``: the largest attention weight any reply
+    row ``[n, end)`` gives each prompt position (``read_strength``), and the mean
+    weight over layers, query heads and reply rows (the attention mass a reply
+    token spends on the position, on average: what evicting it takes from the
+    replies' attention outputs). One batched matmul per (layer, KV head, group): a
+    plain ``einsum`` over the GQA-expanded keys took 10 s per reply on SmolLM2's 30 x 9 heads."""
     L, T, H, D = q_LTHD.shape
     K = k_LTKD.shape[2]
     q = np.asarray(q_LTHD[:, n:end], np.float32).reshape(L, end - n, K, H // K, D).transpose(0, 2, 3, 1, 4)
@@ -285,7 +303,7 @@ def read_strength(q_LTHD, k_LTKD, n: int, end: int) -> np.ndarray:
     logits -= logits.max(-1, keepdims=True)
     np.exp(logits, out=logits)
     logits /= logits.sum(-1, keepdims=True)
-    return logits.max(axis=(0, 1, 2, 3))[:n]
+    return logits.max(axis=(0, 1, 2, 3))[:n], logits.mean(axis=(0, 1, 2, 3))[:n]
 
 
 def template_mask(tokenizer, rendered) -> np.ndarray:
@@ -330,7 +348,7 @@ def trace_rows(model, messages, tools, answer_values=(), horizon: int = HORIZON,
     q_LTHD, k_LTKD = capture_qk(model, full.ids)
     kbar = np.asarray(mean_keys(k_LTKD))
     replies = reply_spans(tok, messages, tools)
-    strength = [read_strength(q_LTHD, k_LTKD, n, end) for _, n, end in replies]
+    stats = [read_stats(q_LTHD, k_LTKD, n, end) for _, n, end in replies]
     cfg = model.config
     state = intentkv.QueryMemory(jnp.zeros((cfg.num_layers, cfg.num_heads, cfg.head_dim), jnp.float32), jnp.zeros((), bool))
     rows = []
@@ -352,7 +370,8 @@ def trace_rows(model, messages, tools, answer_values=(), horizon: int = HORIZON,
         labels_cue, _ = label_row(prompt, masks[values][1], template)
         # a read is a read whatever the token: template tokens (``\n``, ``<|im_start|>``) are
         # candidates at inference and the replies attend to them, so only forced ones are ignored
-        read_max = np.max([r[:n] for r in strength[turn : turn + horizon]], axis=0)
+        read_max = np.max([r[:n] for r, _ in stats[turn : turn + horizon]], axis=0)
+        read_mass = np.mean([m[:n] for _, m in stats[turn : turn + horizon]], axis=0)
         labels_read, _ = label_row(prompt, read_max >= read_threshold, np.zeros(n, bool))
         if not keep_empty and not any((x == 1).any() for x in (labels, labels_cue, labels_read)):
             continue
@@ -363,6 +382,7 @@ def trace_rows(model, messages, tools, answer_values=(), horizon: int = HORIZON,
             qbar_unit=np.asarray(mean_query(unit_norm(q_mean))), norm_err=norm_err,
             s=s.astype(np.float32), labels=labels, labels_cue=labels_cue, labels_read=labels_read, values=values,
             read_max=read_max.astype(np.float16),
+            read_mass=read_mass.astype(np.float32),
         ))
     return {"kbar": kbar, "rows": rows, "ids": full.ids}
 
@@ -401,6 +421,7 @@ def pack_shard(traces: list[dict], seeds: list[int]) -> dict[str, np.ndarray]:
     for key in LABEL_VARIANTS.values():
         out[key] = np.concatenate([r[key] for _, r in rows]) if rows else np.zeros(0, np.int8)
     out["read_max"] = np.concatenate([r["read_max"] for _, r in rows]) if rows else np.zeros(0, np.float16)
+    out["read_mass"] = np.concatenate([r["read_mass"] for _, r in rows]) if rows else np.zeros(0, np.float32)
     return out
 
 
@@ -423,12 +444,22 @@ def load_meta(folder) -> dict | None:
 def label_keys(spec: str) -> list[str]:
     """The shard arrays of a label spec: names of ``LABEL_VARIANTS`` joined by ``+``
     (``actions`` is §4's label; ``actions+read``), where ``read@T`` is the ``read``
-    variant at attention threshold ``T`` (from ``read_max``); ValueError otherwise."""
+    variant at attention threshold ``T`` (from ``read_max``) and ``mass@F`` the
+    fraction ``F`` of each row's candidates with the most attention mass (from
+    ``read_mass``); ValueError otherwise."""
     keys = []
     for name in dict.fromkeys(spec.split("+")):
         base, at, threshold = name.partition("@")
+        if base == "mass":
+            try:
+                if not 0.0 < float(threshold) < 1.0:
+                    raise ValueError
+            except ValueError:
+                raise ValueError(f"label spec {spec!r}: mass@F needs a fraction of candidates in (0, 1), got {threshold!r}") from None
+            keys += ["labels_read", "read_mass"]
+            continue
         if base not in LABEL_VARIANTS or (at and base != "read"):
-            raise ValueError(f"label spec {spec!r}: {name!r} is not one of {tuple(LABEL_VARIANTS)} or read@T")
+            raise ValueError(f"label spec {spec!r}: {name!r} is not one of {tuple(LABEL_VARIANTS)}, read@T or mass@F")
         if at:
             try:
                 if not 0.0 < float(threshold) <= 1.0:
@@ -446,20 +477,39 @@ def label_array(arrays: dict, spec: str) -> np.ndarray:
     spec (``label_keys``): the elementwise maximum, so a position is positive where
     any named variant marks it, 0 where one labels it and none marks it, and −1
     (ignored) only where all ignore it. ``read@T``: positive where ``read_max >= T``,
-    −1 where ``labels_read`` ignores the position (forced tokens). KeyError when
-    ``arrays`` lacks what the spec needs (rows generated before ``read_max``)."""
+    −1 where ``labels_read`` ignores the position (forced tokens). ``mass@F``: per
+    row (``row_offset``; ``arrays`` without it is one row), the ``ceil(F·m)`` of its
+    ``m`` candidates with the largest ``read_mass`` positive, the rest 0, forced −1.
+    KeyError when ``arrays`` lacks what the spec needs (rows generated before
+    ``read_max`` or ``read_mass``)."""
     missing = [k for k in label_keys(spec) if k not in arrays]
     if missing:
         raise KeyError(f"no {missing} here: regenerate the rows with `python -m train.intentkv_data`")
     parts = []
     for name in dict.fromkeys(spec.split("+")):
         base, _, threshold = name.partition("@")
-        if threshold:
+        if base == "mass":
+            parts.append(top_mass_labels(arrays, float(threshold)))
+        elif threshold:
             read = np.asarray(arrays["read_max"], np.float32) >= float(threshold)
             parts.append(np.where(np.asarray(arrays["labels_read"]) == -1, -1, read).astype(np.int8))
         else:
             parts.append(np.asarray(arrays[LABEL_VARIANTS[base]]))
     return functools.reduce(np.maximum, parts)
+
+
+def top_mass_labels(arrays: dict, fraction: float) -> np.ndarray:
+    """``mass@F`` labels (``label_array``): per row, the top ``ceil(F·m)`` of its ``m``
+    candidates by ``read_mass`` are 1, the others 0; forced positions −1."""
+    ignored = np.asarray(arrays["labels_read"]) == -1
+    mass = np.asarray(arrays["read_mass"], np.float32)
+    offsets = arrays.get("row_offset", np.asarray([0, mass.size]))
+    out = np.where(ignored, -1, 0).astype(np.int8)
+    for a, b in zip(offsets[:-1], offsets[1:]):
+        cand = np.flatnonzero(~ignored[a:b])
+        top = cand[np.argsort(-mass[a:b][cand], kind="stable")[: math.ceil(fraction * cand.size)]]
+        out[a + top] = 1
+    return out
 
 
 def load_shards(folder, split: str) -> list[dict[str, np.ndarray]]:

@@ -36,7 +36,15 @@ split's rows, for ``z`` and for the rule ``s`` alone:
   event would run), for ``B`` in ``--budgets`` (1024, 1280, 1536: the harness's);
 * ``auc``: ROC-AUC of the score between positive and negative candidates, per row,
   averaged over rows (ranking happens within a row);
+* ``mass@B`` (rows generated with ``read_mass``): the share of the candidates'
+  attention mass from the next replies that the kept set holds at budget ``B``,
+  over the same rows as ``recall@B``; it depends on no label, so heads trained on
+  different labels compare on it;
 * the held-out loss.
+
+``--measure-labels SPEC,...`` (default ``actions``) measures the final head once more
+on each other label spec's held-out rows (``summary.json``'s ``heldout_final_on``
+and the card), so heads trained on different labels are compared on one yardstick.
 
 Reproducibility: the step order is a pure function of ``--seed`` and the epoch;
 the head's initial weights of ``--seed``. Orbax checkpoints (``OUT/ckpt``) every
@@ -146,9 +154,10 @@ class Rows:
         forced[a:b] = True
         span = np.zeros(n, bool)
         span[a:b] = True
+        mass = s["read_mass"][o0 : o0 + n] if "read_mass" in s else np.zeros(n, np.float32)
         return {
             "kbar": s["kbar"][k0 : k0 + n], "s": s["s"][o0 : o0 + n], "labels": self.labels[si][o0 : o0 + n],
-            "forced": forced, "span": span, "mbar": s["row_mbar"][r], "norm_err": s["row_norm_err"][r],
+            "forced": forced, "span": span, "mbar": s["row_mbar"][r], "norm_err": s["row_norm_err"][r], "mass": mass,
         }
 
     def batch(self, idx) -> dict[str, np.ndarray]:
@@ -158,14 +167,14 @@ class Rows:
         B, D = len(rows), self.head_dim
         out = {
             "kbar": np.zeros((B, N, D), np.float32), "s": np.zeros((B, N), np.float32),
-            "labels": np.full((B, N), -1, np.int8), "forced": np.zeros((B, N), bool),
+            "labels": np.full((B, N), -1, np.int8), "forced": np.zeros((B, N), bool), "mass": np.zeros((B, N), np.float32),
             "valid": np.zeros((B, N), bool), "span": np.zeros((B, N), bool),
             "mbar": np.stack([r["mbar"] for r in rows]).astype(np.float32),
             "norm_err": np.asarray([r["norm_err"] for r in rows], np.float32),
         }
         for b, r in enumerate(rows):
             n = r["kbar"].shape[0]
-            for key in ("kbar", "s", "labels", "forced", "span"):
+            for key in ("kbar", "s", "labels", "forced", "span", "mass"):
                 out[key][b, :n] = r[key]
             out["valid"][b, :n] = True
         return out
@@ -249,7 +258,9 @@ _select_rows = jax.jit(jax.vmap(select, in_axes=(0, 0, 0, None)))
 def evaluate(graphdef, params, rows: Rows, lc: LossConfig, alpha_max: float, budgets=BUDGETS, batch_rows: int = 8):
     """Held-out loss, recall at each budget and per-row AUC, for ``z`` and for ``s``."""
     kept_pos = {(name, B): 0 for name in ("z", "s") for B in budgets}
+    kept_mass = {(name, B): 0.0 for name in ("z", "s") for B in budgets}
     total_pos = {B: 0 for B in budgets}
+    total_mass = {B: 0.0 for B in budgets}
     aucs = {"z": [], "s": []}
     losses = []
     score_fn = _eval_scores(graphdef, alpha_max)
@@ -269,13 +280,17 @@ def evaluate(graphdef, params, rows: Rows, lc: LossConfig, alpha_max: float, bud
                 kept = np.asarray(_select_rows(jnp.asarray(score), jnp.asarray(batch["forced"]), jnp.asarray(cand), B))
                 event = lengths > B
                 kept_pos[(name, B)] += int((kept & pos & cand)[event].sum())
+                kept_mass[(name, B)] += float(np.where(kept & cand, batch["mass"], 0.0)[event].sum())
         for B in budgets:
             total_pos[B] += int((pos & cand)[lengths > B].sum())
+            total_mass[B] += float(np.where(cand, batch["mass"], 0.0)[lengths > B].sum())
     out = {"heldout_loss": float(np.sum(losses) / len(rows))}
     for name in ("z", "s"):
         out[f"auc_{name}"] = float(np.nanmean(aucs[name]))
         for B in budgets:
             out[f"recall{B}_{name}"] = kept_pos[(name, B)] / max(total_pos[B], 1)
+            if total_mass[B] > 0:  # rows generated with read_mass
+                out[f"mass{B}_{name}"] = kept_mass[(name, B)] / total_mass[B]
     out["heldout_rows"] = len(rows)
     for B in budgets:
         out[f"events{B}"] = int(np.sum(rows.length > B))
@@ -417,11 +432,16 @@ def train(args) -> dict:
         "heldout_final": evals[-1] if evals else None,
         "alpha": float(params["alpha"][...]),
     }
-    if args.labels != "actions":  # the same head measured on §4's labels too (their held-out rows)
-        spec4 = Rows(load_shards(data, "heldout"), "actions")
+    # the same head measured on other labels (their own held-out rows): heads trained on
+    # different labels compare on one yardstick
+    summary["heldout_final_on"] = {}
+    for spec in args.measure_labels:
+        if spec == args.labels:
+            continue
+        other = Rows(load_shards(data, "heldout"), spec)
         if args.max_heldout_rows:
-            spec4.items, spec4.length = spec4.items[: args.max_heldout_rows], spec4.length[: args.max_heldout_rows]
-        summary["heldout_final_actions_labels"] = evaluate(graphdef, params, spec4, lc, head_cfg.alpha_max, args.budgets)
+            other.items, other.length = other.items[: args.max_heldout_rows], other.length[: args.max_heldout_rows]
+        summary["heldout_final_on"][spec] = evaluate(graphdef, params, other, lc, head_cfg.alpha_max, args.budgets)
     trained = Head(head_cfg, graphdef, params)
     save_head(trained, out, base_model=_base_model(args), training=summary)
     (out / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
@@ -443,8 +463,16 @@ def head_card(head: Head, base_model: dict, summary: dict, budgets) -> str:
     split = lambda name: data.get(name) or {}  # noqa: E731
     fin, ini = summary.get("heldout_final") or {}, summary.get("heldout_initial") or {}
     rows = [("ROC-AUC (per row)", "auc")] + [(f"recall at B = {b}", f"recall{b}") for b in budgets]
+    if any(f"mass{b}_z" in fin for b in budgets):
+        rows += [(f"attention mass kept at B = {b}", f"mass{b}") for b in budgets]
     table = "\n".join(f"| {label} | {fin.get(key + '_s', float('nan')):.3f} | {ini.get(key + '_z', float('nan')):.3f} | "
                       f"{fin.get(key + '_z', float('nan')):.3f} |" for label, key in rows)
+    other_tables = ""
+    for spec, m in (summary.get("heldout_final_on") or {}).items():
+        other_tables += (f"\nThe same head on `{spec}` labels ({m.get('heldout_rows', '?')} held-out rows):\n\n"
+                         "| metric | rule `s` alone | head `z`, trained |\n|---|---:|---:|\n")
+        other_tables += "\n".join(f"| {label} | {m.get(key + '_s', float('nan')):.3f} | {m.get(key + '_z', float('nan')):.3f} |"
+                                   for label, key in rows) + "\n"
     sig = base_model.get("signature") or {}
     return f"""# intentkv-head for {base_model.get('name', 'unknown')}
 
@@ -478,7 +506,7 @@ finds it in the model's folder (`<model folder>/intentkv-head`), or pass
 | metric | rule `s` alone | head, before training | head `z`, trained |
 |---|---:|---:|---:|
 {table}
-"""
+{other_tables}"""
 
 
 def export_head(out: Path, folder: Path) -> Path:
@@ -511,7 +539,11 @@ def parse_args(argv=None):
     p.add_argument("--labels", default="actions",
                    help="label spec (train.intentkv_data.label_array): actions (§4 future-action grounding, the default), "
                         "cue (+ each match's cue tokens), read (what the next replies attend to), read@T (read at attention "
-                        "threshold T, from the rows' read_max), or a union such as actions+read or actions+read@0.05")
+                        "threshold T, from the rows' read_max), mass@F (the fraction F of each row's candidates the next replies "
+                        "spend the most attention on, from read_mass), or a union such as actions+read or actions+read@0.05")
+    p.add_argument("--measure-labels", default="actions",
+                   help="comma list of label specs the trained head is also measured on (held-out recall and AUC of "
+                        "each spec's own held-out rows, in summary.json and the card), beside --labels")
     p.add_argument("--epochs", type=int, default=2)
     p.add_argument("--steps", type=int, default=None, help="optimizer updates (default: --epochs over the rows)")
     p.add_argument("--micro-batch", type=int, default=4, help="rows per micro-step")
@@ -532,8 +564,10 @@ def parse_args(argv=None):
     p.add_argument("--quiet", action="store_true", help="no progress bar")
     args = p.parse_args(argv)
     args.argv = argv
+    args.measure_labels = tuple(x for x in str(args.measure_labels).split(",") if x)
     try:
-        label_keys(args.labels)
+        for spec in (args.labels, *args.measure_labels):
+            label_keys(spec)
     except ValueError as e:
         p.error(str(e))
     args.budgets = tuple(int(b) for b in str(args.budgets).split(","))
