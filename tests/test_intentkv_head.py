@@ -413,6 +413,7 @@ def test_an_exported_head_is_what_sessions_on_its_model_load_and_carries_its_car
         assert (exported / name).is_file(), name
     card = (exported / "README.md").read_text()
     assert str(task_model_dir) in card and "ROC-AUC" in card and f"{result['summary']['alpha']:.3f}" in card
+    assert f"python -m train.intentkv_data --out {folder / 'data'} --model {task_model_dir}" in card  # both commands
     with pytest.raises(ConfigError, match="intentkv-head"):
         Session(jaxkv.load_model(task_model_dir), policy="intentkv", budget=700)
     model = jaxkv.load_model(folder / "model")

@@ -455,6 +455,14 @@ def train(args) -> dict:
 CARD_FILES = ("head.safetensors", "head.json", "training.png", "README.md")
 
 
+def data_command(data_meta: dict) -> str:
+    """The ``train.intentkv_data`` command that wrote a data folder (from its ``meta.json``)."""
+    args = dict(data_meta.get("args") or {})
+    flags = [f"--{k.replace('_', '-')} {v}" for k, v in args.items() if v is not None and not isinstance(v, bool)]
+    flags += [f"--{k}" for k, v in args.items() if v is True]
+    return "python -m train.intentkv_data " + " ".join(flags)
+
+
 def head_card(head: Head, base_model: dict, summary: dict, budgets) -> str:
     """The head's card (``README.md`` beside it): what it is for, what it was
     trained on, and its held-out metrics against the rule it corrects."""
@@ -491,6 +499,7 @@ finds it in the model's folder (`<model folder>/intentkv-head`), or pass
 
 ## Training
 
+    {data_command(data)}
     {summary['command']}
 
 - Data: `{summary['data'].get('folder')}`, model `{(data.get('args') or {}).get('model', '?')}`:
