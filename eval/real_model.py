@@ -418,7 +418,7 @@ def main(argv=None) -> int:
     p.add_argument("--task", default="passkey", help="passkey, niah, niah_single|niah_multikey|niah_multivalue, lm")
     p.add_argument("--context", type=int, default=2048)
     p.add_argument("--n", type=int, default=100)
-    p.add_argument("--first", type=int, default=0, help="skip the first examples (split a run)")
+    p.add_argument("--first", type=int, default=0, help="skip the first F examples (split a run): --first 50 --n 50 runs examples 50-99")
     p.add_argument("--ratios", default=",".join(f"{r:g}" for r in RATIOS))
     p.add_argument("--methods", default=",".join(METHODS))
     p.add_argument("--settings", default=None, help="aware,agnostic (lm: agnostic only)")
