@@ -343,15 +343,20 @@ def plot(records: list[dict], path: Path, budgets=BUDGETS) -> None:
 
 
 # -- training --------------------------------------------------------------------------------
+def heldout_rows(data: Path, labels: str, max_rows: int | None = None) -> Rows:
+    """The held-out split's rows under ``labels``, the first ``max_rows`` of them if given."""
+    rows = Rows(load_shards(data, "heldout"), labels)
+    if max_rows:
+        rows.items, rows.length = rows.items[:max_rows], rows.length[:max_rows]
+    return rows
+
+
 def train(args) -> dict:
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     data = Path(args.data)
     train_rows = Rows(load_shards(data, "train"), args.labels)
-    heldout = Rows(load_shards(data, "heldout"), args.labels)
-    if args.max_heldout_rows:
-        heldout.items = heldout.items[: args.max_heldout_rows]
-        heldout.length = heldout.length[: args.max_heldout_rows]
+    heldout = heldout_rows(data, args.labels, args.max_heldout_rows)
     lc = LossConfig()
     head_cfg = HeadConfig(head_dim=train_rows.head_dim, span_keys=args.span_keys)
     head = init_head(head_cfg, seed=args.seed)
@@ -438,9 +443,7 @@ def train(args) -> dict:
     for spec in args.measure_labels:
         if spec == args.labels:
             continue
-        other = Rows(load_shards(data, "heldout"), spec)
-        if args.max_heldout_rows:
-            other.items, other.length = other.items[: args.max_heldout_rows], other.length[: args.max_heldout_rows]
+        other = heldout_rows(data, spec, args.max_heldout_rows)
         summary["heldout_final_on"][spec] = evaluate(graphdef, params, other, lc, head_cfg.alpha_max, args.budgets)
     trained = Head(head_cfg, graphdef, params)
     save_head(trained, out, base_model=_base_model(args), training=summary)
