@@ -798,19 +798,19 @@ def write_outputs(results: dict, path: Path) -> str:
 
 
 def run_check(parts: list[Part], *, dry_run: bool, out: str | None, logs: Path, command: str,
-              model: str | None = None) -> tuple[dict, Path]:  # fmt: skip
+              model: str | None = None, budget_s: float = BUDGET_S) -> tuple[dict, Path]:  # fmt: skip
     """Every part in order under the overall budget; outputs rewritten after each."""
     started = time.monotonic()
-    results = dict(dry_run=dry_run, command=command, budget_s=BUDGET_S, seconds=0.0,
+    results = dict(dry_run=dry_run, command=command, budget_s=budget_s, seconds=0.0,
                    started=datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M:%S UTC"),
                    parts={p.name: dict(what=p.what, limit_s=p.limit_s, seconds=None, status="not run", error=None,
                                        info={}, rows=[]) for p in parts})  # fmt: skip
     path = None
     for part in parts:
-        left = BUDGET_S - (time.monotonic() - started)
+        left = budget_s - (time.monotonic() - started)
         limit = min(part.limit_s, left - 5)
         if limit < 10:
-            results["parts"][part.name]["error"] = f"not started: {left:.0f} s of the {BUDGET_S:.0f} s budget left"
+            results["parts"][part.name]["error"] = f"not started: {left:.0f} s of the {budget_s:.0f} s budget left"
             continue
         print(f"[device check] {part.name}: {part.what} (limit {limit:.0f} s) ...", flush=True)
         entry = results["parts"][part.name] = run_part(part, dry_run=dry_run, limit_s=limit, logs=logs, model=model)
@@ -835,6 +835,9 @@ def main(argv=None) -> str:
     ap.add_argument("--logs", help="folder for each part's log and raw results (default: a new temp folder)")
     ap.add_argument("--model", help=f"the real model: a jaxkv.load_model name or HF folder (default {SMOLLM2!r}; "
                                     "the random Qwen3 when it does not load)")
+    ap.add_argument("--limits", metavar="PART=S,...",
+                    help="other time limits for some parts, e.g. e2e=240,quant=110 (the overall budget grows to "
+                         "their sum plus 30 s when that is more than the default)")
     ap.add_argument("--render", metavar="RESULTS_JSON", help="only re-render the report of a recorded results file")
     ap.add_argument("--child", choices=sorted(PART_FUNCTIONS), help=argparse.SUPPRESS)
     ap.add_argument("--result", help=argparse.SUPPRESS)
@@ -853,12 +856,23 @@ def main(argv=None) -> str:
     unknown = [n for n in names if n not in PARTS_BY_NAME]
     if unknown:
         ap.error(f"unknown part(s) {unknown}; expected some of {list(PARTS_BY_NAME)}")
-    parts = [p for p in PARTS if not names or p.name in names or p.name == "env"]
+    limits = {}
+    for item in (args.limits or "").split(","):
+        name, _, seconds = item.partition("=")
+        if not item:
+            continue
+        if name not in PARTS_BY_NAME or not seconds.replace(".", "", 1).isdigit():
+            ap.error(f"--limits: expected PART=SECONDS with PART one of {list(PARTS_BY_NAME)}, got {item!r}")
+        limits[name] = float(seconds)
+    parts = [dataclasses.replace(p, limit_s=limits.get(p.name, p.limit_s))
+             for p in PARTS if not names or p.name in names or p.name == "env"]
+    budget_s = max(BUDGET_S, sum(p.limit_s for p in parts) + 30)
     logs = Path(args.logs) if args.logs else Path(tempfile.mkdtemp(prefix="jaxkv_device_check_"))
     logs.mkdir(parents=True, exist_ok=True)
     print(f"[device check] logs in {logs}", flush=True)
     command = shlex.join(["python", "eval/device_check.py"] + list(argv if argv is not None else sys.argv[1:]))
-    results, path = run_check(parts, dry_run=args.dry_run, out=args.out, logs=logs, command=command, model=args.model)
+    results, path = run_check(parts, dry_run=args.dry_run, out=args.out, logs=logs, command=command, model=args.model,
+                              budget_s=budget_s)
     text = write_outputs(results, path)
     print(text)
     print(f"[device check] report: {path}; results: {path.with_suffix('.json')}", flush=True)
