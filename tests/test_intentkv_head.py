@@ -382,6 +382,22 @@ def test_training_runs_three_steps_and_its_loss_falls(quick_run):
     assert head.cfg.head_dim == 16 and head.meta["training"]["heldout_final"]["update"] == 3
 
 
+def test_a_resumed_data_run_states_the_seconds_of_every_run(quick_run, task_model_dir):
+    """Rerun over the same folder: every shard exists, so nothing is generated, and
+    meta.json's ``seconds`` still counts the run that wrote the shards."""
+    from train import intentkv_data
+
+    folder, _ = quick_run
+    first = json.loads((folder / "data" / "meta.json").read_text())
+    shards = sorted(p.stat().st_mtime_ns for p in (folder / "data").glob("*.npz"))
+    again = intentkv_data.generate(intentkv_data.parse_args(["--out", str(folder / "data"), "--model", str(task_model_dir),
+                                                              "--quick", "--quiet", "--length-min", "1300", "--length-max", "1500"]))
+    assert sorted(p.stat().st_mtime_ns for p in (folder / "data").glob("*.npz")) == shards  # nothing rewritten
+    assert again["seconds_this_run"] < first["seconds_this_run"]
+    assert again["seconds"] == pytest.approx(first["seconds"] + again["seconds_this_run"], abs=0.11)
+    assert again["train"] == first["train"] and again["heldout"] == first["heldout"]
+
+
 def test_the_trained_head_is_also_measured_on_other_labels(quick_run):
     """``--measure-labels actions,read@0.05`` with ``--labels actions``: the final head
     is measured once more, on the held-out rows with a ``read@0.05`` positive, in the

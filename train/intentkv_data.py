@@ -532,6 +532,8 @@ def generate(args) -> dict:
     total = sum(n for _, n in plan)
     bar = tqdm(total=total, desc="traces", disable=args.quiet)
     t0 = time.perf_counter()
+    earlier = json.loads((out / "meta.json").read_text()) if (out / "meta.json").exists() else {}
+    reused = 0  # traces whose shard an earlier run wrote: that run's seconds count too
     for split, n in plan:
         if n > SPLIT_SEEDS:
             raise ValueError(f"--{split} {n} exceeds the split's {SPLIT_SEEDS} seeds")
@@ -540,6 +542,7 @@ def generate(args) -> dict:
             path = shard_path(out, split, index)
             if path.exists():
                 bar.update(len(seeds))
+                reused += len(seeds)
                 continue
             traces = []
             for seed in seeds:
@@ -554,7 +557,11 @@ def generate(args) -> dict:
     bar.close()
     from jaxkv.policies.intentkv_head import model_signature
 
-    summary = {"args": vars(args), "model_signature": model_signature(model.config), "seconds": round(time.perf_counter() - t0, 1)}
+    seconds = time.perf_counter() - t0
+    summary = {"args": vars(args), "model_signature": model_signature(model.config),
+               # every run that wrote these shards, so a resumed or extended run states the whole cost
+               "seconds": round(seconds + (earlier.get("seconds", 0.0) if reused else 0.0), 1),
+               "seconds_this_run": round(seconds, 1)}
     for split, _ in plan:
         shards = load_shards(out, split)
         summary[split] = {
