@@ -13,6 +13,7 @@ then, in any environment that has those packages::
 
     python eval/device_check.py                            # eval/results/device_<gpu>.md (+ .json), printed
     python eval/device_check.py --parts kernels,attention  # only some parts (env always runs)
+    python eval/device_check.py --limits e2e=240,quant=130  # longer limits for some parts
     python eval/device_check.py --dry-run --out /tmp/device_check.md   # the CPU dry run (make test runs it)
     python eval/device_check.py --model /data/SmolLM2-135M-Instruct   # a local HF folder as the real model
     python eval/device_check.py --render eval/results/device_NVIDIA_H100_80GB_HBM3.json  # re-render

@@ -393,7 +393,6 @@ def test_a_resumed_data_run_states_the_seconds_of_every_run(quick_run, task_mode
     again = intentkv_data.generate(intentkv_data.parse_args(["--out", str(folder / "data"), "--model", str(task_model_dir),
                                                               "--quick", "--quiet", "--length-min", "1300", "--length-max", "1500"]))
     assert sorted(p.stat().st_mtime_ns for p in (folder / "data").glob("*.npz")) == shards  # nothing rewritten
-    assert again["seconds_this_run"] < first["seconds_this_run"]
     assert again["seconds"] == pytest.approx(first["seconds"] + again["seconds_this_run"], abs=0.11)
     assert again["train"] == first["train"] and again["heldout"] == first["heldout"]
 

@@ -95,7 +95,10 @@ Shards (``SPLIT-00000.npz``, ``--shard-size`` traces each, written atomically):
 ``row_mbar / row_qbar / row_qbar_unit [R, D]``, ``row_norm_err``, ``row_seed``,
 and the per-position ``s`` f32 / ``labels`` int8 concatenated with ``row_offset
 [R+1]``. A shard that exists is skipped, so an interrupted run resumes where it
-stopped; ``meta.json`` records the arguments and totals.
+stopped; ``meta.json`` records the arguments and totals. Its ``seconds`` is the
+generation time of this run plus, when it reused shards, the ``seconds`` of the
+last finished run (``seconds_this_run``: this run alone); an interrupted run's time
+is not counted.
 """
 
 from __future__ import annotations
@@ -532,7 +535,7 @@ def generate(args) -> dict:
     total = sum(n for _, n in plan)
     bar = tqdm(total=total, desc="traces", disable=args.quiet)
     t0 = time.perf_counter()
-    earlier = json.loads((out / "meta.json").read_text()) if (out / "meta.json").exists() else {}
+    earlier = load_meta(out) or {}
     reused = 0  # traces whose shard an earlier run wrote: that run's seconds count too
     for split, n in plan:
         if n > SPLIT_SEEDS:
