@@ -46,10 +46,21 @@ engine rolls back (``Engine.checkpoint`` / ``rollback``) for the next cell.
 running that policy alone. Cells: the full cache, then each method x ratio.
 
 KV quantization (issue #26, ``--kv-quant int4,kivi2``): instead of retention
-cells, each example runs once per KV format in a session of its own (a quantized
-pool is written by the prefill, so formats cannot share one), full cache, no
-compression: the float pool first (cell ``full``, the reference of the ``lm``
-KL), then ``kv:<format>``, each measured as above. Journal ``quant.jsonl``.
+cells, each example runs once per KV format in a session of its own, full cache,
+no compression: the float pool first (cell ``full``, the reference of the ``lm``
+KL), then ``kv:<format>``, each measured as above. Journal ``quant.jsonl``. Two
+prefill protocols (``--quant-prefill``):
+
+* ``chunked`` (default; what a jaxkv server does): each format's session
+  prefills the request itself, in 512-token chunks, each chunk attending to the
+  *dequantized* earlier chunks, so the formats cannot share a prefill;
+* ``imported`` (the papers' protocol: KIVI and transformers' quantized cache
+  prefill in full precision and store the result quantized): the float cell's
+  prefill is the only forward; its K/V and last logits are imported into each
+  format's pool (``jaxkv.engine.KVSource``) as that format's prefill of the
+  whole request in one chunk would store them (bit for bit:
+  ``tests/test_triaxial.py``), then the rest is measured on the quantized cache.
+  A format's cell costs its measure alone. Cells ``kv:<format>/imported``.
 
 Journal: one JSON line per finished (task, length, seed, setting) in
 ``OUT/examples.jsonl`` with every cell; ``--resume`` skips what is there.
@@ -294,11 +305,38 @@ def run_example(model, example, setting: str, cells, *, positions: int, max_new:
     return {"n_request": n_request, "cells": results}
 
 
-def single_program(turn, measure):
-    """A turn program: prefill the request, then ``measure`` on the full cache."""
+IMPORTED = "/imported"  # the cell-name suffix of a format measured under the imported prefill
+
+
+class ImportedPrompt(Stage):
+    """Hands the request's prefill a ``KVSource`` (the float cell's K/V and last
+    logits): the session's pool imports them instead of running the model."""
+
+    name = "imported_prompt"
+    order = 95
+
+    def __init__(self, tokens, source):
+        self.tokens, self.source = np.asarray(tokens), source
+
+    def before_prefill(self, turn, work) -> None:
+        if not np.array_equal(work.tokens, self.tokens):
+            raise AssertionError("the imported K/V belong to another prompt")
+        work.options["kv_source"] = self.source
+
+
+def single_program(turn, measure, export: dict | None = None):
+    """A turn program: prefill the request, then ``measure`` on the full cache.
+    ``export``: filled with the request's ``KVSource`` after its prefill (float K/V
+    of every layer and its last logits) for ``ImportedPrompt``."""
+    from jaxkv.engine import KVSource
+
     try:
         turn.open()
         first_logits = yield from turn.prefill_prompt()
+        if export is not None:
+            engine = turn.engine
+            k, v = engine.pool.gather_float(engine.cache, engine.row_state[turn.row].slots)
+            export["source"] = KVSource(k, v, np.asarray(first_logits, np.float32))
         kept = int(turn.req.live_positions().size)  # the request's tokens, before the measure feeds more
         t0 = time.perf_counter()
         result = yield from measure(turn, first_logits)
@@ -323,36 +361,47 @@ def format_options(fmt: str, allocation=None) -> dict:
 
 
 def run_quant_example(model, example, setting: str, formats, *, positions: int, max_new: int = MAX_NEW,
-                      allocation=None) -> dict:
+                      allocation=None, prefill: str = "chunked") -> dict:
     """The full cache of one (example, setting) on the float pool (cell ``full``)
     and on each KV format spec in ``formats`` (``format_options``; cells
-    ``kv:<spec>``), one session each. A quantized cell also records ``kv``: the
-    compressed request's live tokens per precision and their bytes after its
-    prefill (``jaxkv.serving.stages.quantization.KVRecord``)."""
+    ``kv:<spec>``, ``kv:<spec>/imported`` under ``prefill="imported"``), one session
+    each (module docstring: the two prefill protocols). A quantized cell also
+    records ``kv``: the compressed request's live tokens per precision and their
+    bytes after its prefill (``jaxkv.serving.stages.quantization.KVRecord``)."""
+    from jaxkv.buckets import bucket
     from jaxkv.serving import Session
     from jaxkv.serving.pipeline import Turn, run_to_completion
     from jaxkv.tasks import token_plan
 
+    if prefill not in ("chunked", "imported"):
+        raise ValueError(f"prefill must be 'chunked' or 'imported', got {prefill!r}")
     tok = model.tokenizer
     plan = token_plan(example, tok, setting)
     reference: dict = {}
+    export: dict = {}
     out = {}
     for fmt in (None, *formats):
         t0 = time.perf_counter()
         options = {"kv_quant": None} if fmt is None else format_options(fmt, allocation)
         session = Session(model, max_positions=positions, protect_query=False, max_new_tokens=max_new, **options)
         session.server.engine.short_chunk = SHORT_PIECES
+        importing = prefill == "imported" and fmt is not None
         try:
             rendered, measure = request_and_measure(session, example, setting, plan, max_new, reference)
+            if importing:
+                # the request in one chunk: the page plan a one-chunk quantized prefill makes
+                session.server.engine.prefill_chunk = min(bucket(rendered.ids.size), positions)
+                session.stages = sorted([*session.stages, ImportedPrompt(rendered.ids, export["source"])], key=lambda s: s.order)
             session._check_length(int(plan.compressed.size) + plan.rest.size + plan.answer.size + max_new, 0)
-            result = run_to_completion(single_program(Turn(session, rendered), measure), session.server.engine)
+            program = single_program(Turn(session, rendered), measure, export if prefill == "imported" and fmt is None else None)
+            result = run_to_completion(program, session.server.engine)
             stage = session.quantization
             if stage is not None and stage.records:
                 result["kv"] = dataclasses.asdict(stage.records[0])
         finally:
             session.close()
         result["seconds"] = round(time.perf_counter() - t0, 3)
-        out["full" if fmt is None else f"kv:{fmt}"] = result
+        out["full" if fmt is None else f"kv:{fmt}{IMPORTED if importing else ''}"] = result
     return {"n_request": int(plan.compressed.size), "cells": out}
 
 
@@ -436,6 +485,10 @@ def main(argv=None) -> int:
     p.add_argument("--kv-quant", default=None, metavar="FORMATS",
                    help="instead of the retention grid: the full cache on the float pool and on each of these KV "
                         "formats (int4,kivi2,...), one session each (journal quant.jsonl)")
+    p.add_argument("--quant-prefill", choices=("chunked", "imported"), default="chunked",
+                   help="with --kv-quant: each format prefills the request itself in 512-token chunks (chunked, what a "
+                        "jaxkv server does) or imports the float cell's K/V (imported: the papers' full-precision "
+                        "prefill, one forward per example)")
     p.add_argument("--repair-method", default="snapkv")
     p.add_argument("--repair-ratio", type=float, default=0.5)
     return run_grid(p.parse_args(argv))
@@ -463,7 +516,7 @@ def run_grid(args) -> int:
     done = {(r["task"], r["context"], r["seed"], r["setting"]) for r in read_journal(journal)} if args.resume else set()
     positions = min(positions_for(args.context), model.config.max_position_embeddings)
     setup = {"model": args.model, "ratios": ratios, "methods": methods, "max_new": args.max_new, "positions": positions,
-             **({"kv_quant": kv_formats} if kv_formats else {}),
+             **({"kv_quant": kv_formats, "quant_prefill": getattr(args, "quant_prefill", "chunked")} if kv_formats else {}),
              "threads": os.environ.get("XLA_FLAGS", "")}
     todo = [(ex, s) for ex in examples for s in settings if (ex.task, args.context, ex.seed, s) not in done]
     bar = tqdm(todo, desc=f"{args.task} {args.context}", unit="ex")
@@ -473,7 +526,8 @@ def run_grid(args) -> int:
             trio = session_cells(args.repair_method, args.repair_ratio, args.repair)
             record = run_sessions(model, ex, trio, args.repair_ratio, positions=positions, max_new=args.max_new)
         elif kv_formats:
-            record = run_quant_example(model, ex, setting, kv_formats, positions=positions, max_new=args.max_new)
+            record = run_quant_example(model, ex, setting, kv_formats, positions=positions, max_new=args.max_new,
+                                       prefill=getattr(args, "quant_prefill", "chunked"))
         else:
             record = run_example(model, ex, setting, cells, positions=positions, max_new=args.max_new)
         record.update(task=ex.task, context=args.context, seed=ex.seed,

@@ -59,6 +59,15 @@ def storage(fmt: str, n_tokens: float, config) -> dict:
     return {"bytes": per, "bits": 8 * per / elements, "capacity": bytes_per_token(FLOAT, **geo) / per}
 
 
+def format_of(cell: str) -> tuple[str, str]:
+    """``(format spec, row name)`` of a cell name: ``kv:int4`` -> ``int4``;
+    ``kv:int4/imported`` (``eval.real_model --quant-prefill imported``) -> ``int4``,
+    named "int4, imported prefill"."""
+    spec = cell.split(":", 1)[1]
+    base, imported, _ = spec.partition("/imported")
+    return base, f"{base}, imported prefill" if imported else base
+
+
 def merged(root: Path) -> list[dict]:
     """One record per (task, context, seed, setting) from ``quant.jsonl`` and any
     other ``quant*.jsonl`` (more formats on the same examples, ``eval.real_model
@@ -106,10 +115,11 @@ def report(root: Path, model_name: str = "smollm2-135m-instruct") -> str:
             for fmt in formats:
                 d = np.array([r["cells"][fmt]["nll"] - r["cells"]["full"]["nll"] for r in ran[fmt]])
                 kl = np.array([r["cells"][fmt]["kl"] for r in ran[fmt]])
-                st = storage(fmt.split(":", 1)[1], n_tokens, config)
+                spec, name = format_of(fmt)
+                st = storage(spec, n_tokens, config)
                 m, lo, hi = mean_ci(d)
                 km, klo, khi = mean_ci(kl)
-                lines.append(f"| {fmt.split(':', 1)[1]} | {d.size} | {m:+.4f} [{lo:+.4f}, {hi:+.4f}] | {km:.4f} [{klo:.4f}, {khi:.4f}] | "
+                lines.append(f"| {name} | {d.size} | {m:+.4f} [{lo:+.4f}, {hi:+.4f}] | {km:.4f} [{klo:.4f}, {khi:.4f}] | "
                              f"{st['bytes']:.0f} | {st['bits']:.2f} | {st['capacity']:.2f}x |")
         else:
             lines += ["| format | n | teacher-forced % | greedy % | Δ teacher-forced pt [95%] | KV bytes / token | stored bits | capacity vs bf16 |",
@@ -119,8 +129,8 @@ def report(root: Path, model_name: str = "smollm2-135m-instruct") -> str:
                 tf = np.array([r["cells"][fmt]["tf_correct"] for r in ran[fmt]], float)
                 gen = np.array([r["cells"][fmt]["gen_correct"] for r in ran[fmt]], float)
                 m, lo, hi = mean_ci(100 * (tf - full))
-                st = storage("none" if fmt == "full" else fmt.split(":", 1)[1], n_tokens, config)
-                name = "none (float)" if fmt == "full" else fmt.split(":", 1)[1]
+                spec, name = ("none", "none (float)") if fmt == "full" else format_of(fmt)
+                st = storage(spec, n_tokens, config)
                 lines.append(f"| {name} | {tf.size} | {100 * tf.mean():.0f} | {100 * gen.mean():.0f} | {m:+.1f} [{lo:+.1f}, {hi:+.1f}] | "
                              f"{st['bytes']:.0f} | {st['bits']:.2f} | {st['capacity']:.2f}x |")
         lines.append("")

@@ -13,7 +13,9 @@ applies. Read top to bottom, a request goes:
    host (before any change), then ``step_prefill(jobs)`` advances every job by one
    chunk in batched jit'd ``prefill_step`` calls over just those rows (one per
    chunk width and power-of-two group, so no row is padding).
-   ``prefill(rows, token_lists)`` runs jobs to completion.
+   ``prefill(rows, token_lists)`` runs jobs to completion. A job given a
+   ``KVSource`` (K/V computed elsewhere) *imports* them: the pool stores them as
+   its prefill would, and no forward runs.
 3. ``apply_layout(row, plan, keep_evicted=)``: a compression event's decision (a
    ``LayoutPlan``); with ``keep_evicted`` the evicted rows' K/V come back as host
    arrays first (shelving them in the RepairKV host tier).
@@ -341,6 +343,31 @@ def _install_row(cache: PagedKVCache, row, slot_map_P, live_idx_P, live_len, seq
 
 
 # ============================================================================ jobs
+@dataclasses.dataclass(frozen=True)
+class KVSource:
+    """A prompt's K/V computed elsewhere, for an *imported* prefill
+    (``Engine.start_prefill(kv_source=...)``): the pool stores these rows exactly as
+    a prefill stores the K/V it computes, and no forward runs.
+
+    What it is for: branching one full-precision prefill into pools of other
+    formats (``eval.real_model``'s quantized cells). A chunked prefill on a
+    quantized pool attends to the *dequantized* earlier chunks; an imported one
+    holds the K/V of a full-precision forward, which is what a quantized prefill
+    of the whole prompt in one chunk stores (the papers' protocol: KIVI,
+    transformers' quantized cache).
+
+    Attributes:
+      k, v: ``[L, n, K, D]`` float post-RoPE keys and values of the ``n`` tokens,
+        at the positions the tokens will take in the row.
+      last_logits: ``[V]`` the next-token logits after the last token (what the
+        prefill returns).
+    """
+
+    k: np.ndarray
+    v: np.ndarray
+    last_logits: np.ndarray
+
+
 @dataclasses.dataclass
 class PrefillJob:
     """One row's prefill, advanced chunk by chunk (``Engine.step_prefill``).
@@ -355,6 +382,8 @@ class PrefillJob:
       logits: list of ``[n_chunk or 1, V]`` float32 arrays; q_rows ``[L, X, Hq, D]``;
       mass ``[L, Hq, seq_len]`` (positions of the whole row after the job).
       kv_plan: a quantized engine's ``WritePlan`` (slots and INT2 pages per chunk).
+      kv_source: a ``KVSource``: the job writes its K/V instead of running the
+        model (an imported prefill).
     """
 
     row: int
@@ -368,6 +397,7 @@ class PrefillJob:
     q_rows: np.ndarray | None = None
     mass: np.ndarray | None = None
     kv_plan: object = None
+    kv_source: KVSource | None = None
 
     @property
     def finished(self) -> bool:
@@ -708,26 +738,40 @@ class Engine:
         self._push_row(row)
 
     # -- prefill -------------------------------------------------------------------
-    def start_prefill(self, row: int, tokens: Sequence[int], *, all_logits: bool = False, q_idx=None, attn_mass: bool = False, kv_bits=None) -> PrefillJob:
+    def start_prefill(self, row: int, tokens: Sequence[int], *, all_logits: bool = False, q_idx=None, attn_mass: bool = False, kv_bits=None, kv_source: KVSource | None = None) -> PrefillJob:
         """A prefill job for ``row``; its slots are allocated now (``OutOfSlotsError``
         or ``ContextLengthError`` before any change). ``q_idx``: indices into
         ``tokens`` whose post-RoPE queries to capture. ``kv_bits`` (quantized pool):
-        2 or 4 per token (None: INT4; ``kivi2``/``kivi4`` ignore it: KIVI's own rule)."""
+        2 or 4 per token (None: INT4; ``kivi2``/``kivi4`` ignore it: KIVI's own rule).
+        ``kv_source``: import these K/V instead of running the model (``KVSource``;
+        no features, no logits but its last ones, no mesh: ``JaxKVError``)."""
         state = self._row(row)
         tokens = np.asarray(tokens, np.int32).reshape(-1)
         if state.seq_len + tokens.size > self.max_positions:
             raise ContextLengthError(
                 f"row {row}: {state.seq_len} cached + {tokens.size} new tokens exceed {self.max_positions} positions"
             )
+        if kv_source is not None:
+            self._check_import(kv_source, tokens.size, all_logits=all_logits, q_idx=q_idx, attn_mass=attn_mass)
         plan, slots = self.pool.plan_prefill(self, row, kv_bits, tokens.size, self.prefill_chunk)
         q_idx_X = None if q_idx is None else np.asarray(q_idx, np.int64).reshape(-1)
-        job = PrefillJob(row, tokens, slots, all_logits, q_idx_X, attn_mass, kv_plan=plan)
+        job = PrefillJob(row, tokens, slots, all_logits, q_idx_X, attn_mass, kv_plan=plan, kv_source=kv_source)
         cfg = self.model.config
         if attn_mass:
             job.mass = np.zeros((cfg.num_layers, cfg.num_heads, state.seq_len + tokens.size), np.float32)
         if q_idx_X is not None:
             job.q_rows = np.zeros((cfg.num_layers, q_idx_X.size, cfg.num_heads, cfg.head_dim), np.float32)
         return job
+
+    def _check_import(self, src: KVSource, n: int, *, all_logits, q_idx, attn_mass) -> None:
+        cfg = self.model.config
+        want = (cfg.num_layers, n, cfg.num_kv_heads, cfg.head_dim)
+        if tuple(np.shape(src.k)) != want or tuple(np.shape(src.v)) != want:
+            raise JaxKVError(f"an imported prefill of {n} tokens needs K and V of shape {want}, got {np.shape(src.k)} and {np.shape(src.v)}")
+        if all_logits or q_idx is not None or attn_mass:
+            raise JaxKVError("an imported prefill runs no forward: it has no logits but its last ones, no query rows, no attention mass")
+        if self.mesh is not None:
+            raise JaxKVError("an imported prefill runs on one device (no mesh)")
 
     def abandon_prefill(self, job: PrefillJob) -> np.ndarray:
         """Release the slots of a prefill job's unwritten tokens (the request was
@@ -754,7 +798,7 @@ class Engine:
         for j in jobs:
             if not j.finished:
                 C = buckets.prefill_width(j.tokens.size - j.done, self.prefill_chunk, self.short_chunk)
-                by_width.setdefault((C, j.q_idx_X is not None, j.attn_mass), []).append(j)
+                by_width.setdefault((C, j.q_idx_X is not None, j.attn_mass, j.kv_source is not None), []).append(j)
         for (C, *_), group in sorted(by_width.items()):
             group.sort(key=lambda j: len(self._row(j.row).live))
             while group:
@@ -791,9 +835,19 @@ class Engine:
             logit_idx[b] = np.arange(Y) if Y == C else piece.size - 1  # Y == 1: the last real token
         n_read = buckets.read_length(max(len(s.live) for s in states), self.max_positions)
         batch = PrefillBatch(rows, tokens, counts, slots, q_idx, logit_idx)
+        kv_op, kv_args = self.pool.prefill_op, self.pool.prefill_args(jobs, B, C)
+        importing = jobs[0].kv_source is not None  # step_prefill groups jobs by it
+        if importing:
+            cfg = self.model.config
+            k_src = np.zeros((cfg.num_layers, B, C, cfg.num_kv_heads, cfg.head_dim), np.float32)
+            v_src = np.zeros_like(k_src)
+            for b, (j, piece) in enumerate(zip(jobs, pieces)):
+                k_src[:, b, : piece.size] = j.kv_source.k[:, j.done : j.done + piece.size]
+                v_src[:, b, : piece.size] = j.kv_source.v[:, j.done : j.done + piece.size]
+            kv_op, kv_args = self.pool.import_op, (kv_args, jnp.asarray(k_src), jnp.asarray(v_src))
         logits, self.cache, aux = prefill_step(
             self.graphdef, self.params, self.cache, batch, n_read=n_read, features=features, mesh=self.mesh,
-            kv_op=self.pool.prefill_op, kv_args=self.pool.prefill_args(jobs, B, C),
+            kv_op=kv_op, kv_args=kv_args,
         )
         logits = np.asarray(logits)
         chunk_mass = np.asarray(aux["attn_mass"]) if features.attn_mass else None  # [L, B, Hq, n_read + C]
@@ -807,7 +861,10 @@ class Engine:
             if j.q_idx_X is not None:
                 here = np.flatnonzero((j.q_idx_X >= j.done) & (j.q_idx_X < j.done + n))
                 j.q_rows[:, here] = chunk_q[:, b, j.q_idx_X[here] - j.done]
-            j.logits.append(logits[b, :n] if j.all_logits else logits[b, n - 1 if Y == C else 0][None])
+            if importing:
+                j.logits.append(np.asarray(j.kv_source.last_logits, np.float32)[None])  # the source's; only the last chunk's is read
+            else:
+                j.logits.append(logits[b, :n] if j.all_logits else logits[b, n - 1 if Y == C else 0][None])
             st.append(piece, j.slots[j.done : j.done + n])
             j.done += n
         self.pool.settle(self, [j.row for j in jobs])  # kivi2: aged residual -> INT2 pages

@@ -134,6 +134,26 @@ def test_quant_cells_run_each_format_on_its_own_pool(shallow):
     assert out["kv:int4"]["kv"]["int4"] >= n and out["kv:int4"]["kv"]["int2"] == 0 and "kv" not in out["full"]
 
 
+def test_imported_quant_prefill_is_the_one_chunk_prefill(shallow):
+    """``--quant-prefill imported``: the float cell's K/V imported into the format's
+    pool give the cell a request prefilled in one chunk would give. A 512-token
+    request is one chunk for the session's own prefill too, so both protocols must
+    agree to the rounding of two programs computing the same K/V."""
+    from eval.real_model import positions_for, run_quant_example
+
+    example = haystack.examples("lm", 1, length=512, tokenizer=shallow.tokenizer)[0]
+    chunked = run_quant_example(shallow, example, "agnostic", ["int4"], positions=positions_for(512))
+    imported = run_quant_example(shallow, example, "agnostic", ["int4"], positions=positions_for(512), prefill="imported")
+    assert chunked["n_request"] <= 512  # the premise: one chunk either way
+    assert list(imported["cells"]) == ["full", "kv:int4/imported"]
+    a, b = chunked["cells"]["kv:int4"], imported["cells"]["kv:int4/imported"]
+    assert b["kv"] == a["kv"] and b["kept"] == a["kept"]
+    assert b["nll"] == pytest.approx(a["nll"], abs=1e-4) and b["kl"] == pytest.approx(a["kl"], abs=1e-4)
+    assert b["kl"] > 0  # the pool is quantized, not the float source
+    with pytest.raises(ValueError, match="chunked"):
+        run_quant_example(shallow, example, "agnostic", ["int4"], positions=positions_for(512), prefill="one-chunk")
+
+
 def test_format_specs_name_a_mode_its_budget_and_allocation():
     from eval.real_model import format_options
 
@@ -157,6 +177,14 @@ def test_quant_report_counts_scales_and_kivis_float_window():
     assert kivi2["bits"] == pytest.approx((1920 * 3 + 128 * 16) / 2048)
     assert storage("kivi4", 2048, cfg)["bits"] == pytest.approx((1920 * 5 + 128 * 16) / 2048)  # 4-bit pages: INT4's bytes
     assert storage("none", 2048, cfg)["capacity"] == 1.0
+
+
+def test_quant_report_names_imported_prefill_cells_and_stores_them_as_their_format():
+    from eval.real_model_quant_report import format_of
+
+    assert format_of("kv:kivi2") == ("kivi2", "kivi2")
+    assert format_of("kv:kivi2/imported") == ("kivi2", "kivi2, imported prefill")
+    assert format_of("kv:triaxial@2.6/imported") == ("triaxial@2.6", "triaxial@2.6, imported prefill")
 
 
 def test_quant_report_merges_formats_added_by_another_journal(tmp_path):

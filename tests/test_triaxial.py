@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import itertools
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -17,8 +18,8 @@ import jaxkv
 from jaxkv.cache.quantized import FLOAT, INT2, INT4, Geometry, dequantize_slots
 from jaxkv.cache.quantized_host import KIVI_WINDOW, DualAllocator
 from jaxkv.config import ModelConfig
-from jaxkv.engine import Engine
-from jaxkv.errors import ConfigError, OutOfSlotsError, SlotError
+from jaxkv.engine import Engine, KVSource
+from jaxkv.errors import ConfigError, JaxKVError, OutOfSlotsError, SlotError
 from jaxkv.models.transformer import Features
 from jaxkv.pallas.quant import PAGE
 from jaxkv.policies import layouts
@@ -252,6 +253,43 @@ def test_prefill_attends_over_the_dequantized_prefix_and_its_chunk_in_full_preci
     got = q.prefill([rq], [tokens[128:]], all_logits=True)[0]
     want = f.prefill([rf], [tokens[128:]], all_logits=True)[0]
     assert np.abs(got - want).max() <= 1e-5 * np.abs(want).max()
+
+
+@pytest.mark.parametrize("mode", [None, "kivi2", "triaxial"])  # float; pages + float window; pages by bits + INT4
+def test_an_imported_prefill_stores_what_a_one_chunk_prefill_stores(qmodel, mode):
+    """Branching a full-precision prefill into a pool of any format
+    (``start_prefill(kv_source=...)``, no forward): the pool holds exactly what
+    that format's prefill of the whole prompt in one chunk holds, the row goes on
+    alike, the source's logits come back, and what an import cannot give is refused."""
+    rng = np.random.default_rng(9)
+    tokens, more = rng.integers(5, 500, 200).tolist(), rng.integers(5, 500, 24).tolist()
+    bits = np.where(rng.random(200) < 0.6, 2, 4) if mode == "triaxial" else None
+    src = Engine(qmodel, rows=1, max_positions=512, prefill_chunk=256)  # one chunk: full-precision attention
+    rs = src.open_row()
+    last = src.prefill([rs], [tokens])[0]
+    k, v = src.pool.gather_float(src.cache, src.row_state[rs].slots)
+    one = Engine(qmodel, rows=2, max_positions=512, prefill_chunk=256, kv_quant=mode)
+    imp = Engine(qmodel, rows=2, max_positions=512, prefill_chunk=256, kv_quant=mode)
+    r1, r2 = one.open_row(), imp.open_row()
+    one.prefill([r1], [tokens], kv_bits=None if bits is None else [bits])
+    job = imp.start_prefill(r2, tokens, kv_bits=bits, kv_source=KVSource(k, v, last))
+    while not job.finished:
+        imp.step_prefill([job])
+    np.testing.assert_array_equal(job.result_logits(), last)
+    assert imp.row_state[r2].slots == one.row_state[r1].slots
+    # every array of the cache, the sentinel slot aside (a float pool's padding rows
+    # land there: written by the forward, never read)
+    skip_sentinel = lambda c: c.replace(k=c.k.at[:, 0].set(0), v=c.v.at[:, 0].set(0)) if mode is None else c
+    for a, b in zip(jax.tree.leaves(skip_sentinel(one.cache)), jax.tree.leaves(skip_sentinel(imp.cache))):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+    np.testing.assert_array_equal(imp.prefill([r2], [more], all_logits=True)[0], one.prefill([r1], [more], all_logits=True)[0])
+
+    r3 = imp.open_row()
+    with pytest.raises(JaxKVError, match="shape"):
+        imp.start_prefill(r3, tokens[:10], kv_source=KVSource(k, v, last))
+    with pytest.raises(JaxKVError, match="no forward"):
+        imp.start_prefill(r3, tokens, all_logits=True, kv_source=KVSource(k, v, last))
+    assert imp.row_state[r3].seq_len == 0 and imp.allocator.num_free == one.allocator.num_free  # nothing allocated
 
 
 @pytest.mark.parametrize("page_bits", [2, 4])

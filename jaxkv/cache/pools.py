@@ -17,7 +17,9 @@ checks run first, so a failing call changes nothing):
   (``layer_io``: one layer's ``write`` / ``read`` in float, for the spliced prefill):
   ``prefill_op(model, batch, tables, positions, kv, kv_args, n_read, features)
   -> (logits, kv, aux)`` (one chunk: attention over the live entries plus the
-  chunk, the chunk written at its slots) and ``decode_op(model, tokens_B,
+  chunk, the chunk written at its slots), ``import_op`` (the same signature, the
+  chunk's K/V given in ``kv_args`` and written as a prefill would write them, no
+  forward: ``Engine.start_prefill(kv_source=...)``) and ``decode_op(model, tokens_B,
   positions_B, kv, kv_args, tables, write_slots_B, n_read, features, *, attend,
   window) -> (logits, kv, aux)`` (one step: the token written, then read);
 * host plans: ``plan_prefill(engine, row, kv_bits, n, chunk) -> (plan, slots)``,
@@ -75,6 +77,24 @@ class FloatPrefill:
             batch.chunk_len_B, batch.slots_BT, features=features, q_row_idx_BR=batch.q_idx_BX, logits_idx_BY=batch.logit_idx_BY,
         )
         return logits, (k, v), aux
+
+
+@dataclasses.dataclass(frozen=True)
+class FloatImport:
+    """One chunk of an *imported* prefill over the float pool: K/V computed
+    elsewhere (``kv_args``: ``(pool_args, k [L, B, T, K, D], v)``, post-RoPE at the
+    chunk's positions) written at the chunk's slots, with no forward. The logits it
+    returns are placeholders ``[B, Y, 1]``: an import job carries its own
+    (``jaxkv.engine.KVSource``)."""
+
+    def __call__(self, model, batch, tables, positions, kv, kv_args, n_read, features):
+        _, k_LBTKD, v_LBTKD = kv_args
+        k, v = kv
+        L, B, T, K, D = k_LBTKD.shape
+        slots = batch.slots_BT.reshape(-1)  # padding: the sentinel slot 0, never read
+        k = k.at[:, slots].set(k_LBTKD.reshape(L, B * T, K, D).astype(k.dtype))
+        v = v.at[:, slots].set(v_LBTKD.reshape(L, B * T, K, D).astype(v.dtype))
+        return jnp.zeros((B, batch.logit_idx_BY.shape[1], 1), jnp.float32), (k, v), {}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -140,6 +160,7 @@ class FloatKV:
     mode = None
     uses_window = True
     prefill_op = FloatPrefill()
+    import_op = FloatImport()
     decode_op = FloatDecodeStep()
     layer_io = FloatLayerIO()
 

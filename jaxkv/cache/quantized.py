@@ -306,6 +306,25 @@ class QuantPrefill:
 
 
 @dataclasses.dataclass(frozen=True)
+class QuantImport:
+    """One chunk of an *imported* prefill over a ``DualPool``: float K/V computed
+    elsewhere (``kv_args``: ``(page plan, k [L, B, T, K, D], v)``) stored exactly as
+    ``QuantPrefill`` stores a chunk (INT2 pages by the plan, the rest by slot), with
+    no forward. Placeholder logits ``[B, Y, 1]`` (``pools.FloatImport``)."""
+
+    geometry: Geometry
+
+    def __call__(self, model, batch, tables, positions, pool: DualPool, kv_args, n_read, features):
+        (page_src_BQG, page_ids_BQ), k_LBTKD, v_LBTKD = kv_args
+        L, B, T, K, D = k_LBTKD.shape
+        src, ids = _flat_plan(page_src_BQG, page_ids_BQ, T)
+        slots = batch.slots_BT.reshape(-1)
+        for i in range(L):
+            pool = write_tokens(pool, self.geometry, i, k_LBTKD[i].reshape(B * T, K, D), v_LBTKD[i].reshape(B * T, K, D), slots, src, ids)
+        return jnp.zeros((B, batch.logit_idx_BY.shape[1], 1), jnp.float32), pool, {}
+
+
+@dataclasses.dataclass(frozen=True)
 class QuantLayerIO:
     """One layer's write and read of a ``DualPool`` in float (``jaxkv.splice``):
     rows written at their slots' precision (INT4 quantized per token, float as

@@ -67,6 +67,7 @@ from jaxkv.cache.quantized import (
     DecodeTables,
     Geometry,
     QuantDecodeStep,
+    QuantImport,
     QuantizedKVCache,
     QuantLayerIO,
     QuantPrefill,
@@ -362,8 +363,8 @@ class QuantizedKV:
       token_kind: INT4 (FLOAT for ``kivi2``/``kivi4``): decode tokens and unplanned prefills;
       window: KIVI's residual window (``kivi2``/``kivi4``) or None; page_bits: the
       page region's code width (4 for ``kivi4``, else 2); allocator: ``DualAllocator``;
-      prefill_op / decode_op: the ``QuantPrefill`` / ``QuantDecodeStep`` the
-      engine's jit'd steps call.
+      prefill_op / import_op / decode_op: the ``QuantPrefill`` / ``QuantImport`` /
+      ``QuantDecodeStep`` the engine's jit'd steps call.
     """
 
     uses_window = False  # decode reads the page tables with its own attention
@@ -379,6 +380,7 @@ class QuantizedKV:
         self.float_dtype = np.dtype(float_dtype)
         self.allocator = DualAllocator(geometry, self.token_kind)
         self.prefill_op = QuantPrefill(geometry)
+        self.import_op = QuantImport(geometry)
         self.layer_io = QuantLayerIO(geometry)
         self.decode_op = QuantDecodeStep(geometry, self.token_kind, backend)
 
