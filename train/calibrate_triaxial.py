@@ -12,7 +12,8 @@ where the template has no tool section) and on the real-model passkey/niah tasks
 in their question-agnostic conversation (``jaxkv.tasks.haystack``; document,
 acknowledgement, question); its budget sweep runs ``eval.real_model``'s
 quantized cells instead of the harness (a 135M model solves none of the agent
-turns): passkey/niah teacher-forced accuracy (``--sweep-n`` each) and the ``lm``
+turns; ``--sweep-prefill``: the imported protocol by default, one full-precision
+forward per example), passkey/niah teacher-forced accuracy (``--sweep-n`` each) and the ``lm``
 continuation's NLL, and the calibrated B is the smallest whose accuracy is within
 one point of full precision and whose NLL increase is at most ``NLL_TOLERANCE``
 (0.05 nats/token). Its ``triaxial.json`` goes to ``<cache>/models/<name>/`` for
@@ -404,15 +405,19 @@ def sweep(model_name, examples, alloc_dict, *, workers, max_new_tokens, length, 
     return full, sorted(out, key=lambda r: r["B"])
 
 
-def real_sweep(model, alloc_dict, *, n: int, length: int, log=print, journal: Path | None = None, resume: bool = False):
+def real_sweep(model, alloc_dict, *, n: int, length: int, log=print, journal: Path | None = None, resume: bool = False,
+               prefill: str = "imported"):
     """The real-model budget sweep (module docstring): full precision and the
     triaxial allocation at each budget (identical allocations once) on ``n``
     passkey, ``n`` niah (question-agnostic) and ``n`` lm examples, each example's
-    cells from ``eval.real_model.run_quant_example``. With ``journal`` each
-    example's cells are appended as it finishes; ``resume`` reuses those of the
-    same allocations (a changed distortion table changes them: nothing reused)."""
+    cells from ``eval.real_model.run_quant_example`` under its ``prefill`` protocol
+    (``imported``: one full-precision forward per example, the papers' protocol;
+    ``chunked``: each allocation's session prefills the request itself). With
+    ``journal`` each example's cells are appended as it finishes; ``resume`` reuses
+    those of the same allocations and protocol (a changed distortion table changes
+    them: nothing reused)."""
     from eval.harness import append_journal, load_journal
-    from eval.real_model import positions_for, run_quant_example
+    from eval.real_model import IMPORTED, positions_for, run_quant_example
     from jaxkv.policies.quant_allocation import Allocation
     from jaxkv.serving.stages.quantization import KVRecord, summarize
     from jaxkv.tasks import haystack
@@ -429,6 +434,8 @@ def real_sweep(model, alloc_dict, *, n: int, length: int, log=print, journal: Pa
                 for ex in haystack.examples(t, n, length=length, tokenizer=model.tokenizer, seed=HAYSTACK_SEED)]
     cells: dict[str, list] = {"full": [], **{s: [] for s in specs}}
     setup = {"allocations": {s: alloc.table(B).tolist() for s, B in zip(specs, reps)}, "n": n, "length": length}
+    if prefill != "chunked":  # journals written before the option ran chunked and keep their setup
+        setup["prefill"] = prefill
     if journal is not None and not resume and journal.exists():
         journal.unlink()
     done = load_journal(journal, setup) if journal is not None and resume else {}
@@ -436,11 +443,11 @@ def real_sweep(model, alloc_dict, *, n: int, length: int, log=print, journal: Pa
         key = f"{task}:{i}"
         rec = done.get(key)
         if rec is None:
-            rec = run_quant_example(model, ex, "agnostic", specs, positions=positions, allocation=alloc_dict)
+            rec = run_quant_example(model, ex, "agnostic", specs, positions=positions, allocation=alloc_dict, prefill=prefill)
             if journal is not None:
                 append_journal(journal, {"setup": setup, "key": key, "row": rec})
         for name, res in rec["cells"].items():
-            cells[name.removeprefix("kv:")].append((task, res))
+            cells[name.removeprefix("kv:").removesuffix(IMPORTED)].append((task, res))
 
     def summary(name):
         rows = cells[name]
@@ -537,6 +544,8 @@ def main(argv=None) -> int:
     ap.add_argument("--max-new-tokens", type=int, default=64)
     ap.add_argument("--workers", type=int, default=1)
     ap.add_argument("--sweep-n", type=int, default=8, help="real models: passkey, niah and lm examples of the sweep, each")
+    ap.add_argument("--sweep-prefill", choices=("imported", "chunked"), default="imported",
+                    help="real models: the sweep's prefill protocol (eval.real_model --quant-prefill)")
     ap.add_argument("--error-requests", type=int, default=None,
                     help="captures kept for the attention-error table (default: all; a real model's are large)")
     ap.add_argument("--out", default=None, help="the calibration file (default: where kv_quant='triaxial' finds it)")
@@ -605,12 +614,13 @@ def main(argv=None) -> int:
         criterion = f"smallest B in {list(BUDGETS)} whose pooled calibration accuracy is within {TOLERANCE:.2f} of full precision"
     else:
         full, sweep_rows = real_sweep(model, tri, n=args.sweep_n, length=args.length, log=log,
-                                      journal=work / "sweep.jsonl", resume=args.resume)
+                                      journal=work / "sweep.jsonl", resume=args.resume, prefill=args.sweep_prefill)
         ok = [r["B"] for r in sweep_rows
               if r["accuracy"] >= full["accuracy"] - TOLERANCE and r["nll_increase"] <= NLL_TOLERANCE]
         budget = min(ok) if ok else max(BUDGETS)
         criterion = (f"smallest B in {list(BUDGETS)} whose passkey/niah teacher-forced accuracy is within {TOLERANCE:.2f} "
-                     f"of full precision and whose lm NLL increase is at most {NLL_TOLERANCE} nats/token")
+                     f"of full precision and whose lm NLL increase is at most {NLL_TOLERANCE} nats/token "
+                     f"({args.sweep_prefill} prefill)")
     log(f"calibrated B = {budget}")
     variants = {}
     for name, axes in VARIANTS.items():
