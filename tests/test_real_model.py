@@ -12,6 +12,7 @@ fraction of the compile time of thirty layers.
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 
 import pytest
@@ -106,9 +107,13 @@ def test_every_mechanism_runs_a_multi_turn_conversation_on_the_real_weights(shal
     assert len(reply["content"]) > len(prefix)
 
 
-def test_triaxial_without_a_calibration_for_this_model_is_a_config_error(shallow):
+def test_triaxial_without_a_calibration_for_this_model_is_a_config_error(shallow, tmp_path):
+    # the model from a folder with no calibration beside it (SmolLM2's own folder is
+    # also looked up in the cache, where train.calibrate_triaxial may have put one)
+    uncalibrated = copy.copy(shallow)
+    uncalibrated.path = tmp_path
     with pytest.raises(ConfigError, match="triaxial"):
-        jaxkv.Session(shallow, kv_quant="triaxial", max_positions=1024).chat([{"role": "user", "content": "hi"}])
+        jaxkv.Session(uncalibrated, kv_quant="triaxial", max_positions=1024).chat([{"role": "user", "content": "hi"}])
 
 
 def test_tools_with_a_template_that_has_no_tool_section_are_refused(shallow):
