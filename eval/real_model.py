@@ -393,7 +393,8 @@ def run_quant_example(model, example, setting: str, formats, *, positions: int, 
                 session.server.engine.prefill_chunk = min(bucket(rendered.ids.size), positions)
                 session.stages = sorted([*session.stages, ImportedPrompt(rendered.ids, export["source"])], key=lambda s: s.order)
             session._check_length(int(plan.compressed.size) + plan.rest.size + plan.answer.size + max_new, 0)
-            program = single_program(Turn(session, rendered), measure, export if prefill == "imported" and fmt is None else None)
+            exporting = prefill == "imported" and fmt is None  # the float cell: the others' source
+            program = single_program(Turn(session, rendered), measure, export if exporting else None)
             result = run_to_completion(program, session.server.engine)
             stage = session.quantization
             if stage is not None and stage.records:
@@ -508,6 +509,7 @@ def run_grid(args) -> int:
     examples = haystack.examples(args.task, args.first + args.n, length=args.context, tokenizer=model.tokenizer, seed=args.seed)[args.first :]
     args.out.mkdir(parents=True, exist_ok=True)
     kv_formats = [f for f in (getattr(args, "kv_quant", None) or "").split(",") if f]
+    quant_prefill = getattr(args, "quant_prefill", "chunked")
     if kv_formats and args.repair is not None:
         raise SystemExit("--kv-quant and --repair are separate runs")
     journal = args.out / ("sessions.jsonl" if args.repair is not None else args.journal or ("quant.jsonl" if kv_formats else "examples.jsonl"))
@@ -516,7 +518,7 @@ def run_grid(args) -> int:
     done = {(r["task"], r["context"], r["seed"], r["setting"]) for r in read_journal(journal)} if args.resume else set()
     positions = min(positions_for(args.context), model.config.max_position_embeddings)
     setup = {"model": args.model, "ratios": ratios, "methods": methods, "max_new": args.max_new, "positions": positions,
-             **({"kv_quant": kv_formats, "quant_prefill": getattr(args, "quant_prefill", "chunked")} if kv_formats else {}),
+             **({"kv_quant": kv_formats, "quant_prefill": quant_prefill} if kv_formats else {}),
              "threads": os.environ.get("XLA_FLAGS", "")}
     todo = [(ex, s) for ex in examples for s in settings if (ex.task, args.context, ex.seed, s) not in done]
     bar = tqdm(todo, desc=f"{args.task} {args.context}", unit="ex")
@@ -527,7 +529,7 @@ def run_grid(args) -> int:
             record = run_sessions(model, ex, trio, args.repair_ratio, positions=positions, max_new=args.max_new)
         elif kv_formats:
             record = run_quant_example(model, ex, setting, kv_formats, positions=positions, max_new=args.max_new,
-                                       prefill=getattr(args, "quant_prefill", "chunked"))
+                                       prefill=quant_prefill)
         else:
             record = run_example(model, ex, setting, cells, positions=positions, max_new=args.max_new)
         record.update(task=ex.task, context=args.context, seed=ex.seed,
