@@ -13,11 +13,17 @@ examples it ran, paired with the full cache of the same run:
   bootstrap interval over examples (the NLL increase is paired by construction);
 * retrieval tasks: teacher-forced and greedy accuracy per format, and the paired
   difference from the float pool with its interval;
+* retrieval tasks again, pooled: ``niah`` = ``niah_single`` + ``niah_multikey``
+  (the two variants SmolLM2 can do; issue #26 asks for niah at 100 examples per
+  cell, which the two variants' 50 each make);
 * storage: KV bytes per token (K + V, every layer and KV head, scales and zero
   points included; ``jaxkv.cache.quantized_host.bytes_per_token``), average stored
   bits per element and capacity against bf16, for the request as its prefill
-  leaves it (KIVI: the tokens past its window in pages, INT2 or KIVI-4's 4 bits,
-  the rest in float).
+  leaves it. A cell that recorded its request's live tokens per precision
+  (``kv``: ``jaxkv.serving.stages.quantization.KVRecord``) is counted from that
+  record, which is the only way to know a TriAxialKV allocation's bits; older
+  cells without it from the format alone (``storage``: KIVI's tokens past its
+  window in pages, INT2 or KIVI-4's 4 bits, the rest in float).
 """
 
 from __future__ import annotations
@@ -59,6 +65,43 @@ def storage(fmt: str, n_tokens: float, config) -> dict:
     return {"bytes": per, "bits": 8 * per / elements, "capacity": bytes_per_token(FLOAT, **geo) / per}
 
 
+def recorded_storage(cells: list[dict], config) -> dict | None:
+    """``storage``'s numbers from the ``kv`` records of ``cells`` (one format's cell on
+    each example): bytes summed over the examples' requests per token; None if any
+    cell lacks its record."""
+    from jaxkv.cache.quantized import FLOAT
+    from jaxkv.cache.quantized_host import bytes_per_token
+
+    if not cells or any("kv" not in c for c in cells):
+        return None
+    tokens = sum(c["kv"]["int2"] + c["kv"]["int4"] + c["kv"]["full"] for c in cells)
+    per = sum(c["kv"]["bytes"] for c in cells) / tokens
+    elements = 2 * config.head_dim * config.num_layers * config.num_kv_heads
+    bf16 = bytes_per_token(FLOAT, head_dim=config.head_dim, num_layers=config.num_layers, num_kv_heads=config.num_kv_heads)
+    return {"bytes": per, "bits": 8 * per / elements, "capacity": bf16 / per}
+
+
+POOLED = {"niah": ("niah_single", "niah_multikey")}
+
+
+def commands(root: Path) -> list[str]:
+    """The ``eval.real_model`` command behind each (journal, task, length, setting)
+    group of examples, from the setup each journal line records."""
+    out = []
+    for path in sorted(root.glob("quant*.jsonl")):
+        runs: dict = {}
+        for rec in read(path):
+            setup = rec.get("setup", {})
+            key = (rec["task"], rec["context"], rec["setting"], ",".join(setup.get("kv_quant", [])),
+                   setup.get("quant_prefill", "chunked"))
+            runs[key] = runs.get(key, 0) + 1
+        for (task, context, setting, formats, prefill), n in runs.items():
+            out.append(f"`python -m eval.real_model --model smollm2-135m-instruct --task {task} --context {context} --n {n} "
+                       f"--settings {setting} --kv-quant {formats} --quant-prefill {prefill} --out {root} "
+                       f"--journal {path.name} --resume` ({n} examples)")
+    return out
+
+
 def format_of(cell: str) -> tuple[str, str]:
     """``(format spec, row name)`` of a cell name: ``kv:int4`` -> ``int4``;
     ``kv:int4/imported`` (``eval.real_model --quant-prefill imported``) -> ``int4``,
@@ -95,18 +138,23 @@ def report(root: Path, model_name: str = "smollm2-135m-instruct") -> str:
     groups = collections.defaultdict(list)
     for r in records:
         groups[(r["task"], r["context"], r["setting"])].append(r)
+    for pooled, parts in POOLED.items():
+        for task, context, setting in list(groups):
+            if task == parts[0] and all((p, context, setting) in groups for p in parts[1:]):
+                groups[(pooled, context, setting)] = [r for p in parts for r in groups[(p, context, setting)]]
     seconds = sum(r["seconds"] for r in records)
     lines = [f"# KV quantization on {model_name}: the full cache on each KV format, on the same examples", "",
              f"Journals `quant*.jsonl`: {len(records)} examples, {seconds / 3600:.2f} h of CPU in all (2-core x86_64, "
              "sums of per-example seconds, mostly shared with other runs). Regenerate: "
-             f"`python -m eval.real_model_quant_report --root {root}` after "
-             f"`python -m eval.real_model --task lm --context 2048 --n 50 --kv-quant int4,kivi2 --out {root} --resume`.", ""]
+             f"`python -m eval.real_model_quant_report --root {root}` after the runs below (each `--resume`s).", "",
+             *[f"- {c}" for c in commands(root)], ""]
     for (task, context, setting), every in sorted(groups.items()):
         formats = list(dict.fromkeys(c for r in every for c in r["cells"] if c != "full"))
         n_tokens = float(np.mean([r["n_request"] for r in every]))
         # each format's row: the examples it ran (a format added later may cover fewer so far), paired with the full cache
         ran = {fmt: [r for r in every if fmt in r["cells"]] for fmt in ["full"] + formats}
-        lines += [f"## {task}, {context} tokens, {setting} ({len(every)} examples)", ""]
+        title = f"{task} ({' + '.join(POOLED[task])})" if task in POOLED else task
+        lines += [f"## {title}, {context} tokens, {setting} ({len(every)} examples)", ""]
         if task == "lm":
             full = np.array([r["cells"]["full"]["nll"] for r in every])
             lines += [f"Float pool (the ceiling): continuation NLL {full.mean():.3f} nats/token.", "",
@@ -116,7 +164,7 @@ def report(root: Path, model_name: str = "smollm2-135m-instruct") -> str:
                 d = np.array([r["cells"][fmt]["nll"] - r["cells"]["full"]["nll"] for r in ran[fmt]])
                 kl = np.array([r["cells"][fmt]["kl"] for r in ran[fmt]])
                 spec, name = format_of(fmt)
-                st = storage(spec, n_tokens, config)
+                st = recorded_storage([r["cells"][fmt] for r in ran[fmt]], config) or storage(spec, n_tokens, config)
                 m, lo, hi = mean_ci(d)
                 km, klo, khi = mean_ci(kl)
                 lines.append(f"| {name} | {d.size} | {m:+.4f} [{lo:+.4f}, {hi:+.4f}] | {km:.4f} [{klo:.4f}, {khi:.4f}] | "
@@ -130,7 +178,8 @@ def report(root: Path, model_name: str = "smollm2-135m-instruct") -> str:
                 gen = np.array([r["cells"][fmt]["gen_correct"] for r in ran[fmt]], float)
                 m, lo, hi = mean_ci(100 * (tf - full))
                 spec, name = ("none", "none (float)") if fmt == "full" else format_of(fmt)
-                st = storage(spec, n_tokens, config)
+                st = (None if fmt == "full" else recorded_storage([r["cells"][fmt] for r in ran[fmt]], config)) \
+                    or storage(spec, n_tokens, config)
                 lines.append(f"| {name} | {tf.size} | {100 * tf.mean():.0f} | {100 * gen.mean():.0f} | {m:+.1f} [{lo:+.1f}, {hi:+.1f}] | "
                              f"{st['bytes']:.0f} | {st['bits']:.2f} | {st['capacity']:.2f}x |")
         lines.append("")

@@ -278,3 +278,35 @@ def test_triaxial_calibration_of_a_real_model_tags_its_conversations_and_streams
     assert resumed.tables() == streamed.tables()
     with pytest.raises(ValueError, match="unknown calibration task"):
         list(ct.calibration_requests(shallow, ["chess"], 1, 512))
+
+
+def test_quant_report_counts_a_cells_recorded_precisions_and_pools_niah(tmp_path):
+    """A cell's ``kv`` record (live tokens per precision and their bytes) sets its
+    row's storage, so a TriAxialKV allocation is counted as it stored; niah_single
+    and niah_multikey also appear pooled as ``niah``, each example once."""
+    import json
+    from types import SimpleNamespace
+
+    from eval import real_model_quant_report as rep
+
+    cfg = SimpleNamespace(head_dim=64, num_layers=30, num_kv_heads=3)
+    int2, int4 = 0.75 * 64 * 30 * 3, 1.25 * 64 * 30 * 3  # bytes per token: INT2 3 bits, INT4 5 bits per element
+    cells = [{"kv": {"int2": 900, "int4": 100, "full": 0, "bytes": 900 * int2 + 100 * int4}},
+             {"kv": {"int2": 0, "int4": 1000, "full": 0, "bytes": 1000 * int4}}]
+    st = rep.recorded_storage(cells, cfg)
+    assert st["bits"] == pytest.approx((900 * 3 + 1100 * 5) / 2000)
+    assert st["capacity"] == pytest.approx(16 / st["bits"])
+    assert rep.recorded_storage([{"nll": 1.0}], cfg) is None  # no record: the caller falls back to storage()
+
+    with (tmp_path / "quant.jsonl").open("w") as f:
+        for task, seeds in (("niah_single", [1, 2, 3]), ("niah_multikey", [1, 2])):
+            for seed in seeds:
+                cell = {"tf_correct": seed % 2, "gen_correct": 0, "kv": {"int2": 0, "int4": 10, "full": 0, "bytes": 10 * int4}}
+                f.write(json.dumps({"task": task, "context": 2048, "seed": seed, "setting": "aware", "seconds": 1.0,
+                                    "n_request": 10, "setup": {"kv_quant": ["int4"], "quant_prefill": "imported"},
+                                    "cells": {"full": {"tf_correct": 1, "gen_correct": 1}, "kv:int4/imported": cell}}) + "\n")
+    text = rep.report(tmp_path)
+    assert "## niah (niah_single + niah_multikey), 2048 tokens, aware (5 examples)" in text
+    pooled = text.split("## niah (niah_single")[1]
+    assert "| int4, imported prefill | 5 | 60 | 0 |" in pooled and "| 5.00 | 3.20x |" in pooled
+    assert "--task niah_single --context 2048 --n 3 --settings aware --kv-quant int4 --quant-prefill imported" in text
