@@ -61,24 +61,28 @@ def storage(fmt: str, n_tokens: float, config) -> dict:
         per = (paged * bytes_per_token(page_kind, **geo) + (n_tokens - paged) * bytes_per_token(FLOAT, **geo)) / n_tokens
     else:
         per = bytes_per_token(FLOAT, **geo)
+    return storage_of(per, config)
+
+
+def storage_of(per: float, config) -> dict:
+    """``storage``'s row from ``per`` KV bytes per token: stored bits per element
+    (K and V, every layer and KV head) and capacity against bf16."""
+    from jaxkv.cache.quantized import FLOAT
+    from jaxkv.cache.quantized_host import bytes_per_token
+
     elements = 2 * config.head_dim * config.num_layers * config.num_kv_heads
-    return {"bytes": per, "bits": 8 * per / elements, "capacity": bytes_per_token(FLOAT, **geo) / per}
+    bf16 = bytes_per_token(FLOAT, head_dim=config.head_dim, num_layers=config.num_layers, num_kv_heads=config.num_kv_heads)
+    return {"bytes": per, "bits": 8 * per / elements, "capacity": bf16 / per}
 
 
 def recorded_storage(cells: list[dict], config) -> dict | None:
     """``storage``'s numbers from the ``kv`` records of ``cells`` (one format's cell on
     each example): bytes summed over the examples' requests per token; None if any
     cell lacks its record."""
-    from jaxkv.cache.quantized import FLOAT
-    from jaxkv.cache.quantized_host import bytes_per_token
-
     if not cells or any("kv" not in c for c in cells):
         return None
     tokens = sum(c["kv"]["int2"] + c["kv"]["int4"] + c["kv"]["full"] for c in cells)
-    per = sum(c["kv"]["bytes"] for c in cells) / tokens
-    elements = 2 * config.head_dim * config.num_layers * config.num_kv_heads
-    bf16 = bytes_per_token(FLOAT, head_dim=config.head_dim, num_layers=config.num_layers, num_kv_heads=config.num_kv_heads)
-    return {"bytes": per, "bits": 8 * per / elements, "capacity": bf16 / per}
+    return storage_of(sum(c["kv"]["bytes"] for c in cells) / tokens, config)
 
 
 POOLED = {"niah": ("niah_single", "niah_multikey")}
