@@ -498,8 +498,16 @@ def main(argv=None) -> int:
 def run_grid(args) -> int:
     """Run the cells ``args`` asks for (the options of ``main``), appending to the journal."""
     import jaxkv
+    from jaxkv import compiles
 
     from tqdm import tqdm
+
+    # A run compiles each (pool format, prefill width, read length) program once; the
+    # read-length bucket flips where a request straddles 2,048 tokens, and every KV
+    # format has its own programs, so a quantized niah run spent its first examples
+    # (~300 s each) compiling. JAX's persistent cache (``$JAXKV_XLA_CACHE``, off with
+    # ``off``) keeps them for the next run and for a --resume after a stop.
+    compiles.enable_persistent_cache()
 
     ratios = [float(r) for r in args.ratios.split(",") if r]
     methods = [m for m in args.methods.split(",") if m]
