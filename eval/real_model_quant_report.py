@@ -147,6 +147,7 @@ def report(root: Path, model_name: str = "smollm2-135m-instruct") -> str:
             if task == parts[0] and all((p, context, setting) in groups for p in parts[1:]):
                 groups[(pooled, context, setting)] = [r for p in parts for r in groups[(p, context, setting)]]
     seconds = sum(r["seconds"] for r in records)
+    points = []  # one per (group, format): the plot's stored bits against quality
     lines = [f"# KV quantization on {model_name}: the full cache on each KV format, on the same examples", "",
              f"Journals `quant*.jsonl`: {len(records)} examples, {seconds / 3600:.2f} h of CPU in all (2-core x86_64, "
              "sums of per-example seconds, mostly shared with other runs). Regenerate: "
@@ -171,6 +172,7 @@ def report(root: Path, model_name: str = "smollm2-135m-instruct") -> str:
                 st = recorded_storage([r["cells"][fmt] for r in ran[fmt]], config) or storage(spec, n_tokens, config)
                 m, lo, hi = mean_ci(d)
                 km, klo, khi = mean_ci(kl)
+                points.append(dict(group=(task, context, setting), name=name, bits=st["bits"], y=m, lo=lo, hi=hi))
                 lines.append(f"| {name} | {d.size} | {m:+.4f} [{lo:+.4f}, {hi:+.4f}] | {km:.4f} [{klo:.4f}, {khi:.4f}] | "
                              f"{st['bytes']:.0f} | {st['bits']:.2f} | {st['capacity']:.2f}x |")
         else:
@@ -184,9 +186,15 @@ def report(root: Path, model_name: str = "smollm2-135m-instruct") -> str:
                 spec, name = ("none", "none (float)") if fmt == "full" else format_of(fmt)
                 st = (None if fmt == "full" else recorded_storage([r["cells"][fmt] for r in ran[fmt]], config)) \
                     or storage(spec, n_tokens, config)
+                acc, acc_lo, acc_hi = mean_ci(100 * tf)
+                points.append(dict(group=(task, context, setting), name=name, bits=st["bits"], y=acc, lo=acc_lo, hi=acc_hi))
                 lines.append(f"| {name} | {tf.size} | {100 * tf.mean():.0f} | {100 * gen.mean():.0f} | {m:+.1f} [{lo:+.1f}, {hi:+.1f}] | "
                              f"{st['bytes']:.0f} | {st['bits']:.2f} | {st['capacity']:.2f}x |")
         lines.append("")
+    if plot(root, points):
+        lines += ["![quality against stored bits](quality_vs_bits.png)", "",
+                  "`quality_vs_bits.png`: each format's quality against its stored bits per element, one panel per task "
+                  "(teacher-forced accuracy, or the `lm` NLL increase over the float pool), 95% intervals over examples.", ""]
     lines += ["Stored bits count the scales and zero points (INT4 = 5 bits per element, INT2 = 3, float counted as "
               "bf16 = 16; KIVI-4's 4-bit pages store as INT4 does), for the request as its prefill leaves it; capacity is bf16's bytes per token over the format's.", ""]
     for speed in sorted(root.glob("decode_speed_cpu_*.md")):  # eval/bench_quant_decode.py --model ... --out
@@ -194,6 +202,41 @@ def report(root: Path, model_name: str = "smollm2-135m-instruct") -> str:
                   f"`python eval/bench_quant_decode.py --model {model_name} --contexts 4096,8000 --out {root / speed.name}`, "
                   "on an otherwise idle machine:", "", speed.read_text().strip(), ""]
     return "\n".join(lines)
+
+
+def plot(root: Path, points: list[dict]) -> bool:
+    """``ROOT/quality_vs_bits.png`` from ``report``'s points; False without matplotlib
+    or points."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return False
+    groups = list(dict.fromkeys(p["group"] for p in points))
+    if not groups:
+        return False
+    fig, axes = plt.subplots(1, len(groups), figsize=(4.4 * len(groups), 4.2), squeeze=False)
+    bases = list(dict.fromkeys(p["name"].split(",")[0] for p in points))  # a format keeps its colour in every panel
+    colour = dict(zip(bases, plt.get_cmap("tab10").colors * 2))
+    for ax, group in zip(axes[0], groups):
+        sel = [p for p in points if p["group"] == group]
+        for p in sel:
+            ax.errorbar(p["bits"], p["y"], yerr=[[p["y"] - p["lo"]], [p["hi"] - p["y"]]], fmt="o", ms=4, capsize=2,
+                        color=colour[p["name"].split(",")[0]])
+            ax.annotate(p["name"].replace(", imported prefill", " (imp.)"), (p["bits"], p["y"]), fontsize=6,
+                        xytext=(3, 3), textcoords="offset points")
+        task, context, setting = group
+        ax.set_title(f"{task} {context} ({setting})", fontsize=9)
+        ax.set_xlabel("stored bits per element")
+        ax.set_ylabel("NLL increase, nats/token" if task == "lm" else "teacher-forced accuracy %")
+        if task == "lm":
+            ax.axhline(0.0, color="0.6", lw=0.8)
+    fig.tight_layout()
+    fig.savefig(root / "quality_vs_bits.png", dpi=120)
+    plt.close(fig)
+    return True
 
 
 def main(argv=None) -> int:

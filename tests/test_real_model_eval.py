@@ -310,3 +310,4 @@ def test_quant_report_counts_a_cells_recorded_precisions_and_pools_niah(tmp_path
     pooled = text.split("## niah (niah_single")[1]
     assert "| int4, imported prefill | 5 | 60 | 0 |" in pooled and "| 5.00 | 3.20x |" in pooled
     assert "--task niah_single --context 2048 --n 3 --settings aware --kv-quant int4 --quant-prefill imported" in text
+    assert (tmp_path / "quality_vs_bits.png").stat().st_size > 0 and "(quality_vs_bits.png)" in text
