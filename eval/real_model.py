@@ -545,6 +545,11 @@ def run_grid(args) -> int:
         with journal.open("a") as f:
             f.write(json.dumps(record) + "\n")
         gc.collect()  # a closed session's pool sits in reference cycles (stages, turns); free it now, not at the next GC
+        # Every compiled XLA:CPU program holds memory mappings; a quantized run (each format's
+        # programs at each width and read length) passed the kernel's limit and died inside
+        # an LLVM compile ("Cannot allocate memory") after ~60 niah examples. Drop them when
+        # crowded; the persistent cache above reloads them.
+        compiles.release_if_crowded()
 
         first = next(iter(record["cells"].values()))
         bar.set_postfix(s=f"{record['seconds']:.0f}", first=first.get("tf_correct", first.get("nll")))
