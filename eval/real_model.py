@@ -547,7 +547,7 @@ def run_grid(args) -> int:
         gc.collect()  # a closed session's pool sits in reference cycles (stages, turns); free it now, not at the next GC
         # Every compiled XLA:CPU program holds memory mappings; a quantized run (each format's
         # programs at each width and read length) passed the kernel's limit and died inside
-        # an LLVM compile ("Cannot allocate memory") after ~60 niah examples. Drop them when
+        # an LLVM compile ("Cannot allocate memory") a few niah examples in. Drop them when
         # crowded; the persistent cache above reloads them.
         compiles.release_if_crowded()
 

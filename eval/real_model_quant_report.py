@@ -96,11 +96,11 @@ def commands(root: Path) -> list[str]:
         runs: dict = {}
         for rec in read(path):
             setup = rec.get("setup", {})
-            key = (rec["task"], rec["context"], rec["setting"], ",".join(setup.get("kv_quant", [])),
-                   setup.get("quant_prefill", "chunked"))
+            key = (setup.get("model", "smollm2-135m-instruct"), rec["task"], rec["context"], rec["setting"],
+                   ",".join(setup.get("kv_quant", [])), setup.get("quant_prefill", "chunked"))
             runs[key] = runs.get(key, 0) + 1
-        for (task, context, setting, formats, prefill), n in runs.items():
-            out.append(f"`python -m eval.real_model --model smollm2-135m-instruct --task {task} --context {context} --n {n} "
+        for (model, task, context, setting, formats, prefill), n in runs.items():
+            out.append(f"`python -m eval.real_model --model {model} --task {task} --context {context} --n {n} "
                        f"--settings {setting} --kv-quant {formats} --quant-prefill {prefill} --out {root} "
                        f"--journal {path.name} --resume` ({n} examples)")
     return out
@@ -184,8 +184,7 @@ def report(root: Path, model_name: str = "smollm2-135m-instruct") -> str:
                 gen = np.array([r["cells"][fmt]["gen_correct"] for r in ran[fmt]], float)
                 m, lo, hi = mean_ci(100 * (tf - full))
                 spec, name = ("none", "none (float)") if fmt == "full" else format_of(fmt)
-                st = (None if fmt == "full" else recorded_storage([r["cells"][fmt] for r in ran[fmt]], config)) \
-                    or storage(spec, n_tokens, config)
+                st = recorded_storage([r["cells"][fmt] for r in ran[fmt]], config) or storage(spec, n_tokens, config)  # full: no record
                 acc, acc_lo, acc_hi = mean_ci(100 * tf)
                 points.append(dict(group=(task, context, setting), name=name, bits=st["bits"], y=acc, lo=acc_lo, hi=acc_hi))
                 lines.append(f"| {name} | {tf.size} | {100 * tf.mean():.0f} | {100 * gen.mean():.0f} | {m:+.1f} [{lo:+.1f}, {hi:+.1f}] | "
