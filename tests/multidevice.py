@@ -207,18 +207,31 @@ def quant_case(case) -> dict:
 
     doc = shared_corpus(5, n_shelves=1, length=1400)[0]
     single = jaxkv.load_model("embedded")
-    out = {}
+    opts = dict(reuse="segment", tenant="t", reuse_layers=2, halo=2)
+    out, codes = {}, {}
     for name, model in (("single", single), ("sharded", shard_model(single, make_mesh(tp=case["tp"], dp=case["dp"])))):
         server = jaxkv.Server(model, max_positions=2048, kv_quant="int4")
-        opts = dict(reuse="segment", tenant="t", reuse_layers=2, halo=2)
         chat(server, *conversation(doc, 0), **opts)
         _, stage, _ = chat(server, *conversation(doc, 2), **opts)
         plain = server.session().chat(*conversation(doc, 1), max_new_tokens=3)  # the pool's own prefill, then decode
         pool = server.engine.cache.pool
+        codes[name] = [np.asarray(pool.int4.k.data), np.asarray(pool.int4.v.data)]
         out[name] = {"logits": np.asarray(stage.last_logits).tolist(), "accepted": int(stage.reports[-1].accepted),
                      "reply": plain, "int4_split": _split(pool.int4.k.data), "int2_split": _split(pool.int2.k.scale)}
         server.close()
+    # The same spliced prefill on one device with a float pool: how far INT4 itself
+    # moves the logits, the scale a sharded INT4 run is measured against (a value a
+    # rounding-order difference puts on the other side of a code boundary moves by
+    # a whole code step, not by fp32 rounding).
+    server = jaxkv.Server(single, max_positions=2048)
+    chat(server, *conversation(doc, 0), **opts)
+    _, float_stage, _ = chat(server, *conversation(doc, 2), **opts)
+    server.close()
+    out["int4_effect"] = _err([out["single"]["logits"]], [np.asarray(float_stage.last_logits)])
     out["logits_err"] = _err([out["single"].pop("logits")], [out["sharded"].pop("logits")])
+    # Stored INT4 bytes (two codes each) that differ between the two runs, as a fraction.
+    differing = sum(int(np.count_nonzero(a != b)) for a, b in zip(codes["single"], codes["sharded"]))
+    out["code_bytes_differing"] = differing / sum(a.size for a in codes["single"])
     return out
 
 

@@ -10,8 +10,7 @@ with ``ConfigError`` before any step (those checks run in this process, on one
 device).
 
 The device count is fixed when jax starts, so the measurements come from one
-subprocess (``tests/multidevice.py``) that this module runs once (twice: the
-quantized case with XLA's default flags); each test
+subprocess (``tests/multidevice.py``) that this module runs once; each test
 asserts one behaviour on what it measured."""
 
 from __future__ import annotations
@@ -52,22 +51,14 @@ def _run_subprocess(hf_checkpoint, tmp, out) -> None:
         dict(name="user_meshes", kind="user_meshes", folder=str(tmp / "qwen3_8heads_4kv")),
         dict(name="errors", kind="errors", folder=folders["qwen2_biases_dp4_tp2"]),
     ]
-    # The quantized case runs with XLA's default flags in a process of its own: make
-    # test's -O0 changes the INT4 spliced prefill's sharded-vs-one-device rounding past
-    # the 1e-5 this file holds them to (4.8e-5 seen). The other cases keep make test's
-    # compile-time flags (half the subprocess time).
-    groups = [(cases, os.environ.get("XLA_FLAGS", "")), ([dict(name="quant", kind="quant", tp=2, dp=2)], "")]
-    results = {}
-    for i, (group, xla_flags) in enumerate(groups):
-        spec, part = tmp / f"spec{i}.json", tmp / f"partial{i}.json"
-        spec.write_text(json.dumps({"cases": group}))
-        env = {**os.environ, "XLA_FLAGS": xla_flags, "JAX_PLATFORMS": "cpu"}
-        proc = subprocess.run([sys.executable, os.path.join(HERE, "multidevice.py"), str(spec), str(part)],
-                              env=env, capture_output=True, text=True, timeout=900)
-        assert proc.returncode == 0, proc.stderr[-4000:]
-        results.update(json.loads(part.read_text()))
-    (tmp / "partial.json").write_text(json.dumps(results))
-    os.replace(tmp / "partial.json", out)
+    cases.append(dict(name="quant", kind="quant", tp=2, dp=2))
+    spec, part = tmp / "spec.json", tmp / "partial.json"
+    spec.write_text(json.dumps({"cases": cases}))
+    env = {**os.environ, "JAX_PLATFORMS": "cpu"}
+    proc = subprocess.run([sys.executable, os.path.join(HERE, "multidevice.py"), str(spec), str(part)],
+                          env=env, capture_output=True, text=True, timeout=900)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    os.replace(part, out)
 
 
 @pytest.fixture(scope="module")
@@ -190,14 +181,24 @@ def test_the_http_app_on_a_mesh_replies_as_on_one_device(measured):
 
 def test_quantized_pool_with_reuse_runs_sharded(measured):
     """An INT4 pool on a dp 2 x tp 2 mesh: every region split by KV head; a spliced
-    prefill accepts what one device does with its logits within 1e-5; a plain chat
-    (the pool's prefill and decode) replies as on one device."""
+    prefill accepts what one device does and stores the same codes; a plain chat
+    (the pool's prefill and decode) replies as on one device.
+
+    The logits are not held to fp32's 1e-5: the sharded matmuls round in another
+    order, and a key that lands within that rounding of a code boundary is stored
+    one INT4 step away (a few bytes of the pool). So the stored codes must agree
+    but for a 1e-4 fraction, and the logits must move by under 1% of what INT4
+    itself moves them (the same prefill into a float pool). A sharding fault (a
+    head on the wrong device, a scale from another head) changes far more codes."""
     m = measured["quant"]
-    print(f"\nINT4 pool, spliced prefill, sharded vs one device: max logit error {m['logits_err']:.2e}")
+    print(f"\nINT4 pool, spliced prefill, sharded vs one device: max logit error {m['logits_err']:.2e}, "
+          f"INT4 vs float {m['int4_effect']:.2e}, code bytes differing {m['code_bytes_differing']:.1e}")
     assert m["single"]["accepted"] > 0  # reuse spliced
     for key in ("accepted", "reply"):
         assert m["sharded"][key] == m["single"][key], key
-    assert m["logits_err"] <= TOL
+    assert m["code_bytes_differing"] <= 1e-4
+    assert m["int4_effect"] > 0.01  # the scale below is INT4's, not fp32 noise
+    assert m["logits_err"] <= 0.01 * m["int4_effect"]
     assert m["sharded"]["int4_split"][:3] == [None, None, "tp"] and m["sharded"]["int2_split"][:3] == [None, None, "tp"]
 
 
