@@ -210,3 +210,20 @@ def test_lm_windows(smollm2_tokenizer):
             ex.messages("aware")
     with pytest.raises(ValueError, match="windows"):
         lm_text(10_000, length=1000, seed=2, tokenizer=tok)
+
+
+def test_lm_windows_overlap_only_where_the_corpus_holds_too_few(smollm2_tokenizer):
+    """The prose corpus holds 50+ consecutive windows at 2k but not at 4k: at 2k the
+    windows stay consecutive (the journals' examples are unchanged), at 4k they
+    overlap just enough for 50, and no two continuations share a token."""
+    size = int(H.corpus_ids(smollm2_tokenizer).size)
+    short, long = 2048 + H.CONTINUATION, 4096 + H.CONTINUATION
+    assert size // short >= H.LM_WINDOWS > size // long
+    assert H.lm_windows(size, short) == [i * short for i in range(size // short)]
+    starts = H.lm_windows(size, long)
+    assert len(starts) >= H.LM_WINDOWS and starts[-1] + long <= size
+    assert min(np.diff(starts)) > H.CONTINUATION
+    windows = lm_text(H.LM_WINDOWS, length=4096, seed=7, tokenizer=smollm2_tokenizer)
+    targets = sorted(e.labels["token_start"] + 4096 for e in windows)
+    assert len(set(targets)) == H.LM_WINDOWS and min(np.diff(targets)) >= H.CONTINUATION
+    assert H.lm_windows(100, 101) == [] and len(H.lm_windows(10_000, 100)) == 100  # consecutive when it can

@@ -80,6 +80,7 @@ HAYSTACKS = ("prose", "code")
 NEEDLES = 4  # needles of a multikey / multivalue example
 LENGTH_TOLERANCE = 0.02
 CONTINUATION = 256
+LM_WINDOWS = 50  # windows the lm corpus must hold at any length (the issues' 50 per cell; lm_windows)
 
 PASSKEY_FILLER = "The grass is green. The sky is blue. The sun is yellow. Here we go. There and back again."
 PASSKEY_INTRO = ("There is an important info hidden inside a lot of irrelevant text. "
@@ -498,23 +499,43 @@ def _one_niah(seed: int, length: int, tokenizer, variant: str, haystack: str) ->
 
 
 # --------------------------------------------------------------------------- lm
+def lm_windows(corpus_tokens: int, width: int) -> list[int]:
+    """Start offsets of the ``lm`` windows of ``width`` tokens in a corpus of
+    ``corpus_tokens``: consecutive (never overlapping) while the corpus holds
+    ``LM_WINDOWS`` of them; beyond that length they start every
+    ``(corpus_tokens - width) // (LM_WINDOWS - 1)`` tokens, overlapping just enough
+    for the corpus to hold ``LM_WINDOWS`` (the prose corpus, 187,829 SmolLM2 tokens,
+    holds 81 consecutive windows of 2,048 + 256 but 43 of 4,096 + 256). A window's
+    continuation never overlaps another's, since the stride stays above
+    ``CONTINUATION`` for any context the corpus can hold 50 of. The offsets depend on
+    the corpus and the width only, never on how many examples are drawn."""
+    if corpus_tokens < width:
+        return []
+    stride = width
+    if corpus_tokens // width < LM_WINDOWS:
+        stride = max(1, (corpus_tokens - width) // (LM_WINDOWS - 1))
+    return list(range(0, corpus_tokens - width + 1, stride))
+
+
 def lm_text(n: int, *, length: int, seed: int, tokenizer, continuation: int = CONTINUATION) -> list[HaystackExample]:
     """``n`` continuation examples: ``length`` context tokens of the prose corpus and the
-    next ``continuation`` tokens to score. The corpus is cut into consecutive windows of
-    ``length + continuation`` tokens and example ``i`` takes the ``i``-th window of a
-    shuffle drawn from ``seed``, so windows never overlap within a call; raises
-    ``ValueError`` when the corpus holds fewer than ``n`` windows."""
+    next ``continuation`` tokens to score. The corpus is cut into windows of
+    ``length + continuation`` tokens (``lm_windows``: consecutive where the corpus
+    holds ``LM_WINDOWS`` of them, else overlapping) and example ``i`` takes the
+    ``i``-th window of a shuffle drawn from ``seed``, so no window repeats within a
+    call; raises ``ValueError`` when the corpus holds fewer than ``n`` windows."""
     if length < 1 or continuation < 1:
         raise ValueError(f"length and continuation must be positive, got {length} and {continuation}")
     ids = corpus_ids(tokenizer)
     width = length + continuation
-    slots = list(range(ids.size // width))
-    if n > len(slots):
-        raise ValueError(f"the corpus ({ids.size} tokens) holds {len(slots)} windows of {width} tokens, fewer than {n}")
+    starts = lm_windows(int(ids.size), width)
+    if n > len(starts):
+        raise ValueError(f"the corpus ({ids.size} tokens) holds {len(starts)} windows of {width} tokens, fewer than {n}")
+    slots = list(range(len(starts)))
     random.Random(seed).shuffle(slots)
     out = []
     for i in range(n):
-        start = slots[i] * width
+        start = starts[slots[i]]
         context, target = ids[start : start + length], ids[start + length : start + width]
         labels = {"token_start": start, "window": slots[i], "corpus_tokens": int(ids.size)}
         out.append(HaystackExample("lm", example_seed(seed, i), length, tokenizer.decode(context.tolist()), "",
