@@ -134,6 +134,24 @@ def merged(root: Path) -> list[dict]:
     return list(out.values())
 
 
+def compute_table(records: list[dict]) -> list[str]:
+    """The CPU the journals took, per (task, context): examples, hours (every
+    journal's seconds for an example added up, ``merged``) and the median seconds
+    per example; then the whole, and the wall time of running it as two jobs, one
+    pinned to each of the 2 cores (how these runs were made; half the sum, since
+    the jobs share nothing but the machine)."""
+    by = collections.defaultdict(list)
+    for r in records:
+        by[(r["task"], r["context"])].append(r["seconds"])
+    lines = ["| task | context | examples | CPU h | median s / example |", "|---|---:|---:|---:|---:|"]
+    for (task, context), secs in sorted(by.items()):
+        lines.append(f"| {task} | {context} | {len(secs)} | {sum(secs) / 3600:.2f} | {np.median(secs):.0f} |")
+    total = sum(s for secs in by.values() for s in secs)
+    lines += ["", f"In all {total / 3600:.2f} h of CPU: as two jobs, one per core, about {total / 7200:.2f} h of wall time "
+              "on the 2-core machine (one-core jobs; compile warm-ups included, shared with other runs as stated above)."]
+    return lines
+
+
 def report(root: Path, model_name: str = "smollm2-135m-instruct") -> str:
     import jaxkv
 
@@ -152,7 +170,7 @@ def report(root: Path, model_name: str = "smollm2-135m-instruct") -> str:
              f"Journals `quant*.jsonl`: {len(records)} examples, {seconds / 3600:.2f} h of CPU in all (2-core x86_64, "
              "sums of per-example seconds, mostly shared with other runs). Regenerate: "
              f"`python -m eval.real_model_quant_report --root {root}` after the runs below (each `--resume`s).", "",
-             *[f"- {c}" for c in commands(root)], ""]
+             *[f"- {c}" for c in commands(root)], "", *compute_table(records), ""]
     for (task, context, setting), every in sorted(groups.items()):
         formats = list(dict.fromkeys(c for r in every for c in r["cells"] if c != "full"))
         n_tokens = float(np.mean([r["n_request"] for r in every]))

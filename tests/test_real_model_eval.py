@@ -192,6 +192,7 @@ def test_quant_report_merges_formats_added_by_another_journal(tmp_path):
     already journaled: cells merge by example, the first journal's full cache kept."""
     import json
 
+    from eval.real_model_quant_report import compute_table as rep_compute
     from eval.real_model_quant_report import merged
 
     def write(name, seeds, cells):
@@ -205,6 +206,9 @@ def test_quant_report_merges_formats_added_by_another_journal(tmp_path):
     assert sorted(recs) == [1, 2, 3] and set(recs[1]["cells"]) == {"full", "kv:int4"}
     assert set(recs[2]["cells"]) == {"full", "kv:int4", "kv:kivi4"} and recs[2]["cells"]["full"]["nll"] == 4.0
     assert recs[3]["seconds"] == 2.0
+    table = "\n".join(rep_compute(merged(tmp_path)))
+    assert "| lm | 2048 | 3 | 0.00 | 2 |" in table  # 3 examples; seeds 2 and 3 took 2 s (two journals), seed 1 took 1 s
+    assert "In all 0.00 h of CPU" in table and "about 0.00 h of wall time" in table
 
 
 def test_report_merges_the_cells_of_one_example_across_journals(tmp_path):
