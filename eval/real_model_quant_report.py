@@ -234,16 +234,25 @@ def plot(root: Path, points: list[dict]) -> bool:
     groups = list(dict.fromkeys(p["group"] for p in points))
     if not groups:
         return False
-    fig, axes = plt.subplots(1, len(groups), figsize=(4.4 * len(groups), 4.2), squeeze=False)
+    # one panel per group: a column per (task, setting), a row per context length
+    columns = list(dict.fromkeys((g[0], g[2]) for g in groups))
+    contexts = sorted({g[1] for g in groups})
+    fig, axes = plt.subplots(len(contexts), len(columns), figsize=(4.4 * len(columns), 4.2 * len(contexts)), squeeze=False)
+    for ax in axes.flat:
+        ax.set_visible(False)
     bases = list(dict.fromkeys(p["name"].split(",")[0] for p in points))  # a format keeps its colour in every panel
     colour = dict(zip(bases, plt.get_cmap("tab10").colors * 2))
-    for ax, group in zip(axes[0], groups):
+    for group in groups:
+        ax = axes[contexts.index(group[1])][columns.index((group[0], group[2]))]
+        ax.set_visible(True)
         sel = [p for p in points if p["group"] == group]
+        labels: dict = {}  # formats at the same point (an ablation that allocates as another) share one label
         for p in sel:
             ax.errorbar(p["bits"], p["y"], yerr=[[p["y"] - p["lo"]], [p["hi"] - p["y"]]], fmt="o", ms=4, capsize=2,
                         color=colour[p["name"].split(",")[0]])
-            ax.annotate(p["name"].replace(", imported prefill", " (imp.)"), (p["bits"], p["y"]), fontsize=6,
-                        xytext=(3, 3), textcoords="offset points")
+            labels.setdefault((round(p["bits"], 2), round(p["y"], 4)), []).append(p["name"].replace(", imported prefill", " (imp.)"))
+        for (bits, y), names in labels.items():
+            ax.annotate(" = ".join(names), (bits, y), fontsize=6, xytext=(3, 3), textcoords="offset points")
         task, context, setting = group
         ax.set_title(f"{task} {context} ({setting})", fontsize=9)
         ax.set_xlabel("stored bits per element")
