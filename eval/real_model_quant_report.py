@@ -134,12 +134,13 @@ def merged(root: Path) -> list[dict]:
     return list(out.values())
 
 
-def compute_table(records: list[dict]) -> list[str]:
+def compute_table(records: list[dict], journals: dict | None = None) -> list[str]:
     """The CPU the journals took, per (task, context): examples, hours (every
     journal's seconds for an example added up, ``merged``) and the median seconds
     per example; then the whole, and the wall time of running it as two jobs, one
     pinned to each of the 2 cores (how these runs were made; half the sum, since
-    the jobs share nothing but the machine)."""
+    the jobs share nothing but the machine); with ``journals`` (name: seconds),
+    the hours each journal took."""
     by = collections.defaultdict(list)
     for r in records:
         by[(r["task"], r["context"])].append(r["seconds"])
@@ -149,6 +150,8 @@ def compute_table(records: list[dict]) -> list[str]:
     total = sum(s for secs in by.values() for s in secs)
     lines += ["", f"In all {total / 3600:.2f} h of CPU: as two jobs, one per core, about {total / 7200:.2f} h of wall time "
               "on the 2-core machine (one-core jobs; compile warm-ups included, shared with other runs as stated above)."]
+    if journals:  # journal name -> its seconds: which runs the hours went to
+        lines += ["", "Per journal: " + ", ".join(f"`{name}` {secs / 3600:.2f} h" for name, secs in journals.items()) + "."]
     return lines
 
 
@@ -170,7 +173,7 @@ def report(root: Path, model_name: str = "smollm2-135m-instruct") -> str:
              f"Journals `quant*.jsonl`: {len(records)} examples, {seconds / 3600:.2f} h of CPU in all (2-core x86_64, "
              "sums of per-example seconds, mostly shared with other runs). Regenerate: "
              f"`python -m eval.real_model_quant_report --root {root}` after the runs below (each `--resume`s).", "",
-             *[f"- {c}" for c in commands(root)], "", *compute_table(records), ""]
+             *[f"- {c}" for c in commands(root)], "", *compute_table(records, {p.name: sum(r["seconds"] for r in read(p)) for p in sorted(root.glob("quant*.jsonl"))}), ""]
     for (task, context, setting), every in sorted(groups.items()):
         formats = list(dict.fromkeys(c for r in every for c in r["cells"] if c != "full"))
         n_tokens = float(np.mean([r["n_request"] for r in every]))

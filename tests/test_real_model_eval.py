@@ -209,6 +209,7 @@ def test_quant_report_merges_formats_added_by_another_journal(tmp_path):
     table = "\n".join(rep_compute(merged(tmp_path)))
     assert "| lm | 2048 | 3 | 0.00 | 2 |" in table  # 3 examples; seeds 2 and 3 took 2 s (two journals), seed 1 took 1 s
     assert "In all 0.00 h of CPU" in table and "about 0.00 h of wall time" in table
+    assert "`quant_kivi4.jsonl` 2.00 h" in "\n".join(rep_compute(merged(tmp_path), {"quant_kivi4.jsonl": 7200.0}))
 
 
 def test_report_merges_the_cells_of_one_example_across_journals(tmp_path):
