@@ -256,10 +256,7 @@ _select_rows = jax.jit(jax.vmap(select, in_axes=(0, 0, 0, None)))
 
 
 def evaluate(graphdef, params, rows: Rows, lc: LossConfig, alpha_max: float, budgets=BUDGETS, batch_rows: int = 8):
-    """Held-out loss, recall at each budget and per-row AUC, for ``z`` and for ``s``;
-    only ``heldout_rows: 0`` when there are no rows (nothing to measure)."""
-    if len(rows) == 0:
-        return {"heldout_rows": 0}
+    """Held-out loss, recall at each budget and per-row AUC, for ``z`` and for ``s``."""
     kept_pos = {(name, B): 0 for name in ("z", "s") for B in budgets}
     kept_mass = {(name, B): 0.0 for name in ("z", "s") for B in budgets}
     total_pos = {B: 0 for B in budgets}
