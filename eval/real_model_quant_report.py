@@ -23,7 +23,9 @@ examples it ran, paired with the full cache of the same run:
   (``kv``: ``jaxkv.serving.stages.quantization.KVRecord``) is counted from that
   record, which is the only way to know a TriAxialKV allocation's bits; older
   cells without it from the format alone (``storage``: KIVI's tokens past its
-  window in pages, INT2 or KIVI-4's 4 bits, the rest in float).
+  window in pages, INT2 or KIVI-4's 4 bits, the rest in float);
+* compute: the CPU hours per task and context length and per journal, and the wall
+  time of the whole as two one-core jobs (``compute_table``).
 """
 
 from __future__ import annotations
