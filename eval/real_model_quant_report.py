@@ -24,8 +24,9 @@ examples it ran, paired with the full cache of the same run:
   record, which is the only way to know a TriAxialKV allocation's bits; older
   cells without it from the format alone (``storage``: KIVI's tokens past its
   window in pages, INT2 or KIVI-4's 4 bits, the rest in float);
-* compute: the CPU hours per task and context length and per journal, and the wall
-  time of the whole as two one-core jobs (``compute_table``).
+* compute: the CPU hours per task and context length and per journal, the wall
+  time of the whole as two one-core jobs, and what the grid costs in one pass
+  (``compute_table``, ``one_pass_seconds``).
 """
 
 from __future__ import annotations
@@ -136,22 +137,41 @@ def merged(root: Path) -> list[dict]:
     return list(out.values())
 
 
+def one_pass_seconds(record: dict) -> float:
+    """What one example of the grid costs run in one pass: its float cell once (the
+    full-precision prefill every imported format is branched from) plus each
+    imported-prefill format's cell, from the seconds each cell recorded. Chunked
+    protocol cells (no ``/imported``) are the extra protocol comparison beside the
+    grid and are left out; so is the per-journal overhead of re-prefilling the same
+    example when formats were added by later journals (``merged`` keeps one full
+    cache)."""
+    cells = record["cells"]
+    return sum(c.get("seconds", 0.0) for name, c in cells.items() if name == "full" or name.endswith("/imported"))
+
+
 def compute_table(records: list[dict], journals: dict | None = None) -> list[str]:
     """The CPU the journals took, per (task, context): examples, hours (every
-    journal's seconds for an example added up, ``merged``) and the median seconds
-    per example; then the whole, and the wall time of running it as two jobs, one
-    pinned to each of the 2 cores (how these runs were made; half the sum, since
-    the jobs share nothing but the machine); with ``journals`` (name: seconds),
-    the hours each journal took."""
+    journal's seconds for an example added up, ``merged``), the median seconds per
+    example, and the hours of the same grid run in one pass (``one_pass_seconds``);
+    then the whole, and the wall time of running it as two jobs, one pinned to each
+    of the 2 cores (how these runs were made; half the sum, since the jobs share
+    nothing but the machine); with ``journals`` (name: seconds), the hours each
+    journal took."""
     by = collections.defaultdict(list)
     for r in records:
-        by[(r["task"], r["context"])].append(r["seconds"])
-    lines = ["| task | context | examples | CPU h | median s / example |", "|---|---:|---:|---:|---:|"]
+        by[(r["task"], r["context"])].append((r["seconds"], one_pass_seconds(r)))
+    lines = ["| task | context | examples | CPU h (journals) | median s / example | CPU h (grid in one pass) |",
+             "|---|---:|---:|---:|---:|---:|"]
     for (task, context), secs in sorted(by.items()):
-        lines.append(f"| {task} | {context} | {len(secs)} | {sum(secs) / 3600:.2f} | {np.median(secs):.0f} |")
-    total = sum(s for secs in by.values() for s in secs)
+        spent, once = np.array(secs).reshape(-1, 2).T
+        lines.append(f"| {task} | {context} | {len(secs)} | {spent.sum() / 3600:.2f} | {np.median(spent):.0f} | {once.sum() / 3600:.2f} |")
+    total = sum(s for secs in by.values() for s, _ in secs)
+    once_total = sum(o for secs in by.values() for _, o in secs)
     lines += ["", f"In all {total / 3600:.2f} h of CPU: as two jobs, one per core, about {total / 7200:.2f} h of wall time "
-              "on the 2-core machine (one-core jobs; compile warm-ups included, shared with other runs as stated above)."]
+              "on the 2-core machine (one-core jobs; compile warm-ups included, shared with other runs as stated above). "
+              f"The grid in one pass (each example's float prefill once, every imported-prefill format branched from it, "
+              f"the chunked-protocol extras left out; the sum of the cells' own recorded seconds): {once_total / 3600:.2f} h "
+              f"of CPU, about {once_total / 7200:.2f} h on the two cores."]
     if journals:  # journal name -> its seconds: which runs the hours went to
         lines += ["", "Per journal: " + ", ".join(f"`{name}` {secs / 3600:.2f} h" for name, secs in journals.items()) + "."]
     return lines

@@ -199,16 +199,19 @@ def test_quant_report_merges_formats_added_by_another_journal(tmp_path):
         with (tmp_path / name).open("w") as f:
             for seed in seeds:
                 f.write(json.dumps({"task": "lm", "context": 2048, "seed": seed, "setting": "agnostic", "seconds": 1.0,
-                                    "n_request": 2048, "cells": {c: {"nll": v + seed} for c, v in cells.items()}}) + "\n")
+                                    "n_request": 2048, "cells": {c: {"nll": v + seed, "seconds": 900.0} for c, v in cells.items()}}) + "\n")
     write("quant.jsonl", [1, 2, 3], {"full": 2.0, "kv:int4": 2.01})
-    write("quant_kivi4.jsonl", [2, 3], {"full": 9.0, "kv:kivi4": 2.02})
+    write("quant_kivi4.jsonl", [2, 3], {"full": 9.0, "kv:kivi4/imported": 2.02})
     recs = {r["seed"]: r for r in merged(tmp_path)}
     assert sorted(recs) == [1, 2, 3] and set(recs[1]["cells"]) == {"full", "kv:int4"}
-    assert set(recs[2]["cells"]) == {"full", "kv:int4", "kv:kivi4"} and recs[2]["cells"]["full"]["nll"] == 4.0
+    assert set(recs[2]["cells"]) == {"full", "kv:int4", "kv:kivi4/imported"} and recs[2]["cells"]["full"]["nll"] == 4.0
     assert recs[3]["seconds"] == 2.0
     table = "\n".join(rep_compute(merged(tmp_path)))
-    assert "| lm | 2048 | 3 | 0.00 | 2 |" in table  # 3 examples; seeds 2 and 3 took 2 s (two journals), seed 1 took 1 s
+    # 3 examples; seeds 2 and 3 took 2 s (two journals), seed 1 took 1 s; in one pass each example's float cell
+    # counts once (900 s) with its imported cells (900 s on seeds 2 and 3), the chunked kv:int4 left out: 4,500 s
+    assert "| lm | 2048 | 3 | 0.00 | 2 | 1.25 |" in table
     assert "In all 0.00 h of CPU" in table and "about 0.00 h of wall time" in table
+    assert "1.25 h of CPU, about 0.62 h on the two cores" in table
     assert "`quant_kivi4.jsonl` 2.00 h" in "\n".join(rep_compute(merged(tmp_path), {"quant_kivi4.jsonl": 7200.0}))
 
 
