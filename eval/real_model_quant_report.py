@@ -2,11 +2,13 @@
 
     python -m eval.real_model_quant_report --root eval/results/real_smollm2_quant
 
-Reads ``ROOT/quant.jsonl`` and any other ``ROOT/quant*.jsonl`` (one line per
-example: the float pool's full cache, cell ``full``, and each format's,
-``kv:<format>``, on the same example; formats added later by ``--journal`` merge
-by example, ``merged``) and writes ``ROOT/README.md``, each format's row over the
-examples it ran, paired with the full cache of the same run:
+Reads ``ROOT/summary.md`` (the findings in prose, written by hand from the
+tables; placed under the title, so regenerating keeps it), ``ROOT/quant.jsonl``
+and any other ``ROOT/quant*.jsonl`` (one line per example: the float pool's full
+cache, cell ``full``, and each format's, ``kv:<format>``, on the same example;
+formats added later by ``--journal`` merge by example, ``merged``) and writes
+``ROOT/README.md``, each format's row over the examples it ran, paired with the
+full cache of the same run:
 
 * ``lm``: per format, the mean continuation NLL increase over the float pool
   (nats per token) and the mean KL(full || format) per token, each with a 95%
@@ -191,7 +193,9 @@ def report(root: Path, model_name: str = "smollm2-135m-instruct") -> str:
                 groups[(pooled, context, setting)] = [r for p in parts for r in groups[(p, context, setting)]]
     seconds = sum(r["seconds"] for r in records)
     points = []  # one per (group, format): the plot's stored bits against quality
+    findings = root / "summary.md"  # written by hand from the tables below; kept across regenerations
     lines = [f"# KV quantization on {model_name}: the full cache on each KV format, on the same examples", "",
+             *([findings.read_text().strip(), ""] if findings.is_file() else []),
              f"Journals `quant*.jsonl`: {len(records)} examples, {seconds / 3600:.2f} h of CPU in all (2-core x86_64, "
              "sums of per-example seconds, mostly shared with other runs). Regenerate: "
              f"`python -m eval.real_model_quant_report --root {root}` after the runs below (each `--resume`s).", "",
@@ -275,9 +279,12 @@ def plot(root: Path, points: list[dict]) -> bool:
         for p in sel:
             ax.errorbar(p["bits"], p["y"], yerr=[[p["y"] - p["lo"]], [p["hi"] - p["y"]]], fmt="o", ms=4, capsize=2,
                         color=colour[p["name"].split(",")[0]])
-            labels.setdefault((round(p["bits"], 2), round(p["y"], 4)), []).append(p["name"].replace(", imported prefill", " (imp.)"))
-        for (bits, y), names in labels.items():
-            ax.annotate(" = ".join(names), (bits, y), fontsize=6, xytext=(3, 3), textcoords="offset points")
+            short = p["name"].replace(", imported prefill", " (imp.)").replace("triaxial_", "").replace("triaxial", "tri")
+            labels.setdefault((round(p["bits"], 2), round(p["y"], 4)), []).append(short)
+        for (bits, y), names in labels.items():  # inside the panel; the layout leaves them out so panels keep their width
+            ax.annotate(" = ".join(names), (bits, y), fontsize=6, xytext=(3, 3), textcoords="offset points",
+                        clip_on=True).set_in_layout(False)
+        ax.set_xlim(right=max(p["bits"] for p in sel) * 1.35)  # room for the rightmost point's label
         task, context, setting = group
         ax.set_title(f"{task} {context} ({setting})", fontsize=9)
         ax.set_xlabel("stored bits per element")
