@@ -40,7 +40,7 @@ from pathlib import Path
 
 import numpy as np
 
-from eval.real_model_report import mean_ci
+from eval.real_model_report import findings, mean_ci
 
 PAGE = 32
 
@@ -193,9 +193,8 @@ def report(root: Path, model_name: str = "smollm2-135m-instruct") -> str:
                 groups[(pooled, context, setting)] = [r for p in parts for r in groups[(p, context, setting)]]
     seconds = sum(r["seconds"] for r in records)
     points = []  # one per (group, format): the plot's stored bits against quality
-    findings = root / "summary.md"  # written by hand from the tables below; kept across regenerations
     lines = [f"# KV quantization on {model_name}: the full cache on each KV format, on the same examples", "",
-             *([findings.read_text().strip(), ""] if findings.is_file() else []),
+             *findings(root),
              f"Journals `quant*.jsonl`: {len(records)} examples, {seconds / 3600:.2f} h of CPU in all (2-core x86_64, "
              "sums of per-example seconds, mostly shared with other runs). Regenerate: "
              f"`python -m eval.real_model_quant_report --root {root}` after the runs below (each `--resume`s).", "",

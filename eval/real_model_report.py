@@ -2,11 +2,11 @@
 
     python -m eval.real_model_report --root eval/results/real_smollm2
 
-Reads the journals ``ROOT/jaxkv/examples*.jsonl`` (``eval.real_model``; the
-cells of one example merge across files) and ``ROOT/kvpress/examples.jsonl``
-(``eval.kvpress_side``): one record per (task,
-context, seed, setting) with every cell, each cell keyed ``"full"`` or
-``"<method>@<ratio>"``. Writes ``ROOT/README.md`` (tables), ``ROOT/results.csv``
+Reads ``ROOT/summary.md`` (the findings in prose, kept across regenerations,
+``findings``), the journals ``ROOT/jaxkv/examples*.jsonl`` (``eval.real_model``;
+the cells of one example merge across files) and ``ROOT/kvpress/examples.jsonl``
+(``eval.kvpress_side``): one record per (task, context, seed, setting) with every
+cell, each cell keyed ``"full"`` or ``"<method>@<ratio>"``. Writes ``ROOT/README.md`` (tables), ``ROOT/results.csv``
 (one row per side, task, context, setting, method, ratio) and
 ``ROOT/accuracy_vs_ratio.png`` (jaxkv solid, kvpress dashed, one panel per task
 and setting; the full cache's ceiling as a grey band).
@@ -48,6 +48,14 @@ def read(path: Path) -> list[dict]:
     if not path.is_file():
         return []
     return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+
+
+def findings(root: Path) -> list[str]:
+    """``ROOT/summary.md``, the findings in prose written by hand from a report's
+    tables, as the lines to place under its title (none without the file): a
+    regenerated report keeps them. Shared by the real-model reports."""
+    path = root / "summary.md"
+    return [path.read_text().strip(), ""] if path.is_file() else []
 
 
 def journals(folder: Path) -> list[Path]:
@@ -220,7 +228,7 @@ def report(root: Path, min_full: float = 0.5) -> str:
             w = csv.DictWriter(f, fieldnames=fields)
             w.writeheader()
             w.writerows(rows)
-    lines = ["# jaxkv and kvpress on SmolLM2-135M-Instruct, on the same examples", ""]
+    lines = ["# jaxkv and kvpress on SmolLM2-135M-Instruct, on the same examples", "", *findings(root)]
     def seconds(rec):
         sec = rec.get("seconds", 0)
         return sec.get("total", 0) if isinstance(sec, dict) else sec

@@ -319,3 +319,6 @@ def test_quant_report_counts_a_cells_recorded_precisions_and_pools_niah(tmp_path
     assert "| int4, imported prefill | 5 | 60 | 0 |" in pooled and "| 5.00 | 3.20x |" in pooled
     assert "--task niah_single --context 2048 --n 3 --settings aware --kv-quant int4 --quant-prefill imported" in text
     assert (tmp_path / "quality_vs_bits.png").stat().st_size > 0 and "(quality_vs_bits.png)" in text
+    assert "Status" not in text
+    (tmp_path / "summary.md").write_text("**Status:** written by hand.\n")  # kept under the title on regeneration
+    assert rep.report(tmp_path).split("\n")[2] == "**Status:** written by hand."
