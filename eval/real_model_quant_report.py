@@ -165,10 +165,9 @@ def compute_table(records: list[dict], journals: dict | None = None) -> list[str
     lines = ["| task | context | examples | CPU h (journals) | median s / example | CPU h (grid in one pass) |",
              "|---|---:|---:|---:|---:|---:|"]
     for (task, context), secs in sorted(by.items()):
-        spent, once = np.array(secs).reshape(-1, 2).T
+        spent, once = np.array(secs).T
         lines.append(f"| {task} | {context} | {len(secs)} | {spent.sum() / 3600:.2f} | {np.median(spent):.0f} | {once.sum() / 3600:.2f} |")
-    total = sum(s for secs in by.values() for s, _ in secs)
-    once_total = sum(o for secs in by.values() for _, o in secs)
+    total, once_total = np.array([s for secs in by.values() for s in secs]).sum(axis=0)
     lines += ["", f"In all {total / 3600:.2f} h of CPU: as two jobs, one per core, about {total / 7200:.2f} h of wall time "
               "on the 2-core machine (one-core jobs; compile warm-ups included, shared with other runs as stated above). "
               f"The grid in one pass (each example's float prefill once, every imported-prefill format branched from it, "

@@ -6,8 +6,9 @@ Reads ``ROOT/summary.md`` (the findings in prose, kept across regenerations,
 ``findings``), the journals ``ROOT/jaxkv/examples*.jsonl`` (``eval.real_model``;
 the cells of one example merge across files) and ``ROOT/kvpress/examples.jsonl``
 (``eval.kvpress_side``): one record per (task, context, seed, setting) with every
-cell, each cell keyed ``"full"`` or ``"<method>@<ratio>"``. Writes ``ROOT/README.md`` (tables), ``ROOT/results.csv``
-(one row per side, task, context, setting, method, ratio) and
+cell, each cell keyed ``"full"`` or ``"<method>@<ratio>"``. Writes
+``ROOT/README.md`` (tables), ``ROOT/results.csv`` (one row per side, task,
+context, setting, method, ratio) and
 ``ROOT/accuracy_vs_ratio.png`` (jaxkv solid, kvpress dashed, one panel per task
 and setting; the full cache's ceiling as a grey band).
 
