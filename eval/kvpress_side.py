@@ -615,12 +615,12 @@ def score_qa(example, tokenizer, plan, answer_logits, generated, digit_pos) -> d
     nll = -logp.gather(-1, answer[:, None])[:, 0]
     argmax = answer_logits.argmax(-1)
     pos = torch.as_tensor(digit_pos, dtype=torch.long)
-    reply = tokenizer.decode(generated, skip_special_tokens=True)
+    reply = None if generated is None else tokenizer.decode(generated, skip_special_tokens=True)
     return {
         "tf_correct": bool((argmax[pos] == answer[pos]).all()) if len(pos) else None,
         "tf_digit_hits": int((argmax[pos] == answer[pos]).sum()),  # of n_digits digit-bearing tokens
         "answer_nll": float(nll[pos].mean()) if len(pos) else None,
-        "gen_correct": bool(tasks.reply_correct(example, reply)),
+        "gen_correct": None if reply is None else bool(tasks.reply_correct(example, reply)),
         "reply": reply,
     }
 
@@ -628,14 +628,26 @@ def score_qa(example, tokenizer, plan, answer_logits, generated, digit_pos) -> d
 def run_setting(model, tokenizer, example, setting: str, presses: dict, *, stops, max_new_tokens=MAX_NEW_TOKENS) -> dict:
     """Every cell (full + each press) of one example in one setting, from one shared
     prefill, continued as one batch: ``{"n_compressed", "n_rest", "n_answer", "cells"}``."""
+    from jaxkv import tasks
+
+    plan = tasks.token_plan(example, tokenizer, setting)
+    prefill = shared_prefill(model, plan.compressed, presses, example.seed, prefill_attention(presses.values()))
+    return score_cells(model, tokenizer, example, plan, prefill, stops=stops, max_new_tokens=max_new_tokens)
+
+
+def score_cells(model, tokenizer, example, plan, prefill: Prefill, *, stops, max_new_tokens=MAX_NEW_TOKENS,
+                greedy: bool = True) -> dict:
+    """``run_setting``'s second half: continue every cell of ``prefill`` (the full cache
+    and each compressed one) with ``plan.rest`` and ``plan.answer`` as one batch, and
+    score it (teacher forced only, ``gen_correct`` None, without ``greedy``).
+    ``prefill.cells`` may come from any selection of the full keys/values
+    (``eval.token_sets`` builds its own); a cell's name is ``PRESS@RATIO``."""
     import torch
     from jaxkv import tasks
 
     from jaxkv.tasks.haystack import reply_budget
 
-    plan = tasks.token_plan(example, tokenizer, setting)
     lm_task = example.task == "lm"
-    prefill = shared_prefill(model, plan.compressed, presses, example.seed, prefill_attention(presses.values()))
     names = [FULL, *prefill.cells]
     kv = [prefill.full, *prefill.cells.values()]
     kept = [rows[0][0].shape[2] for rows in kv]
@@ -651,7 +663,7 @@ def run_setting(model, tokenizer, example, setting: str, presses: dict, *, stops
     logits_of, generated_of = {}, {}
     for batch in batches:
         cont = continue_rows(model, [kv[b] for b in batch], prefill.length, plan.rest, plan.answer, prefill.last_logits,
-                             stops=stops, greedy=not lm_task, max_new_tokens=reply_budget(plan, max_new_tokens), consume=True,
+                             stops=stops, greedy=greedy and not lm_task, max_new_tokens=reply_budget(plan, max_new_tokens), consume=True,
                              skip_agreeing=True)
         for i, b in enumerate(batch):
             logits_of[b] = cont.answer_logits[i]
@@ -660,7 +672,7 @@ def run_setting(model, tokenizer, example, setting: str, presses: dict, *, stops
     answer = torch.as_tensor(np.asarray(plan.answer), dtype=torch.long)
     cells, full_logp = {}, None
     for b, name in enumerate(names):  # the full cache first (the lm task's KL reference)
-        press, ratio = (FULL, 0.0) if name == FULL else (name.split("@")[0], float(name.split("@")[1]))
+        press, ratio = (FULL, 0.0) if name == FULL else (name.rsplit("@", 1)[0], float(name.rsplit("@", 1)[1]))
         row = {"press": press, "ratio": ratio, "kept": int(kept[b])}
         if lm_task:
             logp = torch.log_softmax(logits_of[b].float(), dim=-1)
@@ -784,7 +796,8 @@ def summary(path: Path) -> str:
             out.append(f"{task:15s} {context:5d} {setting:8s} {name:28s} n={n:3d}  nll {nll:.3f}  {delta:+.3f}  kl {kl:.3f}")
         else:
             tf = 100 * np.mean([bool(c["tf_correct"]) for c, _ in cells])
-            gen = 100 * np.mean([c["gen_correct"] for c, _ in cells])
+            gens = [c["gen_correct"] for c, _ in cells if c["gen_correct"] is not None]
+            gen = 100 * np.mean(gens) if gens else float("nan")
             nll = np.mean([c["answer_nll"] for c, _ in cells if c["answer_nll"] is not None])
             out.append(f"{task:15s} {context:5d} {setting:8s} {name:28s} n={n:3d}  tf {tf:5.1f}  greedy {gen:5.1f}  nll {nll:.3f}")
     return "\n".join(out)

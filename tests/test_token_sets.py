@@ -1,0 +1,123 @@
+"""eval/token_sets.py: where the top-k is taken, at equal KV.
+
+On synthetic scores: ``layer`` keeps the top-k of the head mean in every head of a
+layer, ``one`` the top-k of the mean over layers and heads in every layer, and all
+granularities keep the same number of rows per layer and KV head. On SmolLM2 (a
+short passkey prompt): the ``head`` cell is the press's own cell bit for bit, and
+TOVAPress's ``layer`` cell is TOVAPress's own (its score is a head mean).
+kvpress is not in the test extra, so these skip without it, as tests/test_kvpress_side.py.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import types
+
+import numpy as np
+import pytest
+
+from eval import kvpress_side as K
+
+pytestmark = pytest.mark.skipif(not K.kvpress_available(), reason="kvpress not installed (eval/requirements-kvpress.txt)")
+
+LAYERS, HEADS, N, DIM = 3, 2, 40, 4
+
+
+def fake_press(ratio: float, table):
+    """A ScorerPress whose score is ``table[layer]`` (HEADS, N)."""
+    import torch
+
+    K.import_kvpress()  # with its stub for `datasets`, which the test extra lacks
+    from kvpress.presses.scorer_press import ScorerPress
+
+    @dataclasses.dataclass
+    class TablePress(ScorerPress):
+        def score(self, module, hidden_states, keys, values, attentions, kwargs):
+            return torch.as_tensor(table[module.layer_idx])[None]
+
+    return TablePress(compression_ratio=ratio)
+
+
+def kept_positions(keys) -> np.ndarray:
+    """(HEADS, k) positions of gathered keys whose channel 0 is the position."""
+    return np.sort(keys[0, :, :, 0].numpy().astype(int), axis=-1)
+
+
+def run_cells(ratio: float, table):
+    import torch
+
+    from eval import token_sets as T
+
+    full = []
+    for _ in range(LAYERS):
+        keys = torch.zeros(1, HEADS, N, DIM)
+        keys[..., 0] = torch.arange(N, dtype=torch.float32)
+        full.append((keys, keys.clone()))
+    presses = {g: T.TokenSetPress(fake_press(ratio, table), g) for g in T.GRANULARITIES}
+    cells = {g: [None] * LAYERS for g in presses}
+    for layer, (keys, values) in enumerate(full):
+        module = types.SimpleNamespace(layer_idx=layer, head_dim=DIM)
+        for g, press in presses.items():
+            cells[g][layer] = press.compress(module, None, keys, values, None, {})
+    prefill = K.Prefill(N, None, full, cells)
+    T.select_one_sets(prefill, presses)
+    return prefill.cells
+
+
+@pytest.mark.parametrize("ratio", [0.25, 0.5, 0.75])
+def test_granularity_decides_only_where_the_top_k_is_taken(ratio):
+    K.import_kvpress()
+    from kvpress.utils import compute_n_kept
+
+    rng = np.random.default_rng(7)
+    table = rng.random((LAYERS, HEADS, N)).astype(np.float32)
+    cells = run_cells(ratio, table)
+    k = compute_n_kept(N, ratio)
+    top = lambda s: np.sort(np.argsort(-s)[:k])  # noqa: E731 (distinct random scores: no ties)
+    for layer in range(LAYERS):
+        for g in cells:
+            assert cells[g][layer][0].shape == (1, HEADS, k, DIM)  # equal KV in every layer and head
+        heads = kept_positions(cells["head"][layer][0])
+        assert [list(h) for h in heads] == [list(top(table[layer, h])) for h in range(HEADS)]
+        per_layer = kept_positions(cells["layer"][layer][0])
+        assert (per_layer == top(table[layer].mean(0))).all()
+        one = kept_positions(cells["one"][layer][0])
+        assert (one == top(table.mean((0, 1)))).all()
+    # the synthetic heads disagree, so the three granularities really keep different sets
+    assert not (kept_positions(cells["head"][0][0])[0] == kept_positions(cells["head"][0][0])[1]).all()
+    assert not (kept_positions(cells["layer"][0][0]) == kept_positions(cells["one"][0][0])).all()
+
+
+def test_unknown_granularity_is_refused():
+    from eval import token_sets as T
+
+    with pytest.raises(ValueError, match="granularity"):
+        T.TokenSetPress(fake_press(0.5, None), "kv_head")
+
+
+def test_on_smollm2_head_cells_are_the_presses_own(smollm2_gguf):
+    import torch
+
+    from eval import token_sets as T
+    from jaxkv import tasks
+
+    torch.set_num_threads(1)
+    K.import_kvpress()
+    folder = K.model_folder(K.MODEL)
+    tok = K.load_tokenizer(folder)
+    model = K.load_hf(folder, "sdpa")
+    example = K.eval_examples("passkey", 1, 320, tok)[0]
+    plan = tasks.token_plan(example, tok, "agnostic")
+    presses = {"snap_own": K.make_press("SnapKVPress", 0.5), "snap_head": T.TokenSetPress(K.make_press("SnapKVPress", 0.5), "head"),
+               "tova_own": K.make_press("TOVAPress", 0.5), "tova_layer": T.TokenSetPress(K.make_press("TOVAPress", 0.5), "layer"),
+               "tova_one": T.TokenSetPress(K.make_press("TOVAPress", 0.5), "one")}
+    prefill = K.shared_prefill(model, plan.compressed, presses, example.seed)
+    T.select_one_sets(prefill, presses)
+    for a, b in (("snap_own", "snap_head"), ("tova_own", "tova_layer")):
+        for (ka, va), (kb, vb) in zip(prefill.cells[a], prefill.cells[b]):
+            # the same rows; TOVA's per-layer order may differ from kvpress's (ties in topk), so compare as sets
+            assert ka.shape == kb.shape
+            assert torch.equal(ka.sort(dim=2).values, kb.sort(dim=2).values)
+            assert torch.equal(va.sort(dim=2).values, vb.sort(dim=2).values)
+    one = prefill.cells["tova_one"]
+    assert all(k.shape == prefill.cells["tova_own"][i][0].shape for i, (k, _) in enumerate(one))
