@@ -167,6 +167,24 @@ def best_cell(cells: dict, ratio: float, key: str, lower_better: bool = False):
     return (best[1], best[2]) if best else (None, None)
 
 
+def live_budget_best(kp_cells: dict, matched: dict | None, key: str, tolerance: float = 0.02):
+    """kvpress's best press at the live budget of a repaired session (B + K rows, the
+    ``matched`` cell's ``budget``): the ratio whose cells keep, on average, within
+    ``tolerance`` of that many tokens (``eval.kvpress_side --ratios`` run for it),
+    as (cell name, {seed: record}); (None, None) when no ratio was run there."""
+    if not matched:
+        return None, None
+    live = np.mean([r["budget"] for r in matched.values()])
+    kept: dict = defaultdict(list)
+    for name, by_seed in kp_cells.items():
+        if name != "full":
+            kept[split_cell(name)[1]] += [r["kept"] for r in by_seed.values() if "kept" in r]
+    near = [x for x, k in kept.items() if k and abs(np.mean(k) - live) <= tolerance * live]
+    if not near:
+        return None, None
+    return best_cell(kp_cells, near[0], key)
+
+
 def answer_nll_increase(cells: dict) -> dict:
     """``{cell: {seed: {"inc": answer NLL minus the full cache's}}}`` over the
     examples that also ran the full cache; each side against its own full cache
@@ -324,8 +342,13 @@ def report(root: Path, min_full: float = 0.5) -> str:
             rl = []
             for name in repair:
                 x = split_cell(name)[1]
-                for other, label in ((jx.get("full"), "full cache"), (best_cell(kp, x, score)[1], f"kvpress best at {x:g}"),
-                                     (jx.get(name.replace("repairkv", "matched")), "matched no-repair (B + K)"),
+                matched = jx.get(name.replace("repairkv", "matched"))
+                live_name, live = live_budget_best(kp, matched, score)
+                acc = 100 * np.mean([float(r[score]) for r in jx[name].values()])
+                rl.append(f"| {name} | itself ({acc:.0f}%) | {len(jx[name])} | - |")
+                for other, label in ((jx.get("full"), "full cache"), (best_cell(kp, x, score)[1], f"kvpress best at {x:g} (live B)"),
+                                     (live, f"kvpress best at live B + K ({live_name})"),
+                                     (matched, "matched no-repair (B + K)"),
                                      (jx.get("session:" + name.split(":", 1)[1]), "no repair (B)")):
                     if other:
                         res = paired(jx[name], other, score)
@@ -333,11 +356,51 @@ def report(root: Path, min_full: float = 0.5) -> str:
                             g, lo, hi, n = res
                             rl.append(f"| {name} | {label} | {n} | {100 * g:+.0f} [{100 * lo:+.0f}, {100 * hi:+.0f}] |")
             if rl:
-                lines += ["RepairKV across the turn boundary (multi-turn sessions; gain in points, paired):", "",
+                lines += ["RepairKV across the turn boundary (multi-turn sessions; gain in points, paired). B is the "
+                          "ratio's budget; RepairKV holds B + K live rows while it answers, as the matched cell does:", "",
                           "| cell | against | n | gain [95%] |", "|---|---|---:|---:|", *rl, ""]
+    lines += reuse_section(root / "reuse")
     text = "\n".join(lines) + "\n"
     plot(root, rows, usable)
     return text
+
+
+def reuse_section(folder: Path) -> list[str]:
+    """Segment reuse on documents shared across requests (``eval.real_model_reuse``:
+    a primer session reads the document behind another system prompt, a second
+    session asks about it): per mode, the scores, the tokens spliced instead of
+    recomputed, the token-layer units computed as a share of what prefix caching
+    alone computes, the spans accepted / rejected, and the target request's
+    prefill-and-reply seconds; each mode paired against ``none`` (full recompute)."""
+    by_key: dict = defaultdict(lambda: defaultdict(dict))
+    for rec in read(folder / "examples.jsonl"):
+        for mode, row in rec["modes"].items():
+            by_key[(rec["task"], rec["context"])][mode][rec["seed"]] = row
+    if not by_key:
+        return []
+    lines = ["## Segment reuse: one document, two requests", "",
+             "Regenerate: `python -m eval.real_model_reuse --task TASK --context N --n 20 --out " + str(folder) + " --resume`. "
+             "Each mode on a fresh server; the target request's prompt differs from the primer's before the document, so "
+             "the radix prefix cache cannot serve it and only segment reuse can.", "",
+             "| task | context | mode | n | teacher-forced % | greedy % | answer NLL | spliced tokens | units computed | "
+             "spans accepted / rejected | target seconds | teacher-forced gain vs none [95%] |",
+             "|---|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
+    for (task, context), modes in sorted(by_key.items()):
+        none = modes.get("none", {})
+        for mode, by_seed in modes.items():
+            rows = list(by_seed.values())
+            tf, gen = (100 * np.mean([r[k] for r in rows]) for k in ("tf_correct", "gen_correct"))
+            nll = np.mean([r["answer_nll"] for r in rows])
+            spliced = f"{np.mean([r['spliced'] for r in rows]):.0f}" if "spliced" in rows[0] else "-"
+            units = (f"{100 * sum(r['units'] for r in rows) / max(sum(r['full_units'] for r in rows), 1):.0f}%"
+                     if "units" in rows[0] else "100%")
+            spans = f"{sum(r['accepted'] for r in rows)} / {sum(r['rejected'] for r in rows)}" if "accepted" in rows[0] else "-"
+            res = paired(by_seed, none, "tf_correct") if mode != "none" and none else None
+            gain = f"{100 * res[0]:+.0f} [{100 * res[1]:+.0f}, {100 * res[2]:+.0f}]" if res else "-"
+            lines.append(f"| {task} | {context} | {mode} | {len(rows)} | {tf:.0f} | {gen:.0f} | {nll:.3f} | {spliced} | {units} | "
+                         f"{spans} | {np.mean([r['seconds'] for r in rows]):.1f} | {gain} |")
+    return lines + ["", "Target seconds: the second request's prefill and greedy reply on one core, not a timing bench "
+                    "(other jobs ran on the other core).", ""]
 
 
 def plot(root: Path, rows: list[dict], usable: set) -> None:

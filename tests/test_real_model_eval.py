@@ -322,3 +322,45 @@ def test_quant_report_counts_a_cells_recorded_precisions_and_pools_niah(tmp_path
     assert "Status" not in text
     (tmp_path / "summary.md").write_text("**Status:** written by hand.\n")  # kept under the title on regeneration
     assert rep.report(tmp_path).split("\n")[2] == "**Status:** written by hand."
+
+
+def test_repair_is_set_beside_kvpress_at_its_own_live_budget():
+    """RepairKV answers with B + K live rows (the matched cell's budget): the kvpress
+    ratio whose cells keep about that many tokens is found by their recorded kept
+    counts, and its best press returned; no such ratio, no comparison."""
+    from eval import real_model_report as rep
+
+    matched = {s: {"budget": 1150, "tf_correct": False} for s in range(4)}
+    kp = {"full": {s: {"kept": 2044, "tf_correct": True} for s in range(4)},
+          "SnapKVPress@0.5": {s: {"kept": 1022, "tf_correct": True} for s in range(4)},
+          "StreamingLLMPress@0.4375": {s: {"kept": 1149, "tf_correct": s < 2} for s in range(4)},
+          "KeyDiffPress@0.4375": {s: {"kept": 1149, "tf_correct": s < 3} for s in range(4)}}
+    name, cells = rep.live_budget_best(kp, matched, "tf_correct")
+    assert name == "KeyDiffPress@0.4375" and set(cells) == set(range(4))
+    del kp["StreamingLLMPress@0.4375"], kp["KeyDiffPress@0.4375"]
+    assert rep.live_budget_best(kp, matched, "tf_correct") == (None, None)  # 1022 is not within 2% of 1150
+    assert rep.live_budget_best(kp, None, "tf_correct") == (None, None)
+
+
+def test_reuse_section_pairs_each_mode_with_the_full_recompute(tmp_path):
+    """eval.real_model_reuse's journal: per mode its scores, spliced tokens, the units
+    computed as a share of prefix caching alone, and the paired gain against none."""
+    import json
+
+    from eval import real_model_report as rep
+
+    folder = tmp_path / "reuse"
+    folder.mkdir()
+    with (folder / "examples.jsonl").open("w") as f:
+        for seed in range(4):
+            base = {"tf_correct": True, "gen_correct": True, "answer_nll": 0.1, "seconds": 10.0}
+            seg = dict(base, tf_correct=seed != 0, spliced=1500, units=9000, full_units=60000, accepted=3, rejected=1, skipped=None)
+            f.write(json.dumps({"task": "niah_single", "context": 2048, "seed": seed, "modes": {"none": base, "segment": seg}}) + "\n")
+    lines = rep.reuse_section(folder)
+    segment = next(line for line in lines if "| segment |" in line)
+    cols = [c.strip() for c in segment.split("|")[1:-1]]
+    assert cols[3:] == ["4", "75", "100", "0.100", "1500", "15%", "12 / 4", "10.0", cols[-1]]
+    assert cols[-1].startswith("-25 [")
+    none = next(line for line in lines if "| none |" in line)
+    assert none.rstrip().endswith("| - |") and "| 100% |" in none
+    assert rep.reuse_section(tmp_path / "absent") == []
