@@ -4,9 +4,13 @@
 
 Reads ``ROOT/summary.md`` (the findings in prose, kept across regenerations,
 ``findings``), the journals ``ROOT/jaxkv/examples*.jsonl`` (``eval.real_model``;
-the cells of one example merge across files) and ``ROOT/kvpress/examples.jsonl``
+the cells of one example merge across files) and ``ROOT/jaxkv/sessions.jsonl``
+(RepairKV's trio, ``--repair K``), ``ROOT/kvpress/examples*.jsonl``
 (``eval.kvpress_side``): one record per (task, context, seed, setting) with every
-cell, each cell keyed ``"full"`` or ``"<method>@<ratio>"``. Writes
+cell, each cell keyed ``"full"`` or ``"<method>@<ratio>"``;
+``ROOT/kvpress_live/examples.jsonl`` (kvpress at repaired sessions' live budgets,
+for the RepairKV table only) and ``ROOT/reuse/examples.jsonl``
+(``eval.real_model_reuse``, the segment-reuse table). Writes
 ``ROOT/README.md`` (tables), ``ROOT/results.csv`` (one row per side, task,
 context, setting, method, ratio) and
 ``ROOT/accuracy_vs_ratio.png`` (jaxkv solid, kvpress dashed, one panel per task
@@ -240,6 +244,8 @@ def head_fidelity(tables: dict, key: tuple, ratios: list) -> list[str]:
 
 def report(root: Path, min_full: float = 0.5) -> str:
     tables = {side: verdicts([rec for f in journals(root / side) for rec in read(f)]) for side in SIDES}
+    # kvpress at the live budgets of repaired sessions (B + K): for the RepairKV comparison only
+    live_tables = verdicts(read(root / "kvpress_live" / "examples.jsonl"))
     rows = [r for side in SIDES for r in rows_for(side, tables[side])]
     if rows:
         fields = sorted({k for r in rows for k in r}, key=lambda k: list(rows[0]).index(k) if k in rows[0] else 99)
@@ -343,7 +349,7 @@ def report(root: Path, min_full: float = 0.5) -> str:
             for name in repair:
                 x = split_cell(name)[1]
                 matched = jx.get(name.replace("repairkv", "matched"))
-                live_name, live = live_budget_best(kp, matched, score)
+                live_name, live = live_budget_best({**kp, **live_tables.get(key, {})}, matched, score)
                 acc = 100 * np.mean([float(r[score]) for r in jx[name].values()])
                 rl.append(f"| {name} | itself ({acc:.0f}%) | {len(jx[name])} | - |")
                 for other, label in ((jx.get("full"), "full cache"), (best_cell(kp, x, score)[1], f"kvpress best at {x:g} (live B)"),
