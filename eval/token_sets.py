@@ -37,7 +37,8 @@ mean, repeated), so it is not run.
 Journal: ``OUT/examples.jsonl``, one line per example in ``eval.kvpress_side``'s
 format (cells ``PRESS/GRANULARITY@RATIO``), so its ``summary`` reads it; ``--resume``
 skips what is there. ``--report`` writes ``OUT/README.md`` (accuracy per cell and the
-paired gain of ``layer`` and ``head`` over ``one``) and ``OUT/token_sets.png``.
+paired gain of ``layer`` and ``head`` over ``one``, under the findings written by hand
+in ``OUT/summary.md``) and ``OUT/token_sets.png``.
 """
 
 from __future__ import annotations
@@ -162,7 +163,7 @@ def split(name: str) -> tuple[str, str, float]:
 
 
 def report(out: Path) -> str:
-    from eval.real_model_report import paired
+    from eval.real_model_report import findings, paired
 
     tables = read(out / "examples.jsonl")
     lines = ["# Token-set granularity at equal KV (issue #32, item 6)", "",
@@ -172,7 +173,7 @@ def report(out: Path) -> str:
              "KV head. `head`: top-k per (layer, KV head), kvpress's own cell; `layer`: per layer from the head-mean "
              "score; `one`: one set for the model from the mean over layers and heads (jaxkv's rule). Teacher-forced "
              "accuracy (every answer digit is its row's argmax), %; gains in points with a paired bootstrap 95% "
-             "interval over examples.", ""]
+             "interval over examples.", "", *findings(out)]
     for (task, context, setting), cells in sorted(tables.items()):
         full = cells.get(kp.FULL, {})
         n = len(full)
@@ -227,7 +228,8 @@ def plot(out: Path, tables: dict) -> None:
             ax.set_xlabel("fraction of KV removed")
             if j == 0:
                 ax.set_ylabel("teacher-forced accuracy (%)")
-            ax.legend(fontsize=7, loc="lower left")
+            if j == 0:
+                ax.legend(fontsize=7, loc="upper right")
     fig.tight_layout()
     fig.savefig(out / "token_sets.png", dpi=110)
     plt.close(fig)
