@@ -836,7 +836,6 @@ def main(argv=None) -> int:
         return 0
 
     import torch
-    from tqdm import tqdm
 
     from jaxkv import tasks
 
@@ -899,16 +898,28 @@ def main(argv=None) -> int:
           f"{args.threads} threads -> {path}", flush=True)
     if eager and todo:
         setup["eager_vs_sdpa"] = eager_sdpa_check(model, tasks.token_plan(todo[0], tokenizer, settings[-1]))
-    bar = tqdm(todo, desc=f"kvpress {args.task} {args.context}", unit="ex")
+    def run(ex, setting):
+        presses = {cell_name(p, r): make_press(p, r) for p in press_names for r in ratios}
+        return run_setting(model, tokenizer, ex, setting, presses, stops=stops, max_new_tokens=args.max_new_tokens)
+
+    journal_examples(todo, settings, run, path, setup, task=args.task, context=args.context, desc="kvpress")
+    return 0
+
+
+def journal_examples(todo, settings, run, path: Path, setup: dict, *, task: str, context: int, desc: str) -> None:
+    """Run ``run(example, setting)`` for every example of ``todo`` and setting, appending
+    one line per example to ``path`` (the journal format ``done_keys`` and ``summary``
+    read: ``settings``, per-setting and total ``seconds``, ``setup``)."""
+    from tqdm import tqdm
+
+    bar = tqdm(todo, desc=f"{desc} {task} {context}", unit="ex")
     for ex in bar:
         t0 = time.perf_counter()
-        rec = {"task": args.task, "example_task": ex.task, "context": args.context, "length": ex.length, "seed": ex.seed,
+        rec = {"task": task, "example_task": ex.task, "context": context, "length": ex.length, "seed": ex.seed,
                "settings": {}, "seconds": {}}
         for setting in settings:
             ts = time.perf_counter()
-            presses = {cell_name(p, r): make_press(p, r) for p in press_names for r in ratios}
-            rec["settings"][setting] = run_setting(model, tokenizer, ex, setting, presses, stops=stops,
-                                                   max_new_tokens=args.max_new_tokens)
+            rec["settings"][setting] = run(ex, setting)
             rec["seconds"][setting] = round(time.perf_counter() - ts, 2)
         rec["seconds"]["total"] = round(time.perf_counter() - t0, 2)
         rec["setup"] = setup
@@ -916,8 +927,6 @@ def main(argv=None) -> int:
             f.write(json.dumps(rec) + "\n")
         bar.write(f"{ex.task} seed {ex.seed}: {rec['seconds']['total']:.1f}s "
                   f"({', '.join(f'{k} {v:.1f}s' for k, v in rec['seconds'].items() if k != 'total')})")
-    return 0
-
 
 if __name__ == "__main__":
     sys.exit(main())

@@ -47,7 +47,6 @@ import argparse
 import dataclasses
 import json
 import sys
-import time
 from pathlib import Path
 
 import numpy as np
@@ -258,7 +257,6 @@ def main(argv=None) -> int:
         return 0
 
     import torch
-    from tqdm import tqdm
 
     torch.set_num_threads(args.threads)
     kp.import_kvpress()
@@ -280,22 +278,10 @@ def main(argv=None) -> int:
     setup = {"model": kp.MODEL, "dtype": "float32", "device": "cpu", "threads": args.threads, "ratios": ratios,
              "scorers": {s: kp.press_defaults(s) for s in scorers}, "granularities": list(GRANULARITIES),
              "settings": settings, "greedy": args.greedy, "versions": kp._versions()}
-    bar = tqdm(todo, desc=f"token sets {args.task} {args.context}", unit="ex")
-    for ex in bar:
-        t0 = time.perf_counter()
-        rec = {"task": args.task, "example_task": ex.task, "context": args.context, "length": ex.length, "seed": ex.seed,
-               "settings": {}, "seconds": {}}
-        for setting in settings:
-            ts = time.perf_counter()
-            rec["settings"][setting] = run_setting(model, tokenizer, ex, setting, scorers, ratios, stops=stops, greedy=args.greedy)
-            rec["seconds"][setting] = round(time.perf_counter() - ts, 2)
-        rec["seconds"]["total"] = round(time.perf_counter() - t0, 2)
-        rec["setup"] = setup
-        with path.open("a") as f:
-            f.write(json.dumps(rec) + "\n")
-        bar.set_postfix(s=f"{rec['seconds']['total']:.0f}")
+    kp.journal_examples(todo, settings,
+                        lambda ex, setting: run_setting(model, tokenizer, ex, setting, scorers, ratios, stops=stops, greedy=args.greedy),
+                        path, setup, task=args.task, context=args.context, desc="token sets")
     return 0
-
 
 if __name__ == "__main__":
     sys.exit(main())
