@@ -5,7 +5,9 @@ layer, ``one`` the top-k of the mean over layers and heads in every layer, and a
 granularities keep the same number of rows per layer and KV head. On SmolLM2 (a
 short passkey prompt): the ``head`` cell is the press's own cell bit for bit, and
 TOVAPress's ``layer`` cell is TOVAPress's own (its score is a head mean).
-kvpress is not in the test extra, so these skip without it, as tests/test_kvpress_side.py.
+kvpress is not in the test extra, so those skip without it, as tests/test_kvpress_side.py;
+the report's tests (the lm score, the journals merged, the one-set cells set beside
+jaxkv's methods) run on journals written here.
 """
 
 from __future__ import annotations
@@ -18,7 +20,7 @@ import pytest
 
 from eval import kvpress_side as K
 
-pytestmark = pytest.mark.skipif(not K.kvpress_available(), reason="kvpress not installed (eval/requirements-kvpress.txt)")
+needs_kvpress = pytest.mark.skipif(not K.kvpress_available(), reason="kvpress not installed (eval/requirements-kvpress.txt)")
 
 LAYERS, HEADS, N, DIM = 3, 2, 40, 4
 
@@ -64,6 +66,7 @@ def run_cells(ratio: float, table):
     return prefill.cells
 
 
+@needs_kvpress
 @pytest.mark.parametrize("ratio", [0.25, 0.5, 0.75])
 def test_granularity_decides_only_where_the_top_k_is_taken(ratio):
     K.import_kvpress()
@@ -88,6 +91,7 @@ def test_granularity_decides_only_where_the_top_k_is_taken(ratio):
     assert not (kept_positions(cells["layer"][0][0]) == kept_positions(cells["one"][0][0])).all()
 
 
+@needs_kvpress
 def test_unknown_granularity_is_refused():
     from eval import token_sets as T
 
@@ -95,6 +99,7 @@ def test_unknown_granularity_is_refused():
         T.TokenSetPress(fake_press(0.5, None), "kv_head")
 
 
+@needs_kvpress
 def test_on_smollm2_head_cells_are_the_presses_own(smollm2_gguf):
     import torch
 
@@ -121,3 +126,72 @@ def test_on_smollm2_head_cells_are_the_presses_own(smollm2_gguf):
             assert torch.equal(va.sort(dim=2).values, vb.sort(dim=2).values)
     one = prefill.cells["tova_one"]
     assert all(k.shape == prefill.cells["tova_own"][i][0].shape for i, (k, _) in enumerate(one))
+
+
+@needs_kvpress
+def test_accumulated_attention_is_the_raw_sum_with_h2os_recent_floor():
+    """jaxkv's H2O score in kvpress's frame: ObservedAttentionPress's mass times the
+    number of queries that saw each token, the last ``recent`` positions kept."""
+    import torch
+
+    from eval import token_sets as T
+
+    K.import_kvpress()
+    n, q_heads, kv_heads = 48, 4, 2
+    torch.manual_seed(0)
+    logits = torch.randn(1, q_heads, n, n).masked_fill(torch.ones(n, n, dtype=torch.bool).triu(1), float("-inf"))
+    attn = logits.softmax(-1)
+    keys = torch.zeros(1, kv_heads, n, DIM)
+    module = types.SimpleNamespace(layer_idx=0, head_dim=DIM)
+    raw = T.accumulated_attention_press(0.5).score(module, None, keys, keys, attn, {})
+    observed = K.make_press("ObservedAttentionPress", 0.5).score(module, None, keys, keys, attn, {})
+    assert T.H2O_RECENT == 32 and raw.shape == (1, kv_heads, n)
+    floor = n - T.H2O_RECENT
+    assert torch.isinf(raw[..., floor:]).all() and torch.isfinite(raw[..., :floor]).all()
+    seen_by = torch.arange(n, 0, -1, dtype=torch.float32)  # queries at or after each position
+    torch.testing.assert_close(raw[..., :floor], (observed * seen_by)[..., :floor])
+    want = attn.sum(2).view(1, kv_heads, q_heads // kv_heads, n).mean(2)
+    torch.testing.assert_close(raw[..., :floor], want[..., :floor])
+    no_floor = T.accumulated_attention_press(0.5, recent=0).score(module, None, keys, keys, attn, {})
+    torch.testing.assert_close(no_floor, want)
+
+
+def _lm_line(seed: int, cells: dict) -> str:
+    import json
+
+    return json.dumps({"task": "lm", "example_task": "lm", "context": 2048, "length": 2048, "seed": seed,
+                       "settings": {"agnostic": {"cells": cells}}, "seconds": {"total": 1.0}})
+
+
+def test_report_scores_lm_by_nll_increase_and_sets_one_set_cells_beside_jaxkv(tmp_path):
+    """On ``lm`` a cell's score is its NLL increase over the full cache; journals merge by
+    example; a one-set cell is compared with the jaxkv method of the same rule on the
+    examples both ran (jaxkv minus one set, paired)."""
+    import json
+
+    from eval import token_sets as T
+
+    out, jaxkv = tmp_path / "token_sets", tmp_path / "jaxkv"
+    out.mkdir(), jaxkv.mkdir()
+    cell = "AccumulatedAttentionPress/one@0.5"
+    full = {1: 2.0, 2: 2.5, 3: 3.0}
+    mine = {1: 2.1, 2: 2.7, 3: 3.3}  # increases 0.1, 0.2, 0.3
+    theirs = {1: 2.1, 2: 2.8, 4: 9.9}  # jaxkv's h2o: increases 0.1, 0.3 on the common examples 1, 2
+    (out / "examples.jsonl").write_text(_lm_line(1, {"full": {"nll": 2.0}}) + "\n")  # another scorer's journal
+    (out / "examples_h2o_random.jsonl").write_text("\n".join(
+        _lm_line(s, {"full": {"nll": full[s]}, cell: {"nll": mine[s]}}) for s in full) + "\n")
+    (jaxkv / "examples.jsonl").write_text("\n".join(json.dumps(
+        {"task": "lm", "context": 2048, "seed": s, "setting": "agnostic",
+         "cells": {"full": {"nll": full.get(s, 9.0)}, "h2o@0.5": {"nll": nll}}}) for s, nll in theirs.items()) + "\n")
+
+    tables = T.read(out)
+    values = T.cell_values("lm", tables[("lm", 2048, "agnostic")], cell)
+    assert values == pytest.approx({1: 0.1, 2: 0.2, 3: 0.3})
+    rows = [r for r in T.jaxkv_rows(out, tables) if r.startswith("| lm")]
+    assert len(rows) == 1
+    parts = [p.strip() for p in rows[0].strip("|").split("|")]
+    assert parts[1:4] == [cell, "h2o@0.5", "2"]  # only the examples both ran
+    assert parts[4:6] == ["+0.150", "+0.200"]
+    assert parts[6].startswith("+0.050 [")
+    text = T.report(out)
+    assert "NLL increase" in text and "| AccumulatedAttentionPress | 0.5 | - | - | +0.200 |" in text
