@@ -244,51 +244,63 @@ def paired_values(a: dict, b: dict):
     return paired({s: {"v": v} for s, v in a.items()}, {s: {"v": v} for s, v in b.items()}, "v")
 
 
-def jaxkv_rows(out: Path, tables: dict) -> list[str]:
-    """Each one-set cell beside the jaxkv method whose rule it is (``JAXKV_RULES``), on
-    the examples both ran (jaxkv's journals in ``out``'s parent, the report's root):
-    where they agree, a jaxkv-vs-kvpress gap is the granularity (and, for
-    ObservedAttention, the normalization) measured here."""
+def side_rows(out: Path, tables: dict, side: str, rules: dict) -> list[str]:
+    """Table rows setting a token-set cell beside a cell of ``side``'s own journals (in
+    ``out``'s parent, the report's root) on the examples both ran: ``rules`` maps
+    ``PRESS/GRANULARITY`` to the other side's method or press. Differences are the
+    other side minus the token-set cell, paired."""
     from eval import real_model_report as rr
 
-    root = out.parent
-    jaxkv = rr.verdicts([r for path in rr.journals(root / "jaxkv") for r in rr.read(path)])
+    theirs_all = rr.verdicts([r for path in rr.journals(out.parent / side) for r in rr.read(path)])
     lines = []
     for key, cells in sorted(tables.items()):
-        task = key[0]
-        theirs = jaxkv.get(key)
+        task, theirs = key[0], theirs_all.get(key)
         if not theirs:
             continue
-        full_j = theirs.get("full", {})
         for cell in sorted(c for c in cells if c != kp.FULL):
             scorer, granularity, ratio = split(cell)
-            method = JAXKV_RULES.get(f"{scorer}/{granularity}")
+            method = rules.get(f"{scorer}/{granularity}")
             name = f"{method}@{ratio:g}"
             if method is None or name not in theirs:
                 continue
-            if task == "lm":
-                j_vals = {s: c["nll"] - full_j[s]["nll"] for s, c in theirs[name].items() if s in full_j}
-            else:
-                j_vals = {s: float(c["tf_correct"]) for s, c in theirs[name].items()}
-            mine = cell_values(task, cells, cell)
-            res = paired_values(j_vals, mine)
+            other, mine = cell_values(task, theirs, name), cell_values(task, cells, cell)
+            res = paired_values(other, mine)
             if res is None:
                 continue
-            common = set(j_vals) & set(mine)
+            common = set(other) & set(mine)
             lines.append(f"| {task} {key[1]} {key[2]} | {cell} | {name} | {res[3]} | "
-                         f"{fmt_mean(task, {s: mine[s] for s in common})} | {fmt_mean(task, {s: j_vals[s] for s in common})} | "
+                         f"{fmt_mean(task, {s: mine[s] for s in common})} | {fmt_mean(task, {s: other[s] for s in common})} | "
                          f"{fmt_gain(task, res)} |")
-    if not lines:
-        return []
-    return ["## One set in kvpress's pipeline beside jaxkv's method", "",
-            "Each one-set cell beside the jaxkv cell whose rule it is, on the examples both ran (jaxkv's journal "
-            "under the report root's `jaxkv/`): accuracy in % (teacher forced) or, on `lm`, the NLL increase over "
-            "each side's own full cache (nats per token, lower is better); the difference is jaxkv minus the "
-            "one-set cell with a paired bootstrap 95% interval. What remains besides the scorer: jaxkv's pinned "
-            "system prompt, H2O's recent floor and SnapKV's window and pooling defaults (ALGORITHMS.md §2), and "
-            "a different random draw.", "",
-            "| task | one-set cell | jaxkv cell | n | one set | jaxkv | jaxkv - one set |", "|---|---|---|---:|---:|---:|---:|",
-            *lines, ""]
+    return lines
+
+
+def jaxkv_rows(out: Path, tables: dict) -> list[str]:
+    """Each one-set cell beside the jaxkv method whose rule it is (``JAXKV_RULES``), and
+    each ``head`` cell (TOVAPress: ``layer``) beside kvpress's own press, on the
+    examples both ran: where the first agree, a jaxkv-vs-kvpress gap is what this
+    report varies (the granularity, and for H2O the score), not the two pipelines."""
+    own = {f"{p}/head": p for p in kp.PRESSES} | {f"{p}/layer": p for p in HEAD_MEAN_SCORERS}
+    out_lines = []
+    rows = side_rows(out, tables, "jaxkv", JAXKV_RULES)
+    if rows:
+        out_lines += ["## One set in kvpress's pipeline beside jaxkv's method", "",
+                      "Each one-set cell beside the jaxkv cell whose rule it is, on the examples both ran (jaxkv's "
+                      "journals under the report root's `jaxkv/`): accuracy in % (teacher forced) or, on `lm`, the NLL "
+                      "increase over each side's own full cache (nats per token, lower is better); the difference is "
+                      "jaxkv minus the one-set cell with a paired bootstrap 95% interval. What still differs: the "
+                      "pipelines (jaxkv's engine, transformers), jaxkv's pinned system prompt (none on `lm`), and "
+                      "the random draws.", "",
+                      "| task | one-set cell | jaxkv cell | n | one set | jaxkv | jaxkv - one set |",
+                      "|---|---|---|---:|---:|---:|---:|", *rows, ""]
+    rows = side_rows(out, tables, "kvpress", own)
+    if rows:
+        out_lines += ["## kvpress's own cells, reproduced", "",
+                      "Each `head` cell (TOVAPress: `layer`) beside the press's own cell in the main report's kvpress "
+                      "journals, on the examples both ran (kvpress minus the cell here): zero where this pipeline "
+                      "is kvpress's.", "",
+                      "| task | cell | kvpress cell | n | here | kvpress | kvpress - here |",
+                      "|---|---|---|---:|---:|---:|---:|", *rows, ""]
+    return out_lines
 
 
 def report(out: Path) -> str:

@@ -177,7 +177,9 @@ def test_report_scores_lm_by_nll_increase_and_sets_one_set_cells_beside_jaxkv(tm
     full = {1: 2.0, 2: 2.5, 3: 3.0}
     mine = {1: 2.1, 2: 2.7, 3: 3.3}  # increases 0.1, 0.2, 0.3
     theirs = {1: 2.1, 2: 2.8, 4: 9.9}  # jaxkv's h2o: increases 0.1, 0.3 on the common examples 1, 2
-    (out / "examples.jsonl").write_text(_lm_line(1, {"full": {"nll": 2.0}}) + "\n")  # another scorer's journal
+    (out / "examples.jsonl").write_text(_lm_line(1, {"full": {"nll": 2.0}, "RandomPress/head@0.5": {"nll": 2.4}}) + "\n")
+    (tmp_path / "kvpress").mkdir()  # kvpress's own RandomPress on example 1: the same cell, reproduced
+    (tmp_path / "kvpress" / "examples.jsonl").write_text(_lm_line(1, {"full": {"nll": 2.0}, "RandomPress@0.5": {"nll": 2.4}}) + "\n")
     (out / "examples_h2o_random.jsonl").write_text("\n".join(
         _lm_line(s, {"full": {"nll": full[s]}, cell: {"nll": mine[s]}}) for s in full) + "\n")
     (jaxkv / "examples.jsonl").write_text("\n".join(json.dumps(
@@ -187,11 +189,13 @@ def test_report_scores_lm_by_nll_increase_and_sets_one_set_cells_beside_jaxkv(tm
     tables = T.read(out)
     values = T.cell_values("lm", tables[("lm", 2048, "agnostic")], cell)
     assert values == pytest.approx({1: 0.1, 2: 0.2, 3: 0.3})
-    rows = [r for r in T.jaxkv_rows(out, tables) if r.startswith("| lm")]
+    rows = [r for r in T.jaxkv_rows(out, tables) if "| h2o@" in r]
     assert len(rows) == 1
     parts = [p.strip() for p in rows[0].strip("|").split("|")]
     assert parts[1:4] == [cell, "h2o@0.5", "2"]  # only the examples both ran
     assert parts[4:6] == ["+0.150", "+0.200"]
     assert parts[6].startswith("+0.050 [")
+    reproduced = [r for r in T.jaxkv_rows(out, tables) if "| RandomPress/head@0.5 | RandomPress@0.5 | 1 |" in r]
+    assert len(reproduced) == 1 and reproduced[0].rstrip(" |").endswith("+0.000 [+0.000, +0.000]")
     text = T.report(out)
     assert "NLL increase" in text and "| AccumulatedAttentionPress | 0.5 | - | - | +0.200 |" in text
