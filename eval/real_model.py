@@ -66,6 +66,9 @@ Journal: one JSON line per finished (task, length, seed, setting) in
 ``OUT/examples.jsonl`` with every cell; ``--resume`` skips what is there.
 ``--journal examples_<name>.jsonl`` runs more methods on the same examples into a
 journal of their own (the report merges every ``examples*.jsonl`` by example).
+``--repair`` journals ``OUT/sessions.jsonl``; its ``--resume`` skips the trio's cells
+an example already has, so another K or method on the same examples appends only
+its own cells (the no-repair cell ``session:<method>@<ratio>`` is shared).
 """
 
 from __future__ import annotations
@@ -453,6 +456,15 @@ def run_sessions(model, example, cells, ratio: float, *, positions: int, max_new
 
 
 # ----------------------------------------------------------------------------- driver
+def cells_to_run(held: set | None, cells, trio=None) -> list:
+    """What a resumed run still runs for one (example, setting) whose journaled cells
+    are ``held`` (None: no record): the retention grid's ``cells`` unless the example
+    has a record; with a RepairKV ``trio`` (``session_cells``), the trio's cells not held."""
+    if trio is None:
+        return [] if held is not None else list(cells)
+    return [c for c in trio if c[0] not in (held or ())]
+
+
 def read_journal(path: Path) -> list[dict]:
     if not path.is_file():
         return []
@@ -523,18 +535,27 @@ def run_grid(args) -> int:
     journal = args.out / ("sessions.jsonl" if args.repair is not None else args.journal or ("quant.jsonl" if kv_formats else "examples.jsonl"))
     if args.repair is not None:
         settings = ["agnostic"]
-    done = {(r["task"], r["context"], r["seed"], r["setting"]) for r in read_journal(journal)} if args.resume else set()
+    # What the journal holds, per (task, context, seed, setting): the cell names. A
+    # retention or quantization run skips an example it holds; a RepairKV run skips
+    # the trio's cells it holds, so another K or method on the same examples appends
+    # only its own cells (the report merges an example's cells across records).
+    held: dict[tuple, set] = {}
+    for r in read_journal(journal) if args.resume else []:
+        held.setdefault((r["task"], r["context"], r["seed"], r["setting"]), set()).update(r["cells"])
+    trio = session_cells(args.repair_method, args.repair_ratio, args.repair) if args.repair is not None else None
     positions = min(positions_for(args.context), model.config.max_position_embeddings)
     setup = {"model": args.model, "ratios": ratios, "methods": methods, "max_new": args.max_new, "positions": positions,
              **({"kv_quant": kv_formats, "quant_prefill": quant_prefill} if kv_formats else {}),
              "threads": os.environ.get("XLA_FLAGS", "")}
-    todo = [(ex, s) for ex in examples for s in settings if (ex.task, args.context, ex.seed, s) not in done]
+    def missing(ex, setting) -> list:
+        return cells_to_run(held.get((ex.task, args.context, ex.seed, setting)), cells, trio)
+
+    todo = [(ex, s) for ex in examples for s in settings if missing(ex, s)]
     bar = tqdm(todo, desc=f"{args.task} {args.context}", unit="ex")
     for ex, setting in bar:
         t0 = time.perf_counter()
-        if args.repair is not None:
-            trio = session_cells(args.repair_method, args.repair_ratio, args.repair)
-            record = run_sessions(model, ex, trio, args.repair_ratio, positions=positions, max_new=args.max_new)
+        if trio is not None:
+            record = run_sessions(model, ex, missing(ex, setting), args.repair_ratio, positions=positions, max_new=args.max_new)
         elif kv_formats:
             record = run_quant_example(model, ex, setting, kv_formats, positions=positions, max_new=args.max_new,
                                        prefill=quant_prefill)

@@ -364,3 +364,19 @@ def test_reuse_section_pairs_each_mode_with_the_full_recompute(tmp_path):
     none = next(line for line in lines if "| none |" in line)
     assert none.rstrip().endswith("| - |") and "| 100% |" in none
     assert rep.reuse_section(tmp_path / "absent") == []
+
+
+def test_a_resumed_repair_run_adds_only_the_trio_cells_an_example_lacks():
+    """Two RepairKV trios (K = 128 and 256) share the no-repair cell: a resumed run of
+    the second appends its two new cells to examples the first journaled, and runs
+    nothing for an example that holds them; the retention grid skips any journaled example."""
+    from eval.real_model import Cell, cells_to_run, session_cells
+
+    first = session_cells("snapkv", 0.5, 128)
+    second = session_cells("snapkv", 0.5, 256)
+    held = {name for name, _ in first}
+    assert [c[0] for c in cells_to_run(held, [], second)] == ["repairkv256:snapkv@0.5", "matched256:snapkv@0.5"]
+    assert cells_to_run(held | {c[0] for c in second}, [], second) == []
+    assert [c[0] for c in cells_to_run(None, [], second)] == [c[0] for c in second]
+    grid = [Cell(None), Cell("snapkv", 0.5)]
+    assert cells_to_run(None, grid) == grid and cells_to_run({"full"}, grid) == []
