@@ -261,6 +261,7 @@ def report(root: Path, min_full: float = 0.5) -> str:
     secs = {side: sum(seconds(rec) for f in journals(root / side) for rec in read(f)) for side in SIDES}
     lines += [f"CPU time in the journals: jaxkv {secs['jaxkv'] / 3600:.2f} h, kvpress {secs['kvpress'] / 3600:.2f} h "
               "(2-core x86_64; sums of per-example seconds).", ""]
+    lines += compute_section(root)
     # ceilings
     lines += ["## The full cache (the ceiling)", "", "| task | context | setting | side | n | teacher-forced % | greedy % |", "|---|---:|---|---|---:|---:|---:|"]
     usable = set()
@@ -369,6 +370,66 @@ def report(root: Path, min_full: float = 0.5) -> str:
     text = "\n".join(lines) + "\n"
     plot(root, rows, usable)
     return text
+
+
+# The report's sizes (issue #32): examples per cell at each context, per side, and the
+# compute budget of each side's whole grid (hours on the 2-core CPU).
+REQUIRED_EXAMPLES = {2048: {"jaxkv": 100, "kvpress": 50}, 4096: {"jaxkv": 50, "kvpress": 30}, 8192: {"jaxkv": 30, "kvpress": 30}}
+BUDGET_HOURS = {"jaxkv": 4.0, "kvpress": 3.0}
+
+
+def example_seconds(side: str, records: list[dict]) -> dict:
+    """``{(task, context, setting): {seed: seconds}}`` of a side's grid journals: one
+    prefill and every cell of one example in one setting (kvpress records each setting's
+    seconds; sessions and extra-method journals are left out, they are not the grid)."""
+    out: dict = defaultdict(dict)
+    for rec in records:
+        if "settings" in rec:
+            task = rec.get("example_task", rec["task"])
+            for setting in rec["settings"]:
+                sec = rec["seconds"].get(setting) if isinstance(rec["seconds"], dict) else None
+                if sec is not None:
+                    out[(task, rec["context"], setting)][rec["seed"]] = float(sec)
+        else:
+            out[(rec["task"], rec["context"], rec["setting"])][rec["seed"]] = float(rec["seconds"])
+    return out
+
+
+def compute_section(root: Path, left_out: tuple = ("niah_multivalue",)) -> list[str]:
+    """What each side's grid has cost and what the report's sizes (``REQUIRED_EXAMPLES``)
+    would cost at the median seconds per example measured so far (one core per job; two
+    jobs run at once on the 2 cores, so the wall clock is about half the CPU hours).
+    Tasks the model cannot do (``left_out``) are not projected; a (task, context) not
+    run yet has no rate and is listed as such."""
+    lines = ["## Compute against the report's sizes", "",
+             "Per side, task, context and setting: examples run, the median seconds of one example (its prefill "
+             "and every cell; one core, mostly with the other core running the other job), the CPU hours spent, "
+             "and the CPU hours the report's size (jaxkv 100 / 50 / 30 examples at 2k / 4k / 8k, kvpress 50 / 30 "
+             "/ 30) would take at that median. The 8k rows in the issue need only the full cache and two methods "
+             "per side; their cost is not projected here.", "",
+             "| side | task | context | setting | n run | n wanted | median s | h spent | h for the size |",
+             "|---|---|---:|---|---:|---:|---:|---:|---:|"]
+    totals = {}
+    for side in SIDES:
+        per = example_seconds(side, [r for r in read(root / side / "examples.jsonl")])
+        spent = wanted_h = 0.0
+        for (task, context, setting), by_seed in sorted(per.items()):
+            if task in left_out or context not in REQUIRED_EXAMPLES:
+                continue
+            want = REQUIRED_EXAMPLES[context][side]
+            med = float(np.median(list(by_seed.values())))
+            h = sum(by_seed.values()) / 3600
+            full_h = med * want / 3600
+            spent += h
+            wanted_h += full_h
+            lines.append(f"| {side} | {task} | {context} | {setting} | {len(by_seed)} | {want} | {med:.0f} | {h:.2f} | {full_h:.2f} |")
+        totals[side] = (spent, wanted_h)
+    lines.append("")
+    for side, (spent, wanted_h) in totals.items():
+        lines.append(f"- {side}: {spent:.2f} CPU h spent on these rows; the rows above at their sizes: {wanted_h:.2f} CPU h "
+                     f"(~{wanted_h / 2:.1f} h of wall clock on the 2 cores), against a budget of {BUDGET_HOURS[side]:.0f} h "
+                     "for the whole report, before the contexts not run yet.")
+    return lines + [""]
 
 
 def reuse_section(folder: Path) -> list[str]:

@@ -380,3 +380,32 @@ def test_a_resumed_repair_run_adds_only_the_trio_cells_an_example_lacks():
     assert [c[0] for c in cells_to_run(None, [], second)] == [c[0] for c in second]
     grid = [Cell(None), Cell("snapkv", 0.5)]
     assert cells_to_run(None, grid) == grid and cells_to_run({"full"}, grid) == []
+
+
+def test_compute_section_projects_each_rows_size_at_its_median_seconds(tmp_path):
+    """Each (side, task, context, setting) row: examples run, the report's size for that
+    context and side, and the CPU hours that size costs at the median seconds per
+    example; kvpress's records give each setting's seconds; a left-out task is not projected."""
+    import json
+
+    from eval.real_model_report import REQUIRED_EXAMPLES, compute_section
+
+    (tmp_path / "jaxkv").mkdir()
+    (tmp_path / "kvpress").mkdir()
+    jaxkv = [{"task": "passkey", "context": 4096, "seed": s, "setting": "aware", "seconds": sec, "cells": {}}
+             for s, sec in enumerate([50.0, 70.0, 60.0])]
+    jaxkv.append({"task": "niah_multivalue", "context": 2048, "seed": 9, "setting": "aware", "seconds": 10.0, "cells": {}})
+    (tmp_path / "jaxkv" / "examples.jsonl").write_text("\n".join(json.dumps(r) for r in jaxkv) + "\n")
+    kvpress = [{"task": "passkey", "example_task": "passkey", "context": 2048, "seed": s,
+                "settings": {"aware": {"cells": {}}, "agnostic": {"cells": {}}},
+                "seconds": {"aware": 20.0 + s, "agnostic": 30.0, "total": 50.0 + s}} for s in range(2)]
+    (tmp_path / "kvpress" / "examples.jsonl").write_text("\n".join(json.dumps(r) for r in kvpress) + "\n")
+
+    lines = compute_section(tmp_path)
+    row = next(x for x in lines if x.startswith("| jaxkv | passkey | 4096 | aware |"))
+    want = REQUIRED_EXAMPLES[4096]["jaxkv"]
+    assert row == f"| jaxkv | passkey | 4096 | aware | 3 | {want} | 60 | {180 / 3600:.2f} | {60 * want / 3600:.2f} |"
+    assert not any("niah_multivalue" in x for x in lines)
+    aware = next(x for x in lines if x.startswith("| kvpress | passkey | 2048 | aware |"))
+    assert aware.split("|")[7].strip() == "20"  # median of 20 and 21 s, rounded
+    assert any(x.startswith("| kvpress | passkey | 2048 | agnostic | 2 | 50 | 30 |") for x in lines)
