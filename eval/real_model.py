@@ -142,10 +142,24 @@ class ProbeStage(Stage):
         self.captured = captured
 
 
-def _retention_stage(cell: Cell, budget: int, model):
+def cell_options(cell: Cell, example_seed: int) -> dict:
+    """A cell's policy options for one example: ``cell.options``, and for the ``random``
+    control a seed drawn from the example's (unless the cell sets one). The policy's
+    default seed is 0 in every session, so without it every example of a run keeps
+    the same index set: the run measures one draw, not the control's expectation. It
+    matters where examples share structure by index: on ``lm`` (each context's last
+    tokens) the one draw and kvpress's per-example draws differed well beyond noise
+    (``eval/results/real_smollm2/token_sets``)."""
+    options = dict(cell.options)
+    if cell.method == "random":
+        options.setdefault("seed", int(example_seed) % (2**31))
+    return options
+
+
+def _retention_stage(cell: Cell, budget: int, model, example_seed: int):
     from jaxkv.serving.stages.retention import RetentionSpec, RetentionStage
 
-    return RetentionStage(RetentionSpec.make(cell.method, budget, "dead_slot", dict(cell.options), model=model))
+    return RetentionStage(RetentionSpec.make(cell.method, budget, "dead_slot", cell_options(cell, example_seed), model=model))
 
 
 def branch_program(turn, probe: ProbeStage, cells, stages, measure):
@@ -294,7 +308,8 @@ def run_example(model, example, setting: str, cells, *, positions: int, max_new:
     session = Session(model, max_positions=positions, protect_query=False, max_new_tokens=max_new)
     session.server.engine.short_chunk = SHORT_PIECES
     try:
-        stages = [None if c.method is None else _retention_stage(c, budget_for_ratio(c.ratio, n_request), session.model) for c in cells]
+        stages = [None if c.method is None else _retention_stage(c, budget_for_ratio(c.ratio, n_request), session.model, example.seed)
+                  for c in cells]
         probe = ProbeStage([s for s in stages if s is not None])
         session.stages = sorted(list(session.stages) + [probe], key=lambda s: s.order)
         rendered, measure = request_and_measure(session, example, setting, plan, max_new, {})

@@ -69,7 +69,7 @@ def test_a_branched_cell_is_its_policy_alone(shallow):
     cells = [Cell(None)] + [Cell(p, 0.5) for p in POLICIES]
 
     session = Session(shallow, max_positions=512, protect_query=False)
-    stages = [None] + [_retention_stage(c, budget, shallow) for c in cells[1:]]
+    stages = [None] + [_retention_stage(c, budget, shallow, ex.seed) for c in cells[1:]]
     probe = ProbeStage(stages[1:])
     session.stages = sorted(list(session.stages) + [probe], key=lambda s: s.order)
     turn = Turn(session, session._render(ex.messages("aware")[:1], None, add_generation_prompt=True))
@@ -409,3 +409,17 @@ def test_compute_section_projects_each_rows_size_at_its_median_seconds(tmp_path)
     aware = next(x for x in lines if x.startswith("| kvpress | passkey | 2048 | aware |"))
     assert aware.split("|")[7].strip() == "20"  # median of 20 and 21 s, rounded
     assert any(x.startswith("| kvpress | passkey | 2048 | agnostic | 2 | 50 | 30 |") for x in lines)
+
+
+def test_random_cells_draw_per_example_and_other_cells_keep_their_options(shallow):
+    """The random control's seed comes from the example (the policy's default is 0 in
+    every session, which would keep one index set for a whole run); a seed the cell
+    sets is kept, and other methods' options are untouched."""
+    from eval.real_model import cell_options
+
+    tok = shallow.tokenizer
+    a, b = haystack.examples("passkey", 2, length=384, tokenizer=tok)
+    seeds = [_retention_stage(Cell("random", 0.5), 100, shallow, ex.seed).spec.config.seed for ex in (a, b)]
+    assert seeds[0] != seeds[1] and seeds == [a.seed % 2**31, b.seed % 2**31]
+    assert cell_options(Cell("random", 0.5, (("seed", 7),)), a.seed) == {"seed": 7}
+    assert cell_options(Cell("snapkv", 0.5, (("w", 16),)), a.seed) == {"w": 16}
