@@ -359,6 +359,9 @@ def plot(out: Path, tables: dict) -> None:
         scale = 1.0 if lm else 100.0
         for j, scorer in enumerate(scorers):
             ax = axes[i][j]
+            if not any(c != kp.FULL and split(c)[0] == scorer for c in cells):
+                ax.axis("off")  # this scorer did not run on this task
+                continue
             if lm:
                 ax.axhline(0.0, color="grey", ls=":", label="full cache")
             elif cells.get(kp.FULL):
