@@ -261,7 +261,7 @@ def report(root: Path, min_full: float = 0.5) -> str:
     secs = {side: sum(seconds(rec) for f in journals(root / side) for rec in read(f)) for side in SIDES}
     lines += [f"CPU time in the journals: jaxkv {secs['jaxkv'] / 3600:.2f} h, kvpress {secs['kvpress'] / 3600:.2f} h "
               "(2-core x86_64; sums of per-example seconds).", ""]
-    lines += compute_section(root)
+    compute_at = len(lines)  # the compute section goes here, once the left-out rows are known
     # ceilings
     lines += ["## The full cache (the ceiling)", "", "| task | context | setting | side | n | teacher-forced % | greedy % |", "|---|---:|---|---|---:|---:|---:|"]
     usable = set()
@@ -283,6 +283,7 @@ def report(root: Path, min_full: float = 0.5) -> str:
                 usable.add(key)
     lines.append("")
     dropped = sorted(k for k in set(tables["jaxkv"]) if k not in usable)
+    lines[compute_at:compute_at] = compute_section(root, left_out=set(dropped))
     if dropped:
         lines += [f"Left out of the comparisons (full cache below {100 * min_full:.0f}%): " + ", ".join(f"{t} {c} {s}" for t, c, s in dropped), ""]
     # per-task tables
@@ -378,7 +379,7 @@ REQUIRED_EXAMPLES = {2048: {"jaxkv": 100, "kvpress": 50}, 4096: {"jaxkv": 50, "k
 BUDGET_HOURS = {"jaxkv": 4.0, "kvpress": 3.0}
 
 
-def example_seconds(side: str, records: list[dict]) -> dict:
+def example_seconds(records: list[dict]) -> dict:
     """``{(task, context, setting): {seed: seconds}}`` of a side's grid journals: one
     prefill and every cell of one example in one setting (kvpress records each setting's
     seconds; sessions and extra-method journals are left out, they are not the grid)."""
@@ -395,12 +396,13 @@ def example_seconds(side: str, records: list[dict]) -> dict:
     return out
 
 
-def compute_section(root: Path, left_out: tuple = ("niah_multivalue",)) -> list[str]:
+def compute_section(root: Path, left_out: set = frozenset()) -> list[str]:
     """What each side's grid has cost and what the report's sizes (``REQUIRED_EXAMPLES``)
     would cost at the median seconds per example measured so far (one core per job; two
     jobs run at once on the 2 cores, so the wall clock is about half the CPU hours).
-    Tasks the model cannot do (``left_out``) are not projected; a (task, context) not
-    run yet has no rate and is listed as such."""
+    Rows in ``left_out`` ((task, context, setting) whose full cache is below the
+    report's ceiling) are not projected; a (task, context) not run yet has no rate
+    and no row."""
     lines = ["## Compute against the report's sizes", "",
              "Per side, task, context and setting: examples run, the median seconds of one example (its prefill "
              "and every cell; one core, mostly with the other core running the other job), the CPU hours spent, "
@@ -411,10 +413,10 @@ def compute_section(root: Path, left_out: tuple = ("niah_multivalue",)) -> list[
              "|---|---|---:|---|---:|---:|---:|---:|---:|"]
     totals = {}
     for side in SIDES:
-        per = example_seconds(side, [r for r in read(root / side / "examples.jsonl")])
+        per = example_seconds(read(root / side / "examples.jsonl"))
         spent = wanted_h = 0.0
         for (task, context, setting), by_seed in sorted(per.items()):
-            if task in left_out or context not in REQUIRED_EXAMPLES:
+            if (task, context, setting) in left_out or context not in REQUIRED_EXAMPLES:
                 continue
             want = REQUIRED_EXAMPLES[context][side]
             med = float(np.median(list(by_seed.values())))

@@ -274,7 +274,7 @@ def side_rows(out: Path, tables: dict, side: str, rules: dict) -> list[str]:
     return lines
 
 
-def jaxkv_rows(out: Path, tables: dict) -> list[str]:
+def counterpart_rows(out: Path, tables: dict) -> list[str]:
     """Each one-set cell beside the jaxkv method whose rule it is (``JAXKV_RULES``), and
     each ``head`` cell (TOVAPress: ``layer``) beside kvpress's own press, on the
     examples both ran: where the first agree, a jaxkv-vs-kvpress gap is what this
@@ -333,7 +333,7 @@ def report(out: Path) -> str:
             gains = [fmt_gain(task, paired_values(got[g], got["one"]) if got[g] and got["one"] else None) for g in ("layer", "head")]
             lines.append(f"| {scorer} | {ratio:g} | {' | '.join(means)} | {' | '.join(gains)} |")
         lines.append("")
-    lines += jaxkv_rows(out, tables)
+    lines += counterpart_rows(out, tables)
     plot(out, tables)
     if (out / "token_sets.png").is_file():
         lines += ["![score vs ratio per granularity](token_sets.png)", ""]

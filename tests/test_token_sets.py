@@ -189,13 +189,13 @@ def test_report_scores_lm_by_nll_increase_and_sets_one_set_cells_beside_jaxkv(tm
     tables = T.read(out)
     values = T.cell_values("lm", tables[("lm", 2048, "agnostic")], cell)
     assert values == pytest.approx({1: 0.1, 2: 0.2, 3: 0.3})
-    rows = [r for r in T.jaxkv_rows(out, tables) if "| h2o@" in r]
+    rows = [r for r in T.counterpart_rows(out, tables) if "| h2o@" in r]
     assert len(rows) == 1
     parts = [p.strip() for p in rows[0].strip("|").split("|")]
     assert parts[1:4] == [cell, "h2o@0.5", "2"]  # only the examples both ran
     assert parts[4:6] == ["+0.150", "+0.200"]
     assert parts[6].startswith("+0.050 [")
-    reproduced = [r for r in T.jaxkv_rows(out, tables) if "| RandomPress/head@0.5 | RandomPress@0.5 | 1 |" in r]
+    reproduced = [r for r in T.counterpart_rows(out, tables) if "| RandomPress/head@0.5 | RandomPress@0.5 | 1 |" in r]
     assert len(reproduced) == 1 and reproduced[0].rstrip(" |").endswith("+0.000 [+0.000, +0.000]")
     text = T.report(out)
     assert "NLL increase" in text and "| AccumulatedAttentionPress | 0.5 | - | - | +0.200 |" in text
