@@ -884,7 +884,7 @@ def main(argv=None) -> int:
 
     setup = {"model": args.model, "folder": str(folder), "dtype": "float32", "device": "cpu",
              "attn_implementation": {"prefill": "eager" if eager else "sdpa", "rest_answer_generation": "sdpa"},
-             "threads": args.threads,
+             "threads": args.threads, "cpus": len(os.sched_getaffinity(0)),
              "omp_wait_policy": os.environ.get("OMP_WAIT_POLICY"), "ratios": ratios, "presses": {p: press_defaults(p) for p in press_names},
              "settings": settings, "max_new_tokens": args.max_new_tokens, "seed_base": seed,
              "protocol": "one shared prefill of plan.compressed per example and setting, each press's compress() per "
@@ -916,7 +916,7 @@ def journal_examples(todo, settings, run, path: Path, setup: dict, *, task: str,
     for ex in bar:
         t0 = time.perf_counter()
         rec = {"task": task, "example_task": ex.task, "context": context, "length": ex.length, "seed": ex.seed,
-               "settings": {}, "seconds": {}}
+               "settings": {}, "seconds": {}, "load": round(os.getloadavg()[0], 2)}
         for setting in settings:
             ts = time.perf_counter()
             rec["settings"][setting] = run(ex, setting)

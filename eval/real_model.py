@@ -561,13 +561,14 @@ def run_grid(args) -> int:
     positions = min(positions_for(args.context), model.config.max_position_embeddings)
     setup = {"model": args.model, "ratios": ratios, "methods": methods, "max_new": args.max_new, "positions": positions,
              **({"kv_quant": kv_formats, "quant_prefill": quant_prefill} if kv_formats else {}),
-             "threads": os.environ.get("XLA_FLAGS", "")}
+             "threads": os.environ.get("XLA_FLAGS", ""), "cpus": len(os.sched_getaffinity(0))}
     def missing(ex, setting) -> list:
         return cells_to_run(held.get((ex.task, args.context, ex.seed, setting)), cells, trio)
 
     todo = [(ex, s) for ex in examples for s in settings if missing(ex, s)]
     bar = tqdm(todo, desc=f"{args.task} {args.context}", unit="ex")
     for ex, setting in bar:
+        load = os.getloadavg()[0]  # the 1-minute load when the example starts: more jobs than cores shows here
         t0 = time.perf_counter()
         if trio is not None:
             record = run_sessions(model, ex, missing(ex, setting), args.repair_ratio, positions=positions, max_new=args.max_new)
@@ -577,7 +578,7 @@ def run_grid(args) -> int:
         else:
             record = run_example(model, ex, setting, cells, positions=positions, max_new=args.max_new)
         record.update(task=ex.task, context=args.context, seed=ex.seed,
-                      setting=setting, length=ex.length, seconds=round(time.perf_counter() - t0, 2), setup=setup)
+                      setting=setting, length=ex.length, seconds=round(time.perf_counter() - t0, 2), load=round(load, 2), setup=setup)
         with journal.open("a") as f:
             f.write(json.dumps(record) + "\n")
         gc.collect()  # a closed session's pool sits in reference cycles (stages, turns); free it now, not at the next GC
