@@ -379,12 +379,31 @@ REQUIRED_EXAMPLES = {2048: {"jaxkv": 100, "kvpress": 50}, 4096: {"jaxkv": 50, "k
 BUDGET_HOURS = {"jaxkv": 4.0, "kvpress": 3.0}
 
 
-def example_seconds(records: list[dict]) -> dict:
+PINNED_MIN = 5  # pinned examples a row needs before its rate is taken from them alone
+PINNED_LOAD = 2.5  # the 1-minute load above which an example shared the 2 cores with more than one other job
+
+
+def pinned(record: dict) -> bool:
+    """Whether an example ran as the compute budget assumes: its job on one core with
+    one XLA / torch thread (``setup.cpus`` 1; jaxkv's ``XLA_FLAGS`` or kvpress's
+    ``--threads``) and no more runnable jobs than cores when it started (``load``).
+    Journals written before these fields existed count as not pinned: their 2k rows
+    ran as 2-thread jobs beside other jobs, about twice a pinned example's time."""
+    setup = record.get("setup") or {}
+    threads = setup.get("threads")
+    one_thread = threads == 1 or (isinstance(threads, str) and "intra_op_parallelism_threads=1" in threads)
+    return setup.get("cpus") == 1 and one_thread and record.get("load", float("inf")) <= PINNED_LOAD
+
+
+def example_seconds(records: list[dict], *, pinned_only: bool = False) -> dict:
     """``{(task, context, setting): {seed: seconds}}`` of a side's grid journals: one
     prefill and every cell of one example in one setting (kvpress records each setting's
-    seconds; sessions and extra-method journals are left out, they are not the grid)."""
+    seconds; sessions and extra-method journals are left out, they are not the grid).
+    ``pinned_only``: only the examples ``pinned`` accepts."""
     out: dict = defaultdict(dict)
     for rec in records:
+        if pinned_only and not pinned(rec):
+            continue
         if "settings" in rec:
             task = rec.get("example_task", rec["task"])
             for setting in rec["settings"]:
@@ -398,33 +417,40 @@ def example_seconds(records: list[dict]) -> dict:
 
 def compute_section(root: Path, left_out: set = frozenset()) -> list[str]:
     """What each side's grid has cost and what the report's sizes (``REQUIRED_EXAMPLES``)
-    would cost at the median seconds per example measured so far (one core per job; two
-    jobs run at once on the 2 cores, so the wall clock is about half the CPU hours).
-    Rows in ``left_out`` ((task, context, setting) whose full cache is below the
-    report's ceiling) are not projected; a (task, context) not run yet has no rate
-    and no row."""
+    would cost at the median seconds per example (one core per job; two jobs run at once
+    on the 2 cores, so the wall clock is about half the CPU hours). A row's rate is the
+    median of its pinned examples (``pinned``) when it has ``PINNED_MIN`` of them, else
+    of all its examples, and the table says which. Rows in ``left_out`` ((task, context,
+    setting) whose full cache is below the report's ceiling) are not projected; a
+    (task, context) not run yet has no rate and no row."""
     lines = ["## Compute against the report's sizes", "",
              "Per side, task, context and setting: examples run, the median seconds of one example (its prefill "
-             "and every cell; one core, mostly with the other core running the other job), the CPU hours spent, "
-             "and the CPU hours the report's size (jaxkv 100 / 50 / 30 examples at 2k / 4k / 8k, kvpress 50 / 30 "
-             "/ 30) would take at that median. The 8k rows in the issue need only the full cache and two methods "
-             "per side; their cost is not projected here.", "",
-             "| side | task | context | setting | n run | n wanted | median s | h spent | h for the size |",
-             "|---|---|---:|---|---:|---:|---:|---:|---:|"]
+             "and every cell), where that median comes from (`pinned`: examples whose job had one core and one "
+             "thread with at most one other job beside it, as the budget assumes; `all`: the row has fewer than "
+             f"{PINNED_MIN} such examples, so its rate includes oversubscribed runs), the CPU hours spent, and the "
+             "CPU hours the report's size (jaxkv 100 / 50 / 30 examples at 2k / 4k / 8k, kvpress 50 / 30 / 30) would "
+             "take at that median. The 8k rows in the issue need only the full cache and two methods per side; "
+             "their cost is not projected here.", "",
+             "| side | task | context | setting | n run | n wanted | median s | rate from | h spent | h for the size |",
+             "|---|---|---:|---|---:|---:|---:|---|---:|---:|"]
     totals = {}
     for side in SIDES:
-        per = example_seconds(read(root / side / "examples.jsonl"))
+        records = read(root / side / "examples.jsonl")
+        per, per_pinned = example_seconds(records), example_seconds(records, pinned_only=True)
         spent = wanted_h = 0.0
         for (task, context, setting), by_seed in sorted(per.items()):
             if (task, context, setting) in left_out or context not in REQUIRED_EXAMPLES:
                 continue
             want = REQUIRED_EXAMPLES[context][side]
-            med = float(np.median(list(by_seed.values())))
+            clean = per_pinned.get((task, context, setting), {})
+            rate_from = f"pinned ({len(clean)})" if len(clean) >= PINNED_MIN else "all"
+            med = float(np.median(list((clean if len(clean) >= PINNED_MIN else by_seed).values())))
             h = sum(by_seed.values()) / 3600
             full_h = med * want / 3600
             spent += h
             wanted_h += full_h
-            lines.append(f"| {side} | {task} | {context} | {setting} | {len(by_seed)} | {want} | {med:.0f} | {h:.2f} | {full_h:.2f} |")
+            lines.append(f"| {side} | {task} | {context} | {setting} | {len(by_seed)} | {want} | {med:.0f} | {rate_from} | "
+                         f"{h:.2f} | {full_h:.2f} |")
         totals[side] = (spent, wanted_h)
     lines.append("")
     for side, (spent, wanted_h) in totals.items():

@@ -404,11 +404,36 @@ def test_compute_section_projects_each_rows_size_at_its_median_seconds(tmp_path)
     lines = compute_section(tmp_path, left_out={("niah_multivalue", 2048, "aware")})  # below the ceiling
     row = next(x for x in lines if x.startswith("| jaxkv | passkey | 4096 | aware |"))
     want = REQUIRED_EXAMPLES[4096]["jaxkv"]
-    assert row == f"| jaxkv | passkey | 4096 | aware | 3 | {want} | 60 | {180 / 3600:.2f} | {60 * want / 3600:.2f} |"
+    assert row == f"| jaxkv | passkey | 4096 | aware | 3 | {want} | 60 | all | {180 / 3600:.2f} | {60 * want / 3600:.2f} |"
     assert not any("niah_multivalue" in x for x in lines)
     aware = next(x for x in lines if x.startswith("| kvpress | passkey | 2048 | aware |"))
     assert aware.split("|")[7].strip() == "20"  # median of 20 and 21 s, rounded
-    assert any(x.startswith("| kvpress | passkey | 2048 | agnostic | 2 | 50 | 30 |") for x in lines)
+    assert any(x.startswith("| kvpress | passkey | 2048 | agnostic | 2 | 50 | 30 | all |") for x in lines)
+
+
+def test_compute_section_takes_a_rows_rate_from_its_pinned_examples_once_it_has_enough(tmp_path):
+    """Examples run beside more jobs than cores (or as multi-thread jobs) are slower; once
+    a row has PINNED_MIN pinned examples (one core, one thread, load at most PINNED_LOAD)
+    its rate is their median alone, and the hours spent still count every example."""
+    import json
+
+    from eval.real_model_report import PINNED_LOAD, PINNED_MIN, REQUIRED_EXAMPLES, compute_section
+
+    one = {"threads": "--xla_cpu_multi_thread_eigen=false intra_op_parallelism_threads=1", "cpus": 1}
+    two = {"threads": "--xla_cpu_multi_thread_eigen=true intra_op_parallelism_threads=2"}
+    recs = [{"task": "lm", "context": 2048, "seed": s, "setting": "agnostic", "seconds": 130.0, "cells": {}, "setup": two}
+            for s in range(10)]
+    recs += [{"task": "lm", "context": 2048, "seed": 100 + s, "setting": "agnostic", "seconds": 40.0 + s, "cells": {},
+              "setup": one, "load": 2.0} for s in range(PINNED_MIN)]
+    recs.append({"task": "lm", "context": 2048, "seed": 999, "setting": "agnostic", "seconds": 500.0, "cells": {},
+                 "setup": one, "load": PINNED_LOAD + 1})  # pinned, but started beside two other jobs
+    (tmp_path / "jaxkv").mkdir()
+    (tmp_path / "jaxkv" / "examples.jsonl").write_text("\n".join(json.dumps(r) for r in recs) + "\n")
+    row = next(x for x in compute_section(tmp_path) if x.startswith("| jaxkv | lm | 2048 |")).split("|")
+    med = 40 + (PINNED_MIN - 1) / 2
+    assert row[5].strip() == str(len(recs)) and row[7].strip() == f"{med:.0f}" and row[8].strip() == f"pinned ({PINNED_MIN})"
+    assert row[9].strip() == f"{(1300 + sum(40 + s for s in range(PINNED_MIN)) + 500) / 3600:.2f}"
+    assert row[10].strip() == f"{med * REQUIRED_EXAMPLES[2048]['jaxkv'] / 3600:.2f}"
 
 
 def test_random_cells_draw_per_example_and_other_cells_keep_their_options(shallow):
