@@ -175,6 +175,10 @@ def main(argv=None) -> str:
     chunks = [int(x) for x in args.chunks.split(",") if x]
     with tempfile.TemporaryDirectory() as folder:
         tm, model, n_params, label = build_models(folder, args.model)
+        context = model.config.max_position_embeddings
+        if max(lengths) >= context:  # the TTFT column asks one token more than the prompt
+            raise SystemExit(f"--lengths: every length must be below the model's context ({context}): "
+                             f"jaxkv.generate's TTFT row needs the prompt plus one token")
         header = (f"{label} float32, batch 1, {platform.processor() or platform.machine()}, "
                   f"{os.cpu_count()} cores, jax {jax.__version__} ({jax.default_backend()}), torch {torch.__version__}; "
                   f"medians of {args.repeats} runs after a warm-up; load average at start "
