@@ -395,15 +395,12 @@ def pinned(record: dict) -> bool:
     return setup.get("cpus") == 1 and one_thread and record.get("load", float("inf")) <= PINNED_LOAD
 
 
-def example_seconds(records: list[dict], *, pinned_only: bool = False) -> dict:
+def example_seconds(records: list[dict]) -> dict:
     """``{(task, context, setting): {seed: seconds}}`` of a side's grid journals: one
     prefill and every cell of one example in one setting (kvpress records each setting's
-    seconds; sessions and extra-method journals are left out, they are not the grid).
-    ``pinned_only``: only the examples ``pinned`` accepts."""
+    seconds; sessions and extra-method journals are left out, they are not the grid)."""
     out: dict = defaultdict(dict)
     for rec in records:
-        if pinned_only and not pinned(rec):
-            continue
         if "settings" in rec:
             task = rec.get("example_task", rec["task"])
             for setting in rec["settings"]:
@@ -436,15 +433,15 @@ def compute_section(root: Path, left_out: set = frozenset()) -> list[str]:
     totals = {}
     for side in SIDES:
         records = read(root / side / "examples.jsonl")
-        per, per_pinned = example_seconds(records), example_seconds(records, pinned_only=True)
+        per, per_pinned = example_seconds(records), example_seconds([r for r in records if pinned(r)])
         spent = wanted_h = 0.0
         for (task, context, setting), by_seed in sorted(per.items()):
             if (task, context, setting) in left_out or context not in REQUIRED_EXAMPLES:
                 continue
             want = REQUIRED_EXAMPLES[context][side]
             clean = per_pinned.get((task, context, setting), {})
-            rate_from = f"pinned ({len(clean)})" if len(clean) >= PINNED_MIN else "all"
-            med = float(np.median(list((clean if len(clean) >= PINNED_MIN else by_seed).values())))
+            rated, rate_from = (clean, f"pinned ({len(clean)})") if len(clean) >= PINNED_MIN else (by_seed, "all")
+            med = float(np.median(list(rated.values())))
             h = sum(by_seed.values()) / 3600
             full_h = med * want / 3600
             spent += h
