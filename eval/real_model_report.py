@@ -47,6 +47,7 @@ COUNTERPARTS = {
     "random": "RandomPress",
 }
 BOOTSTRAP = 2000
+PLOT_COLUMNS = 4  # panels per row of accuracy_vs_ratio.png
 
 
 def read(path: Path) -> list[dict]:
@@ -506,14 +507,18 @@ def plot(root: Path, rows: list[dict], usable: set) -> None:
     keys = sorted(k for k in usable if k[0] != "lm")
     if not keys:
         return
-    fig, axes = plt.subplots(1, len(keys), figsize=(4.2 * len(keys), 4.6), squeeze=False)
+    ncols = min(len(keys), PLOT_COLUMNS)  # a grid, so panels stay readable as lengths are added
+    nrows = -(-len(keys) // ncols)
+    fig, axes = plt.subplots(nrows, ncols, figsize=(4.2 * ncols, 4.0 * nrows + 1.2), squeeze=False)
+    for ax in axes.flat[len(keys) :]:
+        ax.set_visible(False)
     # a jaxkv method and its kvpress counterpart share a colour (solid vs dashed)
     family = {**{m: m for m in COUNTERPARTS}, **{press: m for m, press in COUNTERPARTS.items()}}
     names = sorted({family.get(r["method"], r["method"]) for r in rows if r["method"] != "full"})
     palette = plt.get_cmap("tab20").colors
     colour = {name: palette[i % len(palette)] for i, name in enumerate(names)}
     handles = {}
-    for ax, key in zip(axes[0], keys):
+    for ax, key in zip(axes.flat, keys):
         sel = [r for r in rows if (r["task"], r["context"], r["setting"]) == key]
         full = [r for r in sel if r["method"] == "full" and r["side"] == "jaxkv"]
         if full:
@@ -529,7 +534,7 @@ def plot(root: Path, rows: list[dict], usable: set) -> None:
         ax.set_ylabel("teacher-forced accuracy %")
         ax.set_ylim(-3, 103)
     fig.legend(list(handles.values()), list(handles), fontsize=6, loc="lower center", ncol=4, frameon=False)
-    fig.subplots_adjust(bottom=0.3)
+    fig.tight_layout(rect=(0, 0.22 / nrows, 1, 1))
     fig.savefig(root / "accuracy_vs_ratio.png", dpi=120, bbox_inches="tight")
     plt.close(fig)
 
