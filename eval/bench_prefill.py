@@ -44,6 +44,7 @@ import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 
 from eval.bench_decode import build_models, decode_table, torch_generator, torch_sync  # noqa: E402
+from jaxkv import buckets  # noqa: E402
 from jaxkv.engine import PREFILL_CHUNK, Engine  # noqa: E402
 
 
@@ -80,7 +81,22 @@ def prefill_flops(cfg, T: int, scored_tokens: int) -> float:
     return per_token_linear * T + attention + vocab
 
 
-def bench_jaxkv(model, T: int, chunk: int, repeats: int) -> float:
+def prefill_programs(T: int, chunk: int) -> int:
+    """Prefill programs a fresh ``Engine(max_positions=T)`` compiles for one ``T``-token
+    prompt: one per distinct (chunk width, read length) of its chunks
+    (``jaxkv.buckets``), since each chunk reads the live list the earlier ones wrote."""
+    shapes, done = set(), 0
+    while done < T:
+        width = buckets.prefill_width(T - done, chunk)
+        shapes.add((width, buckets.read_length(done, T)))
+        done += min(width, T - done)
+    return len(shapes)
+
+
+def time_jaxkv(model, T: int, chunk: int, repeats: int) -> tuple[float, float]:
+    """``(first, median)`` seconds of ``Engine.prefill`` of a random ``T``-token prompt
+    on a fresh engine: the first call (its ``prefill_programs`` compiles and one
+    run), then the median of ``repeats`` calls after it."""
     rng = np.random.default_rng(T)
     tokens = rng.integers(0, model.config.vocab_size, T).tolist()
     engine = Engine(model, rows=1, max_positions=T, num_slots=T + 1, prefill_chunk=chunk)
@@ -91,8 +107,15 @@ def bench_jaxkv(model, T: int, chunk: int, repeats: int) -> float:
         jax.block_until_ready(engine.cache.k)
         engine.close_row(row)
 
+    start = time.perf_counter()
     run()  # compile + warm-up
-    return median_time(run, repeats)
+    first = time.perf_counter() - start
+    return first, median_time(run, repeats)
+
+
+def bench_jaxkv(model, T: int, chunk: int, repeats: int) -> float:
+    """Median seconds of ``Engine.prefill`` after a warm-up (``time_jaxkv``)."""
+    return time_jaxkv(model, T, chunk, repeats)[1]
 
 
 def bench_generate_ttft(model, T: int, repeats: int) -> float:

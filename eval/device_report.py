@@ -195,18 +195,22 @@ def decode_table(results) -> list[str]:
 
 def prefill_table(results) -> list[str]:
     """Part e2e, rows with ``table: "prefill"``: tokens, jaxkv_s, hf_all_s (all logits), hf_last_s (last logit), flops
-    (matmul work of the prefill, last logit only)."""
+    (matmul work of the prefill, last logit only); where recorded, programs (prefill programs a fresh engine compiles
+    for the prompt), jaxkv_first_s (its first call: those compiles and one run) and skipped (why the row was not run)."""
     peak = _env(results).get("matmul_flops")
     rows = []
     for r in _rows(results, "prefill"):
         ours = r.get("jaxkv_s")
         ref = min([x for x in (r.get("hf_all_s"), r.get("hf_last_s")) if x is not None], default=None)
         rate = r["flops"] / ours if ours else None
+        programs = r.get("programs")
         rows.append([str(r["tokens"]), _num(ours, ".2f", 1e3), _num(r.get("hf_all_s"), ".2f", 1e3),
                      _num(r.get("hf_last_s"), ".2f", 1e3), _ratio(ref, ours), _num(rate, ".1f", 1e-12),
-                     _pct(rate, peak)])  # fmt: skip
+                     _pct(rate, peak), "n/a" if programs is None else str(programs), _num(r.get("jaxkv_first_s"), ".1f"),
+                     f"skipped: {r['skipped']}" if r.get("skipped") else ""])  # fmt: skip
     return _table(["tokens", "jaxkv ms", "transformers ms, all logits", "transformers ms, last logit",
-                   "faster transformers / jaxkv", "jaxkv TFLOP/s", "jaxkv % bf16 matmul"], rows)  # fmt: skip
+                   "faster transformers / jaxkv", "jaxkv TFLOP/s", "jaxkv % bf16 matmul", "programs compiled",
+                   "jaxkv first call s", "note"], rows)  # fmt: skip
 
 
 def quant_table(results) -> list[str]:

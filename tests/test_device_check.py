@@ -55,7 +55,8 @@ def test_dry_run_writes_every_table_marked_dry_run(tmp_path):
     assert len(kernels) == len(device_check.kernel_checks(device_check.DRY_RUN)) and all(r["passed"] for r in kernels)
     # every timing and every baseline was measured
     for key, fields in (("attention", ("kernel_s", "xla_s")), ("decode", ("jaxkv_tok_s", "hf_loop_tok_s", "hf_generate_tok_s")),
-                        ("prefill", ("jaxkv_s", "hf_all_s", "hf_last_s")), ("quant", ("s_per_token", "kv_bytes"))):  # fmt: skip
+                        ("prefill", ("jaxkv_s", "jaxkv_first_s", "hf_all_s", "hf_last_s", "programs")),
+                        ("quant", ("s_per_token", "kv_bytes"))):  # fmt: skip
         rows = device_report._rows(results, key)
         assert rows and all(r[f] > 0 for r in rows for f in fields), (key, rows)
     assert [r["kernel"] for r in device_report._rows(results, "attention")] == ["decode bf16", "decode INT4", "decode mixed 2.7b"]
@@ -105,6 +106,40 @@ def test_report_from_recorded_results():
     failures = text.split("## Failures")[1]
     assert "compiling decode for batch 32" in failures and "hf_generate_tok_s (table decode, batch 8, ctx 4096)" in failures
     assert "1/3 kernel checks pass" in text and "not finished: `attention` (stopped at deadline), `e2e` (timed out)" in text
+
+
+def test_prefill_rows_show_their_compiles_and_why_a_row_was_skipped():
+    """A prefill row recorded with its program count and first call shows both; a row the
+    e2e part skipped (its compiles predicted past the time left) says why."""
+    results = json.loads(FIXTURE.read_text())
+    rows = results["parts"]["e2e"]["rows"]
+    rows.append(dict(table="prefill", tokens=2048, flops=1e12, programs=4, jaxkv_first_s=50.4, jaxkv_s=0.0436, hf_all_s=0.0217))
+    rows.append(dict(table="prefill", tokens=8192, flops=4e12, programs=16, skipped="16 programs to compile at ~12 s each"))
+    text = device_report.render(results)
+    assert "| 4 | 50.4 |  |" in _row_line(text, "2048", "43.60")
+    assert _row_line(text, "8192", "n/a").endswith("| 16 | n/a | skipped: 16 programs to compile at ~12 s each |")
+
+
+def test_prefill_programs_counts_the_programs_a_fresh_engine_compiles():
+    """``bench_prefill.prefill_programs`` (what the device check predicts compile time
+    from) equals the prefill programs a fresh engine of that many positions adds."""
+    import jax
+
+    import jaxkv
+    from eval.bench_prefill import prefill_programs
+    from jaxkv.engine import Engine, prefill_step
+
+    model = jaxkv.load_model("embedded")
+    # max_positions no other test uses, so every shape is new; at chunk 32 two chunks share a read length
+    # (128, and the 200 positions), so the count is not the chunk count (7)
+    for T, chunk in ((200, 64), (200, 32)):
+        engine = Engine(model, rows=1, max_positions=T, num_slots=T + 1, prefill_chunk=chunk)
+        before = prefill_step._cache_size()
+        row = engine.open_row()
+        engine.prefill([row], [list(range(1, T + 1))])
+        jax.block_until_ready(engine.cache.k)
+        assert prefill_step._cache_size() - before == prefill_programs(T, chunk), (T, chunk)
+    assert prefill_programs(8192, 512) == 16 and prefill_programs(200, 32) == 5
 
 
 def test_render_command_rewrites_the_report(tmp_path, capsys):
