@@ -595,9 +595,23 @@ class Engine:
             self.allocator.release(checkpoint.held)
 
     # -- rows --------------------------------------------------------------------
+    def close(self) -> None:
+        """Free the KV pool (its device arrays) now; idempotent. The engine takes no
+        more work afterwards: opening a row or running a step raises ``JaxKVError``."""
+        self.cache = None
+
+    @property
+    def closed(self) -> bool:
+        return self.cache is None
+
+    def _check_open(self) -> None:
+        if self.cache is None:
+            raise JaxKVError("the engine is closed (its KV pool was freed)")
+
     def open_row(self, prefix_slots: Sequence[int] = (), prefix_tokens: Sequence[int] | None = None) -> int:
         """Take a free row; install ``prefix_slots`` (may contain sentinel holes)
         and, when known, the tokens at those positions."""
+        self._check_open()
         try:
             row = self.row_state.index(None)
         except ValueError:
@@ -794,6 +808,7 @@ class Engine:
         groups (9 jobs run as 8 + 1, not as 16 rows), so rows of similar context
         share a read window and no row is padding unless a mesh's data-parallel
         size asks for it."""
+        self._check_open()
         by_width: dict[tuple, list[PrefillJob]] = {}
         for j in jobs:
             if not j.finished:
@@ -936,6 +951,7 @@ class Engine:
         the caller then calls again for the unfinished jobs, as the scheduler does).
         Slots for the steps are allocated first (``OutOfSlotsError`` before any
         change) and the unused ones released after."""
+        self._check_open()
         jobs = [j for j in jobs if not j.finished]
         if not jobs:
             return

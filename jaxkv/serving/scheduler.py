@@ -188,6 +188,11 @@ class Scheduler:
     def idle(self) -> bool:
         return not self._queue and not self._running
 
+    @property
+    def thread_alive(self) -> bool:
+        """Whether the scheduler thread is running (it may outlive ``stop``'s wait)."""
+        return self._thread is not None and self._thread.is_alive()
+
     # -- the loop ----------------------------------------------------------------------
     def _loop(self) -> None:
         while True:

@@ -225,8 +225,15 @@ class Server:
         return self.engine.max_positions
 
     def close(self) -> None:
-        """Cancel running and queued turns and stop the scheduler thread."""
+        """Cancel running and queued turns, stop the scheduler thread, and free the
+        KV pool now (``Engine.close``): the server and its engine refer to each
+        other (the reclaim hook), so without this the pool's device memory would
+        wait for Python's cycle collector, one pool per closed server (a private
+        session's server at 4,096 positions holds ~380 MB of SmolLM2 KV).
+        The pool stays if the thread is still inside a step after ``stop``'s wait."""
         self.scheduler.stop()
+        if not self.scheduler.thread_alive:
+            self.engine.close()
 
     def __enter__(self) -> "Server":
         return self

@@ -367,6 +367,8 @@ class Session:
             self._stage("retention"),
         )
         engine = self.server.engine
+        if engine.closed:
+            raise ConfigError("cannot fork a closed session (its server's KV pool was freed)")
         if not self.server.scheduler.idle() or any(state is not None for state in engine.row_state):
             raise ConfigError("cannot fork a session in the middle of a turn (a cache row is open)")
         memo = {id(x): x for x in (self.model, self.tokenizer, engine.params, engine.graphdef)}
