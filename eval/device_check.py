@@ -250,12 +250,20 @@ class Recorder:
         self.flush()
         return row
 
+    def seconds_left(self) -> float:
+        """Seconds until the part's hard time limit."""
+        return self.limit_s - (time.monotonic() - self.started)
+
+    def stop(self, before: str) -> None:
+        """Record that the part stops here, before ``before``."""
+        self.data["stopped"] = f"stopped before {before}"
+        self.flush()
+
     def out_of_time(self, before: str, share: float = STOP_FRACTION) -> bool:
         """True (and recorded) once ``share`` of the part's time limit is spent."""
         if time.monotonic() - self.started < share * self.limit_s:
             return False
-        self.data["stopped"] = f"stopped before {before}"
-        self.flush()
+        self.stop(before)
         return True
 
     def error(self, what: str, exc: BaseException) -> None:
@@ -669,11 +677,11 @@ def part_e2e(rec: Recorder, s: Settings, dry_run: bool) -> None:
                 return
             programs = bench_prefill.prefill_programs(T, PREFILL_CHUNK)
             row = rec.add(dict(table="prefill", tokens=T, flops=bench_prefill.prefill_flops(cfg, T, 1), programs=programs))
-            left = rec.limit_s - (time.monotonic() - rec.started)
+            left = rec.seconds_left()
             if compile_s is not None and programs * compile_s > left:
                 row["skipped"] = (f"{programs} programs to compile at ~{compile_s:.0f} s each (the rows above): "
                                   f"~{programs * compile_s:.0f} s, {left:.0f} s left")  # fmt: skip
-                rec.out_of_time(f"prefill of {T} tokens ({row['skipped']})", 0.0)
+                rec.stop(f"prefill of {T} tokens ({row['skipped']})")
                 return
             rec.measure(row, "jaxkv_timing", lambda: bench_prefill.time_jaxkv(model, T, PREFILL_CHUNK, s.prefill_repeats))
             if row["jaxkv_timing"] is not None:
