@@ -54,7 +54,9 @@ e2e        180     end-to-end greedy decode, batch 1/8/32 x context 512/4096
                    says so) vs transformers on the same GPU with the same
                    weights (one model load and one CUDA start for both tables);
                    a prefill row's first call is timed apart (it compiles one
-                   program per chunk read length, ~11-12 s each on an H200),
+                   program per chunk read length, ~11-12 s each on an H200 at
+                   128-row query blocks, ~6 s as one block: jaxkv.attention
+                   .query_block),
                    and a row whose compiles would not fit the time left is
                    skipped with the reason recorded
 quant      75      INT4 and TriAxial (65% INT2 pages, ~2.7 bits) pools vs the

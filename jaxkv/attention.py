@@ -6,7 +6,8 @@ Hq query heads, Hkv KV heads, G = Hq/Hkv, D head dim.
 Three entry points:
 
 * ``causal_attention``: dense causal self-attention over one chunk, no cache, in
-  query blocks that skip the keys above the diagonal. It backs ``score_logits`` and
+  query blocks that skip the keys above the diagonal (``query_block``: 128 rows on
+  the CPU, the whole chunk on a GPU where it fits). It backs ``score_logits`` and
   training, and is independent of the paged cache on purpose.
 * ``prefill_attention``: a new chunk attends to the request's cached live rows
   (all earlier positions, no mask beyond the list length) and to itself (causal),
@@ -103,23 +104,51 @@ def _attend(q_BTKGD, k_BNKD, v_BNKD, mask_BTN):
     return out.reshape(B, T, K * G, D), probs
 
 
-# Query rows per block. On XLA:CPU the softmax passes over a block's [Hq, block, keys]
-# scores are memory-bound, so a narrower block that stays in cache is faster: a
-# 2,048-token SmolLM2 prefill through the engine (512-token chunks, one core) took
-# 10.5 s at 256 and 7.6 s at 128 (7.3 s at 64, whose programs took 40% longer to
-# compile). Rows are independent, so the width changes no result beyond rounding.
+# Query rows per block on the CPU. On XLA:CPU the softmax passes over a block's
+# [Hq, block, keys] scores are memory-bound, so a narrower block that stays in cache
+# is faster: a 2,048-token SmolLM2 prefill through the engine (512-token chunks, one
+# core) took 10.5 s at 256 and 7.6 s at 128 (7.3 s at 64, whose programs took 40%
+# longer to compile). Rows are independent, so the width changes no result beyond
+# rounding.
 CAUSAL_BLOCK = 128
 
+# On a GPU each block is its own small set of kernels, unrolled per layer, and that
+# costs compile time and run time alike. Measured on an H200 in bf16
+# (``eval/prefill_probe.py``, ``eval/results/device_NVIDIA_H200_logs/run4``): SmolLM2's
+# dense forward of 2,048 tokens compiled in 36.1 s and ran in 20.7 ms at 128 rows,
+# 5.4 s and 16.8 ms as one block; the engine's 2,048-token prefill in 512-token
+# chunks took 46.8 s to compile and 56 ms warm at 128 rows, 24.3 s and 44 ms at 512.
+# So on a GPU a chunk is one block, unless its float32 scores would pass this many
+# bytes; then blocks as wide as fit (never narrower than ``CAUSAL_BLOCK``).
+GPU_SCORE_BYTES = 1 << 30
 
-def causal_attention(q_BTHD, k_BTKD, v_BTKD, block: int = CAUSAL_BLOCK):
+
+def query_block(B: int, Hq: int, T: int, keys: int, backend: str | None = None) -> int:
+    """Query rows per block for ``T`` query rows against ``keys`` keys, ``B`` rows and
+    ``Hq`` heads: ``CAUSAL_BLOCK`` off the GPU; on a GPU (``backend`` or
+    ``jax.default_backend()``) all ``T`` rows when their scores fit in
+    ``GPU_SCORE_BYTES``, else the widest multiple of ``CAUSAL_BLOCK`` that fits (at
+    least ``CAUSAL_BLOCK``). A trace-time constant: it depends on shapes only."""
+    backend = jax.default_backend() if backend is None else backend
+    if backend != "gpu":
+        return CAUSAL_BLOCK
+    fits = GPU_SCORE_BYTES // (4 * B * Hq * max(keys, 1))
+    if fits >= T:
+        return max(T, 1)
+    return max(CAUSAL_BLOCK, fits // CAUSAL_BLOCK * CAUSAL_BLOCK)
+
+
+def causal_attention(q_BTHD, k_BTKD, v_BTKD, block: int | None = None):
     """Dense causal attention within one chunk (no cache).
 
-    Query rows go in blocks of ``block``; block ``i`` reads keys ``[0, end_i)`` only,
+    Query rows go in blocks of ``block`` (default ``query_block``: 128 rows on the
+    CPU, the whole chunk on a GPU); block ``i`` reads keys ``[0, end_i)`` only,
     so the work above the diagonal is skipped (about half of it at long ``T``) and
     each block's score matrix stays small. Same math as one masked softmax: rows are
     independent, and every key a block leaves out is one the causal mask removes.
     """
     B, T = q_BTHD.shape[:2]
+    block = query_block(B, q_BTHD.shape[2], T, T) if block is None else block
     q = group_heads(q_BTHD, k_BTKD.shape[2])
     outs = []
     for start in range(0, T, block):
@@ -140,7 +169,7 @@ def prefill_attention(
     chunk_len_B,
     *,
     return_mass: bool = False,
-    block: int = CAUSAL_BLOCK,
+    block: int | None = None,
 ):
     """Chunk attention over the request's cached live rows plus the chunk (causal).
 
@@ -151,8 +180,8 @@ def prefill_attention(
       live_len_B: how many of the N cached rows are real.
       chunk_len_B: how many chunk tokens are real (the rest is padding).
       return_mass: also return per-key attention mass.
-      block: query rows per block; block ``i`` reads the cached rows and chunk keys
-        ``[0, end_i)`` only, as ``causal_attention`` does.
+      block: query rows per block (default ``query_block``); block ``i`` reads the
+        cached rows and chunk keys ``[0, end_i)`` only, as ``causal_attention`` does.
 
     New keys are rounded to the cache dtype before use, so a chunk sees its own
     keys exactly as later chunks will read them back from the pool.
@@ -165,6 +194,7 @@ def prefill_attention(
     B, T = q_BTHD.shape[:2]
     N = k_cached_BNKD.shape[1]
     K = k_new_BTKD.shape[2]
+    block = query_block(B, q_BTHD.shape[2], T, N + T) if block is None else block
     dtype = k_cached_BNKD.dtype
     k_all = jnp.concatenate([k_cached_BNKD, k_new_BTKD.astype(dtype)], axis=1)
     v_all = jnp.concatenate([v_cached_BNKD, v_new_BTKD.astype(dtype)], axis=1)
