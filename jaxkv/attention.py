@@ -128,7 +128,9 @@ def query_block(B: int, Hq: int, T: int, keys: int, backend: str | None = None) 
     ``Hq`` heads: ``CAUSAL_BLOCK`` off the GPU; on a GPU (``backend`` or
     ``jax.default_backend()``) all ``T`` rows when their scores fit in
     ``GPU_SCORE_BYTES``, else the widest multiple of ``CAUSAL_BLOCK`` that fits (at
-    least ``CAUSAL_BLOCK``). A trace-time constant: it depends on shapes only."""
+    least ``CAUSAL_BLOCK``). A trace-time constant of the shapes and the default
+    backend: a step exported on a CPU host for a GPU (``jax.export``,
+    ``tests/test_engine_export.py``) keeps 128-row blocks."""
     backend = jax.default_backend() if backend is None else backend
     if backend != "gpu":
         return CAUSAL_BLOCK
