@@ -8,14 +8,15 @@ at 0.12x transformers' speed on an H200 after its compiles (2% of the bf16 matmu
 rate), and 0.41x at 2,048. This script separates the candidate causes, one timed
 experiment each, first call (compiles) apart from the warm median:
 
-* ``engine``: ``Engine.prefill`` as served (chunk 512), with the time inside the
-  ``prefill_step`` calls (dispatch + device, each blocked on) apart from the rest
-  (the engine's host bookkeeping between chunks).
-* ``engine_block``: the same with ``prefill_attention``'s query block widened from
-  ``CAUSAL_BLOCK`` (128 rows, chosen for XLA:CPU) to the whole chunk.
+* ``engine``: ``Engine.prefill`` (chunk 512) with ``prefill_attention``'s query
+  blocks at ``CAUSAL_BLOCK`` (128 rows, the CPU width, and the GPU's too before this
+  probe), with the time inside the ``prefill_step`` calls (dispatch + device, each
+  blocked on) apart from the rest (the engine's host bookkeeping between chunks).
+* ``engine_block``: the same with the query block widened to the whole chunk (what
+  ``jaxkv.attention.query_block`` now picks on a GPU).
 * ``engine_chunk``: one chunk as wide as the prompt.
 * ``dense``: the model's own dense causal forward (no pool, no gather), jit'd,
-  last token's logits, at the default block, one block, and through
+  last token's logits, in 128-row blocks, one block, and through
   ``jax.nn.dot_product_attention`` (cuDNN's fused attention on a GPU): what the same
   layers cost with no cache in the way.
 
@@ -76,13 +77,13 @@ class StepTimer:
         engine_module.prefill_step = self.original
 
 
-def time_engine(model, T, chunk, repeats, *, block=None):
+def time_engine(model, T, chunk, repeats, *, block):
     tokens = np.random.default_rng(T).integers(0, model.config.vocab_size, T).tolist()
     engine = Engine(model, rows=1, max_positions=T, num_slots=T + 1, prefill_chunk=chunk)
     saved = dict(ref_attention.prefill_attention.__kwdefaults__)
-    if block is not None:  # the block is not part of prefill_step's jit key: drop its programs
-        ref_attention.prefill_attention.__kwdefaults__["block"] = block
-        engine_module.prefill_step.clear_cache()
+    # the block is not part of prefill_step's jit key: drop its programs on both sides
+    ref_attention.prefill_attention.__kwdefaults__["block"] = block
+    engine_module.prefill_step.clear_cache()
     try:
         def run():
             row = engine.open_row()
@@ -100,8 +101,7 @@ def time_engine(model, T, chunk, repeats, *, block=None):
     finally:
         ref_attention.prefill_attention.__kwdefaults__.clear()
         ref_attention.prefill_attention.__kwdefaults__.update(saved)
-        if block is not None:
-            engine_module.prefill_step.clear_cache()
+        engine_module.prefill_step.clear_cache()
 
 
 def fused_attention(q, k, v):
@@ -143,15 +143,18 @@ def main(argv=None):
     def one_block(q, k, v):
         return ref_attention.causal_attention(q, k, v, block=q.shape[1])
 
+    def blocks_of_128(q, k, v):
+        return ref_attention.causal_attention(q, k, v, block=ref_attention.CAUSAL_BLOCK)
+
     plan = [
-        ("dense", short, "block 128", lambda: time_dense(model, short, args.repeats, attention=ref_attention.causal_attention)),
+        ("dense", short, "block 128", lambda: time_dense(model, short, args.repeats, attention=blocks_of_128)),
         ("dense", short, "one block", lambda: time_dense(model, short, args.repeats, attention=one_block)),
         ("dense", short, "dot_product_attention", lambda: time_dense(model, short, args.repeats, attention=fused_attention)),
-        ("engine", short, f"chunk {PREFILL_CHUNK}", lambda: time_engine(model, short, PREFILL_CHUNK, args.repeats)),
+        ("engine", short, f"chunk {PREFILL_CHUNK}, block {ref_attention.CAUSAL_BLOCK}", lambda: time_engine(model, short, PREFILL_CHUNK, args.repeats, block=ref_attention.CAUSAL_BLOCK)),
         ("engine_block", short, f"chunk {PREFILL_CHUNK}, block {PREFILL_CHUNK}", lambda: time_engine(model, short, PREFILL_CHUNK, args.repeats, block=PREFILL_CHUNK)),
         ("engine_chunk", short, f"chunk {short}, block {short}", lambda: time_engine(model, short, short, args.repeats, block=short)),
         ("dense", long, "dot_product_attention", lambda: time_dense(model, long, args.repeats, attention=fused_attention)),
-        ("dense", long, "block 128", lambda: time_dense(model, long, args.repeats, attention=ref_attention.causal_attention)),
+        ("dense", long, "block 128", lambda: time_dense(model, long, args.repeats, attention=blocks_of_128)),
         ("dense", long, "one block", lambda: time_dense(model, long, args.repeats, attention=one_block)),
     ]
     out = open(args.out, "w") if args.out else None
