@@ -93,10 +93,9 @@ def prefill_programs(T: int, chunk: int) -> int:
     return len(shapes)
 
 
-def time_jaxkv(model, T: int, chunk: int, repeats: int) -> tuple[float, float]:
-    """``(first, median)`` seconds of ``Engine.prefill`` of a random ``T``-token prompt
-    on a fresh engine: the first call (its ``prefill_programs`` compiles and one
-    run), then the median of ``repeats`` calls after it."""
+def prefill_runner(model, T: int, chunk: int):
+    """A fresh one-row engine and ``run()``: one ``Engine.prefill`` of the same random
+    ``T``-token prompt (seeded by ``T``) from an empty row, blocked on, row closed."""
     rng = np.random.default_rng(T)
     tokens = rng.integers(0, model.config.vocab_size, T).tolist()
     engine = Engine(model, rows=1, max_positions=T, num_slots=T + 1, prefill_chunk=chunk)
@@ -107,6 +106,14 @@ def time_jaxkv(model, T: int, chunk: int, repeats: int) -> tuple[float, float]:
         jax.block_until_ready(engine.cache.k)
         engine.close_row(row)
 
+    return run
+
+
+def time_jaxkv(model, T: int, chunk: int, repeats: int) -> tuple[float, float]:
+    """``(first, median)`` seconds of ``Engine.prefill`` of a random ``T``-token prompt
+    on a fresh engine (``prefill_runner``): the first call (its ``prefill_programs``
+    compiles and one run), then the median of ``repeats`` calls after it."""
+    run = prefill_runner(model, T, chunk)
     start = time.perf_counter()
     run()  # compile + warm-up
     first = time.perf_counter() - start

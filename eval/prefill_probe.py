@@ -30,27 +30,23 @@ from __future__ import annotations
 
 import argparse
 import json
-import statistics
+import os
 import time
 
-import jax
-import jax.numpy as jnp
-import numpy as np
-from flax import nnx
+# eval.bench_prefill defaults JAX_PLATFORMS to the CPU; this probe runs on whatever
+# JAX finds (an empty value is JAX's default), unless the caller chose a platform.
+os.environ.setdefault("JAX_PLATFORMS", "")
 
-import jaxkv
-from jaxkv import attention as ref_attention
-from jaxkv import engine as engine_module
-from jaxkv.engine import PREFILL_CHUNK, Engine
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+import numpy as np  # noqa: E402
+from flax import nnx  # noqa: E402
 
-
-def _median(fn, repeats):
-    times = []
-    for _ in range(repeats):
-        t0 = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - t0)
-    return statistics.median(times)
+import jaxkv  # noqa: E402
+from jaxkv import attention as ref_attention  # noqa: E402
+from jaxkv import engine as engine_module  # noqa: E402
+from eval.bench_prefill import median_time, prefill_runner  # noqa: E402
+from jaxkv.engine import PREFILL_CHUNK  # noqa: E402
 
 
 class StepTimer:
@@ -78,23 +74,16 @@ class StepTimer:
 
 
 def time_engine(model, T, chunk, repeats, *, block):
-    tokens = np.random.default_rng(T).integers(0, model.config.vocab_size, T).tolist()
-    engine = Engine(model, rows=1, max_positions=T, num_slots=T + 1, prefill_chunk=chunk)
     saved = dict(ref_attention.prefill_attention.__kwdefaults__)
     # the block is not part of prefill_step's jit key: drop its programs on both sides
     ref_attention.prefill_attention.__kwdefaults__["block"] = block
     engine_module.prefill_step.clear_cache()
     try:
-        def run():
-            row = engine.open_row()
-            engine.prefill([row], [tokens])
-            jax.block_until_ready(engine.cache.k)
-            engine.close_row(row)
-
+        run = prefill_runner(model, T, chunk)
         t0 = time.perf_counter()
         run()
         first = time.perf_counter() - t0
-        warm = _median(run, repeats)
+        warm = median_time(run, repeats)
         with StepTimer() as timer:
             run()
         return {"first_s": first, "warm_s": warm, "steps": timer.calls, "in_steps_s": timer.seconds}
@@ -123,7 +112,7 @@ def time_dense(model, T, repeats, *, attention):
     t0 = time.perf_counter()
     jax.block_until_ready(forward(params, tokens))
     first = time.perf_counter() - t0
-    warm = _median(lambda: jax.block_until_ready(forward(params, tokens)), repeats)
+    warm = median_time(lambda: jax.block_until_ready(forward(params, tokens)), repeats)
     return {"first_s": first, "warm_s": warm}
 
 
