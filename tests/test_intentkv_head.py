@@ -335,6 +335,49 @@ def test_row_scores_are_what_a_session_scores_at_its_event(task_model_dir):
     assert forced[~cand].all()
 
 
+def test_managed_rows_are_what_each_event_of_a_managed_session_saw(task_model_dir):
+    """``--events managed``: one row per compression event of a session running the
+    rule. Its score and forced set reproduce the event's kept set; it holds only the
+    live positions; its keys before the first event are the full-cache forward's and
+    after it differ (computed over the kept rows: what the full-cache rows cannot
+    show); its labels are the full cache's reads at its positions."""
+    from eval.tasks import agent_traces
+    from jaxkv.policies import select
+    from jaxkv.serving import Server
+    from train import intentkv_data as data
+
+    model = jaxkv.load_model(task_model_dir)
+    ex = agent_traces(1, seed=11, length=1400, n_docs=3, registry=True)[0]
+    full = data.trace_rows(model, ex.messages, ex.tools, data.answer_values_of(ex), keep_empty=True)
+    by_turn = {r["turn"]: r for r in full["rows"]}
+    first_event_len = by_turn[2]["len"]
+    budget = max(by_turn[1]["len"], first_event_len - 60)
+    server = Server(model, max_positions=4096)
+    traces = data.managed_trace_rows(model, ex.messages, ex.tools, data.answer_values_of(ex), server=server, budget=budget)
+    # the reference on a server of its own: on the same one the replay would share the rows'
+    # session (its id derives from the conversation, ALGORITHMS.md §4) and its memory
+    session = Server(model, max_positions=4096).session(policy="intentkv_memory", budget=budget, layout="dead_slot")
+    session.replay(ex.messages, ex.tools)
+    reports = session.compressions
+    assert len(reports) >= 2 and len(traces) == len(reports)
+    for trace, report in zip(traces, reports):
+        row = trace["rows"][0]
+        n = row["len"]
+        assert n == report.live_before and trace["kbar"].shape == (n, model.config.head_dim)
+        cand = ~row["forced"]
+        kept = np.asarray(select(jnp.asarray(row["s"]), jnp.asarray(row["forced"]), jnp.asarray(cand), budget))
+        np.testing.assert_array_equal(row["positions"][kept], report.kept_positions)
+        assert (row["labels"][row["forced"]] == -1).all() and (row["labels_read"][row["forced"]] == -1).all()
+        np.testing.assert_allclose(row["read_mass"], by_turn[row["turn"]]["read_mass"][row["positions"]], rtol=1e-6)
+    assert traces[0]["rows"][0]["len"] == first_event_len
+    second = traces[1]["rows"][0]
+    assert not np.isin(reports[0].plan.evicted_positions, second["positions"]).any()
+    before = second["positions"] < first_event_len
+    diff = np.abs(traces[1]["kbar"] - full["kbar"][second["positions"]]).max(axis=-1)
+    assert diff[before].max() < 1e-4
+    assert diff[~before].max() > 100 * max(diff[before].max(), 1e-6)
+
+
 def test_seed_ranges_are_disjoint_from_evaluation():
     from train import intentkv_data as data
 

@@ -76,6 +76,23 @@ candidates positive at 0.2) kept the replies further from the full cache than it
 rule; ``read_max`` is a maximum over 270 heads, and one head attending to a token
 says little about what evicting it costs.
 
+Managed rows (``--events managed``). The rows above are off-policy: every event
+sees the keys of an uncompressed context, while at inference every event after the
+first runs on a cache the policy already compressed, whose later keys were
+computed over the kept rows only. With ``--events managed`` a session runs
+``--managed-policy`` (``intentkv_memory``, the rule the head corrects) on each
+trace at a budget of ``--managed-budgets`` (fractions of the trace's rendered
+length, taken in turn by seed; 0.5 and 0.65, the evaluation's) in the dead-slot
+layout, teacher-forced, as an evaluation cell replays it, and each of its
+compression events gives a row (``managed_trace_rows``): the live keys, the
+session's forced set and query span, the policy's state and the rule score on
+exactly what the event saw. Labels are still the full cache's (what the next
+replies read with nothing evicted), at the live positions. Such a row has its own
+``k̄`` (one "trace" per row in a shard) and carries per-position ``forced``,
+``span`` and ``positions`` arrays, which the trainer reads instead of rebuilding
+the masks from ``row_protected`` and ``row_span``. Turns before the first event
+give no row. ``--part K/N`` lets N processes fill one folder (shards K, K+N, ...).
+
 Seeds (disjoint from every evaluation seed; ``check_seed_ranges`` asserts it):
 training traces use the per-example seeds ``one_trace(TRAIN_SEED_BASE + i)``,
 ``TRAIN_SEED_BASE = 200,000,000``, held-out traces ``HELDOUT_SEED_BASE + i``,
@@ -104,7 +121,9 @@ is not counted.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import functools
+import itertools
 import json
 import math
 import os
@@ -330,6 +349,22 @@ def label_row(prompt, positive_T: np.ndarray, template_n: np.ndarray) -> tuple[n
 
 
 # -- one trace -----------------------------------------------------------------------------
+def full_cache_reads(model, messages, tools):
+    """What the labels of one conversation come from: ``(full, offsets, q, k,
+    replies, stats)``: its render, the character offsets of its tokens, the
+    post-RoPE ``q [L, T, Hq, D]`` / ``k [L, T, Hkv, D]`` of one full-cache forward,
+    ``reply_spans`` and each reply's ``read_stats`` (what it reads of its prompt)."""
+    tok = model.tokenizer
+    full = render(tok, messages, tools, add_generation_prompt=False)
+    enc = tok(full.text, add_special_tokens=False, return_offsets_mapping=True)
+    assert np.array_equal(np.asarray(enc["input_ids"]), full.ids), "offsets must describe the rendered ids"
+    offsets = np.asarray(enc["offset_mapping"], np.int64)
+    q_LTHD, k_LTKD = capture_qk(model, full.ids)
+    replies = reply_spans(tok, messages, tools)
+    stats = [read_stats(q_LTHD, k_LTKD, n, end) for _, n, end in replies]
+    return full, offsets, q_LTHD, k_LTKD, replies, stats
+
+
 def trace_rows(model, messages, tools, answer_values=(), horizon: int = HORIZON, beta: float | None = None,
                keep_empty=False, cue_tokens: int = CUE_TOKENS, read_threshold: float = READ_THRESHOLD,
                label_messages=None):
@@ -344,14 +379,8 @@ def trace_rows(model, messages, tools, answer_values=(), horizon: int = HORIZON,
     one message for one); default ``messages``."""
     beta = intentkv.IntentKVMemoryConfig().beta if beta is None else beta
     tok = model.tokenizer
-    full = render(tok, messages, tools, add_generation_prompt=False)
-    enc = tok(full.text, add_special_tokens=False, return_offsets_mapping=True)
-    assert np.array_equal(np.asarray(enc["input_ids"]), full.ids), "offsets must describe the rendered ids"
-    offsets = np.asarray(enc["offset_mapping"], np.int64)
-    q_LTHD, k_LTKD = capture_qk(model, full.ids)
+    full, offsets, q_LTHD, k_LTKD, replies, stats = full_cache_reads(model, messages, tools)
     kbar = np.asarray(mean_keys(k_LTKD))
-    replies = reply_spans(tok, messages, tools)
-    stats = [read_stats(q_LTHD, k_LTKD, n, end) for _, n, end in replies]
     cfg = model.config
     state = intentkv.QueryMemory(jnp.zeros((cfg.num_layers, cfg.num_heads, cfg.head_dim), jnp.float32), jnp.zeros((), bool))
     rows = []
@@ -390,6 +419,112 @@ def trace_rows(model, messages, tools, answer_values=(), horizon: int = HORIZON,
     return {"kbar": kbar, "rows": rows, "ids": full.ids}
 
 
+@contextlib.contextmanager
+def recorded_events():
+    """Record the inputs of every compression event sessions run inside the block:
+    a list that fills with ``(policy, config, state, feats, forced_N)`` per event,
+    taken as ``RetentionStage.compress`` hands them to ``compress_row`` (the state
+    is the policy's after this turn's ``observe``, before the event)."""
+    from jaxkv.serving.stages import retention
+
+    events = []
+    original = retention.compress_row
+
+    def recording(engine, row, policy, cfg, state, feats, forced_N, *args, **kwargs):
+        # copies: the engine may hand out its host buffers, which the next event overwrites
+        events.append((policy, cfg, state, jax.tree.map(lambda x: np.array(x, copy=True), feats), np.array(forced_N, bool)))
+        return original(engine, row, policy, cfg, state, feats, forced_N, *args, **kwargs)
+
+    retention.compress_row = recording
+    try:
+        yield events
+    finally:
+        retention.compress_row = original
+
+
+_SESSION_IDS = itertools.count()
+
+
+@functools.lru_cache(maxsize=None)
+def _score_jit(policy, cfg):
+    return jax.jit(functools.partial(policy.score, cfg))
+
+
+def managed_trace_rows(model, messages, tools, answer_values=(), *, server, budget: int, policy: str = "intentkv_memory",
+                       horizon: int = HORIZON, cue_tokens: int = CUE_TOKENS, read_threshold: float = READ_THRESHOLD,
+                       label_messages=None):
+    """Rows of one conversation replayed on a managed cache (``--events managed``).
+
+    A session on ``server`` replays the conversation (teacher-forced) under
+    ``policy`` at ``budget`` live tokens, dead-slot layout, as an evaluation cell
+    does; every compression event it runs gives one row, built from what that
+    event saw: the live keys (computed over the rows earlier events kept), their
+    positions, the session's forced set and query span, the policy's state, and
+    the rule score ``s`` on exactly those features. Labels come from the
+    full-cache forward (``full_cache_reads``): what the next ``horizon`` replies
+    read of each live position with nothing evicted, the same variants as
+    ``trace_rows``. Positions an earlier event evicted are in no row.
+
+    Returns a list of single-row traces (``{"kbar": [n, D], "rows": [row]}``):
+    each event has its own keys, so rows share none. A row carries per-position
+    ``forced`` and ``span`` masks (the trainer reads them instead of rebuilding
+    them from ``protected`` and ``span``), and ``positions`` (each live entry's
+    position in the conversation). ``norm_err`` is 0: the session folds the
+    memory before the event, and the loss term it feeds is a constant of the data."""
+    from jaxkv.policies.intentkv import scoring_memory
+
+    tok = model.tokenizer
+    full, offsets, _, _, replies, stats = full_cache_reads(model, messages, tools)
+    template_T = template_mask(tok, full)
+    turn_of = {n: turn for turn, (_, n, _) in enumerate(replies)}
+    # an id of its own: a derived one (ALGORITHMS.md §4) would join an earlier replay of the
+    # same conversation on this server, and its policy state
+    session = server.session(policy=policy, budget=int(budget), layout="dead_slot",
+                             session_id=f"intentkv-data-{next(_SESSION_IDS)}")
+    with recorded_events() as events:
+        try:
+            session.replay(messages, tools)
+        finally:
+            session.close()
+    traces, masks = [], {}
+    for pol, cfg, state, feats, forced_N in events:
+        valid_N = np.asarray(feats.valid_N)
+        n = int(valid_N.sum())
+        pos = np.asarray(feats.positions_N)[:n]
+        turn = turn_of.get(int(feats.seq_len))
+        if turn is None:
+            continue  # an event inside a reply (a decode interval): no prompt to label
+        j, n_prompt, _ = replies[turn]
+        cand_N = valid_N & ~forced_N
+        s_N, _ = _score_jit(pol, cfg)(state, feats, jnp.asarray(cand_N))
+        memory = getattr(state, "memory", state)  # intentkv's state wraps the rule's QueryMemory
+        q_mean = np.asarray(feats.query_mean_LHD, np.float32)
+        forced = forced_N[:n]
+        span = np.asarray(feats.query_span_N)[:n] if feats.query_span_N is not None else np.zeros(n, bool)
+        values = tuple(future_values(messages if label_messages is None else label_messages, j, horizon, answer_values))
+        if values not in masks:
+            masks[values] = (value_masks(full.text, offsets, values), value_masks(full.text, offsets, values, cue_tokens))
+        ignored = forced | template_T[pos]
+        labels = np.where(ignored, -1, masks[values][0][pos]).astype(np.int8)
+        labels_cue = np.where(ignored, -1, masks[values][1][pos]).astype(np.int8)
+        read_max = np.max([r[:n_prompt][pos] for r, _ in stats[turn : turn + horizon]], axis=0)
+        read_mass = np.mean([m[:n_prompt][pos] for _, m in stats[turn : turn + horizon]], axis=0)
+        labels_read = np.where(forced, -1, read_max >= read_threshold).astype(np.int8)
+        if not any((x == 1).any() for x in (labels, labels_cue, labels_read)):
+            continue
+        at = np.flatnonzero(span)
+        traces.append({"kbar": np.asarray(mean_keys(np.asarray(feats.keys_LNKD)[:, :n])), "rows": [dict(
+            turn=turn, len=n, span=(int(at[0]), int(at[-1]) + 1) if at.size else (0, 0),
+            protected=int(np.argmin(forced)) if not forced.all() else n,
+            mbar=np.asarray(mean_query(scoring_memory(memory, feats))), qbar=np.asarray(mean_query(q_mean)),
+            qbar_unit=np.asarray(mean_query(unit_norm(q_mean))), norm_err=0.0,
+            s=np.asarray(s_N, np.float32)[:n], labels=labels, labels_cue=labels_cue, labels_read=labels_read, values=values,
+            read_max=read_max.astype(np.float16), read_mass=read_mass.astype(np.float32),
+            forced=forced, span_mask=span, positions=pos.astype(np.int32),
+        )]})
+    return traces
+
+
 def answer_values_of(example) -> tuple[str, ...]:
     """The values the example's final answer reports (its answer target's ``values``)."""
     return next((tuple(t.values) for t in example.targets if t.kind == "answer"), ())
@@ -423,6 +558,10 @@ def pack_shard(traces: list[dict], seeds: list[int]) -> dict[str, np.ndarray]:
     }
     for key in LABEL_VARIANTS.values():
         out[key] = np.concatenate([r[key] for _, r in rows]) if rows else np.zeros(0, np.int8)
+    if rows and all("forced" in r for _, r in rows):  # managed rows: the session's own forced set and query span
+        out["forced"] = np.concatenate([r["forced"] for _, r in rows]).astype(bool)
+        out["span"] = np.concatenate([r["span_mask"] for _, r in rows]).astype(bool)
+        out["positions"] = np.concatenate([r["positions"] for _, r in rows]).astype(np.int32)
     out["read_max"] = np.concatenate([r["read_max"] for _, r in rows]) if rows else np.zeros(0, np.float16)
     out["read_mass"] = np.concatenate([r["read_mass"] for _, r in rows]) if rows else np.zeros(0, np.float32)
     return out
@@ -532,7 +671,14 @@ def generate(args) -> dict:
     out.mkdir(parents=True, exist_ok=True)
     model = jaxkv.load_model(args.model)
     plan = [("train", args.traces), ("heldout", args.heldout)]
-    total = sum(n for _, n in plan)
+    part, parts = args.part
+    total = sum(min(n, start + args.shard_size) - start for _, n in plan
+                for index, start in enumerate(range(0, n, args.shard_size)) if index % parts == part)
+    server = None
+    if args.events == "managed":
+        from jaxkv.serving import Server
+
+        server = Server(model, max_positions=1 << math.ceil(math.log2(max(2 * args.length_max, 1024))))
     bar = tqdm(total=total, desc="traces", disable=args.quiet)
     t0 = time.perf_counter()
     earlier = load_meta(out) or {}
@@ -541,34 +687,47 @@ def generate(args) -> dict:
         if n > SPLIT_SEEDS:
             raise ValueError(f"--{split} {n} exceeds the split's {SPLIT_SEEDS} seeds")
         for index, start in enumerate(range(0, n, args.shard_size)):
+            if index % parts != part:
+                continue  # another --part's shard
             seeds = [SPLITS[split] + i for i in range(start, min(n, start + args.shard_size))]
             path = shard_path(out, split, index)
             if path.exists():
                 bar.update(len(seeds))
                 reused += len(seeds)
                 continue
-            traces = []
+            traces, trace_seeds = [], []
             for seed in seeds:
                 ex = one_trace(seed, length=trace_length(seed, args.length_min, args.length_max))
                 shown = for_template(ex, model.tokenizer)  # SmolLM2: tools inlined as text
-                traces.append(trace_rows(model, shown.messages, shown.tools or None, answer_values_of(ex), args.horizon,
-                                         cue_tokens=args.cue_tokens, read_threshold=args.read_threshold,
-                                         label_messages=ex.messages))
+                common = dict(horizon=args.horizon, cue_tokens=args.cue_tokens, read_threshold=args.read_threshold,
+                              label_messages=ex.messages)
+                if server is None:
+                    traces.append(trace_rows(model, shown.messages, shown.tools or None, answer_values_of(ex), **common))
+                    trace_seeds.append(seed)
+                else:
+                    fraction = args.managed_budgets[seed % len(args.managed_budgets)]
+                    length = render(model.tokenizer, shown.messages, shown.tools or None, add_generation_prompt=False).ids.size
+                    got = managed_trace_rows(model, shown.messages, shown.tools or None, answer_values_of(ex), server=server,
+                                             budget=max(1, round(fraction * length)), policy=args.managed_policy, **common)
+                    traces += got
+                    trace_seeds += [seed] * len(got)
                 bar.update(1)
                 bar.set_postfix(split=split, rows=sum(len(t["rows"]) for t in traces))
-            write_shard(path, pack_shard(traces, seeds))
+            write_shard(path, pack_shard(traces, trace_seeds))
     bar.close()
     from jaxkv.policies.intentkv_head import model_signature
 
     seconds = time.perf_counter() - t0
-    summary = {"args": vars(args), "model_signature": model_signature(model.config),
+    summary = {"args": {**vars(args), "part": f"{part}/{parts}",
+                        "managed_budgets": ",".join(map(str, args.managed_budgets))},
+               "model_signature": model_signature(model.config),
                # every run that wrote these shards, so a resumed or extended run states the whole cost
                "seconds": round(seconds + (earlier.get("seconds", 0.0) if reused else 0.0), 1),
                "seconds_this_run": round(seconds, 1)}
     for split, _ in plan:
         shards = load_shards(out, split)
         summary[split] = {
-            "traces": int(sum(s["trace_seed"].size for s in shards)),
+            "traces": int(sum(np.unique(s["trace_seed"]).size for s in shards)),
             "rows": int(sum(s["row_len"].size for s in shards)),
             "positions": int(sum(s["labels"].size for s in shards)),
             "candidates_labelled": int(sum((s["labels"] >= 0).sum() for s in shards)),
@@ -593,9 +752,29 @@ def parse_args(argv=None):
     p.add_argument("--horizon", type=int, default=HORIZON, help="future actions whose values label a row")
     p.add_argument("--cue-tokens", type=int, default=CUE_TOKENS, help="label variant cue: tokens before a match on its line")
     p.add_argument("--read-threshold", type=float, default=READ_THRESHOLD, help="label variant read: attention that counts as a read")
+    p.add_argument("--events", choices=("full", "managed"), default="full",
+                   help="full: rows from one full-cache forward per trace (every turn, keys of an uncompressed context); "
+                        "managed: rows from the compression events of a session running --managed-policy "
+                        "(the keys and live set an event of a managed cache sees; labels still from the full cache)")
+    p.add_argument("--managed-policy", default="intentkv_memory", help="--events managed: the policy the sessions run")
+    p.add_argument("--managed-budgets", default="0.5,0.65",
+                   help="--events managed: budgets as fractions of each trace's rendered length, one per trace in turn (by seed)")
+    p.add_argument("--part", default="0/1", help="K/N: generate only shards K, K+N, ... (N processes share one folder)")
     p.add_argument("--quick", action="store_true", help="a few traces (tests)")
     p.add_argument("--quiet", action="store_true", help="no progress bar")
     args = p.parse_args(argv)
+    try:
+        args.part = tuple(int(x) for x in args.part.split("/"))
+        if len(args.part) != 2 or not 0 <= args.part[0] < args.part[1]:
+            raise ValueError
+    except ValueError:
+        p.error(f"--part takes K/N with 0 <= K < N, got {args.part!r}")
+    try:
+        args.managed_budgets = tuple(float(x) for x in str(args.managed_budgets).split(","))
+        if not all(0.0 < f < 1.0 for f in args.managed_budgets):
+            raise ValueError
+    except ValueError:
+        p.error(f"--managed-budgets takes fractions in (0, 1), got {args.managed_budgets!r}")
     if args.quick:
         args.traces, args.heldout, args.shard_size = min(args.traces, 6), min(args.heldout, 4), 3
     return args

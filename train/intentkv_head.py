@@ -149,11 +149,15 @@ class Rows:
         o0 = int(s["row_offset"][r])
         a, b = (int(x) for x in s["row_span"][r])
         p = int(s["row_protected"][r])
-        forced = np.zeros(n, bool)
-        forced[:p] = True
-        forced[a:b] = True
-        span = np.zeros(n, bool)
-        span[a:b] = True
+        if "forced" in s:  # managed rows (``--events managed``): the session's own masks
+            forced = s["forced"][o0 : o0 + n].astype(bool)
+            span = s["span"][o0 : o0 + n].astype(bool)
+        else:
+            forced = np.zeros(n, bool)
+            forced[:p] = True
+            forced[a:b] = True
+            span = np.zeros(n, bool)
+            span[a:b] = True
         mass = s["read_mass"][o0 : o0 + n] if "read_mass" in s else np.zeros(n, np.float32)
         return {
             "kbar": s["kbar"][k0 : k0 + n], "s": s["s"][o0 : o0 + n], "labels": self.labels[si][o0 : o0 + n],
