@@ -249,7 +249,9 @@ def report(root: Path, min_full: float = 0.5) -> str:
     live_tables = verdicts(read(root / "kvpress_live" / "examples.jsonl"))
     rows = [r for side in SIDES for r in rows_for(side, tables[side])]
     if rows:
-        fields = sorted({k for r in rows for k in r}, key=lambda k: list(rows[0]).index(k) if k in rows[0] else 99)
+        # the first row's columns in its order, then the rest by name: a set's order changes per process
+        first = list(rows[0])
+        fields = sorted({k for r in rows for k in r}, key=lambda k: (first.index(k) if k in first else len(first), k))
         with (root / "results.csv").open("w", newline="") as f:
             w = csv.DictWriter(f, fieldnames=fields)
             w.writeheader()
