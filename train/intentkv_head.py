@@ -465,6 +465,9 @@ CARD_FILES = ("head.safetensors", "head.json", "training.png", "README.md")
 def data_command(data_meta: dict) -> str:
     """The ``train.intentkv_data`` command that wrote a data folder (from its ``meta.json``)."""
     args = dict(data_meta.get("args") or {})
+    parts = int(str(args.get("part", "0/1")).split("/")[-1])
+    if parts > 1:  # one process per K wrote the folder; meta.json is the last one's
+        args["part"] = f"K/{parts}"
     flags = [f"--{k.replace('_', '-')} {v}" for k, v in args.items() if v is not None and not isinstance(v, bool)]
     flags += [f"--{k}" for k, v in args.items() if v is True]
     return "python -m train.intentkv_data " + " ".join(flags)
@@ -513,7 +516,7 @@ finds it in the model's folder (`<model folder>/intentkv-head`), or pass
   {split('train').get('traces', '?')} training traces ({split('train').get('rows', '?')} rows, seeds
   {split('train').get('seeds')}) and {split('heldout').get('traces', '?')} held-out traces
   ({split('heldout').get('rows', '?')} rows, seeds {split('heldout').get('seeds')}), disjoint from every
-  evaluation seed (`train.intentkv_data.check_seed_ranges`); data generation took {data.get('seconds', '?')} s.
+  evaluation seed (`train.intentkv_data.check_seed_ranges`); data generation took {data.get('seconds', '?')} s{_per_process(data)}.
 - Labels: `{summary['labels']}`; {summary['train_seconds_this_run']} s of training in the last run;
   loss {summary['loss_first']:.4f} -> {summary['loss_last']:.4f} (mean of {summary['loss_window']} updates); α = {summary['alpha']:.3f}.
 
@@ -523,6 +526,11 @@ finds it in the model's folder (`<model folder>/intentkv-head`), or pass
 |---|---:|---:|---:|
 {table}
 {other_tables}"""
+
+
+def _per_process(data_meta: dict) -> str:
+    parts = int(str((data_meta.get("args") or {}).get("part", "0/1")).split("/")[-1])
+    return f" in the last of {parts} processes (K = 0..{parts - 1}) that ran side by side" if parts > 1 else ""
 
 
 def export_head(out: Path, folder: Path) -> Path:
