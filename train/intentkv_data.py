@@ -422,18 +422,17 @@ def trace_rows(model, messages, tools, answer_values=(), horizon: int = HORIZON,
 @contextlib.contextmanager
 def recorded_events():
     """Record the inputs of every compression event sessions run inside the block:
-    a list that fills with ``(policy, config, state, feats, forced_N)`` per event,
-    taken as ``RetentionStage.compress`` hands them to ``compress_row`` (the state
-    is the policy's after this turn's ``observe``, before the event)."""
+    a list that fills with ``(policy, config, state, feats, forced_N, budget)`` per
+    event, taken as ``RetentionStage.compress`` hands them to ``compress_row`` (the
+    state is the policy's after this turn's ``observe``, before the event)."""
     from jaxkv.serving.stages import retention
 
     events = []
     original = retention.compress_row
 
-    def recording(engine, row, policy, cfg, state, feats, forced_N, *args, **kwargs):
-        # copies: the engine may hand out its host buffers, which the next event overwrites
-        events.append((policy, cfg, state, jax.tree.map(lambda x: np.array(x, copy=True), feats), np.array(forced_N, bool)))
-        return original(engine, row, policy, cfg, state, feats, forced_N, *args, **kwargs)
+    def recording(engine, row, policy, cfg, state, feats, forced_N, budget, *args, **kwargs):
+        events.append((policy, cfg, state, feats, np.asarray(forced_N, bool), budget))
+        return original(engine, row, policy, cfg, state, feats, forced_N, budget, *args, **kwargs)
 
     retention.compress_row = recording
     try:
@@ -443,11 +442,6 @@ def recorded_events():
 
 
 _SESSION_IDS = itertools.count()
-
-
-@functools.lru_cache(maxsize=None)
-def _score_jit(policy, cfg):
-    return jax.jit(functools.partial(policy.score, cfg))
 
 
 def managed_trace_rows(model, messages, tools, answer_values=(), *, server, budget: int, policy: str = "intentkv_memory",
@@ -472,6 +466,7 @@ def managed_trace_rows(model, messages, tools, answer_values=(), *, server, budg
     position in the conversation). ``norm_err`` is 0: the session folds the
     memory before the event, and the loss term it feeds is a constant of the data."""
     from jaxkv.policies.intentkv import scoring_memory
+    from jaxkv.serving.stages.retention import score_and_select
 
     tok = model.tokenizer
     full, offsets, _, _, replies, stats = full_cache_reads(model, messages, tools)
@@ -487,7 +482,7 @@ def managed_trace_rows(model, messages, tools, answer_values=(), *, server, budg
         finally:
             session.close()
     traces, masks = [], {}
-    for pol, cfg, state, feats, forced_N in events:
+    for pol, cfg, state, feats, forced_N, event_budget in events:
         valid_N = np.asarray(feats.valid_N)
         n = int(valid_N.sum())
         pos = np.asarray(feats.positions_N)[:n]
@@ -495,8 +490,7 @@ def managed_trace_rows(model, messages, tools, answer_values=(), *, server, budg
         if turn is None:
             continue  # an event inside a reply (a decode interval): no prompt to label
         j, n_prompt, _ = replies[turn]
-        cand_N = valid_N & ~forced_N
-        s_N, _ = _score_jit(pol, cfg)(state, feats, jnp.asarray(cand_N))
+        _, s_N, _ = score_and_select(pol, cfg, state, feats, forced_N, np.int32(event_budget))  # the event's own program
         memory = getattr(state, "memory", state)  # intentkv's state wraps the rule's QueryMemory
         q_mean = np.asarray(feats.query_mean_LHD, np.float32)
         forced = forced_N[:n]
@@ -662,6 +656,7 @@ def load_shards(folder, split: str) -> list[dict[str, np.ndarray]]:
 
 
 def generate(args) -> dict:
+    from eval.harness import session_budget
     from eval.tasks.agent import one_trace
     import jaxkv
     from jaxkv.tasks.example import for_template
@@ -706,9 +701,9 @@ def generate(args) -> dict:
                     trace_seeds.append(seed)
                 else:
                     fraction = args.managed_budgets[seed % len(args.managed_budgets)]
-                    length = render(model.tokenizer, shown.messages, shown.tools or None, add_generation_prompt=False).ids.size
+                    budget = session_budget(fraction, model.tokenizer, shown, len(shown.messages) - 1)  # as a grid cell's
                     got = managed_trace_rows(model, shown.messages, shown.tools or None, answer_values_of(ex), server=server,
-                                             budget=max(1, round(fraction * length)), policy=args.managed_policy, **common)
+                                             budget=budget, policy=args.managed_policy, **common)
                     traces += got
                     trace_seeds += [seed] * len(got)
                 bar.update(1)

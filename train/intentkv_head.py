@@ -465,7 +465,7 @@ CARD_FILES = ("head.safetensors", "head.json", "training.png", "README.md")
 def data_command(data_meta: dict) -> str:
     """The ``train.intentkv_data`` command that wrote a data folder (from its ``meta.json``)."""
     args = dict(data_meta.get("args") or {})
-    parts = int(str(args.get("part", "0/1")).split("/")[-1])
+    parts = data_parts(data_meta)
     if parts > 1:  # one process per K wrote the folder; meta.json is the last one's
         args["part"] = f"K/{parts}"
     flags = [f"--{k.replace('_', '-')} {v}" for k, v in args.items() if v is not None and not isinstance(v, bool)]
@@ -528,8 +528,13 @@ finds it in the model's folder (`<model folder>/intentkv-head`), or pass
 {other_tables}"""
 
 
+def data_parts(data_meta: dict) -> int:
+    """How many ``--part`` processes wrote a data folder (from its ``meta.json``)."""
+    return int(str((data_meta.get("args") or {}).get("part", "0/1")).split("/")[-1])
+
+
 def _per_process(data_meta: dict) -> str:
-    parts = int(str((data_meta.get("args") or {}).get("part", "0/1")).split("/")[-1])
+    parts = data_parts(data_meta)
     return f" in the last of {parts} processes (K = 0..{parts - 1}) that ran side by side" if parts > 1 else ""
 
 
