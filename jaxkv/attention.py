@@ -1,27 +1,27 @@
 """Reference attention in plain jnp: the CPU path and the oracle for every kernel.
 
-Shape letters: B batch, T chunk tokens, N live-index list length, S pool slots,
-Hq query heads, Hkv KV heads, G = Hq/Hkv, D head dim.
+Shape letters: B batch, T chunk (or flat step) tokens, N live-index list length,
+S pool slots, Hq query heads, Hkv KV heads, G = Hq/Hkv, D head dim, R rows.
 
-Three entry points:
+Entry points:
 
 * ``causal_attention``: dense causal self-attention over one chunk, no cache, in
   query blocks that skip the keys above the diagonal (``query_block``: 128 rows on
   the CPU, the whole chunk on a GPU where it fits). It backs ``score_logits`` and
   training, and is independent of the paged cache on purpose.
-* ``prefill_attention``: a new chunk attends to the request's cached live rows
-  (all earlier positions, no mask beyond the list length) and to itself (causal),
-  in query blocks like ``causal_attention``.
+* ``ragged_attention_reference``: the oracle of the engine's one attention
+  (``jaxkv.pallas.ragged_attention``): a flat batch of queries from many rows,
+  each over its row's live-index list, causal within the step's own tokens.
 * ``decode_attention_reference``: one query row per request attends to the slots in
   its live-index list. The cost follows ``live_len``, not positions: evicted
   positions are simply absent from the list. ``decode_attention_rows`` is the same
-  attention over rows already gathered in list order, ``decode_attention_two_parts``
-  over two such row sets (the CPU decode loop's gathered rows and its new ones).
+  attention over rows already gathered in list order (the quantized kernels'
+  references dequantize first).
 
 ``gqa_scores`` and ``masked_softmax`` are the one GQA-grouped, scaled, masked
-softmax of the project (``decode_attention_two_parts`` forms the same scaled
-sums for its head-major keys and feeds them to ``masked_softmax``): the retention scorers (``jaxkv.policies``) and RepairKV
-build on them.
+softmax of the project: the references, the retention scorers
+(``jaxkv.policies``) and RepairKV build on them; the blocked implementation and
+the kernels form the same sums block by block (online softmax).
 
 Invariants: scores and softmax are float32 whatever the input dtype; masked entries
 get a large finite negative score, so a row with nothing to read yields finite
@@ -161,64 +161,6 @@ def causal_attention(q_BTHD, k_BTKD, v_BTKD, block: int | None = None):
     return (outs[0] if len(outs) == 1 else jnp.concatenate(outs, axis=1)).astype(q_BTHD.dtype)
 
 
-def prefill_attention(
-    q_BTHD,
-    k_new_BTKD,
-    v_new_BTKD,
-    k_cached_BNKD,
-    v_cached_BNKD,
-    live_len_B,
-    chunk_len_B,
-    *,
-    return_mass: bool = False,
-    block: int | None = None,
-):
-    """Chunk attention over the request's cached live rows plus the chunk (causal).
-
-    Args:
-      q_BTHD, k_new_BTKD, v_new_BTKD: the chunk's post-RoPE queries / keys / values.
-      k_cached_BNKD, v_cached_BNKD: the K/V rows of the request's live-index list
-        (gathered from the pool by the caller, one gather per layer).
-      live_len_B: how many of the N cached rows are real.
-      chunk_len_B: how many chunk tokens are real (the rest is padding).
-      return_mass: also return per-key attention mass.
-      block: query rows per block (default ``query_block``); block ``i`` reads the
-        cached rows and chunk keys ``[0, end_i)`` only, as ``causal_attention`` does.
-
-    New keys are rounded to the cache dtype before use, so a chunk sees its own
-    keys exactly as later chunks will read them back from the pool.
-
-    Returns:
-      ``out [B,T,Hq,D]`` and, when asked, ``mass [B,Hq,N+T]`` float32: the sum over
-      the chunk's real query rows of the softmax probability each key receives,
-      keys ordered as ``[cached rows..., chunk tokens...]``.
-    """
-    B, T = q_BTHD.shape[:2]
-    N = k_cached_BNKD.shape[1]
-    K = k_new_BTKD.shape[2]
-    block = query_block(B, q_BTHD.shape[2], T, N + T) if block is None else block
-    dtype = k_cached_BNKD.dtype
-    k_all = jnp.concatenate([k_cached_BNKD, k_new_BTKD.astype(dtype)], axis=1)
-    v_all = jnp.concatenate([v_cached_BNKD, v_new_BTKD.astype(dtype)], axis=1)
-    q = group_heads(q_BTHD, K)
-    cached_ok_BN = jnp.arange(N)[None, :] < live_len_B[:, None]
-    outs, mass = [], jnp.zeros((B, K, q.shape[3], N + T), jnp.float32) if return_mass else None
-    for start in range(0, T, block):
-        end = min(start + block, T)
-        t_Q, s_E = jnp.arange(start, end), jnp.arange(end)
-        chunk_ok = (t_Q[None, :, None] >= s_E[None, None, :]) & (s_E[None, None, :] < chunk_len_B[:, None, None])
-        mask = jnp.concatenate([jnp.broadcast_to(cached_ok_BN[:, None, :], (B, end - start, N)), chunk_ok], axis=-1)
-        out, probs = _attend(q[:, start:end], k_all[:, : N + end], v_all[:, : N + end], mask)
-        outs.append(out)
-        if return_mass:
-            row_ok = (t_Q[None, :] < chunk_len_B[:, None]).astype(jnp.float32)  # [B, Tb]
-            mass = mass.at[..., : N + end].add(jnp.einsum("bkgtn,bt->bkgn", probs, row_ok))
-    out = (outs[0] if len(outs) == 1 else jnp.concatenate(outs, axis=1)).astype(q_BTHD.dtype)
-    if not return_mass:
-        return out, None
-    return out, mass.reshape(B, -1, N + T)
-
-
 def decode_attention_rows(q_BHD, k_BNKD, v_BNKD, live_len_B, *, return_probs=False):
     """One query row per request over its own K/V rows, already in live-list order.
 
@@ -238,39 +180,6 @@ def decode_attention_rows(q_BHD, k_BNKD, v_BNKD, live_len_B, *, return_probs=Fal
     return out
 
 
-def decode_attention_two_parts(q_BHD, k_BKDW, v_BKWD, len_B, k_BTKD, v_BTKD, len_new_B, *, return_probs=False):
-    """``decode_attention_rows`` over two row sets at once, without concatenating
-    them: the first ``len_B`` rows of a head-major part one (keys ``k_BKDW``
-    ``[B, Hkv, D, W]``, values ``v_BKWD`` ``[B, Hkv, W, D]``) and the first
-    ``len_new_B`` rows of part two, in row layout (``k_BTKD``, ``v_BTKD``).
-
-    One ``masked_softmax`` over both parts' scores (the probabilities of their
-    concatenation; only the scores are concatenated, never the K/V); the output sums the two parts' ``probs @ V``, so it differs from one reduction over
-    the concatenation only in rounding. The engine's CPU decode loop reads this
-    way: part one is the live rows it gathered before the chunk, read-only in the
-    loop, laid out so that XLA:CPU runs both products as plain batched GEMMs with
-    no copy (several times faster than the row layout at decode shapes, and no
-    redundant multiplies); part two is the chunk's own new rows.
-
-    Returns ``out [B,Hq,D]`` in ``q_BHD.dtype`` and, with ``return_probs``, the
-    float32 probabilities of each part, ``([B,Hq,W], [B,Hq,T])``.
-    """
-    B, Hq, D = q_BHD.shape
-    K, W, T = k_BKDW.shape[1], k_BKDW.shape[3], k_BTKD.shape[1]
-    q_BKGD = q_BHD.reshape(B, K, Hq // K, D).astype(jnp.float32) / jnp.sqrt(jnp.float32(D))
-    old = jnp.einsum("bkgd,bkdw->bkgw", q_BKGD, k_BKDW.astype(jnp.float32))
-    new = jnp.einsum("bkgd,btkd->bkgt", q_BKGD, k_BTKD.astype(jnp.float32))
-    ok_BE = jnp.concatenate([jnp.arange(W)[None, :] < len_B[:, None], jnp.arange(T)[None, :] < len_new_B[:, None]], axis=-1)
-    probs = masked_softmax(jnp.concatenate([old, new], axis=-1), ok_BE[:, None, None, :])  # [B, K, G, W+T]
-    p_old, p_new = probs[..., :W], probs[..., W:]
-    out = jnp.einsum("bkgw,bkwd->bkgd", p_old, v_BKWD.astype(jnp.float32))
-    out = out + jnp.einsum("bkgt,btkd->bkgd", p_new, v_BTKD.astype(jnp.float32))
-    out = out.reshape(B, Hq, D).astype(q_BHD.dtype)
-    if return_probs:
-        return out, (p_old.reshape(B, Hq, W), p_new.reshape(B, Hq, T))
-    return out
-
-
 def decode_attention_reference(q_BHD, k_pool_SKD, v_pool_SKD, live_idx_BN, live_len_B, *, return_probs=False):
     """One query row per request over its live-index list.
 
@@ -281,3 +190,25 @@ def decode_attention_reference(q_BHD, k_pool_SKD, v_pool_SKD, live_idx_BN, live_
     return decode_attention_rows(
         q_BHD, k_pool_SKD[live_idx_BN], v_pool_SKD[live_idx_BN], live_len_B, return_probs=return_probs
     )
+
+
+def ragged_rows(T: int, q_start_R, q_len_R):
+    """For each of ``T`` flat tokens: its row (``[T]``; 0 for padding), its index
+    within the row's queries, and whether a row owns it."""
+    t = jnp.arange(T, dtype=jnp.int32)
+    owns_RT = (t[None, :] >= q_start_R[:, None]) & (t[None, :] < (q_start_R + q_len_R)[:, None])
+    row_T = jnp.argmax(owns_RT, axis=0).astype(jnp.int32)
+    return row_T, t - q_start_R[row_T], owns_RT.any(axis=0)
+
+
+def ragged_attention_reference(q_THD, k_SKD, v_SKD, live_RN, kv_len_R, q_start_R, q_len_R):
+    """The oracle of ``jaxkv.pallas.ragged_attention``: each flat token's row list
+    gathered whole, one masked softmax per token (query ``j`` of row ``r`` sees
+    list entries ``[0, kv_len - q_len + j + 1)``). Padding tokens give zero.
+    Materialises ``[T, N]`` keys: for tests and small steps only."""
+    T = q_THD.shape[0]
+    row_T, j_T, owned_T = ragged_rows(T, q_start_R, q_len_R)
+    sees_T = jnp.where(owned_T, kv_len_R[row_T] - q_len_R[row_T] + j_T + 1, 0)
+    live_TN = live_RN[row_T]
+    out = decode_attention_rows(q_THD, k_SKD[live_TN], v_SKD[live_TN], sees_T)
+    return jnp.where(owned_T[:, None, None], out, 0).astype(q_THD.dtype)

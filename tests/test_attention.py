@@ -1,7 +1,7 @@
-"""The dense causal attention of ``score_logits`` and training, and a chunk's prefill
-attention over cached rows: query blocks that skip the keys above the diagonal give the
-same result as one masked softmax, and the block width chosen per backend stays within
-its score budget."""
+"""The dense causal attention of ``score_logits`` and training: query blocks that
+skip the keys above the diagonal give the same result as one masked softmax, and
+the block width chosen per backend stays within its score budget. (The engine's
+ragged paged attention has its own tests, ``tests/test_ragged_attention.py``.)"""
 
 from __future__ import annotations
 
@@ -36,44 +36,6 @@ def test_blocked_causal_attention_matches_the_oracle(T, block, Hq, Hkv):
                                rtol=1e-5, atol=1e-5)
     # float32 sums in another order: agreement to float32 rounding, not bit for bit
     np.testing.assert_allclose(got, np.asarray(attention.causal_attention(q, k, v, block=T)), rtol=1e-5, atol=1e-5)
-
-
-def _prefill_oracle(q, k_new, v_new, k_cached, v_cached, live_len, chunk_len):
-    """float64 chunk attention: the first ``live_len`` cached rows, then the chunk's
-    first ``chunk_len`` keys causally; also the mass each key receives from real rows."""
-    B, T, Hq, D = q.shape
-    N, G = k_cached.shape[1], Hq // k_cached.shape[2]
-    out, mass = np.zeros((B, T, Hq, D)), np.zeros((B, Hq, N + T))
-    for b in range(B):
-        keys = np.concatenate([k_cached[b], k_new[b]])
-        values = np.concatenate([v_cached[b], v_new[b]])
-        ok = np.zeros((T, N + T), bool)
-        ok[:, : live_len[b]] = True
-        ok[:, N:] = np.tril(np.ones((T, T), bool)) & (np.arange(T) < chunk_len[b])[None, :]
-        for h in range(Hq):
-            s = np.where(ok, q[b, :, h] @ keys[:, h // G].T / np.sqrt(D), -np.inf)
-            p = np.exp(s - s.max(-1, keepdims=True))
-            p /= p.sum(-1, keepdims=True)
-            out[b, :, h] = p @ values[:, h // G]
-            mass[b, h] = p[: chunk_len[b]].sum(0)
-    return out, mass
-
-
-@pytest.mark.parametrize("block", [16, 48, None])
-def test_prefill_attention_in_blocks_matches_the_oracle(block):
-    rng = np.random.default_rng(7)
-    B, T, N, Hq, Hkv, D = 2, 40, 24, 6, 2, 16
-    q = rng.normal(size=(B, T, Hq, D)).astype(np.float32)
-    k_new, v_new = (rng.normal(size=(B, T, Hkv, D)).astype(np.float32) for _ in range(2))
-    k_cached, v_cached = (rng.normal(size=(B, N, Hkv, D)).astype(np.float32) for _ in range(2))
-    live_len, chunk_len = np.array([24, 9]), np.array([40, 31])
-    out, mass = attention.prefill_attention(q, k_new, v_new, k_cached, v_cached, live_len, chunk_len,
-                                            return_mass=True, block=block)
-    want_out, want_mass = _prefill_oracle(*(x.astype(np.float64) for x in (q, k_new, v_new, k_cached, v_cached)),
-                                          live_len, chunk_len)
-    real = np.arange(T)[None, :] < chunk_len[:, None]  # padding rows' outputs are never read
-    np.testing.assert_allclose(np.asarray(out)[real], want_out[real], rtol=1e-5, atol=1e-5)
-    np.testing.assert_allclose(np.asarray(mass), want_mass, rtol=1e-5, atol=1e-5)
 
 
 def test_query_block_is_128_rows_on_the_cpu_and_the_chunk_on_a_gpu_within_its_score_budget():

@@ -14,6 +14,7 @@ from jax.sharding import AbstractDevice, AbstractMesh
 
 from jaxkv.config import RopeConfig
 from jaxkv.pallas import decode_attention, quantized_decode_attention, rope_delta
+from jaxkv.pallas.ragged_attention import ragged_attention
 from jaxkv.pallas.testing import mixed_quantized_problem
 
 DEVICE_KINDS = ("TPU v5 lite", "TPU v6 lite")
@@ -54,3 +55,14 @@ def test_rope_delta_exports_for_tpu(device_kind):
     f = functools.partial(rope_delta, rope=RopeConfig(theta=500000.0), backend="tpu")
     exported = _export(f, pool, slots, delta, device_kind=device_kind)
     assert _mosaic_calls(exported) == 1
+
+
+@pytest.mark.parametrize("device_kind", DEVICE_KINDS)
+@pytest.mark.parametrize("dtype,D,G,K", [(jnp.bfloat16, 128, 4, 8), (jnp.bfloat16, 64, 3, 3), (jnp.float32, 64, 8, 2)])
+def test_ragged_attention_exports_for_tpu(device_kind, dtype, D, G, K):
+    """The ragged step: the query-tile kernel and the decode rows' split-K kernel."""
+    T, R, S, N = 512, 16, 8192, 1000
+    i32 = sds((R,), jnp.int32)
+    args = (sds((T, K * G, D), dtype), sds((S, K, D), dtype), sds((S, K, D), dtype), sds((R, N), jnp.int32), i32, i32, i32)
+    exported = _export(functools.partial(ragged_attention, backend="tpu"), *args, device_kind=device_kind)
+    assert _mosaic_calls(exported) == 2

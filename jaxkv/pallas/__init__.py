@@ -1,4 +1,4 @@
-"""Decode-time kernels and the backend dispatch in front of them.
+"""Attention and KV-cache kernels and the backend dispatch in front of them.
 
 Each kernel sits beside a plain-jnp reference (the CPU path and the test oracle),
 and one public function per kernel picks the backend with the rule in
@@ -7,6 +7,11 @@ through jax-triton) on NVIDIA GPU, Pallas through Mosaic on TPU; or
 ``"reference"``, ``"interpret"`` (the Pallas TPU kernel in the TPU interpreter),
 ``"gpu"``, ``"tpu"``.
 
+* ``ragged_attention``: the engine's one attention per step: a flat batch of
+  prefill chunks and decode tokens from many rows, each over its own live list
+  (``ragged_attention`` module; kernels: ``ragged_tpu`` (Pallas), ``gpu/ragged``
+  (Triton), the tiles they share in ``_ragged_tiles``; the CPU runs a blocked XLA
+  implementation).
 * ``decode_attention``: float KV pool, per-request live-index lists, GQA, split-K.
 * ``quantized_decode_attention``: INT2 pages then INT4 tokens (TriAxialKV formats,
   packing in ``quant``), dequantized on the fly, merged by log-sum-exp.
@@ -37,6 +42,7 @@ from jaxkv.pallas.quant import (
     quantize_int4_pool,
 )
 from jaxkv.pallas.quantized_attention import quantized_decode_attention, quantized_decode_attention_reference
+from jaxkv.pallas.ragged_attention import ragged_attention
 from jaxkv.pallas.rope_delta import rope_delta, rope_delta_reference
 
 dequantize_int4 = dequantize_rows  # INT4 and INT2 per-token rows share one decoder
@@ -62,6 +68,7 @@ __all__ = [
     "quantize_int4_pool",
     "quantized_decode_attention",
     "quantized_decode_attention_reference",
+    "ragged_attention",
     "resolve_backend",
     "rope_delta",
     "rope_delta_reference",

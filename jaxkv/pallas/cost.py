@@ -1,4 +1,4 @@
-"""Static cost model of the decode-time kernels: bytes per call and arithmetic per byte.
+"""Static cost model of the kernels: bytes per call and arithmetic per byte.
 
 Counts are what a call *must* move (compulsory traffic) and the arithmetic the
 algorithm needs, independent of backend; ``eval/bench_kernels.py`` divides the same
@@ -17,7 +17,10 @@ Bytes per call (``B`` requests, ``Hq``/``Hkv`` heads, head dim ``D``, pool dtype
 * RoPE delta: each moved row read and written, ``2 * L * M * Hkv * D * e``, plus
   ``8 * M`` of slots and deltas and ``4 * D/2`` of frequencies;
 * INT4 write: reads ``T * Hkv * D * e`` and ``4 * T`` of slots, writes ``T * Hkv * (D/2
-  + 4 * D/32)``.
+  + 4 * D/32)``;
+* ragged attention (``ragged``: one step of prefill chunks and decode rows): each
+  row's ``kv_len`` K and V rows once, ``2 * kv_len * Hkv * D * e + 4 * kv_len``, and
+  the step's queries read and outputs written, ``2 * T * Hq * D * e``.
 
 Flops: decode ``4 * D`` per (live token, query head) for ``q . k`` and ``p @ v`` plus
 ``~5`` for the softmax; dequantization adds ``2`` per element of K and V. A GPU
@@ -25,8 +28,16 @@ program pads the ``G`` query rows of a KV head to ``GP >= 16`` for the tensor co
 so it *executes* ``GP / G`` times the dot flops (reported as ``executed``). RoPE delta:
 ``3`` per element plus one sin and cos per (row, pair); INT4 write ``~8`` per element.
 
+Ragged attention: ``4 * D + 5`` per (query head, entry the query sees): a causal
+chunk of ``n`` queries after ``c`` cached entries sees ``n * c + n (n + 1) / 2``.
+The GPU executes each query tile's ``M`` dot rows (``_ragged_tiles.gpu_tile``: 128
+for bf16) over whole key blocks up to its last query (the diagonal's masked half
+included), and each decode row's ``G`` heads padded to 16.
+
 Split-K partials (``B * P * Hq * (D + 2) * 4`` bytes written, then read by the merge)
-are implementation overhead, listed separately.
+are implementation overhead, listed separately; so are the ragged tiles' re-reads
+of their row's list (a row of ``n`` queries is ``ceil(n / Q)`` tiles, each reading
+the entries its queries see; mostly served by L2 on a GPU).
 
 Peak figures (public datasheets, dense): A100 SXM 80 GB 2.04 TB/s HBM, 312 TFLOP/s
 bf16 tensor, 19.5 fp32; H100 SXM 3.35 TB/s, 989 TFLOP/s bf16 tensor, 67 fp32. A
@@ -37,7 +48,10 @@ kernel whose flops per byte is far below ``peak flops / bandwidth`` (153 on A100
 from __future__ import annotations
 
 import dataclasses
+import math
+from typing import Sequence
 
+from jaxkv.pallas._ragged_tiles import TileShape, gpu_tile
 from jaxkv.pallas._splitk import gpu_splits
 
 GROUP = 32
@@ -65,7 +79,8 @@ class Cost:
       kernel: kernel name; shape: the call's sizes, in words.
       bytes: bytes that must move; flops: arithmetic the algorithm needs;
       executed_flops: flops a GPU program runs (query rows padded to 16);
-      overhead_bytes: split-K partials written and read back (not compulsory).
+      overhead_bytes: traffic beyond the compulsory: split-K partials written and
+        read back, ragged query tiles' re-reads of their row's list.
     """
 
     kernel: str
@@ -141,6 +156,47 @@ def int4_write(T: int, Hkv: int, D: int, itemsize: int = 2) -> Cost:
     return Cost("INT4 write", f"T={T}, Hkv={Hkv}, D={D}, {_dtype(itemsize)} in", nbytes, flops, flops)
 
 
+def ragged(rows: Sequence[tuple[int, int]], Hq: int, Hkv: int, D: int, itemsize: int = 2, *,
+           tile: TileShape | None = None, shape: str | None = None) -> Cost:  # fmt: skip
+    """One ragged attention call: ``rows`` are ``(q_len, kv_len)`` per row (``q_len``
+    1: a decode row; 0: absent); ``tile``: the GPU tile (default ``gpu_tile``)."""
+    G = Hq // Hkv
+    tile = tile or gpu_tile(G, D, itemsize)
+    T = sum(n for n, _ in rows)
+    seen = sum(n * (c - n) + n * (n + 1) // 2 for n, c in rows)
+    kv = sum(c for n, c in rows if n)
+    nbytes = 2 * kv * Hkv * D * itemsize + 4 * kv + 2 * T * Hq * D * itemsize
+    executed = reread = 0
+    for n, c in rows:
+        if n == 1:
+            executed += _padded(G) * c * Hkv * 4 * D
+        elif n > 1:
+            for first in range(0, n, tile.queries):
+                hi = c - n + min(first + tile.queries, n)  # entries the tile reads
+                executed += tile.rows * math.ceil(hi / tile.block) * tile.block * Hkv * 4 * D
+                reread += hi
+            reread -= c
+    flops = seen * Hq * (4 * D + 5)
+    decode = sum(1 for n, _ in rows if n == 1)
+    partials = 0
+    if decode:  # the split-K launch runs over every row of the step
+        splits = gpu_splits(len(rows), Hkv, max(c for _, c in rows), 128 // itemsize)
+        partials = 2 * len(rows) * splits * Hq * (D + 2) * 4
+    shape = shape or (f"T={T}, {sum(1 for n, _ in rows if n > 1)} chunk rows, {decode} decode rows, "
+                      f"kv<={max(c for _, c in rows)}, Hq={Hq}, Hkv={Hkv}, D={D}, {_dtype(itemsize)}")  # fmt: skip
+    return Cost("ragged attention", shape, nbytes, flops, executed + seen * Hq * 5,
+                reread * 2 * Hkv * D * itemsize + partials)
+
+
+def ragged_prefill(tokens: int, chunk: int, Hq: int, Hkv: int, D: int, itemsize: int = 2) -> Cost:
+    """A whole prompt of ``tokens`` prefilled in ``chunk``-token steps (one row per
+    step): the sum of its calls' costs."""
+    calls = [ragged([(min(chunk, tokens - s), min(s + chunk, tokens))], Hq, Hkv, D, itemsize) for s in range(0, tokens, chunk)]
+    return Cost("ragged prefill", f"{tokens} tokens in {chunk}-token chunks, Hq={Hq}, Hkv={Hkv}, D={D}, {_dtype(itemsize)}",
+                sum(c.bytes for c in calls), sum(c.flops for c in calls), sum(c.executed_flops for c in calls),
+                sum(c.overhead_bytes for c in calls))  # fmt: skip
+
+
 def _dtype(itemsize: int) -> str:
     return {2: "bf16", 4: "fp32"}[itemsize]
 
@@ -162,6 +218,11 @@ def representative() -> list[Cost]:
             decode_quantized(B, Hq, Hkv, D, n - PAGE * n2, n2, splits=P),
         ]
     costs += [rope_delta(32, 4096, Hkv, D), int4_write(32, Hkv, D)]
+    costs += [
+        ragged_prefill(2048, 512, Hq, Hkv, D),
+        ragged_prefill(8192, 2048, Hq, Hkv, D),
+        ragged([(512, 2048)] + [(1, 4096)] * 32, Hq, Hkv, D),  # a chunk after 1536 entries, 32 decode rows
+    ]
     return costs
 
 
@@ -170,7 +231,7 @@ def markdown(costs: list[Cost]) -> str:
     lines = [
         "| kernel | shape | MB moved | GFLOP (executed) | flop/byte | "
         + " | ".join(f"floor on {d.name} (us)" for d in DEVICES)
-        + " | partials MB |",
+        + " | overhead MB |",
         "|---|---|---|---|---|" + "---|" * len(DEVICES) + "---|",
     ]
     for c in costs:

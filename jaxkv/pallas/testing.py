@@ -19,6 +19,10 @@
   division, float16 steps by ``nextafter``), the oracle both quantizers must equal.
 * ``LLAMA3_ROPE``: Llama-3 RoPE scaling, the hardest frequencies the rotation kernels see.
 * ``TOL`` / ``tolerance``: the error each kernel test allows per query dtype.
+* ``ragged_problem`` / ``ragged_f64``: a ragged step (rows mixing prefill chunks
+  and decode tokens, absent rows, shuffled flat order, padding tokens, lists of
+  scattered slots with garbage past ``kv_len``) and its float64 oracle, one
+  ``attention_f64`` per flat token over the entries its query sees.
 
 ``eval/device_check.py`` runs these same problems and bounds on a GPU, at
 production shapes, so the CPU tests and the device check test one thing.
@@ -228,3 +232,56 @@ def int4_fit_np(x_TKD) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     ratio = (g - zero.astype(np.float32)[..., None]) / np.where(s32 > 0, s32, np.float32(1))[..., None]
     codes = np.where(s32[..., None] > 0, np.clip(np.round(ratio), 0, 15), 0).astype(np.uint8)
     return codes.reshape(T, K, D), scale, zero
+
+
+def ragged_problem(seed, K, G, D, dtype, rows, *, pad: int = 0, width: int | None = None, shuffle_rows: bool = True):
+    """A ragged step (``jaxkv.pallas.ragged_attention``'s arguments) from random data.
+
+    ``rows``: ``(q_len, kv_len)`` per row (``q_len 0``: the row is not in the step;
+    ``q_len 1``: a decode row). Flat tokens: the rows' chunks in a random order
+    (``shuffle_rows``), then ``pad`` padding tokens. Lists: ``width`` entries
+    (default: the longest ``kv_len`` rounded up to 8, plus 8) of distinct random
+    slots >= 1 (no two rows share a slot, so no list is contiguous or sorted), the
+    entries past ``kv_len`` random slots in ``[0, S)`` (read only for masked
+    columns: they must not change the result).
+
+    Returns ``(q [T, K*G, D], k, v [S, K, D], live [R, width], kv_len, q_start, q_len)``.
+    """
+    rng = np.random.default_rng(seed)
+    q_len = np.asarray([r[0] for r in rows], np.int32)
+    kv_len = np.asarray([r[1] for r in rows], np.int32)
+    assert (q_len <= kv_len).all(), "a row's queries are in its list"
+    width = width or -(-max(int(kv_len.max()), 1) // 8) * 8 + 8
+    S = int(kv_len.sum()) + 64
+    slots = rng.permutation(S - 1) + 1
+    live = rng.integers(0, S, (len(rows), width)).astype(np.int32)  # garbage past kv_len
+    used = 0
+    for r, n in enumerate(kv_len):
+        live[r, :n] = slots[used : used + n]
+        used += n
+    order = rng.permutation(len(rows)) if shuffle_rows else np.arange(len(rows))
+    q_start = np.zeros(len(rows), np.int32)
+    at = 0
+    for r in order:
+        q_start[r] = at if q_len[r] else rng.integers(0, max(at, 1))  # an absent row's start is anything
+        at += q_len[r]
+    T = at + pad
+    k = rng.standard_normal((S, K, D)).astype(np.float32)
+    v = rng.standard_normal((S, K, D)).astype(np.float32)
+    q = rng.standard_normal((T, K * G, D)).astype(np.float32)
+    cast = lambda a: jnp.asarray(a).astype(dtype)
+    ints = lambda a: jnp.asarray(a, jnp.int32)
+    return cast(q), cast(k), cast(v), ints(live), ints(kv_len), ints(q_start), ints(q_len)
+
+
+def ragged_f64(q_THD, k_SKD, v_SKD, live_RN, kv_len_R, q_start_R, q_len_R) -> np.ndarray:
+    """float64 ragged attention, ``[T, Hq, D]``: query ``j`` of row ``r`` over the
+    entries ``[0, kv_len - q_len + j + 1)`` of its list, zero at padding tokens."""
+    f32 = lambda a: np.asarray(jnp.asarray(a, jnp.float32))
+    q, k, v, live = f32(q_THD), f32(k_SKD), f32(v_SKD), np.asarray(live_RN)
+    out = np.zeros(q.shape, np.float64)
+    for r, (n, start, length) in enumerate(zip(np.asarray(kv_len_R), np.asarray(q_start_R), np.asarray(q_len_R))):
+        for j in range(int(length)):
+            seen = live[r, : int(n - length + j + 1)]
+            out[start + j] = attention_f64(q[start + j], k[seen], v[seen])
+    return out

@@ -24,6 +24,16 @@ state is fp32.
   ``c // R`` of byte ``c % R`` (``R = D * bits / 8``), group ``c // 32``.
 * ``decode_int2_pages``: INT2 pages (per-channel keys, per-token values), two
   pages of 32 tokens per step.
+* ``ragged_query_tiles`` (grid ``(tiles, Hkv)``, not split-K): the query tiles of a
+  ragged step (``jaxkv.pallas.gpu.ragged``). Program ``(t, h)`` reads its tile's
+  ``(row, start, count, before)`` and loads ``M`` dot rows: row ``i`` is query
+  ``i // G`` of the tile at query head ``h*G + i % G``, so the ``G`` heads of KV
+  head ``h`` share each key block. It walks entries ``[0, before + count)`` of its
+  row's list in blocks: the blocks every query sees whole (``[0, before + 1)``)
+  with unmasked loads and no mask, the rest with the causal mask (row ``i`` sees
+  entries below ``before + i // G + 1``) and loads masked at the tile's last
+  entry; then writes its real queries' outputs straight into the flat ``[T, Hq,
+  D]`` output. Its decode rows run ``decode_float_tokens``.
 * ``rope_delta_rows``: rotate the rows at a list of slots by position deltas, in
   place (the pool is aliased to the output).
 * ``quantize_int4_rows``: quantize float rows to INT4 per token and write them at
@@ -267,6 +277,84 @@ def decode_int2_pages(len_ptr, idx_ptr, q_ptr, kd_ptr, ks_ptr, kz_ptr, vd_ptr, v
             p, codes, _group_params(vs_ptr, rows, valid, NG), _group_params(vz_ptr, rows, valid, NG), q_g.dtype
         )
     _store_grouped(acc_ptr, m_ptr, l_ptr, acc, m, l, b, h, s, P, K * G, G, GP, D)
+
+
+# --------------------------------------------------------------------------- ragged query tiles
+
+
+@triton.jit
+def _tile_keys(live_ptr, k_ptr, v_ptr, row, first, hi, h, N: tl.constexpr, K: tl.constexpr, D: tl.constexpr,
+               DP: tl.constexpr, BLOCK: tl.constexpr, TAIL: tl.constexpr):  # fmt: skip
+    """Entries ``[first, first + BLOCK)`` of row ``row``'s list: their indices and the
+    ``[BLOCK, DP]`` key and value rows of KV head ``h``, gathered by slot id. A
+    ``TAIL`` block may run past ``hi`` (the tile's last entry): those ids are not
+    read and their rows load as zeros, so no slot outside the tile's list is read."""
+    e = first + tl.arange(0, BLOCK)
+    d = tl.arange(0, DP)
+    if TAIL:
+        inside = e < hi
+        ids = tl.load(live_ptr + row * N + e, mask=inside, other=0).to(tl.int64)
+        mask = inside[:, None] & (d < D)[None, :]
+    else:
+        ids = tl.load(live_ptr + row * N + e).to(tl.int64)
+        mask = (d < D)[None, :]
+    offs = (ids * K + h)[:, None] * D + d[None, :]
+    if TAIL or DP != D:
+        return e, tl.load(k_ptr + offs, mask=mask, other=0.0), tl.load(v_ptr + offs, mask=mask, other=0.0)
+    return e, tl.load(k_ptr + offs), tl.load(v_ptr + offs)
+
+
+@triton.jit
+def _tile_step(q, keys, values, e, sees, m, l, acc, SCALE: tl.constexpr, CAUSAL: tl.constexpr):
+    """One key block of a query tile: scores ``[M, BLOCK]`` (masked causally on the
+    diagonal: row ``i`` sees entries below ``sees[i]``), the softmax step, the value update."""
+    scores = tl.dot(q, tl.trans(keys.to(q.dtype)), input_precision="ieee") * SCALE
+    if CAUSAL:
+        scores = tl.where(e[None, :] < sees[:, None], scores, MASKED)
+    m, l, alpha, p = _online_softmax(m, l, scores)
+    acc = acc * alpha[:, None] + tl.dot(p.to(q.dtype), values.to(q.dtype), input_precision="ieee")
+    return m, l, acc
+
+
+@triton.jit
+def ragged_query_tiles(tile_ptr, live_ptr, q_ptr, k_ptr, v_ptr, out_ptr,
+                       N: tl.constexpr, K: tl.constexpr, G: tl.constexpr, D: tl.constexpr, DP: tl.constexpr,
+                       M: tl.constexpr, BLOCK: tl.constexpr, SCALE: tl.constexpr):  # fmt: skip
+    """Program ``(t, h)``: query tile ``t`` (``jaxkv.pallas._ragged_tiles``), KV head ``h``.
+
+    Dot row ``i`` is query ``i // G`` of the tile, query head ``h*G + i % G``: the
+    ``G`` heads sharing KV head ``h`` ride in one ``[M, DP]`` tile, so each key block
+    is read once for all of them. The blocks every query sees whole run unmasked;
+    the rest (the tile's diagonal) masked. Rows of no query (past ``count * G``) are
+    zero queries and are never stored; an unused tile (``count`` 0) reads nothing
+    and stores nothing.
+    """
+    t, h = tl.program_id(0), tl.program_id(1)
+    row = tl.load(tile_ptr + 4 * t)
+    start = tl.load(tile_ptr + 4 * t + 1)
+    count = tl.load(tile_ptr + 4 * t + 2)
+    before = tl.load(tile_ptr + 4 * t + 3)
+    i = tl.arange(0, M)
+    j = i // G  # the row's query within the tile
+    d = tl.arange(0, DP)
+    real = j < count
+    rows = (start + j) * (K * G) + h * G + i % G
+    io_mask = real[:, None] & (d < D)[None, :]
+    q = tl.load(q_ptr + rows[:, None] * D + d[None, :], mask=io_mask, other=0.0)
+    sees = before + tl.minimum(j, count - 1) + 1  # rows of no query see what the last query sees
+    hi = before + count  # entries the tile reads: [0, hi)
+    whole = (before + 1) // BLOCK * BLOCK  # entries [0, whole) every query sees
+    m = tl.full([M], MASKED, tl.float32)
+    l = tl.zeros([M], tl.float32)
+    acc = tl.zeros([M, DP], tl.float32)
+    for first in range(0, whole, BLOCK):
+        e, keys, values = _tile_keys(live_ptr, k_ptr, v_ptr, row, first, hi, h, N, K, D, DP, BLOCK, False)
+        m, l, acc = _tile_step(q, keys, values, e, sees, m, l, acc, SCALE, False)
+    for first in range(whole, hi, BLOCK):
+        e, keys, values = _tile_keys(live_ptr, k_ptr, v_ptr, row, first, hi, h, N, K, D, DP, BLOCK, True)
+        m, l, acc = _tile_step(q, keys, values, e, sees, m, l, acc, SCALE, True)
+    out = acc / tl.where(l > 0, l, 1.0)[:, None]
+    tl.store(out_ptr + rows[:, None] * D + d[None, :], out.to(out_ptr.dtype.element_ty), mask=io_mask)
 
 
 # --------------------------------------------------------------------------- RoPE delta
