@@ -29,8 +29,8 @@ MODEL_CFG = ModelConfig(
     num_layers=L, num_heads=HQ, num_kv_heads=HKV, head_dim=D,
 )
 ALL_METHODS = (
-    "agentkv", "h2o", "intentkv_memory", "intentkv_query", "oldest", "random",
-    "snapkv", "streaming_llm", "tova",
+    "agentkv", "expected_attention", "h2o", "intentkv_memory", "intentkv_query", "keydiff", "oldest",
+    "random", "snapkv", "streaming_llm", "tova",
 )
 
 
@@ -174,6 +174,8 @@ EXPECTED_NEEDS = {
     "agentkv": Needs(observe_rows=True, decode_interval=128),
     "intentkv_memory": Needs(query_mean=True),
     "intentkv_query": Needs(query_mean=True),
+    "keydiff": Needs(),
+    "expected_attention": Needs(window=256),
 }
 
 

@@ -1,6 +1,7 @@
 """Retention policies (scorers, selection, layouts) as pure functions.
 
-Each method is one module and one ``REGISTRY`` entry (ALGORITHMS.md §1-5); see
+Each method is one module and one ``REGISTRY`` entry (ALGORITHMS.md §1-5; KeyDiff
+and Expected Attention, kvpress's rules, are stated in their modules); see
 ``base.py`` for the interface and ``select``. The engine computes the features a
 policy's ``Needs`` ask for and applies the kept set with a layout.
 """
@@ -30,4 +31,15 @@ __all__ = [
 ]
 
 # Importing a method's module registers it in REGISTRY.
-from jaxkv.policies import agentkv, controls, h2o, intentkv, intentkv_residual, snapkv, streaming, tova  # noqa: E402,F401
+from jaxkv.policies import (  # noqa: E402,F401
+    agentkv,
+    controls,
+    expected_attention,
+    h2o,
+    intentkv,
+    intentkv_residual,
+    keydiff,
+    snapkv,
+    streaming,
+    tova,
+)
