@@ -81,16 +81,17 @@ def prefill_flops(cfg, T: int, scored_tokens: int) -> float:
     return per_token_linear * T + attention + vocab
 
 
-def prefill_programs(T: int, chunk: int) -> int:
-    """Prefill programs a fresh ``Engine(max_positions=T)`` compiles for one ``T``-token
-    prompt: one per distinct (chunk width, read length) of its chunks
-    (``jaxkv.buckets``), since each chunk reads the live list the earlier ones wrote."""
-    shapes, done = set(), 0
+def prefill_programs(T: int, chunk: int, rows: int = 1) -> int:
+    """Step programs a fresh ``Engine(rows=rows, prefill_chunk=chunk)`` compiles for
+    one ``T``-token prompt: one per distinct token bucket of its pieces
+    (``jaxkv.buckets.step_tokens``); live lengths are data, not shapes."""
+    budget = buckets.token_budget(chunk, rows)
+    sizes, done = set(), 0
     while done < T:
-        width = buckets.prefill_width(T - done, chunk)
-        shapes.add((width, buckets.read_length(done, T)))
-        done += min(width, T - done)
-    return len(shapes)
+        n = min(chunk, T - done)
+        sizes.add(buckets.step_tokens(n, budget))
+        done += n
+    return len(sizes)
 
 
 def prefill_runner(model, T: int, chunk: int):

@@ -40,11 +40,20 @@ kernels    75      every Triton kernel natively (jax-triton, not the
                    at production shapes (``DEVICE`` below): float decode (bf16
                    Llama-3-8B and SmolLM2 layers to 32k tokens, fp32), INT4,
                    mixed INT2/INT4, masked INT2 pages + float part, RoPE delta
-                   (Llama-3 scaling), INT4 quantizing write (bit-identical)
+                   (Llama-3 scaling), INT4 quantizing write (bit-identical),
+                   ragged attention (prefill chunks, decode rows, an absent
+                   row and padding in one step)
 attention  90      decode attention per kernel (bf16, INT4, mixed 2.7 bits) at
                    4k and 32k live tokens, batch 1 and 8 (Hq 32, Hkv 8, D 128):
                    per-call time vs bytes / copy bandwidth, and vs the same
-                   attention in plain jnp under XLA on the same GPU
+                   attention in plain jnp under XLA on the same GPU; then, in
+                   the time left, the ragged paged attention (the engine's one
+                   attention per step: ``jaxkv.pallas.gpu.ragged``): whole
+                   prompts of 8,192 and 2,048 tokens in 2,048- and 512-token
+                   chunks (Llama-3-8B and SmolLM2 heads, bf16) and a mixed step
+                   (a chunk and 32 decode rows), achieved TFLOP/s as a share
+                   of the bf16 matmul rate ``env`` measured and of the
+                   roofline (``jaxkv.pallas.cost.ragged``)
 e2e        180     end-to-end greedy decode, batch 1/8/32 x context 512/4096
                    (new decode rows start only in the first 60% of the limit),
                    then prefill of 512, 2048 and 8192 tokens, of
@@ -147,6 +156,12 @@ class Settings:
         random Qwen3's HF config.
       decode_batches, decode_contexts, decode_steps; prefill_lengths, prefill_repeats;
       quant_contexts, quant_steps: the engine parts' grid.
+      ragged_checks: ``(Hkv, G, D, dtype, rows)`` of ragged attention checks, ``rows``
+        ``(q_len, kv_len)`` per row of one step.
+      ragged_prefills: ``(model, Hkv, G, D, tokens, chunk)`` whole prompts timed through
+        the ragged kernel, in the order they run (the part may stop before the last).
+      ragged_mixed: ``(model, Hkv, G, D, chunk, cached, decode rows, decode context)``
+        of mixed steps timed: one chunk after ``cached`` entries plus the decode rows.
     """
 
     reps: int
@@ -170,6 +185,9 @@ class Settings:
     prefill_repeats: int
     quant_contexts: tuple
     quant_steps: int
+    ragged_checks: tuple = ()
+    ragged_prefills: tuple = ()
+    ragged_mixed: tuple = ()
 
 
 def _qwen3_125m() -> dict:
@@ -190,6 +208,11 @@ DEVICE = Settings(
     decode_batches=(1, 8, 32), decode_contexts=(512, 4096), decode_steps=32,
     prefill_lengths=(512, 2048, 8192), prefill_repeats=3,
     quant_contexts=(32768, 4096), quant_steps=32,
+    ragged_checks=((8, 4, 128, "bfloat16", ((200, 1000), (1, 4097), (1, 1), (0, 5), (64, 64), (2, 33))),
+                   (3, 3, 64, "bfloat16", ((512, 2048), (1, 511), (1, 3000)))),
+    ragged_prefills=(("Llama-3-8B", 8, 4, 128, 8192, 2048), ("SmolLM2-135M", 3, 3, 64, 8192, 2048),
+                     ("Llama-3-8B", 8, 4, 128, 2048, 512), ("SmolLM2-135M", 3, 3, 64, 2048, 512)),
+    ragged_mixed=(("Llama-3-8B", 8, 4, 128, 512, 1536, 32, 4096),),
 )  # fmt: skip
 
 TINY_QWEN3 = dict(
@@ -208,6 +231,9 @@ DRY_RUN = Settings(
     decode_batches=(2,), decode_contexts=(32,), decode_steps=2,
     prefill_lengths=(16,), prefill_repeats=1,
     quant_contexts=(64,), quant_steps=2,
+    ragged_checks=((2, 3, 64, "bfloat16", ((20, 40), (1, 33), (0, 3), (2, 2))),),
+    ragged_prefills=(("tiny", 2, 2, 64, 64, 32),),
+    ragged_mixed=(("tiny", 2, 2, 64, 16, 16, 2, 40),),
 )  # fmt: skip
 
 
@@ -466,6 +492,27 @@ def check_int4_write(launcher, T, K, D, S, seed):
                      f"{off_oracle} of the written ones from the numpy float32 oracle")  # fmt: skip
 
 
+def check_ragged(launcher, K, G, D, dtype, rows, seed):
+    import jax
+    import numpy as np
+
+    from jaxkv.attention import ragged_attention_reference
+    from jaxkv.pallas.gpu import ragged as gpu_ragged
+    from jaxkv.pallas.testing import ragged_f64, ragged_problem, tolerance
+
+    args = ragged_problem(seed, K, G, D, dtype, rows, pad=8)
+    out = jax.jit(functools.partial(gpu_ragged.ragged_attention, launcher=launcher))(*args)
+    ref = _exact_reference(ragged_attention_reference, *args)
+    want = ragged_f64(*args)
+    owned = np.abs(want).max(axis=(1, 2)) > 0  # padding tokens: zero, no oracle to divide by
+    fields = _error_fields(out, ref, [w if o else None for w, o in zip(want, owned)], tolerance(dtype))
+    padding_zero = bool((np.asarray(out, np.float32)[~owned] == 0).all())
+    fields["passed"] = fields["passed"] and padding_zero
+    if not padding_zero:
+        fields["note"] = "**padding tokens not zero**"
+    return fields
+
+
 def kernel_checks(s: Settings) -> list:
     """``(kernel, shape, check(launcher) -> fields)`` for every check of ``s``."""
     checks = []
@@ -484,6 +531,10 @@ def kernel_checks(s: Settings) -> list:
     T, K, D, S = s.write_shape
     checks.append(("INT4 quantizing write", f"{T} bf16 rows into {S} slots, Hkv {K}, D {D}",
                    functools.partial(check_int4_write, T=T, K=K, D=D, S=S, seed=4)))
+    for i, (K, G, D, dtype, rows) in enumerate(s.ragged_checks):
+        shape = f"Hq {K * G}, Hkv {K}, D {D}, {dtype}, (q_len, kv_len) per row {rows}, 8 padding tokens"
+        check = functools.partial(check_ragged, K=K, G=G, D=D, dtype=dtype, rows=rows, seed=20 + i)
+        checks.append(("ragged attention", shape, check))
     return checks  # fmt: skip
 
 
@@ -541,7 +592,7 @@ def part_attention(rec: Recorder, s: Settings, dry_run: bool) -> None:
         launcher, kernel_error = _launcher(dry_run), None
     except BackendUnavailableError as e:
         launcher, kernel_error = None, str(e)
-    rec.set(caption=f"Hq {K * G}, Hkv {K}, D {D}, bf16 queries and pool, every request holding the live tokens in random "
+    rec.set(attention_caption=f"Hq {K * G}, Hkv {K}, D {D}, bf16 queries and pool, every request holding the live tokens in random "
                     f"slots; mixed = 65% of tokens in INT2 pages, the rest INT4. Per call: median of {s.reps} runs of one jit "
                     f"chaining {s.chain} dependent calls, / {s.chain}; operand copies rotate up to {CACHE_BYTES >> 20} MiB. "
                     "Floor = bytes that must move (`jaxkv.pallas.cost`) / copy bandwidth. XLA jnp = `backend=\"reference\"` "
@@ -561,6 +612,87 @@ def part_attention(rec: Recorder, s: Settings, dry_run: bool) -> None:
                 rec.measure(row, "xla_s", lambda: chained_seconds(xla, q, sets, s.chain, s.reps))
                 del sets
             del q, cases
+    ragged_timings(rec, s, launcher, kernel_error)
+
+
+def ragged_steps(s: Settings) -> list[tuple[dict, list]]:
+    """``(row, calls)`` of every ragged timing of ``s``, in order: ``row`` the report's
+    fields (``table: "ragged"``, model, heads, step, flops, executed_flops, bytes: the
+    sums over the calls, ``jaxkv.pallas.cost.ragged``), ``calls`` the ``(q_len,
+    kv_len)`` rows of each call. A prompt is one call per chunk (the chunk after the
+    ones before it), a mixed step one call."""
+    from jaxkv.pallas import cost
+
+    out = []
+
+    def add(model, K, G, D, step, calls):
+        costs = [cost.ragged(c, K * G, K, D) for c in calls]
+        row = dict(table="ragged", model=model, heads=f"{K * G}/{K} x {D}", step=step, calls=len(calls),
+                   flops=sum(c.flops for c in costs), executed_flops=sum(c.executed_flops for c in costs),
+                   bytes=sum(c.bytes for c in costs), Hkv=K, G=G, D=D)  # fmt: skip
+        out.append((row, calls))
+
+    for model, K, G, D, tokens, chunk in s.ragged_prefills:
+        calls = [[(chunk, end)] for end in range(chunk, tokens + 1, chunk)]
+        add(model, K, G, D, f"prefill {tokens} tokens in {chunk}-token chunks", calls)
+    for model, K, G, D, chunk, cached, decode_rows, ctx in s.ragged_mixed:
+        add(model, K, G, D, f"mixed: {chunk}-token chunk after {cached} + {decode_rows} decode rows at {ctx}",
+            [[(chunk, cached + chunk)] + [(1, ctx)] * decode_rows])
+    return out
+
+
+def ragged_operands(calls, K, G, D, key):
+    """``(q [T, Hq, D], operand sets)``: a bf16 pool, every row's list random distinct
+    slots (a pool's scattered pages), one ``(k, v, live, kv_len, q_start, q_len)`` per
+    call; all calls of a prompt share ``T`` and the lists, only the lengths differ."""
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+
+    R = len(calls[0])
+    T = max(sum(n for n, _ in c) for c in calls)
+    N = max(kv for c in calls for _, kv in c)
+    S = R * N + 1
+    ks = jax.random.split(key, 3)
+    k = jax.random.normal(ks[0], (S, K, D), jnp.bfloat16)
+    v = jax.random.normal(ks[1], (S, K, D), jnp.bfloat16)
+    q = jax.random.normal(ks[2], (T, K * G, D), jnp.bfloat16)
+    rng = np.random.default_rng(0)
+    live = jnp.asarray(rng.permutation(S - 1)[: R * N].reshape(R, N) + 1, jnp.int32)
+    sets = []
+    for c in calls:
+        q_len = np.asarray([n for n, _ in c], np.int32)
+        starts = np.concatenate([[0], np.cumsum(q_len)[:-1]]).astype(np.int32)
+        sets.append((k, v, live, jnp.asarray([kv for _, kv in c], jnp.int32), jnp.asarray(starts), jnp.asarray(q_len)))
+    return q, sets
+
+
+def ragged_timings(rec: Recorder, s: Settings, launcher, kernel_error) -> None:
+    """The ragged attention rows (``table: "ragged"``): seconds for all the calls of a
+    prompt or step, each call timed as ``chained_seconds`` does (calls chained, the
+    chunks' lengths rotating)."""
+    import jax
+
+    from jaxkv.pallas.gpu import ragged as gpu_ragged
+
+    rec.set(ragged_caption="bf16 queries and pool, each row's list random slots of the pool. A prompt is one call per "
+                           "chunk (the chunk after those before it: lengths are data, so its calls share one program); "
+                           f"per call: median of {s.reps} runs of one jit chaining {s.chain} dependent calls (the "
+                           f"chunks rotating), / {s.chain}; ms = the prompt's calls. TFLOP/s counts the attention's "
+                           "causal work (`jaxkv.pallas.cost.ragged`: 4 D + 5 per query head and entry it sees); "
+                           "executed adds the tiles' padded rows and masked diagonal. Roofline = max(bytes / copy "
+                           "bandwidth, flops / bf16 matmul rate) / time.")  # fmt: skip
+    for i, (row, calls) in enumerate(ragged_steps(s)):
+        if rec.out_of_time(f"ragged {row['model']} {row['step']}"):
+            return
+        row = rec.add(dict(row, kernel_error=kernel_error))
+        if launcher is None:
+            continue
+        q, sets = ragged_operands(calls, row["Hkv"], row["G"], row["D"], jax.random.key(100 + i))
+        fn = functools.partial(gpu_ragged.ragged_attention, launcher=launcher)
+        per_call = lambda: chained_seconds(fn, q, sets, s.chain, s.reps)  # noqa: E731
+        row["kernel_error"] = rec.measure(row, "kernel_s", lambda: len(calls) * per_call())
+        del q, sets
 
 
 # ---------------------------------------------------------------------------- engine parts

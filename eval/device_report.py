@@ -33,8 +33,9 @@ STATUSES = ("ok", "stopped at deadline", "timed out", "failed", "not run")
 @dataclasses.dataclass(frozen=True)
 class Table:
     """One table of the report: ``key`` names its writer, ``part`` the part whose rows
-    (those with ``row["table"] == key`` when a part fills several tables) and status
-    it shows (None: the table of all parts)."""
+    (those with ``row["table"] == key`` when a part fills several tables; untagged
+    rows go to the table named after the part) and status it shows (None: the table
+    of all parts)."""
 
     key: str
     part: str | None
@@ -46,6 +47,7 @@ TABLES = (
     Table("parts", None, "Parts and time limits"),
     Table("kernels", "kernels", "Kernel correctness: native Triton vs the jnp reference and a float64 oracle"),
     Table("attention", "attention", "Decode attention per kernel: Triton vs the copy-bandwidth floor and plain jnp under XLA"),
+    Table("ragged", "attention", "Ragged paged attention (prefill chunks and mixed steps): Triton vs the bf16 matmul rate"),
     Table("decode", "e2e", "End-to-end decode: jaxkv vs transformers, same weights, same device"),
     Table("prefill", "e2e", "Prefill: jaxkv vs transformers, same weights, same device"),
     Table("quant", "quant", "Quantized KV pool vs float pool, per decode token"),
@@ -79,9 +81,11 @@ def _env(results) -> dict:
 
 
 def _rows(results, table: str) -> list[dict]:
-    """The rows of ``table``: its part's rows that belong to it."""
-    rows = results["parts"].get(TABLE_PART[table], {}).get("rows", [])
-    return [r for r in rows if r.get("table", table) == table]
+    """The rows of ``table``: its part's rows that belong to it (a row without a
+    ``table`` belongs to the table named after its part)."""
+    part = TABLE_PART[table]
+    rows = results["parts"].get(part, {}).get("rows", [])
+    return [r for r in rows if r.get("table", part) == table]
 
 
 def _status_note(name: str, part: dict) -> list[str]:
@@ -177,6 +181,26 @@ def attention_table(results) -> list[str]:
                    "XLA jnp us", "Triton speedup over XLA"], rows)  # fmt: skip
 
 
+def ragged_table(results) -> list[str]:
+    """Part attention, rows with ``table: "ragged"``: model, heads (``"Hq/Hkv x D"``),
+    step (words), calls, flops and executed_flops (causal work, and with the tiles'
+    padding: ``jaxkv.pallas.cost.ragged``), bytes (compulsory), kernel_s (seconds for
+    all the calls; None if not measured), kernel_error (text or None)."""
+    env = _env(results)
+    peak, bw = env.get("matmul_flops"), env.get("copy_bandwidth")
+    rows = []
+    for r in _rows(results, "ragged"):
+        t = r.get("kernel_s")
+        rate = r["flops"] / t if t else None
+        floor = max(r["bytes"] / bw, r["flops"] / peak) if bw and peak else None
+        kernel = _num(t, ".3f", 1e3) if not r.get("kernel_error") else f"n/a ({r['kernel_error'][:80]})"
+        rows.append([r["model"], r["heads"], r["step"], str(r["calls"]),
+                     f"{_num(r['flops'], '.1f', 1e-9)} ({_num(r['executed_flops'], '.1f', 1e-9)})", kernel,
+                     _num(rate, ".1f", 1e-12), _pct(rate, peak), _pct(floor, t)])  # fmt: skip
+    return _table(["model", "Hq/Hkv x D", "step", "calls", "GFLOP (executed)", "Triton ms", "TFLOP/s",
+                   "% bf16 matmul", "roofline %"], rows)  # fmt: skip
+
+
 def decode_table(results) -> list[str]:
     """Part e2e, rows with ``table: "decode"``: batch, ctx, jaxkv_tok_s, hf_loop_tok_s, hf_generate_tok_s, bytes_per_step
     (weights + the batch's KV)."""
@@ -231,7 +255,7 @@ def quant_table(results) -> list[str]:
 
 TABLE_WRITERS = {
     "env": env_table, "parts": parts_table, "kernels": kernels_table, "attention": attention_table,
-    "decode": decode_table, "prefill": prefill_table, "quant": quant_table,
+    "ragged": ragged_table, "decode": decode_table, "prefill": prefill_table, "quant": quant_table,
 }  # fmt: skip
 
 
@@ -255,6 +279,13 @@ def headline(results) -> str:
         r = max(att, key=lambda r: r["bytes"])
         bits.append(f"bf16 decode attention at {r['ctx']} tokens x {r['batch']} runs at "
                     f"{_pct(r['bytes'] / bw, r['kernel_s'])} of the copy floor, {_ratio(r.get('xla_s'), r['kernel_s'])} XLA's jnp")  # fmt: skip
+    rag = [r for r in _rows(results, "ragged") if r.get("kernel_s") and r["step"].startswith("prefill")]
+    peak = _env(results).get("matmul_flops")
+    if rag:
+        r = max(rag, key=lambda r: r["flops"])
+        bits.append(f"ragged prefill ({r['model']}, {r['step'].removeprefix('prefill ')}) at "
+                    f"{_num(r['flops'] / r['kernel_s'], '.0f', 1e-12)} TFLOP/s, {_pct(r['flops'] / r['kernel_s'], peak)} "
+                    "of the bf16 matmul rate")  # fmt: skip
     dec = [r for r in _rows(results, "decode") if r.get("jaxkv_tok_s")]
     if dec:
         r = max(dec, key=lambda r: (r["batch"], r["ctx"]))

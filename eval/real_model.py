@@ -91,7 +91,6 @@ from jaxkv.tasks import haystack
 METHODS = ("snapkv", "tova", "h2o", "streaming_llm", "random", "agentkv", "intentkv_memory", "intentkv_query")
 RATIOS = (0.25, 0.5, 0.75)
 MAX_NEW = 48  # the cap of a greedy reply (haystack.reply_budget sets each reply's own)
-SHORT_PIECES = 16  # narrowest prefill width: the rest + answer pieces are ~10-40 tokens
 
 
 def budget_for_ratio(ratio: float, n_request: int) -> int:
@@ -306,7 +305,6 @@ def run_example(model, example, setting: str, cells, *, positions: int, max_new:
     plan = token_plan(example, tok, setting)
     n_request = int(plan.compressed.size)
     session = Session(model, max_positions=positions, protect_query=False, max_new_tokens=max_new)
-    session.server.engine.short_chunk = SHORT_PIECES
     try:
         stages = [None if c.method is None else _retention_stage(c, budget_for_ratio(c.ratio, n_request), session.model, example.seed)
                   for c in cells]
@@ -402,7 +400,6 @@ def run_quant_example(model, example, setting: str, formats, *, positions: int, 
         t0 = time.perf_counter()
         options = {"kv_quant": None} if fmt is None else format_options(fmt, allocation)
         session = Session(model, max_positions=positions, protect_query=False, max_new_tokens=max_new, **options)
-        session.server.engine.short_chunk = SHORT_PIECES
         importing = prefill == "imported" and fmt is not None
         try:
             rendered, measure = request_and_measure(session, example, setting, plan, max_new, reference)
@@ -455,7 +452,6 @@ def run_sessions(model, example, cells, ratio: float, *, positions: int, max_new
         b = budget + options.pop("extra", 0)
         session = Session(model, max_positions=positions, protect_query=False, max_new_tokens=max_new, budget=b, **options)
         try:
-            session.server.engine.short_chunk = SHORT_PIECES
             turns = session.replay(messages, generate=True, return_logits=True, max_new_tokens=haystack.reply_budget(plan, max_new))
             last = turns[-1]
             pred = replayed_answer_logits(last, plan.answer)

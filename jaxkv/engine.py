@@ -67,266 +67,25 @@ from typing import Sequence
 import jax
 import jax.numpy as jnp
 import numpy as np
-from flax import nnx, struct
-from jax.sharding import NamedSharding, PartitionSpec
+from flax import nnx
 
-from jaxkv import pallas
 from jaxkv import buckets, compiles
-from jaxkv.buckets import DECODE_ROW_STEP, SHORT_CHUNK, WINDOW_STEP, bucket  # noqa: F401 (re-exported)
+from jaxkv.buckets import bucket
 from jaxkv.cache.allocator import SENTINEL_SLOT
-from jaxkv.cache.pools import FloatDecodeStep, FloatPrefill, make_pool
+from jaxkv.cache.pools import import_rows, make_pool
 from jaxkv.cache.request import RequestState, promotion_tables
-from jaxkv.cache.state import PagedKVCache, append_tokens, float_pool_dtype, put_rows, take_rows
+from jaxkv.cache.state import PagedKVCache, float_pool_dtype
 from jaxkv.errors import ContextLengthError, JaxKVError, OutOfSlotsError
-from jaxkv.models import sharding
 from jaxkv.models.loading import Model
-from jaxkv.models.transformer import NO_FEATURES, DecodeWindow, Features
-from jaxkv.sampling import SamplerSpec, make_sampler, sample, sample_rows
+from jaxkv.pallas.ragged_attention import ragged_backend
+from jaxkv.sampling import RowSamplers, make_sampler, sample
+from jaxkv.step import NO_FEATURES, DecodeBatch, Features, StepBatch, cache_sharding, gather_window, run_decode, run_step
 
 PREFILL_CHUNK = 512  # tokens per prefill step; chosen by eval/bench_prefill.py (README)
 FIRST_TOKEN_KEY = 1 << 30  # the first reply token is drawn with fold_in(key, this)
 
 
-# ============================================================================ batches
-@struct.dataclass
-class PrefillBatch:
-    """One prefill step's input for B rows (padding rows: index >= R, length 0).
-
-    Attributes:
-      rows_B: cache rows served. tokens_BT: the chunk (T tokens, padded).
-      chunk_len_B: real tokens per row. slots_BT: pool slots of the chunk's tokens
-        (the sentinel for padding). q_idx_BX: chunk indices whose post-RoPE queries
-        are captured. logit_idx_BY: chunk indices whose logits are returned.
-    """
-
-    rows_B: jax.Array
-    tokens_BT: jax.Array
-    chunk_len_B: jax.Array
-    slots_BT: jax.Array
-    q_idx_BX: jax.Array
-    logit_idx_BY: jax.Array
-
-
-@struct.dataclass
-class DecodeBatch:
-    """One decode call's input for B rows (padding rows: limit 0).
-
-    Attributes:
-      rows_B: cache rows. first_token_B: the token fed at step 0. limit_B: steps
-        the row may take. slots_BN: the pool slot of each step's token. stop_BX:
-        stop tokens per row (padded with -1). key_data_B / step0_B: the row's key
-        and the reply index of step 0 (step s samples with fold_in(key, step0 + s)).
-      temperature_B / top_p_B: sampler values. forced_BN: teacher-forced tokens.
-    """
-
-    rows_B: jax.Array
-    first_token_B: jax.Array
-    limit_B: jax.Array
-    slots_BN: jax.Array
-    stop_BX: jax.Array
-    key_data_B: jax.Array
-    step0_B: jax.Array
-    temperature_B: jax.Array
-    top_p_B: jax.Array
-    forced_BN: jax.Array
-
-
-# ============================================================================ jit'd steps
-@functools.partial(
-    jax.jit,
-    static_argnames=("graphdef", "n_read", "features", "mesh", "kv_op"),
-    donate_argnames=("cache",),
-)
-def prefill_step(graphdef, params, cache: PagedKVCache, batch: PrefillBatch, *, n_read, features, mesh=None, kv_op=FloatPrefill(), kv_args=None):
-    """Prefill one chunk for the rows of ``batch`` (a ``PrefillBatch``).
-
-    ``kv_op`` is the pool's ``prefill_op`` (``jaxkv.cache.pools``; default: the float
-    pool's) with its per-chunk ``kv_args`` (a quantized pool's page plan). With a ``mesh`` (the model's, ``jaxkv.models.sharding``) the batch is split over
-    ``dp``, the pool stays split by KV head, and the outputs come back replicated.
-    Returns ``(logits [B,Y,V] at chunk indices logit_idx_BY, cache, aux)``.
-    """
-    model = nnx.merge(graphdef, params)
-    batch = batch if mesh is None else sharding.constrain_rows(batch, mesh)
-    tables = take_rows(cache, batch.rows_B)
-    T = batch.tokens_BT.shape[1]
-    positions = tables.seq_len[:, None] + jnp.arange(T, dtype=jnp.int32)[None, :]
-    logits, kv, aux = kv_op(model, batch, tables, positions, cache.kv, kv_args, n_read, features)
-    tables = append_tokens(tables, batch.slots_BT, batch.chunk_len_B)
-    cache = put_rows(cache.with_kv(kv), batch.rows_B, tables)
-    if mesh is not None:
-        (logits, aux), cache = sharding.replicate((logits, aux), mesh), constrain_cache(cache, mesh)
-    return logits, cache, aux
-
-
-@functools.partial(
-    jax.jit,
-    static_argnames=("graphdef", "n_steps", "n_read", "spec", "backend", "return_logits", "teacher_forced", "features", "mesh", "kv_step", "regroup"),
-    donate_argnames=("cache",),
-)
-def decode_loop(
-    graphdef,
-    params,
-    cache: PagedKVCache,
-    batch: DecodeBatch,
-    *,
-    n_steps,
-    n_read,
-    spec: SamplerSpec,
-    backend=None,
-    return_logits=False,
-    teacher_forced=False,
-    features: Features = NO_FEATURES,
-    mesh=None,
-    kv_step=FloatDecodeStep(),
-    kv_args=None,
-    window: DecodeWindow | None = None,
-    regroup: bool = False,
-):
-    """Decode up to ``n_steps`` tokens for each row of ``batch`` (a ``DecodeBatch``).
-
-    Step ``s`` feeds each active row its last token (writing its K/V at
-    ``slots_BN[:, s]``) and samples the next with key ``fold_in(key_b, step0_b +
-    s)``, so a row's tokens do not depend on which other rows share the batch. A
-    row stops after emitting a token in its ``stop_BX`` row (padded with -1) or
-    after ``limit_B`` steps; padding rows have limit 0. With ``teacher_forced`` the
-    fed token of step ``s > 0`` is ``forced_BN[:, s-1]`` instead of the sample.
-
-    Returns ``(tokens [B,n], n_fed [B], cache, logits [B,n,V] or None, aux)``:
-    ``aux["q_rows"]`` ``[n, L, B, Hq, D]`` (post-RoPE query of each fed token) and
-    ``aux["mass_BN"]`` (attention mass each live-list entry received, mean over
-    layers and heads, summed over steps) when ``features`` asks. With a ``mesh``
-    (as ``prefill_step``) decode attention runs per device on its own KV heads
-    (``sharding.shard_heads``). With ``regroup`` the call also ends once half of
-    its rows or more have stopped (after at least one step): every step costs
-    every row of the batch (a stopped row still reads its K/V), so the rest
-    continue in the caller's next call with fewer rows, beside any row that is
-    ready to join. A row's tokens do not depend on where calls end.
-
-    The pool is ``cache.kv``; each step is the pool's ``decode_op`` (``kv_step``,
-    ``jaxkv.cache.pools``; default: the float pool's) with its per-call ``kv_args``
-    (a quantized pool's page tables).
-    With a ``window`` (``gather_decode_window`` of the same rows, see
-    ``gather_window``) every step attends over that copy of the rows' live K/V
-    plus the chunk's own new rows (``decode_attention_two_parts``) and gathers
-    nothing from the pool.
-    """
-    model = nnx.merge(graphdef, params)
-    cfg = model.cfg
-    b = batch if mesh is None else sharding.constrain_rows(batch, mesh)
-    B = b.first_token_B.shape[0]
-    logits_buf = jnp.zeros((B, n_steps if return_logits else 0, cfg.vocab_size), jnp.float32)
-    aux0 = {}
-    if features.query_rows:
-        aux0["q_rows"] = jnp.zeros((n_steps, cfg.num_layers, B, cfg.num_heads, cfg.head_dim), jnp.float32)
-    if features.attn_mass:
-        aux0["mass_BN"] = jnp.zeros((B, n_read), jnp.float32)
-    keys_B = jax.random.wrap_key_data(b.key_data_B)
-    attend = functools.partial(pallas.decode_attention, backend=backend)
-    attend = attend if mesh is None else sharding.shard_heads(attend, mesh)
-
-    started = (b.limit_B > 0).sum()
-
-    def cond(carry):
-        step, _, _, _, active, _, _, _ = carry
-        go_on = (step < n_steps) & active.any()
-        if regroup:
-            go_on = go_on & ((step == 0) | (2 * active.sum() > started))
-        return go_on
-
-    def body(carry):
-        step, kv, tables, tokens, active, last, logits_buf, aux = carry
-        slot = jnp.where(active, b.slots_BN[:, step], SENTINEL_SLOT)
-        pos = tables.seq_len
-        tables = append_tokens(tables, slot[:, None], active.astype(jnp.int32))
-        logits, kv, step_aux = kv_step(
-            model, last, pos, kv, kv_args, tables, slot, n_read, features, attend=attend,
-            window=aux["window"]._replace(step=step) if window is not None else None,
-        )
-        aux = dict(aux)
-        if "window" in aux:
-            aux["window"] = step_aux["window"]
-        if features.query_rows:
-            aux["q_rows"] = aux["q_rows"].at[step].set(step_aux["q_rows"][:, :, 0].astype(jnp.float32))
-        if features.attn_mass:
-            aux["mass_BN"] = aux["mass_BN"] + step_aux["attn_mass"].mean(axis=(0, 2)) * active[:, None]
-        step_keys = jax.vmap(jax.random.fold_in)(keys_B, b.step0_B + step)
-        nxt = sample_rows(logits, step_keys, spec, b.temperature_B, b.top_p_B)
-        nxt = jnp.where(active, nxt, -1)
-        tokens = tokens.at[:, step].set(nxt)
-        if return_logits:
-            logits_buf = logits_buf.at[:, step].set(logits)
-        stopped = (nxt[:, None] == b.stop_BX).any(-1)
-        new_active = active & ~stopped & (step + 1 < b.limit_B)
-        feed = b.forced_BN[:, step] if teacher_forced else nxt
-        return step + 1, kv, tables, tokens, new_active, feed, logits_buf, aux
-
-    tokens = jnp.full((B, n_steps), -1, jnp.int32)
-    tables = take_rows(cache, b.rows_B)
-    if window is not None:
-        aux0["window"] = window
-    carry = (jnp.int32(0), cache.kv, tables, tokens, b.limit_B > 0, b.first_token_B, logits_buf, aux0)
-    _, kv, tables, tokens, _, _, logits_buf, aux = jax.lax.while_loop(cond, body, carry)
-    aux.pop("window", None)
-    fed = tables.seq_len - take_rows(cache, b.rows_B).seq_len
-    cache = put_rows(cache.with_kv(kv), b.rows_B, tables)
-    if mesh is not None:
-        (tokens, fed, logits_buf, aux), cache = sharding.replicate((tokens, fed, logits_buf, aux), mesh), constrain_cache(cache, mesh)
-    return tokens, fed, cache, (logits_buf if return_logits else None), aux
-
-
-@functools.partial(jax.jit, static_argnames=("width", "n_steps"))
-def gather_decode_window(cache: PagedKVCache, rows_B, *, width: int, n_steps: int) -> DecodeWindow:
-    """The ``DecodeWindow`` of a decode chunk of ``n_steps`` steps over ``rows_B``:
-    the first ``width`` entries of each row's live list, head-major.
-
-    A jit of its own, not the start of ``decode_loop``: there, reading the pool
-    before the loop writes it made XLA:CPU copy the whole pool every call."""
-    tables = take_rows(cache, rows_B)
-    live_BW = tables.live_idx[:, :width]
-    L, B = cache.k.shape[0], rows_B.shape[0]
-    k_old = tuple(jnp.transpose(cache.k[i][live_BW], (0, 2, 3, 1)) for i in range(L))  # L x [B, Hkv, D, W]
-    v_old = tuple(jnp.transpose(cache.v[i][live_BW], (0, 2, 1, 3)) for i in range(L))  # L x [B, Hkv, W, D]
-    new = tuple(jnp.zeros((B, n_steps, *cache.k.shape[2:]), cache.k.dtype) for _ in range(L))
-    return DecodeWindow(k_old, v_old, tables.live_len, new, new, jnp.int32(0))
-
-
-def gather_window(cache: PagedKVCache, B: int, width: int, backend, mesh, uses_window: bool = True) -> bool:
-    """Whether ``Engine.step_decode`` has ``decode_loop`` gather each row's live
-    K/V once per chunk (a ``DecodeWindow`` of ``width`` entries per row) instead of
-    gathering it from the pool in every step.
-
-    On the CPU reference path the per-step gather is a large part of decode
-    attention: XLA:CPU gathers rows far slower than it streams a contiguous array
-    (``eval/bench_decode.py`` prints both). The window costs one ``[B, width,
-    Hkv, D]`` copy of K and of V per layer, so it is used only while that copy is
-    no larger than the pool (``B * width <= S``). Kernel backends read the pool
-    through the live list directly and never use it; nor do a pool whose
-    ``uses_window`` is false (the quantized pool reads its page tables) and a
-    mesh, which have their own steps.
-    """
-    return (
-        uses_window
-        and mesh is None
-        and pallas.resolve_backend(backend) == "reference"
-        and B * width <= cache.k.shape[1]
-    )
-
-
-def cache_sharding(cache: PagedKVCache, mesh) -> PagedKVCache:
-    """Where each array of ``cache`` lives on ``mesh`` (a pytree of ``NamedSharding``):
-    every pool array split by KV head (its axis 2 in both pools' layouts,
-    ``sharding.POOL_SPEC``), the tables replicated."""
-    pool = NamedSharding(mesh, sharding.POOL_SPEC)
-    replicated = jax.tree.map(lambda _: NamedSharding(mesh, PartitionSpec()), cache)
-    return replicated.with_kv(jax.tree.map(lambda _: pool, cache.kv))
-
-
-def constrain_cache(cache: PagedKVCache, mesh) -> PagedKVCache:
-    """Inside jit: keep ``cache`` in ``cache_sharding`` (a donated pool comes back
-    where it was, so its buffers are reused)."""
-    return jax.lax.with_sharding_constraint(cache, cache_sharding(cache, mesh))
-
-
+# ============================================================================ small jit'd helpers
 @functools.partial(jax.jit, static_argnames=("graphdef",))
 def _dense_logits(graphdef, params, tokens_BT):
     return nnx.merge(graphdef, params)(tokens_BT)
@@ -334,10 +93,11 @@ def _dense_logits(graphdef, params, tokens_BT):
 
 @functools.partial(jax.jit, donate_argnames=("cache",))
 def _install_row(cache: PagedKVCache, row, slot_map_P, live_idx_P, live_len, seq_len):
+    """Row ``row``'s tables from the host mirror (every live list of the row alike)."""
     return cache.replace(
         slot_map=cache.slot_map.at[row].set(slot_map_P),
-        live_idx=cache.live_idx.at[row].set(live_idx_P),
-        live_len=cache.live_len.at[row].set(live_len),
+        live_idx=cache.live_idx.at[:, row].set(live_idx_P),
+        live_len=cache.live_len.at[:, row].set(live_len),
         seq_len=cache.seq_len.at[row].set(seq_len),
     )
 
@@ -380,7 +140,8 @@ class PrefillJob:
       q_idx_X: indices into ``tokens`` whose post-RoPE queries are captured.
       attn_mass: accumulate the attention mass each position receives.
       logits: list of ``[n_chunk or 1, V]`` float32 arrays; q_rows ``[L, X, Hq, D]``;
-      mass ``[L, Hq, seq_len]`` (positions of the whole row after the job).
+      mass ``[seq_len]`` (positions of the whole row after the job; mean over
+      layers and query heads, summed over the job's queries).
       kv_plan: a quantized engine's ``WritePlan`` (slots and INT2 pages per chunk).
       kv_source: a ``KVSource``: the job writes its K/V instead of running the
         model (an imported prefill).
@@ -419,7 +180,7 @@ class DecodeJob:
     Attributes:
       row: the cache row; first_token: the token fed at the first step.
       n_steps: tokens to decode at most (the row may stop earlier at a stop token).
-      spec / temperature / top_p: the sampler (``make_sampler``).
+      temperature / top_k / top_p: the row's sampler (``jaxkv.sampling.RowSamplers``).
       key: the row's ``jax.random`` key; step0: index of the first step in the
         request's reply (the key of step s is ``fold_in(key, step0 + s)``).
       stop_ids: tokens that end the row (the stop token is emitted).
@@ -433,9 +194,9 @@ class DecodeJob:
     row: int
     first_token: int
     n_steps: int
-    spec: SamplerSpec
     temperature: float
-    top_p: float
+    top_k: int | None
+    top_p: float | None
     key: jax.Array
     stop_ids: tuple = ()
     step0: int = 0
@@ -488,8 +249,11 @@ class Engine:
       rows: concurrent requests (cache rows).
       max_positions: positions per row (P); defaults to the model context, at most 8192.
       num_slots: pool slots including the sentinel; default ``rows * P + 1``.
-      prefill_chunk: tokens per prefill step (``PREFILL_CHUNK``).
-      backend: decode-attention backend passed to ``jaxkv.pallas.decode_attention``.
+      prefill_chunk: the most tokens of one row a step takes (``PREFILL_CHUNK``).
+      token_budget: the most tokens of one step (default
+        ``buckets.token_budget``: a whole chunk beside a decode token of every row).
+      backend: the ragged attention's backend (``jaxkv.pallas.ragged_attention``;
+        None: the blocked XLA implementation on the CPU, the kernels elsewhere).
       reclaim: optional ``reclaim(n_slots) -> freed`` called when fewer than the
         needed slots are free (e.g. the radix cache's LRU eviction); only if it
         cannot free enough does the allocation raise ``OutOfSlotsError``.
@@ -499,7 +263,7 @@ class Engine:
         ``self.pool`` (``jaxkv.cache.pools``).
     """
 
-    def __init__(self, model: Model, *, rows: int = 1, max_positions: int | None = None, num_slots: int | None = None, prefill_chunk: int = PREFILL_CHUNK, backend=None, reclaim=None, kv_quant=None):
+    def __init__(self, model: Model, *, rows: int = 1, max_positions: int | None = None, num_slots: int | None = None, prefill_chunk: int = PREFILL_CHUNK, token_budget: int | None = None, backend=None, reclaim=None, kv_quant=None):
         cfg = model.config
         self.model = model
         self.graphdef, self.params = model.split()
@@ -510,7 +274,6 @@ class Engine:
             )
         self.max_positions = P
         self.mesh = model.mesh  # tensor / data parallel (jaxkv.models.sharding), or None
-        self.min_batch = sharding.axis_size(self.mesh, sharding.DP)  # every step's rows split evenly over dp
         pool_dtype = float_pool_dtype(model.dtype, _platform(self.mesh))  # float pool, or a quantized pool's float region
         self.pool = make_pool(kv_quant, num_slots or rows * P + 1, head_dim=cfg.head_dim, float_dtype=pool_dtype, backend=backend)
         self.pool.check_mesh(self.mesh)
@@ -521,9 +284,17 @@ class Engine:
         else:  # made in place on the mesh: no device ever holds the whole pool
             self.cache = jax.jit(create, out_shardings=cache_sharding(jax.eval_shape(create), self.mesh))()
         self.prefill_chunk = int(prefill_chunk)
-        self.short_chunk = SHORT_CHUNK  # narrowest prefill width (``buckets.prefill_width``); narrower pads less, compiles more
+        if self.prefill_chunk < 1:
+            raise JaxKVError(f"prefill_chunk must be >= 1, got {prefill_chunk}")
+        self.token_budget = int(token_budget) if token_budget is not None else buckets.token_budget(self.prefill_chunk, rows)
+        if self.token_budget < max(self.prefill_chunk, rows) or self.token_budget < rows + (self.prefill_chunk if self.pool.whole_chunks else 1):
+            raise JaxKVError(
+                f"token_budget {self.token_budget} cannot hold a decode token of each of {rows} rows beside a prefill "
+                f"piece{' of a whole chunk' if self.pool.whole_chunks else ''} (prefill_chunk {self.prefill_chunk})"
+            )
         self.backend = backend
-        self.decode_window = True  # CPU reference: gather each row's K/V once per decode chunk (``gather_window``)
+        self.attention_backend = ragged_backend(backend)  # "blocked" on the CPU, or a kernel backend
+        self.decode_window = True  # CPU: decode calls read a per-call copy of the rows' lists (``uses_window``)
         self.row_state: list[RequestState | None] = [None] * rows
         self.reclaim = reclaim
 
@@ -767,12 +538,12 @@ class Engine:
             )
         if kv_source is not None:
             self._check_import(kv_source, tokens.size, all_logits=all_logits, q_idx=q_idx, attn_mass=attn_mass)
-        plan, slots = self.pool.plan_prefill(self, row, kv_bits, tokens.size, self.prefill_chunk)
+        plan, slots = self.pool.plan_prefill(self, row, kv_bits, tokens.size)
         q_idx_X = None if q_idx is None else np.asarray(q_idx, np.int64).reshape(-1)
         job = PrefillJob(row, tokens, slots, all_logits, q_idx_X, attn_mass, kv_plan=plan, kv_source=kv_source)
         cfg = self.model.config
         if attn_mass:
-            job.mass = np.zeros((cfg.num_layers, cfg.num_heads, state.seq_len + tokens.size), np.float32)
+            job.mass = np.zeros(state.seq_len + tokens.size, np.float32)
         if q_idx_X is not None:
             job.q_rows = np.zeros((cfg.num_layers, q_idx_X.size, cfg.num_heads, cfg.head_dim), np.float32)
         return job
@@ -795,94 +566,152 @@ class Engine:
         job.slots = job.slots[: job.done]
         return self.allocator.release(rest)
 
+    # -- steps -------------------------------------------------------------------
     def step_prefill(self, jobs: Sequence[PrefillJob]) -> None:
-        """Advance every unfinished job by one chunk.
+        """Advance unfinished prefill jobs by one step (``step``, no decode rows)."""
+        self.step(prefill_jobs=jobs)
 
-        A step costs rows x width x read window, padding included (a padding row
-        runs the whole forward on its width), so the jobs are split before they
-        are padded: by the features they capture (query rows, attention mass: a
-        plain job never pays for another's, and each step is one program
-        variant), by chunk width (a power of two from ``SHORT_CHUNK`` up to the
-        chunk size, so a piece is padded less than 2x and batches reuse a handful
-        of compiles: 128, 256, 512 at the defaults), then, shortest context first, into power-of-two
-        groups (9 jobs run as 8 + 1, not as 16 rows), so rows of similar context
-        share a read window and no row is padding unless a mesh's data-parallel
-        size asks for it."""
+    def step(self, prefill_jobs: Sequence[PrefillJob] = (), decode_jobs: Sequence[DecodeJob] = ()) -> None:
+        """One engine step over a flat batch of at most ``token_budget`` tokens:
+        the next token of every unfinished decode job first (so a decoding row
+        never waits behind a prompt), then a piece of each unfinished prefill job,
+        in order, while the budget lasts (chunked prefill, as vLLM V1 schedules).
+        A piece is at most ``prefill_chunk`` tokens; a pool that writes whole
+        chunks (``pool.whole_chunks``: a quantized pool's INT2 pages are planned
+        per chunk) takes a job's next chunk whole or waits for the next step.
+
+        Jobs that import their K/V (``KVSource``) run no forward: they are stored
+        here, one job per call. Decode jobs' slots are allocated first
+        (``OutOfSlotsError`` before any change)."""
         self._check_open()
-        by_width: dict[tuple, list[PrefillJob]] = {}
-        for j in jobs:
-            if not j.finished:
-                C = buckets.prefill_width(j.tokens.size - j.done, self.prefill_chunk, self.short_chunk)
-                by_width.setdefault((C, j.q_idx_X is not None, j.attn_mass, j.kv_source is not None), []).append(j)
-        for (C, *_), group in sorted(by_width.items()):
-            group.sort(key=lambda j: len(self._row(j.row).live))
-            while group:
-                take = 1 << (len(group).bit_length() - 1)  # the largest power of two <= len(group)
-                if take < self.min_batch:
-                    take = len(group)  # the rest, padded up to the mesh's rows
-                self._prefill_chunk(group[-take:], C)
-                group = group[:-take]
+        prefill_jobs = [j for j in prefill_jobs if not j.finished]
+        decode_jobs = [j for j in decode_jobs if not j.finished]
+        imports = [j for j in prefill_jobs if j.kv_source is not None]
+        if imports:
+            return self._import_chunk(imports[0])
+        if len(decode_jobs) > self.rows:
+            raise JaxKVError(f"{len(decode_jobs)} decode jobs in one step; the engine has {self.rows} rows")
+        budget = self.token_budget - len(decode_jobs)
+        pieces: list[tuple[PrefillJob, int]] = []
+        for j in prefill_jobs:
+            if len(pieces) + len(decode_jobs) == self.rows or budget <= 0:
+                break
+            n = self._piece(j, budget)
+            if n:
+                pieces.append((j, n))
+                budget -= n
+        if not pieces and not decode_jobs:
+            if prefill_jobs:
+                raise JaxKVError(f"no prefill piece fits a step of {self.token_budget} tokens")
+            return
+        self._run_step(pieces, decode_jobs)
 
-    def _prefill_chunk(self, jobs: Sequence[PrefillJob], C: int) -> None:
-        """One ``prefill_step`` of the next piece (at most ``C`` tokens) of each job."""
-        states = [self._row(j.row) for j in jobs]
-        pieces = [j.tokens[j.done : j.done + C] for j in jobs]
-        B = buckets.prefill_rows(len(jobs), self.min_batch)
+    def _piece(self, job: PrefillJob, budget: int) -> int:
+        """Tokens of ``job``'s next piece within ``budget`` (0: none this step)."""
+        left = job.tokens.size - job.done
+        n = min(left, self.prefill_chunk, budget)
+        if self.pool.whole_chunks and n < min(left, self.prefill_chunk - job.done % self.prefill_chunk):
+            return 0
+        return n
+
+    def _run_step(self, pieces, decode_jobs) -> None:
+        """Build one ``StepBatch`` (decode tokens first, then the pieces), run it and
+        bring the host records up to date."""
         R = self.rows
-        rows = np.full(B, R, np.int32)
-        tokens = np.zeros((B, C), np.int32)
-        slots = np.zeros((B, C), np.int32)
-        counts = np.zeros(B, np.int32)
-        # One feature set per step (step_prefill groups jobs by it), so a capturing
-        # step is a variant of the plain one: query rows of every chunk row (X = C,
-        # the host keeps the ones it asked for) and/or attention mass.
-        features = Features(query_rows=any(j.q_idx_X is not None for j in jobs), attn_mass=any(j.attn_mass for j in jobs))
-        X = C if features.query_rows else 1
-        Y = C if any(j.all_logits for j in jobs) else 1
-        q_idx = np.zeros((B, X), np.int32)
-        logit_idx = np.zeros((B, Y), np.int32)
-        for b, (j, piece) in enumerate(zip(jobs, pieces)):
-            rows[b], counts[b] = j.row, piece.size
-            tokens[b, : piece.size] = piece
-            slots[b, : piece.size] = j.slots[j.done : j.done + piece.size]
-            if j.q_idx_X is not None:
-                q_idx[b, : piece.size] = np.arange(piece.size)  # every row of the piece
-            logit_idx[b] = np.arange(Y) if Y == C else piece.size - 1  # Y == 1: the last real token
-        n_read = buckets.read_length(max(len(s.live) for s in states), self.max_positions)
-        batch = PrefillBatch(rows, tokens, counts, slots, q_idx, logit_idx)
-        kv_op, kv_args = self.pool.prefill_op, self.pool.prefill_args(jobs, B, C)
-        importing = jobs[0].kv_source is not None  # step_prefill groups jobs by it
-        if importing:
-            cfg = self.model.config
-            k_src = np.zeros((cfg.num_layers, B, C, cfg.num_kv_heads, cfg.head_dim), np.float32)
-            v_src = np.zeros_like(k_src)
-            for b, (j, piece) in enumerate(zip(jobs, pieces)):
-                k_src[:, b, : piece.size] = j.kv_source.k[:, j.done : j.done + piece.size]
-                v_src[:, b, : piece.size] = j.kv_source.v[:, j.done : j.done + piece.size]
-            kv_op, kv_args = self.pool.import_op, (kv_args, jnp.asarray(k_src), jnp.asarray(v_src))
-        logits, self.cache, aux = prefill_step(
-            self.graphdef, self.params, self.cache, batch, n_read=n_read, features=features, mesh=self.mesh,
-            kv_op=kv_op, kv_args=kv_args,
+        cfg = self.model.config
+        fresh = self.allocate(len(decode_jobs)) if decode_jobs else np.zeros(0, np.int64)  # raises before any change
+        entries = []  # (job, tokens, slots, is_decode)
+        for j, s in zip(decode_jobs, fresh):
+            entries.append((j, np.asarray([j.next_feed], np.int32), np.asarray([s], np.int64), True))
+        for j, n in pieces:
+            entries.append((j, j.tokens[j.done : j.done + n], j.slots[j.done : j.done + n], False))
+        total = sum(e[1].size for e in entries)
+        T = buckets.step_tokens(total, self.token_budget)
+        tokens, positions, slots = np.zeros(T, np.int32), np.zeros(T, np.int32), np.zeros(T, np.int32)
+        rows, q_start, q_len = np.full(R, R, np.int32), np.zeros(R, np.int32), np.zeros(R, np.int32)
+        key_data = np.zeros((R, *jax.random.key_data(jax.random.key(0)).shape), np.uint32)
+        step_idx = np.zeros(R, np.int32)
+        settings = [(0.0, None, None)] * R
+        at = 0
+        for r, (j, toks, sl, is_decode) in enumerate(entries):
+            st = self._row(j.row)
+            n = toks.size
+            tokens[at : at + n], slots[at : at + n] = toks, sl
+            positions[at : at + n] = st.seq_len + np.arange(n)
+            rows[r], q_start[r], q_len[r] = j.row, at, n
+            if is_decode:
+                key_data[r] = np.asarray(jax.random.key_data(j.key))
+                step_idx[r] = j.step0 + j.fed
+                settings[r] = (j.temperature, j.top_k, j.top_p)
+            at += n
+        mass = any((not d and j.attn_mass) or (d and j.features.attn_mass) for j, _, _, d in entries)
+        # a mass step captures query rows too: one variant, whatever mix of jobs shares it
+        capture_q = mass or any((not d and j.q_idx_X is not None) or (d and j.features.query_rows) for j, _, _, d in entries)
+        all_logits = any(not d and j.all_logits for j, _, _, d in entries)
+        batch = StepBatch(tokens, positions, slots, rows, q_start, q_len, key_data, step_idx, RowSamplers.of(settings))
+        plan = self.pool.step_plan([(j, n) for j, n in pieces], [int(q_start[len(decode_jobs) + i]) for i in range(len(pieces))], T)
+        sampled, logits, self.cache, aux = run_step(
+            self.graphdef, self.params, self.cache, batch, plan, layers=self.pool.layers, backend=self.attention_backend,
+            mesh=self.mesh, capture_q=capture_q, all_logits=all_logits, attn_mass=mass,
         )
-        logits = np.asarray(logits)
-        chunk_mass = np.asarray(aux["attn_mass"]) if features.attn_mass else None  # [L, B, Hq, n_read + C]
-        chunk_q = np.asarray(aux["q_rows"]) if features.query_rows else None  # [L, B, C, Hq, D]
-        for b, (j, st, piece) in enumerate(zip(jobs, states, pieces)):
-            n = piece.size
+        sampled = np.asarray(sampled)
+        logits = np.asarray(logits)  # [R, V]: each row's last token
+        every = np.asarray(aux["all_logits"]) if all_logits else None  # [T, V]
+        q_rows = np.asarray(aux["q_rows"]) if capture_q else None  # [L, T, Hq, D]
+        mass_RN = np.asarray(aux["mass"]) if mass else None  # [R, N] mean over layers and heads
+        for r, (j, toks, sl, is_decode) in enumerate(entries):
+            st = self._row(j.row)
+            n, start = toks.size, int(q_start[r])
+            live_pos = st.live_positions()  # the row's list before the step, in position order
+            if is_decode:
+                tok = int(sampled[r])
+                st.append([j.next_feed], sl)
+                st.allocated += 1
+                j.tokens.append(tok)
+                j.fed += 1
+                j.stopped = tok in j.stop_ids
+                if j.return_logits:
+                    j.logits.append(logits[r][None])
+                if j.features.query_rows:
+                    j.q_rows.append(q_rows[:, start][None])
+                if j.features.attn_mass:
+                    m = np.zeros(st.seq_len, np.float32)
+                    m[np.append(live_pos, st.seq_len - 1)] = mass_RN[r, : live_pos.size + 1]
+                    if j.mass is not None:
+                        m[: j.mass.size] += j.mass
+                    j.mass = m
+                continue
             if j.attn_mass:
-                live_pos = st.live_positions()  # the live list is in position order
-                j.mass[:, :, live_pos] += chunk_mass[:, b, :, : live_pos.size]
-                j.mass[:, :, st.seq_len : st.seq_len + n] += chunk_mass[:, b, :, n_read : n_read + n]
+                j.mass[live_pos] += mass_RN[r, : live_pos.size]
+                j.mass[st.seq_len : st.seq_len + n] += mass_RN[r, live_pos.size : live_pos.size + n]
             if j.q_idx_X is not None:
                 here = np.flatnonzero((j.q_idx_X >= j.done) & (j.q_idx_X < j.done + n))
-                j.q_rows[:, here] = chunk_q[:, b, j.q_idx_X[here] - j.done]
-            if importing:
-                j.logits.append(np.asarray(j.kv_source.last_logits, np.float32)[None])  # the source's; only the last chunk's is read
-            else:
-                j.logits.append(logits[b, :n] if j.all_logits else logits[b, n - 1 if Y == C else 0][None])
-            st.append(piece, j.slots[j.done : j.done + n])
+                j.q_rows[:, here] = q_rows[:, start + j.q_idx_X[here] - j.done]
+            j.logits.append(every[start : start + n] if j.all_logits else logits[r][None])
+            st.append(toks, sl)
             j.done += n
-        self.pool.settle(self, [j.row for j in jobs])  # kivi2: aged residual -> INT2 pages
+        self.pool.settle(self, [e[0].row for e in entries])  # kivi2: aged residual -> INT2 pages
+
+    def _import_chunk(self, job: PrefillJob) -> None:
+        """Store the next chunk of an imported prefill (``KVSource``) as a step
+        would store it, without a forward."""
+        st = self._row(job.row)
+        n = min(job.tokens.size - job.done, self.prefill_chunk)
+        T = buckets.step_tokens(n, self.token_budget)
+        cfg = self.model.config
+        k = np.zeros((cfg.num_layers, T, cfg.num_kv_heads, cfg.head_dim), np.float32)
+        v = np.zeros_like(k)
+        k[:, :n] = job.kv_source.k[:, job.done : job.done + n]
+        v[:, :n] = job.kv_source.v[:, job.done : job.done + n]
+        slots = np.zeros(T, np.int32)
+        slots[:n] = job.slots[job.done : job.done + n]
+        plan = self.pool.step_plan([(job, n)], [0], T)
+        self.cache = import_rows(self.cache, slots, k, v, plan, layers=self.pool.layers)
+        job.logits.append(np.asarray(job.kv_source.last_logits, np.float32)[None])  # the source's; only the last chunk's is read
+        st.append(job.tokens[job.done : job.done + n], job.slots[job.done : job.done + n])
+        self._push_row(job.row)
+        job.done += n
+        self.pool.settle(self, [job.row])
 
     def prefill(self, rows: Sequence[int], token_lists: Sequence[Sequence[int]], *, all_logits=False, features: Features = NO_FEATURES, q_row_positions=None, kv_bits=None):
         """Append ``token_lists[i]`` to ``rows[i]``; returns logits of the new tokens.
@@ -890,9 +719,9 @@ class Engine:
         Returns a list (one per row) of float32 numpy arrays: ``[n_i, V]`` when
         ``all_logits`` else ``[V]`` for the last token. With ``features``, returns
         ``(logits, aux)``: with ``features.attn_mass``, ``aux["attn_mass"][i]`` is
-        ``[L, Hq, seq_len]`` float32, the attention mass each position of row i
-        received from this prefill's query rows (summed over rows and chunks; 0
-        at holes); with ``features.query_rows``, ``aux["q_rows"]`` is
+        ``[seq_len]`` float32, the attention mass each position of row i received
+        from this prefill's queries (mean over layers and query heads, summed over
+        queries; 0 at holes); with ``features.query_rows``, ``aux["q_rows"]`` is
         ``[L, len(rows), X, Hq, D]``: the post-RoPE queries at
         ``q_row_positions[i]`` (X indices into ``token_lists[i]``). ``kv_bits[i]``:
         per-token bits of row i on a quantized pool (``start_prefill``).
@@ -917,7 +746,7 @@ class Engine:
             for i, (r, t) in enumerate(zip(rows, token_lists))
         ]
         while not all(j.finished for j in jobs):
-            self.step_prefill(jobs)
+            self.step(prefill_jobs=jobs)
         result = [j.result_logits() for j in jobs]
         if features == NO_FEATURES:
             return result
@@ -931,33 +760,37 @@ class Engine:
     # -- decode --------------------------------------------------------------------
     def start_decode(self, row: int, first_token: int, n_steps: int, *, temperature=0.0, top_k=None, top_p=None, key=None, step0: int = 0, stop_token_ids=(), return_logits=False, forced_tokens=None, features: Features = NO_FEATURES) -> DecodeJob:
         """A decode job for ``row`` (``ContextLengthError`` up front; slots are
-        allocated per chunk)."""
-        spec, temp, top_p_val = make_sampler(temperature, top_k, top_p)
+        allocated per step)."""
+        make_sampler(temperature, top_k, top_p)  # validates
         st = self._row(row)
         if st.seq_len + n_steps > self.max_positions:
             raise ContextLengthError(
                 f"row {row}: {st.seq_len} cached + {n_steps} decode steps exceed {self.max_positions} positions"
             )
         return DecodeJob(
-            row, int(first_token), int(n_steps), spec, float(temp), float(top_p_val),
+            row, int(first_token), int(n_steps), float(temperature), top_k, top_p,
             key if key is not None else jax.random.key(0), tuple(sorted(set(int(t) for t in stop_token_ids))),
             step0, None if forced_tokens is None else list(forced_tokens), return_logits, features,
         )
 
     def step_decode(self, jobs: Sequence[DecodeJob], max_steps: int | None = None, *, regroup: bool = False) -> None:
         """Advance every unfinished job by up to ``max_steps`` steps (default: all
-        it has left) in one ``decode_loop``. All jobs must share one sampler spec.
-        ``regroup``: end the call once half its rows have stopped (``decode_loop``;
-        the caller then calls again for the unfinished jobs, as the scheduler does).
-        Slots for the steps are allocated first (``OutOfSlotsError`` before any
-        change) and the unused ones released after."""
+        it has left) in one ``run_decode`` call (the decode fast path: no prefill
+        beside it). Jobs of any samplers share the call. ``regroup``: end the call
+        once half its rows have stopped (the caller then calls again for the
+        unfinished jobs, as the scheduler does). Slots for the steps are allocated
+        first (``OutOfSlotsError`` before any change) and the unused ones released
+        after. Jobs capturing attention mass run as single steps (``step``)."""
         self._check_open()
         jobs = [j for j in jobs if not j.finished]
         if not jobs:
             return
-        spec = jobs[0].spec
-        if any(j.spec != spec for j in jobs):
-            raise JaxKVError("step_decode batches jobs of one sampler spec")
+        if any(j.features.attn_mass for j in jobs):  # mass needs the second pass of ``run_step``
+            for _ in range(max_steps or max(j.n_steps - j.fed for j in jobs)):
+                self.step(decode_jobs=[j for j in jobs if not j.finished])
+                if all(j.finished for j in jobs):
+                    break
+            return
         steps = [j.n_steps - j.fed if max_steps is None else min(j.n_steps - j.fed, max_steps) for j in jobs]
         n = max(steps) if max_steps is None else int(max_steps)  # a fixed chunk: one compile, rows stop at their limit
         total = sum(steps)
@@ -966,9 +799,7 @@ class Engine:
         fresh = self.allocator.allocate(total)  # raises before any change
         per_job = np.split(fresh, np.cumsum(steps)[:-1])
         states = [self._row(j.row) for j in jobs]
-        # Rows: multiples of 4 past 4 (12 jobs run as 12 rows, not 16): a padding row
-        # still gathers and attends over the whole read window every step.
-        B = buckets.decode_rows(len(jobs), self.min_batch)
+        B = buckets.decode_rows(len(jobs))
         R = self.rows
         rows = np.full(B, R, np.int32)
         first = np.zeros(B, np.int32)
@@ -978,43 +809,32 @@ class Engine:
         stop = np.full((B, stop_width), -1, np.int32)
         key_data = np.zeros((B, *jax.random.key_data(jobs[0].key).shape), np.uint32)
         step0 = np.zeros(B, np.int32)
-        temp = np.ones(B, np.float32)
-        top_p = np.ones(B, np.float32)
         forced = np.zeros((B, n), np.int32)
-        teacher_forced = any(j.forced is not None for j in jobs)
+        settings = [(0.0, None, None)] * B
         for b, (j, k, s) in enumerate(zip(jobs, steps, per_job)):
             rows[b], first[b], limit[b] = j.row, j.next_feed, k
             slots[b, :k] = s
             stop[b, : len(j.stop_ids)] = j.stop_ids
             key_data[b] = np.asarray(jax.random.key_data(j.key))
-            step0[b], temp[b], top_p[b] = j.step0 + j.fed, j.temperature, j.top_p
+            step0[b] = j.step0 + j.fed
+            settings[b] = (j.temperature, j.top_k, j.top_p)
             if j.forced is not None:
                 f = j.forced[j.fed : j.fed + n]
                 forced[b, : len(f)] = f
-        # Query rows every call captures (one compiled program for capturing and
-        # plain jobs); attention mass is a variant (the scheduler groups by it).
-        features = Features(query_rows=True, attn_mass=any(j.features.attn_mass for j in jobs))
         return_logits = any(j.return_logits for j in jobs)
-        longest = max(len(s.live) for s in states) + n
-        n_read = buckets.read_length(longest, self.max_positions)
-        kv_args = self.pool.decode_args(states, [s[:k] for s, k in zip(per_job, steps)], B, n)  # page tables
-        batch = DecodeBatch(rows, first, limit, slots, stop, key_data, step0, temp, top_p, forced)
-        # The window's width sets every step's attention work, so it is bucketed finer
-        # than shapes elsewhere (multiples of WINDOW_STEP past it): a row of 1,100 live
-        # tokens reads 1,152 entries, not 1,536. More widths mean more compiles, once.
-        width = buckets.window_width(max(len(s.live) for s in states), self.max_positions)
+        batch = DecodeBatch(rows, first, limit, slots, stop, key_data, step0, RowSamplers.of(settings), forced)
+        width = buckets.window_width(max(len(s.live) for s in states) + n, self.max_positions)
         window = None
-        if self.decode_window and gather_window(self.cache, B, width, self.backend, self.mesh, self.pool.uses_window):
-            window = gather_decode_window(self.cache, jnp.asarray(rows), width=width, n_steps=n)
-        tokens, fed, self.cache, logits, aux = decode_loop(
-            self.graphdef, self.params, self.cache, batch,
-            n_steps=n, n_read=n_read, spec=spec, backend=self.backend, return_logits=return_logits,
-            teacher_forced=any(j.forced is not None for j in jobs), features=features, mesh=self.mesh, kv_step=self.pool.decode_op, kv_args=kv_args,
-            window=window, regroup=regroup,
+        if self.uses_window(B, width):
+            window = gather_window(self.cache, jnp.asarray(rows), width=width)
+        plan = self.pool.decode_plan(states, [s[:k] for s, k in zip(per_job, steps)], B, n)
+        tokens, fed, self.cache, logits, q_rows = run_decode(
+            self.graphdef, self.params, self.cache, batch, plan, window,
+            layers=self.pool.layers, n_steps=n, backend=self.attention_backend, return_logits=return_logits,
+            teacher_forced=any(j.forced is not None for j in jobs), mesh=self.mesh, regroup=regroup,
         )
         tokens, fed = np.asarray(tokens), np.asarray(fed)
-        q_rows = np.asarray(aux["q_rows"]) if any(j.features.query_rows for j in jobs) else None
-        mass_BN = np.asarray(aux["mass_BN"]) if features.attn_mass else None
+        q_rows = np.asarray(q_rows) if any(j.features.query_rows for j in jobs) else None
         unused = []
         for b, (j, st, s) in enumerate(zip(jobs, states, per_job)):
             k = int(fed[b])
@@ -1031,15 +851,22 @@ class Engine:
                 j.logits.append(np.asarray(logits[b, :k]))
             if j.features.query_rows:
                 j.q_rows.append(q_rows[:k, :, b])
-            if j.features.attn_mass:
-                m = np.zeros(st.seq_len, np.float32)
-                live_pos = st.live_positions()  # entry i of the live list is position live_pos[i]
-                m[live_pos] = mass_BN[b, : live_pos.size]
-                if j.mass is not None:
-                    m[: j.mass.size] += j.mass
-                j.mass = m
         self.allocator.release(np.concatenate(unused))
         self.pool.settle(self, [j.row for j in jobs])  # kivi2: aged residual -> INT2 pages
+
+    def uses_window(self, B: int, width: int) -> bool:
+        """Whether a decode call of ``B`` rows reads a per-call copy of the rows'
+        lists (``jaxkv.step.gather_window``) instead of gathering key blocks from
+        the pool every step. On the CPU (the blocked attention) the copy's
+        contiguous blocks read several times faster than gathered ones
+        (``eval/bench_decode.py`` prints both). It is taken while the copy is no
+        larger than the pool (``B * width <= S``), never by a kernel backend, a
+        pool whose ``uses_window`` is false (a quantized pool reads its packed
+        rows) or a mesh."""
+        return (
+            self.decode_window and self.pool.uses_window and self.mesh is None
+            and self.attention_backend == "blocked" and B * width <= self.allocator.num_slots
+        )
 
     def decode(self, rows: Sequence[int], first_tokens: Sequence[int], n_steps: int, *, temperature=0.0, top_k=None, top_p=None, key=None, stop_token_ids=(), return_logits=False, forced_tokens=None, features: Features = NO_FEATURES):
         """Feed ``first_tokens`` and decode up to ``n_steps`` tokens per row.
@@ -1077,75 +904,59 @@ class Engine:
             aux_out["attn_mass"] = [j.mass for j in jobs]
         return out_tokens, out_logits, aux_out
 
-
-    # -- segment reuse (jaxkv.splice) ----------------------------------------------------
     # -- warm-up -------------------------------------------------------------------
-    WARMUP_SAMPLERS = {"greedy": {}, "sample": {"temperature": 1.0}, "top_p": {"temperature": 1.0, "top_p": 0.9}}
+    def shape_set(self, decode_chunk: int) -> buckets.ShapeSet:
+        """The bounded set of step shapes this engine compiles (``jaxkv.buckets``)."""
+        windows = self.decode_window and self.pool.uses_window and self.mesh is None and self.attention_backend == "blocked"
+        return buckets.shape_set(self.rows, self.max_positions, self.token_budget, decode_chunk, windows=windows)
 
-    def warmup(self, decode_chunk: int, *, samplers=("greedy", "sample", "top_p"), stop_token_ids=(), progress=None, prefill_rows: bool = False, prefill_mass: bool = False, decode_mass: bool = False) -> int:
-        """Compile every program of ``buckets.shape_set`` (prefill steps by rows,
-        width and read length; decode calls by rows, read length and window width,
-        for each sampler in ``samplers``, names of ``WARMUP_SAMPLERS``) by running
-        each once on scratch rows, through the same methods requests use (so a
-        quantized pool warms its own steps). ``prefill_rows`` adds the variant of
-        every prefill program that captures query rows (retention policies'
-        windows and spans), ``prefill_mass`` / ``decode_mass`` the attention-mass
-        variant of every prefill / decode program (H2O-like policies; decode
-        programs capture query rows always). ``stop_token_ids`` must be the
-        server's (their count is a shape). ``progress(n)`` is called after each
-        program. Where the process cannot hold every program's memory mappings,
-        the compiled programs are dropped as it fills (``compiles.release_if_crowded``):
-        the persistent cache keeps them for the requests that need them. The
-        engine must be idle; scratch rows are closed afterwards.
-        Returns how many programs it ran."""
+    def warmup(self, decode_chunk: int, *, stop_token_ids=(), progress=None, capture_q: bool = False, attn_mass: bool = False) -> int:
+        """Compile every program of ``shape_set``: each step token bucket (with
+        ``capture_q``, also its query-capturing variant; with ``attn_mass``, its
+        attention-mass variant, which captures query rows too) and each decode
+        program (rows x window width), by
+        running each once on scratch rows through the methods requests use (so a
+        quantized pool warms its own steps). Samplers are data, so one decode
+        program serves them all. ``stop_token_ids`` must be the server's (their
+        count is a shape). ``progress(n)`` is called after each program. The engine
+        must be idle; scratch rows are closed afterwards. Returns how many programs
+        it ran."""
         if any(state is not None for state in self.row_state):
             raise JaxKVError("warm-up needs an idle engine (a row is open)")
-        shapes = buckets.shape_set(self.rows, self.max_positions, self.prefill_chunk, decode_chunk, self.min_batch, self.short_chunk)
-        sampler_options = [self.WARMUP_SAMPLERS[name] for name in samplers]
-        prefill_variants = [(False, False)] + [v for v, on in (((True, False), prefill_rows), ((False, True), prefill_mass)) if on]  # (rows, mass)
-        decode_variants = [Features(attn_mass=m) for m in ([False, True] if decode_mass else [False])]
-        work: dict[int, dict[int, list]] = {}  # jobs -> live length -> programs to run there
-        for B, C, _, live in shapes.prefill:
-            jobs = min(B, self.rows)
-            work.setdefault(jobs, {}).setdefault(live, []).extend(("prefill", (C, f)) for f in prefill_variants)
-        for B, _, _, live in shapes.decode:
-            jobs = next(j for j in range(1, self.rows + 1) if buckets.decode_rows(j, self.min_batch) == B)
-            work.setdefault(jobs, {}).setdefault(live, []).extend(
-                ("decode", (opts, f)) for f in decode_variants for opts in sampler_options
-            )
+        shapes = self.shape_set(decode_chunk)
         ran = 0
-        for jobs, by_live in sorted(work.items()):
-            rows = [self.open_row() for _ in range(jobs)]
+
+        def tick():
+            nonlocal ran
+            compiles.release_if_crowded()
+            ran += 1
+            if progress is not None:
+                progress(1)
+
+        row = self.open_row()
+        try:
+            variants = [(False, False)] + [(q, m) for q, m, on in ((True, False, capture_q), (True, True, attn_mass)) if on]
+            for T in shapes.steps:
+                for q, m in variants:
+                    n = min(T, self.prefill_chunk) if T > buckets.MIN_STEP_TOKENS else 1
+                    self.step(prefill_jobs=[self.start_prefill(row, np.zeros(n, np.int32), q_idx=[0] if q else None, attn_mass=m)])
+                    self.truncate_row(row, 0)
+                    tick()
+        finally:
+            self.close_row(row)
+        for B, W in shapes.decode:
+            rows = [self.open_row() for _ in range(B)]
             try:
-                for live, programs in sorted(by_live.items()):
-                    self._warm_grow(rows, live)
-                    for kind, arg in programs:
-                        if kind == "prefill":
-                            C, (rows_q, mass) = arg
-                            self.step_prefill([
-                                self.start_prefill(r, np.zeros(C, np.int32), q_idx=[0] if rows_q else None, attn_mass=mass) for r in rows
-                            ])
-                        else:
-                            opts, f = arg
-                            self.step_decode([
-                                self.start_decode(r, 0, decode_chunk, stop_token_ids=stop_token_ids, features=f, **opts) for r in rows
-                            ], decode_chunk, regroup=True)  # as the scheduler calls it
-                        for r in rows:
-                            self.truncate_row(r, live)
-                        compiles.release_if_crowded()  # the whole set may not fit the process's mappings
-                        ran += 1
-                        if progress is not None:
-                            progress(1)
+                live = max(W - decode_chunk, 1) if W else 1
+                live = min(live, self.max_positions - decode_chunk)
+                for r in rows:  # a live length that asks for this window width
+                    self.prefill([r], [np.zeros(live, np.int32)])
+                self.step_decode([self.start_decode(r, 0, decode_chunk, stop_token_ids=stop_token_ids) for r in rows], decode_chunk, regroup=True)
+                tick()
             finally:
                 for r in rows:
                     self.close_row(r)
         return ran
-
-    def _warm_grow(self, rows, live: int) -> None:
-        """Prefill scratch rows up to ``live`` positions (warm-up)."""
-        need = live - self._row(rows[0]).seq_len
-        if need > 0:
-            self.prefill(rows, [np.zeros(need, np.int32)] * len(rows))
 
     def splice_prefill(self, row: int, plan, *, mode: str = "append"):
         """Run one ``jaxkv.splice.SplicePlan`` on ``row``; returns ``(logits [Y, V],
@@ -1226,7 +1037,7 @@ class Engine:
             logits, self.cache, resid = splice_step(
                 self.graphdef, self.params, self.cache, a_tok, a_pos, a_slot, b_src, b_resid, b_pos, b_slot, b_cut_slot,
                 kv_k, kv_v, kv_slot, kv_delta, live_N, live_pos_N, logit_src,
-                cut=int(plan.cut), kv_lo=int(plan.kv_lo), kv_hi=int(plan.kv_hi) if nl else int(plan.kv_lo), io=self.pool.layer_io,
+                cut=int(plan.cut), kv_lo=int(plan.kv_lo), kv_hi=int(plan.kv_hi) if nl else int(plan.kv_lo), io=self.pool.layers,
             )
             logits, resid = np.asarray(logits)[: logit_idx.size], np.asarray(resid)[: a_idx.size]
         finally:

@@ -83,7 +83,7 @@ def splice_step(graphdef, params, cache, a_tok_A, a_pos_A, a_slot_A, b_src_B, b_
     position -1 (they see no key and write to the sentinel), K/V rows with slot 0.
 
     The pool is read and written one layer at a time through ``io``, the pool's
-    ``layer_io`` (``jaxkv.cache.pools``): ``io.write(kv, i, k_XKD, v_XKD, slots_X)``
+    ``layers`` (``jaxkv.cache.pools``): ``io.write(kv, i, k_XKD, v_XKD, slots_X)``
     stores float rows at the slots' precision, ``io.read(kv, i, slots_N)`` gives
     them back in float, so a quantized pool splices as the float pool does.
 
@@ -92,34 +92,35 @@ def splice_step(graphdef, params, cache, a_tok_A, a_pos_A, a_slot_A, b_src_B, b_
     residual at the input of layer ``cut`` (what a stored segment keeps).
     """
     model = nnx.merge(graphdef, params)
-    L = len(model.layers)
+    L = model.cfg.num_layers
     kv = cache.kv
     if kv_hi > kv_lo:
         M = kv_slot_M.shape[0]
         k_rot = rope_delta(kv_k_LMKD, jnp.arange(M, dtype=jnp.int32), kv_delta_M, model.cfg.rope)
         for i in range(kv_lo, kv_hi):
             kv = io.write(kv, i, k_rot[i - kv_lo], kv_v_LMKD[i - kv_lo], kv_slot_M)
-    pools = {"kv": kv}
 
     def attender(q_pos, slots_for):
-        def attend(i, q, k, v):
-            pools["kv"] = io.write(pools["kv"], i, k[0], v[0], slots_for(i))
-            k_live, v_live = io.read(pools["kv"], i, live_N)
+        def attend(i, q, k, v, kv):
+            kv = io.write(kv, i, k[0], v[0], slots_for(i))
+            k_live, v_live = io.read(kv, i, live_N)
             o = positional_attention(q[0], q_pos, k_live, v_live, live_pos_N)
-            return o[None]
+            return o[None], kv, None
 
         return attend
 
-    x_a = model.run_layers(model.embed_tokens(a_tok_A[None]), a_pos_A[None], attender(a_pos_A, lambda i: a_slot_A), 0, cut)[0]
+    x_a, kv, _ = model.run_layers(model.embed_tokens(a_tok_A[None]), a_pos_A[None], attender(a_pos_A, lambda i: a_slot_A), kv, 0, cut)
+    x_a = x_a[0]
     if cut < L:
         from_a = (b_src_B >= 0)[:, None]
         x_b = jnp.where(from_a, x_a[jnp.clip(b_src_B, 0)], b_resid_BM.astype(x_a.dtype))
-        slots_b = lambda i: b_cut_slot_B if i == cut else b_slot_B  # noqa: E731
-        x_out = model.run_layers(x_b[None], b_pos_B[None], attender(b_pos_B, slots_b), cut, L)[0]
+        slots_b = lambda i: jnp.where(i == cut, b_cut_slot_B, b_slot_B)  # noqa: E731
+        x_out, kv, _ = model.run_layers(x_b[None], b_pos_B[None], attender(b_pos_B, slots_b), kv, cut, L)
+        x_out = x_out[0]
     else:
         x_out = x_a
     logits = model.logits(x_out[logit_src_Y])
-    return logits, cache.with_kv(pools["kv"]), x_a
+    return logits, cache.with_kv(kv), x_a
 
 
 @functools.partial(jax.jit, static_argnames=("graphdef", "layer"))
@@ -128,7 +129,7 @@ def layer_key_deviation(graphdef, params, x_XM, pos_X, k_old_XKD, delta_X, *, la
     the recomputed post-RoPE key of ``layer`` from the residual ``x_XM`` at its input
     against the stored key moved to the new position (``rope_delta``). ``[X]`` f32."""
     model = nnx.merge(graphdef, params)
-    blk = model.layers[layer]
+    blk = model.layer(layer)
     _, k, _ = blk.self_attn.qkv(blk.input_layernorm(x_XM[None]), pos_X[None])
     X = pos_X.shape[0]
     k_old = rope_delta(k_old_XKD, jnp.arange(X, dtype=jnp.int32), delta_X, model.cfg.rope)

@@ -23,29 +23,27 @@ def logits_over_kept(model, prefix_tokens, keep, new_tokens, *, renumber=False):
     module = model.module
     prefix = jnp.asarray([prefix_tokens], jnp.int32)
     P = prefix.shape[1]
-    kv = []
 
-    def capture(i, q, k, v):
-        kv.append((k, v))
-        return attention.causal_attention(q, k, v)
+    def capture(i, q, k, v, carry):
+        return attention.causal_attention(q, k, v), carry, (k, v)
 
-    module._run(prefix, jnp.arange(P, dtype=jnp.int32)[None], capture)
+    _, _, (k_LPKD, v_LPKD) = module.run_layers(module.embed_tokens(prefix), jnp.arange(P, dtype=jnp.int32)[None], capture)
     keep = np.asarray(sorted(keep))
     new = jnp.asarray([new_tokens], jnp.int32)
     T = new.shape[1]
 
-    def attend_kept(i, q, k, v):
-        k_kept = kv[i][0][:, keep]
+    def attend_kept(i, q, k, v, carry):
+        k_kept = k_LPKD[i][:, keep]
         if renumber:
             delta = jnp.asarray(np.arange(len(keep)) - keep)[None]
             k_kept = apply_rope(k_kept, delta, model.config.rope)
         k_all = jnp.concatenate([k_kept, k], axis=1)
-        v_all = jnp.concatenate([kv[i][1][:, keep], v], axis=1)
+        v_all = jnp.concatenate([v_LPKD[i][:, keep], v], axis=1)
         causal = np.tril(np.ones((T, T), bool))
         mask = np.concatenate([np.ones((T, len(keep)), bool), causal], axis=1)[None]
         out, _ = attention._attend(attention.group_heads(q, k.shape[2]), k_all, v_all, jnp.asarray(mask))
-        return out.astype(q.dtype)
+        return out.astype(q.dtype), carry, None
 
     first = len(keep) if renumber else P
-    x = module._run(new, (first + jnp.arange(T, dtype=jnp.int32))[None], attend_kept)
+    x, _, _ = module.run_layers(module.embed_tokens(new), (first + jnp.arange(T, dtype=jnp.int32))[None], attend_kept)
     return np.asarray(module._logits(x), np.float64)[0]

@@ -54,7 +54,8 @@ def test_dry_run_writes_every_table_marked_dry_run(tmp_path):
     kernels = parts["kernels"]["rows"]
     assert len(kernels) == len(device_check.kernel_checks(device_check.DRY_RUN)) and all(r["passed"] for r in kernels)
     # every timing and every baseline was measured
-    for key, fields in (("attention", ("kernel_s", "xla_s")), ("decode", ("jaxkv_tok_s", "hf_loop_tok_s", "hf_generate_tok_s")),
+    for key, fields in (("attention", ("kernel_s", "xla_s")), ("ragged", ("kernel_s", "flops", "executed_flops")),
+                        ("decode", ("jaxkv_tok_s", "hf_loop_tok_s", "hf_generate_tok_s")),
                         ("prefill", ("jaxkv_s", "jaxkv_first_s", "hf_all_s", "hf_last_s", "programs")),
                         ("quant", ("s_per_token", "kv_bytes"))):  # fmt: skip
         rows = device_report._rows(results, key)
@@ -99,13 +100,53 @@ def test_report_from_recorded_results():
     # unfinished parts, failures
     assert "> **Part `e2e`: timed out** after 180 s: killed at its 180 s limit" in text
     assert "> **Part `attention`: stopped at deadline**" in text and "(stopped before 4096 tokens x 8)" in text
-    prefill = text.split(device_report.heading(device_report.TABLES[5].title, False))[1].split("## ")[0]
+    titles = {t.key: t.title for t in device_report.TABLES}
+    prefill = text.split(device_report.heading(titles["prefill"], False))[1].split("## ")[0]
     assert "(not measured)" in prefill
     assert "**FAIL**" in _row_line(text, "decode masked INT2 pages + float part")
     assert "ERROR: XlaRuntimeError: INTERNAL: fixture failure" in _row_line(text, "INT4 quantizing write")
     failures = text.split("## Failures")[1]
     assert "compiling decode for batch 32" in failures and "hf_generate_tok_s (table decode, batch 8, ctx 4096)" in failures
     assert "1/3 kernel checks pass" in text and "not finished: `attention` (stopped at deadline), `e2e` (timed out)" in text
+
+
+def test_ragged_rows_report_their_share_of_the_matmul_rate():
+    """Ragged rows recorded by the attention part: TFLOP/s = flops / seconds, its share
+    of the bf16 matmul rate ``env`` measured, and the roofline share (bytes over the
+    copy bandwidth or flops over the matmul rate, whichever is slower); the headline
+    quotes the largest prefill."""
+    results = json.loads(FIXTURE.read_text())
+    env = results["parts"]["env"]["info"]
+    rows = [row for row, _ in device_check.ragged_steps(device_check.DEVICE)]
+    assert [r["step"] for r in rows[:1]] == ["prefill 8192 tokens in 2048-token chunks"] and rows[-1]["step"].startswith("mixed")
+    rows[0].update(kernel_s=0.002, kernel_error=None)
+    rows[-1].update(kernel_s=0.0005, kernel_error=None)
+    rows[1].update(kernel_s=None, kernel_error="BackendUnavailableError: fixture")
+    results["parts"]["attention"]["rows"] += rows
+    text = device_report.render(results)
+    big, mixed = rows[0], rows[-1]
+    line = _row_line(text, "Llama-3-8B", "32/8 x 128", big["step"], "4")
+    rate = big["flops"] / big["kernel_s"]
+    assert f"| {rate * 1e-12:.1f} | {rate / env['matmul_flops']:.0%} | {big['flops'] / env['matmul_flops'] / big['kernel_s']:.0%} |" in line
+    line = _row_line(text, "Llama-3-8B", "32/8 x 128", mixed["step"], "1")
+    floor = max(mixed["bytes"] / env["copy_bandwidth"], mixed["flops"] / env["matmul_flops"])
+    assert line.endswith(f"| {floor / mixed['kernel_s']:.0%} |")
+    assert "n/a (BackendUnavailableError: fixture)" in _row_line(text, "SmolLM2-135M", "9/3 x 64", rows[1]["step"])
+    assert f"ragged prefill (Llama-3-8B, 8192 tokens in 2048-token chunks) at {rate * 1e-12:.0f} TFLOP/s" in text
+    # the decode table keeps its own rows only
+    assert [r["kernel"] for r in device_report._rows(results, "attention")] == [
+        r["kernel"] for r in results["parts"]["attention"]["rows"] if "table" not in r]
+
+
+def test_ragged_costs_count_a_causal_prompt():
+    """A prompt's calls add up to the causal work of the whole prompt: each query head
+    sees its position + 1 entries, ``4 D + 5`` flops each."""
+    for row, calls in device_check.ragged_steps(device_check.DEVICE):
+        K, G, D = row["Hkv"], row["G"], row["D"]
+        if row["step"].startswith("prefill"):
+            tokens = calls[-1][0][1]
+            assert row["flops"] == K * G * (4 * D + 5) * tokens * (tokens + 1) // 2
+            assert row["flops"] <= row["executed_flops"] <= 1.2 * row["flops"]
 
 
 def test_prefill_rows_show_their_compiles_and_why_a_row_was_skipped():
@@ -122,24 +163,26 @@ def test_prefill_rows_show_their_compiles_and_why_a_row_was_skipped():
 
 def test_prefill_programs_counts_the_programs_a_fresh_engine_compiles():
     """``bench_prefill.prefill_programs`` (what the device check predicts compile time
-    from) equals the prefill programs a fresh engine of that many positions adds."""
+    from) equals the step programs a fresh engine adds for one prompt: one per token
+    bucket of its pieces, however long the prompt (live lengths are data)."""
     import jax
 
     import jaxkv
     from eval.bench_prefill import prefill_programs
-    from jaxkv.engine import Engine, prefill_step
+    from jaxkv.engine import Engine
+    from jaxkv.step import run_step
 
     model = jaxkv.load_model("embedded")
-    # max_positions no other test uses, so every shape is new; at chunk 32 two chunks share a read length
-    # (128, and the 200 positions), so the count is not the chunk count (7)
-    for T, chunk in ((200, 64), (200, 32)):
+    # positions no other test uses, so every program is new: 200 tokens are 3 x 64 + 8
+    # (buckets 80 and 16 of a 65-token budget), 240 are 7 x 32 + 16 (32 and 16)
+    for T, chunk in ((200, 64), (240, 32)):
         engine = Engine(model, rows=1, max_positions=T, num_slots=T + 1, prefill_chunk=chunk)
-        before = prefill_step._cache_size()
+        before = run_step._cache_size()
         row = engine.open_row()
         engine.prefill([row], [list(range(1, T + 1))])
         jax.block_until_ready(engine.cache.k)
-        assert prefill_step._cache_size() - before == prefill_programs(T, chunk), (T, chunk)
-    assert prefill_programs(8192, 512) == 16 and prefill_programs(200, 32) == 5
+        assert run_step._cache_size() - before == prefill_programs(T, chunk) == 2, (T, chunk)
+    assert prefill_programs(8192, 512) == prefill_programs(8000, 512) == 1 and prefill_programs(600, 512) == 2
 
 
 def test_render_command_rewrites_the_report(tmp_path, capsys):

@@ -85,76 +85,58 @@ def test_prefix_with_holes_is_neither_read_nor_refilled(qwen3):
     assert _rel(got, ref) <= 1e-4
 
 
-def test_short_piece_batched_with_a_long_one_keeps_its_own_width(qwen3, monkeypatch):
-    """One prefill step per chunk width: a 40-token piece next to a 300-token prompt
-    runs at width 128 (not padded to 512) and gets its solo logits bit for bit."""
+def test_a_step_serves_decode_rows_beside_prefill_pieces_within_its_budget(qwen3, monkeypatch):
+    """One engine step takes the next token of every decoding row and prefill
+    pieces of the waiting rows in what is left of the token budget, padded to a
+    token bucket; each row's tokens and logits are those it gets alone."""
     import jaxkv.engine as engine_mod
+    from jaxkv import buckets
 
     rng = np.random.default_rng(3)
-    long_prompt, short_prompt = rng.integers(0, 1024, 300).tolist(), rng.integers(0, 1024, 40).tolist()  # model context: 512
-    solo = jaxkv.Engine(qwen3, rows=2, max_positions=512, prefill_chunk=512)
-    ref = solo.prefill([solo.open_row()], [short_prompt], all_logits=True)[0]
-    widths = []
-    real_step = engine_mod.prefill_step
-    monkeypatch.setattr(engine_mod, "prefill_step", lambda *a, **k: (widths.append(a[3].tokens_BT.shape), real_step(*a, **k))[1])
-    engine = jaxkv.Engine(qwen3, rows=2, max_positions=512, prefill_chunk=512)
-    a, b = engine.open_row(), engine.open_row()
-    jobs = [engine.start_prefill(a, long_prompt), engine.start_prefill(b, short_prompt, all_logits=True)]
-    engine.step_prefill(jobs)
-    assert all(j.finished for j in jobs)
-    assert sorted(w[1] for w in widths) == [128, 512] and all(w[0] == 1 for w in widths)
-    got = np.concatenate(jobs[1].logits)
-    assert got.shape == ref.shape and (got == ref).all()
+    decoding, long_prompt, short_prompt = (rng.integers(0, 1024, n).tolist() for n in (50, 300, 40))
+    solo = jaxkv.Engine(qwen3, rows=1, max_positions=512, prefill_chunk=128)
+    r = solo.open_row()
+    solo.prefill([r], [decoding])
+    want_tokens, _ = solo.decode([r], [7], 3)
+    solo.close_row(r)
+    r = solo.open_row()
+    want_long = solo.prefill([r], [long_prompt], all_logits=True)[0]
+
+    seen = []
+    real_step = engine_mod.run_step
+    monkeypatch.setattr(engine_mod, "run_step", lambda *a, **k: (seen.append(np.asarray(a[3].q_len_R)), real_step(*a, **k))[1])
+    engine = jaxkv.Engine(qwen3, rows=3, max_positions=512, prefill_chunk=128, token_budget=160)
+    a, b, c = (engine.open_row() for _ in range(3))
+    engine.prefill([a], [decoding])
+    seen.clear()
+    dec = engine.start_decode(a, 7, 3)
+    jobs = [engine.start_prefill(b, long_prompt, all_logits=True), engine.start_prefill(c, short_prompt)]
+    engine.step(prefill_jobs=jobs, decode_jobs=[dec])
+    assert seen[0][:3].tolist() == [1, 128, 31]  # the decode token, a whole chunk, the rest of the 160-token budget
+    assert dec.fed == 1 and jobs[0].done == 128 and jobs[1].done == 31
+    while not (dec.finished and all(j.finished for j in jobs)):
+        engine.step(prefill_jobs=jobs, decode_jobs=[dec])
+    assert all(q.sum() <= 160 for q in seen)
+    assert dec.tokens == want_tokens[0]
+    assert _rel(np.concatenate(jobs[0].logits), want_long) <= 1e-5
+    assert buckets.token_buckets(160) == [16, 32, 64, 128, 160]
 
 
-def test_prefill_width_is_the_power_of_two_above_the_piece(qwen3, monkeypatch):
-    """Pieces of 40, 200 and 300 tokens run at widths 128, 256 and 512 (a piece is
-    padded less than 2x), each with its solo logits."""
+def test_a_step_is_padded_to_its_token_bucket(qwen3, monkeypatch):
+    """The flat batch is padded to the smallest token bucket that holds it, so the
+    steps compile once per bucket whatever the rows' lengths."""
     import jaxkv.engine as engine_mod
 
-    rng = np.random.default_rng(5)
-    prompts = [rng.integers(0, 1024, n).tolist() for n in (40, 200, 300)]
-    solo = []
-    for p in prompts:
-        e = jaxkv.Engine(qwen3, rows=1, max_positions=512, prefill_chunk=512)
-        solo.append(e.prefill([e.open_row()], [p], all_logits=True)[0])
     widths = []
-    real_step = engine_mod.prefill_step
-    monkeypatch.setattr(engine_mod, "prefill_step", lambda *a, **k: (widths.append(a[3].tokens_BT.shape[1]), real_step(*a, **k))[1])
-    engine = jaxkv.Engine(qwen3, rows=3, max_positions=512, prefill_chunk=512)
-    jobs = [engine.start_prefill(engine.open_row(), p, all_logits=True) for p in prompts]
-    engine.step_prefill(jobs)
-    assert sorted(widths) == [128, 256, 512] and all(j.finished for j in jobs)
-    for job, ref in zip(jobs, solo):
-        assert _rel(np.concatenate(job.logits), ref) <= 1e-5
-
-
-def test_prefill_batches_split_into_power_of_two_groups_without_padding_rows(qwen3, monkeypatch):
-    """Three pieces of one width run as a step of 2 rows and a step of 1 (no
-    padding row: it would run the whole forward), longest contexts together, and
-    each row's logits match its solo prefill."""
-    import jaxkv.engine as engine_mod
-
-    rng = np.random.default_rng(4)
-    contexts = [rng.integers(0, 1024, n).tolist() for n in (10, 200, 90)]
-    pieces = [rng.integers(0, 1024, 20).tolist() for _ in contexts]
-    solo = []
-    for ctx, piece in zip(contexts, pieces):
-        e = jaxkv.Engine(qwen3, rows=1, max_positions=512)
-        r = e.open_row()
-        e.prefill([r], [ctx])
-        solo.append(e.prefill([r], [piece], all_logits=True)[0])
-    engine = jaxkv.Engine(qwen3, rows=3, max_positions=512)
-    rows = [engine.open_row() for _ in contexts]
-    engine.prefill(rows, contexts)
-    steps = []
-    real_step = engine_mod.prefill_step
-    monkeypatch.setattr(engine_mod, "prefill_step", lambda *a, **k: (steps.append(np.asarray(a[3].rows_B).tolist()), real_step(*a, **k))[1])
-    jobs = [engine.start_prefill(r, p, all_logits=True) for r, p in zip(rows, pieces)]
-    engine.step_prefill(jobs)
-    assert steps == [[rows[2], rows[1]], [rows[0]]]  # the two longer contexts first, then the shortest; no padding row
-    for job, ref in zip(jobs, solo):
-        assert _rel(np.concatenate(job.logits), ref) <= 1e-5
+    real_step = engine_mod.run_step
+    monkeypatch.setattr(engine_mod, "run_step", lambda *a, **k: (widths.append(a[3].tokens_T.shape[0]), real_step(*a, **k))[1])
+    engine = jaxkv.Engine(qwen3, rows=2, max_positions=512)
+    assert engine.token_budget == 528  # a whole 512-token chunk beside a decode token per row, rounded up to 16
+    row = engine.open_row()
+    for n, width in ((40, 64), (3, 16), (129, 256), (300, 512)):
+        engine.prefill([row], [np.arange(n) % 1000])
+        assert widths[-1] == width, (n, widths)
+    _assert_tables_mirror_host(engine, [row])
 
 
 def test_out_of_slots_changes_nothing(qwen3):
@@ -192,42 +174,38 @@ def _assert_tables_mirror_host(engine, rows):
     seq_len = np.asarray(engine.cache.seq_len)
     for r in rows:
         st = engine.row_state[r]
-        assert seq_len[r] == st.seq_len and live_len[r] == len(st.live)
+        assert seq_len[r] == st.seq_len and (live_len[:, r] == len(st.live)).all()
         assert slot_map[r, : st.seq_len].tolist() == st.slots
-        assert live_idx[r, : live_len[r]].tolist() == st.live
+        for j in range(live_idx.shape[0]):  # every layer's list (one, unless per-layer sets)
+            assert live_idx[j, r, : live_len[j, r]].tolist() == st.live
         assert SENTINEL_SLOT not in st.live
         assert all(engine.allocator.refcount(s) >= 1 for s in st.live)
 
 
 def test_decode_window_equals_per_step_gather(qwen3):
-    """The CPU decode loop's once-per-chunk window (``engine.gather_window``) gives
-    the tokens, logits and attention mass of gathering from the pool every step,
-    on rows of different lengths, one with dead slots in its live list, and the
-    window holds the chunk's own new tokens."""
-    from jaxkv.engine import gather_window
-    from jaxkv.models.transformer import Features
+    """The CPU decode loop's once-per-call window (``jaxkv.step.gather_window``) gives
+    the tokens, logits and query rows of gathering key blocks from the pool every
+    step, on rows of different lengths, one with dead slots in its live list, and
+    the window holds the call's own new tokens."""
+    from jaxkv.step import Features
     from jaxkv.policies import layouts
 
     rng = np.random.default_rng(7)
     prompts = [rng.integers(0, 1024, n).tolist() for n in (90, 37, 61)]
     runs = {}
     for window in (True, False):
-        engine = jaxkv.Engine(qwen3, rows=3, max_positions=256, prefill_chunk=32)
+        engine = jaxkv.Engine(qwen3, rows=3, max_positions=256, num_slots=2048, prefill_chunk=32)
         engine.decode_window = window
         rows = [engine.open_row() for _ in prompts]
         engine.prefill(rows, prompts)
         keep = np.setdiff1d(np.arange(90), [2, 3, 40, 41, 77])  # dead slots inside row 0's list
         engine.apply_layout(rows[0], layouts.dead_slot(engine.row_state[rows[0]].slots, keep))
-        runs[window] = engine.decode(
-            rows, [5, 6, 7], 20, return_logits=True, features=Features(attn_mass=True, query_rows=True)
-        )
-        assert gather_window(engine.cache, 4, 128, engine.backend, None, engine.pool.uses_window)
+        runs[window] = engine.decode(rows, [5, 6, 7], 20, return_logits=True, features=Features(query_rows=True))
+        assert engine.uses_window(4, 256) == window
     (tok_w, log_w, aux_w), (tok_g, log_g, aux_g) = runs[True], runs[False]
     assert tok_w == tok_g
     for a, b in zip(log_w, log_g):
         assert _rel(a, b) <= 1e-6
-    for a, b in zip(aux_w["attn_mass"], aux_g["attn_mass"]):
-        np.testing.assert_allclose(a, b, atol=1e-6)
     for a, b in zip(aux_w["q_rows"], aux_g["q_rows"]):  # layer > 0 queries carry the rounding of the layers below
         assert _rel(a, b) <= 1e-5
 

@@ -1,12 +1,12 @@
-"""The engine's jit'd steps (``prefill_step``, ``decode_loop``) for a bf16 model lower
+"""The engine's jit'd steps (``run_step``, ``run_decode``) for a bf16 model lower
 for TPU and for CUDA on this CPU host (``jax.export``): everything around the
 kernels (dtypes, donation of the pool, sharding over a mesh) is checked for both
 platforms without the hardware.
 
-* TPU ("TPU v5 lite", "TPU v6 lite" abstract devices): decode attention through the
-  Pallas kernel (``backend="tpu"``: a Mosaic custom call in the module).
-* CUDA: decode attention through the jnp reference (the Triton kernels go through
-  jax-triton, which needs a CUDA jaxlib to lower).
+* TPU ("TPU v5 lite", "TPU v6 lite" abstract devices): the ragged attention through
+  the Pallas kernel (``backend="tpu"``: a Mosaic custom call in the module).
+* CUDA: the ragged attention through the jnp reference (the Triton kernels go
+  through jax-triton, which needs a CUDA jaxlib to lower).
 * Sharded: the same steps on an abstract 2 x 2 (dp x tp) mesh: the pool arguments
   are donated and split by KV head, the kernel runs inside the per-device
   ``shard_map``.
@@ -26,10 +26,11 @@ from jax.sharding import AbstractDevice, AbstractMesh, NamedSharding
 
 from jaxkv.cache.state import PagedKVCache
 from jaxkv.config import ModelConfig
-from jaxkv.engine import DecodeBatch, PrefillBatch, cache_sharding, decode_loop, prefill_step
+from jaxkv.cache.pools import FloatLayers
 from jaxkv.models import sharding
-from jaxkv.models.transformer import NO_FEATURES, Features, Transformer
-from jaxkv.sampling import make_sampler
+from jaxkv.models.transformer import Transformer
+from jaxkv.sampling import RowSamplers
+from jaxkv.step import DecodeBatch, StepBatch, cache_sharding, run_decode, run_step
 
 DEVICE_KINDS = ("TPU v5 lite", "TPU v6 lite")
 sds = jax.ShapeDtypeStruct
@@ -37,7 +38,7 @@ i32 = jnp.int32
 # A small Qwen3 with the shapes production kernels use: head_dim 128, GQA 4.
 CFG = ModelConfig(model_type="qwen3", vocab_size=1024, hidden_size=256, intermediate_size=384, num_layers=2,
                   num_heads=8, num_kv_heads=2, head_dim=128, qk_norm=True, max_position_embeddings=4096)
-B, T, N_STEPS, N_READ, SLOTS, ROWS, POSITIONS = 4, 128, 16, 512, 4097, 4, 1024
+B, T, N_STEPS, SLOTS, ROWS, POSITIONS = 4, 128, 16, 4097, 4, 1024
 
 
 def _abstract_args(mesh=None):
@@ -53,20 +54,21 @@ def _abstract_args(mesh=None):
                                                        head_dim=CFG.head_dim, rows=ROWS, positions=POSITIONS, dtype=jnp.bfloat16))
     if mesh is not None:
         cache = jax.tree.map(lambda x, s: sds(x.shape, x.dtype, sharding=s), cache, cache_sharding(cache, mesh))
-    prefill = PrefillBatch(sds((B,), i32), sds((B, T), i32), sds((B,), i32), sds((B, T), i32), sds((B, 8), i32), sds((B, 1), i32))
+    samplers = RowSamplers(sds((B,), jnp.float32), sds((B,), i32), sds((B,), jnp.float32))
+    step = StepBatch(sds((T,), i32), sds((T,), i32), sds((T,), i32), sds((B,), i32), sds((B,), i32), sds((B,), i32),
+                     sds((B, 2), jnp.uint32), sds((B,), i32), samplers)
     decode = DecodeBatch(sds((B,), i32), sds((B,), i32), sds((B,), i32), sds((B, N_STEPS), i32), sds((B, 1), i32),
-                         sds((B, 2), jnp.uint32), sds((B,), i32), sds((B,), jnp.float32), sds((B,), jnp.float32), sds((B, N_STEPS), i32))
-    return graphdef, params, cache, prefill, decode
+                         sds((B, 2), jnp.uint32), sds((B,), i32), samplers, sds((B, N_STEPS), i32))
+    return graphdef, params, cache, step, decode
 
 
-def _export_steps(platform, backend, mesh=None, features=NO_FEATURES):
-    graphdef, params, cache, prefill, decode = _abstract_args(mesh)
-    spec, _, _ = make_sampler(0.0, None, None)
-    exported_prefill = jax.export.export(prefill_step, platforms=[platform])(
-        graphdef, params, cache, prefill, n_read=N_READ, features=features, mesh=mesh)
-    exported_decode = jax.export.export(decode_loop, platforms=[platform])(
-        graphdef, params, cache, decode, n_steps=N_STEPS, n_read=N_READ, spec=spec, backend=backend, mesh=mesh, features=features)
-    return exported_prefill, exported_decode
+def _export_steps(platform, backend, mesh=None, capture_q=False):
+    graphdef, params, cache, step, decode = _abstract_args(mesh)
+    exported_step = jax.export.export(run_step, platforms=[platform])(
+        graphdef, params, cache, step, layers=FloatLayers(), backend=backend, mesh=mesh, capture_q=capture_q)
+    exported_decode = jax.export.export(run_decode, platforms=[platform])(
+        graphdef, params, cache, decode, layers=FloatLayers(), n_steps=N_STEPS, backend=backend, mesh=mesh)
+    return exported_step, exported_decode
 
 
 def _tpu_mesh(device_kind, shape=(1,), names=("x",)):
@@ -95,10 +97,10 @@ def _check_bf16_steps(exported_prefill, exported_decode, platform):
         assert exported.platforms == (platform,)
         pool_avals = [a for a in exported.in_avals if a.shape == (CFG.num_layers, SLOTS, CFG.num_kv_heads, CFG.head_dim)]
         assert len(pool_avals) == 2 and all(a.dtype == jnp.bfloat16 for a in pool_avals)
-        weights = [a for a in exported.in_avals if a.ndim == 2 and CFG.hidden_size in a.shape]
+        weights = [a for a in exported.in_avals if a.ndim >= 2 and CFG.hidden_size in a.shape]
         assert weights and all(a.dtype == jnp.bfloat16 for a in weights)
         assert _softmax_exp_dtypes(exported) == {"f32"}  # softmax in float32 on a bf16 model
-    assert exported_prefill.out_avals[0].shape == (B, 1, CFG.vocab_size) and exported_prefill.out_avals[0].dtype == jnp.float32
+    assert exported_prefill.out_avals[1].shape == (B, CFG.vocab_size) and exported_prefill.out_avals[1].dtype == jnp.float32
 
 
 @pytest.mark.parametrize("device_kind", DEVICE_KINDS)
@@ -106,8 +108,8 @@ def test_bf16_steps_export_for_tpu_through_pallas(device_kind):
     with jax.sharding.use_abstract_mesh(_tpu_mesh(device_kind)):
         exported_prefill, exported_decode = _export_steps("tpu", "tpu")
     _check_bf16_steps(exported_prefill, exported_decode, "tpu")
-    assert "tpu_custom_call" in exported_decode.mlir_module()  # decode attention: the Mosaic kernel
     for exported in (exported_prefill, exported_decode):
+        assert "tpu_custom_call" in exported.mlir_module()  # the ragged attention: the Mosaic kernel
         for leaf in ("cache.k", "cache.v", "cache.live_idx"):
             assert "tf.aliasing_output" in _arg_attrs(exported, leaf), leaf  # the pool is donated
 
@@ -122,11 +124,11 @@ def test_bf16_steps_export_for_cuda_with_reference_attention():
 
 
 def test_features_export_for_tpu():
-    """The steps that capture query rows and attention mass (retention events) lower too."""
+    """The step that captures query rows (retention events) lowers too."""
     with jax.sharding.use_abstract_mesh(_tpu_mesh(DEVICE_KINDS[0])):
-        exported_prefill, exported_decode = _export_steps("tpu", "tpu", features=Features(query_rows=True, attn_mass=True))
-    assert _softmax_exp_dtypes(exported_prefill) == _softmax_exp_dtypes(exported_decode) == {"f32"}
-    assert len(exported_decode.out_avals) > 4
+        exported_step, exported_decode = _export_steps("tpu", "tpu", capture_q=True)
+    assert _softmax_exp_dtypes(exported_step) == _softmax_exp_dtypes(exported_decode) == {"f32"}
+    assert exported_step.out_avals[-1].shape == (CFG.num_layers, T, CFG.num_heads, CFG.head_dim)  # the captured query rows
 
 
 @pytest.mark.parametrize("platform,backend,device_kind", [("tpu", "tpu", DEVICE_KINDS[0]), ("tpu", "tpu", DEVICE_KINDS[1]), ("cuda", "reference", None)])
@@ -145,9 +147,9 @@ def test_sharded_steps_export(platform, backend, device_kind):
         for leaf in ("cache.k", "cache.v"):
             attrs = _arg_attrs(exported, leaf)
             assert "jax.buffer_donor = true" in attrs and '[{}, {}, {"tp"}, {}]' in attrs, attrs
-        assert '[{}, {"tp"}]' in _arg_attrs(exported, "params['layers'][0]['self_attn']['k_proj']['kernel'].value")
-        assert '[{"tp"}, {}]' in _arg_attrs(exported, "params['layers'][0]['mlp']['down_proj']['kernel'].value")
-    text = exported_decode.mlir_module()
-    assert "sdy.manual_computation" in text  # decode attention inside the per-device shard_map
-    if platform == "tpu":
-        assert "tpu_custom_call" in text
+        assert '[{}, {}, {"tp"}]' in _arg_attrs(exported, "params['layers']['self_attn']['k_proj']['kernel'].value")
+        assert '[{}, {"tp"}, {}]' in _arg_attrs(exported, "params['layers']['mlp']['down_proj']['kernel'].value")
+        text = exported.mlir_module()
+        assert "sdy.manual_computation" in text  # the ragged attention inside the per-device shard_map
+        if platform == "tpu":
+            assert "tpu_custom_call" in text

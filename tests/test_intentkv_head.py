@@ -627,7 +627,10 @@ def test_traces_for_a_template_without_tools_give_rows_of_that_models_shapes(smo
 def test_a_named_models_head_is_found_beside_its_converted_copy(tmp_path, monkeypatch, trained_like_head):
     """A model loaded by name lives in ``<cache>/models/<name>/float32``, which a
     reconversion replaces: its head is looked for one folder up (where
-    ``--export`` puts it), then in the package's assets; any other folder has none."""
+    ``--export`` puts it), then in the package's assets, which only the weights the
+    shipped head was trained for find (their ``weights_id``, recorded in the
+    assets' ``weights.json``); any other folder and weights have none."""
+    import json
     import types
 
     from jaxkv.models import registry
@@ -636,10 +639,15 @@ def test_a_named_models_head_is_found_beside_its_converted_copy(tmp_path, monkey
     name = next(iter(registry.REFERENCE_MODELS))
     converted = registry.converted_dir(name)
     converted.mkdir(parents=True)
-    model = types.SimpleNamespace(path=converted)
+    shipped_id = json.loads((registry.SHIPPED_ASSETS / name / registry.WEIGHTS_MANIFEST).read_text())["weights_id"]
+    model = types.SimpleNamespace(path=converted, weights_id=lambda: shipped_id)
     shipped = registry.SHIPPED_ASSETS / name / ih.HEAD_FOLDER
-    assert head_folder_of(model) == (shipped if (shipped / ih.CONFIG_FILE).is_file() else None)
+    assert head_folder_of(model) == shipped
+    assert head_folder_of(types.SimpleNamespace(path=converted)) is None  # the folder alone: not the shipped head
+    assert head_folder_of(types.SimpleNamespace(path=converted, weights_id=lambda: "w1:other")) is None
     shutil.copytree(trained_like_head, registry.model_dir(name) / ih.HEAD_FOLDER)
     assert head_folder_of(model) == registry.model_dir(name) / ih.HEAD_FOLDER
+    elsewhere = types.SimpleNamespace(path=tmp_path / "elsewhere", weights_id=lambda: shipped_id)
+    assert head_folder_of(elsewhere) == registry.model_dir(name) / ih.HEAD_FOLDER  # the weights name the model
     assert head_folder_of(types.SimpleNamespace(path=tmp_path / "elsewhere")) is None
     assert head_folder_of(types.SimpleNamespace(path=None)) is None

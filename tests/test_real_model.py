@@ -15,6 +15,7 @@ from __future__ import annotations
 import copy
 import dataclasses
 
+import jax
 import pytest
 from flax import nnx
 
@@ -38,8 +39,7 @@ def cut_layers(model, layers: int):
     graphdef, state = nnx.split(small.module)
     pure, source = nnx.to_pure_dict(state), nnx.to_pure_dict(nnx.state(model.module))
     pure["embed_tokens"], pure["norm"] = source["embed_tokens"], source["norm"]
-    for i in range(layers):
-        pure["layers"][i] = source["layers"][i]
+    pure["layers"] = jax.tree.map(lambda a: a[:layers], source["layers"])  # the stacked layer weights' first rows
     nnx.replace_by_pure_dict(state, pure)
     small.module = nnx.merge(graphdef, state)
     small.path = model.path

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import dataclasses
 
+import jax
 import numpy as np
 import pytest
 from flax import nnx
@@ -44,8 +45,7 @@ def shallow(smollm2_gguf):
     graphdef, state = nnx.split(small.module)
     pure, source = nnx.to_pure_dict(state), nnx.to_pure_dict(nnx.state(model.module))
     pure["embed_tokens"], pure["norm"] = source["embed_tokens"], source["norm"]
-    for i in range(2):
-        pure["layers"][i] = source["layers"][i]
+    pure["layers"] = jax.tree.map(lambda a: a[:2], source["layers"])  # the stacked layer weights' first two rows
     nnx.replace_by_pure_dict(state, pure)
     small.module = nnx.merge(graphdef, state)
     return small

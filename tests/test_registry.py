@@ -160,8 +160,10 @@ def test_fetch_cli_lists_the_reference_models(cache, capsys):
 def test_a_named_models_calibration_is_found_beside_its_converted_copy(cache):
     """``kv_quant="triaxial"`` with no ``kv_allocation`` on a model loaded by name
     reads ``<cache>/models/<name>/triaxial.json`` (where calibration writes it, out
-    of the converted copy a reconversion replaces); without one, a typed error
-    naming the calibration script."""
+    of the converted copy a reconversion replaces), then the shipped file, which
+    only the weights it was calibrated for find (``weights.json``); without either,
+    a typed error naming the calibration script."""
+    import json
     import shutil
     import types
 
@@ -169,14 +171,20 @@ def test_a_named_models_calibration_is_found_beside_its_converted_copy(cache):
     from jaxkv.policies.quant_allocation import load_allocation
     from jaxkv.serving.stages.quantization import CALIBRATION_FILE, resolve_allocation
 
-    model = types.SimpleNamespace(path=registry.converted_dir(NAME))
+    shipped_id = json.loads((registry.SHIPPED_ASSETS / NAME / registry.WEIGHTS_MANIFEST).read_text())["weights_id"]
+    model = types.SimpleNamespace(path=registry.converted_dir(NAME), weights_id=lambda: shipped_id)
     assert registry.artifact_paths(model.path, CALIBRATION_FILE) == [
+        registry.converted_dir(NAME) / CALIBRATION_FILE, registry.model_dir(NAME) / CALIBRATION_FILE]
+    assert registry.artifact_paths(model.path, CALIBRATION_FILE, shipped_id) == [
         registry.converted_dir(NAME) / CALIBRATION_FILE, registry.model_dir(NAME) / CALIBRATION_FILE,
         registry.SHIPPED_ASSETS / NAME / CALIBRATION_FILE]
     assert registry.artifact_paths(cache / "elsewhere", CALIBRATION_FILE) == [cache / "elsewhere" / CALIBRATION_FILE]
-    if not (registry.SHIPPED_ASSETS / NAME / CALIBRATION_FILE).is_file():
-        with pytest.raises(ConfigError, match="calibrate_triaxial"):
-            resolve_allocation(model, "triaxial", None)
+    assert registry.artifact_paths(cache / "elsewhere", CALIBRATION_FILE, shipped_id) == [
+        cache / "elsewhere" / CALIBRATION_FILE, registry.model_dir(NAME) / CALIBRATION_FILE,
+        registry.SHIPPED_ASSETS / NAME / CALIBRATION_FILE]
+    assert resolve_allocation(model, "triaxial", None) == load_allocation(registry.SHIPPED_ASSETS / NAME / CALIBRATION_FILE)
+    with pytest.raises(ConfigError, match="calibrate_triaxial"):
+        resolve_allocation(types.SimpleNamespace(path=model.path), "triaxial", None)  # other weights: not the shipped one
     registry.model_dir(NAME).mkdir(parents=True, exist_ok=True)
     shutil.copy(registry.SHIPPED_ASSETS / "embedded-agent" / CALIBRATION_FILE, registry.model_dir(NAME) / CALIBRATION_FILE)
     got = resolve_allocation(model, "triaxial", None)

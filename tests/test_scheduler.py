@@ -246,3 +246,37 @@ def test_a_session_runs_one_turn_at_a_time_and_bad_options_are_typed(small_model
         server.session(colour="blue")
     assert_nothing_leaked(server)
     server.close()
+
+
+def test_a_decoding_row_never_waits_behind_a_long_prompt(small_model, monkeypatch):
+    """While a long prompt is prefilled piece by piece, every engine step also gives
+    each decoding row its next token (chunked prefill on a token budget): a reply
+    that started first keeps growing, one token per step, and nothing leaks. (The
+    steps' numbers are the engine tests': a row's tokens beside others are its
+    solo tokens, ``tests/test_engine.py``.)"""
+    import time
+
+    server = Server(small_model, rows=2, max_positions=1024, prefill_chunk=32)  # the tiny model's context
+    short = [{"role": "user", "content": "weather in paris"}]
+    long = [{"role": "user", "content": " ".join(TINY_WORDS[i % len(TINY_WORDS)] for i in range(300))}]
+    steps = []
+    real_step = server.engine.step
+
+    def step(prefill_jobs=(), decode_jobs=()):
+        steps.append((sum(1 for j in prefill_jobs if not j.finished), sum(1 for j in decode_jobs if not j.finished)))
+        return real_step(prefill_jobs=prefill_jobs, decode_jobs=decode_jobs)
+
+    monkeypatch.setattr(server.engine, "step", step)
+    monkeypatch.setattr(server.scheduler, "decode_chunk", 1)  # the short turn decodes one token per call: still going when the prompt comes
+    a, b = server.session(), server.session()
+    first = a.start_chat(short, max_new_tokens=400)
+    deadline = time.perf_counter() + 120
+    while server.scheduler.stats["tokens_generated"] < 2:  # the short turn is decoding
+        assert time.perf_counter() < deadline
+        time.sleep(0.01)
+    second = b.start_chat(long, max_new_tokens=4)
+    first.result(timeout=300), second.result(timeout=300)
+    mixed = [(p, d) for p, d in steps if p and d]
+    assert len(mixed) >= 5, steps  # the long prompt took several steps, each with the short turn's next token in it
+    assert_nothing_leaked(server)
+    server.close()

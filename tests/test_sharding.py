@@ -106,12 +106,15 @@ SPLIT_COLUMNS = ("q_proj", "k_proj", "v_proj", "gate_proj", "up_proj")  # kernel
 SPLIT_ROWS = ("o_proj", "down_proj")  # kernels [heads x D or F, M]
 
 
-def _expected_split(module: str, param: str, ndim: int) -> list:
-    """The mesh axis each dimension of a weight should be split over."""
+def _expected_split(path: str, ndim: int) -> list:
+    """The mesh axis each dimension of a weight should be split over (a decoder
+    layer's weight, stacked ``[L, ...]``, is not split by layer)."""
+    module, param = path.split("/")[-2:]
+    layer = [None] if path.startswith("layers/") else []
     if module in SPLIT_COLUMNS:
-        return [None, "tp"] if param == "kernel" else ["tp"]
+        return layer + ([None, "tp"] if param == "kernel" else ["tp"])
     if module in SPLIT_ROWS and param == "kernel":
-        return ["tp", None]
+        return layer + ["tp", None]
     return [None] * ndim  # embeddings, norms, LM head, output biases: replicated
 
 
@@ -122,10 +125,10 @@ def test_weights_split_by_kv_head_and_mlp_width(measured, case):
     down by row (MLP width); everything else replicated."""
     specs = measured[case]["weight_specs"]
     for path, split in specs.items():
-        assert split == _expected_split(*path.split("/")[-2:], len(split)), path
+        assert split == _expected_split(path, len(split)), path
     n_split = sum("tp" in split for split in specs.values())
     biases = 3 if LOGITS_CASES[case][0] == "qwen2" else 0
-    assert n_split == 2 * (7 + biases)  # 2 layers x (7 kernels + q/k/v biases)
+    assert n_split == 7 + biases  # 7 stacked kernels + q/k/v biases, every layer in each
     assert set(MESH_AXIS) <= {a for axes in WEIGHT_AXES.values() for a in axes}
 
 
@@ -230,7 +233,7 @@ def test_meshes_built_with_jax_match_one_device(measured, name):
     types, shape = USER_MESHES[name]
     assert m["axis_types"] == types and m["mesh"] == shape  # the mesh really was built that way
     assert m["model_axis_types"] == ["AxisType.Auto"] * len(types) and m["same_devices"]
-    assert m["weights_split"] == 2 * 7  # 2 layers x (q, k, v, o, gate, up, down)
+    assert m["weights_split"] == 7  # q, k, v, o, gate, up, down: every layer's, stacked
     print(f"\n{name}: max |mesh - one device| score_logits {m['dense_err']:.2e}, session {m['session_err']:.2e}, "
           f"server session {m['server_session_err']:.2e} (logits up to {m['dense_scale']:.2f})")
     for what in ("dense", "session", "server_session"):

@@ -146,7 +146,7 @@ def _layer0_attention(params, graphdef, cfg, T=32, seed=0):
 
     model = nnx.merge(graphdef, params)
     ids = jnp.asarray(np.random.default_rng(seed).integers(300, 1500, size=(1, T)))
-    layer = model.layers[0]
+    layer = model.layer(0)
     q, k, _ = layer.self_attn.qkv(layer.input_layernorm(model.embed_tokens(ids)), jnp.arange(T)[None])
     scores = jnp.einsum("bqhd,bkhd->bhqk", q, k) / np.sqrt(cfg.head_dim)
     scores = jnp.where(np.tril(np.ones((T, T), bool)), scores, -1e30)
@@ -176,7 +176,7 @@ def test_copy_init_builds_positional_heads_and_mimetic_attention(tokenizer, size
     before = _layer0_attention(params, graphdef, cfg)
     assert np.mean([before[0, t, t - 1] for t in range(5, T)]) < 0.5  # random init: no such head
     flat = {jax.tree_util.keystr(k): np.asarray(v) for k, v in jax.tree_util.tree_leaves_with_path(init)}
-    attn_of = lambda layer, name: flat[f"['layers'][{layer}]['self_attn']['{name}']['kernel'].value"]
+    attn_of = lambda layer, name: flat[f"['layers']['self_attn']['{name}']['kernel'].value"][layer]  # stacked [L, ...]
     D = cfg.head_dim
     v0 = attn_of(0, "v_proj")
     for h in range(cfg.num_heads):

@@ -20,7 +20,7 @@ from jaxkv.cache.quantized_host import KIVI_WINDOW, DualAllocator
 from jaxkv.config import ModelConfig
 from jaxkv.engine import Engine, KVSource
 from jaxkv.errors import ConfigError, JaxKVError, OutOfSlotsError, SlotError
-from jaxkv.models.transformer import Features
+from jaxkv.step import Features
 from jaxkv.pallas.quant import PAGE
 from jaxkv.policies import layouts
 from jaxkv.policies.quant_allocation import solve

@@ -34,12 +34,18 @@ def tiny_model():
     return tiny_chat_model(head_dim=32, max_positions=256)
 
 
-def test_shape_set_is_finite_and_small():
-    s = buckets.shape_set(8, 4096, 512, 32)
-    assert 0 < s.size < 400
-    assert {C for _, C, _, _ in s.prefill} == {128, 256, 512}
-    assert {B for B, *_ in s.decode} == {1, 2, 4, 8}
-    assert all(r <= 4096 and w <= 4096 for _, r, w, _ in s.decode)
+def test_shape_set_is_bounded_by_buckets_not_lengths():
+    """The shapes are the token buckets and the decode (rows, window) pairs: tens of
+    programs, the same number for 4,096 and 8,192 positions but for one more
+    window width, and no more with a longer chunk than its bucket."""
+    s = buckets.shape_set(4, 4096, buckets.token_budget(512, 4), 32)
+    assert s.steps == (16, 32, 64, 128, 256, 512, 528)
+    assert {B for B, _ in s.decode} == {1, 2, 4}
+    assert {W for _, W in s.decode} == {512, 1024, 2048, 4096}
+    assert s.size == 7 + 3 * 4 <= 40
+    assert buckets.shape_set(4, 8192, buckets.token_budget(512, 4), 32).size == s.size + 3
+    assert buckets.shape_set(16, 8192, buckets.token_budget(512, 16), 32, windows=False).decode == tuple((B, 0) for B in (1, 2, 4, 8, 12, 16))
+    assert buckets.step_tokens(17, 528) == 32 and buckets.step_tokens(513, 528) == 528
 
 
 # The float pool runs every sampler and policy above; the INT4 pool (whose steps
@@ -113,8 +119,9 @@ def test_a_shape_set_larger_than_the_mapping_limit_warms_and_serves_without_comp
 
     jax.clear_caches()  # the warm-up below must bring its programs back (an earlier test may hold them)
     releases = compiles.releases()
-    crowded = int((compiles.mappings() + 600) / compiles.CROWDED_FRACTION)  # room for a few programs
+    crowded = int((compiles.mappings() + 300) / compiles.CROWDED_FRACTION)  # room for a program or two
     monkeypatch.setattr(compiles, "map_limit", lambda: crowded)
+    monkeypatch.setattr(compiles, "CHECK_EVERY", 1)  # the bounded set is a few programs: look after each
     server = Server(tiny_model, **options, warmup=("greedy",), warmup_policies=())  # plain turns: no policy programs
     try:
         assert compiles.releases() > releases, "the warm-up never reached the lowered limit"

@@ -164,17 +164,14 @@ def capture(graphdef, params, tokens_T):
     from jaxkv.attention import causal_attention
 
     model = nnx.merge(graphdef, params)
-    got = {"q": [], "k": [], "v": [], "o": []}
 
-    def attend(i, q, k, v):
+    def attend(i, q, k, v, carry):
         o = causal_attention(q, k, v)
-        for name, x in zip("qkvo", (q, k, v, o)):
-            got[name].append(x[0].astype(jnp.float32))
-        return o
+        return o, carry, tuple(x[0].astype(jnp.float32) for x in (q, k, v, o))
 
     T = tokens_T.shape[0]
-    model.run_layers(model.embed_tokens(tokens_T[None]), jnp.arange(T, dtype=jnp.int32)[None], attend)
-    return tuple(jnp.stack(got[n]) for n in "qkvo")
+    _, _, qkvo = model.run_layers(model.embed_tokens(tokens_T[None]), jnp.arange(T, dtype=jnp.int32)[None], attend)
+    return qkvo
 
 
 @jax.jit

@@ -152,23 +152,42 @@ def scale_qk_norm(params, gain: float, skip_layers=()):
 
     def fix(path, x):
         names = [str(getattr(k, "key", getattr(k, "name", k))) for k in path]
-        layer = next((int(b) for a, b in zip(names, names[1:]) if a == "layers"), None)
-        if layer in skip_layers or not any(n in ("q_norm", "k_norm") for n in names):
+        if not any(n in ("q_norm", "k_norm") for n in names):
             return x
-        return jnp.full_like(x, gain)
+        keep = np.isin(np.arange(x.shape[0]), list(skip_layers))  # a stacked layer leaf: one row per layer
+        return jnp.where(jnp.asarray(keep).reshape(-1, *([1] * (x.ndim - 1))), x, jnp.full_like(x, gain))
 
     return jax.tree_util.tree_map_with_path(fix, params)
 
 
+LAYERS = "['layers']"  # the keystr prefix of the stacked decoder-layer weights ``[L, ...]``
+
+
 def _leaves_by_name(params) -> dict[str, np.ndarray]:
-    """``{keystr path: array}`` of a parameter pytree (e.g. ``"['layers'][0]['self_attn']['q_proj']['kernel'].value"``)."""
-    return {jax.tree_util.keystr(k): np.asarray(v) for k, v in jax.tree_util.tree_leaves_with_path(params)}
+    """``{name: array}`` of a parameter pytree: the keystr path of each leaf, a
+    stacked layer leaf split into one entry per layer (e.g.
+    ``"['layers'][0]['self_attn']['q_proj']['kernel'].value"``)."""
+    out = {}
+    for k, v in jax.tree_util.tree_leaves_with_path(params):
+        name, v = jax.tree_util.keystr(k), np.asarray(v)
+        if name.startswith(LAYERS):
+            out.update({f"{LAYERS}[{i}]{name[len(LAYERS):]}": v[i] for i in range(v.shape[0])})
+        else:
+            out[name] = v
+    return out
 
 
 def _replace_leaves(params, updates: dict[str, np.ndarray]):
-    """``params`` with the leaves named in ``updates`` (``_leaves_by_name`` keys) replaced."""
+    """``params`` with the leaves (or layer rows) named in ``updates``
+    (``_leaves_by_name`` names) replaced."""
     def pick(path, x):
-        new = updates.get(jax.tree_util.keystr(path))
+        name = jax.tree_util.keystr(path)
+        if name.startswith(LAYERS):
+            rows = {i: updates.get(f"{LAYERS}[{i}]{name[len(LAYERS):]}") for i in range(x.shape[0])}
+            if all(r is None for r in rows.values()):
+                return x
+            return jnp.stack([x[i] if r is None else jnp.asarray(r, x.dtype) for i, r in rows.items()])
+        new = updates.get(name)
         return x if new is None else jnp.asarray(new, x.dtype)
 
     return jax.tree_util.tree_map_with_path(pick, params)

@@ -191,16 +191,13 @@ def check_seed_ranges() -> None:
 @functools.partial(jax.jit, static_argnums=0)
 def _capture_qk(graphdef, params, tokens_1T):
     module = nnx.merge(graphdef, params)
-    qs, ks = [], []
 
-    def attend(i, q, k, v):
-        qs.append(q[0])
-        ks.append(k[0])
-        return ref_attention.causal_attention(q, k, v)
+    def attend(i, q, k, v, carry):
+        return ref_attention.causal_attention(q, k, v), carry, (q[0].astype(jnp.float32), k[0].astype(jnp.float32))
 
     T = tokens_1T.shape[1]
-    module._run(tokens_1T, jnp.arange(T, dtype=jnp.int32)[None], attend)
-    return jnp.stack(qs).astype(jnp.float32), jnp.stack(ks).astype(jnp.float32)
+    _, _, (qs, ks) = module.run_layers(module.embed_tokens(tokens_1T), jnp.arange(T, dtype=jnp.int32)[None], attend)
+    return qs, ks
 
 
 def capture_qk(model, ids) -> tuple[np.ndarray, np.ndarray]:

@@ -12,19 +12,15 @@ checks run first, so a failing call changes nothing):
 
 * ``mode``: ``None`` (full precision) or a ``kv_quant`` mode; ``allocator``: the
   slot allocator (``SlotAllocator`` interface); ``uses_window``: whether the CPU
-  decode may gather a per-chunk window of the rows' K/V (``engine.gather_window``).
-* device steps, hashable so they are static arguments of the engine's jit'd steps
-  (``layer_io``: one layer's ``write`` / ``read`` in float, for the spliced prefill):
-  ``prefill_op(model, batch, tables, positions, kv, kv_args, n_read, features)
-  -> (logits, kv, aux)`` (one chunk: attention over the live entries plus the
-  chunk, the chunk written at its slots), ``import_op`` (the same signature, the
-  chunk's K/V given in ``kv_args`` and written as a prefill would write them, no
-  forward: ``Engine.start_prefill(kv_source=...)``) and ``decode_op(model, tokens_B,
-  positions_B, kv, kv_args, tables, write_slots_B, n_read, features, *, attend,
-  window) -> (logits, kv, aux)`` (one step: the token written, then read);
-* host plans: ``plan_prefill(engine, row, kv_bits, n, chunk) -> (plan, slots)``,
-  ``prefill_args(jobs, B, C)`` and ``decode_args(states, new_slots, B, steps)`` (the
-  steps' ``kv_args``), ``settle(engine, rows)`` (after every write: the KIVI modes' aging),
+  decode loop may read a per-call copy of the rows' lists (``jaxkv.step.gather_window``;
+  a quantized pool reads its packed rows instead, never a float copy).
+* ``layers``: the device side, hashable so it is a static argument of the
+  engine's jit'd steps (``jaxkv.step``): one layer's write, its key-block reader
+  for the ragged attention, its float rows (``FloatLayers`` documents the methods);
+* host plans: ``plan_prefill(engine, row, kv_bits, n) -> (plan, slots)``,
+  ``step_plan(pieces, T)`` (a step's write plan for ``layers.write``: None for
+  the float pool; a quantized pool's INT2 page plan over the flat batch),
+  ``settle(engine, rows)`` (after every write: the KIVI modes' aging),
   ``requantize(engine, row, positions, bits)`` (tokens written another way moved
   to the precision ``kv_bits`` choose);
 * reads: ``gather_keys(cache, live)`` (float post-RoPE keys, what scorers read),
@@ -47,6 +43,7 @@ import numpy as np
 
 from jaxkv import pallas
 from jaxkv.buckets import bucket
+from jaxkv.pallas.ragged_attention import PoolReader, pad_lists
 from jaxkv.cache.allocator import SENTINEL_SLOT, SlotAllocator
 from jaxkv.cache.host_tier import stage
 from jaxkv.cache.state import PagedKVCache
@@ -64,64 +61,52 @@ def make_pool(kv_quant, num_slots: int, *, head_dim: int, float_dtype, backend=N
     return QuantizedKV.sized(mode, num_slots, head_dim=head_dim, float_dtype=float_dtype, backend=backend)
 
 
-# ============================================================================ device steps
+# ============================================================================ device layers
 @dataclasses.dataclass(frozen=True)
-class FloatPrefill:
-    """One prefill chunk over the float pool: the model's own ``prefill`` (attention
-    over the live entries plus the chunk; the chunk's K/V scattered at its slots)."""
+class FloatLayers:
+    """One layer's writes and reads of the float pool ``(k, v)`` ``[L, S, K, D]``
+    (hashable: a static argument of the engine's jit'd steps, ``jaxkv.step``).
 
-    def __call__(self, model, batch, tables, positions, kv, kv_args, n_read, features):
+    * ``write(kv, i, k_TKD, v_TKD, slots_T, plan)``: rows stored at their slots in
+      the pool dtype (``plan``: the quantized pools' page plan; None here);
+    * ``reader(kv, i, lists_RN, fresh)``: layer ``i``'s key-block reader for the
+      ragged attention (``jaxkv.pallas.ragged_attention.PoolReader``; ``fresh``, the
+      step's own tokens as computed, matters to pools that store them otherwise);
+    * ``read(kv, i, slots_N)``: float rows at slots (the spliced prefill);
+    * ``read_pool(kv, i)``: the layer as float ``[S, K, D]`` (the reference backend);
+    * ``kernel_pool(kv, i)``: the layer a kernel backend reads (float pools only).
+    """
+
+    def write(self, kv, i, k_TKD, v_TKD, slots_T, plan=None):
         k, v = kv
-        logits, k, v, aux = model.prefill(
-            batch.tokens_BT, positions, k, v, tables.live_idx[:, :n_read], tables.live_len,
-            batch.chunk_len_B, batch.slots_BT, features=features, q_row_idx_BR=batch.q_idx_BX, logits_idx_BY=batch.logit_idx_BY,
-        )
-        return logits, (k, v), aux
+        return k.at[i, slots_T].set(k_TKD.astype(k.dtype)), v.at[i, slots_T].set(v_TKD.astype(v.dtype))
 
-
-@dataclasses.dataclass(frozen=True)
-class FloatImport:
-    """One chunk of an *imported* prefill over the float pool: K/V computed
-    elsewhere (``kv_args``: ``(pool_args, k [L, B, T, K, D], v)``, post-RoPE at the
-    chunk's positions) written at the chunk's slots, with no forward. The logits it
-    returns are placeholders ``[B, Y, 1]``: an import job carries its own
-    (``jaxkv.engine.KVSource``)."""
-
-    def __call__(self, model, batch, tables, positions, kv, kv_args, n_read, features):
-        _, k_LBTKD, v_LBTKD = kv_args
+    def reader(self, kv, i, lists_RN, fresh=None) -> PoolReader:
+        """(``fresh``: the step's own tokens, which the float pool reads back as it
+        stored them, at the compute precision.)"""
         k, v = kv
-        L, B, T, K, D = k_LBTKD.shape
-        slots = batch.slots_BT.reshape(-1)  # padding: the sentinel slot 0, never read
-        k = k.at[:, slots].set(k_LBTKD.reshape(L, B * T, K, D).astype(k.dtype))
-        v = v.at[:, slots].set(v_LBTKD.reshape(L, B * T, K, D).astype(v.dtype))
-        return jnp.zeros((B, batch.logit_idx_BY.shape[1], 1), jnp.float32), (k, v), {}
-
-
-@dataclasses.dataclass(frozen=True)
-class FloatDecodeStep:
-    """One decode step over the float pool: the model's own ``decode`` with the
-    engine's attention function (a kernel backend, sharded on a mesh) and, on the
-    CPU reference path, the chunk's gathered window."""
-
-    def __call__(self, model, tokens_B, positions_B, kv, kv_args, tables, write_slots_B, n_read, features, *, attend, window):
-        logits, k, v, aux = model.decode(
-            tokens_B, positions_B, *kv, tables.live_idx[:, :n_read], tables.live_len, write_slots_B,
-            features=features, decode_attention=attend, window=window,
-        )
-        return logits, (k, v), aux
-
-
-@dataclasses.dataclass(frozen=True)
-class FloatLayerIO:
-    """One layer's write and read of the float pool (``jaxkv.splice.splice_step``)."""
-
-    def write(self, kv, i, k_XKD, v_XKD, slots_X):
-        k, v = kv
-        return k.at[i, slots_X].set(k_XKD.astype(k.dtype)), v.at[i, slots_X].set(v_XKD.astype(v.dtype))
+        return PoolReader(k, v, pad_lists(lists_RN), layer=i)
 
     def read(self, kv, i, slots_N):
         k, v = kv
-        return k[i, slots_N], v[i, slots_N]
+        return k.at[i, slots_N].get(mode="clip"), v.at[i, slots_N].get(mode="clip")
+
+    def read_pool(self, kv, i):
+        k, v = kv
+        return k[i], v[i]
+
+    def kernel_pool(self, kv, i):
+        return self.read_pool(kv, i)
+
+
+@functools.partial(jax.jit, static_argnames=("layers",), donate_argnames=("cache",))
+def import_rows(cache, slots_T, k_LTKD, v_LTKD, plan=None, *, layers):
+    """Store K/V computed elsewhere at ``slots_T`` in every layer, as a step would
+    store them (an *imported* prefill, ``jaxkv.engine.KVSource``): no forward."""
+    kv = cache.kv
+    for i in range(k_LTKD.shape[0]):
+        kv = layers.write(kv, i, k_LTKD[i], v_LTKD[i], slots_T, plan)
+    return cache.with_kv(kv)
 
 
 @jax.jit
@@ -154,15 +139,13 @@ class FloatKV:
     pool dtype (``jaxkv.cache.state.float_pool_dtype``), every slot alike.
 
     Attributes: ``allocator`` (``SlotAllocator`` over ``num_slots``, the sentinel
-    included); ``mode`` None; ``prefill_op`` / ``decode_op`` the steps above.
+    included); ``mode`` None; ``layers`` (``FloatLayers``).
     """
 
     mode = None
     uses_window = True
-    prefill_op = FloatPrefill()
-    import_op = FloatImport()
-    decode_op = FloatDecodeStep()
-    layer_io = FloatLayerIO()
+    whole_chunks = False  # any piece of a prefill is written alike
+    layers = FloatLayers()
 
     def __init__(self, num_slots: int):
         self.allocator = SlotAllocator(num_slots)
@@ -178,15 +161,16 @@ class FloatKV:
         )
 
     # -- writes --------------------------------------------------------------------
-    def plan_prefill(self, engine, row: int, kv_bits, n: int, chunk: int):
+    def plan_prefill(self, engine, row: int, kv_bits, n: int):
         if kv_bits is not None:
             raise JaxKVError("kv_bits needs a quantized pool (Engine(kv_quant=...))")
         return None, engine.allocate(n, row)
 
-    def prefill_args(self, jobs, B: int, C: int):
+    def step_plan(self, pieces, starts, T: int):
+        """No write plan: every float slot is written alike."""
         return None
 
-    def decode_args(self, states, new_slots, B: int, steps: int):
+    def decode_plan(self, states, new_slots, B: int, steps: int):
         return None
 
     def settle(self, engine, rows) -> None:

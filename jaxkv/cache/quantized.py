@@ -34,12 +34,15 @@ tokens row by row. Each region's scatter drops the rows whose slot lies outside
 it, so padding (slot 0, page id ``P2``) writes nowhere. Reads
 (``dequantize_slots``) return float32 K/V at any slots, token by token.
 
-Decode reads the request's *page table* (``DecodeTables``): its INT2 pages first
-(page ids, with a bitmask of the page's tokens the request still holds), then its
-INT4 slots, then its float slots, through ``jaxkv.pallas.quantized_decode_attention``;
-tokens a decode step writes are appended to the INT4 part (the float part for
-``kivi2``/``kivi4``). Prefill attends over the dequantized prefix plus its own chunk in full
-precision, then stores the chunk quantized (``QuantPrefill``).
+The engine's steps (``jaxkv.step``) write and read it through ``QuantLayers``:
+each layer stores the step's tokens at their precision, then the ragged paged
+attention reads every row's live list through ``QuantReader``, which gathers the
+packed rows of one key block and dequantizes them in the block loop; a step never
+holds a float copy of a live set. A step attends to its own tokens in full
+precision (``StepTokens``: the papers' protocol, attention in full precision while
+a prompt is prefilled), and later steps read them quantized. ``jaxkv.pallas.quantized_decode_attention``
+(INT2 pages, then INT4 tokens, by page table) is the decode kernel family the
+device check measures.
 
 Invariants: page 0 is never written; a write touches only its slots and pages;
 the same bytes always dequantize to the same float32 values, so packed rows moved
@@ -56,8 +59,6 @@ import jax.numpy as jnp
 import numpy as np
 from flax import struct
 
-from jaxkv.attention import decode_attention_rows, prefill_attention
-from jaxkv.pallas import quantized_decode_attention
 from jaxkv.pallas.quant import (
     PAGE,
     Int2Pool,
@@ -70,6 +71,7 @@ from jaxkv.pallas.quant import (
     unpack,
 )
 from jaxkv.rope import apply_rope
+from jaxkv.cache.state import empty_tables
 
 INT2, INT4, FLOAT = 2, 4, 16  # token kinds: bits per element (FLOAT: full precision)
 
@@ -145,8 +147,8 @@ class QuantizedKVCache:
     work on it unchanged).
 
     Attributes:
-      pool: the ``DualPool``. slot_map ``[R, P]``, live_idx ``[R, P]``,
-      live_len ``[R]``, seq_len ``[R]``: as in ``PagedKVCache``.
+      pool: the ``DualPool``. slot_map ``[R, P]``, live_idx ``[J, R, P]``,
+      live_len ``[J, R]``, seq_len ``[R]``: as in ``PagedKVCache``.
       geometry: the ``Geometry`` (static).
     """
 
@@ -158,11 +160,10 @@ class QuantizedKVCache:
     geometry: Geometry = struct.field(pytree_node=False)
 
     @classmethod
-    def create(cls, geo: Geometry, *, num_layers, num_kv_heads, head_dim, rows, positions, dtype, page_bits: int = 2):
+    def create(cls, geo: Geometry, *, num_layers, num_kv_heads, head_dim, rows, positions, dtype, page_bits: int = 2, lists: int = 1):
         pool = DualPool.create(geo, num_layers=num_layers, num_kv_heads=num_kv_heads, head_dim=head_dim, dtype=dtype,
                                page_bits=page_bits)
-        z = lambda *shape: jnp.zeros(shape, jnp.int32)
-        return cls(pool, z(rows, positions), z(rows, positions), z(rows), z(rows), geo)
+        return cls(pool, **empty_tables(rows, positions, lists), geometry=geo)
 
     @property
     def num_slots(self) -> int:
@@ -259,163 +260,226 @@ def write_tokens(pool: DualPool, geo: Geometry, i, k_XKD, v_XKD, slots_X, page_s
     return pool
 
 
-def _flat_plan(page_src_BQG, page_ids_BQ, T):
-    """Per-row page plans ``[B, Q, 32]`` (chunk indices) -> indices into ``B*T``."""
-    B, Q = page_ids_BQ.shape
-    src = page_src_BQG + (jnp.arange(B, dtype=jnp.int32) * T)[:, None, None]
-    return src.reshape(B * Q, PAGE), page_ids_BQ.reshape(B * Q)
+# ============================================================================ the engine's layers
+def dequantize_at(pool: DualPool, geo: Geometry, i, slots):
+    """``dequantize_slots`` of layer ``i`` without taking the layer out of the
+    ``[L, ...]`` arrays (every gather indexes ``(i, slots)``): a read inside the
+    attention's block loop that copies nothing but its rows."""
+    slots = slots.astype(jnp.int32)
+    kind = geo.kind(slots)
+    i4 = jnp.clip(slots - geo.off4, 0, geo.int4_slots - 1)
+    row4 = lambda r: PackedRows(r.data[i, i4], r.scale[i, i4], r.zero[i, i4], r.bits)  # noqa: E731
+    k, v = dequantize_rows(row4(pool.int4.k)), dequantize_rows(row4(pool.int4.v))
+    if geo.pages > 1:
+        page, t = jnp.clip(slots // PAGE, 0, geo.pages - 1), slots % PAGE
+        kp, vp = pool.int2.k, pool.int2.v
+        k2 = dequantize_int2_tokens(kp.data[i, page, :, t], kp.scale[i, page], kp.zero[i, page], kp.bits)
+        v2 = dequantize_rows(PackedRows(vp.data[i, page, :, t], vp.scale[i, page, :, t], vp.zero[i, page, :, t], vp.bits))
+        two = (kind == INT2)[..., None, None]
+        k, v = jnp.where(two, k2, k), jnp.where(two, v2, v)
+    if geo.float_slots:
+        f = jnp.clip(slots - geo.off_float, 0, geo.float_slots - 1)
+        flt = (kind == FLOAT)[..., None, None]
+        k = jnp.where(flt, pool.flt_k[i, f].astype(jnp.float32), k)
+        v = jnp.where(flt, pool.flt_v[i, f].astype(jnp.float32), v)
+    return k, v
 
 
-# ============================================================================ prefill
-@dataclasses.dataclass(frozen=True)
-class QuantPrefill:
-    """One prefill chunk over a ``DualPool`` (hashable: a static argument of
-    ``jaxkv.engine.prefill_step``; ``kv_args`` is the chunk's page plan
-    ``(page_src [B, Q, 32], page_ids [B, Q])``): each layer stores the chunk
-    quantized (INT2 pages by the page plan, the rest by slot), then attends over
-    the row's dequantized live entries plus the chunk in full precision."""
-
-    geometry: Geometry
-
-    def __call__(self, model, batch, tables, positions, pool: DualPool, kv_args, n_read, features):
-        geo = self.geometry
-        page_src_BQG, page_ids_BQ = kv_args
-        chunk_len_B, slots_BT, q_idx_BX = batch.chunk_len_B, batch.slots_BT, batch.q_idx_BX
-        B, T = batch.tokens_BT.shape
-        live = tables.live_idx[:, :n_read]
-        src, ids = _flat_plan(page_src_BQG, page_ids_BQ, T)
-        state = {"pool": pool}
-        aux = {"q_rows": [], "attn_mass": []}
-
-        def attend(i, q, k, v):
-            # write first, then read (``write_tokens``): the chunk's slots and pages are
-            # not among the live entries, so the read sees the same values
-            K, D = k.shape[2:]
-            state["pool"] = write_tokens(state["pool"], geo, i, k.reshape(B * T, K, D), v.reshape(B * T, K, D), slots_BT.reshape(-1), src, ids)
-            k_cached, v_cached = dequantize_slots(state["pool"].layer(i), geo, live)
-            o, mass = prefill_attention(q, k, v, k_cached, v_cached, tables.live_len, chunk_len_B, return_mass=features.attn_mass)
-            if features.query_rows:
-                aux["q_rows"].append(jnp.take_along_axis(q, q_idx_BX[:, :, None, None], axis=1))
-            if features.attn_mass:
-                aux["attn_mass"].append(mass)
-            return o
-
-        x = model.run_layers(model.embed_tokens(batch.tokens_BT), positions, attend)
-        logits = model.logits(jnp.take_along_axis(x, batch.logit_idx_BY[:, :, None], axis=1))
-        return logits, state["pool"], {name: jnp.stack(rows) for name, rows in aux.items() if rows}
-
-
-@dataclasses.dataclass(frozen=True)
-class QuantImport:
-    """One chunk of an *imported* prefill over a ``DualPool``: float K/V computed
-    elsewhere (``kv_args``: ``(page plan, k [L, B, T, K, D], v)``) stored exactly as
-    ``QuantPrefill`` stores a chunk (INT2 pages by the plan, the rest by slot), with
-    no forward. Placeholder logits ``[B, Y, 1]`` (``pools.FloatImport``)."""
-
-    geometry: Geometry
-
-    def __call__(self, model, batch, tables, positions, pool: DualPool, kv_args, n_read, features):
-        (page_src_BQG, page_ids_BQ), k_LBTKD, v_LBTKD = kv_args
-        L, B, T, K, D = k_LBTKD.shape
-        src, ids = _flat_plan(page_src_BQG, page_ids_BQ, T)
-        slots = batch.slots_BT.reshape(-1)
-        for i in range(L):
-            pool = write_tokens(pool, self.geometry, i, k_LBTKD[i].reshape(B * T, K, D), v_LBTKD[i].reshape(B * T, K, D), slots, src, ids)
-        return jnp.zeros((B, batch.logit_idx_BY.shape[1], 1), jnp.float32), pool, {}
-
-
-@dataclasses.dataclass(frozen=True)
-class QuantLayerIO:
-    """One layer's write and read of a ``DualPool`` in float (``jaxkv.splice``):
-    rows written at their slots' precision (INT4 quantized per token, float as
-    they are; INT2 slots, the sentinel among them, are not written), read back
-    dequantized."""
-
-    geometry: Geometry
-
-    def write(self, pool: DualPool, i, k_XKD, v_XKD, slots_X) -> DualPool:
-        return write_tokens(pool, self.geometry, i, k_XKD, v_XKD, slots_X)
-
-    def read(self, pool: DualPool, i, slots_N):
-        return dequantize_slots(pool.layer(i), self.geometry, slots_N)
-
-
-# ============================================================================ decode
 @struct.dataclass
-class DecodeTables:
-    """The page tables of a decode batch (host-built per ``step_decode`` call).
+class StepTokens:
+    """The step's own tokens in full precision, for the attention of that step.
 
-    Attributes:
-      entries_BE: per row, its INT2 page ids (``n2`` of them), then its INT4
-        slots (``n4``), then its float slots (``nf``), then the slots the loop's
-        steps will write (appended to the decode kind's part), then padding.
-      mask_BP: uint32 bitmask of the row's tokens in each listed page.
-      n2_B, n4_B, nf_B: part lengths before the loop; live_len0_B: live-list
-        length before the loop (tokens appended so far = live_len - live_len0).
-      pages, int4, floats: static widths of the three parts.
+    A step stores its tokens quantized, but a prefill piece attends to its own
+    tokens as computed: the papers' protocol (KIVI, TriAxialKV: attention in full
+    precision during the prefill, the cache quantized for what comes after). A
+    decode token reads itself back quantized. A row's new tokens are the last
+    ``q_len`` entries of its list, entry ``kv_len - q_len + j`` being flat token
+    ``q_start + j``.
+
+    Attributes: ``k, v [T, K, D]`` the step's keys and values; ``kv_len_R``,
+    ``q_len_R``, ``q_start_R`` ``[R]`` as in ``jaxkv.pallas.ragged_attention``.
     """
 
-    entries_BE: jax.Array
-    mask_BP: jax.Array
-    n2_B: jax.Array
-    n4_B: jax.Array
-    nf_B: jax.Array
-    live_len0_B: jax.Array
-    pages: int = struct.field(pytree_node=False)
-    int4: int = struct.field(pytree_node=False)
-    floats: int = struct.field(pytree_node=False)
+    k: jax.Array
+    v: jax.Array
+    kv_len_R: jax.Array
+    q_len_R: jax.Array
+    q_start_R: jax.Array
+
+    def overlay(self, rows, e, k, v):
+        """``k, v [..., E, K, D]`` of entries ``e [..., E]`` of ``rows [...]`` with the
+        step's own tokens replaced by their float values."""
+        base = (self.kv_len_R - self.q_len_R)[rows][..., None]
+        fresh = (e >= base) & (e < self.kv_len_R[rows][..., None])
+        flat = jnp.clip(self.q_start_R[rows][..., None] + e - base, 0, self.k.shape[0] - 1)
+        pick = fresh[..., None, None]
+        return jnp.where(pick, self.k[flat].astype(jnp.float32), k), jnp.where(pick, self.v[flat].astype(jnp.float32), v)
+
+
+@struct.dataclass
+class QuantReader:
+    """Key blocks of a ``DualPool``'s layer through the rows' live lists,
+    dequantized one block at a time (the ragged attention's reader: a step never
+    holds a float copy of the live set).
+
+    Attributes:
+      pool: the whole ``DualPool``; layer: the layer read; live_RN: ``[R, N]`` slot
+      ids per row (``N`` a multiple of the key block); fresh: the step's own tokens
+      in full precision (``StepTokens``; None: read them back quantized);
+      geometry: static.
+    """
+
+    pool: DualPool
+    live_RN: jax.Array
+    fresh: StepTokens | None
+    layer: int = struct.field(pytree_node=False)
+    geometry: Geometry = struct.field(pytree_node=False)
+
+    @property
+    def kv_heads(self) -> int:
+        return self.pool.int4.k.data.shape[2]
+
+    def gather(self, idx):
+        return dequantize_at(self.pool, self.geometry, self.layer, idx)
+
+    def row_block(self, r, e0, E: int):
+        k, v = self.gather(jax.lax.dynamic_slice_in_dim(self.live_RN[r], e0, E))
+        if self.fresh is None:
+            return k, v
+        return self.fresh.overlay(r, e0 + jnp.arange(E, dtype=jnp.int32), k, v)
+
+    def rows_block(self, e0, E: int):
+        """One-query rows (decode tokens) read their own new entry back quantized,
+        as the decode kernels of the page-table layout always did."""
+        return self.gather(jax.lax.dynamic_slice_in_dim(self.live_RN, e0, E, axis=1))
+
+
+@struct.dataclass
+class DecodeParts:
+    """A decode call's reading plan of each row's quantized entries, by kind
+    (host-built per ``run_decode`` call; fixed widths, so one program serves every
+    mix): the row's INT2 pages, then its token part (INT4 tokens, or KIVI's float
+    residual), the call's new slots appended to the token part. Attention is a
+    sum over entries, so the order does not matter; reading each kind in blocks of
+    its own leaves no per-token branch between formats in the inner loop.
+
+    Attributes:
+      pages_RQ: page ids, ``n_pages_R`` of them per row; mask_RQ: uint32 bitmask of
+        the row's tokens in each (a page shared with another row, or partly
+        evicted, keeps only its own bits).
+      tokens_RN: token-part slots, ``n_tokens_R`` before the call, then the slots
+        the call's steps write (step ``s`` at ``n_tokens_R + s``).
+      live0_R: the row's live-list length before the call (tokens appended so far
+        = live length now - live0).
+    """
+
+    pages_RQ: jax.Array
+    mask_RQ: jax.Array
+    n_pages_R: jax.Array
+    tokens_RN: jax.Array
+    n_tokens_R: jax.Array
+    live0_R: jax.Array
+
+
+PAGE_BLOCK = 16  # INT2 pages per block of the decode loop: 512 tokens, as the float path's key blocks
+
+
+def decode_parts_attention(pool: DualPool, geo: Geometry, i, q_RHD, plan: DecodeParts, kv_len_R, active_R, token_kind: int):
+    """One query per row over its quantized entries, read by kind (``DecodeParts``):
+    blocks of ``PAGE_BLOCK`` INT2 pages (keys per channel over the page, values per
+    token, the row's bits only), then blocks of INT4 tokens (or float ones), each
+    block dequantized from the packed pool inside the loop and folded into one
+    online softmax (``jaxkv.pallas.ragged_attention``'s). Layer ``i`` (static or
+    traced) is read in place. Returns ``[R, Hq, D]`` float32, zero where inactive."""
+    from jaxkv.pallas.ragged_attention import KEY_BLOCK, MASKED, _online_step
+
+    R, Hq, D = q_RHD.shape
+    K = pool.int4.k.data.shape[2]
+    G = Hq // K
+    q = q_RHD.astype(jnp.float32).reshape(R, K, G, D) * (1.0 / np.sqrt(D))
+    n_tokens = plan.n_tokens_R + (kv_len_R - plan.live0_R)
+    state = (jnp.full((R, K, G), MASKED, jnp.float32), jnp.zeros((R, K, G), jnp.float32), jnp.zeros((R, K, G, D), jnp.float32))
+
+    def fold(state, k_REKD, v_REKD, valid_RE):
+        s = jnp.einsum("rkgd,rekd->rkge", q, k_REKD)
+        s = jnp.where((valid_RE & active_R[:, None])[:, None, None, :], s, MASKED)
+        return _online_step(state, s, v_REKD, "rkge,rekd->rkgd")
+
+    if geo.pages > 1:
+        kp, vp = pool.int2.k, pool.int2.v
+
+        def page_block(j, state):
+            ids = jax.lax.dynamic_slice_in_dim(plan.pages_RQ, j * PAGE_BLOCK, PAGE_BLOCK, axis=1)  # [R, B]
+            listed = (j * PAGE_BLOCK + jnp.arange(PAGE_BLOCK))[None, :] < plan.n_pages_R[:, None]
+            ids = jnp.where(listed, ids, 0)
+            k = dequantize_int2_tokens(kp.data[i, ids], kp.scale[i, ids][..., None, :], kp.zero[i, ids][..., None, :], kp.bits)  # [R, B, K, 32, D]
+            v = dequantize_rows(PackedRows(vp.data[i, ids], vp.scale[i, ids], vp.zero[i, ids], vp.bits))
+            bits = jax.lax.dynamic_slice_in_dim(plan.mask_RQ, j * PAGE_BLOCK, PAGE_BLOCK, axis=1)
+            held = ((bits[..., None] >> jnp.arange(PAGE, dtype=jnp.uint32)) & 1).astype(bool) & listed[..., None]  # [R, B, 32]
+            to_rows = lambda x: jnp.transpose(x, (0, 1, 3, 2, 4)).reshape(R, PAGE_BLOCK * PAGE, K, D)  # noqa: E731
+            return fold(state, to_rows(k), to_rows(v), held.reshape(R, PAGE_BLOCK * PAGE))
+
+        state = jax.lax.fori_loop(0, (jnp.max(jnp.where(active_R, plan.n_pages_R, 0)) + PAGE_BLOCK - 1) // PAGE_BLOCK, page_block, state)
+
+    E = KEY_BLOCK
+
+    def token_block(j, state):
+        slots = jax.lax.dynamic_slice_in_dim(plan.tokens_RN, j * E, E, axis=1)  # [R, E]
+        valid = (j * E + jnp.arange(E))[None, :] < n_tokens[:, None]
+        if token_kind == FLOAT:
+            f = jnp.clip(slots - geo.off_float, 0, max(geo.float_slots - 1, 0))
+            k, v = pool.flt_k[i, f].astype(jnp.float32), pool.flt_v[i, f].astype(jnp.float32)
+        else:
+            i4 = jnp.clip(slots - geo.off4, 0, geo.int4_slots - 1)
+            row4 = lambda r: PackedRows(r.data[i, i4], r.scale[i, i4], r.zero[i, i4], r.bits)  # noqa: E731
+            k, v = dequantize_rows(row4(pool.int4.k)), dequantize_rows(row4(pool.int4.v))
+        return fold(state, k, v, valid)
+
+    state = jax.lax.fori_loop(0, (jnp.max(jnp.where(active_R, n_tokens, 0)) + E - 1) // E, token_block, state)
+    _, l, acc = state
+    out = acc / jnp.maximum(l, 1e-30)[..., None]
+    return jnp.where(active_R[:, None, None], out.reshape(R, Hq, D), 0.0)
 
 
 @dataclasses.dataclass(frozen=True)
-class QuantDecodeStep:
-    """One decode step over a ``DualPool`` (hashable: a static argument of
-    ``jaxkv.engine.decode_loop``). The new token is written (INT4, or float for
-    ``decode_kind == FLOAT``), then attention reads the page table through
-    ``quantized_decode_attention``; with ``features.attn_mass`` it reads the
-    dequantized live list through the reference instead (probabilities per
-    live entry, as the float path reports them)."""
+class QuantLayers:
+    """One layer's writes and reads of a ``DualPool`` (the interface of
+    ``jaxkv.cache.pools.FloatLayers``; hashable, a static argument of the steps).
+
+    ``write`` stores float rows at their slots' precision: INT4 quantized per
+    token, float as they are, INT2 pages whole by the step's page plan
+    ``(page_src [Q, 32] flat token indices, page_ids [Q])`` (the INT2 slots in
+    ``slots_T`` are not used; page id ``geometry.pages`` is padding). Reads
+    dequantize: ``reader`` one key block at a time, ``read`` rows at slots (the
+    spliced prefill), ``read_pool`` the whole layer (the reference backend). No
+    kernel reads the dual pool inside a step yet (``kernel_pool`` is None): the
+    blocked attention runs on every platform."""
 
     geometry: Geometry
-    decode_kind: int = INT4
-    backend: str | None = None
+    token_kind: int = INT4
 
-    def __call__(self, model, tokens_B, positions_B, pool: DualPool, ops: DecodeTables, tables, write_slots_B, n_read, features, *, attend=None, window=None):
-        # ``attend`` / ``window`` are the float pool's (a kernel backend, a gathered
-        # window): this step reads the page tables with its own attention
-        geo = self.geometry
-        appended = tables.live_len - ops.live_len0_B
-        n4 = ops.n4_B + (appended if self.decode_kind == INT4 else 0)
-        nf = ops.nf_B + (appended if self.decode_kind == FLOAT else 0)
-        take = lambda start, width: jnp.take_along_axis(ops.entries_BE, start[:, None] + jnp.arange(width, dtype=jnp.int32)[None, :], axis=1)
-        pages = ops.entries_BE[:, : ops.pages]
-        idx4 = jnp.clip(take(ops.n2_B, ops.int4) - geo.off4, 0, geo.int4_slots - 1)
-        idxf = jnp.clip(take(ops.n2_B + ops.n4_B, ops.floats) - geo.off_float, 0, max(geo.float_slots - 1, 0))
-        live = tables.live_idx[:, :n_read]
-        state = {"pool": pool}
-        aux = {"q_rows": [], "attn_mass": []}
+    def write(self, pool: DualPool, i, k_TKD, v_TKD, slots_T, plan=None) -> DualPool:
+        page_src, page_ids = plan if isinstance(plan, tuple) else (None, None)  # a step's INT2 page plan; decode writes by slot
+        return write_tokens(pool, self.geometry, i, k_TKD, v_TKD, slots_T, page_src, page_ids)
 
-        def read_pages(i, q, k, v):
-            state["pool"] = write_tokens(state["pool"], geo, i, k[:, 0], v[:, 0], write_slots_B)
-            layer = state["pool"].layer(i)
-            if features.attn_mass:
-                kd, vd = dequantize_slots(layer, geo, live)
-                o, probs = decode_attention_rows(q[:, 0], kd, vd, tables.live_len, return_probs=True)
-                aux["attn_mass"].append(probs)
-            else:
-                o = quantized_decode_attention(
-                    q[:, 0], layer.int2 if ops.pages else None, pages, ops.n2_B, layer.int4, idx4, n4,
-                    int2_mask_BP=ops.mask_BP if ops.pages else None,
-                    float_pool=(layer.flt_k, layer.flt_v) if ops.floats else None,
-                    float_idx_BN=idxf if ops.floats else None, float_len_B=nf if ops.floats else None,
-                    backend=self.backend,
-                )
-            if features.query_rows:
-                aux["q_rows"].append(q)
-            return o[:, None]
+    def reader(self, pool: DualPool, i, lists_RN, fresh: StepTokens | None = None) -> QuantReader:
+        from jaxkv.pallas.ragged_attention import pad_lists
 
-        x = model.run_layers(model.embed_tokens(tokens_B[:, None]), positions_B[:, None], read_pages)
-        logits = model.logits(x)[:, 0]
-        return logits, state["pool"], {name: jnp.stack(rows) for name, rows in aux.items() if rows}
+        return QuantReader(pool, pad_lists(lists_RN), fresh, i, self.geometry)
+
+    def read(self, pool: DualPool, i, slots_N):
+        return dequantize_at(pool, self.geometry, i, slots_N)
+
+    def read_pool(self, pool: DualPool, i):
+        return dequantize_at(pool, self.geometry, i, jnp.arange(self.geometry.num_slots, dtype=jnp.int32))
+
+    def kernel_pool(self, pool: DualPool, i):
+        return None
+
+    def decode_rows(self, pool: DualPool, i, q_RHD, plan: DecodeParts, kv_len_R, active_R):
+        """The decode fast path's attention (one query per row): by kind, from the
+        packed pool (``decode_parts_attention``)."""
+        return decode_parts_attention(pool, self.geometry, i, q_RHD, plan, kv_len_R, active_R, self.token_kind)
 
 
 # ============================================================================ moving rows

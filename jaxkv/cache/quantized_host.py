@@ -64,13 +64,10 @@ from jaxkv.cache.quantized import (
     FLOAT,
     INT2,
     INT4,
-    DecodeTables,
+    DecodeParts,
     Geometry,
-    QuantDecodeStep,
-    QuantImport,
     QuantizedKVCache,
-    QuantLayerIO,
-    QuantPrefill,
+    QuantLayers,
     dequantize_int2_tokens,
     gather_dequantized,
     gather_keys as gather_dequantized_keys,
@@ -363,11 +360,11 @@ class QuantizedKV:
       token_kind: INT4 (FLOAT for ``kivi2``/``kivi4``): decode tokens and unplanned prefills;
       window: KIVI's residual window (``kivi2``/``kivi4``) or None; page_bits: the
       page region's code width (4 for ``kivi4``, else 2); allocator: ``DualAllocator``;
-      prefill_op / import_op / decode_op: the ``QuantPrefill`` / ``QuantImport`` /
-      ``QuantDecodeStep`` the engine's jit'd steps call.
+      layers: the ``QuantLayers`` the engine's jit'd steps call.
     """
 
-    uses_window = False  # decode reads the page tables with its own attention
+    uses_window = False  # decode reads the packed rows, never a float copy of them
+    whole_chunks = True  # INT2 pages are planned per chunk: a step takes a job's chunk whole
 
     def __init__(self, mode: str, geometry: Geometry, *, head_dim: int, float_dtype, backend=None):
         self.mode = check_mode(mode)
@@ -379,10 +376,7 @@ class QuantizedKV:
         self.head_dim = head_dim
         self.float_dtype = np.dtype(float_dtype)
         self.allocator = DualAllocator(geometry, self.token_kind)
-        self.prefill_op = QuantPrefill(geometry)
-        self.import_op = QuantImport(geometry)
-        self.layer_io = QuantLayerIO(geometry)
-        self.decode_op = QuantDecodeStep(geometry, self.token_kind, backend)
+        self.layers = QuantLayers(geometry, self.token_kind)
 
     @classmethod
     def sized(cls, mode: str, num_slots: int, *, head_dim: int, float_dtype, backend=None) -> "QuantizedKV":
@@ -402,6 +396,7 @@ class QuantizedKV:
         the page tables and slot tables replicated, as the float pool's."""
 
     def cache_factory(self, cfg, *, rows: int, positions: int, dtype):
+        self._positions = int(positions)  # the decode plans' widths (``decode_plan``)
         """A zero-argument function making the empty cache (as ``FloatKV``'s)."""
         return functools.partial(
             QuantizedKVCache.create, self.geometry, num_layers=cfg.num_layers, num_kv_heads=cfg.num_kv_heads,
@@ -465,30 +460,53 @@ class QuantizedKV:
         pages = [(slots[g[:, 0]] // PAGE if g.shape[0] else np.zeros(0, np.int32), g) for g in groups]
         return WritePlan(slots, kinds, pages, chunk)
 
-    def plan_prefill(self, engine, row: int, kv_bits, n: int, chunk: int):
-        """``(WritePlan, slots)`` of a prefill of ``n`` tokens (``plan``), counted
-        against the row."""
-        plan = self.plan(engine, kv_bits, n, chunk)
+    def plan_prefill(self, engine, row: int, kv_bits, n: int):
+        """``(WritePlan, slots)`` of a prefill of ``n`` tokens (``plan``, pages per
+        ``engine.prefill_chunk``), counted against the row."""
+        plan = self.plan(engine, kv_bits, n, engine.prefill_chunk)
         engine.row_state[row].allocated += int(n)
         return plan, plan.slots
 
-    def prefill_args(self, jobs, B: int, C: int):
-        return self.chunk_pages(jobs, B, C)
-
-    def decode_args(self, states, new_slots, B: int, steps: int) -> DecodeTables:
-        return self.decode_tables(states, new_slots, B, steps)
-
-    def chunk_pages(self, jobs, B: int, C: int):
-        """Page plans of the jobs' next chunks, padded: ``(page_src [B, C/32, 32]
-        chunk indices, page_ids [B, C/32])`` (padding page id: ``P2``, dropped)."""
-        Q = max(C // PAGE, 1)
-        src = np.zeros((B, Q, PAGE), np.int32)
-        ids = np.full((B, Q), self.geometry.pages, np.int32)
-        for b, j in enumerate(jobs):
-            page_ids, groups = j.kv_plan.pages[j.done // j.kv_plan.chunk]
-            src[b, : page_ids.size] = groups - j.done
-            ids[b, : page_ids.size] = page_ids
+    def step_plan(self, pieces, starts, T: int):
+        """The INT2 page plan of a step of ``T`` flat tokens: the pages of each
+        job's piece (one whole chunk of its plan: ``whole_chunks``), as flat token
+        indices ``page_src [T/32, 32]`` and page ids ``[T/32]`` (padding id: the
+        page count, dropped by the write)."""
+        Q = max(T // PAGE, 1)
+        src = np.zeros((Q, PAGE), np.int32)
+        ids = np.full(Q, self.geometry.pages, np.int32)
+        q = 0
+        for (job, _), start in zip(pieces, starts):
+            page_ids, groups = job.kv_plan.pages[job.done // job.kv_plan.chunk]
+            src[q : q + page_ids.size] = groups - job.done + start
+            ids[q : q + page_ids.size] = page_ids
+            q += page_ids.size
         return jnp.asarray(src), jnp.asarray(ids)
+
+    def decode_plan(self, states, new_slots, B: int, steps: int) -> DecodeParts:
+        """The reading plan of a decode call (``DecodeParts``): each row's INT2 pages
+        with its bitmask, then its token part (INT4, or float for KIVI) with the
+        call's new slots appended; widths fixed by the engine's positions, so the
+        call's program does not depend on the rows' lengths. (Decode tokens are
+        written by slot.)"""
+        from jaxkv.cache.quantized import PAGE_BLOCK
+        from jaxkv.pallas.ragged_attention import KEY_BLOCK
+
+        P = -(-self._positions // KEY_BLOCK) * KEY_BLOCK  # whole blocks of the decode loop
+        Q = -(-(-(-P // PAGE)) // PAGE_BLOCK) * PAGE_BLOCK
+        pages, masks = np.zeros((B, Q), np.int32), np.zeros((B, Q), np.uint32)
+        tokens = np.zeros((B, P), np.int32)
+        n2, nt, live0 = (np.zeros(B, np.int32) for _ in range(3))
+        four = self.token_kind == INT4
+        for b, (st, new) in enumerate(zip(states, new_slots)):
+            t = self.page_table(st)
+            if four and t.floats.size:
+                raise SlotError("an INT4-decoding pool holds float tokens")
+            part = np.concatenate([t.int4 if four else t.floats, np.asarray(new, np.int64)])
+            pages[b, : t.pages.size], masks[b, : t.pages.size] = t.pages, t.masks
+            tokens[b, : part.size] = part
+            n2[b], nt[b], live0[b] = t.pages.size, (t.int4 if four else t.floats).size, len(st.live)
+        return DecodeParts(pages, masks, n2, tokens, nt, live0)
 
     # -- page tables -------------------------------------------------------------------
     def page_table(self, state) -> PageTable:
@@ -499,30 +517,6 @@ class QuantizedKV:
         masks = np.zeros(pages.size, np.uint32)
         np.bitwise_or.at(masks, inv.reshape(-1), (np.uint32(1) << (s2 % PAGE).astype(np.uint32)))
         return PageTable(pages, masks, live[kind == INT4], live[kind == FLOAT])
-
-    def decode_tables(self, states, new_slots, B: int, steps: int | None = None) -> DecodeTables:
-        """Page tables of a decode batch, each row's fresh decode slots appended
-        to its token-kind part (``DecodeTables``). ``steps``: the call's step
-        count, which sizes the room for new slots (so a call's shape does not
-        depend on how many steps its rows have left; default: the most new slots)."""
-        tables = [self.page_table(st) for st in states]
-        n = max((len(s) for s in new_slots), default=0) if steps is None else int(steps)
-        four = self.token_kind == INT4
-        P = bucket(max(t.pages.size for t in tables), minimum=8) if any(t.pages.size for t in tables) else 0
-        N4 = bucket(max(t.int4.size for t in tables) + (n if four else 0), minimum=16)
-        NF = bucket(max(t.floats.size for t in tables) + (0 if four else n), minimum=16) if self.geometry.float_slots else 0
-        entries = np.zeros((B, P + N4 + NF), np.int32)
-        masks = np.zeros((B, P), np.uint32)
-        n2, n4, nf, live0 = (np.zeros(B, np.int32) for _ in range(4))
-        for b, (t, new, st) in enumerate(zip(tables, new_slots, states)):
-            if four and t.floats.size:
-                raise SlotError("an INT4-decoding pool holds float tokens")
-            row = [t.pages, t.int4, np.asarray(new) if four else np.zeros(0), t.floats, np.zeros(0) if four else np.asarray(new)]
-            flat = np.concatenate(row).astype(np.int64)
-            entries[b, : flat.size] = flat
-            masks[b, : t.pages.size] = t.masks
-            n2[b], n4[b], nf[b], live0[b] = t.pages.size, t.int4.size, t.floats.size, len(st.live)
-        return DecodeTables(jnp.asarray(entries), jnp.asarray(masks), jnp.asarray(n2), jnp.asarray(n4), jnp.asarray(nf), jnp.asarray(live0), P, N4, NF)
 
     def composition(self, state) -> dict:
         """Live tokens of a request per bits per element: ``{2: n, 4: n, 16: n}``

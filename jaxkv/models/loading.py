@@ -44,6 +44,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import hashlib
 import json
 import os
 import shutil
@@ -61,7 +62,7 @@ from jaxkv.config import ModelConfig
 from jaxkv.errors import CheckpointError, CheckpointNotFoundError
 from jaxkv.models import registry, sharding
 from jaxkv.models.transformer import Transformer
-from jaxkv.models.weights import abstract_module, check_tensor_shapes, get_at, hf_parameter_map, set_at
+from jaxkv.models.weights import abstract_module, check_tensor_shapes, get_at, hf_parameter_map, set_at, stacked_names
 from jaxkv.tensorfile import read_safetensors, write_safetensors  # noqa: F401  (re-exported)
 
 GGUF_SUFFIX = ".gguf"
@@ -103,6 +104,108 @@ class Model:
             cached = nnx.split(self.module)
             self._split = cached
         return cached
+
+    def weights_id(self) -> str:
+        """The identity of the weights this model holds (``weights_id``), computed
+        once per module: what the package's shipped heads and calibrations are keyed
+        by (``registry.find_artifact``)."""
+        cached = getattr(self, "_weights_id", None)
+        if cached is None or cached[0] is not self.module:
+            cached = (self.module, weights_id(self.config, self.module))
+            self._weights_id = cached
+        return cached[1]
+
+
+# --------------------------------------------------------------------------- identity
+WEIGHTS_ID_VERSION = "w1"  # bump when the rule below changes (and regenerate the shipped manifests)
+WEIGHTS_ID_SAMPLES = 256  # values read per tensor
+
+
+def weights_id(cfg: ModelConfig, module: Transformer) -> str:
+    """``"w1:<sha256>"``, the identity of a model's weights, the same whichever file
+    they were loaded from. The hash covers, per HF tensor name in sorted order
+    (``hf_parameter_map``: the names ``save_pretrained`` writes), the name, the HF
+    shape and ``WEIGHTS_ID_SAMPLES`` values at evenly spaced positions of the tensor
+    in HF layout, each rounded to bfloat16.
+
+    Why this rule: a GGUF file, the float32 folder converted from it and a copy of
+    that folder hold the same weights in different bytes, so a hash of a file
+    would name three models; the values as loaded are the same in all three (the
+    converted folder is the GGUF's dequantized float32), and rounding to bfloat16
+    makes a ``dtype="bfloat16"`` load agree too. Hashing the whole file would read
+    ~0.5 GB per load for a 135M model; sampling reads ~70k values on the device,
+    once per model and only when an asset is looked up (one small jit, about a
+    second on a CPU), and any other checkpoint (a fine-tune, another size, a cut
+    of the layers) changes the shapes or the sampled values."""
+    pure = nnx.to_pure_dict(nnx.state(module))
+    names = tuple(sorted(hf_parameter_map(cfg)))
+    samples = np.asarray(jax.device_get(_weight_samples(cfg, names)(pure))).view(np.uint16)
+    h = hashlib.sha256(WEIGHTS_ID_VERSION.encode())
+    for name, shape in zip(names, _hf_shapes(cfg, names)):
+        h.update(f"\n{name}:{'x'.join(map(str, shape))}".encode())
+    h.update(samples.tobytes())
+    return f"{WEIGHTS_ID_VERSION}:{h.hexdigest()}"
+
+
+def write_weights_manifest(model: Model, folder: str, **source) -> Path:
+    """Record in ``jaxkv/assets/<folder>/weights.json`` (``registry.WEIGHTS_MANIFEST``)
+    the identity of ``model``'s weights, the model the folder's head and calibration
+    were made for, with ``source`` (where those weights came from) for the reader::
+
+        python -c "import jaxkv; from jaxkv.models.loading import write_weights_manifest as w; \\
+            w(jaxkv.load_model('smollm2-135m-instruct'), 'smollm2-135m-instruct', gguf='...')"
+    """
+    path = registry.SHIPPED_ASSETS / folder / registry.WEIGHTS_MANIFEST
+    path.write_text(json.dumps({
+        "weights_id": model.weights_id(),
+        "rule": f"jaxkv.models.loading.weights_id ({WEIGHTS_ID_VERSION}): sha256 over every HF tensor's name, shape and "
+                f"{WEIGHTS_ID_SAMPLES} evenly spaced values rounded to bfloat16; the same for a GGUF file, the float32 "
+                "folder converted from it and any copy of either, loaded in float32 or bfloat16",
+        "source": source,
+    }, indent=1) + "\n")
+    registry.shipped_ids.cache_clear()
+    return path
+
+
+def _hf_shapes(cfg: ModelConfig, names) -> list[tuple[int, ...]]:
+    from jaxkv.models.weights import expected_shapes
+
+    shapes = expected_shapes(cfg)
+    return [tuple(shapes[n]) for n in names]
+
+
+@functools.lru_cache(maxsize=8)
+def _weight_samples(cfg: ModelConfig, names: tuple):
+    """A jit'd ``pure state -> bfloat16 [S]``: the sampled values of ``weights_id``,
+    tensor by tensor in the order of ``names``; one gather per state leaf (a
+    stacked layer leaf holds every layer's tensor)."""
+    from jaxkv.models.weights import leaf_path
+
+    plan = hf_parameter_map(cfg)
+    by_leaf: dict[tuple, list] = {}  # leaf path -> [(name, index arrays in the leaf's layout)]
+    for name, shape in zip(names, _hf_shapes(cfg, names)):
+        size = int(np.prod(shape))
+        flat = np.unique(np.linspace(0, size - 1, min(WEIGHTS_ID_SAMPLES, size)).round().astype(np.int64))
+        idx = np.unravel_index(flat, shape)  # positions in HF layout
+        path, transpose = plan[name]
+        leaf, layer = leaf_path(path)
+        idx = tuple(reversed(idx)) if transpose else idx
+        if layer is not None:
+            idx = (np.full(flat.size, layer, np.int64),) + idx
+        by_leaf.setdefault(leaf, []).append((name, idx))
+    leaves = list(by_leaf)
+    gathers = [tuple(np.concatenate(parts) for parts in zip(*(idx for _, idx in by_leaf[leaf]))) for leaf in leaves]
+    order = [name for leaf in leaves for name, _ in by_leaf[leaf]]  # the gathers' tensor order
+    counts = {name: idx[0].size for leaf in leaves for name, idx in by_leaf[leaf]}
+    starts = dict(zip(order, np.cumsum([0] + [counts[n] for n in order])[:-1]))
+    perm = np.concatenate([np.arange(starts[n], starts[n] + counts[n]) for n in names])  # back to ``names`` order
+
+    @jax.jit
+    def sample(pure):
+        out = jnp.concatenate([get_at(pure, leaf)[idx].astype(jnp.bfloat16) for leaf, idx in zip(leaves, gathers)])
+        return out[perm]
+
+    return sample
 
 
 # --------------------------------------------------------------------------- resolve
@@ -188,17 +291,18 @@ def build_module(cfg: ModelConfig, tensors: Mapping[str, Any], dtype, mesh=None,
     ``shape``, e.g. a ``tensorfile.LazyTensor``), in ``dtype``, placed on ``mesh``.
 
     Every tensor's presence and shape is checked before any is read or placed, so
-    a bad checkpoint fails before anything is built; each tensor is then read,
-    converted and placed one at a time (host memory: one tensor beyond the model).
-    Extra tensors are ignored."""
+    a bad checkpoint fails before anything is built; each weight of the model is
+    then read, converted and placed one at a time (host memory: one weight beyond
+    the model; a decoder layer weight is all layers' tensors stacked). Extra
+    tensors are ignored."""
     dt = parse_dtype(dtype)
     check_tensor_shapes(cfg, {name: t.shape for name, t in tensors.items()}, source)
     graphdef, state = abstract_module(cfg, dt)
     pure = nnx.to_pure_dict(state)
-    for name, (path, transpose) in hf_parameter_map(cfg).items():
-        arr = np.asarray(tensors[name])
-        if transpose:
-            arr = arr.T
+    for path, (names, transpose) in stacked_names(cfg).items():
+        rows = [np.asarray(tensors[name]).T if transpose else np.asarray(tensors[name]) for name in names]
+        arr = rows[0] if path[0] != "layers" else np.stack(rows)  # a layer leaf: [L, ...], one layer per row
+        del rows
         if mesh is None:
             set_at(pure, path, jnp.asarray(arr.astype(np.float32) if arr.dtype != dt else arr, dtype=dt))
         else:

@@ -26,6 +26,15 @@ Layout of the cache (``user_cache_dir()``: ``$JAXKV_CACHE``, else
     tokenizers/<key>/                  the tokenizer converted from any GGUF file jaxkv
                                        loaded (jaxkv.models.gguf.tokenizer_cache_dir)
 
+Shipped assets: ``jaxkv/assets/<name>/`` holds what the project trained or
+calibrated for a model (``intentkv-head/``, ``triaxial.json``) and
+``weights.json``, the identity of the weights they were made for
+(``loading.weights_id``: a hash of every tensor's name, shape and a fixed sample of
+its values). They are found by that identity (``find_artifact``), so the model
+loaded by name, from its converted folder, from its GGUF file or from a copy of
+either finds them, and other weights do not; the user's own artifacts (the model's
+folder, the cache above) come first.
+
 Dequantizing the GGUF and converting its tokenizer take ~30 s on a 2-core CPU,
 so the first load (or ``jaxkv fetch``) writes the converted float32 folder and
 later loads read it (a few seconds). The stamp records the GGUF's size and mtime and
@@ -44,6 +53,7 @@ Invariants:
 from __future__ import annotations
 
 import dataclasses
+import functools
 import hashlib
 import json
 import os
@@ -120,20 +130,74 @@ def model_dir(name: str) -> Path:
 
 
 SHIPPED_ASSETS = Path(__file__).resolve().parents[1] / "assets"
+WEIGHTS_MANIFEST = "weights.json"  # in jaxkv/assets/<model>/: the weights its assets were made for
 
 
-def artifact_paths(model_path, name: str) -> list[Path]:
+def artifact_paths(model_path, name: str, weights_id: str | None = None) -> list[Path]:
     """Where a file or folder trained for a model (``name``: an IntentKV head
     folder, a TriAxialKV calibration) is looked for, first found wins:
-    ``<model folder>/<name>``; for a reference model loaded by name (its converted
-    copy, which a reconversion replaces), also ``<cache>/models/<model>/<name>``
-    (where training writes it) and ``jaxkv/assets/<model>/<name>`` (shipped)."""
-    if model_path is None:
-        return []
-    out = [Path(model_path) / name]
+
+    1. ``<model folder>/<name>`` (the folder the model was loaded from);
+    2. ``<cache>/models/<model>/<name>`` (where training writes it, out of the
+       converted copy a reconversion replaces) for the reference model whose cache
+       folder or converted copy the model folder is, or whose shipped manifest
+       records ``weights_id``;
+    3. ``jaxkv/assets/<model>/<name>`` (shipped with the package), only for the
+       model whose manifest (``jaxkv/assets/<model>/weights.json``) records
+       ``weights_id``: shipped assets follow the weights, not the folder, so a
+       model loaded by name, from its converted folder or from its GGUF file finds
+       them wherever the file lies, and other weights with the same folder (a cut
+       of the layers, a fine-tune saved over it) do not.
+
+    The user's own artifacts (1 and 2) come before the shipped ones.
+    ``find_artifact`` walks this list and computes the identity only when 1 and 2
+    found nothing."""
+    out = [] if model_path is None else [Path(model_path) / name]
     ref = reference_name_of(model_path)
     if ref is not None:
-        out += [model_dir(ref) / name, SHIPPED_ASSETS / ref / name]
+        out.append(model_dir(ref) / name)
+    shipped = shipped_model_of(weights_id)
+    if shipped is not None:
+        if shipped in REFERENCE_MODELS and model_dir(shipped) / name not in out:
+            out.append(model_dir(shipped) / name)
+        out.append(SHIPPED_ASSETS / shipped / name)
+    return out
+
+
+def find_artifact(model, name: str, usable: Callable[[Path], bool]) -> Path | None:
+    """The first of ``artifact_paths`` for ``model`` (anything with ``path`` and,
+    for the shipped assets, a ``weights_id()`` method: ``loading.Model``) that
+    ``usable`` accepts, or None. The weights' identity is computed only when the
+    model's folder and the cache have none."""
+    path = getattr(model, "path", None)
+    for candidate in artifact_paths(path, name):
+        if usable(candidate):
+            return candidate
+    identify = getattr(model, "weights_id", None)
+    if not callable(identify):
+        return None
+    for candidate in artifact_paths(path, name, identify())[len(artifact_paths(path, name)):]:
+        if usable(candidate):
+            return candidate
+    return None
+
+
+def shipped_model_of(weights_id: str | None) -> str | None:
+    """The folder of ``jaxkv/assets`` whose ``weights.json`` records ``weights_id``
+    (``loading.weights_id``), or None."""
+    if weights_id is None:
+        return None
+    return shipped_ids().get(weights_id)
+
+
+@functools.lru_cache(maxsize=1)
+def shipped_ids() -> dict[str, str]:
+    """``{weights id: folder of jaxkv/assets}`` from every shipped ``weights.json``."""
+    out = {}
+    for manifest in sorted(SHIPPED_ASSETS.glob(f"*/{WEIGHTS_MANIFEST}")):
+        data = json.loads(manifest.read_text())
+        for wid in [data["weights_id"]] if isinstance(data["weights_id"], str) else data["weights_id"]:
+            out[wid] = manifest.parent.name
     return out
 
 

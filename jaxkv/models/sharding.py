@@ -164,11 +164,13 @@ def check_context(mesh: Mesh | None) -> None:
 
 def weight_spec(path) -> P:
     """The ``PartitionSpec`` of the weight at ``path`` in the model state (a tuple of
-    keys ending ``(..., module, parameter)``), from ``WEIGHT_AXES``."""
+    keys ending ``(..., module, parameter)``), from ``WEIGHT_AXES``; a decoder
+    layer weight (``("layers", ...)``, stacked ``[L, ...]``) is not split by layer."""
     axes = WEIGHT_AXES.get(tuple(str(k) for k in path[-2:]))
     if axes is None:
         return P()
-    return P(*(MESH_AXIS.get(a) for a in axes))
+    stacked = (None,) if str(path[0]) == "layers" else ()
+    return P(*stacked, *(MESH_AXIS.get(a) for a in axes))
 
 
 def place(value: np.ndarray, path, mesh: Mesh, dtype) -> jax.Array:
@@ -218,13 +220,18 @@ def replicate(tree, mesh: Mesh):
     return jax.tree.map(lambda x: jax.lax.with_sharding_constraint(x, NamedSharding(mesh, P())), tree)
 
 
-def shard_heads(attend, mesh: Mesh):
-    """Run ``attend(q_BHD, k_SKD, v_SKD, live_idx_BN, live_len_B) -> out_BHD`` (one
-    layer of decode attention, any backend) on each device over its own KV heads
-    and, with ``dp``, its own rows: a ``shard_map``, so a kernel (Pallas, Triton)
-    sees a per-device problem and no collective is needed."""
-    rows = DP if axis_size(mesh, DP) > 1 else None
-    q, pool = P(rows, TP, None), P(None, TP, None)
+def shard_heads(attend, mesh: Mesh, kv):
+    """Run ``attend(kv, q_THD, k_TKD, v_TKD, *per_row_arrays) -> out_THD`` (one layer
+    of the ragged attention, any backend) on each device over its own KV heads: a
+    ``shard_map``, so a kernel (Pallas, Triton) sees a per-device problem and no
+    collective is needed. ``kv`` (the pool pytree, every array split by KV head on
+    its axis 2, ``POOL_SPEC``) gives the structure of the pool argument; the step's
+    queries, keys and values are split by head, the per-row arrays (live lists,
+    lengths) replicated: a step's rows are not split over ``dp``, whose devices
+    compute the same step."""
+    pool = jax.tree.map(lambda _: POOL_SPEC, kv)
+    q = P(None, TP, None)
     return jax.shard_map(
-        attend, mesh=mesh, in_specs=(q, pool, pool, P(rows, None), P(rows)), out_specs=q, check_vma=False
+        lambda kv_, q_, k_, v_, *rest: attend(kv_, q_, k_, v_, *rest), mesh=mesh,
+        in_specs=(pool, q, q, q, P(), P(), P(), P()), out_specs=q, check_vma=False,
     )

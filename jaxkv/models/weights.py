@@ -3,7 +3,10 @@
 ``hf_parameter_map(cfg)`` names each parameter of the NNX ``Transformer`` the way a
 Hugging Face checkpoint does (``model.layers.3.self_attn.q_proj.weight``) and says
 where it lives in the NNX state and whether it is stored transposed (HF linear
-weights are ``[out, in]``, NNX kernels ``[in, out]``). ``expected_shapes(cfg)`` is
+weights are ``[out, in]``, NNX kernels ``[in, out]``). A decoder layer's weight
+lives at index ``i`` of a stacked leaf (the model's layers are one module with a
+leading layer axis): its path is ``("layers", i, ...)``, and ``get_at`` /
+``set_at`` / ``leaf_path`` read that index. ``expected_shapes(cfg)`` is
 the HF-layout shape ``cfg`` implies for each name, and ``check_tensor_shapes``
 holds a checkpoint's shapes against it.
 
@@ -60,18 +63,39 @@ def hf_parameter_map(cfg: ModelConfig) -> dict[str, tuple[tuple, bool]]:
     return out
 
 
+def leaf_path(path) -> tuple[tuple, int | None]:
+    """``(path of the state leaf, layer index or None)``: a decoder layer's weight
+    ``("layers", i, ...)`` is row ``i`` of the stacked leaf ``("layers", ...)``."""
+    if len(path) > 1 and path[0] == "layers" and isinstance(path[1], int):
+        return ("layers",) + tuple(path[2:]), path[1]
+    return tuple(path), None
+
+
 def get_at(tree, path):
-    """The leaf of a nested dict (an ``nnx.to_pure_dict`` state) at ``path``."""
-    for key in path:
+    """The weight at ``path`` in a nested dict (an ``nnx.to_pure_dict`` state): a
+    leaf, or one layer's row of a stacked leaf."""
+    leaf, layer = leaf_path(path)
+    for key in leaf:
         tree = tree[key]
-    return tree
+    return tree if layer is None else tree[layer]
 
 
 def set_at(tree, path, value):
-    """Put ``value`` at ``path`` in a nested dict (an ``nnx.to_pure_dict`` state)."""
+    """Put ``value`` at a leaf ``path`` of a nested dict (a whole leaf: stacked
+    layer weights are assembled by the caller, ``stacked_names``)."""
     for key in path[:-1]:
         tree = tree[key]
     tree[path[-1]] = value
+
+
+def stacked_names(cfg: ModelConfig) -> dict[tuple, tuple[list[str], bool]]:
+    """Leaf path -> (HF names in leaf order, transpose?) for every leaf: one name for
+    a plain leaf, one per layer (index order) for a stacked layer leaf."""
+    out: dict[tuple, tuple[list[str], bool]] = {}
+    for name, (path, transpose) in hf_parameter_map(cfg).items():
+        leaf, _ = leaf_path(path)
+        out.setdefault(leaf, ([], transpose))[0].append(name)
+    return out
 
 
 @functools.lru_cache(maxsize=16)
@@ -95,7 +119,8 @@ def expected_shapes(cfg: ModelConfig) -> Mapping[str, tuple[int, ...]]:
     pure = nnx.to_pure_dict(abstract_module(cfg, jnp.float32)[1])
     out = {}
     for name, (path, transpose) in hf_parameter_map(cfg).items():
-        shape = tuple(get_at(pure, path).shape)
+        leaf, layer = leaf_path(path)
+        shape = tuple(get_at(pure, leaf).shape)[(0 if layer is None else 1) :]  # a layer's row of a stacked leaf
         out[name] = shape[::-1] if transpose else shape
     return types.MappingProxyType(out)
 

@@ -39,7 +39,9 @@ Metrics, as a scraper sees them (a counter's name is its ``_total`` series):
   ``jaxkv_xla_compiles_total`` / ``jaxkv_xla_cache_hits_total`` (XLA programs
   the process compiled or loaded, ``jaxkv.compiles``: flat after warm-up while
   every program fits the process's memory mappings), ``jaxkv_xla_releases_total``
-  (times the compiled programs were dropped near the mapping limit);
+  (times the compiled programs were dropped near the mapping limit),
+  ``jaxkv_warmup_programs`` / ``jaxkv_warmup_seconds`` (what the start-up
+  warm-up compiled, and how long it took);
 * HTTP: ``jaxkv_http_responses_total{status=...}``;
 * latency histograms of chat requests (``TokenTimes``):
   ``jaxkv_time_to_first_token_seconds`` (the route starts handling the request
@@ -228,6 +230,9 @@ STATE_METRICS = (
                 "XLA programs this process compiled or loaded from the persistent cache (after warm-up a request adds none).",
                 _counted("xla_compiles")),
     StateMetric("jaxkv_xla_cache_hits_total", "counter", "XLA programs loaded from the persistent compilation cache.", _counted("xla_cache_hits")),
+    StateMetric("jaxkv_warmup_programs", "gauge", "XLA programs the start-up warm-up compiled or loaded (0: no warm-up).",
+                _counted("warmup_programs")),
+    StateMetric("jaxkv_warmup_seconds", "gauge", "Seconds the start-up warm-up took (0: no warm-up).", _counted("warmup_seconds")),
     StateMetric("jaxkv_xla_releases_total", "counter",
                 "Times the compiled programs were dropped near the process's memory-mapping limit (reloaded from the persistent cache on next use).",
                 _counted("xla_releases")),

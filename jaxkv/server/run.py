@@ -272,8 +272,9 @@ def serve(args) -> int:
                    num_slots=args.num_slots, api_keys=keys, rules=rules, max_tokens=args.max_tokens, session_cap=args.session_cap,
                    decode_chunk=args.decode_chunk, warmup=args.warmup)  # bad defaults or allow-lists fail here, before the port opens
     auth = f"{len(keys)} API key(s)" if keys else "no authentication"
-    warm = app.state.jaxkv.server.warmup_seconds
-    warmed = f", warm-up {warm:.0f} s" if warm is not None else ", no warm-up"
+    server = app.state.jaxkv.server
+    warm = server.warmup_seconds
+    warmed = f", warm-up compiled {server.warmup_programs} XLA programs in {warm:.0f} s" if warm is not None else ", no warm-up"
     print(f"jaxkv serve: model {name!r} on http://{args.host}:{args.port}/v1 ({args.rows} rows, {auth}{warmed})", flush=True)
     uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level)
     return 0

@@ -48,7 +48,7 @@ from jaxkv.buckets import DECODE_CHUNK
 from jaxkv.cache.radix import common_prefix_length
 from jaxkv.engine import FIRST_TOKEN_KEY
 from jaxkv.errors import JaxKVError
-from jaxkv.models.transformer import NO_FEATURES, Features
+from jaxkv.step import NO_FEATURES, Features
 from jaxkv.sampling import make_sampler, sample
 from jaxkv.serving.stages.base import Capture
 

@@ -14,12 +14,16 @@ engine and runs them. Each loop iteration:
 2. **advance** every running turn whose last work is done: its host code runs
    (compression events, repair, radix insert...) until it yields the next work,
    whose engine job starts at once (slots allocated), or finishes.
-3. **prefill**: one chunk of every pending prefill, in one batched engine step.
-4. **decode**: up to ``decode_chunk`` steps of every pending decode, one batched
-   engine step per sampler spec; rows stop on their own stop token or limit.
+3. **step**: while any prefill is pending, one engine step on a token budget
+   (``Engine.step``): the next token of every decoding row, then prefill pieces
+   of the waiting turns, first come first served, in what is left (chunked
+   prefill, as vLLM V1 schedules: a decoding row never waits behind a long
+   prompt); with no prefill pending, one call of the decode fast path
+   (``Engine.step_decode``: up to ``decode_chunk`` tokens of every decoding row,
+   each with its own sampler; rows stop on their own stop token or limit).
 
-So rows join and leave between decode chunks, long prompts are prefilled a chunk
-at a time between decode chunks of the others, and each session keeps its own
+So rows join and leave between steps, long prompts are prefilled a piece at a
+time beside the decode tokens of the others, and each session keeps its own
 policy, budget, layout and repair (those run in its turn's host code).
 
 Invariants: only the scheduler thread touches the engine, the radix cache, the
@@ -217,8 +221,7 @@ class Scheduler:
             try:
                 self._admit()
                 self._advance()
-                self._step_prefill()
-                self._step_decode()
+                self._step()
                 compiles.release_if_crowded()  # before a compile could pass the mapping limit
             except Exception as err:  # a bug, not a turn's error: fail what runs, keep serving
                 log.exception("scheduler iteration failed")
@@ -306,60 +309,59 @@ class Scheduler:
         self.stats["turns_cancelled"] += 1
         task.future.set_exception(TurnCancelledError("the turn was cancelled before it started"))
 
-    def _step_prefill(self) -> None:
-        tasks = [t for t in self._running if isinstance(t.work, PrefillWork)]
-        if not tasks:
+    def _step(self) -> None:
+        prefills = [t for t in self._running if isinstance(t.work, PrefillWork)]
+        decodes = [t for t in self._running if isinstance(t.work, DecodeWork)]
+        if not prefills and not decodes:
             return
-        jobs = [t.work.job for t in tasks]
-        before = sum(j.done for j in jobs)
+        tasks = prefills + decodes
+        pjobs, djobs = [t.work.job for t in prefills], [t.work.job for t in decodes]
+        before = sum(j.done for j in pjobs)
+        generated = [len(j.tokens) for j in djobs]
         t0 = time.perf_counter()
         try:
-            self.engine.step_prefill(jobs)
+            if prefills:
+                self.engine.step(prefill_jobs=pjobs, decode_jobs=djobs)
+            else:
+                self.engine.step_decode(djobs, self.decode_chunk, regroup=True)  # rows that stop early leave the call
+        except OutOfSlotsError:  # not enough slots for all: the decode rows one by one, fail only who cannot fit
+            self._one_by_one(prefills, decodes)
+            return
         except Exception as err:
             for task in tasks:
                 self._fail(task, err)
             return
         finally:
-            self.timing["prefill_s"] += time.perf_counter() - t0
-        self.stats["prefill_tokens"] += sum(j.done for j in jobs) - before
-        for task in tasks:
-            if task.work.job.finished:
-                self._ready(task, None)
-
-    def _step_decode(self) -> None:
-        tasks = [t for t in self._running if isinstance(t.work, DecodeWork)]
-        groups: dict = {}
-        for task in tasks:
-            job = task.work.job  # one call per sampler, and per attention-mass capture (a program variant)
-            groups.setdefault((job.spec, job.features.attn_mass), []).append(task)
-        for group in groups.values():
-            try:
-                self._decode_group(group)
-            except OutOfSlotsError:  # not enough slots for all: go one by one, fail only who cannot fit
-                for task in group:
-                    try:
-                        self._decode_group([task])
-                    except Exception as err:
-                        self._fail(task, err)
-            except Exception as err:
-                for task in group:
-                    self._fail(task, err)
-
-    def _decode_group(self, group) -> None:
-        jobs = [t.work.job for t in group]
-        before = [len(j.tokens) for j in jobs]
-        t0 = time.perf_counter()
-        try:
-            self.engine.step_decode(jobs, self.decode_chunk, regroup=True)  # rows that stop early leave the batch
-        finally:
-            self.timing["decode_s"] += time.perf_counter() - t0
+            self.timing["prefill_s" if prefills else "decode_s"] += time.perf_counter() - t0
         self.stats["steps"] += 1
-        for task, job, n0 in zip(group, jobs, before):
+        self.stats["prefill_tokens"] += sum(j.done for j in pjobs) - before
+        self._after(prefills, decodes, generated)
+
+    def _one_by_one(self, prefills, decodes) -> None:
+        """After an ``OutOfSlotsError``: prefills alone, then each decode row alone;
+        a turn that still cannot get its slots fails, the others go on."""
+        groups = [(prefills, [])] if prefills else []
+        groups += [([], [task]) for task in decodes]
+        for pre, dec in groups:
+            generated = [len(t.work.job.tokens) for t in dec]
+            try:
+                self.engine.step(prefill_jobs=[t.work.job for t in pre], decode_jobs=[t.work.job for t in dec])
+            except Exception as err:
+                for task in pre + dec:
+                    self._fail(task, err)
+                continue
+            self._after(pre, dec, generated)
+
+    def _after(self, prefills, decodes, generated) -> None:
+        """Stream the decode rows' new tokens and advance every turn whose work is done."""
+        for task, n0 in zip(decodes, generated):
+            job = task.work.job
             self.stats["tokens_generated"] += len(job.tokens) - n0
             if task.on_progress is not None:
                 try:
                     task.on_progress(job)
                 except Exception:  # a listener's bug must not stop the turn
                     log.exception("on_progress listener failed")
-            if job.finished:
+        for task in prefills + decodes:
+            if task.work.job.finished:
                 self._ready(task, None)

@@ -31,12 +31,14 @@ slots the radix cache gave back under pool pressure (``radix_evicted_slots``);
 ``prefill_seconds`` / ``decode_seconds`` are the scheduler's time in batched
 engine steps.
 
-Compiled programs: every shape the engine's steps take comes from the finite
-set of ``jaxkv.buckets.shape_set``. ``Server(..., warmup=True)`` (or
-``server.warmup()``) compiles all of it before the server accepts a turn, with a
-progress bar, through JAX's persistent compilation cache in the user cache folder
-(``jaxkv.compiles``), so a restart loads instead of compiling; then one short
-chat turn per sampler compiles the turn pipeline's own small programs.
+Compiled programs: every shape the engine's steps take comes from the small
+bounded set of ``jaxkv.buckets.shape_set`` (one program per step token bucket,
+per decode row bucket and CPU window width; samplers, chunk and live lengths are
+data). ``Server(..., warmup=True)`` (or ``server.warmup()``) compiles all of it
+before the server accepts a turn, with a progress bar, through JAX's persistent
+compilation cache in the user cache folder (``jaxkv.compiles``), so a restart
+loads instead of compiling; then one short chat turn per sampler compiles the
+turn pipeline's own small programs.
 ``snapshot()`` reports ``xla_compiles`` (programs this process compiled or
 loaded; after warm-up a full-cache request adds none) and
 ``xla_cache_hits``. A CPU process cannot hold a large shape set in memory (each
@@ -95,7 +97,9 @@ class Server:
         (default: unbounded per session, at most 2**16 rows in all).
       max_queue: turns that may wait for a row before ``QueueFullError``.
       decode_chunk: decode steps per batched engine call.
-      prefill_chunk: prompt tokens per prefill step.
+      prefill_chunk: the most prompt tokens of one turn an engine step takes.
+      token_budget: the most tokens of one engine step (``Engine``'s default: a
+        whole chunk beside a decode token of every row).
       backend: decode-attention backend (``jaxkv.pallas``).
       kv_quant: None (float pool) or a quantized pool's mode
         (``jaxkv.cache.quantized_host.MODES``); every session on the server uses
@@ -108,7 +112,7 @@ class Server:
         compiles too (None: every registered policy, at its default config).
     """
 
-    def __init__(self, model: Model, *, rows: int = 1, max_positions: int | None = None, num_slots: int | None = None, session_cap: int = 1024, backend=None, host_tier: HostTier | None = None, max_queue: int = 64, decode_chunk: int = DECODE_CHUNK, prefill_chunk: int = PREFILL_CHUNK, kv_quant=None, segment_cap: int = 256 << 20, warmup=False, warmup_policies=None):
+    def __init__(self, model: Model, *, rows: int = 1, max_positions: int | None = None, num_slots: int | None = None, session_cap: int = 1024, backend=None, host_tier: HostTier | None = None, max_queue: int = 64, decode_chunk: int = DECODE_CHUNK, prefill_chunk: int = PREFILL_CHUNK, token_budget: int | None = None, kv_quant=None, segment_cap: int = 256 << 20, warmup=False, warmup_policies=None):
         if model.tokenizer is None:
             raise ConfigError("sessions need a model with a tokenizer (the folder had none)")
         if int(rows) < 1:
@@ -118,7 +122,7 @@ class Server:
         self.kv_quant = check_mode(kv_quant)
         self.engine = Engine(
             model, rows=int(rows), max_positions=P, num_slots=num_slots or 2 * int(rows) * P + 1,
-            backend=backend, prefill_chunk=prefill_chunk, kv_quant=self.kv_quant,
+            backend=backend, prefill_chunk=prefill_chunk, token_budget=token_budget, kv_quant=self.kv_quant,
         )
         self.radix = RadixTree(self.engine.allocator)
         self.engine.reclaim = self._reclaim
@@ -133,39 +137,44 @@ class Server:
         self.stop_token_ids = stop_token_ids(model)
         self.scheduler = Scheduler(self.engine, max_queue=max_queue, decode_chunk=decode_chunk)
         self.warmup_seconds: float | None = None
+        self.warmup_programs: int | None = None
         if warmup:
             self.warmup(**({} if warmup is True else {"samplers": tuple(warmup)}), policies=warmup_policies)
 
+    WARMUP_SAMPLERS = {"greedy": {}, "sample": {"temperature": 1.0}, "top_p": {"temperature": 1.0, "top_p": 0.9}}
+
     def warmup(self, *, samplers=("greedy", "sample", "top_p"), progress: bool = True, session_options: dict | None = None, policies=None) -> int:
-        """Compile the engine's whole shape set (``Engine.warmup``) on the
+        """Compile the engine's bounded shape set (``Engine.warmup``: one program per
+        step token bucket and per decode row bucket and window width) on the
         scheduler thread, with the feature-capturing variants of its steps that
         ``policies`` need (None: every registered retention policy; names, or
         ``(name, config dict)`` pairs for a non-default config) and each policy's
         event programs (``retention.warm_events``); then build a scratch session
         per policy (its state and head) and run one short chat turn per sampler
-        (the turn pipeline's own programs) in a scratch session made with
-        ``session_options`` (e.g. a triaxial pool's ``kv_allocation``). The
-        persistent compilation cache is turned on first. Call it before serving.
-        Returns the programs run."""
+        name of ``WARMUP_SAMPLERS`` (the turn pipeline's own programs; samplers
+        are data in the engine's steps, so they add no step program) in a scratch
+        session made with ``session_options`` (e.g. a triaxial pool's
+        ``kv_allocation``). The persistent compilation cache is turned on first.
+        Call it before serving. Records ``warmup_seconds`` and
+        ``warmup_programs`` (XLA programs compiled or loaded, ``jaxkv.compiles``)
+        and returns the engine programs run."""
         import time
 
         from tqdm.auto import tqdm
 
-        from jaxkv import buckets, compiles
-        from jaxkv.engine import Engine
-
+        from jaxkv import compiles
         from jaxkv.serving.stages.retention import policy_warmup, warm_events
 
         compiles.enable_persistent_cache()
-        t0 = time.perf_counter()
+        t0, before = time.perf_counter(), compiles.count()
         eng = self.engine
-        specs, prefill_rows, prefill_mass, decode_mass = policy_warmup(policies)
-        shapes = buckets.shape_set(eng.rows, eng.max_positions, eng.prefill_chunk, self.scheduler.decode_chunk, eng.min_batch, eng.short_chunk)
-        total = len(shapes.prefill) * (1 + prefill_rows + prefill_mass) + len(shapes.decode) * len(samplers) * (1 + decode_mass)
+        specs, capture_q, attn_mass = policy_warmup(policies)
+        shapes = eng.shape_set(self.scheduler.decode_chunk)
+        total = len(shapes.steps) * (1 + capture_q + attn_mass) + len(shapes.decode)
         with tqdm(total=total + len(specs), desc="jaxkv warm-up (XLA programs)", unit="prog", disable=not progress) as bar:
             ran = self.scheduler.call(lambda: eng.warmup(
-                self.scheduler.decode_chunk, samplers=samplers, stop_token_ids=self.stop_token_ids, progress=bar.update,
-                prefill_rows=prefill_rows, prefill_mass=prefill_mass, decode_mass=decode_mass,
+                self.scheduler.decode_chunk, stop_token_ids=self.stop_token_ids, progress=bar.update,
+                capture_q=capture_q, attn_mass=attn_mass,
             )).result()
             for options, spec in specs:
                 self.session(**options).close()  # the policy's state and head, as a session builds them
@@ -173,10 +182,11 @@ class Server:
                 bar.update(1)
         session = self.session(**(session_options or {}))
         for name in samplers:
-            session.chat([{"role": "user", "content": "warm up"}], max_new_tokens=2, **Engine.WARMUP_SAMPLERS[name])
+            session.chat([{"role": "user", "content": "warm up"}], max_new_tokens=2, **self.WARMUP_SAMPLERS[name])
         session.close()
         self.scheduler.call(lambda: self.radix.evict(eng.allocator.capacity)).result()  # forget the scratch turns
         self.warmup_seconds = time.perf_counter() - t0
+        self.warmup_programs = compiles.count() - before
         return ran
 
     # The class ``session()`` builds. ``jaxkv.serving.session`` sets it to ``Session``
@@ -262,5 +272,7 @@ class Server:
             "xla_compiles": compiles.count(),
             "xla_cache_hits": compiles.cache_hits(),
             "xla_releases": compiles.releases(),
+            "warmup_programs": self.warmup_programs or 0,
+            "warmup_seconds": self.warmup_seconds or 0.0,
             **{k: int(self.counters[k]) for k in COUNTERS},
         }

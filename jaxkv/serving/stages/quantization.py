@@ -8,9 +8,13 @@ Session options it owns:
 * ``kv_bits``: the average-bit budget B of a triaxial mode (default: the
   calibrated B of the allocation); ``ConfigError`` for other modes.
 * ``kv_allocation``: the calibration (an ``Allocation``, a dict in its JSON
-  form, or a path); default ``<model folder>/triaxial.json``, or for a model
-  loaded by name ``<cache>/models/<name>/triaxial.json``
-  (``jaxkv.models.registry.artifact_paths``), written by ``train/calibrate_triaxial.py``.
+  form, or a path). Default: the model's calibration, first found wins
+  (``jaxkv.models.registry.find_artifact``): ``<model folder>/triaxial.json``;
+  for a reference model ``<cache>/models/<name>/triaxial.json`` (where
+  ``train/calibrate_triaxial.py`` writes it); then the calibration shipped in
+  ``jaxkv/assets/<name>/triaxial.json`` for the model whose ``weights.json``
+  records the identity of these weights (``jaxkv.models.loading.weights_id``),
+  however they were loaded. The user's own calibration wins over the shipped one.
 
 How a session gets a quantized pool: the pool belongs to the server's engine, so
 its regions are a server property. ``Session(model, kv_quant=...)`` makes its
@@ -136,12 +140,15 @@ def resolve_allocation(model, mode: str, allocation) -> Allocation:
             return Allocation.from_dict({**v, "budget": v.get("budget", data["budget"])})
         return Allocation.from_dict(data)
     if allocation is None:
-        from jaxkv.models.registry import artifact_paths
+        from jaxkv.models import registry
 
-        candidates = artifact_paths(getattr(model, "path", None), CALIBRATION_FILE)
-        if not candidates:
-            raise ConfigError(f"kv_quant={mode!r} needs a calibration: pass kv_allocation= (the model has no folder)")
-        allocation = next((c for c in candidates if c.is_file()), candidates[0])
+        allocation = registry.find_artifact(model, CALIBRATION_FILE, Path.is_file)
+        if allocation is None:
+            candidates = registry.artifact_paths(getattr(model, "path", None), CALIBRATION_FILE)
+            if not candidates:
+                raise ConfigError(f"kv_quant={mode!r} needs a calibration: pass kv_allocation= (the model has no folder "
+                                  "and no calibration ships for its weights)")
+            allocation = candidates[0]  # load_allocation's error names it and the calibration script
     return load_allocation(allocation, mode)
 
 

@@ -34,7 +34,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxkv.buckets import bucket, event_sizes
+from jaxkv.buckets import bucket, event_size, event_sizes
 from jaxkv.cache.allocator import SENTINEL_SLOT
 from jaxkv.chat.tags import Phase
 from jaxkv.errors import ConfigError
@@ -60,17 +60,21 @@ def window_rows(needs) -> int:
 def head_folder_of(model):
     """The IntentKV head trained for ``model``, or None (``IntentKVConfig``'s default
     then: the embedded model's head, which ``check_head_model`` refuses for any other
-    model). Looked for, first found wins (``registry.artifact_paths``):
+    model). Looked for, first found wins (``registry.find_artifact``):
 
     1. ``<model folder>/intentkv-head`` (a checkpoint folder; the embedded model's
        ships there);
-    2. for a reference model loaded by name, ``<cache>/models/<name>/intentkv-head``
-       (``train.intentkv_head --export``; outside the converted copy, which a
-       reconversion replaces), then the head shipped in ``jaxkv/assets/<name>/``.
+    2. ``<cache>/models/<name>/intentkv-head`` (``train.intentkv_head --export``;
+       outside the converted copy, which a reconversion replaces) for a reference
+       model: the one whose cache folder the model's folder is, or whose weights
+       the model holds;
+    3. the head shipped in ``jaxkv/assets/<name>/intentkv-head`` for the model whose
+       ``weights.json`` records the identity of these weights
+       (``jaxkv.models.loading.weights_id``), however they were loaded (by name,
+       from the converted folder, from the GGUF file, from a copy).
 
     Lives here, not in ``policies``, because policies never import ``models``."""
-    candidates = registry.artifact_paths(getattr(model, "path", None), HEAD_FOLDER)
-    return next((c for c in candidates if (c / HEAD_CONFIG_FILE).is_file()), None)
+    return registry.find_artifact(model, HEAD_FOLDER, lambda c: (c / HEAD_CONFIG_FILE).is_file())
 
 
 @dataclasses.dataclass(frozen=True)
@@ -268,7 +272,7 @@ class RetentionStage(Stage):
         seq_len = req.seq_len
         wq, wpos, wvalid = self._window_rows(cfg, req, seq_len)
         qm = self.query_mean if self.query_mean is not None else np.zeros((cfg.num_layers, cfg.num_heads, cfg.head_dim), np.float32)
-        n, N = live_pos.size, bucket(live_pos.size)  # one compile per bucket, not per event
+        n, N = live_pos.size, event_size(live_pos.size)  # one compile per event size, not per event
 
         def pad(x, fill):
             x = np.asarray(x)
@@ -333,25 +337,23 @@ class RetentionStage(Stage):
 def policy_warmup(policies=None):
     """What a server's warm-up compiles for retention ``policies`` (None: every
     registered policy at its default config; else names, or ``(name, config
-    dict)`` pairs): ``(specs, prefill_rows, prefill_mass, decode_mass)``, where
-    ``specs`` pairs each policy's scratch-session options with its spec, and the
-    flags say which variants of the engine's steps its turns run: prefill steps
-    that capture query rows (windows, query spans, phase rows) or attention
-    mass, and decode calls that accumulate attention mass (only with a decode
-    interval; decode calls capture query rows always, ``jaxkv.engine``)."""
+    dict)`` pairs): ``(specs, capture_q, attn_mass)``, where ``specs`` pairs each
+    policy's scratch-session options with its spec, and the flags say which
+    variants of the engine's steps its turns run: steps that capture query rows
+    (windows, query spans, phase rows) or attention mass (``jaxkv.step``; decode
+    calls capture query rows always)."""
     from jaxkv.policies import REGISTRY
 
     items = sorted(REGISTRY) if policies is None else list(policies)
-    specs, prefill_rows, prefill_mass, decode_mass = [], False, False, False
+    specs, capture_q, attn_mass = [], False, False
     for item in items:
         name, config = (item, {}) if isinstance(item, str) else (item[0], dict(item[1]))
         spec = RetentionSpec.make(name, 1, "dead_slot", config)
         specs.append(({"policy": name, "budget": 1, **config}, spec))
         needs = spec.policy.needs(spec.config)
-        prefill_rows |= bool(needs.window or needs.query_mean or needs.observe_rows)
-        prefill_mass |= bool(needs.attn_mass)
-        decode_mass |= bool(needs.attn_mass and needs.decode_interval)
-    return specs, prefill_rows, prefill_mass, decode_mass
+        capture_q |= bool(needs.window or needs.query_mean or needs.observe_rows)
+        attn_mass |= bool(needs.attn_mass)
+    return specs, capture_q, attn_mass
 
 
 def warm_events(spec: RetentionSpec, engine) -> int:
