@@ -64,15 +64,19 @@ the greedy score, which matches the call or answer only, not the reasoning.
 Fidelity (``--fidelity``, issue #27): how close, token by token, the managed
 cache keeps the model to its full-cache behaviour on the turns after a compression
 event, beside accuracy. Every replay also teacher-forces the recorded assistant
-turns with their logits. The ``full`` cell of a task runs first and stores, per
-example, each recorded token's NLL and its distribution as the top
-``FIDELITY_TOP`` (64) tokens plus the rest's mass (``OUT/fidelity/``); every
-other cell, on the turns whose reply follows at least one of its compression
-events (``TurnResult.compressions``), reports ``nll_increase`` (mean NLL, managed
-minus full, nats per recorded token) and ``kl`` (KL(full || managed) per token on
-those 65 bins: a lower bound of the full-vocabulary KL, equal to it when the top
-64 carry all the mass), token-weighted over examples, ``fidelity_tokens`` the
-tokens counted, and per-example values for paired intervals.
+turns with their logits. The ``full`` cell of a task on the float pool
+(``--kv-quant none``) runs first and stores, per example, each recorded token's NLL
+and its distribution as the top ``FIDELITY_TOP`` (64) tokens plus the rest's mass
+(``OUT/fidelity/``); every other cell, on the turns whose reply follows at least
+one of its compression events (``TurnResult.compressions``), or on every turn with
+a quantized pool (``--kv-quant int4,...``: the KV is stored quantized from the
+first prefill on, so every reply reads it), reports ``nll_increase`` (mean NLL,
+managed minus full, nats per recorded token) and ``kl`` (KL(full || managed) per
+token on those 65 bins: a lower bound of the full-vocabulary KL, equal to it when
+the top 64 carry all the mass), token-weighted over examples, ``fidelity_tokens``
+the tokens counted, and per-example values for paired intervals. With
+``--kv-quant``, ``results.md``'s KV-precision table adds each format's NLL
+increase with a paired bootstrap 95% interval over examples and its KL.
 
 Long grids: every finished cell is appended to ``--out/cells.jsonl`` at once, and
 ``--resume`` skips the cells already there (same examples: a cell's key includes
@@ -219,12 +223,19 @@ def binned_kl(ref: dict, logp_NV: np.ndarray) -> np.ndarray:
     return np.maximum(kl, 0.0)
 
 
+def is_reference(cell: Cell) -> bool:
+    """Whether ``cell`` writes the fidelity reference: the full cache on the float pool."""
+    return cell.method == "full" and cell.kv_quant == "none"
+
+
 def fidelity_of(turns, cell: Cell, example, folder: Path) -> dict:
-    """The full cell writes the example's reference; another cell compares with it
-    on the turns after its first compression event (module docstring)."""
+    """The full cell on the float pool writes the example's reference; another cell
+    compares with it on the turns whose reply read a managed cache: after its first
+    compression event, or every turn on a quantized pool, whose KV is stored
+    quantized from the first prefill on (module docstring)."""
     path = folder / f"{cell.task}-{example.seed}.npz"
     logps = [recorded_logp(t) for t in turns]
-    if cell.method == "full":
+    if is_reference(cell):
         keep = [(i, lp) for i, lp in enumerate(logps) if lp is not None]
         refs = [binned_reference(lp) for _, lp in keep]
         nll = [-np.take_along_axis(lp, np.asarray(turns[i].target_ids)[: len(lp), None], -1)[:, 0] for i, lp in keep]
@@ -240,7 +251,7 @@ def fidelity_of(turns, cell: Cell, example, folder: Path) -> dict:
     tokens, dnll, kl = 0, 0.0, 0.0
     for j, i in enumerate(ref["turn"]):
         lp = logps[i] if i < len(logps) else None
-        if lp is None or turns[i].compressions == 0:
+        if lp is None or (turns[i].compressions == 0 and cell.kv_quant == "none"):
             continue
         a, b = ref["offsets"][j], ref["offsets"][j + 1]
         target = np.asarray(turns[i].target_ids)[: b - a]
@@ -439,9 +450,10 @@ def run_cell(model, examples, cell: Cell, *, max_new_tokens: int, max_positions:
 
 def fidelity_summary(per_example, cell: Cell) -> dict:
     """``fidelity_tokens``, ``nll_increase`` and ``kl`` of a cell, token-weighted over
-    its examples (``-`` without ``--fidelity``, and for the full cell: 0 by definition)."""
+    its examples (``-`` without ``--fidelity``, and for the reference cell, the full
+    cache on the float pool: 0 by definition)."""
     got = [f for f in per_example if f is not None]
-    if not got or cell.method == "full":
+    if not got or is_reference(cell):
         return {"fidelity_tokens": "-", "nll_increase": "-", "kl": "-"}
     tokens = sum(f["tokens"] for f in got)
     if tokens == 0:
@@ -802,18 +814,38 @@ def head_verdict(col: list, ref: dict) -> list[str]:
 
 def quant_table(rows, task: str) -> str:
     """Accuracy, bits and bytes per KV precision of ``task``'s no-repair cells, with
-    the capacity ratio against bf16 (same bytes budget, tokens held)."""
+    the capacity ratio against bf16 (same bytes budget, tokens held); with
+    ``--fidelity`` also each cell's NLL increase over the full cache on the float
+    pool, with a paired bootstrap 95% interval over examples (``quant_nll_increase``),
+    and its KL per token."""
     rows = [r for r in rows if r["task"] == task and r["repair_policy"] == "none"]
     full = {(r["method"], r["budget"], r["layout"]): r for r in rows if r["kv_quant"] == "none"}
-    lines = ["| method | budget | layout | kv_quant | kv_bits | accuracy | Δ vs none | avg_bits | KV bytes/token | capacity vs bf16 |",
-             "|---|---|---|---|---|---:|---:|---:|---:|---:|"]
+    fidelity = any(isinstance(r.get("nll_increase"), float) for r in rows)
+    extra = " NLL increase [95% CI] | KL per token |" if fidelity else ""
+    lines = ["| method | budget | layout | kv_quant | kv_bits | accuracy | Δ vs none | avg_bits | KV bytes/token | capacity vs bf16 |" + extra,
+             "|---|---|---|---|---|---:|---:|---:|---:|---:|" + ("---:|---:|" if fidelity else "")]
     for r in rows:
         base = full.get((r["method"], r["budget"], r["layout"]))
         delta = "" if base is None else f"{100 * (r['accuracy'] - base['accuracy']):+.1f}"
         bf16 = base["kv_bytes_per_token"] if base is not None else float("nan")
-        lines.append(f"| {r['method']} | {r['budget']} | {r['layout']} | {r['kv_quant']} | {r['kv_bits']} | {_fmt(r['accuracy'])} | {delta} | "
-                     f"{r['avg_bits']:.2f} | {r['kv_bytes_per_token']:.0f} | {bf16 / r['kv_bytes_per_token']:.2f}x |")
+        line = (f"| {r['method']} | {r['budget']} | {r['layout']} | {r['kv_quant']} | {r['kv_bits']} | {_fmt(r['accuracy'])} | {delta} | "
+                f"{r['avg_bits']:.2f} | {r['kv_bytes_per_token']:.0f} | {bf16 / r['kv_bytes_per_token']:.2f}x |")
+        if fidelity:
+            d = quant_nll_increase(r)
+            line += (f" {d[0]:+.4f} [{d[1]:+.4f}, {d[2]:+.4f}] | {r['kl']:.4f} |" if d is not None else " - | - |")
+        lines.append(line)
     return "\n".join(lines)
+
+
+def quant_nll_increase(row) -> tuple[float, float, float] | None:
+    """A cell's NLL increase over the reference (the full cache on the float pool,
+    whose own increase is 0 on every example) with a paired percentile bootstrap
+    95% interval over examples (``paired_nll_difference``), or None without
+    per-example fidelity."""
+    per = [f for f in row.get(PER_EXAMPLE, {}).get("fidelity") or () if f is not None]  # None: a replay that did not complete
+    if not isinstance(row.get("nll_increase"), float) or not per:
+        return None
+    return paired_nll_difference(per, [{"tokens": max(f["tokens"], 1), "dnll": 0.0} for f in per])
 
 
 def prefix_summary(rows) -> str:
@@ -1102,8 +1134,8 @@ def run(args, model=None) -> list[dict]:
               unit="example", file=sys.stderr) as bar:
         if done:
             tqdm.write(f"--resume: {len(cells) - len(todo)} of {len(cells)} cells already in {journal}", file=sys.stderr)
-        # with --fidelity the full cells write the references every other cell reads: they run first
-        passes = [[c for c in todo if c.method == "full"], [c for c in todo if c.method != "full"]] if fidelity else [todo]
+        # with --fidelity the full cells on the float pool write the references every other cell reads: they run first
+        passes = [[c for c in todo if is_reference(c)], [c for c in todo if not is_reference(c)]] if fidelity else [todo]
         options = {**({"fidelity": out / "fidelity"} if fidelity else {}), **({"accuracy": "teacher"} if teacher else {})} or None
         for cells_now in passes:
             for cell, row in run_cells(model, examples, cells_now, setup, workers=args.workers, bar=bar, session_options=options):

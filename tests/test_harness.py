@@ -176,6 +176,29 @@ def test_harness_kv_quant_axis_and_columns(quant_model_dir, tmp_path):
         harness.run(harness.build_parser().parse_args(["--model", str(quant_model_dir), "--out", str(tmp_path), "--kv-quant", "int3"]))
 
 
+def test_fidelity_of_a_quantized_pool_counts_every_reply_against_the_float_pool(quant_model_dir, tmp_path):
+    """With --kv-quant, only the full cache on the float pool writes the references;
+    a quantized full cell compares every recorded reply (its KV is quantized from the
+    first prefill on, no compression event needed), and the KV-precision table
+    gives its NLL increase with a paired interval."""
+    out = tmp_path / "quant-fid"
+    args = harness.build_parser().parse_args([
+        "--model", str(quant_model_dir), "--task", "agent", "--methods", "full", "--n", "1", "--length", "300",
+        "--max-new-tokens", "4", "--kv-quant", "int4,none", "--fidelity", "--accuracy", "teacher", "--out", str(out),
+    ])
+    rows = harness.run(args)
+    by = {r["kv_quant"]: r for r in rows}
+    assert by["none"]["nll_increase"] == "-" and by["int4"]["completion"] == 1.0
+    (ex,) = harness.make_examples("agent", 1, 300)
+    replies = int(np.load(out / "fidelity" / f"agent-{ex.seed}.npz")["nll"].size)
+    assert replies > 0 and by["int4"]["fidelity_tokens"] == replies  # every reply token of the trace
+    assert by["int4"]["nll_increase"] != 0 and by["int4"]["kl"] > 0
+    d = harness.quant_nll_increase(by["int4"])
+    assert d[0] == pytest.approx(by["int4"]["nll_increase"]) and d[1] <= d[0] <= d[2]
+    assert harness.quant_nll_increase(by["none"]) is None
+    assert "NLL increase [95% CI] | KL per token |" in (out / "results.md").read_text()
+
+
 def test_binned_kl_is_the_exact_kl_with_every_token_and_a_lower_bound_with_fewer():
     import numpy as np
 
