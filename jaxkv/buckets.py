@@ -15,9 +15,10 @@ query offsets: the ragged attention's loop bounds), so only these reach shapes:
   runs its rows compactly: powers of two up to ``DECODE_ROW_STEP`` rows, then
   multiples of it (12 jobs run as 12 rows, not 16);
 * **window widths** (``window_width``, the CPU decode loop's per-call copy of the
-  rows' lists): powers of two from ``MIN_WINDOW`` up to the row's positions. The
-  attention reads only the live blocks of the window, so its width costs memory
-  and one copy per call, not per-step work.
+  rows' lists before the call): powers of two from ``MIN_WINDOW`` up to the row's
+  positions. The loop's attention reads the whole width each step (one unblocked
+  GEMM, ``jaxkv.pallas.ragged_attention.window_decode_attention``), so a row just
+  past a power of two reads up to twice its list: the price of a few programs.
 * **decode steps per call**: the scheduler's decode chunk (one value,
   ``DECODE_CHUNK`` by default).
 
@@ -34,7 +35,7 @@ import dataclasses
 
 MIN_STEP_TOKENS = 16  # the narrowest step: a few decode rows
 DECODE_ROW_STEP = 4  # decode batches: powers of two up to 4 rows, then multiples of 4
-MIN_WINDOW = 512  # the narrowest CPU decode window (one key block of the ragged attention)
+MIN_WINDOW = 512  # the narrowest CPU decode window
 MIN_EVENT = 256  # the shortest list a compression event scores
 # Decode steps per batched engine call: how often rows can join or leave. Each call
 # has a fixed cost (on the CPU, copying every row's live K/V once: see

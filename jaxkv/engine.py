@@ -823,10 +823,10 @@ class Engine:
                 forced[b, : len(f)] = f
         return_logits = any(j.return_logits for j in jobs)
         batch = DecodeBatch(rows, first, limit, slots, stop, key_data, step0, RowSamplers.of(settings), forced)
-        width = buckets.window_width(max(len(s.live) for s in states) + n, self.max_positions)
+        width = buckets.window_width(max(len(s.live) for s in states), self.max_positions)
         window = None
         if self.uses_window(B, width):
-            window = gather_window(self.cache, jnp.asarray(rows), width=width)
+            window = gather_window(self.cache, jnp.asarray(rows), width=width, n_steps=n)
         plan = self.pool.decode_plan(states, [s[:k] for s, k in zip(per_job, steps)], B, n)
         tokens, fed, self.cache, logits, q_rows = run_decode(
             self.graphdef, self.params, self.cache, batch, plan, window,
@@ -947,8 +947,7 @@ class Engine:
         for B, W in shapes.decode:
             rows = [self.open_row() for _ in range(B)]
             try:
-                live = max(W - decode_chunk, 1) if W else 1
-                live = min(live, self.max_positions - decode_chunk)
+                live = min(W, self.max_positions - decode_chunk) if W else 1  # a list length whose window is W
                 for r in rows:  # a live length that asks for this window width
                     self.prefill([r], [np.zeros(live, np.int32)])
                 self.step_decode([self.start_decode(r, 0, decode_chunk, stop_token_ids=stop_token_ids) for r in rows], decode_chunk, regroup=True)

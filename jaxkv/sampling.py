@@ -120,3 +120,12 @@ def sample_batch(logits_RV, keys_R, samplers: RowSamplers):
         return jnp.where(sampled_rows, drawn.astype(jnp.int32), greedy)
 
     return jax.lax.cond(jnp.any(sampled_rows), draw, lambda _: greedy, None)
+
+
+@jax.jit
+def sample_row(logits_V, key, fold, samplers: "RowSamplers"):
+    """One token (int32 scalar) from one row's logits with its sampler (a one-row
+    ``RowSamplers``) and the key ``fold_in(key, fold)``: ``sample_batch`` as one
+    compiled program, so the first token of a reply costs no eager ops (each
+    would be a program of its own to compile at start-up)."""
+    return sample_batch(logits_V[None].astype(jnp.float32), jax.random.fold_in(key, fold)[None], samplers)[0]

@@ -43,7 +43,7 @@ from jaxkv.cache.allocator import SENTINEL_SLOT
 from jaxkv.cache.state import append_tokens, put_rows, take_rows
 from jaxkv.errors import JaxKVError
 from jaxkv.models import sharding
-from jaxkv.pallas.ragged_attention import KEY_BLOCK, WindowReader, decode_rows_attention, ragged_attention_blocked
+from jaxkv.pallas.ragged_attention import KEY_BLOCK, decode_rows_attention, ragged_attention_blocked, window_decode_attention
 from jaxkv.sampling import RowSamplers, sample_batch
 
 
@@ -92,24 +92,33 @@ class StepBatch:
 
 @struct.dataclass
 class DecodeWindow:
-    """The CPU decode loop's copy of its rows' lists (``gather_window``): keys and
-    values ``[L, R, W, K, D]`` of list entries ``[0, W)`` of every layer. Each step
-    writes its token's K/V at the row's new last entry, so the copy stays the list."""
+    """The CPU decode loop's copy of its rows' lists (``gather_window``), per layer
+    (tuples of ``L`` arrays, so the unrolled loop updates each in place), in two
+    parts: the entries the rows held before the call, head-major and read-only in
+    the loop (keys ``[R, K, D, W]``, values ``[R, K, W, D]``, the first
+    ``len_LR[i]`` real), and the entries the call's steps write (``[R, S, K, D]``,
+    row ``r``'s step at index ``kv_len - 1 - len_LR[i, r]``). List entry
+    ``len_LR + s`` is new entry ``s``, so the two parts together are the row's
+    list (each layer's own, ``RowTables.layer_list``)."""
 
-    k: jax.Array
-    v: jax.Array
+    k: tuple
+    v: tuple
+    len_LR: jax.Array
+    k_new: tuple
+    v_new: tuple
 
-    def layer(self, i) -> WindowReader:
-        return WindowReader(self.k, self.v, i)
-
-    def append(self, i, k_RKD, v_RKD, at_R, active_R) -> "DecodeWindow":
-        """Layer ``i`` with row ``r``'s new entry at ``at_R[r]`` (active rows only)."""
-        R, W = self.k.shape[1:3]
-        at = jnp.where(active_R, at_R, W)  # out of range: dropped
+    def append(self, i: int, k_RKD, v_RKD, kv_len_R, active_R) -> "DecodeWindow":
+        """Layer ``i`` with each active row's new entry (its ``kv_len - 1``) written."""
+        R, S = self.k_new[i].shape[:2]
+        at = jnp.where(active_R, kv_len_R - 1 - self.len_LR[i], S)  # out of range: dropped
         rows = jnp.arange(R)
-        k = self.k.at[i, rows, at].set(k_RKD.astype(self.k.dtype), mode="drop")
-        v = self.v.at[i, rows, at].set(v_RKD.astype(self.v.dtype), mode="drop")
-        return DecodeWindow(k, v)
+        put = lambda parts, x: parts[:i] + (parts[i].at[rows, at].set(x.astype(parts[i].dtype), mode="drop"),) + parts[i + 1:]  # noqa: E731
+        return self.replace(k_new=put(self.k_new, k_RKD), v_new=put(self.v_new, v_RKD))
+
+    def attend(self, i: int, q_RHD, kv_len_R, active_R):
+        """Layer ``i``'s attention of one query per row over the window."""
+        old = self.len_LR[i]
+        return window_decode_attention(q_RHD, self.k[i], self.v[i], old, self.k_new[i], self.v_new[i], kv_len_R - old, active_R)
 
 
 @struct.dataclass
@@ -176,11 +185,13 @@ def attend_layer(layers, kv, i, q_THD, lists, kv_len_R, q_start_R, q_len_R, k_TK
     return ragged_attention_blocked(q_THD, reader, kv_len_R, q_start_R, q_len_R, return_mass=mass, width=reader.live_RN.shape[1])
 
 
-def _forward(model, layers, kv, tables, tokens_T, positions_T, slots_T, q_start_R, q_len_R, page_plan, *, backend, mesh, batched_decode=False, window=None, capture_q=False, mass=False):
+def _forward(model, layers, kv, tables, tokens_T, positions_T, slots_T, q_start_R, q_len_R, page_plan, *, backend, mesh, batched_decode=False, window=None, unstacked=None, capture_q=False, mass=False):
     """The model over a flat batch: per layer, write then attend. Returns
     ``(hidden [T, M], kv, q_rows [L, T, Hq, D] or None, window, mass [R, N] or
     None)``: the mass summed over layers and query heads. The pool, the window and
-    the mass are the layer scan's carry (``Transformer.run_layers``)."""
+    the mass are the layer scan's carry (``Transformer.run_layers``); with
+    ``unstacked`` (``Transformer.unstacked_layers``, the CPU decode loop's) the
+    layers run unrolled over those copies instead."""
     R = q_len_R.shape[0]
     mass0 = jnp.zeros((R, tables.live_idx.shape[-1] + (-tables.live_idx.shape[-1]) % KEY_BLOCK), jnp.float32) if mass else None
 
@@ -191,8 +202,8 @@ def _forward(model, layers, kv, tables, tokens_T, positions_T, slots_T, q_start_
         lists, kv_len = tables.layer_list(i)
         out = q_THD.astype(jnp.float32) if capture_q else None
         if window is not None:  # CPU decode loop: the rows' copy, new entry at kv_len - 1
-            window = window.append(i, k_TKD, v_TKD, kv_len - 1, q_len_R > 0)
-            o = decode_rows_attention(window.layer(i), q_THD, kv_len, q_len_R > 0, min(KEY_BLOCK, window.k.shape[2]))
+            window = window.append(i, k_TKD, v_TKD, kv_len, q_len_R > 0)
+            o = window.attend(i, q_THD, kv_len, q_len_R > 0)
             return o.astype(q_THD.dtype)[None], (kv, window, mass_RN), out
         run = functools.partial(attend_layer, layers, backend=backend, batched_decode=batched_decode, mass=mass)
         parts = page_plan if batched_decode and page_plan is not None else None  # a quantized pool's decode plan
@@ -209,7 +220,11 @@ def _forward(model, layers, kv, tables, tokens_T, positions_T, slots_T, q_start_
             mass_RN = mass_RN + m
         return o[None], (kv, window, mass_RN), out
 
-    x, (kv, window, mass_RN), q_rows = model.run_layers(model.embed_tokens(tokens_T[None]), positions_T[None], attend, (kv, window, mass0))
+    x0, carry = model.embed_tokens(tokens_T[None]), (kv, window, mass0)
+    if unstacked is not None:  # the CPU decode loop (``run_decode``): layers unrolled over copies taken once per call
+        x, (kv, window, mass_RN), q_rows = model.run_layers_unrolled(x0, positions_T[None], attend, carry, unstacked)
+    else:
+        x, (kv, window, mass_RN), q_rows = model.run_layers(x0, positions_T[None], attend, carry)
     return x[0], kv, q_rows, window, mass_RN
 
 
@@ -251,19 +266,22 @@ def run_step(graphdef, params, cache, batch: StepBatch, page_plan=None, *, layer
     return tokens, logits, cache, aux
 
 
-@functools.partial(jax.jit, static_argnames=("width",))
-def gather_window(cache, rows_R, *, width: int):
+@functools.partial(jax.jit, static_argnames=("width", "n_steps"))
+def gather_window(cache, rows_R, *, width: int, n_steps: int):
     """The CPU decode loop's copy of each row's list entries ``[0, width)``, every
-    layer (``DecodeWindow``). A jit of its own, not the start of ``run_decode``:
-    reading the pool before the loop writes it made XLA:CPU copy the whole pool
-    every call."""
+    layer, head-major, and room for ``n_steps`` new entries (``DecodeWindow``). A
+    jit of its own, not the start of ``run_decode``: reading the pool before the
+    loop writes it made XLA:CPU copy the whole pool every call."""
     tables = take_rows(cache, rows_R)
     live = tables.live_idx  # [J, R, P]
     live = live[..., :width] if live.shape[-1] >= width else jnp.pad(live, ((0, 0), (0, 0), (0, width - live.shape[-1])))
     L, J = cache.k.shape[0], live.shape[0]
-    layer_lists = live[jnp.minimum(jnp.arange(L), J - 1)]  # [L, R, W]: the list each layer reads
-    take = jax.vmap(lambda pool, idx: pool[idx])
-    return DecodeWindow(take(cache.k, layer_lists), take(cache.v, layer_lists))
+    of_layer = jnp.minimum(jnp.arange(L), J - 1)
+    layer_lists = live[of_layer]  # [L, R, W]: the list each layer reads
+    k = tuple(jnp.transpose(cache.k[i][layer_lists[i]], (0, 2, 3, 1)) for i in range(L))  # L x [R, K, D, W]
+    v = tuple(jnp.transpose(cache.v[i][layer_lists[i]], (0, 2, 1, 3)) for i in range(L))  # L x [R, K, W, D]
+    new = tuple(jnp.zeros((rows_R.shape[0], n_steps, *cache.k.shape[2:]), cache.k.dtype) for _ in range(L))
+    return DecodeWindow(k, v, tables.live_len[of_layer], new, new)
 
 
 def cache_sharding(cache, mesh):
@@ -310,6 +328,10 @@ def run_decode(graphdef, params, cache, batch: DecodeBatch, page_plan=None, wind
     q_buf = jnp.zeros((n_steps, cfg.num_layers, R, cfg.num_heads, cfg.head_dim), jnp.float32)
     keys_R = jax.random.wrap_key_data(b.key_data_R)
     started = (b.limit_R > 0).sum()
+    # With a window (the CPU loop) the layers run unrolled over per-layer copies of
+    # the weights taken here, once per call: a scan would copy each layer's slice
+    # in every step (``Transformer.unstacked_layers``).
+    unstacked = model.unstacked_layers() if window is not None else None
     arange_R = jnp.arange(R, dtype=jnp.int32)
 
     def cond(carry):
@@ -327,7 +349,7 @@ def run_decode(graphdef, params, cache, batch: DecodeBatch, page_plan=None, wind
         tables = append_tokens(tables, slot[:, None], q_len)
         x, kv, q_rows, window, _ = _forward(
             model, layers, kv, tables, last, pos, slot, arange_R, q_len, page_plan,
-            backend=backend, mesh=mesh, batched_decode=True, window=window, capture_q=True,
+            backend=backend, mesh=mesh, batched_decode=True, window=window, unstacked=unstacked, capture_q=True,
         )
         logits = model.logits(x)
         q_buf = q_buf.at[step].set(q_rows.astype(jnp.float32))

@@ -37,6 +37,7 @@ from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from flax import struct
 
 
@@ -85,7 +86,7 @@ def empty_tables(rows: int, positions: int, lists: int = 1) -> dict:
     """The four tables of an empty cache (``lists``: J, live lists per row)."""
     if lists < 1:
         raise ValueError(f"a row needs at least one live list, got {lists}")
-    z = lambda *shape: jnp.zeros(shape, jnp.int32)  # noqa: E731
+    z = lambda *shape: jnp.asarray(np.zeros(shape, np.int32))  # noqa: E731  (a host copy: no program to compile)
     return dict(slot_map=z(rows, positions), live_idx=z(lists, rows, positions), live_len=z(lists, rows), seq_len=z(rows))
 
 

@@ -188,6 +188,31 @@ class Transformer(nnx.Module):
         (x, carry), outs = jax.lax.scan(body, (x_BTM, carry), (state, jnp.arange(start, stop, dtype=jnp.int32)))
         return x, carry, outs
 
+    def unstacked_layers(self) -> list:
+        """Every layer as a module of its own arrays (copies of the stacked
+        weights): ``run_layers_unrolled``'s input. A program that runs many
+        one-token steps takes them once, outside its step loop: inside
+        ``run_layers``' scan, XLA:CPU copies each layer's weight slice every
+        iteration, which for one token per row costs more than the layer's
+        GEMVs themselves."""
+        graphdef, state = nnx.split(self.layers)
+        return [nnx.merge(graphdef, jax.tree.map(lambda a, i=i: a[i], state)) for i in range(self.cfg.num_layers)]
+
+    def run_layers_unrolled(self, x_BTM, positions_BT, attend, carry, layers: list):
+        """``run_layers`` over every layer, unrolled over ``layers``
+        (``unstacked_layers``): ``attend`` gets the layer index as a Python int, so
+        per-layer arrays it carries are updated in place. Returns ``(x, carry,
+        outs)`` as ``run_layers`` (``outs`` stacked, or None)."""
+        outs = []
+        for i, layer in enumerate(layers):
+            h = layer.input_layernorm(x_BTM)
+            q, k, v = layer.self_attn.qkv(h, positions_BT)
+            o, carry, out = attend(i, q, k, v, carry)
+            x_BTM = x_BTM + layer.self_attn.out(o)
+            x_BTM = x_BTM + layer.mlp(layer.post_attention_layernorm(x_BTM))
+            outs.append(out)
+        return x_BTM, carry, (None if outs[0] is None else jnp.stack(outs))
+
     # -- entry points ------------------------------------------------------------
     def __call__(self, tokens_BT, positions_BT=None):
         """Dense causal forward, no cache. Returns float32 logits ``[B,T,V]``."""

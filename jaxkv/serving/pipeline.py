@@ -49,7 +49,7 @@ from jaxkv.cache.radix import common_prefix_length
 from jaxkv.engine import FIRST_TOKEN_KEY
 from jaxkv.errors import JaxKVError
 from jaxkv.step import NO_FEATURES, Features
-from jaxkv.sampling import make_sampler, sample
+from jaxkv.sampling import RowSamplers, make_sampler, sample_row
 from jaxkv.serving.stages.base import Capture
 
 
@@ -428,9 +428,9 @@ class Turn:
         (ending with a stop token when one came)."""
         if n_new <= 0:
             return []
-        spec, temp, top_p_val = make_sampler(temperature, top_k, top_p)
+        make_sampler(temperature, top_k, top_p)  # validates
         key = jax.random.key(seed)
-        first = int(sample(jnp.asarray(last_logits)[None], jax.random.fold_in(key, FIRST_TOKEN_KEY), spec, temp, top_p_val)[0])
+        first = int(sample_row(jnp.asarray(last_logits), key, FIRST_TOKEN_KEY, RowSamplers.of([(temperature, top_k, top_p)])))
         reply = [first]
         if self.record_margins:
             self.reply_margins = list(_top2_margins(np.asarray(last_logits)[None]))
