@@ -43,7 +43,7 @@ import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 
-from eval.bench_decode import build_models, decode_table, torch_generator, torch_sync  # noqa: E402
+from eval.bench_decode import build_models, decode_table, read_bandwidth_gbs, torch_generator, torch_sync  # noqa: E402
 from jaxkv import buckets  # noqa: E402
 from jaxkv.engine import PREFILL_CHUNK, Engine  # noqa: E402
 
@@ -158,8 +158,10 @@ def bench_torch(tm, T: int, repeats: int, keep_last: bool) -> float:
 def prefill_table(tm, model, lengths, chunks, repeats: int) -> list[str]:
     cfg = model.config
     peak = max(gemm_peak_gflops(T, cfg.hidden_size, cfg.intermediate_size) for T in lengths)
+    bandwidth = read_bandwidth_gbs()
     lines = [
-        f"GEMM peak (float32, the MLP's shapes, best of the lengths): {peak:.0f} GFLOP/s",
+        f"GEMM peak (float32, the MLP's shapes, best of the lengths): {peak:.0f} GFLOP/s; "
+        f"read bandwidth (a float32 sum over 1 GiB): {bandwidth:.1f} GB/s",
         "",
         "| tokens | jaxkv s (chunk) | jaxkv.generate TTFT s | transformers s, all logits | transformers s, last logits | ratio (ref / jaxkv) | ratio (ref / generate) | jaxkv % peak | transformers % peak |",
         "|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
