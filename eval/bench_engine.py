@@ -121,7 +121,7 @@ def main(argv=None) -> int:
         "|---:|---:|---:|---:|",
     ]
     try:
-        for T in [int(x) for x in args.lengths.split(",")]:
+        for T in [int(x) for x in args.lengths.split(",") if x]:  # --lengths '': the decode table only
             spec = dict(kind="prefill", model=args.model, tokens=T, repeats=args.repeats)
             old, new = measure(old_tree, spec), measure(ROOT, spec)
             lines.append(f"| {T} | {old:.2f} | {new:.2f} | {old / new:.2f}x |")

@@ -3,19 +3,23 @@
 The ~125M random Qwen3 of ``eval/bench_decode.py`` (float32 weights, built
 in-process with ``jaxkv.model_from_config``), batch 1, one request holding
 ``N`` live tokens (4k and 32k), ``--steps`` greedy decode steps timed after a
-warm-up, for three pools of the same engine:
+warm-up, for four pools of the same engine:
 
-* ``float``: the float32 pool (``decode_attention`` reference on the CPU);
+* ``float``: the float32 pool as a ``Server`` sizes it (2 x positions + 1 slots),
+  where the CPU decode loop reads a per-call head-major window of the row's list
+  (``jaxkv.step.gather_window``);
+* ``float-gather``: the float32 pool too tight for that window, so every step
+  gathers key blocks through the live list, as the quantized pools do;
 * ``int4``: every live token INT4 (``Engine(kv_quant="int4")``);
 * ``mixed``: 65% of the live tokens in INT2 pages, 35% INT4 (~2.7 average bits,
   ``kv_quant="triaxial"``).
 
-The quantized pools decode through ``quantized_decode_attention``, which on the
-CPU is its jnp reference: every step gathers the request's packed entries and
-dequantizes them to float32 before the float attention, so it does more work per
-step than the float pool and reads fewer bytes. Pool contents are random (decode
-cost does not depend on the values). The KV bytes each pool reads per step and
-the ratio to the float pool's tokens/s are printed side by side.
+The quantized pools decode through ``jaxkv.cache.quantized.decode_parts_attention``:
+INT2 pages, then INT4 tokens, each key block dequantized from the packed pool
+inside the online-softmax loop (no float copy of the live set). Pool contents
+are random (decode cost does not depend on the values). The KV bytes each pool
+reads per step and the ratio to the ``float`` pool's tokens/s are printed side
+by side.
 
 ``--model NAME_OR_PATH`` runs a real checkpoint instead (for SmolLM2-135M-Instruct:
 ``--model smollm2-135m-instruct --contexts 4096,8000``; its context is 8,192
@@ -82,8 +86,13 @@ def open_request(engine, n: int, mode: str) -> int:
 def bench(model, mode: str, n: int, steps: int) -> tuple[float, float]:
     """(tokens/s, KV bytes read per step) of one request of ``n`` live tokens."""
     rng = np.random.default_rng(0)
-    kv_quant = {"float": None, "int4": "int4", "mixed": "triaxial"}[mode]
-    engine = Engine(model, rows=1, max_positions=n + steps + 1, num_slots=n + steps + 2, kv_quant=kv_quant)
+    kv_quant = {"float": None, "float-gather": None, "int4": "int4", "mixed": "triaxial"}[mode]
+    P = n + steps + 1
+    # "float": the pool a Server sizes (2 x rows x positions + 1 slots), where the CPU decode
+    # loop reads its per-call window; "float-gather": a pool too tight for the window, so
+    # every step gathers key blocks through the live list, as the quantized pools do
+    slots = 2 * P + 1 if mode == "float" else P + 1
+    engine = Engine(model, rows=1, max_positions=P, num_slots=slots, kv_quant=kv_quant)
     row = open_request(engine, n, mode)
     if kv_quant is None:
         fill_pool_randomly(engine, rng)
@@ -128,7 +137,7 @@ def main(argv=None) -> str:
         "",
         f"Quantized vs float KV pool, decode, {what} float32 weights), batch 1, "
         f"{platform.processor() or platform.machine()}, {os.cpu_count()} cores, jax {jax.__version__} ({jax.default_backend()}); "
-        f"{args.steps} timed greedy steps after warm-up; quantized attention = the jnp reference (dequantize, then attend).",
+        f"{args.steps} timed greedy steps after warm-up; quantized attention = key blocks dequantized inside the online softmax (decode_parts_attention); float = the window, float-gather = key blocks gathered per step.",
         "",
         "| live tokens | pool | tok/s | vs float | KV bytes read / step | vs float |",
         "|---:|---|---:|---:|---:|---:|",
@@ -136,7 +145,7 @@ def main(argv=None) -> str:
     print("\n".join(lines), flush=True)
     for n in contexts:
         base = None
-        for mode in ("float", "int4", "mixed"):
+        for mode in ("float", "float-gather", "int4", "mixed"):
             tps, kv_bytes = bench(model, mode, n, args.steps)
             base = base or (tps, kv_bytes)
             row = f"| {n} | {mode} | {tps:.2f} | {tps / base[0]:.2f}x | {kv_bytes / 2**20:.1f} MiB | {kv_bytes / base[1]:.2f}x |"
