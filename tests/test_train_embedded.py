@@ -135,7 +135,7 @@ def test_a_batch_that_fails_to_build_raises_in_the_trainer(tmp_path, monkeypatch
     def broken(*args, **kwargs):
         raise RuntimeError("no batch today")
 
-    monkeypatch.setattr(em, "raw_drill_batch", broken)  # the first --raw-drill-steps steps' batches
+    monkeypatch.setattr(em, "batch_for_step", broken)  # every batch of a --tiny run (no raw drill steps)
     args = em.parse_args(["--tiny", "--steps", "3", "--out", str(tmp_path), "--eval-examples", "0", "--quiet"])
     outcome = []
     runner = threading.Thread(target=lambda: outcome.append(capture(em.train, args)), daemon=True)
