@@ -11,7 +11,7 @@ PIP    := $(PY) -m pip
 # every process of the suite would import torch and jax from source, ~9 s more each).
 unexport PYTHONDONTWRITEBYTECODE
 
-.PHONY: demo test docs venv venv-test venv-cuda venv-kvpress fetch bench device-check clean
+.PHONY: demo test docs venv venv-test venv-cuda venv-kvpress fetch bench device-check check-floors clean
 
 $(VENV)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -53,7 +53,10 @@ demo: $(VENV)/.installed
 # tests/test_isolation.py; the 8-device subprocess of tests/test_sharding.py in half
 # the time). `pytest` run directly keeps XLA's defaults, the pipeline users get.
 TEST_XLA_FLAGS := --xla_backend_optimization_level=0 --xla_cpu_use_fusion_emitters=false --xla_cpu_parallel_codegen_split_count=1
+# lint-imports checks the layering contracts of pyproject.toml ([tool.importlinter]) first:
+# seconds, and a broken contract names the import chain that breaks it.
 test: $(VENV)/.installed-test fetch
+	PYTHONPATH=$(CURDIR) $(VENV)/bin/lint-imports --no-cache
 	rm -rf .pytest-xla
 	JAX_PLATFORMS=cpu XLA_FLAGS="$(TEST_XLA_FLAGS)" JAXKV_XLA_CACHE=$(CURDIR)/.pytest-xla $(PY) -m pytest -q -n 2 --dist worksteal tests
 
@@ -69,6 +72,12 @@ bench: $(VENV)/.installed-test
 # quantized pool, under 8 minutes; writes eval/results/device_<gpu>.md (eval/device_check.py).
 device-check: $(VENV)/.installed-cuda
 	$(PY) eval/device_check.py
+
+# The dependency floors of pyproject.toml, each installed with == in a scratch venv under
+# /tmp, and the fast tests on them (tools/check_floors.sh; docs/development.md). Not part of
+# `make test`: it downloads the old releases (a few minutes).
+check-floors:
+	bash tools/check_floors.sh
 
 clean:
 	rm -rf $(VENV) build site *.egg-info

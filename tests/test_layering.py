@@ -1,165 +1,79 @@
-"""The map's arrows point down (DESIGN.md): checked on the import statements.
+"""The map's arrows point down (DESIGN.md): the import contracts, and the engine's one
+pool interface.
 
-Every ``import`` in ``jaxkv/`` (top level or inside a function) is read with ``ast``
-and reduced to an edge between the package's parts (``models``, ``pallas``,
-``cache``, ``engine``, ``serving``, ...). The test asserts that nothing in
-``jaxkv/`` imports ``train/`` or ``eval/``, that each part imports only what the
-map lets it, and that the parts' import graph has no cycle.
+The layering is declared once, as ``import-linter`` contracts in ``pyproject.toml``
+(``[tool.importlinter]``): the order of ``jaxkv``'s parts, the imports the map
+forbids (models import no kernels, nothing in ``jaxkv/`` imports ``train/`` or
+``eval/``, ...) and no import circle at any depth. ``make test`` runs ``lint-imports``
+first; the tests here run it too, on this checkout, and on a copy with one upward
+import added, which must fail and name the offending chain.
 """
 
 from __future__ import annotations
 
 import ast
+import os
+import shutil
+import subprocess
+import sys
 from pathlib import Path
 
-PACKAGE = Path(__file__).resolve().parent.parent / "jaxkv"
+import pytest
 
-# part -> parts it must never import (DESIGN.md: "Arrows point down only")
-FORBIDDEN = {
-    "models": {"pallas", "policies", "serving", "engine", "cache", "chat", "tasks", "server"},
-    "pallas": {"models", "policies", "serving", "engine", "cache", "chat", "tasks", "server"},
-    "attention": {"models", "pallas", "policies", "serving", "engine", "cache", "chat"},
-    # cache -> pallas is allowed: the quantized pools (cache/quantized*.py) are built
-    # from the packed formats of pallas.quant; pallas never imports cache.
-    "cache": {"engine", "serving", "policies", "models", "chat", "server"},
-    "chat": {"engine", "serving", "policies", "cache", "models", "pallas", "server"},
-    "policies": {"engine", "serving", "models", "pallas", "server"},
-    "tasks": {"engine", "serving", "policies", "cache", "models", "pallas", "server"},
-    "engine": {"serving", "policies", "chat", "tasks", "server"},
-    "serving": {"server", "cli", "demo"},
-}
+ROOT = Path(__file__).resolve().parent.parent
+PACKAGE = ROOT / "jaxkv"
 
 
-def part_of(module: str) -> str:
-    parts = module.split(".")
-    return parts[1] if len(parts) > 1 else "__init__"
+def lint_imports(root: Path) -> subprocess.CompletedProcess:
+    """``lint-imports`` on the packages under ``root`` with ``root/pyproject.toml``'s
+    contracts (``root`` first on the path, so a copy is read, not the installed tree)."""
+    exe = Path(sys.executable).with_name("lint-imports")
+    if not exe.exists():
+        exe = shutil.which("lint-imports")
+    assert exe, "lint-imports is missing: pip install -e '.[test]' (import-linter)"
+    env = {**os.environ, "PYTHONPATH": str(root)}
+    return subprocess.run([str(exe), "--no-cache", "--config", str(root / "pyproject.toml")], cwd=root, env=env,
+                          capture_output=True, text=True, timeout=300)
 
 
-def import_edges() -> set[tuple[str, str, str]]:
-    """``(part, imported part or top package, file)`` for every import in jaxkv/."""
-    edges = set()
-    for path in PACKAGE.rglob("*.py"):
-        rel = path.relative_to(PACKAGE.parent).with_suffix("")
-        module = ".".join(rel.parts[:-1] if rel.name == "__init__" else rel.parts)
-        src = part_of(module) if module != "jaxkv" else "__init__"
-        for node in ast.walk(ast.parse(path.read_text())):
-            if isinstance(node, ast.Import):
-                names = [a.name for a in node.names]
-            elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
-                names = [node.module] if node.module != "jaxkv" else [f"jaxkv.{a.name}" for a in node.names]
-            else:
-                continue
-            for name in names:
-                top = name.split(".")[0]
-                if top in ("eval", "train"):
-                    edges.add((src, top, str(rel)))
-                elif top == "jaxkv" and "." in name:
-                    dst = part_of(name)
-                    if dst != src:
-                        edges.add((src, dst, str(rel)))
-    return edges
+def test_the_import_contracts_hold():
+    run = lint_imports(ROOT)
+    assert run.returncode == 0, run.stdout + run.stderr
+    assert "0 broken" in run.stdout, run.stdout
 
 
-def test_the_package_never_imports_train_or_eval():
-    bad = sorted(e for e in import_edges() if e[1] in ("eval", "train"))
-    assert not bad, bad
+def copy_sources(dst: Path) -> Path:
+    """The Python files of jaxkv/, train/ and eval/ and pyproject.toml, copied to ``dst``."""
+    def not_source(folder, names):
+        return [n for n in names if n == "__pycache__" or not (n.endswith(".py") or os.path.isdir(os.path.join(folder, n)))]
+
+    for package in ("jaxkv", "train", "eval"):
+        shutil.copytree(ROOT / package, dst / package, ignore=not_source)
+    shutil.copy(ROOT / "pyproject.toml", dst / "pyproject.toml")
+    return dst
 
 
-def test_every_part_imports_only_what_the_map_allows():
-    bad = sorted(e for e in import_edges() if e[1] in FORBIDDEN.get(e[0], ()))
-    assert not bad, bad
-
-
-def test_the_parts_import_graph_has_no_cycle():
-    graph: dict[str, set[str]] = {}
-    for src, dst, _ in import_edges():
-        if src != "__init__":  # the package's __init__ re-exports; parts never import it back
-            graph.setdefault(src, set()).add(dst)
-    seen, stack = set(), []
-
-    def visit(node):
-        if node in stack:
-            raise AssertionError(f"import cycle: {' -> '.join(stack[stack.index(node):] + [node])}")
-        if node in seen:
-            return
-        stack.append(node)
-        for nxt in graph.get(node, ()):
-            visit(nxt)
-        stack.pop()
-        seen.add(node)
-
-    for node in list(graph):
-        visit(node)
-
-
-def module_import_graph() -> dict[str, set[str]]:
-    """Module -> the ``jaxkv`` modules it imports (top level or inside a function).
-
-    ``from pkg import name`` is an edge to ``pkg.name`` when that is a module (the
-    package's ``__init__`` runs first either way, as for every submodule import),
-    else to ``pkg``."""
-    modules = {}
-    for path in PACKAGE.rglob("*.py"):
-        rel = path.relative_to(PACKAGE.parent).with_suffix("")
-        modules[".".join(rel.parts[:-1] if rel.name == "__init__" else rel.parts)] = path
-    graph = {}
-    for module, path in modules.items():
-        out = set()
-        for node in ast.walk(ast.parse(path.read_text())):
-            if isinstance(node, ast.Import):
-                names = [a.name for a in node.names]
-            elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
-                names = [f"{node.module}.{a.name}" if f"{node.module}.{a.name}" in modules else node.module for a in node.names]
-            else:
-                continue
-            out.update(n for n in names if n in modules and n != module)
-        graph[module] = out
-    return graph
-
-
-def import_circles(graph: dict[str, set[str]]) -> list[list[str]]:
-    """The graph's strongly connected components of more than one module (Tarjan)."""
-    index, low, stack, on_stack, circles = {}, {}, [], set(), []
-
-    def visit(node):
-        index[node] = low[node] = len(index)
-        stack.append(node)
-        on_stack.add(node)
-        for nxt in graph[node]:
-            if nxt not in index:
-                visit(nxt)
-                low[node] = min(low[node], low[nxt])
-            elif nxt in on_stack:
-                low[node] = min(low[node], index[nxt])
-        if low[node] == index[node]:
-            component = []
-            while True:
-                top = stack.pop()
-                on_stack.discard(top)
-                component.append(top)
-                if top == node:
-                    break
-            if len(component) > 1:
-                circles.append(sorted(component))
-
-    for node in sorted(graph):
-        if node not in index:
-            visit(node)
-    return circles
-
-
-def test_the_module_import_graph_has_no_circle():
-    """Module by module, imports run one way (DESIGN.md): no two modules import
-    each other, nor does any longer loop close. Prints the edges into serving."""
-    graph = module_import_graph()
-    for module in ("jaxkv.serving.pipeline", "jaxkv.serving.scheduler", "jaxkv.serving.server", "jaxkv.serving.session"):
-        print(module, "->", sorted(m for m in graph[module] if m.startswith("jaxkv.serving")))
-    assert import_circles(graph) == []
-
-
-def test_the_circle_finder_finds_a_circle():
-    graph = {"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}
-    assert import_circles(graph) == [["a", "b", "c"]]
+@pytest.mark.parametrize("module, line, contract, chain", [
+    # a model reaching up into the serving layer
+    ("jaxkv/models/transformer.py", "import jaxkv.serving.scheduler", "jaxkv's parts import downwards only",
+     "jaxkv.models.transformer -> jaxkv.serving.scheduler"),
+    # the package reaching into the evaluation scripts
+    ("jaxkv/cache/radix.py", "import eval.harness", "jaxkv never imports train/ or eval/",
+     "jaxkv.cache.radix -> eval.harness"),
+    # a model importing a kernel module directly
+    ("jaxkv/models/weights.py", "import jaxkv.pallas.quant", "models import no kernels",
+     "jaxkv.models.weights -> jaxkv.pallas.quant"),
+])
+def test_an_upward_import_breaks_a_contract(tmp_path, module, line, contract, chain):
+    """One import added against the map, inside a function (imports there count
+    too), fails ``lint-imports``, which names the contract and the import."""
+    root = copy_sources(tmp_path)
+    path = root / module
+    path.write_text(path.read_text() + f"\n\ndef _upward():\n    {line}  # noqa\n")
+    run = lint_imports(root)
+    assert run.returncode != 0, run.stdout
+    report = run.stdout.split("Broken contracts", 1)[-1]
+    assert contract in report and chain in report, run.stdout
 
 
 def test_the_engine_never_branches_on_the_pool_kind():

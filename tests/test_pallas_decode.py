@@ -12,7 +12,7 @@ from jax.experimental import pallas as pl
 import jaxkv
 from jaxkv.attention import decode_attention_reference
 from jaxkv.pallas import decode_attention, resolve_backend
-from jaxkv.pallas._dispatch import pallas_options
+from jaxkv.pallas._options import pallas_options
 from jaxkv.pallas.testing import decode_f64, decode_problem, rel_err, request_errors, tolerance
 
 LENGTHS = (1, 31, 32, 33, 64, 65, 300)  # short and long requests in one batch

@@ -5,7 +5,8 @@ On a tiny random model (its replies are noise, which is what streaming must
 survive): plain chat, streaming equal to the greedy non-streaming reply, every
 bad input with its status and OpenAI error, ``/health`` fine afterwards, a full
 queue (429 + ``Retry-After``), an interrupted stream that frees its row and
-slots (seen through ``/metrics``), ``/metrics`` as Prometheus text whose latency
+slots (seen through ``/metrics``), a stream kept alive by SSE comments while
+its first token is late, ``/metrics`` as Prometheus text whose latency
 histograms count what the requests did, API keys (401) and tenants that never
 share a session or a cached prefix.
 
@@ -17,6 +18,8 @@ turn on; streamed tool calls; ``tool_choice`` and ``stop``.
 
 from __future__ import annotations
 
+import contextlib
+import dataclasses
 import json
 import re
 import threading
@@ -270,6 +273,57 @@ def test_a_full_queue_answers_429_with_retry_after(tiny):
             th.join(60)
     assert all(not isinstance(results[i], Exception) for i in range(2)), results
     assert httpx.get(tiny.url + "/health").status_code == 200
+
+
+@contextlib.contextmanager
+def scheduler_held(server):
+    """Hold the scheduler thread (no engine step runs, so no token comes) until
+    the returned event is set, or the block ends."""
+    gate = threading.Event()
+    server.scheduler.call(lambda: gate.wait(120))
+    try:
+        yield gate
+    finally:
+        gate.set()
+
+
+def test_a_silent_stream_gets_keepalive_comments_and_still_parses(tiny):
+    """While a streamed turn waits for its first token (here: the scheduler held,
+    as a long CPU prefill holds it), the server sends ``: keep-alive`` comment
+    lines every ``keepalive_s``; the stream then goes on, and the official client
+    skips the comments: its deltas equal the greedy non-streaming reply."""
+    state = tiny.app.state.jaxkv
+    default = state.config
+    assert default.keepalive_s == 15.0
+    state.config = dataclasses.replace(default, keepalive_s=0.05)  # this test's server: a short interval
+    try:
+        c = client(tiny.url)
+        kw = dict(model="tiny", messages=MESSAGES, max_tokens=6, temperature=0)
+        c.chat.completions.create(**{**kw, "max_tokens": 1}, extra_body={"session_id": "keepalive"})  # cache the prompt: all prefill alike
+        plain = message_parts(c.chat.completions.create(**kw, extra_body={"session_id": "keepalive"}).choices[0].message)
+        body = {**kw, "stream": True, "session_id": "keepalive"}
+        with scheduler_held(tiny.server) as gate:
+            with httpx.stream("POST", tiny.url + "/v1/chat/completions", json=body, headers={"Authorization": f"Bearer {KEYS[0]}"}, timeout=60) as r:
+                assert r.status_code == 200
+                lines = r.iter_lines()
+                before = []  # what came before the scheduler could run the turn
+                while sum(line == ": keep-alive" for line in before) < 3:
+                    before.append(next(lines))
+                gate.set()
+                after = list(lines)
+        data = [line for line in before if line.startswith("data:")]
+        assert len(data) == 1 and json.loads(data[0][5:])["choices"][0]["delta"]["role"] == "assistant"
+        assert set(before) - set(data) <= {": keep-alive", ""}  # comments (and the blank lines that end events)
+        assert [line for line in after if line][-1] == "data: [DONE]"
+        assert any(json.loads(line[5:])["choices"][0]["finish_reason"] for line in after if line.startswith("data: {"))
+
+        with scheduler_held(tiny.server) as gate:
+            stream = c.chat.completions.create(**kw, stream=True, extra_body={"session_id": "keepalive"})
+            threading.Timer(0.5, gate.set).start()  # ten intervals of comments first
+            content, reasoning, calls, finish, _ = stream_reply(stream)
+        assert (content, reasoning, calls) == plain and finish in ("stop", "length", "tool_calls")
+    finally:
+        state.config = default
 
 
 def test_an_interrupted_stream_frees_its_row_and_slots(tiny):

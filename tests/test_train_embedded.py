@@ -1,10 +1,12 @@
 """The embedded-model trainer: masks, reproducible data, a 3-step run whose loss falls,
-an HF export that loads back with the same logits, and resuming from a checkpoint."""
+an HF export that loads back with the same logits, resuming from a checkpoint, and a
+batch that fails to build raising in the trainer."""
 
 from __future__ import annotations
 
 import json
 import random
+import threading
 
 import numpy as np
 import pytest
@@ -111,6 +113,44 @@ def test_resume_continues_the_same_run(tiny_run, tmp_path):
     second = em.train(em.parse_args(common))
     np.testing.assert_allclose(first["losses"], result["losses"][:2], rtol=1e-6)
     np.testing.assert_allclose(second["losses"], result["losses"][2:], rtol=1e-5)
+
+
+def test_prefetcher_gives_batches_in_step_order_and_reraises_a_failed_one():
+    def make(s):
+        if s == 2:
+            raise ValueError("batch 2 failed")
+        return {"step": s}
+
+    prefetch = em.Prefetcher(make, range(5), depth=2)
+    assert [prefetch.get() for _ in range(2)] == [(0, {"step": 0}), (1, {"step": 1})]
+    with pytest.raises(ValueError, match="batch 2 failed"):
+        prefetch.get()
+    prefetch.close()
+
+
+def test_a_batch_that_fails_to_build_raises_in_the_trainer(tmp_path, monkeypatch):
+    """The trainer gets the batch's own error, instead of waiting forever for a
+    batch the prefetch thread will never build (run on a thread with a deadline,
+    so a regression fails here instead of hanging the suite)."""
+    def broken(*args, **kwargs):
+        raise RuntimeError("no batch today")
+
+    monkeypatch.setattr(em, "batch_for_step", broken)  # every batch of a --tiny run (no raw drill steps)
+    args = em.parse_args(["--tiny", "--steps", "3", "--out", str(tmp_path), "--eval-examples", "0", "--quiet"])
+    outcome = []
+    runner = threading.Thread(target=lambda: outcome.append(capture(em.train, args)), daemon=True)
+    runner.start()
+    runner.join(300)
+    assert outcome, "the trainer still waits for a batch that failed to build"
+    assert isinstance(outcome[0], RuntimeError) and str(outcome[0]) == "no batch today", outcome
+
+
+def capture(fn, *args):
+    """``fn(*args)``'s result, or the exception it raised."""
+    try:
+        return fn(*args)
+    except Exception as err:
+        return err
 
 
 def test_needle_drill_asks_every_needle_and_answers_from_the_document(tokenizer):

@@ -57,13 +57,13 @@ qwen3, ``model.safetensors``, tokenizer files; loads with
 from __future__ import annotations
 
 import argparse
+import collections
+import concurrent.futures
 import dataclasses
 import json
 import math
-import queue
 import random
 import re
-import threading
 import time
 from pathlib import Path
 
@@ -585,19 +585,34 @@ def seq_len_at(step: int, total: int, stages: list[tuple[float, int]]) -> int:
 
 
 class Prefetcher:
-    """Builds the batches of upcoming steps on a thread while the device trains."""
+    """Builds the batches of upcoming steps on a thread while the device trains.
+
+    ``get()`` returns ``(step, batch)`` in step order, at most ``depth`` steps
+    ahead. Each batch is a ``concurrent.futures`` future, so a batch that fails
+    to build raises its error in ``get()``, in the trainer, rather than leaving
+    it waiting for a batch that will never come. ``close()`` cancels the
+    batches not yet started."""
 
     def __init__(self, make, steps: range, depth: int = 2):
-        self._queue: queue.Queue = queue.Queue(depth)
-        self._thread = threading.Thread(target=self._run, args=(make, steps), daemon=True)
-        self._thread.start()
+        self._make = make
+        self._steps = iter(steps)
+        self._pool = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="prefetch")
+        self._ahead: collections.deque = collections.deque()
+        for _ in range(depth):
+            self._submit()
 
-    def _run(self, make, steps):
-        for s in steps:
-            self._queue.put((s, make(s)))
+    def _submit(self) -> None:
+        s = next(self._steps, None)
+        if s is not None:
+            self._ahead.append((s, self._pool.submit(self._make, s)))
 
     def get(self):
-        return self._queue.get()
+        s, future = self._ahead.popleft()
+        self._submit()
+        return s, future.result()
+
+    def close(self) -> None:
+        self._pool.shutdown(wait=False, cancel_futures=True)
 
 
 # ------------------------------------------------------------------------ training
@@ -735,7 +750,7 @@ def train(args) -> dict:
 
     metrics_file = open(out / "metrics.jsonl", "a")
     stop = min(args.steps, args.stop_after or args.steps)
-    prefetch = Prefetcher(batch_at, range(start, stop))
+    prefetch = Prefetcher(batch_at, range(start, stop))  # a batch that fails to build raises in get()
     losses = []
     bar = tqdm(range(start, stop), initial=start, total=args.steps, disable=args.quiet)
     t_prev, t0, tok_s = time.perf_counter(), time.perf_counter(), None
@@ -764,6 +779,7 @@ def train(args) -> dict:
         if over_time:
             tqdm.write(f"stopping after step {s + 1}: --max-minutes {args.max_minutes} reached")
             break
+    prefetch.close()  # after a --max-minutes stop: drop the batches built ahead
     ckpt.wait_until_finished()
     metrics_file.close()
 

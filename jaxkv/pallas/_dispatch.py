@@ -58,13 +58,4 @@ def resolve_backend(backend: str | None) -> str:
     return backend
 
 
-def pallas_options(interpret: bool, parallel_axes: int = 2) -> dict:
-    """``pl.pallas_call`` keywords: the TPU interpreter, or Mosaic with parallel grid axes."""
-    from jax.experimental.pallas import tpu as pltpu
-
-    if interpret:
-        return {"interpret": pltpu.InterpretParams()}
-    return {"compiler_params": pltpu.CompilerParams(dimension_semantics=("parallel",) * parallel_axes)}
-
-
-__all__ = ["BACKENDS", "BackendUnavailableError", "pallas_options", "resolve_backend"]
+__all__ = ["BACKENDS", "BackendUnavailableError", "resolve_backend"]

@@ -55,7 +55,7 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
-from jaxkv.pallas._dispatch import pallas_options
+from jaxkv.pallas._options import pallas_options
 
 MASKED = -1e30
 LANES = 128  # lane width of a TPU vector register: running stats are stored lane-dense

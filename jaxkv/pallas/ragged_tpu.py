@@ -65,7 +65,7 @@ from jax.experimental.pallas import tpu as pltpu
 
 from jaxkv.pallas import _ragged_tiles as tiles_mod
 from jaxkv.pallas import _splitk
-from jaxkv.pallas._dispatch import pallas_options
+from jaxkv.pallas._options import pallas_options
 
 MASKED = _splitk.MASKED
 LANES = _splitk.LANES

@@ -40,7 +40,8 @@ from jax.experimental.pallas import tpu as pltpu
 
 from jaxkv.config import RopeConfig
 from jaxkv.rope import apply_rope, inv_frequencies
-from jaxkv.pallas._dispatch import pallas_options, resolve_backend
+from jaxkv.pallas._dispatch import resolve_backend
+from jaxkv.pallas._options import pallas_options
 
 SLOT_BLOCK = 64
 

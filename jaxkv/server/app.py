@@ -16,7 +16,10 @@ session turns and turns back into responses. A chat request:
 4. await ``asyncio.wrap_future(handle.future)``, or stream: ``on_tokens`` runs on
    the scheduler thread and hands the ids to the event loop
    (``loop.call_soon_threadsafe``), where ``ReplyStream`` turns them into SSE
-   chunks. Streamed or not, ``on_tokens`` also times the tokens
+   chunks; a stream silent for ``ServeConfig.keepalive_s`` (15 s: a long CPU
+   prefill sends nothing for minutes) gets an SSE comment, ``: keep-alive``,
+   which keeps idle-closing proxies from dropping it and which SSE clients
+   skip. Streamed or not, ``on_tokens`` also times the tokens
    (``metrics.TokenTimes``), and the turn's end records its queue wait;
 5. as the turn ends (on the scheduler thread, before the session's lock is
    released), ``sessions.turn_report`` reads what its mechanisms did; the
@@ -52,7 +55,7 @@ from jaxkv.chat.render import chat_markers
 from jaxkv.server import metrics as prom
 from jaxkv.server.errors import APIError, from_exception, invalid
 from jaxkv.errors import JaxKVError
-from jaxkv.server.protocol import SESSION_OPTIONS, ChatRequest, chunk, completion, message_of, new_id, parse_chat_request, usage
+from jaxkv.server.protocol import KEEPALIVE, KEEPALIVE_S, SESSION_OPTIONS, ChatRequest, chunk, completion, message_of, new_id, parse_chat_request, usage
 from jaxkv.server.sessions import PUBLIC, OptionRules, SessionStore, Tenants, cache_namespace, ledger, session_key, turn_report
 from jaxkv.server.streaming import ReplyStream
 
@@ -72,6 +75,10 @@ class ServeConfig:
       max_tokens: reply budget of a request that names none (capped by the context).
       session_cap: live sessions the store keeps (LRU).
       max_waiting: requests that may wait on one busy session before a 409.
+      keepalive_s: seconds a stream may go without a byte before the server
+        sends an SSE comment (``: keep-alive``), so that proxies and clients with
+        idle timeouts keep the connection while a long prefill (minutes on a CPU)
+        runs; clients skip comment lines. ``None`` or 0: never.
     """
 
     model_name: str
@@ -80,6 +87,7 @@ class ServeConfig:
     max_tokens: int = 256
     session_cap: int = 1024
     max_waiting: int = 8
+    keepalive_s: float | None = KEEPALIVE_S
 
 
 class ServingState:
@@ -131,6 +139,25 @@ def _json_error(err: APIError) -> JSONResponse:
 
 def _sse(payload: dict) -> str:
     return f"data: {json.dumps(payload, ensure_ascii=False, separators=(',', ':'))}\n\n"
+
+
+async def _with_keepalive(queue: asyncio.Queue, every: float | None):
+    """The items of ``queue`` up to ``None``, and ``KEEPALIVE`` in between whenever
+    ``every`` seconds pass without one. One ``queue.get()`` is awaited across the
+    waits, never cancelled, so no item can be lost to a timeout."""
+    while True:
+        getter = asyncio.ensure_future(queue.get())
+        try:
+            while not getter.done():
+                await asyncio.wait((getter,), timeout=every or None)
+                if not getter.done():
+                    yield KEEPALIVE
+        finally:
+            getter.cancel()  # the stream was closed while waiting
+        item = getter.result()
+        if item is None:
+            return
+        yield item
 
 
 class _CountResponses:
@@ -384,9 +411,13 @@ async def _stream(state: ServingState, req: ChatRequest, handle, queue: asyncio.
     stream = ReplyStream(state.tokenizer, handle.format, lambda: new_id("call_"))
     try:
         yield _sse(chunk(rid, model, created, {"role": "assistant", "content": ""}, **extra))
-        while (ids := await queue.get()) is not None:
-            for delta in stream.feed(ids):
-                yield _sse(chunk(rid, model, created, delta, **extra))
+        async with contextlib.aclosing(_with_keepalive(queue, state.config.keepalive_s)) as arriving:
+            async for ids in arriving:
+                if ids is KEEPALIVE:  # nothing for keepalive_s seconds (a long prefill, a compile)
+                    yield ids
+                    continue
+                for delta in stream.feed(ids):
+                    yield _sse(chunk(rid, model, created, delta, **extra))
         try:
             turn = handle.future.result()
         except Exception as err:  # the response has started: the error goes in the stream

@@ -28,7 +28,8 @@ Responses: ``completion(...)`` is the ``chat.completion`` object (the app adds
 ``jaxkv``: what the session's mechanisms did, ``sessions.turn_report``),
 ``chunk(...)`` one ``chat.completion.chunk``; ``message_of(reply)`` turns a
 parsed reply (``jaxkv.chat.parse_assistant``) into the OpenAI message, giving
-each tool call an id (``call_...``).
+each tool call an id (``call_...``). A stream that has nothing to send for
+``KEEPALIVE_S`` seconds sends ``KEEPALIVE``, an SSE comment line.
 """
 
 from __future__ import annotations
@@ -63,6 +64,8 @@ KNOWN = frozenset({
     *SESSION_OPTIONS,
 }) | IGNORED | frozenset(UNSUPPORTED)
 MAX_STOP = 16
+KEEPALIVE_S = 15.0  # a silent stream gets an SSE comment this often (app.ServeConfig.keepalive_s)
+KEEPALIVE = ": keep-alive\n\n"  # an SSE comment line: SSE clients skip it
 
 
 @dataclasses.dataclass

@@ -27,14 +27,16 @@ import socket
 import threading
 from pathlib import Path
 
+from jaxkv.server.protocol import KEEPALIVE_S
 from jaxkv.server.sessions import CAPS, CHOICES, OPTIONS, OptionRules, known_values, load_api_keys
 from jaxkv.serving.scheduler import DECODE_CHUNK
 
 
-def make_app(model, *, model_name: str = "embedded", rows: int = 4, max_queue: int = 64, max_positions: int | None = None, num_slots: int | None = None, api_keys=(), rules: OptionRules = OptionRules(), max_tokens: int = 256, session_cap: int = 1024, decode_chunk: int = DECODE_CHUNK, warmup: bool = False, kv_quant: str | None = None):
+def make_app(model, *, model_name: str = "embedded", rows: int = 4, max_queue: int = 64, max_positions: int | None = None, num_slots: int | None = None, api_keys=(), rules: OptionRules = OptionRules(), max_tokens: int = 256, session_cap: int = 1024, decode_chunk: int = DECODE_CHUNK, warmup: bool = False, kv_quant: str | None = None, keepalive_s: float | None = KEEPALIVE_S):
     """A ``Server`` on ``model`` and the OpenAI app over it (the app owns the server);
     ``warmup`` compiles the server's whole shape set first (``Server.warmup``),
     with the programs of the retention policies ``rules`` let requests run.
+    ``keepalive_s``: a silent stream's SSE comment interval (``ServeConfig``).
 
     The KV pool's format is ``rules.kv_quant`` (``jaxkv.cache.quantized``; every
     session's default); ``kv_quant`` is the same, for callers without rules (the two
@@ -62,7 +64,7 @@ def make_app(model, *, model_name: str = "embedded", rows: int = 4, max_queue: i
     except BaseException:
         server.close()
         raise
-    config = ServeConfig(model_name, tuple(api_keys), rules, max_tokens, session_cap)
+    config = ServeConfig(model_name, tuple(api_keys), rules, max_tokens, session_cap, keepalive_s=keepalive_s)
     return create_app(server, config, own_server=True)
 
 
@@ -185,6 +187,8 @@ def add_arguments(p) -> None:
     p.add_argument("--max-repair", type=int, default=0, help="same as --allow repair=MAX (default: --repair)")
     p.add_argument("--keep-reasoning", action="store_true", help="render earlier turns' reasoning too (append-only histories)")
     p.add_argument("--session-cap", type=int, default=1024, help="live sessions kept (LRU)")
+    p.add_argument("--keepalive", type=float, default=KEEPALIVE_S, metavar="SECONDS",
+                   help="a stream silent this long (a long prefill) gets an SSE comment line, ': keep-alive' (0: never)")
     p.add_argument("--no-warmup", dest="warmup", action="store_false",
                    help="skip compiling every engine program at start-up (the first requests then compile theirs)")
     p.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
@@ -270,7 +274,7 @@ def serve(args) -> int:
     name = args.served_model_name or ("embedded" if args.model == "embedded" else Path(args.model).name or args.model)
     app = make_app(model, model_name=name, rows=args.rows, max_queue=args.max_queue, max_positions=args.max_positions,
                    num_slots=args.num_slots, api_keys=keys, rules=rules, max_tokens=args.max_tokens, session_cap=args.session_cap,
-                   decode_chunk=args.decode_chunk, warmup=args.warmup)  # bad defaults or allow-lists fail here, before the port opens
+                   decode_chunk=args.decode_chunk, warmup=args.warmup, keepalive_s=args.keepalive)  # bad defaults or allow-lists fail here, before the port opens
     auth = f"{len(keys)} API key(s)" if keys else "no authentication"
     server = app.state.jaxkv.server
     warm = server.warmup_seconds
