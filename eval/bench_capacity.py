@@ -3,7 +3,7 @@ the same bytes, and the tokens/s one server serves with them (issue #60, item 4)
 
     JAX_PLATFORMS=cpu python eval/bench_capacity.py [--model smollm2-135m-instruct]
         [--kinds none,int4,triaxial] [--float-sessions 2 | --budget-mib M] [--length 1024]
-        [--turns 0] [--max-new-tokens 32] [--max-traces 48] [--warmup] [--out FILE.md]
+        [--turns 0] [--max-new-tokens 32] [--max-traces 48] [--no-warmup] [--out FILE.md]
 
 The workload: held-out multi-turn agent traces (``jaxkv.tasks.agent_traces``,
 seeds disjoint from the harness's), rendered for the model's chat template
@@ -41,9 +41,11 @@ and the XLA compile seconds inside them, generated tokens/s and served tokens/s
 (prefilled + generated) over the wall less compile time, the radix cache's
 evicted slots and the turns that re-prefilled their own history (both 0 when the
 pool held every session), and the ratios against the float pool. Formats run one
-after another, each on a fresh server, measured the same way; ``--warmup`` runs
-every format once untimed first (same shapes, so the timed runs compile almost
-nothing; about twice the time). The header records the machine, the threads the
+after another, each on a fresh server, measured the same way; by default every
+format runs once untimed first (same shapes, so the timed runs compile almost
+nothing); ``--no-warmup`` skips that (about half the time), and then the
+compile seconds subtracted are all that separates a format that compiles from
+one that reuses the programs of the format before it. The header records the machine, the threads the
 process may run on (its CPU affinity and the thread environment variables) and
 the load average before and after the run.
 
@@ -83,12 +85,14 @@ class SessionPlan:
 
     Attributes:
       histories: the recorded history each turn answers (one per turn).
+      tools: the tool schemas its requests carry (None: inlined in the history).
       prompt_tokens: each turn's rendered prompt length.
       footprint: KV slots the session holds at its end: the last prompt plus one
         reply of ``max_new_tokens`` per turn.
     """
 
     histories: list
+    tools: list | None
     prompt_tokens: list
     footprint: int
 
@@ -116,7 +120,7 @@ def plans(model, n: int, length: int, turns: int, max_new_tokens: int) -> list[S
         at = at[:turns] if turns else at
         histories = [ex.messages[:j] for j in at]
         tokens = [int(render(model.tokenizer, h, ex.tools or None, add_generation_prompt=True).ids.size) for h in histories]
-        out.append(SessionPlan(histories, tokens, tokens[-1] + len(at) * max_new_tokens))
+        out.append(SessionPlan(histories, ex.tools or None, tokens, tokens[-1] + len(at) * max_new_tokens))
     return out
 
 
@@ -170,7 +174,7 @@ def float_budget(model, footprints) -> int:
     from jaxkv.cache.state import float_pool_dtype
 
     dtype = float_pool_dtype(model.dtype, jax.default_backend())
-    per_slot = kv_bytes(jax.eval_shape(FloatKV(1).cache_factory(model.config, rows=1, positions=1, dtype=dtype)))
+    per_slot = kv_bytes(jax.eval_shape(FloatKV(2).cache_factory(model.config, rows=1, positions=1, dtype=dtype))) // 2
     return per_slot * (1 + sum(footprints))
 
 
@@ -192,7 +196,7 @@ def run_kind(model, kind: Kind, budget: int, session_plans, max_new_tokens: int)
         def run(i):
             try:
                 for t, history in enumerate(session_plans[i].histories):
-                    turn = sessions[i].start_chat(history, None, max_new_tokens=max_new_tokens, ignore_eos=True).result()
+                    turn = sessions[i].start_chat(history, session_plans[i].tools, max_new_tokens=max_new_tokens, ignore_eos=True).result()
                     with lock:
                         turns.append((i, t, turn.prompt_tokens, turn.cached_tokens, len(turn.reply_ids)))
             except Exception as err:  # reported, not raised: the other sessions' numbers still stand
@@ -294,7 +298,8 @@ def main(argv=None) -> str:
     ap.add_argument("--turns", type=int, default=0, help="assistant turns per session (0: all)")
     ap.add_argument("--max-new-tokens", type=int, default=32)
     ap.add_argument("--max-traces", type=int, default=48, help="the most sessions any format may hold")
-    ap.add_argument("--warmup", action="store_true", help="run every format once untimed first")
+    ap.add_argument("--warmup", action=argparse.BooleanOptionalAction, default=True,
+                    help="run every format once untimed first (default; --no-warmup subtracts compile seconds instead)")
     ap.add_argument("--out", default=None, help="also write the markdown here")
     args = ap.parse_args(argv)
     argv = sys.argv[1:] if argv is None else argv

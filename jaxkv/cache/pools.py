@@ -97,7 +97,7 @@ def pool_for_bytes(kv_quant, memory_bytes: int, cfg, *, float_dtype, page_share=
         return kv_bytes(jax.eval_shape(pool.cache_factory(cfg, rows=1, positions=1, dtype=float_dtype)))
 
     if mode is None:
-        per_slot = nbytes(FloatKV(1))
+        per_slot = nbytes(FloatKV(2)) // 2
         if M // per_slot < 2:
             raise ConfigError(f"kv_memory_bytes={M} holds no token of a float pool ({per_slot} bytes per slot)")
         return FloatKV(M // per_slot)
