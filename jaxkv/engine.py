@@ -72,10 +72,10 @@ from flax import nnx
 from jaxkv import buckets, compiles
 from jaxkv.buckets import bucket
 from jaxkv.cache.allocator import SENTINEL_SLOT
-from jaxkv.cache.pools import import_rows, make_pool
+from jaxkv.cache.pools import import_rows, make_pool, pool_for_bytes
 from jaxkv.cache.request import RequestState, promotion_tables
 from jaxkv.cache.state import PagedKVCache, float_pool_dtype
-from jaxkv.errors import ContextLengthError, JaxKVError, OutOfSlotsError
+from jaxkv.errors import ConfigError, ContextLengthError, JaxKVError, OutOfSlotsError
 from jaxkv.models.loading import Model
 from jaxkv.pallas.ragged_attention import ragged_backend
 from jaxkv.sampling import RowSamplers, make_sampler, sample
@@ -261,9 +261,15 @@ class Engine:
         a dual INT2/INT4 (and, for ``kivi2``/``kivi4``, float) pool whose token region holds
         ``num_slots - 1`` tokens; prefills take per-token ``kv_bits``. Either is
         ``self.pool`` (``jaxkv.cache.pools``).
+      kv_memory_bytes: size the pool by memory instead of ``num_slots``: the
+        largest pool of this ``kv_quant`` whose KV bytes (codes, scales and zero
+        points, float rows; not the tables) fit (``jaxkv.cache.pools.pool_for_bytes``).
+      kv_page_share: with ``kv_memory_bytes``, the share of a quantized pool's
+        tokens that go to INT2 pages (default 0 for ``int4`` and the triaxial modes;
+        the KIVI modes need one).
     """
 
-    def __init__(self, model: Model, *, rows: int = 1, max_positions: int | None = None, num_slots: int | None = None, prefill_chunk: int = PREFILL_CHUNK, token_budget: int | None = None, backend=None, reclaim=None, kv_quant=None):
+    def __init__(self, model: Model, *, rows: int = 1, max_positions: int | None = None, num_slots: int | None = None, prefill_chunk: int = PREFILL_CHUNK, token_budget: int | None = None, backend=None, reclaim=None, kv_quant=None, kv_memory_bytes: int | None = None, kv_page_share: float | None = None):
         cfg = model.config
         self.model = model
         self.graphdef, self.params = model.split()
@@ -275,7 +281,12 @@ class Engine:
         self.max_positions = P
         self.mesh = model.mesh  # tensor / data parallel (jaxkv.models.sharding), or None
         pool_dtype = float_pool_dtype(model.dtype, _platform(self.mesh))  # float pool, or a quantized pool's float region
-        self.pool = make_pool(kv_quant, num_slots or rows * P + 1, head_dim=cfg.head_dim, float_dtype=pool_dtype, backend=backend)
+        if kv_memory_bytes is not None:
+            if num_slots is not None:
+                raise ConfigError("give num_slots or kv_memory_bytes, not both")
+            self.pool = pool_for_bytes(kv_quant, kv_memory_bytes, cfg, float_dtype=pool_dtype, page_share=kv_page_share, backend=backend)
+        else:
+            self.pool = make_pool(kv_quant, num_slots or rows * P + 1, head_dim=cfg.head_dim, float_dtype=pool_dtype, backend=backend)
         self.pool.check_mesh(self.mesh)
         self.allocator = self.pool.allocator
         create = self.pool.cache_factory(cfg, rows=rows, positions=P, dtype=pool_dtype)

@@ -61,6 +61,68 @@ def make_pool(kv_quant, num_slots: int, *, head_dim: int, float_dtype, backend=N
     return QuantizedKV.sized(mode, num_slots, head_dim=head_dim, float_dtype=float_dtype, backend=backend)
 
 
+def kv_bytes(cache) -> int:
+    """Device bytes of a cache's KV pool: every leaf of ``cache.kv`` (float rows, or
+    packed codes with their scales and zero points), the tables not included
+    (``slot_map`` / ``live_idx``: int32 per row and position, whatever the pool)."""
+    return int(sum(x.size * np.dtype(x.dtype).itemsize for x in jax.tree.leaves(cache.kv)))
+
+
+def pool_for_bytes(kv_quant, memory_bytes: int, cfg, *, float_dtype, page_share=None, backend=None):
+    """The largest pool of kind ``kv_quant`` whose KV (``kv_bytes``) fits in
+    ``memory_bytes``: how an engine is sized by memory instead of slots.
+
+    * float pool: ``memory_bytes // (2 L K D itemsize)`` slots, the sentinel included;
+    * quantized pools: ``page_share`` of the tokens the budget holds go to INT2
+      pages (kivi4: 4-bit pages), the rest to the token region (INT4; KIVI: float),
+      so that ``kv_bytes`` of the pool is at most ``memory_bytes``; the bytes left
+      over go to the token region. ``int4`` keeps only the reserved page (share 0);
+      the triaxial modes default to 0 (every token fits the INT4 region, and an
+      INT2 plan short of pages is written INT4), so a session whose allocation
+      writes INT2 wants its INT2 share here; the KIVI modes need a share (their
+      float window is 128-159 tokens a request, the rest are pages).
+
+    Admission counts the token region only (``DualAllocator.capacity``): a turn
+    reserves its new tokens there, pages are extra room.
+    ``ConfigError`` if the budget cannot hold one token of each region."""
+    from jaxkv.cache.quantized import Geometry
+    from jaxkv.cache.quantized_host import KIVI_PAGE_BITS, QuantizedKV, check_mode
+    from jaxkv.errors import ConfigError
+    from jaxkv.pallas.quant import PAGE
+
+    mode = check_mode(kv_quant)
+    M = int(memory_bytes)
+
+    def nbytes(pool) -> int:  # a pool's KV bytes, from shapes only (nothing allocated)
+        return kv_bytes(jax.eval_shape(pool.cache_factory(cfg, rows=1, positions=1, dtype=float_dtype)))
+
+    if mode is None:
+        per_slot = nbytes(FloatKV(2)) // 2
+        if M // per_slot < 2:
+            raise ConfigError(f"kv_memory_bytes={M} holds no token of a float pool ({per_slot} bytes per slot)")
+        return FloatKV(M // per_slot)
+    kivi = mode in KIVI_PAGE_BITS
+    if page_share is None:
+        if kivi:
+            raise ConfigError(f"kv_quant={mode!r} sized by memory needs kv_page_share (the share of tokens in pages)")
+        page_share = 0.0
+    share = 0.0 if mode == "int4" else float(page_share)
+    if not 0.0 <= share < 1.0:
+        raise ConfigError(f"kv_page_share must be in [0, 1), got {page_share!r}")
+    quant = lambda geo: QuantizedKV(mode, geo, head_dim=cfg.head_dim, float_dtype=float_dtype, backend=backend)  # noqa: E731
+    base = nbytes(quant(Geometry(1, 1, 0)))  # each region's bytes are linear in its count
+    page = nbytes(quant(Geometry(2, 1, 0))) - base
+    int4 = nbytes(quant(Geometry(1, 2, 0))) - base
+    token = nbytes(quant(Geometry(1, 1, 1))) - base if kivi else int4  # the token region's bytes per token
+    fixed = base - (0 if kivi else int4)  # the reserved page (and a KIVI pool's one INT4 row)
+    tokens = (M - fixed) / (page * share / PAGE + token * (1 - share))
+    pages = 1 + int(share * tokens // PAGE)
+    n = (M - fixed - page * (pages - 1)) // token
+    if n < 1:
+        raise ConfigError(f"kv_memory_bytes={M} holds no token of a {mode} pool ({token} bytes per token)")
+    return quant(Geometry(pages, 1, int(n)) if kivi else Geometry(pages, int(n), 0))
+
+
 # ============================================================================ device layers
 @dataclasses.dataclass(frozen=True)
 class FloatLayers:

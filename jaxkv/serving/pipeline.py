@@ -248,6 +248,20 @@ class Turn:
             self._began.append(stage)
             stage.begin(self)
 
+    def pin_reuse(self):
+        """Before admission (scheduler thread): how many prompt tokens ``open`` will
+        surely take from the radix cache, with a lock on them so that making room
+        for this turn cannot evict them. That is the prefix this session's
+        previous request cached that the prompt repeats and the tree still holds
+        (``_reuse_limit`` never reuses less). Returns ``(tokens, handle)``; the
+        caller unlocks the handle (None: nothing locked) before ``open``."""
+        previous = self.session._cached_ids
+        ids = self.rendered.ids
+        if previous is None or ids.size < 2:
+            return 0, None
+        match = self.radix.match(ids, owner=self.owner if self.makes_holes else None)
+        return min(match.length, common_prefix_length(previous, ids), ids.size - 1), match.handle
+
     def _reuse_limit(self, matched: int) -> int:
         """How many of the ``matched`` cached prompt tokens this turn reuses.
 

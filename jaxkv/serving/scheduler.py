@@ -6,9 +6,12 @@ engine and runs them. Each loop iteration:
 
 1. **admit** queued turns, first come first served, while a row is free and the
    pool can cover the turn's slot reservation (``TurnTask.need``: prompt + reply
-   tokens, more for repair and compact layouts) next to what running turns may
-   still allocate; the radix cache's least recently used entries are evicted to
-   make room. A turn that needs more than the whole pool fails at ``submit``
+   tokens, more for repair and compact layouts, less the prompt prefix its
+   session cached that the turn will reuse, locked meanwhile) next to what
+   running turns may still allocate; the radix cache's least recently used
+   entries are evicted to make room. So a pool full of sessions' cached
+   conversations admits a turn that needs only its new tokens without evicting
+   its own history or another session's. A turn that needs more than the whole pool fails at ``submit``
    (``CapacityError``), and ``submit`` raises ``QueueFullError`` when
    ``max_queue`` turns already wait: backpressure instead of unbounded memory.
 2. **advance** every running turn whose last work is done: its host code runs
@@ -61,7 +64,12 @@ class TurnTask:
     Attributes:
       program: the turn's generator (``pipeline.chat_turn`` / ``replay_turn``).
       turn: its ``pipeline.Turn`` (row, request state).
-      need: slots reserved for it at admission.
+      need: slots reserved for it at admission (prompt + reply tokens, more
+        for repair and compact layouts).
+      credit_reuse: whether the prompt tokens the turn surely reuses from the
+        radix cache come off ``need`` at admission (``Turn.pin_reuse``): they
+        are referenced, never allocated (not so for a compact layout, which
+        copies kept rows into fresh slots).
       future: resolves to the program's return value (or its error).
       on_progress: called with the decode job after each engine step (streaming).
       work: the work it waits on (None: ready to advance).
@@ -73,6 +81,7 @@ class TurnTask:
     program: Generator
     turn: Any
     need: int
+    credit_reuse: bool = False
     future: concurrent.futures.Future = dataclasses.field(default_factory=concurrent.futures.Future)
     on_progress: Callable | None = None
     work: Any = None
@@ -240,13 +249,19 @@ class Scheduler:
                 if not self._queue or engine.free_rows == 0:
                     return
                 task = self._queue[0]
-            outstanding = sum(t.outstanding() for t in self._running)
-            short = task.need + outstanding - engine.allocator.num_free
-            if short > 0 and engine.reclaim is not None:
-                engine.reclaim(short)
-                short = task.need + outstanding - engine.allocator.num_free
+            reuse, handle = task.turn.pin_reuse() if task.credit_reuse else (0, None)
+            try:
+                outstanding = sum(t.outstanding() for t in self._running)
+                short = task.need - reuse + outstanding - engine.allocator.num_free
+                if short > 0 and engine.reclaim is not None:
+                    engine.reclaim(short)
+                    short = task.need - reuse + outstanding - engine.allocator.num_free
+            finally:
+                if handle is not None:  # ``open`` (next, on this thread) matches and locks it again
+                    task.turn.radix.unlock(handle)
             if short > 0:
                 return  # wait for running turns to end (need <= capacity, so it will fit)
+            task.need -= reuse
             with self._cv:
                 self._queue.popleft()
             task.started = True

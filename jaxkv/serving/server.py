@@ -55,8 +55,9 @@ from the ones warmed (a wider observation window), ``top_k`` values, all-prompt
 logits, segment reuse.
 
 Sizing: ``num_slots`` defaults to ``2 * rows * max_positions + 1``, room for
-cached prefixes beside running requests; the radix cache gives back its least
-recently used entries when a turn needs their slots.
+cached prefixes beside running requests; ``kv_memory_bytes`` sizes the pool by
+memory instead (the most tokens of the pool's kind that fit). The radix cache
+gives back its least recently used entries when a turn needs their slots.
 
 Invariants: device state and host bookkeeping are touched only by the scheduler
 thread; ``close()`` cancels what runs (rows and slots are released) and stops
@@ -104,6 +105,11 @@ class Server:
       kv_quant: None (float pool) or a quantized pool's mode
         (``jaxkv.cache.quantized_host.MODES``); every session on the server uses
         it (``jaxkv.serving.stages.quantization``).
+      kv_memory_bytes: size the pool by memory instead of ``num_slots``: the
+        largest pool of ``kv_quant``'s kind whose KV bytes fit
+        (``jaxkv.cache.pools.pool_for_bytes``); ``kv_page_share``: the share of
+        its tokens in INT2 pages (a quantized pool; default 0 for ``int4`` and
+        the triaxial modes, required for the KIVI modes).
       segment_cap: bytes the segment store (cross-query reuse) may hold.
       warmup: compile every program of the engine's shape set before returning
         (``warmup``; module docstring): True for every sampler, or the names of
@@ -112,7 +118,7 @@ class Server:
         compiles too (None: every registered policy, at its default config).
     """
 
-    def __init__(self, model: Model, *, rows: int = 1, max_positions: int | None = None, num_slots: int | None = None, session_cap: int = 1024, backend=None, host_tier: HostTier | None = None, max_queue: int = 64, decode_chunk: int = DECODE_CHUNK, prefill_chunk: int = PREFILL_CHUNK, token_budget: int | None = None, kv_quant=None, segment_cap: int = 256 << 20, warmup=False, warmup_policies=None):
+    def __init__(self, model: Model, *, rows: int = 1, max_positions: int | None = None, num_slots: int | None = None, session_cap: int = 1024, backend=None, host_tier: HostTier | None = None, max_queue: int = 64, decode_chunk: int = DECODE_CHUNK, prefill_chunk: int = PREFILL_CHUNK, token_budget: int | None = None, kv_quant=None, kv_memory_bytes: int | None = None, kv_page_share: float | None = None, segment_cap: int = 256 << 20, warmup=False, warmup_policies=None):
         if model.tokenizer is None:
             raise ConfigError("sessions need a model with a tokenizer (the folder had none)")
         if int(rows) < 1:
@@ -121,8 +127,10 @@ class Server:
         self.model = model
         self.kv_quant = check_mode(kv_quant)
         self.engine = Engine(
-            model, rows=int(rows), max_positions=P, num_slots=num_slots or 2 * int(rows) * P + 1,
+            model, rows=int(rows), max_positions=P,
+            num_slots=num_slots or (None if kv_memory_bytes is not None else 2 * int(rows) * P + 1),
             backend=backend, prefill_chunk=prefill_chunk, token_budget=token_budget, kv_quant=self.kv_quant,
+            kv_memory_bytes=kv_memory_bytes, kv_page_share=kv_page_share,
         )
         self.radix = RadixTree(self.engine.allocator)
         self.engine.reclaim = self._reclaim

@@ -477,7 +477,8 @@ class Session:
             program.close()
             raise SessionBusyError(f"session {self.session_id!r} is already running a turn")
         out: concurrent.futures.Future = concurrent.futures.Future()
-        task = TurnTask(program, turn, self._reservation(tokens))
+        spec = self.retention
+        task = TurnTask(program, turn, self._reservation(tokens), credit_reuse=spec is None or spec.layout != "compact")
         listener = getattr(turn, "listener", None)
         if listener is not None:
             task.on_progress = turn.progress
