@@ -103,10 +103,16 @@ def budget_for_ratio(ratio: float, n_request: int) -> int:
     return max(1, int(n_request * (1.0 - ratio)))
 
 
+SET_OPTIONS = ("keep_sets", "layer_budgets")  # a Cell option choosing the kept set's granularity, not a policy field
+GRANULARITIES = {"layer": (("keep_sets", "layer"),), "pyramid": (("keep_sets", "layer"), ("layer_budgets", "pyramid"))}
+
+
 @dataclasses.dataclass(frozen=True)
 class Cell:
     """One branch: a retention method at a ratio (``method=None``: the full cache),
-    with the policy's config fields in ``options`` (``(("w", 64),)``; empty: defaults)."""
+    with the policy's config fields in ``options`` (``(("w", 64),)``; empty: defaults)
+    and, there too, ``keep_sets`` / ``layer_budgets`` (per-layer keep sets: the
+    cell's name ends in ``/layer`` or ``/pyramid``; ``--methods snapkv:layer``)."""
 
     method: str | None
     ratio: float = 0.0
@@ -114,7 +120,23 @@ class Cell:
 
     @property
     def name(self) -> str:
-        return "full" if self.method is None else f"{self.method}@{self.ratio:g}"
+        if self.method is None:
+            return "full"
+        opts = dict(self.options)
+        sets = "" if opts.get("keep_sets", "model") == "model" else "/" + ("pyramid" if opts.get("layer_budgets") == "pyramid" else "layer")
+        return f"{self.method}{sets}@{self.ratio:g}"
+
+    @property
+    def per_layer(self) -> bool:
+        return dict(self.options).get("keep_sets") == "layer"
+
+    @classmethod
+    def parse(cls, spec: str, ratio: float) -> "Cell":
+        """``"snapkv"``, or ``"snapkv:layer"`` / ``"snapkv:pyramid"`` (per-layer sets)."""
+        method, _, sets = spec.partition(":")
+        if sets and sets not in GRANULARITIES:
+            raise SystemExit(f"unknown kept-set granularity {sets!r} in {spec!r}; known: {', '.join(GRANULARITIES)}")
+        return cls(method, ratio, GRANULARITIES.get(sets, ()))
 
 
 def positions_for(context: int, answer_room: int = 256) -> int:
@@ -158,7 +180,9 @@ def cell_options(cell: Cell, example_seed: int) -> dict:
 def _retention_stage(cell: Cell, budget: int, model, example_seed: int):
     from jaxkv.serving.stages.retention import RetentionSpec, RetentionStage
 
-    return RetentionStage(RetentionSpec.make(cell.method, budget, "dead_slot", cell_options(cell, example_seed), model=model))
+    options = cell_options(cell, example_seed)
+    sets = {k: options.pop(k) for k in SET_OPTIONS if k in options}
+    return RetentionStage(RetentionSpec.make(cell.method, budget, "dead_slot", options, model=model, **sets))
 
 
 def branch_program(turn, probe: ProbeStage, cells, stages, measure):
@@ -179,7 +203,7 @@ def branch_program(turn, probe: ProbeStage, cells, stages, measure):
                 stage.prompt_capture(turn)  # the positions its features come from
                 stage.after_prefill(turn, probe.captured)  # the compression event, as at the end of a prefill
                 stage.end(turn)
-                kept = turn.req.live_positions().size
+                kept = turn.req.reads_per_layer()  # per-layer sets: keys a layer reads (the slots held are their union)
             result = yield from measure(turn, first_logits)
             result.update(kept=int(kept), seconds=round(time.perf_counter() - t0, 3))
             out[cell.name] = result
@@ -304,7 +328,12 @@ def run_example(model, example, setting: str, cells, *, positions: int, max_new:
     tok = model.tokenizer
     plan = token_plan(example, tok, setting)
     n_request = int(plan.compressed.size)
-    session = Session(model, max_positions=positions, protect_query=False, max_new_tokens=max_new)
+    server = None
+    if any(c.per_layer for c in cells):  # per-layer cells need a live list per layer
+        from jaxkv.serving import Server
+
+        server = Server(model, max_positions=positions, layer_lists=True)
+    session = Session(model, server=server, max_positions=positions, protect_query=False, max_new_tokens=max_new)
     try:
         stages = [None if c.method is None else _retention_stage(c, budget_for_ratio(c.ratio, n_request), session.model, example.seed)
                   for c in cells]
@@ -318,6 +347,8 @@ def run_example(model, example, setting: str, cells, *, positions: int, max_new:
         results = run_to_completion(program, session.server.engine)
     finally:
         session.close()
+        if server is not None:
+            server.close()
     return {"n_request": n_request, "cells": results}
 
 
@@ -493,7 +524,7 @@ def main(argv=None) -> int:
     p.add_argument("--n", type=int, default=100)
     p.add_argument("--first", type=int, default=0, help="skip the first F examples (split a run): --first 50 --n 50 runs examples 50-99")
     p.add_argument("--ratios", default=",".join(f"{r:g}" for r in RATIOS))
-    p.add_argument("--methods", default=",".join(METHODS))
+    p.add_argument("--methods", default=",".join(METHODS), help="policies; NAME:layer or NAME:pyramid keeps a set per layer (equal or PyramidKV budgets)")
     p.add_argument("--settings", default=None, help="aware,agnostic (lm: agnostic only)")
     p.add_argument("--seed", type=int, default=None, help="the evaluation seed base (default: jaxkv.tasks.haystack's)")
     p.add_argument("--max-new", type=int, default=MAX_NEW)
@@ -534,7 +565,7 @@ def run_grid(args) -> int:
 
     ratios = [float(r) for r in args.ratios.split(",") if r]
     methods = [m for m in args.methods.split(",") if m]
-    cells = [Cell(None)] + [Cell(m, r) for m in methods for r in ratios]
+    cells = [Cell(None)] + [Cell.parse(m, r) for m in methods for r in ratios]
     settings = args.settings.split(",") if args.settings else (["agnostic"] if args.task == "lm" else ["aware", "agnostic"])
     model = jaxkv.load_model(args.model)
     examples = haystack.examples(args.task, args.first + args.n, length=args.context, tokenizer=model.tokenizer, seed=args.seed)[args.first :]

@@ -92,14 +92,35 @@ def _dense_logits(graphdef, params, tokens_BT):
 
 
 @functools.partial(jax.jit, donate_argnames=("cache",))
-def _install_row(cache: PagedKVCache, row, slot_map_P, live_idx_P, live_len, seq_len):
-    """Row ``row``'s tables from the host mirror (every live list of the row alike)."""
+def _install_row(cache: PagedKVCache, row, slot_map_P, live_idx_JP, live_len_J, seq_len):
+    """Row ``row``'s tables from the host mirror (``live_idx_JP``: each of its J
+    live lists)."""
     return cache.replace(
         slot_map=cache.slot_map.at[row].set(slot_map_P),
-        live_idx=cache.live_idx.at[:, row].set(live_idx_P),
-        live_len=cache.live_len.at[:, row].set(live_len),
+        live_idx=cache.live_idx.at[:, row].set(live_idx_JP),
+        live_len=cache.live_len.at[:, row].set(live_len_J),
         seq_len=cache.seq_len.at[row].set(seq_len),
     )
+
+
+@jax.jit
+def _layer_keys(keys_LUKD, idx_LN, valid_LN):
+    """Each layer's own entries of a union key gather: ``[L, N, Hkv, D]`` with
+    layer ``l``'s entry ``n`` = ``keys_LUKD[l, idx_LN[l, n]]`` where ``valid_LN``,
+    zero elsewhere (padding)."""
+    keys = jnp.take_along_axis(keys_LUKD, idx_LN[:, :, None, None], axis=1)
+    return jnp.where(valid_LN[:, :, None, None], keys, 0.0)
+
+
+def _list_mass(mass_JN, positions_J, seq_len: int, n_new: int) -> np.ndarray:
+    """Attention mass per position ``[seq_len + n_new]`` of one step row from the
+    mass of each of its live lists' entries (``mass_JN``: list ``j``'s entries are
+    the positions ``positions_J[j]``, then the step's ``n_new`` tokens)."""
+    out = np.zeros(seq_len + n_new, np.float32)
+    new = seq_len + np.arange(n_new)
+    for m_N, pos in zip(mass_JN, positions_J):
+        np.add.at(out, np.concatenate([pos, new]), m_N[: pos.size + n_new])
+    return out
 
 
 # ============================================================================ jobs
@@ -267,9 +288,13 @@ class Engine:
       kv_page_share: with ``kv_memory_bytes``, the share of a quantized pool's
         tokens that go to INT2 pages (default 0 for ``int4`` and the triaxial modes;
         the KIVI modes need one).
+      layer_lists: give each row one live list per layer (J = L, ``jaxkv.cache.state``),
+        so a row may keep a set per layer (``RequestState.layer_live``,
+        ``keep_sets="layer"``); False (default): one list per row read by every
+        layer (J = 1). Rows that keep one set for the model hold L equal lists.
     """
 
-    def __init__(self, model: Model, *, rows: int = 1, max_positions: int | None = None, num_slots: int | None = None, prefill_chunk: int = PREFILL_CHUNK, token_budget: int | None = None, backend=None, reclaim=None, kv_quant=None, kv_memory_bytes: int | None = None, kv_page_share: float | None = None):
+    def __init__(self, model: Model, *, rows: int = 1, max_positions: int | None = None, num_slots: int | None = None, prefill_chunk: int = PREFILL_CHUNK, token_budget: int | None = None, backend=None, reclaim=None, kv_quant=None, kv_memory_bytes: int | None = None, kv_page_share: float | None = None, layer_lists: bool = False):
         cfg = model.config
         self.model = model
         self.graphdef, self.params = model.split()
@@ -289,7 +314,8 @@ class Engine:
             self.pool = make_pool(kv_quant, num_slots or rows * P + 1, head_dim=cfg.head_dim, float_dtype=pool_dtype, backend=backend)
         self.pool.check_mesh(self.mesh)
         self.allocator = self.pool.allocator
-        create = self.pool.cache_factory(cfg, rows=rows, positions=P, dtype=pool_dtype)
+        self.lists = cfg.num_layers if layer_lists else 1  # J: live lists per row
+        create = self.pool.cache_factory(cfg, rows=rows, positions=P, dtype=pool_dtype, lists=self.lists)
         if self.mesh is None:
             self.cache = create()
         else:  # made in place on the mesh: no device ever holds the whole pool
@@ -312,6 +338,11 @@ class Engine:
     @property
     def rows(self) -> int:
         return len(self.row_state)
+
+    @property
+    def layer_lists(self) -> bool:
+        """Whether each row has a live list per layer (rows may keep per-layer sets)."""
+        return self.lists > 1
 
     @property
     def free_rows(self) -> int:
@@ -421,12 +452,24 @@ class Engine:
 
     def _push_row(self, row: int) -> None:
         state = self.row_state[row]
-        P = self.max_positions
+        P, J = self.max_positions, self.lists
         slot_map = np.zeros(P, np.int32)
         slot_map[: state.seq_len] = state.slots
-        live = np.zeros(P, np.int32)
-        live[: len(state.live)] = state.live
-        self.cache = _install_row(self.cache, row, slot_map, live, len(state.live), state.seq_len)
+        live, lengths = np.zeros((J, P), np.int32), np.zeros(J, np.int32)
+        for j, slots in enumerate(state.layer_lists(J)):
+            live[j, : len(slots)], lengths[j] = slots, len(slots)
+        self.cache = _install_row(self.cache, row, slot_map, live, lengths, state.seq_len)
+
+    def set_layer_live(self, row: int, mask_LP) -> None:
+        """Per-layer keep sets of a row's positions (bool ``[L, seq_len]``; None: one
+        set for the model): layer ``l`` reads position ``p`` iff ``mask[l, p]``. Holes
+        must be read by no layer and a live position by some layer
+        (``RequestState.set_layer_live``). Needs ``layer_lists`` (``ConfigError``)."""
+        state = self._row(row)
+        if mask_LP is not None and not self.layer_lists:
+            raise ConfigError("per-layer keep sets need an engine with a live list per layer (Engine(layer_lists=True))")
+        state.set_layer_live(mask_LP)
+        self._push_row(row)
 
     def truncate_row(self, row: int, length: int) -> np.ndarray:
         """Forget positions ``>= length`` of a row (e.g. a generation that a replay
@@ -449,6 +492,25 @@ class Engine:
         if n is not None:
             live = np.concatenate([live, np.full(n - live.size, SENTINEL_SLOT, np.int32)])
         return self.pool.gather_keys(self.cache, live)
+
+    def gather_layer_keys(self, row: int, n: int | None = None) -> tuple[jax.Array, list[np.ndarray]]:
+        """Each layer's own live keys: ``(keys [L, N, Hkv, D], positions)`` where
+        layer ``l``'s entries are the keys of ``positions[l]`` (its live list, in
+        position order), padded up to ``n`` entries (zeros with per-layer sets).
+        Without per-layer sets every layer holds the row's live keys (``gather_keys``)."""
+        state = self._row(row)
+        L = self.model.config.num_layers
+        union = state.live_positions()
+        keys = self.gather_keys(row, n)
+        if state.layer_live is None:
+            return keys, [union] * L
+        per_layer = [np.flatnonzero(m) for m in state.layer_live]
+        N = keys.shape[1]
+        idx = np.zeros((L, N), np.int32)
+        valid = np.zeros((L, N), bool)
+        for l, pos in enumerate(per_layer):
+            idx[l, : pos.size], valid[l, : pos.size] = np.searchsorted(union, pos), True
+        return _layer_keys(keys, jnp.asarray(idx), jnp.asarray(valid)), per_layer
 
     def gather_rows(self, slots) -> tuple[np.ndarray, np.ndarray]:
         """Host copies of the K and V rows at ``slots``: ``[L, M, Hkv, D]`` each
@@ -500,14 +562,18 @@ class Engine:
         row's ``RequestState``.
         """
         state = self._row(row)
+        if plan.layer_keep is not None and not self.layer_lists:
+            raise ConfigError("per-layer keep sets need an engine with a live list per layer (Engine(layer_lists=True))")
         evicted = self.gather_rows(plan.evicted_slots) if keep_evicted else None
         if plan.copy_src.size:  # kept rows to fresh slots, keys rotated (a quantized pool re-encodes)
             self.cache = self.pool.compact(self.cache, plan, self.model.config.rope)
         if plan.renumbered:
             state.reindex(plan.kept_positions, plan.slots, plan.live)
-            self._push_row(row)
         else:
-            self.set_row_tables(row, plan.slots, plan.live)
+            state.set_tables(plan.slots, plan.live)
+        if plan.layer_keep is not None:  # per-layer keep sets (their union is the plan's kept set)
+            state.set_layer_live(plan.layer_keep)
+        self._push_row(row)
         self.allocator.release(plan.released)
         return evicted
 
@@ -669,11 +735,12 @@ class Engine:
         logits = np.asarray(logits)  # [R, V]: each row's last token
         every = np.asarray(aux["all_logits"]) if all_logits else None  # [T, V]
         q_rows = np.asarray(aux["q_rows"]) if capture_q else None  # [L, T, Hq, D]
-        mass_RN = np.asarray(aux["mass"]) if mass else None  # [R, N] mean over layers and heads
+        mass_JRN = np.asarray(aux["mass"]) if mass else None  # [J, R, N] per live list, its layers' share of the mean over layers and heads
         for r, (j, toks, sl, is_decode) in enumerate(entries):
             st = self._row(j.row)
             n, start = toks.size, int(q_start[r])
-            live_pos = st.live_positions()  # the row's list before the step, in position order
+            if mass_JRN is not None and (is_decode and j.features.attn_mass or not is_decode and j.attn_mass):
+                mass_P = _list_mass(mass_JRN[:, r], st.layer_positions(self.lists), st.seq_len, n)  # old positions, then the n new
             if is_decode:
                 tok = int(sampled[r])
                 st.append([j.next_feed], sl)
@@ -686,15 +753,13 @@ class Engine:
                 if j.features.query_rows:
                     j.q_rows.append(q_rows[:, start][None])
                 if j.features.attn_mass:
-                    m = np.zeros(st.seq_len, np.float32)
-                    m[np.append(live_pos, st.seq_len - 1)] = mass_RN[r, : live_pos.size + 1]
+                    m = mass_P  # (st.append above: seq_len counts the new token)
                     if j.mass is not None:
                         m[: j.mass.size] += j.mass
                     j.mass = m
                 continue
             if j.attn_mass:
-                j.mass[live_pos] += mass_RN[r, : live_pos.size]
-                j.mass[st.seq_len : st.seq_len + n] += mass_RN[r, live_pos.size : live_pos.size + n]
+                j.mass[: mass_P.size] += mass_P
             if j.q_idx_X is not None:
                 here = np.flatnonzero((j.q_idx_X >= j.done) & (j.q_idx_X < j.done + n))
                 j.q_rows[:, here] = q_rows[:, start + j.q_idx_X[here] - j.done]
@@ -1037,8 +1102,14 @@ class Engine:
                 kv_delta[: kv_idx.size] = positions[kv_idx] - np.asarray(plan.kv_old_pos, np.int64)
             order = np.argsort(key_pos, kind="stable")
             N = bucket(max(keys.size, 1))
-            live_N, live_pos_N = np.zeros(N, np.int32), np.full(N, PAD_POS, np.int32)
-            live_N[: keys.size], live_pos_N[: keys.size] = keys[order], key_pos[order]
+            read = np.ones((1, keys.size), bool)  # which layers read each key (one set for the model: all)
+            if state.layer_live is not None:  # per-layer keep sets: a layer sees only its own (new tokens: all)
+                old = key_pos < state.seq_len
+                read = np.ones((self.lists, keys.size), bool)
+                read[:, old] = state.layer_live[:, key_pos[old]]
+            live_N, live_pos_JN = np.zeros(N, np.int32), np.full((read.shape[0], N), PAD_POS, np.int32)
+            live_N[: keys.size] = keys[order]
+            live_pos_JN[:, : keys.size] = np.where(read[:, order], key_pos[order][None], PAD_POS)
             logit_idx = np.asarray(plan.logit_idx, np.int64)
             Y = bucket(max(logit_idx.size, 1), minimum=8)
             src = in_a if plan.cut >= cfg.num_layers else np.searchsorted(b_idx, np.arange(T))
@@ -1046,7 +1117,7 @@ class Engine:
             logit_src[: logit_idx.size] = src[logit_idx]
             logits, self.cache, resid = splice_step(
                 self.graphdef, self.params, self.cache, a_tok, a_pos, a_slot, b_src, b_resid, b_pos, b_slot, b_cut_slot,
-                kv_k, kv_v, kv_slot, kv_delta, live_N, live_pos_N, logit_src,
+                kv_k, kv_v, kv_slot, kv_delta, live_N, live_pos_JN, logit_src,
                 cut=int(plan.cut), kv_lo=int(plan.kv_lo), kv_hi=int(plan.kv_hi) if nl else int(plan.kv_lo), io=self.pool.layers,
             )
             logits, resid = np.asarray(logits)[: logit_idx.size], np.asarray(resid)[: a_idx.size]

@@ -78,9 +78,14 @@ def positional_attention(q_CHD, q_pos_C, k_NKD, v_NKD, k_pos_N, block: int = CAU
 
 @functools.partial(jax.jit, static_argnames=("graphdef", "cut", "kv_lo", "kv_hi", "io"), donate_argnames=("cache",))
 def splice_step(graphdef, params, cache, a_tok_A, a_pos_A, a_slot_A, b_src_B, b_resid_BM, b_pos_B, b_slot_B, b_cut_slot_B,
-                kv_k_LMKD, kv_v_LMKD, kv_slot_M, kv_delta_M, live_N, live_pos_N, logit_src_Y, *, cut, kv_lo, kv_hi, io):
+                kv_k_LMKD, kv_v_LMKD, kv_slot_M, kv_delta_M, live_N, live_pos_JN, logit_src_Y, *, cut, kv_lo, kv_hi, io):
     """One spliced piece (module docstring). Padding: A/B entries with slot 0 and
     position -1 (they see no key and write to the sentinel), K/V rows with slot 0.
+
+    ``live_pos_JN``: the position of each ``live_N`` entry as layer ``i`` sees it,
+    from row ``min(i, J - 1)``: a row that keeps per-layer sets gives an entry its
+    layer does not read ``PAD_POS`` (never visible), so each layer attends to its
+    own keep set (J = 1: every layer reads every entry).
 
     The pool is read and written one layer at a time through ``io``, the pool's
     ``layers`` (``jaxkv.cache.pools``): ``io.write(kv, i, k_XKD, v_XKD, slots_X)``
@@ -104,7 +109,7 @@ def splice_step(graphdef, params, cache, a_tok_A, a_pos_A, a_slot_A, b_src_B, b_
         def attend(i, q, k, v, kv):
             kv = io.write(kv, i, k[0], v[0], slots_for(i))
             k_live, v_live = io.read(kv, i, live_N)
-            o = positional_attention(q[0], q_pos, k_live, v_live, live_pos_N)
+            o = positional_attention(q[0], q_pos, k_live, v_live, live_pos_JN[jnp.minimum(i, live_pos_JN.shape[0] - 1)])
             return o[None], kv, None
 
         return attend

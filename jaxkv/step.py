@@ -187,13 +187,15 @@ def attend_layer(layers, kv, i, q_THD, lists, kv_len_R, q_start_R, q_len_R, k_TK
 
 def _forward(model, layers, kv, tables, tokens_T, positions_T, slots_T, q_start_R, q_len_R, page_plan, *, backend, mesh, batched_decode=False, window=None, unstacked=None, capture_q=False, mass=False):
     """The model over a flat batch: per layer, write then attend. Returns
-    ``(hidden [T, M], kv, q_rows [L, T, Hq, D] or None, window, mass [R, N] or
-    None)``: the mass summed over layers and query heads. The pool, the window and
-    the mass are the layer scan's carry (``Transformer.run_layers``); with
-    ``unstacked`` (``Transformer.unstacked_layers``, the CPU decode loop's) the
-    layers run unrolled over those copies instead."""
+    ``(hidden [T, M], kv, q_rows [L, T, Hq, D] or None, window, mass [J, R, N] or
+    None)``: the mass of each live list's entries, summed over the layers that read
+    the list and over query heads. The pool, the window and the mass are the layer
+    scan's carry (``Transformer.run_layers``); with ``unstacked``
+    (``Transformer.unstacked_layers``, the CPU decode loop's) the layers run
+    unrolled over those copies instead."""
     R = q_len_R.shape[0]
-    mass0 = jnp.zeros((R, tables.live_idx.shape[-1] + (-tables.live_idx.shape[-1]) % KEY_BLOCK), jnp.float32) if mass else None
+    J = tables.live_idx.shape[0]
+    mass0 = jnp.zeros((J, R, tables.live_idx.shape[-1] + (-tables.live_idx.shape[-1]) % KEY_BLOCK), jnp.float32) if mass else None
 
     def attend(i, q, k, v, carry):
         kv, window, mass_RN = carry
@@ -215,9 +217,9 @@ def _forward(model, layers, kv, tables, tokens_T, positions_T, slots_T, q_start_
             o = sharding.shard_heads(lambda kv_, q_, k_, v_, *rest: run(kv_, i, q_, *rest, k_, v_, parts), mesh, kv)(
                 kv, q_THD, k_TKD, v_TKD, lists, kv_len, q_start_R, q_len_R
             )
-        if mass:
+        if mass:  # each layer's mass goes to the list it read (entries of different lists are different positions)
             o, m = o
-            mass_RN = mass_RN + m
+            mass_RN = mass_RN.at[jnp.minimum(i, J - 1)].add(m) if J > 1 else mass_RN + m[None]
         return o[None], (kv, window, mass_RN), out
 
     x0, carry = model.embed_tokens(tokens_T[None]), (kv, window, mass0)
@@ -236,9 +238,10 @@ def run_step(graphdef, params, cache, batch: StepBatch, page_plan=None, *, layer
     Returns ``(tokens [R], logits [R, V] float32, cache, aux)``: each step row's
     next token (drawn from its last token's logits with its own sampler and key)
     and those logits; ``aux["q_rows"]`` ``[L, T, Hq, D]`` with ``capture_q``,
-    ``aux["all_logits"]`` ``[T, V]`` with ``all_logits``, ``aux["mass"]`` ``[R, N]``
-    with ``attn_mass`` (per list entry of each row after the step, mean over layers
-    and query heads, summed over the row's queries).
+    ``aux["all_logits"]`` ``[T, V]`` with ``all_logits``, ``aux["mass"]`` ``[J, R, N]``
+    with ``attn_mass`` (per entry of each live list of each row after the step,
+    summed over the list's layers, query heads and the row's queries, divided by
+    L x Hq: summed over lists and mapped to positions, the mean over layers and heads).
     """
     model = nnx.merge(graphdef, params)
     cfg = model.cfg

@@ -15,7 +15,8 @@ Cases (SPEC: ``{"cases": [{"name", "kind", ...}]}``):
   the donated pool was reused.
 * ``kernel``: decode through the Pallas kernel (``backend="interpret"``) per device
   under ``shard_map``, against one device's jnp reference.
-* ``session``: a ``Server``/``Session`` with SnapKV eviction and RepairKV (and one
+* ``session``: a ``Server``/``Session`` with SnapKV eviction and RepairKV, one with
+  per-layer keep sets (``layer_sets``) (and one
   with the compact layout) on a sharded model, against the same on one device.
 * ``reuse``: cross-query segment reuse (a spliced prefill) on a sharded embedded
   model, against the same on one device; then the OpenAI app on that model, a
@@ -168,6 +169,19 @@ def session_case(case) -> dict:
             "pool_spec": str(getattr(server.engine.cache.k.sharding, "spec", None)),
         }
         server.close()
+        # per-layer keep sets (a live list per layer, pyramid budgets) with RepairKV
+        with Server(model, rows=1, max_positions=512, layer_lists=True) as layered:
+            per_layer = Session(model, server=layered, keep_reasoning=True, policy="snapkv", budget=40, w=8,
+                                keep_sets="layer", layer_budgets="pyramid", repair=8)
+            layer_turns = per_layer.replay(_conversation(2), None, generate=True, max_new_tokens=4)
+            held = layered.radix.held_slots()
+            alloc = layered.engine.allocator
+            out[name]["layer_sets"] = {
+                "replies": [t.generated for t in layer_turns],
+                "layer_live_after": [c.layer_live_after.tolist() for c in per_layer.compressions],
+                "promoted": [r.promoted_positions.tolist() for r in per_layer.repairs],
+                "leak_free": bool(np.array_equal(alloc.refcounts(), np.bincount(held, minlength=alloc.num_slots))),
+            }
     return out
 
 

@@ -159,6 +159,9 @@ def test_session_with_eviction_and_repair_runs_sharded(measured):
         assert sharded[key] == single[key], key
     assert sharded["leak_free"] and single["leak_free"]
     assert sharded["pool_spec"] == "P(None, None, 'tp')"  # still split after layouts, repairs and copies
+    layered, layered_single = sharded["layer_sets"], single["layer_sets"]  # per-layer keep sets (pyramid) + RepairKV
+    assert layered_single["layer_live_after"] and layered_single["leak_free"]
+    assert layered == layered_single
 
 
 def test_segment_reuse_runs_sharded(measured):

@@ -215,11 +215,12 @@ class FloatKV:
     def check_mesh(self, mesh) -> None:
         """Any mesh jaxkv accepts (the pool is split by KV head)."""
 
-    def cache_factory(self, cfg, *, rows: int, positions: int, dtype):
-        """A zero-argument function making the empty cache (jit'd onto a mesh by the engine)."""
+    def cache_factory(self, cfg, *, rows: int, positions: int, dtype, lists: int = 1):
+        """A zero-argument function making the empty cache (jit'd onto a mesh by the
+        engine); ``lists``: live lists per row (J)."""
         return functools.partial(
             PagedKVCache.create, num_layers=cfg.num_layers, num_slots=self.allocator.num_slots,
-            num_kv_heads=cfg.num_kv_heads, head_dim=cfg.head_dim, rows=rows, positions=positions, dtype=dtype,
+            num_kv_heads=cfg.num_kv_heads, head_dim=cfg.head_dim, rows=rows, positions=positions, dtype=dtype, lists=lists,
         )
 
     # -- writes --------------------------------------------------------------------

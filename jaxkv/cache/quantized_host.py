@@ -395,12 +395,12 @@ class QuantizedKV:
         """Any mesh jaxkv accepts: every region is split by KV head (its axis 2),
         the page tables and slot tables replicated, as the float pool's."""
 
-    def cache_factory(self, cfg, *, rows: int, positions: int, dtype):
-        self._positions = int(positions)  # the decode plans' widths (``decode_plan``)
+    def cache_factory(self, cfg, *, rows: int, positions: int, dtype, lists: int = 1):
         """A zero-argument function making the empty cache (as ``FloatKV``'s)."""
+        self._positions = int(positions)  # the decode plans' widths (``decode_plan``)
         return functools.partial(
             QuantizedKVCache.create, self.geometry, num_layers=cfg.num_layers, num_kv_heads=cfg.num_kv_heads,
-            head_dim=cfg.head_dim, rows=rows, positions=positions, dtype=dtype, page_bits=self.page_bits,
+            head_dim=cfg.head_dim, rows=rows, positions=positions, dtype=dtype, page_bits=self.page_bits, lists=lists,
         )
 
     # -- allocation ------------------------------------------------------------------
@@ -488,7 +488,12 @@ class QuantizedKV:
         with its bitmask, then its token part (INT4, or float for KIVI) with the
         call's new slots appended; widths fixed by the engine's positions, so the
         call's program does not depend on the rows' lengths. (Decode tokens are
-        written by slot.)"""
+        written by slot.) None when a row keeps per-layer sets
+        (``RequestState.layer_live``): a page table is one per row, so such a call
+        reads every row through its layers' live lists (``QuantReader``), as a
+        prefill step does."""
+        if any(st.layer_live is not None for st in states):
+            return None
         from jaxkv.cache.quantized import PAGE_BLOCK
         from jaxkv.pallas.ragged_attention import KEY_BLOCK
 

@@ -10,7 +10,13 @@ Attributes:
   slots: ``list[int]`` position -> pool slot; ``SENTINEL_SLOT`` marks a hole (a
     position evicted by slot-map eviction, or cached as a hole by the radix tree).
   live: ``list[int]`` the live-index list: the non-sentinel slots, in position
-    order. Decode attention reads exactly these.
+    order. With one keep set for the model every layer's attention reads exactly
+    these.
+  layer_live: None (every layer reads ``live``), or bool ``[L, P]``: per-layer
+    keep sets (``keep_sets="layer"``), position ``p`` is read by layer ``l`` iff
+    ``layer_live[l, p]``. A position stays in the slot map (``live``) while any
+    layer reads it, so ``live`` is the union of the layers' lists; a hole is read
+    by no layer. ``layer_lists(J)`` gives each layer's list of slots.
   phase: int32 ``[P]`` AgentKV phase of each position (``jaxkv.chat.Phase``).
   pinned: bool ``[P]`` positions every kept set must contain (the protected
     prefix and, unless a session says otherwise, the actionable query).
@@ -26,7 +32,8 @@ Attributes:
 
 Invariants (``check``): every per-position field has ``seq_len`` entries;
 ``live`` equals the non-sentinel entries of ``slots`` in position order; the
-sentinel is never live. The engine is the only writer of ``slots``/``live``
+sentinel is never live; with ``layer_live``, a position is in some layer's list
+iff it is not a hole (new tokens and promoted rows join every layer's list). The engine is the only writer of ``slots``/``live``
 (it mirrors them on the device); the pipeline writes the tags.
 """
 
@@ -55,6 +62,7 @@ class RequestState:
         self.pinned = np.zeros(n, bool)
         self.query = np.zeros(n, bool)
         self.mass = np.zeros(n, np.float32)
+        self.layer_live: np.ndarray | None = None
         self.renumbered = 0
         self.allocated = 0
 
@@ -75,6 +83,58 @@ class RequestState:
     def is_live(self, position: int) -> bool:
         return 0 <= position < len(self.slots) and self.slots[position] != SENTINEL_SLOT
 
+    def layer_mask(self, num_layers: int) -> np.ndarray:
+        """bool ``[num_layers, seq_len]``: which positions each layer reads (every
+        live position in every layer when the row keeps one set for the model)."""
+        if self.layer_live is not None:
+            return self.layer_live.copy()
+        live = np.asarray(self.slots, np.int64) != SENTINEL_SLOT
+        return np.broadcast_to(live, (num_layers, live.size)).copy()
+
+    def reads_per_layer(self) -> int:
+        """Keys a layer's attention reads, averaged over layers and rounded (the
+        live length without per-layer sets): what decode reads, where ``live``
+        counts the slots held."""
+        if self.layer_live is None:
+            return len(self.live)
+        return int(round(float(self.layer_live.sum(axis=1).mean())))
+
+    def layer_lists(self, lists: int) -> list[list[int]]:
+        """The slot list each of ``lists`` live lists holds (``J``, see
+        ``jaxkv.cache.state``): list ``j`` is what layer ``j`` reads (the last one
+        serving every layer past it); every list is ``live`` without per-layer sets."""
+        if self.layer_live is None:
+            return [list(self.live)] * lists
+        if lists < self.layer_live.shape[0]:
+            if lists == 1 and self.layer_live.all(axis=0)[np.asarray(self.slots, np.int64) != SENTINEL_SLOT].all():
+                return [list(self.live)]
+            raise ValueError(f"a row with per-layer keep sets of {self.layer_live.shape[0]} layers needs that many live lists, not {lists}")
+        slots = np.asarray(self.slots, np.int64)
+        return [slots[m].tolist() for m in self.layer_live]
+
+    def layer_positions(self, lists: int) -> list[np.ndarray]:
+        """Positions of each of ``lists`` live lists' entries, in list order."""
+        if self.layer_live is None:
+            return [self.live_positions()] * lists
+        return [np.flatnonzero(m) for m in self.layer_live]
+
+    def set_layer_live(self, mask_LP) -> None:
+        """Per-layer keep sets for the current positions (None: one set for the
+        model). Holes are read by no layer; a live position no layer reads is an
+        error (a layout takes it out of the slot map instead)."""
+        if mask_LP is None:
+            self.layer_live = None
+            return
+        mask = np.asarray(mask_LP, bool)
+        if mask.ndim != 2 or mask.shape[1] != len(self.slots):
+            raise ValueError(f"per-layer keep sets of shape {mask.shape} for a request of {len(self.slots)} positions")
+        live = np.asarray(self.slots, np.int64) != SENTINEL_SLOT
+        if (mask & ~live[None]).any():
+            raise ValueError("a layer's keep set holds a hole")
+        if (live & ~mask.any(axis=0)).any():
+            raise ValueError("a live position is read by no layer (evict it from the slot map)")
+        self.layer_live = mask.copy()
+
     # -- growing (engine) ------------------------------------------------------------
     def append(self, tokens: Sequence[int], slots: Sequence[int]) -> None:
         """New positions at the end: their tokens and slots (untagged: phase 0,
@@ -86,6 +146,9 @@ class RequestState:
         self.slots += slots
         self.live += [s for s in slots if s != SENTINEL_SLOT]
         n = len(tokens)
+        if self.layer_live is not None:  # new tokens are read by every layer
+            new = np.asarray(slots, np.int64) != SENTINEL_SLOT
+            self.layer_live = np.concatenate([self.layer_live, np.broadcast_to(new, (self.layer_live.shape[0], n))], axis=1)
         self.phase = np.concatenate([self.phase, np.zeros(n, np.int32)])
         self.pinned = np.concatenate([self.pinned, np.zeros(n, bool)])
         self.query = np.concatenate([self.query, np.zeros(n, bool)])
@@ -96,6 +159,10 @@ class RequestState:
         promotion)."""
         if len(slots) != len(self.slots):
             raise ValueError(f"slot map of {len(slots)} positions for a request of {len(self.slots)}")
+        if self.layer_live is not None:  # holes leave every layer; filled holes (promotion) join every layer
+            was = np.asarray(self.slots, np.int64) != SENTINEL_SLOT
+            now = np.asarray(slots, np.int64) != SENTINEL_SLOT
+            self.layer_live = (self.layer_live & now[None]) | (now & ~was)[None]
         self.slots, self.live = [int(s) for s in slots], [int(s) for s in live]
 
     # -- the one re-indexing operation -------------------------------------------------
@@ -107,6 +174,8 @@ class RequestState:
             raise ValueError(f"{len(slots)} slots for {kept.size} kept positions")
         self.tokens = [self.tokens[p] for p in kept]
         self.phase, self.pinned, self.query, self.mass = self.phase[kept], self.pinned[kept], self.query[kept], self.mass[kept]
+        if self.layer_live is not None:
+            self.layer_live = self.layer_live[:, kept]
         self.slots, self.live = [int(s) for s in slots], [int(s) for s in live]
         self.renumbered += 1
 
@@ -119,6 +188,8 @@ class RequestState:
         self.live = [s for s in self.live if s not in gone]
         self.phase, self.pinned, self.mass = self.phase[:length], self.pinned[:length], self.mass[:length]
         self.query = self.query[:length]
+        if self.layer_live is not None:
+            self.layer_live = self.layer_live[:, :length]
         return dropped
 
     # -- tags (pipeline) ------------------------------------------------------------
@@ -144,6 +215,9 @@ class RequestState:
         assert len(self.tokens) == n and self.phase.size == n and self.pinned.size == n and self.mass.size == n
         assert self.query.size == n
         assert self.live == [s for s in self.slots if s != SENTINEL_SLOT]
+        if self.layer_live is not None:
+            live = np.asarray(self.slots, np.int64) != SENTINEL_SLOT
+            assert self.layer_live.shape[1] == n and (self.layer_live.any(axis=0) == live).all()
 
 
 def promotion_tables(slots_P, positions_M, fresh_M) -> tuple[list[int], list[int]]:

@@ -15,7 +15,9 @@ Attributes:
     padded with the sentinel; only the first ``live_len`` entries count. Layer
     ``i`` reads list ``min(i, J - 1)`` (``layer_list``): with ``J == 1`` every layer
     reads one list (a keep set for the whole model), with ``J == L`` each layer
-    its own (per-layer keep sets). A slot stays allocated while any list holds it.
+    its own (per-layer keep sets; ``Engine(layer_lists=True)`` makes J = L, and
+    ``RequestState.layer_lists`` is what each list holds). A slot stays allocated
+    while any list holds it.
   live_len: ``[J, R]`` int32, length of each live-index list.
   seq_len: ``[R]`` int32, next position to write (tokens seen, holes included).
 

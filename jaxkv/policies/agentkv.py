@@ -104,6 +104,11 @@ def score(cfg: AgentKVConfig, state: AgentKVState, feats, candidates_N):
     return scores_N, state
 
 
+def layer_state(state: AgentKVState, l) -> AgentKVState:
+    """The rings of layer ``l`` alone (a one-layer view, ``keep_sets="layer"``)."""
+    return AgentKVState(jax.lax.dynamic_slice_in_dim(state.ring_PRLHD, l, 1, axis=2), state.count_P)
+
+
 def needs(cfg: AgentKVConfig) -> Needs:
     return Needs(observe_rows=True, decode_interval=cfg.decode_interval)
 
@@ -117,5 +122,6 @@ POLICY = register(
         init_state=init_state,
         observe=observe,
         doc="AgentKV: softmax over candidates against per-phase query rings.",
+        layer_state=layer_state,
     )
 )

@@ -17,6 +17,15 @@ A retention policy is a set of pure functions over pytrees (ALGORITHMS.md §1):
 the engine applies the kept set with a layout. Scores aggregate to one number per
 position (mean over layers and expanded heads unless a policy says otherwise).
 
+Per-layer keep sets (``keep_sets="layer"``, ALGORITHMS.md §1): layer ``l`` keeps
+``F ∪ topk_C(score^l, B_l − |F|)`` over its own live positions, where ``score^l``
+is the same ``score`` applied to a one-layer view of the features (every ``L``
+axis cut to layer ``l``, the live positions those the layer still reads), so the
+mean over layers is never taken. A policy whose state has a layer axis gives
+``layer_state(state, l)``, the state of that view; one whose rule has no
+per-layer meaning says why in ``one_set_only`` (``ConfigError`` when asked).
+``layer_budgets`` splits ``L x B`` over the layers (equal, or PyramidKV's pyramid).
+
 Shape letters: L layers, N live positions at the event, W window rows, X query
 rows observed, Hq / Hkv query / KV heads, D head dim.
 
@@ -32,6 +41,7 @@ from typing import Any, Callable
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from flax import struct
 
 from jaxkv.attention import group_heads, gqa_scores, masked_softmax
@@ -137,6 +147,8 @@ class Policy:
     observe: Callable[..., Any] | None = None
     keep: Callable[..., jax.Array] | None = None
     doc: str = ""
+    layer_state: Callable[[Any, Any], Any] | None = None  # (state, l) -> the state of a one-layer view (None: no layer axis)
+    one_set_only: str = ""  # why the policy cannot keep per-layer sets ("" : it can)
 
     def make_config(self, **options):
         """The policy's typed config; unknown options raise ``OptionError`` (a ``ConfigError``) naming them."""
@@ -165,6 +177,38 @@ def select(scores_N, forced_N, candidates_N, budget):
     order = jnp.argsort(-s, stable=True)
     rank = jnp.zeros((n,), jnp.int32).at[order].set(jnp.arange(n, dtype=jnp.int32))
     return forced | (cand & (rank < k))
+
+
+KEEP_SETS = ("model", "layer")
+LAYER_BUDGETS = ("equal", "pyramid")
+PYRAMID_BETA = 20  # PyramidKV's beta: the top layer keeps B / beta (Cai et al., 2024; its code's default)
+
+
+def layer_budgets(budget: int, num_layers: int, shape: str = "equal", beta: float = PYRAMID_BETA):
+    """Per-layer budgets ``B_l`` (int ``[L]``) summing to ``L x budget``.
+
+    ``"equal"``: every layer ``B``. ``"pyramid"`` (PyramidKV): an arithmetic
+    sequence, largest in the lowest layer, from ``2B − B/β`` at layer 0 down to
+    ``B/β`` at layer ``L − 1`` (mean ``B``); rounded by largest remainder, at
+    least 1 per layer.
+    """
+    B, L = int(budget), int(num_layers)
+    if shape not in LAYER_BUDGETS:
+        raise ConfigError(f"unknown layer_budgets {shape!r}; known: {', '.join(LAYER_BUDGETS)}")
+    if shape == "equal" or L == 1:
+        return np.full(L, B, np.int64)
+    lo = B / beta
+    hi = 2 * B - lo
+    exact = hi - np.arange(L) * (hi - lo) / (L - 1)
+    out = np.maximum(np.floor(exact + 1e-9).astype(np.int64), 1)  # (1e-9: an exact integer computed as x.99999...)
+    rest = L * B - int(out.sum())
+    if rest > 0:  # largest remainders first (ties: the lower layer)
+        out[np.argsort(-(exact - np.floor(exact + 1e-9)), kind="stable")[:rest]] += 1
+    for l in range(L - 1, -1, -1):  # a floor of 1 lifted some: take it back from the top layers that can give
+        while rest < 0 and out[l] > 1:
+            out[l] -= 1
+            rest += 1
+    return out
 
 
 def attention_probs(q_LWHD, keys_LNKD, *, causal_q_pos=None, k_pos_N=None, valid_N=None):

@@ -52,5 +52,6 @@ POLICY = register(
         needs=needs,
         keep=keep,
         doc="H2O: accumulated attention mass, with a recent floor.",
+        one_set_only="the engine accumulates attention mass averaged over layers, so a per-layer H2O score does not exist yet",
     )
 )

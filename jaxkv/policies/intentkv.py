@@ -98,6 +98,11 @@ def query_score(cfg: IntentKVQueryConfig, state, feats, candidates_N):
     return score_with(feats.query_mean_LHD, feats, candidates_N), state
 
 
+def layer_state(state: QueryMemory, l) -> QueryMemory:
+    """The memory of layer ``l`` alone (a one-layer view, ``keep_sets="layer"``)."""
+    return QueryMemory(jax.lax.dynamic_slice_in_dim(state.m_LHD, l, 1, axis=0), state.initialized)
+
+
 def needs(cfg) -> Needs:
     return Needs(query_mean=True)
 
@@ -111,6 +116,7 @@ MEMORY = register(
         init_state=init_state,
         observe=observe,
         doc="IntentKV rule score against the session's unit-norm QueryMemory.",
+        layer_state=layer_state,
     )
 )
 QUERY = register(

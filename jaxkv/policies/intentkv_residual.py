@@ -129,6 +129,7 @@ def _register(name: str, mode: str, doc: str) -> Policy:
             init_state=init_state,
             observe=observe,
             doc=doc,
+            one_set_only="its learned head reads keys averaged over layers and was trained to rank one set for the model",
         )
     )
 

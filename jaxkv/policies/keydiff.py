@@ -19,9 +19,10 @@ the cache's average key, as kvpress takes it over the whole cache); padding
 entries (``valid_N`` false) take no part and score 0. The policy forces nothing.
 
 Departures from kvpress: kvpress keeps a top-k per layer and KV head; jaxkv keeps
-one set per request (the mean above), because an eviction edits the request's one
-slot map. The paper's block-wise prompt processing is kvpress's ``BlockPress``
-wrapper, not this press; here, as in kvpress, one event scores the whole live
+one set per request (the mean above) by default, or one per layer
+(``keep_sets="layer"``: the score above of that layer alone), never one per head.
+The paper's block-wise prompt processing is kvpress's ``BlockPress`` wrapper, not
+this press; here, as in kvpress, one event scores the whole live
 history. A zero key has no direction: its cosine is 0 (``common.unit_norm``'s
 epsilon), where torch's would also be 0.
 

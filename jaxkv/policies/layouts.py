@@ -11,6 +11,11 @@ Plain host functions: they decide, the engine applies (``Engine.apply_layout``).
   ``0..K-1`` and their keys re-rotated by ``new - old`` (RoPE delta, §8). The
   request is renumbered, so it must not be inserted in the radix cache.
 
+Per-layer keep sets (``keep_sets="layer"``): the layout applies the union of
+the layers' sets (a slot holds every layer's K/V, so a position leaves the slot
+map, and its slot is released, only when no layer keeps it), and ``with_layers``
+records each layer's set on the plan for the engine's per-layer live lists.
+
 Invariants: the sentinel is never released or listed live; every kept position
 is live afterwards; ``released`` lists exactly the non-sentinel slots the row no
 longer maps.
@@ -40,6 +45,10 @@ class LayoutPlan:
       copy_src / copy_dst / delta: rows to copy and rotate (compact only).
       renumbered: positions changed (compact): no radix insert afterwards.
       kept_positions: original positions of the survivors, in order.
+      layer_keep: None (every layer reads the kept set), or bool ``[L, P']`` over
+        the positions after the plan (``P'``: the row's positions, or the kept
+        ones when renumbered): which of them each layer reads, per-layer keep sets
+        whose union is the kept set (``with_layers``).
     """
 
     slots: list[int]
@@ -52,6 +61,7 @@ class LayoutPlan:
     delta: np.ndarray
     renumbered: bool
     kept_positions: np.ndarray
+    layer_keep: np.ndarray | None = None
 
 
 def _split(slots_P, keep_positions):
@@ -103,3 +113,12 @@ def compact(slots_P, keep_positions, fresh_slots) -> LayoutPlan:
         renumbered=True,
         kept_positions=kept_pos,
     )
+
+
+def with_layers(plan: LayoutPlan, keep_LP) -> LayoutPlan:
+    """``plan`` (made from the union of ``keep_LP``'s rows) with each layer's kept
+    set: ``keep_LP`` bool ``[L, P]`` over the positions before the plan."""
+    keep = np.asarray(keep_LP, bool)
+    if not np.array_equal(np.flatnonzero(keep.any(axis=0)), plan.kept_positions):
+        raise ValueError("the plan's kept set must be the union of the layers' sets")
+    return dataclasses.replace(plan, layer_keep=keep[:, plan.kept_positions] if plan.renumbered else keep)

@@ -333,9 +333,13 @@ class Turn:
         pos = np.asarray(plan.evicted_positions, np.int64)
         tokens = np.asarray(self.req.tokens, np.int64)[pos]
         wants = [s for s in self.stages if s.wants_evicted_rows] if pos.size else []
+        dropped = pos
+        if plan.layer_keep is not None and not plan.renumbered:  # per-layer sets: a position one layer drops counts too
+            before = self.req.layer_mask(plan.layer_keep.shape[0])
+            dropped = np.flatnonzero((before & ~plan.layer_keep).any(axis=0))
         kv = self.engine.apply_layout(self.row, plan, keep_evicted=bool(wants))
-        if pos.size:  # every later token attends over these holes: the rest is the owner's
-            first = int(pos.min())
+        if dropped.size:  # every later token attends over these holes: the rest is the owner's
+            first = int(dropped.min())
             self.private_from = first if self.private_from is None else min(self.private_from, first)
         self.server.counters["evicted_tokens"] += int(pos.size)
         evicted = Evicted(plan, pos, tokens, np.asarray(scores_M, np.float32), *(kv or (None, None)))
@@ -457,7 +461,7 @@ class Turn:
         remaining = n_new - 1
         while reply[-1] not in stops and remaining > 0 and not self.stop_requested:
             n = min(interval, remaining)
-            raw0, eff0, start = self.uncompressed, len(self.req.live), self.req.seq_len
+            raw0, eff0, start = self.uncompressed, self.req.reads_per_layer(), self.req.seq_len  # per-layer sets: a layer's reads
             self._sent = 0
             job = yield from self.run(DecodeWork(
                 reply[-1], n, temperature, top_k, top_p, key, len(reply) - 1, tuple(sorted(stops)), features,

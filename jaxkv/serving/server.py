@@ -116,9 +116,11 @@ class Server:
         the samplers to warm (``Engine.WARMUP_SAMPLERS``).
       warmup_policies: the retention policies whose programs the warm-up
         compiles too (None: every registered policy, at its default config).
+      layer_lists: give each engine row a live list per layer, so sessions may
+        keep per-layer sets (``keep_sets="layer"``; ``Engine(layer_lists=)``).
     """
 
-    def __init__(self, model: Model, *, rows: int = 1, max_positions: int | None = None, num_slots: int | None = None, session_cap: int = 1024, backend=None, host_tier: HostTier | None = None, max_queue: int = 64, decode_chunk: int = DECODE_CHUNK, prefill_chunk: int = PREFILL_CHUNK, token_budget: int | None = None, kv_quant=None, kv_memory_bytes: int | None = None, kv_page_share: float | None = None, segment_cap: int = 256 << 20, warmup=False, warmup_policies=None):
+    def __init__(self, model: Model, *, rows: int = 1, max_positions: int | None = None, num_slots: int | None = None, session_cap: int = 1024, backend=None, host_tier: HostTier | None = None, max_queue: int = 64, decode_chunk: int = DECODE_CHUNK, prefill_chunk: int = PREFILL_CHUNK, token_budget: int | None = None, kv_quant=None, kv_memory_bytes: int | None = None, kv_page_share: float | None = None, segment_cap: int = 256 << 20, warmup=False, warmup_policies=None, layer_lists: bool = False):
         if model.tokenizer is None:
             raise ConfigError("sessions need a model with a tokenizer (the folder had none)")
         if int(rows) < 1:
@@ -130,7 +132,7 @@ class Server:
             model, rows=int(rows), max_positions=P,
             num_slots=num_slots or (None if kv_memory_bytes is not None else 2 * int(rows) * P + 1),
             backend=backend, prefill_chunk=prefill_chunk, token_budget=token_budget, kv_quant=self.kv_quant,
-            kv_memory_bytes=kv_memory_bytes, kv_page_share=kv_page_share,
+            kv_memory_bytes=kv_memory_bytes, kv_page_share=kv_page_share, layer_lists=layer_lists,
         )
         self.radix = RadixTree(self.engine.allocator)
         self.engine.reclaim = self._reclaim

@@ -122,10 +122,14 @@ class Session:
         evict inside it: for document QA where the document and the question
         arrive in one message (the RepairKV protocol's MQ-NIAH), so the first
         event compresses the document with the question's signal.
-      policy, budget, layout, **policy_config: the retention stage
-        (``jaxkv.serving.stages.retention``): a method of
+      policy, budget, layout, keep_sets, layer_budgets, **policy_config: the
+        retention stage (``jaxkv.serving.stages.retention``): a method of
         ``jaxkv.policies.REGISTRY`` (None: full cache), the budget B, ``"dead_slot"``
-        (default) or ``"compact"``, and the policy's own options (``w=16``).
+        (default) or ``"compact"``, one kept set for the model (``keep_sets="model"``,
+        default) or one per layer (``"layer"``, with ``layer_budgets="equal"`` or
+        ``"pyramid"``; a private server is built with a live list per layer, a
+        shared one needs ``Server(layer_lists=True)``), and the policy's own
+        options (``w=16``).
       repair, repair_policy, repair_when, repair_wrong_signal: the RepairKV stage
         (``jaxkv.serving.stages.repair``).
       kv_quant, kv_bits, kv_allocation: the KV precision
@@ -164,8 +168,10 @@ class Session:
         self.stages = build_stages(self, options)  # validates every option first
         self._owns_server = server is None
         quant = self._stage("kv_quant")
+        retention = self._stage("retention")
         self.server = server or Server(
             model, max_positions=max_positions, num_slots=num_slots, backend=backend, kv_quant=quant.mode if quant else None,
+            layer_lists=retention is not None and retention.spec.keep_sets == "layer",
         )
         self.cache_owner = self.server.cache_owner()  # whose holes it reads (jaxkv.cache.radix): its own only
         self._watch_private_server()

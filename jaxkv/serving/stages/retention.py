@@ -2,7 +2,10 @@
 
 Session options it owns: ``policy`` (a name in ``jaxkv.policies.REGISTRY``),
 ``budget`` (B, live history tokens kept at an event), ``layout`` (``"dead_slot"``
-or ``"compact"``) and the policy's own config fields (``w=16``...).
+or ``"compact"``), ``keep_sets`` (``"model"``, default: one kept set for every
+layer; ``"layer"``: a set per layer) with ``layer_budgets`` (``"equal"``, default:
+B in every layer; ``"pyramid"``: PyramidKV's budgets, ``L x B`` in all) and the
+policy's own config fields (``w=16``...).
 
 What it does in a turn (ALGORITHMS.md §1-5):
 
@@ -20,9 +23,22 @@ candidates; ``score_and_select`` keeps ``F ∪ topk_C(score, B − |F|)``; the l
 turns the kept set into a ``LayoutPlan`` and ``Turn.evict`` applies it (the
 RepairKV stage shelves what leaves). Reports go to ``session.compressions``.
 
-State: the policy's pytree state and the per-position attention mass live in the
-server's LRU session store under ``(session id, spec key)``, so they outlive a turn
-(the mass is copied into ``RequestState.mass`` at ``begin`` and back at ``end``).
+Per-layer keep sets (``keep_sets="layer"``, ``compress_layers``): layer ``l``
+keeps ``F ∪ topk_C(score^l, B_l − |F|)`` of the positions it still reads, scored
+by the policy on a one-layer view of the features (``policies.base``); an event
+fires when some layer reads more than its ``B_l``. The layout applies the union
+of the sets (a slot holds every layer's K/V: it is released only when no layer
+keeps its position) and the engine gives each layer its own live list. Every
+position some layer drops makes the rest of the request private to the session
+in the radix cache (``pipeline.Turn.evict``), and the sets of the cached prefix
+come back at the session's next turn (``begin``). The pool's slots are the union
+of the sets: per-layer sets read ``B_l`` keys per layer, but hold up to
+``min(N, Σ B_l)`` slots.
+
+State: the policy's pytree state, the per-position attention mass and the
+per-layer sets live in the server's LRU session store under ``(session id, spec
+key)``, so they outlive a turn (copied into ``RequestState`` at ``begin`` and
+back at ``end``).
 """
 
 from __future__ import annotations
@@ -40,7 +56,7 @@ from jaxkv.chat.tags import Phase
 from jaxkv.errors import ConfigError
 from jaxkv.models import registry
 from jaxkv.policies import EventFeatures, Observation, get_policy, layouts
-from jaxkv.policies.base import select
+from jaxkv.policies.base import KEEP_SETS, LAYER_BUDGETS, layer_budgets, select
 from jaxkv.policies.intentkv_head import CONFIG_FILE as HEAD_CONFIG_FILE
 from jaxkv.policies.intentkv_head import HEAD_FOLDER
 from jaxkv.policies.layouts import LAYOUTS
@@ -79,19 +95,31 @@ def head_folder_of(model):
 
 @dataclasses.dataclass(frozen=True)
 class RetentionSpec:
-    """A session's retention choice: policy, typed config, budget, layout."""
+    """A session's retention choice: policy, typed config, budget, layout, and the
+    granularity of the kept set (``keep_sets``: ``"model"`` or ``"layer"``;
+    ``layer_budgets``: ``"equal"`` or ``"pyramid"``, per-layer sets only)."""
 
     policy: object
     config: object
     budget: int
     layout: str
+    keep_sets: str = "model"
+    layer_budgets: str = "equal"
 
     @classmethod
-    def make(cls, name, budget, layout, options, model=None):
+    def make(cls, name, budget, layout, options, model=None, keep_sets="model", layer_budgets="equal"):
         """``model``: the session's model; a policy with a learned head (``head``
         in its config) and none given takes the head trained for that model
         (``head_folder_of``)."""
         policy = get_policy(name)
+        if keep_sets not in KEEP_SETS:
+            raise ConfigError(f"unknown keep_sets {keep_sets!r}; known: {', '.join(KEEP_SETS)}")
+        if layer_budgets not in LAYER_BUDGETS:
+            raise ConfigError(f"unknown layer_budgets {layer_budgets!r}; known: {', '.join(LAYER_BUDGETS)}")
+        if keep_sets == "model" and layer_budgets != "equal":
+            raise ConfigError(f"layer_budgets={layer_budgets!r} splits the budget over per-layer sets: it needs keep_sets='layer'")
+        if keep_sets == "layer" and policy.one_set_only:
+            raise ConfigError(f"policy {name!r} keeps one set for the model only (keep_sets='layer'): {policy.one_set_only}")
         options = dict(options)
         if options.get("head") is None and "head" in {f.name for f in dataclasses.fields(policy.config)}:
             found = head_folder_of(model)
@@ -102,11 +130,11 @@ class RetentionSpec:
             raise ConfigError(f"policy {name!r} needs a positive budget, got {budget!r}")
         if layout not in LAYOUTS:
             raise ConfigError(f"unknown layout {layout!r}; known: {', '.join(LAYOUTS)}")
-        return cls(policy, config, int(budget), layout)
+        return cls(policy, config, int(budget), layout, keep_sets, layer_budgets)
 
     @property
     def key(self):
-        return (self.policy.name, repr(self.config), self.budget, self.layout)
+        return (self.policy.name, repr(self.config), self.budget, self.layout, self.keep_sets, self.layer_budgets)
 
 
 class RetentionState:
@@ -115,12 +143,15 @@ class RetentionState:
     Attributes:
       state: the policy's pytree state (rings, QueryMemory, ...).
       acc_mass: attention mass per position accumulated over the session (H2O).
+      layer_live: the per-layer sets of the session's last request (bool ``[L, P]``,
+        ``RequestState.layer_live``), or None.
     """
 
     def __init__(self, spec: RetentionSpec, model_cfg):
         self.spec = spec
         self.state = spec.policy.init_state(spec.config, model_cfg)
         self.acc_mass = np.zeros(0, np.float32)
+        self.layer_live: np.ndarray | None = None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -133,6 +164,7 @@ class CompressionReport:
     plan: object
     evicted_scores: np.ndarray | None = None  # policy score of each plan.evicted_positions entry
     decision_margin: float = float("inf")  # lowest kept candidate score minus highest evicted one (inf: none evicted)
+    layer_live_after: np.ndarray | None = None  # per-layer sets: positions each layer reads after the event ([L])
 
 
 @functools.partial(jax.jit, static_argnames=("policy", "cfg"))
@@ -187,6 +219,110 @@ def compress_row(engine, row: int, policy, cfg, state, feats, forced_N, budget: 
     return state, CompressionReport(int(live_pos.size), int(kept.size), kept, plan, evicted_scores, margin)
 
 
+@functools.partial(jax.jit, static_argnames=("policy", "cfg"))
+def score_and_select_layers(policy, cfg, state, feats, forced_LN, budgets_L):
+    """One per-layer event's decision: ``score_and_select`` on each layer's view.
+
+    ``feats`` carry a leading layer axis on every field (``[L, ...]``: the
+    one-layer views, ``keys_LNKD`` as ``[L, 1, N, Hkv, D]``, positions ``[L, N]``
+    of each layer's own live list...), ``forced_LN`` and ``budgets_L`` likewise.
+    Returns ``(kept [L, N], scores [L, N], state)``: the policy's state is the one
+    it had (scoring a view changes nothing, except a state without a layer axis,
+    e.g. a random control's counter, which comes back from layer 0's call)."""
+    L = budgets_L.shape[0]
+
+    def one(l, feats_l, forced_l, budget_l):
+        view = state if policy.layer_state is None else policy.layer_state(state, l)
+        kept, scores, new = score_and_select(policy, cfg, view, feats_l, forced_l, budget_l)
+        return kept, scores, (new if policy.layer_state is None else ())
+
+    kept, scores, states = jax.vmap(one)(jnp.arange(L), feats, forced_LN, budgets_L)
+    return kept, scores, (jax.tree.map(lambda x: x[0], states) if policy.layer_state is None else state)
+
+
+def layer_features(engine, row: int, window_q_LWHD, window_pos_W, window_valid_W, query_mean_LHD):
+    """A per-layer event's features of a row: ``(feats, positions_L, forced_LN)``.
+
+    ``feats`` stack the one-layer views ``score_and_select_layers`` takes: layer
+    ``l``'s keys are those of its own live list (``Engine.gather_layer_keys``),
+    ``[L, 1, N, Hkv, D]``, its positions, phases, mass and query-span flags those
+    of the positions it reads (``[L, N]``, padded as one set's are), the window's
+    queries and the query mean cut to layer ``l``. ``N`` is the event size of the
+    row's union of live positions (one compile per size, as for one set);
+    ``forced_LN`` the pinned positions of each layer's list."""
+    req = engine.row_state[row]
+    L = engine.model.config.num_layers
+    seq_len = req.seq_len
+    N = event_size(req.live_positions().size)
+    keys, per_layer = engine.gather_layer_keys(row, N)
+
+    def per_position(values, fill, dtype):
+        out = np.full((L, N), fill, dtype)
+        for l, pos in enumerate(per_layer):
+            out[l, : pos.size] = np.asarray(values)[pos]
+        return out
+
+    wpos, wvalid = np.asarray(window_pos_W), np.asarray(window_valid_W)
+    feats = EventFeatures(
+        keys_LNKD=keys[:, None],
+        positions_N=np.stack([np.concatenate([pos, seq_len + 1 + np.arange(N - pos.size)]) for pos in per_layer]).astype(np.int32),
+        phase_N=per_position(req.phase, 3, np.int32),
+        window_q_LWHD=np.asarray(window_q_LWHD, np.float32)[:, None],
+        window_pos_W=np.broadcast_to(wpos, (L, wpos.size)),
+        window_valid_W=np.broadcast_to(wvalid, (L, wvalid.size)),
+        acc_mass_N=per_position(req.mass, 0.0, np.float32),
+        query_mean_LHD=np.asarray(query_mean_LHD, np.float32)[:, None],
+        seq_len=np.full(L, seq_len, np.int32),
+        valid_N=np.arange(N)[None, :] < np.asarray([pos.size for pos in per_layer])[:, None],
+        query_span_N=per_position(req.query, False, bool),
+    )
+    return feats, per_layer, per_position(req.pinned, False, bool)
+
+
+def compress_row_layers(engine, row: int, policy, cfg, state, feats, positions_L, forced_LN, budgets_L, layout: str, *, on_evict=None, apply=None):
+    """``compress_row`` for per-layer keep sets: ``feats`` as
+    ``score_and_select_layers`` takes them, ``positions_L[l]`` the positions of
+    layer ``l``'s real entries. The layout applies the union of the layers' sets
+    (``layouts.with_layers``). An evicted row's score is the highest any layer gave
+    it; the margin is the smallest over layers. Returns ``(state, report)``."""
+    kept_LN, scores_LN, state = score_and_select_layers(policy, cfg, state, feats, np.asarray(forced_LN, bool), np.asarray(budgets_L, np.int32))
+    kept_LN, scores_LN = np.asarray(kept_LN), np.asarray(scores_LN, np.float32)
+    forced_LN = np.asarray(forced_LN, bool)
+    req = engine.row_state[row]
+    L, P = len(positions_L), req.seq_len
+    keep_LP = np.zeros((L, P), bool)
+    score_LP = np.full((L, P), -np.inf, np.float32)
+    margin = float("inf")
+    for l, pos in enumerate(positions_L):
+        n = pos.size
+        keep_LP[l, pos[kept_LN[l, :n]]] = True
+        score_LP[l, pos] = scores_LN[l, :n]
+        dropped = ~kept_LN[l, :n]
+        free = kept_LN[l, :n] & ~forced_LN[l, :n]
+        if dropped.any() and free.any():
+            boundary = scores_LN[l, :n][dropped].max()
+            above = scores_LN[l, :n][free & (scores_LN[l, :n] >= boundary)]
+            margin = min(margin, float(above.min() - boundary) if above.size else float("inf"))
+    kept = np.flatnonzero(keep_LP.any(axis=0))
+    if layout == "dead_slot":
+        plan = layouts.dead_slot(req.slots, kept)
+    elif layout == "compact":
+        plan = layouts.compact(req.slots, kept, engine.fresh_slots(row, kept))
+    else:
+        raise ConfigError(f"unknown layout {layout!r}; known: {', '.join(LAYOUTS)}")
+    plan = layouts.with_layers(plan, keep_LP)
+    evicted_scores = score_LP[:, plan.evicted_positions].max(axis=0) if plan.evicted_positions.size else np.zeros(0, np.float32)
+    live_before = int(req.live_positions().size)
+    if apply is not None:
+        apply(plan, evicted_scores)
+    else:
+        kv = engine.apply_layout(row, plan, keep_evicted=on_evict is not None and plan.evicted_positions.size > 0)
+        if kv is not None:
+            on_evict(plan, *kv, evicted_scores)
+    report = CompressionReport(live_before, int(kept.size), kept, plan, evicted_scores, margin, keep_LP.sum(axis=1))
+    return state, report
+
+
 @functools.partial(jax.jit, static_argnums=(0, 1))
 def _observe_jit(observe, cfg, state, obs):
     return observe(cfg, state, obs)
@@ -209,6 +345,15 @@ class RetentionStage(Stage):
         acc = self.retention.acc_mass
         n = min(acc.size, turn.reused)
         turn.req.mass[:n] = acc[:n]
+        saved = self.retention.layer_live
+        if self.spec.keep_sets == "layer" and saved is not None and turn.reused:  # the cached prefix's per-layer sets
+            live = np.asarray(turn.req.slots, np.int64) != SENTINEL_SLOT
+            mask = np.broadcast_to(live, (saved.shape[0], live.size)).copy()
+            n = min(saved.shape[1], live.size)
+            mask[:, :n] &= saved[:, :n]
+            mask[:, live & ~mask.any(axis=0)] = True  # live in the cache but read by no saved layer (not this session's drop): all
+            if not mask[:, live].all():
+                turn.engine.set_layer_live(turn.row, mask)
         self.window = None  # (q [L, W, Hq, D], positions [W])
         self.query_mean = None  # q̄_t [L, Hq, D]
         self.ring_pos = np.zeros(0, np.int64)
@@ -216,6 +361,8 @@ class RetentionStage(Stage):
     def end(self, turn) -> None:
         if getattr(self, "retention", None) is not None and turn.row is not None:
             self.retention.acc_mass = turn.req.mass.copy()
+            layer_live = turn.req.layer_live
+            self.retention.layer_live = None if layer_live is None or turn.req.renumbered else layer_live.copy()
         self.retention = None
 
     def prompt_capture(self, turn) -> Capture:
@@ -264,6 +411,8 @@ class RetentionStage(Stage):
     # -- the event ---------------------------------------------------------------------
     def compress(self, turn) -> None:
         """One compression event if the request's live history exceeds the budget."""
+        if self.spec.keep_sets == "layer":
+            return self.compress_layers(turn)
         spec, req = self.spec, turn.req
         live_pos = req.live_positions()
         if live_pos.size <= spec.budget:
@@ -298,6 +447,25 @@ class RetentionStage(Stage):
         )
         turn.session.compressions.append(report)
         if report.plan.renumbered:  # compact: positions are now 0..K-1; the window's are gone
+            self.window = None
+        turn.observe_live()
+
+    def compress_layers(self, turn) -> None:
+        """One per-layer event (``keep_sets="layer"``) if some layer reads more than
+        its budget (``layer_features``, ``compress_row_layers``)."""
+        spec, req, engine = self.spec, turn.req, turn.engine
+        cfg = engine.model.config
+        budgets = layer_budgets(spec.budget, cfg.num_layers, spec.layer_budgets)
+        if all(pos.size <= b for pos, b in zip(req.layer_positions(cfg.num_layers), budgets)):
+            return
+        qm = self.query_mean if self.query_mean is not None else np.zeros((cfg.num_layers, cfg.num_heads, cfg.head_dim), np.float32)
+        feats, per_layer, forced = layer_features(engine, turn.row, *self._window_rows(cfg, req, req.seq_len), qm)
+        self.retention.state, report = compress_row_layers(
+            engine, turn.row, spec.policy, spec.config, self.retention.state, feats, per_layer, forced, budgets, spec.layout,
+            apply=turn.evict,
+        )
+        turn.session.compressions.append(report)
+        if report.plan.renumbered:
             self.window = None
         turn.observe_live()
 
@@ -393,15 +561,26 @@ def _factory(session, options: dict, built: list):
     name = options.pop("policy", None)
     budget = options.pop("budget", None)
     layout = options.pop("layout", None)
+    keep_sets = options.pop("keep_sets", None)
+    shape = options.pop("layer_budgets", None)
     if name is None:
-        if budget is not None or layout is not None:
-            raise ConfigError(f"{'budget' if budget is not None else 'layout'} needs a retention policy (policy=...)")
+        given = [k for k, v in (("budget", budget), ("layout", layout), ("keep_sets", keep_sets), ("layer_budgets", shape)) if v is not None]
+        if given:
+            raise ConfigError(f"{given[0]} needs a retention policy (policy=...)")
         return None
     layout = "dead_slot" if layout is None else layout
     policy = get_policy(name)
     fields = {f.name for f in dataclasses.fields(policy.config)}
     config = {k: options.pop(k) for k in list(options) if k in fields}
-    spec = RetentionSpec.make(name, budget, layout, config, model=session.model)
+    spec = RetentionSpec.make(
+        name, budget, layout, config, model=session.model, keep_sets=keep_sets or "model", layer_budgets=shape or "equal",
+    )
+    server = getattr(session, "server", None)
+    if spec.keep_sets == "layer" and server is not None and not server.engine.layer_lists:
+        raise ConfigError(
+            "keep_sets='layer' needs a server whose engine keeps a live list per layer: Server(model, layer_lists=True) "
+            "(a session without server= builds one)"
+        )
     spec.policy.init_state(spec.config, session.model.config)  # a state that cannot be built fails here, not mid-turn
     return RetentionStage(spec)
 
