@@ -1,4 +1,4 @@
-"""The peer bench's driver (eval/bench_peers.py) on a stub OpenAI server: the same
+"""The peer bench's driver (eval/bench/peers.py) on a stub OpenAI server: the same
 client code that times jaxkv, vLLM and llama.cpp, checked without installing a peer.
 
 The stub streams a known reply (one token per chunk, a fixed delay before the
@@ -17,7 +17,7 @@ import pytest
 
 openai = pytest.importorskip("openai")
 
-from eval import bench_peers  # noqa: E402
+from eval.bench import peers as bench_peers  # noqa: E402
 
 FIRST_TOKEN_DELAY = 0.05
 

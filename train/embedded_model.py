@@ -405,7 +405,7 @@ def make_example(seed: int, seq_len: int, task: str) -> Example:
 
 
 # Example seeds: training draws below ``TRAIN_SEED_LIMIT``; held-out sets (this file's
-# ``heldout_sequences`` and ``eval.embedded_accuracy``) use seeds with bit 30 set.
+# ``heldout_sequences`` and ``eval.quality.embedded_accuracy``) use seeds with bit 30 set.
 TRAIN_SEED_LIMIT = 1 << 30
 HELDOUT_SEED_BASE = (1 << 30) + 3_000_000
 # Agent-trace skeletons (system prompt + tool schemas) take ~800-1400 tokens: shorter
