@@ -48,7 +48,7 @@ budget), plus a printed comparison of prefix-hit rates of the two layouts.
 ``--compare-to best`` adds a paired comparison to ``results.md``: per budget and
 layout, every method's accuracy, its share of the full cache's, and its gain over
 the best baseline (the most accurate of ``BASELINES`` in that column) with a
-paired bootstrap 95% interval over examples (``eval.quality.repair_protocol.paired_gain``,
+paired bootstrap 95% interval over examples (``eval.common.stats.paired_gain``,
 from the per-example counts every cell keeps in the journal), beside peak request
 tokens, peak live KV and raw vs effective KV reads; ``--focus METHOD`` adds that
 method's gain over each baseline. ``--compare-to METHOD`` compares with a named one.
@@ -100,6 +100,8 @@ import time
 from pathlib import Path
 
 import numpy as np
+
+from eval.common.stats import paired_gain, paired_ratio_difference
 
 COLUMNS = (
     "method", "budget", "layout", "task", "n", "accuracy", "completion",
@@ -661,10 +663,8 @@ def pivot_table(rows, metric: str, task: str) -> str:
 
 def _paired(a, b):
     """``(gain, low, high)`` of ``a``'s pooled accuracy over ``b``'s on the same
-    examples (``eval.quality.repair_protocol.paired_gain``: paired bootstrap 95% interval over
+    examples (``eval.common.stats.paired_gain``: paired bootstrap 95% interval over
     examples); None when a row lacks per-example counts (an older journal)."""
-    from eval.quality.repair_protocol import paired_gain
-
     if PER_EXAMPLE not in a or PER_EXAMPLE not in b:
         return None
     ea, eb = a[PER_EXAMPLE], b[PER_EXAMPLE]
@@ -710,7 +710,7 @@ def comparison_markdown(rows, task: str, reference: str = "best", focus: str | N
     effective KV reads), then the focus method against each baseline."""
     what = "the best baseline" if reference == "best" else reference
     lines = [f"Gain = accuracy − {what}'s on the same examples, with a paired bootstrap 95% interval over "
-             f"examples (`eval.quality.repair_protocol.paired_gain`); baselines: {', '.join(BASELINES)}.", ""]
+             f"examples (`eval.common.stats.paired_gain`); baselines: {', '.join(BASELINES)}.", ""]
     for c in comparison(rows, task, reference, focus):
         ref = c["reference"]
         lines += [f"### {task}, {c['layout']}, B = {c['budget']}: reference {ref['method']} ({ref['accuracy']:.3f})", "",
@@ -739,17 +739,10 @@ def paired_nll_difference(a: list, b: list, *, seed=0) -> tuple[float, float, fl
     """``a``'s token-weighted NLL increase minus ``b``'s on the same examples, with a
     paired percentile bootstrap 95% interval over examples. ``a``, ``b``: per-example
     fidelity dicts (``fidelity_of``: ``tokens``, ``dnll``)."""
-    from eval.quality.repair_protocol import BOOTSTRAP_SAMPLES
-
     if len(a) != len(b):
         raise ValueError("fidelity of different example lists")
     ta, da, tb, db = (np.asarray([f[k] for f in x], np.float64) for x, k in ((a, "tokens"), (a, "dnll"), (b, "tokens"), (b, "dnll")))
-    rng = np.random.default_rng(seed)
-    idx = rng.integers(0, ta.size, size=(BOOTSTRAP_SAMPLES, ta.size))
-    with np.errstate(invalid="ignore", divide="ignore"):
-        boot = da[idx].sum(1) / ta[idx].sum(1) - db[idx].sum(1) / tb[idx].sum(1)
-    low, high = np.nanpercentile(boot, [2.5, 97.5])
-    return float(da.sum() / ta.sum() - db.sum() / tb.sum()), float(low), float(high)
+    return paired_ratio_difference(da, ta, db, tb, seed=seed)
 
 
 def fidelity_comparison_markdown(rows, task: str) -> str:

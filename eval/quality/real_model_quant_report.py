@@ -40,7 +40,8 @@ from pathlib import Path
 
 import numpy as np
 
-from eval.quality.real_model_report import findings, mean_ci
+from eval.common.stats import mean_ci
+from eval.quality.real_model_report import findings
 
 PAGE = 32
 

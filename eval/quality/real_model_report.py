@@ -18,7 +18,7 @@ and setting; the full cache's ceiling as a grey band).
 
 Statistics: accuracy is the mean of per-example 0/1 verdicts with a percentile
 bootstrap 95% interval over examples; a comparison of two cells uses only the
-examples both ran and a paired bootstrap (``eval.quality.repair_protocol.paired_gain``).
+examples both ran and a paired bootstrap (``eval.common.stats``).
 A (task, context, setting) whose full cache is below ``--min-full`` is reported
 as a ceiling and left out of the comparisons.
 """
@@ -34,8 +34,8 @@ from pathlib import Path
 
 import numpy as np
 
+from eval.common.stats import mean_ci, paired_gain
 from eval.quality.harness import HEAD, HEAD_RULE  # IntentKV's learned head and the rule it corrects (issue #27)
-from eval.quality.repair_protocol import paired_gain
 
 SIDES = ("jaxkv", "kvpress")
 # jaxkv method -> the kvpress press that implements the same rule
@@ -46,7 +46,6 @@ COUNTERPARTS = {
     "h2o": "ObservedAttentionPress",
     "random": "RandomPress",
 }
-BOOTSTRAP = 2000
 PLOT_COLUMNS = 4  # panels per row of accuracy_vs_ratio.png
 
 
@@ -100,16 +99,6 @@ def verdicts(records: list[dict]) -> dict:
         for cell, res in rec["cells"].items():
             out[(rec["task"], rec["context"], rec["setting"])][cell][rec["seed"]] = res
     return out
-
-
-def mean_ci(x, seed: int = 0) -> tuple[float, float, float]:
-    x = np.asarray(x, np.float64)
-    if x.size == 0:
-        return float("nan"), float("nan"), float("nan")
-    rng = np.random.default_rng(seed)
-    boot = x[rng.integers(0, x.size, size=(BOOTSTRAP, x.size))].mean(1)
-    lo, hi = np.percentile(boot, [2.5, 97.5])
-    return float(x.mean()), float(lo), float(hi)
 
 
 def score_of(task: str):

@@ -76,13 +76,13 @@ from pathlib import Path
 
 import numpy as np
 
+from eval.common.stats import paired_gain
 from eval.quality.harness import (EVAL_SEED_BASE, REPAIR_POLICIES, TASK_SESSION_OPTIONS, Cell, append_journal, pool_map,
-                          read_journal, reply_matches, replay_cell, replay_example)
+                                  read_journal, reply_matches, replay_cell, replay_example)
 
 FIELDS = ("needles", "turns", "first_stage", "cell", "repair_k", "budget", "base_budget", "n", "accuracy",
           "accuracy_turn1", "completion", "gain_vs_matched", "gain_ci_low", "gain_ci_high")
 PROTOCOL_SEED = EVAL_SEED_BASE + 700_000
-BOOTSTRAP_SAMPLES = 2000
 
 
 class ProtocolError(ValueError):
@@ -235,19 +235,6 @@ def load_records(path: Path) -> tuple[dict, list]:
         elif "index" in rec:
             examples.setdefault(key, (rec["setup"], {}))[1][rec["index"]] = rec
     return calibrations, list(examples.values())
-
-
-def paired_gain(a_E, b_E, turns_E, *, seed=0) -> tuple[float, float, float]:
-    """Gain of pooled accuracy ``sum(a)/sum(turns) - sum(b)/sum(turns)`` with a paired
-    percentile bootstrap 95% interval over examples (``a_E``, ``b_E``: correct
-    scored turns per example, ``turns_E``: scored turns per example)."""
-    a, b, t = (np.asarray(x, np.float64) for x in (a_E, b_E, turns_E))
-    gain = (a.sum() - b.sum()) / t.sum()
-    rng = np.random.default_rng(seed)
-    idx = rng.integers(0, a.size, size=(BOOTSTRAP_SAMPLES, a.size))
-    boot = (a[idx].sum(1) - b[idx].sum(1)) / t[idx].sum(1)
-    low, high = np.percentile(boot, [2.5, 97.5])
-    return float(gain), float(low), float(high)
 
 
 def setup_rows(setup: dict, records: dict) -> list[dict]:

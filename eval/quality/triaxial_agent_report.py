@@ -21,7 +21,7 @@ Reads, under ``--root``:
   level, the ceiling row);
 * ``lm/quant*.jsonl`` (optional): ``eval.quality.real_model --task lm --kv-quant int4``,
   the INT4 ``lm`` check (continuation NLL increase on real text with its bootstrap
-  interval, ``eval.quality.real_model_report.mean_ci``);
+  interval, ``eval.common.stats.mean_ci``);
 * ``summary.md``: the findings, written by hand from the tables, placed under the
   title (regenerating keeps them);
 * ``commands.md``: the commands, date, machine and load of each run, placed after
@@ -87,7 +87,7 @@ def agent_table(rows: list[dict], calibration: Path) -> list[str]:
 
 
 def lm_table(root: Path) -> list[str]:
-    from eval.quality.real_model_report import mean_ci
+    from eval.common.stats import mean_ci
 
     records = [json.loads(line) for p in sorted(root.glob("quant*.jsonl")) for line in p.read_text().splitlines() if line.strip()]
     if not records:
