@@ -54,7 +54,6 @@ import pathlib
 import platform
 import secrets
 import statistics
-import subprocess
 import sys
 import threading
 import time
@@ -62,6 +61,7 @@ import time
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[2]))
 
 from eval.bench import peer_stacks  # noqa: E402
+from eval.common.servers import ServerProcess, metric  # noqa: E402
 
 MODEL = "smollm2-135m-instruct"
 SERVED_NAME = "smollm2"
@@ -320,59 +320,21 @@ SERVERS = {s.name: s for s in (
 )}
 
 
-class Running:
-    """A server process on 127.0.0.1 for the length of a ``with`` block; its output
-    goes to ``log``. Ready when ``GET /v1/models`` answers."""
+def running(spec: ServerSpec, port: int, threads: int, rows: int, log: pathlib.Path) -> ServerProcess:
+    """``spec``'s server on 127.0.0.1 for the length of a ``with`` block, its output
+    in ``log``; ready when ``GET /v1/models`` answers (``eval.common.servers``)."""
+    argv, env = spec.command(port, threads, rows)
+    return ServerProcess(argv, port, name=spec.name, env=env, cwd=pathlib.Path(__file__).resolve().parents[2], log=log,
+                         timeout=spec.start_timeout, poll_s=1.0)
 
-    def __init__(self, spec: ServerSpec, port: int, threads: int, rows: int, log: pathlib.Path):
-        self.spec, self.port = spec, port
-        self.argv, self.env = spec.command(port, threads, rows)
-        self.log = log
-        self.url = f"http://127.0.0.1:{port}/v1"
 
-    def __enter__(self):
-        import httpx
-
-        import socket
-
-        with socket.socket() as probe:  # a server left from an earlier run would answer in this one's place
-            if probe.connect_ex(("127.0.0.1", self.port)) == 0:
-                raise RuntimeError(f"port {self.port} is already in use (a server left running?); stop it or pass --port")
-        self.out = open(self.log, "w")
-        t0 = time.perf_counter()
-        self.proc = subprocess.Popen(self.argv, env=self.env, stdout=self.out, stderr=subprocess.STDOUT, cwd=str(pathlib.Path(__file__).resolve().parents[2]))
-        while True:
-            if self.proc.poll() is not None:
-                raise RuntimeError(f"{self.spec.name} exited with {self.proc.returncode} while starting; see {self.log}")
-            try:
-                if httpx.get(self.url + "/models", timeout=2).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                pass
-            if time.perf_counter() - t0 > self.spec.start_timeout:
-                raise RuntimeError(f"{self.spec.name} did not answer within {self.spec.start_timeout:.0f} s; see {self.log}")
-            time.sleep(1)
-        self.start_s = time.perf_counter() - t0
-        return self
-
-    def __exit__(self, *exc):
-        self.proc.terminate()
-        try:
-            self.proc.wait(30)
-        except subprocess.TimeoutExpired:
-            self.proc.kill()
-            self.proc.wait()
-        self.out.close()
-
-    def compiles(self) -> float | None:
-        """jaxkv's XLA compile count (``/metrics``); None for other stacks."""
-        if self.spec.stack != "jaxkv":
-            return None
-        import httpx
-
-        for line in httpx.get(self.url.removesuffix("/v1") + "/metrics", timeout=10).text.splitlines():
-            if line.startswith("jaxkv_xla_compiles_total"):
-                return float(line.split()[-1])
+def compiles(spec: ServerSpec, server: ServerProcess) -> float | None:
+    """jaxkv's XLA compile count (``/metrics``); None for other stacks."""
+    if spec.stack != "jaxkv":
+        return None
+    try:
+        return metric(server.metrics(), "jaxkv_xla_compiles_total")
+    except KeyError:
         return None
 
 
@@ -392,9 +354,9 @@ def run_server(spec: ServerSpec, args, tokenizer, stop_ids, log_dir: pathlib.Pat
     rows = max(args.clients)
     result = {"name": spec.name, "stack": spec.stack, "precision": spec.precision, "threads": args.threads}
     result["load_before"] = wait_for_quiet(args.threads * 0.5)
-    with Running(spec, args.port, args.threads, rows, log_dir / f"{spec.name}.log") as server:
+    with running(spec, args.port, args.threads, rows, log_dir / f"{spec.name}.log") as server:
         result["start_s"] = server.start_s
-        client = OpenAI(base_url=server.url, api_key="none", timeout=args.cell_timeout, max_retries=0)
+        client = OpenAI(base_url=server.base + "/v1", api_key="none", timeout=args.cell_timeout, max_retries=0)
         extra = spec.extra(stop_ids)
 
         def decode(ctx, nonce):
@@ -428,7 +390,7 @@ def run_server(spec: ServerSpec, args, tokenizer, stop_ids, log_dir: pathlib.Pat
             except openai.APITimeoutError:
                 timed_out.add((kind, size))
                 print(f"  {spec.name}: {kind} {size} took over {args.cell_timeout:.0f} s: not timed", flush=True)
-        compiles0 = server.compiles()
+        compiles0 = compiles(spec, server)
         for kind, size, fn in cells:
             if (kind, size) in timed_out:
                 result[f"{kind}_{size}"] = f"> {args.cell_timeout:.0f} s"
@@ -444,7 +406,7 @@ def run_server(spec: ServerSpec, args, tokenizer, stop_ids, log_dir: pathlib.Pat
                 result[f"agent_{size}"] = med
             else:
                 result[f"{kind}_{size}"] = statistics.median(runs)
-        compiles1 = server.compiles()
+        compiles1 = compiles(spec, server)
         result["compiles_in_timed_runs"] = None if compiles0 is None else compiles1 - compiles0
     result["load_after"] = os.getloadavg()[0]
     return result

@@ -59,8 +59,6 @@ import json
 import os
 import platform
 import re
-import socket
-import subprocess
 import sys
 import threading
 import time
@@ -70,17 +68,14 @@ os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
 import numpy as np  # noqa: E402
 
+from eval.common.servers import ServerProcess, free_port, metric  # noqa: E402
+
 MAX_POSITIONS = 4096  # per request: the traces are ~1-2k tokens (the pool is rows x 2 x this)
 SEED_OFFSET = 70_000  # trace seeds: EVAL_SEED_BASE + SEED_OFFSET + ... (held out from training)
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def start_server(args, port: int) -> subprocess.Popen:
+def server_command(args, port: int) -> tuple[list[str], dict]:
+    """``jaxkv serve``'s argv and environment for this bench's options."""
     cmd = [sys.executable, "-m", "jaxkv.cli", "serve", "--model", checkpoint(args.model), "--host", "127.0.0.1", "--port", str(port),
            "--rows", str(args.clients), "--max-positions", str(MAX_POSITIONS), "--max-queue", str(4 * args.clients), "--max-tokens", str(args.max_tokens),
            "--log-level", "warning"]
@@ -92,7 +87,7 @@ def start_server(args, port: int) -> subprocess.Popen:
         cmd += ["--no-warmup"]
     root = Path(__file__).resolve().parents[2]
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(root), os.environ.get("PYTHONPATH")]))}
-    return subprocess.Popen(cmd, env=env)
+    return cmd, env
 
 
 def checkpoint(model: str) -> str:
@@ -115,22 +110,6 @@ def checkpoint(model: str) -> str:
         save_pretrained(random_qwen3_125m(vocab_size=len(embedded_tokenizer())), partial)
         partial.rename(folder)
     return str(folder)
-
-
-def wait_healthy(url: str, proc: subprocess.Popen, timeout: float = 300.0) -> None:
-    import httpx
-
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            raise RuntimeError(f"jaxkv serve exited with {proc.returncode}")
-        try:
-            if httpx.get(url + "/health", timeout=5).status_code == 200:
-                return
-        except httpx.HTTPError:
-            pass
-        time.sleep(0.5)
-    raise RuntimeError("jaxkv serve did not become healthy")
 
 
 def turns_of(example) -> list[int]:
@@ -180,13 +159,12 @@ def server_counters(url: str) -> dict:
     import httpx
 
     text = httpx.get(url + "/metrics", timeout=60).text
-    values = {m.group(1): float(m.group(2)) for m in re.finditer(r"^([a-z_]+(?:\{[^}]*\})?) (\S+)$", text, re.M)}
     return {
-        "prefill_s": values['jaxkv_engine_seconds_total{phase="prefill"}'],
-        "decode_s": values['jaxkv_engine_seconds_total{phase="decode"}'],
-        "decode_calls": values["jaxkv_decode_steps_total"],
-        "generated": values["jaxkv_generated_tokens_total"],
-        "prefilled": values["jaxkv_prefill_tokens_total"],
+        "prefill_s": metric(text, "jaxkv_engine_seconds_total", phase="prefill"),
+        "decode_s": metric(text, "jaxkv_engine_seconds_total", phase="decode"),
+        "decode_calls": metric(text, "jaxkv_decode_steps_total"),
+        "generated": metric(text, "jaxkv_generated_tokens_total"),
+        "prefilled": metric(text, "jaxkv_prefill_tokens_total"),
     }
 
 
@@ -427,12 +405,12 @@ def serve_phases(args, pools) -> list[dict]:
 
     warm = agent_traces(args.traces, EVAL_SEED_BASE + SEED_OFFSET, length=args.length)
     port = free_port()
-    url = f"http://127.0.0.1:{port}"
-    proc = start_server(args, port)
-    try:
-        wait_healthy(url, proc, timeout=3600.0 if args.server_warmup else 300.0)
+    argv, env = server_command(args, port)
+    with ServerProcess(argv, port, name="jaxkv serve", env=env, ready_path="/health", stop_timeout=60.0,
+                       timeout=3600.0 if args.server_warmup else 300.0) as server:
         import httpx
 
+        url = server.base
         model_name = httpx.get(url + "/v1/models", timeout=30).json()["data"][0]["id"]
         t0 = time.perf_counter()
         warm_up(url, model_name, args.clients, args.warmup, warm, args)
@@ -443,9 +421,6 @@ def serve_phases(args, pools) -> list[dict]:
             print(f"{clients:>3} clients: {phase['requests']} requests, {len(phase['errors'])} errors, "
                   f"p50 {phase['p50_s']:.2f}s p95 {phase['p95_s']:.2f}s, {phase['tokens_per_s']:.1f} tok/s", flush=True)
             phases.append(phase)
-    finally:
-        proc.terminate()
-        proc.wait(60)
     return phases
 
 

@@ -24,32 +24,16 @@ from __future__ import annotations
 import argparse
 import os
 import platform
-import socket
-import subprocess
 import sys
 import tempfile
-import time
-import urllib.request
+from pathlib import Path
+
+from eval.common.servers import ServerProcess, free_port, metric
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def metric(text: str, name: str) -> float:
-    from prometheus_client.parser import text_string_to_metric_families
-
-    for family in text_string_to_metric_families(text):
-        for sample in family.samples:
-            if sample.name == name:
-                return sample.value
-    raise KeyError(name)
-
-
-def start(args, cache: str) -> dict:
-    """One ``jaxkv serve`` start: seconds to an open port and the warm-up's metrics."""
+def start(args, cache: str, log: Path) -> dict:
+    """One ``jaxkv serve`` start: seconds to an open port and the warm-up's metrics
+    (the server's output in ``log``)."""
     port = free_port()
     argv = [sys.executable, "-m", "jaxkv.cli", "serve", "--model", args.model, "--rows", str(args.rows), "--port", str(port),
             "--log-level", "warning"]
@@ -60,29 +44,10 @@ def start(args, cache: str) -> dict:
 
         argv += ["--allow-policies", ",".join(sorted(REGISTRY) if args.policies == "all" else args.policies.split(","))]
     env = {**os.environ, "JAXKV_XLA_CACHE": cache, "JAX_PLATFORMS": "cpu"}
-    t0 = time.perf_counter()
-    proc = subprocess.Popen(argv, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-    try:
-        while True:
-            if proc.poll() is not None:
-                raise RuntimeError(f"jaxkv serve exited with {proc.returncode}:\n{proc.stdout.read()[-3000:]}")
-            try:
-                with urllib.request.urlopen(f"http://127.0.0.1:{port}/v1/models", timeout=1) as r:
-                    if r.status == 200:
-                        break
-            except OSError:
-                time.sleep(0.2)
-        seconds = time.perf_counter() - t0
-        with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10) as r:
-            text = r.read().decode()
-        return {"port_open_s": seconds, "warmup_programs": int(metric(text, "jaxkv_warmup_programs")),
+    with ServerProcess(argv, port, name="jaxkv serve", env=env, log=log, timeout=3600.0, poll_s=0.2) as server:
+        text = server.metrics()
+        return {"port_open_s": server.start_s, "warmup_programs": int(metric(text, "jaxkv_warmup_programs")),
                 "warmup_s": metric(text, "jaxkv_warmup_seconds"), "cache_hits": int(metric(text, "jaxkv_xla_cache_hits_total"))}
-    finally:
-        proc.terminate()
-        try:
-            proc.wait(30)
-        except subprocess.TimeoutExpired:
-            proc.kill()
 
 
 def main(argv=None) -> int:
@@ -102,9 +67,9 @@ def main(argv=None) -> int:
     shapes = buckets.shape_set(args.rows, P, buckets.token_budget(PREFILL_CHUNK, args.rows), DECODE_CHUNK)
     load_before = os.getloadavg()[0]
     runs = []
-    with tempfile.TemporaryDirectory() as cache:
-        for label in ("cold (empty cache)", "restart (cache filled)"):
-            runs.append((label, start(args, cache)))
+    with tempfile.TemporaryDirectory() as cache, tempfile.TemporaryDirectory() as logs:
+        for i, label in enumerate(("cold (empty cache)", "restart (cache filled)")):
+            runs.append((label, start(args, cache, Path(logs) / f"serve-{i}.log")))
             print(label, runs[-1], flush=True)
     load_after = os.getloadavg()[0]
     lines = [
