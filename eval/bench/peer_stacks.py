@@ -1,8 +1,9 @@
 """The peer serving stacks `eval/bench/peers.py` runs beside jaxkv: how each is
 installed, converted for and started, as a new user would on a 2-core CPU.
 
-Each peer lives in its own virtual environment under ``~/.cache/jaxkv/peers/<name>``
-(``$JAXKV_CACHE`` moves the root), created on first use with pinned versions, so
+Each peer lives in its own virtual environment under ``<user cache>/peers/<name>`` (the
+folder of ``jaxkv.models.registry.user_cache_dir``: ``~/.cache/jaxkv``, moved by
+``$XDG_CACHE_HOME`` or ``$JAXKV_CACHE``), created on first use with pinned versions, so
 nothing here touches jaxkv's own environment or ``make test``. The workarounds a
 user meets are scripted here, each with the reason beside it:
 
@@ -29,7 +30,9 @@ import pathlib
 import subprocess
 import sys
 
-PEERS_ROOT = pathlib.Path(os.environ.get("JAXKV_CACHE", pathlib.Path.home() / ".cache" / "jaxkv")) / "peers"
+from jaxkv.models.registry import user_cache_dir
+
+PEERS_FOLDER = "peers"  # the folder of the peers' environments in the user cache
 PYTHON = os.environ.get("PEER_PYTHON", "python3.11")
 
 
@@ -45,7 +48,7 @@ class Peer:
 
     @property
     def venv(self) -> pathlib.Path:
-        return PEERS_ROOT / self.name
+        return user_cache_dir() / PEERS_FOLDER / self.name
 
     @property
     def python(self) -> str:
