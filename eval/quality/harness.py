@@ -85,6 +85,14 @@ the cells in flight. ``--workers W`` replays cells in W processes, each with its
 own copy of the model; a replay is one sequence of small jitted steps, so on a CPU
 with C cores up to C workers scale nearly linearly. ``wall_s`` is then the
 cell's time in its worker, not a share of the grid's.
+
+Real-model tasks (``--task passkey``, ``niah``, ``niah_<variant>``, ``lm``; one per run) are
+``eval.quality.real_model``'s grid: every method at ``--ratios`` (kvpress's protocol,
+each cell branched from one prefill), or with ``--kv-quant`` the full cache on the
+float pool and on each format (``--kv-bits``: the triaxial modes at each budget),
+written to that module's journals in ``--out`` (its reports make the tables).
+``--context``, ``--ratios`` and ``--settings`` are theirs; the synthetic grid's
+options (``SYNTHETIC_ONLY``) are refused with them.
 """
 
 from __future__ import annotations
@@ -967,7 +975,8 @@ QUICK = dict(n=2, length=1024, budgets="256,512", max_new_tokens=48)
 
 def build_parser(parser=None):
     p = parser or argparse.ArgumentParser(prog="jaxkv eval", description=__doc__.splitlines()[0])
-    p.add_argument("--model", default="embedded", help="checkpoint folder, repo id or 'embedded'")
+    p.add_argument("--model", default=None, help="checkpoint folder, repo id, reference model name or 'embedded' (default: 'embedded' "
+                   "for the synthetic tasks, smollm2-135m-instruct for the real-model ones)")
     p.add_argument("--task", default="agent", help="agent, mqniah, shared_docs, or a comma list; or a real-model task "
                    "(passkey, niah, niah_<variant>, lm: eval.quality.real_model with --context, --ratios, --settings)")
     p.add_argument("--context", type=int, default=2048, help="real-model tasks: the compressed request's tokens")
@@ -980,7 +989,8 @@ def build_parser(parser=None):
     p.add_argument("--n", type=int, default=100, help="examples per cell")
     p.add_argument("--length", type=int, default=2048, help="target tokens per conversation")
     p.add_argument("--max-new-tokens", type=int, default=64)
-    p.add_argument("--seed", type=int, default=EVAL_SEED_BASE)
+    p.add_argument("--seed", type=int, default=None, help="example seed base (default: EVAL_SEED_BASE for the synthetic "
+                   "tasks, jaxkv.tasks.haystack's for the real-model ones)")
     p.add_argument("--needles", type=int, default=4, choices=(2, 4, 6, 8), help="MQ-NIAH needles per document (task mqniah)")
     p.add_argument("--out", default="eval/results/harness")
     p.add_argument("--repair-ks", default="", help="repair budgets K (RepairKV): adds repair and matched cells")
@@ -1013,32 +1023,67 @@ def add_command(subparsers) -> None:
 
 
 def _cmd_eval(args) -> int:
-    if _real_model_task(args):
-        return 0
-    run(args)
+    if not _real_model_task(args):
+        run(args)
     return 0
+
+
+# Options of the synthetic tasks' grid that a real-model task has no use for: given
+# with one, they are an error, not silently dropped.
+SYNTHETIC_ONLY = ("budgets", "layouts", "length", "needles", "repair_policies", "reuse", "workers", "compare_to", "focus",
+                  "report_only", "accuracy", "fidelity", "quick")
 
 
 def _real_model_task(args) -> bool:
     """Hand a real-model task (``eval.quality.real_model``) its grid: every method at
-    kvpress's ratios, each cell branched from one prefill. Returns whether it did."""
+    kvpress's ratios, each cell branched from one prefill; with ``--kv-quant``, the
+    full cache on the float pool and on each format. Returns whether it did.
+
+    The grid starts from ``real_model``'s own defaults (its ``build_parser``), so an
+    option this command does not set keeps the value ``python -m
+    eval.quality.real_model`` gives it."""
     from eval.quality import real_model
+    from jaxkv.errors import ConfigError
 
-    if args.task not in real_model.REAL_TASKS:
+    tasks = [t.strip() for t in str(args.task).split(",") if t.strip()]
+    real = [t for t in tasks if t in real_model.REAL_TASKS]
+    if not real:
         return False
-    if args.model == "embedded":
-        from jaxkv.errors import ConfigError
-
-        raise ConfigError(f"task {args.task!r} needs a pretrained model's tokenizer and chat template; "
-                          "pass --model smollm2-135m-instruct (or another checkpoint)")
-    methods = [m for m in args.methods.split(",") if m and m != "full"]
-    grid = argparse.Namespace(
-        model=args.model, task=args.task, context=args.context, n=args.n, first=0, ratios=args.ratios,
-        methods=",".join(methods) if args.methods != ",".join(ALL_METHODS) else ",".join(real_model.METHODS),
-        settings=args.settings, seed=None, max_new=real_model.MAX_NEW, out=Path(args.out), resume=args.resume,
-        repair=int(args.repair_ks.split(",")[0]) if args.repair_ks else None, repair_method="snapkv", repair_ratio=0.5,
+    if len(tasks) > 1:
+        raise ConfigError(f"a real-model task runs alone: --task {args.task!r} lists {', '.join(tasks)}")
+    model = args.model or real_model.DEFAULT_MODEL
+    if model == "embedded":
+        raise ConfigError(f"task {tasks[0]!r} needs a pretrained model's tokenizer and chat template; "
+                          f"pass --model {real_model.DEFAULT_MODEL} (or another checkpoint)")
+    defaults = build_parser().parse_args([])
+    unused = [f"--{name.replace('_', '-')}" for name in SYNTHETIC_ONLY if getattr(args, name) != getattr(defaults, name)]
+    if unused:
+        raise ConfigError(f"{', '.join(unused)} set the synthetic tasks' grid ({', '.join(TASKS)}); "
+                          f"task {tasks[0]!r} does not use them")
+    if args.n < 1:
+        raise ValueError("--n must be positive")
+    methods = [m for m in _names(args.methods, None, "methods") if m != "full"]  # the full cache is always a cell
+    if args.methods == defaults.methods:
+        methods = list(real_model.METHODS)
+    formats = [f for f in _names(args.kv_quant, KV_QUANTS, "kv_quant modes") if f != "none"]
+    bits = [b.strip() for b in str(args.kv_bits).split(",") if b.strip()]
+    if bits:  # the triaxial modes at each budget (format spec mode@B); the others have one
+        formats = list(dict.fromkeys(f"{f}@{b}" if f.startswith("triaxial") else f for f in formats for b in bits))
+    repair_ks = [int(k) for k in str(args.repair_ks).split(",") if k.strip()]
+    if len(repair_ks) > 1:
+        raise ConfigError(f"task {tasks[0]!r} runs one repair budget K per run, got --repair-ks {args.repair_ks}")
+    grid = real_model.build_parser().parse_args([])
+    vars(grid).update(
+        model=model, task=tasks[0], context=args.context, n=args.n, ratios=args.ratios, methods=",".join(methods),
+        settings=args.settings, seed=args.seed, out=Path(args.out), resume=args.resume,
+        kv_quant=",".join(formats) or None, repair=repair_ks[0] if repair_ks else None,
+        max_new=args.max_new_tokens if args.max_new_tokens != defaults.max_new_tokens else grid.max_new,
     )
     real_model.run_grid(grid)
+    journal = "sessions.jsonl" if grid.repair is not None else "quant.jsonl" if grid.kv_quant else "examples.jsonl"
+    report = (f"python -m eval.quality.real_model_quant_report --root {grid.out}" if grid.kv_quant else
+              "python -m eval.quality.real_model_report --root ROOT (it reads ROOT/jaxkv/examples*.jsonl)")
+    print(f"wrote {grid.out / journal}; its tables: {report}")
     return True
 
 
@@ -1065,6 +1110,10 @@ def run(args, model=None) -> list[dict]:
     if args.quick:
         for k, v in QUICK.items():
             setattr(args, k, v)
+    if args.model is None:
+        args.model = "embedded"
+    if args.seed is None:
+        args.seed = EVAL_SEED_BASE
     methods = _names(args.methods, ("full",) + tuple(sorted(REGISTRY)), "methods")
     layouts = _names(args.layouts, LAYOUTS, "layouts")
     tasks = _names(args.task, TASKS, "tasks")
@@ -1160,10 +1209,7 @@ def run(args, model=None) -> list[dict]:
 
 
 def main(argv=None) -> int:
-    args = build_parser().parse_args(argv)
-    if not _real_model_task(args):
-        run(args)
-    return 0
+    return _cmd_eval(build_parser().parse_args(argv))
 
 
 if __name__ == "__main__":

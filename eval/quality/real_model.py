@@ -483,11 +483,14 @@ def read_journal(path: Path) -> list[dict]:
 
 
 REAL_TASKS = ("passkey", "niah", "niah_single", "niah_multikey", "niah_multivalue", "lm")
+DEFAULT_MODEL = "smollm2-135m-instruct"
 
 
-def main(argv=None) -> int:
+def build_parser() -> argparse.ArgumentParser:
+    """The options of a grid run: ``run_grid`` reads every one of them (``jaxkv eval``
+    starts from their defaults, ``build_parser().parse_args([])``, and sets its own)."""
     p = argparse.ArgumentParser(prog="python -m eval.quality.real_model", description=__doc__.splitlines()[0])
-    p.add_argument("--model", default="smollm2-135m-instruct")
+    p.add_argument("--model", default=DEFAULT_MODEL)
     p.add_argument("--task", default="passkey", help="passkey, niah, niah_single|niah_multikey|niah_multivalue, lm")
     p.add_argument("--context", type=int, default=2048)
     p.add_argument("--n", type=int, default=100)
@@ -515,11 +518,15 @@ def main(argv=None) -> int:
                         "prefill, one forward per example)")
     p.add_argument("--repair-method", default="snapkv")
     p.add_argument("--repair-ratio", type=float, default=0.5)
-    return run_grid(p.parse_args(argv))
+    return p
+
+
+def main(argv=None) -> int:
+    return run_grid(build_parser().parse_args(argv))
 
 
 def run_grid(args) -> int:
-    """Run the cells ``args`` asks for (the options of ``main``), appending to the journal."""
+    """Run the cells ``args`` asks for (every option of ``build_parser``), appending to the journal."""
     import jaxkv
     from jaxkv import compiles
 
@@ -539,8 +546,8 @@ def run_grid(args) -> int:
     model = jaxkv.load_model(args.model)
     examples = haystack.examples(args.task, args.first + args.n, length=args.context, tokenizer=model.tokenizer, seed=args.seed)[args.first :]
     args.out.mkdir(parents=True, exist_ok=True)
-    kv_formats = [f for f in (getattr(args, "kv_quant", None) or "").split(",") if f]
-    quant_prefill = getattr(args, "quant_prefill", "chunked")
+    kv_formats = [f for f in (args.kv_quant or "").split(",") if f]
+    quant_prefill = args.quant_prefill
     if kv_formats and args.repair is not None:
         raise SystemExit("--kv-quant and --repair are separate runs")
     journal = args.out / ("sessions.jsonl" if args.repair is not None else args.journal or ("quant.jsonl" if kv_formats else "examples.jsonl"))
