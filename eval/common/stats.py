@@ -11,7 +11,7 @@ The statistics are vectorized along the last axis: ``statistic(*arrays)`` gets t
 inputs indexed ``[SAMPLES, n]`` (and once ``[1, n]`` for the point estimate) and
 returns one value per row. It is this helper rather than ``scipy.stats.bootstrap``
 so that the published intervals, made with exactly this draw, reproduce digit for
-digit (``tests/test_stats.py`` checks it against the copies it replaced).
+digit (``tests/test_eval_common.py`` checks it against the copies it replaced).
 """
 
 from __future__ import annotations

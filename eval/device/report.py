@@ -26,6 +26,8 @@ from __future__ import annotations
 import dataclasses
 import math
 
+from eval.common.tables import md_table
+
 STATUSES = ("ok", "stopped at deadline", "timed out", "failed", "not run")
 
 
@@ -107,11 +109,9 @@ def _status_note(name: str, part: dict) -> list[str]:
 
 
 def _table(header: list[str], rows: list[list[str]]) -> list[str]:
-    lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
-    lines += ["| " + " | ".join(r) + " |" for r in rows]
-    if not rows:
-        lines.append("| " + " | ".join(["(not measured)"] + [""] * (len(header) - 1)) + " |")
-    return lines
+    """A table of ``rows``; a part that measured nothing says so in a row of its own."""
+    rows = rows or [["(not measured)"] + [""] * (len(header) - 1)]
+    return md_table(header, rows).split("\n")
 
 
 # ----------------------------------------------------------------------------- tables

@@ -40,6 +40,8 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from eval.common.tables import md_table
+
 HELDOUT_SEED_BASE = (1 << 30) + 7_000_000
 LENGTH_MARGIN = 80  # tokens added to --length so every MQ-NIAH request and the last agent request are >= --length
 
@@ -165,16 +167,12 @@ def summarize(task: str, examples: list[ExampleJobs]) -> list[dict]:
 
 
 def markdown_table(rows: list[dict], request_tokens: dict[str, tuple[int, int, int]]) -> str:
-    lines = ["| task | scored | n | exact match |", "|---|---|---:|---:|"]
-    for r in rows:
-        bold = "**" if r["scored"] == "all scored turns" else ""
-        lines.append(f"| {r['task']} | {r['scored']} | {r['n']} | {bold}{100 * r['acc']:.1f}%{bold} |")
-    lines.append("")
-    lines.append("| task | request tokens: shortest | longest request per example: min | max |")
-    lines.append("|---|---:|---:|---:|")
-    for task, (lo, peak_min, peak_max) in request_tokens.items():
-        lines.append(f"| {task} | {lo} | {peak_min} | {peak_max} |")
-    return "\n".join(lines)
+    bold = lambda r: "**" if r["scored"] == "all scored turns" else ""  # noqa: E731
+    accuracy = md_table(["task", "scored", "n", "exact match"],
+                        [[r["task"], r["scored"], r["n"], f"{bold(r)}{100 * r['acc']:.1f}%{bold(r)}"] for r in rows], align="llrr")
+    lengths = md_table(["task", "request tokens: shortest", "longest request per example: min", "max"],
+                       [[task, *spans] for task, spans in request_tokens.items()], align="lrrr")
+    return accuracy + "\n\n" + lengths
 
 
 def evaluate(model, n: int = 200, length: int = 2048, batch: int = 8, tasks=("mqniah", "agent_traces"), verbose: bool = True):

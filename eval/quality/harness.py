@@ -110,6 +110,7 @@ from pathlib import Path
 import numpy as np
 
 from eval.common.stats import paired_gain, paired_ratio_difference
+from eval.common.tables import md_table
 
 COLUMNS = (
     "method", "budget", "layout", "task", "n", "accuracy", "completion",
@@ -649,9 +650,7 @@ def write_csv(rows, path: Path) -> None:
 
 def markdown_table(rows) -> str:
     cols = [c for c in rows[0] if c != PER_EXAMPLE]
-    lines = ["| " + " | ".join(cols) + " |", "|" + "---|" * len(cols)]
-    lines += ["| " + " | ".join(_fmt(r.get(c, "-")) for c in cols) + " |" for r in rows]
-    return "\n".join(lines)
+    return md_table(cols, [[_fmt(r.get(c, "-")) for c in cols] for r in rows])
 
 
 def pivot_table(rows, metric: str, task: str) -> str:
@@ -660,13 +659,11 @@ def pivot_table(rows, metric: str, task: str) -> str:
     rows = [r for r in rows if r["task"] == task and r["repair_policy"] == "none" and r.get("kv_quant", "none") == "none"]
     cols = sorted({(r["layout"], r["budget"]) for r in rows if r["method"] != "full"})
     full = [r for r in rows if r["method"] == "full"]
-    lines = ["| method | " + " | ".join(f"{layout} B={b}" for layout, b in cols) + " |", "|---|" + "---|" * len(cols)]
-    if full:
-        lines.append("| full cache | " + " | ".join(_fmt(full[0][metric]) for _ in cols) + " |")
+    table = [["full cache"] + [_fmt(full[0][metric]) for _ in cols]] if full else []
     for method in dict.fromkeys(r["method"] for r in rows if r["method"] != "full"):
         by = {(r["layout"], r["budget"]): r[metric] for r in rows if r["method"] == method}
-        lines.append(f"| {method} | " + " | ".join(_fmt(by[c]) if c in by else "" for c in cols) + " |")
-    return "\n".join(lines)
+        table.append([method] + [_fmt(by[c]) if c in by else "" for c in cols])
+    return md_table(["method"] + [f"{layout} B={b}" for layout, b in cols], table)
 
 
 def _paired(a, b):
@@ -721,16 +718,17 @@ def comparison_markdown(rows, task: str, reference: str = "best", focus: str | N
              f"examples (`eval.common.stats.paired_gain`); baselines: {', '.join(BASELINES)}.", ""]
     for c in comparison(rows, task, reference, focus):
         ref = c["reference"]
-        lines += [f"### {task}, {c['layout']}, B = {c['budget']}: reference {ref['method']} ({ref['accuracy']:.3f})", "",
-                  "| method | accuracy | of full cache | gain vs reference [95% CI] | peak request tokens | peak live KV "
-                  "| raw KV reads | effective KV reads |", "|---|---:|---:|---:|---:|---:|---:|---:|"]
+        table = []
         for e in c["entries"]:
             r = e["row"]
             name = "full cache" if r["method"] == "full" else r["method"]
             gain = "reference" if r is ref else _gain_text(e["gain"])
             share = "-" if e["share"] is None else f"{e['share']:.3f}"
-            lines.append(f"| {name} | {r['accuracy']:.3f} | {share} | {gain} | {r['peak_request_tokens']:.0f} | "
-                         f"{r['peak_live_kv']:.0f} | {r['raw_kv_reads']:.0f} | {r['effective_kv_reads']:.0f} |")
+            table.append([name, f"{r['accuracy']:.3f}", share, gain, f"{r['peak_request_tokens']:.0f}", f"{r['peak_live_kv']:.0f}",
+                          f"{r['raw_kv_reads']:.0f}", f"{r['effective_kv_reads']:.0f}"])
+        lines += [f"### {task}, {c['layout']}, B = {c['budget']}: reference {ref['method']} ({ref['accuracy']:.3f})", "",
+                  md_table(["method", "accuracy", "of full cache", "gain vs reference [95% CI]", "peak request tokens",
+                            "peak live KV", "raw KV reads", "effective KV reads"], table, align="lrrrrrrr")]
         if c["focus_gains"]:
             gains = c["focus_gains"]
             paired = {m: g for m, g in gains.items() if g is not None}
@@ -769,17 +767,17 @@ def fidelity_comparison_markdown(rows, task: str) -> str:
         if not base:
             continue
         ref = min(base, key=lambda r: r["nll_increase"])
-        lines += [f"### {task}, {layout}, B = {budget}: best baseline {ref['method']} ({ref['nll_increase']:+.4f})", "",
-                  "| method | NLL increase | KL per token | Δ NLL vs best baseline [95% CI] | tokens | accuracy |",
-                  "|---|---:|---:|---:|---:|---:|"]
+        table = []
         for r in sorted(col, key=lambda r: r["nll_increase"]):
             if r is ref:
                 gain = "reference"
             else:
                 d = paired_nll_difference(r[PER_EXAMPLE]["fidelity"], ref[PER_EXAMPLE]["fidelity"])
                 gain = f"{d[0]:+.4f} [{d[1]:+.4f}, {d[2]:+.4f}]"
-            lines.append(f"| {r['method']} | {r['nll_increase']:+.4f} | {r['kl']:.4f} | {gain} | {r['fidelity_tokens']} | {r['accuracy']:.3f} |")
-        lines.append("")
+            table.append([r["method"], f"{r['nll_increase']:+.4f}", f"{r['kl']:.4f}", gain, r["fidelity_tokens"], f"{r['accuracy']:.3f}"])
+        lines += [f"### {task}, {layout}, B = {budget}: best baseline {ref['method']} ({ref['nll_increase']:+.4f})", "",
+                  md_table(["method", "NLL increase", "KL per token", "Δ NLL vs best baseline [95% CI]", "tokens", "accuracy"],
+                           table, align="lrrrrr"), ""]
         lines += head_verdict(col, ref)
     return "\n".join(lines)
 
@@ -822,20 +820,21 @@ def quant_table(rows, task: str) -> str:
     rows = [r for r in rows if r["task"] == task and r["repair_policy"] == "none"]
     full = {(r["method"], r["budget"], r["layout"]): r for r in rows if r["kv_quant"] == "none"}
     fidelity = any(isinstance(r.get("nll_increase"), float) for r in rows)
-    extra = " NLL increase [95% CI] | KL per token |" if fidelity else ""
-    lines = ["| method | budget | layout | kv_quant | kv_bits | accuracy | Δ vs none | avg_bits | KV bytes/token | capacity vs bf16 |" + extra,
-             "|---|---|---|---|---|---:|---:|---:|---:|---:|" + ("---:|---:|" if fidelity else "")]
+    header = ["method", "budget", "layout", "kv_quant", "kv_bits", "accuracy", "Δ vs none", "avg_bits", "KV bytes/token", "capacity vs bf16"]
+    table = []
     for r in rows:
         base = full.get((r["method"], r["budget"], r["layout"]))
         delta = "" if base is None else f"{100 * (r['accuracy'] - base['accuracy']):+.1f}"
         bf16 = base["kv_bytes_per_token"] if base is not None else float("nan")
-        line = (f"| {r['method']} | {r['budget']} | {r['layout']} | {r['kv_quant']} | {r['kv_bits']} | {_fmt(r['accuracy'])} | {delta} | "
-                f"{r['avg_bits']:.2f} | {r['kv_bytes_per_token']:.0f} | {bf16 / r['kv_bytes_per_token']:.2f}x |")
+        row = [r["method"], r["budget"], r["layout"], r["kv_quant"], r["kv_bits"], _fmt(r["accuracy"]), delta,
+               f"{r['avg_bits']:.2f}", f"{r['kv_bytes_per_token']:.0f}", f"{bf16 / r['kv_bytes_per_token']:.2f}x"]
         if fidelity:
             d = quant_nll_increase(r)
-            line += (f" {d[0]:+.4f} [{d[1]:+.4f}, {d[2]:+.4f}] | {r['kl']:.4f} |" if d is not None else " - | - |")
-        lines.append(line)
-    return "\n".join(lines)
+            row += [f"{d[0]:+.4f} [{d[1]:+.4f}, {d[2]:+.4f}]", f"{r['kl']:.4f}"] if d is not None else ["-", "-"]
+        table.append(row)
+    if fidelity:
+        header += ["NLL increase [95% CI]", "KL per token"]
+    return md_table(header, table, align="lllll" + "r" * (len(header) - 5))
 
 
 def quant_nll_increase(row) -> tuple[float, float, float] | None:

@@ -55,6 +55,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from eval.common.tables import md_table
+
 FORMATS = ("int4", "int2_token", "int2_pages", "kivi2", "kivi4")
 KIVI_WINDOW = 128  # jaxkv.cache.quantized_host.KIVI_WINDOW (asserted in main)
 PAGE = 32
@@ -201,21 +203,21 @@ def render_markdown(results: list[dict], command: str, header: str) -> str:
              "and its attention replayed with the same queries (`eval/quality/quant_attention_error.py` says how). "
              "*all rows*: Frobenius over every query row of the prompt; *last*: the last row (one decode step). "
              "Mean over the model's prompts; the summary row is the mean over layers.", ""]
-    lines += ["## Summary", "", "| model | prompts | " + " | ".join(f"{f} all / last" for f in FORMATS) + " |",
-              "|---|---|" + "---:|" * len(FORMATS)]
+    summary = []
     for r in results:
         cells = [f"{np.mean(r['per_layer'][f]['all_rows']):.4f} / {np.mean(r['per_layer'][f]['last_row']):.4f}" for f in FORMATS]
         prompts = ", ".join(f"{t} {k}" for t, k in r["prompts"].items())
-        lines.append(f"| {r['model']} | {prompts} ({int(np.mean(r['tokens']))} tokens avg) | " + " | ".join(cells) + " |")
+        summary.append([r["model"], f"{prompts} ({int(np.mean(r['tokens']))} tokens avg)", *cells])
+    lines += ["## Summary", "", md_table(["model", "prompts", *(f"{f} all / last" for f in FORMATS)], summary, align="ll" + "r" * len(FORMATS))]
     for r in results:
-        lines += ["", f"## {r['model']}: per layer ({r['layers']} layers, {r['kv_heads']} KV heads, head_dim {r['head_dim']})", "",
-                  "| layer | " + " | ".join(FORMATS) + " | key channel outlier ratio | key 2-bit error per token | per channel |",
-                  "|---:|" + "---:|" * (len(FORMATS) + 3)]
-        keys = r["keys"]
+        keys, per_layer = r["keys"], []
         for layer in range(r["layers"]):
             cells = [f"{r['per_layer'][f]['all_rows'][layer]:.4f}" for f in FORMATS]
             cells += [f"{keys['outlier_ratio'][layer]:.1f}", f"{keys['key_err_token2'][layer]:.3f}", f"{keys['key_err_channel2'][layer]:.3f}"]
-            lines.append(f"| {layer} | " + " | ".join(cells) + " |")
+            per_layer.append([layer, *cells])
+        lines += ["", f"## {r['model']}: per layer ({r['layers']} layers, {r['kv_heads']} KV heads, head_dim {r['head_dim']})", "",
+                  md_table(["layer", *FORMATS, "key channel outlier ratio", "key 2-bit error per token", "per channel"], per_layer,
+                           align="r" * (len(FORMATS) + 4))]
     lines += ["", "![relative attention-output error per layer](per_layer.png)", ""]
     return "\n".join(lines)
 

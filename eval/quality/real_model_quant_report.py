@@ -41,6 +41,7 @@ from pathlib import Path
 import numpy as np
 
 from eval.common.stats import mean_ci
+from eval.common.tables import md_header, md_row
 from eval.quality.real_model_report import findings
 
 PAGE = 32
@@ -163,11 +164,10 @@ def compute_table(records: list[dict], journals: dict | None = None) -> list[str
     by = collections.defaultdict(list)
     for r in records:
         by[(r["task"], r["context"])].append((r["seconds"], one_pass_seconds(r)))
-    lines = ["| task | context | examples | CPU h (journals) | median s / example | CPU h (grid in one pass) |",
-             "|---|---:|---:|---:|---:|---:|"]
+    lines = md_header(["task", "context", "examples", "CPU h (journals)", "median s / example", "CPU h (grid in one pass)"], "lrrrrr")
     for (task, context), secs in sorted(by.items()):
         spent, once = np.array(secs).T
-        lines.append(f"| {task} | {context} | {len(secs)} | {spent.sum() / 3600:.2f} | {np.median(spent):.0f} | {once.sum() / 3600:.2f} |")
+        lines.append(md_row([task, context, len(secs), f"{spent.sum() / 3600:.2f}", f"{np.median(spent):.0f}", f"{once.sum() / 3600:.2f}"]))
     total, once_total = np.array([s for secs in by.values() for s in secs]).sum(axis=0)
     lines += ["", f"In all {total / 3600:.2f} h of CPU: as two jobs, one per core, about {total / 7200:.2f} h of wall time "
               "on the 2-core machine (one-core jobs; compile warm-ups included, shared with other runs as stated above). "
@@ -209,8 +209,8 @@ def report(root: Path, model_name: str = "smollm2-135m-instruct") -> str:
         if task == "lm":
             full = np.array([r["cells"]["full"]["nll"] for r in every])
             lines += [f"Float pool (the ceiling): continuation NLL {full.mean():.3f} nats/token.", "",
-                      "| format | n | NLL increase, nats/token [95%] | KL(full \\|\\| format) per token [95%] | KV bytes / token | stored bits | capacity vs bf16 |",
-                      "|---|---:|---:|---:|---:|---:|---:|"]
+                      *md_header(["format", "n", "NLL increase, nats/token [95%]", "KL(full \\|\\| format) per token [95%]",
+                                  "KV bytes / token", "stored bits", "capacity vs bf16"], "l" + "r" * 6)]
             for fmt in formats:
                 d = np.array([r["cells"][fmt]["nll"] - r["cells"]["full"]["nll"] for r in ran[fmt]])
                 kl = np.array([r["cells"][fmt]["kl"] for r in ran[fmt]])
@@ -219,11 +219,11 @@ def report(root: Path, model_name: str = "smollm2-135m-instruct") -> str:
                 m, lo, hi = mean_ci(d)
                 km, klo, khi = mean_ci(kl)
                 points.append(dict(group=(task, context, setting), name=name, bits=st["bits"], y=m, lo=lo, hi=hi))
-                lines.append(f"| {name} | {d.size} | {m:+.4f} [{lo:+.4f}, {hi:+.4f}] | {km:.4f} [{klo:.4f}, {khi:.4f}] | "
-                             f"{st['bytes']:.0f} | {st['bits']:.2f} | {st['capacity']:.2f}x |")
+                lines.append(md_row([name, d.size, f"{m:+.4f} [{lo:+.4f}, {hi:+.4f}]", f"{km:.4f} [{klo:.4f}, {khi:.4f}]",
+                                     f"{st['bytes']:.0f}", f"{st['bits']:.2f}", f"{st['capacity']:.2f}x"]))
         else:
-            lines += ["| format | n | teacher-forced % | greedy % | Δ teacher-forced pt [95%] | KV bytes / token | stored bits | capacity vs bf16 |",
-                      "|---|---:|---:|---:|---:|---:|---:|---:|"]
+            lines += md_header(["format", "n", "teacher-forced %", "greedy %", "Δ teacher-forced pt [95%]", "KV bytes / token", "stored bits",
+                                "capacity vs bf16"], "l" + "r" * 7)
             for fmt in ["full"] + formats:
                 full = np.array([r["cells"]["full"]["tf_correct"] for r in ran[fmt]], float)
                 tf = np.array([r["cells"][fmt]["tf_correct"] for r in ran[fmt]], float)
@@ -233,8 +233,8 @@ def report(root: Path, model_name: str = "smollm2-135m-instruct") -> str:
                 st = recorded_storage([r["cells"][fmt] for r in ran[fmt]], config) or storage(spec, n_tokens, config)  # full: no record
                 acc, acc_lo, acc_hi = mean_ci(100 * tf)
                 points.append(dict(group=(task, context, setting), name=name, bits=st["bits"], y=acc, lo=acc_lo, hi=acc_hi))
-                lines.append(f"| {name} | {tf.size} | {100 * tf.mean():.0f} | {100 * gen.mean():.0f} | {m:+.1f} [{lo:+.1f}, {hi:+.1f}] | "
-                             f"{st['bytes']:.0f} | {st['bits']:.2f} | {st['capacity']:.2f}x |")
+                lines.append(md_row([name, tf.size, f"{100 * tf.mean():.0f}", f"{100 * gen.mean():.0f}", f"{m:+.1f} [{lo:+.1f}, {hi:+.1f}]",
+                                     f"{st['bytes']:.0f}", f"{st['bits']:.2f}", f"{st['capacity']:.2f}x"]))
         lines.append("")
     if plot(root, points):
         lines += ["![quality against stored bits](quality_vs_bits.png)", "",

@@ -35,6 +35,7 @@ from pathlib import Path
 import numpy as np
 
 from eval.common.stats import mean_ci, paired_gain
+from eval.common.tables import md_header, md_row
 from eval.quality.harness import HEAD, HEAD_RULE  # IntentKV's learned head and the rule it corrects (issue #27)
 
 SIDES = ("jaxkv", "kvpress")
@@ -198,14 +199,14 @@ def head_fidelity(tables: dict, key: tuple, ratios: list) -> list[str]:
     argmax only)."""
     inc = {side: answer_nll_increase(tables[side].get(key, {})) for side in SIDES}
     lines = [f"Answer NLL increase over the full cache (nats/token [95% interval]; issue #27's fidelity measure on the answer tokens):", "",
-             "| side | method | " + " | ".join(f"ratio {x:g}" for x in ratios) + " |", "|---|---|" + "---:|" * len(ratios)]
+             *md_header(["side", "method", *(f"ratio {x:g}" for x in ratios)], "ll" + "r" * len(ratios))]
     for side in SIDES:
         for m in sorted({split_cell(n)[0] for n in inc[side]}):
             row = []
             for x in ratios:
                 by_seed = inc[side].get(f"{m}@{x:g}")
                 row.append(fmt_ci(*mean_ci([r["inc"] for r in by_seed.values()]), pct=False) if by_seed else "-")
-            lines.append(f"| {side} | {m} | " + " | ".join(row) + " |")
+            lines.append(md_row([side, m, *row]))
     pairs = []
     for x in ratios:
         head = inc["jaxkv"].get(f"{HEAD}@{x:g}")
@@ -224,11 +225,11 @@ def head_fidelity(tables: dict, key: tuple, ratios: list) -> list[str]:
             res = paired(head, other[2], "inc")
             if res:
                 g, lo, hi, n = res
-                pairs.append(f"| {x:g} | {label}: {other[0]} {split_cell(other[1])[0]} | {n} | {g:+.3f} [{lo:+.3f}, {hi:+.3f}] |")
+                pairs.append(md_row([f"{x:g}", f"{label}: {other[0]} {split_cell(other[1])[0]}", n, f"{g:+.3f} [{lo:+.3f}, {hi:+.3f}]"]))
     if pairs:
         lines += ["", f"The learned head (`{HEAD}`) against its rule and the best baseline, paired on common examples "
                   "(head minus other, nats/token; negative: the head keeps the answer closer to the full cache):", "",
-                  "| ratio | against | n | difference [95%] |", "|---:|---|---:|---:|", *pairs]
+                  *md_header(["ratio", "against", "n", "difference [95%]"], "rlrr"), *pairs]
     return lines + [""]
 
 
@@ -255,7 +256,7 @@ def report(root: Path, min_full: float = 0.5) -> str:
               "(2-core x86_64; sums of per-example seconds).", ""]
     compute_at = len(lines)  # the compute section goes here, once the left-out rows are known
     # ceilings
-    lines += ["## The full cache (the ceiling)", "", "| task | context | setting | side | n | teacher-forced % | greedy % |", "|---|---:|---|---|---:|---:|---:|"]
+    lines += ["## The full cache (the ceiling)", "", *md_header(["task", "context", "setting", "side", "n", "teacher-forced %", "greedy %"], "lrllrrr")]
     usable = set()
     for key in sorted(set(tables["jaxkv"]) | set(tables["kvpress"])):
         task, context, setting = key
@@ -265,12 +266,12 @@ def report(root: Path, min_full: float = 0.5) -> str:
                 continue
             if task == "lm":
                 nll = np.mean([r["nll"] for r in full.values()])
-                lines.append(f"| {task} | {context} | {setting} | {side} | {len(full)} | NLL {nll:.3f} | - |")
+                lines.append(md_row([task, context, setting, side, len(full), f"NLL {nll:.3f}", "-"]))
                 usable.add(key)
                 continue
             tf = mean_ci([r["tf_correct"] for r in full.values()])
             gen = mean_ci([r["gen_correct"] for r in full.values()])
-            lines.append(f"| {task} | {context} | {setting} | {side} | {len(full)} | {fmt_ci(*tf)} | {fmt_ci(*gen)} |")
+            lines.append(md_row([task, context, setting, side, len(full), fmt_ci(*tf), fmt_ci(*gen)]))
             if side == "jaxkv" and tf[0] >= min_full:
                 usable.add(key)
     lines.append("")
@@ -284,7 +285,7 @@ def report(root: Path, min_full: float = 0.5) -> str:
         metric = "nll_increase" if task == "lm" else "tf_acc"
         lines += [f"## {task}, {context} tokens, question-{setting}", ""]
         ratios = sorted({r["ratio"] for r in rows if (r["task"], r["context"], r["setting"]) == key and r["method"] != "full"})
-        lines += ["| side | method | " + " | ".join(f"ratio {x:g}" for x in ratios) + " |", "|---|---|" + "---:|" * len(ratios)]
+        lines += [*md_header(["side", "method", *(f"ratio {x:g}" for x in ratios)], "ll" + "r" * len(ratios))]
         for side in SIDES:
             methods = sorted({r["method"] for r in rows if r["side"] == side and (r["task"], r["context"], r["setting"]) == key and r["method"] != "full"})
             for m in methods:
@@ -297,7 +298,7 @@ def report(root: Path, min_full: float = 0.5) -> str:
                         cells.append(f"{fmt_ci(r['nll_increase'], r['nll_increase_lo'], r['nll_increase_hi'], pct=False)} (KL {r['kl']:.3f})")
                     else:
                         cells.append(f"{fmt_ci(r['tf_acc'], r['tf_lo'], r['tf_hi'])} / {100 * r['gen_acc']:.0f}")
-                lines.append(f"| {side} | {m} | " + " | ".join(cells) + " |")
+                lines.append(md_row([side, m, *cells]))
         lines.append("")
         if task != "lm":
             lines.append("Cells: teacher-forced accuracy % [95% interval] / greedy exact match %.")
@@ -318,11 +319,11 @@ def report(root: Path, min_full: float = 0.5) -> str:
                     g, lo, hi, n = res
                     if lower:
                         g, lo, hi = -g, -hi, -lo
-                    h2h.append(f"| {x:g} | {jn} | {kn} | {n} | {g * (1 if lower else 100):+.{3 if lower else 0}f} [{lo * (1 if lower else 100):+.{3 if lower else 0}f}, {hi * (1 if lower else 100):+.{3 if lower else 0}f}] |")
+                    h2h.append(md_row([f"{x:g}", jn, kn, n, f"{g * (1 if lower else 100):+.{3 if lower else 0}f} [{lo * (1 if lower else 100):+.{3 if lower else 0}f}, {hi * (1 if lower else 100):+.{3 if lower else 0}f}]"]))
         if h2h:
             unit = "nats (positive: jaxkv lower NLL)" if lower else "points"
             lines += [f"Best of each side, paired on common examples (gain of jaxkv's best, {unit}):", "",
-                      "| ratio | jaxkv best | kvpress best | n | gain [95%] |", "|---:|---|---|---:|---:|", *h2h, ""]
+                      *md_header(["ratio", "jaxkv best", "kvpress best", "n", "gain [95%]"], "rllrr"), *h2h, ""]
         cp = []
         for jm, km in COUNTERPARTS.items():
             for x in ratios:
@@ -332,9 +333,9 @@ def report(root: Path, min_full: float = 0.5) -> str:
                     if res:
                         g, lo, hi, n = res
                         s = 1 if lower else 100
-                        cp.append(f"| {jm} vs {km} | {x:g} | {n} | {g * s:+.{3 if lower else 0}f} [{lo * s:+.{3 if lower else 0}f}, {hi * s:+.{3 if lower else 0}f}] |")
+                        cp.append(md_row([f"{jm} vs {km}", f"{x:g}", n, f"{g * s:+.{3 if lower else 0}f} [{lo * s:+.{3 if lower else 0}f}, {hi * s:+.{3 if lower else 0}f}]"]))
         if cp:
-            lines += ["Counterparts (jaxkv minus kvpress, paired):", "", "| pair | ratio | n | difference [95%] |", "|---|---:|---:|---:|", *cp, ""]
+            lines += ["Counterparts (jaxkv minus kvpress, paired):", "", *md_header(["pair", "ratio", "n", "difference [95%]"], "lrrr"), *cp, ""]
         if task != "lm" and any(split_cell(n)[0] == HEAD for n in jx):
             lines += head_fidelity(tables, key, ratios)
         repair = sorted(n for n in jx if n.startswith("repairkv"))
@@ -345,7 +346,7 @@ def report(root: Path, min_full: float = 0.5) -> str:
                 matched = jx.get(name.replace("repairkv", "matched"))
                 live_name, live = live_budget_best({**kp, **live_tables.get(key, {})}, matched, score)
                 acc = 100 * np.mean([float(r[score]) for r in jx[name].values()])
-                rl.append(f"| {name} | itself ({acc:.0f}%) | {len(jx[name])} | - |")
+                rl.append(md_row([name, f"itself ({acc:.0f}%)", len(jx[name]), "-"]))
                 for other, label in ((jx.get("full"), "full cache"), (best_cell(kp, x, score)[1], f"kvpress best at {x:g} (live B)"),
                                      (live, f"kvpress best at live B + K ({live_name})"),
                                      (matched, "matched no-repair (B + K)"),
@@ -354,11 +355,11 @@ def report(root: Path, min_full: float = 0.5) -> str:
                         res = paired(jx[name], other, score)
                         if res:
                             g, lo, hi, n = res
-                            rl.append(f"| {name} | {label} | {n} | {100 * g:+.0f} [{100 * lo:+.0f}, {100 * hi:+.0f}] |")
+                            rl.append(md_row([name, label, n, f"{100 * g:+.0f} [{100 * lo:+.0f}, {100 * hi:+.0f}]"]))
             if rl:
                 lines += ["RepairKV across the turn boundary (multi-turn sessions; gain in points, paired). B is the "
                           "ratio's budget; RepairKV holds B + K live rows while it answers, as the matched cell does:", "",
-                          "| cell | against | n | gain [95%] |", "|---|---|---:|---:|", *rl, ""]
+                          *md_header(["cell", "against", "n", "gain [95%]"], "llrr"), *rl, ""]
     lines += reuse_section(root / "reuse")
     text = "\n".join(lines) + "\n"
     plot(root, rows, usable)
@@ -420,8 +421,8 @@ def compute_section(root: Path, left_out: set = frozenset()) -> list[str]:
              "CPU hours the report's size (jaxkv 100 / 50 / 30 examples at 2k / 4k / 8k, kvpress 50 / 30 / 30) would "
              "take at that median. The 8k rows in the issue need only the full cache and two methods per side; "
              "their cost is not projected here.", "",
-             "| side | task | context | setting | n run | n wanted | median s | rate from | h spent | h for the size |",
-             "|---|---|---:|---|---:|---:|---:|---|---:|---:|"]
+             *md_header(["side", "task", "context", "setting", "n run", "n wanted", "median s", "rate from", "h spent", "h for the size"],
+                       "llrlrrrlrr")]
     totals = {}
     for side in SIDES:
         records = read(root / side / "examples.jsonl")
@@ -438,8 +439,7 @@ def compute_section(root: Path, left_out: set = frozenset()) -> list[str]:
             full_h = med * want / 3600
             spent += h
             wanted_h += full_h
-            lines.append(f"| {side} | {task} | {context} | {setting} | {len(by_seed)} | {want} | {med:.0f} | {rate_from} | "
-                         f"{h:.2f} | {full_h:.2f} |")
+            lines.append(md_row([side, task, context, setting, len(by_seed), want, f"{med:.0f}", rate_from, f"{h:.2f}", f"{full_h:.2f}"]))
         totals[side] = (spent, wanted_h)
     lines.append("")
     for side, (spent, wanted_h) in totals.items():
@@ -466,9 +466,8 @@ def reuse_section(folder: Path) -> list[str]:
              "Regenerate: `python -m eval.quality.real_model_reuse --task TASK --context N --n 20 --out " + str(folder) + " --resume`. "
              "Each mode on a fresh server; the target request's prompt differs from the primer's before the document, so "
              "the radix prefix cache cannot serve it and only segment reuse can.", "",
-             "| task | context | mode | n | teacher-forced % | greedy % | answer NLL | spliced tokens | units computed | "
-             "spans accepted / rejected | target seconds | teacher-forced gain vs none [95%] |",
-             "|---|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
+             *md_header(["task", "context", "mode", "n", "teacher-forced %", "greedy %", "answer NLL", "spliced tokens", "units computed",
+                         "spans accepted / rejected", "target seconds", "teacher-forced gain vs none [95%]"], "lrl" + "r" * 9)]
     for (task, context), modes in sorted(by_key.items()):
         none = modes.get("none", {})
         for mode, by_seed in modes.items():
@@ -481,8 +480,8 @@ def reuse_section(folder: Path) -> list[str]:
             spans = f"{sum(r['accepted'] for r in rows)} / {sum(r['rejected'] for r in rows)}" if "accepted" in rows[0] else "-"
             res = paired(by_seed, none, "tf_correct") if mode != "none" and none else None
             gain = f"{100 * res[0]:+.0f} [{100 * res[1]:+.0f}, {100 * res[2]:+.0f}]" if res else "-"
-            lines.append(f"| {task} | {context} | {mode} | {len(rows)} | {tf:.0f} | {gen:.0f} | {nll:.3f} | {spliced} | {units} | "
-                         f"{spans} | {np.mean([r['seconds'] for r in rows]):.1f} | {gain} |")
+            lines.append(md_row([task, context, mode, len(rows), f"{tf:.0f}", f"{gen:.0f}", f"{nll:.3f}", spliced, units, spans,
+                                 f"{np.mean([r['seconds'] for r in rows]):.1f}", gain]))
     return lines + ["", "Target seconds: the second request's prefill and greedy reply on one core, not a timing bench "
                     "(other jobs ran on the other core).", ""]
 

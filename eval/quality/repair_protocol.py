@@ -77,6 +77,7 @@ from pathlib import Path
 import numpy as np
 
 from eval.common.stats import paired_gain
+from eval.common.tables import md_table
 from eval.quality.harness import (EVAL_SEED_BASE, REPAIR_POLICIES, TASK_SESSION_OPTIONS, Cell, append_journal, pool_map,
                                   read_journal, reply_matches, replay_cell, replay_example)
 
@@ -399,13 +400,13 @@ def markdown(rows) -> str:
         out.append(f"full cache {fixed['full']['accuracy']:.3f}; no repair at B_base {fixed['none']['accuracy']:.3f} "
                    f"(exact match after turn 1; turn 1: full {fixed['full']['accuracy_turn1']:.3f}, "
                    f"B_base {fixed['none']['accuracy_turn1']:.3f})\n")
-        out.append("| K | " + " | ".join("matched no-repair" if c == "matched" else c for c in cells)
-                   + " | REPAIRKV − matched [95% CI] |")
-        out.append("|---:|" + "---:|" * len(cells) + "---:|")
+        table = []
         for k in sorted({r["repair_k"] for r in mine if r["repair_k"]}):
             at = {r["cell"]: r for r in mine if r["repair_k"] == k}
             gain = _gain(at["repairkv"]) if "repairkv" in at else "-"
-            out.append(f"| {k} | " + " | ".join(f"{at[c]['accuracy']:.3f}" if c in at else "-" for c in cells) + f" | {gain} |")
+            table.append([k, *(f"{at[c]['accuracy']:.3f}" if c in at else "-" for c in cells), gain])
+        out.append(md_table(["K", *("matched no-repair" if c == "matched" else c for c in cells), "REPAIRKV − matched [95% CI]"],
+                            table, align="r" * (len(cells) + 2)))
         out.append("")
     return "\n".join(out)
 

@@ -52,6 +52,7 @@ from pathlib import Path
 
 import numpy as np
 
+from eval.common.tables import md_table
 from eval.quality import harness
 
 def _defaults() -> dict:
@@ -162,9 +163,7 @@ def fmt(v):
 
 
 def table(rows, cols) -> str:
-    lines = ["| " + " | ".join(cols) + " |", "|" + "---|" * len(cols)]
-    lines += ["| " + " | ".join(fmt(r[c]) for c in cols) + " |" for r in rows]
-    return "\n".join(lines)
+    return md_table(cols, [[fmt(r[c]) for c in cols] for r in rows])
 
 
 def main(argv=None) -> int:

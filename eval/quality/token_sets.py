@@ -51,6 +51,7 @@ from pathlib import Path
 
 import numpy as np
 
+from eval.common.tables import md_header, md_row
 from eval.quality import kvpress_side as kp
 from jaxkv.policies.h2o import H2OConfig
 
@@ -268,9 +269,8 @@ def side_rows(out: Path, tables: dict, side: str, rules: dict) -> list[str]:
             if res is None:
                 continue
             common = set(other) & set(mine)
-            lines.append(f"| {task} {key[1]} {key[2]} | {cell} | {name} | {res[3]} | "
-                         f"{fmt_mean(task, {s: mine[s] for s in common})} | {fmt_mean(task, {s: other[s] for s in common})} | "
-                         f"{fmt_gain(task, res)} |")
+            lines.append(md_row([f"{task} {key[1]} {key[2]}", cell, name, res[3], fmt_mean(task, {s: mine[s] for s in common}),
+                                 fmt_mean(task, {s: other[s] for s in common}), fmt_gain(task, res)]))
     return lines
 
 
@@ -290,16 +290,14 @@ def counterpart_rows(out: Path, tables: dict) -> list[str]:
                       "jaxkv minus the one-set cell with a paired bootstrap 95% interval. What still differs: the "
                       "pipelines (jaxkv's engine, transformers), jaxkv's pinned system prompt (none on `lm`), and "
                       "the random draws.", "",
-                      "| task | one-set cell | jaxkv cell | n | one set | jaxkv | jaxkv - one set |",
-                      "|---|---|---|---:|---:|---:|---:|", *rows, ""]
+                      *md_header(["task", "one-set cell", "jaxkv cell", "n", "one set", "jaxkv", "jaxkv - one set"], "lllrrrr"), *rows, ""]
     rows = side_rows(out, tables, "kvpress", own)
     if rows:
         out_lines += ["## kvpress's own cells, reproduced", "",
                       "Each `head` cell (TOVAPress: `layer`) beside the press's own cell in the main report's kvpress "
                       "journals, on the examples both ran (kvpress minus the cell here): zero where this pipeline "
                       "is kvpress's.", "",
-                      "| task | cell | kvpress cell | n | here | kvpress | kvpress - here |",
-                      "|---|---|---|---:|---:|---:|---:|", *rows, ""]
+                      *md_header(["task", "cell", "kvpress cell", "n", "here", "kvpress", "kvpress - here"], "lllrrrr"), *rows, ""]
     return out_lines
 
 
@@ -325,13 +323,13 @@ def report(out: Path) -> str:
         else:
             head = f"Full cache: {100 * np.mean([c['tf_correct'] for c in full.values()]):.0f}% (n = {n})." if n else "Full cache: -."
         lines += [f"## {task}, {context} tokens, question-{setting}", "", head, "",
-                  "| scorer | ratio | head | layer | one | layer - one | head - one |", "|---|---:|---:|---:|---:|---:|---:|"]
+                  *md_header(["scorer", "ratio", "head", "layer", "one", "layer - one", "head - one"], "l" + "r" * 6)]
         combos = sorted({split(c)[0::2] for c in cells if c != kp.FULL})
         for scorer, ratio in combos:
             got = {g: cell_values(task, cells, cell_name(scorer, g, ratio)) for g in GRANULARITIES}
             means = [fmt_mean(task, got[g]) for g in GRANULARITIES]
             gains = [fmt_gain(task, paired_values(got[g], got["one"]) if got[g] and got["one"] else None) for g in ("layer", "head")]
-            lines.append(f"| {scorer} | {ratio:g} | {' | '.join(means)} | {' | '.join(gains)} |")
+            lines.append(md_row([scorer, f"{ratio:g}", *means, *gains]))
         lines.append("")
     lines += counterpart_rows(out, tables)
     plot(out, tables)

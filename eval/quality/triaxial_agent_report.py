@@ -40,6 +40,8 @@ from pathlib import Path
 
 import numpy as np
 
+from eval.common.tables import md_header, md_row
+
 GOAL = 0.05  # nats/token: TriAxialKV at B <= 3.0 within this of the float pool (issue #60)
 LM_GOAL = 0.01  # nats/token: INT4 on real-text lm at 2k (issue #26, unchanged)
 
@@ -68,21 +70,20 @@ def agent_table(rows: list[dict], calibration: Path) -> list[str]:
     from eval.quality.harness import quant_nll_increase
 
     base = next(r for r in rows if r["kv_quant"] == "none")
-    lines = ["| kv_quant | B | INT2 tags | stored bits | KV bytes / token | capacity vs bf16 | NLL increase, nats/token [95%] "
-             f"| within {GOAL} | KL per token | teacher-forced accuracy |",
-             "|---|---:|---|---:|---:|---:|---:|---|---:|---:|"]
+    lines = md_header(["kv_quant", "B", "INT2 tags", "stored bits", "KV bytes / token", "capacity vs bf16", "NLL increase, nats/token [95%]",
+                       f"within {GOAL}", "KL per token", "teacher-forced accuracy"], "lrlrrrrlrr")
     for r in rows:
         if r["kv_quant"] == "none":
-            lines.append(f"| none (float pool) | - | - | 16.00 | {base['kv_bytes_per_token']:.0f} | 1.00x | (ceiling) | | | "
-                         f"{100 * r['accuracy']:.1f}% |")
+            lines.append(md_row(["none (float pool)", "-", "-", "16.00", f"{base['kv_bytes_per_token']:.0f}", "1.00x", "(ceiling)", "", "",
+                                 f"{100 * r['accuracy']:.1f}%"]))
             continue
         d = quant_nll_increase(r)
         verdict = "yes" if d[2] < GOAL else ("point estimate only" if d[0] < GOAL else "no")
         B = r["kv_bits"] if r["kv_quant"].startswith("triaxial") else "-"
         tags = int2_tags(calibration, float(B)) if B != "-" else "-"
-        lines.append(f"| {r['kv_quant']} | {B} | {tags} | {r['avg_bits']:.2f} | {r['kv_bytes_per_token']:.0f} | "
-                     f"{base['kv_bytes_per_token'] / r['kv_bytes_per_token']:.2f}x | {d[0]:+.4f} [{d[1]:+.4f}, {d[2]:+.4f}] | "
-                     f"{verdict} | {r['kl']:.4f} | {100 * r['accuracy']:.1f}% |")
+        lines.append(md_row([r["kv_quant"], B, tags, f"{r['avg_bits']:.2f}", f"{r['kv_bytes_per_token']:.0f}",
+                             f"{base['kv_bytes_per_token'] / r['kv_bytes_per_token']:.2f}x", f"{d[0]:+.4f} [{d[1]:+.4f}, {d[2]:+.4f}]", verdict,
+                             f"{r['kl']:.4f}", f"{100 * r['accuracy']:.1f}%"]))
     return lines
 
 
@@ -92,8 +93,8 @@ def lm_table(root: Path) -> list[str]:
     records = [json.loads(line) for p in sorted(root.glob("quant*.jsonl")) for line in p.read_text().splitlines() if line.strip()]
     if not records:
         return []
-    lines = ["| format | context | examples | float pool NLL | NLL increase, nats/token [95%] | "
-             f"within {LM_GOAL} | KL per token [95%] |", "|---|---:|---:|---:|---:|---|---:|"]
+    lines = md_header(["format", "context", "examples", "float pool NLL", "NLL increase, nats/token [95%]", f"within {LM_GOAL}",
+                       "KL per token [95%]"], "lrrrrlr")
     for ctx in sorted({r["context"] for r in records}):
         recs = [r for r in records if r["context"] == ctx]
         for cell in sorted({c for r in recs for c in r["cells"] if c != "full"}):
@@ -102,8 +103,8 @@ def lm_table(root: Path) -> list[str]:
             kl = mean_ci([r["cells"][cell]["kl"] for r in got])
             verdict = "yes" if d[2] < LM_GOAL else ("point estimate only" if d[0] < LM_GOAL else "no")
             full = np.mean([r["cells"]["full"]["nll"] for r in got])
-            lines.append(f"| {cell.removeprefix('kv:')} | {ctx} | {len(got)} | {full:.3f} | {d[0]:+.4f} [{d[1]:+.4f}, {d[2]:+.4f}] | "
-                         f"{verdict} | {kl[0]:.4f} [{kl[1]:.4f}, {kl[2]:.4f}] |")
+            lines.append(md_row([cell.removeprefix("kv:"), ctx, len(got), f"{full:.3f}", f"{d[0]:+.4f} [{d[1]:+.4f}, {d[2]:+.4f}]", verdict,
+                                 f"{kl[0]:.4f} [{kl[1]:.4f}, {kl[2]:.4f}]"]))
     return lines
 
 

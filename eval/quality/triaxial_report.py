@@ -22,6 +22,8 @@ import csv
 import json
 from pathlib import Path
 
+from eval.common.tables import md_table
+
 GOAL_POINTS, GOAL_BITS, GOAL_CAPACITY, GOAL_KIVI = 1.0, 2.7, 4.5, 3.0
 
 
@@ -38,14 +40,13 @@ def precision_table(rows, task, budget=None):
     """Rows of one task at the calibrated budget (a triaxial mode's ``-`` is it)."""
     rows = [r for r in rows if r["task"] == task and r["method"] == "full"]
     none = next(r for r in rows if r["kv_quant"] == "none")
-    out = ["| kv_quant | B | n | accuracy | Δ vs full precision (points) | avg bits | KV bytes / token | capacity vs bf16 |",
-           "|---|---|---:|---:|---:|---:|---:|---:|"]
+    table = []
     for r in rows:
         B = budget if r["kv_bits"] == "-" and r["kv_quant"].startswith("triaxial") else r["kv_bits"]
-        out.append(f"| {r['kv_quant']} | {B} | {r['n']:.0f} | {100 * r['accuracy']:.1f}% | "
-                   f"{100 * (r['accuracy'] - none['accuracy']):+.1f} | {r['avg_bits']:.2f} | {r['kv_bytes_per_token']:.0f} | "
-                   f"{none['kv_bytes_per_token'] / r['kv_bytes_per_token']:.2f}x |")
-    return "\n".join(out), {r["kv_quant"]: r for r in rows}, none
+        table.append([r["kv_quant"], B, f"{r['n']:.0f}", f"{100 * r['accuracy']:.1f}%", f"{100 * (r['accuracy'] - none['accuracy']):+.1f}",
+                      f"{r['avg_bits']:.2f}", f"{r['kv_bytes_per_token']:.0f}", f"{none['kv_bytes_per_token'] / r['kv_bytes_per_token']:.2f}x"])
+    header = ["kv_quant", "B", "n", "accuracy", "Δ vs full precision (points)", "avg bits", "KV bytes / token", "capacity vs bf16"]
+    return md_table(header, table, align="ll" + "r" * 6), {r["kv_quant"]: r for r in rows}, none
 
 
 def goal_lines(by, none, task):
@@ -72,8 +73,8 @@ def sweep_table(rows, none_by_task, same_as):
     """One row per (budget, mode); ``same_as[B]`` lists the budgets whose triaxial
     allocation is the same as B's (identical serving)."""
     tasks = sorted({r["task"] for r in rows})
-    out = ["| B (same allocation as) | kv_quant | " + " | ".join(f"{t} accuracy | {t} Δ | {t} avg bits | {t} capacity" for t in tasks) + " |",
-           "|---|---|" + "---:|" * (4 * len(tasks))]
+    header = ["B (same allocation as)", "kv_quant"] + [f"{t} {what}" for t in tasks for what in ("accuracy", "Δ", "avg bits", "capacity")]
+    table = []
     keys = sorted({(float(r["kv_bits"]), r["kv_quant"]) for r in rows if r["kv_bits"] != "-"})
     for b, mode in keys:
         cells = []
@@ -86,8 +87,8 @@ def sweep_table(rows, none_by_task, same_as):
             cells += [f"{100 * r['accuracy']:.1f}%", f"{100 * (r['accuracy'] - n['accuracy']):+.1f}", f"{r['avg_bits']:.2f}",
                       f"{n['kv_bytes_per_token'] / r['kv_bytes_per_token']:.2f}x"]
         label = f"{b:.1f}" + (f" ({', '.join(f'{x:.1f}' for x in same_as.get(b, []) if x != b)})" if mode == "triaxial" and len(same_as.get(b, [])) > 1 else "")
-        out.append(f"| {label} | {mode} | " + " | ".join(cells) + " |")
-    return "\n".join(out)
+        table.append([label, mode, *cells])
+    return md_table(header, table, align="ll" + "r" * (4 * len(tasks)))
 
 
 def calibration_tables(cal):
@@ -95,21 +96,18 @@ def calibration_tables(cal):
     B = cal["budget"]
     for name, v in cal["variants"].items():
         out += [f"**{name}** (axes: {', '.join(v['axes'])}; bits at B = {B}):", "",
-                "| tag | N | D(2) | D(4) | bits |", "|---|---:|---:|---:|---:|"]
-        for t in v["tags"]:
-            out.append(f"| {t['name'].replace('|', chr(92) + '|')} | {t['N']:.0f} | {t['D2']:.3g} | {t['D4']:.3g} | {v['bits'][t['name']]} |")
-        out.append("")
+                md_table(["tag", "N", "D(2)", "D(4)", "bits"],
+                         [[t["name"].replace("|", "\\|"), f"{t['N']:.0f}", f"{t['D2']:.3g}", f"{t['D4']:.3g}", v["bits"][t["name"]]] for t in v["tags"]],
+                         align="lrrrr"), ""]
     sweep = cal.get("sweep") or []
     if sweep:
         tasks = [t for t in cal["calibration"]["tasks"]]
         full = cal["full_precision"]
         out += [f"Calibration sweep ({cal['calibration']['n_per_task']} conversations per task; full precision "
                 f"{100 * full['accuracy']:.1f}% pooled, " + ", ".join(f"{t} {100 * full[t]:.1f}%" for t in tasks) + "):", "",
-                "| B | pooled accuracy | " + " | ".join(f"{t}" for t in tasks) + " | avg bits (served) |",
-                "|---:|---:|" + "---:|" * len(tasks) + "---:|"]
-        for r in sweep:
-            out.append(f"| {r['B']:.1f} | {100 * r['accuracy']:.1f}% | " + " | ".join(f"{100 * r[t]:.1f}%" for t in tasks)
-                       + f" | {r['avg_bits']:.2f} |")
+                md_table(["B", "pooled accuracy", *tasks, "avg bits (served)"],
+                         [[f"{r['B']:.1f}", f"{100 * r['accuracy']:.1f}%", *(f"{100 * r[t]:.1f}%" for t in tasks), f"{r['avg_bits']:.2f}"] for r in sweep],
+                         align="r" * (len(tasks) + 3))]
         met = [r for r in sweep if full["accuracy"] - r["accuracy"] <= 0.01]
         verdict = "" if met else (f"; no budget met it, even B = {max(r['B'] for r in sweep)} (uniform INT4 on this model), "
                                   "so the largest budget is the fallback")
@@ -120,11 +118,9 @@ def calibration_tables(cal):
 def attention_table(cal):
     err = cal["attention_error"]
     L = len(next(iter(err.values()))["all_rows_per_layer"])
-    out = ["| format | all rows (mean) | last row (mean) | " + " | ".join(f"last row, layer {i}" for i in range(L)) + " |",
-           "|---|---:|---:|" + "---:|" * L]
-    for fmt, e in err.items():
-        out.append(f"| {fmt} | {e['all_rows']:.3f} | {e['last_row']:.3f} | " + " | ".join(f"{x:.3f}" for x in e["last_row_per_layer"]) + " |")
-    return "\n".join(out)
+    return md_table(["format", "all rows (mean)", "last row (mean)", *(f"last row, layer {i}" for i in range(L))],
+                    [[fmt, f"{e['all_rows']:.3f}", f"{e['last_row']:.3f}", *(f"{x:.3f}" for x in e["last_row_per_layer"])]
+                     for fmt, e in err.items()], align="l" + "r" * (L + 2))
 
 
 def main(argv=None) -> int:
