@@ -30,6 +30,8 @@ os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
 import numpy as np  # noqa: E402
 
+from eval.common.tables import md_header, md_row  # noqa: E402
+
 STEPS = 32
 REPEATS = 5
 
@@ -89,8 +91,7 @@ def main(argv=None) -> int:
         f"--lives {args.lives} --rows {args.rows}`; {STEPS}-step calls, fastest of {REPEATS}.",
         f"1-minute load average before: {load_before:.2f}.",
         "",
-        "| live tokens | rows | ms per step | K/V read per step (MiB) | x 1 row (tokens/s) |",
-        "|---:|---:|---:|---:|---:|",
+        *md_header(["live tokens", "rows", "ms per step", "K/V read per step (MiB)", "x 1 row (tokens/s)"], "rrrrr"),
     ]
     for live in (int(x) for x in args.lives.split(",")):
         base = None
@@ -98,7 +99,7 @@ def main(argv=None) -> int:
             s = step_seconds(engine, n, live, rng)
             base = s if n == 1 else base
             ratio = f"{n * base / s:.2f}x" if base else ""
-            lines.append(f"| {live} | {n} | {s * 1e3:.3f} | {n * live * kv_per_token / 2**20:.1f} | {ratio} |")
+            lines.append(md_row([live, n, f"{s * 1e3:.3f}", f"{n * live * kv_per_token / 2**20:.1f}", ratio]))
             print(lines[-1], flush=True)
     lines += ["", f"1-minute load average after: {os.getloadavg()[0]:.2f}."]
     text = "\n".join(lines) + "\n"

@@ -27,6 +27,8 @@ import sys
 import tempfile
 from pathlib import Path
 
+from eval.common.tables import md_header, md_row
+
 ROOT = Path(__file__).resolve().parents[2]
 OLD = "44e9456"
 
@@ -117,22 +119,21 @@ def main(argv=None) -> int:
         "",
         "## Prefill (one row, from an empty cache)",
         "",
-        "| tokens | previous s | now s | speed-up |",
-        "|---:|---:|---:|---:|",
+        *md_header(["tokens", "previous s", "now s", "speed-up"], "rrrr"),
     ]
     try:
         for T in [int(x) for x in args.lengths.split(",")]:
             spec = dict(kind="prefill", model=args.model, tokens=T, repeats=args.repeats)
             old, new = measure(old_tree, spec), measure(ROOT, spec)
-            lines.append(f"| {T} | {old:.2f} | {new:.2f} | {old / new:.2f}x |")
+            lines.append(md_row([T, f"{old:.2f}", f"{new:.2f}", f"{old / new:.2f}x"]))
             print(lines[-1], flush=True)
         lines += ["", f"## Decode ({args.steps} greedy steps per call, after a warm-up call)", "",
-                  "| batch | context | previous tok/s | now tok/s | ratio |", "|---:|---:|---:|---:|---:|"]
+                  *md_header(["batch", "context", "previous tok/s", "now tok/s", "ratio"], "rrrrr")]
         for B in [int(x) for x in args.batches.split(",")]:
             for ctx in [int(x) for x in args.contexts.split(",")]:
                 spec = dict(kind="decode", model=args.model, batch=B, context=ctx, steps=args.steps, repeats=args.repeats)
                 old, new = measure(old_tree, spec), measure(ROOT, spec)
-                lines.append(f"| {B} | {ctx} | {old:.1f} | {new:.1f} | {new / old:.2f}x |")
+                lines.append(md_row([B, ctx, f"{old:.1f}", f"{new:.1f}", f"{new / old:.2f}x"]))
                 print(lines[-1], flush=True)
     finally:
         subprocess.run(["git", "worktree", "remove", "--force", str(old_tree)], cwd=ROOT, capture_output=True)
