@@ -40,6 +40,7 @@ import numpy as np  # noqa: E402
 
 import jaxkv  # noqa: E402
 from eval.bench.decode import QWEN3_125M, fill_pool_randomly  # noqa: E402
+from eval.common.tables import md_header, md_row  # noqa: E402
 from jaxkv.cache.quantized import INT2, INT4, FLOAT  # noqa: E402
 from jaxkv.cache.quantized_host import bytes_per_token  # noqa: E402
 from jaxkv.config import ModelConfig  # noqa: E402
@@ -130,8 +131,7 @@ def main(argv=None) -> str:
         f"{platform.processor() or platform.machine()}, {os.cpu_count()} cores, jax {jax.__version__} ({jax.default_backend()}); "
         f"{args.steps} timed greedy steps after warm-up; quantized attention = the jnp reference (dequantize, then attend).",
         "",
-        "| live tokens | pool | tok/s | vs float | KV bytes read / step | vs float |",
-        "|---:|---|---:|---:|---:|---:|",
+        *md_header(["live tokens", "pool", "tok/s", "vs float", "KV bytes read / step", "vs float"], "rlrrrr"),
     ]
     print("\n".join(lines), flush=True)
     for n in contexts:
@@ -139,7 +139,7 @@ def main(argv=None) -> str:
         for mode in ("float", "int4", "mixed"):
             tps, kv_bytes = bench(model, mode, n, args.steps)
             base = base or (tps, kv_bytes)
-            row = f"| {n} | {mode} | {tps:.2f} | {tps / base[0]:.2f}x | {kv_bytes / 2**20:.1f} MiB | {kv_bytes / base[1]:.2f}x |"
+            row = md_row([n, mode, f"{tps:.2f}", f"{tps / base[0]:.2f}x", f"{kv_bytes / 2**20:.1f} MiB", f"{kv_bytes / base[1]:.2f}x"])
             lines.append(row)
             print(row, flush=True)
     lines += ["", f"1-minute load average after the run: {os.getloadavg()[0]:.2f}."]

@@ -33,6 +33,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from eval.common.tables import md_header, md_row
 from jaxkv.policies import repair
 
 L, HQ, HKV, D = 12, 12, 4, 64
@@ -121,14 +122,12 @@ def main(argv=None):
         "see the module docstring). One repair = two-pass chunked scoring over active ∪ candidates + "
         "rank + burst selection + host-to-device copy of the K promoted K/V rows. Scoring does not depend on K.",
         "",
-        "| candidates M | K | reps | score p50 (s) | score p95 (s) | select p50 (ms) | total p50 (s) | total p95 (s) | candidates/s (p50) |",
-        "|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
+        *md_header(["candidates M", "K", "reps", "score p50 (s)", "score p95 (s)", "select p50 (ms)", "total p50 (s)", "total p95 (s)",
+                    "candidates/s (p50)"], "r" * 9),
     ]
     for M, K, n, sc, se, tot in rows:
-        lines.append(
-            f"| {M:,} | {K:,} | {n} | {_pct(sc, 50):.3f} | {_pct(sc, 95):.3f} | {1e3 * _pct(se, 50):.1f} | "
-            f"{_pct(tot, 50):.3f} | {_pct(tot, 95):.3f} | {M / _pct(tot, 50):,.0f} |"
-        )
+        lines.append(md_row([f"{M:,}", f"{K:,}", n, f"{_pct(sc, 50):.3f}", f"{_pct(sc, 95):.3f}", f"{1e3 * _pct(se, 50):.1f}",
+                             f"{_pct(tot, 50):.3f}", f"{_pct(tot, 95):.3f}", f"{M / _pct(tot, 50):,.0f}"]))
     text = "\n".join(lines) + "\n"
     print(text)
     if args.out:
