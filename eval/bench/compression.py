@@ -32,6 +32,7 @@ import numpy as np  # noqa: E402
 
 import jaxkv  # noqa: E402
 from eval.bench.decode import QWEN3_125M, fill_pool_randomly  # noqa: E402
+from eval.common.tables import md_header, md_row  # noqa: E402
 from jaxkv.config import ModelConfig  # noqa: E402
 from jaxkv.engine import Engine  # noqa: E402
 from jaxkv.serving.stages.retention import compress_row  # noqa: E402
@@ -121,8 +122,7 @@ def main(argv=None) -> str:
         f"{platform.machine()} {os.cpu_count()} cores, jax {jax.__version__} ({jax.default_backend()}); "
         f"median of {args.repeats}; event = gather keys + score + select (B = N/2) + dead-slot layout.",
         "",
-        "| live tokens | method | event ms | decode step ms | event / step |",
-        "|---:|---|---:|---:|---:|",
+        *md_header(["live tokens", "method", "event ms", "decode step ms", "event / step"], "rlrrr"),
     ]
     print("\n".join(lines), flush=True)
     for n in map(int, args.lives.split(",")):
@@ -147,7 +147,7 @@ def main(argv=None) -> str:
 
             event()  # warm-up / compile
             ms = 1e3 * _median_time(event, args.repeats)
-            line = f"| {n} | {method} | {ms:.1f} | {decode_ms:.1f} | {ms / decode_ms:.2f}x |"
+            line = md_row([n, method, f"{ms:.1f}", f"{decode_ms:.1f}", f"{ms / decode_ms:.2f}x"])
             lines.append(line)
             print(line, flush=True)
         engine.close_row(row)

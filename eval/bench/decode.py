@@ -41,6 +41,7 @@ import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 
 import jaxkv  # noqa: E402
+from eval.common.tables import md_header, md_row  # noqa: E402
 from jaxkv.engine import Engine  # noqa: E402
 
 QWEN3_125M = dict(
@@ -219,8 +220,8 @@ def decode_table(tm, model, n_params, steps, contexts, batches, label: str = "ra
         f"{os.cpu_count()} cores, jax {jax.__version__} ({jax.default_backend()}), torch {torch.__version__}; "
         f"measured read bandwidth {bw:.1f} GB/s; {steps} timed greedy steps after warm-up.",
         "",
-        "| batch | context | jaxkv tok/s | jaxkv, per-step gather tok/s | transformers loop tok/s | transformers generate tok/s | ratio (vs faster) | floor tok/s | jaxkv % floor | transformers % floor |",
-        "|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
+        *md_header(["batch", "context", "jaxkv tok/s", "jaxkv, per-step gather tok/s", "transformers loop tok/s", "transformers generate tok/s",
+                    "ratio (vs faster)", "floor tok/s", "jaxkv % floor", "transformers % floor"], "r" * 10),
     ]
     print("\n".join(lines), flush=True)
     for batch in batches:
@@ -231,10 +232,8 @@ def decode_table(tm, model, n_params, steps, contexts, batches, label: str = "ra
             loop = bench_torch(tm, batch, ctx, steps)
             gen = bench_torch_generate(tm, batch, ctx, steps)
             ref = max(loop, gen)
-            row = (
-                f"| {batch} | {ctx} | {ours:.1f} | {ours_gather:.1f} | {loop:.1f} | {gen:.1f} | {ours / ref:.2f}x | {floor:.1f} | "
-                f"{100 * ours / floor:.0f}% | {100 * ref / floor:.0f}% |"
-            )
+            row = md_row([batch, ctx, f"{ours:.1f}", f"{ours_gather:.1f}", f"{loop:.1f}", f"{gen:.1f}", f"{ours / ref:.2f}x", f"{floor:.1f}",
+                          f"{100 * ours / floor:.0f}%", f"{100 * ref / floor:.0f}%"])
             lines.append(row)
             print(row, flush=True)
     return lines

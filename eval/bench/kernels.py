@@ -31,6 +31,7 @@ from typing import Callable
 import jax
 import jax.numpy as jnp
 
+from eval.common.tables import md_header, md_row
 from jaxkv.config import RopeConfig
 from jaxkv.pallas import cost
 from jaxkv.pallas import (
@@ -174,8 +175,7 @@ def main(argv=None):
         f"Device copy bandwidth: {copy_bw / 1e9:.1f} GB/s. "
         + ("CPU run: jnp reference path only, reduced settings (contexts 4k/32k, batch 1/4, Hkv 2)." if on_cpu else ""),
         "",
-        "| kernel | context | batch | MB moved | median ms | GB/s | frac of copy | speedup vs bf16 |",
-        "|---|---|---|---|---|---|---|---|",
+        *md_header(["kernel", "context", "batch", "MB moved", "median ms", "GB/s", "frac of copy", "speedup vs bf16"]),
     ]
     key = jax.random.key(0)
     for ctx in contexts:
@@ -183,9 +183,7 @@ def main(argv=None):
             for name, c, b, moved, sec, speedup in bench_case(ctx, B, K, G, D, args.reps, key):
                 bw = moved / sec
                 sp = f"{speedup:.2f}x" if speedup is not None else ""
-                lines.append(
-                    f"| {name} | {c} | {b} | {moved / 1e6:.1f} | {sec * 1e3:.2f} | {bw / 1e9:.2f} | {bw / copy_bw:.3f} | {sp} |"
-                )
+                lines.append(md_row([name, c, b, f"{moved / 1e6:.1f}", f"{sec * 1e3:.2f}", f"{bw / 1e9:.2f}", f"{bw / copy_bw:.3f}", sp]))
                 print(lines[-1], flush=True)
     table = "\n".join(lines) + "\n"
     print(table)

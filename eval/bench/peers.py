@@ -62,6 +62,7 @@ sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[2]))
 
 from eval.bench import peer_stacks  # noqa: E402
 from eval.common.servers import ServerProcess, metric  # noqa: E402
+from eval.common.tables import md_header, md_row  # noqa: E402
 
 MODEL = "smollm2-135m-instruct"
 SERVED_NAME = "smollm2"
@@ -447,32 +448,33 @@ def write_report(results: list[dict], args, versions: dict, out: pathlib.Path) -
         "",
         "## Single stream",
         "",
-        "| server | precision | start s | decode tok/s @512 | decode tok/s @4096 | TTFT s @512 | TTFT s @2048 | TTFT s @8000 | load before / after |",
-        "|---|---|---:|---:|---:|---:|---:|---:|---|",
+        *md_header(["server", "precision", "start s", "decode tok/s @512", "decode tok/s @4096", "TTFT s @512", "TTFT s @2048", "TTFT s @8000",
+                    "load before / after"], "ll" + "r" * 6 + "l"),
     ]
     for r in results:
         if "decode_512" not in r:
             continue
-        lines.append(f"| {r['name']} | {r['precision']} | {r['start_s']:.0f} | {_fmt(r.get('decode_512'), 1)} | {_fmt(r.get('decode_4096'), 1)} | "
-                     f"{_fmt(r.get('ttft_512'))} | {_fmt(r.get('ttft_2048'))} | {_fmt(r.get('ttft_8000'))} | {r['load_before']:.2f} / {r['load_after']:.2f} |")
+        lines.append(md_row([r["name"], r["precision"], f"{r['start_s']:.0f}", _fmt(r.get("decode_512"), 1), _fmt(r.get("decode_4096"), 1),
+                             _fmt(r.get("ttft_512")), _fmt(r.get("ttft_2048")), _fmt(r.get("ttft_8000")),
+                             f"{r['load_before']:.2f} / {r['load_after']:.2f}"]))
     lines += ["", "## Agent sessions", "",
               f"Each client replays its own held-out agent trace (~{AGENT_TRACE_TOKENS} tokens, first {AGENT_TURNS} assistant turns, "
               f"{AGENT_REPLY}-token greedy replies).", "",
-              "| server | precision | clients | wall s | TTFT p50 s | TTFT p95 s | ITL p50 ms | gen tok/s | prompt tok/s | prefix hit | same reply as jaxkv-f32 (to its stop token) |",
-              "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
+              *md_header(["server", "precision", "clients", "wall s", "TTFT p50 s", "TTFT p95 s", "ITL p50 ms", "gen tok/s", "prompt tok/s",
+                          "prefix hit", "same reply as jaxkv-f32 (to its stop token)"], "ll" + "r" * 9)]
     for k in args.clients:
         for r in results:
             a = r.get(f"agent_{k}")
             if a is None:
                 continue
             if isinstance(a, str):  # timed out
-                lines.append(f"| {r['name']} | {r['precision']} | {k} | {a} | | | | | | | |")
+                lines.append(md_row([r["name"], r["precision"], k, a] + [""] * 7))
                 continue
             # other stacks render special tokens and banned stop tokens differently: compared within jaxkv only
             agree = agreement(a, full[f"agent_{k}"]) if full and r["stack"] == "jaxkv" and isinstance(full.get(f"agent_{k}"), dict) else None
-            lines.append(f"| {r['name']} | {r['precision']} | {k} | {a['wall_s']:.1f} | {_fmt(a['ttft_p50'])} | {_fmt(a['ttft_p95'])} | "
-                         f"{_fmt(a['itl_p50'] * 1000 if a['itl_p50'] == a['itl_p50'] else None, 0)} | {a['gen_tok_s']:.1f} | {_fmt(a['prompt_tok_s'], 0)} | "
-                         f"{_fmt(a['prefix_hit'])} | {_fmt(agree)} |")
+            lines.append(md_row([r["name"], r["precision"], k, f"{a['wall_s']:.1f}", _fmt(a["ttft_p50"]), _fmt(a["ttft_p95"]),
+                                 _fmt(a["itl_p50"] * 1000 if a["itl_p50"] == a["itl_p50"] else None, 0), f"{a['gen_tok_s']:.1f}",
+                                 _fmt(a["prompt_tok_s"], 0), _fmt(a["prefix_hit"]), _fmt(agree)]))
     lines += ["", "jaxkv XLA compiles inside the timed runs: " + ", ".join(
         f"{r['name']} {int(r['compiles_in_timed_runs'])}" for r in results if r.get("compiles_in_timed_runs") is not None) + "."]
     kept = ""  # the hand-written analysis of an earlier run's figures survives a re-run

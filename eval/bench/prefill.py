@@ -44,6 +44,7 @@ import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 
 from eval.bench.decode import build_models, decode_table, read_bandwidth_gbs, torch_generator, torch_sync  # noqa: E402
+from eval.common.tables import md_header, md_row  # noqa: E402
 from jaxkv import buckets  # noqa: E402
 from jaxkv.engine import PREFILL_CHUNK, Engine  # noqa: E402
 
@@ -163,8 +164,8 @@ def prefill_table(tm, model, lengths, chunks, repeats: int) -> list[str]:
         f"GEMM peak (float32, the MLP's shapes, best of the lengths): {peak:.0f} GFLOP/s; "
         f"read bandwidth (a float32 sum over 1 GiB): {bandwidth:.1f} GB/s",
         "",
-        "| tokens | jaxkv s (chunk) | jaxkv.generate TTFT s | transformers s, all logits | transformers s, last logits | ratio (ref / jaxkv) | ratio (ref / generate) | jaxkv % peak | transformers % peak |",
-        "|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
+        *md_header(["tokens", "jaxkv s (chunk)", "jaxkv.generate TTFT s", "transformers s, all logits", "transformers s, last logits",
+                    "ratio (ref / jaxkv)", "ratio (ref / generate)", "jaxkv % peak", "transformers % peak"], "r" * 9),
     ]
     print("\n".join(lines), flush=True)
     sweep = []
@@ -176,8 +177,8 @@ def prefill_table(tm, model, lengths, chunks, repeats: int) -> list[str]:
         ref, ref_scored = (hf_last, 1) if hf_last <= hf_all else (hf_all, T)
         ours_pct = 100 * prefill_flops(cfg, T, 1) / ours / 1e9 / peak
         ref_pct = 100 * prefill_flops(cfg, T, ref_scored) / ref / 1e9 / peak
-        row = (f"| {T} | {ours:.3f} ({min(PREFILL_CHUNK, T)}) | {public:.3f} | {hf_all:.3f} | {hf_last:.3f} | {ref / ours:.2f}x | "
-               f"{ref / public:.2f}x | {ours_pct:.0f}% | {ref_pct:.0f}% |")
+        row = md_row([T, f"{ours:.3f} ({min(PREFILL_CHUNK, T)})", f"{public:.3f}", f"{hf_all:.3f}", f"{hf_last:.3f}", f"{ref / ours:.2f}x",
+                      f"{ref / public:.2f}x", f"{ours_pct:.0f}%", f"{ref_pct:.0f}%"])
         lines.append(row)
         print(row, flush=True)
         for c in chunks:
@@ -185,8 +186,8 @@ def prefill_table(tm, model, lengths, chunks, repeats: int) -> list[str]:
                 sweep.append((T, c, bench_jaxkv(model, T, c, repeats)))
     if sweep:
         lines += ["", "Chunk-size sweep (jaxkv prefill seconds; the default is chosen from this):", "",
-                  "| tokens | chunk | jaxkv s |", "|---:|---:|---:|"]
-        lines += [f"| {T} | {c} | {t:.3f} |" for T, c, t in sweep]
+                  *md_header(["tokens", "chunk", "jaxkv s"], "rrr")]
+        lines += [md_row([T, c, f"{t:.3f}"]) for T, c, t in sweep]
         print("\n".join(lines[-len(sweep) - 4 :]), flush=True)
     return lines
 

@@ -31,6 +31,8 @@ import time
 
 import numpy as np
 
+from eval.common.tables import md_header, md_row
+
 
 def _segment_bytes(store_cls, minhash, T, n, Hkv, D, M):
     store = store_cls(cap_bytes=1 << 40)
@@ -45,14 +47,14 @@ def bytes_table(num_perm: int) -> str:
     from jaxkv.cache.segments import SegmentStore, minhash
 
     shapes = {"embedded (L=4, Hkv=4, D=32, M=128)": (4, 4, 32, 128), "Llama-3-8B (L=32, Hkv=8, D=128, M=4096)": (32, 8, 128, 4096)}
-    lines = ["| model | n = L_reuse | bytes / segment (f32, as stored) | of which K+V | residual | signatures | bf16 K/V + residual | per token (f32) |",
-             "|---|---:|---:|---:|---:|---:|---:|---:|"]
+    lines = md_header(["model", "n = L_reuse", "bytes / segment (f32, as stored)", "of which K+V", "residual", "signatures",
+                       "bf16 K/V + residual", "per token (f32)"], "l" + "r" * 7)
     T = 128
     for name, (L, Hkv, D, M) in shapes.items():
         for n in sorted({1, 2, L // 2, L - 1, L}):
             total, kv, res, sig = _segment_bytes(SegmentStore, minhash, T, n, Hkv, D, M)
             bf16 = (kv + res) // 2 + T * 12 + sig
-            lines.append(f"| {name} | {n} | {total:,} | {kv:,} | {res:,} | {sig:,} | {bf16:,} | {total / T:,.0f} |")
+            lines.append(md_row([name, n, f"{total:,}", f"{kv:,}", f"{res:,}", f"{sig:,}", f"{bf16:,}", f"{total / T:,.0f}"]))
     return "\n".join(lines)
 
 
@@ -66,8 +68,8 @@ def lookup_table(max_index: int, model) -> str:
     sizes = [s for s in (100, 1_000, 10_000, 100_000) if s <= max_index]
     target = rng.integers(0, 1900, 128)
     query = np.concatenate([rng.integers(0, 1900, 300), target, rng.integers(0, 1900, 50)])
-    rows = ["| segments in the index | MinHash of the query window (ms) | LSH query (ms) | align candidates (ms) | candidates | total lookup (ms) | found |",
-            "|---:|---:|---:|---:|---:|---:|---|"]
+    rows = md_header(["segments in the index", "MinHash of the query window (ms)", "LSH query (ms)", "align candidates (ms)", "candidates",
+                      "total lookup (ms)", "found"], "r" * 6 + "l")
     have = 0
     t_build = time.perf_counter()
     for size in sizes:
@@ -91,7 +93,8 @@ def lookup_table(max_index: int, model) -> str:
             for al in align(seg, prompt):
                 found |= al.similarity == 1.0
         t_align = time.perf_counter() - t0
-        rows.append(f"| {size:,} | {1e3 * t_sig:.2f} | {1e3 * t_lsh:.3f} | {1e3 * t_align:.2f} | {len(cands)} | {1e3 * (t_sig + t_lsh + t_align):.2f} | {found} |")
+        rows.append(md_row([f"{size:,}", f"{1e3 * t_sig:.2f}", f"{1e3 * t_lsh:.3f}", f"{1e3 * t_align:.2f}", len(cands),
+                            f"{1e3 * (t_sig + t_lsh + t_align):.2f}", found]))
     build = time.perf_counter() - t_build
     # reference: recomputing the same 128-token window (prefill after a 300-token context)
     import jaxkv
@@ -126,8 +129,8 @@ def breakeven_table(model, lengths) -> str:
     t_star = 2 * h + p * (2 * L - n + 1) / (n - 1)
     rng = np.random.default_rng(1)
     vocab_words = ["k%03d: v%03d" % (i, (7 * i) % 400) for i in range(400)]
-    rows = ["| segment tokens T | prefix caching: units | s (median) | segment reuse: units | s (median) | accepted | unit saving | time saving |",
-            "|---:|---:|---:|---:|---:|---:|---:|---:|"]
+    rows = md_header(["segment tokens T", "prefix caching: units", "s (median)", "segment reuse: units", "s (median)", "accepted", "unit saving",
+                      "time saving"], "r" * 8)
     for T in lengths:
         words = " ".join(rng.choice(vocab_words, max(T // 3, 2)))
         doc = model.tokenizer.decode(model.tokenizer(words)["input_ids"][:T])
@@ -149,7 +152,7 @@ def breakeven_table(model, lengths) -> str:
             server.close()
             res[mode] = (float(np.mean(units)), float(np.median(secs)), acc)
         (u0, s0, _), (u1, s1, a1) = res["none"], res["segment"]
-        rows.append(f"| {T} | {u0:.0f} | {s0:.4f} | {u1:.0f} | {s1:.4f} | {a1}/5 | {u0 / u1:.2f}x | {s0 / s1:.2f}x |")
+        rows.append(md_row([T, f"{u0:.0f}", f"{s0:.4f}", f"{u1:.0f}", f"{s1:.4f}", f"{a1}/5", f"{u0 / u1:.2f}x", f"{s0 / s1:.2f}x"]))
     rows.append("")
     rows.append(f"Analytic break-even in units at the defaults (L={L}, n={n}, h={h}, probe p={p}): T* = 2h + p(2L - n + 1)/(n - 1) = {t_star:.0f} tokens "
                 f"(the user-turn tokens around the segment and the template are recomputed either way).")

@@ -69,6 +69,7 @@ os.environ.setdefault("JAX_PLATFORMS", "cpu")
 import numpy as np  # noqa: E402
 
 from eval.common.servers import ServerProcess, free_port, metric  # noqa: E402
+from eval.common.tables import md_table  # noqa: E402
 
 MAX_POSITIONS = 4096  # per request: the traces are ~1-2k tokens (the pool is rows x 2 x this)
 SEED_OFFSET = 70_000  # trace seeds: EVAL_SEED_BASE + SEED_OFFSET + ... (held out from training)
@@ -319,10 +320,8 @@ def report(args, phases, check, command: str) -> str:
         f"server `jaxkv serve --rows {args.clients}` on 127.0.0.1"
         + (f", {args.policy} B={args.budget}" if args.policy else ", full cache") + (f", RepairKV K={args.repair}" if args.repair else "")
         + f"; {os.cpu_count()} CPU cores ({platform.processor() or platform.machine()}), clients and server on the same machine.", "",
-        f"| metric | 1 client | {many['clients']} clients |",
-        f"|---|---:|---:|",
+        md_table(["metric", "1 client", f"{many['clients']} clients"], rows[1:], align="lrr"),
     ]
-    lines += [f"| {a} | {b} | {c} |" for a, b, c in rows[1:]]
     lines += [
         "", f"Throughput at {many['clients']} clients / 1 client: **{ratio:.2f}x** (target >= 3x).", "",
         engine_ceiling(one, many), "",

@@ -50,6 +50,7 @@ import jax  # noqa: E402
 import numpy as np  # noqa: E402
 
 import jaxkv  # noqa: E402
+from eval.common.tables import md_header, md_row  # noqa: E402
 from eval.quality.harness import EVAL_SEED_BASE  # noqa: E402
 from jaxkv.serving.scheduler import DECODE_CHUNK  # noqa: E402
 
@@ -171,15 +172,14 @@ def bench_model(name: str, levels, turns: int, out, decode_chunk: int = DECODE_C
         f"{turns} turns per session, up to {max_new} new tokens per turn, decode chunk {decode_chunk}; warm-up {p} passes; "
         f"medians of {repeats} timed runs per level, {timed_compiles} XLA compiles inside them:",
         "",
-        "| sessions | turns | generated tokens | wall s | aggregate tok/s | x 1 session | decode tok/s | x 1 session | tokens per decode call | p50 turn s | p95 turn s |",
-        "|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
+        *md_header(["sessions", "turns", "generated tokens", "wall s", "aggregate tok/s", "x 1 session", "decode tok/s", "x 1 session",
+                    "tokens per decode call", "p50 turn s", "p95 turn s"], "r" * 11),
     ]
     for n in levels:
         r = rows[n]
-        lines.append(
-            f"| {n} | {r['turns']} | {r['tokens']} | {r['wall_s']:.1f} | {r['tok_s']:.1f} | {r['tok_s'] / base['tok_s']:.2f}x | "
-            f"{r['decode_tok_s']:.1f} | {r['decode_tok_s'] / base['decode_tok_s']:.2f}x | {r['per_call']:.1f} | {r['p50']:.2f} | {r['p95']:.2f} |"
-        )
+        lines.append(md_row([n, r["turns"], r["tokens"], f"{r['wall_s']:.1f}", f"{r['tok_s']:.1f}", f"{r['tok_s'] / base['tok_s']:.2f}x",
+                             f"{r['decode_tok_s']:.1f}", f"{r['decode_tok_s'] / base['decode_tok_s']:.2f}x", f"{r['per_call']:.1f}",
+                             f"{r['p50']:.2f}", f"{r['p95']:.2f}"]))
     top = max(levels)
     lines += ["", f"{top} sessions reach **{rows[top]['decode_tok_s'] / base['decode_tok_s']:.2f}x** one session's decode tokens/s "
               f"({rows[top]['decode_tok_s']:.1f} vs {base['decode_tok_s']:.1f}; targets at 8 sessions: >= 2x on the embedded model, "

@@ -29,6 +29,7 @@ import tempfile
 from pathlib import Path
 
 from eval.common.servers import ServerProcess, free_port, metric
+from eval.common.tables import md_table
 
 
 def start(args, cache: str, log: Path) -> dict:
@@ -82,10 +83,10 @@ def main(argv=None) -> int:
         f"programs (rows x window width), {shapes.size} in all; the warm-up also compiles the feature-capturing "
         "variants the allowed policies need, their event programs and the turn pipeline's small programs.",
         "",
-        "| start | seconds to an open port | warm-up: XLA programs compiled or loaded | warm-up seconds | loaded from the cache |",
-        "|---|---:|---:|---:|---:|",
+        md_table(["start", "seconds to an open port", "warm-up: XLA programs compiled or loaded", "warm-up seconds", "loaded from the cache"],
+                 [[label, f"{r['port_open_s']:.1f}", r["warmup_programs"], f"{r['warmup_s']:.1f}", r["cache_hits"]] for label, r in runs],
+                 align="lrrrr"),
     ]
-    lines += [f"| {label} | {r['port_open_s']:.1f} | {r['warmup_programs']} | {r['warmup_s']:.1f} | {r['cache_hits']} |" for label, r in runs]
     text = "\n".join(lines) + "\n"
     print(text)
     if args.out:

@@ -30,6 +30,8 @@ from pathlib import Path
 
 import numpy as np
 
+from eval.common.tables import md_table
+
 ROOT = Path(__file__).resolve().parents[2]
 OLD = "44e9456"  # main before the token-budget engine
 TOL = 1e-5
@@ -112,11 +114,10 @@ def main() -> None:
         "all logits plus teacher-forced decode steps (`row0`, `row1`) and a prefill over a prefix with evicted",
         f"holes (`holes`). Bound: {TOL:g}.",
         "",
-        "| model | row0 | row1 | holes | worst | within bound |",
-        "|---|---:|---:|---:|---:|---|",
+        md_table(["model", "row0", "row1", "holes", "worst", "within bound"],
+                 [[name, f"{per['row0']:.1e}", f"{per['row1']:.1e}", f"{per['holes']:.1e}", f"{worst:.1e}", "yes" if worst <= TOL else "NO"]
+                  for name, worst, per in rows], align="lrrrrl"),
     ]
-    for name, worst, per in rows:
-        lines.append(f"| {name} | {per['row0']:.1e} | {per['row1']:.1e} | {per['holes']:.1e} | {worst:.1e} | {'yes' if worst <= TOL else 'NO'} |")
     Path(args.out).write_text("\n".join(lines) + "\n")
     print(f"wrote {args.out}")
     if any(worst > TOL for _, worst, _ in rows):

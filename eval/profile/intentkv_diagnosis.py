@@ -38,6 +38,8 @@ from pathlib import Path
 import numpy as np
 from tqdm import tqdm
 
+from eval.common.tables import md_header, md_row
+
 KINDS = ("value", "doc_id", "key", "word", "punct", "other")
 
 
@@ -163,17 +165,14 @@ def diagnose(args) -> dict:
 
 
 def summary(result) -> str:
-    lines = ["| cell | accuracy | turns ok/wrong (full ok) | read lost: ok turns | wrong turns | wrong turns with a loss | "
-             + " | ".join(f"lost {k} (wrong)" for k in KINDS) + " | lost labelled (wrong) |",
-             "|---|---:|---:|---:|---:|---:|" + "---:|" * len(KINDS) + "---:|"]
+    lines = md_header(["cell", "accuracy", "turns ok/wrong (full ok)", "read lost: ok turns", "wrong turns", "wrong turns with a loss",
+                       *(f"lost {k} (wrong)" for k in KINDS), "lost labelled (wrong)"], "l" + "r" * (len(KINDS) + 6))
     for name, st in result["cells"].items():
-        g = lambda k: st.get(k, 0.0)
+        g = lambda k: st.get(k, 0.0)  # noqa: E731
         acc = g("correct") / max(g("scored"), 1)
-        lines.append(
-            f"| {name} | {acc:.3f} | {g('turns_ok'):.0f}/{g('turns_wrong'):.0f} | "
-            f"{g('lost_ok') / max(g('read_ok'), 1):.3f} | {g('lost_wrong') / max(g('read_wrong'), 1):.3f} | "
-            f"{g('turns_wrong_any_lost'):.0f} | "
-            + " | ".join(f"{g(f'lost_wrong_{k}'):.0f}" for k in KINDS) + f" | {g('lost_wrong_labelled'):.0f} |")
+        lines.append(md_row([name, f"{acc:.3f}", f"{g('turns_ok'):.0f}/{g('turns_wrong'):.0f}", f"{g('lost_ok') / max(g('read_ok'), 1):.3f}",
+                             f"{g('lost_wrong') / max(g('read_wrong'), 1):.3f}", f"{g('turns_wrong_any_lost'):.0f}",
+                             *(f"{g(f'lost_wrong_{k}'):.0f}" for k in KINDS), f"{g('lost_wrong_labelled'):.0f}"]))
     c = next(iter(result["cells"].values()))
     lines.append("")
     lines.append("read positions by kind (all cells' turns): " + ", ".join(f"{k} {c.get(f'read_{k}', 0):.0f}" for k in KINDS)

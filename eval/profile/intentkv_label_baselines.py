@@ -19,6 +19,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from eval.common.tables import md_table
 from train.intentkv_head import BUDGETS
 
 
@@ -65,9 +66,9 @@ def main(argv=None):
                         k, t = hits.get((name, B), (0, 0))
                         hits[(name, B)] = (k + int((kept & pos).sum()), t + int(pos.sum()))
     print("held-out positives by token kind:", kinds)
-    print("| scorer | " + " | ".join(f"recall B={B}" for B in BUDGETS) + " |")
-    for name in dict.fromkeys(name for name, _ in hits):
-        print(f"| {name} | " + " | ".join(f"{hits[(name, B)][0] / max(hits[(name, B)][1], 1):.3f}" for B in BUDGETS) + " |")
+    print(md_table(["scorer", *(f"recall B={B}" for B in BUDGETS)],
+                   [[name, *(f"{hits[(name, B)][0] / max(hits[(name, B)][1], 1):.3f}" for B in BUDGETS)] for name in dict.fromkeys(n for n, _ in hits)],
+                   align="l" + "r" * len(BUDGETS)))
 
 
 if __name__ == "__main__":

@@ -25,6 +25,7 @@ import torch  # noqa: E402
 
 import hf_models  # noqa: E402
 import jaxkv  # noqa: E402
+from eval.common.tables import md_header, md_row  # noqa: E402
 
 
 def _rel(got, ref):
@@ -33,8 +34,7 @@ def _rel(got, ref):
 
 def main() -> None:
     rng = np.random.default_rng(0)
-    print("| family | f32 logits | bf16 logits | paged prefill+decode | greedy 32 tokens = HF |")
-    print("|---|---:|---:|---:|---|")
+    print("\n".join(md_header(["family", "f32 logits", "bf16 logits", "paged prefill+decode", "greedy 32 tokens = HF"], "lrrrl")))
     for family in ("qwen2", "qwen3", "llama"):
         with tempfile.TemporaryDirectory() as folder:
             tm = hf_models.build(family, folder)
@@ -58,7 +58,7 @@ def main() -> None:
             mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts])
             with torch.no_grad():
                 hf = tm.generate(batch, attention_mask=mask, max_new_tokens=32, min_new_tokens=32, do_sample=False, pad_token_id=0)[:, width:].tolist()
-            print(f"| {family} | {e32:.2e} | {e16:.2e} | {epd:.2e} | {ours == hf} |", flush=True)
+            print(md_row([family, f"{e32:.2e}", f"{e16:.2e}", f"{epd:.2e}", ours == hf]), flush=True)
 
 
 if __name__ == "__main__":

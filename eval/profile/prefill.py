@@ -28,6 +28,7 @@ import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 
 import jaxkv  # noqa: E402
+from eval.common.tables import md_header, md_row  # noqa: E402
 from jaxkv.engine import Engine  # noqa: E402
 from jaxkv.pallas.ragged_attention import KEY_BLOCK, PoolReader, ragged_attention_blocked  # noqa: E402
 
@@ -99,16 +100,16 @@ def main(argv=None) -> int:
     print(f"Prefill of {args.tokens} tokens in {args.chunk}-token steps, {args.model} ({L} layers), "
           f"{jax.devices()[0].platform}, {os.cpu_count()} cores; float32 GEMM rate {gemm:.0f} GFLOP/s; "
           f"load average before {load0[0]:.2f}\n")
-    print("| step starts at | tokens | step s | attention s (all layers) | attention GFLOP/s | rest s | rest GFLOP/s | attention share |")
-    print("|---:|---:|---:|---:|---:|---:|---:|---:|")
+    print("\n".join(md_header(["step starts at", "tokens", "step s", "attention s (all layers)", "attention GFLOP/s", "rest s", "rest GFLOP/s",
+                               "attention share"], "r" * 8)))
     total = att_total = att_flops_total = 0.0
     for before, n, secs in step_times:
         att = attention_seconds(cfg, before, n) * L
         att_flops = 4 * L * Hq * D * n * (before + (n + 1) / 2)
         rest = secs - att
         total, att_total, att_flops_total = total + secs, att_total + att, att_flops_total + att_flops
-        print(f"| {before} | {n} | {secs:.2f} | {att:.2f} | {att_flops / att / 1e9:.0f} | {rest:.2f} | "
-              f"{linear_per_token * n / max(rest, 1e-9) / 1e9:.0f} | {att / secs:.0%} |")
+        print(md_row([before, n, f"{secs:.2f}", f"{att:.2f}", f"{att_flops / att / 1e9:.0f}", f"{rest:.2f}",
+                      f"{linear_per_token * n / max(rest, 1e-9) / 1e9:.0f}", f"{att / secs:.0%}"]))
     whole = (att_flops_total + linear_per_token * args.tokens) / total / 1e9
     print(f"\nTotal {total:.1f} s, of which attention {att_total:.1f} s ({att_total / total:.0%}, "
           f"{att_flops_total / att_total / 1e9:.0f} GFLOP/s); the whole prefill at {whole:.0f} GFLOP/s = "
