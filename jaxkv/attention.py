@@ -114,7 +114,7 @@ CAUSAL_BLOCK = 128
 
 # On a GPU each block is its own small set of kernels, unrolled per layer, and that
 # costs compile time and run time alike. Measured on an H200 in bf16
-# (``eval/prefill_probe.py``, ``eval/results/device_NVIDIA_H200_logs/run4``): SmolLM2's
+# (``eval/prefill_probe.py``, since removed; ``eval/results/device_NVIDIA_H200_logs/run4``): SmolLM2's
 # dense forward of 2,048 tokens compiled in 36.1 s and ran in 20.7 ms at 128 rows,
 # 5.4 s and 16.8 ms as one block; the engine's 2,048-token prefill in 512-token
 # chunks took 46.8 s to compile and 56 ms warm at 128 rows, 24.3 s and 44 ms at 512.

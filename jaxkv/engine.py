@@ -81,7 +81,7 @@ from jaxkv.pallas.ragged_attention import ragged_backend
 from jaxkv.sampling import RowSamplers, make_sampler, sample
 from jaxkv.step import NO_FEATURES, DecodeBatch, Features, StepBatch, cache_sharding, gather_window, run_decode, run_step
 
-PREFILL_CHUNK = 512  # tokens per prefill step; chosen by eval/bench_prefill.py (README)
+PREFILL_CHUNK = 512  # tokens per prefill step; chosen by eval/bench/prefill.py (README)
 FIRST_TOKEN_KEY = 1 << 30  # the first reply token is drawn with fold_in(key, this)
 
 
@@ -131,7 +131,7 @@ class KVSource:
     a prefill stores the K/V it computes, and no forward runs.
 
     What it is for: branching one full-precision prefill into pools of other
-    formats (``eval.real_model``'s quantized cells). A chunked prefill on a
+    formats (``eval.quality.real_model``'s quantized cells). A chunked prefill on a
     quantized pool attends to the *dequantized* earlier chunks; an imported one
     holds the K/V of a full-precision forward, which is what a quantized prefill
     of the whole prompt in one chunk stores (the papers' protocol: KIVI,
@@ -935,7 +935,7 @@ class Engine:
         lists (``jaxkv.step.gather_window``) instead of gathering key blocks from
         the pool every step. On the CPU (the blocked attention) the copy's
         contiguous blocks read several times faster than gathered ones
-        (``eval/bench_decode.py`` prints both). It is taken while the copy is no
+        (``eval/bench/decode.py`` prints both). It is taken while the copy is no
         larger than the pool (``B * width <= S``), never by a kernel backend, a
         pool whose ``uses_window`` is false (a quantized pool reads its packed
         rows) or a mesh."""

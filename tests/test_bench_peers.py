@@ -1,4 +1,4 @@
-"""The peer bench's driver (eval/bench_peers.py) on a stub OpenAI server: the same
+"""The peer bench's driver (eval/bench/peers.py) on a stub OpenAI server: the same
 client code that times jaxkv, vLLM and llama.cpp, checked without installing a peer.
 
 The stub streams a known reply (one token per chunk, a fixed delay before the
@@ -17,7 +17,7 @@ import pytest
 
 openai = pytest.importorskip("openai")
 
-from eval import bench_peers  # noqa: E402
+from eval.bench import peers as bench_peers  # noqa: E402
 
 FIRST_TOKEN_DELAY = 0.05
 
@@ -117,3 +117,15 @@ def test_percentile_interpolates_and_ignores_missing():
     assert bench_peers.percentile([3, 1, None, 2], 0.5) == 2
     assert bench_peers.percentile([1, 2], 0.95) == pytest.approx(1.95)
     assert bench_peers.percentile([], 0.5) != bench_peers.percentile([], 0.5)  # nan
+
+
+def test_peer_environments_live_in_the_one_user_cache(tmp_path, monkeypatch):
+    """The peers' virtual environments follow ``jaxkv.models.registry.user_cache_dir``:
+    ``$XDG_CACHE_HOME`` moves them, ``$JAXKV_CACHE`` wins over it."""
+    from eval.bench import peer_stacks
+
+    monkeypatch.delenv("JAXKV_CACHE", raising=False)
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "xdg"))
+    assert peer_stacks.VLLM.venv == tmp_path / "xdg" / "jaxkv" / "peers" / peer_stacks.VLLM.name
+    monkeypatch.setenv("JAXKV_CACHE", str(tmp_path / "mine"))
+    assert peer_stacks.LLAMA_CPP.venv == tmp_path / "mine" / "peers" / peer_stacks.LLAMA_CPP.name

@@ -1,6 +1,6 @@
 """KV pools sized by memory (``kv_memory_bytes``), the admission credit for a
 session's own cached history, and the fixed-memory capacity bench's sizing and
-report (``eval/bench_capacity.py``; no timing here)."""
+report (``eval/bench/capacity.py``; no timing here)."""
 
 import jax
 import numpy as np
@@ -96,7 +96,7 @@ def test_a_full_pool_serves_a_sessions_next_turn_without_evicting_anyone(quant_m
 
 def test_capacity_bench_holds_sessions_in_proportion_to_bytes_and_renders():
     import jaxkv
-    from eval import bench_capacity as bench
+    from eval.bench import capacity as bench
 
     model = jaxkv.load_model("embedded")
     plans = bench.plans(model, 24, 256, 2, 8)
@@ -116,9 +116,9 @@ def test_capacity_bench_holds_sessions_in_proportion_to_bytes_and_renders():
              "prefilled": 100 * held[k], "generated": 16 * held[k], "wall_s": 2.0, "compile_s": 1.0, "programs": 3,
              "gen_tok_s": 8.0 * held[k], "served_tok_s": 58.0 * held[k], "radix_evicted": 0, "reprefilled_turns": 0, "errors": []}
             for k in held]
-    meta = {"model": "embedded", "command": "python eval/bench_capacity.py --model embedded", "machine": bench.machine(),
+    meta = {"model": "embedded", "command": "python -m eval.bench.capacity --model embedded", "machine": bench.machine(),
             "jax": jax.__version__, "backend": "cpu", "threads": bench.threads(), "load_before": bench.load(),
             "load_after": bench.load(), "budget": budget, "budget_note": "test", "workload": "test"}
     text = bench.render_report(meta, rows)
-    assert "| float |" in text and "| int4 |" in text and "python eval/bench_capacity.py --model embedded" in text
+    assert "| float |" in text and "| int4 |" in text and "python -m eval.bench.capacity --model embedded" in text
     assert f"{held['int4'] / held['float']:.2f}x" in text and "Goal (issue #60)" in text

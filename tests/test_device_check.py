@@ -1,4 +1,4 @@
-"""The device check (``eval/device_check.py``) without a device: its CPU dry run end to
+"""The device check (``eval/device/check.py``) without a device: its CPU dry run end to
 end, its report writer on a recorded result, and its per-part watchdog."""
 
 from __future__ import annotations
@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from eval import device_check, device_report
+from eval.device import check as device_check, report as device_report
 
 REPO = Path(__file__).resolve().parent.parent
 FIXTURE = Path(__file__).resolve().parent / "data" / "device_check_results.json"
@@ -31,7 +31,7 @@ def test_dry_run_writes_every_table_marked_dry_run(tmp_path):
     out = tmp_path / "report.md"
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")]))
     proc = subprocess.run(
-        [sys.executable, "eval/device_check.py", "--dry-run", "--out", str(out), "--logs", str(tmp_path / "logs")],
+        [sys.executable, "-m", "eval.device.check", "--dry-run", "--out", str(out), "--logs", str(tmp_path / "logs")],
         cwd=REPO, env=env, capture_output=True, text=True, timeout=600,
     )  # fmt: skip
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
@@ -168,7 +168,7 @@ def test_prefill_programs_counts_the_programs_a_fresh_engine_compiles():
     import jax
 
     import jaxkv
-    from eval.bench_prefill import prefill_programs
+    from eval.bench.prefill import prefill_programs
     from jaxkv.engine import Engine
     from jaxkv.step import run_step
 

@@ -32,8 +32,8 @@ def test_shipped_files_are_complete_and_small():
 
 def test_reaches_80_percent_on_12_heldout_examples(model):
     """6 MQ-NIAH (4 needles, both turns: 12 scored turns) + 6 agent traces, full cache,
-    >= 2,048 tokens: a regression guard (eval/embedded_accuracy.py measures 200 per task)."""
-    from eval.embedded_accuracy import evaluate
+    >= 2,048 tokens: a regression guard (eval/quality/embedded_accuracy.py measures 200 per task)."""
+    from eval.quality.embedded_accuracy import evaluate
 
     rows, request_tokens, _ = evaluate(model, n=6, length=EVAL_LENGTH, batch=6, verbose=False)
     overall = {r["task"]: r["acc"] for r in rows if r["scored"] == "all scored turns"}
@@ -45,7 +45,7 @@ def test_reaches_80_percent_on_12_heldout_examples(model):
 
 def test_transformers_gives_the_same_greedy_continuation():
     pytest.importorskip("torch")
-    from eval.embedded_parity import run_parity
+    from eval.quality.embedded_parity import run_parity
 
     matches, n, details = run_parity("embedded", n=4, max_new_tokens=32, verbose=False)
     assert matches == n, [(plen, a, b) for plen, a, b in details if a != b]

@@ -1,6 +1,6 @@
-"""eval/kvpress_side.py: the shared prefill equals kvpress's own path.
+"""eval/quality/kvpress_side.py: the shared prefill equals kvpress's own path.
 
-kvpress is not in the test extra (eval/requirements-kvpress.txt installs it), so
+kvpress is not in the test extra (eval/quality/requirements-kvpress.txt installs it), so
 these tests skip without it. With it, on SmolLM2-135M-Instruct and a short passkey
 example: every press's compressed cache from the one shared prefill equals what
 ``with press(model): model(ids, past_key_values=cache)`` leaves (bit for bit), and
@@ -15,9 +15,9 @@ import json
 
 import pytest
 
-from eval import kvpress_side as K
+from eval.quality import kvpress_side as K
 
-pytestmark = pytest.mark.skipif(not K.kvpress_available(), reason="kvpress not installed (eval/requirements-kvpress.txt)")
+pytestmark = pytest.mark.skipif(not K.kvpress_available(), reason="kvpress not installed (eval/quality/requirements-kvpress.txt)")
 
 LENGTH = 320
 

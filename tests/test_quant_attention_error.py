@@ -1,4 +1,4 @@
-"""The format round trips behind ``eval/quant_attention_error.py`` (issue #26, item 3):
+"""The format round trips behind ``eval/quality/quant_attention_error.py`` (issue #26, item 3):
 4-bit key pages, KIVI's full-precision window and the page-completion rule, and an
 error of zero when nothing is quantized."""
 
@@ -8,7 +8,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from eval import quant_attention_error as qae
+from eval.quality import quant_attention_error as qae
 from jaxkv.pallas.quant import dequantize_int2_keys, key_pages_round_trip, quantize_int2_keys
 
 

@@ -1,4 +1,4 @@
-"""The real-model evaluation's branching (``eval.real_model``) and its budget rule.
+"""The real-model evaluation's branching (``eval.quality.real_model``) and its budget rule.
 
 Every cell of an example is branched from one prefill: the probe captures what
 every cell's policy observes, each cell runs its compression event on those
@@ -20,7 +20,7 @@ import pytest
 from flax import nnx
 
 import jaxkv
-from eval.real_model import Cell, ProbeStage, _retention_stage, branch_program, budget_for_ratio
+from eval.quality.real_model import Cell, ProbeStage, _retention_stage, branch_program, budget_for_ratio
 from jaxkv.serving import Session
 from jaxkv.serving.pipeline import Turn, run_to_completion
 from jaxkv.tasks import haystack, token_plan
@@ -106,7 +106,7 @@ def test_a_branched_cell_is_its_policy_alone(shallow):
 def test_lm_cells_compress_the_text_to_their_budget(shallow):
     """The ``lm`` task's raw text has no chat messages, so nothing in it is protected:
     each cell keeps its ratio's budget and its continuation's NLL and KL move."""
-    from eval.real_model import positions_for, run_example
+    from eval.quality.real_model import positions_for, run_example
 
     example = haystack.examples("lm", 1, length=512, tokenizer=shallow.tokenizer)[0]
     cells = [Cell(None), Cell("snapkv", 0.5), Cell("streaming_llm", 0.75)]
@@ -123,7 +123,7 @@ def test_quant_cells_run_each_format_on_its_own_pool(shallow):
     """``--kv-quant``: the float pool's full cache is the reference (KL 0) and each
     format's full cache, written by its own prefill, moves the continuation's NLL
     and KL without evicting anything."""
-    from eval.real_model import positions_for, run_quant_example
+    from eval.quality.real_model import positions_for, run_quant_example
 
     example = haystack.examples("lm", 1, length=512, tokenizer=shallow.tokenizer)[0]
     record = run_quant_example(shallow, example, "agnostic", ["int4"], positions=positions_for(512))  # one format: suite time
@@ -139,7 +139,7 @@ def test_imported_quant_prefill_is_the_one_chunk_prefill(shallow):
     pool give the cell a request prefilled in one chunk would give. A 512-token
     request is one chunk for the session's own prefill too, so both protocols must
     agree to the rounding of two programs computing the same K/V."""
-    from eval.real_model import positions_for, run_quant_example
+    from eval.quality.real_model import positions_for, run_quant_example
 
     example = haystack.examples("lm", 1, length=512, tokenizer=shallow.tokenizer)[0]
     chunked = run_quant_example(shallow, example, "agnostic", ["int4"], positions=positions_for(512))
@@ -155,7 +155,7 @@ def test_imported_quant_prefill_is_the_one_chunk_prefill(shallow):
 
 
 def test_format_specs_name_a_mode_its_budget_and_allocation():
-    from eval.real_model import format_options
+    from eval.quality.real_model import format_options
 
     assert format_options("int4") == {"kv_quant": "int4"}
     assert format_options("triaxial@2.6", {"x": 1}) == {"kv_quant": "triaxial", "kv_bits": 2.6, "kv_allocation": {"x": 1}}
@@ -168,7 +168,7 @@ def test_quant_report_counts_scales_and_kivis_float_window():
     KIVI-4's pages store as INT4 does (5 bits)."""
     from types import SimpleNamespace
 
-    from eval.real_model_quant_report import storage
+    from eval.quality.real_model_quant_report import storage
 
     cfg = SimpleNamespace(head_dim=64, num_layers=30, num_kv_heads=3)
     int4, kivi2 = storage("int4", 2048, cfg), storage("kivi2", 2048, cfg)
@@ -180,7 +180,7 @@ def test_quant_report_counts_scales_and_kivis_float_window():
 
 
 def test_quant_report_names_imported_prefill_cells_and_stores_them_as_their_format():
-    from eval.real_model_quant_report import format_of
+    from eval.quality.real_model_quant_report import format_of
 
     assert format_of("kv:kivi2") == ("kivi2", "kivi2")
     assert format_of("kv:kivi2/imported") == ("kivi2", "kivi2, imported prefill")
@@ -192,8 +192,8 @@ def test_quant_report_merges_formats_added_by_another_journal(tmp_path):
     already journaled: cells merge by example, the first journal's full cache kept."""
     import json
 
-    from eval.real_model_quant_report import compute_table as rep_compute
-    from eval.real_model_quant_report import merged
+    from eval.quality.real_model_quant_report import compute_table as rep_compute
+    from eval.quality.real_model_quant_report import merged
 
     def write(name, seeds, cells):
         with (tmp_path / name).open("w") as f:
@@ -216,11 +216,11 @@ def test_quant_report_merges_formats_added_by_another_journal(tmp_path):
 
 
 def test_report_merges_the_cells_of_one_example_across_journals(tmp_path):
-    """``eval.real_model --journal examples_<name>.jsonl`` adds methods to examples
+    """``eval.quality.real_model --journal examples_<name>.jsonl`` adds methods to examples
     already journaled; the report reads every examples*.jsonl and merges by example."""
     import json
 
-    from eval import real_model_report as rep
+    from eval.quality import real_model_report as rep
 
     side = tmp_path / "jaxkv"
     side.mkdir()
@@ -242,7 +242,7 @@ def test_head_fidelity_pairs_answer_nll_increases_against_the_rule_and_a_best_ba
     """Issue #27 on passkey/niah: each cell's answer NLL minus its own side's full
     cache, the head paired with its rule and with the best baseline; a baseline run
     on fewer than half of the head's examples (a pilot) cannot be the best."""
-    from eval import real_model_report as rep
+    from eval.quality import real_model_report as rep
 
     seeds = range(10)
     def side(full, cells):
@@ -295,7 +295,7 @@ def test_quant_report_counts_a_cells_recorded_precisions_and_pools_niah(tmp_path
     import json
     from types import SimpleNamespace
 
-    from eval import real_model_quant_report as rep
+    from eval.quality import real_model_quant_report as rep
 
     cfg = SimpleNamespace(head_dim=64, num_layers=30, num_kv_heads=3)
     int2, int4 = 0.75 * 64 * 30 * 3, 1.25 * 64 * 30 * 3  # bytes per token: INT2 3 bits, INT4 5 bits per element
@@ -328,7 +328,7 @@ def test_repair_is_set_beside_kvpress_at_its_own_live_budget():
     """RepairKV answers with B + K live rows (the matched cell's budget): the kvpress
     ratio whose cells keep about that many tokens is found by their recorded kept
     counts, and its best press returned; no such ratio, no comparison."""
-    from eval import real_model_report as rep
+    from eval.quality import real_model_report as rep
 
     matched = {s: {"budget": 1150, "tf_correct": False} for s in range(4)}
     kp = {"full": {s: {"kept": 2044, "tf_correct": True} for s in range(4)},
@@ -343,11 +343,11 @@ def test_repair_is_set_beside_kvpress_at_its_own_live_budget():
 
 
 def test_reuse_section_pairs_each_mode_with_the_full_recompute(tmp_path):
-    """eval.real_model_reuse's journal: per mode its scores, spliced tokens, the units
+    """eval.quality.real_model_reuse's journal: per mode its scores, spliced tokens, the units
     computed as a share of prefix caching alone, and the paired gain against none."""
     import json
 
-    from eval import real_model_report as rep
+    from eval.quality import real_model_report as rep
 
     folder = tmp_path / "reuse"
     folder.mkdir()
@@ -370,7 +370,7 @@ def test_a_resumed_repair_run_adds_only_the_trio_cells_an_example_lacks():
     """Two RepairKV trios (K = 128 and 256) share the no-repair cell: a resumed run of
     the second appends its two new cells to examples the first journaled, and runs
     nothing for an example that holds them; the retention grid skips any journaled example."""
-    from eval.real_model import Cell, cells_to_run, session_cells
+    from eval.quality.real_model import Cell, cells_to_run, session_cells
 
     first = session_cells("snapkv", 0.5, 128)
     second = session_cells("snapkv", 0.5, 256)
@@ -388,7 +388,7 @@ def test_compute_section_projects_each_rows_size_at_its_median_seconds(tmp_path)
     example; kvpress's records give each setting's seconds; a row left out (full cache below the ceiling) is not projected."""
     import json
 
-    from eval.real_model_report import REQUIRED_EXAMPLES, compute_section
+    from eval.quality.real_model_report import REQUIRED_EXAMPLES, compute_section
 
     (tmp_path / "jaxkv").mkdir()
     (tmp_path / "kvpress").mkdir()
@@ -417,7 +417,7 @@ def test_compute_section_takes_a_rows_rate_from_its_pinned_examples_once_it_has_
     its rate is their median alone, and the hours spent still count every example."""
     import json
 
-    from eval.real_model_report import PINNED_LOAD, PINNED_MIN, REQUIRED_EXAMPLES, compute_section
+    from eval.quality.real_model_report import PINNED_LOAD, PINNED_MIN, REQUIRED_EXAMPLES, compute_section
 
     one = {"threads": "--xla_cpu_multi_thread_eigen=false intra_op_parallelism_threads=1", "cpus": 1}
     two = {"threads": "--xla_cpu_multi_thread_eigen=true intra_op_parallelism_threads=2"}
@@ -440,7 +440,7 @@ def test_random_cells_draw_per_example_and_other_cells_keep_their_options(shallo
     """The random control's seed comes from the example (the policy's default is 0 in
     every session, which would keep one index set for a whole run); a seed the cell
     sets is kept, and other methods' options are untouched."""
-    from eval.real_model import cell_options
+    from eval.quality.real_model import cell_options
 
     tok = shallow.tokenizer
     a, b = haystack.examples("passkey", 2, length=384, tokenizer=tok)

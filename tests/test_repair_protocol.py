@@ -10,7 +10,7 @@ import csv
 import numpy as np
 import pytest
 
-from eval import repair_protocol as rp
+from eval.quality import repair_protocol as rp
 
 
 def _args(task_model_dir, out, *extra):
@@ -38,7 +38,7 @@ def test_forked_cells_equal_fresh_replays(task_model_dir, monkeypatch):
     """Every repair cell of ``example_verdicts`` (turn 1 once, then a fork per
     (policy, K)) generates what a fresh session for that cell generates."""
     import jaxkv
-    from eval import harness
+    from eval.quality import harness
     from jaxkv.tasks import mqniah
 
     reply = lambda target, generated: generated.get("content")  # noqa: E731  (compare replies, not verdicts)

@@ -108,7 +108,7 @@ def test_differences_are_explained_by_the_first_flip_or_token():
 def test_eight_concurrent_sessions_reply_as_if_alone(length):
     """8 sessions x 3 trace lengths: every batched reply equals the session's solo
     reply, or differs through a near tie of the solo run (logged with its margin)."""
-    from eval.harness import EVAL_SEED_BASE
+    from eval.quality.harness import EVAL_SEED_BASE
     from jaxkv.tasks import agent_traces
 
     model = jaxkv.load_model("embedded")

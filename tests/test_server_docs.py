@@ -39,10 +39,10 @@ def test_doc_command_lines_parse(line):
         assert args.func is cli._cmd_serve
         rules_from_args(args)
         return
-    assert words[:2] == ["python", "eval/bench_server.py"], line
-    from eval.bench_server import build_parser
+    assert words[:3] == ["python", "-m", "eval.bench.server"], line
+    from eval.bench.server import build_parser
 
-    build_parser().parse_args(words[2:])
+    build_parser().parse_args(words[3:])
 
 
 def test_serve_flags_become_session_rules():

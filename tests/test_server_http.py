@@ -388,7 +388,7 @@ def embedded():
 
 @needs_embedded
 def test_agent_trace_solved_through_tool_call_round_trips(embedded):
-    from eval.harness import EVAL_SEED_BASE, reply_matches
+    from eval.quality.harness import EVAL_SEED_BASE, reply_matches
     from jaxkv.demo import MAX_AGENT_STEPS, ToolEnvironment
     from jaxkv.tasks import agent_traces
 

@@ -1,4 +1,4 @@
-"""eval/token_sets.py: where the top-k is taken, at equal KV.
+"""eval/quality/token_sets.py: where the top-k is taken, at equal KV.
 
 On synthetic scores: ``layer`` keeps the top-k of the head mean in every head of a
 layer, ``one`` the top-k of the mean over layers and heads in every layer, and all
@@ -18,9 +18,9 @@ import types
 import numpy as np
 import pytest
 
-from eval import kvpress_side as K
+from eval.quality import kvpress_side as K
 
-needs_kvpress = pytest.mark.skipif(not K.kvpress_available(), reason="kvpress not installed (eval/requirements-kvpress.txt)")
+needs_kvpress = pytest.mark.skipif(not K.kvpress_available(), reason="kvpress not installed (eval/quality/requirements-kvpress.txt)")
 
 LAYERS, HEADS, N, DIM = 3, 2, 40, 4
 
@@ -48,7 +48,7 @@ def kept_positions(keys) -> np.ndarray:
 def run_cells(ratio: float, table):
     import torch
 
-    from eval import token_sets as T
+    from eval.quality import token_sets as T
 
     full = []
     for _ in range(LAYERS):
@@ -93,7 +93,7 @@ def test_granularity_decides_only_where_the_top_k_is_taken(ratio):
 
 @needs_kvpress
 def test_unknown_granularity_is_refused():
-    from eval import token_sets as T
+    from eval.quality import token_sets as T
 
     with pytest.raises(ValueError, match="granularity"):
         T.TokenSetPress(fake_press(0.5, None), "kv_head")
@@ -103,7 +103,7 @@ def test_unknown_granularity_is_refused():
 def test_on_smollm2_head_cells_are_the_presses_own(smollm2_gguf):
     import torch
 
-    from eval import token_sets as T
+    from eval.quality import token_sets as T
     from jaxkv import tasks
 
     torch.set_num_threads(1)
@@ -134,7 +134,7 @@ def test_accumulated_attention_is_the_raw_sum_with_h2os_recent_floor():
     number of queries that saw each token, the last ``recent`` positions kept."""
     import torch
 
-    from eval import token_sets as T
+    from eval.quality import token_sets as T
 
     K.import_kvpress()
     n, q_heads, kv_heads = 48, 4, 2
@@ -169,7 +169,7 @@ def test_report_scores_lm_by_nll_increase_and_sets_one_set_cells_beside_jaxkv(tm
     examples both ran (jaxkv minus one set, paired)."""
     import json
 
-    from eval import token_sets as T
+    from eval.quality import token_sets as T
 
     out, jaxkv = tmp_path / "token_sets", tmp_path / "jaxkv"
     out.mkdir(), jaxkv.mkdir()

@@ -166,7 +166,7 @@ def test_needle_drill_asks_every_needle_and_answers_from_the_document(tokenizer)
 
 
 def test_retrieval_probe_targets_are_copied_values(tokenizer):
-    from train.retrieval_probe import Formats
+    from train.copy_drills import Formats
 
     formats = Formats(tokenizer, 128, 8, 0.2)
     for name in ("repeat", "needles", "adjacent", "nospace"):

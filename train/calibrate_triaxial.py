@@ -10,7 +10,7 @@ synthetic tasks and its agent accuracy (below). A pretrained model
 calibrates on agent traces rendered with its template (tools inlined as text
 where the template has no tool section) and on the real-model passkey/niah tasks
 in their question-agnostic conversation (``jaxkv.tasks.haystack``; document,
-acknowledgement, question); its budget sweep runs ``eval.real_model``'s
+acknowledgement, question); its budget sweep runs ``eval.quality.real_model``'s
 quantized cells instead of the harness (a 135M model solves none of the agent
 turns; ``--sweep-prefill``: the imported protocol by default, one full-precision
 forward per example), passkey/niah teacher-forced accuracy (``--sweep-n`` each) and the ``lm``
@@ -48,7 +48,7 @@ evaluation harness):
    space and the two ablations (temporal or semantic axis collapsed, D and N
    recomputed on the coarser tags).
 5. **Budget sweep** B in {2.0, 2.2, ..., 4.0}: the calibration conversations are
-   replayed through the serving path (``eval.harness``) with the triaxial
+   replayed through the serving path (``eval.quality.harness``) with the triaxial
    allocation at each B (identical allocations run once); the calibrated B is the
    smallest whose accuracy over all scored turns of both tasks is within 1 point
    of full precision on the same conversations (none within a point: B = 4.0).
@@ -362,7 +362,7 @@ def attention_errors(captures, alloc, budget):
 def sweep(model_name, examples, alloc_dict, *, workers, max_new_tokens, length, log=print):
     """Calibration accuracy (pooled scored turns) of full precision and of the
     triaxial allocation at each budget; identical allocations run once."""
-    from eval import harness
+    from eval.quality import harness
     from jaxkv.policies.quant_allocation import Allocation
 
     alloc = Allocation.from_dict(alloc_dict)
@@ -407,14 +407,14 @@ def real_sweep(model, alloc_dict, *, n: int, length: int, log=print, journal: Pa
     """The real-model budget sweep (module docstring): full precision and the
     triaxial allocation at each budget (identical allocations once) on ``n``
     passkey, ``n`` niah (question-agnostic) and ``n`` lm examples, each example's
-    cells from ``eval.real_model.run_quant_example`` under its ``prefill`` protocol
+    cells from ``eval.quality.real_model.run_quant_example`` under its ``prefill`` protocol
     (``imported``: one full-precision forward per example, the papers' protocol;
     ``chunked``: each allocation's session prefills the request itself). With
     ``journal`` each example's cells are appended as it finishes; ``resume`` reuses
     those of the same allocations and protocol (a changed distortion table changes
     them: nothing reused)."""
-    from eval.harness import append_journal, load_journal
-    from eval.real_model import IMPORTED, positions_for, run_quant_example
+    from eval.quality.harness import append_journal, load_journal
+    from eval.quality.real_model import IMPORTED, positions_for, run_quant_example
     from jaxkv.policies.quant_allocation import Allocation
     from jaxkv.serving.stages.quantization import KVRecord, summarize
     from jaxkv.tasks import haystack
@@ -542,7 +542,7 @@ def main(argv=None) -> int:
     ap.add_argument("--workers", type=int, default=1)
     ap.add_argument("--sweep-n", type=int, default=8, help="real models: passkey, niah and lm examples of the sweep, each")
     ap.add_argument("--sweep-prefill", choices=("imported", "chunked"), default="imported",
-                    help="real models: the sweep's prefill protocol (eval.real_model --quant-prefill)")
+                    help="real models: the sweep's prefill protocol (eval.quality.real_model --quant-prefill)")
     ap.add_argument("--error-requests", type=int, default=None,
                     help="captures kept for the attention-error table (default: all; a real model's are large)")
     ap.add_argument("--out", default=None, help="the calibration file (default: where kv_quant='triaxial' finds it)")
@@ -569,7 +569,7 @@ def main(argv=None) -> int:
     out = Path(args.out) if args.out else default_out(model, args.model)
     tasks = [t for t in (args.tasks or ("agent,mqniah" if embedded else ",".join(REAL_TASKS))).split(",") if t]
     t0 = time.perf_counter()
-    from eval.harness import append_journal, load_journal
+    from eval.quality.harness import append_journal, load_journal
 
     work = Path(args.work or f"runs/calibrate-triaxial/{Path(args.model).name}")
     work.mkdir(parents=True, exist_ok=True)

@@ -405,7 +405,7 @@ def make_example(seed: int, seq_len: int, task: str) -> Example:
 
 
 # Example seeds: training draws below ``TRAIN_SEED_LIMIT``; held-out sets (this file's
-# ``heldout_sequences`` and ``eval.embedded_accuracy``) use seeds with bit 30 set.
+# ``heldout_sequences`` and ``eval.quality.embedded_accuracy``) use seeds with bit 30 set.
 TRAIN_SEED_LIMIT = 1 << 30
 HELDOUT_SEED_BASE = (1 << 30) + 3_000_000
 # Agent-trace skeletons (system prompt + tool schemas) take ~800-1400 tokens: shorter
@@ -550,14 +550,14 @@ RAW_DRILL_LEN, RAW_DRILL_BATCH = 128, 32
 
 
 def raw_drill_batch(tokenizer, seed: int, step: int) -> dict[str, np.ndarray]:
-    """A warm-up batch: half raw needle documents (``train.retrieval_probe`` format
+    """A warm-up batch: half raw needle documents (``train.copy_drills`` format
     ``needles``: no chat template, loss on the retrieved values only), half copied
     chunks of random tokens of any kind (format ``general``): the dense signal on
     which, from the ``copy`` init, retrieval heads form within ~100 steps, before the
     chat conversations, whose loss is mostly template and prose. Without the
     ``general`` half the heads learn to match on keys and values only, and copying a
     project name or document id after its cue (an agent trace's calls) stalls."""
-    from train.retrieval_probe import Formats, raw_batch
+    from train.copy_drills import Formats, raw_batch
 
     formats = Formats(tokenizer, RAW_DRILL_LEN, pairs=8, filler=0.2)
     # the probe's own batch seeds (``retrieval_probe.run``: seed * 1_000_003 + step, from 1)

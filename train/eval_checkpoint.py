@@ -7,7 +7,7 @@ nothing while the curriculum is still on short sequences (positions past the
 current stage were never trained). This restores ``--out/ckpt/<step>`` (orbax) and
 prints the trainer's teacher-forced metrics (``heldout_accuracy``) on held-out
 conversations that fit ``--seq-len``, plus the raw needle-document accuracy of the
-warm-up drill (``train.retrieval_probe`` format ``needles``, 128 tokens). Assumes
+warm-up drill (``train.copy_drills`` format ``needles``, 128 tokens). Assumes
 the checkpoint was trained with the current ``embedded_tokenizer`` and ``--size``.
 """
 
@@ -26,7 +26,7 @@ from jaxkv.tasks.words import IDENTIFIERS
 from jaxkv.models.transformer import Transformer
 from train.embedded_model import (RAW_DRILL_BATCH, RAW_DRILL_LEN, SIZES, embedded_tokenizer, heldout_accuracy,
                                   heldout_sequences, make_optimizer, make_predict, model_config)
-from train.retrieval_probe import Formats, raw_batch
+from train.copy_drills import Formats, raw_batch
 
 
 def evaluate_checkpoint(out: str, step: int, seq_len: int, size: str = "agent", n: int = 16, seed: int = 0) -> dict:

@@ -58,7 +58,7 @@ trainer picks with ``--labels``, ``label_array``): every row also carries
   included) gives it at least ``--read-threshold`` (0.2) of its attention in some
   layer and head of the full-cache forward (``read_strength``); template tokens
   are labelled too (0/1: they are candidates at inference and replies read them),
-  only forced tokens get −1. Measured reason (``eval.intentkv_diagnosis``): on
+  only forced tokens get −1. Measured reason (``eval.profile.intentkv_diagnosis``): on
   held-out label seeds, under 5% of the positions the full-cache replies read
   carry a §4 label; a head trained on §4 alone keeps every labelled one and
   evicts the newlines, role headers, words and keys the replies also read.
@@ -102,7 +102,7 @@ evaluation sets use per-example seeds ``example_seed(EVAL_SEED_BASE, i) =
 note that ``example_seed`` hashes the batch seed to below 2**30),
 ``example_seed(EVAL_SEED_BASE + 500,000, i)`` (harness MQ-NIAH),
 ``DEMO_SEED_BASE + 1000·seed + i`` (demo, ``2**30 + 9,000,000``, at or above
-2**30) and ``2**30 + 7,100,000 + i`` (``eval.embedded_accuracy``). Trace lengths
+2**30) and ``2**30 + 7,100,000 + i`` (``eval.quality.embedded_accuracy``). Trace lengths
 are drawn per seed in ``[--length-min, --length-max]`` (1,792-2,304 tokens; the
 harness uses 2,048); documents (1-3) and the registry as the generator draws them.
 
@@ -159,8 +159,8 @@ EVAL_EXAMPLES = 1_000_000  # evaluation sets are assumed to use fewer examples p
 
 def evaluation_seed_ranges() -> dict[str, range]:
     """Per-example seeds the evaluation code uses (a range per evaluation set)."""
-    from eval.embedded_accuracy import HELDOUT_SEED_BASE as ACCURACY_BASE
-    from eval.harness import EVAL_SEED_BASE
+    from eval.quality.embedded_accuracy import HELDOUT_SEED_BASE as ACCURACY_BASE
+    from eval.quality.harness import EVAL_SEED_BASE
     from eval.tasks.example import example_seed
     from jaxkv.demo import DEMO_SEED_BASE
 
@@ -653,7 +653,7 @@ def load_shards(folder, split: str) -> list[dict[str, np.ndarray]]:
 
 
 def generate(args) -> dict:
-    from eval.harness import session_budget
+    from eval.quality.harness import session_budget
     from eval.tasks.agent import one_trace
     import jaxkv
     from jaxkv.tasks.example import for_template

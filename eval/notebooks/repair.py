@@ -17,7 +17,7 @@
 # Each example is a long document with key-value needles; turn 1 asks for some keys,
 # the cache is compressed by the first-stage policy (SnapKV by default) to `B_base`
 # with the evicted rows shelved in the host tier, and turn 2 asks for other keys.
-# Cells (`eval/repair_protocol.py`, the same driver as `python -m eval.repair_protocol`):
+# Cells (`eval/quality/repair_protocol.py`, the same driver as `python -m eval.quality.repair_protocol`):
 # the full cache, no repair at `B_base`, matched no-repair at `B_base + K`, and each
 # repair policy at `B_base` with `K` rows promoted back before turn 2. Reported:
 # exact match after turn 1, the gain of REPAIRKV over matched no-repair with a paired
@@ -73,7 +73,7 @@ out_dir = "eval/results/notebook_repair"  # results.csv, results.md, repair_vs_k
 # Memory at those settings: 15 GB of weights plus a pool of 65,537 slots (2 x 32,768 + 1)
 # x 56 KiB per token (28 layers, 4 KV heads, bf16) = 3.5 GiB; the host tier keeps the
 # evicted rows in host RAM.
-# The journal in `out_dir` makes long runs resumable (`python -m eval.repair_protocol --resume`).
+# The journal in `out_dir` makes long runs resumable (`python -m eval.quality.repair_protocol --resume`).
 #
 # IntentKV as the first stage: `first_stage="intentkv_memory"` (the rule), or `"intentkv"`
 # (the learned head: the shipped one is the embedded model's; a Qwen checkpoint needs its
@@ -85,7 +85,7 @@ out_dir = "eval/results/notebook_repair"  # results.csv, results.md, repair_vs_k
 import jax
 
 import jaxkv
-from eval import repair_protocol
+from eval.quality import repair_protocol
 from jaxkv.models.sharding import make_mesh
 from jaxkv.pallas import resolve_backend
 

@@ -16,7 +16,7 @@
 #
 # Generated agent conversations (and MQ-NIAH documents) are replayed turn by turn
 # through `jaxkv.Session` for every cell (method x budget x layout) of a grid, with
-# the evaluation harness (`eval/harness.py`, the code behind `jaxkv eval`): the
+# the evaluation harness (`eval/quality/harness.py`, the code behind `jaxkv eval`): the
 # recorded history is teacher-forced, each assistant turn is generated greedily and
 # scored by exact match. Per cell: accuracy, completion, peak live KV, raw and
 # effective KV reads, and the prefix-hit rate of each layout (dead-slot eviction keeps
@@ -83,7 +83,7 @@ out_dir = "eval/results/notebook_retention"  # results.csv, results.md, PNG plot
 import jax
 
 import jaxkv
-from eval import harness
+from eval.quality import harness
 from jaxkv.models.sharding import make_mesh
 from jaxkv.pallas import resolve_backend
 

@@ -34,7 +34,7 @@ is in its space's dict and LSH; on eviction (byte cap, ``remove``, ``drop_tenant
 every array of the segment is zero-filled before it is forgotten.
 
 Cost: shingling and one MinHash per unit are O(unit length) host work; an LSH
-query is O(bands) hash lookups, independent of the index size (``eval/bench_reuse``);
+query is O(bands) hash lookups, independent of the index size (``eval/bench/reuse.py``);
 ``align`` is O(candidate length + prompt length) numpy.
 """
 

@@ -170,7 +170,7 @@ def float_pool_dtype(model_dtype, platform: str):
     whole ``[L, S, Hkv, D]`` pool to float32 and back around every write, so a
     one-row-per-layer write into SmolLM2's pool at 40,000 slots took 2.8 s against
     0.1 ms in float32 (float16 scatters run as fast as float32;
-    ``eval/profile_bf16_scatter.py``), and
+    ``eval/profile/bf16_scatter.py``), and
     ``jaxkv serve --dtype bfloat16`` could not finish a 256-token reply in 8 minutes.
     """
     dtype = jnp.dtype(model_dtype)

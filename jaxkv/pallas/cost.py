@@ -1,7 +1,7 @@
 """Static cost model of the kernels: bytes per call and arithmetic per byte.
 
 Counts are what a call *must* move (compulsory traffic) and the arithmetic the
-algorithm needs, independent of backend; ``eval/bench_kernels.py`` divides the same
+algorithm needs, independent of backend; ``eval/bench/kernels.py`` divides the same
 byte counts by measured time to get achieved bandwidth, and
 ``python -m jaxkv.pallas.gpu.aot`` prints them next to the AOT table.
 

@@ -265,7 +265,7 @@ def key_pages_round_trip(k_TKD: jnp.ndarray, bits: int) -> jnp.ndarray:
     """``k[T, K, D]`` (T % 32 == 0) quantized per channel over pages of 32 tokens at
     ``bits`` and dequantized, float32 ``[T, K, D]`` in token order: the page pool's
     key format (2 bits: INT2; 4: KIVI-4's). For error analysis
-    (``eval.quant_attention_error``)."""
+    (``eval.quality.quant_attention_error``)."""
     return _tokens(dequantize_int2_keys(quantize_int2_keys(k_TKD, bits)))
 
 

@@ -1,4 +1,4 @@
-"""Helpers shared by the kernel tests (Pallas and Triton) and ``eval/bench_kernels.py``.
+"""Helpers shared by the kernel tests (Pallas and Triton) and ``eval/bench/kernels.py``.
 
 * ``rel_err``: max-abs error relative to the reference's max-abs value.
 * ``attention_f64``: float64 numpy decode attention over explicit K/V rows, an
@@ -24,7 +24,7 @@
   scattered slots with garbage past ``kv_len``) and its float64 oracle, one
   ``attention_f64`` per flat token over the entries its query sees.
 
-``eval/device_check.py`` runs these same problems and bounds on a GPU, at
+``eval/device/check.py`` runs these same problems and bounds on a GPU, at
 production shapes, so the CPU tests and the device check test one thing.
 """
 

@@ -11,7 +11,7 @@ One kept set for the model (ALGORITHMS.md §1): ``score_i = mean_{l,h} s_i^{l,h}
 the plain mean over layers and KV heads. Every per-head score is a cosine in
 ``[−1, 1]``, so no head or layer outweighs another by scale and no further
 normalisation is applied. (With GQA the mean over expanded heads is the same
-number: each KV head is repeated ``G`` times.) This is ``eval.token_sets``'s
+number: each KV head is repeated ``G`` times.) This is ``eval.quality.token_sets``'s
 ``KeyDiffPress/one`` cell.
 
 The anchor is taken over every real live position (forced ones included: it is

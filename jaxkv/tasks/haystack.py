@@ -301,7 +301,7 @@ def haystack_units(haystack: str = "prose") -> tuple[tuple[str, ...], str]:
     ``"prose"`` and ``"code"``: the niah lines (``haystack_lines``) joined by newlines;
     ``"filler"``: the sentences of ``PASSKEY_FILLER`` joined by spaces (passkey cycles
     them). ``labels["haystack"]`` names an example's haystack. Also real text of any
-    length for a workload that needs some (``eval/bench_peers.py``)."""
+    length for a workload that needs some (``eval/bench/peers.py``)."""
     if haystack == "filler":
         return tuple(s.strip() for s in re.findall(r"[^.]+\.", PASSKEY_FILLER)), " "
     return haystack_lines(haystack), "\n"

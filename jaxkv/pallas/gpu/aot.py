@@ -221,7 +221,7 @@ def report(results: list[Compiled]) -> str:
             "bound, so INT4 and mixed INT2/INT4 decode have floors 3.2x and 4.3x below bf16. A ragged prefill "
             "is far above it (compute bound: its floor is the tensor rate); a mixed step of one chunk and 32 "
             "decode rows sits below it, bound by its decode rows' bytes. "
-            "`python eval/bench_kernels.py` measures the same byte counts on a GPU.",
+            "`python -m eval.bench.kernels` measures the same byte counts on a GPU.",
             "",
             cost.markdown(cost.representative()),
         ]

@@ -1,0 +1,150 @@
+"""This engine against the one it replaced, on the same machine in one run: prefill
+seconds at several lengths and decode tokens/s at batch 1 and 8, 512 and 4,096
+tokens of context.
+
+    python -m eval.bench.engine [--old 44e9456] [--model smollm2-135m-instruct]
+        [--lengths 512,2048,4096,8000] [--out eval/results/bench_engine_cpu.md]
+
+The previous engine is checked out from git at ``--old`` into a scratch worktree.
+Each measurement runs in a process of its own (``RUNNER``: the same code for both
+trees, through the engine API both share: ``Engine``, ``open_row``, ``prefill``,
+``decode``, ``truncate_row``), the two trees alternating cell by cell, so a drift
+of the machine's speed during the run touches both sides alike. Prefill: one
+row, a random prompt from an empty cache at the engine's default chunk, median of
+``--repeats`` after a warm-up run (compiles excluded). Decode: ``--steps`` greedy
+steps after a warm-up call over random K/V of ``context`` tokens per row (the pool
+filled on the device), as ``eval/bench/decode.py`` times it. Float32, threads
+pinned to the machine's cores; the load average is recorded before and after.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+from eval.common.tables import md_header, md_row
+
+ROOT = Path(__file__).resolve().parents[2]
+OLD = "44e9456"
+
+RUNNER = r'''
+import json, os, statistics, sys, time
+os.environ.setdefault("JAX_PLATFORMS", "cpu")
+import jax, numpy as np
+import jaxkv
+from jaxkv.engine import Engine
+
+spec = json.loads(sys.argv[1])
+model = jaxkv.load_model(spec["model"])
+cfg = model.config
+rng = np.random.default_rng(0)
+if spec["kind"] == "prefill":
+    T = spec["tokens"]
+    tokens = rng.integers(100, cfg.vocab_size - 100, T).tolist()
+    P = -(-(T + 1) // 512) * 512
+    engine = Engine(model, rows=1, max_positions=P, num_slots=P + 1)
+    def run():
+        row = engine.open_row()
+        t = time.perf_counter()
+        engine.prefill([row], [tokens])
+        jax.block_until_ready(engine.cache.k if hasattr(engine.cache, "k") else engine.cache)
+        dt = time.perf_counter() - t
+        engine.close_row(row)
+        return dt
+    run()
+    value = statistics.median(run() for _ in range(spec["repeats"]))
+else:
+    B, ctx, steps = spec["batch"], spec["context"], spec["steps"]
+    engine = Engine(model, rows=B, max_positions=ctx + steps + 1)
+    rows = []
+    for _ in range(B):
+        slots = engine.allocator.allocate(ctx)
+        rows.append(engine.open_row(slots))
+        engine.allocator.release(slots)
+    key = jax.random.key(1)
+    engine.cache = engine.cache.replace(
+        k=jax.random.normal(jax.random.fold_in(key, 0), engine.cache.k.shape, engine.cache.k.dtype) * 0.5,
+        v=jax.random.normal(jax.random.fold_in(key, 1), engine.cache.v.shape, engine.cache.v.dtype) * 0.5,
+    )
+    first = rng.integers(0, cfg.vocab_size, B).tolist()
+    snapshot = [len(engine.row_state[r].slots) for r in rows]
+    def run():
+        t = time.perf_counter()
+        engine.decode(rows, first, steps)
+        jax.block_until_ready(engine.cache.k)
+        dt = time.perf_counter() - t
+        for r, n in zip(rows, snapshot):
+            engine.truncate_row(r, n)
+        return dt
+    run()
+    value = B * steps / min(run() for _ in range(spec["repeats"]))
+print("RESULT " + json.dumps(value))
+'''
+
+
+def measure(tree: Path, spec: dict) -> float:
+    env = {**os.environ, "PYTHONPATH": str(tree), "JAX_PLATFORMS": "cpu", "JAXKV_XLA_CACHE": "off"}
+    proc = subprocess.run([sys.executable, "-c", RUNNER, json.dumps(spec)], env=env, cwd=tree, capture_output=True, text=True)
+    lines = [line for line in proc.stdout.splitlines() if line.startswith("RESULT ")]
+    if proc.returncode or not lines:
+        raise RuntimeError(f"{tree}: {spec} failed:\n{proc.stderr[-3000:]}")
+    return float(json.loads(lines[-1][len("RESULT "):]))
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--old", default=OLD, help="git revision of the previous engine")
+    p.add_argument("--model", default="smollm2-135m-instruct")
+    p.add_argument("--lengths", default="512,2048,4096,8000")
+    p.add_argument("--contexts", default="512,4096")
+    p.add_argument("--batches", default="1,8")
+    p.add_argument("--steps", type=int, default=32)
+    p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--out", default=None)
+    args = p.parse_args(argv)
+    load0 = os.getloadavg()
+    scratch = Path(tempfile.mkdtemp(prefix="jaxkv-bench-engine-"))
+    old_tree = scratch / "old"
+    subprocess.run(["git", "worktree", "add", "--detach", str(old_tree), args.old], check=True, cwd=ROOT, capture_output=True)
+    lines = [
+        f"# This engine against the previous one ({args.old}), {args.model}, float32, CPU",
+        "",
+        f"Generated by `python -m eval.bench.engine --old {args.old} --model {args.model}` on {os.cpu_count()} cores; "
+        f"each cell in a process of its own, the two engines alternating; load average before {load0[0]:.2f}.",
+        "",
+        "## Prefill (one row, from an empty cache)",
+        "",
+        *md_header(["tokens", "previous s", "now s", "speed-up"], "rrrr"),
+    ]
+    try:
+        for T in [int(x) for x in args.lengths.split(",") if x]:  # --lengths '': the decode table only
+            spec = dict(kind="prefill", model=args.model, tokens=T, repeats=args.repeats)
+            old, new = measure(old_tree, spec), measure(ROOT, spec)
+            lines.append(md_row([T, f"{old:.2f}", f"{new:.2f}", f"{old / new:.2f}x"]))
+            print(lines[-1], flush=True)
+        lines += ["", f"## Decode ({args.steps} greedy steps per call, after a warm-up call)", "",
+                  *md_header(["batch", "context", "previous tok/s", "now tok/s", "ratio"], "rrrrr")]
+        for B in [int(x) for x in args.batches.split(",")]:
+            for ctx in [int(x) for x in args.contexts.split(",")]:
+                spec = dict(kind="decode", model=args.model, batch=B, context=ctx, steps=args.steps, repeats=args.repeats)
+                old, new = measure(old_tree, spec), measure(ROOT, spec)
+                lines.append(md_row([B, ctx, f"{old:.1f}", f"{new:.1f}", f"{new / old:.2f}x"]))
+                print(lines[-1], flush=True)
+    finally:
+        subprocess.run(["git", "worktree", "remove", "--force", str(old_tree)], cwd=ROOT, capture_output=True)
+    load1 = os.getloadavg()
+    lines += ["", f"Load average after: {load1[0]:.2f} / {load1[1]:.2f} / {load1[2]:.2f} (1/5/15 min)."]
+    text = "\n".join(lines) + "\n"
+    print(lines[-1])
+    if args.out:
+        Path(args.out).write_text(text)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

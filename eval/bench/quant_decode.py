@@ -1,0 +1,164 @@
+"""CPU decode speed of the quantized pool vs the float pool, one run.
+
+The ~125M random Qwen3 of ``eval/bench/decode.py`` (float32 weights, built
+in-process with ``jaxkv.model_from_config``), batch 1, one request holding
+``N`` live tokens (4k and 32k), ``--steps`` greedy decode steps timed after a
+warm-up, for four pools of the same engine:
+
+* ``float``: the float32 pool as a ``Server`` sizes it (2 x positions + 1 slots),
+  where the CPU decode loop reads a per-call head-major window of the row's list
+  (``jaxkv.step.gather_window``);
+* ``float-gather``: the float32 pool too tight for that window, so every step
+  gathers key blocks through the live list, as the quantized pools do;
+* ``int4``: every live token INT4 (``Engine(kv_quant="int4")``);
+* ``mixed``: 65% of the live tokens in INT2 pages, 35% INT4 (~2.7 average bits,
+  ``kv_quant="triaxial"``).
+
+The quantized pools decode through ``jaxkv.cache.quantized.decode_parts_attention``:
+INT2 pages, then INT4 tokens, each key block dequantized from the packed pool
+inside the online-softmax loop (no float copy of the live set). Pool contents
+are random (decode cost does not depend on the values). The KV bytes each pool
+reads per step and the ratio to the ``float`` pool's tokens/s are printed side
+by side.
+
+``--model NAME_OR_PATH`` runs a real checkpoint instead (for SmolLM2-135M-Instruct:
+``--model smollm2-135m-instruct --contexts 4096,8000``; its context is 8,192
+positions, so a context must leave room for the timed steps). The 1-minute load
+average is printed before and after: a run that starts above 0.5 shared the machine.
+
+Usage: python -m eval.bench.quant_decode [--steps 16] [--contexts 4096,32768] [--model M] [--out FILE.md]
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import platform
+import time
+
+os.environ.setdefault("JAX_PLATFORMS", "cpu")
+
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+import numpy as np  # noqa: E402
+
+import jaxkv  # noqa: E402
+from eval.bench.decode import QWEN3_125M, fill_pool_randomly  # noqa: E402
+from eval.common.tables import md_header, md_row  # noqa: E402
+from jaxkv.cache.quantized import INT2, INT4, FLOAT  # noqa: E402
+from jaxkv.cache.quantized_host import bytes_per_token  # noqa: E402
+from jaxkv.config import ModelConfig  # noqa: E402
+from jaxkv.engine import Engine  # noqa: E402
+from jaxkv.pallas.quant import PAGE  # noqa: E402
+
+INT2_SHARE = 0.65  # mixed pool: 0.65 * 2 + 0.35 * 4 = 2.7 bits
+
+
+def build_model(max_context: int, dtype="float32", config=QWEN3_125M):
+    """A random Qwen3 of ``config`` (default the ~125M shape) whose context holds ``max_context``."""
+    cfg = ModelConfig.from_hf({**config, "model_type": "qwen3", "max_position_embeddings": max_context})
+    return jaxkv.model_from_config(cfg, dtype=dtype, seed=0)
+
+
+def fill_packed_randomly(engine, rng) -> None:
+    """Random codes and small positive scales in every quantized buffer."""
+    def rand(a):
+        if a.dtype == jnp.uint8:
+            return jnp.asarray(rng.integers(0, 256, a.shape, dtype=np.uint8))
+        return jnp.asarray(rng.uniform(0.01, 0.1, a.shape).astype(np.float16)).astype(a.dtype)
+
+    engine.cache = engine.cache.with_kv(jax.tree.map(rand, engine.cache.pool))
+
+
+def open_request(engine, n: int, mode: str) -> int:
+    """A row holding ``n`` live tokens of the pool's kinds (random contents)."""
+    if mode == "mixed":
+        pages = int(INT2_SHARE * n) // PAGE
+        _, two = engine.allocator.allocate_pages(np.full(pages, PAGE))
+        four = engine.allocator.allocate(n - two.size)
+        slots = np.concatenate([two, four])
+    else:
+        slots = engine.allocator.allocate(n)
+    row = engine.open_row(slots)
+    engine.allocator.release(slots)  # the row holds the only reference now
+    return row
+
+
+def bench(model, mode: str, n: int, steps: int) -> tuple[float, float]:
+    """(tokens/s, KV bytes read per step) of one request of ``n`` live tokens."""
+    rng = np.random.default_rng(0)
+    kv_quant = {"float": None, "float-gather": None, "int4": "int4", "mixed": "triaxial"}[mode]
+    P = n + steps + 1
+    # "float": the pool a Server sizes (2 x rows x positions + 1 slots), where the CPU decode
+    # loop reads its per-call window; "float-gather": a pool too tight for the window, so
+    # every step gathers key blocks through the live list, as the quantized pools do
+    slots = 2 * P + 1 if mode == "float" else P + 1
+    engine = Engine(model, rows=1, max_positions=P, num_slots=slots, kv_quant=kv_quant)
+    row = open_request(engine, n, mode)
+    if kv_quant is None:
+        fill_pool_randomly(engine, rng)
+    else:
+        fill_packed_randomly(engine, rng)
+    cfg = model.config
+    size = dict(head_dim=cfg.head_dim, num_layers=cfg.num_layers, num_kv_heads=cfg.num_kv_heads)
+    if kv_quant is None:
+        kv_bytes = n * bytes_per_token(FLOAT, **size) * jnp.dtype(model.dtype).itemsize / 2  # FLOAT counts bf16
+    else:
+        comp = engine.kv_composition(row)
+        kv_bytes = comp[INT2] * bytes_per_token(INT2, **size) + comp[INT4] * bytes_per_token(INT4, **size)
+    first = [int(rng.integers(0, cfg.vocab_size))]
+    engine.decode([row], first, steps)  # compile + warm-up
+    engine.truncate_row(row, n)  # rewind to the n live tokens
+    jax.block_until_ready(engine.cache.kv)
+    t0 = time.perf_counter()
+    engine.decode([row], first, steps)
+    return steps / (time.perf_counter() - t0), kv_bytes
+
+
+def main(argv=None) -> str:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--steps", type=int, default=16)
+    ap.add_argument("--contexts", default="4096,32768")
+    ap.add_argument("--model", default=None, help="a model name or folder (default: the random ~125M Qwen3)")
+    ap.add_argument("--out", default=None)
+    args = ap.parse_args(argv)
+    contexts = [int(c) for c in args.contexts.split(",")]
+    load_before = os.getloadavg()[0]
+    if args.model:
+        model = jaxkv.load_model(args.model)
+        room = model.config.max_position_embeddings - args.steps - 1
+        if max(contexts) > room:
+            ap.error(f"--contexts: {args.model} holds {model.config.max_position_embeddings} positions, so at most {room} live tokens with {args.steps} steps")
+    else:
+        model = build_model(max(contexts) + args.steps + 64)
+    n_params = sum(x.size for x in jax.tree.leaves(model.split()[1]))
+    what = f"{args.model} ({n_params / 1e6:.0f}M" if args.model else f"random Qwen3 ({n_params / 1e6:.0f}M"
+    lines = [
+        f"1-minute load average before the run: {load_before:.2f}.",
+        "",
+        f"Quantized vs float KV pool, decode, {what} float32 weights), batch 1, "
+        f"{platform.processor() or platform.machine()}, {os.cpu_count()} cores, jax {jax.__version__} ({jax.default_backend()}); "
+        f"{args.steps} timed greedy steps after warm-up; quantized attention = key blocks dequantized inside the online softmax (decode_parts_attention); float = the window, float-gather = key blocks gathered per step.",
+        "",
+        *md_header(["live tokens", "pool", "tok/s", "vs float", "KV bytes read / step", "vs float"], "rlrrrr"),
+    ]
+    print("\n".join(lines), flush=True)
+    for n in contexts:
+        base = None
+        for mode in ("float", "float-gather", "int4", "mixed"):
+            tps, kv_bytes = bench(model, mode, n, args.steps)
+            base = base or (tps, kv_bytes)
+            row = md_row([n, mode, f"{tps:.2f}", f"{tps / base[0]:.2f}x", f"{kv_bytes / 2**20:.1f} MiB", f"{kv_bytes / base[1]:.2f}x"])
+            lines.append(row)
+            print(row, flush=True)
+    lines += ["", f"1-minute load average after the run: {os.getloadavg()[0]:.2f}."]
+    print(lines[-1], flush=True)
+    table = "\n".join(lines) + "\n"
+    if args.out:
+        with open(args.out, "w") as f:
+            f.write(table)
+    return table
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,272 @@
+"""Attention-output error of each KV format, per layer, on K/V a model computed (issue #26, item 3).
+
+    JAX_PLATFORMS=cpu python -m eval.quality.quant_attention_error \\
+        --models embedded,smollm2-135m-instruct --n 6 --length 2048 --out eval/results/quant_attention_error
+
+What it measures. Each model reads ``--n`` prompts per task of its own workload,
+drawn from the calibration seed (``train.calibrate_triaxial.CALIBRATION_SEED``,
+disjoint from every evaluation seed): the embedded model its agent traces and
+4-needle MQ-NIAH (the last scored turn's prompt, as calibration renders it),
+any other model the real-model tasks of ``jaxkv.tasks.haystack`` (passkey and
+single-needle NIAH with the question and answer, and a continuation window of
+real text), rendered with its own chat template. One dense causal prefill per
+prompt captures every layer's post-RoPE q, k, v and attention output
+(``train.calibrate_triaxial.capture``). Then every token's K and V go through a
+format's quantize-dequantize round trip and the layer's attention is replayed
+with the same queries:
+
+* ``int4``: per token, 4 bits, one (scale, zero) per 32 channels, K and V
+  (``kv_quant="int4"``);
+* ``int2_token``: the same at 2 bits for K and V. Not a serving format: it is
+  the per-token INT2 that the Hugging Face cache-quantization study saw collapse;
+* ``int2_pages``: keys per channel over pages of 32 tokens, values per token,
+  2 bits, no full-precision window; the tokens that do not fill a page INT4
+  (the page-completion rule). TriAxialKV's INT2 region;
+* ``kivi2``: ``int2_pages`` with the most recent 128-159 tokens in full
+  precision (``kv_quant="kivi2"``: groups of 32 leave the window oldest first);
+* ``kivi4``: KIVI's layout at 4 bits (keys per channel over pages, values per
+  token, the same window): ``kv_quant="kivi4"``'s pages, through
+  ``jaxkv.pallas.quant.key_pages_round_trip`` (the pool's own quantize and
+  dequantize).
+
+Per layer, averaged over prompts: the relative attention-output error over all
+query rows (Frobenius) and over the last row (what one decode step reads); the
+keys' own relative round-trip error at 2 bits per token and per channel; and the
+keys' channel outlier ratio, max over channels of the mean ``|k|`` per channel
+over the mean over channels (mean over KV heads; 1 when every channel is alike), the outliers KIVI's per-channel grouping
+exists for.
+
+Written by hand because it measures the round trips of jaxkv's own stored
+formats (``jaxkv.pallas.quant``) on jaxkv's captures; quantization libraries
+measure their own layouts. Outputs in ``--out``: ``README.md`` (tables),
+``errors.json`` (every number) and ``per_layer.png``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import time
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from eval.common.tables import md_table
+
+FORMATS = ("int4", "int2_token", "int2_pages", "kivi2", "kivi4")
+KIVI_WINDOW = 128  # jaxkv.cache.quantized_host.KIVI_WINDOW (asserted in main)
+PAGE = 32
+
+
+def workload(model_name: str, tokenizer, n: int, length: int) -> dict[str, list[np.ndarray]]:
+    """``{task: [ids]}``: the prompts a model is measured on (module docstring)."""
+    from train.calibrate_triaxial import CALIBRATION_SEED, calibration_examples, written_codes
+
+    if model_name == "embedded":
+        return {task: [written_codes(tokenizer, ex)[0] for ex in exs]
+                for task, exs in calibration_examples(n, length).items()}
+    from jaxkv.tasks import haystack
+
+    out = {}
+    for task in ("passkey", "niah_single", "lm"):
+        ids = []
+        for ex in haystack.examples(task, n, length=length, tokenizer=tokenizer, seed=CALIBRATION_SEED):
+            plan = haystack.token_plan(ex, tokenizer, "aware")
+            ids.append(np.concatenate([plan.compressed, plan.rest, plan.answer]).astype(np.int32))
+        out[task] = ids
+    return out
+
+
+def rows_round_trip(x, bits: int):
+    from jaxkv.pallas.quant import dequantize_rows, quantize_rows
+
+    return dequantize_rows(quantize_rows(x, bits))
+
+
+def round_trip(fmt: str, k_LTKD, v_LTKD, T: int):
+    """``(k, v)`` after ``fmt``'s round trip (module docstring); ``T`` real tokens
+    (the captures are padded past them; causal rows below ``T`` never read the padding)."""
+    from jaxkv.pallas.quant import key_pages_round_trip
+
+    if fmt == "int4":
+        return rows_round_trip(k_LTKD, 4), rows_round_trip(v_LTKD, 4)
+    if fmt == "int2_token":
+        return rows_round_trip(k_LTKD, 2), rows_round_trip(v_LTKD, 2)
+    bits = 4 if fmt == "kivi4" else 2
+    if fmt == "int2_pages":
+        paged, tail = T // PAGE * PAGE, "int4"
+    else:  # KIVI: tokens older than the window leave it in whole pages
+        paged, tail = max(T - KIVI_WINDOW, 0) // PAGE * PAGE, "float"
+    if paged == 0:
+        k_pages, v_pages = k_LTKD[:, :0], v_LTKD[:, :0]
+    else:
+        k_pages = jax.vmap(lambda k: key_pages_round_trip(k, bits))(k_LTKD[:, :paged])
+        v_pages = rows_round_trip(v_LTKD[:, :paged], bits)
+    k_rest, v_rest = k_LTKD[:, paged:], v_LTKD[:, paged:]
+    if tail == "int4":
+        k_rest, v_rest = rows_round_trip(k_rest, 4), rows_round_trip(v_rest, 4)
+    return jnp.concatenate([k_pages, k_rest], axis=1), jnp.concatenate([v_pages, v_rest], axis=1)
+
+
+@jax.jit
+def attention_error(q_LTHD, k_LTKD, v_LTKD, o_LTHD, row_ok_T):
+    """Per layer: relative error of the replayed attention output against ``o`` over
+    the real rows (Frobenius) and at the last real row."""
+    from jaxkv.attention import causal_attention
+
+    last = jnp.max(jnp.where(row_ok_T, jnp.arange(row_ok_T.size), 0))
+    mask = row_ok_T[:, None, None]
+
+    def one(args):
+        q, k, v, o_ref = args
+        o = causal_attention(q[None], k[None], v[None])[0]
+        d = (o - o_ref) * mask
+        rel = jnp.sqrt(jnp.sum(d**2) / jnp.sum((o_ref * mask) ** 2))
+        rel_last = jnp.linalg.norm(o[last] - o_ref[last]) / jnp.linalg.norm(o_ref[last])
+        return rel, rel_last
+
+    return jax.lax.map(one, (q_LTHD, k_LTKD, v_LTKD, o_LTHD))
+
+
+def key_statistics(k_LTKD, T: int) -> dict[str, np.ndarray]:
+    """Per layer: the channel outlier ratio (max over mean: a median can be 0, as
+    in the embedded model's first layers, where many channels are nearly silent) and the keys' relative 2-bit round-trip
+    error per token and per channel (pages)."""
+    from jaxkv.pallas.quant import key_pages_round_trip
+
+    k = k_LTKD[:, :T]
+    per_channel = jnp.mean(jnp.abs(k), axis=1)  # [L, K, D]
+    ratio = jnp.mean(jnp.max(per_channel, -1) / jnp.mean(per_channel, -1), -1)
+    paged = T // PAGE * PAGE
+    k_paged = k[:, :paged]
+
+    def rel(x):
+        return jnp.sqrt(jnp.sum((x - k_paged) ** 2, axis=(1, 2, 3)) / jnp.sum(k_paged**2, axis=(1, 2, 3)))
+
+    return {"outlier_ratio": np.asarray(ratio),
+            "key_err_token2": np.asarray(rel(rows_round_trip(k_paged, 2))),
+            "key_err_channel2": np.asarray(rel(jax.vmap(lambda x: key_pages_round_trip(x, 2))(k_paged)))}
+
+
+def measure(model_name: str, n: int, length: int, log=print) -> dict:
+    """Every number for one model (mean over its prompts)."""
+    import jaxkv
+    from jaxkv.buckets import bucket
+    from train.calibrate_triaxial import ROW_BLOCK, capture
+
+    model = jaxkv.load_model(model_name)
+    cfg = model.config
+    graphdef, params = model.split()
+    prompts = workload(model_name, model.tokenizer, n, length)
+    from tqdm import tqdm
+
+    per_prompt = []
+    items = [(task, ids) for task, all_ids in prompts.items() for ids in all_ids]
+    bar = tqdm(items, desc=f"{model_name}", unit="prompt")
+    t0 = time.perf_counter()
+    for task, ids in bar:
+        T = int(ids.size)
+        Tp = bucket(T, minimum=ROW_BLOCK, step=ROW_BLOCK)
+        tokens = np.zeros(Tp, np.int32)
+        tokens[:T] = ids
+        q, k, v, o = capture(graphdef, params, jnp.asarray(tokens))
+        row_ok = jnp.asarray(np.arange(Tp) < T)
+        entry = {"task": task, "tokens": T, **key_statistics(k, T)}
+        for fmt in FORMATS:
+            k_hat, v_hat = round_trip(fmt, k, v, T)
+            rel, last = attention_error(q, k_hat, v_hat, o, row_ok)
+            entry[fmt] = (np.asarray(rel), np.asarray(last))
+        per_prompt.append(entry)
+    seconds = time.perf_counter() - t0
+
+    def mean(get):
+        return np.mean([get(e) for e in per_prompt], axis=0)
+
+    layers = {fmt: {"all_rows": mean(lambda e: e[fmt][0]).tolist(), "last_row": mean(lambda e: e[fmt][1]).tolist()}
+              for fmt in FORMATS}
+    keys = {name: mean(lambda e: e[name]).tolist() for name in ("outlier_ratio", "key_err_token2", "key_err_channel2")}
+    log(f"{model_name}: {len(per_prompt)} prompts in {seconds:.0f} s")
+    return {"model": model_name, "layers": cfg.num_layers, "kv_heads": cfg.num_kv_heads, "head_dim": cfg.head_dim,
+            "prompts": {task: len(ids) for task, ids in prompts.items()},
+            "tokens": [e["tokens"] for e in per_prompt], "seconds": round(seconds, 1),
+            "per_layer": layers, "keys": keys}
+
+
+def render_markdown(results: list[dict], command: str, header: str) -> str:
+    lines = ["# Attention-output error of each KV format, per layer", "", header, "",
+             f"Command: `{command}`", "",
+             "Relative error of the attention output, the layer's K/V round-tripped through the format "
+             "and its attention replayed with the same queries (`eval/quality/quant_attention_error.py` says how). "
+             "*all rows*: Frobenius over every query row of the prompt; *last*: the last row (one decode step). "
+             "Mean over the model's prompts; the summary row is the mean over layers.", ""]
+    summary = []
+    for r in results:
+        cells = [f"{np.mean(r['per_layer'][f]['all_rows']):.4f} / {np.mean(r['per_layer'][f]['last_row']):.4f}" for f in FORMATS]
+        prompts = ", ".join(f"{t} {k}" for t, k in r["prompts"].items())
+        summary.append([r["model"], f"{prompts} ({int(np.mean(r['tokens']))} tokens avg)", *cells])
+    lines += ["## Summary", "", md_table(["model", "prompts", *(f"{f} all / last" for f in FORMATS)], summary, align="ll" + "r" * len(FORMATS))]
+    for r in results:
+        keys, per_layer = r["keys"], []
+        for layer in range(r["layers"]):
+            cells = [f"{r['per_layer'][f]['all_rows'][layer]:.4f}" for f in FORMATS]
+            cells += [f"{keys['outlier_ratio'][layer]:.1f}", f"{keys['key_err_token2'][layer]:.3f}", f"{keys['key_err_channel2'][layer]:.3f}"]
+            per_layer.append([layer, *cells])
+        lines += ["", f"## {r['model']}: per layer ({r['layers']} layers, {r['kv_heads']} KV heads, head_dim {r['head_dim']})", "",
+                  md_table(["layer", *FORMATS, "key channel outlier ratio", "key 2-bit error per token", "per channel"], per_layer,
+                           align="r" * (len(FORMATS) + 4))]
+    lines += ["", "![relative attention-output error per layer](per_layer.png)", ""]
+    return "\n".join(lines)
+
+
+def plot(results: list[dict], path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, len(results), figsize=(5.5 * len(results), 4), squeeze=False)
+    for ax, r in zip(axes[0], results):
+        for fmt in FORMATS:
+            ax.plot(r["per_layer"][fmt]["all_rows"], marker="o", ms=3, label=fmt)
+        ax.set_yscale("log")
+        ax.set_xlabel("layer")
+        ax.set_ylabel("relative attention-output error (all rows)")
+        ax.set_title(r["model"])
+        ax.grid(alpha=0.3)
+    axes[0][0].legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def main(argv=None) -> list[dict]:
+    from jaxkv.cache.quantized_host import KIVI_WINDOW as SERVED_WINDOW
+
+    assert SERVED_WINDOW == KIVI_WINDOW
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--models", default="embedded,smollm2-135m-instruct")
+    p.add_argument("--n", type=int, default=6, help="prompts per task")
+    p.add_argument("--length", type=int, default=2048, help="prompt tokens (approximate for the embedded model's tasks)")
+    p.add_argument("--out", default="eval/results/quant_attention_error")
+    args = p.parse_args(argv)
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    command = "python -m eval.quality.quant_attention_error " + " ".join(
+        f"--{k.replace('_', '-')} {v}" for k, v in vars(args).items())
+    header = (f"{platform.machine()}, {os.cpu_count()} cores, jax {jax.__version__} ({jax.default_backend()}), float32 "
+              f"captures, {time.strftime('%Y-%m-%d')}.")
+    results = [measure(name, args.n, args.length) for name in args.models.split(",")]
+    (out / "errors.json").write_text(json.dumps({"command": command, "results": results}, indent=1) + "\n")
+    plot(results, out / "per_layer.png")
+    text = render_markdown(results, command, header)
+    (out / "README.md").write_text(text)
+    print(text)
+    return results
+
+
+if __name__ == "__main__":
+    main()
