@@ -58,8 +58,8 @@ def copy_sources(dst: Path) -> Path:
     ("jaxkv/models/transformer.py", "import jaxkv.serving.scheduler", "jaxkv's parts import downwards only",
      "jaxkv.models.transformer -> jaxkv.serving.scheduler"),
     # the package reaching into the evaluation scripts
-    ("jaxkv/cache/radix.py", "import eval.harness", "jaxkv never imports train/ or eval/",
-     "jaxkv.cache.radix -> eval.harness"),
+    ("jaxkv/cache/radix.py", "import eval.quality.harness", "jaxkv never imports train/ or eval/",
+     "jaxkv.cache.radix -> eval.quality.harness"),
     # a model importing a kernel module directly
     ("jaxkv/models/weights.py", "import jaxkv.pallas.quant", "models import no kernels",
      "jaxkv.models.weights -> jaxkv.pallas.quant"),
