@@ -279,9 +279,15 @@ def test_a_full_queue_answers_429_with_retry_after(tiny):
 def scheduler_held(server):
     """Hold the scheduler thread (no engine step runs, so no token comes) until
     the returned event is set, or the block ends."""
-    gate = threading.Event()
-    server.scheduler.call(lambda: gate.wait(120))
+    gate, holding = threading.Event(), threading.Event()
+
+    def hold():
+        holding.set()
+        gate.wait(120)
+
+    server.scheduler.call(hold)
     try:
+        assert holding.wait(60), "the scheduler thread never took the hold"
         yield gate
     finally:
         gate.set()
@@ -329,13 +335,19 @@ def test_a_silent_stream_gets_keepalive_comments_and_still_parses(tiny):
 def test_an_interrupted_stream_frees_its_row_and_slots(tiny):
     before = metrics(tiny.url)
     body = {"model": "tiny", "messages": MESSAGES + [{"role": "assistant", "content": "ok"}, {"role": "user", "content": "Go on, at length."}],
-            "max_tokens": 1500, "temperature": 0, "stream": True, "session_id": "interrupted"}
-    with httpx.stream("POST", tiny.url + "/v1/chat/completions", json=body, headers={"Authorization": f"Bearer {KEYS[0]}"}, timeout=60) as r:
-        assert r.status_code == 200
-        lines = r.iter_lines()
-        first = next(line for line in lines if line.startswith("data:"))
-        assert json.loads(first[5:])["choices"][0]["delta"]["role"] == "assistant"
-        assert wait_until(lambda: metrics(tiny.url)["jaxkv_rows_busy"] == 1, 30)  # the turn runs
+            "max_tokens": 1500, "ignore_eos": True, "temperature": 0, "stream": True, "session_id": "interrupted"}
+    # ignore_eos and a held scheduler: the turn cannot end on its own while the test
+    # looks (a random model's greedy reply may reach EOS, and 1,500 tiny-model tokens
+    # can take less time than one /metrics round trip)
+    with contextlib.ExitStack() as held:
+        with httpx.stream("POST", tiny.url + "/v1/chat/completions", json=body, headers={"Authorization": f"Bearer {KEYS[0]}"}, timeout=60) as r:
+            assert r.status_code == 200
+            lines = r.iter_lines()
+            first = next(line for line in lines if line.startswith("data:"))
+            assert json.loads(first[5:])["choices"][0]["delta"]["role"] == "assistant"
+            held.enter_context(scheduler_held(tiny.server))
+            assert tiny.server.snapshot()["rows_busy"] == 1  # the turn runs (/metrics waits for the scheduler)
+        # the client leaves while the turn is still running; then the scheduler goes on
     # the client is gone: the turn is cancelled, its row and slots are back
     cancelled = 'jaxkv_turns_total{outcome="cancelled"}'
     after = wait_until(lambda: (m := metrics(tiny.url))[cancelled] == before[cancelled] + 1 and m["jaxkv_rows_busy"] == 0 and m)
