@@ -269,6 +269,17 @@ def run_step(graphdef, params, cache, batch: StepBatch, page_plan=None, *, layer
     return tokens, logits, cache, aux
 
 
+@functools.partial(jax.jit, static_argnames=("graphdef",))
+def layer_copies(graphdef, params) -> tuple:
+    """Every layer's weights as arrays of their own (``Transformer.unstacked_layers``
+    split to states): ``run_decode``'s ``layer_params``. Taken once and kept by the
+    engine, it costs a second copy of the layer weights in memory and saves one
+    copy of them per decode call (a call of a few one-token steps on the CPU spends
+    about as long copying as computing)."""
+    model = nnx.merge(graphdef, params)
+    return tuple(nnx.split(layer)[1] for layer in model.unstacked_layers())
+
+
 @functools.partial(jax.jit, static_argnames=("width", "n_steps"))
 def gather_window(cache, rows_R, *, width: int, n_steps: int):
     """The CPU decode loop's copy of each row's list entries ``[0, width)``, every
@@ -307,7 +318,7 @@ def constrain_cache(cache, mesh):
     static_argnames=("graphdef", "layers", "n_steps", "backend", "return_logits", "teacher_forced", "mesh", "regroup"),
     donate_argnames=("cache",),
 )
-def run_decode(graphdef, params, cache, batch: DecodeBatch, page_plan=None, window: DecodeWindow | None = None, *, layers, n_steps, backend, return_logits=False, teacher_forced=False, mesh=None, regroup=False):
+def run_decode(graphdef, params, cache, batch: DecodeBatch, page_plan=None, window: DecodeWindow | None = None, layer_params=None, *, layers, n_steps, backend, return_logits=False, teacher_forced=False, mesh=None, regroup=False):
     """Decode up to ``n_steps`` tokens for each row of ``batch`` (module docstring).
 
     Step ``s`` feeds each active row its last token (writing its K/V at
@@ -318,7 +329,10 @@ def run_decode(graphdef, params, cache, batch: DecodeBatch, page_plan=None, wind
     token of step ``s > 0`` is ``forced_RN[:, s - 1]``. With ``regroup`` the call
     also ends once half of its rows or more have stopped (after one step), so the
     rest continue with fewer rows. ``window`` (``gather_window``, CPU only): the
-    rows' lists are read from that copy, no gather per step.
+    rows' lists are read from that copy, no gather per step. ``layer_params``
+    (``layer_copies``, with a window only): the layers' weights as one array set
+    per layer, kept by the caller between calls; without it the call slices its
+    own copies of the stacked weights.
 
     Returns ``(tokens [R, n], fed [R], cache, logits [R, n, V] or None, q_rows
     [n, L, R, Hq, D])``: the post-RoPE query of every fed token.
@@ -332,9 +346,15 @@ def run_decode(graphdef, params, cache, batch: DecodeBatch, page_plan=None, wind
     keys_R = jax.random.wrap_key_data(b.key_data_R)
     started = (b.limit_R > 0).sum()
     # With a window (the CPU loop) the layers run unrolled over per-layer copies of
-    # the weights taken here, once per call: a scan would copy each layer's slice
-    # in every step (``Transformer.unstacked_layers``).
-    unstacked = model.unstacked_layers() if window is not None else None
+    # the weights: a scan would copy each layer's slice in every step
+    # (``Transformer.unstacked_layers``). The caller's copies (``layer_params``)
+    # spare even the one copy per call.
+    unstacked = None
+    if window is not None and layer_params is not None:
+        layer_graphdef = nnx.split(model.layer(0))[0]
+        unstacked = [nnx.merge(layer_graphdef, state) for state in layer_params]
+    elif window is not None:
+        unstacked = model.unstacked_layers()
     arange_R = jnp.arange(R, dtype=jnp.int32)
 
     def cond(carry):
