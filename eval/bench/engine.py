@@ -3,7 +3,7 @@ seconds at several lengths and decode tokens/s at batch 1 and 8, 512 and 4,096
 tokens of context.
 
     python -m eval.bench.engine [--old 44e9456] [--model smollm2-135m-instruct]
-        [--lengths 512,2048,4096,8000] [--out eval/results/bench_engine_cpu.md]
+        [--lengths 512,2048,4096,8000] [--rounds 1] [--out eval/results/bench_engine_cpu.md]
 
 The previous engine is checked out from git at ``--old`` into a scratch worktree.
 Each measurement runs in a process of its own (``RUNNER``: the same code for both
@@ -13,7 +13,9 @@ of the machine's speed during the run touches both sides alike. Prefill: one
 row, a random prompt from an empty cache at the engine's default chunk, median of
 ``--repeats`` after a warm-up run (compiles excluded). Decode: ``--steps`` greedy
 steps after a warm-up call over random K/V of ``context`` tokens per row (the pool
-filled on the device), as ``eval/bench/decode.py`` times it. Float32, threads
+filled on the device), as ``eval/bench/decode.py`` times it; one process's decode speed
+varies by about 10% from the next one's, so ``--rounds N`` runs N alternating
+process pairs per cell and reports the medians and every round's ratio. Float32, threads
 pinned to the machine's cores; the load average is recorded before and after.
 """
 
@@ -22,6 +24,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -105,6 +108,7 @@ def main(argv=None) -> int:
     p.add_argument("--batches", default="1,8")
     p.add_argument("--steps", type=int, default=32)
     p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--rounds", type=int, default=1, help="decode: alternating old/new processes per cell; medians and the ratio's range are reported")
     p.add_argument("--out", default=None)
     args = p.parse_args(argv)
     load0 = os.getloadavg()
@@ -127,13 +131,16 @@ def main(argv=None) -> int:
             old, new = measure(old_tree, spec), measure(ROOT, spec)
             lines.append(md_row([T, f"{old:.2f}", f"{new:.2f}", f"{old / new:.2f}x"]))
             print(lines[-1], flush=True)
-        lines += ["", f"## Decode ({args.steps} greedy steps per call, after a warm-up call)", "",
-                  *md_header(["batch", "context", "previous tok/s", "now tok/s", "ratio"], "rrrrr")]
+        lines += ["", f"## Decode ({args.steps} greedy steps per call, best of {args.repeats} calls after a warm-up call; "
+                  f"{args.rounds} round(s) of one process per engine, alternating; medians)", "",
+                  *md_header(["batch", "context", "previous tok/s", "now tok/s", "ratio", "ratio per round"], "rrrrrl")]
         for B in [int(x) for x in args.batches.split(",")]:
             for ctx in [int(x) for x in args.contexts.split(",")]:
                 spec = dict(kind="decode", model=args.model, batch=B, context=ctx, steps=args.steps, repeats=args.repeats)
-                old, new = measure(old_tree, spec), measure(ROOT, spec)
-                lines.append(md_row([B, ctx, f"{old:.1f}", f"{new:.1f}", f"{new / old:.2f}x"]))
+                pairs = [(measure(old_tree, spec), measure(ROOT, spec)) for _ in range(args.rounds)]
+                old, new = statistics.median(o for o, _ in pairs), statistics.median(n for _, n in pairs)
+                per_round = ", ".join(f"{n / o:.2f}" for o, n in pairs)
+                lines.append(md_row([B, ctx, f"{old:.1f}", f"{new:.1f}", f"{new / old:.2f}x", per_round]))
                 print(lines[-1], flush=True)
     finally:
         subprocess.run(["git", "worktree", "remove", "--force", str(old_tree)], cwd=ROOT, capture_output=True)
