@@ -50,7 +50,7 @@ def assert_nothing_leaked(server: Server) -> None:
     server.radix.check_invariants()
 
 
-TRACE_LENGTHS = (1024, 1536, 2048)
+TRACE_LENGTHS = (1024, 2048)  # two trace lengths (1,536 dropped for the suite's time)
 TURNS = 2  # assistant turns replayed per trace (the suite's time)
 NEAR_TIE = 1e-4  # a difference must come from a choice this close in the solo run
 
@@ -106,7 +106,7 @@ def test_differences_are_explained_by_the_first_flip_or_token():
 @pytest.mark.skipif(not (EMBEDDED_DIR / "config.json").is_file(), reason="embedded model not installed")
 @pytest.mark.parametrize("length", TRACE_LENGTHS)
 def test_eight_concurrent_sessions_reply_as_if_alone(length):
-    """8 sessions x 3 trace lengths: every batched reply equals the session's solo
+    """8 sessions x 2 trace lengths: every batched reply equals the session's solo
     reply, or differs through a near tie of the solo run (logged with its margin)."""
     from eval.quality.harness import EVAL_SEED_BASE
     from jaxkv.tasks import agent_traces

@@ -75,6 +75,7 @@ import optax
 import orbax.checkpoint as ocp
 from tqdm import tqdm
 
+from eval.common.tables import md_table
 from jaxkv.policies import select
 from jaxkv.policies.intentkv_head import (
     Head,
@@ -483,14 +484,17 @@ def head_card(head: Head, base_model: dict, summary: dict, budgets) -> str:
     rows = [("ROC-AUC (per row)", "auc")] + [(f"recall at B = {b}", f"recall{b}") for b in budgets]
     if any(f"mass{b}_z" in fin for b in budgets):
         rows += [(f"attention mass kept at B = {b}", f"mass{b}") for b in budgets]
-    table = "\n".join(f"| {label} | {fin.get(key + '_s', float('nan')):.3f} | {ini.get(key + '_z', float('nan')):.3f} | "
-                      f"{fin.get(key + '_z', float('nan')):.3f} |" for label, key in rows)
+    cell = lambda m, key: f"{m.get(key, float('nan')):.3f}"  # noqa: E731
+    table = md_table(["metric", "rule `s` alone", "head, before training", "head `z`, trained"],
+                     [[label, cell(fin, key + "_s"), cell(ini, key + "_z"), cell(fin, key + "_z")] for label, key in rows], "lrrr")
     other_tables = ""
     for spec, m in (summary.get("heldout_final_on") or {}).items():
         other_tables += (f"\nThe same head on `{spec}` labels ({m.get('heldout_rows', '?')} held-out rows):\n\n"
-                         "| metric | rule `s` alone | head `z`, trained |\n|---|---:|---:|\n")
-        other_tables += "\n".join(f"| {label} | {m.get(key + '_s', float('nan')):.3f} | {m.get(key + '_z', float('nan')):.3f} |"
-                                   for label, key in rows) + "\n"
+                         + md_table(["metric", "rule `s` alone", "head `z`, trained"],
+                                    [[label, cell(m, key + "_s"), cell(m, key + "_z")] for label, key in rows], "lrr") + "\n")
+    files = md_table(["file", "what"], [["`head.safetensors`", f"{n_params:,} float32 parameters"],
+                                        ["`head.json`", "`HeadConfig`, the base model's signature, the training record"],
+                                        ["`training.png`", "loss and held-out metrics during training"]])
     sig = base_model.get("signature") or {}
     return f"""# intentkv-head for {base_model.get('name', 'unknown')}
 
@@ -501,11 +505,7 @@ finds it in the model's folder (`<model folder>/intentkv-head`), or pass
 `head=PATH`. It refuses any other model (`jaxkv.ConfigError`): it was trained for
 {', '.join(f'{k} {v}' for k, v in sig.items()) or 'the model recorded in head.json'}.
 
-| file | what |
-|---|---|
-| `head.safetensors` | {n_params:,} float32 parameters |
-| `head.json` | `HeadConfig`, the base model's signature, the training record |
-| `training.png` | loss and held-out metrics during training |
+{files}
 
 ## Training
 
@@ -522,8 +522,6 @@ finds it in the model's folder (`<model folder>/intentkv-head`), or pass
 
 ## Held-out rows
 
-| metric | rule `s` alone | head, before training | head `z`, trained |
-|---|---:|---:|---:|
 {table}
 {other_tables}"""
 

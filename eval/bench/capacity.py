@@ -68,6 +68,7 @@ os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
 import jax  # noqa: E402
 
+from eval.common.tables import md_table  # noqa: E402
 from jaxkv.pallas.quant import PAGE  # noqa: E402
 
 CAPACITY_SEED_OFFSET = 7_000  # trace seeds: EVAL_SEED_BASE + this (held out, disjoint from bench_serving's 5,000)
@@ -244,17 +245,16 @@ def render_report(meta: dict, rows: list[dict]) -> str:
         f"KV budget: **{meta['budget'] / 2**20:.1f} MiB** ({meta['budget']:,} bytes; {meta['budget_note']}). "
         "Pool tokens: the token region plus INT2 pages; pool MiB: the pool's device bytes (codes, scales, zero points).",
         "",
-        "| pool | pool tokens | pool MiB | sessions held | x float | turns | prefilled tokens | generated tokens | wall s | compile s "
-        "| generated tok/s | x float | served tok/s | x float | radix evicted slots | re-prefilled turns |",
-        "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
+        md_table(
+            ["pool", "pool tokens", "pool MiB", "sessions held", "x float", "turns", "prefilled tokens", "generated tokens", "wall s",
+             "compile s", "generated tok/s", "x float", "served tok/s", "x float", "radix evicted slots", "re-prefilled turns"],
+            [[r["kind"], f"{r['pool_tokens']:,}", f"{r['pool_bytes'] / 2**20:.1f}", r["sessions"], f"{r['sessions'] / base['sessions']:.2f}x",
+              r["turns"], f"{r['prefilled']:,}", f"{r['generated']:,}", f"{r['wall_s']:.1f}", f"{r['compile_s']:.1f}",
+              f"{r['gen_tok_s']:.1f}", f"{r['gen_tok_s'] / base['gen_tok_s']:.2f}x", f"{r['served_tok_s']:.1f}",
+              f"{r['served_tok_s'] / base['served_tok_s']:.2f}x", r["radix_evicted"], r["reprefilled_turns"]] for r in rows],
+            "l" + "r" * 15,
+        ),
     ]
-    for r in rows:
-        lines.append(
-            f"| {r['kind']} | {r['pool_tokens']:,} | {r['pool_bytes'] / 2**20:.1f} | {r['sessions']} | {r['sessions'] / base['sessions']:.2f}x "
-            f"| {r['turns']} | {r['prefilled']:,} | {r['generated']:,} | {r['wall_s']:.1f} | {r['compile_s']:.1f} "
-            f"| {r['gen_tok_s']:.1f} | {r['gen_tok_s'] / base['gen_tok_s']:.2f}x | {r['served_tok_s']:.1f} "
-            f"| {r['served_tok_s'] / base['served_tok_s']:.2f}x | {r['radix_evicted']} | {r['reprefilled_turns']} |"
-        )
     lines += ["", "Tokens/s are over the wall time less the XLA compile seconds inside it (compiles counted: "
               + ", ".join(f"{r['kind']} {r['programs']}" for r in rows) + ")."]
     for r in rows:
