@@ -3,23 +3,28 @@
 The ~125M random Qwen3 of ``eval/bench/decode.py`` (float32 weights, built
 in-process with ``jaxkv.model_from_config``), batch 1, one request holding
 ``N`` live tokens (4k and 32k), ``--steps`` greedy decode steps timed after a
-warm-up, for four pools of the same engine:
+warm-up (one ``run_decode`` call of ``--steps`` steps each), for six runs of the
+same engine:
 
 * ``float``: the float32 pool as a ``Server`` sizes it (2 x positions + 1 slots),
   where the CPU decode loop reads a per-call head-major window of the row's list
   (``jaxkv.step.gather_window``);
 * ``float-gather``: the float32 pool too tight for that window, so every step
-  gathers key blocks through the live list, as the quantized pools do;
-* ``int4``: every live token INT4 (``Engine(kv_quant="int4")``);
-* ``mixed``: 65% of the live tokens in INT2 pages, 35% INT4 (~2.7 average bits,
-  ``kv_quant="triaxial"``).
+  gathers key blocks through the live list;
+* ``int4``: every live token INT4 (``Engine(kv_quant="int4")``), read through the
+  quantized window (``jaxkv.cache.quantized.gather_quant_window``): once per call,
+  a head-major copy of the row's codes unpacked to uint8 with float32 scales, each
+  step dequantizing it block by block inside the online softmax;
+* ``int4-gather``: the same pool without the window (``engine.decode_window =
+  False``): every step gathers packed rows from the pool by slot and dequantizes
+  them (``decode_parts_attention``), the path before the window;
+* ``mixed`` / ``mixed-gather``: 65% of the live tokens in INT2 pages, 35% INT4
+  (~2.7 average bits, ``kv_quant="triaxial"``), with and without the window (the
+  window holds the INT2 pages whole beside the INT4 tokens).
 
-The quantized pools decode through ``jaxkv.cache.quantized.decode_parts_attention``:
-INT2 pages, then INT4 tokens, each key block dequantized from the packed pool
-inside the online-softmax loop (no float copy of the live set). Pool contents
-are random (decode cost does not depend on the values). The KV bytes each pool
-reads per step and the ratio to the ``float`` pool's tokens/s are printed side
-by side.
+Pool contents are random (decode cost does not depend on the values). The KV
+bytes each pool holds for the request (what the per-step gather reads) and the
+ratio to the ``float`` pool's tokens/s are printed side by side.
 
 ``--model NAME_OR_PATH`` runs a real checkpoint instead (for SmolLM2-135M-Instruct:
 ``--model smollm2-135m-instruct --contexts 4096,8000``; its context is 8,192
@@ -85,16 +90,17 @@ def open_request(engine, n: int, mode: str) -> int:
 
 
 def bench(model, mode: str, n: int, steps: int) -> tuple[float, float]:
-    """(tokens/s, KV bytes read per step) of one request of ``n`` live tokens."""
+    """(tokens/s, KV bytes of the request in its pool's format) of one request of
+    ``n`` live tokens."""
     rng = np.random.default_rng(0)
-    kv_quant = {"float": None, "float-gather": None, "int4": "int4", "mixed": "triaxial"}[mode]
+    kind, _, gather = mode.partition("-")
+    kv_quant = {"float": None, "int4": "int4", "mixed": "triaxial"}[kind]
     P = n + steps + 1
-    # "float": the pool a Server sizes (2 x rows x positions + 1 slots), where the CPU decode
-    # loop reads its per-call window; "float-gather": a pool too tight for the window, so
-    # every step gathers key blocks through the live list, as the quantized pools do
-    slots = 2 * P + 1 if mode == "float" else P + 1
-    engine = Engine(model, rows=1, max_positions=P, num_slots=slots, kv_quant=kv_quant)
-    row = open_request(engine, n, mode)
+    # the pool a Server sizes (2 x rows x positions + 1 slots: room for the window,
+    # ``Engine.uses_window``); "-gather" turns the window off
+    engine = Engine(model, rows=1, max_positions=P, num_slots=2 * P + 1, kv_quant=kv_quant)
+    engine.decode_window = not gather
+    row = open_request(engine, n, kind)
     if kv_quant is None:
         fill_pool_randomly(engine, rng)
     else:
@@ -138,14 +144,15 @@ def main(argv=None) -> str:
         "",
         f"Quantized vs float KV pool, decode, {what} float32 weights), batch 1, "
         f"{platform.processor() or platform.machine()}, {os.cpu_count()} cores, jax {jax.__version__} ({jax.default_backend()}); "
-        f"{args.steps} timed greedy steps after warm-up; quantized attention = key blocks dequantized inside the online softmax (decode_parts_attention); float = the window, float-gather = key blocks gathered per step.",
+        f"{args.steps} timed greedy steps after warm-up (one decode call); float / int4 / mixed = the per-call window (float rows; uint8 codes dequantized block by block inside the online softmax), "
+        "-gather = the window off: key blocks gathered from the pool every step (quantized: decode_parts_attention); KV bytes = the request's entries in its pool's format.",
         "",
-        *md_header(["live tokens", "pool", "tok/s", "vs float", "KV bytes read / step", "vs float"], "rlrrrr"),
+        *md_header(["live tokens", "pool", "tok/s", "vs float", "KV bytes (pool format)", "vs float"], "rlrrrr"),
     ]
     print("\n".join(lines), flush=True)
     for n in contexts:
         base = None
-        for mode in ("float", "float-gather", "int4", "mixed"):
+        for mode in ("float", "float-gather", "int4", "int4-gather", "mixed", "mixed-gather"):
             tps, kv_bytes = bench(model, mode, n, args.steps)
             base = base or (tps, kv_bytes)
             row = md_row([n, mode, f"{tps:.2f}", f"{tps / base[0]:.2f}x", f"{kv_bytes / 2**20:.1f} MiB", f"{kv_bytes / base[1]:.2f}x"])
