@@ -40,7 +40,16 @@ attention reads every row's live list through ``QuantReader``, which gathers the
 packed rows of one key block and dequantizes them in the block loop; a step never
 holds a float copy of a live set. A step attends to its own tokens in full
 precision (``StepTokens``: the papers' protocol, attention in full precision while
-a prompt is prefilled), and later steps read them quantized. ``jaxkv.pallas.quantized_decode_attention``
+a prompt is prefilled), and later steps read them quantized. The decode fast path
+reads by kind instead (``DecodeParts``: INT2 pages, then the token part): through
+the packed pool every step (``decode_parts_attention``), or, in the CPU decode
+loop, through a per-call copy of the rows' entries (``QuantWindow``, taken once by
+``gather_quant_window``: codes unpacked to uint8 with float32 parameters,
+token-major per KV head, dequantized block by block with the pool's arithmetic:
+contiguous blocks instead of a gather by slot per step, at 160 bytes per entry,
+head and layer for D = 64 against the pool's 80 and the float window's 512;
+``eval/bench/quant_decode.py`` times both paths).
+``jaxkv.pallas.quantized_decode_attention``
 (INT2 pages, then INT4 tokens, by page table) is the decode kernel family the
 device check measures.
 
@@ -477,7 +486,7 @@ class WindowPart:
         ``state`` of the scaled queries ``q_RKGD``."""
         from jaxkv.pallas.ragged_attention import KEY_BLOCK, MASKED, _online_step
 
-        E = KEY_BLOCK
+        E = min(KEY_BLOCK, self.k[i].shape[2])  # the window's width: a power of two (``jaxkv.buckets.window_width``)
         per_key = E // GROUP if self.key_axis == -2 else E  # key parameters per block along W
 
         def block(j, state):
@@ -576,7 +585,7 @@ def gather_quant_window(cache: QuantizedKVCache, plan: DecodeParts, *, width: in
         jnp.arange(width)[None, :] < plan.n_tokens_R[:, None], plan.n_tokens_R, key_axis=-1,
     )
     pages = None
-    if geo.pages > 1:
+    if geo.pages > 1 and width >= PAGE:  # (a narrower window holds no whole page, so its rows have none)
         Wp = width // PAGE
         listed = jnp.arange(Wp)[None, :] < plan.n_pages_R[:, None]
         ids = jnp.where(listed, _widened(plan.pages_RQ, Wp), 0)  # [R, Wp]

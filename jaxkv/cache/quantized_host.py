@@ -527,8 +527,9 @@ class QuantizedKV:
     def gather_window(self, cache, rows_R, plan: DecodeParts | None, *, width: int, n_steps: int):
         """The CPU decode loop's copy of the call's quantized entries
         (``jaxkv.cache.quantized.gather_quant_window``), or None when the call has
-        no plan (rows with per-layer sets read through their live lists)."""
-        if plan is None:
+        no plan (rows with per-layer sets read through their live lists) or a row's
+        pages do not fit the width (``window_entries`` past the positions' cap)."""
+        if plan is None or PAGE * int(np.max(plan.n_pages_R)) > (width if width >= PAGE else 0):
             return None
         return gather_quant_window(cache, plan, width=width, n_steps=n_steps)
 
