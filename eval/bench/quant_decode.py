@@ -3,7 +3,8 @@
 The ~125M random Qwen3 of ``eval/bench/decode.py`` (float32 weights, built
 in-process with ``jaxkv.model_from_config``), batch 1, one request holding
 ``N`` live tokens (4k and 32k), ``--steps`` greedy decode steps timed after a
-warm-up (one ``run_decode`` call of ``--steps`` steps each), for six runs of the
+warm-up (one ``run_decode`` call of ``--steps`` steps; ``--repeats`` calls, the
+median counts), for six runs of the
 same engine:
 
 * ``float``: the float32 pool as a ``Server`` sizes it (2 x positions + 1 slots),
@@ -31,7 +32,7 @@ ratio to the ``float`` pool's tokens/s are printed side by side.
 positions, so a context must leave room for the timed steps). The 1-minute load
 average is printed before and after: a run that starts above 0.5 shared the machine.
 
-Usage: python -m eval.bench.quant_decode [--steps 16] [--contexts 4096,32768] [--model M] [--out FILE.md]
+Usage: python -m eval.bench.quant_decode [--steps 16] [--repeats 1] [--contexts 4096,32768] [--model M] [--out FILE.md]
 """
 
 from __future__ import annotations
@@ -89,7 +90,7 @@ def open_request(engine, n: int, mode: str) -> int:
     return row
 
 
-def bench(model, mode: str, n: int, steps: int) -> tuple[float, float]:
+def bench(model, mode: str, n: int, steps: int, repeats: int = 1) -> tuple[float, float]:
     """(tokens/s, KV bytes of the request in its pool's format) of one request of
     ``n`` live tokens."""
     rng = np.random.default_rng(0)
@@ -114,16 +115,20 @@ def bench(model, mode: str, n: int, steps: int) -> tuple[float, float]:
         kv_bytes = comp[INT2] * bytes_per_token(INT2, **size) + comp[INT4] * bytes_per_token(INT4, **size)
     first = [int(rng.integers(0, cfg.vocab_size))]
     engine.decode([row], first, steps)  # compile + warm-up
-    engine.truncate_row(row, n)  # rewind to the n live tokens
-    jax.block_until_ready(engine.cache.kv)
-    t0 = time.perf_counter()
-    engine.decode([row], first, steps)
-    return steps / (time.perf_counter() - t0), kv_bytes
+    times = []
+    for _ in range(repeats):
+        engine.truncate_row(row, n)  # rewind to the n live tokens
+        jax.block_until_ready(engine.cache.kv)
+        t0 = time.perf_counter()
+        engine.decode([row], first, steps)
+        times.append(time.perf_counter() - t0)
+    return steps / float(np.median(times)), kv_bytes
 
 
 def main(argv=None) -> str:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--steps", type=int, default=16)
+    ap.add_argument("--repeats", type=int, default=1, help="timed decode calls per run; their median counts")
     ap.add_argument("--contexts", default="4096,32768")
     ap.add_argument("--model", default=None, help="a model name or folder (default: the random ~125M Qwen3)")
     ap.add_argument("--out", default=None)
@@ -144,7 +149,7 @@ def main(argv=None) -> str:
         "",
         f"Quantized vs float KV pool, decode, {what} float32 weights), batch 1, "
         f"{platform.processor() or platform.machine()}, {os.cpu_count()} cores, jax {jax.__version__} ({jax.default_backend()}); "
-        f"{args.steps} timed greedy steps after warm-up (one decode call); float / int4 / mixed = the per-call window (float rows; uint8 codes dequantized block by block inside the online softmax), "
+        f"{args.steps} timed greedy steps after warm-up (one decode call; the median of {args.repeats}); float / int4 / mixed = the per-call window (float rows; uint8 codes dequantized block by block inside the online softmax), "
         "-gather = the window off: key blocks gathered from the pool every step (quantized: decode_parts_attention); KV bytes = the request's entries in its pool's format.",
         "",
         *md_header(["live tokens", "pool", "tok/s", "vs float", "KV bytes (pool format)", "vs float"], "rlrrrr"),
@@ -153,7 +158,7 @@ def main(argv=None) -> str:
     for n in contexts:
         base = None
         for mode in ("float", "float-gather", "int4", "int4-gather", "mixed", "mixed-gather"):
-            tps, kv_bytes = bench(model, mode, n, args.steps)
+            tps, kv_bytes = bench(model, mode, n, args.steps, args.repeats)
             base = base or (tps, kv_bytes)
             row = md_row([n, mode, f"{tps:.2f}", f"{tps / base[0]:.2f}x", f"{kv_bytes / 2**20:.1f} MiB", f"{kv_bytes / base[1]:.2f}x"])
             lines.append(row)
