@@ -79,7 +79,7 @@ from jaxkv.errors import ConfigError, ContextLengthError, JaxKVError, OutOfSlots
 from jaxkv.models.loading import Model
 from jaxkv.pallas.ragged_attention import ragged_backend
 from jaxkv.sampling import RowSamplers, make_sampler, sample
-from jaxkv.step import NO_FEATURES, DecodeBatch, Features, StepBatch, cache_sharding, gather_window, layer_copies, run_decode, run_step
+from jaxkv.step import NO_FEATURES, DecodeBatch, Features, StepBatch, cache_sharding, layer_copies, run_decode, run_step
 
 PREFILL_CHUNK = 512  # tokens per prefill step; chosen by eval/bench/prefill.py (README)
 FIRST_TOKEN_KEY = 1 << 30  # the first reply token is drawn with fold_in(key, this)
@@ -901,12 +901,10 @@ class Engine:
                 forced[b, : len(f)] = f
         return_logits = any(j.return_logits for j in jobs)
         batch = DecodeBatch(rows, first, limit, slots, stop, key_data, step0, RowSamplers.of(settings), forced)
-        width = buckets.window_width(max(len(s.live) for s in states), self.max_positions)
-        window = layer_params = None
-        if self.uses_window(B, width):
-            window = gather_window(self.cache, jnp.asarray(rows), width=width, n_steps=n)
-            layer_params = self._layer_params()
         plan = self.pool.decode_plan(states, [s[:k] for s, k in zip(per_job, steps)], B, n)
+        width = buckets.window_width(self.pool.window_entries(states, plan), self.max_positions)
+        window = self.pool.gather_window(self.cache, jnp.asarray(rows), plan, width=width, n_steps=n) if self.uses_window(B, width) else None
+        layer_params = self._layer_params() if window is not None else None
         tokens, fed, self.cache, logits, q_rows = run_decode(
             self.graphdef, self.params, self.cache, batch, plan, window, layer_params,
             layers=self.pool.layers, n_steps=n, backend=self.attention_backend, return_logits=return_logits,
@@ -944,13 +942,15 @@ class Engine:
 
     def uses_window(self, B: int, width: int) -> bool:
         """Whether a decode call of ``B`` rows reads a per-call copy of the rows'
-        lists (``jaxkv.step.gather_window``) instead of gathering key blocks from
-        the pool every step. On the CPU (the blocked attention) the copy's
-        contiguous blocks read several times faster than gathered ones
-        (``eval/bench/decode.py`` prints both). It is taken while the copy is no
-        larger than the pool (``B * width <= S``), never by a kernel backend, a
-        pool whose ``uses_window`` is false (a quantized pool reads its packed
-        rows) or a mesh."""
+        entries (the pool's ``gather_window``: ``jaxkv.step.gather_window`` for the
+        float pool, ``jaxkv.cache.quantized.gather_quant_window`` for INT4 and
+        INT2 entries) instead of gathering key blocks from the pool every step. On
+        the CPU (the blocked attention) the copy's contiguous blocks read several
+        times faster than gathered ones (``eval/bench/decode.py`` and
+        ``eval/bench/quant_decode.py`` print both). It is taken while the copy has
+        no more entries than the pool has slots (``B * width <= S``), never by a
+        kernel backend, a pool whose ``uses_window`` is false (KIVI's float
+        residual) or a mesh."""
         return (
             self.decode_window and self.pool.uses_window and self.mesh is None
             and self.attention_backend == "blocked" and B * width <= self.allocator.num_slots

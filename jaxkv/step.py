@@ -203,7 +203,7 @@ def _forward(model, layers, kv, tables, tokens_T, positions_T, slots_T, q_start_
         kv = layers.write(kv, i, k_TKD, v_TKD, slots_T, page_plan)
         lists, kv_len = tables.layer_list(i)
         out = q_THD.astype(jnp.float32) if capture_q else None
-        if window is not None:  # CPU decode loop: the rows' copy, new entry at kv_len - 1
+        if window is not None:  # CPU decode loop: the rows' copy (any pool's window), new entry at kv_len - 1
             window = window.append(i, k_TKD, v_TKD, kv_len, q_len_R > 0)
             o = window.attend(i, q_THD, kv_len, q_len_R > 0)
             return o.astype(q_THD.dtype)[None], (kv, window, mass_RN), out
@@ -318,7 +318,7 @@ def constrain_cache(cache, mesh):
     static_argnames=("graphdef", "layers", "n_steps", "backend", "return_logits", "teacher_forced", "mesh", "regroup"),
     donate_argnames=("cache",),
 )
-def run_decode(graphdef, params, cache, batch: DecodeBatch, page_plan=None, window: DecodeWindow | None = None, layer_params=None, *, layers, n_steps, backend, return_logits=False, teacher_forced=False, mesh=None, regroup=False):
+def run_decode(graphdef, params, cache, batch: DecodeBatch, page_plan=None, window=None, layer_params=None, *, layers, n_steps, backend, return_logits=False, teacher_forced=False, mesh=None, regroup=False):
     """Decode up to ``n_steps`` tokens for each row of ``batch`` (module docstring).
 
     Step ``s`` feeds each active row its last token (writing its K/V at
@@ -328,8 +328,9 @@ def run_decode(graphdef, params, cache, batch: DecodeBatch, page_plan=None, wind
     (padded with -1) or after ``limit_R`` steps. With ``teacher_forced`` the fed
     token of step ``s > 0`` is ``forced_RN[:, s - 1]``. With ``regroup`` the call
     also ends once half of its rows or more have stopped (after one step), so the
-    rest continue with fewer rows. ``window`` (``gather_window``, CPU only): the
-    rows' lists are read from that copy, no gather per step. ``layer_params``
+    rest continue with fewer rows. ``window`` (the pool's ``gather_window``, CPU
+    only: ``DecodeWindow``, or a quantized pool's ``jaxkv.cache.quantized.QuantWindow``):
+    the rows' entries are read from that copy, no gather per step. ``layer_params``
     (``layer_copies``, with a window only): the layers' weights as one array set
     per layer, kept by the caller between calls; without it the call slices its
     own copies of the stacked weights.

@@ -235,6 +235,52 @@ def test_quantized_rows_decode_alike_alone_and_batched(qmodel, mode):
         assert np.abs(alone - together[i]).max() <= 1e-5 * np.abs(alone).max()
 
 
+@pytest.mark.parametrize("mode", ["int4", "triaxial"])
+def test_quantized_decode_window_equals_per_step_gather(qmodel, mode, monkeypatch):
+    """The CPU decode loop's once-per-call quantized window
+    (``gather_quant_window``: unpacked codes, dequantized block by block) gives the
+    tokens, logits and query rows of gathering packed rows from the pool every
+    step (``decode_parts_attention``): rows of different lengths over several key
+    blocks, INT2 pages partly held (dead slots), and two calls, so the call's own
+    new tokens are read back quantized both from the window's new part (within a
+    call) and from the pool (the next call's window)."""
+    import jaxkv.cache.quantized_host as quantized_host
+
+    calls = []
+    gather = quantized_host.gather_quant_window
+    monkeypatch.setattr(quantized_host, "gather_quant_window", lambda *a, **k: calls.append(k["width"]) or gather(*a, **k))
+    rng = np.random.default_rng(11)
+    prompts = [rng.integers(5, 500, n).tolist() for n in (700, 150)]
+    bits = [np.where(rng.random(len(p)) < 0.6, 2, 4) for p in prompts] if mode == "triaxial" else None
+    runs = {}
+    for window in (True, False):
+        e = Engine(qmodel, rows=2, max_positions=1024, kv_quant=mode)
+        e.decode_window = window
+        rows = [e.open_row(), e.open_row()]
+        e.prefill(rows, prompts, kv_bits=bits)
+        e.apply_layout(rows[0], layouts.dead_slot(e.row_state[rows[0]].slots, np.setdiff1d(np.arange(700), [3, 40, 41, 300, 301])))
+        first = e.decode(rows, [7, 9], 6, return_logits=True, features=Features(query_rows=True))
+        second = e.decode(rows, [first[0][0][-1], first[0][1][-1]], 6, return_logits=True, features=Features(query_rows=True))
+        assert e.uses_window(2, 1024) == window
+        runs[window] = (first, second)
+    assert calls == [1024, 1024]  # each windowed call took its window, as wide as the 700-entry list's bucket
+    if mode == "triaxial":
+        assert e.kv_composition(rows[0])[INT2] > 0
+    for (tok_w, log_w, aux_w), (tok_g, log_g, aux_g) in zip(*runs.values()):
+        assert tok_w == tok_g
+        for a, b in zip(log_w, log_g):
+            assert np.abs(a - b).max() <= 1e-5 * np.abs(b).max()
+        for a, b in zip(aux_w["q_rows"], aux_g["q_rows"]):
+            assert np.abs(a - b).max() <= 1e-5 * np.abs(b).max()
+
+
+def test_kivi_pools_decode_without_a_window(qmodel):
+    """KIVI's token part is its float residual: no quantized window (the CPU decode
+    loop gathers from the packed pool)."""
+    assert not Engine(qmodel, rows=1, max_positions=512, kv_quant="kivi2").uses_window(1, 512)
+    assert Engine(qmodel, rows=1, max_positions=512, kv_quant="int4").uses_window(1, 512)
+
+
 def test_prefill_attends_over_the_dequantized_prefix_and_its_chunk_in_full_precision(qmodel):
     """A second prefill on a quantized pool = a float pool holding the dequantized
     K/V of the first (the new chunk itself in full precision)."""

@@ -3,30 +3,36 @@
 The ~125M random Qwen3 of ``eval/bench/decode.py`` (float32 weights, built
 in-process with ``jaxkv.model_from_config``), batch 1, one request holding
 ``N`` live tokens (4k and 32k), ``--steps`` greedy decode steps timed after a
-warm-up, for four pools of the same engine:
+warm-up (one ``run_decode`` call of ``--steps`` steps; ``--repeats`` calls, the
+median counts), for six runs of the
+same engine:
 
 * ``float``: the float32 pool as a ``Server`` sizes it (2 x positions + 1 slots),
   where the CPU decode loop reads a per-call head-major window of the row's list
   (``jaxkv.step.gather_window``);
 * ``float-gather``: the float32 pool too tight for that window, so every step
-  gathers key blocks through the live list, as the quantized pools do;
-* ``int4``: every live token INT4 (``Engine(kv_quant="int4")``);
-* ``mixed``: 65% of the live tokens in INT2 pages, 35% INT4 (~2.7 average bits,
-  ``kv_quant="triaxial"``).
+  gathers key blocks through the live list;
+* ``int4``: every live token INT4 (``Engine(kv_quant="int4")``), read through the
+  quantized window (``jaxkv.cache.quantized.gather_quant_window``): once per call,
+  a head-major copy of the row's codes unpacked to uint8 with float32 scales, each
+  step dequantizing it block by block inside the online softmax;
+* ``int4-gather``: the same pool without the window (``engine.decode_window =
+  False``): every step gathers packed rows from the pool by slot and dequantizes
+  them (``decode_parts_attention``), the path before the window;
+* ``mixed`` / ``mixed-gather``: 65% of the live tokens in INT2 pages, 35% INT4
+  (~2.7 average bits, ``kv_quant="triaxial"``), with and without the window (the
+  window holds the INT2 pages whole beside the INT4 tokens).
 
-The quantized pools decode through ``jaxkv.cache.quantized.decode_parts_attention``:
-INT2 pages, then INT4 tokens, each key block dequantized from the packed pool
-inside the online-softmax loop (no float copy of the live set). Pool contents
-are random (decode cost does not depend on the values). The KV bytes each pool
-reads per step and the ratio to the ``float`` pool's tokens/s are printed side
-by side.
+Pool contents are random (decode cost does not depend on the values). The KV
+bytes each pool holds for the request (what the per-step gather reads) and the
+ratio to the ``float`` pool's tokens/s are printed side by side.
 
 ``--model NAME_OR_PATH`` runs a real checkpoint instead (for SmolLM2-135M-Instruct:
 ``--model smollm2-135m-instruct --contexts 4096,8000``; its context is 8,192
 positions, so a context must leave room for the timed steps). The 1-minute load
 average is printed before and after: a run that starts above 0.5 shared the machine.
 
-Usage: python -m eval.bench.quant_decode [--steps 16] [--contexts 4096,32768] [--model M] [--out FILE.md]
+Usage: python -m eval.bench.quant_decode [--steps 16] [--repeats 1] [--contexts 4096,32768] [--model M] [--out FILE.md]
 """
 
 from __future__ import annotations
@@ -84,17 +90,18 @@ def open_request(engine, n: int, mode: str) -> int:
     return row
 
 
-def bench(model, mode: str, n: int, steps: int) -> tuple[float, float]:
-    """(tokens/s, KV bytes read per step) of one request of ``n`` live tokens."""
+def bench(model, mode: str, n: int, steps: int, repeats: int = 1) -> tuple[float, float]:
+    """(tokens/s, KV bytes of the request in its pool's format) of one request of
+    ``n`` live tokens."""
     rng = np.random.default_rng(0)
-    kv_quant = {"float": None, "float-gather": None, "int4": "int4", "mixed": "triaxial"}[mode]
+    kind, _, gather = mode.partition("-")
+    kv_quant = {"float": None, "int4": "int4", "mixed": "triaxial"}[kind]
     P = n + steps + 1
-    # "float": the pool a Server sizes (2 x rows x positions + 1 slots), where the CPU decode
-    # loop reads its per-call window; "float-gather": a pool too tight for the window, so
-    # every step gathers key blocks through the live list, as the quantized pools do
-    slots = 2 * P + 1 if mode == "float" else P + 1
-    engine = Engine(model, rows=1, max_positions=P, num_slots=slots, kv_quant=kv_quant)
-    row = open_request(engine, n, mode)
+    # the pool a Server sizes (2 x rows x positions + 1 slots: room for the window,
+    # ``Engine.uses_window``); "-gather" turns the window off
+    engine = Engine(model, rows=1, max_positions=P, num_slots=2 * P + 1, kv_quant=kv_quant)
+    engine.decode_window = not gather
+    row = open_request(engine, n, kind)
     if kv_quant is None:
         fill_pool_randomly(engine, rng)
     else:
@@ -108,16 +115,20 @@ def bench(model, mode: str, n: int, steps: int) -> tuple[float, float]:
         kv_bytes = comp[INT2] * bytes_per_token(INT2, **size) + comp[INT4] * bytes_per_token(INT4, **size)
     first = [int(rng.integers(0, cfg.vocab_size))]
     engine.decode([row], first, steps)  # compile + warm-up
-    engine.truncate_row(row, n)  # rewind to the n live tokens
-    jax.block_until_ready(engine.cache.kv)
-    t0 = time.perf_counter()
-    engine.decode([row], first, steps)
-    return steps / (time.perf_counter() - t0), kv_bytes
+    times = []
+    for _ in range(repeats):
+        engine.truncate_row(row, n)  # rewind to the n live tokens
+        jax.block_until_ready(engine.cache.kv)
+        t0 = time.perf_counter()
+        engine.decode([row], first, steps)
+        times.append(time.perf_counter() - t0)
+    return steps / float(np.median(times)), kv_bytes
 
 
 def main(argv=None) -> str:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--steps", type=int, default=16)
+    ap.add_argument("--repeats", type=int, default=1, help="timed decode calls per run; their median counts")
     ap.add_argument("--contexts", default="4096,32768")
     ap.add_argument("--model", default=None, help="a model name or folder (default: the random ~125M Qwen3)")
     ap.add_argument("--out", default=None)
@@ -138,15 +149,16 @@ def main(argv=None) -> str:
         "",
         f"Quantized vs float KV pool, decode, {what} float32 weights), batch 1, "
         f"{platform.processor() or platform.machine()}, {os.cpu_count()} cores, jax {jax.__version__} ({jax.default_backend()}); "
-        f"{args.steps} timed greedy steps after warm-up; quantized attention = key blocks dequantized inside the online softmax (decode_parts_attention); float = the window, float-gather = key blocks gathered per step.",
+        f"{args.steps} timed greedy steps after warm-up (one decode call; the median of {args.repeats}); float / int4 / mixed = the per-call window (float rows; uint8 codes dequantized block by block inside the online softmax), "
+        "-gather = the window off: key blocks gathered from the pool every step (quantized: decode_parts_attention); KV bytes = the request's entries in its pool's format.",
         "",
-        *md_header(["live tokens", "pool", "tok/s", "vs float", "KV bytes read / step", "vs float"], "rlrrrr"),
+        *md_header(["live tokens", "pool", "tok/s", "vs float", "KV bytes (pool format)", "vs float"], "rlrrrr"),
     ]
     print("\n".join(lines), flush=True)
     for n in contexts:
         base = None
-        for mode in ("float", "float-gather", "int4", "mixed"):
-            tps, kv_bytes = bench(model, mode, n, args.steps)
+        for mode in ("float", "float-gather", "int4", "int4-gather", "mixed", "mixed-gather"):
+            tps, kv_bytes = bench(model, mode, n, args.steps, args.repeats)
             base = base or (tps, kv_bytes)
             row = md_row([n, mode, f"{tps:.2f}", f"{tps / base[0]:.2f}x", f"{kv_bytes / 2**20:.1f} MiB", f"{kv_bytes / base[1]:.2f}x"])
             lines.append(row)

@@ -12,8 +12,11 @@ checks run first, so a failing call changes nothing):
 
 * ``mode``: ``None`` (full precision) or a ``kv_quant`` mode; ``allocator``: the
   slot allocator (``SlotAllocator`` interface); ``uses_window``: whether the CPU
-  decode loop may read a per-call copy of the rows' lists (``jaxkv.step.gather_window``;
-  a quantized pool reads its packed rows instead, never a float copy).
+  decode loop may read a per-call copy of the rows' entries, made by
+  ``gather_window(cache, rows, plan, width=, n_steps=)`` (the float pool's lists,
+  ``jaxkv.step.gather_window``; a quantized pool's unpacked codes,
+  ``jaxkv.cache.quantized.gather_quant_window``, never a float copy) and
+  ``window_entries(states, plan)`` wide (before bucketing);
 * ``layers``: the device side, hashable so it is a static argument of the
   engine's jit'd steps (``jaxkv.step``): one layer's write, its key-block reader
   for the ragged attention, its float rows (``FloatLayers`` documents the methods);
@@ -235,6 +238,16 @@ class FloatKV:
 
     def decode_plan(self, states, new_slots, B: int, steps: int):
         return None
+
+    def window_entries(self, states, plan) -> int:
+        """Entries the CPU decode window must hold for these rows: the longest list."""
+        return max(len(s.live) for s in states)
+
+    def gather_window(self, cache, rows_R, plan, *, width: int, n_steps: int):
+        """The CPU decode loop's copy of the rows' lists (``jaxkv.step.gather_window``)."""
+        from jaxkv.step import gather_window
+
+        return gather_window(cache, rows_R, width=width, n_steps=n_steps)
 
     def settle(self, engine, rows) -> None:
         """Nothing ages in a float pool."""

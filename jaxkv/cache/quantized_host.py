@@ -70,6 +70,7 @@ from jaxkv.cache.quantized import (
     QuantLayers,
     dequantize_int2_tokens,
     gather_dequantized,
+    gather_quant_window,
     gather_keys as gather_dequantized_keys,
     gather_packed,
     rewrite_rows,
@@ -363,7 +364,6 @@ class QuantizedKV:
       layers: the ``QuantLayers`` the engine's jit'd steps call.
     """
 
-    uses_window = False  # decode reads the packed rows, never a float copy of them
     whole_chunks = True  # INT2 pages are planned per chunk: a step takes a job's chunk whole
 
     def __init__(self, mode: str, geometry: Geometry, *, head_dim: int, float_dtype, backend=None):
@@ -377,6 +377,9 @@ class QuantizedKV:
         self.float_dtype = np.dtype(float_dtype)
         self.allocator = DualAllocator(geometry, self.token_kind)
         self.layers = QuantLayers(geometry, self.token_kind)
+        # The CPU decode loop's window (``gather_quant_window``) holds INT4 tokens and
+        # INT2 pages; KIVI's float residual decodes through the packed pool.
+        self.uses_window = self.token_kind == INT4
 
     @classmethod
     def sized(cls, mode: str, num_slots: int, *, head_dim: int, float_dtype, backend=None) -> "QuantizedKV":
@@ -512,6 +515,23 @@ class QuantizedKV:
             tokens[b, : part.size] = part
             n2[b], nt[b], live0[b] = t.pages.size, (t.int4 if four else t.floats).size, len(st.live)
         return DecodeParts(pages, masks, n2, tokens, nt, live0)
+
+    def window_entries(self, states, plan: DecodeParts | None) -> int:
+        """Entries the CPU decode window must hold (``gather_quant_window``): the
+        longest token part or ``32 x`` the most INT2 pages, whichever is more (a
+        page partly held still takes 32 entries). The widths of the float pool's
+        window (``jaxkv.buckets.window_widths``), so the same programs serve."""
+        longest = max(len(s.live) for s in states)
+        return longest if plan is None else max(longest, PAGE * int(np.max(plan.n_pages_R)))
+
+    def gather_window(self, cache, rows_R, plan: DecodeParts | None, *, width: int, n_steps: int):
+        """The CPU decode loop's copy of the call's quantized entries
+        (``jaxkv.cache.quantized.gather_quant_window``), or None when the call has
+        no plan (rows with per-layer sets read through their live lists) or a row's
+        pages do not fit the width (``window_entries`` past the positions' cap)."""
+        if plan is None or PAGE * int(np.max(plan.n_pages_R)) > (width if width >= PAGE else 0):
+            return None
+        return gather_quant_window(cache, plan, width=width, n_steps=n_steps)
 
     # -- page tables -------------------------------------------------------------------
     def page_table(self, state) -> PageTable:

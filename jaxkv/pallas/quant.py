@@ -208,14 +208,23 @@ def quantize_rows(x: jnp.ndarray, bits: int) -> PackedRows:
     return PackedRows(pack(codes.reshape(x.shape), bits), scale, zero, bits)
 
 
+def dequantize_codes(codes: jnp.ndarray, scale: jnp.ndarray, zero: jnp.ndarray, axis: int = -1) -> jnp.ndarray:
+    """float32 ``zero + code * scale`` of unpacked codes whose ``scale`` / ``zero``
+    hold one entry per ``GROUP`` consecutive elements along ``axis`` (the shape of
+    ``codes`` with that axis divided by 32): the one dequantization of every
+    format and layout (per-token groups of channels, a page's 32 tokens per
+    channel, head-major copies)."""
+    axis = axis % codes.ndim
+    shape = codes.shape
+    grouped = codes.astype(jnp.float32).reshape(*shape[:axis], shape[axis] // GROUP, GROUP, *shape[axis + 1:])
+    at = lambda p: jnp.expand_dims(p.astype(jnp.float32), axis + 1)  # noqa: E731
+    return (at(zero) + grouped * at(scale)).reshape(shape)
+
+
 @jax.jit
 def dequantize_rows(packed: PackedRows) -> jnp.ndarray:
     """float32 ``[..., D]`` values of ``PackedRows`` (INT4 or INT2)."""
-    codes = unpack(packed.data, packed.bits).astype(jnp.float32)
-    lead, D = codes.shape[:-1], codes.shape[-1]
-    grouped = codes.reshape(*lead, D // GROUP, GROUP)
-    x = packed.zero.astype(jnp.float32)[..., None] + grouped * packed.scale.astype(jnp.float32)[..., None]
-    return x.reshape(*lead, D)
+    return dequantize_codes(unpack(packed.data, packed.bits), packed.scale, packed.zero)
 
 
 def quantize_int4(x: jnp.ndarray) -> PackedRows:
