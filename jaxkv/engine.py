@@ -942,7 +942,7 @@ class Engine:
 
     def uses_window(self, B: int, width: int) -> bool:
         """Whether a decode call of ``B`` rows reads a per-call copy of the rows'
-        entries (the pool's ``gather_window``: ``jaxkv.step.gather_window`` for the
+        entries (the pool's ``gather_window``: ``jaxkv.cache.window.gather_window`` for the
         float pool, ``jaxkv.cache.quantized.gather_quant_window`` for INT4 and
         INT2 entries) instead of gathering key blocks from the pool every step. On
         the CPU (the blocked attention) the copy's contiguous blocks read several

@@ -41,9 +41,10 @@ from jax.sharding import NamedSharding, PartitionSpec
 from jaxkv.attention import ragged_attention_reference
 from jaxkv.cache.allocator import SENTINEL_SLOT
 from jaxkv.cache.state import append_tokens, put_rows, take_rows
+from jaxkv.cache.window import DecodeWindow
 from jaxkv.errors import JaxKVError
 from jaxkv.models import sharding
-from jaxkv.pallas.ragged_attention import KEY_BLOCK, decode_rows_attention, ragged_attention_blocked, window_decode_attention
+from jaxkv.pallas.ragged_attention import KEY_BLOCK, decode_rows_attention, ragged_attention_blocked
 from jaxkv.sampling import RowSamplers, sample_batch
 
 
@@ -88,37 +89,6 @@ class StepBatch:
     key_data_R: jax.Array
     step_R: jax.Array
     samplers: RowSamplers
-
-
-@struct.dataclass
-class DecodeWindow:
-    """The CPU decode loop's copy of its rows' lists (``gather_window``), per layer
-    (tuples of ``L`` arrays, so the unrolled loop updates each in place), in two
-    parts: the entries the rows held before the call, head-major and read-only in
-    the loop (keys ``[R, K, D, W]``, values ``[R, K, W, D]``, the first
-    ``len_LR[i]`` real), and the entries the call's steps write (``[R, S, K, D]``,
-    row ``r``'s step at index ``kv_len - 1 - len_LR[i, r]``). List entry
-    ``len_LR + s`` is new entry ``s``, so the two parts together are the row's
-    list (each layer's own, ``RowTables.layer_list``)."""
-
-    k: tuple
-    v: tuple
-    len_LR: jax.Array
-    k_new: tuple
-    v_new: tuple
-
-    def append(self, i: int, k_RKD, v_RKD, kv_len_R, active_R) -> "DecodeWindow":
-        """Layer ``i`` with each active row's new entry (its ``kv_len - 1``) written."""
-        R, S = self.k_new[i].shape[:2]
-        at = jnp.where(active_R, kv_len_R - 1 - self.len_LR[i], S)  # out of range: dropped
-        rows = jnp.arange(R)
-        put = lambda parts, x: parts[:i] + (parts[i].at[rows, at].set(x.astype(parts[i].dtype), mode="drop"),) + parts[i + 1:]  # noqa: E731
-        return self.replace(k_new=put(self.k_new, k_RKD), v_new=put(self.v_new, v_RKD))
-
-    def attend(self, i: int, q_RHD, kv_len_R, active_R):
-        """Layer ``i``'s attention of one query per row over the window."""
-        old = self.len_LR[i]
-        return window_decode_attention(q_RHD, self.k[i], self.v[i], old, self.k_new[i], self.v_new[i], kv_len_R - old, active_R)
 
 
 @struct.dataclass
@@ -278,24 +248,6 @@ def layer_copies(graphdef, params) -> tuple:
     about as long copying as computing)."""
     model = nnx.merge(graphdef, params)
     return tuple(nnx.split(layer)[1] for layer in model.unstacked_layers())
-
-
-@functools.partial(jax.jit, static_argnames=("width", "n_steps"))
-def gather_window(cache, rows_R, *, width: int, n_steps: int):
-    """The CPU decode loop's copy of each row's list entries ``[0, width)``, every
-    layer, head-major, and room for ``n_steps`` new entries (``DecodeWindow``). A
-    jit of its own, not the start of ``run_decode``: reading the pool before the
-    loop writes it made XLA:CPU copy the whole pool every call."""
-    tables = take_rows(cache, rows_R)
-    live = tables.live_idx  # [J, R, P]
-    live = live[..., :width] if live.shape[-1] >= width else jnp.pad(live, ((0, 0), (0, 0), (0, width - live.shape[-1])))
-    L, J = cache.k.shape[0], live.shape[0]
-    of_layer = jnp.minimum(jnp.arange(L), J - 1)
-    layer_lists = live[of_layer]  # [L, R, W]: the list each layer reads
-    k = tuple(jnp.transpose(cache.k[i][layer_lists[i]], (0, 2, 3, 1)) for i in range(L))  # L x [R, K, D, W]
-    v = tuple(jnp.transpose(cache.v[i][layer_lists[i]], (0, 2, 1, 3)) for i in range(L))  # L x [R, K, W, D]
-    new = tuple(jnp.zeros((rows_R.shape[0], n_steps, *cache.k.shape[2:]), cache.k.dtype) for _ in range(L))
-    return DecodeWindow(k, v, tables.live_len[of_layer], new, new)
 
 
 def cache_sharding(cache, mesh):

@@ -183,7 +183,7 @@ def _assert_tables_mirror_host(engine, rows):
 
 
 def test_decode_window_equals_per_step_gather(qwen3):
-    """The CPU decode loop's once-per-call window (``jaxkv.step.gather_window``) gives
+    """The CPU decode loop's once-per-call window (``jaxkv.cache.window.gather_window``) gives
     the tokens, logits and query rows of gathering key blocks from the pool every
     step, on rows of different lengths, one with dead slots in its live list, and
     the window holds the call's own new tokens."""

@@ -9,7 +9,7 @@ same engine:
 
 * ``float``: the float32 pool as a ``Server`` sizes it (2 x positions + 1 slots),
   where the CPU decode loop reads a per-call head-major window of the row's list
-  (``jaxkv.step.gather_window``);
+  (``jaxkv.cache.window.gather_window``);
 * ``float-gather``: the float32 pool too tight for that window, so every step
   gathers key blocks through the live list;
 * ``int4``: every live token INT4 (``Engine(kv_quant="int4")``), read through the

@@ -14,7 +14,7 @@ checks run first, so a failing call changes nothing):
   slot allocator (``SlotAllocator`` interface); ``uses_window``: whether the CPU
   decode loop may read a per-call copy of the rows' entries, made by
   ``gather_window(cache, rows, plan, width=, n_steps=)`` (the float pool's lists,
-  ``jaxkv.step.gather_window``; a quantized pool's unpacked codes,
+  ``jaxkv.cache.window.gather_window``; a quantized pool's unpacked codes,
   ``jaxkv.cache.quantized.gather_quant_window``, never a float copy) and
   ``window_entries(states, plan)`` wide (before bucketing);
 * ``layers``: the device side, hashable so it is a static argument of the
@@ -50,6 +50,7 @@ from jaxkv.pallas.ragged_attention import PoolReader, pad_lists
 from jaxkv.cache.allocator import SENTINEL_SLOT, SlotAllocator
 from jaxkv.cache.host_tier import stage
 from jaxkv.cache.state import PagedKVCache
+from jaxkv.cache.window import gather_window
 from jaxkv.errors import JaxKVError
 
 
@@ -244,9 +245,7 @@ class FloatKV:
         return max(len(s.live) for s in states)
 
     def gather_window(self, cache, rows_R, plan, *, width: int, n_steps: int):
-        """The CPU decode loop's copy of the rows' lists (``jaxkv.step.gather_window``)."""
-        from jaxkv.step import gather_window
-
+        """The CPU decode loop's copy of the rows' lists (``jaxkv.cache.window.gather_window``)."""
         return gather_window(cache, rows_R, width=width, n_steps=n_steps)
 
     def settle(self, engine, rows) -> None:

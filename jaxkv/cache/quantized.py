@@ -504,7 +504,7 @@ class WindowPart:
 @struct.dataclass
 class QuantWindow:
     """The CPU decode loop's copy of its rows' quantized entries
-    (``gather_quant_window``), the quantized pool's ``jaxkv.step.DecodeWindow``:
+    (``gather_quant_window``), the quantized pool's ``jaxkv.cache.window.DecodeWindow``:
     taken once per ``run_decode`` call, read contiguously by every step instead of
     gathering packed rows from the pool by slot (``decode_parts_attention``).
 
@@ -567,7 +567,7 @@ def gather_quant_window(cache: QuantizedKVCache, plan: DecodeParts, *, width: in
     layer's copy of each row's token part (entries ``[0, width)`` of the plan's
     token slots) and of its INT2 pages (``width / 32`` of them: the caller's width
     covers ``32 x`` the row's pages), and room for ``n_steps`` new tokens. A jit of
-    its own, as ``jaxkv.step.gather_window`` and for its reason (a pool read before
+    its own, as ``jaxkv.cache.window.gather_window`` and for its reason (a pool read before
     the loop writes it made XLA:CPU copy the whole pool every call)."""
     geo, pool = cache.geometry, cache.pool
     L, _, K, _ = pool.int4.k.data.shape
