@@ -244,6 +244,28 @@ class DecodeJob:
         return self.forced[self.fed - 1] if self.forced is not None else self.tokens[-1]
 
 
+@dataclasses.dataclass(frozen=True)
+class KeptWindow:
+    """The last decode call's window (``jaxkv.cache.window.DecodeWindow``), kept so
+    that the next decode call over the same rows starts from it instead of copying
+    every row's list again (``Engine.step_decode``).
+
+    Attributes:
+      rows: the call's rows, padding included; n_steps and width: its window's shape.
+      window: the window as the call returned it (blocks as at the call's start,
+        its new entries in the second part).
+      len_JB: the list lengths the blocks held at the call's start, per live list
+        and call row (host); fed_B: the entries the call wrote per row.
+    """
+
+    rows: tuple
+    n_steps: int
+    width: int
+    window: object
+    len_JB: np.ndarray
+    fed_B: np.ndarray
+
+
 # ============================================================================ the engine
 @dataclasses.dataclass(frozen=True)
 class EngineCheckpoint:
@@ -299,6 +321,7 @@ class Engine:
         self.model = model
         self.graphdef, self.params = model.split()
         self._layer_params_kept = None  # _layer_params
+        self._kept_window = None  # KeptWindow: the last decode call's window (``_decode_window``)
         P = int(max_positions or min(cfg.max_position_embeddings, 8192))
         if P > cfg.max_position_embeddings:
             raise ContextLengthError(
@@ -335,6 +358,20 @@ class Engine:
         self.decode_window = True  # CPU: decode calls read a per-call copy of the rows' lists (``uses_window``)
         self.row_state: list[RequestState | None] = [None] * rows
         self.reclaim = reclaim
+
+    @property
+    def cache(self) -> PagedKVCache:
+        """The device state: the pool and every row's tables. Every write of it
+        but a decode call's own drops the decode window that call kept
+        (``KeptWindow``): whatever else changed, the next decode call copies the
+        rows' lists again. ``truncate_row`` alone keeps it (a truncated list is a
+        prefix of the one the window holds)."""
+        return self._cache
+
+    @cache.setter
+    def cache(self, value) -> None:
+        self._cache = value
+        self._kept_window = None
 
     @property
     def rows(self) -> int:
@@ -480,7 +517,9 @@ class Engine:
         if not 0 <= length <= state.seq_len:
             raise JaxKVError(f"cannot truncate row {row} of {state.seq_len} positions to {length}")
         freed = self.allocator.release(state.truncate(length))
+        kept = self._kept_window
         self._push_row(row)
+        self._kept_window = kept  # the row's lists are prefixes of what the window holds (``_decode_window``)
         return freed
 
     def live_positions(self, row: int) -> np.ndarray:
@@ -903,14 +942,16 @@ class Engine:
         batch = DecodeBatch(rows, first, limit, slots, stop, key_data, step0, RowSamplers.of(settings), forced)
         plan = self.pool.decode_plan(states, [s[:k] for s, k in zip(per_job, steps)], B, n)
         width = buckets.window_width(self.pool.window_entries(states, plan), self.max_positions)
-        window = self.pool.gather_window(self.cache, jnp.asarray(rows), plan, width=width, n_steps=n) if self.uses_window(B, width) else None
+        window, window_len, len_JB = self._decode_window(rows, states, plan, width, n) if self.uses_window(B, width) else (None, None, None)
         layer_params = self._layer_params() if window is not None else None
-        tokens, fed, self.cache, logits, q_rows = run_decode(
-            self.graphdef, self.params, self.cache, batch, plan, window, layer_params,
+        tokens, fed, cache, logits, q_rows, window = run_decode(
+            self.graphdef, self.params, self.cache, batch, plan, window, layer_params, window_len,
             layers=self.pool.layers, n_steps=n, backend=self.attention_backend, return_logits=return_logits,
             teacher_forced=any(j.forced is not None for j in jobs), mesh=self.mesh, regroup=regroup,
         )
         tokens, fed = np.asarray(tokens), np.asarray(fed)
+        self._cache = cache  # the call's window is in step with it: kept below, not dropped
+        self._kept_window = KeptWindow(tuple(int(r) for r in rows), n, width, window, len_JB, fed) if window_len is not None else None
         q_rows = np.asarray(q_rows) if any(j.features.query_rows for j in jobs) else None
         unused = []
         for b, (j, st, s) in enumerate(zip(jobs, states, per_job)):
@@ -930,6 +971,30 @@ class Engine:
                 j.q_rows.append(q_rows[:k, :, b])
         self.allocator.release(np.concatenate(unused))
         self.pool.settle(self, [j.row for j in jobs])  # kivi2: aged residual -> INT2 pages
+
+    def _decode_window(self, rows, states, plan, width: int, n: int):
+        """The window of a decode call over ``rows`` (``B``, padding included;
+        ``states`` the real rows' host records): ``(window, len_LR, len_JB)``.
+
+        The last call's window (``KeptWindow``) when it was over the same rows with
+        the same shape and every list is still at most what it held after that
+        call (nothing but truncations since: any other write of the cache drops
+        it); else a fresh copy (the pool's ``gather_window``). ``len_LR`` ``[L,
+        B]`` are the entries each layer's list of each row has now (``-1``: a
+        padding row), which ``DecodeWindow.roll`` brings the window to inside the
+        call; None for a pool whose window is not kept (``keeps_window``).
+        ``len_JB``: the same per live list."""
+        J, L = self.lists, self.model.config.num_layers
+        len_JB = np.full((J, len(rows)), -1, np.int32)
+        for b, st in enumerate(states):
+            len_JB[:, b] = [len(x) for x in st.layer_lists(J)]
+        len_LR = len_JB[np.minimum(np.arange(L), J - 1)]
+        kept = self._kept_window
+        if (kept is not None and kept.rows == tuple(int(r) for r in rows) and kept.n_steps == n and kept.width == width
+                and np.all(len_JB <= kept.len_JB + kept.fed_B[None, :])):
+            return kept.window, len_LR, len_JB
+        window = self.pool.gather_window(self.cache, jnp.asarray(rows), plan, width=width, n_steps=n)
+        return (window, len_LR, len_JB) if self.pool.keeps_window else (window, None, None)
 
     def _layer_params(self) -> tuple:
         """The layers' weights one array set per layer (``jaxkv.step.layer_copies``),

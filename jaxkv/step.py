@@ -268,9 +268,9 @@ def constrain_cache(cache, mesh):
 @functools.partial(
     jax.jit,
     static_argnames=("graphdef", "layers", "n_steps", "backend", "return_logits", "teacher_forced", "mesh", "regroup"),
-    donate_argnames=("cache",),
+    donate_argnames=("cache", "window"),
 )
-def run_decode(graphdef, params, cache, batch: DecodeBatch, page_plan=None, window=None, layer_params=None, *, layers, n_steps, backend, return_logits=False, teacher_forced=False, mesh=None, regroup=False):
+def run_decode(graphdef, params, cache, batch: DecodeBatch, page_plan=None, window=None, layer_params=None, window_len_LR=None, *, layers, n_steps, backend, return_logits=False, teacher_forced=False, mesh=None, regroup=False):
     """Decode up to ``n_steps`` tokens for each row of ``batch`` (module docstring).
 
     Step ``s`` feeds each active row its last token (writing its K/V at
@@ -282,13 +282,19 @@ def run_decode(graphdef, params, cache, batch: DecodeBatch, page_plan=None, wind
     also ends once half of its rows or more have stopped (after one step), so the
     rest continue with fewer rows. ``window`` (the pool's ``gather_window``, CPU
     only: ``DecodeWindow``, or a quantized pool's ``jaxkv.cache.quantized.QuantWindow``):
-    the rows' entries are read from that copy, no gather per step. ``layer_params``
+    the rows' entries are read from that copy, no gather per step; it is donated,
+    and comes back holding the call's new entries. ``window_len_LR`` (with a
+    float pool's ``jaxkv.cache.window.DecodeWindow``): the entries of each layer's
+    list per row now, which ``DecodeWindow.roll`` brings the window to first (the
+    last call's window, kept by the engine, or a fresh one). ``layer_params``
     (``layer_copies``, with a window only): the layers' weights as one array set
     per layer, kept by the caller between calls; without it the call slices its
     own copies of the stacked weights.
 
     Returns ``(tokens [R, n], fed [R], cache, logits [R, n, V] or None, q_rows
-    [n, L, R, Hq, D])``: the post-RoPE query of every fed token.
+    [n, L, R, Hq, D], window)``: ``q_rows`` the post-RoPE query of every fed token;
+    ``window`` the given window after the call (None without one), what
+    ``jaxkv.cache.window.roll_window`` turns into the next call's.
     """
     model = nnx.merge(graphdef, params)
     cfg = model.cfg
@@ -302,6 +308,8 @@ def run_decode(graphdef, params, cache, batch: DecodeBatch, page_plan=None, wind
     # the weights: a scan would copy each layer's slice in every step
     # (``Transformer.unstacked_layers``). The caller's copies (``layer_params``)
     # spare even the one copy per call.
+    if window is not None and window_len_LR is not None:
+        window = window.roll(window_len_LR)
     unstacked = None
     if window is not None and layer_params is not None:
         layer_graphdef = nnx.split(model.layer(0))[0]
@@ -342,11 +350,11 @@ def run_decode(graphdef, params, cache, batch: DecodeBatch, page_plan=None, wind
 
     tables0 = take_rows(cache, b.rows_R)
     carry = (jnp.int32(0), cache.kv, tables0, jnp.full((R, n_steps), -1, jnp.int32), b.limit_R > 0, b.first_token_R, logits_buf, q_buf, window)
-    _, kv, tables, tokens, _, _, logits_buf, q_buf, _ = jax.lax.while_loop(cond, body, carry)
+    _, kv, tables, tokens, _, _, logits_buf, q_buf, window = jax.lax.while_loop(cond, body, carry)
     fed = tables.seq_len - tables0.seq_len
     cache = put_rows(cache.with_kv(kv), b.rows_R, tables)
     out = (tokens, fed, logits_buf if return_logits else None, q_buf)
     if mesh is not None:
         out, cache = sharding.replicate(out, mesh), constrain_cache(cache, mesh)
     tokens, fed, logits_buf, q_buf = out
-    return tokens, fed, cache, logits_buf, q_buf
+    return tokens, fed, cache, logits_buf, q_buf, window

@@ -210,6 +210,51 @@ def test_decode_window_equals_per_step_gather(qwen3):
         assert _rel(a, b) <= 1e-5
 
 
+def test_a_kept_decode_window_equals_per_step_gather_across_calls(qwen3):
+    """A decode call keeps its window (``KeptWindow``) and the next call over the
+    same rows starts from it, its new entries folded into the blocks
+    (``DecodeWindow.roll``): consecutive calls, a truncation between two calls
+    (kept), another row's prefill between two calls (dropped: copied again) and
+    per-layer live lists give the tokens and logits of gathering key blocks from
+    the pool every step."""
+    rng = np.random.default_rng(11)
+    prompts = [rng.integers(0, 1024, n).tolist() for n in (70, 29)]
+    other = rng.integers(0, 1024, 21).tolist()
+    runs = {}
+    for window in (True, False):
+        engine = jaxkv.Engine(qwen3, rows=3, max_positions=256, num_slots=2048, prefill_chunk=32, layer_lists=True)
+        engine.decode_window = window
+        gathers = []
+        gather = engine.pool.gather_window
+        engine.pool.gather_window = lambda *a, **k: gathers.append(1) or gather(*a, **k)
+        rows = [engine.open_row() for _ in prompts]
+        engine.prefill(rows, prompts)
+        mask = np.ones((qwen3.config.num_layers, 70), bool)
+        mask[0, [3, 9, 40]] = False  # layer 0 reads fewer entries than layer 1
+        engine.set_layer_live(rows[0], mask)
+        calls = []
+        first = [5, 6]
+        for call in range(5):
+            if call == 2:  # drop the last call's tokens of row 1: its lists shrink to prefixes
+                n = len(engine.row_state[rows[1]].slots) - 3
+                engine.truncate_row(rows[1], n)
+            if call == 3:  # another row's prefill writes the cache: the window is copied again
+                engine.prefill([engine.open_row()], [other])
+            tokens, logits = engine.decode(rows, first, 6, return_logits=True)
+            kept = engine._kept_window
+            calls.append((tokens, logits, kept is not None))
+            first = [t[-1] for t in tokens]
+        runs[window] = (calls, len(gathers))
+    calls_w, gathered = runs[True]
+    calls_g, _ = runs[False]
+    assert gathered == 2  # the first call and the one after the other row's prefill
+    assert all(kept for *_, kept in calls_w) and not any(kept for *_, kept in calls_g)
+    for (tok_w, log_w, _), (tok_g, log_g, _) in zip(calls_w, calls_g):
+        assert tok_w == tok_g
+        for a, b in zip(log_w, log_g):
+            assert _rel(a, b) <= 1e-6
+
+
 def test_regrouped_decode_calls_give_the_same_tokens(qwen3):
     """``step_decode(..., regroup=True)`` ends a call once half its rows stopped and
     the caller goes on with the rest: each row's tokens and logits are those of one

@@ -3,7 +3,7 @@ seconds at several lengths and decode tokens/s at batch 1 and 8, 512 and 4,096
 tokens of context.
 
     python -m eval.bench.engine [--old 44e9456] [--model smollm2-135m-instruct]
-        [--lengths 512,2048,4096,8000] [--rounds 1] [--out eval/results/bench_engine_cpu.md]
+        [--lengths 512,2048,4096,8000] [--rounds 1] [--interleave] [--out eval/results/bench_engine_cpu.md]
 
 The previous engine is checked out from git at ``--old`` into a scratch worktree.
 Each measurement runs in a process of its own (``RUNNER``: the same code for both
@@ -13,7 +13,11 @@ of the machine's speed during the run touches both sides alike. Prefill: one
 row, a random prompt from an empty cache at the engine's default chunk, median of
 ``--repeats`` after a warm-up run (compiles excluded). Decode: ``--steps`` greedy
 steps after a warm-up call over random K/V of ``context`` tokens per row (the pool
-filled on the device), as ``eval/bench/decode.py`` times it; one process's decode speed
+filled on the device), as ``eval/bench/decode.py`` times it, each row truncated back
+to its context after each call. Calls follow each other, as a long generation's
+chunks do (this engine's CPU decode window is then kept from call to call); with
+``--interleave`` another row's one-token prefill comes before each call (not timed),
+as when requests arrive while others decode, so every call copies its window again; one process's decode speed
 varies by about 10% from the next one's, so ``--rounds N`` runs N alternating
 process pairs per cell and reports the medians and every round's ratio. Float32, threads
 pinned to the machine's cores; the load average is recorded before and after.
@@ -63,12 +67,14 @@ if spec["kind"] == "prefill":
     value = statistics.median(run() for _ in range(spec["repeats"]))
 else:
     B, ctx, steps = spec["batch"], spec["context"], spec["steps"]
-    engine = Engine(model, rows=B, max_positions=ctx + steps + 1)
+    interleave = spec.get("interleave", False)
+    engine = Engine(model, rows=B + interleave, max_positions=ctx + steps + 1)
     rows = []
     for _ in range(B):
         slots = engine.allocator.allocate(ctx)
         rows.append(engine.open_row(slots))
         engine.allocator.release(slots)
+    spare = engine.open_row() if interleave else None
     key = jax.random.key(1)
     engine.cache = engine.cache.replace(
         k=jax.random.normal(jax.random.fold_in(key, 0), engine.cache.k.shape, engine.cache.k.dtype) * 0.5,
@@ -77,17 +83,33 @@ else:
     first = rng.integers(0, cfg.vocab_size, B).tolist()
     snapshot = [len(engine.row_state[r].slots) for r in rows]
     def run():
+        if interleave:  # another request's prefill step between two decode calls (not timed)
+            engine.prefill([spare], [[7]])
+            jax.block_until_ready(engine.cache.k)
         t = time.perf_counter()
         engine.decode(rows, first, steps)
         jax.block_until_ready(engine.cache.k)
         dt = time.perf_counter() - t
         for r, n in zip(rows, snapshot):
             engine.truncate_row(r, n)
+        if interleave:
+            engine.truncate_row(spare, 0)
         return dt
     run()
     value = B * steps / min(run() for _ in range(spec["repeats"]))
 print("RESULT " + json.dumps(value))
 '''
+
+
+def machine_rates() -> str:
+    """The float32 GEMM rate (the MLP's shapes) and the read bandwidth, measured in
+    a process of its own like the cells."""
+    code = ("import os; os.environ.setdefault('JAX_PLATFORMS', 'cpu')\n"
+            "from eval.bench.prefill import gemm_peak_gflops\nfrom eval.bench.decode import read_bandwidth_gbs\n"
+            "print(f'GEMM {gemm_peak_gflops(512, 576, 1536):.0f} GFLOP/s (float32, 512 x 576 x 1536), "
+            "read bandwidth {read_bandwidth_gbs():.1f} GB/s')")
+    proc = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, check=True)
+    return proc.stdout.strip().splitlines()[-1]
 
 
 def measure(tree: Path, spec: dict) -> float:
@@ -109,9 +131,12 @@ def main(argv=None) -> int:
     p.add_argument("--steps", type=int, default=32)
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--rounds", type=int, default=1, help="decode: alternating old/new processes per cell; medians and the ratio's range are reported")
+    p.add_argument("--interleave", action="store_true",
+                   help="decode: another row's one-token prefill before each timed call, so no decode call follows another")
     p.add_argument("--out", default=None)
     args = p.parse_args(argv)
     load0 = os.getloadavg()
+    machine = machine_rates()
     scratch = Path(tempfile.mkdtemp(prefix="jaxkv-bench-engine-"))
     old_tree = scratch / "old"
     subprocess.run(["git", "worktree", "add", "--detach", str(old_tree), args.old], check=True, cwd=ROOT, capture_output=True)
@@ -119,7 +144,8 @@ def main(argv=None) -> int:
         f"# This engine against the previous one ({args.old}), {args.model}, float32, CPU",
         "",
         f"Generated by `python -m eval.bench.engine --old {args.old} --model {args.model}` on {os.cpu_count()} cores; "
-        f"each cell in a process of its own, the two engines alternating; load average before {load0[0]:.2f}.",
+        f"each cell in a process of its own, the two engines alternating; load average before {load0[0]:.2f}. "
+        f"This machine in the same run: {machine}.",
         "",
         "## Prefill (one row, from an empty cache)",
         "",
@@ -131,12 +157,14 @@ def main(argv=None) -> int:
             old, new = measure(old_tree, spec), measure(ROOT, spec)
             lines.append(md_row([T, f"{old:.2f}", f"{new:.2f}", f"{old / new:.2f}x"]))
             print(lines[-1], flush=True)
-        lines += ["", f"## Decode ({args.steps} greedy steps per call, best of {args.repeats} calls after a warm-up call; "
+        between = "another row's one-token prefill before each call" if args.interleave else "calls back to back"
+        lines += ["", f"## Decode ({args.steps} greedy steps per call, {between}, best of {args.repeats} calls after a warm-up call; "
                   f"{args.rounds} round(s) of one process per engine, alternating; medians)", "",
                   *md_header(["batch", "context", "previous tok/s", "now tok/s", "ratio", "ratio per round"], "rrrrrl")]
         for B in [int(x) for x in args.batches.split(",")]:
             for ctx in [int(x) for x in args.contexts.split(",")]:
-                spec = dict(kind="decode", model=args.model, batch=B, context=ctx, steps=args.steps, repeats=args.repeats)
+                spec = dict(kind="decode", model=args.model, batch=B, context=ctx, steps=args.steps, repeats=args.repeats,
+                            interleave=args.interleave)
                 pairs = [(measure(old_tree, spec), measure(ROOT, spec)) for _ in range(args.rounds)]
                 old, new = statistics.median(o for o, _ in pairs), statistics.median(n for _, n in pairs)
                 per_round = ", ".join(f"{n / o:.2f}" for o, n in pairs)

@@ -16,7 +16,9 @@ checks run first, so a failing call changes nothing):
   ``gather_window(cache, rows, plan, width=, n_steps=)`` (the float pool's lists,
   ``jaxkv.cache.window.gather_window``; a quantized pool's unpacked codes,
   ``jaxkv.cache.quantized.gather_quant_window``, never a float copy) and
-  ``window_entries(states, plan)`` wide (before bucketing);
+  ``window_entries(states, plan)`` wide (before bucketing); ``keeps_window``:
+  whether that window can start the next decode call over the same rows
+  (``DecodeWindow.roll``: the float pool's; a quantized window is taken per call);
 * ``layers``: the device side, hashable so it is a static argument of the
   engine's jit'd steps (``jaxkv.step``): one layer's write, its key-block reader
   for the ragged attention, its float rows (``FloatLayers`` documents the methods);
@@ -210,6 +212,7 @@ class FloatKV:
 
     mode = None
     uses_window = True
+    keeps_window = True  # DecodeWindow.roll: the engine keeps a call's window for the next call
     whole_chunks = False  # any piece of a prefill is written alike
     layers = FloatLayers()
 

@@ -380,6 +380,7 @@ class QuantizedKV:
         # The CPU decode loop's window (``gather_quant_window``) holds INT4 tokens and
         # INT2 pages; KIVI's float residual decodes through the packed pool.
         self.uses_window = self.token_kind == INT4
+        self.keeps_window = False  # its window's new tokens are not folded into its token part: taken per call
 
     @classmethod
     def sized(cls, mode: str, num_slots: int, *, head_dim: int, float_dtype, backend=None) -> "QuantizedKV":
