@@ -46,6 +46,8 @@ COUNTERPARTS = {
     "tova": "TOVAPress",
     "h2o": "ObservedAttentionPress",
     "random": "RandomPress",
+    "keydiff": "KeyDiffPress",
+    "expected_attention": "ExpectedAttentionPress",
 }
 PLOT_COLUMNS = 4  # panels per row of accuracy_vs_ratio.png
 
@@ -336,6 +338,21 @@ def report(root: Path, min_full: float = 0.5) -> str:
                         cp.append(md_row([f"{jm} vs {km}", f"{x:g}", n, f"{g * s:+.{3 if lower else 0}f} [{lo * s:+.{3 if lower else 0}f}, {hi * s:+.{3 if lower else 0}f}]"]))
         if cp:
             lines += ["Counterparts (jaxkv minus kvpress, paired):", "", *md_header(["pair", "ratio", "n", "difference [95%]"], "lrrr"), *cp, ""]
+        gran = []
+        for name in sorted(n for n in jx if "/" in split_cell(n)[0]):  # "<method>/layer@r", "<method>/pyramid@r"
+            method, x = split_cell(name)
+            one = jx.get(f"{method.split('/')[0]}@{x:g}")
+            res = paired(jx[name], one, score) if one else None
+            if res:
+                g, lo, hi, n = res
+                if lower:
+                    g, lo, hi = -g, -hi, -lo
+                s = 1 if lower else 100
+                gran.append(md_row([method, method.split("/")[0], f"{x:g}", n, f"{g * s:+.{3 if lower else 0}f} [{lo * s:+.{3 if lower else 0}f}, {hi * s:+.{3 if lower else 0}f}]"]))
+        if gran:
+            unit = "nats, positive: the per-layer sets lower the NLL" if lower else "points"
+            lines += [f"Keep sets per layer against one set for the model, same scorer and KV (jaxkv, paired; {unit}):", "",
+                      *md_header(["per layer", "one set", "ratio", "n", "gain [95%]"], "llrrr"), *gran, ""]
         if task != "lm" and any(split_cell(n)[0] == HEAD for n in jx):
             lines += head_fidelity(tables, key, ratios)
         repair = sorted(n for n in jx if n.startswith("repairkv"))
