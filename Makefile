@@ -53,12 +53,13 @@ demo: $(VENV)/.installed
 # tests/test_isolation.py; the 8-device subprocess of tests/test_sharding.py in half
 # the time). `pytest` run directly keeps XLA's defaults, the pipeline users get.
 TEST_XLA_FLAGS := --xla_backend_optimization_level=0 --xla_cpu_use_fusion_emitters=false --xla_cpu_parallel_codegen_split_count=1
+# PYTEST_ARGS adds pytest options, e.g. `make test PYTEST_ARGS=--durations=30`.
 # lint-imports checks the layering contracts of pyproject.toml ([tool.importlinter]) first:
 # seconds, and a broken contract names the import chain that breaks it.
 test: $(VENV)/.installed-test fetch
 	PYTHONPATH=$(CURDIR) $(VENV)/bin/lint-imports --no-cache
 	rm -rf .pytest-xla
-	JAX_PLATFORMS=cpu XLA_FLAGS="$(TEST_XLA_FLAGS)" JAXKV_XLA_CACHE=$(CURDIR)/.pytest-xla $(PY) -m pytest -q -n 2 --dist worksteal tests
+	JAX_PLATFORMS=cpu XLA_FLAGS="$(TEST_XLA_FLAGS)" JAXKV_XLA_CACHE=$(CURDIR)/.pytest-xla $(PY) -m pytest -q -n 2 --dist worksteal $(PYTEST_ARGS) tests
 
 # The documentation site into site/ (mkdocs.yml); any warning (a broken link or anchor, a
 # public name the API reference cannot find) fails the build. make test runs it too.

@@ -1,6 +1,6 @@
 """The evaluation notebooks (``eval/notebooks/*.py``, jupytext percent scripts stored
 without outputs) run under papermill on the CPU with their default (small) parameters
-and one example per cell (``n=1``)
+and one example per cell (``n=1``), with shorter conversations (``SMALL``),
 and produce their table and plots; every parameter is documented for the A100 run.
 
 A fresh clone has no Jupyter kernel registered, so the tests write a kernelspec that
@@ -26,6 +26,13 @@ KERNEL = "jaxkv-tests"
 EXPECTED = {
     "retention": (("results.csv", "results.md", "accuracy_vs_budget.png", "kv_reads_vs_budget.png"), "| method |"),
     "repair": (("results.csv", "results.md", "repair_vs_k.png", "figure2.png"), "| K | repairkv |"),
+}
+# Smaller than the notebooks' CPU defaults, for the suite's time: one example per cell,
+# shorter conversations and replies, one layout, two restore policies. Every table and
+# plot is still made; the defaults themselves are what a user runs.
+SMALL = {
+    "retention": {"layouts": "dead_slot", "length": 384, "max_new_tokens": 24},
+    "repair": {"policies": "repairkv,random", "length": 400, "max_new_tokens": 16},
 }
 
 
@@ -75,7 +82,7 @@ def test_notebook_runs_on_the_cpu_and_shows_its_table_and_plots(name, kernel, tm
     source = jupytext.read(NOTEBOOKS / f"{name}.py")
     t0 = time.perf_counter()
     executed = papermill.execute_notebook(
-        source, str(tmp_path / f"{name}.ipynb"), parameters={"out_dir": str(out_dir), "n": 1}, kernel_name=kernel,
+        source, str(tmp_path / f"{name}.ipynb"), parameters={"out_dir": str(out_dir), "n": 1, **SMALL[name]}, kernel_name=kernel,
         cwd=str(REPO), progress_bar=False, execution_timeout=600,
     )
     print(f"\n{name} notebook: {time.perf_counter() - t0:.1f} s")
