@@ -235,6 +235,16 @@ def head_fidelity(tables: dict, key: tuple, ratios: list) -> list[str]:
     return lines + [""]
 
 
+def fmt_paired(g: float, lo: float, hi: float, lower: bool, gain: bool) -> str:
+    """A paired difference ``paired`` returned, as a table cell: points (x100, no
+    decimals) on the retrieval tasks, nats (3 decimals) on ``lm``. ``gain``: signed so
+    that positive is better, which for an NLL (``lower``) flips the difference."""
+    if gain and lower:
+        g, lo, hi = -g, -hi, -lo
+    s, d = (1, 3) if lower else (100, 0)
+    return f"{g * s:+.{d}f} [{lo * s:+.{d}f}, {hi * s:+.{d}f}]"
+
+
 def report(root: Path, min_full: float = 0.5) -> str:
     tables = {side: verdicts([rec for f in journals(root / side) for rec in read(f)]) for side in SIDES}
     # kvpress at the live budgets of repaired sessions (B + K): for the RepairKV comparison only
@@ -318,10 +328,7 @@ def report(root: Path, min_full: float = 0.5) -> str:
             if jc and kc:
                 res = paired(jc, kc, score)
                 if res:
-                    g, lo, hi, n = res
-                    if lower:
-                        g, lo, hi = -g, -hi, -lo
-                    h2h.append(md_row([f"{x:g}", jn, kn, n, f"{g * (1 if lower else 100):+.{3 if lower else 0}f} [{lo * (1 if lower else 100):+.{3 if lower else 0}f}, {hi * (1 if lower else 100):+.{3 if lower else 0}f}]"]))
+                    h2h.append(md_row([f"{x:g}", jn, kn, res[3], fmt_paired(*res[:3], lower, gain=True)]))
         if h2h:
             unit = "nats (positive: jaxkv lower NLL)" if lower else "points"
             lines += [f"Best of each side, paired on common examples (gain of jaxkv's best, {unit}):", "",
@@ -333,9 +340,7 @@ def report(root: Path, min_full: float = 0.5) -> str:
                 if a and b:
                     res = paired(a, b, score)
                     if res:
-                        g, lo, hi, n = res
-                        s = 1 if lower else 100
-                        cp.append(md_row([f"{jm} vs {km}", f"{x:g}", n, f"{g * s:+.{3 if lower else 0}f} [{lo * s:+.{3 if lower else 0}f}, {hi * s:+.{3 if lower else 0}f}]"]))
+                        cp.append(md_row([f"{jm} vs {km}", f"{x:g}", res[3], fmt_paired(*res[:3], lower, gain=False)]))
         if cp:
             lines += ["Counterparts (jaxkv minus kvpress, paired):", "", *md_header(["pair", "ratio", "n", "difference [95%]"], "lrrr"), *cp, ""]
         gran = []
@@ -344,11 +349,7 @@ def report(root: Path, min_full: float = 0.5) -> str:
             one = jx.get(f"{method.split('/')[0]}@{x:g}")
             res = paired(jx[name], one, score) if one else None
             if res:
-                g, lo, hi, n = res
-                if lower:
-                    g, lo, hi = -g, -hi, -lo
-                s = 1 if lower else 100
-                gran.append(md_row([method, method.split("/")[0], f"{x:g}", n, f"{g * s:+.{3 if lower else 0}f} [{lo * s:+.{3 if lower else 0}f}, {hi * s:+.{3 if lower else 0}f}]"]))
+                gran.append(md_row([method, method.split("/")[0], f"{x:g}", res[3], fmt_paired(*res[:3], lower, gain=True)]))
         if gran:
             unit = "nats, positive: the per-layer sets lower the NLL" if lower else "points"
             lines += [f"Keep sets per layer against one set for the model, same scorer and KV (jaxkv, paired; {unit}):", "",
