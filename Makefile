@@ -18,9 +18,12 @@ $(VENV)/.installed: pyproject.toml
 	$(PIP) install -q --no-compile -e .
 	touch $@
 
-$(VENV)/.installed-test: $(VENV)/.installed pyproject.toml
+# The test venv in one pip call (it also counts as the plain venv): a second call after
+# `-e .` resolved every dependency again and rebuilt the editable install.
+$(VENV)/.installed-test: pyproject.toml
+	$(PYTHON) -m venv $(VENV)
 	$(PIP) install -q --no-compile -e ".[test]"
-	touch $@
+	touch $(VENV)/.installed $@
 
 $(VENV)/.installed-cuda: $(VENV)/.installed pyproject.toml
 	$(PIP) install -q --no-compile -e ".[cuda]"
