@@ -25,14 +25,17 @@ if os.environ.get("JAXKV_XLA_CACHE"):
 
     compiles.enable_persistent_cache()
 
-# The modules with the longest tests (worker-seconds under make test's flags, from
-# ``pytest --durations``), run first: under xdist's work stealing a long test that
-# starts near the end leaves the other worker idle until it finishes, while short
-# tests at the end balance the two workers. Modules stay whole (their module-scoped
-# fixtures are set up once); only the order changes, never what runs.
-LONGEST_FIRST = ("test_sharding.py", "test_scheduler.py", "test_embedded.py", "test_gguf.py", "test_warmup.py",
-                 "test_triaxial.py", "test_readme.py", "test_real_model.py", "test_harness.py", "test_isolation.py",
-                 "test_notebooks.py", "test_composition.py", "test_device_check.py")
+# The modules with the longest single tests (worker-seconds under make test's flags, from
+# ``pytest --durations``), run first, in falling order of their longest test: under
+# xdist's work stealing a worker steals from the end of the other's queue, so a long
+# test left near the end keeps one worker busy while the other idles (a fresh clone on
+# 2026-12-02 ended with the device check's 62 s dry run on one worker, 55 s after the
+# other finished), while short tests at the end balance the two. Modules stay whole
+# (their module-scoped fixtures are set up once); only the order changes, never what runs.
+LONGEST_FIRST = ("test_sharding.py", "test_isolation.py", "test_device_check.py", "test_embedded.py",
+                 "test_scheduler.py", "test_readme.py", "test_harness.py", "test_gguf.py", "test_shipped_assets.py",
+                 "test_gpu_aot.py", "test_notebooks.py", "test_warmup.py", "test_real_model.py", "test_composition.py",
+                 "test_eval_cli.py", "test_bf16.py", "test_triaxial.py")
 
 
 def pytest_collection_modifyitems(config, items):

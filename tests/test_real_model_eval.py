@@ -380,6 +380,11 @@ def test_a_resumed_repair_run_adds_only_the_trio_cells_an_example_lacks():
     assert [c[0] for c in cells_to_run(None, [], second)] == [c[0] for c in second]
     grid = [Cell(None), Cell("snapkv", 0.5)]
     assert cells_to_run(None, grid) == grid and cells_to_run({"full"}, grid) == []
+    # a per-layer method's trio: named like its branched cell, every session keeping a set per layer
+    layered = session_cells("keydiff:layer", 0.5, 128)
+    assert [c[0] for c in layered] == ["session:keydiff/layer@0.5", "repairkv128:keydiff/layer@0.5", "matched128:keydiff/layer@0.5"]
+    assert all(opts["policy"] == "keydiff" and opts["keep_sets"] == "layer" for _, opts in layered)
+    assert (layered[1][1]["repair"], layered[2][1]["extra"]) == (128, 128)
 
 
 def test_compute_section_projects_each_rows_size_at_its_median_seconds(tmp_path):

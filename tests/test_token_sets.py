@@ -156,6 +156,45 @@ def test_accumulated_attention_is_the_raw_sum_with_h2os_recent_floor():
     torch.testing.assert_close(no_floor, want)
 
 
+@needs_kvpress
+def test_windowed_expected_attention_takes_the_last_rows_statistics_at_the_prompts_end(smollm2_gguf):
+    """The EA variant with jaxkv's observation window (``EA_WINDOW``): its query mean and
+    covariance are those of the last ``window`` rows' pre-RoPE queries, each rotated to
+    every position after the prompt's end and averaged, computed here directly with
+    transformers' RoPE; with a window as long as the prompt it is kvpress's own press."""
+    import torch
+    from transformers.models.llama.modeling_llama import rotate_half
+
+    from eval.quality import token_sets as T
+
+    torch.manual_seed(0)
+    model = K.load_hf(K.model_folder(K.MODEL), "sdpa")
+    lm = model.model
+    module = lm.layers[3].self_attn
+    module.rotary_emb = lm.rotary_emb  # as kvpress's hooks (and shared_prefill) attach it
+    n, window = 300, 64
+    hidden = torch.randn(1, n, model.config.hidden_size)
+    press = T.expected_attention_press(0.5, vnorm=False, window=window)
+    assert press.window == window and not press.use_vnorm
+    with torch.no_grad():
+        mu, cov = press.get_query_statistics(module, hidden)
+        heads, d = model.config.num_attention_heads, module.head_dim
+        q = (hidden[0, n - window :] @ module.q_proj.weight.T).view(window, heads, d).transpose(0, 1)  # (H, W, d)
+        future = torch.arange(n, n + press.n_future_positions)[None]
+        cos, sin = lm.rotary_emb(q, future)  # (1, F, d)
+        # RoPE at position t is q cos_t + rotate_half(q) sin_t; averaged over the future positions:
+        f = q * cos[0].mean(0) + rotate_half(q) * sin[0].mean(0)  # (H, W, d)
+        want_mu = f.mean(1)
+        centred = f - want_mu[:, None]
+        want_cov = centred.transpose(1, 2) @ centred / window
+        torch.testing.assert_close(mu[0], want_mu, rtol=1e-4, atol=1e-4)
+        torch.testing.assert_close(cov[0], want_cov, rtol=1e-4, atol=1e-3)
+        whole = T.expected_attention_press(0.5, vnorm=True, window=n)
+        own = K.make_press("ExpectedAttentionPress", 0.5)
+        for a, b in zip(whole.get_query_statistics(module, hidden), own.get_query_statistics(module, hidden)):
+            torch.testing.assert_close(a, b)
+
+
 def _lm_line(seed: int, cells: dict) -> str:
     import json
 

@@ -458,11 +458,13 @@ def session_cells(method: str, ratio: float, k: int) -> list[tuple[str, dict]]:
     multi-turn sessions (``name``, session options at a budget ``B`` given later):
     no repair at B, RepairKV with K rows at B, and no repair at B + K (the same
     live budget as the repaired cache). Unlike a branched cell, the budget holds
-    for the whole session: the question's turn ends with its own event."""
-    tag = f"{method}@{ratio:g}"
-    return [(f"session:{tag}", {"policy": method}),
-            (f"repairkv{k}:{tag}", {"policy": method, "repair": k}),
-            (f"matched{k}:{tag}", {"policy": method, "extra": k})]
+    for the whole session: the question's turn ends with its own event. ``method`` is
+    a ``--methods`` spec: ``keydiff:layer`` keeps a set per layer (``Cell.parse``)."""
+    cell = Cell.parse(method, ratio)
+    tag, base = cell.name, {"policy": cell.method, **dict(cell.options)}
+    return [(f"session:{tag}", base),
+            (f"repairkv{k}:{tag}", {**base, "repair": k}),
+            (f"matched{k}:{tag}", {**base, "extra": k})]
 
 
 def run_sessions(model, example, cells, ratio: float, *, positions: int, max_new: int = MAX_NEW) -> dict:

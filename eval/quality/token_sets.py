@@ -56,17 +56,23 @@ from eval.quality import kvpress_side as kp
 from jaxkv.policies.h2o import H2OConfig
 
 GRANULARITIES = ("head", "layer", "one")
-# kvpress's presses, plus ACCUMULATED (below); the first four are the default run
-SCORERS = ("SnapKVPress", "TOVAPress", "ObservedAttentionPress", "KeyDiffPress", "RandomPress", "AccumulatedAttentionPress")
-DEFAULT_SCORERS = SCORERS[:4]
 ACCUMULATED = "AccumulatedAttentionPress"
+EXPECTED = "ExpectedAttentionPress"
+# ExpectedAttentionPress with one of jaxkv's departures each (jaxkv/policies/expected_attention.py):
+# no value-norm rescale; and also the statistics of the last EA_WINDOW queries only
+EA_NO_VNORM, EA_WINDOW = "ExpectedAttentionPress-novnorm", "ExpectedAttentionPress-window"
+EA_WINDOW_ROWS = 256  # jaxkv's observation window (ExpectedAttentionConfig.w)
+# kvpress's presses, plus ACCUMULATED and the EA variants (below); the first four are the default run
+SCORERS = ("SnapKVPress", "TOVAPress", "ObservedAttentionPress", "KeyDiffPress", "RandomPress", ACCUMULATED,
+           EXPECTED, EA_NO_VNORM, EA_WINDOW)
+DEFAULT_SCORERS = SCORERS[:4]
 H2O_RECENT = H2OConfig().recent  # jaxkv's H2O recent floor (32)
 
 EAGER_SCORERS = kp.EAGER_PRESSES | {ACCUMULATED}  # read the prefill's attention weights
 HEAD_MEAN_SCORERS = frozenset({"TOVAPress"})  # the score is already a head mean: `head` is `layer`
 # a one-set cell and the jaxkv method whose rule it is (ALGORITHMS.md §2), compared on the same examples
 JAXKV_RULES = {"TOVAPress/one": "tova", "RandomPress/one": "random", f"{ACCUMULATED}/one": "h2o",
-               "ObservedAttentionPress/one": "h2o"}
+               "ObservedAttentionPress/one": "h2o", f"{EA_WINDOW}/one": "expected_attention"}
 RATIOS = kp.RATIOS
 OUT = Path("eval/results/real_smollm2/token_sets")
 
@@ -135,9 +141,67 @@ def accumulated_attention_press(ratio: float, recent: int = H2O_RECENT):
     return _ACCUMULATED_CLASS(compression_ratio=ratio, recent=recent)
 
 
+_EA_WINDOW_CLASS = None
+
+
+def expected_attention_press(ratio: float, *, vnorm: bool, window: int | None):
+    """kvpress's ExpectedAttentionPress with jaxkv's departures, one at a time, so a
+    difference between the two sides can be put on its cause: ``vnorm=False`` drops the
+    value-norm rescale (kvpress's own option); ``window`` takes the query statistics
+    from the last ``window`` prompt rows only, as jaxkv's observation window does (the
+    future positions still start at the prompt's end). A subclass of kvpress's press,
+    written here because kvpress has no window option."""
+    global _EA_WINDOW_CLASS
+    kvpress = kp.import_kvpress()
+    if window is None:
+        return kvpress.ExpectedAttentionPress(compression_ratio=ratio, use_vnorm=vnorm)
+    if _EA_WINDOW_CLASS is None:
+
+        @dataclasses.dataclass
+        class WindowExpectedAttentionPress(kvpress.ExpectedAttentionPress):
+            window: int = EA_WINDOW_ROWS
+
+            def get_query_statistics(self, module, hidden_states):
+                import torch
+
+                # The parent drops the first n_sink rows and averages the rest: hand it the last
+                # `window` rows behind n_sink rows for it to drop.
+                n = hidden_states.shape[1]
+                start = max(n - self.window, self.n_sink)
+                h = hidden_states[:, start - self.n_sink :]
+                mu, cov = super().get_query_statistics(module, h)
+                # It rotated them to the positions after len(h), not after n. RoPE's rotations
+                # compose, R(a) R(t) = R(a + t), so the mean rotation over [n, n + F) is R(n - len(h))
+                # times the one it applied: move mu and cov on by that shift.
+                shift = n - h.shape[1]
+                if shift:
+                    cos, sin = module.rotary_emb(mu, torch.tensor([[shift]], device=mu.device))
+                    d = mu.shape[-1]
+                    half = torch.eye(d // 2, dtype=cos.dtype, device=cos.device)
+                    rotate_half = torch.zeros((d, d), dtype=cos.dtype, device=cos.device)
+                    rotate_half[d // 2 :, : d // 2], rotate_half[: d // 2, d // 2 :] = half, -half
+                    R = torch.diag(cos[0, 0]) + torch.diag(sin[0, 0]) @ rotate_half
+                    mu = mu @ R.T
+                    cov = R @ cov @ R.T if cov is not None else None
+                return mu, cov
+
+        _EA_WINDOW_CLASS = WindowExpectedAttentionPress
+    return _EA_WINDOW_CLASS(compression_ratio=ratio, use_vnorm=vnorm, window=window)
+
+
 def make_scorer(name: str, ratio: float):
-    """The press named ``name`` at ``ratio``: kvpress's own, or ``ACCUMULATED``."""
-    return accumulated_attention_press(ratio) if name == ACCUMULATED else kp.make_press(name, ratio)
+    """The press named ``name`` at ``ratio``: kvpress's own, ``ACCUMULATED`` or an EA variant."""
+    if name == ACCUMULATED:
+        return accumulated_attention_press(ratio)
+    if name in (EA_NO_VNORM, EA_WINDOW):
+        return expected_attention_press(ratio, vnorm=False, window=EA_WINDOW_ROWS if name == EA_WINDOW else None)
+    return kp.make_press(name, ratio)
+
+
+def scorer_settings(name: str) -> dict:
+    """The scorer's settings other than the ratio, for the journal's setup line."""
+    press = make_scorer(name, 0.0)
+    return {f.name: getattr(press, f.name) for f in dataclasses.fields(press) if f.name != "compression_ratio"}
 
 
 def top_rows(pooled, n: int, ratio: float):
@@ -427,7 +491,7 @@ def main(argv=None) -> int:
     done = kp.done_keys(path) if args.resume else set()
     todo = [ex for ex in examples if (ex.task, ex.length, ex.seed) not in done]
     setup = {"model": kp.MODEL, "dtype": "float32", "device": "cpu", "threads": args.threads, "ratios": ratios,
-             "scorers": {s: {"recent": H2O_RECENT} if s == ACCUMULATED else kp.press_defaults(s) for s in scorers}, "granularities": list(GRANULARITIES),
+             "scorers": {s: scorer_settings(s) for s in scorers}, "granularities": list(GRANULARITIES),
              "settings": settings, "greedy": args.greedy, "versions": kp._versions()}
     kp.journal_examples(todo, settings,
                         lambda ex, setting: run_setting(model, tokenizer, ex, setting, scorers, ratios, stops=stops, greedy=args.greedy),
