@@ -216,9 +216,9 @@ def reuse_case(case) -> dict:
 def quant_case(case) -> dict:
     """A quantized pool (``kv_quant="int4"``) on a sharded embedded model: a spliced
     prefill (segment reuse) and a plain chat (the pool's own prefill and decode) on
-    one server, against the same on one device; where each region ended up. (The
-    same spliced prefill into a float pool is the ``reuse`` case's: it runs first.)
-    (Retention and RepairKV on a quantized pool: ``tests/test_composition.py``;
+    one server, against the same on one device; where each region ended up. (INT4's
+    own effect on the logits is measured in the test against the ``reuse`` case's
+    float pool: the same spliced prefill.) (Retention and RepairKV on a quantized pool: ``tests/test_composition.py``;
     on a mesh: the ``session`` case.)"""
     from jaxkv.tasks import shared_corpus
     from test_reuse import chat, conversation
