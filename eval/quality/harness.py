@@ -571,12 +571,15 @@ def pool_map(job_fn, jobs, model_name, *, workers=1, model=None, bar=None, label
     ``progress(n)`` after each example, which advances ``bar``; ``label(job)`` is
     shown on the bar while (in-process) or after (workers) a job runs.
 
-    Each worker process runs one job and is replaced (``max_tasks_per_child=1``):
-    a worker's memory grows with every example it replays (each new trace length
+    Each job runs in a process of its own (a one-process executor shut down
+    after its job; an executor with ``max_tasks_per_child=1`` also starts a
+    replacement after each job, which loads the model for nothing once the jobs
+    run out): a worker's memory grows with every example it replays (each new trace length
     and budget compiles more programs; ~65 MB an example on SmolLM2), and a
     worker kept across cells reached 14 GB and was killed for memory three cells
     into a 15-cell grid. A fresh worker costs one model load and one cell's
-    compiles (~1 minute on SmolLM2, against ~25 minutes a cell).
+    compiles (~1 minute on SmolLM2, against ~25 minutes a cell), less the programs
+    JAX's persistent cache already holds (each worker turns it on).
     """
     if workers == 1 or len(jobs) <= 1:
         for job in jobs:
@@ -590,19 +593,28 @@ def pool_map(job_fn, jobs, model_name, *, workers=1, model=None, bar=None, label
     ctx = mp.get_context("spawn")
     with ctx.Manager() as manager:
         ticks = manager.Queue()  # examples replayed by the workers, for the progress bar
-        with cf.ProcessPoolExecutor(max_workers=min(workers, len(jobs)), mp_context=ctx, max_tasks_per_child=1,
-                                    initializer=_worker_init, initargs=(model_name, ticks)) as pool:
-            pending = {pool.submit(_worker_job, job_fn, job): job for job in jobs}
-            while pending:
+        waiting, pending = list(jobs), {}
+        try:
+            while waiting or pending:
+                while waiting and len(pending) < workers:
+                    job = waiting.pop(0)
+                    worker = cf.ProcessPoolExecutor(max_workers=1, mp_context=ctx, initializer=_worker_init,
+                                                    initargs=(model_name, ticks))
+                    pending[worker.submit(_worker_job, job_fn, job)] = job, worker
+                    worker.shutdown(wait=False)  # its process exits after this one job
                 finished, _ = cf.wait(pending, timeout=0.5, return_when=cf.FIRST_COMPLETED)
                 _drain(ticks, bar)
                 for fut in finished:
-                    job = pending.pop(fut)
+                    job, worker = pending.pop(fut)
                     result = fut.result()
                     if bar is not None and label is not None:
                         bar.set_postfix_str("done " + label(job))
                     yield job, result
-            _drain(ticks, bar)
+        finally:  # an error or a closed generator: the other workers' jobs are dropped
+            for fut, (_, worker) in pending.items():
+                fut.cancel()
+                worker.shutdown(wait=True, cancel_futures=True)
+        _drain(ticks, bar)
 
 
 def _drain(ticks, bar):
@@ -624,7 +636,12 @@ _WORKER_TICKS = None
 def _worker_init(model_name, ticks):
     global _WORKER_MODEL, _WORKER_TICKS
     import jaxkv
+    from jaxkv import compiles
 
+    # Every worker is fresh (one job each, ``pool_map``) and its cell's programs are
+    # mostly those an earlier worker (or the parent) already compiled: JAX's persistent
+    # cache ($JAXKV_XLA_CACHE, off with ``off``) loads them instead.
+    compiles.enable_persistent_cache()
     _WORKER_MODEL = jaxkv.load_model(model_name)
     _WORKER_TICKS = ticks
 
