@@ -13,8 +13,9 @@ Cases (SPEC: ``{"cases": [{"name", "kind", ...}]}``):
   dense logits, chunked prefill + teacher-forced decode logits through the paged
   pool, greedy ``generate``, where each weight and the pool ended up, and whether
   the donated pool was reused.
-* ``kernel``: decode through the Pallas kernel (``backend="interpret"``) per device
-  under ``shard_map``, against one device's jnp reference.
+* ``kernel``: chunked prefill and decode through the Pallas kernel
+  (``backend="interpret"``) per device under ``shard_map``, against one device's jnp
+  reference.
 * ``session``: a ``Server``/``Session`` with SnapKV eviction and RepairKV, one with
   per-layer keep sets (``layer_sets``) (and one
   with the compact layout) on a sharded model, against the same on one device.
@@ -128,12 +129,13 @@ def kernel_case(case) -> dict:
     single = jaxkv.load_model(case["folder"])
     sharded = shard_model(single, make_mesh(tp=case["tp"], dp=case["dp"]))
     rng = np.random.default_rng(1)
-    seqs = [rng.integers(0, single.config.vocab_size, 48).tolist() for _ in range(2)]
-    # Two decode steps: each interpreted step costs ~5 s under the 8-device mesh, and
-    # one step past the first already reads a token the kernel itself wrote.
-    ref = _incremental(single, seqs, [30, 11], 2, backend="reference")
-    kern = _incremental(sharded, seqs, [30, 11], 2, backend="interpret")
-    return {"decode_err": _err(ref[1], kern[1]), "decode_scale": _scale(ref[1])}
+    seqs = [rng.integers(0, single.config.vocab_size, 24).tolist() for _ in range(2)]
+    # Two decode steps: each interpreted step costs ~4 s under the 8-device mesh, and
+    # one step past the first already reads a token the kernel itself wrote. A short
+    # prefill (17 tokens: the 32-token step) takes 8 s interpreted, a 41-token one 11 s.
+    ref = _incremental(single, seqs, [12, 5], 2, backend="reference")
+    kern = _incremental(sharded, seqs, [12, 5], 2, backend="interpret")
+    return {"prefill_err": _err(ref[0], kern[0]), "decode_err": _err(ref[1], kern[1]), "decode_scale": _scale(ref[1])}
 
 
 def session_case(case) -> dict:
