@@ -43,10 +43,11 @@ def pytest_collection_modifyitems(config, items):
     items.sort(key=lambda item: rank.get(item.path.name, len(rank)))  # stable: each module stays in its order
 
 
-# Release compiled programs past this many memory mappings. A module adds up to ~13,500
-# (make test, 2026-12-04, JAXKV_TEST_MAPS_LOG), so 38,000 stays clear of the limit;
-# each release costs 3-5 s (gc and freeing the programs), six a run at 20,000.
-MAX_MAPPINGS = 38_000
+# Release compiled programs past this many memory mappings. A module adds up to ~14,000
+# (make test, 2026-12-04, JAXKV_TEST_MAPS_LOG). A release costs in proportion to what
+# it frees: at 38,000, three a run took 26 s in all, as six at 20,000 did, and a
+# worker's peak memory rose from 7.1 to 9.3 GB, so the threshold stays low.
+MAX_MAPPINGS = 20_000
 
 
 def _mappings() -> int:
