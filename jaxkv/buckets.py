@@ -2,7 +2,7 @@
 bounded set of programs an engine's steps compile.
 
 A jit'd function compiles once per distinct static shape. The engine's steps
-(``jaxkv.step``) keep every length as data (live lengths, chunk lengths, rows'
+(``jaxkv.forward``) keep every length as data (live lengths, chunk lengths, rows'
 query offsets: the ragged attention's loop bounds), so only these reach shapes:
 
 * **step tokens** (``step_tokens``): a mixed step's flat batch is padded to a
@@ -11,7 +11,7 @@ query offsets: the ragged attention's loop bounds), so only these reach shapes:
   16 rows). One program per bucket, whatever rows, chunks and lengths it holds;
   a variant captures query rows (retention policies' windows), another brings
   back every logit (scoring).
-* **decode rows** (``decode_rows``): the decode fast path (``jaxkv.step.run_decode``)
+* **decode rows** (``decode_row_bucket``): the decode loop (``jaxkv.forward.run_decode``)
   runs its rows compactly: powers of two up to ``DECODE_ROW_STEP`` rows, then
   multiples of it (12 jobs run as 12 rows, not 16);
 * **window widths** (``window_width``, the CPU decode loop's per-call copy of the
@@ -39,7 +39,7 @@ MIN_WINDOW = 512  # the narrowest CPU decode window
 MIN_EVENT = 256  # the shortest list a compression event scores
 # Decode steps per batched engine call: how often rows can join or leave. Each call
 # has a fixed cost (on the CPU, copying every row's live K/V once: see
-# ``jaxkv.cache.window.gather_window``) that a longer chunk spreads over more tokens.
+# ``jaxkv.backends.cpu_float.gather_window``) that a longer chunk spreads over more tokens.
 # Chosen by measurement (``eval/bench/serving.py --decode-chunk``, ~125M model, 8
 # sessions, medians of 3 runs): 32 gives 3.24x one session's decode tokens/s and
 # p50 turn 5.5 s; 16 gives 2.92x and 6.0 s.
@@ -75,7 +75,7 @@ def step_tokens(n: int, budget: int) -> int:
     return next(size for size in token_buckets(budget) if size >= n)
 
 
-def decode_rows(n_jobs: int) -> int:
+def decode_row_bucket(n_jobs: int) -> int:
     """Rows of a decode call serving ``n_jobs`` jobs."""
     return bucket(n_jobs, minimum=1, step=DECODE_ROW_STEP)
 
@@ -126,7 +126,7 @@ class ShapeSet:
 
 def shape_set(rows: int, max_positions: int, budget: int, decode_chunk: int, *, windows: bool = True) -> ShapeSet:
     """The bounded shape set of one engine (module docstring)."""
-    groups = sorted({decode_rows(b) for b in range(1, rows + 1)})
+    groups = sorted({decode_row_bucket(b) for b in range(1, rows + 1)})
     widths = window_widths(max_positions) if windows else [0]
     decode = tuple((B, W) for B in groups for W in widths)
     return ShapeSet(tuple(token_buckets(budget)), decode, int(decode_chunk))

@@ -88,7 +88,7 @@ def test_bf16_evicted_rows_come_back_bit_identical(hf_checkpoint):
     row = engine.open_row()
     engine.prefill([row], [np.random.default_rng(9).integers(0, 1024, 40).tolist()])
     before = list(engine.row_state[row].slots)
-    k0, v0 = engine.gather_rows(before)
+    k0, v0 = engine.kv.gather_rows(before)
     assert k0.dtype == engine.cache.k.dtype
     shelved = {}
 
@@ -103,8 +103,8 @@ def test_bf16_evicted_rows_come_back_bit_identical(hf_checkpoint):
                  "dead_slot", on_evict=on_evict)
     pos = shelved["positions"][:6]
     assert shelved["k"].dtype == engine.cache.k.dtype and all(engine.row_state[row].slots[p] == SENTINEL_SLOT for p in pos)
-    fresh = engine.restore_rows(row, pos, shelved["k"][:, :6], shelved["v"][:, :6])
-    k1, v1 = engine.gather_rows(fresh)
+    fresh = engine.kv.restore_rows(row, pos, shelved["k"][:, :6], shelved["v"][:, :6])
+    k1, v1 = engine.kv.gather_rows(fresh)
     assert k1.dtype == engine.cache.k.dtype
     bits = np.uint16 if k1.dtype.itemsize == 2 else np.uint32
     assert np.array_equal(k1.view(bits), k0[:, pos].view(bits))

@@ -170,7 +170,7 @@ def test_prefill_programs_counts_the_programs_a_fresh_engine_compiles():
     import jaxkv
     from eval.bench.prefill import prefill_programs
     from jaxkv.engine import Engine
-    from jaxkv.step import run_step
+    from jaxkv.forward import run_step
 
     model = jaxkv.load_model("embedded")
     # positions no other test uses, so every program is new: 200 tokens are 3 x 64 + 8

@@ -7,6 +7,7 @@ import numpy as np
 import pytest
 
 import jaxkv
+from jaxkv.backends import cpu_float
 from jaxkv.cache.allocator import SENTINEL_SLOT
 from oracles import logits_over_kept
 
@@ -89,7 +90,7 @@ def test_a_step_serves_decode_rows_beside_prefill_pieces_within_its_budget(qwen3
     """One engine step takes the next token of every decoding row and prefill
     pieces of the waiting rows in what is left of the token budget, padded to a
     token bucket; each row's tokens and logits are those it gets alone."""
-    import jaxkv.engine as engine_mod
+    import jaxkv.engine.runner as engine_mod
     from jaxkv import buckets
 
     rng = np.random.default_rng(3)
@@ -118,14 +119,14 @@ def test_a_step_serves_decode_rows_beside_prefill_pieces_within_its_budget(qwen3
         engine.step(prefill_jobs=jobs, decode_jobs=[dec])
     assert all(q.sum() <= 160 for q in seen)
     assert dec.tokens == want_tokens[0]
-    assert _rel(np.concatenate(jobs[0].logits), want_long) <= 1e-5
+    assert _rel(jobs[0].result_logits(), want_long) <= 1e-5
     assert buckets.token_buckets(160) == [16, 32, 64, 128, 160]
 
 
 def test_a_step_is_padded_to_its_token_bucket(qwen3, monkeypatch):
     """The flat batch is padded to the smallest token bucket that holds it, so the
     steps compile once per bucket whatever the rows' lengths."""
-    import jaxkv.engine as engine_mod
+    import jaxkv.engine.runner as engine_mod
 
     widths = []
     real_step = engine_mod.run_step
@@ -183,11 +184,10 @@ def _assert_tables_mirror_host(engine, rows):
 
 
 def test_decode_window_equals_per_step_gather(qwen3):
-    """The CPU decode loop's once-per-call window (``jaxkv.cache.window.gather_window``) gives
+    """The CPU decode loop's once-per-call window (``jaxkv.backends.cpu_float.gather_window``) gives
     the tokens, logits and query rows of gathering key blocks from the pool every
     step, on rows of different lengths, one with dead slots in its live list, and
     the window holds the call's own new tokens."""
-    from jaxkv.step import Features
     from jaxkv.policies import layouts
 
     rng = np.random.default_rng(7)
@@ -195,13 +195,13 @@ def test_decode_window_equals_per_step_gather(qwen3):
     runs = {}
     for window in (True, False):
         engine = jaxkv.Engine(qwen3, rows=3, max_positions=256, num_slots=2048, prefill_chunk=32)
-        engine.decode_window = window
+        engine.runner.use_window = window
         rows = [engine.open_row() for _ in prompts]
         engine.prefill(rows, prompts)
         keep = np.setdiff1d(np.arange(90), [2, 3, 40, 41, 77])  # dead slots inside row 0's list
-        engine.apply_layout(rows[0], layouts.dead_slot(engine.row_state[rows[0]].slots, keep))
-        runs[window] = engine.decode(rows, [5, 6, 7], 20, return_logits=True, features=Features(query_rows=True))
-        assert engine.uses_window(4, 256) == window
+        engine.kv.apply_layout(rows[0], layouts.dead_slot(engine.row_state[rows[0]].slots, keep))
+        runs[window] = engine.decode(rows, [5, 6, 7], 20, return_logits=True, query_rows=True)
+        assert engine.runner.uses_window(4, 256) == window
     (tok_w, log_w, aux_w), (tok_g, log_g, aux_g) = runs[True], runs[False]
     assert tok_w == tok_g
     for a, b in zip(log_w, log_g):
@@ -210,8 +210,8 @@ def test_decode_window_equals_per_step_gather(qwen3):
         assert _rel(a, b) <= 1e-5
 
 
-def test_a_kept_decode_window_equals_per_step_gather_across_calls(qwen3):
-    """A decode call keeps its window (``KeptWindow``) and the next call over the
+def test_a_kept_decode_window_equals_per_step_gather_across_calls(qwen3, monkeypatch):
+    """A decode call keeps its window (``DecodeState``) and the next call over the
     same rows starts from it, its new entries folded into the blocks
     (``DecodeWindow.roll``): consecutive calls, a truncation between two calls
     (kept), another row's prefill between two calls (dropped: copied again) and
@@ -221,17 +221,18 @@ def test_a_kept_decode_window_equals_per_step_gather_across_calls(qwen3):
     prompts = [rng.integers(0, 1024, n).tolist() for n in (70, 29)]
     other = rng.integers(0, 1024, 21).tolist()
     runs = {}
+    gathers = []
+    gather = cpu_float.gather_window
+    monkeypatch.setattr(cpu_float, "gather_window", lambda *a, **k: gathers.append(1) or gather(*a, **k))
     for window in (True, False):
         engine = jaxkv.Engine(qwen3, rows=3, max_positions=256, num_slots=2048, prefill_chunk=32, layer_lists=True)
-        engine.decode_window = window
-        gathers = []
-        gather = engine.pool.gather_window
-        engine.pool.gather_window = lambda *a, **k: gathers.append(1) or gather(*a, **k)
+        engine.runner.use_window = window
+        gathers.clear()
         rows = [engine.open_row() for _ in prompts]
         engine.prefill(rows, prompts)
         mask = np.ones((qwen3.config.num_layers, 70), bool)
         mask[0, [3, 9, 40]] = False  # layer 0 reads fewer entries than layer 1
-        engine.set_layer_live(rows[0], mask)
+        engine.kv.set_layer_live(rows[0], mask)
         calls = []
         first = [5, 6]
         for call in range(5):
@@ -241,7 +242,7 @@ def test_a_kept_decode_window_equals_per_step_gather_across_calls(qwen3):
             if call == 3:  # another row's prefill writes the cache: the window is copied again
                 engine.prefill([engine.open_row()], [other])
             tokens, logits = engine.decode(rows, first, 6, return_logits=True)
-            kept = engine._kept_window
+            kept = engine.runner.kept
             calls.append((tokens, logits, kept is not None))
             first = [t[-1] for t in tokens]
         runs[window] = (calls, len(gathers))

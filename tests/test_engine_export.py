@@ -1,4 +1,4 @@
-"""The engine's jit'd steps (``run_step``, ``run_decode``) for a bf16 model lower
+"""The engine's programs (``run_step``, ``run_decode``) for a bf16 model lower
 for TPU and for CUDA on this CPU host (``jax.export``): everything around the
 kernels (dtypes, donation of the pool, sharding over a mesh) is checked for both
 platforms without the hardware.
@@ -24,13 +24,14 @@ import pytest
 from flax import nnx
 from jax.sharding import AbstractDevice, AbstractMesh, NamedSharding
 
+from jaxkv.backends import select_backend
 from jaxkv.cache.state import PagedKVCache
 from jaxkv.config import ModelConfig
 from jaxkv.cache.pools import FloatLayers
+from jaxkv.forward import DecodeBatch, Outputs, StepBatch, cache_sharding, run_decode, run_step
 from jaxkv.models import sharding
 from jaxkv.models.transformer import Transformer
 from jaxkv.sampling import RowSamplers
-from jaxkv.step import DecodeBatch, StepBatch, cache_sharding, run_decode, run_step
 
 DEVICE_KINDS = ("TPU v5 lite", "TPU v6 lite")
 sds = jax.ShapeDtypeStruct
@@ -56,7 +57,7 @@ def _abstract_args(mesh=None):
         cache = jax.tree.map(lambda x, s: sds(x.shape, x.dtype, sharding=s), cache, cache_sharding(cache, mesh))
     samplers = RowSamplers(sds((B,), jnp.float32), sds((B,), i32), sds((B,), jnp.float32))
     step = StepBatch(sds((T,), i32), sds((T,), i32), sds((T,), i32), sds((B,), i32), sds((B,), i32), sds((B,), i32),
-                     sds((B, 2), jnp.uint32), sds((B,), i32), samplers)
+                     sds((B, 2), jnp.uint32), sds((B,), i32), samplers, sds((T,), i32))
     decode = DecodeBatch(sds((B,), i32), sds((B,), i32), sds((B,), i32), sds((B, N_STEPS), i32), sds((B, 1), i32),
                          sds((B, 2), jnp.uint32), sds((B,), i32), samplers, sds((B, N_STEPS), i32))
     return graphdef, params, cache, step, decode
@@ -64,10 +65,12 @@ def _abstract_args(mesh=None):
 
 def _export_steps(platform, backend, mesh=None, capture_q=False):
     graphdef, params, cache, step, decode = _abstract_args(mesh)
+    attention = select_backend(FloatLayers(), backend)
+    outputs = Outputs(logits="last", query_rows=capture_q)
     exported_step = jax.export.export(run_step, platforms=[platform])(
-        graphdef, params, cache, step, layers=FloatLayers(), backend=backend, mesh=mesh, capture_q=capture_q)
+        graphdef, params, cache, step, backend=attention, mesh=mesh, outputs=outputs)
     exported_decode = jax.export.export(run_decode, platforms=[platform])(
-        graphdef, params, cache, decode, layers=FloatLayers(), n_steps=N_STEPS, backend=backend, mesh=mesh)
+        graphdef, params, cache, decode, backend=attention, n_steps=N_STEPS, mesh=mesh, outputs=Outputs(query_rows=capture_q))
     return exported_step, exported_decode
 
 
@@ -100,7 +103,8 @@ def _check_bf16_steps(exported_prefill, exported_decode, platform):
         weights = [a for a in exported.in_avals if a.ndim >= 2 and CFG.hidden_size in a.shape]
         assert weights and all(a.dtype == jnp.bfloat16 for a in weights)
         assert _softmax_exp_dtypes(exported) == {"f32"}  # softmax in float32 on a bf16 model
-    assert exported_prefill.out_avals[1].shape == (B, CFG.vocab_size) and exported_prefill.out_avals[1].dtype == jnp.float32
+    logits = exported_prefill.out_avals[-1]  # (tokens, cache, aux["logits"])
+    assert logits.shape == (B, CFG.vocab_size) and logits.dtype == jnp.float32
 
 
 @pytest.mark.parametrize("device_kind", DEVICE_KINDS)
@@ -129,6 +133,7 @@ def test_features_export_for_tpu():
         exported_step, exported_decode = _export_steps("tpu", "tpu", capture_q=True)
     assert _softmax_exp_dtypes(exported_step) == _softmax_exp_dtypes(exported_decode) == {"f32"}
     assert exported_step.out_avals[-1].shape == (CFG.num_layers, T, CFG.num_heads, CFG.head_dim)  # the captured query rows
+    assert exported_decode.out_avals[-1].shape == (N_STEPS, CFG.num_layers, B, CFG.num_heads, CFG.head_dim)  # every fed token's
 
 
 @pytest.mark.parametrize("platform,backend,device_kind", [("tpu", "tpu", DEVICE_KINDS[0]), ("tpu", "tpu", DEVICE_KINDS[1]), ("cuda", "reference", None)])

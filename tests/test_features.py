@@ -8,7 +8,6 @@ import numpy as np
 
 import jaxkv
 from jaxkv import attention
-from jaxkv.step import Features
 
 
 def _dense_q_and_probs(model, tokens):
@@ -33,8 +32,7 @@ def test_prefill_features_match_dense_recomputation(hf_checkpoint):
     engine = jaxkv.Engine(model, rows=1, max_positions=64, prefill_chunk=64)
     row = engine.open_row()
     engine.prefill([row], [tokens[:30]])  # cached part
-    feats = Features(query_rows=True, attn_mass=True)
-    _, aux = engine.prefill([row], [tokens[30:]], features=feats, q_row_positions=[[5, 17]])
+    _, aux = engine.prefill([row], [tokens[30:]], attn_mass=True, q_row_positions=[[5, 17]])
     # Query rows of new-token indices 5 and 17 = positions 35 and 47.
     np.testing.assert_allclose(aux["q_rows"][:, 0], q_ref[:, [35, 47]], rtol=1e-5, atol=1e-5)
     # Mass per position, summed over the 18 new query rows (positions 30..47),
@@ -57,7 +55,7 @@ def test_mass_across_chunks_and_holes(hf_checkpoint):
     engine.prefill([a], [tokens[:20]])
     holed = [SENTINEL_SLOT if p in (3, 4, 9) else s for p, s in enumerate(engine.row_state[a].slots)]
     b = engine.open_row(holed)
-    _, aux = engine.prefill([b], [tokens[20:40]], features=Features(attn_mass=True))
+    _, aux = engine.prefill([b], [tokens[20:40]], attn_mass=True)
     mass = aux["attn_mass"][0]
     assert mass.shape[-1] == 40
     assert (mass[..., [3, 4, 9]] == 0).all() and (mass[..., 10:] > 0).all()
@@ -73,8 +71,7 @@ def test_decode_features_match_dense_recomputation(hf_checkpoint):
     engine.prefill([other], [tokens[:5]])  # a second row must not disturb the first
     row = engine.open_row()
     engine.prefill([row], [tokens[:30]])
-    feats = Features(query_rows=True, attn_mass=True)
-    _, _, aux = engine.decode([row], [tokens[30]], 5, forced_tokens=[tokens[31:36]], features=feats)
+    _, _, aux = engine.decode([row], [tokens[30]], 5, forced_tokens=[tokens[31:36]], query_rows=True, attn_mass=True)
     q = aux["q_rows"][0]  # [5 fed tokens, L, Hq, D] at positions 30..34
     np.testing.assert_allclose(q, q_ref[:, 30:35].transpose(1, 0, 2, 3), rtol=1e-5, atol=1e-5)
     mass = aux["attn_mass"][0]  # [35 positions]

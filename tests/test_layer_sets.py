@@ -103,7 +103,7 @@ def _assert_tables_mirror_host(engine, row):
     req = engine.row_state[row]
     req.check()
     live_idx, live_len = np.asarray(engine.cache.live_idx), np.asarray(engine.cache.live_len)
-    for l, slots in enumerate(req.layer_lists(engine.lists)):
+    for l, slots in enumerate(req.layer_lists(engine.kv.lists)):
         assert live_idx[l, row, : live_len[l, row]].tolist() == slots
 
 
@@ -112,7 +112,7 @@ def test_each_layer_keeps_its_promised_count_and_its_own_top_k(model, shape):
     n, B = 120, 40
     engine, row, prompt = _prefilled(model, n)
     pinned = np.r_[0:6, n - 4 : n]  # F: 10 positions, kept in every layer
-    keys0 = np.asarray(engine.gather_keys(row))  # [L, n, Hkv, D]
+    keys0 = np.asarray(engine.kv.gather_keys(row))  # [L, n, Hkv, D]
     budgets = layer_budgets(B, L, shape)
     report, _ = _event(engine, row, "keydiff", budgets, pinned)
     req = engine.row_state[row]
@@ -187,7 +187,7 @@ def test_repair_restores_rows_bit_identical_under_per_layer_sets(model):
     n = 100
     engine, row, prompt = _prefilled(model, n, seed=2)
     slots0 = list(engine.row_state[row].slots)
-    k0, v0 = engine.gather_rows(slots0)
+    k0, v0 = engine.kv.gather_rows(slots0)
     tier = HostTier()
 
     def on_evict(plan, k, v, scores):
@@ -203,9 +203,9 @@ def test_repair_restores_rows_bit_identical_under_per_layer_sets(model):
     sets_before = engine.row_state[row].layer_live.copy()
     promote = evicted[::3][:8]
     taken = tier.take("s", promote)
-    fresh = engine.restore_rows(row, taken.positions_M, taken.k_LMKD, taken.v_LMKD)
+    fresh = engine.kv.restore_rows(row, taken.positions_M, taken.k_LMKD, taken.v_LMKD)
     req = engine.row_state[row]
-    k1, v1 = engine.gather_rows(fresh)
+    k1, v1 = engine.kv.gather_rows(fresh)
     assert np.array_equal(k1, k0[:, promote]) and np.array_equal(v1, v0[:, promote])  # bit-identical
     assert req.layer_live[:, promote].all()  # read by every layer
     others = np.setdiff1d(np.arange(n), promote)
@@ -245,7 +245,7 @@ def test_quantized_pool_reads_per_layer_rows_through_their_lists(quant_model):
             m = np.zeros((L, n), bool)
             m[:, keep] = True
             plan = layouts.with_layers(plan, m)
-        engine.apply_layout(row, plan)
+        engine.kv.apply_layout(row, plan)
         assert (engine.pool.decode_plan([engine.row_state[row]], [[1]], 1, 1) is None) == per_layer
         _, logits = engine.decode([row], [4], 4, return_logits=True, forced_tokens=[[6, 1, 9]])
         outs.append(np.asarray(logits[0], np.float64))
@@ -265,7 +265,7 @@ def test_one_list_engine_refuses_per_layer_plans(model):
 
     plan = layouts.with_layers(layouts.dead_slot(engine.row_state[row].slots, np.arange(20)), np.ones((L, 29), bool) & (np.arange(29) < 20))
     with pytest.raises(ConfigError, match="layer_lists"):
-        engine.apply_layout(row, plan)
+        engine.kv.apply_layout(row, plan)
     assert len(engine.row_state[row].live) == 29  # nothing changed
 
 
@@ -380,4 +380,4 @@ def test_meaningless_combinations_raise_config_error(model):
     # the default stays one set for the model, and a private server keeps one list per row
     s = Session(model, policy="snapkv", budget=64)
     assert s.retention.keep_sets == "model" and not s.server.engine.layer_lists
-    assert Session(model, policy="snapkv", budget=64, keep_sets="layer").server.engine.lists == L
+    assert Session(model, policy="snapkv", budget=64, keep_sets="layer").server.engine.kv.lists == L

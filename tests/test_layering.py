@@ -76,11 +76,13 @@ def test_an_upward_import_breaks_a_contract(tmp_path, module, line, contract, ch
     assert contract in report and chain in report, run.stdout
 
 
-def test_the_engine_never_branches_on_the_pool_kind():
-    """``jaxkv/engine.py`` calls the pool interface (``jaxkv.cache.pools``) and never
-    tests which pool it holds: no condition reads a quantization mode or a pool
-    class, and the engine imports no quantized-pool module."""
-    tree = ast.parse((PACKAGE / "engine.py").read_text())
+@pytest.mark.parametrize("module", sorted(str(p.relative_to(PACKAGE)) for p in [*(PACKAGE / "engine").glob("*.py"), PACKAGE / "forward.py"]))
+def test_the_engine_never_branches_on_the_pool_kind(module):
+    """The engine (``jaxkv/engine/``) and its forward call the pool interface
+    (``jaxkv.cache.pools``) and the attention backend (``jaxkv.backends``) and never
+    test which pool they hold: no condition reads a quantization mode or a pool
+    class, and they import no quantized-pool module."""
+    tree = ast.parse((PACKAGE / module).read_text())
     words = {"quant", "kv_quant", "kv_step", "kv_op", "token_kind", "QuantizedKV", "FloatKV", "DualPool", "QuantizedKVCache", "PagedKVCache"}
     conditions = [n.test for n in ast.walk(tree) if isinstance(n, (ast.If, ast.IfExp, ast.While))]
     conditions += [v for n in ast.walk(tree) if isinstance(n, ast.BoolOp) for v in n.values]

@@ -29,8 +29,8 @@ def _evict_and_decode(model, layout, keep, prompt, new_tokens):
     if layout == "dead_slot":
         plan = layouts.dead_slot(before, keep)
     else:
-        plan = layouts.compact(before, keep, engine.allocate(len(keep)))
-    engine.apply_layout(row, plan)
+        plan = layouts.compact(before, keep, engine.kv.allocate(len(keep)))
+    engine.kv.apply_layout(row, plan)
     engine.refcounts_after_layout = engine.allocator.refcounts()
     _, logits = engine.decode([row], [new_tokens[0]], len(new_tokens), return_logits=True, forced_tokens=[new_tokens[1:]])
     return engine, row, before, plan, logits[0]
@@ -66,7 +66,7 @@ def test_dead_slot_never_frees_what_others_hold(hf_checkpoint):
     shared = list(engine.row_state[a].slots)
     b = engine.open_row(shared)  # b reuses a's 30 slots (refcount 2)
     plan = layouts.dead_slot(shared, np.arange(10))
-    engine.apply_layout(b, plan)
+    engine.kv.apply_layout(b, plan)
     assert all(engine.allocator.refcount(s) == 1 for s in shared[10:])  # a still holds them
     assert engine.row_state[a].live == shared
     freed = engine.close_row(a)

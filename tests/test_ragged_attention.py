@@ -140,7 +140,8 @@ def test_each_layer_reads_its_own_live_list(hf_checkpoint):
     from jaxkv.attention import _attend, group_heads
     from jaxkv.cache.state import PagedKVCache
     from jaxkv.sampling import RowSamplers
-    from jaxkv.step import StepBatch, run_step
+    from jaxkv.backends import select_backend
+    from jaxkv.forward import Outputs, StepBatch, run_step
 
     model = jaxkv.load_model(hf_checkpoint("qwen3")[0])
     cfg = model.config
@@ -164,13 +165,14 @@ def test_each_layer_reads_its_own_live_list(hf_checkpoint):
         np.pad(tokens[n_old:], (0, T - n_new)).astype(np.int32), np.pad(np.arange(n_old, n_old + n_new), (0, T - n_new)).astype(np.int32),
         np.pad(engine.allocator.allocate(n_new), (0, T - n_new)).astype(np.int32), np.zeros(1, np.int32),
         np.zeros(1, np.int32), np.full(1, n_new, np.int32), np.zeros((1, 2), np.uint32), np.zeros(1, np.int32),
-        RowSamplers.of([(0.0, None, None)]),
+        RowSamplers.of([(0.0, None, None)]), np.zeros(1, np.int32),
     )
-    _, logits, cache, aux = run_step(engine.graphdef, engine.params, cache, batch, layers=engine.pool.layers, backend="blocked", all_logits=True)
-    got = np.asarray(aux["all_logits"])[:n_new]
+    _, cache, aux = run_step(engine.runner.graphdef, engine.runner.params, cache, batch, backend=select_backend(engine.pool.layers),
+                             outputs=Outputs(logits="all"))
+    got = np.asarray(aux["logits"])[:n_new]
     assert (np.asarray(cache.live_len)[:, 0] == [kp.size + n_new for kp in keep]).all()  # each list grew by the step
 
-    module = nnx.merge(engine.graphdef, engine.params)
+    module = nnx.merge(engine.runner.graphdef, engine.runner.params)
 
     def capture(i, q, k, v, carry):  # the dense causal forward of the prefix, keeping every layer's K/V
         out, _ = _attend(group_heads(q, k.shape[2]), k, v, jnp.tril(jnp.ones((n_old, n_old), bool))[None])

@@ -75,8 +75,8 @@ def test_a_branched_cell_is_its_policy_alone(shallow):
     turn = Turn(session, session._render(ex.messages("aware")[:1], None, add_generation_prompt=True))
     # the recorded reply as the alone session's replay feeds it (answer + end of turn): the same pieces, the same programs
     target = session._render(ex.messages("aware"), None, add_generation_prompt=False).ids[plan.compressed.size :]
-    branched = run_to_completion(branch_program(turn, probe, cells, stages, _answer_logits(target)), session.server.engine)
-    # the branches roll back on a tables-only checkpoint (Engine.checkpoint(kv=False)), whose pins are dropped after
+    branched = run_to_completion(branch_program(turn, probe, cells, stages, _answer_logits(target)), session.server.scheduler)
+    # the branches roll back on a tables-only checkpoint (KVManager.checkpoint(kv=False)), whose pins are dropped after
     assert session.server.engine.allocator.num_used == 0
     session.close()
 

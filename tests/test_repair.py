@@ -165,11 +165,11 @@ def test_ties_break_by_compression_score_then_position():
 
 # ============================================================================ apply step
 def _event_features(engine, row, n):
-    positions = engine.live_positions(row)
+    positions = engine.kv.live_positions(row)
     L = engine.model.config.num_layers
     cfg = engine.model.config
     return EventFeatures(
-        keys_LNKD=engine.gather_keys(row), positions_N=jnp.asarray(positions, jnp.int32),
+        keys_LNKD=engine.kv.gather_keys(row), positions_N=jnp.asarray(positions, jnp.int32),
         phase_N=jnp.zeros(n, jnp.int32), window_q_LWHD=jnp.zeros((L, 1, cfg.num_heads, cfg.head_dim)),
         window_pos_W=jnp.zeros(1, jnp.int32), window_valid_W=jnp.zeros(1, bool), acc_mass_N=jnp.zeros(n),
         query_mean_LHD=jnp.zeros((L, cfg.num_heads, cfg.head_dim)), seq_len=jnp.int32(n),
@@ -186,7 +186,7 @@ def test_promoted_rows_are_bit_identical_and_logits_match_attention_over_kept(ag
     row = engine.open_row()
     engine.prefill([row], [prompt])
     before = list(engine.row_state[row].slots)
-    k0, v0 = engine.gather_rows(before)  # [L, 60, Hkv, D]
+    k0, v0 = engine.kv.gather_rows(before)  # [L, 60, Hkv, D]
     tier = HostTier()
 
     def on_evict(plan, k, v, scores):
@@ -206,19 +206,19 @@ def test_promoted_rows_are_bit_identical_and_logits_match_attention_over_kept(ag
     # score with a signal of random query rows seen from the end, promote K = 12
     cfg = model.config
     sig = repair.Signal(rng.normal(size=(cfg.num_layers, 3, cfg.num_heads, cfg.head_dim)).astype(np.float32), np.full(3, 59))
-    a = repair.score_rows(sig, engine.gather_keys(row), engine.live_positions(row), shelf.k_LMKD, shelf.positions_M)
+    a = repair.score_rows(sig, engine.kv.gather_keys(row), engine.kv.live_positions(row), shelf.k_LMKD, shelf.positions_M)
     promote = repair.choose(repair.RepairConfig(12), shelf.positions_M, shelf.scores_M, a)
     assert promote.size == 12
     used_before = engine.allocator.num_used
     with pytest.raises(RepairError, match="live"):  # a kept position is not a hole: nothing changes
-        engine.restore_rows(row, kept[:1], k0[:, kept[:1]], v0[:, kept[:1]])
+        engine.kv.restore_rows(row, kept[:1], k0[:, kept[:1]], v0[:, kept[:1]])
     assert engine.allocator.num_used == used_before
     taken = tier.take("s", promote)
-    fresh = engine.restore_rows(row, taken.positions_M, taken.k_LMKD, taken.v_LMKD)
+    fresh = engine.kv.restore_rows(row, taken.positions_M, taken.k_LMKD, taken.v_LMKD)
     state = engine.row_state[row]
     assert [state.slots[p] for p in promote] == fresh.tolist() and SENTINEL_SLOT not in fresh
     assert [state.slots[p] for p in kept] == [before[p] for p in kept]  # survivors untouched
-    k1, v1 = engine.gather_rows([state.slots[p] for p in promote])
+    k1, v1 = engine.kv.gather_rows([state.slots[p] for p in promote])
     assert np.array_equal(k1, k0[:, promote]) and np.array_equal(v1, v0[:, promote])  # bit-identical
     keep = np.union1d(kept, promote)
     assert state.live == [state.slots[p] for p in keep]  # live list grew, position order

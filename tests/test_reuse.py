@@ -88,8 +88,8 @@ def test_rope_delta_rotated_segment_equals_rope_at_new_positions(model, doc):
     d = 137
     rows = [engine.open_row(), engine.open_row()]
     engine.prefill(rows, [ids, np.concatenate([np.full(d, ids[0], np.int32), ids])])
-    k_old, _ = engine.gather_rows(engine.row_state[rows[0]].slots)
-    k_new, _ = engine.gather_rows(engine.row_state[rows[1]].slots[d:])
+    k_old, _ = engine.kv.gather_rows(engine.row_state[rows[0]].slots)
+    k_new, _ = engine.kv.gather_rows(engine.row_state[rows[1]].slots[d:])
     m = ids.size
     rotated = rope_delta(jnp.asarray(k_old[:1]), jnp.arange(m, dtype=jnp.int32), jnp.full(m, d, jnp.int32), model.config.rope)
     assert rel_err(np.asarray(rotated)[0], k_new[0]) <= 1e-5  # the standard of tests/test_rope_delta.py

@@ -260,13 +260,13 @@ def test_a_decoding_row_never_waits_behind_a_long_prompt(small_model, monkeypatc
     short = [{"role": "user", "content": "weather in paris"}]
     long = [{"role": "user", "content": " ".join(TINY_WORDS[i % len(TINY_WORDS)] for i in range(300))}]
     steps = []
-    real_step = server.engine.step
+    real_run = server.engine.run
 
-    def step(prefill_jobs=(), decode_jobs=()):
-        steps.append((sum(1 for j in prefill_jobs if not j.finished), sum(1 for j in decode_jobs if not j.finished)))
-        return real_step(prefill_jobs=prefill_jobs, decode_jobs=decode_jobs)
+    def run(step):  # every step the scheduler packs (``jaxkv.engine.packing``)
+        steps.append((len(step.pieces), len(step.decode)))
+        return real_run(step)
 
-    monkeypatch.setattr(server.engine, "step", step)
+    monkeypatch.setattr(server.engine, "run", run)
     monkeypatch.setattr(server.scheduler, "decode_chunk", 1)  # the short turn decodes one token per call: still going when the prompt comes
     a, b = server.session(), server.session()
     first = a.start_chat(short, max_new_tokens=400)

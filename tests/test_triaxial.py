@@ -20,7 +20,6 @@ from jaxkv.cache.quantized_host import KIVI_WINDOW, DualAllocator
 from jaxkv.config import ModelConfig
 from jaxkv.engine import Engine, KVSource
 from jaxkv.errors import ConfigError, JaxKVError, OutOfSlotsError, SlotError
-from jaxkv.step import Features
 from jaxkv.pallas.quant import PAGE
 from jaxkv.policies import layouts
 from jaxkv.policies.quant_allocation import solve
@@ -94,7 +93,7 @@ def test_int2_first_page_table_and_page_completion_rule(qmodel):
     for p in np.unique(slots[got == INT2] // PAGE):  # a page is 32 tokens of one chunk
         pos = np.flatnonzero(slots // PAGE == p)
         assert pos.size == PAGE and pos.min() // 128 == pos.max() // 128
-    table = e.page_table(row)
+    table = e.kv.page_table(row)
     entries = table.entries()
     n2 = table.pages.size
     assert (entries[:n2] < e.pool.geometry.pages).all()  # INT2 pages first ...
@@ -104,8 +103,8 @@ def test_int2_first_page_table_and_page_completion_rule(qmodel):
     # dead-slot eviction of two tokens of the first page clears their bits only
     first = np.flatnonzero(got == INT2)[:2]
     keep = np.setdiff1d(np.arange(n), first)
-    e.apply_layout(row, layouts.dead_slot(e.row_state[row].slots, keep))
-    after = e.page_table(row)
+    e.kv.apply_layout(row, layouts.dead_slot(e.row_state[row].slots, keep))
+    after = e.kv.page_table(row)
     hit = after.pages.tolist().index(int(slots[first[0]] // PAGE))
     cleared = sum(1 << int(s % PAGE) for s in slots[first])
     assert int(after.masks[hit]) == 0xFFFFFFFF ^ cleared and after.pages.size == n2
@@ -136,7 +135,7 @@ def test_decode_tokens_go_to_int4_and_kivi_keeps_a_recent_float_window(qmodel):
             assert floats.tolist() == list(range(kinds.size - floats.size, kinds.size))
             assert (kinds[: kinds.size - floats.size] == INT2).all()  # everything older in pages of page_bits
             paged = kinds.size - floats.size
-            assert k.kv_composition(row) == {2: paged if page_bits == 2 else 0, 4: paged if page_bits == 4 else 0, 16: floats.size}
+            assert k.kv.composition(row) == {2: paged if page_bits == 2 else 0, 4: paged if page_bits == 4 else 0, 16: floats.size}
 
 
 def test_prefix_cached_token_keeps_its_first_precision(qmodel):
@@ -179,16 +178,16 @@ def test_shelved_rows_are_promoted_back_bit_identical(qmodel, mode):
     pick = np.concatenate([np.flatnonzero(kinds == INT2)[[0, 1, 5, 40, 63]], np.flatnonzero(kinds != INT2)[[0, -1]]])
     pick.sort()
     slots = np.asarray(e.row_state[row].slots)[pick]
-    before = e.gather_rows(slots)
-    k_before = np.asarray(e.gather_keys(row))
+    before = e.kv.gather_rows(slots)
+    k_before = np.asarray(e.kv.gather_keys(row))
     keep = np.setdiff1d(np.arange(kinds.size), pick)
-    shelved = e.apply_layout(row, layouts.dead_slot(e.row_state[row].slots, keep), keep_evicted=True)
+    shelved = e.kv.apply_layout(row, layouts.dead_slot(e.row_state[row].slots, keep), keep_evicted=True)
     assert all(np.array_equal(x, y) for x, y in zip(shelved, before))
-    fresh = e.restore_rows(row, pick, *shelved)
+    fresh = e.kv.restore_rows(row, pick, *shelved)
     assert (fresh != slots).any() and (e.pool.geometry.kind(fresh) == e.pool.geometry.kind(slots)).all()
-    after = e.gather_rows(fresh)
+    after = e.kv.gather_rows(fresh)
     assert all(np.array_equal(x, y) for x, y in zip(after, before))  # packed bytes, page parameters included
-    assert np.array_equal(np.asarray(e.gather_keys(row)), k_before)
+    assert np.array_equal(np.asarray(e.kv.gather_keys(row)), k_before)
     two = e.pool.geometry.kind(fresh) == INT2  # rows of one original page share one fresh page
     assert np.unique(fresh[two] // PAGE).size == np.unique(slots[two] // PAGE).size
 
@@ -202,12 +201,12 @@ def test_quantized_decode_logits_equal_attention_over_dequantized_kv(qmodel, mod
     prompt = rng.integers(5, 500, 230).tolist()
     bits = np.where(rng.random(230) < 0.6, 2, 4)
     logits = []
-    for features in (Features(), Features(attn_mass=True)):
+    for mass in (False, True):
         e = Engine(qmodel, rows=2, max_positions=512, kv_quant=mode, backend=backend)
         rows = [e.open_row(), e.open_row()]
         e.prefill(rows, [prompt, prompt[:150]], kv_bits=None if mode.startswith("kivi") else [bits, bits[:150]])
-        e.apply_layout(rows[0], layouts.dead_slot(e.row_state[rows[0]].slots, np.setdiff1d(np.arange(230), [3, 40, 41])))
-        out = e.decode(rows, [7, 9], 4, return_logits=True, forced_tokens=[[11, 12, 13], [14, 15, 16]], features=features)
+        e.kv.apply_layout(rows[0], layouts.dead_slot(e.row_state[rows[0]].slots, np.setdiff1d(np.arange(230), [3, 40, 41])))
+        out = e.decode(rows, [7, 9], 4, return_logits=True, forced_tokens=[[11, 12, 13], [14, 15, 16]], attn_mass=mass)
         logits.append(np.stack(out[1]))
     want = logits[1]
     assert np.abs(logits[0] - want).max() <= 1e-5 * np.abs(want).max()
@@ -244,28 +243,28 @@ def test_quantized_decode_window_equals_per_step_gather(qmodel, mode, monkeypatc
     blocks, INT2 pages partly held (dead slots), and two calls, so the call's own
     new tokens are read back quantized both from the window's new part (within a
     call) and from the pool (the next call's window)."""
-    import jaxkv.cache.quantized_host as quantized_host
+    from jaxkv.backends import cpu_quant
 
     calls = []
-    gather = quantized_host.gather_quant_window
-    monkeypatch.setattr(quantized_host, "gather_quant_window", lambda *a, **k: calls.append(k["width"]) or gather(*a, **k))
+    gather = cpu_quant.gather_quant_window
+    monkeypatch.setattr(cpu_quant, "gather_quant_window", lambda *a, **k: calls.append(k["width"]) or gather(*a, **k))
     rng = np.random.default_rng(11)
     prompts = [rng.integers(5, 500, n).tolist() for n in (700, 150)]
     bits = [np.where(rng.random(len(p)) < 0.6, 2, 4) for p in prompts] if mode == "triaxial" else None
     runs = {}
     for window in (True, False):
         e = Engine(qmodel, rows=2, max_positions=1024, kv_quant=mode)
-        e.decode_window = window
+        e.runner.use_window = window
         rows = [e.open_row(), e.open_row()]
         e.prefill(rows, prompts, kv_bits=bits)
-        e.apply_layout(rows[0], layouts.dead_slot(e.row_state[rows[0]].slots, np.setdiff1d(np.arange(700), [3, 40, 41, 300, 301])))
-        first = e.decode(rows, [7, 9], 6, return_logits=True, features=Features(query_rows=True))
-        second = e.decode(rows, [first[0][0][-1], first[0][1][-1]], 6, return_logits=True, features=Features(query_rows=True))
-        assert e.uses_window(2, 1024) == window
+        e.kv.apply_layout(rows[0], layouts.dead_slot(e.row_state[rows[0]].slots, np.setdiff1d(np.arange(700), [3, 40, 41, 300, 301])))
+        first = e.decode(rows, [7, 9], 6, return_logits=True, query_rows=True)
+        second = e.decode(rows, [first[0][0][-1], first[0][1][-1]], 6, return_logits=True, query_rows=True)
+        assert e.runner.uses_window(2, 1024) == window
         runs[window] = (first, second)
     assert calls == [1024, 1024]  # each windowed call took its window, as wide as the 700-entry list's bucket
     if mode == "triaxial":
-        assert e.kv_composition(rows[0])[INT2] > 0
+        assert e.kv.composition(rows[0])[INT2] > 0
     for (tok_w, log_w, aux_w), (tok_g, log_g, aux_g) in zip(*runs.values()):
         assert tok_w == tok_g
         for a, b in zip(log_w, log_g):
@@ -277,8 +276,8 @@ def test_quantized_decode_window_equals_per_step_gather(qmodel, mode, monkeypatc
 def test_kivi_pools_decode_without_a_window(qmodel):
     """KIVI's token part is its float residual: no quantized window (the CPU decode
     loop gathers from the packed pool)."""
-    assert not Engine(qmodel, rows=1, max_positions=512, kv_quant="kivi2").uses_window(1, 512)
-    assert Engine(qmodel, rows=1, max_positions=512, kv_quant="int4").uses_window(1, 512)
+    assert not Engine(qmodel, rows=1, max_positions=512, kv_quant="kivi2").runner.uses_window(1, 512)
+    assert Engine(qmodel, rows=1, max_positions=512, kv_quant="int4").runner.uses_window(1, 512)
 
 
 def test_prefill_attends_over_the_dequantized_prefix_and_its_chunk_in_full_precision(qmodel):
@@ -294,8 +293,8 @@ def test_prefill_attends_over_the_dequantized_prefix_and_its_chunk_in_full_preci
     f.prefill([rf], [tokens[:128]])
     layers = [dequantize_slots(q.cache.pool.layer(i), q.pool.geometry, jnp.asarray(q.row_state[rq].slots)) for i in range(2)]
     slots = jnp.asarray(f.row_state[rf].slots)
-    f.cache = f.cache.replace(k=f.cache.k.at[:, slots].set(jnp.stack([k for k, _ in layers])),
-                              v=f.cache.v.at[:, slots].set(jnp.stack([v for _, v in layers])))
+    f.kv.commit(f.cache.replace(k=f.cache.k.at[:, slots].set(jnp.stack([k for k, _ in layers])),
+                                v=f.cache.v.at[:, slots].set(jnp.stack([v for _, v in layers]))))
     got = q.prefill([rq], [tokens[128:]], all_logits=True)[0]
     want = f.prefill([rf], [tokens[128:]], all_logits=True)[0]
     assert np.abs(got - want).max() <= 1e-5 * np.abs(want).max()
@@ -320,7 +319,7 @@ def test_an_imported_prefill_stores_what_a_one_chunk_prefill_stores(qmodel, mode
     one.prefill([r1], [tokens], kv_bits=None if bits is None else [bits])
     job = imp.start_prefill(r2, tokens, kv_bits=bits, kv_source=KVSource(k, v, last))
     while not job.finished:
-        imp.step_prefill([job])
+        imp.step(prefill_jobs=[job])
     np.testing.assert_array_equal(job.result_logits(), last)
     assert imp.row_state[r2].slots == one.row_state[r1].slots
     # every array of the cache, the sentinel slot aside (a float pool's padding rows

@@ -63,9 +63,9 @@ def _fill_row(engine, n, rng):
 
 def _features(engine, row, n, rng, cfg):
     L, Hq, D = cfg.num_layers, cfg.num_heads, cfg.head_dim
-    live_pos = engine.live_positions(row)
+    live_pos = engine.kv.live_positions(row)
     return EventFeatures(
-        keys_LNKD=engine.gather_keys(row).astype(jnp.float32),
+        keys_LNKD=engine.kv.gather_keys(row).astype(jnp.float32),
         positions_N=jnp.asarray(live_pos, jnp.int32),
         phase_N=jnp.asarray(rng.integers(0, 4, n), jnp.int32),
         window_q_LWHD=jnp.asarray(rng.standard_normal((L, 32, Hq, D), np.float32)),
@@ -163,7 +163,7 @@ def _restore(engine, row, base):
     current = engine.row_state[row].owned()
     engine.allocator.release(current)
     engine.allocator.ref([s for s in base])
-    engine.set_row_tables(row, base, base)
+    engine.kv.set_row_tables(row, base, base)
 
 
 def _one_step(engine, row, base):

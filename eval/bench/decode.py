@@ -12,7 +12,7 @@ transformers baselines, both timed in the same run: a manual
 same random cache; the faster of the two is the reference of the ratio.
 
 jaxkv is timed twice: as it runs (on the CPU each decode call gathers every row's
-live K/V once, ``jaxkv.cache.window.gather_window``) and gathering them from the pool
+live K/V once, ``jaxkv.backends.cpu_float.gather_window``) and gathering them from the pool
 in every step, the path kernel backends take.
 
 Bandwidth floor: a decode step must read every weight once plus the KV of the
@@ -99,18 +99,18 @@ def fill_pool_randomly(engine, rng) -> None:
     does not depend on the values)."""
     key = jax.random.key(int(rng.integers(1 << 31)))
     k, v = engine.cache.k, engine.cache.v
-    engine.cache = engine.cache.replace(
+    engine.kv.commit(engine.cache.replace(
         k=jax.random.normal(jax.random.fold_in(key, 0), k.shape, k.dtype) * 0.5,
         v=jax.random.normal(jax.random.fold_in(key, 1), v.shape, v.dtype) * 0.5,
-    )
+    ))
 
 
 def bench_jaxkv(model, batch, ctx, steps, window=True) -> float:
     """jaxkv decode tok/s; ``window=False`` gathers the context from the pool in
-    every step instead of once per call (``jaxkv.cache.window.gather_window``)."""
+    every step instead of once per call (``jaxkv.backends.cpu_float.gather_window``)."""
     cfg = model.config
     engine = Engine(model, rows=batch, max_positions=ctx + steps + 1)
-    engine.decode_window = window
+    engine.runner.use_window = window
     rng = np.random.default_rng(0)
     rows = []
     for _ in range(batch):

@@ -77,10 +77,14 @@ else:
         engine.allocator.release(slots)
     spare = engine.open_row() if interleave else None
     key = jax.random.key(1)
-    engine.cache = engine.cache.replace(
+    filled = engine.cache.replace(
         k=jax.random.normal(jax.random.fold_in(key, 0), engine.cache.k.shape, engine.cache.k.dtype) * 0.5,
         v=jax.random.normal(jax.random.fold_in(key, 1), engine.cache.v.shape, engine.cache.v.dtype) * 0.5,
     )
+    if hasattr(engine, "kv"):  # the KV manager writes the cache (older trees: the engine itself)
+        engine.kv.commit(filled)
+    else:
+        engine.cache = filled
     first = rng.integers(0, cfg.vocab_size, B).tolist()
     snapshot = [len(engine.row_state[r].slots) for r in rows]
     def run():

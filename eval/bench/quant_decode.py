@@ -9,14 +9,14 @@ same engine:
 
 * ``float``: the float32 pool as a ``Server`` sizes it (2 x positions + 1 slots),
   where the CPU decode loop reads a per-call head-major window of the row's list
-  (``jaxkv.cache.window.gather_window``);
+  (``jaxkv.backends.cpu_float.gather_window``);
 * ``float-gather``: the float32 pool too tight for that window, so every step
   gathers key blocks through the live list;
 * ``int4``: every live token INT4 (``Engine(kv_quant="int4")``), read through the
   quantized window (``jaxkv.cache.quantized.gather_quant_window``): once per call,
   a head-major copy of the row's codes unpacked to uint8 with float32 scales, each
   step dequantizing it block by block inside the online softmax;
-* ``int4-gather``: the same pool without the window (``engine.decode_window =
+* ``int4-gather``: the same pool without the window (``engine.runner.use_window =
   False``): every step gathers packed rows from the pool by slot and dequantizes
   them (``decode_parts_attention``), the path before the window;
 * ``mixed`` / ``mixed-gather``: 65% of the live tokens in INT2 pages, 35% INT4
@@ -73,7 +73,7 @@ def fill_packed_randomly(engine, rng) -> None:
             return jnp.asarray(rng.integers(0, 256, a.shape, dtype=np.uint8))
         return jnp.asarray(rng.uniform(0.01, 0.1, a.shape).astype(np.float16)).astype(a.dtype)
 
-    engine.cache = engine.cache.with_kv(jax.tree.map(rand, engine.cache.pool))
+    engine.kv.commit(engine.cache.with_kv(jax.tree.map(rand, engine.cache.pool)))
 
 
 def open_request(engine, n: int, mode: str) -> int:
@@ -98,9 +98,9 @@ def bench(model, mode: str, n: int, steps: int, repeats: int = 1) -> tuple[float
     kv_quant = {"float": None, "int4": "int4", "mixed": "triaxial"}[kind]
     P = n + steps + 1
     # the pool a Server sizes (2 x rows x positions + 1 slots: room for the window,
-    # ``Engine.uses_window``); "-gather" turns the window off
+    # ``ModelRunner.uses_window``); "-gather" turns the window off
     engine = Engine(model, rows=1, max_positions=P, num_slots=2 * P + 1, kv_quant=kv_quant)
-    engine.decode_window = not gather
+    engine.runner.use_window = not gather
     row = open_request(engine, n, kind)
     if kv_quant is None:
         fill_pool_randomly(engine, rng)
@@ -111,7 +111,7 @@ def bench(model, mode: str, n: int, steps: int, repeats: int = 1) -> tuple[float
     if kv_quant is None:
         kv_bytes = n * bytes_per_token(FLOAT, **size) * jnp.dtype(model.dtype).itemsize / 2  # FLOAT counts bf16
     else:
-        comp = engine.kv_composition(row)
+        comp = engine.kv.composition(row)
         kv_bytes = comp[INT2] * bytes_per_token(INT2, **size) + comp[INT4] * bytes_per_token(INT4, **size)
     first = [int(rng.integers(0, cfg.vocab_size))]
     engine.decode([row], first, steps)  # compile + warm-up

@@ -4,7 +4,7 @@ rate against the float32 GEMM rate measured in the same run.
 
     python -m eval.profile.prefill [--model smollm2-135m-instruct] [--tokens 8000] [--chunk 512]
 
-One row, steps of ``--chunk`` tokens (``Engine.step_prefill``, after an untimed
+One row, steps of ``--chunk`` tokens (``Engine.step``, after an untimed
 pass that compiled the step). The attention part is the CPU implementation
 (``jaxkv.pallas.ragged_attention.ragged_attention_blocked``) jit'd alone at the
 step's shapes (the row's list as long as it is at that step, plus the chunk)
@@ -89,7 +89,7 @@ def main(argv=None) -> int:
         while not job.finished:
             before = job.done
             t = time.perf_counter()
-            engine.step_prefill([job])
+            engine.step(prefill_jobs=[job])
             jax.block_until_ready(engine.cache.k)
             times.append((before, job.done - before, time.perf_counter() - t))
         engine.close_row(row)

@@ -85,7 +85,7 @@ from pathlib import Path
 
 import numpy as np
 
-from jaxkv.serving.stages.base import Capture, Stage
+from jaxkv.serving.stages.base import Capture, PrefillLogits, Stage
 from jaxkv.tasks import haystack
 
 METHODS = ("snapkv", "tova", "h2o", "streaming_llm", "random", "agentkv", "intentkv_memory", "intentkv_query")
@@ -191,8 +191,8 @@ def branch_program(turn, probe: ProbeStage, cells, stages, measure):
     yielding engine work), and roll the engine back. Returns ``{cell name: result}``."""
     try:
         turn.open()
-        first_logits = yield from turn.prefill_prompt()
-        checkpoint = turn.engine.checkpoint(kv=False)  # cells write only fresh slots (float pool, dead-slot)
+        first_logits = (yield from turn.prefill_prompt(logits="last")).result_logits()
+        checkpoint = turn.engine.kv.checkpoint(kv=False)  # cells write only fresh slots (float pool, dead-slot)
         n_reports = len(turn.session.compressions)
         out = {}
         for cell, stage in zip(cells, stages):
@@ -207,9 +207,9 @@ def branch_program(turn, probe: ProbeStage, cells, stages, measure):
             result = yield from measure(turn, first_logits)
             result.update(kept=int(kept), seconds=round(time.perf_counter() - t0, 3))
             out[cell.name] = result
-            turn.engine.rollback(checkpoint)
+            turn.engine.kv.rollback(checkpoint)
             del turn.session.compressions[n_reports:]
-        turn.engine.discard(checkpoint)
+        turn.engine.kv.discard(checkpoint)
         return out
     finally:
         turn.close()
@@ -263,7 +263,7 @@ def answer_measure(example, plan, tokenizer, digit_idx, max_new: int):
             reply = list(plan.answer)  # names every value; what follows cannot change the first digit run
         else:
             turn.rewind(mark + r + agree)
-            reply = list(plan.answer[:agree]) + (yield from turn.generate(logits[r + agree], budget - agree))
+            reply = list(plan.answer[:agree]) + (yield from turn.generate(PrefillLogits(logits[r + agree]), budget - agree))
         text = tokenizer.decode(reply, skip_special_tokens=True)
         return {**digit_scores(pred, plan.answer, digit_idx), "gen_correct": bool(reply_correct(example, text)),
                 "reply": text, "decoded": len(reply) - agree}
@@ -344,7 +344,7 @@ def run_example(model, example, setting: str, cells, *, positions: int, max_new:
         program = branch_program(turn, probe, cells, stages, measure)
         need = n_request + plan.rest.size + plan.answer.size + max_new
         session._check_length(need, 0)
-        results = run_to_completion(program, session.server.engine)
+        results = run_to_completion(program, session.server.scheduler)
     finally:
         session.close()
         if server is not None:
@@ -365,10 +365,11 @@ class ImportedPrompt(Stage):
     def __init__(self, tokens, source):
         self.tokens, self.source = np.asarray(tokens), source
 
-    def before_prefill(self, turn, work) -> None:
-        if not np.array_equal(work.tokens, self.tokens):
+    def before_prefill(self, turn, job):
+        if not np.array_equal(job.tokens, self.tokens):
             raise AssertionError("the imported K/V belong to another prompt")
-        work.options["kv_source"] = self.source
+        job.kv_source = self.source
+        return None
 
 
 def single_program(turn, measure, export: dict | None = None):
@@ -379,7 +380,7 @@ def single_program(turn, measure, export: dict | None = None):
 
     try:
         turn.open()
-        first_logits = yield from turn.prefill_prompt()
+        first_logits = (yield from turn.prefill_prompt(logits="last")).result_logits()
         if export is not None:
             engine = turn.engine
             k, v = engine.pool.gather_float(engine.cache, engine.row_state[turn.row].slots)
@@ -441,7 +442,7 @@ def run_quant_example(model, example, setting: str, formats, *, positions: int, 
             session._check_length(int(plan.compressed.size) + plan.rest.size + plan.answer.size + max_new, 0)
             exporting = prefill == "imported" and fmt is None  # the float cell: the others' source
             program = single_program(Turn(session, rendered), measure, export if exporting else None)
-            result = run_to_completion(program, session.server.engine)
+            result = run_to_completion(program, session.server.scheduler)
             stage = session.quantization
             if stage is not None and stage.records:
                 result["kv"] = dataclasses.asdict(stage.records[0])

@@ -1,40 +1,41 @@
 """The engine's KV pool interface, and the float pool behind it.
 
-``jaxkv.engine.Engine`` holds one pool object (``engine.pool``) and calls only the
+``jaxkv.engine.kv_manager.KVManager`` holds one pool object (``manager.pool``) and calls only the
 methods below; the float pool (``FloatKV``, here) and the quantized pool
 (``jaxkv.cache.quantized_host.QuantizedKV``) implement them, so the engine has no
 branch on the pool's kind and a new format is one module. ``make_pool`` is the one
 place that picks the kind.
 
-The interface (every method that changes device state takes the engine and sets
-``engine.cache`` itself, or returns the new cache for the engine to set; the host
-checks run first, so a failing call changes nothing):
+The interface. Methods that write take the cache and return the new one (the
+caller, ``jaxkv.engine.kv_manager.KVManager``, is the one writer); methods that
+allocate take the manager as ``room`` (its ``allocate(n, kind=)`` and ``reclaim``:
+one allocation path, radix-cached slots reclaimed first). The host checks run
+first, so a failing call changes nothing:
 
 * ``mode``: ``None`` (full precision) or a ``kv_quant`` mode; ``allocator``: the
-  slot allocator (``SlotAllocator`` interface); ``uses_window``: whether the CPU
-  decode loop may read a per-call copy of the rows' entries, made by
-  ``gather_window(cache, rows, plan, width=, n_steps=)`` (the float pool's lists,
-  ``jaxkv.cache.window.gather_window``; a quantized pool's unpacked codes,
-  ``jaxkv.cache.quantized.gather_quant_window``, never a float copy) and
-  ``window_entries(states, plan)`` wide (before bucketing); ``keeps_window``:
-  whether that window can start the next decode call over the same rows
-  (``DecodeWindow.roll``: the float pool's; a quantized window is taken per call);
+  slot allocator (``SlotAllocator`` interface); ``whole_chunks``: a prefill's
+  pieces must be whole planned chunks;
 * ``layers``: the device side, hashable so it is a static argument of the
-  engine's jit'd steps (``jaxkv.step``): one layer's write, its key-block reader
-  for the ragged attention, its float rows (``FloatLayers`` documents the methods);
-* host plans: ``plan_prefill(engine, row, kv_bits, n) -> (plan, slots)``,
-  ``step_plan(pieces, T)`` (a step's write plan for ``layers.write``: None for
-  the float pool; a quantized pool's INT2 page plan over the flat batch),
-  ``settle(engine, rows)`` (after every write: the KIVI modes' aging),
-  ``requantize(engine, row, positions, bits)`` (tokens written another way moved
-  to the precision ``kv_bits`` choose);
+  engine's programs (``jaxkv.forward``): one layer's write and its float rows
+  (``FloatLayers`` documents the methods); attention over the pool is a backend's
+  (``jaxkv.backends``);
+* host plans: ``plan_prefill(room, kv_bits, n, chunk) -> (plan, slots)``,
+  ``step_plan(pieces, starts, T)`` (a step's write plan for ``layers.write``: None
+  for the float pool; a quantized pool's INT2 page plan over the flat batch),
+  ``decode_plan(states, new_slots, B, steps)`` (a decode call's reading plan: None,
+  or a quantized pool's ``DecodeParts``);
+* moves that return ``None`` (nothing moved) or ``(cache, slots_P, released)``, the
+  row's new slot map and the slots to release: ``settle(cache, room, state)``
+  (after every write: the KIVI modes' aging), ``requantize(cache, room, state,
+  positions, bits)``;
 * reads: ``gather_keys(cache, live)`` (float post-RoPE keys, what scorers read),
   ``gather_rows(cache, slots)`` (host copies, what the RepairKV tier shelves),
   ``host_keys(rows)`` (float keys of such copies), ``gather_float(cache, slots)``
   (float K and V of rows, what a reused segment stores), ``composition(state)``,
   ``page_table(state)``;
-* moves: ``fresh_slots(engine, row, positions)`` and ``compact(cache, plan, rope)``
-  (a compact layout), ``restore(engine, row, k, v)`` (promotion, bit-identical).
+* moves of rows: ``fresh_slots(room, state, positions)`` and ``compact(cache,
+  plan, rope)`` (a compact layout), ``restore(cache, room, k, v, staged=) ->
+  (cache, slots)`` (promotion, bit-identical).
 """
 
 from __future__ import annotations
@@ -48,15 +49,13 @@ import numpy as np
 
 from jaxkv import pallas
 from jaxkv.buckets import bucket
-from jaxkv.pallas.ragged_attention import PoolReader, pad_lists
 from jaxkv.cache.allocator import SENTINEL_SLOT, SlotAllocator
 from jaxkv.cache.host_tier import stage
 from jaxkv.cache.state import PagedKVCache
-from jaxkv.cache.window import gather_window
 from jaxkv.errors import JaxKVError
 
 
-def make_pool(kv_quant, num_slots: int, *, head_dim: int, float_dtype, backend=None):
+def make_pool(kv_quant, num_slots: int, *, head_dim: int, float_dtype):
     """The pool of an engine: ``FloatKV`` for ``kv_quant`` None / ``"none"``, else a
     ``QuantizedKV`` of that mode (``ConfigError`` for an unknown mode)."""
     from jaxkv.cache.quantized_host import QuantizedKV, check_mode
@@ -64,7 +63,7 @@ def make_pool(kv_quant, num_slots: int, *, head_dim: int, float_dtype, backend=N
     mode = check_mode(kv_quant)
     if mode is None:
         return FloatKV(num_slots)
-    return QuantizedKV.sized(mode, num_slots, head_dim=head_dim, float_dtype=float_dtype, backend=backend)
+    return QuantizedKV.sized(mode, num_slots, head_dim=head_dim, float_dtype=float_dtype)
 
 
 def kv_bytes(cache) -> int:
@@ -74,7 +73,7 @@ def kv_bytes(cache) -> int:
     return int(sum(x.size * np.dtype(x.dtype).itemsize for x in jax.tree.leaves(cache.kv)))
 
 
-def pool_for_bytes(kv_quant, memory_bytes: int, cfg, *, float_dtype, page_share=None, backend=None):
+def pool_for_bytes(kv_quant, memory_bytes: int, cfg, *, float_dtype, page_share=None):
     """The largest pool of kind ``kv_quant`` whose KV (``kv_bytes``) fits in
     ``memory_bytes``: how an engine is sized by memory instead of slots.
 
@@ -115,7 +114,7 @@ def pool_for_bytes(kv_quant, memory_bytes: int, cfg, *, float_dtype, page_share=
     share = 0.0 if mode == "int4" else float(page_share)
     if not 0.0 <= share < 1.0:
         raise ConfigError(f"kv_page_share must be in [0, 1), got {page_share!r}")
-    quant = lambda geo: QuantizedKV(mode, geo, head_dim=cfg.head_dim, float_dtype=float_dtype, backend=backend)  # noqa: E731
+    quant = lambda geo: QuantizedKV(mode, geo, head_dim=cfg.head_dim, float_dtype=float_dtype)  # noqa: E731
     base = nbytes(quant(Geometry(1, 1, 0)))  # each region's bytes are linear in its count
     page = nbytes(quant(Geometry(2, 1, 0))) - base
     int4 = nbytes(quant(Geometry(1, 2, 0))) - base
@@ -133,27 +132,17 @@ def pool_for_bytes(kv_quant, memory_bytes: int, cfg, *, float_dtype, page_share=
 @dataclasses.dataclass(frozen=True)
 class FloatLayers:
     """One layer's writes and reads of the float pool ``(k, v)`` ``[L, S, K, D]``
-    (hashable: a static argument of the engine's jit'd steps, ``jaxkv.step``).
+    (hashable: a static argument of the engine's programs, ``jaxkv.forward``).
 
     * ``write(kv, i, k_TKD, v_TKD, slots_T, plan)``: rows stored at their slots in
       the pool dtype (``plan``: the quantized pools' page plan; None here);
-    * ``reader(kv, i, lists_RN, fresh)``: layer ``i``'s key-block reader for the
-      ragged attention (``jaxkv.pallas.ragged_attention.PoolReader``; ``fresh``, the
-      step's own tokens as computed, matters to pools that store them otherwise);
     * ``read(kv, i, slots_N)``: float rows at slots (the spliced prefill);
-    * ``read_pool(kv, i)``: the layer as float ``[S, K, D]`` (the reference backend);
-    * ``kernel_pool(kv, i)``: the layer a kernel backend reads (float pools only).
+    * ``read_pool(kv, i)``: the layer ``[S, K, D]`` (the kernels and the reference).
     """
 
     def write(self, kv, i, k_TKD, v_TKD, slots_T, plan=None):
         k, v = kv
         return k.at[i, slots_T].set(k_TKD.astype(k.dtype)), v.at[i, slots_T].set(v_TKD.astype(v.dtype))
-
-    def reader(self, kv, i, lists_RN, fresh=None) -> PoolReader:
-        """(``fresh``: the step's own tokens, which the float pool reads back as it
-        stored them, at the compute precision.)"""
-        k, v = kv
-        return PoolReader(k, v, pad_lists(lists_RN), layer=i)
 
     def read(self, kv, i, slots_N):
         k, v = kv
@@ -162,9 +151,6 @@ class FloatLayers:
     def read_pool(self, kv, i):
         k, v = kv
         return k[i], v[i]
-
-    def kernel_pool(self, kv, i):
-        return self.read_pool(kv, i)
 
 
 @functools.partial(jax.jit, static_argnames=("layers",), donate_argnames=("cache",))
@@ -211,8 +197,6 @@ class FloatKV:
     """
 
     mode = None
-    uses_window = True
-    keeps_window = True  # DecodeWindow.roll: the engine keeps a call's window for the next call
     whole_chunks = False  # any piece of a prefill is written alike
     layers = FloatLayers()
 
@@ -231,10 +215,10 @@ class FloatKV:
         )
 
     # -- writes --------------------------------------------------------------------
-    def plan_prefill(self, engine, row: int, kv_bits, n: int):
+    def plan_prefill(self, room, kv_bits, n: int, chunk: int):
         if kv_bits is not None:
             raise JaxKVError("kv_bits needs a quantized pool (Engine(kv_quant=...))")
-        return None, engine.allocate(n, row)
+        return None, room.allocate(n)
 
     def step_plan(self, pieces, starts, T: int):
         """No write plan: every float slot is written alike."""
@@ -243,20 +227,14 @@ class FloatKV:
     def decode_plan(self, states, new_slots, B: int, steps: int):
         return None
 
-    def window_entries(self, states, plan) -> int:
-        """Entries the CPU decode window must hold for these rows: the longest list."""
-        return max(len(s.live) for s in states)
-
-    def gather_window(self, cache, rows_R, plan, *, width: int, n_steps: int):
-        """The CPU decode loop's copy of the rows' lists (``jaxkv.cache.window.gather_window``)."""
-        return gather_window(cache, rows_R, width=width, n_steps=n_steps)
-
-    def settle(self, engine, rows) -> None:
+    def settle(self, cache, room, state):
         """Nothing ages in a float pool."""
+        return None
 
-    def requantize(self, engine, row: int, positions, bits) -> None:
+    def requantize(self, cache, room, state, positions, bits):
         if bits is not None:
             raise JaxKVError("kv_bits needs a quantized pool (Engine(kv_quant=...))")
+        return None
 
     # -- reads ---------------------------------------------------------------------
     def gather_keys(self, cache, live) -> jax.Array:
@@ -285,8 +263,8 @@ class FloatKV:
         raise JaxKVError("page tables belong to a quantized pool (Engine(kv_quant=...))")
 
     # -- moving rows ---------------------------------------------------------------
-    def fresh_slots(self, engine, row: int, positions) -> np.ndarray:
-        return engine.allocate(len(positions), row)
+    def fresh_slots(self, room, state, positions) -> np.ndarray:
+        return room.allocate(len(positions))
 
     def compact(self, cache, plan, rope):
         """Copy a compact plan's kept rows to their fresh slots, keys rotated by ``plan.delta``."""
@@ -294,12 +272,12 @@ class FloatKV:
         cache = _copy_rows(cache, jnp.asarray(plan.copy_src, jnp.int32), dst)
         return cache.replace(k=pallas.rope_delta(cache.k, dst, jnp.asarray(plan.delta, jnp.int32), rope))
 
-    def restore(self, engine, row: int, k_LMKD, v_LMKD) -> np.ndarray:
-        """Shelved rows back into fresh slots, unchanged; returns the slots."""
+    def restore(self, cache, room, k_LMKD, v_LMKD, *, staged: bool = True):
+        """Shelved rows back into fresh slots, unchanged: ``(cache, slots)``.
+        ``staged``: copy them through pinned host memory first (one device; on a
+        mesh, jit sends each device its part)."""
         k_LMKD, v_LMKD = np.asarray(k_LMKD), np.asarray(v_LMKD)
-        fresh = engine.allocate(k_LMKD.shape[1], row)
-        if engine.mesh is None:  # pinned host memory is per device; on a mesh, jit sends each device its part
+        fresh = room.allocate(k_LMKD.shape[1])
+        if staged:
             k_LMKD, v_LMKD = stage(k_LMKD), stage(v_LMKD)
-        engine.cache = _write_rows(engine.cache, jnp.asarray(fresh, jnp.int32), k_LMKD, v_LMKD)
-        return fresh
-
+        return _write_rows(cache, jnp.asarray(fresh, jnp.int32), k_LMKD, v_LMKD), fresh

@@ -70,7 +70,6 @@ from jaxkv.cache.quantized import (
     QuantLayers,
     dequantize_int2_tokens,
     gather_dequantized,
-    gather_quant_window,
     gather_keys as gather_dequantized_keys,
     gather_packed,
     rewrite_rows,
@@ -278,7 +277,7 @@ def _u8(x) -> np.ndarray:
     return x.view(np.uint8).reshape(*x.shape[:-1], -1)
 
 
-def encode_rows(fields: dict, kinds: np.ndarray, head_dim: int, float_dtype, page_bits: int = 2) -> tuple[np.ndarray, np.ndarray]:
+def encode_blobs(fields: dict, kinds: np.ndarray, head_dim: int, float_dtype, page_bits: int = 2) -> tuple[np.ndarray, np.ndarray]:
     """Packed fields of ``gather_packed`` (``[L, M, K, ...]``) -> K and V blobs
     ``[L, M, K, W]`` uint8 (module docstring)."""
     D = head_dim
@@ -302,8 +301,8 @@ def encode_rows(fields: dict, kinds: np.ndarray, head_dim: int, float_dtype, pag
     return kb, vb
 
 
-def decode_rows(k_blob: np.ndarray, v_blob: np.ndarray | None, head_dim: int, float_dtype, page_bits: int = 2) -> tuple[np.ndarray, dict]:
-    """Inverse of ``encode_rows``: ``(kinds [M], fields)``; ``fields[name]`` holds
+def decode_blobs(k_blob: np.ndarray, v_blob: np.ndarray | None, head_dim: int, float_dtype, page_bits: int = 2) -> tuple[np.ndarray, dict]:
+    """Inverse of ``encode_blobs``: ``(kinds [M], fields)``; ``fields[name]`` holds
     the rows of that name's kind only (in row order of that kind); V fields only
     when ``v_blob`` is given."""
     D = head_dim
@@ -333,7 +332,7 @@ def decode_rows(k_blob: np.ndarray, v_blob: np.ndarray | None, head_dim: int, fl
 
 def blob_keys(k_blob: np.ndarray, head_dim: int, float_dtype, page_bits: int = 2) -> np.ndarray:
     """float32 keys ``[L, M, K, D]`` of shelved rows (RepairKV scores them)."""
-    kinds, f = decode_rows(k_blob, None, head_dim, float_dtype, page_bits)
+    kinds, f = decode_blobs(k_blob, None, head_dim, float_dtype, page_bits)
     L, M, K = k_blob.shape[:3]
     out = np.zeros((L, M, K, head_dim), np.float32)
     for kind in (INT4, INT2, FLOAT):
@@ -351,10 +350,11 @@ def blob_keys(k_blob: np.ndarray, head_dim: int, float_dtype, page_bits: int = 2
 
 # ============================================================================ the engine's half
 class QuantizedKV:
-    """The quantized pool behind the engine's pool interface (``jaxkv.cache.pools``):
-    mode, geometry, allocator, the device steps, and the host plans behind every
-    quantized write. Methods take the engine (its cache, rows and reclaim) and set
-    ``engine.cache`` or return the cache for it; nothing else writes it.
+    """The quantized pool behind the pool interface (``jaxkv.cache.pools``): mode,
+    geometry, allocator, the device layers, and the host plans behind every
+    quantized write. Methods that write return the new cache; methods that
+    allocate take the KV manager as ``room`` (its ``reclaim`` frees radix-cached
+    slots).
 
     Attributes:
       mode: a name of ``MODES``; geometry: the pool's ``Geometry``;
@@ -366,7 +366,7 @@ class QuantizedKV:
 
     whole_chunks = True  # INT2 pages are planned per chunk: a step takes a job's chunk whole
 
-    def __init__(self, mode: str, geometry: Geometry, *, head_dim: int, float_dtype, backend=None):
+    def __init__(self, mode: str, geometry: Geometry, *, head_dim: int, float_dtype):
         self.mode = check_mode(mode)
         self.geometry = geometry
         kivi = mode in KIVI_PAGE_BITS
@@ -377,13 +377,9 @@ class QuantizedKV:
         self.float_dtype = np.dtype(float_dtype)
         self.allocator = DualAllocator(geometry, self.token_kind)
         self.layers = QuantLayers(geometry, self.token_kind)
-        # The CPU decode loop's window (``gather_quant_window``) holds INT4 tokens and
-        # INT2 pages; KIVI's float residual decodes through the packed pool.
-        self.uses_window = self.token_kind == INT4
-        self.keeps_window = False  # its window's new tokens are not folded into its token part: taken per call
 
     @classmethod
-    def sized(cls, mode: str, num_slots: int, *, head_dim: int, float_dtype, backend=None) -> "QuantizedKV":
+    def sized(cls, mode: str, num_slots: int, *, head_dim: int, float_dtype) -> "QuantizedKV":
         """A pool whose token region holds ``num_slots - 1`` tokens (as a float pool
         of ``num_slots`` would) and, except for ``int4``, as many more in INT2 pages:
         room for any mix."""
@@ -393,7 +389,7 @@ class QuantizedKV:
         n = max(int(num_slots) - 1, 1)
         pages = 1 if mode == "int4" else 1 + -(-n // PAGE)
         geo = Geometry(pages, 1, n) if mode in KIVI_PAGE_BITS else Geometry(pages, n, 0)
-        return cls(mode, geo, head_dim=head_dim, float_dtype=float_dtype, backend=backend)
+        return cls(mode, geo, head_dim=head_dim, float_dtype=float_dtype)
 
     def check_mesh(self, mesh) -> None:
         """Any mesh jaxkv accepts: every region is split by KV head (its axis 2),
@@ -408,24 +404,24 @@ class QuantizedKV:
         )
 
     # -- allocation ------------------------------------------------------------------
-    def _make_room(self, engine, pages: int, tokens: int) -> int:
+    def _make_room(self, room, pages: int, tokens: int) -> int:
         """Reclaim radix-cached slots until ``pages`` INT2 pages and ``tokens``
         token-region slots are free or nothing more comes back; returns how many
         pages can be had (the token region must fit, ``OutOfSlotsError`` else)."""
         alloc = self.allocator
-        while (alloc.pages_free < pages or alloc.num_free < tokens) and engine.reclaim is not None:
+        while (alloc.pages_free < pages or alloc.num_free < tokens) and room.reclaim is not None:
             before = (alloc.pages_free, alloc.num_free)
-            engine.reclaim(PAGE * max(pages - alloc.pages_free, 0) + max(tokens - alloc.num_free, 0))
+            room.reclaim(PAGE * max(pages - alloc.pages_free, 0) + max(tokens - alloc.num_free, 0))
             if (alloc.pages_free, alloc.num_free) == before:
                 break
         return min(pages, alloc.pages_free)
 
-    def _fit(self, engine, kinds, groups) -> list:
+    def _fit(self, room, kinds, groups) -> list:
         """Make room for a plan (reclaiming radix-cached slots); pages the pool
         cannot give become INT4, last chunk first. ``OutOfSlotsError`` (nothing
         allocated) when the token region cannot hold the rest."""
         want = sum(g.shape[0] for g in groups)
-        drop = want - self._make_room(engine, want, int((kinds != INT2).sum()))
+        drop = want - self._make_room(room, want, int((kinds != INT2).sum()))
         for c in reversed(range(len(groups))):
             k = min(drop, groups[c].shape[0])
             if k > 0:
@@ -433,7 +429,7 @@ class QuantizedKV:
                 groups[c] = groups[c][:-k]
                 drop -= k
         n_tok = int((kinds != INT2).sum())
-        self._make_room(engine, 0, n_tok)
+        self._make_room(room, 0, n_tok)
         if n_tok > self.allocator.num_free:
             raise OutOfSlotsError(f"the write needs {n_tok} KV slots, {self.allocator.num_free} free")
         return groups
@@ -446,7 +442,7 @@ class QuantizedKV:
                 slots[g.reshape(-1)] = self.allocator.allocate_pages(np.full(g.shape[0], PAGE))[1]
         return slots
 
-    def plan(self, engine, bits, n: int, chunk: int) -> WritePlan:
+    def plan(self, room, bits, n: int, chunk: int) -> WritePlan:
         """Slots for ``n`` new tokens: ``bits [n]`` (2 or 4 per token; None: the
         token kind) through the page-completion rule. Nothing changes on failure
         (``OutOfSlotsError``, ``ConfigError``)."""
@@ -459,16 +455,15 @@ class QuantizedKV:
             if not np.isin(bits, (INT2, INT4)).all():
                 raise ConfigError(f"kv_bits must be 2 or 4 per token, got {np.unique(bits).tolist()}")
             kinds = np.where((bits == INT2) & (self.geometry.pages > 1), INT2, INT4).astype(np.int8)
-        groups = self._fit(engine, kinds, page_groups(kinds, chunk))
+        groups = self._fit(room, kinds, page_groups(kinds, chunk))
         slots = self._allocate(kinds, groups)
         pages = [(slots[g[:, 0]] // PAGE if g.shape[0] else np.zeros(0, np.int32), g) for g in groups]
         return WritePlan(slots, kinds, pages, chunk)
 
-    def plan_prefill(self, engine, row: int, kv_bits, n: int):
+    def plan_prefill(self, room, kv_bits, n: int, chunk: int):
         """``(WritePlan, slots)`` of a prefill of ``n`` tokens (``plan``, pages per
-        ``engine.prefill_chunk``), counted against the row."""
-        plan = self.plan(engine, kv_bits, n, engine.prefill_chunk)
-        engine.row_state[row].allocated += int(n)
+        ``chunk`` tokens)."""
+        plan = self.plan(room, kv_bits, n, chunk)
         return plan, plan.slots
 
     def step_plan(self, pieces, starts, T: int):
@@ -517,23 +512,6 @@ class QuantizedKV:
             n2[b], nt[b], live0[b] = t.pages.size, (t.int4 if four else t.floats).size, len(st.live)
         return DecodeParts(pages, masks, n2, tokens, nt, live0)
 
-    def window_entries(self, states, plan: DecodeParts | None) -> int:
-        """Entries the CPU decode window must hold (``gather_quant_window``): the
-        longest token part or ``32 x`` the most INT2 pages, whichever is more (a
-        page partly held still takes 32 entries). The widths of the float pool's
-        window (``jaxkv.buckets.window_widths``), so the same programs serve."""
-        longest = max(len(s.live) for s in states)
-        return longest if plan is None else max(longest, PAGE * int(np.max(plan.n_pages_R)))
-
-    def gather_window(self, cache, rows_R, plan: DecodeParts | None, *, width: int, n_steps: int):
-        """The CPU decode loop's copy of the call's quantized entries
-        (``jaxkv.cache.quantized.gather_quant_window``), or None when the call has
-        no plan (rows with per-layer sets read through their live lists) or a row's
-        pages do not fit the width (``window_entries`` past the positions' cap)."""
-        if plan is None or PAGE * int(np.max(plan.n_pages_R)) > (width if width >= PAGE else 0):
-            return None
-        return gather_quant_window(cache, plan, width=width, n_steps=n_steps)
-
     # -- page tables -------------------------------------------------------------------
     def page_table(self, state) -> PageTable:
         live = np.asarray(state.live, np.int64)
@@ -554,57 +532,51 @@ class QuantizedKV:
         return out
 
     # -- moving rows ---------------------------------------------------------------------
-    def settle(self, engine, rows) -> None:
-        """After a write: ``kivi2``/``kivi4`` move each row's aged residual to pages."""
-        if self.window:
-            for row in rows:
-                self.settle_row(engine, row)
-
-    def settle_row(self, engine, row: int) -> None:
-        """``kivi2``: move the row's float tokens older than the window into INT2
-        pages, in whole pages, oldest first (module docstring)."""
-        state = engine.row_state[row]
+    def settle(self, cache, room, state):
+        """After a write: ``kivi2``/``kivi4`` move the row's float tokens older than the
+        residual window into pages, in whole pages, oldest first (module
+        docstring). ``None`` (nothing moved) or ``(cache, slots_P, released)``."""
+        if not self.window:
+            return None
         slots = np.asarray(state.slots, np.int64)
         pos = np.flatnonzero((slots != SENTINEL_SLOT) & (self.geometry.kind(slots) == FLOAT))
-        self._into_pages(engine, row, slots, pos[pos < state.seq_len - self.window])
+        return self._into_pages(cache, room, slots, pos[pos < state.seq_len - self.window])
 
-    def requantize(self, engine, row: int, positions, bits) -> None:
+    def requantize(self, cache, room, state, positions, bits):
         """Move the row's tokens at ``positions`` whose ``bits`` are 2 into INT2
         pages, whole pages in position order (the page-completion rule over those
         tokens: the ones that do not fill a page keep their precision): the
         precision a prefill with these ``kv_bits`` would have written, for tokens
         first written another way (a spliced prefill writes the token region)."""
         if self.geometry.pages <= 1:
-            return
-        slots = np.asarray(engine.row_state[row].slots, np.int64)
+            return None
+        slots = np.asarray(state.slots, np.int64)
         pos = np.asarray(positions, np.int64)[np.asarray(bits).reshape(-1) == INT2]
-        self._into_pages(engine, row, slots, pos[(slots[pos] != SENTINEL_SLOT) & (self.geometry.kind(slots[pos]) != INT2)])
+        return self._into_pages(cache, room, slots, pos[(slots[pos] != SENTINEL_SLOT) & (self.geometry.kind(slots[pos]) != INT2)])
 
-    def _into_pages(self, engine, row: int, slots, pos) -> None:
-        """Re-encode the row's tokens at positions ``pos`` (in order) into fresh
-        INT2 pages, as many whole pages as they fill and the pool can give; the
-        rest keep their slots. ``slots``: the row's slot map (updated in place)."""
-        n = PAGE * self._make_room(engine, pos.size // PAGE, 0)
+    def _into_pages(self, cache, room, slots, pos):
+        """Re-encode the row's tokens at positions ``pos`` (in order) into fresh INT2
+        pages, as many whole pages as they fill and the pool can give; the rest keep
+        their slots. ``slots``: the row's slot map. Returns ``None`` or ``(cache, new
+        slot map, the old slots to release)``."""
+        n = PAGE * self._make_room(room, pos.size // PAGE, 0)
         if n == 0:
-            return
+            return None
         pos = pos[:n]
         pages, fresh = self.allocator.allocate_pages(np.full(n // PAGE, PAGE))
         src = slots[pos]
-        engine.cache = self._rewrite(engine.cache, src, fresh, np.zeros(n, np.int64), np.arange(n).reshape(-1, PAGE), pages)
+        cache = self._rewrite(cache, src, fresh, np.zeros(n, np.int64), np.arange(n).reshape(-1, PAGE), pages)
+        slots = slots.copy()
         slots[pos] = fresh
-        engine.set_row_tables(row, slots.tolist(), slots[slots != SENTINEL_SLOT].tolist())
-        self.allocator.release(src)
+        return cache, slots, src
 
-    def fresh_slots(self, engine, row: int, positions) -> np.ndarray:
+    def fresh_slots(self, room, state, positions) -> np.ndarray:
         """Fresh slots for a compact layout's kept ``positions`` (position order):
         INT2 tokens regrouped into whole pages (the rest INT4), INT4 and float
         tokens to their own region."""
-        state = engine.row_state[row]
         kinds = self.geometry.kind(np.asarray(state.slots, np.int64)[np.asarray(positions, np.int64)]).astype(np.int8)
-        groups = self._fit(engine, kinds, page_groups(kinds, max(kinds.size, 1)))
-        slots = self._allocate(kinds, groups)
-        state.allocated += int(kinds.size)
-        return slots.astype(np.int64)
+        groups = self._fit(room, kinds, page_groups(kinds, max(kinds.size, 1)))
+        return self._allocate(kinds, groups).astype(np.int64)
 
     def compact(self, cache, plan, rope) -> QuantizedKVCache:
         """Re-encode a compact plan's kept rows at their fresh slots, keys rotated
@@ -637,12 +609,12 @@ class QuantizedKV:
         M = slots.size
         pad = np.concatenate([slots, np.full(bucket(M, minimum=8) - M, SENTINEL_SLOT)])
         fields = {k: np.asarray(v)[:, :M] for k, v in gather_packed(cache, jnp.asarray(pad, jnp.int32)).items()}
-        return encode_rows(fields, self.geometry.kind(slots), self.head_dim, self.float_dtype, self.page_bits)
+        return encode_blobs(fields, self.geometry.kind(slots), self.head_dim, self.float_dtype, self.page_bits)
 
-    def restore(self, engine, row: int, k_blob, v_blob) -> np.ndarray:
-        """Write shelved blobs back into fresh slots (bit-identical); returns the
-        fresh slots in blob order. INT2 rows sharing page parameters share a page."""
-        kinds, f = decode_rows(np.asarray(k_blob), np.asarray(v_blob), self.head_dim, self.float_dtype, self.page_bits)
+    def restore(self, cache, room, k_blob, v_blob, *, staged: bool = True):
+        """Write shelved blobs back into fresh slots (bit-identical): ``(cache, the
+        fresh slots in blob order)``. INT2 rows sharing page parameters share a page."""
+        kinds, f = decode_blobs(np.asarray(k_blob), np.asarray(v_blob), self.head_dim, self.float_dtype, self.page_bits)
         M = kinds.size
         m2 = np.flatnonzero(kinds == INT2)
         groups: dict[bytes, list[int]] = {}
@@ -651,14 +623,13 @@ class QuantizedKV:
             groups.setdefault(key, []).append(i)
         chunks = [g[a : a + PAGE] for g in groups.values() for a in range(0, len(g), PAGE)]
         n_tok = int((kinds != INT2).sum())
-        if self._make_room(engine, len(chunks), n_tok) < len(chunks) or n_tok > self.allocator.num_free:
+        if self._make_room(room, len(chunks), n_tok) < len(chunks) or n_tok > self.allocator.num_free:
             raise OutOfSlotsError(f"promotion needs {len(chunks)} INT2 pages and {n_tok} slots")
         fresh = np.zeros(M, np.int64)
         fresh[kinds != INT2] = self.allocator.allocate(n_tok)
         pages, page_slots = self.allocator.allocate_pages([len(c) for c in chunks]) if chunks else (np.zeros(0, np.int32), np.zeros(0, np.int32))
         order = np.asarray([i for c in chunks for i in c], np.int64)  # INT2 rows (index into m2) in page order
         fresh[m2[order]] = page_slots
-        engine.row_state[row].allocated += M
         L, _, K = np.asarray(k_blob).shape[:3]
         D, geo = self.head_dim, self.geometry
         m4, mf = np.flatnonzero(kinds == INT4), np.flatnonzero(kinds == FLOAT)
@@ -681,8 +652,7 @@ class QuantizedKV:
             rows[name] = padL(f[name][:, first], np_) if chunks else np.zeros((L, np_, K, D), np.float16)
         if geo.float_slots:
             rows["f_k"], rows["f_v"] = padL(f["f_k"], nf), padL(f["f_v"], nf)
-        engine.cache = write_packed(engine.cache, {k: jnp.asarray(v) for k, v in rows.items()})
-        return fresh
+        return write_packed(cache, {k: jnp.asarray(v) for k, v in rows.items()}), fresh
 
     def host_keys(self, k_blob) -> np.ndarray:
         return blob_keys(np.asarray(k_blob), self.head_dim, self.float_dtype, self.page_bits)

@@ -221,17 +221,17 @@ def replicate(tree, mesh: Mesh):
 
 
 def shard_heads(attend, mesh: Mesh, kv):
-    """Run ``attend(kv, q_THD, k_TKD, v_TKD, *per_row_arrays) -> out_THD`` (one layer
-    of the ragged attention, any backend) on each device over its own KV heads: a
+    """Run ``attend(kv, q_THD, k_TKD, v_TKD, meta) -> out_THD`` (one layer of the
+    engine's attention, any backend) on each device over its own KV heads: a
     ``shard_map``, so a kernel (Pallas, Triton) sees a per-device problem and no
     collective is needed. ``kv`` (the pool pytree, every array split by KV head on
     its axis 2, ``POOL_SPEC``) gives the structure of the pool argument; the step's
-    queries, keys and values are split by head, the per-row arrays (live lists,
-    lengths) replicated: a step's rows are not split over ``dp``, whose devices
-    compute the same step."""
+    queries, keys and values are split by head, ``meta`` (the step's attention
+    metadata: live lists, lengths, plans) is replicated: a step's rows are not
+    split over ``dp``, whose devices compute the same step."""
     pool = jax.tree.map(lambda _: POOL_SPEC, kv)
     q = P(None, TP, None)
     return jax.shard_map(
-        lambda kv_, q_, k_, v_, *rest: attend(kv_, q_, k_, v_, *rest), mesh=mesh,
-        in_specs=(pool, q, q, q, P(), P(), P(), P()), out_specs=q, check_vma=False,
+        lambda kv_, q_, k_, v_, meta_: attend(kv_, q_, k_, v_, meta_), mesh=mesh,
+        in_specs=(pool, q, q, q, P()), out_specs=q, check_vma=False,
     )

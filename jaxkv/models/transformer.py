@@ -14,7 +14,7 @@ Two ways to run the same weights:
 * ``model.run_layers(x, positions, attend, carry)``: the layer loop (a scan over
   the stacked layer weights) with attention given as a function ``attend(layer,
   q, k, v, carry) -> (o, carry, out)`` that owns the cache. The engine's step
-  (``jaxkv.step``) passes one that writes the layer's K/V into the paged pool (the
+  (``jaxkv.forward``) passes one that writes the layer's K/V into the paged pool (the
   carry) and runs the ragged paged attention; segment reuse (``jaxkv.splice``) one
   that reads spliced rows. The model imports no kernels and knows no cache.
 """
@@ -166,7 +166,7 @@ class Transformer(nnx.Module):
         reads and writes (``i`` is the traced layer index): ``carry`` flows from
         layer to layer (the engine's KV pool), ``out`` is stacked over the layers
         (captured query rows). Returns ``(x at the input of layer stop, carry,
-        outs [stop - start, ...])``. The engine's step (``jaxkv.step``) and segment
+        outs [stop - start, ...])``. The engine's forward (``jaxkv.forward``) and segment
         reuse (``jaxkv.splice``, from a stored residual) run their layers here."""
         L = self.cfg.num_layers
         stop = L if stop is None else stop

@@ -125,7 +125,7 @@ class PoolReader:
 
 
 def window_decode_attention(q_RHD, k_RKDW, v_RKWD, old_len_R, k_RSKD, v_RSKD, new_len_R, active_R):
-    """One query per row over the CPU decode loop's window (``jaxkv.cache.window.DecodeWindow``):
+    """One query per row over the CPU decode loop's window (``jaxkv.backends.cpu_float.DecodeWindow``):
     the first ``old_len_R`` entries of a head-major copy of each row's list (keys
     ``[R, K, D, W]``, values ``[R, K, W, D]``, read-only in the loop) and the first
     ``new_len_R`` entries the call's own steps wrote (``[R, S, K, D]``).

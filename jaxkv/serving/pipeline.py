@@ -15,11 +15,12 @@ A turn runs these steps, in this order (``chat_turn`` / ``replay_turn``):
       -> stages.end, row closed, radix unlocked, metrics     Turn.close
 
 A turn program is a **generator**: everything on the host runs inline, and the
-two batched device steps are *yielded* as work for the scheduler
-(``PrefillWork``, ``DecodeWork``); the scheduler runs the work of many turns in
-one engine call and sends the result back. Run alone, ``run_to_completion``
-plays the scheduler's part with one turn. So a turn reads top to bottom like one
-request, while many of them share the engine's batched steps.
+device work is *yielded* to the scheduler: the engine's jobs
+(``jaxkv.engine.jobs``): ``PrefillJob`` and ``DecodeJob``, which the scheduler
+packs with other turns' into batched steps, and ``SpliceJob`` (a segment-reuse
+spliced step), which it runs between steps; it sends the finished job back. Run alone,
+``run_to_completion`` is a scheduler with one turn. So a turn reads top to bottom
+like one request, while many of them share the engine's batched steps.
 
 Stages (``jaxkv.serving.stages``) plug in at the hooks named above; their
 interface is documented in ``stages/base.py``. The pipeline owns what every
@@ -44,62 +45,11 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxkv.buckets import DECODE_CHUNK
 from jaxkv.cache.radix import common_prefix_length
 from jaxkv.engine import FIRST_TOKEN_KEY
-from jaxkv.errors import JaxKVError
-from jaxkv.step import NO_FEATURES, Features
+from jaxkv.engine.jobs import DecodeJob, PrefillJob, Sampling
 from jaxkv.sampling import RowSamplers, make_sampler, sample_row
 from jaxkv.serving.stages.base import Capture
-
-
-# ============================================================================ work
-@dataclasses.dataclass
-class PrefillWork:
-    """Prefill ``tokens`` into the turn's row (yielded to the scheduler).
-
-    Attributes:
-      tokens: ids to append. q_idx: indices into ``tokens`` whose queries to
-        capture (or None). attn_mass: accumulate attention mass. all_logits:
-        logits of every token (else of the last). options: extra engine options a
-        stage set. handler: a stage's generator that runs this prefill itself.
-      row: the engine row (set by the turn); job: the engine's ``PrefillJob``
-        once started (the scheduler's business).
-    """
-
-    tokens: np.ndarray
-    q_idx: np.ndarray | None = None
-    attn_mass: bool = False
-    all_logits: bool = False
-    options: dict = dataclasses.field(default_factory=dict)
-    handler: Any = None
-    row: int = -1
-    job: Any = None
-
-
-@dataclasses.dataclass
-class DecodeWork:
-    """Decode up to ``n_steps`` tokens in the turn's row (yielded to the scheduler).
-
-    Attributes:
-      first_token, n_steps, sampler (temperature, top_k, top_p), key, step0 (the
-      index of the first step in the reply, for per-step keys), stop_ids,
-      features; row: the engine row; job: the engine's ``DecodeJob`` once started.
-      return_logits: bring back each step's logits (reply margins, diagnostics).
-    """
-
-    first_token: int
-    n_steps: int
-    temperature: float
-    top_k: int | None
-    top_p: float | None
-    key: jax.Array
-    step0: int
-    stop_ids: tuple
-    features: Features = NO_FEATURES
-    row: int = -1
-    job: Any = None
-    return_logits: bool = False
 
 
 @dataclasses.dataclass
@@ -337,7 +287,7 @@ class Turn:
         if plan.layer_keep is not None and not plan.renumbered:  # per-layer sets: a position one layer drops counts too
             before = self.req.layer_mask(plan.layer_keep.shape[0])
             dropped = np.flatnonzero((before & ~plan.layer_keep).any(axis=0))
-        kv = self.engine.apply_layout(self.row, plan, keep_evicted=bool(wants))
+        kv = self.engine.kv.apply_layout(self.row, plan, keep_evicted=bool(wants))
         if dropped.size:  # every later token attends over these holes: the rest is the owner's
             first = int(dropped.min())
             self.private_from = first if self.private_from is None else min(self.private_from, first)
@@ -383,49 +333,54 @@ class Turn:
         return kinds[-1] if kinds else None
 
     # -- prefill -----------------------------------------------------------------------
-    def prefill_prompt(self, *, all_logits: bool = False) -> Generator:
+    def prefill_prompt(self, *, logits: str | None = None, sampling: Sampling | None = None) -> Generator:
         """Prefill the unmatched prompt suffix (capturing what the stages asked
-        for), then run the stages' ``after_prefill`` hooks. Returns the logits
-        (``[n, V]`` with ``all_logits``, else the last token's ``[V]``)."""
+        for), then run the stages' ``after_prefill`` hooks. Returns the prefill job:
+        its ``first_token`` is the reply's first token, drawn with ``sampling`` in
+        the step that computed the prompt's last logits (None after a spliced
+        prefill, whose logits ``generate`` samples), and ``result_logits()`` the
+        logits asked for (``logits``: ``"all"``, ``"last"`` or None)."""
         ids = self.rendered.ids
         start = self.reused
         capture = Capture.union(stage.prompt_capture(self) for stage in self.stages)
         q_pos = capture.q_positions[capture.q_positions >= start]
-        work = PrefillWork(
-            ids[start:], q_idx=(q_pos - start) if q_pos.size else None,
-            attn_mass=capture.attn_mass, all_logits=all_logits,
+        if self.record_margins and logits is None:
+            logits = "last"
+        job = PrefillJob(
+            self.row, ids[start:], logits=logits, q_idx_X=(q_pos - start) if q_pos.size else None,
+            attn_mass=capture.attn_mass, sampling=sampling or Sampling(index=FIRST_TOKEN_KEY),
         )
+        handler = None
         for stage in self.stages:
-            stage.before_prefill(self, work)
-        job = yield from (work.handler if work.handler is not None else self.run(work))
+            handler = stage.before_prefill(self, job) or handler
+        job = yield from (handler if handler is not None else self.run(job))
         self._tag_prompt(start, self.req.seq_len)
         captured = Captured(start, self.req.seq_len, q_pos, job.q_rows if q_pos.size else None, self._add_mass(job.mass))
         for stage in self.stages:
             stage.after_prefill(self, captured)
         self.observe_live()  # post-pruning live KV of the prompt (and promoted rows)
-        return job.result_logits()
+        return job
 
     def prefill(self, ids, *, all_logits: bool = False, phase=None) -> Generator:
         """Prefill extra tokens (a teacher-forced reply) with no stage hooks;
-        ``phase`` tags them. Returns their logits as ``prefill_prompt`` does."""
+        ``phase`` tags them. Returns their logits (``[n, V]`` with ``all_logits``,
+        else the last token's ``[V]``)."""
         start = self.req.seq_len
-        job = yield from self.run(PrefillWork(np.asarray(ids, np.int32), all_logits=all_logits))
+        job = yield from self.run(PrefillJob(self.row, np.asarray(ids, np.int32), logits="all" if all_logits else "last"))
         self.uncompressed += self.req.seq_len - start
         if phase is not None:
             self.req.tag(start, phase=phase)
         return job.result_logits()
 
     def run(self, work) -> Generator:
-        """Yield one piece of work for this turn's row; returns its engine job.
-        Slots of a prefill the turn leaves unfinished (cancelled, failed) go back."""
-        work.row = self.row
+        """Yield one engine job for this turn's row; returns it, finished. Slots of a prefill the turn leaves
+        unfinished (cancelled, failed) go back."""
         try:
             yield work
         finally:
-            job = work.job
-            if job is not None and not job.finished and hasattr(job, "slots"):
-                self.engine.abandon_prefill(job)
-        return work.job
+            if isinstance(work, PrefillJob) and work.started and not work.finished:
+                self.engine.abandon_prefill(work)
+        return work
 
     def _add_mass(self, mass_LHP):
         if mass_LHP is None:
@@ -440,32 +395,35 @@ class Turn:
         return () if self.ignore_eos else self.server.stop_token_ids
 
     # -- decode ------------------------------------------------------------------------
-    def generate(self, last_logits, n_new: int, *, temperature=0.0, top_k=None, top_p=None, seed: int = 0) -> Generator:
-        """Sample the reply: the first token from ``last_logits``, the rest in decode
-        chunks (of the stages' decode interval, else all at once). Returns its ids
-        (ending with a stop token when one came)."""
+    def generate(self, prefilled, n_new: int, *, temperature=0.0, top_k=None, top_p=None, seed: int = 0) -> Generator:
+        """Sample the reply: its first token is the prompt prefill's (``prefilled``,
+        the job ``prefill_prompt`` returned; a spliced prefill's logits are sampled
+        here, with the same key), the rest come in decode chunks (of the stages'
+        decode interval, else all at once). Returns its ids (ending with a stop
+        token when one came)."""
         if n_new <= 0:
             return []
         make_sampler(temperature, top_k, top_p)  # validates
         key = jax.random.key(seed)
-        first = int(sample_row(jnp.asarray(last_logits), key, FIRST_TOKEN_KEY, RowSamplers.of([(temperature, top_k, top_p)])))
+        first = prefilled.first_token
+        if first is None:
+            first = int(sample_row(jnp.asarray(prefilled.result_logits()), key, FIRST_TOKEN_KEY, RowSamplers.of([(temperature, top_k, top_p)])))
         reply = [first]
         if self.record_margins:
-            self.reply_margins = list(_top2_margins(np.asarray(last_logits)[None]))
+            self.reply_margins = list(_top2_margins(np.asarray(prefilled.result_logits())[None]))
         self.emit(reply)  # (a listener may request a stop already)
         stops = self.stop_token_ids
         intervals = [i for i in (stage.decode_interval(self) for stage in self.stages) if i]
         interval = min(intervals) if intervals else n_new
         capture = Capture.union(stage.decode_capture(self) for stage in self.stages) if intervals else Capture()
-        features = Features(query_rows=capture.query_rows, attn_mass=capture.attn_mass)
         remaining = n_new - 1
         while reply[-1] not in stops and remaining > 0 and not self.stop_requested:
             n = min(interval, remaining)
             raw0, eff0, start = self.uncompressed, self.req.reads_per_layer(), self.req.seq_len  # per-layer sets: a layer's reads
             self._sent = 0
-            job = yield from self.run(DecodeWork(
-                reply[-1], n, temperature, top_k, top_p, key, len(reply) - 1, tuple(sorted(stops)), features,
-                return_logits=self.record_margins,
+            job = yield from self.run(DecodeJob(
+                self.row, reply[-1], n, Sampling(temperature, top_k, top_p, key, len(reply) - 1), tuple(sorted(stops)),
+                return_logits=self.record_margins, query_rows=capture.query_rows, attn_mass=capture.attn_mass,
             ))
             if self.record_margins and job.logits:
                 self.reply_margins += list(_top2_margins(np.concatenate(job.logits)))
@@ -479,7 +437,7 @@ class Turn:
             self.uncompressed += len(fed)
             reply += tokens
             remaining -= n
-            if features != NO_FEATURES:
+            if capture.query_rows or capture.attn_mass:
                 q = np.concatenate(job.q_rows).transpose(1, 0, 2, 3) if job.q_rows else None  # [L, n, Hq, D]
                 captured = Captured(start, self.req.seq_len, np.arange(start, self.req.seq_len), q, self._add_mass(job.mass), phases)
                 more = remaining > 0 and reply[-1] not in stops and not self.stop_requested
@@ -519,8 +477,10 @@ def chat_turn(turn: Turn, n_new: int, sampling: dict) -> Generator:
     """One chat turn: returns the reply's token ids."""
     try:
         turn.open()
-        logits = yield from turn.prefill_prompt()
-        reply = yield from turn.generate(logits, n_new, **sampling)
+        drawn = Sampling(float(sampling.get("temperature", 0.0)), sampling.get("top_k"), sampling.get("top_p"),
+                         jax.random.key(sampling.get("seed", 0)), FIRST_TOKEN_KEY)
+        prefilled = yield from turn.prefill_prompt(sampling=drawn)
+        reply = yield from turn.generate(prefilled, n_new, **sampling)
         turn.insert()
         return reply
     finally:
@@ -544,14 +504,14 @@ def replay_turn(turn: Turn, full_ids: np.ndarray, full_phase: np.ndarray, *, gen
         turn.open()
         prompt = turn.rendered.ids
         every_row = return_logits is True
-        logits = yield from turn.prefill_prompt(all_logits=every_row)
-        last = logits[-1] if every_row else logits
-        result = TurnResult(prompt, turn.reused, (logits if every_row else np.asarray(last)[None]) if return_logits else None)
+        prefilled = yield from turn.prefill_prompt(logits="all" if every_row else ("last" if return_logits else None))
+        logits = prefilled.result_logits()
+        result = TurnResult(prompt, turn.reused, (logits if every_row else np.asarray(logits)[None]) if return_logits else None)
         reply = None
         if generate:
             mark = turn.req.seq_len
             renumbered = turn.req.renumbered
-            reply = yield from turn.generate(last, n_new)
+            reply = yield from turn.generate(prefilled, n_new)
             result.reply_ids = list(reply)
             if turn.record_margins:
                 result.reply_margins = np.asarray(turn.reply_margins[: len(reply)], np.float32)
@@ -573,38 +533,7 @@ def replay_turn(turn: Turn, full_ids: np.ndarray, full_phase: np.ndarray, *, gen
         turn.close()
 
 
-def start_work(engine, work) -> None:
-    """Start the engine job of one piece of work (allocates its slots)."""
-    if isinstance(work, PrefillWork):
-        work.job = engine.start_prefill(
-            work.row, work.tokens, all_logits=work.all_logits, q_idx=work.q_idx, attn_mass=work.attn_mass, **work.options
-        )
-    elif isinstance(work, DecodeWork):
-        work.job = engine.start_decode(
-            work.row, work.first_token, work.n_steps, temperature=work.temperature, top_k=work.top_k,
-            top_p=work.top_p, key=work.key, step0=work.step0, stop_token_ids=work.stop_ids, features=work.features,
-            return_logits=work.return_logits,
-        )
-    else:
-        raise JaxKVError(f"a turn program yielded {type(work).__name__}, not PrefillWork or DecodeWork")
-
-
-def run_to_completion(program: Generator, engine):
-    """Drive one turn program alone (the scheduler's part, with one row). Decodes
-    in the scheduler's fixed chunks, as the scheduler does, so a reply's length does
-    not pick the decode program (one compile per window width, not per length)."""
-    result = None
-    try:
-        work = program.send(None)
-        while True:
-            start_work(engine, work)
-            if isinstance(work, PrefillWork):
-                while not work.job.finished:
-                    engine.step_prefill([work.job])
-            else:
-                while not work.job.finished:
-                    engine.step_decode([work.job], DECODE_CHUNK)
-            work = program.send(None)
-    except StopIteration as stop:
-        result = stop.value
-    return result
+def run_to_completion(program: Generator, scheduler):
+    """Drive one turn program on the calling thread: ``scheduler`` (idle) running it
+    as its only turn (``Scheduler.run_alone``). Returns the program's value."""
+    return scheduler.run_alone(program)

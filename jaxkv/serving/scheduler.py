@@ -1,8 +1,8 @@
 """The scheduler: continuous batching of many sessions' turns on one engine.
 
 Sessions submit turn programs (``jaxkv.serving.pipeline``: generators that yield
-``PrefillWork`` / ``DecodeWork``) from any thread; one scheduler thread owns the
-engine and runs them. Each loop iteration:
+engine jobs: ``PrefillJob``, ``DecodeJob``, ``SpliceJob``) from any thread;
+one scheduler thread owns the engine and runs them. Each loop iteration:
 
 1. **admit** queued turns, first come first served, while a row is free and the
    pool can cover the turn's slot reservation (``TurnTask.need``: prompt + reply
@@ -17,13 +17,16 @@ engine and runs them. Each loop iteration:
 2. **advance** every running turn whose last work is done: its host code runs
    (compression events, repair, radix insert...) until it yields the next work,
    whose engine job starts at once (slots allocated), or finishes.
-3. **step**: while any prefill is pending, one engine step on a token budget
-   (``Engine.step``): the next token of every decoding row, then prefill pieces
-   of the waiting turns, first come first served, in what is left (chunked
-   prefill, as vLLM V1 schedules: a decoding row never waits behind a long
-   prompt); with no prefill pending, one call of the decode fast path
-   (``Engine.step_decode``: up to ``decode_chunk`` tokens of every decoding row,
-   each with its own sampler; rows stop on their own stop token or limit).
+3. **splice**: each waiting spliced step (segment reuse) runs, one per turn, so a
+   turn that splices several spans never holds the others for all of them.
+4. **step**: while any prefill is pending, one engine step, packed here on the
+   token budget (``jaxkv.engine.packing.pack_step``): the next token of every
+   decoding row, then prefill pieces of the waiting turns, first come first
+   served, in what is left (chunked prefill, as vLLM V1 schedules: a decoding row
+   never waits behind a long prompt); with no prefill pending, one call of the
+   decode loop (``Engine.step_decode``: up to ``decode_chunk`` tokens of every
+   decoding row, each with its own sampler; rows stop on their own stop token or
+   limit).
 
 So rows join and leave between steps, long prompts are prefilled a piece at a
 time beside the decode tokens of the others, and each session keeps its own
@@ -52,7 +55,8 @@ from typing import Any, Callable, Generator
 from jaxkv import compiles
 from jaxkv.buckets import DECODE_CHUNK  # the default decode chunk (re-exported here)
 from jaxkv.errors import CapacityError, JaxKVError, OutOfSlotsError, QueueFullError, TurnCancelledError
-from jaxkv.serving.pipeline import DecodeWork, PrefillWork, start_work
+from jaxkv.engine.jobs import DecodeJob, PrefillJob, SpliceJob
+from jaxkv.engine.packing import pack_step
 
 log = logging.getLogger(__name__)
 
@@ -286,12 +290,19 @@ class Scheduler:
                 self._finish(task, None, err)
                 return
             try:
-                start_work(self.engine, work)
+                self._start(work)
             except JaxKVError as err:  # no slots, context too long: the turn's own error
                 value, error = None, err
                 continue
             task.work = work
             return
+
+    def _start(self, work) -> None:
+        """Start a turn's work: an engine job's slots are allocated now."""
+        if isinstance(work, (PrefillJob, DecodeJob)):
+            self.engine.start(work)
+        elif not isinstance(work, SpliceJob):
+            raise JaxKVError(f"a turn program yielded {type(work).__name__}, not an engine job or SpliceJob")
 
     def _finish(self, task: TurnTask, value, error: BaseException | None = None) -> None:
         if task in self._running:
@@ -324,19 +335,30 @@ class Scheduler:
         self.stats["turns_cancelled"] += 1
         task.future.set_exception(TurnCancelledError("the turn was cancelled before it started"))
 
-    def _step(self) -> None:
-        prefills = [t for t in self._running if isinstance(t.work, PrefillWork)]
-        decodes = [t for t in self._running if isinstance(t.work, DecodeWork)]
+    def _step(self, tasks=None) -> None:
+        """One iteration's device work for ``tasks`` (default: the running turns):
+        their spliced steps, then one engine step or decode-loop call."""
+        tasks = self._running if tasks is None else tasks
+        for task in [t for t in tasks if isinstance(t.work, SpliceJob)]:
+            work = task.work
+            try:
+                work.result = self.engine.splice_prefill(work.row, work.plan, mode=work.mode)
+            except Exception as err:
+                self._fail(task, err)
+                continue
+            self._ready(task, None)
+        prefills = [t for t in tasks if isinstance(t.work, PrefillJob)]
+        decodes = [t for t in tasks if isinstance(t.work, DecodeJob)]
         if not prefills and not decodes:
             return
         tasks = prefills + decodes
-        pjobs, djobs = [t.work.job for t in prefills], [t.work.job for t in decodes]
+        pjobs, djobs = [t.work for t in prefills], [t.work for t in decodes]
         before = sum(j.done for j in pjobs)
         generated = [len(j.tokens) for j in djobs]
         t0 = time.perf_counter()
         try:
             if prefills:
-                self.engine.step(prefill_jobs=pjobs, decode_jobs=djobs)
+                self._engine_step(pjobs, djobs)
             else:
                 self.engine.step_decode(djobs, self.decode_chunk, regroup=True)  # rows that stop early leave the call
         except OutOfSlotsError:  # not enough slots for all: the decode rows one by one, fail only who cannot fit
@@ -352,15 +374,42 @@ class Scheduler:
         self.stats["prefill_tokens"] += sum(j.done for j in pjobs) - before
         self._after(prefills, decodes, generated)
 
+    def _engine_step(self, pjobs, djobs) -> None:
+        """Pack one step of these jobs on the engine's token budget and run it (an
+        imported prefill, which runs no forward, stores its next chunk instead)."""
+        engine = self.engine
+        if any(j.kv_source is not None for j in pjobs):
+            return engine.step(prefill_jobs=pjobs, decode_jobs=djobs)
+        engine.run(pack_step(pjobs, djobs, budget=engine.token_budget, rows=engine.rows, chunk=engine.prefill_chunk,
+                             whole_chunks=engine.pool.whole_chunks, max_captured=engine.runner.max_captured))
+
+    def run_alone(self, program: Generator):
+        """Run one turn program on the calling thread as this scheduler's only turn
+        (the scheduler must be idle): the same start, step and advance as the loop's,
+        for evaluations that drive a turn themselves. Returns the program's value
+        (its error is raised)."""
+        if not self.idle():
+            raise JaxKVError("run_alone needs an idle scheduler")
+        task = TurnTask(program, turn=None, need=0)
+        self._running.append(task)
+        try:
+            self._ready(task, None)
+            while task in self._running:
+                self._step([task])
+        finally:
+            if task in self._running:
+                self._running.remove(task)
+        return task.future.result()
+
     def _one_by_one(self, prefills, decodes) -> None:
         """After an ``OutOfSlotsError``: prefills alone, then each decode row alone;
         a turn that still cannot get its slots fails, the others go on."""
         groups = [(prefills, [])] if prefills else []
         groups += [([], [task]) for task in decodes]
         for pre, dec in groups:
-            generated = [len(t.work.job.tokens) for t in dec]
+            generated = [len(t.work.tokens) for t in dec]
             try:
-                self.engine.step(prefill_jobs=[t.work.job for t in pre], decode_jobs=[t.work.job for t in dec])
+                self._engine_step([t.work for t in pre], [t.work for t in dec])
             except Exception as err:
                 for task in pre + dec:
                     self._fail(task, err)
@@ -370,7 +419,7 @@ class Scheduler:
     def _after(self, prefills, decodes, generated) -> None:
         """Stream the decode rows' new tokens and advance every turn whose work is done."""
         for task, n0 in zip(decodes, generated):
-            job = task.work.job
+            job = task.work
             self.stats["tokens_generated"] += len(job.tokens) - n0
             if task.on_progress is not None:
                 try:
@@ -378,5 +427,5 @@ class Scheduler:
                 except Exception:  # a listener's bug must not stop the turn
                     log.exception("on_progress listener failed")
         for task in prefills + decodes:
-            if task.work.job.finished:
+            if task.work.finished:
                 self._ready(task, None)

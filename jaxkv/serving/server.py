@@ -178,13 +178,12 @@ class Server:
         compiles.enable_persistent_cache()
         t0, before = time.perf_counter(), compiles.count()
         eng = self.engine
-        specs, capture_q, attn_mass = policy_warmup(policies)
+        specs, variants = policy_warmup(policies)
         shapes = eng.shape_set(self.scheduler.decode_chunk)
-        total = len(shapes.steps) * (1 + capture_q + attn_mass) + len(shapes.decode)
+        total = len(shapes.steps) * (1 + variants["capture_q"] + variants["attn_mass"]) + len(shapes.decode) * (1 + variants["decode_q"])
         with tqdm(total=total + len(specs), desc="jaxkv warm-up (XLA programs)", unit="prog", disable=not progress) as bar:
             ran = self.scheduler.call(lambda: eng.warmup(
-                self.scheduler.decode_chunk, stop_token_ids=self.stop_token_ids, progress=bar.update,
-                capture_q=capture_q, attn_mass=attn_mass,
+                self.scheduler.decode_chunk, stop_token_ids=self.stop_token_ids, progress=bar.update, **variants,
             )).result()
             for options, spec in specs:
                 self.session(**options).close()  # the policy's state and head, as a session builds them

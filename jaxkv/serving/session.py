@@ -377,7 +377,7 @@ class Session:
             raise ConfigError("cannot fork a closed session (its server's KV pool was freed)")
         if not self.server.scheduler.idle() or any(state is not None for state in engine.row_state):
             raise ConfigError("cannot fork a session in the middle of a turn (a cache row is open)")
-        memo = {id(x): x for x in (self.model, self.tokenizer, engine.params, engine.graphdef)}
+        memo = {id(x): x for x in (self.model, self.tokenizer, engine.runner.params, engine.runner.graphdef)}
         memo[id(engine.cache)] = jax.tree.map(jnp.copy, engine.cache)  # the pool is donated by later updates
         twin = copy.deepcopy(self, memo)
         twin_old = twin._stage("repair")

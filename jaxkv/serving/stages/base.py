@@ -13,9 +13,9 @@ Hooks (every one optional; ``turn`` is the ``pipeline.Turn``):
 * ``begin(turn)``: the row is open and the matched prefix installed; set up.
 * ``prompt_capture(turn) -> Capture``: what this stage needs from the prompt's
   prefill: post-RoPE query rows at absolute positions, attention mass.
-* ``before_prefill(turn, work)``: may annotate the ``PrefillWork`` (options for
-  the engine) or take it over (``work.handler``: a generator that runs the
-  prefill itself, e.g. by splicing reused KV).
+* ``before_prefill(turn, job) -> handler | None``: may annotate the prompt's
+  ``PrefillJob`` (``kv_bits``) or take it over by returning a generator that runs
+  the prefill itself (e.g. by splicing reused KV) and returns a job-like result.
 * ``after_prefill(turn, captured)``: after the prompt is prefilled (compression
   event, repair). Stages run in order, so repair sees the compressed request.
 * ``decode_interval(turn) -> int | None`` and ``decode_capture(turn) -> Capture``:
@@ -71,6 +71,22 @@ class Capture:
         return Capture(pos, any(c.query_rows for c in caps), any(c.attn_mass for c in caps))
 
 
+@dataclasses.dataclass
+class PrefillLogits:
+    """A prompt prefill's result as the reply reads it when only its logits are at
+    hand: a prefill a stage ran itself (spliced), or an evaluation's branch. No
+    first token was drawn in a step (``Turn.generate`` draws it from ``logits``),
+    no query rows, no attention mass."""
+
+    logits: np.ndarray
+    first_token: None = None
+    q_rows: None = None
+    mass: None = None
+
+    def result_logits(self) -> np.ndarray:
+        return self.logits
+
+
 class Stage:
     """Base class with every hook a no-op (see the module docstring)."""
 
@@ -84,7 +100,8 @@ class Stage:
     def prompt_capture(self, turn) -> Capture:
         return Capture()
 
-    def before_prefill(self, turn, work) -> None: ...
+    def before_prefill(self, turn, job):
+        return None
 
     def after_prefill(self, turn, captured) -> None: ...
 

@@ -118,13 +118,14 @@ class QuantizationStage(Stage):
         if self.mode not in servable_modes(engine_mode):
             raise ConfigError(f"session kv_quant={self.mode!r} on an engine built with kv_quant={engine_mode!r}")
 
-    def before_prefill(self, turn, work) -> None:
+    def before_prefill(self, turn, job):
         if self.table is not None:
             codes = triaxial_codes(turn.rendered.triaxial[turn.reused :])
-            work.options["kv_bits"] = self.table[codes]
+            job.kv_bits = self.table[codes]
+        return None
 
     def after_prefill(self, turn, captured) -> None:
-        self.records.append(record_of(turn.engine.kv_composition(turn.row), turn.engine.model.config))
+        self.records.append(record_of(turn.engine.pool.composition(turn.req), turn.engine.model.config))
 
 
 def resolve_allocation(model, mode: str, allocation) -> Allocation:

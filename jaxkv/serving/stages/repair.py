@@ -143,12 +143,12 @@ class RepairStage(Stage):
             a = None
             if cfg.policy in repairkv.SCORED:
                 a = repairkv.score_rows(
-                    use, engine.gather_keys(turn.row), live_pos, engine.host_keys(rows.k_LMKD), rows.positions_M,
+                    use, engine.kv.gather_keys(turn.row), live_pos, engine.pool.host_keys(rows.k_LMKD), rows.positions_M,
                     chunk=cfg.chunk, see_all=cfg.policy == "wrongq",
                 )
             promote = repairkv.choose(cfg, rows.positions_M, rows.scores_M, a, event=turn.index)
         taken = tier.take(key, promote)
-        engine.restore_rows(turn.row, taken.positions_M, taken.k_LMKD, taken.v_LMKD)
+        engine.kv.restore_rows(turn.row, taken.positions_M, taken.k_LMKD, taken.v_LMKD)
         self.promoted = taken if self.promoted is None else TierRows.concat(self.promoted, taken)
         report(taken.positions_M, demoted, rows.size)
 
@@ -161,9 +161,9 @@ class RepairStage(Stage):
         """
         cfg, engine = self.config, turn.engine
         forced = turn.req.pinned[live_pos] | (live_pos >= turn.rendered.spans.actionable_query[0])
-        keys = np.asarray(engine.gather_keys(turn.row))
+        keys = np.asarray(engine.kv.gather_keys(turn.row))
         act = np.flatnonzero(~forced)
-        cand_k = np.concatenate([keys[:, act], np.asarray(engine.host_keys(rows.k_LMKD), keys.dtype)], axis=1)
+        cand_k = np.concatenate([keys[:, act], np.asarray(engine.pool.host_keys(rows.k_LMKD), keys.dtype)], axis=1)
         cand_pos = np.concatenate([live_pos[act], rows.positions_M])
         a = repairkv.score_rows(signal, keys[:, forced], live_pos[forced], cand_k, cand_pos, chunk=cfg.chunk)
         comp = np.concatenate([np.full(act.size, np.inf, np.float32), rows.scores_M])

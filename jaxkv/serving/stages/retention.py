@@ -199,7 +199,7 @@ def compress_row(engine, row: int, policy, cfg, state, feats, forced_N, budget: 
     if layout == "dead_slot":
         plan = layouts.dead_slot(slots, kept)
     elif layout == "compact":
-        plan = layouts.compact(slots, kept, engine.fresh_slots(row, kept))
+        plan = layouts.compact(slots, kept, engine.kv.fresh_slots(row, kept))
     else:
         raise ConfigError(f"unknown layout {layout!r}; known: {', '.join(LAYOUTS)}")
     live_scores = np.asarray(scores, np.float32)[valid]
@@ -213,7 +213,7 @@ def compress_row(engine, row: int, policy, cfg, state, feats, forced_N, budget: 
     if apply is not None:
         apply(plan, evicted_scores)
     else:
-        kv = engine.apply_layout(row, plan, keep_evicted=on_evict is not None and plan.evicted_positions.size > 0)
+        kv = engine.kv.apply_layout(row, plan, keep_evicted=on_evict is not None and plan.evicted_positions.size > 0)
         if kv is not None:
             on_evict(plan, *kv, evicted_scores)
     return state, CompressionReport(int(live_pos.size), int(kept.size), kept, plan, evicted_scores, margin)
@@ -254,7 +254,7 @@ def layer_features(engine, row: int, window_q_LWHD, window_pos_W, window_valid_W
     L = engine.model.config.num_layers
     seq_len = req.seq_len
     N = event_size(req.live_positions().size)
-    keys, per_layer = engine.gather_layer_keys(row, N)
+    keys, per_layer = engine.kv.gather_layer_keys(row, N)
 
     def per_position(values, fill, dtype):
         out = np.full((L, N), fill, dtype)
@@ -307,7 +307,7 @@ def compress_row_layers(engine, row: int, policy, cfg, state, feats, positions_L
     if layout == "dead_slot":
         plan = layouts.dead_slot(req.slots, kept)
     elif layout == "compact":
-        plan = layouts.compact(req.slots, kept, engine.fresh_slots(row, kept))
+        plan = layouts.compact(req.slots, kept, engine.kv.fresh_slots(row, kept))
     else:
         raise ConfigError(f"unknown layout {layout!r}; known: {', '.join(LAYOUTS)}")
     plan = layouts.with_layers(plan, keep_LP)
@@ -316,7 +316,7 @@ def compress_row_layers(engine, row: int, policy, cfg, state, feats, positions_L
     if apply is not None:
         apply(plan, evicted_scores)
     else:
-        kv = engine.apply_layout(row, plan, keep_evicted=on_evict is not None and plan.evicted_positions.size > 0)
+        kv = engine.kv.apply_layout(row, plan, keep_evicted=on_evict is not None and plan.evicted_positions.size > 0)
         if kv is not None:
             on_evict(plan, *kv, evicted_scores)
     report = CompressionReport(live_before, int(kept.size), kept, plan, evicted_scores, margin, keep_LP.sum(axis=1))
@@ -353,7 +353,7 @@ class RetentionStage(Stage):
             mask[:, :n] &= saved[:, :n]
             mask[:, live & ~mask.any(axis=0)] = True  # live in the cache but read by no saved layer (not this session's drop): all
             if not mask[:, live].all():
-                turn.engine.set_layer_live(turn.row, mask)
+                turn.engine.kv.set_layer_live(turn.row, mask)
         self.window = None  # (q [L, W, Hq, D], positions [W])
         self.query_mean = None  # q̄_t [L, Hq, D]
         self.ring_pos = np.zeros(0, np.int64)
@@ -428,7 +428,7 @@ class RetentionStage(Stage):
             return np.concatenate([x, np.full(N - n, fill, x.dtype)])
 
         feats = EventFeatures(  # host arrays: a jnp.asarray here would compile a transfer per shape
-            keys_LNKD=turn.engine.gather_keys(turn.row, N),
+            keys_LNKD=turn.engine.kv.gather_keys(turn.row, N),
             positions_N=np.concatenate([live_pos, seq_len + 1 + np.arange(N - n)]).astype(np.int32),
             phase_N=pad(req.phase[live_pos], 3).astype(np.int32),
             window_q_LWHD=wq,
@@ -505,23 +505,26 @@ class RetentionStage(Stage):
 def policy_warmup(policies=None):
     """What a server's warm-up compiles for retention ``policies`` (None: every
     registered policy at its default config; else names, or ``(name, config
-    dict)`` pairs): ``(specs, capture_q, attn_mass)``, where ``specs`` pairs each
-    policy's scratch-session options with its spec, and the flags say which
-    variants of the engine's steps its turns run: steps that capture query rows
-    (windows, query spans, phase rows) or attention mass (``jaxkv.step``; decode
-    calls capture query rows always)."""
+    dict)`` pairs): ``(specs, variants)``, where ``specs`` pairs each policy's
+    scratch-session options with its spec, and ``variants`` are the flags of
+    ``jaxkv.engine.warmup.warmup`` saying which variants of the engine's programs
+    its turns run: steps that bring back query rows (windows, query spans, phase
+    rows: ``capture_q``) or attention mass (``attn_mass``), decode calls that bring
+    back every fed token's query (``decode_q``: a policy that compresses during
+    decode and reads windows or phase rows, ``decode_capture``)."""
     from jaxkv.policies import REGISTRY
 
     items = sorted(REGISTRY) if policies is None else list(policies)
-    specs, capture_q, attn_mass = [], False, False
+    specs, variants = [], dict(capture_q=False, attn_mass=False, decode_q=False)
     for item in items:
         name, config = (item, {}) if isinstance(item, str) else (item[0], dict(item[1]))
         spec = RetentionSpec.make(name, 1, "dead_slot", config)
         specs.append(({"policy": name, "budget": 1, **config}, spec))
         needs = spec.policy.needs(spec.config)
-        capture_q |= bool(needs.window or needs.query_mean or needs.observe_rows)
-        attn_mass |= bool(needs.attn_mass)
-    return specs, capture_q, attn_mass
+        variants["capture_q"] |= bool(needs.window or needs.query_mean or needs.observe_rows)
+        variants["attn_mass"] |= bool(needs.attn_mass)
+        variants["decode_q"] |= bool(needs.decode_interval and (needs.window or needs.observe_rows) and not needs.attn_mass)
+    return specs, variants
 
 
 def warm_events(spec: RetentionSpec, engine) -> int:

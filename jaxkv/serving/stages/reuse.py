@@ -78,8 +78,9 @@ import time
 import numpy as np
 
 from jaxkv.cache.segments import PromptIndex, align, minhash, segment_units
+from jaxkv.engine.jobs import SpliceJob
 from jaxkv.errors import ConfigError
-from jaxkv.serving.stages.base import Stage, register
+from jaxkv.serving.stages.base import PrefillLogits, Stage, register
 from jaxkv.splice import SplicePlan
 
 MODES = ("none", "segment", "cacheblend")
@@ -208,18 +209,6 @@ class Span:
     ctx: float = 1.0  # left-context Jaccard of its first segment
 
 
-@dataclasses.dataclass
-class SplicedJob:
-    """What the pipeline reads back from a prefill the stage ran itself."""
-
-    logits: np.ndarray
-    q_rows: None = None
-    mass: None = None
-
-    def result_logits(self) -> np.ndarray:
-        return self.logits
-
-
 def kl_divergence(ref_logits, logits) -> np.ndarray:
     """``KL(softmax(ref) || softmax(x))`` per row, float64 nats."""
     a, b = np.asarray(ref_logits, np.float64), np.asarray(logits, np.float64)
@@ -242,41 +231,47 @@ class ReuseStage(Stage):
         self.last_logits: np.ndarray | None = None  # next-token logits of the latest spliced prompt
         self._origin = 0
 
-    def before_prefill(self, turn, work) -> None:
-        needs = [name for name, on in (("query rows", work.q_idx is not None), ("attention mass", work.attn_mass), ("every logit", work.all_logits)) if on]
+    def before_prefill(self, turn, job):
+        needs = [name for name, on in (("query rows", job.q_idx_X is not None), ("attention mass", job.attn_mass), ("every logit", job.logits == "all")) if on]
         if needs:
             # Another stage (a retention policy's scorer, a replay's logits) reads
             # prefill features that spliced tokens never produce (they skip the
             # lower layers): this prefill runs in full, and the report says why.
-            full = int(work.tokens.size) * turn.engine.model.config.num_layers
-            self.reports.append(ReuseReport(int(work.tokens.size), units=full, full_units=full, skipped=" and ".join(needs)))
-            return
-        work.handler = self._handler(turn, work)
+            full = int(job.tokens.size) * turn.engine.model.config.num_layers
+            self.reports.append(ReuseReport(int(job.tokens.size), units=full, full_units=full, skipped=" and ".join(needs)))
+            return None
+        return self._handler(turn, job)
 
     # -- the prefill ---------------------------------------------------------------------
-    def _handler(self, turn, work):
+    def _handler(self, turn, job):
+        """The prompt's prefill, run by this stage: spliced steps (``SpliceJob``,
+        which the scheduler runs between its steps), or the job as it is."""
         t0 = time.perf_counter()
         n_layers = turn.engine.model.config.num_layers
-        rep = ReuseReport(int(work.tokens.size))
+        rep = ReuseReport(int(job.tokens.size))
         rep.full_units = rep.suffix_tokens * n_layers
         if self.config.mode == "none":
-            job = yield from turn.run(work)
+            job = yield from turn.run(job)
             rep.units = rep.full_units
             rep.prefill_s = time.perf_counter() - t0
             self.reports.append(rep)
             return job
         self._origin = id(turn) ^ int(t0 * 1e6)
         if self.config.mode == "segment":
-            logits, audit_s = self._segment(turn, rep)
+            logits, audit_s = yield from self._segment(turn, rep)
         else:
-            logits, audit_s = self._cacheblend(turn, rep)
-        bits = work.options.get("kv_bits")  # a triaxial session: its tags' 2-bit tokens go to INT2 pages now
-        if bits is not None:
-            turn.engine.requantize(turn.row, np.arange(turn.reused, turn.reused + work.tokens.size), bits)
+            logits, audit_s = yield from self._cacheblend(turn, rep)
+        if job.kv_bits is not None:  # a triaxial session: its tags' 2-bit tokens go to INT2 pages now
+            turn.engine.kv.requantize(turn.row, np.arange(turn.reused, turn.reused + job.tokens.size), job.kv_bits)
         rep.prefill_s = time.perf_counter() - t0 - audit_s
         self.reports.append(rep)
         self.last_logits = logits
-        return SplicedJob(logits)
+        return PrefillLogits(logits)
+
+    def _splice(self, turn, plan, mode: str = "append"):
+        """One spliced step, yielded to the scheduler: ``(logits, resid)``."""
+        work = yield from turn.run(SpliceJob(turn.row, plan, mode))
+        return work.result
 
     def _segment(self, turn, rep: ReuseReport):
         cfg = self.config
@@ -315,14 +310,14 @@ class ReuseStage(Stage):
                 kv_idx=inter, kv_lo=0, kv_hi=n_reuse, kv_k=span.k[:, kv_j], kv_v=span.v[:, kv_j], kv_old_pos=span.old_pos[kv_j],
                 logit_idx=np.concatenate([probe, np.asarray(extra, np.int64)]),
             )
-            logits, res_a = engine.splice_prefill(row, plan)
+            logits, res_a = yield from self._splice(turn, plan)
             rep.units += plan.units(L)
             resid[cursor - start : s - start] = res_a
             for i, p in enumerate(extra):
                 got[cursor + p] = logits[probe.size + i]
             ref_plan = SplicePlan.full(ids[s : s + probe.size], L, logit_idx=np.arange(probe.size))
             ref_plan.base = s
-            ref, _ = engine.splice_prefill(row, ref_plan, mode="probe")
+            ref, _ = yield from self._splice(turn, ref_plan, "probe")
             rep.units += ref_plan.units(L)
             kl = float(kl_divergence(ref, logits[: probe.size]).max())
             rep.probe_kl.append(kl)
@@ -337,13 +332,13 @@ class ReuseStage(Stage):
                 cursor = e
             else:
                 rep.rejected += 1
-                engine.truncate_row(row, s)
+                engine.kv.truncate_row(row, s)
                 stale += span.segments
                 cursor = s
         extra = sorted(p - cursor for p in want if p >= cursor)
         last = n - 1 - cursor
         plan = SplicePlan.full(ids[cursor:n], cut, logit_idx=[*extra, last])
-        logits, res_a = engine.splice_prefill(row, plan)
+        logits, res_a = yield from self._splice(turn, plan)
         rep.units += plan.units(L)
         resid[cursor - start :] = res_a
         for i, p in enumerate(extra):
@@ -352,7 +347,7 @@ class ReuseStage(Stage):
         for seg in dict.fromkeys(stale):
             store.remove(seg)  # replaced by the fresh computation below
         rep.stored = self._store(turn, ns, start, exact_until, n_reuse, resid)
-        audit_s = self._audit(turn, rep, got, [range(e, e + BOUNDARY) for _, e in accepted_spans]) if cfg.audit else 0.0
+        audit_s = (yield from self._audit(turn, rep, got, [range(e, e + BOUNDARY) for _, e in accepted_spans])) if cfg.audit else 0.0
         return got[n - 1], audit_s
 
     def _cacheblend(self, turn, rep: ReuseReport):
@@ -365,7 +360,7 @@ class ReuseStage(Stage):
         spans = self._match(turn, ns, min_len=cfg.min_interior)
         # step 1: layer 0 for every suffix token (K/V exact: they depend on token and position)
         plan1 = SplicePlan(ids[start:n], 1, np.arange(T), np.zeros(0, np.int64))
-        _, x1 = engine.splice_prefill(row, plan1)
+        _, x1 = yield from self._splice(turn, plan1)
         rep.units += T
         reused = np.concatenate([np.arange(sp.p0, sp.p1) for sp in spans]) - start if spans else np.zeros(0, np.int64)
         got: dict[int, np.ndarray] = {}
@@ -387,7 +382,7 @@ class ReuseStage(Stage):
                 kv_idx=keep, kv_lo=1, kv_hi=L, kv_k=kv_k, kv_v=kv_v, kv_old_pos=old[keep_rows],
                 logit_idx=np.asarray([*want, T - 1], np.int64), base=start,
             )
-            logits, _ = engine.splice_prefill(row, plan2, mode="rewrite")
+            logits, _ = yield from self._splice(turn, plan2, "rewrite")
             rep.units += plan2.units(L)
             for i, p in enumerate(want):
                 got[start + p] = logits[i]
@@ -400,12 +395,12 @@ class ReuseStage(Stage):
             exact_until = spans[0].p0
         else:
             plan2 = SplicePlan(ids[start:n], 1, np.zeros(0, np.int64), np.arange(T), b_resid=x1, logit_idx=[T - 1], base=start)
-            logits, _ = engine.splice_prefill(row, plan2, mode="rewrite")
+            logits, _ = yield from self._splice(turn, plan2, "rewrite")
             rep.units += plan2.units(L)
             exact_until = n
         got[n - 1] = logits[-1]
         rep.stored = self._store(turn, ns, start, exact_until, L, None)
-        audit_s = self._audit(turn, rep, got, [range(sp.p1, sp.p1 + BOUNDARY) for sp in spans]) if cfg.audit else 0.0
+        audit_s = (yield from self._audit(turn, rep, got, [range(sp.p1, sp.p1 + BOUNDARY) for sp in spans])) if cfg.audit else 0.0
         return got[n - 1], audit_s
 
     # -- matching --------------------------------------------------------------------------
@@ -495,7 +490,7 @@ class ReuseStage(Stage):
             return 0
         lo, hi = min(a for a, _ in units), max(b for _, b in units)
         slots = turn.req.slots[lo:hi]
-        k, v = turn.engine.gather_float(slots)  # float K/V, whatever the pool stores
+        k, v = turn.engine.kv.gather_float(slots)  # float K/V, whatever the pool stores
         store, stored = turn.server.segments, 0
         for a, b in units:
             seg = store.add(
@@ -513,7 +508,7 @@ class ReuseStage(Stage):
         pos = sorted(got)
         plan = SplicePlan.full(ids[start:n], turn.engine.model.config.num_layers, logit_idx=[p - start for p in pos])
         plan.base = start
-        ref, _ = turn.engine.splice_prefill(turn.row, plan, mode="probe")
+        ref, _ = yield from self._splice(turn, plan, "probe")
         kl = dict(zip(pos, kl_divergence(ref, np.stack([got[p] for p in pos])).tolist()))
         rep.last_kl = kl[n - 1]
         for positions in boundaries:

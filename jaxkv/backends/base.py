@@ -1,0 +1,158 @@
+"""The one attention entry of the engine's forward, and how a backend plugs into it.
+
+Every layer of every step (``jaxkv.forward``) writes its new K/V into the pool and
+then attends through one call, ``AttentionBackend.attend``. What sits behind that
+call depends on the pool's kind and the platform, and is chosen once per engine
+(``jaxkv.backends.select_backend``), as sglang-jax's ``AttentionBackend`` and
+tpu-inference's attention interface are:
+
+* ``CpuFloatBackend``: the blocked XLA implementation over a float pool
+  (``jaxkv.pallas.ragged_attention``), with the CPU decode loop's window as its
+  private state;
+* ``CpuQuantBackend``: the same blocked implementation over the dual INT2/INT4
+  pool, dequantizing one key block at a time, with its own decode window;
+* ``FloatKernelBackend``: the ragged paged kernels (Pallas on TPU and in
+  interpret mode, Triton on NVIDIA GPUs) over a float pool;
+* ``QuantKernelBackend``: the fused quantized decode kernels over the dual pool
+  (its steps with several tokens per row run the blocked reader);
+* ``ReferenceBackend``: the dense masked softmax over the whole pool, the oracle.
+
+A backend has two halves. The *device half* is the backend object itself: a
+frozen, hashable dataclass (a static argument of the jit'd programs) whose methods
+run inside ``jax.jit``; it holds no arrays. The *host half* is ``DecodeState``:
+what a backend keeps between decode calls (the CPU backends' windows), made and
+kept by ``jaxkv.engine.runner.ModelRunner`` through ``decode_state`` and
+``keep_state``.
+
+``AttentionMetadata`` is the one pytree every backend reads: the rows' tables
+after the step's tokens were appended, where each flat token lives, and the
+pool's write and read plans.
+
+Attention mass (H2O's feature: the probability every list entry receives) is a
+second pass of the blocked implementation over the same key blocks; every
+backend computes it through its blocked reader (``attend_with_mass``), so a
+kernel backend needs no mass variant of its kernel.
+
+Invariants: ``write`` runs before ``attend`` in every layer, so a step's queries
+read their own keys as the pool stores them (a quantized pool's prefill pieces
+read their own tokens in full precision, ``StepTokens``); a backend never changes
+the tables; padding tokens write the sentinel slot and read nothing.
+
+Shape letters: T flat tokens, R step rows, N list entries, Hq / K query / KV heads,
+D head dim.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import jax
+from flax import struct
+
+from jaxkv.cache.state import RowTables
+from jaxkv.pallas.ragged_attention import decode_rows_attention, ragged_attention_blocked
+
+
+@struct.dataclass
+class AttentionMetadata:
+    """What one step's attention reads, for every layer.
+
+    Attributes:
+      tables: the step rows' tables with the step's tokens appended
+        (``RowTables``; ``tables.layer_list(i)`` is layer ``i``'s list and length).
+      slots_T: ``[T]`` the pool slot each flat token is written to (padding: the sentinel).
+      q_start_R, q_len_R: ``[R]`` row ``r`` owns flat tokens ``[q_start, q_start + q_len)``.
+      write_plan: the pool's write plan of the step (a quantized pool's INT2 pages; None).
+      read_plan: a decode call's reading plan by kind (a quantized pool's
+        ``DecodeParts``; None: read through the live lists).
+      decode: every row holds one token and row ``r`` is flat token ``r`` (the decode loop).
+    """
+
+    tables: RowTables
+    slots_T: jax.Array
+    q_start_R: jax.Array
+    q_len_R: jax.Array
+    write_plan: Any = None
+    read_plan: Any = None
+    decode: bool = struct.field(pytree_node=False, default=False)
+
+    def layer_list(self, i):
+        """``(live_RN, kv_len_R)`` of layer ``i`` (static or traced)."""
+        return self.tables.layer_list(i)
+
+    @property
+    def active_R(self):
+        return self.q_len_R > 0
+
+
+@dataclasses.dataclass(frozen=True)
+class AttentionBackend:
+    """The device half every backend shares (module docstring).
+
+    Attributes:
+      layers: the pool's device layers (``jaxkv.cache.pools.FloatLayers`` or
+        ``jaxkv.cache.quantized.QuantLayers``): how one layer is written and read.
+
+    Class attributes: ``name``; ``uses_window``: the decode loop may read a
+    per-call copy of its rows' entries (the CPU backends, ``gather_window``);
+    ``keeps_window``: that copy can start the next call over the same rows.
+    """
+
+    layers: Any
+    name = "backend"
+    uses_window = False
+    keeps_window = False
+
+    def write(self, kv, i, k_TKD, v_TKD, meta: AttentionMetadata):
+        """Store the step's keys and values of layer ``i`` at ``meta.slots_T``."""
+        return self.layers.write(kv, i, k_TKD, v_TKD, meta.slots_T, meta.write_plan)
+
+    def attend(self, kv, i, q_THD, k_TKD, v_TKD, meta: AttentionMetadata, loop_state=None):
+        """Layer ``i``'s attention (its K/V already written). Returns ``(o_THD,
+        loop_state)``: ``loop_state`` is the decode loop's private state (a
+        window), None elsewhere."""
+        raise NotImplementedError
+
+    def reader(self, kv, i, lists_RN, k_TKD=None, v_TKD=None, meta: AttentionMetadata | None = None):
+        """Layer ``i``'s key-block reader for the blocked implementation."""
+        raise NotImplementedError
+
+    def attend_blocked(self, kv, i, q_THD, k_TKD, v_TKD, meta: AttentionMetadata):
+        """The blocked implementation through this backend's reader."""
+        lists, kv_len = meta.layer_list(i)
+        reader = self.reader(kv, i, lists, k_TKD, v_TKD, meta)
+        if meta.decode:  # one token per row, rows in order: the decode section alone
+            return decode_rows_attention(reader, q_THD, kv_len, meta.active_R).astype(q_THD.dtype)
+        return ragged_attention_blocked(q_THD, reader, kv_len, meta.q_start_R, meta.q_len_R, width=reader.live_RN.shape[1])
+
+    def attend_with_mass(self, kv, i, q_THD, k_TKD, v_TKD, meta: AttentionMetadata):
+        """``(o_THD, mass_RN)``: the attention and the probability each list entry
+        received, summed over the step's queries and query heads (the blocked
+        implementation's second pass, whatever the backend)."""
+        lists, kv_len = meta.layer_list(i)
+        reader = self.reader(kv, i, lists, k_TKD, v_TKD, meta)
+        return ragged_attention_blocked(
+            q_THD, reader, kv_len, meta.q_start_R, meta.q_len_R, return_mass=True, width=reader.live_RN.shape[1]
+        )
+
+
+@dataclasses.dataclass
+class DecodeState:
+    """The host half's kept state between decode calls (``ModelRunner``).
+
+    Attributes:
+      loop_state: what the next decode call's loop starts from (a window), or None.
+      key: what it was made for (rows, steps, width): a call over other rows or
+        shapes makes a fresh one.
+      writes: the KV manager's write count when it was kept; any later write of the
+        cache but a truncation makes it stale.
+      len_JB: list lengths per live list and call row at the call's start (host);
+      fed_B: the entries the call wrote per row.
+    """
+
+    loop_state: Any
+    key: tuple
+    writes: int
+    len_JB: Any
+    fed_B: Any

@@ -1,0 +1,73 @@
+"""The fused quantized decode kernels over the dual INT2/INT4 pool: INT2 pages and
+INT4 tokens (or KIVI's float residual) read by kind and dequantized inside the
+kernel, each part's split-K partials merged by log-sum-exp
+(``jaxkv.pallas.quantized_attention``: Pallas on TPUs and in interpret mode,
+Triton on NVIDIA GPUs through ``jaxkv.pallas.gpu.decode``).
+
+Those kernels are decode kernels (one query per row, by page table), so this
+backend serves the decode loop through them, reading the call's plan
+(``DecodeParts``: the rows' pages with their bitmasks, then the token part with
+the call's new slots appended). A step with several tokens per row (a prefill
+piece beside decode tokens) runs the blocked implementation through
+``QuantReader`` (``jaxkv.backends.cpu_quant``), as does attention mass, and so do
+rows that keep a set per layer (their call has no plan: a page table is one per
+row).
+
+Invariant: the kernels dequantize with the pool's arithmetic, so within float32
+rounding this backend equals ``CpuQuantBackend`` (the engine-level parity test,
+``tests/test_backends.py``).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+
+from jaxkv.backends.base import AttentionMetadata
+from jaxkv.backends.cpu_quant import CpuQuantBackend
+from jaxkv.cache.quantized import FLOAT, DecodeParts
+from jaxkv.pallas.quantized_attention import quantized_decode_attention
+
+
+@dataclasses.dataclass(frozen=True)
+class QuantKernelBackend(CpuQuantBackend):
+    """Attributes: ``platform``: ``"tpu"``, ``"gpu"`` or ``"interpret"``."""
+
+    platform: str = "interpret"
+    name = "quant-kernel"
+
+    @property
+    def uses_window(self) -> bool:
+        return False
+
+    def attend(self, kv, i, q_THD, k_TKD, v_TKD, meta: AttentionMetadata, loop_state=None):
+        if meta.decode and meta.read_plan is not None:
+            _, kv_len = meta.layer_list(i)
+            return self.fused_decode(kv, i, q_THD, meta.read_plan, kv_len, meta.active_R).astype(q_THD.dtype), None
+        return self.attend_blocked(kv, i, q_THD, k_TKD, v_TKD, meta), None
+
+    def fused_decode(self, pool, i, q_RHD, plan: DecodeParts, kv_len_R, active_R):
+        """One query per row over its plan, through the fused kernel: ``[R, Hq, D]``
+        float32, zero where inactive."""
+        geo = self.geometry
+        layer = lambda tree: jax.tree.map(lambda a: a[i], tree)  # noqa: E731
+        n_tokens = jnp.where(active_R, plan.n_tokens_R + (kv_len_R - plan.live0_R), 0).astype(jnp.int32)
+        n_pages = jnp.where(active_R, plan.n_pages_R, 0).astype(jnp.int32)
+        int2 = layer(pool.int2) if geo.pages > 1 else None
+        slots = plan.tokens_RN.astype(jnp.int32)
+        if self.layers.token_kind == FLOAT:  # KIVI: the token part is the float residual
+            floats = dict(
+                float_pool=(pool.flt_k[i], pool.flt_v[i]),
+                float_idx_BN=jnp.clip(slots - geo.off_float, 0, max(geo.float_slots - 1, 0)), float_len_B=n_tokens,
+            )
+            int4_idx, int4_len = jnp.zeros_like(slots[:, :1]), jnp.zeros_like(n_tokens)
+        else:
+            floats = {}
+            int4_idx, int4_len = jnp.clip(slots - geo.off4, 0, geo.int4_slots - 1), n_tokens
+        out = quantized_decode_attention(
+            q_RHD, int2, plan.pages_RQ.astype(jnp.int32), n_pages, layer(pool.int4), int4_idx, int4_len,
+            int2_mask_BP=plan.mask_RQ if int2 is not None else None, backend=self.platform, **floats,
+        )
+        return jnp.where(active_R[:, None, None], out.astype(jnp.float32), 0.0)

@@ -1,0 +1,82 @@
+"""Compiling every program a server can reach, before it serves (the compilation
+manager of tpu-inference, for jaxkv's bounded shape set).
+
+``shape_set`` lists an engine's shapes (``jaxkv.buckets.shape_set``): each step
+token bucket, and each decode-loop program (rows bucket x window width on the
+CPU). ``warmup`` runs each once on scratch rows, through the very methods
+requests use, with every static variant a server's turns reach:
+
+* steps bring back nothing but tokens (the reply's first token is sampled in the
+  step), or query rows (``capture_q``: retention windows, query spans, phase rows),
+  or attention mass with query rows (``attn_mass``: one variant for both);
+* decode calls bring back nothing but tokens, or every fed token's query
+  (``decode_q``: policies that compress during decode), always with ``regroup``
+  (the scheduler's calls) and the server's stop tokens (their count is a shape).
+
+Logits never reach a server's host (``jaxkv serve`` has no logprobs); evaluations
+that ask for them compile those variants when they first run.
+
+Invariant: the engine is idle before and after (scratch rows are closed), and a
+warm-up compiles no program twice.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from jaxkv import buckets, compiles
+from jaxkv.engine.jobs import DecodeJob, PrefillJob
+from jaxkv.errors import JaxKVError
+
+
+def shape_set(engine, decode_chunk: int) -> buckets.ShapeSet:
+    """The bounded set of step shapes ``engine`` compiles (``jaxkv.buckets``)."""
+    runner = engine.runner
+    windows = runner.use_window and engine.backend.uses_window and engine.mesh is None
+    return buckets.shape_set(engine.rows, engine.max_positions, engine.token_budget, decode_chunk, windows=windows)
+
+
+def warmup(engine, decode_chunk: int, *, stop_token_ids=(), progress=None, capture_q: bool = False, attn_mass: bool = False, decode_q: bool = False) -> int:
+    """Compile every program of ``shape_set`` with the variants the flags ask for
+    (module docstring). ``progress(n)`` is called after each program. Returns how
+    many programs it ran."""
+    if any(state is not None for state in engine.row_state):
+        raise JaxKVError("warm-up needs an idle engine (a row is open)")
+    shapes = shape_set(engine, decode_chunk)
+    ran = 0
+
+    def tick():
+        nonlocal ran
+        compiles.release_if_crowded()
+        ran += 1
+        if progress is not None:
+            progress(1)
+
+    row = engine.open_row()
+    try:
+        variants = [(False, False)] + [(q, m) for q, m, on in ((True, False, capture_q), (True, True, attn_mass)) if on]
+        for T in shapes.steps:
+            for q, m in variants:
+                n = min(T, engine.prefill_chunk) if T > buckets.MIN_STEP_TOKENS else 1
+                job = PrefillJob(row, np.zeros(n, np.int32), logits=None, q_idx_X=[0] if q else None, attn_mass=m)
+                engine.step(prefill_jobs=[engine.start(job)])
+                engine.truncate_row(row, 0)
+                tick()
+    finally:
+        engine.close_row(row)
+    for B, W in shapes.decode:
+        for q in (False, True) if decode_q else (False,):
+            rows = [engine.open_row() for _ in range(B)]
+            try:
+                live = min(W, engine.max_positions - decode_chunk) if W else 1  # a list length whose window is W
+                for r in rows:
+                    job = engine.start(PrefillJob(r, np.zeros(live, np.int32), logits=None))
+                    while not job.finished:
+                        engine.step(prefill_jobs=[job])
+                jobs = [engine.start(DecodeJob(r, 0, decode_chunk, stop_ids=tuple(stop_token_ids), query_rows=q)) for r in rows]
+                engine.step_decode(jobs, decode_chunk, regroup=True)
+                tick()
+            finally:
+                for r in rows:
+                    engine.close_row(r)
+    return ran
