@@ -161,8 +161,8 @@ def evaluation_seed_ranges() -> dict[str, range]:
     """Per-example seeds the evaluation code uses (a range per evaluation set)."""
     from eval.quality.embedded_accuracy import HELDOUT_SEED_BASE as ACCURACY_BASE
     from eval.quality.harness import EVAL_SEED_BASE
-    from eval.tasks.example import example_seed
     from jaxkv.demo import DEMO_SEED_BASE
+    from jaxkv.tasks.example import example_seed
 
     def batch(seed):
         start = example_seed(seed, 0)
@@ -654,8 +654,8 @@ def load_shards(folder, split: str) -> list[dict[str, np.ndarray]]:
 
 def generate(args) -> dict:
     from eval.quality.harness import session_budget
-    from eval.tasks.agent import one_trace
     import jaxkv
+    from jaxkv.tasks.agent import one_trace
     from jaxkv.tasks.example import for_template
 
     check_seed_ranges()

@@ -80,8 +80,8 @@ class LiveRecorder:
 def diagnose(args) -> dict:
     import jaxkv
     from eval.quality.harness import Cell, replay_example
-    from eval.tasks.agent import one_trace
     from jaxkv.chat.render import render
+    from jaxkv.tasks.agent import one_trace
     from train.intentkv_data import (HELDOUT_SEED_BASE, answer_values_of, capture_qk, future_values, read_strength,
                                      reply_spans, value_masks)
 

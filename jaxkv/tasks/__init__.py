@@ -16,7 +16,7 @@
 The synthetic generators return ``Example`` records (messages, tools, scored turns with
 evidence spans, labels); ``vocabulary()`` lists every prose word they emit, for
 ``jaxkv.chat.toy.build_tokenizer``. They live in the package because the demo,
-the trainers and the evaluation all use them; ``eval.tasks`` re-exports them.
+the trainers and the evaluation all use them.
 """
 
 from jaxkv.tasks.agent import agent_traces
