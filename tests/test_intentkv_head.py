@@ -385,8 +385,8 @@ def test_seed_ranges_are_disjoint_from_evaluation():
     seeds = range(data.TRAIN_SEED_BASE, data.TRAIN_SEED_BASE + data.SPLIT_SEEDS)
     for name, r in data.evaluation_seed_ranges().items():
         assert seeds.stop <= r.start or r.stop <= seeds.start, name
-    from eval.quality.harness import EVAL_SEED_BASE
     from jaxkv.tasks.example import example_seed
+    from jaxkv.tasks.seeds import EVAL_SEED_BASE
 
     assert example_seed(EVAL_SEED_BASE, 0) in data.evaluation_seed_ranges()["harness agent"]
 

@@ -109,10 +109,10 @@ class Kind:
 
 def plans(model, n: int, length: int, turns: int, max_new_tokens: int) -> list[SessionPlan]:
     """``n`` held-out agent traces as session replays for ``model``'s template."""
-    from eval.quality.harness import EVAL_SEED_BASE
     from jaxkv.chat import render
     from jaxkv.tasks import agent_traces
     from jaxkv.tasks.example import for_template
+    from jaxkv.tasks.seeds import EVAL_SEED_BASE
 
     out = []
     for ex in agent_traces(n, EVAL_SEED_BASE + CAPACITY_SEED_OFFSET, length=length):

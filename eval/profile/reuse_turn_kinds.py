@@ -10,6 +10,7 @@ comparison.
 
 import argparse, collections, jaxkv
 from eval.quality import harness
+from jaxkv.tasks.seeds import EVAL_SEED_BASE
 
 
 def main() -> None:
@@ -18,7 +19,7 @@ def main() -> None:
     p.add_argument("--n", type=int, default=100)
     args = p.parse_args()
     model = jaxkv.load_model("embedded")
-    exs = harness.make_examples(args.task, args.n, 2048, harness.EVAL_SEED_BASE)
+    exs = harness.make_examples(args.task, args.n, 2048, EVAL_SEED_BASE)
     server = jaxkv.Server(model, max_positions=4096)
     cell = harness.Cell("full", None, None, args.task)
     tot = collections.Counter(); ok = collections.Counter()

@@ -21,8 +21,8 @@ full cache: one cache row per example; a turn's prompt reuses the row's cached p
 discarded generation and any re-rendered tail are recomputed), then the new suffix is
 prefilled and decoded. Rows of several examples run as one batch.
 
-Held-out examples: per-example seeds ``HELDOUT_SEED_BASE + i`` (MQ-NIAH) and
-``HELDOUT_SEED_BASE + 100_000 + i`` (agent traces). Bit 30 is set in all of them;
+Held-out examples: per-example seeds ``ACCURACY_SEED_BASE + i`` (MQ-NIAH) and
+``ACCURACY_SEED_BASE + 100_000 + i`` (agent traces; ``jaxkv.tasks.seeds``). Bit 30 is set in all of them;
 the trainer (``train.embedded_model``) draws its training example seeds below
 ``1 << 30``, so the two sets are disjoint by construction.
 
@@ -41,8 +41,8 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from eval.common.tables import md_table
+from jaxkv.tasks.seeds import ACCURACY_SEED_BASE
 
-HELDOUT_SEED_BASE = (1 << 30) + 7_000_000
 LENGTH_MARGIN = 80  # tokens added to --length so every MQ-NIAH request and the last agent request are >= --length
 
 
@@ -72,8 +72,8 @@ def heldout_examples(task: str, n: int, length: int):
     from jaxkv.tasks.mqniah import one_mqniah
 
     if task == "mqniah":
-        return [one_mqniah(HELDOUT_SEED_BASE + i, needles=4, length=length) for i in range(n)]
-    return [one_trace(HELDOUT_SEED_BASE + 100_000 + i, length=length) for i in range(n)]
+        return [one_mqniah(ACCURACY_SEED_BASE + i, needles=4, length=length) for i in range(n)]
+    return [one_trace(ACCURACY_SEED_BASE + 100_000 + i, length=length) for i in range(n)]
 
 
 def example_jobs(tokenizer, idx: int, example) -> ExampleJobs:

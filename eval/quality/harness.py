@@ -111,6 +111,7 @@ import numpy as np
 
 from eval.common.stats import paired_gain, paired_ratio_difference
 from eval.common.tables import md_table
+from jaxkv.tasks.seeds import EVAL_SEED_BASE
 
 COLUMNS = (
     "method", "budget", "layout", "task", "n", "accuracy", "completion",
@@ -137,7 +138,6 @@ TASKS = ("agent", "mqniah", "shared_docs")
 # as one tenant's sessions do: shared_docs exists to measure reuse across sessions.
 SHARED_SERVER_TASKS = ("shared_docs",)
 REUSE_TENANT = "tenant0"
-EVAL_SEED_BASE = (1 << 30) + 9_000_000  # disjoint from training seeds (< 2**30)
 # Session options a task needs: an MQ-NIAH document and its first question are one
 # user message, so events must be free to evict inside the actionable message
 # (``Session(protect_query=False)``), else nothing of the document is ever evicted
@@ -1005,7 +1005,7 @@ def build_parser(parser=None):
     p.add_argument("--n", type=int, default=100, help="examples per cell")
     p.add_argument("--length", type=int, default=2048, help="target tokens per conversation")
     p.add_argument("--max-new-tokens", type=int, default=64)
-    p.add_argument("--seed", type=int, default=None, help="example seed base (default: EVAL_SEED_BASE for the synthetic "
+    p.add_argument("--seed", type=int, default=None, help="example seed base (default: jaxkv.tasks.seeds.EVAL_SEED_BASE for the synthetic "
                    "tasks, jaxkv.tasks.haystack's for the real-model ones)")
     p.add_argument("--needles", type=int, default=4, choices=(2, 4, 6, 8), help="MQ-NIAH needles per document (task mqniah)")
     p.add_argument("--out", default="eval/results/harness")

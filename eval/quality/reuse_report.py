@@ -54,6 +54,7 @@ import numpy as np
 
 from eval.common.tables import md_table
 from eval.quality import harness
+from jaxkv.tasks.seeds import EVAL_SEED_BASE
 
 def _defaults() -> dict:
     from jaxkv.serving.stages.reuse import ReuseConfig
@@ -177,7 +178,7 @@ def main(argv=None) -> int:
     p.add_argument("--warmup", type=int, default=1)
     p.add_argument("--max-new-tokens", type=int, default=64)
     p.add_argument("--max-positions", type=int, default=4096)
-    p.add_argument("--seed", type=int, default=harness.EVAL_SEED_BASE)
+    p.add_argument("--seed", type=int, default=EVAL_SEED_BASE)
     p.add_argument("--only", choices=("headline", "sweeps", "pilot"), default=None)
     p.add_argument("--passes", default=None, help="comma list of configurations to run now (default: all missing); a name with commas is named by its parts")
     p.add_argument("--out", default="eval/results/reuse")

@@ -12,6 +12,7 @@
   exact ids (compressed request, rest, answer) in the question-aware or -agnostic
   setting, so jaxkv and kvpress score the same tokens; ``reply_prefix`` and
   ``reply_correct`` start and score a greedy reply.
+* ``seeds``: the seed bases of the held-out evaluation sets (``EVAL_SEED_BASE``, ...).
 
 The synthetic generators return ``Example`` records (messages, tools, scored turns with
 evidence spans, labels); ``vocabulary()`` lists every prose word they emit, for
