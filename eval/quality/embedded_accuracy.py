@@ -34,13 +34,13 @@ tokens (``length + LENGTH_MARGIN``); the table reports the request sizes actuall
 from __future__ import annotations
 
 import argparse
-import json
 import time
 from dataclasses import dataclass, field
 
 import numpy as np
 
 from eval.common.tables import md_table
+from jaxkv.tasks.example import reply_matches
 from jaxkv.tasks.seeds import ACCURACY_SEED_BASE
 
 LENGTH_MARGIN = 80  # tokens added to --length so every MQ-NIAH request and the last agent request are >= --length
@@ -87,22 +87,6 @@ def example_jobs(tokenizer, idx: int, example) -> ExampleJobs:
     return out
 
 
-def is_correct(job: Job, reply: dict) -> bool:
-    if job.kind == "answer":
-        return not reply.get("tool_calls") and (reply.get("content") or "").strip() == job.expected
-    calls = reply.get("tool_calls") or []
-    if len(calls) != 1:
-        return False
-    fn = calls[0]["function"]
-    args = fn["arguments"]
-    if isinstance(args, str):
-        try:
-            args = json.loads(args)
-        except json.JSONDecodeError:
-            return False
-    return fn["name"] == job.expected["name"] and args == job.expected["arguments"]
-
-
 def _common_prefix(a: list[int], b: list[int]) -> int:
     n = min(len(a), len(b))
     diff = np.flatnonzero(np.asarray(a[:n]) != np.asarray(b[:n]))
@@ -145,7 +129,7 @@ def run_jobs(model, examples: list[ExampleJobs], *, batch: int = 8, max_new_toke
                 job = group[i].jobs[k]
                 text = tok.decode(replies[n], skip_special_tokens=False)
                 job.generated = parse_assistant(text, group[i].tool_names)
-                job.correct = is_correct(job, job.generated)
+                job.correct = reply_matches(job, job.generated)
         for r in rows:
             engine.close_row(r)
         if progress is not None:

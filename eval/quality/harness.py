@@ -111,6 +111,7 @@ import numpy as np
 
 from eval.common.stats import paired_gain, paired_ratio_difference
 from eval.common.tables import md_table
+from jaxkv.tasks.example import reply_matches
 from jaxkv.tasks.seeds import EVAL_SEED_BASE
 
 COLUMNS = (
@@ -178,13 +179,6 @@ def make_examples(task: str, n: int, length: int, seed: int = EVAL_SEED_BASE, ne
     if task == "shared_docs":
         return shared_docs(n, seed + 700_000)
     raise ValueError(f"unknown task {task!r}; known: {', '.join(TASKS)}")
-
-
-def reply_matches(target, reply: dict) -> bool:
-    """Exact match of a generated reply against a ``ScoredTurn``."""
-    from eval.quality.embedded_accuracy import Job, is_correct
-
-    return is_correct(Job(0, target.kind, target.expected, [], ""), reply)
 
 
 def recorded_logp(turn) -> np.ndarray | None:

@@ -79,7 +79,8 @@ import numpy as np
 from eval.common.stats import paired_gain
 from eval.common.tables import md_table
 from eval.quality.harness import (REPAIR_POLICIES, TASK_SESSION_OPTIONS, Cell, append_journal, pool_map, read_journal,
-                                  reply_matches, replay_cell, replay_example)
+                                  replay_cell, replay_example)
+from jaxkv.tasks.example import reply_matches
 from jaxkv.tasks.seeds import EVAL_SEED_BASE
 
 FIELDS = ("needles", "turns", "first_stage", "cell", "repair_k", "budget", "base_budget", "n", "accuracy",
