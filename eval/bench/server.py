@@ -69,7 +69,7 @@ os.environ.setdefault("JAX_PLATFORMS", "cpu")
 import numpy as np  # noqa: E402
 
 from eval.common.servers import ServerProcess, free_port, metric  # noqa: E402
-from eval.common.tables import md_table  # noqa: E402
+from jaxkv.markdown import md_table  # noqa: E402
 
 MAX_POSITIONS = 4096  # per request: the traces are ~1-2k tokens (the pool is rows x 2 x this)
 SEED_OFFSET = 70_000  # trace seeds: EVAL_SEED_BASE + SEED_OFFSET + ... (held out from training)

@@ -50,7 +50,7 @@ import jax  # noqa: E402
 import numpy as np  # noqa: E402
 
 import jaxkv  # noqa: E402
-from eval.common.tables import md_header, md_row  # noqa: E402
+from jaxkv.markdown import md_header, md_row  # noqa: E402
 from jaxkv.serving.scheduler import DECODE_CHUNK  # noqa: E402
 from jaxkv.tasks.seeds import EVAL_SEED_BASE  # noqa: E402
 

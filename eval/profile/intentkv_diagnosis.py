@@ -38,7 +38,7 @@ from pathlib import Path
 import numpy as np
 from tqdm import tqdm
 
-from eval.common.tables import md_header, md_row
+from jaxkv.markdown import md_header, md_row
 
 KINDS = ("value", "doc_id", "key", "word", "punct", "other")
 

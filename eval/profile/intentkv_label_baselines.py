@@ -19,7 +19,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from eval.common.tables import md_table
+from jaxkv.markdown import md_table
 from train.intentkv_head import BUDGETS
 
 

@@ -25,7 +25,7 @@ from pathlib import Path
 
 import numpy as np
 
-from eval.common.tables import md_header, md_row
+from jaxkv.markdown import md_header, md_row
 
 NEAR = 32  # tokens either side of the needle sentence counted as its neighbourhood
 

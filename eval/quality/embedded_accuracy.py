@@ -39,7 +39,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from eval.common.tables import md_table
+from jaxkv.markdown import md_table
 from jaxkv.tasks.example import reply_matches
 from jaxkv.tasks.seeds import ACCURACY_SEED_BASE
 

@@ -110,7 +110,7 @@ from pathlib import Path
 import numpy as np
 
 from eval.common.stats import paired_gain, paired_ratio_difference
-from eval.common.tables import md_table
+from jaxkv.markdown import md_table
 from jaxkv.tasks.example import reply_matches
 from jaxkv.tasks.seeds import EVAL_SEED_BASE
 

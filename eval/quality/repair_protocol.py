@@ -77,9 +77,9 @@ from pathlib import Path
 import numpy as np
 
 from eval.common.stats import paired_gain
-from eval.common.tables import md_table
 from eval.quality.harness import (REPAIR_POLICIES, TASK_SESSION_OPTIONS, Cell, append_journal, pool_map, read_journal,
                                   replay_cell, replay_example)
+from jaxkv.markdown import md_table
 from jaxkv.tasks.example import reply_matches
 from jaxkv.tasks.seeds import EVAL_SEED_BASE
 

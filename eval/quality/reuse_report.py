@@ -52,8 +52,8 @@ from pathlib import Path
 
 import numpy as np
 
-from eval.common.tables import md_table
 from eval.quality import harness
+from jaxkv.markdown import md_table
 from jaxkv.tasks.seeds import EVAL_SEED_BASE
 
 def _defaults() -> dict:
