@@ -413,8 +413,8 @@ def real_sweep(model, alloc_dict, *, n: int, length: int, log=print, journal: Pa
     ``journal`` each example's cells are appended as it finishes; ``resume`` reuses
     those of the same allocations and protocol (a changed distortion table changes
     them: nothing reused)."""
-    from eval.quality.harness import append_journal, load_journal
     from eval.quality.real_model import IMPORTED, positions_for, run_quant_example
+    from train.journal import append_journal, load_journal
     from jaxkv.policies.quant_allocation import Allocation
     from jaxkv.serving.stages.quantization import KVRecord, summarize
     from jaxkv.tasks import haystack
@@ -569,7 +569,7 @@ def main(argv=None) -> int:
     out = Path(args.out) if args.out else default_out(model, args.model)
     tasks = [t for t in (args.tasks or ("agent,mqniah" if embedded else ",".join(REAL_TASKS))).split(",") if t]
     t0 = time.perf_counter()
-    from eval.quality.harness import append_journal, load_journal
+    from train.journal import append_journal, load_journal
 
     work = Path(args.work or f"runs/calibrate-triaxial/{Path(args.model).name}")
     work.mkdir(parents=True, exist_ok=True)

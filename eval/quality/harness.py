@@ -113,6 +113,7 @@ from eval.common.stats import paired_gain, paired_ratio_difference
 from jaxkv.markdown import md_table
 from jaxkv.tasks.example import reply_matches
 from jaxkv.tasks.seeds import EVAL_SEED_BASE
+from train.journal import append_journal, load_journal
 
 COLUMNS = (
     "method", "budget", "layout", "task", "n", "accuracy", "completion",
@@ -514,30 +515,6 @@ def cell_key(cell: Cell) -> str:
     if kv_quant != "none" or kv_bits is not None:
         return json.dumps(fields)
     return json.dumps(base if reuse == "-" else base + (reuse,))
-
-
-def read_journal(path: Path):
-    """The records of a JSON-lines journal, in order (none when it does not exist;
-    a line cut short by an interrupted write is skipped)."""
-    if not path.exists():
-        return
-    for line in path.read_text().splitlines():
-        try:
-            yield json.loads(line)
-        except json.JSONDecodeError:
-            continue
-
-
-def append_journal(path: Path, record: dict) -> None:
-    """Append one record to a JSON-lines journal (one line, written at once)."""
-    with open(path, "a") as f:
-        f.write(json.dumps(record) + "\n")
-
-
-def load_journal(path: Path, setup: dict) -> dict:
-    """Rows of finished cells recorded in ``path`` under the same ``setup``
-    (other setups' lines are ignored: their examples differ)."""
-    return {rec["key"]: rec["row"] for rec in read_journal(path) if rec.get("setup") == setup}
 
 
 def run_cells(model, examples, cells, setup, *, workers=1, bar=None, session_options=None):

@@ -76,7 +76,6 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import gc
-import json
 import math
 import os
 import sys
@@ -87,6 +86,7 @@ import numpy as np
 
 from jaxkv.serving.stages.base import Capture, Stage
 from jaxkv.tasks import haystack
+from train.journal import append_journal, read_journal
 
 METHODS = ("snapkv", "tova", "h2o", "streaming_llm", "random", "agentkv", "intentkv_memory", "intentkv_query")
 RATIOS = (0.25, 0.5, 0.75)
@@ -509,12 +509,6 @@ def cells_to_run(held: set | None, cells, trio=None) -> list:
     return [c for c in trio if c[0] not in (held or ())]
 
 
-def read_journal(path: Path) -> list[dict]:
-    if not path.is_file():
-        return []
-    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
-
-
 REAL_TASKS = ("passkey", "niah", "niah_single", "niah_multikey", "niah_multivalue", "lm")
 DEFAULT_MODEL = "smollm2-135m-instruct"
 
@@ -615,8 +609,7 @@ def run_grid(args) -> int:
             record = run_example(model, ex, setting, cells, positions=positions, max_new=args.max_new)
         record.update(task=ex.task, context=args.context, seed=ex.seed,
                       setting=setting, length=ex.length, seconds=round(time.perf_counter() - t0, 2), load=round(load, 2), setup=setup)
-        with journal.open("a") as f:
-            f.write(json.dumps(record) + "\n")
+        append_journal(journal, record)
         gc.collect()  # a closed session's pool sits in reference cycles (stages, turns); free it now, not at the next GC
         # Every compiled XLA:CPU program holds memory mappings; a quantized run (each format's
         # programs at each width and read length) passed the kernel's limit and died inside

@@ -77,11 +77,11 @@ from pathlib import Path
 import numpy as np
 
 from eval.common.stats import paired_gain
-from eval.quality.harness import (REPAIR_POLICIES, TASK_SESSION_OPTIONS, Cell, append_journal, pool_map, read_journal,
-                                  replay_cell, replay_example)
+from eval.quality.harness import REPAIR_POLICIES, TASK_SESSION_OPTIONS, Cell, pool_map, replay_cell, replay_example
 from jaxkv.markdown import md_table
 from jaxkv.tasks.example import reply_matches
 from jaxkv.tasks.seeds import EVAL_SEED_BASE
+from train.journal import append_journal, read_journal
 
 FIELDS = ("needles", "turns", "first_stage", "cell", "repair_k", "budget", "base_budget", "n", "accuracy",
           "accuracy_turn1", "completion", "gain_vs_matched", "gain_ci_low", "gain_ci_high")

@@ -55,6 +55,7 @@ import numpy as np
 from eval.quality import harness
 from jaxkv.markdown import md_table
 from jaxkv.tasks.seeds import EVAL_SEED_BASE
+from train.journal import append_journal, read_journal
 
 def _defaults() -> dict:
     from jaxkv.serving.stages.reuse import ReuseConfig
@@ -187,7 +188,7 @@ def main(argv=None) -> int:
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     journal = out / "cells.jsonl"
-    done = {rec["key"]: rec["sessions"] for rec in harness.read_journal(journal) if "sessions" in rec} if args.resume else {}
+    done = {rec["key"]: rec["sessions"] for rec in read_journal(journal) if "sessions" in rec} if args.resume else {}
     if not args.resume and journal.exists():
         journal.unlink()
     model = jaxkv.load_model(args.model)
@@ -215,7 +216,7 @@ def main(argv=None) -> int:
             done[k] = run_pass(model, examples[:n], reuse, options, max_new_tokens=args.max_new_tokens, max_positions=args.max_positions,
                                warmup=warmup, log=lambda m: print(m, file=sys.stderr))
             print(f"{group} {name}: {time.perf_counter() - t0:.0f} s", file=sys.stderr)
-            harness.append_journal(journal, {"key": k, "sessions": done[k]})
+            append_journal(journal, {"key": k, "sessions": done[k]})
 
     head = configs(False)
     cols = ["config", "n", "L_reuse", "h", "tau_seg", "W", "tau_ctx", "eps", "accuracy", "prefill_tokens_computed", "saving", "prefill_s", "prefill_s_median",
