@@ -203,7 +203,7 @@ def test_fidelity_of_a_quantized_pool_counts_every_reply_against_the_float_pool(
 def test_binned_kl_is_the_exact_kl_with_every_token_and_a_lower_bound_with_fewer():
     import numpy as np
 
-    from eval.quality.real_model import log_softmax
+    from train.haystack_measure import log_softmax
 
     rng = np.random.default_rng(0)
     full, managed = (log_softmax(rng.normal(size=(5, 40)) * 2).astype(np.float32) for _ in range(2))

@@ -10,9 +10,10 @@ synthetic tasks and its agent accuracy (below). A pretrained model
 calibrates on agent traces rendered with its template (tools inlined as text
 where the template has no tool section) and on the real-model passkey/niah tasks
 in their question-agnostic conversation (``jaxkv.tasks.haystack``; document,
-acknowledgement, question); its budget sweep runs ``eval.quality.real_model``'s
-quantized cells instead of the harness (a 135M model solves none of the agent
-turns; ``--sweep-prefill``: the imported protocol by default, one full-precision
+acknowledgement, question); its budget sweep runs the real-model quantized cells
+(``train.haystack_measure``, those of ``eval.quality.real_model --kv-quant``)
+instead of the harness (a 135M model solves none of the agent turns;
+``--sweep-prefill``: the imported protocol by default, one full-precision
 forward per example), passkey/niah teacher-forced accuracy (``--sweep-n`` each) and the ``lm``
 continuation's NLL, and the calibrated B is the smallest whose accuracy is within
 one point of full precision and whose NLL increase is at most ``NLL_TOLERANCE``
@@ -407,18 +408,18 @@ def real_sweep(model, alloc_dict, *, n: int, length: int, log=print, journal: Pa
     """The real-model budget sweep (module docstring): full precision and the
     triaxial allocation at each budget (identical allocations once) on ``n``
     passkey, ``n`` niah (question-agnostic) and ``n`` lm examples, each example's
-    cells from ``eval.quality.real_model.run_quant_example`` under its ``prefill`` protocol
+    cells from ``train.haystack_measure.run_quant_example`` under its ``prefill`` protocol
     (``imported``: one full-precision forward per example, the papers' protocol;
     ``chunked``: each allocation's session prefills the request itself). With
     ``journal`` each example's cells are appended as it finishes; ``resume`` reuses
     those of the same allocations and protocol (a changed distortion table changes
     them: nothing reused)."""
-    from eval.quality.real_model import IMPORTED, positions_for, run_quant_example
-    from train.journal import append_journal, load_journal
     from jaxkv.policies.quant_allocation import Allocation
     from jaxkv.serving.stages.quantization import KVRecord, summarize
     from jaxkv.tasks import haystack
     from tqdm import tqdm
+    from train.haystack_measure import IMPORTED, positions_for, run_quant_example
+    from train.journal import append_journal, load_journal
 
     alloc = Allocation.from_dict(alloc_dict)
     groups: dict[tuple, list[float]] = {}
@@ -542,7 +543,7 @@ def main(argv=None) -> int:
     ap.add_argument("--workers", type=int, default=1)
     ap.add_argument("--sweep-n", type=int, default=8, help="real models: passkey, niah and lm examples of the sweep, each")
     ap.add_argument("--sweep-prefill", choices=("imported", "chunked"), default="imported",
-                    help="real models: the sweep's prefill protocol (eval.quality.real_model --quant-prefill)")
+                    help="real models: the sweep's prefill protocol (train.haystack_measure, as --quant-prefill of eval.quality.real_model)")
     ap.add_argument("--error-requests", type=int, default=None,
                     help="captures kept for the attention-error table (default: all; a real model's are large)")
     ap.add_argument("--out", default=None, help="the calibration file (default: where kv_quant='triaxial' finds it)")

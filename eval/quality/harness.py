@@ -185,7 +185,7 @@ def make_examples(task: str, n: int, length: int, seed: int = EVAL_SEED_BASE, ne
 def recorded_logp(turn) -> np.ndarray | None:
     """``[n, V]`` log-probabilities predicting a replayed turn's recorded reply tokens
     (the prompt's last row, then every reply row but the last), or None."""
-    from eval.quality.real_model import log_softmax
+    from train.haystack_measure import log_softmax
 
     if turn.target_ids is None or turn.target_logits is None or not len(turn.target_ids):
         return None

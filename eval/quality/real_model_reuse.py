@@ -37,8 +37,8 @@ import sys
 import time
 from pathlib import Path
 
-from eval.quality.real_model import digit_scores, replayed_answer_logits
 from jaxkv.tasks import haystack
+from train.haystack_measure import digit_scores, replayed_answer_logits
 from train.journal import append_journal, read_journal
 
 MODES = ("none", "segment", "cacheblend")
@@ -94,7 +94,7 @@ def main(argv=None) -> int:
     import jaxkv
     from tqdm import tqdm
 
-    from eval.quality.real_model import MAX_NEW, positions_for
+    from train.haystack_measure import MAX_NEW, positions_for
 
     p = argparse.ArgumentParser(prog="python -m eval.quality.real_model_reuse", description=__doc__.splitlines()[0])
     p.add_argument("--model", default="smollm2-135m-instruct")
