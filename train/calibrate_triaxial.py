@@ -49,10 +49,11 @@ evaluation harness):
    space and the two ablations (temporal or semantic axis collapsed, D and N
    recomputed on the coarser tags).
 5. **Budget sweep** B in {2.0, 2.2, ..., 4.0}: the calibration conversations are
-   replayed through the serving path (``eval.quality.harness``) with the triaxial
-   allocation at each B (identical allocations run once); the calibrated B is the
-   smallest whose accuracy over all scored turns of both tasks is within 1 point
-   of full precision on the same conversations (none within a point: B = 4.0).
+   replayed through the serving path as the evaluation harness replays them
+   (``train.replay``) with the triaxial allocation at each B (identical
+   allocations run once); the calibrated B is the smallest whose accuracy over
+   all scored turns of both tasks is within 1 point of full precision on the same
+   conversations (none within a point: B = 4.0).
 
 Also reported, on the captured K/V: the attention-output error of each format
 (int4, int2, kivi2, triaxial at the calibrated B): relative error of every
@@ -363,16 +364,16 @@ def attention_errors(captures, alloc, budget):
 def sweep(model_name, examples, alloc_dict, *, workers, max_new_tokens, length, log=print):
     """Calibration accuracy (pooled scored turns) of full precision and of the
     triaxial allocation at each budget; identical allocations run once."""
-    from eval.quality import harness
     from jaxkv.policies.quant_allocation import Allocation
+    from train.replay import Cell, run_cells
 
     alloc = Allocation.from_dict(alloc_dict)
     groups: dict[tuple, list[float]] = {}
     for B in BUDGETS:
         groups.setdefault(tuple(alloc.table(B).tolist()), []).append(B)
     reps = [bs[0] for bs in groups.values()]
-    cells = [harness.Cell("full", None, None, t) for t in examples]
-    cells += [harness.Cell("full", None, None, t, kv_quant="triaxial", kv_bits=B) for B in reps for t in examples]
+    cells = [Cell("full", None, None, t) for t in examples]
+    cells += [Cell("full", None, None, t, kv_quant="triaxial", kv_bits=B) for B in reps for t in examples]
     import math
 
     max_positions = int(min(4096, 1 << math.ceil(math.log2(max(2 * length + 4 * max_new_tokens, 1024)))))
@@ -380,8 +381,8 @@ def sweep(model_name, examples, alloc_dict, *, workers, max_new_tokens, length, 
                  needles=4, max_new_tokens=max_new_tokens, max_positions=max_positions)
     rows = {}
     t0 = time.perf_counter()
-    for cell, row in harness.run_cells(None if workers > 1 else _load(model_name), examples, cells, setup,
-                                       workers=workers, session_options={"kv_allocation": alloc_dict}):
+    for cell, row in run_cells(None if workers > 1 else _load(model_name), examples, cells, setup,
+                               workers=workers, session_options={"kv_allocation": alloc_dict}):
         rows[(cell.kv_quant, cell.kv_bits, cell.task)] = row
         log(f"  {cell.task} {cell.kv_quant} B={cell.kv_bits}: accuracy {row['accuracy']:.3f} avg_bits {row['avg_bits']:.2f} ({time.perf_counter() - t0:.0f} s)")
     turns = {t: sum(len(e.targets) for e in examples[t]) for t in examples}

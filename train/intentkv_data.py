@@ -652,10 +652,10 @@ def load_shards(folder, split: str) -> list[dict[str, np.ndarray]]:
 
 
 def generate(args) -> dict:
-    from eval.quality.harness import session_budget
     import jaxkv
     from jaxkv.tasks.agent import one_trace
     from jaxkv.tasks.example import for_template
+    from train.replay import session_budget
 
     check_seed_ranges()
     out = Path(args.out)

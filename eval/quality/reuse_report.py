@@ -5,7 +5,7 @@
 
 Held-out ``shared_docs`` sessions (one tenant, one shared corpus; in-distribution
 agent traces of the embedded model over shared documents) are replayed turn by
-turn with the harness (``eval.quality.harness.replay_example``: teacher-forced history,
+turn with the harness (``train.replay.replay_example``: teacher-forced history,
 each assistant turn generated greedily and scored by exact match). Each
 configuration is one *pass*: its own ``Server`` (radix cache and segment store
 shared by its sessions, as one tenant's sessions share them) over the sessions in
@@ -55,6 +55,7 @@ import numpy as np
 from eval.quality import harness
 from jaxkv.markdown import md_table
 from jaxkv.tasks.seeds import EVAL_SEED_BASE
+from train import replay
 from train.journal import append_journal, read_journal
 
 def _defaults() -> dict:
@@ -146,8 +147,8 @@ def run_pass(model, examples, reuse: str, options: dict, *, max_new_tokens: int,
         server = Server(model, max_positions=max_positions)
         try:
             for i, ex in enumerate(batch):
-                cell = harness.Cell("full", None, None, "shared_docs", reuse=reuse)
-                v, _, _, session = harness.replay_example(model, ex, cell, max_new_tokens=max_new_tokens, max_positions=max_positions,
+                cell = replay.Cell("full", None, None, "shared_docs", reuse=reuse)
+                v, _, _, session = replay.replay_example(model, ex, cell, max_new_tokens=max_new_tokens, max_positions=max_positions,
                                                           server=server, **options)
                 if phase == "run":
                     out.append({"v": [bool(x) for x in v], "reports": [dataclasses.asdict(r) for r in session._stage("reuse").reports]})
