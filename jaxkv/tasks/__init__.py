@@ -15,8 +15,8 @@
 * ``seeds``: the seed bases of the held-out evaluation sets (``EVAL_SEED_BASE``, ...).
 
 The synthetic generators return ``Example`` records (messages, tools, scored turns with
-evidence spans, labels), and ``reply_matches`` is a scored turn's exact-match rule; ``vocabulary()`` lists every prose word they emit, for
-``jaxkv.chat.toy.build_tokenizer``. They live in the package because the demo,
+evidence spans, labels), and ``reply_matches`` is a scored turn's exact-match rule;
+``vocabulary()`` lists every prose word they emit, for ``jaxkv.chat.toy.build_tokenizer``. They live in the package because the demo,
 the trainers and the evaluation all use them.
 """
 
