@@ -128,6 +128,8 @@ def _request_line(session, label: str, reply: dict, mark: str = "") -> str:
 
 def run_agent_task(session, example, out=print) -> bool:
     """The agent loop on one trace; True when the final answer is exact."""
+    from jaxkv.tasks import reply_matches
+
     env = ToolEnvironment(example)
     messages = [dict(m) for m in example.messages[:2]]
     expected = example.targets[-1].expected
@@ -136,7 +138,7 @@ def run_agent_task(session, example, out=print) -> bool:
         reply = session.chat(messages, example.tools, max_new_tokens=MAX_NEW_TOKENS)
         calls = reply.get("tool_calls") or []
         if not calls:
-            ok = (reply.get("content") or "").strip() == expected
+            ok = reply_matches(example.targets[-1], reply)
             out(_request_line(session, f"step {step}", reply, "  [right]" if ok else f"  [wrong: expected {expected!r}]"))
             return ok
         out(_request_line(session, f"step {step}", reply))
@@ -152,6 +154,8 @@ def run_agent_task(session, example, out=print) -> bool:
 
 def run_needle_task(session, example, out=print) -> bool:
     """Two user turns about one document; True when both answers are exact."""
+    from jaxkv.tasks import reply_matches
+
     msgs = example.messages
     out(f"  user: document of {len(msgs[1]['content'])} characters; "
         f"{_short(msgs[1]['content'].rsplit(chr(10), 1)[-1], 80)}")
@@ -162,7 +166,7 @@ def run_needle_task(session, example, out=print) -> bool:
             out(f"  user: {_short(msgs[3]['content'], 80)}")
             history.append(dict(msgs[3]))
         reply = session.chat(history, None, max_new_tokens=MAX_NEW_TOKENS)
-        right = (reply.get("content") or "").strip() == target.expected and not reply.get("tool_calls")
+        right = reply_matches(target, reply)
         ok &= right
         out(_request_line(session, f"turn {turn}", reply, "  [right]" if right else f"  [wrong: expected {target.expected!r}]"))
         history.append(_assistant_message(reply))

@@ -1,4 +1,4 @@
-"""``eval.common``: the one table writer, and the one bootstrap, which gives the
+"""``eval.common.stats``: the one bootstrap, which gives the
 intervals its three former copies published (``repair_protocol.paired_gain``, ``harness.paired_nll_difference``,
 ``real_model_report.mean_ci``), digit for digit, on fixed data.
 
@@ -77,15 +77,3 @@ def test_empty_and_mismatched_inputs():
     assert all(v != v for v in stats.mean_ci([]))
     with pytest.raises(ValueError):
         stats.paired_gain([1, 0], [1], [1, 1])
-
-
-def test_the_one_table_writer():
-    from eval.common.tables import md_table
-
-    assert md_table(["method", "accuracy"], [["snapkv", "0.910"], ["h2o", ""]], align="lr") == (
-        "| method | accuracy |\n|---|---:|\n| snapkv | 0.910 |\n| h2o |  |")
-    assert md_table(["a"], []) == "| a |\n|---|"
-    with pytest.raises(ValueError, match="2 cells"):
-        md_table(["a"], [["x", "y"]])
-    with pytest.raises(ValueError, match="align"):
-        md_table(["a", "b"], [], align="l")

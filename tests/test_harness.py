@@ -9,6 +9,7 @@ import numpy as np
 import pytest
 
 from eval.quality import harness
+from train import replay
 
 
 def test_harness_writes_csv_markdown_and_plots(task_model_dir, tmp_path, capsys):
@@ -88,8 +89,8 @@ def test_harness_resume_skips_recorded_cells_and_workers_agree(task_model_dir, t
     # drop the last recorded cell (an interrupted run): --resume replays only that one
     (out / "cells.jsonl").write_text("\n".join(journal[:-1]) + "\n")
     replayed = []
-    real_run_cell = harness.run_cell
-    monkeypatch.setattr(harness, "run_cell", lambda *a, **k: replayed.append(a[2]) or real_run_cell(*a, **k))
+    real_run_cell = replay.run_cell
+    monkeypatch.setattr(replay, "run_cell", lambda *a, **k: replayed.append(a[2]) or real_run_cell(*a, **k))
     # --report-only writes the report from the recorded cells, runs none, lists the rest
     reported = harness.run(_grid_args(task_model_dir, out, "--resume", "--report-only"))
     assert replayed == [] and _without_wall(reported) == _without_wall(first[:-1])
@@ -115,7 +116,7 @@ def _row(method, budget, correct, scored=None):
     return {"method": method, "budget": budget, "layout": "dead_slot" if budget != "-" else "-", "task": "agent",
             "repair_policy": "none", "accuracy": sum(correct) / sum(scored), "peak_request_tokens": 10.0,
             "peak_live_kv": 5.0, "raw_kv_reads": 100.0, "effective_kv_reads": 50.0,
-            harness.PER_EXAMPLE: {"correct": correct, "scored": scored}}
+            replay.PER_EXAMPLE: {"correct": correct, "scored": scored}}
 
 
 def test_compare_to_best_baseline_pairs_examples_and_never_picks_a_learned_method():
@@ -137,7 +138,7 @@ def test_compare_to_best_baseline_pairs_examples_and_never_picks_a_learned_metho
     assert "reference snapkv (0.500)" in md and "+0.500 [+0.500, +0.500]" in md and "**yes**" in md
     # a baseline cell without per-example counts (an older journal) leaves the verdict open
     old = _row("tova", 100, [0] * n)
-    del old[harness.PER_EXAMPLE]
+    del old[replay.PER_EXAMPLE]
     md = harness.comparison_markdown(rows + [old], "agent", "best", "intentkv")
     assert "tova -" in md and "**not decided** (no per-example counts for tova" in md
     # a method that loses on some examples gets an interval that reaches below its gain
@@ -149,7 +150,7 @@ def test_compare_to_best_baseline_pairs_examples_and_never_picks_a_learned_metho
 
 def test_a_cell_without_reuse_keeps_its_journal_key_from_before_the_reuse_field():
     """Journals written before ``Cell.reuse`` existed (the committed harness reports) still resume."""
-    cell = harness.Cell("snapkv", 1280, "dead_slot", "agent", base_budget=1280)
+    cell = replay.Cell("snapkv", 1280, "dead_slot", "agent", base_budget=1280)
     assert harness.cell_key(cell) == '["snapkv", 1280, "dead_slot", "agent", "none", 0, 1280]'
     assert harness.cell_key(harness.dataclasses.replace(cell, reuse="segment")).endswith(', 1280, "segment"]')
 
@@ -203,13 +204,13 @@ def test_fidelity_of_a_quantized_pool_counts_every_reply_against_the_float_pool(
 def test_binned_kl_is_the_exact_kl_with_every_token_and_a_lower_bound_with_fewer():
     import numpy as np
 
-    from eval.quality.real_model import log_softmax
+    from train.haystack_measure import log_softmax
 
     rng = np.random.default_rng(0)
     full, managed = (log_softmax(rng.normal(size=(5, 40)) * 2).astype(np.float32) for _ in range(2))
     exact = (np.exp(full) * (full - managed)).sum(-1)
-    np.testing.assert_allclose(harness.binned_kl(harness.binned_reference(full, top=40), managed), exact, rtol=1e-5, atol=1e-7)
-    coarse = harness.binned_kl(harness.binned_reference(full, top=4), managed)
+    np.testing.assert_allclose(replay.binned_kl(replay.binned_reference(full, top=40), managed), exact, rtol=1e-5, atol=1e-7)
+    coarse = replay.binned_kl(replay.binned_reference(full, top=4), managed)
     assert (coarse <= exact + 1e-9).all() and (coarse > 0).all()
 
 
@@ -246,8 +247,8 @@ def test_fractional_budgets_are_a_share_of_each_examples_rendered_length(task_mo
     for ex in examples:
         last = max(t.message_index for t in ex.targets)
         n = render(model.tokenizer, ex.messages[: last + 1], ex.tools or None, add_generation_prompt=False).ids.size
-        assert harness.session_budget(0.5, model.tokenizer, ex, last) == round(0.5 * n)
-        assert harness.session_budget(300, model.tokenizer, ex, last) == 300
+        assert replay.session_budget(0.5, model.tokenizer, ex, last) == round(0.5 * n)
+        assert replay.session_budget(300, model.tokenizer, ex, last) == 300
     # a grid with a fractional budget: test_teacher_forced_accuracy_... runs one
     with pytest.raises(ValueError, match="fractions"):
         harness.run(harness.build_parser().parse_args(["--model", str(task_model_dir), "--out", str(tmp_path / "r2"),
@@ -262,13 +263,13 @@ def test_fidelity_differences_are_paired_over_examples_against_the_lowest_baseli
         fid = [{"tokens": 10, "dnll": d, "kl": abs(d)} for d in dnll]
         return {"method": method, "task": "agent", "layout": "dead_slot", "budget": 0.5, "repair_policy": "none",
                 "reuse": "-", "accuracy": 0.5, "fidelity_tokens": 10 * len(dnll), "nll_increase": sum(dnll) / (10 * len(dnll)),
-                "kl": sum(map(abs, dnll)) / (10 * len(dnll)), harness.PER_EXAMPLE: {"fidelity": fid}}
+                "kl": sum(map(abs, dnll)) / (10 * len(dnll)), replay.PER_EXAMPLE: {"fidelity": fid}}
 
     snap, h2o = row("snapkv", [1.0, 2.0, 3.0, 4.0]), row("h2o", [2.0, 3.0, 5.0, 6.0])
     head = row("intentkv", [0.5, 1.5, 2.0, 3.5])
-    diff, low, high = harness.paired_nll_difference(head[harness.PER_EXAMPLE]["fidelity"], snap[harness.PER_EXAMPLE]["fidelity"])
+    diff, low, high = harness.paired_nll_difference(head[replay.PER_EXAMPLE]["fidelity"], snap[replay.PER_EXAMPLE]["fidelity"])
     assert diff == pytest.approx((7.5 - 10.0) / 40) and low <= diff <= high < 0
-    assert harness.paired_nll_difference(snap[harness.PER_EXAMPLE]["fidelity"], snap[harness.PER_EXAMPLE]["fidelity"]) == (0.0, 0.0, 0.0)
+    assert harness.paired_nll_difference(snap[replay.PER_EXAMPLE]["fidelity"], snap[replay.PER_EXAMPLE]["fidelity"]) == (0.0, 0.0, 0.0)
     md = harness.fidelity_comparison_markdown([h2o, head, snap], "agent")
     assert "best baseline snapkv (+0.2500)" in md
     lines = [x for x in md.splitlines() if x.startswith("| intentkv") or x.startswith("| h2o")]
@@ -294,20 +295,20 @@ def test_teacher_forced_accuracy_counts_a_turn_only_when_every_reply_token_is_th
     prompt_logits, target_logits = rng.normal(size=(3, 11)), rng.normal(size=(4, 11))
     rows = np.concatenate([prompt_logits[-1:], target_logits[:-1]])
     turn = types.SimpleNamespace(prompt_logits=prompt_logits, target_logits=target_logits, target_ids=rows.argmax(-1))
-    assert harness.teacher_forced_match(turn)
+    assert replay.teacher_forced_match(turn)
     for i in range(4):
         wrong = rows.argmax(-1).copy()
         wrong[i] = (wrong[i] + 1) % 11
-        assert not harness.teacher_forced_match(types.SimpleNamespace(prompt_logits=prompt_logits, target_logits=target_logits,
+        assert not replay.teacher_forced_match(types.SimpleNamespace(prompt_logits=prompt_logits, target_logits=target_logits,
                                                                       target_ids=wrong))
-    assert not harness.teacher_forced_match(types.SimpleNamespace(prompt_logits=None, target_logits=None, target_ids=None))
+    assert not replay.teacher_forced_match(types.SimpleNamespace(prompt_logits=None, target_logits=None, target_ids=None))
 
     import jaxkv
 
     model = jaxkv.load_model(task_model_dir)
     ex = harness.make_examples("agent", 1, 600)[0]
-    cell = harness.Cell("snapkv", 150, "dead_slot", "agent")
-    verdicts, done, _, session = harness.replay_example(model, ex, cell, max_new_tokens=8, max_positions=2048, accuracy="teacher")
+    cell = replay.Cell("snapkv", 150, "dead_slot", "agent")
+    verdicts, done, _, session = replay.replay_example(model, ex, cell, max_new_tokens=8, max_positions=2048, accuracy="teacher")
     assert done and verdicts == [False] * len(ex.targets)  # a random model reproduces no recorded reply
     assert session.compressions and all(m.decode_steps == 0 for m in session.metrics.requests)  # nothing decoded
     session.close()

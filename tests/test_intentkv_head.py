@@ -236,8 +236,8 @@ def test_empty_span_and_alpha_clip(trained_like_head):
 def test_learned_policies_run_in_a_session(task_model_dir, tmp_path):
     """Every learned policy runs through a real session (engine-filled features, no span),
     on both layouts and with RepairKV."""
-    from eval.tasks import agent_traces
     from jaxkv.serving import Session
+    from jaxkv.tasks import agent_traces
 
     model = jaxkv.load_model(task_model_dir)
     head = ih.save_head(perturbed(ih.init_head(ih.HeadConfig(head_dim=model.config.head_dim), 0), 1), tmp_path / "h")
@@ -254,8 +254,8 @@ def test_learned_policies_run_in_a_session(task_model_dir, tmp_path):
 
 # -- training rows ----------------------------------------------------------------------------
 def hand_built_conversation():
-    from eval.tasks.agent import tool_schema
-    from eval.tasks.example import tool_call
+    from jaxkv.tasks.agent import tool_schema
+    from jaxkv.tasks.example import tool_call
 
     tools = [tool_schema("open"), tool_schema("lookup")]
     opens = ["d011", "d012", "d013", "d014", "d015", "d016"]
@@ -308,9 +308,9 @@ def test_labels_are_exactly_the_argument_values_of_the_next_five_calls(task_mode
 
 def test_row_scores_are_what_a_session_scores_at_its_event(task_model_dir):
     """The row's rule score, memory and forced set reproduce a real session's first event."""
-    from eval.tasks import agent_traces
     from jaxkv.policies import select
     from jaxkv.serving import Session
+    from jaxkv.tasks import agent_traces
     from train import intentkv_data as data
 
     model = jaxkv.load_model(task_model_dir)
@@ -341,9 +341,9 @@ def test_managed_rows_are_what_each_event_of_a_managed_session_saw(task_model_di
     live positions; its keys before the first event are the full-cache forward's and
     after it differ (computed over the kept rows: what the full-cache rows cannot
     show); its labels are the full cache's reads at its positions."""
-    from eval.tasks import agent_traces
     from jaxkv.policies import select
     from jaxkv.serving import Server
+    from jaxkv.tasks import agent_traces
     from train import intentkv_data as data
 
     model = jaxkv.load_model(task_model_dir)
@@ -385,8 +385,8 @@ def test_seed_ranges_are_disjoint_from_evaluation():
     seeds = range(data.TRAIN_SEED_BASE, data.TRAIN_SEED_BASE + data.SPLIT_SEEDS)
     for name, r in data.evaluation_seed_ranges().items():
         assert seeds.stop <= r.start or r.stop <= seeds.start, name
-    from eval.quality.harness import EVAL_SEED_BASE
-    from eval.tasks.example import example_seed
+    from jaxkv.tasks.example import example_seed
+    from jaxkv.tasks.seeds import EVAL_SEED_BASE
 
     assert example_seed(EVAL_SEED_BASE, 0) in data.evaluation_seed_ranges()["harness agent"]
 

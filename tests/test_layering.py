@@ -4,9 +4,10 @@ pool interface.
 The layering is declared once, as ``import-linter`` contracts in ``pyproject.toml``
 (``[tool.importlinter]``): the order of ``jaxkv``'s parts, the imports the map
 forbids (models import no kernels, nothing in ``jaxkv/`` imports ``train/`` or
-``eval/``, ...) and no import circle at any depth. ``make test`` runs ``lint-imports``
-first; the tests here run it too, on this checkout, and on a copy with one upward
-import added, which must fail and name the offending chain.
+``eval/``, nothing in ``train/`` imports ``eval/``, ...) and no import circle at any
+depth. ``make test`` runs ``lint-imports`` first; the tests here run it too, on this
+checkout, and on a copy with one upward import added, which must fail and name the
+offending chain.
 """
 
 from __future__ import annotations
@@ -60,6 +61,9 @@ def copy_sources(dst: Path) -> Path:
     # the package reaching into the evaluation scripts
     ("jaxkv/cache/radix.py", "import eval.quality.harness", "jaxkv never imports train/ or eval/",
      "jaxkv.cache.radix -> eval.quality.harness"),
+    # a trainer reaching up into the evaluation scripts
+    ("train/intentkv_head.py", "import eval.quality.harness", "train/ never imports eval/",
+     "train.intentkv_head -> eval.quality.harness"),
     # a model importing a kernel module directly
     ("jaxkv/models/weights.py", "import jaxkv.pallas.quant", "models import no kernels",
      "jaxkv.models.weights -> jaxkv.pallas.quant"),

@@ -106,7 +106,8 @@ def test_a_branched_cell_is_its_policy_alone(shallow):
 def test_lm_cells_compress_the_text_to_their_budget(shallow):
     """The ``lm`` task's raw text has no chat messages, so nothing in it is protected:
     each cell keeps its ratio's budget and its continuation's NLL and KL move."""
-    from eval.quality.real_model import positions_for, run_example
+    from eval.quality.real_model import run_example
+    from train.haystack_measure import positions_for
 
     example = haystack.examples("lm", 1, length=512, tokenizer=shallow.tokenizer)[0]
     cells = [Cell(None), Cell("snapkv", 0.5), Cell("streaming_llm", 0.75)]
@@ -123,7 +124,7 @@ def test_quant_cells_run_each_format_on_its_own_pool(shallow):
     """``--kv-quant``: the float pool's full cache is the reference (KL 0) and each
     format's full cache, written by its own prefill, moves the continuation's NLL
     and KL without evicting anything."""
-    from eval.quality.real_model import positions_for, run_quant_example
+    from train.haystack_measure import positions_for, run_quant_example
 
     example = haystack.examples("lm", 1, length=512, tokenizer=shallow.tokenizer)[0]
     record = run_quant_example(shallow, example, "agnostic", ["int4"], positions=positions_for(512))  # one format: suite time
@@ -139,7 +140,7 @@ def test_imported_quant_prefill_is_the_one_chunk_prefill(shallow):
     pool give the cell a request prefilled in one chunk would give. A 512-token
     request is one chunk for the session's own prefill too, so both protocols must
     agree to the rounding of two programs computing the same K/V."""
-    from eval.quality.real_model import positions_for, run_quant_example
+    from train.haystack_measure import positions_for, run_quant_example
 
     example = haystack.examples("lm", 1, length=512, tokenizer=shallow.tokenizer)[0]
     chunked = run_quant_example(shallow, example, "agnostic", ["int4"], positions=positions_for(512))
@@ -155,7 +156,7 @@ def test_imported_quant_prefill_is_the_one_chunk_prefill(shallow):
 
 
 def test_format_specs_name_a_mode_its_budget_and_allocation():
-    from eval.quality.real_model import format_options
+    from train.haystack_measure import format_options
 
     assert format_options("int4") == {"kv_quant": "int4"}
     assert format_options("triaxial@2.6", {"x": 1}) == {"kv_quant": "triaxial", "kv_bits": 2.6, "kv_allocation": {"x": 1}}

@@ -38,12 +38,12 @@ def test_forked_cells_equal_fresh_replays(task_model_dir, monkeypatch):
     """Every repair cell of ``example_verdicts`` (turn 1 once, then a fork per
     (policy, K)) generates what a fresh session for that cell generates."""
     import jaxkv
-    from eval.quality import harness
     from jaxkv.tasks import mqniah
+    from train import replay
 
     reply = lambda target, generated: generated.get("content")  # noqa: E731  (compare replies, not verdicts)
     monkeypatch.setattr(rp, "reply_matches", reply)
-    monkeypatch.setattr(harness, "reply_matches", reply)
+    monkeypatch.setattr(replay, "reply_matches", reply)
     model = jaxkv.load_model(str(task_model_dir))
     examples = mqniah(2, rp.PROTOCOL_SEED, needles=4, length=600)
     setup = dict(first_stage="snapkv", base_budget=120, ks=[8, 40], policies=list(rp.REPAIR_POLICIES),
@@ -54,8 +54,8 @@ def test_forked_cells_equal_fresh_replays(task_model_dir, monkeypatch):
     assert set(record["verdicts"]) == set(rp.cell_names(setup["ks"], setup["policies"]))
     for k in setup["ks"]:
         for policy in setup["policies"]:
-            cell = harness.Cell("snapkv", 120, "dead_slot", "mqniah", policy, k, 120)
-            fresh, done, _, session = harness.replay_example(
+            cell = replay.Cell("snapkv", 120, "dead_slot", "mqniah", policy, k, 120)
+            fresh, done, _, session = replay.replay_example(
                 model, examples[0], cell, max_new_tokens=6, max_positions=1024, protect_query=False,
                 repair_wrong_signal=donor if policy == "wrongq" else None)
             assert done and record["verdicts"][f"{policy}@{k}"] == fresh, (policy, k)

@@ -108,8 +108,8 @@ def test_differences_are_explained_by_the_first_flip_or_token():
 def test_eight_concurrent_sessions_reply_as_if_alone(length):
     """8 sessions x 2 trace lengths: every batched reply equals the session's solo
     reply, or differs through a near tie of the solo run (logged with its margin)."""
-    from eval.quality.harness import EVAL_SEED_BASE
     from jaxkv.tasks import agent_traces
+    from jaxkv.tasks.seeds import EVAL_SEED_BASE
 
     model = jaxkv.load_model("embedded")
     examples = agent_traces(8, EVAL_SEED_BASE + 4242, length=length)

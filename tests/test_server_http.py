@@ -401,9 +401,9 @@ def embedded():
 
 @needs_embedded
 def test_agent_trace_solved_through_tool_call_round_trips(embedded):
-    from eval.quality.harness import EVAL_SEED_BASE, reply_matches
     from jaxkv.demo import MAX_AGENT_STEPS, ToolEnvironment
-    from jaxkv.tasks import agent_traces
+    from jaxkv.tasks import agent_traces, reply_matches
+    from jaxkv.tasks.seeds import EVAL_SEED_BASE
 
     example = agent_traces(1, EVAL_SEED_BASE + 1903, length=1024)[0]  # held out: an evaluation seed
     env = ToolEnvironment(example)

@@ -10,9 +10,10 @@ synthetic tasks and its agent accuracy (below). A pretrained model
 calibrates on agent traces rendered with its template (tools inlined as text
 where the template has no tool section) and on the real-model passkey/niah tasks
 in their question-agnostic conversation (``jaxkv.tasks.haystack``; document,
-acknowledgement, question); its budget sweep runs ``eval.quality.real_model``'s
-quantized cells instead of the harness (a 135M model solves none of the agent
-turns; ``--sweep-prefill``: the imported protocol by default, one full-precision
+acknowledgement, question); its budget sweep runs the real-model quantized cells
+(``train.haystack_measure``, those of ``eval.quality.real_model --kv-quant``)
+instead of the harness (a 135M model solves none of the agent turns;
+``--sweep-prefill``: the imported protocol by default, one full-precision
 forward per example), passkey/niah teacher-forced accuracy (``--sweep-n`` each) and the ``lm``
 continuation's NLL, and the calibrated B is the smallest whose accuracy is within
 one point of full precision and whose NLL increase is at most ``NLL_TOLERANCE``
@@ -48,10 +49,11 @@ evaluation harness):
    space and the two ablations (temporal or semantic axis collapsed, D and N
    recomputed on the coarser tags).
 5. **Budget sweep** B in {2.0, 2.2, ..., 4.0}: the calibration conversations are
-   replayed through the serving path (``eval.quality.harness``) with the triaxial
-   allocation at each B (identical allocations run once); the calibrated B is the
-   smallest whose accuracy over all scored turns of both tasks is within 1 point
-   of full precision on the same conversations (none within a point: B = 4.0).
+   replayed through the serving path as the evaluation harness replays them
+   (``train.replay``) with the triaxial allocation at each B (identical
+   allocations run once); the calibrated B is the smallest whose accuracy over
+   all scored turns of both tasks is within 1 point of full precision on the same
+   conversations (none within a point: B = 4.0).
 
 Also reported, on the captured K/V: the attention-output error of each format
 (int4, int2, kivi2, triaxial at the calibrated B): relative error of every
@@ -362,16 +364,16 @@ def attention_errors(captures, alloc, budget):
 def sweep(model_name, examples, alloc_dict, *, workers, max_new_tokens, length, log=print):
     """Calibration accuracy (pooled scored turns) of full precision and of the
     triaxial allocation at each budget; identical allocations run once."""
-    from eval.quality import harness
     from jaxkv.policies.quant_allocation import Allocation
+    from train.replay import Cell, run_cells
 
     alloc = Allocation.from_dict(alloc_dict)
     groups: dict[tuple, list[float]] = {}
     for B in BUDGETS:
         groups.setdefault(tuple(alloc.table(B).tolist()), []).append(B)
     reps = [bs[0] for bs in groups.values()]
-    cells = [harness.Cell("full", None, None, t) for t in examples]
-    cells += [harness.Cell("full", None, None, t, kv_quant="triaxial", kv_bits=B) for B in reps for t in examples]
+    cells = [Cell("full", None, None, t) for t in examples]
+    cells += [Cell("full", None, None, t, kv_quant="triaxial", kv_bits=B) for B in reps for t in examples]
     import math
 
     max_positions = int(min(4096, 1 << math.ceil(math.log2(max(2 * length + 4 * max_new_tokens, 1024)))))
@@ -379,8 +381,8 @@ def sweep(model_name, examples, alloc_dict, *, workers, max_new_tokens, length, 
                  needles=4, max_new_tokens=max_new_tokens, max_positions=max_positions)
     rows = {}
     t0 = time.perf_counter()
-    for cell, row in harness.run_cells(None if workers > 1 else _load(model_name), examples, cells, setup,
-                                       workers=workers, session_options={"kv_allocation": alloc_dict}):
+    for cell, row in run_cells(None if workers > 1 else _load(model_name), examples, cells, setup,
+                               workers=workers, session_options={"kv_allocation": alloc_dict}):
         rows[(cell.kv_quant, cell.kv_bits, cell.task)] = row
         log(f"  {cell.task} {cell.kv_quant} B={cell.kv_bits}: accuracy {row['accuracy']:.3f} avg_bits {row['avg_bits']:.2f} ({time.perf_counter() - t0:.0f} s)")
     turns = {t: sum(len(e.targets) for e in examples[t]) for t in examples}
@@ -407,18 +409,18 @@ def real_sweep(model, alloc_dict, *, n: int, length: int, log=print, journal: Pa
     """The real-model budget sweep (module docstring): full precision and the
     triaxial allocation at each budget (identical allocations once) on ``n``
     passkey, ``n`` niah (question-agnostic) and ``n`` lm examples, each example's
-    cells from ``eval.quality.real_model.run_quant_example`` under its ``prefill`` protocol
+    cells from ``train.haystack_measure.run_quant_example`` under its ``prefill`` protocol
     (``imported``: one full-precision forward per example, the papers' protocol;
     ``chunked``: each allocation's session prefills the request itself). With
     ``journal`` each example's cells are appended as it finishes; ``resume`` reuses
     those of the same allocations and protocol (a changed distortion table changes
     them: nothing reused)."""
-    from eval.quality.harness import append_journal, load_journal
-    from eval.quality.real_model import IMPORTED, positions_for, run_quant_example
     from jaxkv.policies.quant_allocation import Allocation
     from jaxkv.serving.stages.quantization import KVRecord, summarize
     from jaxkv.tasks import haystack
     from tqdm import tqdm
+    from train.haystack_measure import IMPORTED, positions_for, run_quant_example
+    from train.journal import append_journal, load_journal
 
     alloc = Allocation.from_dict(alloc_dict)
     groups: dict[tuple, list[float]] = {}
@@ -542,7 +544,7 @@ def main(argv=None) -> int:
     ap.add_argument("--workers", type=int, default=1)
     ap.add_argument("--sweep-n", type=int, default=8, help="real models: passkey, niah and lm examples of the sweep, each")
     ap.add_argument("--sweep-prefill", choices=("imported", "chunked"), default="imported",
-                    help="real models: the sweep's prefill protocol (eval.quality.real_model --quant-prefill)")
+                    help="real models: the sweep's prefill protocol (train.haystack_measure, as --quant-prefill of eval.quality.real_model)")
     ap.add_argument("--error-requests", type=int, default=None,
                     help="captures kept for the attention-error table (default: all; a real model's are large)")
     ap.add_argument("--out", default=None, help="the calibration file (default: where kv_quant='triaxial' finds it)")
@@ -569,7 +571,7 @@ def main(argv=None) -> int:
     out = Path(args.out) if args.out else default_out(model, args.model)
     tasks = [t for t in (args.tasks or ("agent,mqniah" if embedded else ",".join(REAL_TASKS))).split(",") if t]
     t0 = time.perf_counter()
-    from eval.quality.harness import append_journal, load_journal
+    from train.journal import append_journal, load_journal
 
     work = Path(args.work or f"runs/calibrate-triaxial/{Path(args.model).name}")
     work.mkdir(parents=True, exist_ok=True)

@@ -3,10 +3,10 @@
     JAX_PLATFORMS=cpu python -m train.embedded_model --out runs/embedded
 
 What it trains: a from-scratch Qwen3-architecture ``Transformer`` (about a million
-parameters, ``--size``) on a seeded stream of ``eval.tasks`` conversations, half
+parameters, ``--size``) on a seeded stream of ``jaxkv.tasks`` conversations, half
 agent traces (``agent_traces``), half split-query needle retrieval (``mqniah``),
 rendered with the toy word-level tokenizer (``jaxkv.chat.toy``) over
-``eval.tasks.vocabulary()`` plus the chat template's own words, prose words carrying
+``jaxkv.tasks.vocabulary()`` plus the chat template's own words, prose words carrying
 their leading space (``embedded_tokenizer``).
 
 Initialisation (``--init copy``, ``copy_circuit_init``): layer-0 heads that attend

@@ -159,10 +159,9 @@ EVAL_EXAMPLES = 1_000_000  # evaluation sets are assumed to use fewer examples p
 
 def evaluation_seed_ranges() -> dict[str, range]:
     """Per-example seeds the evaluation code uses (a range per evaluation set)."""
-    from eval.quality.embedded_accuracy import HELDOUT_SEED_BASE as ACCURACY_BASE
-    from eval.quality.harness import EVAL_SEED_BASE
-    from eval.tasks.example import example_seed
     from jaxkv.demo import DEMO_SEED_BASE
+    from jaxkv.tasks.example import example_seed
+    from jaxkv.tasks.seeds import ACCURACY_SEED_BASE, EVAL_SEED_BASE
 
     def batch(seed):
         start = example_seed(seed, 0)
@@ -173,7 +172,7 @@ def evaluation_seed_ranges() -> dict[str, range]:
         "harness agent": batch(EVAL_SEED_BASE),
         "harness mqniah": batch(EVAL_SEED_BASE + 500_000),
         "demo": range(DEMO_SEED_BASE, DEMO_SEED_BASE + 1000 * 1000 + EVAL_EXAMPLES),
-        "embedded_accuracy": range(ACCURACY_BASE, ACCURACY_BASE + 100_000 + EVAL_EXAMPLES),
+        "embedded_accuracy": range(ACCURACY_SEED_BASE, ACCURACY_SEED_BASE + 100_000 + EVAL_EXAMPLES),
     }
 
 
@@ -653,10 +652,10 @@ def load_shards(folder, split: str) -> list[dict[str, np.ndarray]]:
 
 
 def generate(args) -> dict:
-    from eval.quality.harness import session_budget
-    from eval.tasks.agent import one_trace
     import jaxkv
+    from jaxkv.tasks.agent import one_trace
     from jaxkv.tasks.example import for_template
+    from train.replay import session_budget
 
     check_seed_ranges()
     out = Path(args.out)

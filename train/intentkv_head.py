@@ -75,7 +75,7 @@ import optax
 import orbax.checkpoint as ocp
 from tqdm import tqdm
 
-from eval.common.tables import md_table
+from jaxkv.markdown import md_table
 from jaxkv.policies import select
 from jaxkv.policies.intentkv_head import (
     Head,

@@ -68,7 +68,7 @@ os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
 import jax  # noqa: E402
 
-from eval.common.tables import md_table  # noqa: E402
+from jaxkv.markdown import md_table  # noqa: E402
 from jaxkv.pallas.quant import PAGE  # noqa: E402
 
 CAPACITY_SEED_OFFSET = 7_000  # trace seeds: EVAL_SEED_BASE + this (held out, disjoint from bench_serving's 5,000)
@@ -109,10 +109,10 @@ class Kind:
 
 def plans(model, n: int, length: int, turns: int, max_new_tokens: int) -> list[SessionPlan]:
     """``n`` held-out agent traces as session replays for ``model``'s template."""
-    from eval.quality.harness import EVAL_SEED_BASE
     from jaxkv.chat import render
     from jaxkv.tasks import agent_traces
     from jaxkv.tasks.example import for_template
+    from jaxkv.tasks.seeds import EVAL_SEED_BASE
 
     out = []
     for ex in agent_traces(n, EVAL_SEED_BASE + CAPACITY_SEED_OFFSET, length=length):

@@ -32,9 +32,9 @@ import numpy as np  # noqa: E402
 
 import jaxkv  # noqa: E402
 from eval.bench.decode import QWEN3_125M, fill_pool_randomly  # noqa: E402
-from eval.common.tables import md_header, md_row  # noqa: E402
 from jaxkv.config import ModelConfig  # noqa: E402
 from jaxkv.engine import Engine  # noqa: E402
+from jaxkv.markdown import md_header, md_row  # noqa: E402
 from jaxkv.serving.stages.retention import compress_row  # noqa: E402
 from jaxkv.policies import REGISTRY, EventFeatures, Observation  # noqa: E402
 

@@ -41,8 +41,8 @@ import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 
 import jaxkv  # noqa: E402
-from eval.common.tables import md_header, md_row  # noqa: E402
 from jaxkv.engine import Engine  # noqa: E402
+from jaxkv.markdown import md_header, md_row  # noqa: E402
 
 QWEN3_125M = dict(
     vocab_size=32000, hidden_size=768, intermediate_size=2048, num_hidden_layers=12,

@@ -30,7 +30,7 @@ os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
 import numpy as np  # noqa: E402
 
-from eval.common.tables import md_header, md_row  # noqa: E402
+from jaxkv.markdown import md_header, md_row  # noqa: E402
 
 STEPS = 32
 REPEATS = 5

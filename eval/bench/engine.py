@@ -35,7 +35,7 @@ import sys
 import tempfile
 from pathlib import Path
 
-from eval.common.tables import md_header, md_row
+from jaxkv.markdown import md_header, md_row
 
 ROOT = Path(__file__).resolve().parents[2]
 OLD = "44e9456"

@@ -31,8 +31,8 @@ from typing import Callable
 import jax
 import jax.numpy as jnp
 
-from eval.common.tables import md_header, md_row
 from jaxkv.config import RopeConfig
+from jaxkv.markdown import md_header, md_row
 from jaxkv.pallas import cost
 from jaxkv.pallas import (
     decode_attention,

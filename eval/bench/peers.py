@@ -62,7 +62,7 @@ sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[2]))
 
 from eval.bench import peer_stacks  # noqa: E402
 from eval.common.servers import ServerProcess, metric  # noqa: E402
-from eval.common.tables import md_header, md_row  # noqa: E402
+from jaxkv.markdown import md_header, md_row  # noqa: E402
 
 MODEL = "smollm2-135m-instruct"
 SERVED_NAME = "smollm2"

@@ -44,9 +44,9 @@ import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 
 from eval.bench.decode import build_models, decode_table, read_bandwidth_gbs, torch_generator, torch_sync  # noqa: E402
-from eval.common.tables import md_header, md_row  # noqa: E402
 from jaxkv import buckets  # noqa: E402
 from jaxkv.engine import PREFILL_CHUNK, Engine  # noqa: E402
+from jaxkv.markdown import md_header, md_row  # noqa: E402
 
 
 def median_time(fn, repeats: int) -> float:

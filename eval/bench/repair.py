@@ -33,7 +33,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from eval.common.tables import md_header, md_row
+from jaxkv.markdown import md_header, md_row
 from jaxkv.policies import repair
 
 L, HQ, HKV, D = 12, 12, 4, 64

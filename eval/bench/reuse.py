@@ -31,7 +31,7 @@ import time
 
 import numpy as np
 
-from eval.common.tables import md_header, md_row
+from jaxkv.markdown import md_header, md_row
 
 
 def _segment_bytes(store_cls, minhash, T, n, Hkv, D, M):

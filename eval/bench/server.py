@@ -9,7 +9,7 @@ server starts with ``--no-warmup`` unless ``--server-warmup`` asks for the
 command's start-up warm-up (every program of the shape set, minutes on 2 cores):
 
 * each client takes held-out agent traces (``jaxkv.tasks.agent_traces``, seeds
-  from ``eval.quality.harness.EVAL_SEED_BASE``, a separate pool per phase, at most
+  from ``jaxkv.tasks.seeds.EVAL_SEED_BASE``, a separate pool per phase, at most
   ``--traces`` per phase) and replays each as one session (``session_id`` in
   ``extra_body``): at every recorded assistant turn it sends the recorded history
   so far (teacher forcing, so one odd reply does not change what follows) with
@@ -69,7 +69,7 @@ os.environ.setdefault("JAX_PLATFORMS", "cpu")
 import numpy as np  # noqa: E402
 
 from eval.common.servers import ServerProcess, free_port, metric  # noqa: E402
-from eval.common.tables import md_table  # noqa: E402
+from jaxkv.markdown import md_table  # noqa: E402
 
 MAX_POSITIONS = 4096  # per request: the traces are ~1-2k tokens (the pool is rows x 2 x this)
 SEED_OFFSET = 70_000  # trace seeds: EVAL_SEED_BASE + SEED_OFFSET + ... (held out from training)
@@ -365,8 +365,8 @@ def main(argv=None) -> int:
     args = build_parser().parse_args(argv)
     if args.clients < 2 or args.seconds <= 0 or (args.policy and args.budget is None):
         raise SystemExit("need --clients >= 2, --seconds > 0, and --budget with --policy")
-    from eval.quality.harness import EVAL_SEED_BASE
     from jaxkv.tasks import agent_traces
+    from jaxkv.tasks.seeds import EVAL_SEED_BASE
 
     base = EVAL_SEED_BASE + SEED_OFFSET
     pools = [agent_traces(args.traces, base + 1000 * (k + 1), length=args.length) for k in range(2)]
@@ -399,8 +399,8 @@ def main(argv=None) -> int:
 
 def serve_phases(args, pools) -> list[dict]:
     """Start ``jaxkv serve``, warm it up, run the two timed phases, stop it."""
-    from eval.quality.harness import EVAL_SEED_BASE
     from jaxkv.tasks import agent_traces
+    from jaxkv.tasks.seeds import EVAL_SEED_BASE
 
     warm = agent_traces(args.traces, EVAL_SEED_BASE + SEED_OFFSET, length=args.length)
     port = free_port()

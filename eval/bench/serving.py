@@ -50,9 +50,9 @@ import jax  # noqa: E402
 import numpy as np  # noqa: E402
 
 import jaxkv  # noqa: E402
-from eval.common.tables import md_header, md_row  # noqa: E402
-from eval.quality.harness import EVAL_SEED_BASE  # noqa: E402
+from jaxkv.markdown import md_header, md_row  # noqa: E402
 from jaxkv.serving.scheduler import DECODE_CHUNK  # noqa: E402
+from jaxkv.tasks.seeds import EVAL_SEED_BASE  # noqa: E402
 
 SERVING_SEED = EVAL_SEED_BASE + 5_000  # held out, disjoint from the harness's examples
 MAX_WARMUP_PASSES = 5

@@ -29,7 +29,7 @@ import tempfile
 from pathlib import Path
 
 from eval.common.servers import ServerProcess, free_port, metric
-from eval.common.tables import md_table
+from jaxkv.markdown import md_table
 
 
 def start(args, cache: str, log: Path) -> dict:

@@ -1,2 +1,2 @@
-"""What the eval and train scripts share: one bootstrap (``stats``), one markdown table
-writer (``tables``) and one runner for servers started in a subprocess (``servers``)."""
+"""What the eval scripts share: one bootstrap (``stats``) and one runner for servers
+started in a subprocess (``servers``). Their markdown tables come from ``jaxkv.markdown``."""

@@ -26,7 +26,7 @@ from __future__ import annotations
 import dataclasses
 import math
 
-from eval.common.tables import md_table
+from jaxkv.markdown import md_table
 
 STATUSES = ("ok", "stopped at deadline", "timed out", "failed", "not run")
 

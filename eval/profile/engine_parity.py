@@ -30,7 +30,7 @@ from pathlib import Path
 
 import numpy as np
 
-from eval.common.tables import md_table
+from jaxkv.markdown import md_table
 
 ROOT = Path(__file__).resolve().parents[2]
 OLD = "44e9456"  # main before the token-budget engine

@@ -6,7 +6,7 @@
 Examples are agent traces of the harness's length (2,048) from the **held-out label
 seeds** of ``train.intentkv_data`` (``HELDOUT_SEED_BASE + i``), never the harness's
 evaluation seeds, so nothing here tunes on the report. Each cell is replayed with
-``eval.quality.harness.replay_example`` (the harness's own replay: teacher-forced history,
+``train.replay.replay_example`` (the harness's own replay: teacher-forced history,
 greedy generation, exact match), and the retention stage's live set is recorded
 at every turn, after the turn's compression event (dead-slot: positions are stable).
 
@@ -38,7 +38,7 @@ from pathlib import Path
 import numpy as np
 from tqdm import tqdm
 
-from eval.common.tables import md_header, md_row
+from jaxkv.markdown import md_header, md_row
 
 KINDS = ("value", "doc_id", "key", "word", "punct", "other")
 
@@ -79,11 +79,11 @@ class LiveRecorder:
 
 def diagnose(args) -> dict:
     import jaxkv
-    from eval.quality.harness import Cell, replay_example
-    from eval.tasks.agent import one_trace
     from jaxkv.chat.render import render
+    from jaxkv.tasks.agent import one_trace
     from train.intentkv_data import (HELDOUT_SEED_BASE, answer_values_of, capture_qk, future_values, read_strength,
                                      reply_spans, value_masks)
+    from train.replay import Cell, replay_example
 
     model = jaxkv.load_model(args.model)
     tok = model.tokenizer

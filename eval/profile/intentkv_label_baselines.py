@@ -19,16 +19,16 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from eval.common.tables import md_table
+from jaxkv.markdown import md_table
 from train.intentkv_head import BUDGETS
 
 
 def main(argv=None):
     import jaxkv
-    from eval.tasks.agent import one_trace
-    from eval.tasks.words import DOC_POOL, KEY_POOL, VALUE_POOL
     from jaxkv.chat.render import render
     from jaxkv.policies import select
+    from jaxkv.tasks.agent import one_trace
+    from jaxkv.tasks.words import DOC_POOL, KEY_POOL, VALUE_POOL
     from train import intentkv_data as data
 
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])

@@ -25,7 +25,7 @@ import torch  # noqa: E402
 
 import hf_models  # noqa: E402
 import jaxkv  # noqa: E402
-from eval.common.tables import md_header, md_row  # noqa: E402
+from jaxkv.markdown import md_header, md_row  # noqa: E402
 
 
 def _rel(got, ref):

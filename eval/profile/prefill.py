@@ -28,8 +28,8 @@ import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 
 import jaxkv  # noqa: E402
-from eval.common.tables import md_header, md_row  # noqa: E402
 from jaxkv.engine import Engine  # noqa: E402
+from jaxkv.markdown import md_header, md_row  # noqa: E402
 from jaxkv.pallas.ragged_attention import KEY_BLOCK, PoolReader, ragged_attention_blocked  # noqa: E402
 
 

@@ -25,7 +25,7 @@ from pathlib import Path
 
 import numpy as np
 
-from eval.common.tables import md_header, md_row
+from jaxkv.markdown import md_header, md_row
 
 NEAR = 32  # tokens either side of the needle sentence counted as its neighbourhood
 
@@ -43,9 +43,10 @@ def needle_span(example, tokenizer, compressed_ids: np.ndarray) -> tuple[int, in
 
 
 def trace(model, example, *, method: str, ratio: float, k: int, positions: int, max_new: int) -> dict:
-    from eval.quality.real_model import Cell, budget_for_ratio, digit_scores, replayed_answer_logits
+    from eval.quality.real_model import Cell, budget_for_ratio
     from jaxkv.serving import Session
     from jaxkv.tasks import answer_digit_positions, haystack, reply_correct, token_plan
+    from train.haystack_measure import digit_scores, replayed_answer_logits
 
     tok = model.tokenizer
     plan = token_plan(example, tok, "agnostic")
@@ -118,9 +119,9 @@ def main(argv=None) -> int:
     args = ap.parse_args(argv)
 
     import jaxkv
-    from eval.quality.real_model import positions_for
     from jaxkv.tasks import haystack
     from tqdm import tqdm
+    from train.haystack_measure import positions_for
 
     model = jaxkv.load_model(args.model)
     examples = haystack.examples("niah_single", args.first + args.n, length=args.context, tokenizer=model.tokenizer)[args.first :]

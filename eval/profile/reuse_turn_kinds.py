@@ -10,6 +10,8 @@ comparison.
 
 import argparse, collections, jaxkv
 from eval.quality import harness
+from jaxkv.tasks.seeds import EVAL_SEED_BASE
+from train import replay
 
 
 def main() -> None:
@@ -18,12 +20,12 @@ def main() -> None:
     p.add_argument("--n", type=int, default=100)
     args = p.parse_args()
     model = jaxkv.load_model("embedded")
-    exs = harness.make_examples(args.task, args.n, 2048, harness.EVAL_SEED_BASE)
+    exs = harness.make_examples(args.task, args.n, 2048, EVAL_SEED_BASE)
     server = jaxkv.Server(model, max_positions=4096)
-    cell = harness.Cell("full", None, None, args.task)
+    cell = replay.Cell("full", None, None, args.task)
     tot = collections.Counter(); ok = collections.Counter()
     for ex in exs:
-        v, _, _, _ = harness.replay_example(model, ex, cell, max_new_tokens=64, max_positions=4096, server=server)
+        v, _, _, _ = replay.replay_example(model, ex, cell, max_new_tokens=64, max_positions=4096, server=server)
         for t, good in zip(ex.targets, v):
             kind = t.kind if t.kind == "answer" else t.expected["name"]
             tot[kind] += 1; ok[kind] += good

@@ -28,13 +28,14 @@ def main(argv=None) -> int:
     import jaxkv
     from eval.quality import real_model
     from jaxkv.tasks import haystack
+    from train.haystack_measure import positions_for
 
     model = jaxkv.load_model("smollm2-135m-instruct")
     options = tuple(sorted(KVPRESS_SNAPKV.items()))
     cells = [real_model.Cell(None)] + [real_model.Cell("snapkv", r, options) for r in real_model.RATIOS]
     correct: dict = {}
     for ex in haystack.examples("passkey", args.n, length=args.context, tokenizer=model.tokenizer):
-        rec = real_model.run_example(model, ex, args.setting, cells, positions=real_model.positions_for(args.context))
+        rec = real_model.run_example(model, ex, args.setting, cells, positions=positions_for(args.context))
         for name, cell in rec["cells"].items():
             correct.setdefault(name, []).append(cell["tf_correct"])
     print(f"jaxkv SnapKV with {KVPRESS_SNAPKV}, one token set; passkey {args.context}, {args.setting}, teacher forced:")

@@ -21,8 +21,8 @@ full cache: one cache row per example; a turn's prompt reuses the row's cached p
 discarded generation and any re-rendered tail are recomputed), then the new suffix is
 prefilled and decoded. Rows of several examples run as one batch.
 
-Held-out examples: per-example seeds ``HELDOUT_SEED_BASE + i`` (MQ-NIAH) and
-``HELDOUT_SEED_BASE + 100_000 + i`` (agent traces). Bit 30 is set in all of them;
+Held-out examples: per-example seeds ``ACCURACY_SEED_BASE + i`` (MQ-NIAH) and
+``ACCURACY_SEED_BASE + 100_000 + i`` (agent traces; ``jaxkv.tasks.seeds``). Bit 30 is set in all of them;
 the trainer (``train.embedded_model``) draws its training example seeds below
 ``1 << 30``, so the two sets are disjoint by construction.
 
@@ -34,15 +34,15 @@ tokens (``length + LENGTH_MARGIN``); the table reports the request sizes actuall
 from __future__ import annotations
 
 import argparse
-import json
 import time
 from dataclasses import dataclass, field
 
 import numpy as np
 
-from eval.common.tables import md_table
+from jaxkv.markdown import md_table
+from jaxkv.tasks.example import reply_matches
+from jaxkv.tasks.seeds import ACCURACY_SEED_BASE
 
-HELDOUT_SEED_BASE = (1 << 30) + 7_000_000
 LENGTH_MARGIN = 80  # tokens added to --length so every MQ-NIAH request and the last agent request are >= --length
 
 
@@ -72,8 +72,8 @@ def heldout_examples(task: str, n: int, length: int):
     from jaxkv.tasks.mqniah import one_mqniah
 
     if task == "mqniah":
-        return [one_mqniah(HELDOUT_SEED_BASE + i, needles=4, length=length) for i in range(n)]
-    return [one_trace(HELDOUT_SEED_BASE + 100_000 + i, length=length) for i in range(n)]
+        return [one_mqniah(ACCURACY_SEED_BASE + i, needles=4, length=length) for i in range(n)]
+    return [one_trace(ACCURACY_SEED_BASE + 100_000 + i, length=length) for i in range(n)]
 
 
 def example_jobs(tokenizer, idx: int, example) -> ExampleJobs:
@@ -85,22 +85,6 @@ def example_jobs(tokenizer, idx: int, example) -> ExampleJobs:
         label = f"turn {n + 1}" if example.task == "mqniah" else (t.expected["name"] if t.kind == "tool_call" else "answer")
         out.jobs.append(Job(idx, t.kind, t.expected, prompt.ids.tolist(), label))
     return out
-
-
-def is_correct(job: Job, reply: dict) -> bool:
-    if job.kind == "answer":
-        return not reply.get("tool_calls") and (reply.get("content") or "").strip() == job.expected
-    calls = reply.get("tool_calls") or []
-    if len(calls) != 1:
-        return False
-    fn = calls[0]["function"]
-    args = fn["arguments"]
-    if isinstance(args, str):
-        try:
-            args = json.loads(args)
-        except json.JSONDecodeError:
-            return False
-    return fn["name"] == job.expected["name"] and args == job.expected["arguments"]
 
 
 def _common_prefix(a: list[int], b: list[int]) -> int:
@@ -145,7 +129,7 @@ def run_jobs(model, examples: list[ExampleJobs], *, batch: int = 8, max_new_toke
                 job = group[i].jobs[k]
                 text = tok.decode(replies[n], skip_special_tokens=False)
                 job.generated = parse_assistant(text, group[i].tool_names)
-                job.correct = is_correct(job, job.generated)
+                job.correct = reply_matches(job, job.generated)
         for r in rows:
             engine.close_row(r)
         if progress is not None:

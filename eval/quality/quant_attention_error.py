@@ -55,7 +55,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from eval.common.tables import md_table
+from jaxkv.markdown import md_table
 
 FORMATS = ("int4", "int2_token", "int2_pages", "kivi2", "kivi4")
 KIVI_WINDOW = 128  # jaxkv.cache.quantized_host.KIVI_WINDOW (asserted in main)

@@ -10,25 +10,9 @@ way; ``eval.quality.kvpress_side`` is the other side): each example's ``token_pl
 once, the ``rest`` fed after it (question-agnostic: the acknowledgement and the
 question's turn) and the ``answer``. A cell compresses the request's KV once,
 when its prefill ends, to ``budget_for_ratio`` live tokens, then feeds the rest
-and the answer with no further event:
-
-* teacher forced: the answer's digit tokens' exact argmax (``tf_correct``) and
-  their mean NLL (``answer_nll``). The answer's other tokens are given, not
-  scored: SmolLM2 writes a space token before a number, and a cell whose argmax
-  there is another word (" a unique identifier ...") still scores its digits.
-  That is where greedy and teacher-forced scores part (question-agnostic passkey:
-  every such gap, all methods);
-* greedy: up to ``haystack.reply_budget`` tokens from the same cache, scored by
-  ``reply_correct`` (``gen_correct``). Greedy decoding emits the answer's tokens for
-  as long as each is the argmax of its teacher-forced row (by induction on the
-  position), so it starts from the first answer token that is not, with the
-  answer's agreeing prefix already in the cache; a reply whose every answer token
-  agrees is the answer itself, which names every value (``reply`` then stops at
-  the answer's end; ``decoded`` counts the tokens actually decoded). The only
-  difference from decoding every token is that the agreeing prefix's keys come
-  from a prefill instead of decode steps (float32 rounding);
-* ``lm``: the mean NLL of the continuation and the mean KL(full || cell) per
-  token, against the full cache's logits of the same run.
+and the answer with no further event, and is measured as every real-model cell is
+(``train.haystack_measure``): teacher forced (``tf_correct``, ``answer_nll``), greedy
+(``gen_correct``), and on ``lm`` the continuation's NLL and KL(full || cell).
 
 Settings: ``aware`` (the question is in the compressed request, inside every
 observation window) and ``agnostic`` (the document is turn 1, compressed when its
@@ -47,20 +31,12 @@ running that policy alone. Cells: the full cache, then each method x ratio.
 
 KV quantization (issue #26, ``--kv-quant int4,kivi2``): instead of retention
 cells, each example runs once per KV format in a session of its own, full cache,
-no compression: the float pool first (cell ``full``, the reference of the ``lm``
-KL), then ``kv:<format>``, each measured as above. Journal ``quant.jsonl``. Two
-prefill protocols (``--quant-prefill``):
-
-* ``chunked`` (default; what a jaxkv server does): each format's session
-  prefills the request itself, in 512-token chunks, each chunk attending to the
-  *dequantized* earlier chunks, so the formats cannot share a prefill;
-* ``imported`` (the papers' protocol: KIVI and transformers' quantized cache
-  prefill in full precision and store the result quantized): the float cell's
-  prefill is the only forward; its K/V and last logits are imported into each
-  format's pool (``jaxkv.engine.KVSource``) as that format's prefill of the
-  whole request in one chunk would store them (bit for bit:
-  ``tests/test_triaxial.py``), then the rest is measured on the quantized cache.
-  A format's cell costs its measure alone. Cells ``kv:<format>/imported``.
+no compression (``train.haystack_measure.run_quant_example``, which the TriAxialKV
+calibration's sweep runs too): the float pool first (cell ``full``), then
+``kv:<format>``. Journal ``quant.jsonl``. ``--quant-prefill`` chooses the prefill
+protocol: ``chunked`` (default; each format's session prefills the request itself,
+as a jaxkv server does) or ``imported`` (the float cell's K/V imported into each
+format's pool, the papers' protocol; cells ``kv:<format>/imported``).
 
 Journal: one JSON line per finished (task, length, seed, setting) in
 ``OUT/examples.jsonl`` with every cell; ``--resume`` skips what is there.
@@ -76,21 +52,19 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import gc
-import json
-import math
 import os
 import sys
 import time
 from pathlib import Path
 
-import numpy as np
-
-from jaxkv.serving.stages.base import Capture, PrefillLogits, Stage
+from jaxkv.serving.stages.base import Capture, Stage
 from jaxkv.tasks import haystack
+from train.haystack_measure import (MAX_NEW, digit_scores, positions_for, replayed_answer_logits, request_and_measure,
+                                    run_quant_example)
+from train.journal import append_journal, read_journal
 
 METHODS = ("snapkv", "tova", "h2o", "streaming_llm", "random", "agentkv", "intentkv_memory", "intentkv_query")
 RATIOS = (0.25, 0.5, 0.75)
-MAX_NEW = 48  # the cap of a greedy reply (haystack.reply_budget sets each reply's own)
 
 
 def budget_for_ratio(ratio: float, n_request: int) -> int:
@@ -137,12 +111,6 @@ class Cell:
         if sets and sets not in GRANULARITIES:
             raise SystemExit(f"unknown kept-set granularity {sets!r} in {spec!r}; known: {', '.join(GRANULARITIES)}")
         return cls(method, ratio, GRANULARITIES.get(sets, ()))
-
-
-def positions_for(context: int, answer_room: int = 256) -> int:
-    """The engine's position count for a context length: one pool shape per
-    length (so one compile set), with room for the rest, answer and reply."""
-    return int(math.ceil((context * 1.02 + answer_room) / 256) * 256)
 
 
 # ----------------------------------------------------------------------------- branching
@@ -215,110 +183,7 @@ def branch_program(turn, probe: ProbeStage, cells, stages, measure):
         turn.close()
 
 
-# ----------------------------------------------------------------------------- measuring
-def log_softmax(x):
-    x = np.asarray(x, np.float64)
-    m = x.max(axis=-1, keepdims=True)
-    return x - m - np.log(np.exp(x - m).sum(axis=-1, keepdims=True))
-
-
-def digit_scores(pred, answer, digit_idx) -> dict:
-    """Teacher-forced score of an answer: ``pred[i]`` the logits predicting
-    ``answer[i]``; ``tf_correct`` (every digit token its row's argmax) and
-    ``answer_nll`` (their mean NLL)."""
-    pred, want = np.asarray(pred)[digit_idx], np.asarray(answer)[digit_idx]
-    logp = log_softmax(pred)
-    return {"tf_correct": bool((pred.argmax(-1) == want).all()),
-            "answer_nll": round(float(-logp[np.arange(want.size), want].mean()), 5)}
-
-
-def replayed_answer_logits(result, answer) -> np.ndarray:
-    """The logits predicting each ``answer`` token from a replayed turn's
-    ``TurnResult`` (``return_logits``): the prompt's last row, then every reply
-    row but the last (row i of a prefill follows token i)."""
-    if not np.array_equal(np.asarray(result.target_ids)[: len(answer)], answer):
-        raise AssertionError("the replayed reply's tokens differ from the token plan's answer")
-    rows = [np.asarray(result.prompt_logits, np.float32)[-1:], np.asarray(result.target_logits, np.float32)[:-1]]
-    return np.concatenate(rows)[: len(answer)]
-
-
-def answer_measure(example, plan, tokenizer, digit_idx, max_new: int):
-    """Teacher-forced and greedy scoring of a retrieval answer (module docstring)."""
-    from jaxkv.tasks import reply_correct
-
-    def measure(turn, first_logits):
-        mark = turn.req.seq_len
-        # one prefill of rest + answer (all logits): the rest's last row predicts the answer's first token
-        logits = yield from turn.prefill(np.concatenate([plan.rest, plan.answer]), all_logits=True)
-        logits = np.concatenate([np.asarray(first_logits, np.float32)[None], np.asarray(logits, np.float32)])
-        r = plan.rest.size
-        pred = logits[r : r + plan.answer.size]  # row i predicts answer token i
-        # Greedy shares the teacher-forced prefix: up to the first answer token that is
-        # not the argmax, greedy decoding emits the answer itself (by induction), so
-        # it decodes only from there (module docstring).
-        wrong = np.flatnonzero(pred.argmax(-1) != plan.answer)
-        agree = int(wrong[0]) if wrong.size else int(plan.answer.size)
-        budget = haystack.reply_budget(plan, max_new)
-        if agree == plan.answer.size:
-            reply = list(plan.answer)  # names every value; what follows cannot change the first digit run
-        else:
-            turn.rewind(mark + r + agree)
-            reply = list(plan.answer[:agree]) + (yield from turn.generate(PrefillLogits(logits[r + agree]), budget - agree))
-        text = tokenizer.decode(reply, skip_special_tokens=True)
-        return {**digit_scores(pred, plan.answer, digit_idx), "gen_correct": bool(reply_correct(example, text)),
-                "reply": text, "decoded": len(reply) - agree}
-
-    return measure
-
-
-def lm_measure(plan, reference: dict):
-    """Continuation NLL and KL(full || cell) per token; the first cell (the full
-    cache) fills ``reference`` with its log-probabilities."""
-
-    def measure(turn, first_logits):
-        logits = yield from turn.prefill(plan.answer, all_logits=True)
-        pred = np.concatenate([np.asarray(first_logits, np.float32)[None], np.asarray(logits, np.float32)[:-1]])
-        logp = log_softmax(pred)
-        nll = float(-logp[np.arange(plan.answer.size), plan.answer].mean())
-        if "logp" not in reference:
-            reference["logp"] = logp
-        ref = reference["logp"]
-        kl = float((np.exp(ref) * (ref - logp)).sum(axis=-1).mean())
-        return {"nll": round(nll, 5), "kl": round(max(kl, 0.0), 6)}
-
-    return measure
-
-
 # ----------------------------------------------------------------------------- one example
-def lm_rendered(ids, tokenizer):
-    """Raw text ids as a ``Rendered`` (no chat template: the tagger finds no
-    message, so every token is tagged OTHERS). No span is protected: the tagger
-    reads a prompt without messages as all protected prefix (``Spans``), which
-    would pin every token and leave nothing for a policy to evict."""
-    from jaxkv.chat.render import Rendered, chat_markers
-    from jaxkv.chat.tags import TRIAXIAL_DTYPE, Spans, tag_prompt
-
-    ids = np.asarray(ids, np.int32)
-    tags, temporal, _, found, scanner = tag_prompt(ids, chat_markers(tokenizer))
-    tri = np.empty(ids.size, TRIAXIAL_DTYPE)
-    tri["temporal"], tri["modal"], tri["semantic"] = temporal, tags.modal, tags.semantic
-    return Rendered("", ids, tags.phase, tri, Spans((0, 0), (0, 0), (0, 0)), tuple(found), scanner)
-
-
-def request_and_measure(session, example, setting: str, plan, max_new: int, reference: dict):
-    """The compressed request as the session renders it (``lm``: the raw text) and
-    the measure of the example's task; checks the rendering is the token plan's."""
-    from jaxkv.tasks import answer_digit_positions
-
-    tok = session.model.tokenizer
-    if example.task == "lm":
-        return lm_rendered(plan.compressed, tok), lm_measure(plan, reference)
-    rendered = session._render(example.messages(setting)[:1], None, add_generation_prompt=True)
-    if not np.array_equal(rendered.ids, plan.compressed):
-        raise AssertionError("the session's rendering differs from the token plan")
-    return rendered, answer_measure(example, plan, tok, answer_digit_positions(example, tok, plan.answer), max_new)
-
-
 def run_example(model, example, setting: str, cells, *, positions: int, max_new: int = MAX_NEW) -> dict:
     """Every cell of one (example, setting), branched from one prefill."""
     from jaxkv.serving import Session
@@ -350,107 +215,6 @@ def run_example(model, example, setting: str, cells, *, positions: int, max_new:
         if server is not None:
             server.close()
     return {"n_request": n_request, "cells": results}
-
-
-IMPORTED = "/imported"  # the cell-name suffix of a format measured under the imported prefill
-
-
-class ImportedPrompt(Stage):
-    """Hands the request's prefill a ``KVSource`` (the float cell's K/V and last
-    logits): the session's pool imports them instead of running the model."""
-
-    name = "imported_prompt"
-    order = 95
-
-    def __init__(self, tokens, source):
-        self.tokens, self.source = np.asarray(tokens), source
-
-    def before_prefill(self, turn, job):
-        if not np.array_equal(job.tokens, self.tokens):
-            raise AssertionError("the imported K/V belong to another prompt")
-        job.kv_source = self.source
-        return None
-
-
-def single_program(turn, measure, export: dict | None = None):
-    """A turn program: prefill the request, then ``measure`` on the full cache.
-    ``export``: filled with the request's ``KVSource`` after its prefill (float K/V
-    of every layer and its last logits) for ``ImportedPrompt``."""
-    from jaxkv.engine import KVSource
-
-    try:
-        turn.open()
-        first_logits = (yield from turn.prefill_prompt(logits="last")).result_logits()
-        if export is not None:
-            engine = turn.engine
-            k, v = engine.pool.gather_float(engine.cache, engine.row_state[turn.row].slots)
-            export["source"] = KVSource(k, v, np.asarray(first_logits, np.float32))
-        kept = int(turn.req.live_positions().size)  # the request's tokens, before the measure feeds more
-        t0 = time.perf_counter()
-        result = yield from measure(turn, first_logits)
-        result.update(kept=kept, measure_seconds=round(time.perf_counter() - t0, 3))
-        return result
-    finally:
-        turn.close()
-
-
-def format_options(fmt: str, allocation=None) -> dict:
-    """Session options of a KV format spec: a ``kv_quant`` mode (``int4``,
-    ``kivi2``, ``kivi4``, ``triaxial``, an ablation), a triaxial mode at an average-bit
-    budget (``triaxial@3.0``), and ``allocation`` as the triaxial modes'
-    ``kv_allocation`` (None: the model's calibration file)."""
-    mode, _, bits = fmt.partition("@")
-    opts = {"kv_quant": mode}
-    if bits:
-        opts["kv_bits"] = float(bits)
-    if allocation is not None and mode.startswith("triaxial"):
-        opts["kv_allocation"] = allocation
-    return opts
-
-
-def run_quant_example(model, example, setting: str, formats, *, positions: int, max_new: int = MAX_NEW,
-                      allocation=None, prefill: str = "chunked") -> dict:
-    """The full cache of one (example, setting) on the float pool (cell ``full``)
-    and on each KV format spec in ``formats`` (``format_options``; cells
-    ``kv:<spec>``, ``kv:<spec>/imported`` under ``prefill="imported"``), one session
-    each (module docstring: the two prefill protocols). A quantized cell also
-    records ``kv``: the compressed request's live tokens per precision and their
-    bytes after its prefill (``jaxkv.serving.stages.quantization.KVRecord``)."""
-    from jaxkv.buckets import bucket
-    from jaxkv.serving import Session
-    from jaxkv.serving.pipeline import Turn, run_to_completion
-    from jaxkv.tasks import token_plan
-
-    if prefill not in ("chunked", "imported"):
-        raise ValueError(f"prefill must be 'chunked' or 'imported', got {prefill!r}")
-    tok = model.tokenizer
-    plan = token_plan(example, tok, setting)
-    reference: dict = {}
-    export: dict = {}
-    out = {}
-    for fmt in (None, *formats):
-        t0 = time.perf_counter()
-        options = {"kv_quant": None} if fmt is None else format_options(fmt, allocation)
-        session = Session(model, max_positions=positions, protect_query=False, max_new_tokens=max_new, **options)
-        importing = prefill == "imported" and fmt is not None
-        try:
-            rendered, measure = request_and_measure(session, example, setting, plan, max_new, reference)
-            if importing:
-                # the request in one chunk: the page plan a one-chunk quantized prefill makes
-                session.server.engine.prefill_chunk = min(bucket(rendered.ids.size), positions)
-                session.stages = sorted([*session.stages, ImportedPrompt(rendered.ids, export["source"])], key=lambda s: s.order)
-            session._check_length(int(plan.compressed.size) + plan.rest.size + plan.answer.size + max_new, 0)
-            exporting = prefill == "imported" and fmt is None  # the float cell: the others' source
-            program = single_program(Turn(session, rendered), measure, export if exporting else None)
-            result = run_to_completion(program, session.server.scheduler)
-            stage = session.quantization
-            if stage is not None and stage.records:
-                result["kv"] = dataclasses.asdict(stage.records[0])
-        finally:
-            session.close()
-        result["seconds"] = round(time.perf_counter() - t0, 3)
-        out["full" if fmt is None else f"kv:{fmt}{IMPORTED if importing else ''}"] = result
-    return {"n_request": int(plan.compressed.size), "cells": out}
 
 
 # ----------------------------------------------------------------------------- multi-turn sessions
@@ -508,12 +272,6 @@ def cells_to_run(held: set | None, cells, trio=None) -> list:
     if trio is None:
         return [] if held is not None else list(cells)
     return [c for c in trio if c[0] not in (held or ())]
-
-
-def read_journal(path: Path) -> list[dict]:
-    if not path.is_file():
-        return []
-    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
 
 
 REAL_TASKS = ("passkey", "niah", "niah_single", "niah_multikey", "niah_multivalue", "lm")
@@ -616,8 +374,7 @@ def run_grid(args) -> int:
             record = run_example(model, ex, setting, cells, positions=positions, max_new=args.max_new)
         record.update(task=ex.task, context=args.context, seed=ex.seed,
                       setting=setting, length=ex.length, seconds=round(time.perf_counter() - t0, 2), load=round(load, 2), setup=setup)
-        with journal.open("a") as f:
-            f.write(json.dumps(record) + "\n")
+        append_journal(journal, record)
         gc.collect()  # a closed session's pool sits in reference cycles (stages, turns); free it now, not at the next GC
         # Every compiled XLA:CPU program holds memory mappings; a quantized run (each format's
         # programs at each width and read length) passed the kernel's limit and died inside

@@ -41,8 +41,8 @@ from pathlib import Path
 import numpy as np
 
 from eval.common.stats import mean_ci
-from eval.common.tables import md_header, md_row
 from eval.quality.real_model_report import findings
+from jaxkv.markdown import md_header, md_row
 
 PAGE = 32
 

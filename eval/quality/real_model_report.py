@@ -35,8 +35,8 @@ from pathlib import Path
 import numpy as np
 
 from eval.common.stats import mean_ci, paired_gain
-from eval.common.tables import md_header, md_row
 from eval.quality.harness import HEAD, HEAD_RULE  # IntentKV's learned head and the rule it corrects (issue #27)
+from jaxkv.markdown import md_header, md_row
 
 SIDES = ("jaxkv", "kvpress")
 # jaxkv method -> the kvpress press that implements the same rule

@@ -33,13 +33,13 @@ from __future__ import annotations
 
 import argparse
 import gc
-import json
 import sys
 import time
 from pathlib import Path
 
-from eval.quality.real_model import digit_scores, read_journal, replayed_answer_logits
 from jaxkv.tasks import haystack
+from train.haystack_measure import digit_scores, replayed_answer_logits
+from train.journal import append_journal, read_journal
 
 MODES = ("none", "segment", "cacheblend")
 PRIMER_SYSTEM = "You are a careful reader. Keep every detail of the documents you are given."
@@ -94,7 +94,7 @@ def main(argv=None) -> int:
     import jaxkv
     from tqdm import tqdm
 
-    from eval.quality.real_model import MAX_NEW, positions_for
+    from train.haystack_measure import MAX_NEW, positions_for
 
     p = argparse.ArgumentParser(prog="python -m eval.quality.real_model_reuse", description=__doc__.splitlines()[0])
     p.add_argument("--model", default="smollm2-135m-instruct")
@@ -125,8 +125,7 @@ def main(argv=None) -> int:
         modes_out = {m: run_mode(model, ex, m, positions=positions, max_new=args.max_new) for m in modes}
         record = {"task": ex.task, "context": args.context, "seed": ex.seed, "length": ex.length,
                   "modes": modes_out, "seconds": round(time.perf_counter() - t0, 2)}
-        with journal.open("a") as f:
-            f.write(json.dumps(record) + "\n")
+        append_journal(journal, record)
         gc.collect()  # a closed server's pool sits in reference cycles: free it now
     return 0
 

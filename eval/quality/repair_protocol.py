@@ -5,7 +5,7 @@
 
 For each needle count: the examples (``jaxkv.tasks.mqniah``, held out from training)
 are replayed turn by turn through ``jaxkv.Session`` as the harness does
-(``eval.quality.harness.replay_example``: teacher-forced history, each answer generated
+(``train.replay.replay_example``: teacher-forced history, each answer generated
 greedily and scored by exact match). The first-stage policy (``--first-stage``,
 default SnapKV) compresses every request to the active budget on the dead-slot
 layout; evicted rows go to the host tier. Cells:
@@ -40,7 +40,7 @@ keeps the ``B`` whose accuracy is closest to half the full cache's.
 
 Eviction inside the question: an MQ-NIAH document and its turn-1 question are one
 user message, which ALGORITHMS.md §1 would protect as the actionable query; the
-protocol's sessions run with ``protect_query=False`` (``eval.quality.harness.TASK_SESSION_OPTIONS``,
+protocol's sessions run with ``protect_query=False`` (``train.replay.TASK_SESSION_OPTIONS``,
 the harness does the same for its MQ-NIAH task) so the first event compresses
 the document under the turn-1 question's signal (SnapKV's observation window is
 the question), as the paper's first stage does. With a model that does not
@@ -77,9 +77,12 @@ from pathlib import Path
 import numpy as np
 
 from eval.common.stats import paired_gain
-from eval.common.tables import md_table
-from eval.quality.harness import (EVAL_SEED_BASE, REPAIR_POLICIES, TASK_SESSION_OPTIONS, Cell, append_journal, pool_map,
-                                  read_journal, reply_matches, replay_cell, replay_example)
+from jaxkv.markdown import md_table
+from jaxkv.tasks.example import reply_matches
+from jaxkv.tasks.seeds import EVAL_SEED_BASE
+from train.journal import append_journal, read_journal
+from train.replay import REPAIR_POLICIES, TASK_SESSION_OPTIONS, Cell, replay_cell, replay_example
+from train.workers import pool_map
 
 FIELDS = ("needles", "turns", "first_stage", "cell", "repair_k", "budget", "base_budget", "n", "accuracy",
           "accuracy_turn1", "completion", "gain_vs_matched", "gain_ci_low", "gain_ci_high")

@@ -5,7 +5,7 @@
 
 Held-out ``shared_docs`` sessions (one tenant, one shared corpus; in-distribution
 agent traces of the embedded model over shared documents) are replayed turn by
-turn with the harness (``eval.quality.harness.replay_example``: teacher-forced history,
+turn with the harness (``train.replay.replay_example``: teacher-forced history,
 each assistant turn generated greedily and scored by exact match). Each
 configuration is one *pass*: its own ``Server`` (radix cache and segment store
 shared by its sessions, as one tenant's sessions share them) over the sessions in
@@ -52,8 +52,11 @@ from pathlib import Path
 
 import numpy as np
 
-from eval.common.tables import md_table
 from eval.quality import harness
+from jaxkv.markdown import md_table
+from jaxkv.tasks.seeds import EVAL_SEED_BASE
+from train import replay
+from train.journal import append_journal, read_journal
 
 def _defaults() -> dict:
     from jaxkv.serving.stages.reuse import ReuseConfig
@@ -144,8 +147,8 @@ def run_pass(model, examples, reuse: str, options: dict, *, max_new_tokens: int,
         server = Server(model, max_positions=max_positions)
         try:
             for i, ex in enumerate(batch):
-                cell = harness.Cell("full", None, None, "shared_docs", reuse=reuse)
-                v, _, _, session = harness.replay_example(model, ex, cell, max_new_tokens=max_new_tokens, max_positions=max_positions,
+                cell = replay.Cell("full", None, None, "shared_docs", reuse=reuse)
+                v, _, _, session = replay.replay_example(model, ex, cell, max_new_tokens=max_new_tokens, max_positions=max_positions,
                                                           server=server, **options)
                 if phase == "run":
                     out.append({"v": [bool(x) for x in v], "reports": [dataclasses.asdict(r) for r in session._stage("reuse").reports]})
@@ -177,7 +180,7 @@ def main(argv=None) -> int:
     p.add_argument("--warmup", type=int, default=1)
     p.add_argument("--max-new-tokens", type=int, default=64)
     p.add_argument("--max-positions", type=int, default=4096)
-    p.add_argument("--seed", type=int, default=harness.EVAL_SEED_BASE)
+    p.add_argument("--seed", type=int, default=EVAL_SEED_BASE)
     p.add_argument("--only", choices=("headline", "sweeps", "pilot"), default=None)
     p.add_argument("--passes", default=None, help="comma list of configurations to run now (default: all missing); a name with commas is named by its parts")
     p.add_argument("--out", default="eval/results/reuse")
@@ -186,7 +189,7 @@ def main(argv=None) -> int:
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     journal = out / "cells.jsonl"
-    done = {rec["key"]: rec["sessions"] for rec in harness.read_journal(journal) if "sessions" in rec} if args.resume else {}
+    done = {rec["key"]: rec["sessions"] for rec in read_journal(journal) if "sessions" in rec} if args.resume else {}
     if not args.resume and journal.exists():
         journal.unlink()
     model = jaxkv.load_model(args.model)
@@ -214,7 +217,7 @@ def main(argv=None) -> int:
             done[k] = run_pass(model, examples[:n], reuse, options, max_new_tokens=args.max_new_tokens, max_positions=args.max_positions,
                                warmup=warmup, log=lambda m: print(m, file=sys.stderr))
             print(f"{group} {name}: {time.perf_counter() - t0:.0f} s", file=sys.stderr)
-            harness.append_journal(journal, {"key": k, "sessions": done[k]})
+            append_journal(journal, {"key": k, "sessions": done[k]})
 
     head = configs(False)
     cols = ["config", "n", "L_reuse", "h", "tau_seg", "W", "tau_ctx", "eps", "accuracy", "prefill_tokens_computed", "saving", "prefill_s", "prefill_s_median",

@@ -51,8 +51,8 @@ from pathlib import Path
 
 import numpy as np
 
-from eval.common.tables import md_header, md_row
 from eval.quality import kvpress_side as kp
+from jaxkv.markdown import md_header, md_row
 from jaxkv.policies.h2o import H2OConfig
 
 GRANULARITIES = ("head", "layer", "one")

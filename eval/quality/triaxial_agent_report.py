@@ -40,7 +40,7 @@ from pathlib import Path
 
 import numpy as np
 
-from eval.common.tables import md_header, md_row
+from jaxkv.markdown import md_header, md_row
 
 GOAL = 0.05  # nats/token: TriAxialKV at B <= 3.0 within this of the float pool (issue #60)
 LM_GOAL = 0.01  # nats/token: INT4 on real-text lm at 2k (issue #26, unchanged)

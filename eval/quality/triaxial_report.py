@@ -22,7 +22,7 @@ import csv
 import json
 from pathlib import Path
 
-from eval.common.tables import md_table
+from jaxkv.markdown import md_table
 
 GOAL_POINTS, GOAL_BITS, GOAL_CAPACITY, GOAL_KIVI = 1.0, 2.7, 4.5, 3.0
 

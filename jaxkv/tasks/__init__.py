@@ -12,15 +12,16 @@
   exact ids (compressed request, rest, answer) in the question-aware or -agnostic
   setting, so jaxkv and kvpress score the same tokens; ``reply_prefix`` and
   ``reply_correct`` start and score a greedy reply.
+* ``seeds``: the seed bases of the held-out evaluation sets (``EVAL_SEED_BASE``, ...).
 
 The synthetic generators return ``Example`` records (messages, tools, scored turns with
-evidence spans, labels); ``vocabulary()`` lists every prose word they emit, for
-``jaxkv.chat.toy.build_tokenizer``. They live in the package because the demo,
-the trainers and the evaluation all use them; ``eval.tasks`` re-exports them.
+evidence spans, labels), and ``reply_matches`` is a scored turn's exact-match rule;
+``vocabulary()`` lists every prose word they emit, for ``jaxkv.chat.toy.build_tokenizer``. They live in the package because the demo,
+the trainers and the evaluation all use them.
 """
 
 from jaxkv.tasks.agent import agent_traces
-from jaxkv.tasks.example import Evidence, Example, ScoredTurn, approx_tokens
+from jaxkv.tasks.example import Evidence, Example, ScoredTurn, approx_tokens, reply_matches
 from jaxkv.tasks.haystack import (HaystackExample, TokenPlan, answer_digit_positions, lm_text, niah,
                                   passkey, reply_correct, reply_prefix, token_plan)
 from jaxkv.tasks.mqniah import NEEDLE_COUNTS, mqniah
@@ -44,6 +45,7 @@ __all__ = [
     "niah",
     "passkey",
     "reply_correct",
+    "reply_matches",
     "reply_prefix",
     "shared_corpus",
     "shared_docs",

@@ -83,6 +83,29 @@ class ScoredTurn:
     values: tuple[str, ...]
 
 
+def reply_matches(target, reply: dict) -> bool:
+    """Whether a parsed assistant ``reply`` (``content``, ``tool_calls`` in OpenAI
+    format) is exactly what ``target`` asks for: the exact-match rule of a
+    ``ScoredTurn`` (or of anything with its ``kind`` and ``expected``). An ``answer``
+    turn matches when the reply makes no tool call and its stripped content equals the
+    expected string; a ``tool_call`` turn when the reply makes exactly one call, with
+    the expected name and arguments (arguments given as a JSON string are parsed; a
+    string that does not parse matches nothing)."""
+    if target.kind == "answer":
+        return not reply.get("tool_calls") and (reply.get("content") or "").strip() == target.expected
+    calls = reply.get("tool_calls") or []
+    if len(calls) != 1:
+        return False
+    fn = calls[0]["function"]
+    args = fn["arguments"]
+    if isinstance(args, str):
+        try:
+            args = json.loads(args)
+        except json.JSONDecodeError:
+            return False
+    return fn["name"] == target.expected["name"] and args == target.expected["arguments"]
+
+
 @dataclasses.dataclass
 class Example:
     """One synthetic conversation and its scoring targets.

@@ -1,4 +1,4 @@
-"""The one markdown table writer of the eval and train scripts.
+"""The one markdown table writer of jaxkv, its trainers (``train/``) and its evaluation (``eval/``).
 
     md_table(["method", "accuracy"], [["snapkv", "0.910"], ["h2o", "0.870"]], align="lr")
 
@@ -13,6 +13,10 @@ Cells are written as given (``str`` of each): formatting numbers
 is the caller's, since every report has its own digits. ``align`` has one letter per
 column: ``l`` (``---``, the default) or ``r`` (``---:``). A row of the wrong width is
 an error, not a shifted table.
+
+It imports nothing and sits in the bottom layer of the package (``pyproject.toml``,
+``[tool.importlinter]``), so every part of jaxkv may write its reports with it, and
+``train/`` and ``eval/`` share it without ``train/`` importing ``eval/``.
 """
 
 from __future__ import annotations
