@@ -36,6 +36,14 @@ prefill ends; the question arrives in turn 2). ``protect_query=False`` in both,
 so jaxkv may evict inside the question as kvpress may; the protected prefix
 (the system prompt) stays pinned, as in every jaxkv session.
 
+Several questions over one context (``multiq``, ``jaxkv.tasks.multiq``): the same
+compression event once the compressed request's prefill ends, then every question
+answered from that one cache, in conversation order: each question's turn fed and
+its answer scored both ways as above, then the reference answer left in the cache
+(teacher-forced history) before the next question; no event fires after the first.
+A cell records each question (``questions``, with its fact's kind) and, as its own
+``tf_correct``, ``gen_correct`` and ``answer_nll``, their means over the questions.
+
 One prefill per (example, setting), every cell branched from it: the request is
 prefilled once by a session whose probe stage captures the union of what every
 cell's policy observes (window queries, attention mass, phase rows). Each cell
@@ -87,6 +95,7 @@ import numpy as np
 
 from jaxkv.serving.stages.base import Capture, Stage
 from jaxkv.tasks import haystack
+from jaxkv.tasks import real as real_tasks
 
 METHODS = ("snapkv", "tova", "h2o", "streaming_llm", "random", "agentkv", "intentkv_memory", "intentkv_query")
 RATIOS = (0.25, 0.5, 0.75)
@@ -242,31 +251,76 @@ def replayed_answer_logits(result, answer) -> np.ndarray:
     return np.concatenate(rows)[: len(answer)]
 
 
-def answer_measure(example, plan, tokenizer, digit_idx, max_new: int):
+def answer_turn(turn, last_logits, fed, plan, example, tokenizer, max_new: int, *, restore: bool = False):
+    """Feed ``fed`` then ``plan.answer`` (teacher forced) on the turn's cache and
+    score the answer both ways (module docstring); ``last_logits`` predicts the
+    first fed token's successor when ``fed`` is empty. ``restore``: leave the
+    reference answer in the cache after a greedy reply (the next question's history).
+    Returns the scores and the row that follows the answer's last token."""
+    from jaxkv.tasks import answer_digit_positions, reply_correct
+
+    mark = turn.req.seq_len
+    # one prefill of fed + answer (all logits): fed's last row predicts the answer's first token
+    logits = yield from turn.prefill(np.concatenate([fed, plan.answer]), all_logits=True)
+    logits = np.concatenate([np.asarray(last_logits, np.float32)[None], np.asarray(logits, np.float32)])
+    r = fed.size
+    pred = logits[r : r + plan.answer.size]  # row i predicts answer token i
+    # Greedy shares the teacher-forced prefix: up to the first answer token that is
+    # not the argmax, greedy decoding emits the answer itself (by induction), so
+    # it decodes only from there (module docstring).
+    wrong = np.flatnonzero(pred.argmax(-1) != plan.answer)
+    agree = int(wrong[0]) if wrong.size else int(plan.answer.size)
+    budget = haystack.reply_budget(plan, max_new)
+    if agree == plan.answer.size:
+        reply = list(plan.answer)  # names every value; what follows cannot change the first digit run
+    else:
+        turn.rewind(mark + r + agree)
+        reply = list(plan.answer[:agree]) + (yield from turn.generate(logits[r + agree], budget - agree))
+        if restore:
+            turn.rewind(mark + r + agree)
+            yield from turn.prefill(plan.answer[agree:])
+    text = tokenizer.decode(reply, skip_special_tokens=True)
+    digit_idx = answer_digit_positions(example, tokenizer, plan.answer)
+    scores = {**digit_scores(pred, plan.answer, digit_idx), "gen_correct": bool(reply_correct(example, text)),
+              "reply": text, "decoded": len(reply) - agree}
+    return scores, logits[-1]
+
+
+def answer_measure(example, plan, tokenizer, max_new: int):
     """Teacher-forced and greedy scoring of a retrieval answer (module docstring)."""
-    from jaxkv.tasks import reply_correct
 
     def measure(turn, first_logits):
-        mark = turn.req.seq_len
-        # one prefill of rest + answer (all logits): the rest's last row predicts the answer's first token
-        logits = yield from turn.prefill(np.concatenate([plan.rest, plan.answer]), all_logits=True)
-        logits = np.concatenate([np.asarray(first_logits, np.float32)[None], np.asarray(logits, np.float32)])
-        r = plan.rest.size
-        pred = logits[r : r + plan.answer.size]  # row i predicts answer token i
-        # Greedy shares the teacher-forced prefix: up to the first answer token that is
-        # not the argmax, greedy decoding emits the answer itself (by induction), so
-        # it decodes only from there (module docstring).
-        wrong = np.flatnonzero(pred.argmax(-1) != plan.answer)
-        agree = int(wrong[0]) if wrong.size else int(plan.answer.size)
-        budget = haystack.reply_budget(plan, max_new)
-        if agree == plan.answer.size:
-            reply = list(plan.answer)  # names every value; what follows cannot change the first digit run
-        else:
-            turn.rewind(mark + r + agree)
-            reply = list(plan.answer[:agree]) + (yield from turn.generate(logits[r + agree], budget - agree))
-        text = tokenizer.decode(reply, skip_special_tokens=True)
-        return {**digit_scores(pred, plan.answer, digit_idx), "gen_correct": bool(reply_correct(example, text)),
-                "reply": text, "decoded": len(reply) - agree}
+        scores, _ = yield from answer_turn(turn, first_logits, plan.rest, plan, example, tokenizer, max_new)
+        return scores
+
+    return measure
+
+
+def questions_record(per_question: list[dict], kinds) -> dict:
+    """A multiq cell's record: every question's scores (``questions``, each with its
+    fact's ``kind``) and, as the cell's own ``tf_correct`` / ``gen_correct`` /
+    ``answer_nll``, their means over the questions (the example's share answered
+    right), which the reports read as they read a one-question cell."""
+    per_question = [dict(q, kind=k) for q, k in zip(per_question, kinds)]
+    mean = lambda key: round(float(np.mean([float(q[key]) for q in per_question])), 5)
+    return {"tf_correct": mean("tf_correct"), "gen_correct": mean("gen_correct"), "answer_nll": mean("answer_nll"),
+            "questions": per_question}
+
+
+def multiq_measure(example, plans, tokenizer, max_new: int):
+    """Every question of a ``multiq`` example from the one compressed cache: the
+    conversation is fed once, question by question (``multiq.new_rest``), each
+    answer scored as ``answer_measure`` scores one and then left in the cache as
+    its reference (teacher-forced history); no event fires after the first."""
+    from jaxkv.tasks import multiq
+
+    def measure(turn, first_logits):
+        last, out = first_logits, []
+        for q, (plan, view) in enumerate(zip(plans, example.views())):
+            scores, last = yield from answer_turn(turn, last, multiq.new_rest(plans, q), plan, view, tokenizer, max_new,
+                                                  restore=True)
+            out.append(scores)
+        return questions_record(out, example.labels["kinds"])
 
     return measure
 
@@ -305,29 +359,40 @@ def lm_rendered(ids, tokenizer):
     return Rendered("", ids, tags.phase, tri, Spans((0, 0), (0, 0), (0, 0)), tuple(found), scanner)
 
 
-def request_and_measure(session, example, setting: str, plan, max_new: int, reference: dict):
+def request_and_measure(session, example, setting: str, plans, max_new: int, reference: dict):
     """The compressed request as the session renders it (``lm``: the raw text) and
-    the measure of the example's task; checks the rendering is the token plan's."""
-    from jaxkv.tasks import answer_digit_positions
+    the measure of the example's task (``plans``: ``jaxkv.tasks.real.plans``);
+    checks the rendering is the token plan's."""
+    from jaxkv.tasks import multiq
 
     tok = session.model.tokenizer
+    plan = plans[0]
     if example.task == "lm":
         return lm_rendered(plan.compressed, tok), lm_measure(plan, reference)
     rendered = session._render(example.messages(setting)[:1], None, add_generation_prompt=True)
     if not np.array_equal(rendered.ids, plan.compressed):
         raise AssertionError("the session's rendering differs from the token plan")
-    return rendered, answer_measure(example, plan, tok, answer_digit_positions(example, tok, plan.answer), max_new)
+    if example.task == multiq.TASK:
+        return rendered, multiq_measure(example, plans, tok, max_new)
+    return rendered, answer_measure(example, plan, tok, max_new)
+
+
+def tokens_needed(plans, max_new: int) -> int:
+    """Positions a cell's measure fills: the compressed request, everything fed after
+    it up to the last answer, that answer and a reply."""
+    last = plans[-1]
+    return int(last.compressed.size + last.rest.size + last.answer.size + max_new)
 
 
 def run_example(model, example, setting: str, cells, *, positions: int, max_new: int = MAX_NEW) -> dict:
     """Every cell of one (example, setting), branched from one prefill."""
     from jaxkv.serving import Session
     from jaxkv.serving.pipeline import Turn, run_to_completion
-    from jaxkv.tasks import token_plan
+    from jaxkv.tasks import real
 
     tok = model.tokenizer
-    plan = token_plan(example, tok, setting)
-    n_request = int(plan.compressed.size)
+    plans = real.plans(example, tok, setting)
+    n_request = int(plans[0].compressed.size)
     server = None
     if any(c.per_layer for c in cells):  # per-layer cells need a live list per layer
         from jaxkv.serving import Server
@@ -339,11 +404,10 @@ def run_example(model, example, setting: str, cells, *, positions: int, max_new:
                   for c in cells]
         probe = ProbeStage([s for s in stages if s is not None])
         session.stages = sorted(list(session.stages) + [probe], key=lambda s: s.order)
-        rendered, measure = request_and_measure(session, example, setting, plan, max_new, {})
+        rendered, measure = request_and_measure(session, example, setting, plans, max_new, {})
         turn = Turn(session, rendered)
         program = branch_program(turn, probe, cells, stages, measure)
-        need = n_request + plan.rest.size + plan.answer.size + max_new
-        session._check_length(need, 0)
+        session._check_length(tokens_needed(plans, max_new), 0)
         results = run_to_completion(program, session.server.engine)
     finally:
         session.close()
@@ -418,12 +482,12 @@ def run_quant_example(model, example, setting: str, formats, *, positions: int, 
     from jaxkv.buckets import bucket
     from jaxkv.serving import Session
     from jaxkv.serving.pipeline import Turn, run_to_completion
-    from jaxkv.tasks import token_plan
+    from jaxkv.tasks import real
 
     if prefill not in ("chunked", "imported"):
         raise ValueError(f"prefill must be 'chunked' or 'imported', got {prefill!r}")
     tok = model.tokenizer
-    plan = token_plan(example, tok, setting)
+    plans = real.plans(example, tok, setting)
     reference: dict = {}
     export: dict = {}
     out = {}
@@ -433,12 +497,12 @@ def run_quant_example(model, example, setting: str, formats, *, positions: int, 
         session = Session(model, max_positions=positions, protect_query=False, max_new_tokens=max_new, **options)
         importing = prefill == "imported" and fmt is not None
         try:
-            rendered, measure = request_and_measure(session, example, setting, plan, max_new, reference)
+            rendered, measure = request_and_measure(session, example, setting, plans, max_new, reference)
             if importing:
                 # the request in one chunk: the page plan a one-chunk quantized prefill makes
                 session.server.engine.prefill_chunk = min(bucket(rendered.ids.size), positions)
                 session.stages = sorted([*session.stages, ImportedPrompt(rendered.ids, export["source"])], key=lambda s: s.order)
-            session._check_length(int(plan.compressed.size) + plan.rest.size + plan.answer.size + max_new, 0)
+            session._check_length(tokens_needed(plans, max_new), 0)
             exporting = prefill == "imported" and fmt is None  # the float cell: the others' source
             program = single_program(Turn(session, rendered), measure, export if exporting else None)
             result = run_to_completion(program, session.server.engine)
@@ -449,7 +513,7 @@ def run_quant_example(model, example, setting: str, formats, *, positions: int, 
             session.close()
         result["seconds"] = round(time.perf_counter() - t0, 3)
         out["full" if fmt is None else f"kv:{fmt}{IMPORTED if importing else ''}"] = result
-    return {"n_request": int(plan.compressed.size), "cells": out}
+    return {"n_request": int(plans[0].compressed.size), "cells": out}
 
 
 # ----------------------------------------------------------------------------- multi-turn sessions
@@ -469,14 +533,17 @@ def session_cells(method: str, ratio: float, k: int) -> list[tuple[str, dict]]:
 
 def run_sessions(model, example, cells, ratio: float, *, positions: int, max_new: int = MAX_NEW) -> dict:
     """Replay the agnostic conversation through one fresh ``Session`` per cell;
-    score turn 2's answer as the branched cells do."""
+    score each question's answer (turn 2's; a multiq example's every question) as
+    the branched cells do. The session's budget holds on every turn, so a multiq
+    session compresses again whenever a turn takes it past the budget, and RepairKV
+    promotes at every turn boundary."""
     from jaxkv.serving import Session
-    from jaxkv.tasks import answer_digit_positions, reply_correct, token_plan
+    from jaxkv.tasks import answer_digit_positions, multiq, real, reply_correct
 
     tok = model.tokenizer
-    plan = token_plan(example, tok, "agnostic")
-    budget = budget_for_ratio(ratio, int(plan.compressed.size))
-    digit_idx = answer_digit_positions(example, tok, plan.answer)
+    plans = real.plans(example, tok, "agnostic")
+    views = real.views(example)
+    budget = budget_for_ratio(ratio, int(plans[0].compressed.size))
     messages = example.messages("agnostic")
     out = {}
     for name, options in cells:
@@ -485,18 +552,22 @@ def run_sessions(model, example, cells, ratio: float, *, positions: int, max_new
         b = budget + options.pop("extra", 0)
         session = Session(model, max_positions=positions, protect_query=False, max_new_tokens=max_new, budget=b, **options)
         try:
-            turns = session.replay(messages, generate=True, return_logits=True, max_new_tokens=haystack.reply_budget(plan, max_new))
-            last = turns[-1]
-            pred = replayed_answer_logits(last, plan.answer)
-            text = tok.decode(list(last.reply_ids or []), skip_special_tokens=True)
-            out[name] = {**digit_scores(pred, plan.answer, digit_idx),
-                         "gen_correct": bool(reply_correct(example, text)), "reply": text, "budget": int(b),
+            n_new = max(haystack.reply_budget(p, max_new) for p in plans)
+            turns = session.replay(messages, generate=True, return_logits=True, max_new_tokens=n_new)
+            scored = []
+            for result, plan, view in zip(turns[-len(plans):], plans, views):  # the questions' turns are the last ones
+                pred = replayed_answer_logits(result, plan.answer)
+                text = tok.decode(list(result.reply_ids or []), skip_special_tokens=True)
+                scored.append({**digit_scores(pred, plan.answer, answer_digit_positions(view, tok, plan.answer)),
+                               "gen_correct": bool(reply_correct(view, text)), "reply": text})
+            cell = questions_record(scored, example.labels["kinds"]) if example.task == multiq.TASK else scored[0]
+            out[name] = {**cell, "budget": int(b),
                          "kept": int(session.compressions[0].live_after) if session.compressions else None,
                          "repaired": int(sum(len(r.promoted_positions) for r in session.repairs)),
                          "seconds": round(time.perf_counter() - t0, 3)}
         finally:
             session.close()
-    return {"n_request": int(plan.compressed.size), "cells": out}
+    return {"n_request": int(plans[0].compressed.size), "cells": out}
 
 
 # ----------------------------------------------------------------------------- driver
@@ -515,7 +586,7 @@ def read_journal(path: Path) -> list[dict]:
     return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
 
 
-REAL_TASKS = ("passkey", "niah", "niah_single", "niah_multikey", "niah_multivalue", "lm")
+REAL_TASKS = real_tasks.TASKS
 DEFAULT_MODEL = "smollm2-135m-instruct"
 
 
@@ -524,14 +595,14 @@ def build_parser() -> argparse.ArgumentParser:
     starts from their defaults, ``build_parser().parse_args([])``, and sets its own)."""
     p = argparse.ArgumentParser(prog="python -m eval.quality.real_model", description=__doc__.splitlines()[0])
     p.add_argument("--model", default=DEFAULT_MODEL)
-    p.add_argument("--task", default="passkey", help="passkey, niah, niah_single|niah_multikey|niah_multivalue, lm")
+    p.add_argument("--task", default="passkey", help="passkey, niah, niah_single|niah_multikey|niah_multivalue, lm, multiq")
     p.add_argument("--context", type=int, default=2048)
     p.add_argument("--n", type=int, default=100)
     p.add_argument("--first", type=int, default=0, help="skip the first F examples (split a run): --first 50 --n 50 runs examples 50-99")
     p.add_argument("--ratios", default=",".join(f"{r:g}" for r in RATIOS))
     p.add_argument("--methods", default=",".join(METHODS), help="policies; NAME:layer or NAME:pyramid keeps a set per layer (equal or PyramidKV budgets)")
     p.add_argument("--settings", default=None, help="aware,agnostic (lm: agnostic only)")
-    p.add_argument("--seed", type=int, default=None, help="the evaluation seed base (default: jaxkv.tasks.haystack's)")
+    p.add_argument("--seed", type=int, default=None, help="the evaluation seed base (default: the task module's EVAL_SEED)")
     p.add_argument("--max-new", type=int, default=MAX_NEW)
     p.add_argument("--out", type=Path, default=Path("eval/results/real_smollm2/jaxkv"))
     p.add_argument("--resume", action="store_true")
@@ -577,7 +648,7 @@ def run_grid(args) -> int:
     cells = [Cell(None)] + [Cell.parse(m, r) for m in methods for r in ratios]
     settings = args.settings.split(",") if args.settings else (["agnostic"] if args.task == "lm" else ["aware", "agnostic"])
     model = jaxkv.load_model(args.model)
-    examples = haystack.examples(args.task, args.first + args.n, length=args.context, tokenizer=model.tokenizer, seed=args.seed)[args.first :]
+    examples = real_tasks.examples(args.task, args.first + args.n, length=args.context, tokenizer=model.tokenizer, seed=args.seed)[args.first :]
     args.out.mkdir(parents=True, exist_ok=True)
     kv_formats = [f for f in (args.kv_quant or "").split(",") if f]
     quant_prefill = args.quant_prefill
