@@ -111,11 +111,23 @@ def test_a_real_model_task_with_kv_formats_writes_the_quant_journal(smollm2_toke
     assert (tmp_path / "quality_vs_bits.png").is_file()
 
 
+def test_a_repair_run_uses_the_method_and_ratio_it_names(smollm2_tokenizer_model_dir, tmp_path, jaxkv_eval):
+    """``--repair-ks K`` with one ``--methods`` and one ``--ratios`` runs RepairKV's trio
+    for that method at that ratio (it ran snapkv at 0.5 whatever was named), and the
+    report has its cells."""
+    assert jaxkv_eval("--model", smollm2_tokenizer_model_dir, "--task", "passkey", "--n", 1, "--context", 256,
+                      "--methods", "keydiff", "--ratios", 0.25, "--repair-ks", 8, "--out", tmp_path) == 0
+    (record,) = journal(tmp_path / "sessions.jsonl")
+    assert set(record["cells"]) == {"session:keydiff@0.25", "repairkv8:keydiff@0.25", "matched8:keydiff@0.25"}
+    assert "repairkv8:keydiff" in (tmp_path / "results.md").read_text()
+
+
 def test_real_model_tasks_refuse_what_they_cannot_use(smollm2_tokenizer_model_dir, tmp_path, jaxkv_eval, capsys):
     base = ("--model", smollm2_tokenizer_model_dir, "--n", 1, "--out", tmp_path)
     for argv, message in ((("--task", "passkey", "--layouts", "compact"), "--layouts"),
                           (("--task", "passkey,agent"), "runs alone"),
                           (("--task", "passkey", "--repair-ks", "8,16"), "one repair budget"),
+                          (("--task", "passkey", "--repair-ks", "8", "--methods", "snapkv,tova"), "one method at one ratio"),
                           (("--task", "passkey", "--kv-quant", "int3"), "unknown kv_quant")):
         assert jaxkv_eval(*base, *argv) == 2, argv
         assert message in capsys.readouterr().err, argv

@@ -1101,6 +1101,13 @@ def _real_model_task(args) -> bool:
     if len(repair_ks) > 1:
         raise ConfigError(f"task {tasks[0]!r} runs one repair budget K per run, got --repair-ks {args.repair_ks}")
     grid = real_model.build_parser().parse_args([])
+    if repair_ks:  # the trio's method and ratio: the one --methods and --ratios name (else real_model's defaults)
+        ratios = [r for r in str(args.ratios).split(",") if r.strip()]
+        if args.methods != defaults.methods and len(methods) != 1 or len(ratios) != 1 and args.ratios != defaults.ratios:
+            raise ConfigError(f"--repair-ks runs RepairKV's trio for one method at one ratio; got --methods {args.methods} "
+                              f"--ratios {args.ratios}")
+        grid.repair_method = methods[0] if args.methods != defaults.methods else grid.repair_method
+        grid.repair_ratio = float(ratios[0]) if args.ratios != defaults.ratios else grid.repair_ratio
     vars(grid).update(
         model=model, task=tasks[0], context=args.context, n=args.n, ratios=args.ratios, methods=",".join(methods),
         settings=args.settings, seed=args.seed, out=Path(args.out), resume=args.resume,
