@@ -42,7 +42,8 @@ answered from that one cache, in conversation order: each question's turn fed an
 its answer scored both ways as above, then the reference answer left in the cache
 (teacher-forced history) before the next question; no event fires after the first.
 A cell records each question (``questions``, with its fact's kind) and, as its own
-``tf_correct``, ``gen_correct`` and ``answer_nll``, their means over the questions.
+``tf_correct``, ``gen_correct`` and ``answer_nll``, their means over the questions
+(``multiq.cell_record``, the same on kvpress's side).
 
 One prefill per (example, setting), every cell branched from it: the request is
 prefilled once by a session whose probe stage captures the union of what every
@@ -296,17 +297,6 @@ def answer_measure(example, plan, tokenizer, max_new: int):
     return measure
 
 
-def questions_record(per_question: list[dict], kinds) -> dict:
-    """A multiq cell's record: every question's scores (``questions``, each with its
-    fact's ``kind``) and, as the cell's own ``tf_correct`` / ``gen_correct`` /
-    ``answer_nll``, their means over the questions (the example's share answered
-    right), which the reports read as they read a one-question cell."""
-    per_question = [dict(q, kind=k) for q, k in zip(per_question, kinds)]
-    mean = lambda key: round(float(np.mean([float(q[key]) for q in per_question])), 5)
-    return {"tf_correct": mean("tf_correct"), "gen_correct": mean("gen_correct"), "answer_nll": mean("answer_nll"),
-            "questions": per_question}
-
-
 def multiq_measure(example, plans, tokenizer, max_new: int):
     """Every question of a ``multiq`` example from the one compressed cache: the
     conversation is fed once, question by question (``multiq.new_rest``), each
@@ -320,7 +310,7 @@ def multiq_measure(example, plans, tokenizer, max_new: int):
             scores, last = yield from answer_turn(turn, last, multiq.new_rest(plans, q), plan, view, tokenizer, max_new,
                                                   restore=True)
             out.append(scores)
-        return questions_record(out, example.labels["kinds"])
+        return multiq.cell_record(out, example.labels["kinds"])
 
     return measure
 
@@ -560,7 +550,7 @@ def run_sessions(model, example, cells, ratio: float, *, positions: int, max_new
                 text = tok.decode(list(result.reply_ids or []), skip_special_tokens=True)
                 scored.append({**digit_scores(pred, plan.answer, answer_digit_positions(view, tok, plan.answer)),
                                "gen_correct": bool(reply_correct(view, text)), "reply": text})
-            cell = questions_record(scored, example.labels["kinds"]) if example.task == multiq.TASK else scored[0]
+            cell = multiq.cell_record(scored, example.labels["kinds"]) if example.task == multiq.TASK else scored[0]
             out[name] = {**cell, "budget": int(b),
                          "kept": int(session.compressions[0].live_after) if session.compressions else None,
                          "repaired": int(sum(len(r.promoted_positions) for r in session.repairs)),

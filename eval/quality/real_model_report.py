@@ -49,6 +49,7 @@ COUNTERPARTS = {
     "random": "RandomPress",
     "keydiff": "KeyDiffPress",
     "expected_attention": "ExpectedAttentionPress",
+    "snapkv/pyramid": "PyramidKVPress",  # PyramidKV's budgets over SnapKV's scorer on both sides (windows differ: 32 / 64)
 }
 PLOT_COLUMNS = 4  # panels per row of accuracy_vs_ratio.png
 

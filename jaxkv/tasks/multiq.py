@@ -178,6 +178,21 @@ def new_rest(plans: list[TokenPlan], q: int) -> np.ndarray:
     return plans[q].rest[plans[q - 1].rest.size + plans[q - 1].answer.size :]
 
 
+def cell_record(per_question: list[dict], kinds) -> dict:
+    """One cell's record of an example, the same on every harness: each question's
+    scores (``questions``, in conversation order, each with its fact's ``kind``) and,
+    as the cell's own ``tf_correct`` / ``gen_correct`` / ``answer_nll``, their means
+    over the questions (the share of the example's questions answered right), which
+    a report reads as it reads a one-question cell's verdicts."""
+    per_question = [dict(q, kind=k) for q, k in zip(per_question, kinds, strict=True)]
+
+    def mean(key):
+        return round(float(np.mean([float(q[key]) for q in per_question])), 5)
+
+    return {"tf_correct": mean("tf_correct"), "gen_correct": mean("gen_correct"), "answer_nll": mean("answer_nll"),
+            "questions": per_question}
+
+
 # --------------------------------------------------------------------------- building
 def examples(n: int, *, length: int, tokenizer, seed: int | None = None, questions: int = QUESTIONS) -> list[MultiQExample]:
     """``n`` examples whose aware request is ``length`` tokens, drawn from ``seed``
