@@ -68,14 +68,32 @@ def test_every_synthetic_task_runs_from_the_command_line(task, task_model_dir, t
 
 @pytest.mark.parametrize("task", real_model.REAL_TASKS)
 def test_every_real_model_task_runs_from_the_command_line(task, smollm2_tokenizer_model_dir, tmp_path, jaxkv_eval, capsys):
-    assert jaxkv_eval("--model", smollm2_tokenizer_model_dir, "--task", task, "--n", 1, "--context", 256,
-                      "--methods", "snapkv", "--ratios", 0.5, "--settings", "agnostic", "--out", tmp_path) == 0
+    """The run ends with its table: printed, and in ``results.md`` / ``results.csv``
+    (and the accuracy plot, for a retrieval task) beside the journal."""
+    context = 384 if task == "multiq" else 256  # six facts and their distractors need room
+    short = ("--max-new-tokens", 8) if task == "multiq" else ()  # six greedy replies per cell
+    assert jaxkv_eval("--model", smollm2_tokenizer_model_dir, "--task", task, "--n", 1, "--context", context,
+                      "--methods", "snapkv", "--ratios", 0.5, "--settings", "agnostic", "--out", tmp_path, *short) == 0
     (record,) = journal(tmp_path / "examples.jsonl")
     assert record["task"] == task or (task == "niah" and record["task"].startswith("niah_"))  # niah: the variants in turn
-    assert record["setting"] == "agnostic" and record["context"] == 256
+    assert record["setting"] == "agnostic" and record["context"] == context
     assert set(record["cells"]) == {"full", "snapkv@0.5"}
     assert record["setup"]["model"] == str(smollm2_tokenizer_model_dir)
-    assert f"wrote {tmp_path / 'examples.jsonl'}" in capsys.readouterr().out
+    printed = capsys.readouterr().out
+    assert f"wrote {tmp_path / 'examples.jsonl'}" in printed
+    heading = f"## {record['task']}, {context} tokens, question-agnostic"
+    md = (tmp_path / "results.md").read_text()
+    assert heading in md and heading in printed and "## The full cache (the ceiling)" in md
+    with open(tmp_path / "results.csv") as f:
+        rows = list(csv.DictReader(f))
+    assert {(r["method"], float(r["ratio"])) for r in rows} == {("full", 0.0), ("snapkv", 0.5)}
+    assert {r["task"] for r in rows} == {record["task"]} and {r["setting"] for r in rows} == {"agnostic"}
+    assert ("nll_increase" if task == "lm" else "tf_acc") in rows[0]
+    assert (tmp_path / "accuracy_vs_ratio.png").is_file() == (task != "lm")
+    if task == "multiq":
+        questions = record["cells"]["snapkv@0.5"]["questions"]
+        assert len(questions) >= 4 and all(q["kind"] in ("number", "passkey", "pair") for q in questions)
+        assert "Per question" in md
 
 
 def test_a_real_model_task_with_kv_formats_writes_the_quant_journal(smollm2_tokenizer_model_dir, tmp_path, jaxkv_eval):
@@ -87,6 +105,21 @@ def test_a_real_model_task_with_kv_formats_writes_the_quant_journal(smollm2_toke
     (record,) = journal(tmp_path / "quant.jsonl")
     assert list(record["cells"]) == ["full", "kv:int4"] and record["setup"]["kv_quant"] == ["int4"]
     assert not (tmp_path / "examples.jsonl").exists()
+    assert "passkey, 256 tokens, agnostic" in (tmp_path / "results.md").read_text()
+    with open(tmp_path / "results.csv") as f:
+        assert [r["kv_format"] for r in csv.DictReader(f)] == ["none (float)", "int4"]
+    assert (tmp_path / "quality_vs_bits.png").is_file()
+
+
+def test_a_repair_run_uses_the_method_and_ratio_it_names(smollm2_tokenizer_model_dir, tmp_path, jaxkv_eval):
+    """``--repair-ks K`` with one ``--methods`` and one ``--ratios`` runs RepairKV's trio
+    for that method at that ratio (it ran snapkv at 0.5 whatever was named), and the
+    report has its cells."""
+    assert jaxkv_eval("--model", smollm2_tokenizer_model_dir, "--task", "passkey", "--n", 1, "--context", 256,
+                      "--methods", "keydiff", "--ratios", 0.25, "--repair-ks", 8, "--out", tmp_path) == 0
+    (record,) = journal(tmp_path / "sessions.jsonl")
+    assert set(record["cells"]) == {"session:keydiff@0.25", "repairkv8:keydiff@0.25", "matched8:keydiff@0.25"}
+    assert "repairkv8:keydiff" in (tmp_path / "results.md").read_text()
 
 
 def test_real_model_tasks_refuse_what_they_cannot_use(smollm2_tokenizer_model_dir, tmp_path, jaxkv_eval, capsys):
@@ -94,6 +127,7 @@ def test_real_model_tasks_refuse_what_they_cannot_use(smollm2_tokenizer_model_di
     for argv, message in ((("--task", "passkey", "--layouts", "compact"), "--layouts"),
                           (("--task", "passkey,agent"), "runs alone"),
                           (("--task", "passkey", "--repair-ks", "8,16"), "one repair budget"),
+                          (("--task", "passkey", "--repair-ks", "8", "--methods", "snapkv,tova"), "one method at one ratio"),
                           (("--task", "passkey", "--kv-quant", "int3"), "unknown kv_quant")):
         assert jaxkv_eval(*base, *argv) == 2, argv
         assert message in capsys.readouterr().err, argv

@@ -95,31 +95,65 @@ def replayed_answer_logits(result, answer) -> np.ndarray:
     return np.concatenate(rows)[: len(answer)]
 
 
-def answer_measure(example, plan, tokenizer, digit_idx, max_new: int):
+def answer_turn(turn, last_logits, fed, plan, example, tokenizer, max_new: int, *, restore: bool = False):
+    """Feed ``fed`` then ``plan.answer`` (teacher forced) on the turn's cache and
+    score the answer both ways (module docstring); ``last_logits`` predicts the
+    first fed token's successor when ``fed`` is empty. ``restore``: leave the
+    reference answer in the cache after a greedy reply (the next question's history).
+    Returns the scores and the row that follows the answer's last token."""
+    from jaxkv.tasks import answer_digit_positions, reply_correct
+
+    mark = turn.req.seq_len
+    # one prefill of fed + answer (all logits): fed's last row predicts the answer's first token
+    logits = yield from turn.prefill(np.concatenate([fed, plan.answer]), all_logits=True)
+    logits = np.concatenate([np.asarray(last_logits, np.float32)[None], np.asarray(logits, np.float32)])
+    r = fed.size
+    pred = logits[r : r + plan.answer.size]  # row i predicts answer token i
+    # Greedy shares the teacher-forced prefix: up to the first answer token that is
+    # not the argmax, greedy decoding emits the answer itself (by induction), so
+    # it decodes only from there (module docstring).
+    wrong = np.flatnonzero(pred.argmax(-1) != plan.answer)
+    agree = int(wrong[0]) if wrong.size else int(plan.answer.size)
+    budget = haystack.reply_budget(plan, max_new)
+    if agree == plan.answer.size:
+        reply = list(plan.answer)  # names every value; what follows cannot change the first digit run
+    else:
+        turn.rewind(mark + r + agree)
+        reply = list(plan.answer[:agree]) + (yield from turn.generate(PrefillLogits(logits[r + agree]), budget - agree))
+        if restore:
+            turn.rewind(mark + r + agree)
+            yield from turn.prefill(plan.answer[agree:])
+    text = tokenizer.decode(reply, skip_special_tokens=True)
+    digit_idx = answer_digit_positions(example, tokenizer, plan.answer)
+    scores = {**digit_scores(pred, plan.answer, digit_idx), "gen_correct": bool(reply_correct(example, text)),
+              "reply": text, "decoded": len(reply) - agree}
+    return scores, logits[-1]
+
+
+def answer_measure(example, plan, tokenizer, max_new: int):
     """Teacher-forced and greedy scoring of a retrieval answer (module docstring)."""
-    from jaxkv.tasks import reply_correct
 
     def measure(turn, first_logits):
-        mark = turn.req.seq_len
-        # one prefill of rest + answer (all logits): the rest's last row predicts the answer's first token
-        logits = yield from turn.prefill(np.concatenate([plan.rest, plan.answer]), all_logits=True)
-        logits = np.concatenate([np.asarray(first_logits, np.float32)[None], np.asarray(logits, np.float32)])
-        r = plan.rest.size
-        pred = logits[r : r + plan.answer.size]  # row i predicts answer token i
-        # Greedy shares the teacher-forced prefix: up to the first answer token that is
-        # not the argmax, greedy decoding emits the answer itself (by induction), so
-        # it decodes only from there (module docstring).
-        wrong = np.flatnonzero(pred.argmax(-1) != plan.answer)
-        agree = int(wrong[0]) if wrong.size else int(plan.answer.size)
-        budget = haystack.reply_budget(plan, max_new)
-        if agree == plan.answer.size:
-            reply = list(plan.answer)  # names every value; what follows cannot change the first digit run
-        else:
-            turn.rewind(mark + r + agree)
-            reply = list(plan.answer[:agree]) + (yield from turn.generate(PrefillLogits(logits[r + agree]), budget - agree))
-        text = tokenizer.decode(reply, skip_special_tokens=True)
-        return {**digit_scores(pred, plan.answer, digit_idx), "gen_correct": bool(reply_correct(example, text)),
-                "reply": text, "decoded": len(reply) - agree}
+        scores, _ = yield from answer_turn(turn, first_logits, plan.rest, plan, example, tokenizer, max_new)
+        return scores
+
+    return measure
+
+
+def multiq_measure(example, plans, tokenizer, max_new: int):
+    """Every question of a ``multiq`` example from the one compressed cache: the
+    conversation is fed once, question by question (``multiq.new_rest``), each
+    answer scored as ``answer_measure`` scores one and then left in the cache as
+    its reference (teacher-forced history); no event fires after the first."""
+    from jaxkv.tasks import multiq
+
+    def measure(turn, first_logits):
+        last, out = first_logits, []
+        for q, (plan, view) in enumerate(zip(plans, example.views())):
+            scores, last = yield from answer_turn(turn, last, multiq.new_rest(plans, q), plan, view, tokenizer, max_new,
+                                                  restore=True)
+            out.append(scores)
+        return multiq.cell_record(out, example.labels["kinds"])
 
     return measure
 
@@ -158,18 +192,29 @@ def lm_rendered(ids, tokenizer):
     return Rendered("", ids, tags.phase, tri, Spans((0, 0), (0, 0), (0, 0)), tuple(found), scanner)
 
 
-def request_and_measure(session, example, setting: str, plan, max_new: int, reference: dict):
+def request_and_measure(session, example, setting: str, plans, max_new: int, reference: dict):
     """The compressed request as the session renders it (``lm``: the raw text) and
-    the measure of the example's task; checks the rendering is the token plan's."""
-    from jaxkv.tasks import answer_digit_positions
+    the measure of the example's task (``plans``: ``jaxkv.tasks.real.plans``);
+    checks the rendering is the token plan's."""
+    from jaxkv.tasks import multiq
 
     tok = session.model.tokenizer
+    plan = plans[0]
     if example.task == "lm":
         return lm_rendered(plan.compressed, tok), lm_measure(plan, reference)
     rendered = session._render(example.messages(setting)[:1], None, add_generation_prompt=True)
     if not np.array_equal(rendered.ids, plan.compressed):
         raise AssertionError("the session's rendering differs from the token plan")
-    return rendered, answer_measure(example, plan, tok, answer_digit_positions(example, tok, plan.answer), max_new)
+    if example.task == multiq.TASK:
+        return rendered, multiq_measure(example, plans, tok, max_new)
+    return rendered, answer_measure(example, plan, tok, max_new)
+
+
+def tokens_needed(plans, max_new: int) -> int:
+    """Positions a cell's measure fills: the compressed request, everything fed after
+    it up to the last answer, that answer and a reply."""
+    last = plans[-1]
+    return int(last.compressed.size + last.rest.size + last.answer.size + max_new)
 
 
 # ----------------------------------------------------------------------------- on each KV format
@@ -240,12 +285,12 @@ def run_quant_example(model, example, setting: str, formats, *, positions: int, 
     from jaxkv.buckets import bucket
     from jaxkv.serving import Session
     from jaxkv.serving.pipeline import Turn, run_to_completion
-    from jaxkv.tasks import token_plan
+    from jaxkv.tasks import real
 
     if prefill not in ("chunked", "imported"):
         raise ValueError(f"prefill must be 'chunked' or 'imported', got {prefill!r}")
     tok = model.tokenizer
-    plan = token_plan(example, tok, setting)
+    plans = real.plans(example, tok, setting)
     reference: dict = {}
     export: dict = {}
     out = {}
@@ -255,12 +300,12 @@ def run_quant_example(model, example, setting: str, formats, *, positions: int, 
         session = Session(model, max_positions=positions, protect_query=False, max_new_tokens=max_new, **options)
         importing = prefill == "imported" and fmt is not None
         try:
-            rendered, measure = request_and_measure(session, example, setting, plan, max_new, reference)
+            rendered, measure = request_and_measure(session, example, setting, plans, max_new, reference)
             if importing:
                 # the request in one chunk: the page plan a one-chunk quantized prefill makes
                 session.server.engine.prefill_chunk = min(bucket(rendered.ids.size), positions)
                 session.stages = sorted([*session.stages, ImportedPrompt(rendered.ids, export["source"])], key=lambda s: s.order)
-            session._check_length(int(plan.compressed.size) + plan.rest.size + plan.answer.size + max_new, 0)
+            session._check_length(tokens_needed(plans, max_new), 0)
             exporting = prefill == "imported" and fmt is None  # the float cell: the others' source
             program = single_program(Turn(session, rendered), measure, export if exporting else None)
             result = run_to_completion(program, session.server.scheduler)
@@ -271,4 +316,4 @@ def run_quant_example(model, example, setting: str, formats, *, positions: int, 
             session.close()
         result["seconds"] = round(time.perf_counter() - t0, 3)
         out["full" if fmt is None else f"kv:{fmt}{IMPORTED if importing else ''}"] = result
-    return {"n_request": int(plan.compressed.size), "cells": out}
+    return {"n_request": int(plans[0].compressed.size), "cells": out}

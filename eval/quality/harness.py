@@ -41,7 +41,8 @@ token is stored at after each prompt prefill (full precision counted as 16), and
 (full precision counted as bf16), both over every request of the cell.
 ``--methods full`` runs only full-cache cells.
 
-Outputs in ``--out``: ``results.csv`` (the columns in ``COLUMNS``),
+Outputs in ``--out`` (the synthetic tasks; a real-model task's are below):
+``results.csv`` (the columns in ``COLUMNS``),
 ``results.md`` and PNG plots (accuracy vs budget per method; KV reads vs
 budget), plus a printed comparison of prefix-hit rates of the two layouts.
 ``--quick`` shrinks everything so the whole grid finishes in minutes on a CPU.
@@ -87,13 +88,24 @@ own copy of the model; a replay is one sequence of small jitted steps, so on a C
 with C cores up to C workers scale nearly linearly. ``wall_s`` is then the
 cell's time in its worker, not a share of the grid's.
 
-Real-model tasks (``--task passkey``, ``niah``, ``niah_<variant>``, ``lm``; one per run) are
-``eval.quality.real_model``'s grid: every method at ``--ratios`` (kvpress's protocol,
-each cell branched from one prefill), or with ``--kv-quant`` the full cache on the
-float pool and on each format (``--kv-bits``: the triaxial modes at each budget),
-written to that module's journals in ``--out`` (its reports make the tables).
-``--context``, ``--ratios`` and ``--settings`` are theirs; the synthetic grid's
-options (``SYNTHETIC_ONLY``) are refused with them.
+Real-model tasks (``--task passkey``, ``niah``, ``niah_<variant>``, ``lm``, ``multiq``; one
+per run) are ``eval.quality.real_model``'s grid: every method at ``--ratios``
+(kvpress's protocol, each cell branched from one prefill), or with ``--kv-quant`` the
+full cache on the float pool and on each format (``--kv-bits``: the triaxial modes at
+each budget), or with one ``--repair-ks K`` RepairKV's matched trio as multi-turn
+sessions. The run appends to that module's journals in ``--out``
+(``examples.jsonl``, ``quant.jsonl``, ``sessions.jsonl``), then writes the report of
+everything ``--out`` holds beside them and prints it, as the synthetic tasks do:
+``results.md`` (the full cache's ceiling, then per task, context and setting every
+method against the ratios with 95% intervals; per-layer sets against one set;
+``multiq``: per question), ``results.csv`` (one row per task, context, setting,
+method and ratio, or per KV format) and the plots ``accuracy_vs_ratio.png`` (retrieval
+tasks) or ``quality_vs_bits.png`` (KV formats)
+(``eval.quality.real_model_report.run_report``). ``--context``, ``--ratios`` and
+``--settings`` are theirs; the synthetic grid's options (``SYNTHETIC_ONLY``) are
+refused with them. The comparison with kvpress on the same examples reads another
+layout: ``python -m eval.quality.real_model_report --root ROOT`` over ``ROOT/jaxkv``
+and ``ROOT/kvpress``.
 """
 
 from __future__ import annotations
@@ -554,7 +566,7 @@ def build_parser(parser=None):
     p.add_argument("--model", default=None, help="checkpoint folder, repo id, reference model name or 'embedded' (default: 'embedded' "
                    "for the synthetic tasks, smollm2-135m-instruct for the real-model ones)")
     p.add_argument("--task", default="agent", help="agent, mqniah, shared_docs, or a comma list; or a real-model task "
-                   "(passkey, niah, niah_<variant>, lm: eval.quality.real_model with --context, --ratios, --settings)")
+                   "(passkey, niah, niah_<variant>, lm, multiq: eval.quality.real_model with --context, --ratios, --settings)")
     p.add_argument("--context", type=int, default=2048, help="real-model tasks: the compressed request's tokens")
     p.add_argument("--ratios", default="0.25,0.5,0.75", help="real-model tasks: kvpress compression ratios (fraction removed)")
     p.add_argument("--settings", default=None, help="real-model tasks: aware,agnostic")
@@ -649,6 +661,13 @@ def _real_model_task(args) -> bool:
     if len(repair_ks) > 1:
         raise ConfigError(f"task {tasks[0]!r} runs one repair budget K per run, got --repair-ks {args.repair_ks}")
     grid = real_model.build_parser().parse_args([])
+    if repair_ks:  # the trio's method and ratio: the one --methods and --ratios name (else real_model's defaults)
+        ratios = [r for r in str(args.ratios).split(",") if r.strip()]
+        if args.methods != defaults.methods and len(methods) != 1 or len(ratios) != 1 and args.ratios != defaults.ratios:
+            raise ConfigError(f"--repair-ks runs RepairKV's trio for one method at one ratio; got --methods {args.methods} "
+                              f"--ratios {args.ratios}")
+        grid.repair_method = methods[0] if args.methods != defaults.methods else grid.repair_method
+        grid.repair_ratio = float(ratios[0]) if args.ratios != defaults.ratios else grid.repair_ratio
     vars(grid).update(
         model=model, task=tasks[0], context=args.context, n=args.n, ratios=args.ratios, methods=",".join(methods),
         settings=args.settings, seed=args.seed, out=Path(args.out), resume=args.resume,
@@ -657,9 +676,12 @@ def _real_model_task(args) -> bool:
     )
     real_model.run_grid(grid)
     journal = "sessions.jsonl" if grid.repair is not None else "quant.jsonl" if grid.kv_quant else "examples.jsonl"
-    report = (f"python -m eval.quality.real_model_quant_report --root {grid.out}" if grid.kv_quant else
-              "python -m eval.quality.real_model_report --root ROOT (it reads ROOT/jaxkv/examples*.jsonl)")
-    print(f"wrote {grid.out / journal}; its tables: {report}")
+    from eval.quality.real_model_report import run_report
+
+    print(run_report(grid.out, model))
+    plots = ", ".join(p.name for p in sorted(grid.out.glob("*.png")))
+    print(f"wrote {grid.out / journal}, {grid.out / 'results.md'}, {grid.out / 'results.csv'}" + (f" and {plots}" if plots else "")
+          + f"; the same report again: python -m eval.quality.real_model_report --out {grid.out} --model {model}")
     return True
 
 

@@ -20,6 +20,15 @@ prefill ends; the question arrives in turn 2). ``protect_query=False`` in both,
 so jaxkv may evict inside the question as kvpress may; the protected prefix
 (the system prompt) stays pinned, as in every jaxkv session.
 
+Several questions over one context (``multiq``, ``jaxkv.tasks.multiq``): the same
+compression event once the compressed request's prefill ends, then every question
+answered from that one cache, in conversation order: each question's turn fed and
+its answer scored both ways as above, then the reference answer left in the cache
+(teacher-forced history) before the next question; no event fires after the first.
+A cell records each question (``questions``, with its fact's kind) and, as its own
+``tf_correct``, ``gen_correct`` and ``answer_nll``, their means over the questions
+(``multiq.cell_record``, the same on kvpress's side).
+
 One prefill per (example, setting), every cell branched from it: the request is
 prefilled once by a session whose probe stage captures the union of what every
 cell's policy observes (window queries, attention mass, phase rows). Each cell
@@ -59,8 +68,9 @@ from pathlib import Path
 
 from jaxkv.serving.stages.base import Capture, Stage
 from jaxkv.tasks import haystack
+from jaxkv.tasks import real as real_tasks
 from train.haystack_measure import (MAX_NEW, digit_scores, positions_for, replayed_answer_logits, request_and_measure,
-                                    run_quant_example)
+                                    run_quant_example, tokens_needed)
 from train.journal import append_journal, read_journal
 
 METHODS = ("snapkv", "tova", "h2o", "streaming_llm", "random", "agentkv", "intentkv_memory", "intentkv_query")
@@ -188,11 +198,11 @@ def run_example(model, example, setting: str, cells, *, positions: int, max_new:
     """Every cell of one (example, setting), branched from one prefill."""
     from jaxkv.serving import Session
     from jaxkv.serving.pipeline import Turn, run_to_completion
-    from jaxkv.tasks import token_plan
+    from jaxkv.tasks import real
 
     tok = model.tokenizer
-    plan = token_plan(example, tok, setting)
-    n_request = int(plan.compressed.size)
+    plans = real.plans(example, tok, setting)
+    n_request = int(plans[0].compressed.size)
     server = None
     if any(c.per_layer for c in cells):  # per-layer cells need a live list per layer
         from jaxkv.serving import Server
@@ -204,11 +214,10 @@ def run_example(model, example, setting: str, cells, *, positions: int, max_new:
                   for c in cells]
         probe = ProbeStage([s for s in stages if s is not None])
         session.stages = sorted(list(session.stages) + [probe], key=lambda s: s.order)
-        rendered, measure = request_and_measure(session, example, setting, plan, max_new, {})
+        rendered, measure = request_and_measure(session, example, setting, plans, max_new, {})
         turn = Turn(session, rendered)
         program = branch_program(turn, probe, cells, stages, measure)
-        need = n_request + plan.rest.size + plan.answer.size + max_new
-        session._check_length(need, 0)
+        session._check_length(tokens_needed(plans, max_new), 0)
         results = run_to_completion(program, session.server.scheduler)
     finally:
         session.close()
@@ -234,14 +243,17 @@ def session_cells(method: str, ratio: float, k: int) -> list[tuple[str, dict]]:
 
 def run_sessions(model, example, cells, ratio: float, *, positions: int, max_new: int = MAX_NEW) -> dict:
     """Replay the agnostic conversation through one fresh ``Session`` per cell;
-    score turn 2's answer as the branched cells do."""
+    score each question's answer (turn 2's; a multiq example's every question) as
+    the branched cells do. The session's budget holds on every turn, so a multiq
+    session compresses again whenever a turn takes it past the budget, and RepairKV
+    promotes at every turn boundary."""
     from jaxkv.serving import Session
-    from jaxkv.tasks import answer_digit_positions, reply_correct, token_plan
+    from jaxkv.tasks import answer_digit_positions, multiq, real, reply_correct
 
     tok = model.tokenizer
-    plan = token_plan(example, tok, "agnostic")
-    budget = budget_for_ratio(ratio, int(plan.compressed.size))
-    digit_idx = answer_digit_positions(example, tok, plan.answer)
+    plans = real.plans(example, tok, "agnostic")
+    views = real.views(example)
+    budget = budget_for_ratio(ratio, int(plans[0].compressed.size))
     messages = example.messages("agnostic")
     out = {}
     for name, options in cells:
@@ -250,18 +262,22 @@ def run_sessions(model, example, cells, ratio: float, *, positions: int, max_new
         b = budget + options.pop("extra", 0)
         session = Session(model, max_positions=positions, protect_query=False, max_new_tokens=max_new, budget=b, **options)
         try:
-            turns = session.replay(messages, generate=True, return_logits=True, max_new_tokens=haystack.reply_budget(plan, max_new))
-            last = turns[-1]
-            pred = replayed_answer_logits(last, plan.answer)
-            text = tok.decode(list(last.reply_ids or []), skip_special_tokens=True)
-            out[name] = {**digit_scores(pred, plan.answer, digit_idx),
-                         "gen_correct": bool(reply_correct(example, text)), "reply": text, "budget": int(b),
+            n_new = max(haystack.reply_budget(p, max_new) for p in plans)
+            turns = session.replay(messages, generate=True, return_logits=True, max_new_tokens=n_new)
+            scored = []
+            for result, plan, view in zip(turns[-len(plans):], plans, views):  # the questions' turns are the last ones
+                pred = replayed_answer_logits(result, plan.answer)
+                text = tok.decode(list(result.reply_ids or []), skip_special_tokens=True)
+                scored.append({**digit_scores(pred, plan.answer, answer_digit_positions(view, tok, plan.answer)),
+                               "gen_correct": bool(reply_correct(view, text)), "reply": text})
+            cell = multiq.cell_record(scored, example.labels["kinds"]) if example.task == multiq.TASK else scored[0]
+            out[name] = {**cell, "budget": int(b),
                          "kept": int(session.compressions[0].live_after) if session.compressions else None,
                          "repaired": int(sum(len(r.promoted_positions) for r in session.repairs)),
                          "seconds": round(time.perf_counter() - t0, 3)}
         finally:
             session.close()
-    return {"n_request": int(plan.compressed.size), "cells": out}
+    return {"n_request": int(plans[0].compressed.size), "cells": out}
 
 
 # ----------------------------------------------------------------------------- driver
@@ -274,7 +290,7 @@ def cells_to_run(held: set | None, cells, trio=None) -> list:
     return [c for c in trio if c[0] not in (held or ())]
 
 
-REAL_TASKS = ("passkey", "niah", "niah_single", "niah_multikey", "niah_multivalue", "lm")
+REAL_TASKS = real_tasks.TASKS
 DEFAULT_MODEL = "smollm2-135m-instruct"
 
 
@@ -283,14 +299,14 @@ def build_parser() -> argparse.ArgumentParser:
     starts from their defaults, ``build_parser().parse_args([])``, and sets its own)."""
     p = argparse.ArgumentParser(prog="python -m eval.quality.real_model", description=__doc__.splitlines()[0])
     p.add_argument("--model", default=DEFAULT_MODEL)
-    p.add_argument("--task", default="passkey", help="passkey, niah, niah_single|niah_multikey|niah_multivalue, lm")
+    p.add_argument("--task", default="passkey", help="passkey, niah, niah_single|niah_multikey|niah_multivalue, lm, multiq")
     p.add_argument("--context", type=int, default=2048)
     p.add_argument("--n", type=int, default=100)
     p.add_argument("--first", type=int, default=0, help="skip the first F examples (split a run): --first 50 --n 50 runs examples 50-99")
     p.add_argument("--ratios", default=",".join(f"{r:g}" for r in RATIOS))
     p.add_argument("--methods", default=",".join(METHODS), help="policies; NAME:layer or NAME:pyramid keeps a set per layer (equal or PyramidKV budgets)")
     p.add_argument("--settings", default=None, help="aware,agnostic (lm: agnostic only)")
-    p.add_argument("--seed", type=int, default=None, help="the evaluation seed base (default: jaxkv.tasks.haystack's)")
+    p.add_argument("--seed", type=int, default=None, help="the evaluation seed base (default: the task module's EVAL_SEED)")
     p.add_argument("--max-new", type=int, default=MAX_NEW)
     p.add_argument("--out", type=Path, default=Path("eval/results/real_smollm2/jaxkv"))
     p.add_argument("--resume", action="store_true")
@@ -336,7 +352,7 @@ def run_grid(args) -> int:
     cells = [Cell(None)] + [Cell.parse(m, r) for m in methods for r in ratios]
     settings = args.settings.split(",") if args.settings else (["agnostic"] if args.task == "lm" else ["aware", "agnostic"])
     model = jaxkv.load_model(args.model)
-    examples = haystack.examples(args.task, args.first + args.n, length=args.context, tokenizer=model.tokenizer, seed=args.seed)[args.first :]
+    examples = real_tasks.examples(args.task, args.first + args.n, length=args.context, tokenizer=model.tokenizer, seed=args.seed)[args.first :]
     args.out.mkdir(parents=True, exist_ok=True)
     kv_formats = [f for f in (args.kv_quant or "").split(",") if f]
     quant_prefill = args.quant_prefill

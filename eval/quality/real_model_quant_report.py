@@ -179,7 +179,9 @@ def compute_table(records: list[dict], journals: dict | None = None) -> list[str
     return lines
 
 
-def report(root: Path, model_name: str = "smollm2-135m-instruct") -> str:
+def report(root: Path, model_name: str = "smollm2-135m-instruct", points: list | None = None) -> str:
+    """The markdown (module docstring); ``points``, when given, receives the plot's
+    points (one per group and format: ``group``, ``name``, ``bits``, ``y``, ``lo``, ``hi``)."""
     import jaxkv
 
     records = merged(root)
@@ -192,7 +194,7 @@ def report(root: Path, model_name: str = "smollm2-135m-instruct") -> str:
             if task == parts[0] and all((p, context, setting) in groups for p in parts[1:]):
                 groups[(pooled, context, setting)] = [r for p in parts for r in groups[(p, context, setting)]]
     seconds = sum(r["seconds"] for r in records)
-    points = []  # one per (group, format): the plot's stored bits against quality
+    points = [] if points is None else points  # one per (group, format): the plot's stored bits against quality
     lines = [f"# KV quantization on {model_name}: the full cache on each KV format, on the same examples", "",
              *findings(root),
              f"Journals `quant*.jsonl`: {len(records)} examples, {seconds / 3600:.2f} h of CPU in all (2-core x86_64, "

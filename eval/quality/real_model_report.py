@@ -1,6 +1,7 @@
 """The real-model report: jaxkv and kvpress on the same examples (issue #32).
 
     python -m eval.quality.real_model_report --root eval/results/real_smollm2
+    python -m eval.quality.real_model_report --out DIR --model M   # one `jaxkv eval` run (run_report)
 
 Reads ``ROOT/summary.md`` (the findings in prose, kept across regenerations,
 ``findings``), the journals ``ROOT/jaxkv/examples*.jsonl`` (``eval.quality.real_model``;
@@ -48,6 +49,7 @@ COUNTERPARTS = {
     "random": "RandomPress",
     "keydiff": "KeyDiffPress",
     "expected_attention": "ExpectedAttentionPress",
+    "snapkv/pyramid": "PyramidKVPress",  # PyramidKV's budgets over SnapKV's scorer on both sides (windows differ: 32 / 64)
 }
 PLOT_COLUMNS = 4  # panels per row of accuracy_vs_ratio.png
 
@@ -245,34 +247,29 @@ def fmt_paired(g: float, lo: float, hi: float, lower: bool, gain: bool) -> str:
     return f"{g * s:+.{d}f} [{lo * s:+.{d}f}, {hi * s:+.{d}f}]"
 
 
-def report(root: Path, min_full: float = 0.5) -> str:
-    tables = {side: verdicts([rec for f in journals(root / side) for rec in read(f)]) for side in SIDES}
-    # kvpress at the live budgets of repaired sessions (B + K): for the RepairKV comparison only
-    live_tables = verdicts(read(root / "kvpress_live" / "examples.jsonl"))
-    rows = [r for side in SIDES for r in rows_for(side, tables[side])]
-    if rows:
-        # the first row's columns in its order, then the rest by name: a set's order changes per process
-        first = list(rows[0])
-        fields = sorted({k for r in rows for k in r}, key=lambda k: (first.index(k) if k in first else len(first), k))
-        with (root / "results.csv").open("w", newline="") as f:
-            w = csv.DictWriter(f, fieldnames=fields)
-            w.writeheader()
-            w.writerows(rows)
-    lines = ["# jaxkv and kvpress on SmolLM2-135M-Instruct, on the same examples", "", *findings(root)]
-    def seconds(rec):
-        sec = rec.get("seconds", 0)
-        return sec.get("total", 0) if isinstance(sec, dict) else sec
+def write_csv(rows: list[dict], path: Path) -> None:
+    """``rows`` as a CSV (nothing without rows): the first row's columns in its order,
+    then the others' by name (a set's order changes per process); a row without a
+    column leaves it empty."""
+    if not rows:
+        return
+    first = list(rows[0])
+    fields = sorted({k for r in rows for k in r}, key=lambda k: (first.index(k) if k in first else len(first), k))
+    with path.open("w", newline="") as f:
+        w = csv.DictWriter(f, fieldnames=fields, restval="")
+        w.writeheader()
+        w.writerows(rows)
 
-    secs = {side: sum(seconds(rec) for f in journals(root / side) for rec in read(f)) for side in SIDES}
-    lines += [f"CPU time in the journals: jaxkv {secs['jaxkv'] / 3600:.2f} h, kvpress {secs['kvpress'] / 3600:.2f} h "
-              "(2-core x86_64; sums of per-example seconds).", ""]
-    compute_at = len(lines)  # the compute section goes here, once the left-out rows are known
-    # ceilings
-    lines += ["## The full cache (the ceiling)", "", *md_header(["task", "context", "setting", "side", "n", "teacher-forced %", "greedy %"], "lrllrrr")]
+
+def ceiling(tables: dict, sides, min_full: float) -> tuple[list[str], set]:
+    """The full cache's table (every (task, context, setting) and side) and the keys
+    usable for comparisons: ``lm`` always, a retrieval task where jaxkv's full cache
+    (the only side's, when there is one) reaches ``min_full`` teacher forced."""
+    lines = ["## The full cache (the ceiling)", "", *md_header(["task", "context", "setting", "side", "n", "teacher-forced %", "greedy %"], "lrllrrr")]
     usable = set()
-    for key in sorted(set(tables["jaxkv"]) | set(tables["kvpress"])):
+    for key in sorted(set().union(*(tables[side] for side in sides))):
         task, context, setting = key
-        for side in SIDES:
+        for side in sides:
             full = tables[side].get(key, {}).get("full")
             if not full:
                 continue
@@ -284,9 +281,97 @@ def report(root: Path, min_full: float = 0.5) -> str:
             tf = mean_ci([r["tf_correct"] for r in full.values()])
             gen = mean_ci([r["gen_correct"] for r in full.values()])
             lines.append(md_row([task, context, setting, side, len(full), fmt_ci(*tf), fmt_ci(*gen)]))
-            if side == "jaxkv" and tf[0] >= min_full:
+            if side == sides[0] and tf[0] >= min_full:
                 usable.add(key)
+    return lines + [""], usable
+
+
+def ratio_table(rows: list[dict], key: tuple, sides) -> list[str]:
+    """One (task, context, setting)'s methods against the ratios, per side, and the
+    line that says what a cell holds."""
+    task = key[0]
+    sel = [r for r in rows if (r["task"], r["context"], r["setting"]) == key and r["method"] != "full"]
+    ratios = sorted({r["ratio"] for r in sel})
+    lines = [*md_header(["side", "method", *(f"ratio {x:g}" for x in ratios)], "ll" + "r" * len(ratios))]
+    for side in sides:
+        for m in sorted({r["method"] for r in sel if r["side"] == side}):
+            cells = []
+            for x in ratios:
+                r = next((r for r in sel if (r["side"], r["method"], r["ratio"]) == (side, m, x)), None)
+                if r is None:
+                    cells.append("-")
+                elif task == "lm":
+                    cells.append(f"{fmt_ci(r['nll_increase'], r['nll_increase_lo'], r['nll_increase_hi'], pct=False)} (KL {r['kl']:.3f})")
+                else:
+                    cells.append(f"{fmt_ci(r['tf_acc'], r['tf_lo'], r['tf_hi'])} / {100 * r['gen_acc']:.0f}")
+            lines.append(md_row([side, m, *cells]))
     lines.append("")
+    if task == "lm":
+        lines.append("Cells: NLL increase over the full cache, nats/token [95% interval] (mean KL(full || cell) per token).")
+    elif task == "multiq":
+        lines.append("Cells: the share of an example's questions answered right, teacher forced, % [95% interval over examples] "
+                     "/ greedy exact match %.")
+    else:
+        lines.append("Cells: teacher-forced accuracy % [95% interval] / greedy exact match %.")
+    return lines + [""]
+
+
+def per_layer_gains(cells: dict, score: str, lower: bool) -> list[str]:
+    """Per-layer keep sets (``<method>/layer@r``, ``<method>/pyramid@r``) against one
+    set for the model with the same scorer and ratio, paired on common examples."""
+    gran = []
+    for name in sorted(n for n in cells if "/" in split_cell(n)[0]):
+        method, x = split_cell(name)
+        one = cells.get(f"{method.split('/')[0]}@{x:g}")
+        res = paired(cells[name], one, score) if one else None
+        if res:
+            gran.append(md_row([method, method.split("/")[0], f"{x:g}", res[3], fmt_paired(*res[:3], lower, gain=True)]))
+    if not gran:
+        return []
+    unit = "nats, positive: the per-layer sets lower the NLL" if lower else "points"
+    return [f"Keep sets per layer against one set for the model, same scorer and KV (jaxkv, paired; {unit}):", "",
+            *md_header(["per layer", "one set", "ratio", "n", "gain [95%]"], "llrrr"), *gran, ""]
+
+
+def question_table(cells_by_side: dict) -> list[str]:
+    """A multiq (task, context, setting): each cell's teacher-forced accuracy per
+    question of the conversation (Q1 is in the compressed request when aware, every
+    later one arrives after the compression) and per kind of fact."""
+    lines = []
+    for side, cells in cells_by_side.items():
+        for name, by_seed in sorted(cells.items(), key=lambda kv: (kv[0] != "full", kv[0])):
+            per = [r["questions"] for r in by_seed.values() if r.get("questions")]
+            if not per:
+                continue
+            turns = max(len(q) for q in per)
+            kinds = sorted({q["kind"] for qs in per for q in qs})
+            if not lines:
+                header = ["side", "cell", "n", *(f"Q{i + 1}" for i in range(turns)), *kinds]
+                lines = ["Per question (teacher-forced %; Q1 first in the conversation) and per kind of fact:", "",
+                         *md_header(header, "llr" + "r" * (turns + len(kinds)))]
+            at = [f"{100 * np.mean([float(qs[i]['tf_correct']) for qs in per if len(qs) > i]):.0f}" for i in range(turns)]
+            by_kind = [f"{100 * np.mean([float(q['tf_correct']) for qs in per for q in qs if q['kind'] == k]):.0f}" for k in kinds]
+            lines.append(md_row([side, name, len(per), *at, *by_kind]))
+    return lines + [""] if lines else []
+
+
+def report(root: Path, min_full: float = 0.5) -> str:
+    tables = {side: verdicts([rec for f in journals(root / side) for rec in read(f)]) for side in SIDES}
+    # kvpress at the live budgets of repaired sessions (B + K): for the RepairKV comparison only
+    live_tables = verdicts(read(root / "kvpress_live" / "examples.jsonl"))
+    rows = [r for side in SIDES for r in rows_for(side, tables[side])]
+    write_csv(rows, root / "results.csv")
+    lines = ["# jaxkv and kvpress on SmolLM2-135M-Instruct, on the same examples", "", *findings(root)]
+    def seconds(rec):
+        sec = rec.get("seconds", 0)
+        return sec.get("total", 0) if isinstance(sec, dict) else sec
+
+    secs = {side: sum(seconds(rec) for f in journals(root / side) for rec in read(f)) for side in SIDES}
+    lines += [f"CPU time in the journals: jaxkv {secs['jaxkv'] / 3600:.2f} h, kvpress {secs['kvpress'] / 3600:.2f} h "
+              "(2-core x86_64; sums of per-example seconds).", ""]
+    compute_at = len(lines)  # the compute section goes here, once the left-out rows are known
+    ceiling_lines, usable = ceiling(tables, SIDES, min_full)
+    lines += ceiling_lines
     dropped = sorted(k for k in set(tables["jaxkv"]) if k not in usable)
     lines[compute_at:compute_at] = compute_section(root, left_out=set(dropped))
     if dropped:
@@ -294,29 +379,8 @@ def report(root: Path, min_full: float = 0.5) -> str:
     # per-task tables
     for key in sorted(usable):
         task, context, setting = key
-        metric = "nll_increase" if task == "lm" else "tf_acc"
-        lines += [f"## {task}, {context} tokens, question-{setting}", ""]
+        lines += [f"## {task}, {context} tokens, question-{setting}", "", *ratio_table(rows, key, SIDES)]
         ratios = sorted({r["ratio"] for r in rows if (r["task"], r["context"], r["setting"]) == key and r["method"] != "full"})
-        lines += [*md_header(["side", "method", *(f"ratio {x:g}" for x in ratios)], "ll" + "r" * len(ratios))]
-        for side in SIDES:
-            methods = sorted({r["method"] for r in rows if r["side"] == side and (r["task"], r["context"], r["setting"]) == key and r["method"] != "full"})
-            for m in methods:
-                cells = []
-                for x in ratios:
-                    r = next((r for r in rows if r["side"] == side and (r["task"], r["context"], r["setting"], r["method"], r["ratio"]) == (*key, m, x)), None)
-                    if r is None:
-                        cells.append("-")
-                    elif task == "lm":
-                        cells.append(f"{fmt_ci(r['nll_increase'], r['nll_increase_lo'], r['nll_increase_hi'], pct=False)} (KL {r['kl']:.3f})")
-                    else:
-                        cells.append(f"{fmt_ci(r['tf_acc'], r['tf_lo'], r['tf_hi'])} / {100 * r['gen_acc']:.0f}")
-                lines.append(md_row([side, m, *cells]))
-        lines.append("")
-        if task != "lm":
-            lines.append("Cells: teacher-forced accuracy % [95% interval] / greedy exact match %.")
-        else:
-            lines.append("Cells: NLL increase over the full cache, nats/token [95% interval] (mean KL(full || cell) per token).")
-        lines.append("")
         # head to head
         score = "nll" if task == "lm" else "tf_correct"
         lower = task == "lm"
@@ -343,17 +407,9 @@ def report(root: Path, min_full: float = 0.5) -> str:
                         cp.append(md_row([f"{jm} vs {km}", f"{x:g}", res[3], fmt_paired(*res[:3], lower, gain=False)]))
         if cp:
             lines += ["Counterparts (jaxkv minus kvpress, paired):", "", *md_header(["pair", "ratio", "n", "difference [95%]"], "lrrr"), *cp, ""]
-        gran = []
-        for name in sorted(n for n in jx if "/" in split_cell(n)[0]):  # "<method>/layer@r", "<method>/pyramid@r"
-            method, x = split_cell(name)
-            one = jx.get(f"{method.split('/')[0]}@{x:g}")
-            res = paired(jx[name], one, score) if one else None
-            if res:
-                gran.append(md_row([method, method.split("/")[0], f"{x:g}", res[3], fmt_paired(*res[:3], lower, gain=True)]))
-        if gran:
-            unit = "nats, positive: the per-layer sets lower the NLL" if lower else "points"
-            lines += [f"Keep sets per layer against one set for the model, same scorer and KV (jaxkv, paired; {unit}):", "",
-                      *md_header(["per layer", "one set", "ratio", "n", "gain [95%]"], "llrrr"), *gran, ""]
+        lines += per_layer_gains(jx, score, lower)
+        if task == "multiq":
+            lines += question_table({side: tables[side].get(key, {}) for side in SIDES})
         if task != "lm" and any(split_cell(n)[0] == HEAD for n in jx):
             lines += head_fidelity(tables, key, ratios)
         repair = sorted(n for n in jx if n.startswith("repairkv"))
@@ -547,11 +603,63 @@ def plot(root: Path, rows: list[dict], usable: set) -> None:
     plt.close(fig)
 
 
+def run_report(out: Path, model: str, min_full: float = 0.5) -> str:
+    """The report of one ``jaxkv eval`` run on a real-model task, from what its
+    ``--out`` holds (jaxkv's side alone: ``examples*.jsonl``, ``sessions.jsonl``,
+    ``quant*.jsonl``), written beside them as ``results.md`` and ``results.csv``
+    (one row per task, context, setting, method and ratio; a KV-format run's rows
+    are its formats) with the plots (``accuracy_vs_ratio.png`` for the retrieval
+    tasks, ``quality_vs_bits.png`` for KV formats). Returns the markdown.
+
+    Every (task, context, setting) gets its table, its full cache first; one whose
+    full cache is below ``min_full`` says so in its title. The two-side comparison
+    with kvpress is ``report`` (``--root``), which reads another layout."""
+    records = [rec for f in journals(out) for rec in read(f)]
+    lines = [f"# jaxkv eval: {model}", "", f"The journals in `{out}`; regenerate this page with "
+             f"`python -m eval.quality.real_model_report --out {out} --model {model}`.", ""]
+    rows: list[dict] = []
+    if records:
+        table = {"jaxkv": verdicts(records)}
+        rows = rows_for("jaxkv", table["jaxkv"])
+        ceiling_lines, usable = ceiling(table, ("jaxkv",), min_full)
+        lines += ceiling_lines
+        for key in sorted(table["jaxkv"]):
+            task, context, setting = key
+            below = "" if key in usable or "full" not in table["jaxkv"][key] else f" (full cache below {100 * min_full:.0f}%)"
+            lines += [f"## {task}, {context} tokens, question-{setting}{below}", "", *ratio_table(rows, key, ("jaxkv",))]
+            lines += per_layer_gains(table["jaxkv"][key], "nll" if task == "lm" else "tf_correct", task == "lm")
+            if task == "multiq":
+                lines += question_table({"jaxkv": table["jaxkv"][key]})
+        plot(out, rows, set(table["jaxkv"]))
+        if (out / "accuracy_vs_ratio.png").is_file():
+            lines += ["![accuracy against the ratio](accuracy_vs_ratio.png)", ""]
+    if any(out.glob("quant*.jsonl")):
+        from eval.quality import real_model_quant_report
+
+        points: list[dict] = []
+        lines += [real_model_quant_report.report(out, model, points=points), ""]
+        rows += [{"side": "jaxkv", "task": p["group"][0], "context": p["group"][1], "setting": p["group"][2], "kv_format": p["name"],
+                  "stored_bits": round(p["bits"], 4), "value": p["y"], "value_lo": p["lo"], "value_hi": p["hi"],
+                  "value_is": "nll_increase" if p["group"][0] == "lm" else "tf_acc_pct"} for p in points]
+    if not records and not rows:
+        lines += [f"No journal in `{out}` yet.", ""]
+    write_csv(rows, out / "results.csv")
+    text = "\n".join(lines) + "\n"
+    (out / "results.md").write_text(text)
+    return text
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(prog="python -m eval.quality.real_model_report", description=__doc__.splitlines()[0])
     p.add_argument("--root", type=Path, default=Path("eval/results/real_smollm2"))
     p.add_argument("--min-full", type=float, default=0.5)
+    p.add_argument("--out", type=Path, default=None,
+                   help="instead of --root's two-side report: one `jaxkv eval` run's folder (results.md, results.csv, plots)")
+    p.add_argument("--model", default="smollm2-135m-instruct", help="with --out: the model the run used")
     args = p.parse_args(argv)
+    if args.out is not None:
+        print(run_report(args.out, args.model, args.min_full))
+        return 0
     text = report(args.root, args.min_full)
     (args.root / "README.md").write_text(text)
     print(text)

@@ -13,6 +13,9 @@
   setting, so jaxkv and kvpress score the same tokens; ``reply_prefix`` and
   ``reply_correct`` start and score a greedy reply.
 * ``seeds``: the seed bases of the held-out evaluation sets (``EVAL_SEED_BASE``, ...).
+* ``multiq``: several questions, one per later turn, over one shared document of
+  real prose (SCBench-style, issue #75); ``multiq.token_plans`` gives one
+  ``TokenPlan`` per question, all sharing the compressed request.
 
 The synthetic generators return ``Example`` records (messages, tools, scored turns with
 evidence spans, labels), and ``reply_matches`` is a scored turn's exact-match rule;
@@ -25,6 +28,7 @@ from jaxkv.tasks.example import Evidence, Example, ScoredTurn, approx_tokens, re
 from jaxkv.tasks.haystack import (HaystackExample, TokenPlan, answer_digit_positions, lm_text, niah,
                                   passkey, reply_correct, reply_prefix, token_plan)
 from jaxkv.tasks.mqniah import NEEDLE_COUNTS, mqniah
+from jaxkv.tasks import multiq
 from jaxkv.tasks.shared_docs import shared_corpus, shared_docs
 from jaxkv.tasks.tokenizer import embedded_tokenizer, template_words
 from jaxkv.tasks.words import vocabulary
@@ -42,6 +46,7 @@ __all__ = [
     "embedded_tokenizer",
     "lm_text",
     "mqniah",
+    "multiq",
     "niah",
     "passkey",
     "reply_correct",
