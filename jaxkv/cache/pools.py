@@ -250,7 +250,7 @@ class FloatKV:
         slots = np.asarray(slots, np.int64)
         M = slots.size
         pad = np.concatenate([slots, np.full(bucket(M, minimum=8) - M, SENTINEL_SLOT)]).astype(np.int32)
-        k, v = _gather_kv(cache.k, cache.v, jnp.asarray(pad))
+        k, v = _gather_kv(cache.k, cache.v, pad)
         return np.asarray(k)[:, :M], np.asarray(v)[:, :M]
 
     def host_keys(self, k_LMKD) -> np.ndarray:
@@ -268,9 +268,9 @@ class FloatKV:
 
     def compact(self, cache, plan, rope):
         """Copy a compact plan's kept rows to their fresh slots, keys rotated by ``plan.delta``."""
-        dst = jnp.asarray(plan.copy_dst, jnp.int32)
-        cache = _copy_rows(cache, jnp.asarray(plan.copy_src, jnp.int32), dst)
-        return cache.replace(k=pallas.rope_delta(cache.k, dst, jnp.asarray(plan.delta, jnp.int32), rope))
+        dst = np.asarray(plan.copy_dst, np.int32)
+        cache = _copy_rows(cache, np.asarray(plan.copy_src, np.int32), dst)
+        return cache.replace(k=pallas.rope_delta(cache.k, dst, np.asarray(plan.delta, np.int32), rope))
 
     def restore(self, cache, room, k_LMKD, v_LMKD, *, staged: bool = True):
         """Shelved rows back into fresh slots, unchanged: ``(cache, slots)``.
@@ -280,4 +280,4 @@ class FloatKV:
         fresh = room.allocate(k_LMKD.shape[1])
         if staged:
             k_LMKD, v_LMKD = stage(k_LMKD), stage(v_LMKD)
-        return _write_rows(cache, jnp.asarray(fresh, jnp.int32), k_LMKD, v_LMKD), fresh
+        return _write_rows(cache, np.asarray(fresh, np.int32), k_LMKD, v_LMKD), fresh

@@ -480,7 +480,7 @@ class QuantizedKV:
             src[q : q + page_ids.size] = groups - job.done + start
             ids[q : q + page_ids.size] = page_ids
             q += page_ids.size
-        return jnp.asarray(src), jnp.asarray(ids)
+        return src, ids
 
     def decode_plan(self, states, new_slots, B: int, steps: int) -> DecodeParts:
         """The reading plan of a decode call (``DecodeParts``): each row's INT2 pages
@@ -599,8 +599,7 @@ class QuantizedKV:
         pad = lambda a, n, fill=0: np.concatenate([np.asarray(a, np.int64).reshape(-1), np.full(n, fill, np.int64)]).astype(np.int32)
         page_src = np.concatenate([np.asarray(page_src, np.int64).reshape(-1, PAGE), np.zeros((Qp - Q, PAGE), np.int64)]).astype(np.int32)
         return rewrite_rows(
-            cache, jnp.asarray(pad(src, Mp - M)), jnp.asarray(pad(dst, Mp - M)), jnp.asarray(pad(delta, Mp - M)),
-            jnp.asarray(page_src), jnp.asarray(pad(page_ids, Qp - Q, self.geometry.pages)), rope=rope,
+            cache, pad(src, Mp - M), pad(dst, Mp - M), pad(delta, Mp - M), page_src, pad(page_ids, Qp - Q, self.geometry.pages), rope=rope,
         )
 
     def gather_rows(self, cache, slots) -> tuple[np.ndarray, np.ndarray]:
@@ -608,7 +607,7 @@ class QuantizedKV:
         slots = np.asarray(slots, np.int64)
         M = slots.size
         pad = np.concatenate([slots, np.full(bucket(M, minimum=8) - M, SENTINEL_SLOT)])
-        fields = {k: np.asarray(v)[:, :M] for k, v in gather_packed(cache, jnp.asarray(pad, jnp.int32)).items()}
+        fields = {k: np.asarray(v)[:, :M] for k, v in gather_packed(cache, np.asarray(pad, np.int32)).items()}
         return encode_blobs(fields, self.geometry.kind(slots), self.head_dim, self.float_dtype, self.page_bits)
 
     def restore(self, cache, room, k_blob, v_blob, *, staged: bool = True):
@@ -652,7 +651,7 @@ class QuantizedKV:
             rows[name] = padL(f[name][:, first], np_) if chunks else np.zeros((L, np_, K, D), np.float16)
         if geo.float_slots:
             rows["f_k"], rows["f_v"] = padL(f["f_k"], nf), padL(f["f_v"], nf)
-        return write_packed(cache, {k: jnp.asarray(v) for k, v in rows.items()}), fresh
+        return write_packed(cache, rows), fresh
 
     def host_keys(self, k_blob) -> np.ndarray:
         return blob_keys(np.asarray(k_blob), self.head_dim, self.float_dtype, self.page_bits)
@@ -666,5 +665,5 @@ class QuantizedKV:
         slots = np.asarray(slots, np.int64)
         M = slots.size
         pad = np.concatenate([slots, np.full(bucket(M, minimum=8) - M, SENTINEL_SLOT)]).astype(np.int32)
-        k, v = gather_dequantized(cache, jnp.asarray(pad))
+        k, v = gather_dequantized(cache, pad)
         return np.asarray(k)[:, :M], np.asarray(v)[:, :M]

@@ -88,7 +88,7 @@ def empty_tables(rows: int, positions: int, lists: int = 1) -> dict:
     """The four tables of an empty cache (``lists``: J, live lists per row)."""
     if lists < 1:
         raise ValueError(f"a row needs at least one live list, got {lists}")
-    z = lambda *shape: jnp.asarray(np.zeros(shape, np.int32))  # noqa: E731  (a host copy: no program to compile)
+    z = lambda *shape: jax.device_put(np.zeros(shape, np.int32))  # noqa: E731  (a transfer: jnp.asarray of a host array compiles a program per shape)
     return dict(slot_map=z(rows, positions), live_idx=z(lists, rows, positions), live_len=z(lists, rows), seq_len=z(rows))
 
 

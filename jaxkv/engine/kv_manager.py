@@ -273,7 +273,7 @@ class KVManager:
         valid = np.zeros((self.num_layers, N), bool)
         for l, pos in enumerate(per_layer):
             idx[l, : pos.size], valid[l, : pos.size] = np.searchsorted(union, pos), True
-        return _layer_keys(keys, jnp.asarray(idx), jnp.asarray(valid)), per_layer
+        return _layer_keys(keys, idx, valid), per_layer
 
     def gather_rows(self, slots) -> tuple[np.ndarray, np.ndarray]:
         """Host copies of the K and V rows at ``slots`` (a quantized pool's packed blobs)."""

@@ -11,7 +11,6 @@ from __future__ import annotations
 import functools
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
@@ -28,10 +27,10 @@ def _dense_logits(graphdef, params, tokens_BT):
 
 def score_logits(model: Model, token_ids) -> jax.Array:
     """Full-sequence float32 logits ``[B,T,V]`` with no cache: the parity oracle."""
-    tokens = jnp.asarray(token_ids, dtype=jnp.int32)
+    tokens = np.asarray(token_ids, dtype=np.int32)
     if tokens.ndim != 2:
         raise ValueError(f"token_ids must be [batch, time], got shape {tokens.shape}")
-    _check_ids(model, np.asarray(tokens).reshape(-1))
+    _check_ids(model, tokens.reshape(-1))
     graphdef, params = model.split()
     return _dense_logits(graphdef, params, tokens)
 

@@ -31,9 +31,10 @@ step's query rows, logits and mass reach the host only when a job in it asked.
 
 from __future__ import annotations
 
-import numpy as np
+import functools
 
 import jax
+import numpy as np
 
 from jaxkv import buckets
 from jaxkv.backends.base import DecodeState
@@ -56,8 +57,14 @@ def _list_mass(mass_JN, positions_J, seq_len: int, n_new: int) -> np.ndarray:
     return out
 
 
+@functools.lru_cache(maxsize=1)
+def _default_key_data() -> np.ndarray:
+    return np.asarray(jax.random.key_data(jax.random.key(0)))
+
+
 def _key_data(key) -> np.ndarray:
-    return np.asarray(jax.random.key_data(key if key is not None else jax.random.key(0)))
+    """A row's key as host data (None: ``key(0)``, unused by a greedy row)."""
+    return _default_key_data() if key is None else np.asarray(jax.random.key_data(key))
 
 
 class ModelRunner:
@@ -313,7 +320,7 @@ class ModelRunner:
                 and np.all(len_JB <= kept.len_JB + kept.fed_B[None, :])):
             return kept.loop_state, len_LR, len_JB, width
         self._kept = None
-        window = self.backend.gather_window(self.kv.cache, jax.numpy.asarray(rows), plan, width=width, n_steps=n)
+        window = self.backend.gather_window(self.kv.cache, rows, plan, width=width, n_steps=n)
         if window is None or not self.backend.keeps_window:
             return window, None, None, width
         return window, len_LR, len_JB, width

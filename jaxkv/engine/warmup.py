@@ -52,18 +52,26 @@ def warmup(engine, decode_chunk: int, *, stop_token_ids=(), progress=None, captu
         if progress is not None:
             progress(1)
 
-    row = engine.open_row()
+    rows = [engine.open_row() for _ in range(engine.rows)]
     try:
         variants = [(False, False)] + [(q, m) for q, m, on in ((True, False, capture_q), (True, True, attn_mass)) if on]
         for T in shapes.steps:
+            # a step of T tokens: a piece of up to a chunk, and beside it decode tokens for what is left
+            # (the budget's bucket holds a whole chunk beside a decode token of every other row)
+            n = min(T, engine.prefill_chunk) if T > buckets.MIN_STEP_TOKENS else 1
+            d = min(T - n, engine.rows - 1) if T > engine.prefill_chunk else 0
             for q, m in variants:
-                n = min(T, engine.prefill_chunk) if T > buckets.MIN_STEP_TOKENS else 1
-                job = PrefillJob(row, np.zeros(n, np.int32), logits=None, q_idx_X=[0] if q else None, attn_mass=m)
-                engine.step(prefill_jobs=[engine.start(job)])
-                engine.truncate_row(row, 0)
+                for r in rows[1 : 1 + d]:
+                    engine.step(prefill_jobs=[engine.start(PrefillJob(r, np.zeros(1, np.int32), logits=None))])
+                decode = [engine.start(DecodeJob(r, 0, 1)) for r in rows[1 : 1 + d]]
+                job = engine.start(PrefillJob(rows[0], np.zeros(n, np.int32), logits=None, q_idx_X=[0] if q else None, attn_mass=m))
+                engine.step(prefill_jobs=[job], decode_jobs=decode)
+                for r in rows:
+                    engine.truncate_row(r, 0)
                 tick()
     finally:
-        engine.close_row(row)
+        for r in rows:
+            engine.close_row(r)
     for B, W in shapes.decode:
         for q in (False, True) if decode_q else (False,):
             rows = [engine.open_row() for _ in range(B)]

@@ -213,8 +213,8 @@ def repair_scores_streamed(q_LXHD, q_pos_X, q_valid_X, ctx_k_LNKD, ctx_pos_N, ct
     Returns the concatenated valid and padded entries, in the order yielded."""
     Hkv = ctx_k_LNKD.shape[2]
     q = _group(q_LXHD, Hkv)
-    q_pos, q_valid = jnp.asarray(q_pos_X, jnp.int32), jnp.asarray(q_valid_X, bool)
-    lse = _chunk_lse_jit(q, q_pos, q_valid, jnp.asarray(ctx_k_LNKD), jnp.asarray(ctx_pos_N, jnp.int32), jnp.asarray(ctx_valid_N, bool))
+    q_pos, q_valid = np.asarray(q_pos_X, np.int32), np.asarray(q_valid_X, bool)  # host arrays: jit transfers them (jnp.asarray would compile a program per shape)
+    lse = _chunk_lse_jit(q, q_pos, q_valid, ctx_k_LNKD, np.asarray(ctx_pos_N, np.int32), np.asarray(ctx_valid_N, bool))
     for k, pos, valid in chunks():
         lse = jnp.logaddexp(lse, _chunk_lse_jit(q, q_pos, q_valid, k, pos, valid))
     out = [_chunk_score_jit(q, q_pos, q_valid, k, pos, valid, lse) for k, pos, valid in chunks()]

@@ -42,7 +42,6 @@ import dataclasses
 from typing import Any, Generator
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 
 from jaxkv.cache.radix import common_prefix_length
@@ -407,7 +406,7 @@ class Turn:
         key = jax.random.key(seed)
         first = prefilled.first_token
         if first is None:
-            first = int(sample_row(jnp.asarray(prefilled.result_logits()), key, FIRST_TOKEN_KEY, RowSamplers.of([(temperature, top_k, top_p)])))
+            first = int(sample_row(np.asarray(prefilled.result_logits(), np.float32), key, FIRST_TOKEN_KEY, RowSamplers.of([(temperature, top_k, top_p)])))
         reply = [first]
         if self.record_margins:
             self.reply_margins = list(_top2_margins(np.asarray(prefilled.result_logits())[None]))

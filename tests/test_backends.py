@@ -1,0 +1,76 @@
+"""One attention entry, one backend per pool kind and platform (``jaxkv.backends``).
+
+* ``select_backend`` picks the table's backend once per engine.
+* A quantized pool's decode loop reaches the fused quantized kernels through the
+  engine (``QuantKernelBackend``, the Pallas kernel in interpret mode): every layer
+  of every decode step calls the kernel, and the tokens and logits are those of the
+  CPU's blocked backend over the same pool (``CpuQuantBackend``), for INT2 pages
+  with partly held bitmasks, INT4 tokens, and KIVI's float residual.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+import jaxkv
+from jaxkv.backends import (CpuFloatBackend, CpuQuantBackend, FloatKernelBackend, QuantKernelBackend, ReferenceBackend,
+                            kernel_quant, select_backend)
+from jaxkv.cache.pools import FloatLayers
+from jaxkv.cache.quantized import Geometry, QuantLayers
+from jaxkv.config import ModelConfig
+from jaxkv.engine import Engine
+from jaxkv.policies import layouts
+
+
+def test_select_backend_is_the_pool_by_platform_table():
+    flt, quant = FloatLayers(), QuantLayers(Geometry(2, 8))
+    assert type(select_backend(flt)) is CpuFloatBackend and type(select_backend(quant)) is CpuQuantBackend
+    assert type(select_backend(flt, "interpret")) is FloatKernelBackend
+    assert type(select_backend(quant, "interpret")) is QuantKernelBackend
+    assert select_backend(quant, "interpret").platform == "interpret"
+    ref = select_backend(quant, "reference")
+    assert type(ref) is ReferenceBackend and type(ref.blocked) is CpuQuantBackend
+    assert select_backend(flt).uses_window and not select_backend(flt, "interpret").uses_window
+    assert not select_backend(quant, "interpret").uses_window
+
+
+@pytest.fixture(scope="module")
+def qmodel():
+    from jaxkv.tasks import embedded_tokenizer
+
+    tok = embedded_tokenizer()
+    cfg = ModelConfig(
+        model_type="qwen3", vocab_size=len(tok), hidden_size=64, intermediate_size=64, num_layers=2,
+        num_heads=2, num_kv_heads=1, head_dim=32, qk_norm=True, max_position_embeddings=4096,
+    )
+    return jaxkv.model_from_config(cfg, seed=0, tokenizer=tok)
+
+
+@pytest.mark.parametrize("mode", ["triaxial", "int4", "kivi2"])
+def test_quantized_decode_reaches_the_fused_kernel_and_equals_the_blocked_backend(qmodel, mode, monkeypatch):
+    import jax
+
+    jax.clear_caches()  # the decode program is traced here, so the kernel's trace is seen (a cached program would not call it)
+    calls = []
+    kernel = kernel_quant.quantized_decode_attention
+    monkeypatch.setattr(kernel_quant, "quantized_decode_attention", lambda *a, **k: calls.append(k["backend"]) or kernel(*a, **k))
+    rng = np.random.default_rng(4)
+    prompts = [rng.integers(5, 500, n).tolist() for n in (180, 70)]
+    bits = [np.where(rng.random(len(p)) < 0.6, 2, 4) for p in prompts] if mode == "triaxial" else None
+    runs = {}
+    for backend in (None, "interpret"):
+        e = Engine(qmodel, rows=2, max_positions=256, kv_quant=mode, backend=backend)
+        rows = [e.open_row(), e.open_row()]
+        e.prefill(rows, prompts, kv_bits=bits)
+        keep = np.setdiff1d(np.arange(180), [3, 40, 41, 100])  # pages partly held: their bitmasks read
+        e.kv.apply_layout(rows[0], layouts.dead_slot(e.row_state[rows[0]].slots, keep))
+        runs[backend] = e.decode(rows, [7, 9], 3, return_logits=True, forced_tokens=[[11, 12], [14, 15]])
+        assert type(e.backend) is (QuantKernelBackend if backend else CpuQuantBackend)
+    assert calls and set(calls) == {"interpret"}  # the decode loop's layer body calls the kernel (traced once per program)
+    if mode == "triaxial":
+        assert e.kv.composition(rows[0])[2] > 0  # INT2 pages were read by the kernel
+    (tok_cpu, log_cpu), (tok_k, log_k) = runs[None], runs["interpret"]
+    assert tok_cpu == tok_k
+    for a, b in zip(log_k, log_cpu):
+        assert np.abs(a - b).max() <= 1e-5 * np.abs(b).max()
