@@ -253,10 +253,10 @@ def constrain_cache(cache, mesh):
 
 @functools.partial(
     jax.jit,
-    static_argnames=("graphdef", "backend", "n_steps", "outputs", "teacher_forced", "mesh", "regroup"),
+    static_argnames=("graphdef", "backend", "n_steps", "width", "outputs", "teacher_forced", "mesh", "regroup"),
     donate_argnames=("cache", "window"),
 )
-def run_decode(graphdef, params, cache, batch: DecodeBatch, read_plan=None, window=None, layer_params=None, window_len_LR=None, *, backend, n_steps, outputs: Outputs = TOKENS_ONLY, teacher_forced=False, mesh=None, regroup=False):
+def run_decode(graphdef, params, cache, batch: DecodeBatch, read_plan=None, window=None, layer_params=None, window_len_LR=None, regather=None, *, backend, n_steps, width: int = 0, outputs: Outputs = TOKENS_ONLY, teacher_forced=False, mesh=None, regroup=False):
     """Decode up to ``n_steps`` tokens for each row of ``batch`` (module docstring).
 
     Step ``s`` feeds each active row its last token (writing its K/V at
@@ -269,13 +269,15 @@ def run_decode(graphdef, params, cache, batch: DecodeBatch, read_plan=None, wind
     rest continue with fewer rows.
 
     ``read_plan``: the pool's reading plan of the call (a quantized pool's
-    ``DecodeParts``). ``window``: the backend's decode window (the CPU backends'
-    ``gather_window``): the rows' entries are read from that copy, no gather per
-    step, and the layers run unrolled (over ``layer_params``, the runner's kept
-    ``layer_copies``, or copies sliced here); it is donated and comes back holding
-    the call's new entries. ``window_len_LR``: with a window that can be kept
-    (``DecodeWindow.roll``), the entries of each layer's list per row now, which
-    the window is brought to first.
+    ``DecodeParts``). ``width`` (static, 0: none): the call reads the backend's
+    decode window of this many entries per row (the CPU backends): the rows'
+    entries are copied once at the start (``backend.take_window``), read from
+    that copy by every step, and the layers run unrolled (over ``layer_params``,
+    the runner's kept ``layer_copies``, or copies sliced here). A backend whose
+    window is kept (``keeps_window``) is handed ``window``, the last call's, which
+    is rolled on to the lists' lengths now (``window_len_LR``,
+    ``DecodeWindow.roll``) or, with ``regather``, replaced by a fresh copy; it is
+    donated and comes back holding the call's new entries.
 
     Returns ``(tokens [R, n], fed [R], cache, aux, window)``: ``aux["logits"]``
     ``[R, n, V]`` with ``outputs.logits``, ``aux["q_rows"]`` ``[n, L, R, Hq, D]`` (the
@@ -292,8 +294,9 @@ def run_decode(graphdef, params, cache, batch: DecodeBatch, read_plan=None, wind
     q_buf = jnp.zeros((n_steps, cfg.num_layers, R, cfg.num_heads, cfg.head_dim), jnp.float32) if outputs.query_rows else None
     keys_R = jax.random.wrap_key_data(b.key_data_R)
     started = (b.limit_R > 0).sum()
-    if window is not None and window_len_LR is not None:
-        window = window.roll(window_len_LR)
+    if width:
+        take = lambda _: backend.take_window(cache, b.rows_R, read_plan, width=width, n_steps=n_steps)  # noqa: E731
+        window = take(None) if window is None else jax.lax.cond(regather, take, lambda w: w.roll(window_len_LR), window)
     layers = None
     if window is not None and layer_params is not None:
         layer_graphdef = nnx.split(model.layer(0))[0]

@@ -175,3 +175,25 @@ def tiny_chat_model(head_dim: int = 16, max_positions: int = 1024):
         eos_token_ids=(tok.convert_tokens_to_ids("<|im_end|>"),),
     )
     return jaxkv.model_from_config(cfg, seed=0, tokenizer=tok)
+
+
+if os.environ.get("JAXKV_TEST_COMPILE_LOG"):  # per test: XLA programs compiled and their seconds (a profiling aid)
+    import jax as _jax
+
+    _compile = {"n": 0, "s": 0.0}
+
+    def _on_compile(event: str, duration: float, **_) -> None:
+        if event == "/jax/core/compile/backend_compile_duration":
+            _compile["n"] += 1
+            _compile["s"] += duration
+
+    _jax.monitoring.register_event_duration_secs_listener(_on_compile)
+
+    @pytest.fixture(autouse=True)
+    def _log_compiles(request):
+        import time
+
+        n0, s0, t0 = _compile["n"], _compile["s"], time.perf_counter()
+        yield
+        with open(os.environ["JAXKV_TEST_COMPILE_LOG"], "a") as log:
+            log.write(f"{request.node.nodeid}\t{_compile['n'] - n0}\t{_compile['s'] - s0:.2f}\t{time.perf_counter() - t0:.2f}\n")

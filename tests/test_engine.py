@@ -7,7 +7,6 @@ import numpy as np
 import pytest
 
 import jaxkv
-from jaxkv.backends import cpu_float
 from jaxkv.cache.allocator import SENTINEL_SLOT
 from oracles import logits_over_kept
 
@@ -184,7 +183,7 @@ def _assert_tables_mirror_host(engine, rows):
 
 
 def test_decode_window_equals_per_step_gather(qwen3):
-    """The CPU decode loop's once-per-call window (``jaxkv.backends.cpu_float.gather_window``) gives
+    """The CPU decode loop's once-per-call window (``jaxkv.backends.cpu_float.take_window``) gives
     the tokens, logits and query rows of gathering key blocks from the pool every
     step, on rows of different lengths, one with dead slots in its live list, and
     the window holds the call's own new tokens."""
@@ -210,7 +209,7 @@ def test_decode_window_equals_per_step_gather(qwen3):
         assert _rel(a, b) <= 1e-5
 
 
-def test_a_kept_decode_window_equals_per_step_gather_across_calls(qwen3, monkeypatch):
+def test_a_kept_decode_window_equals_per_step_gather_across_calls(qwen3):
     """A decode call keeps its window (``DecodeState``) and the next call over the
     same rows starts from it, its new entries folded into the blocks
     (``DecodeWindow.roll``): consecutive calls, a truncation between two calls
@@ -221,13 +220,9 @@ def test_a_kept_decode_window_equals_per_step_gather_across_calls(qwen3, monkeyp
     prompts = [rng.integers(0, 1024, n).tolist() for n in (70, 29)]
     other = rng.integers(0, 1024, 21).tolist()
     runs = {}
-    gathers = []
-    gather = cpu_float.gather_window
-    monkeypatch.setattr(cpu_float, "gather_window", lambda *a, **k: gathers.append(1) or gather(*a, **k))
     for window in (True, False):
         engine = jaxkv.Engine(qwen3, rows=3, max_positions=256, num_slots=2048, prefill_chunk=32, layer_lists=True)
         engine.runner.use_window = window
-        gathers.clear()
         rows = [engine.open_row() for _ in prompts]
         engine.prefill(rows, prompts)
         mask = np.ones((qwen3.config.num_layers, 70), bool)
@@ -245,7 +240,7 @@ def test_a_kept_decode_window_equals_per_step_gather_across_calls(qwen3, monkeyp
             kept = engine.runner.kept
             calls.append((tokens, logits, kept is not None))
             first = [t[-1] for t in tokens]
-        runs[window] = (calls, len(gathers))
+        runs[window] = (calls, engine.runner.regathers)
     calls_w, gathered = runs[True]
     calls_g, _ = runs[False]
     assert gathered == 2  # the first call and the one after the other row's prefill

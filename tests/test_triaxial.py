@@ -16,7 +16,7 @@ import pytest
 
 import jaxkv
 from jaxkv.cache.quantized import FLOAT, INT2, INT4, Geometry, dequantize_slots
-from jaxkv.cache.quantized_host import KIVI_WINDOW, DualAllocator
+from jaxkv.cache.quantized_host import KIVI_RESIDUAL, DualAllocator
 from jaxkv.config import ModelConfig
 from jaxkv.engine import Engine, KVSource
 from jaxkv.errors import ConfigError, JaxKVError, OutOfSlotsError, SlotError
@@ -131,7 +131,7 @@ def test_decode_tokens_go_to_int4_and_kivi_keeps_a_recent_float_window(qmodel):
                 k.decode([row], [7], n_new)
             kinds = kinds_of(k, row)
             floats = np.flatnonzero(kinds == FLOAT)
-            assert KIVI_WINDOW <= floats.size < KIVI_WINDOW + PAGE  # the most recent tokens, in full precision
+            assert KIVI_RESIDUAL <= floats.size < KIVI_RESIDUAL + PAGE  # the most recent tokens, in full precision
             assert floats.tolist() == list(range(kinds.size - floats.size, kinds.size))
             assert (kinds[: kinds.size - floats.size] == INT2).all()  # everything older in pages of page_bits
             paged = kinds.size - floats.size
@@ -243,11 +243,11 @@ def test_quantized_decode_window_equals_per_step_gather(qmodel, mode, monkeypatc
     blocks, INT2 pages partly held (dead slots), and two calls, so the call's own
     new tokens are read back quantized both from the window's new part (within a
     call) and from the pool (the next call's window)."""
-    from jaxkv.backends import cpu_quant
+    import jaxkv.engine.runner as runner_mod
 
     calls = []
-    gather = cpu_quant.gather_quant_window
-    monkeypatch.setattr(cpu_quant, "gather_quant_window", lambda *a, **k: calls.append(k["width"]) or gather(*a, **k))
+    run = runner_mod.run_decode
+    monkeypatch.setattr(runner_mod, "run_decode", lambda *a, **k: calls.append(k["width"]) or run(*a, **k))
     rng = np.random.default_rng(11)
     prompts = [rng.integers(5, 500, n).tolist() for n in (700, 150)]
     bits = [np.where(rng.random(len(p)) < 0.6, 2, 4) for p in prompts] if mode == "triaxial" else None
@@ -262,7 +262,7 @@ def test_quantized_decode_window_equals_per_step_gather(qmodel, mode, monkeypatc
         second = e.decode(rows, [first[0][0][-1], first[0][1][-1]], 6, return_logits=True, query_rows=True)
         assert e.runner.uses_window(2, 1024) == window
         runs[window] = (first, second)
-    assert calls == [1024, 1024]  # each windowed call took its window, as wide as the 700-entry list's bucket
+    assert calls == [1024, 1024, 0, 0]  # each windowed call read a window as wide as the 700-entry list's bucket; then none
     if mode == "triaxial":
         assert e.kv.composition(rows[0])[INT2] > 0
     for (tok_w, log_w, aux_w), (tok_g, log_g, aux_g) in zip(*runs.values()):

@@ -58,7 +58,7 @@ import numpy as np
 from jaxkv.markdown import md_table
 
 FORMATS = ("int4", "int2_token", "int2_pages", "kivi2", "kivi4")
-KIVI_WINDOW = 128  # jaxkv.cache.quantized_host.KIVI_WINDOW (asserted in main)
+KIVI_WINDOW = 128  # jaxkv.cache.quantized_host.KIVI_RESIDUAL (asserted in main)
 PAGE = 32
 
 
@@ -244,7 +244,7 @@ def plot(results: list[dict], path: Path) -> None:
 
 
 def main(argv=None) -> list[dict]:
-    from jaxkv.cache.quantized_host import KIVI_WINDOW as SERVED_WINDOW
+    from jaxkv.cache.quantized_host import KIVI_RESIDUAL as SERVED_WINDOW
 
     assert SERVED_WINDOW == KIVI_WINDOW
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])

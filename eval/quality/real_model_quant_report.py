@@ -57,7 +57,7 @@ def storage(fmt: str, n_tokens: float, config) -> dict:
     """Bytes per token, stored bits per element and capacity vs bf16 of a request of
     ``n_tokens`` as its prefill leaves it in ``fmt``."""
     from jaxkv.cache.quantized import FLOAT, INT2, INT4
-    from jaxkv.cache.quantized_host import KIVI_WINDOW, bytes_per_token
+    from jaxkv.cache.quantized_host import KIVI_RESIDUAL as KIVI_WINDOW, bytes_per_token
 
     geo = dict(head_dim=config.head_dim, num_layers=config.num_layers, num_kv_heads=config.num_kv_heads)
     if fmt == "int4":

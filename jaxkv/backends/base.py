@@ -95,8 +95,9 @@ class AttentionBackend:
         ``jaxkv.cache.quantized.QuantLayers``): how one layer is written and read.
 
     Class attributes: ``name``; ``uses_window``: the decode loop may read a
-    per-call copy of its rows' entries (the CPU backends, ``gather_window``);
-    ``keeps_window``: that copy can start the next call over the same rows.
+    per-call copy of its rows' entries (the CPU backends: ``take_window`` traced at
+    the start of the decode program, ``window_entries`` and ``window_fits`` on the
+    host); ``keeps_window``: that copy can start the next call over the same rows.
     """
 
     layers: Any
@@ -143,8 +144,8 @@ class DecodeState:
 
     Attributes:
       loop_state: what the next decode call's loop starts from (a window), or None.
-      key: what it was made for (rows, steps, width): a call over other rows or
-        shapes makes a fresh one.
+      key: what it was made for (rows, steps, width): a call over other rows with
+        the same steps and width hands it in as the buffer its fresh window replaces.
       writes: the KV manager's write count when it was kept; any later write of the
         cache but a truncation makes it stale.
       len_JB: list lengths per live list and call row at the call's start (host);

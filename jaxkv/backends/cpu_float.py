@@ -7,11 +7,13 @@ multi-step decode loop instead reads a per-call, head-major copy of its rows'
 lists (``DecodeWindow``): every step's one query per row then runs two plain
 batched GEMMs over contiguous memory, several times faster on the CPU than
 gathering key blocks by slot id every step (``eval/bench/decode.py`` prints
-both). ``gather_window`` takes the copy (a jit of its own); the loop writes each
-step's new entry into the window's second part and attends over both parts with
-one softmax. The runner keeps a call's window for the next call over the same
-rows (``DecodeWindow.roll`` folds the last call's new entries into its first
-part), so a long generation copies its rows' lists once.
+both). ``take_window`` takes the copy at the start of the decode program (no
+program of its own); the loop writes each step's new entry into the window's
+second part and attends over both parts with one softmax. The runner keeps a
+call's window for the next call over the same rows (``DecodeWindow.roll`` folds
+the last call's new entries into its first part), so a long generation copies its
+rows' lists once; a call over other rows hands the kept window in as the buffer a
+fresh copy replaces (``lax.cond``: one program per rows x width either way).
 
 Layout: keys ``[R, K, D, W]`` and values ``[R, K, W, D]`` per layer, so both
 products are plain batched GEMMs over the copy in place. A blocked layout (blocks
@@ -30,7 +32,6 @@ reading the window equals reading the pool
 from __future__ import annotations
 
 import dataclasses
-import functools
 
 import jax
 import jax.numpy as jnp
@@ -93,12 +94,12 @@ class DecodeWindow:
         return window_decode_attention(q_RHD, self.k[i], self.v[i], old, self.k_new[i], self.v_new[i], kv_len_R - old, active_R)
 
 
-@functools.partial(jax.jit, static_argnames=("width", "n_steps"))
-def gather_window(cache, rows_R, *, width: int, n_steps: int) -> DecodeWindow:
+def take_window(cache, rows_R, *, width: int, n_steps: int) -> DecodeWindow:
     """The CPU decode loop's copy of each row's list entries ``[0, width)``, every
-    layer, head-major, and room for ``n_steps`` new entries (``DecodeWindow``). A
-    jit of its own, not the start of the decode program: reading the pool before
-    the loop writes it made XLA:CPU copy the whole pool every call."""
+    layer, head-major, and room for ``n_steps`` new entries (``DecodeWindow``);
+    traced at the start of the decode program, before its loop writes the donated
+    pool (the compiled program reads the pool in place: no copy of it,
+    ``tests/test_engine.py``)."""
     tables = take_rows(cache, rows_R)
     live = tables.live_idx  # [J, R, P]
     live = live[..., :width] if live.shape[-1] >= width else jnp.pad(live, ((0, 0), (0, 0), (0, width - live.shape[-1])))
@@ -130,10 +131,13 @@ class CpuFloatBackend(AttentionBackend):
         window = loop_state.append(i, k_TKD, v_TKD, kv_len, meta.active_R)
         return window.attend(i, q_THD, kv_len, meta.active_R).astype(q_THD.dtype), window
 
+    def take_window(self, cache, rows_R, plan, *, width: int, n_steps: int) -> DecodeWindow:
+        return take_window(cache, rows_R, width=width, n_steps=n_steps)
+
     # -- host half ---------------------------------------------------------------------
     def window_entries(self, states, plan) -> int:
         """Entries the window must hold for these rows: the longest list."""
         return max(len(s.live) for s in states)
 
-    def gather_window(self, cache, rows_R, plan, *, width: int, n_steps: int):
-        return gather_window(cache, rows_R, width=width, n_steps=n_steps)
+    def window_fits(self, plan, width: int) -> bool:
+        return True

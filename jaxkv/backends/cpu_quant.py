@@ -10,7 +10,7 @@ decode loop's window of unpacked codes as the backend's private state.
 * **The decode loop** reads by kind instead (the pool's ``DecodeParts`` plan: INT2
   pages, then the token part): through the packed pool every step
   (``decode_parts_attention``), or through a per-call copy of the rows' entries
-  (``QuantWindow``, taken once by ``gather_quant_window``: codes unpacked to uint8
+  (``QuantWindow``, taken once by ``take_quant_window``: codes unpacked to uint8
   with float32 parameters, token-major per KV head, dequantized block by block
   with the pool's arithmetic: contiguous blocks instead of a gather by slot per
   step, at 160 bytes per entry, head and layer for D = 64 against the pool's 80
@@ -28,7 +28,6 @@ back, unlike the float window).
 from __future__ import annotations
 
 import dataclasses
-import functools
 
 import jax
 import jax.numpy as jnp
@@ -227,7 +226,7 @@ class WindowPart:
 @struct.dataclass
 class QuantWindow:
     """The CPU decode loop's copy of its rows' quantized entries
-    (``gather_quant_window``), the quantized pool's ``jaxkv.backends.cpu_float.DecodeWindow``:
+    (``take_quant_window``), the quantized pool's ``jaxkv.backends.cpu_float.DecodeWindow``:
     taken once per ``run_decode`` call, read contiguously by every step instead of
     gathering packed rows from the pool by slot (``decode_parts_attention``).
 
@@ -282,14 +281,12 @@ def _widened(a_RX, width: int):
     return a_RX[:, :width] if a_RX.shape[1] >= width else jnp.pad(a_RX, ((0, 0), (0, width - a_RX.shape[1])))
 
 
-@functools.partial(jax.jit, static_argnames=("width", "n_steps"))
-def gather_quant_window(cache: QuantizedKVCache, plan: DecodeParts, *, width: int, n_steps: int) -> QuantWindow:
+def take_quant_window(cache: QuantizedKVCache, plan: DecodeParts, *, width: int, n_steps: int) -> QuantWindow:
     """The CPU decode loop's window of a decode call (``QuantWindow``): every
     layer's copy of each row's token part (entries ``[0, width)`` of the plan's
     token slots) and of its INT2 pages (``width / 32`` of them: the caller's width
-    covers ``32 x`` the row's pages), and room for ``n_steps`` new tokens. A jit of
-    its own, as ``jaxkv.backends.cpu_float.gather_window`` and for its reason (a pool read before
-    the loop writes it made XLA:CPU copy the whole pool every call)."""
+    covers ``32 x`` the row's pages), and room for ``n_steps`` new tokens. Traced at
+    the start of the decode program, as ``jaxkv.backends.cpu_float.take_window``."""
     geo, pool = cache.geometry, cache.pool
     L, _, K, _ = pool.int4.k.data.shape
     D = pool.int4.k.head_dim
@@ -370,10 +367,11 @@ class CpuQuantBackend(AttentionBackend):
         longest = max(len(s.live) for s in states)
         return longest if plan is None else max(longest, PAGE * int(np.max(plan.n_pages_R)))
 
-    def gather_window(self, cache, rows_R, plan: DecodeParts | None, *, width: int, n_steps: int):
-        """The call's ``QuantWindow``, or None when the call has no plan (rows with
-        per-layer sets read through their live lists), a row's pages do not fit the
-        width, or the token part is KIVI's float residual (read from the pool)."""
-        if plan is None or PAGE * int(np.max(plan.n_pages_R)) > (width if width >= PAGE else 0):
-            return None
-        return gather_quant_window(cache, plan, width=width, n_steps=n_steps)
+    def window_fits(self, plan: DecodeParts | None, width: int) -> bool:
+        """Whether the call reads a window: not when it has no plan (rows with
+        per-layer sets read through their live lists) or a row's pages do not fit
+        the width (``window_entries`` past the positions' cap)."""
+        return plan is not None and PAGE * int(np.max(plan.n_pages_R)) <= (width if width >= PAGE else 0)
+
+    def take_window(self, cache, rows_R, plan: DecodeParts, *, width: int, n_steps: int) -> QuantWindow:
+        return take_quant_window(cache, plan, width=width, n_steps=n_steps)

@@ -13,7 +13,7 @@ Modes (``Engine(kv_quant=...)``, ``Server(kv_quant=...)``):
   teacher-forced reply is what decode would have written).
 * ``"kivi2"`` (KIVI, Liu et al. 2024, on this substrate): tokens are written in
   full precision into the float region; after every prefill chunk and decode
-  chunk, float tokens older than the most recent ``KIVI_WINDOW = 128``
+  chunk, float tokens older than the most recent ``KIVI_RESIDUAL = 128``
   positions move to INT2 pages in groups of 32, oldest first (keys per channel,
   values per token), so a request holds 128 to 159 recent float tokens (plus at
   most one decode chunk) and everything older at 2 bits. A radix-cached prefix
@@ -39,13 +39,7 @@ INT2 plan short of pages writes the rest as INT4), so admission that fits the
 token region never over-commits; INT2 pages are extra room, reported by
 ``pages_free`` / ``pages_used``.
 
-Packed-row codec (the host tier of RepairKV): a shelved row is one uint8 blob per
-(layer, head) for K and one for V, of one width (``blob_width``): byte 0 is the
-row's kind (2, 4 or 16), then its codes and float16 parameters (INT4: codes, scale, zero; INT2 keys: codes and
-the page's per-channel scale and zero; float: the raw values). Promotion writes
-the same bytes back: INT4 / float rows to fresh slots, INT2 rows into fresh pages
-grouped by identical page parameters, so every promoted row dequantizes to the
-same float32 values (bit-identical).
+The host tier's packed-row codec (shelved rows as uint8 blobs) is ``jaxkv.cache.blobs``.
 """
 
 from __future__ import annotations
@@ -68,7 +62,6 @@ from jaxkv.cache.quantized import (
     Geometry,
     QuantizedKVCache,
     QuantLayers,
-    dequantize_int2_tokens,
     gather_dequantized,
     gather_keys as gather_dequantized_keys,
     gather_packed,
@@ -76,11 +69,12 @@ from jaxkv.cache.quantized import (
     write_packed,
 )
 from jaxkv.errors import ConfigError, OutOfSlotsError, SlotError
-from jaxkv.pallas.quant import PAGE, PackedRows, dequantize_rows
+from jaxkv.cache.blobs import blob_keys, decode_blobs, encode_blobs
+from jaxkv.pallas.quant import PAGE
 
 MODES = ("int4", "kivi2", "kivi4", "triaxial", "triaxial_no_temporal", "triaxial_no_semantic")
 KIVI_PAGE_BITS = {"kivi2": 2, "kivi4": 4}  # the KIVI modes: a float residual window, then pages of these bits
-KIVI_WINDOW = 128  # KIVI's residual: the most recent tokens kept in full precision
+KIVI_RESIDUAL = 128  # KIVI's residual: the most recent tokens kept in full precision
 
 
 def check_mode(mode) -> str | None:
@@ -264,90 +258,6 @@ class PageTable:
         return np.concatenate([self.pages, self.int4, self.floats]).astype(np.int64)
 
 
-# ============================================================================ codec
-def blob_width(D: int, float_itemsize: int, page_bits: int = 2) -> int:
-    """Bytes of one (layer, head) blob, K and V alike (the host tier keeps K and V
-    arrays of one shape): a kind byte and the largest payload (page keys: codes
-    and the page's per-channel float16 scale and zero; or a float row)."""
-    return 1 + max(D // 2 + D // 8, D * page_bits // 8 + 4 * D, D * float_itemsize)
-
-
-def _u8(x) -> np.ndarray:
-    x = np.ascontiguousarray(x)
-    return x.view(np.uint8).reshape(*x.shape[:-1], -1)
-
-
-def encode_blobs(fields: dict, kinds: np.ndarray, head_dim: int, float_dtype, page_bits: int = 2) -> tuple[np.ndarray, np.ndarray]:
-    """Packed fields of ``gather_packed`` (``[L, M, K, ...]``) -> K and V blobs
-    ``[L, M, K, W]`` uint8 (module docstring)."""
-    D = head_dim
-    L, M, K = fields["k4_data"].shape[:3]
-    itemsize = np.dtype(float_dtype).itemsize
-    w = blob_width(D, itemsize, page_bits)
-    kb, vb = np.zeros((L, M, K, w), np.uint8), np.zeros((L, M, K, w), np.uint8)
-    kb[..., 0] = vb[..., 0] = np.asarray(kinds, np.uint8)[None, :, None]
-    pieces = {
-        INT4: (("k4_data", "k4_scale", "k4_zero"), ("v4_data", "v4_scale", "v4_zero")),
-        INT2: (("k2_data", "k2_scale", "k2_zero"), ("v2_data", "v2_scale", "v2_zero")),
-        FLOAT: (("f_k",), ("f_v",)),
-    }
-    for kind, (kn, vn) in pieces.items():
-        m = np.flatnonzero(np.asarray(kinds) == kind)
-        if not m.size:
-            continue
-        for blob, names in ((kb, kn), (vb, vn)):
-            parts = np.concatenate([_u8(np.asarray(fields[n])[:, m]) for n in names], axis=-1)
-            blob[:, m, :, 1 : 1 + parts.shape[-1]] = parts
-    return kb, vb
-
-
-def decode_blobs(k_blob: np.ndarray, v_blob: np.ndarray | None, head_dim: int, float_dtype, page_bits: int = 2) -> tuple[np.ndarray, dict]:
-    """Inverse of ``encode_blobs``: ``(kinds [M], fields)``; ``fields[name]`` holds
-    the rows of that name's kind only (in row order of that kind); V fields only
-    when ``v_blob`` is given."""
-    D = head_dim
-    fd = np.dtype(float_dtype)
-    kinds = k_blob[0, :, 0, 0].astype(np.int64)
-    sizes = {
-        INT4: ((("k4_data", D // 2, np.uint8), ("k4_scale", D // 32, np.float16), ("k4_zero", D // 32, np.float16)),
-               (("v4_data", D // 2, np.uint8), ("v4_scale", D // 32, np.float16), ("v4_zero", D // 32, np.float16))),
-        INT2: ((("k2_data", D * page_bits // 8, np.uint8), ("k2_scale", D, np.float16), ("k2_zero", D, np.float16)),
-               (("v2_data", D * page_bits // 8, np.uint8), ("v2_scale", D // 32, np.float16), ("v2_zero", D // 32, np.float16))),
-        FLOAT: ((("f_k", D, fd),), (("f_v", D, fd),)),
-    }
-    fields = {}
-    for kind, specs in sizes.items():
-        m = np.flatnonzero(kinds == kind)
-        for blob, spec in zip((k_blob, v_blob), specs):
-            if blob is None:
-                continue
-            at = 1
-            for name, n, dtype in spec:
-                nbytes = n * np.dtype(dtype).itemsize
-                raw = np.ascontiguousarray(blob[:, m, :, at : at + nbytes])
-                fields[name] = raw.view(dtype).reshape(*raw.shape[:-1], n)
-                at += nbytes
-    return kinds, fields
-
-
-def blob_keys(k_blob: np.ndarray, head_dim: int, float_dtype, page_bits: int = 2) -> np.ndarray:
-    """float32 keys ``[L, M, K, D]`` of shelved rows (RepairKV scores them)."""
-    kinds, f = decode_blobs(k_blob, None, head_dim, float_dtype, page_bits)
-    L, M, K = k_blob.shape[:3]
-    out = np.zeros((L, M, K, head_dim), np.float32)
-    for kind in (INT4, INT2, FLOAT):
-        m = np.flatnonzero(kinds == kind)
-        if not m.size:
-            continue
-        if kind == INT4:
-            out[:, m] = np.asarray(dequantize_rows(PackedRows(jnp.asarray(f["k4_data"]), jnp.asarray(f["k4_scale"]), jnp.asarray(f["k4_zero"]), 4)))
-        elif kind == INT2:
-            out[:, m] = np.asarray(dequantize_int2_tokens(jnp.asarray(f["k2_data"]), jnp.asarray(f["k2_scale"]), jnp.asarray(f["k2_zero"]), page_bits))
-        else:
-            out[:, m] = f["f_k"].astype(np.float32)
-    return out
-
-
 # ============================================================================ the engine's half
 class QuantizedKV:
     """The quantized pool behind the pool interface (``jaxkv.cache.pools``): mode,
@@ -359,7 +269,7 @@ class QuantizedKV:
     Attributes:
       mode: a name of ``MODES``; geometry: the pool's ``Geometry``;
       token_kind: INT4 (FLOAT for ``kivi2``/``kivi4``): decode tokens and unplanned prefills;
-      window: KIVI's residual window (``kivi2``/``kivi4``) or None; page_bits: the
+      residual: KIVI's residual length (``kivi2``/``kivi4``) or None; page_bits: the
       page region's code width (4 for ``kivi4``, else 2); allocator: ``DualAllocator``;
       layers: the ``QuantLayers`` the engine's jit'd steps call.
     """
@@ -371,7 +281,7 @@ class QuantizedKV:
         self.geometry = geometry
         kivi = mode in KIVI_PAGE_BITS
         self.token_kind = FLOAT if kivi else INT4
-        self.window = KIVI_WINDOW if kivi else None
+        self.residual = KIVI_RESIDUAL if kivi else None
         self.page_bits = KIVI_PAGE_BITS.get(mode, 2)
         self.head_dim = head_dim
         self.float_dtype = np.dtype(float_dtype)
@@ -536,11 +446,11 @@ class QuantizedKV:
         """After a write: ``kivi2``/``kivi4`` move the row's float tokens older than the
         residual window into pages, in whole pages, oldest first (module
         docstring). ``None`` (nothing moved) or ``(cache, slots_P, released)``."""
-        if not self.window:
+        if not self.residual:
             return None
         slots = np.asarray(state.slots, np.int64)
         pos = np.flatnonzero((slots != SENTINEL_SLOT) & (self.geometry.kind(slots) == FLOAT))
-        return self._into_pages(cache, room, slots, pos[pos < state.seq_len - self.window])
+        return self._into_pages(cache, room, slots, pos[pos < state.seq_len - self.residual])
 
     def requantize(self, cache, room, state, positions, bits):
         """Move the row's tokens at ``positions`` whose ``bits`` are 2 into INT2

@@ -55,7 +55,7 @@ from jaxkv.engine.jobs import GREEDY, DecodeJob, KVSource, PrefillJob, Sampling
 from jaxkv.engine.kv_manager import KVCheckpoint, KVManager
 from jaxkv.engine.packing import ScheduledStep, pack_step
 from jaxkv.engine.runner import ModelRunner
-from jaxkv.errors import ConfigError, ContextLengthError, JaxKVError, OutOfSlotsError
+from jaxkv.errors import ConfigError, ContextLengthError, JaxKVError
 from jaxkv.forward import cache_sharding
 from jaxkv.models.loading import Model
 from jaxkv.sampling import make_sampler
@@ -118,7 +118,7 @@ class Engine:
                 f"token_budget {self.token_budget} cannot hold a decode token of each of {rows} rows beside a prefill "
                 f"piece{' of a whole chunk' if pool.whole_chunks else ''} (prefill_chunk {self.prefill_chunk})"
             )
-        self.kv = KVManager(pool, cache, rows=rows, max_positions=P, lists=lists, num_layers=cfg.num_layers, rope=cfg.rope, mesh=mesh, reclaim=reclaim)
+        self.kv = KVManager(pool, cache, cfg, rows=rows, max_positions=P, lists=lists, mesh=mesh, reclaim=reclaim)
         self.backend = select_backend(pool.layers, backend)
         self.runner = ModelRunner(model, self.kv, self.backend, token_budget=self.token_budget)
 
@@ -162,24 +162,10 @@ class Engine:
 
     # -- jobs ------------------------------------------------------------------------
     def start(self, job):
-        """Start a job: a ``PrefillJob``'s slots are allocated now, and a
-        ``DecodeJob``'s positions checked (``OutOfSlotsError``, ``ContextLengthError``
-        or ``ConfigError`` before any change). Returns the job."""
-        state = self.kv.check_room(job.row, job.tokens.size if isinstance(job, PrefillJob) else job.n_steps)
+        """``KVManager.start``: a job's slots (prefill) or positions (decode) taken or
+        checked now, before any change. Returns the job."""
         make_sampler(*job.sampling.settings)  # validates
-        if isinstance(job, DecodeJob):
-            job.started = True
-            return job
-        if job.kv_source is not None:
-            _check_import(self, job)
-        job.kv_plan, job.slots = self.kv.pool.plan_prefill(self.kv, job.kv_bits, job.tokens.size, self.prefill_chunk)
-        state.allocated += int(job.tokens.size)
-        cfg = self.model.config
-        if job.attn_mass:
-            job.mass = np.zeros(state.seq_len + job.tokens.size, np.float32)
-        if job.q_idx_X is not None:
-            job.q_rows = np.zeros((cfg.num_layers, job.q_idx_X.size, cfg.num_heads, cfg.head_dim), np.float32)
-        return job
+        return self.kv.start(job, self.prefill_chunk)
 
     def start_prefill(self, row: int, tokens, *, all_logits=False, q_idx=None, attn_mass=False, kv_bits=None, kv_source: KVSource | None = None) -> PrefillJob:
         """``start(PrefillJob(...))`` bringing back the logits of every token
@@ -243,10 +229,7 @@ class Engine:
         at ``q_row_positions[i]`` (indices into ``token_lists[i]``)."""
         for r, tokens in zip(rows, token_lists):
             self.kv.check_room(r, len(tokens))
-        need = sum(len(t) for t in token_lists)
-        self.kv.make_room(need)
-        if need > self.kv.allocator.num_free:
-            raise OutOfSlotsError(f"prefill needs {need} slots, {self.kv.allocator.num_free} free")
+        self.kv.reserve(sum(len(t) for t in token_lists))
         jobs = [
             self.start_prefill(r, t, all_logits=all_logits, attn_mass=attn_mass, kv_bits=None if kv_bits is None else kv_bits[i],
                                q_idx=None if q_row_positions is None else q_row_positions[i])
@@ -318,18 +301,6 @@ class Engine:
         from jaxkv.engine.splicing import key_deviation
 
         return key_deviation(self, x_XM, positions_X, k_old_XKD, old_positions_X, layer)
-
-
-def _check_import(engine: Engine, job: PrefillJob) -> None:
-    """An imported prefill's K/V have the row's shapes and nothing else is asked of it."""
-    cfg, src, n = engine.model.config, job.kv_source, job.tokens.size
-    want = (cfg.num_layers, n, cfg.num_kv_heads, cfg.head_dim)
-    if tuple(np.shape(src.k)) != want or tuple(np.shape(src.v)) != want:
-        raise JaxKVError(f"an imported prefill of {n} tokens needs K and V of shape {want}, got {np.shape(src.k)} and {np.shape(src.v)}")
-    if job.logits == "all" or job.q_idx_X is not None or job.attn_mass:
-        raise JaxKVError("an imported prefill runs no forward: it has no logits but its last ones, no query rows, no attention mass")
-    if engine.mesh is not None:
-        raise JaxKVError("an imported prefill runs on one device (no mesh)")
 
 
 from jaxkv.engine.oneshot import generate, score_logits  # noqa: E402  (they build an Engine)

@@ -81,24 +81,25 @@ class KVManager:
 
     Args:
       pool: the pool object (``FloatKV`` / ``QuantizedKV``).
-      cache: the empty device cache it made.
+      cache: the empty device cache it made. cfg: the model's ``ModelConfig``
+        (layers, heads; its rotary settings rotate a compact layout's kept keys).
       max_positions: positions per row (P). lists: live lists per row (J).
-      num_layers: the model's layers. rope: its rotary settings (compact layouts
-        rotate kept keys). mesh: the model's mesh, or None.
+      mesh: the model's mesh, or None.
       reclaim: optional ``reclaim(n_slots) -> freed`` called when fewer than the
         needed slots are free (the radix cache's LRU eviction); only if it cannot
         free enough does an allocation raise ``OutOfSlotsError``.
     """
 
-    def __init__(self, pool, cache, *, rows: int, max_positions: int, lists: int, num_layers: int, rope, mesh=None, reclaim: Callable | None = None):
+    def __init__(self, pool, cache, cfg, *, rows: int, max_positions: int, lists: int, mesh=None, reclaim: Callable | None = None):
         self.pool = pool
         self._cache = cache
+        self.cfg = cfg
         self.allocator = pool.allocator
         self.row_state: list[RequestState | None] = [None] * rows
         self.max_positions = int(max_positions)
         self.lists = int(lists)
-        self.num_layers = int(num_layers)
-        self.rope = rope
+        self.num_layers = cfg.num_layers
+        self.rope = cfg.rope
         self.mesh = mesh
         self.reclaim = reclaim
         self.writes = 0
@@ -136,6 +137,13 @@ class KVManager:
         short = int(n) - self.allocator.num_free
         if short > 0 and self.reclaim is not None:
             self.reclaim(short)
+
+    def reserve(self, n: int) -> None:
+        """``make_room(n)``, then ``OutOfSlotsError`` unless ``n`` slots are free:
+        a check before work that allocates in several calls starts (nothing taken)."""
+        self.make_room(n)
+        if n > self.allocator.num_free:
+            raise OutOfSlotsError(f"the work needs {n} KV slots, {self.allocator.num_free} free")
 
     def allocate(self, n: int, row: int | None = None, kind: int | None = None) -> np.ndarray:
         """``n`` fresh slots, reclaiming cached ones first when the pool is short;
@@ -199,6 +207,41 @@ class KVManager:
         for j, slots in enumerate(state.layer_lists(J)):
             live[j, : len(slots)], lengths[j] = slots, len(slots)
         self.commit(_install_row(self._cache, row, slot_map, live, lengths, state.seq_len), truncation=truncation)
+
+    def start(self, job, chunk: int):
+        """Start a job: a ``PrefillJob``'s slots are allocated now (through the pool's
+        write plan: a quantized pool's INT2 pages per ``chunk``), counted against its
+        row, with the buffers its outputs fill; a ``DecodeJob``'s positions are
+        checked (its slots are taken per call). ``OutOfSlotsError``,
+        ``ContextLengthError`` or ``JaxKVError`` before any change. Returns the job."""
+        from jaxkv.engine.jobs import DecodeJob
+
+        state = self.check_room(job.row, job.n_steps if isinstance(job, DecodeJob) else job.tokens.size)
+        if isinstance(job, DecodeJob):
+            job.started = True
+            return job
+        if job.kv_source is not None:
+            self._check_import(job)
+        job.kv_plan, job.slots = self.pool.plan_prefill(self, job.kv_bits, job.tokens.size, chunk)
+        state.allocated += int(job.tokens.size)
+        cfg = self.cfg
+        if job.attn_mass:
+            job.mass = np.zeros(state.seq_len + job.tokens.size, np.float32)
+        if job.q_idx_X is not None:
+            job.q_rows = np.zeros((cfg.num_layers, job.q_idx_X.size, cfg.num_heads, cfg.head_dim), np.float32)
+        return job
+
+    def _check_import(self, job) -> None:
+        """An imported prefill's K/V have the row's shapes, and nothing a forward
+        computes is asked of it."""
+        cfg, src, n = self.cfg, job.kv_source, job.tokens.size
+        want = (cfg.num_layers, n, cfg.num_kv_heads, cfg.head_dim)
+        if tuple(np.shape(src.k)) != want or tuple(np.shape(src.v)) != want:
+            raise JaxKVError(f"an imported prefill of {n} tokens needs K and V of shape {want}, got {np.shape(src.k)} and {np.shape(src.v)}")
+        if job.logits == "all" or job.q_idx_X is not None or job.attn_mass:
+            raise JaxKVError("an imported prefill runs no forward: it has no logits but its last ones, no query rows, no attention mass")
+        if self.mesh is not None:
+            raise JaxKVError("an imported prefill runs on one device (no mesh)")
 
     def append(self, row: int, tokens, slots) -> None:
         """Record tokens a step wrote into the row (host only: the step's program

@@ -22,8 +22,9 @@ the host.
 
 The decode call (``decode``) runs ``jaxkv.forward.run_decode``: up to ``n`` steps
 of every job's row in one program. On the CPU its rows' entries are read from a
-window (the backend's ``gather_window``) that the runner keeps for the next call
-over the same rows when the backend allows (``DecodeState``).
+window the program copies at its start (the backend's ``take_window``), which the
+runner keeps for the next call over the same rows when the backend allows
+(``DecodeState``).
 
 Invariants: the runner is the only caller of the engine's forward programs; a
 step's query rows, logits and mass reach the host only when a job in it asked.
@@ -84,6 +85,7 @@ class ModelRunner:
         self.mesh = model.mesh
         self.token_budget = int(token_budget)
         self.use_window = True  # the CPU decode loop may read a window (tests turn it off to compare)
+        self.regathers = 0  # decode calls whose kept window was replaced by a fresh copy
         self._kept: DecodeState | None = None
         self._layer_params = None
 
@@ -255,15 +257,15 @@ class ModelRunner:
         outputs = Outputs("last" if any(j.return_logits for j in jobs) else None, any(j.query_rows for j in jobs))
         batch = DecodeBatch(rows, first, limit, slots, stop, key_data, step0, RowSamplers.of(settings), forced)
         plan = kv.pool.decode_plan(states, [s[:k] for s, k in zip(per_job, steps)], B, n)
-        window, window_len, len_JB, width = self._window(rows, states, plan, n)
+        window, window_len, regather, width, len_JB = self._window(rows, states, plan, n)
         tokens, fed, cache, aux, window = run_decode(
-            self.graphdef, self.params, kv.cache, batch, plan, window, self._layer_copies() if window is not None else None,
-            window_len, backend=self.backend, n_steps=n, outputs=outputs,
+            self.graphdef, self.params, kv.cache, batch, plan, window, self._layer_copies() if width else None,
+            window_len, regather, backend=self.backend, n_steps=n, width=width, outputs=outputs,
             teacher_forced=any(j.forced is not None for j in jobs), mesh=self.mesh, regroup=regroup,
         )
         kv.commit(cache)
         tokens, fed = np.asarray(tokens), np.asarray(fed)
-        self._kept = DecodeState(window, (tuple(int(r) for r in rows), n, width), kv.writes, len_JB, fed) if window_len is not None else None
+        self._kept = DecodeState(window, (tuple(int(r) for r in rows), n, width), kv.writes, len_JB, fed) if len_JB is not None else None
         logits = np.asarray(aux["logits"]) if "logits" in aux else None
         q_rows = np.asarray(aux["q_rows"]) if "q_rows" in aux else None
         unused = []
@@ -296,34 +298,46 @@ class ModelRunner:
         return self.use_window and self.backend.uses_window and self.mesh is None and B * width <= self.kv.allocator.num_slots
 
     def _window(self, rows, states, plan, n: int):
-        """The decode call's window: ``(window, len_LR, len_JB, width)``, or Nones.
+        """The decode call's window inputs: ``(window, len_LR, regather, width,
+        len_JB)``; ``width`` 0: no window.
 
-        The kept one when it was made for the same rows and shape and nothing but
-        truncations wrote the cache since (each list is then at most what it held
-        after that call); else a fresh copy. ``len_LR`` ``[L, B]`` are the entries
-        each layer's list of each row has now (``-1``: a padding row), which
-        ``DecodeWindow.roll`` brings a kept window to; None for a window that is not
-        kept (``backend.keeps_window``)."""
+        A backend that takes its window per call gets none handed in (the program
+        copies the rows' entries). A backend that keeps it (``keeps_window``) is
+        handed the kept window: rolled on (``regather`` false) when it was made for
+        the same rows and shape and nothing but truncations wrote the cache since
+        (each list is then at most what it held after that call), else as the
+        buffer a fresh copy replaces (the kept one when its shape fits, zeros
+        otherwise), so one program serves both. ``len_LR`` ``[L, B]`` are the entries
+        each layer's list of each row has now (``-1``: a padding row); ``len_JB``
+        the same per live list (host)."""
+        none = (None, None, None, 0, None)
         if not self.backend.uses_window:
-            return None, None, None, 0
+            return none
         width = buckets.window_width(self.backend.window_entries(states, plan), self.kv.max_positions)
-        if not self.uses_window(len(rows), width):
-            return None, None, None, width
+        if not self.uses_window(len(rows), width) or not self.backend.window_fits(plan, width):
+            return none
+        if not self.backend.keeps_window:
+            return None, None, None, width, None
         J, L = self.kv.lists, self.cfg.num_layers
         len_JB = np.full((J, len(rows)), -1, np.int32)
         for b, st in enumerate(states):
             len_JB[:, b] = [len(x) for x in st.layer_lists(J)]
         len_LR = len_JB[np.minimum(np.arange(L), J - 1)]
         key = (tuple(int(r) for r in rows), n, width)
-        kept = self._kept
+        kept, self._kept = self._kept, None
         if (kept is not None and kept.key == key and kept.writes == self.kv.writes
                 and np.all(len_JB <= kept.len_JB + kept.fed_B[None, :])):
-            return kept.loop_state, len_LR, len_JB, width
-        self._kept = None
-        window = self.backend.gather_window(self.kv.cache, rows, plan, width=width, n_steps=n)
-        if window is None or not self.backend.keeps_window:
-            return window, None, None, width
-        return window, len_LR, len_JB, width
+            return kept.loop_state, len_LR, np.False_, width, len_JB
+        self.regathers += 1
+        same_shape = kept is not None and len(kept.key[0]) == len(rows) and kept.key[1:] == key[1:]
+        buffer = kept.loop_state if same_shape else self._zero_window(rows, plan, n, width)
+        return buffer, len_LR, np.True_, width, len_JB
+
+    def _zero_window(self, rows, plan, n: int, width: int):
+        """A window-shaped buffer of zeros (the program replaces it with a fresh copy),
+        made on the host: no program is compiled for it."""
+        shape = jax.eval_shape(lambda c: self.backend.take_window(c, rows, plan, width=width, n_steps=n), self.kv.cache)
+        return jax.tree.map(lambda s: jax.device_put(np.zeros(s.shape, s.dtype)), shape)
 
     def _layer_copies(self) -> tuple:
         """The layers' weights one array set per layer (``jaxkv.forward.layer_copies``),

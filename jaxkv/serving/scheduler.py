@@ -256,10 +256,8 @@ class Scheduler:
             reuse, handle = task.turn.pin_reuse() if task.credit_reuse else (0, None)
             try:
                 outstanding = sum(t.outstanding() for t in self._running)
+                engine.kv.make_room(task.need - reuse + outstanding)  # the KV manager's one reclaim path
                 short = task.need - reuse + outstanding - engine.allocator.num_free
-                if short > 0 and engine.reclaim is not None:
-                    engine.reclaim(short)
-                    short = task.need - reuse + outstanding - engine.allocator.num_free
             finally:
                 if handle is not None:  # ``open`` (next, on this thread) matches and locks it again
                     task.turn.radix.unlock(handle)
