@@ -17,6 +17,9 @@ Entry points:
   positions are simply absent from the list. ``decode_attention_rows`` is the same
   attention over rows already gathered in list order (the quantized kernels'
   references dequantize first).
+* ``positional_attention``: queries over keys listed with explicit positions, each
+  reading the keys at or before its own (segment reuse's spliced step, through
+  ``AttentionBackend.attend_positional``).
 
 ``gqa_scores`` and ``masked_softmax`` are the one GQA-grouped, scaled, masked
 softmax of the project: the references, the retention scorers
@@ -159,6 +162,29 @@ def causal_attention(q_BTHD, k_BTKD, v_BTKD, block: int | None = None):
         out, _ = _attend(q[:, start:end], k_BTKD[:, :end], v_BTKD[:, :end], mask)
         outs.append(out)
     return (outs[0] if len(outs) == 1 else jnp.concatenate(outs, axis=1)).astype(q_BTHD.dtype)
+
+
+def positional_attention(q_CHD, q_pos_C, k_NKD, v_NKD, k_pos_N, block: int = CAUSAL_BLOCK):
+    """Each query row attends to the keys whose position is ``<=`` its own.
+
+    ``q_CHD`` post-RoPE queries at positions ``q_pos_C``; ``k_NKD`` / ``v_NKD`` keys
+    and values at ``k_pos_N`` (any order; padding at a position after every query). Queries go in
+    blocks of ``block`` rows. The spliced step of segment reuse reads through it
+    (``AttentionBackend.attend_positional``).
+    Returns ``[C, Hq, D]`` in ``q_CHD.dtype``.
+    """
+    C, Hq, D = q_CHD.shape
+    K = k_NKD.shape[1]
+    q = group_heads(q_CHD, K)  # [C, K, G, D]
+    v = v_NKD.astype(jnp.float32)
+    outs = []
+    for s in range(0, C, block):
+        e = min(s + block, C)
+        mask = k_pos_N[None, :] <= q_pos_C[s:e, None]  # [Cb, N]
+        probs = masked_softmax(gqa_scores(q[s:e], k_NKD), mask[None, None])  # [K, G, Cb, N]
+        outs.append(jnp.einsum("kgcn,nkd->ckgd", probs, v).reshape(e - s, Hq, D))
+    out = outs[0] if len(outs) == 1 else jnp.concatenate(outs, axis=0)
+    return out.astype(q_CHD.dtype)
 
 
 def decode_attention_rows(q_BHD, k_BNKD, v_BNKD, live_len_B, *, return_probs=False):

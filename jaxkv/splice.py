@@ -14,7 +14,8 @@ positions), and only part of the layer stack runs for them. One jit'd step,
   token whose layer-``cut`` K/V were written so does not overwrite them
   (``b_cut_write`` false);
 * every computed token attends, at each layer, to the row's keys whose position
-  is at most its own (``positional_attention``), after that layer's writes.
+  is at most its own, after that layer's writes, through the engine's attention
+  entry with explicit key positions (``AttentionBackend.attend_positional``).
 
 Segment reuse with ``L_reuse = {0..n-1}`` is ``cut = n - 1``: interior tokens skip
 layers ``0..n-2``, run the last reused layer from its stored input residual with
@@ -48,37 +49,15 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from jaxkv.attention import CAUSAL_BLOCK, group_heads, gqa_scores, masked_softmax
+from jaxkv.backends.base import AttentionMetadata
 from jaxkv.pallas.rope_delta import rope_delta
 
 PAD_POS = 1 << 30  # position of padding keys: after every query, so never visible
 
 
-def positional_attention(q_CHD, q_pos_C, k_NKD, v_NKD, k_pos_N, block: int = CAUSAL_BLOCK):
-    """Each query row attends to the keys whose position is ``<=`` its own.
-
-    ``q_CHD`` post-RoPE queries at positions ``q_pos_C``; ``k_NKD`` / ``v_NKD`` keys
-    and values at ``k_pos_N`` (any order; padding at ``PAD_POS``). Queries go in
-    blocks of ``block`` rows. The GQA scaled softmax is ``jaxkv.attention``'s.
-    Returns ``[C, Hq, D]`` in ``q_CHD.dtype``.
-    """
-    C, Hq, D = q_CHD.shape
-    K = k_NKD.shape[1]
-    q = group_heads(q_CHD, K)  # [C, K, G, D]
-    v = v_NKD.astype(jnp.float32)
-    outs = []
-    for s in range(0, C, block):
-        e = min(s + block, C)
-        mask = k_pos_N[None, :] <= q_pos_C[s:e, None]  # [Cb, N]
-        probs = masked_softmax(gqa_scores(q[s:e], k_NKD), mask[None, None])  # [K, G, Cb, N]
-        outs.append(jnp.einsum("kgcn,nkd->ckgd", probs, v).reshape(e - s, Hq, D))
-    out = outs[0] if len(outs) == 1 else jnp.concatenate(outs, axis=0)
-    return out.astype(q_CHD.dtype)
-
-
-@functools.partial(jax.jit, static_argnames=("graphdef", "cut", "kv_lo", "kv_hi", "io"), donate_argnames=("cache",))
+@functools.partial(jax.jit, static_argnames=("graphdef", "cut", "kv_lo", "kv_hi", "backend"), donate_argnames=("cache",))
 def splice_step(graphdef, params, cache, a_tok_A, a_pos_A, a_slot_A, b_src_B, b_resid_BM, b_pos_B, b_slot_B, b_cut_slot_B,
-                kv_k_LMKD, kv_v_LMKD, kv_slot_M, kv_delta_M, live_N, live_pos_JN, logit_src_Y, *, cut, kv_lo, kv_hi, io):
+                kv_k_LMKD, kv_v_LMKD, kv_slot_M, kv_delta_M, live_N, live_pos_JN, logit_src_Y, *, cut, kv_lo, kv_hi, backend):
     """One spliced piece (module docstring). Padding: A/B entries with slot 0 and
     position -1 (they see no key and write to the sentinel), K/V rows with slot 0.
 
@@ -87,10 +66,11 @@ def splice_step(graphdef, params, cache, a_tok_A, a_pos_A, a_slot_A, b_src_B, b_
     layer does not read ``PAD_POS`` (never visible), so each layer attends to its
     own keep set (J = 1: every layer reads every entry).
 
-    The pool is read and written one layer at a time through ``io``, the pool's
-    ``layers`` (``jaxkv.cache.pools``): ``io.write(kv, i, k_XKD, v_XKD, slots_X)``
-    stores float rows at the slots' precision, ``io.read(kv, i, slots_N)`` gives
-    them back in float, so a quantized pool splices as the float pool does.
+    Every layer writes and attends through the engine's attention entry
+    (``backend``, ``jaxkv.backends``) with metadata that carries explicit key
+    positions (``AttentionMetadata.positional``): the backend writes float rows at
+    the pool's precision and reads the listed keys back in float, so a quantized
+    pool splices as the float pool does.
 
     ``logit_src_Y`` indexes group B (``b``) when B runs layers, else group A.
     Returns ``(logits [Y, V] f32, cache, resid_AM)``: ``resid_AM`` is group A's
@@ -102,14 +82,15 @@ def splice_step(graphdef, params, cache, a_tok_A, a_pos_A, a_slot_A, b_src_B, b_
     if kv_hi > kv_lo:
         M = kv_slot_M.shape[0]
         k_rot = rope_delta(kv_k_LMKD, jnp.arange(M, dtype=jnp.int32), kv_delta_M, model.cfg.rope)
+        stored = AttentionMetadata.positional(kv_slot_M)
         for i in range(kv_lo, kv_hi):
-            kv = io.write(kv, i, k_rot[i - kv_lo], kv_v_LMKD[i - kv_lo], kv_slot_M)
+            kv = backend.write(kv, i, k_rot[i - kv_lo], kv_v_LMKD[i - kv_lo], stored)
 
     def attender(q_pos, slots_for):
         def attend(i, q, k, v, kv):
-            kv = io.write(kv, i, k[0], v[0], slots_for(i))
-            k_live, v_live = io.read(kv, i, live_N)
-            o = positional_attention(q[0], q_pos, k_live, v_live, live_pos_JN[jnp.minimum(i, live_pos_JN.shape[0] - 1)])
+            meta = AttentionMetadata.positional(slots_for(i), q_pos, live_N, live_pos_JN)
+            kv = backend.write(kv, i, k[0], v[0], meta)
+            o, _ = backend.attend(kv, i, q[0], k[0], v[0], meta)
             return o[None], kv, None
 
         return attend

@@ -74,3 +74,31 @@ def test_quantized_decode_reaches_the_fused_kernel_and_equals_the_blocked_backen
     assert tok_cpu == tok_k
     for a, b in zip(log_k, log_cpu):
         assert np.abs(a - b).max() <= 1e-5 * np.abs(b).max()
+
+
+@pytest.mark.parametrize("kv_quant", [None, "int4"])
+def test_a_spliced_step_attends_through_the_backends_entry_by_position(qmodel, kv_quant, monkeypatch):
+    """Segment reuse's spliced step writes and attends through the engine's one
+    attention entry (``attend_positional``) on either pool kind; over the float pool
+    its logits are those of a plain prefill of the same tokens. (A quantized pool's
+    spliced tokens read their own keys back at the pool's precision, where a prefill
+    piece reads them in full precision, so the two differ there by design.)"""
+    import jax
+
+    from jaxkv.backends.base import AttentionBackend
+    from jaxkv.splice import SplicePlan
+
+    jax.clear_caches()  # the spliced program is traced here, so its layer calls are seen
+    layers_read = []
+    positional = AttentionBackend.attend_positional
+    monkeypatch.setattr(AttentionBackend, "attend_positional", lambda self, kv, i, *a: layers_read.append(i) or positional(self, kv, i, *a))
+    rng = np.random.default_rng(2)
+    prompt, new = rng.integers(5, 500, 40).tolist(), rng.integers(5, 500, 6).tolist()
+    e = Engine(qmodel, rows=2, max_positions=128, kv_quant=kv_quant)
+    a, b = e.open_row(), e.open_row()
+    e.prefill([a, b], [prompt, prompt])
+    spliced, _ = e.splice_prefill(a, SplicePlan.full(new, qmodel.config.num_layers, logit_idx=np.arange(len(new))))
+    plain = e.prefill([b], [new], all_logits=True)[0]
+    assert layers_read  # the layer body (scanned: traced once) attends through the entry
+    if kv_quant is None:
+        assert np.abs(np.asarray(spliced) - np.asarray(plain)).max() <= 1e-5 * np.abs(np.asarray(plain)).max()

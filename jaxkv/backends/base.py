@@ -26,7 +26,9 @@ kept by ``jaxkv.engine.runner.ModelRunner`` through ``decode_state`` and
 
 ``AttentionMetadata`` is the one pytree every backend reads: the rows' tables
 after the step's tokens were appended, where each flat token lives, and the
-pool's write and read plans.
+pool's write and read plans. Segment reuse's spliced step attends through the
+same entry with metadata that lists its keys with explicit positions instead of
+tables (``AttentionMetadata.positional``, ``attend_positional``).
 
 Attention mass (H2O's feature: the probability every list entry receives) is a
 second pass of the blocked implementation over the same key blocks; every
@@ -48,8 +50,10 @@ import dataclasses
 from typing import Any
 
 import jax
+import jax.numpy as jnp
 from flax import struct
 
+from jaxkv.attention import positional_attention
 from jaxkv.cache.state import RowTables
 from jaxkv.pallas.ragged_attention import decode_rows_attention, ragged_attention_blocked
 
@@ -67,6 +71,11 @@ class AttentionMetadata:
       read_plan: a decode call's reading plan by kind (a quantized pool's
         ``DecodeParts``; None: read through the live lists).
       decode: every row holds one token and row ``r`` is flat token ``r`` (the decode loop).
+      q_pos_T, key_slots_N, key_pos_JN: explicit key positions instead of tables
+        (segment reuse's spliced step, ``jaxkv.splice``): flat token ``t`` at
+        position ``q_pos_T[t]`` reads the keys in slots ``key_slots_N`` whose
+        position, as layer ``i`` sees them (row ``min(i, J - 1)`` of
+        ``key_pos_JN``), is at most its own. None elsewhere.
     """
 
     tables: RowTables
@@ -76,6 +85,16 @@ class AttentionMetadata:
     write_plan: Any = None
     read_plan: Any = None
     decode: bool = struct.field(pytree_node=False, default=False)
+    q_pos_T: Any = None
+    key_slots_N: Any = None
+    key_pos_JN: Any = None
+
+    @classmethod
+    def positional(cls, slots_T, q_pos_T=None, key_slots_N=None, key_pos_JN=None) -> "AttentionMetadata":
+        """Metadata of a step whose tokens read keys by explicit position (no tables):
+        ``slots_T`` where they are written; the reading fields as in the class doc
+        (None: the metadata only writes)."""
+        return cls(None, slots_T, None, None, q_pos_T=q_pos_T, key_slots_N=key_slots_N, key_pos_JN=key_pos_JN)
 
     def layer_list(self, i):
         """``(live_RN, kv_len_R)`` of layer ``i`` (static or traced)."""
@@ -110,10 +129,28 @@ class AttentionBackend:
         return self.layers.write(kv, i, k_TKD, v_TKD, meta.slots_T, meta.write_plan)
 
     def attend(self, kv, i, q_THD, k_TKD, v_TKD, meta: AttentionMetadata, loop_state=None):
-        """Layer ``i``'s attention (its K/V already written). Returns ``(o_THD,
-        loop_state)``: ``loop_state`` is the decode loop's private state (a
-        window), None elsewhere."""
+        """The attention entry: layer ``i``'s attention (its K/V already written).
+        Returns ``(o_THD, loop_state)``: ``loop_state`` is the decode loop's private
+        state (a window), None elsewhere. Metadata with explicit key positions is
+        read by position (``attend_positional``), any other through the rows'
+        lists (``attend_listed``, what each backend implements)."""
+        if meta.key_pos_JN is not None:
+            return self.attend_positional(kv, i, q_THD, meta), loop_state
+        return self.attend_listed(kv, i, q_THD, k_TKD, v_TKD, meta, loop_state)
+
+    def attend_listed(self, kv, i, q_THD, k_TKD, v_TKD, meta: AttentionMetadata, loop_state=None):
+        """Layer ``i``'s attention through the rows' live lists (``meta.tables``)."""
         raise NotImplementedError
+
+    def attend_positional(self, kv, i, q_THD, meta: AttentionMetadata):
+        """Layer ``i``'s attention by explicit key positions: the keys of
+        ``meta.key_slots_N`` read back in float through the pool's layer read, each
+        query over those at or before its position (``positional_attention``). Every
+        pool kind and platform shares it: the spliced step it serves computes a few
+        hundred tokens once per reused segment."""
+        k_NKD, v_NKD = self.layers.read(kv, i, meta.key_slots_N)
+        key_pos_N = meta.key_pos_JN[jnp.minimum(i, meta.key_pos_JN.shape[0] - 1)]
+        return positional_attention(q_THD, meta.q_pos_T, k_NKD, v_NKD, key_pos_N)
 
     def reader(self, kv, i, lists_RN, k_TKD=None, v_TKD=None, meta: AttentionMetadata | None = None):
         """Layer ``i``'s key-block reader for the blocked implementation."""

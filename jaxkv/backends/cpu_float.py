@@ -124,7 +124,7 @@ class CpuFloatBackend(AttentionBackend):
         k, v = kv
         return PoolReader(k, v, pad_lists(lists_RN), layer=i)
 
-    def attend(self, kv, i, q_THD, k_TKD, v_TKD, meta: AttentionMetadata, loop_state=None):
+    def attend_listed(self, kv, i, q_THD, k_TKD, v_TKD, meta: AttentionMetadata, loop_state=None):
         if loop_state is None:
             return self.attend_blocked(kv, i, q_THD, k_TKD, v_TKD, meta), None
         _, kv_len = meta.layer_list(i)

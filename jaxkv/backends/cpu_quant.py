@@ -348,7 +348,7 @@ class CpuQuantBackend(AttentionBackend):
             fresh = StepTokens(k_TKD, v_TKD, kv_len, meta.q_len_R, meta.q_start_R)
         return QuantReader(kv, pad_lists(lists_RN), fresh, i, self.geometry)
 
-    def attend(self, kv, i, q_THD, k_TKD, v_TKD, meta: AttentionMetadata, loop_state=None):
+    def attend_listed(self, kv, i, q_THD, k_TKD, v_TKD, meta: AttentionMetadata, loop_state=None):
         _, kv_len = meta.layer_list(i)
         if loop_state is not None:
             window = loop_state.append(i, k_TKD, v_TKD, kv_len, meta.active_R)

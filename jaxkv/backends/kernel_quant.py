@@ -42,7 +42,7 @@ class QuantKernelBackend(CpuQuantBackend):
     def uses_window(self) -> bool:
         return False
 
-    def attend(self, kv, i, q_THD, k_TKD, v_TKD, meta: AttentionMetadata, loop_state=None):
+    def attend_listed(self, kv, i, q_THD, k_TKD, v_TKD, meta: AttentionMetadata, loop_state=None):
         if meta.decode and meta.read_plan is not None:
             _, kv_len = meta.layer_list(i)
             return self.fused_decode(kv, i, q_THD, meta.read_plan, kv_len, meta.active_R).astype(q_THD.dtype), None
