@@ -17,7 +17,7 @@ query offsets: the ragged attention's loop bounds), so only these reach shapes:
 * **window widths** (``window_width``, the CPU decode loop's per-call copy of the
   rows' lists before the call): powers of two from ``MIN_WINDOW`` up to the row's
   positions. The loop's attention reads the whole width each step (one unblocked
-  GEMM, ``jaxkv.pallas.ragged_attention.window_decode_attention``), so a row just
+  GEMM, ``jaxkv.kernels.attention.ragged.window_decode_attention``), so a row just
   past a power of two reads up to twice its list: the price of a few programs.
 * **decode steps per call**: the scheduler's decode chunk (one value,
   ``DECODE_CHUNK`` by default).

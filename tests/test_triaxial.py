@@ -20,7 +20,7 @@ from jaxkv.cache.quantized_host import KIVI_RESIDUAL, DualAllocator
 from jaxkv.config import ModelConfig
 from jaxkv.engine import Engine, KVSource
 from jaxkv.errors import ConfigError, JaxKVError, OutOfSlotsError, SlotError
-from jaxkv.pallas.quant import PAGE
+from jaxkv.kernels.quant import PAGE
 from jaxkv.policies import layouts
 from jaxkv.policies.quant_allocation import solve
 from jaxkv.serving import Server, Session

@@ -55,7 +55,7 @@ from jaxkv.cache.quantized_host import bytes_per_token  # noqa: E402
 from jaxkv.config import ModelConfig  # noqa: E402
 from jaxkv.engine import Engine  # noqa: E402
 from jaxkv.markdown import md_header, md_row  # noqa: E402
-from jaxkv.pallas.quant import PAGE  # noqa: E402
+from jaxkv.kernels.quant import PAGE  # noqa: E402
 
 INT2_SHARE = 0.65  # mixed pool: 0.65 * 2 + 0.35 * 4 = 2.7 bits
 

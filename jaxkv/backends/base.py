@@ -7,7 +7,7 @@ call depends on the pool's kind and the platform, and is chosen once per engine
 tpu-inference's attention interface are:
 
 * ``CpuFloatBackend``: the blocked XLA implementation over a float pool
-  (``jaxkv.pallas.ragged_attention``), with the CPU decode loop's window as its
+  (``jaxkv.kernels.attention.ragged``), with the CPU decode loop's window as its
   private state;
 * ``CpuQuantBackend``: the same blocked implementation over the dual INT2/INT4
   pool, dequantizing one key block at a time, with its own decode window;
@@ -51,7 +51,7 @@ import jax
 from flax import struct
 
 from jaxkv.cache.state import RowTables
-from jaxkv.pallas.ragged_attention import decode_rows_attention, ragged_attention_blocked
+from jaxkv.kernels.attention.ragged import decode_rows_attention, ragged_attention_blocked
 
 
 @struct.dataclass

@@ -2,7 +2,7 @@
 decode loop's window as the backend's private state.
 
 Steps (prefill pieces beside decode tokens) read the pool through the rows' live
-lists in key blocks (``PoolReader``, ``jaxkv.pallas.ragged_attention``). The
+lists in key blocks (``PoolReader``, ``jaxkv.kernels.attention.ragged``). The
 multi-step decode loop instead reads a per-call, head-major copy of its rows'
 lists (``DecodeWindow``): every step's one query per row then runs two plain
 batched GEMMs over contiguous memory, several times faster on the CPU than
@@ -39,7 +39,7 @@ from flax import struct
 
 from jaxkv.backends.base import AttentionBackend, AttentionMetadata
 from jaxkv.cache.state import take_rows
-from jaxkv.pallas.ragged_attention import PoolReader, pad_lists, window_decode_attention
+from jaxkv.kernels.attention.ragged import PoolReader, pad_lists, window_decode_attention
 
 
 @struct.dataclass

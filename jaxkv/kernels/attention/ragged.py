@@ -11,10 +11,10 @@ itself (causal). A prefill chunk, a decode token and a mixed step are the same
 call; lengths are data, so one program serves every mix of lengths that fits the
 step's token bucket. Flat tokens no row owns are padding: their output is zero.
 
-``ragged_attention`` dispatches (``jaxkv.pallas._dispatch``): the CPU runs
+``ragged_attention`` dispatches (``jaxkv.kernels._dispatch``): the CPU runs
 ``ragged_attention_blocked`` below, the GPU the Triton kernel of
-``jaxkv.pallas.gpu.ragged``, the TPU (and ``"interpret"``) the Pallas kernel of
-``jaxkv.pallas.ragged_tpu``; ``"reference"`` is ``jaxkv.attention.
+``jaxkv.kernels.triton.ragged``, the TPU (and ``"interpret"``) the Pallas kernel of
+``jaxkv.kernels.attention.ragged_tpu``; ``"reference"`` is ``jaxkv.attention.
 ragged_attention_reference``, the dense masked softmax every backend is tested
 against.
 
@@ -64,7 +64,7 @@ import jax.numpy as jnp
 from flax import struct
 from jax import lax
 
-from jaxkv.pallas._dispatch import resolve_backend
+from jaxkv.kernels._dispatch import resolve_backend
 
 MASKED = -1e30
 
@@ -362,7 +362,7 @@ def ragged_attention(q_THD, k_SKD, v_SKD, live_RN, kv_len_R, q_start_R, q_len_R,
         the step's new slots included.
       kv_len_R: ``[R]`` entries of each list that count.
       q_start_R, q_len_R: ``[R]`` each row's flat query tokens.
-      backend: ``jaxkv.pallas._dispatch`` (None: reference-free default per platform;
+      backend: ``jaxkv.kernels._dispatch`` (None: reference-free default per platform;
         the CPU runs the blocked XLA implementation).
 
     Returns:
@@ -388,11 +388,11 @@ def _ragged_attention(q_THD, k_SKD, v_SKD, live_RN, kv_len_R, q_start_R, q_len_R
     if backend == "blocked":
         return ragged_attention_blocked(q_THD, PoolReader(k_SKD, v_SKD, pad_lists(live_RN)), kv_len_R, q_start_R, q_len_R)
     if backend == "gpu":
-        from jaxkv.pallas.gpu import ragged as gpu_ragged
-        from jaxkv.pallas.gpu.launch import triton_call
+        from jaxkv.kernels.triton import ragged as gpu_ragged
+        from jaxkv.kernels.triton.launch import triton_call
 
         return gpu_ragged.ragged_attention(q_THD, k_SKD, v_SKD, live_RN, kv_len_R, q_start_R, q_len_R, launcher=triton_call)
-    from jaxkv.pallas import ragged_tpu
+    from jaxkv.kernels.attention import ragged_tpu
 
     return ragged_tpu.ragged_attention(q_THD, k_SKD, v_SKD, live_RN, kv_len_R, q_start_R, q_len_R, interpret=backend == "interpret")
 
