@@ -51,7 +51,7 @@ import jax
 from flax import struct
 
 from jaxkv.cache.state import RowTables
-from jaxkv.kernels.attention.ragged import decode_rows_attention, ragged_attention_blocked
+from jaxkv.kernels.attention.ragged import decode_section_attention, ragged_attention_blocked
 
 
 @struct.dataclass
@@ -124,7 +124,7 @@ class AttentionBackend:
         lists, kv_len = meta.layer_list(i)
         reader = self.reader(kv, i, lists, k_TKD, v_TKD, meta)
         if meta.decode:  # one token per row, rows in order: the decode section alone
-            return decode_rows_attention(reader, q_THD, kv_len, meta.active_R).astype(q_THD.dtype)
+            return decode_section_attention(reader, q_THD, kv_len, meta.active_R).astype(q_THD.dtype)
         return ragged_attention_blocked(q_THD, reader, kv_len, meta.q_start_R, meta.q_len_R, width=reader.live_RN.shape[1])
 
     def attend_with_mass(self, kv, i, q_THD, k_TKD, v_TKD, meta: AttentionMetadata):

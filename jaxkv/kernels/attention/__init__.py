@@ -4,7 +4,7 @@
   chunks and decode tokens of many rows in one flat batch, each row over its own
   live list, causal within the step): the dispatch and the CPU's blocked XLA
   implementation (``ragged_attention_blocked``: query tiles, then the decode
-  section, ``decode_rows_attention``, for the rows with one query), the float
+  section, ``decode_section_attention``, for the rows with one query), the float
   pool's ``PoolReader``, and the CPU decode window's attention
   (``window_decode_attention``).
 * ``ragged_tpu``: the Pallas TPU kernel of ``ragged_attention`` (Mosaic on TPU,
