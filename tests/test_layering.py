@@ -1,5 +1,5 @@
-"""The map's arrows point down (DESIGN.md): the import contracts, and the engine's one
-pool interface.
+"""The map's arrows point down (``docs/architecture.md``'s map): the import
+contracts, and the engine's one pool interface.
 
 The layering is declared once, as ``import-linter`` contracts in ``pyproject.toml``
 (``[tool.importlinter]``): the order of ``jaxkv``'s parts, the imports the map

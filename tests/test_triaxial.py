@@ -237,7 +237,7 @@ def test_quantized_rows_decode_alike_alone_and_batched(qmodel, mode):
 @pytest.mark.parametrize("mode", ["int4", "triaxial"])
 def test_quantized_decode_window_equals_per_step_gather(qmodel, mode, monkeypatch):
     """The CPU decode loop's once-per-call quantized window
-    (``gather_quant_window``: unpacked codes, dequantized block by block) gives the
+    (``take_quant_window``: unpacked codes, dequantized block by block) gives the
     tokens, logits and query rows of gathering packed rows from the pool every
     step (``decode_parts_attention``): rows of different lengths over several key
     blocks, INT2 pages partly held (dead slots), and two calls, so the call's own

@@ -21,8 +21,8 @@ A backend has two halves. The *device half* is the backend object itself: a
 frozen, hashable dataclass (a static argument of the jit'd programs) whose methods
 run inside ``jax.jit``; it holds no arrays. The *host half* is ``DecodeState``:
 what a backend keeps between decode calls (the CPU backends' windows), made and
-kept by ``jaxkv.engine.runner.ModelRunner`` through ``decode_state`` and
-``keep_state``.
+kept by ``jaxkv.engine.runner.ModelRunner`` (its ``kept``; ``_window`` hands it to the
+next decode call over the same rows).
 
 ``AttentionMetadata`` is the one pytree every backend reads: the rows' tables
 after the step's tokens were appended, where each flat token lives, and the
