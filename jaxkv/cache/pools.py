@@ -85,7 +85,7 @@ def pool_for_bytes(kv_quant, memory_bytes: int, cfg, *, float_dtype, page_share=
       the triaxial modes default to 0 (every token fits the INT4 region, and an
       INT2 plan short of pages is written INT4), so a session whose allocation
       writes INT2 wants its INT2 share here; the KIVI modes need a share (their
-      float window is 128-159 tokens a request, the rest are pages).
+      float residual is 128-159 tokens a request, the rest are pages).
 
     Admission counts the token region only (``DualAllocator.capacity``): a turn
     reserves its new tokens there, pages are extra room.

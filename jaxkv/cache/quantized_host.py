@@ -17,7 +17,7 @@ Modes (``Engine(kv_quant=...)``, ``Server(kv_quant=...)``):
   positions move to INT2 pages in groups of 32, oldest first (keys per channel,
   values per token), so a request holds 128 to 159 recent float tokens (plus at
   most one decode chunk) and everything older at 2 bits. A radix-cached prefix
-  keeps the slots the tree holds (its float window rows); the request
+  keeps the slots the tree holds (its float residual's slots); the request
   re-quantizes them the same way when they age (KIVI's rule, applied per request).
 * ``"kivi4"``: ``kivi2`` with 4-bit pages (keys per channel, values per token;
   KIVI's recommendation for GQA models). The page region keeps its INT2 token
