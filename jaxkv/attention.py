@@ -10,7 +10,7 @@ Entry points:
   the CPU, the whole chunk on a GPU where it fits). It backs ``score_logits`` and
   training, and is independent of the paged cache on purpose.
 * ``ragged_attention_reference``: the oracle of the engine's one attention
-  (``jaxkv.pallas.ragged_attention``): a flat batch of queries from many rows,
+  (``jaxkv.kernels.attention.ragged``): a flat batch of queries from many rows,
   each over its row's live-index list, causal within the step's own tokens.
 * ``decode_attention_reference``: one query row per request attends to the slots in
   its live-index list. The cost follows ``live_len``, not positions: evicted
@@ -228,7 +228,7 @@ def ragged_rows(T: int, q_start_R, q_len_R):
 
 
 def ragged_attention_reference(q_THD, k_SKD, v_SKD, live_RN, kv_len_R, q_start_R, q_len_R):
-    """The oracle of ``jaxkv.pallas.ragged_attention``: each flat token's row list
+    """The oracle of ``jaxkv.kernels.attention.ragged``: each flat token's row list
     gathered whole, one masked softmax per token (query ``j`` of row ``r`` sees
     list entries ``[0, kv_len - q_len + j + 1)``). Padding tokens give zero.
     Materialises ``[T, N]`` keys: for tests and small steps only."""

@@ -17,7 +17,7 @@ query offsets: the ragged attention's loop bounds), so only these reach shapes:
 * **window widths** (``window_width``, the CPU decode loop's per-call copy of the
   rows' lists before the call): powers of two from ``MIN_WINDOW`` up to the row's
   positions. The loop's attention reads the whole width each step (one unblocked
-  GEMM, ``jaxkv.pallas.ragged_attention.window_decode_attention``), so a row just
+  GEMM, ``jaxkv.kernels.attention.ragged.window_decode_attention``), so a row just
   past a power of two reads up to twice its list: the price of a few programs.
 * **decode steps per call**: the scheduler's decode chunk (one value,
   ``DECODE_CHUNK`` by default).
@@ -39,7 +39,7 @@ MIN_WINDOW = 512  # the narrowest CPU decode window
 MIN_EVENT = 256  # the shortest list a compression event scores
 # Decode steps per batched engine call: how often rows can join or leave. Each call
 # has a fixed cost (on the CPU, copying every row's live K/V once: see
-# ``jaxkv.backends.cpu_float.gather_window``) that a longer chunk spreads over more tokens.
+# ``jaxkv.backends.cpu_float.take_window``) that a longer chunk spreads over more tokens.
 # Chosen by measurement (``eval/bench/serving.py --decode-chunk``, ~125M model, 8
 # sessions, medians of 3 runs): 32 gives 3.24x one session's decode tokens/s and
 # p50 turn 5.5 s; 16 gives 2.92x and 6.0 s.

@@ -21,9 +21,10 @@
   memory mappings, one code, read-only and data section per kernel (about 100-400
   per program; no XLA flag merges them), and a process that passes the kernel's
   limit (``vm.max_map_count``, 65,530 by default) aborts inside its next compile
-  ("LLVM ERROR: Unable to allocate section memory"). A server's whole shape set is
-  more programs than that limit holds (``jaxkv serve``'s default: 519 programs,
-  ~60k mappings at 220 of them). So the warm-up and the scheduler call this after
+  ("LLVM ERROR: Unable to allocate section memory"). A server's whole shape set
+  could be more programs than that limit holds (before steps took a token budget,
+  ``jaxkv serve``'s default compiled 519 programs, ~60k mappings at 220 of them;
+  today's default warm-up compiles a few tens). So the warm-up and the scheduler call this after
   any step that compiled: past ``CROWDED_FRACTION`` of the limit it drops every
   compiled program from memory (``jax.clear_caches``); the next call of each
   retraces and loads it from the persistent cache (counted by ``count()`` and

@@ -49,7 +49,7 @@ from jaxkv.cache.allocator import SENTINEL_SLOT
 from jaxkv.cache.state import append_tokens, put_rows, take_rows
 from jaxkv.errors import JaxKVError
 from jaxkv.models import sharding
-from jaxkv.pallas.ragged_attention import KEY_BLOCK
+from jaxkv.kernels.attention.ragged import KEY_BLOCK
 from jaxkv.sampling import RowSamplers, sample_batch
 
 

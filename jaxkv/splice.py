@@ -50,7 +50,7 @@ import numpy as np
 from flax import nnx
 
 from jaxkv.backends.base import AttentionMetadata
-from jaxkv.pallas.rope_delta import rope_delta
+from jaxkv.kernels.rope_delta import rope_delta
 
 PAD_POS = 1 << 30  # position of padding keys: after every query, so never visible
 

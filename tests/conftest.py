@@ -7,7 +7,7 @@ import sys
 
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 # The Triton kernels run under the Triton interpreter in this process; triton reads this
-# when it is first imported (jaxkv.pallas.gpu.interpret). AOT compiles run in a subprocess.
+# when it is first imported (jaxkv.kernels.triton.interpret). AOT compiles run in a subprocess.
 os.environ.setdefault("TRITON_INTERPRET", "1")
 sys.path.insert(0, os.path.dirname(__file__))
 

@@ -9,7 +9,7 @@ import pytest
 from jaxkv.cache.pools import FloatKV, kv_bytes, pool_for_bytes
 from jaxkv.engine import Engine
 from jaxkv.errors import ConfigError
-from jaxkv.pallas.quant import PAGE
+from jaxkv.kernels.quant import PAGE
 from jaxkv.serving import Server
 from tests.conftest import tiny_chat_model
 

@@ -30,7 +30,7 @@ def compiled():
     env["PYTHONPATH"] = os.pathsep.join([str(ROOT), env.get("PYTHONPATH", "")])
     env.setdefault("TRITON_DEFAULT_FP_FUSION", "1")  # jax-triton's default, said explicitly
     proc = subprocess.run(
-        [sys.executable, "-m", "jaxkv.pallas.gpu.aot", "--subset", "--json"],
+        [sys.executable, "-m", "jaxkv.kernels.triton.aot", "--subset", "--json"],
         capture_output=True, text=True, env=env, cwd=ROOT, timeout=600,
     )  # fmt: skip
     rows = [json.loads(line) for line in proc.stdout.splitlines() if line.startswith("{")]

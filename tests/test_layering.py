@@ -1,5 +1,5 @@
-"""The map's arrows point down (DESIGN.md): the import contracts, and the engine's one
-pool interface.
+"""The map's arrows point down (``docs/architecture.md``'s map): the import
+contracts, and the engine's one pool interface.
 
 The layering is declared once, as ``import-linter`` contracts in ``pyproject.toml``
 (``[tool.importlinter]``): the order of ``jaxkv``'s parts, the imports the map
@@ -65,8 +65,8 @@ def copy_sources(dst: Path) -> Path:
     ("train/intentkv_head.py", "import eval.quality.harness", "train/ never imports eval/",
      "train.intentkv_head -> eval.quality.harness"),
     # a model importing a kernel module directly
-    ("jaxkv/models/weights.py", "import jaxkv.pallas.quant", "models import no kernels",
-     "jaxkv.models.weights -> jaxkv.pallas.quant"),
+    ("jaxkv/models/weights.py", "import jaxkv.kernels.quant", "models import no kernels",
+     "jaxkv.models.weights -> jaxkv.kernels.quant"),
 ])
 def test_an_upward_import_breaks_a_contract(tmp_path, module, line, contract, chain):
     """One import added against the map, inside a function (imports there count

@@ -11,9 +11,9 @@ from jax.experimental import pallas as pl
 
 import jaxkv
 from jaxkv.attention import decode_attention_reference
-from jaxkv.pallas import decode_attention, resolve_backend
-from jaxkv.pallas._options import pallas_options
-from jaxkv.pallas.testing import decode_f64, decode_problem, rel_err, request_errors, tolerance
+from jaxkv.kernels import decode_attention, resolve_backend
+from jaxkv.kernels._options import pallas_options
+from jaxkv.kernels.testing import decode_f64, decode_problem, rel_err, request_errors, tolerance
 
 LENGTHS = (1, 31, 32, 33, 64, 65, 300)  # short and long requests in one batch
 LONG = (1, 33, 1000, 4097)

@@ -12,7 +12,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from jaxkv.pallas import (
+from jaxkv.kernels import (
     dequantize_int2_keys,
     dequantize_rows,
     quantize_int2_keys,
@@ -22,7 +22,7 @@ from jaxkv.pallas import (
     quantize_int4_pool,
     quantized_decode_attention,
 )
-from jaxkv.pallas.testing import (
+from jaxkv.kernels.testing import (
     decode_codes_np,
     int4_fit_np,
     int4_write_problem,

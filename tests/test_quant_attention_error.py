@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 from eval.quality import quant_attention_error as qae
-from jaxkv.pallas.quant import dequantize_int2_keys, key_pages_round_trip, quantize_int2_keys
+from jaxkv.kernels.quant import dequantize_int2_keys, key_pages_round_trip, quantize_int2_keys
 
 
 def _keys(T, K=2, D=32, seed=0, outlier=0.0):

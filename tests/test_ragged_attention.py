@@ -12,8 +12,8 @@ import numpy as np
 import pytest
 
 from jaxkv.attention import ragged_attention_reference
-from jaxkv.pallas.ragged_attention import KEY_BLOCK, PoolReader, pad_lists, ragged_attention_blocked
-from jaxkv.pallas.testing import attention_f64, rel_err
+from jaxkv.kernels.attention.ragged import KEY_BLOCK, PoolReader, pad_lists, ragged_attention_blocked
+from jaxkv.kernels.testing import attention_f64, rel_err
 
 
 def ragged_problem(seed, q_lens, old_lens, *, Hq, K, D, pad=5, dtype=np.float32):

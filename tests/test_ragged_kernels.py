@@ -1,8 +1,8 @@
-"""The ragged paged attention kernels on the CPU: the Triton kernels (``jaxkv.pallas.gpu
-.ragged``) under the Triton interpreter and the Pallas kernels (``jaxkv.pallas.ragged_tpu``)
+"""The ragged paged attention kernels on the CPU: the Triton kernels (``jaxkv.kernels.triton
+.ragged``) under the Triton interpreter and the Pallas kernels (``jaxkv.kernels.attention.ragged_tpu``)
 in TPU interpret mode, each against ``ragged_attention_reference`` and a float64 numpy
-oracle (``jaxkv.pallas.testing.ragged_f64``), plus the tile list they share
-(``jaxkv.pallas._ragged_tiles``).
+oracle (``jaxkv.kernels.testing.ragged_f64``), plus the tile list they share
+(``jaxkv.kernels._ragged_tiles``).
 
 Every step mixes prefill chunks (from scratch and after cached entries, several tiles
 long, a few tokens long), decode rows (one entry and many), an absent row, padding
@@ -25,9 +25,9 @@ import pytest
 
 from jaxkv.attention import ragged_attention_reference
 from jaxkv.errors import BackendUnavailableError
-from jaxkv.pallas import _ragged_tiles as tiles_mod
-from jaxkv.pallas.ragged_attention import ragged_attention
-from jaxkv.pallas.testing import ragged_f64, ragged_problem, rel_err, tolerance
+from jaxkv.kernels import _ragged_tiles as tiles_mod
+from jaxkv.kernels.attention.ragged import ragged_attention
+from jaxkv.kernels.testing import ragged_f64, ragged_problem, rel_err, tolerance
 
 # (q_len, kv_len) per row: a chunk after cached entries, a decode row, an absent row, a
 # short new row, a first decode token, a long chunk after a long history (several
@@ -39,8 +39,8 @@ CASES = [(64, 1, jnp.float32), (128, 2, jnp.bfloat16), (64, 4, jnp.bfloat16), (1
 def _gpu(*args):
     pytest.importorskip("torch")
     pytest.importorskip("triton")
-    from jaxkv.pallas.gpu import ragged as gpu_ragged
-    from jaxkv.pallas.gpu.interpret import interpret_call
+    from jaxkv.kernels.triton import ragged as gpu_ragged
+    from jaxkv.kernels.triton.interpret import interpret_call
 
     return jax.jit(functools.partial(gpu_ragged.ragged_attention, launcher=interpret_call))(*args)
 
@@ -108,8 +108,8 @@ def test_unwritten_tiles_show_as_nan():
     last KV head leaves its query heads' outputs NaN at every tiled token, and only there."""
     pytest.importorskip("torch")
     pytest.importorskip("triton")
-    from jaxkv.pallas.gpu import ragged as gpu_ragged
-    from jaxkv.pallas.gpu.interpret import run
+    from jaxkv.kernels.triton import ragged as gpu_ragged
+    from jaxkv.kernels.triton.interpret import run
 
     q, k, v, live, kv_len, q_start, q_len = ragged_problem(3, 2, 2, 64, jnp.float32, ((30, 50), (1, 9)), pad=2)
     launch = gpu_ragged.tile_launch(q, k, live)
@@ -124,8 +124,8 @@ def test_decode_rows_take_the_compiled_decode_launch():
     """The ragged step's decode rows launch ``decode_float_tokens`` exactly as a batch
     of that many requests does: the AOT report's decode row covers them."""
     pytest.importorskip("triton")
-    from jaxkv.pallas.gpu import aot, decode, kernels
-    from jaxkv.pallas.gpu import ragged as gpu_ragged
+    from jaxkv.kernels.triton import aot, decode, kernels
+    from jaxkv.kernels.triton import ragged as gpu_ragged
 
     sds = jax.ShapeDtypeStruct
     m = aot.MODELS[0]
@@ -144,7 +144,7 @@ def test_pallas_gathers_hold_when_dmas_land_at_once(monkeypatch):
     from jax._src.pallas.mosaic.interpret import interpret_pallas_call as simulator
     from jax.experimental.pallas import tpu as pltpu
 
-    from jaxkv.pallas import ragged_tpu
+    from jaxkv.kernels.attention import ragged_tpu
 
     params = pltpu.InterpretParams(detect_races=True, dma_execution_mode="eager")
     monkeypatch.setattr(ragged_tpu, "pallas_options", lambda interpret, parallel_axes=2: {"interpret": params})

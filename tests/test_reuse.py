@@ -19,8 +19,8 @@ import jaxkv
 from jaxkv.cache.segments import PromptIndex, SegmentStore, align, minhash, segment_units
 from jaxkv.chat import render
 from jaxkv.engine import Engine
-from jaxkv.pallas import rope_delta
-from jaxkv.pallas.testing import rel_err
+from jaxkv.kernels import rope_delta
+from jaxkv.kernels.testing import rel_err
 from jaxkv.tasks import shared_corpus, shared_docs
 from jaxkv.tasks.example import tool_call
 from jaxkv.tasks.words import SYSTEM_AGENT

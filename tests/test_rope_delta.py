@@ -9,8 +9,8 @@ import pytest
 
 from jaxkv.config import RopeConfig
 from jaxkv.rope import apply_rope, inv_frequencies
-from jaxkv.pallas import rope_delta
-from jaxkv.pallas.testing import LLAMA3_ROPE as LLAMA3, rel_err
+from jaxkv.kernels import rope_delta
+from jaxkv.kernels.testing import LLAMA3_ROPE as LLAMA3, rel_err
 
 
 def _setup(seed, shape, max_pos, max_delta, moved):

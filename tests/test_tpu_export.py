@@ -13,9 +13,9 @@ import pytest
 from jax.sharding import AbstractDevice, AbstractMesh
 
 from jaxkv.config import RopeConfig
-from jaxkv.pallas import decode_attention, quantized_decode_attention, rope_delta
-from jaxkv.pallas.ragged_attention import ragged_attention
-from jaxkv.pallas.testing import mixed_quantized_problem
+from jaxkv.kernels import decode_attention, quantized_decode_attention, rope_delta
+from jaxkv.kernels.attention.ragged import ragged_attention
+from jaxkv.kernels.testing import mixed_quantized_problem
 
 DEVICE_KINDS = ("TPU v5 lite", "TPU v6 lite")
 sds = jax.ShapeDtypeStruct

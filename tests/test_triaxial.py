@@ -20,7 +20,7 @@ from jaxkv.cache.quantized_host import KIVI_RESIDUAL, DualAllocator
 from jaxkv.config import ModelConfig
 from jaxkv.engine import Engine, KVSource
 from jaxkv.errors import ConfigError, JaxKVError, OutOfSlotsError, SlotError
-from jaxkv.pallas.quant import PAGE
+from jaxkv.kernels.quant import PAGE
 from jaxkv.policies import layouts
 from jaxkv.policies.quant_allocation import solve
 from jaxkv.serving import Server, Session
@@ -237,7 +237,7 @@ def test_quantized_rows_decode_alike_alone_and_batched(qmodel, mode):
 @pytest.mark.parametrize("mode", ["int4", "triaxial"])
 def test_quantized_decode_window_equals_per_step_gather(qmodel, mode, monkeypatch):
     """The CPU decode loop's once-per-call quantized window
-    (``gather_quant_window``: unpacked codes, dequantized block by block) gives the
+    (``take_quant_window``: unpacked codes, dequantized block by block) gives the
     tokens, logits and query rows of gathering packed rows from the pool every
     step (``decode_parts_attention``): rows of different lengths over several key
     blocks, INT2 pages partly held (dead slots), and two calls, so the call's own

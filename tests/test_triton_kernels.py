@@ -1,5 +1,5 @@
 """The Triton (GPU) kernels on the CPU: each launch description run by the Triton
-interpreter (``jaxkv.pallas.gpu.interpret``, torch CPU tensors, outputs poisoned with
+interpreter (``jaxkv.kernels.triton.interpret``, torch CPU tensors, outputs poisoned with
 NaN) through the same glue the GPU path uses, against the jnp references and a
 float64 oracle. ``tests/conftest.py`` sets ``TRITON_INTERPRET=1``."""
 
@@ -18,15 +18,15 @@ pytest.importorskip("triton")
 
 from jaxkv.config import RopeConfig  # noqa: E402
 from jaxkv.errors import BackendUnavailableError, ConfigError  # noqa: E402
-from jaxkv.pallas import decode_attention, quantized_decode_attention, rope_delta  # noqa: E402
-from jaxkv.pallas.gpu import decode as gpu_decode  # noqa: E402
-from jaxkv.pallas.gpu import kernels, launch, quant_write  # noqa: E402
-from jaxkv.pallas.gpu import rope as gpu_rope  # noqa: E402
-from jaxkv.pallas.gpu.interpret import interpret_call, run  # noqa: E402
-from jaxkv.pallas.kv_write import write_int4_rows, write_int4_rows_reference  # noqa: E402
-from jaxkv.pallas.quant import quantize_int4  # noqa: E402
-from jaxkv.pallas.rope_delta import rope_delta_reference  # noqa: E402
-from jaxkv.pallas.testing import (  # noqa: E402
+from jaxkv.kernels import decode_attention, quantized_decode_attention, rope_delta  # noqa: E402
+from jaxkv.kernels.triton import decode as gpu_decode  # noqa: E402
+from jaxkv.kernels.triton import kernels, launch, quant_write  # noqa: E402
+from jaxkv.kernels.triton import rope as gpu_rope  # noqa: E402
+from jaxkv.kernels.triton.interpret import interpret_call, run  # noqa: E402
+from jaxkv.kernels.kv_write import write_int4_rows, write_int4_rows_reference  # noqa: E402
+from jaxkv.kernels.quant import quantize_int4  # noqa: E402
+from jaxkv.kernels.rope_delta import rope_delta_reference  # noqa: E402
+from jaxkv.kernels.testing import (  # noqa: E402
     LLAMA3_ROPE as LLAMA3,
     decode_codes_np,
     decode_f64,

@@ -38,7 +38,7 @@ evaluation harness):
    (dense causal prefill), capturing post-RoPE Q, K and V at every layer.
 3. **Distortion.** For each tag ``k`` present in a request and ``b in {2, 4}``,
    only tag-``k`` tokens are quantized in the serving formats
-   (``jaxkv.pallas.quant``: INT4 per token; INT2 keys per channel over pages of
+   (``jaxkv.kernels.quant``: INT4 per token; INT2 keys per channel over pages of
    32 tag-``k`` tokens in position order, INT2 values per token, the tokens that
    do not fill a page INT4), attention is replayed for every query row, and the
    output MSE against full precision is taken per head. ``D_k(b)`` = max over
@@ -187,7 +187,7 @@ def replay_error(q, k, v, o_ref, int4_mask, page_idx, page_ok, row_ok):
     last real row))``.
     """
     from jaxkv.attention import causal_attention
-    from jaxkv.pallas.quant import dequantize_int2_pool, dequantize_rows, quantize_int2_pool, quantize_rows
+    from jaxkv.kernels.quant import dequantize_int2_pool, dequantize_rows, quantize_int2_pool, quantize_rows
 
     T = k.shape[1]
     flat = page_idx.reshape(-1)

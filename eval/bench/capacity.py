@@ -69,7 +69,7 @@ os.environ.setdefault("JAX_PLATFORMS", "cpu")
 import jax  # noqa: E402
 
 from jaxkv.markdown import md_table  # noqa: E402
-from jaxkv.pallas.quant import PAGE  # noqa: E402
+from jaxkv.kernels.quant import PAGE  # noqa: E402
 
 CAPACITY_SEED_OFFSET = 7_000  # trace seeds: EVAL_SEED_BASE + this (held out, disjoint from bench_serving's 5,000)
 COMPILE_EVENTS = ("/jax/core/compile/backend_compile_duration", "/jax/core/compile/jaxpr_trace_duration",

@@ -12,7 +12,7 @@ transformers baselines, both timed in the same run: a manual
 same random cache; the faster of the two is the reference of the ratio.
 
 jaxkv is timed twice: as it runs (on the CPU each decode call gathers every row's
-live K/V once, ``jaxkv.backends.cpu_float.gather_window``) and gathering them from the pool
+live K/V once, ``jaxkv.backends.cpu_float.take_window``) and gathering them from the pool
 in every step, the path kernel backends take.
 
 Bandwidth floor: a decode step must read every weight once plus the KV of the
@@ -107,7 +107,7 @@ def fill_pool_randomly(engine, rng) -> None:
 
 def bench_jaxkv(model, batch, ctx, steps, window=True) -> float:
     """jaxkv decode tok/s; ``window=False`` gathers the context from the pool in
-    every step instead of once per call (``jaxkv.backends.cpu_float.gather_window``)."""
+    every step instead of once per call (``jaxkv.backends.cpu_float.take_window``)."""
     cfg = model.config
     engine = Engine(model, rows=batch, max_positions=ctx + steps + 1)
     engine.runner.use_window = window

@@ -1,7 +1,7 @@
 """Kernel bandwidth benchmark: decode attention (bf16, INT4, mixed ~2.7 bits) and RoPE delta.
 
 For each kernel, context and batch it reports achieved bandwidth = bytes that must
-move (the static cost model of ``jaxkv.pallas.cost``: K/V bytes of every live entry
+move (the static cost model of ``jaxkv.kernels.cost``: K/V bytes of every live entry
 incl. scales/zeros, index lists, q/out; for RoPE delta the rotated rows read and
 written) / median wall time, as a fraction of
 a device-to-device copy (``-x``: read + write) measured in the same run, and the
@@ -33,8 +33,8 @@ import jax.numpy as jnp
 
 from jaxkv.config import RopeConfig
 from jaxkv.markdown import md_header, md_row
-from jaxkv.pallas import cost
-from jaxkv.pallas import (
+from jaxkv.kernels import cost
+from jaxkv.kernels import (
     decode_attention,
     quantize_int2_pool,
     quantize_int4_pool,
@@ -82,7 +82,7 @@ class DecodeCase:
       name: the table's kernel column ("decode bf16", "decode INT4", "decode mixed 2.7b").
       operands: the arguments after the queries (pools, lists; ``None`` for absent parts).
       quantized: ``quantized_decode_attention`` (else ``decode_attention``).
-      cost: bytes and flops that must move (``jaxkv.pallas.cost``).
+      cost: bytes and flops that must move (``jaxkv.kernels.cost``).
     """
 
     name: str
@@ -95,8 +95,8 @@ class DecodeCase:
         return quantized_decode_attention if self.quantized else decode_attention
 
     def triton(self, launcher) -> Callable:
-        """The ``jaxkv.pallas.gpu.decode`` glue of this call with ``launcher`` (imports triton)."""
-        from jaxkv.pallas.gpu import decode as gpu_decode
+        """The ``jaxkv.kernels.triton.decode`` glue of this call with ``launcher`` (imports triton)."""
+        from jaxkv.kernels.triton import decode as gpu_decode
 
         fn = gpu_decode.quantized_decode_attention if self.quantized else gpu_decode.decode_attention
         return functools.partial(fn, launcher=launcher)

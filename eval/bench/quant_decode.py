@@ -9,11 +9,11 @@ same engine:
 
 * ``float``: the float32 pool as a ``Server`` sizes it (2 x positions + 1 slots),
   where the CPU decode loop reads a per-call head-major window of the row's list
-  (``jaxkv.backends.cpu_float.gather_window``);
+  (``jaxkv.backends.cpu_float.take_window``);
 * ``float-gather``: the float32 pool too tight for that window, so every step
   gathers key blocks through the live list;
 * ``int4``: every live token INT4 (``Engine(kv_quant="int4")``), read through the
-  quantized window (``jaxkv.cache.quantized.gather_quant_window``): once per call,
+  quantized window (``jaxkv.backends.cpu_quant.take_quant_window``): once per call,
   a head-major copy of the row's codes unpacked to uint8 with float32 scales, each
   step dequantizing it block by block inside the online softmax;
 * ``int4-gather``: the same pool without the window (``engine.runner.use_window =
@@ -55,7 +55,7 @@ from jaxkv.cache.quantized_host import bytes_per_token  # noqa: E402
 from jaxkv.config import ModelConfig  # noqa: E402
 from jaxkv.engine import Engine  # noqa: E402
 from jaxkv.markdown import md_header, md_row  # noqa: E402
-from jaxkv.pallas.quant import PAGE  # noqa: E402
+from jaxkv.kernels.quant import PAGE  # noqa: E402
 
 INT2_SHARE = 0.65  # mixed pool: 0.65 * 2 + 0.35 * 4 = 2.7 bits
 

@@ -48,12 +48,12 @@ attention  90      decode attention per kernel (bf16, INT4, mixed 2.7 bits) at
                    per-call time vs bytes / copy bandwidth, and vs the same
                    attention in plain jnp under XLA on the same GPU; then, in
                    the time left, the ragged paged attention (the engine's one
-                   attention per step: ``jaxkv.pallas.gpu.ragged``): whole
+                   attention per step: ``jaxkv.kernels.triton.ragged``): whole
                    prompts of 8,192 and 2,048 tokens in 2,048- and 512-token
                    chunks (Llama-3-8B and SmolLM2 heads, bf16) and a mixed step
                    (a chunk and 32 decode rows), achieved TFLOP/s as a share
                    of the bf16 matmul rate ``env`` measured and of the
-                   roofline (``jaxkv.pallas.cost.ragged``)
+                   roofline (``jaxkv.kernels.cost.ragged``)
 e2e        180     end-to-end greedy decode, batch 1/8/32 x context 512/4096
                    (new decode rows start only in the first 60% of the limit),
                    then prefill of 512, 2048 and 8192 tokens, of
@@ -317,10 +317,10 @@ class Recorder:
 def _launcher(dry_run: bool):
     """The Triton launcher: the interpreter in the dry run, jax-triton on the GPU."""
     if dry_run:
-        from jaxkv.pallas.gpu.interpret import interpret_call
+        from jaxkv.kernels.triton.interpret import interpret_call
 
         return interpret_call
-    from jaxkv.pallas.gpu.launch import check_triton_call, triton_call
+    from jaxkv.kernels.triton.launch import check_triton_call, triton_call
 
     check_triton_call()
     return triton_call
@@ -335,7 +335,7 @@ def part_env(rec: Recorder, s: Settings, dry_run: bool) -> None:
 
     from eval.bench.kernels import copy_bandwidth, median_call_seconds
     from jaxkv.errors import BackendUnavailableError
-    from jaxkv.pallas import resolve_backend
+    from jaxkv.kernels import resolve_backend
 
     dev = jax.devices()[0]
     packages = ("jax", "jaxlib", "jax-cuda12-plugin", "jax-cuda13-plugin", "jax-triton", "triton", "torch", "transformers")
@@ -388,7 +388,7 @@ def _nvidia_smi() -> dict:
 def _error_fields(out, ref, wants, tol) -> dict:
     import numpy as np
 
-    from jaxkv.pallas.testing import rel_err, request_errors
+    from jaxkv.kernels.testing import rel_err, request_errors
 
     finite = bool(np.isfinite(np.asarray(out, np.float32)).all())
     vs_ref, vs_f64 = rel_err(out, ref), request_errors(out, wants)
@@ -409,8 +409,8 @@ def check_float_decode(launcher, K, G, D, dtype, lengths, seed):
     import jax
 
     from jaxkv.attention import decode_attention_reference
-    from jaxkv.pallas.gpu import decode as gpu_decode
-    from jaxkv.pallas.testing import decode_f64, decode_problem, tolerance
+    from jaxkv.kernels.triton import decode as gpu_decode
+    from jaxkv.kernels.testing import decode_f64, decode_problem, tolerance
 
     args = decode_problem(seed, K, G, D, dtype, lengths)
     out = jax.jit(functools.partial(gpu_decode.decode_attention, launcher=launcher))(*args)
@@ -421,9 +421,9 @@ def check_float_decode(launcher, K, G, D, dtype, lengths, seed):
 def check_quantized_decode(launcher, K, G, D, dtype, pages, tokens, seed):
     import jax
 
-    from jaxkv.pallas.gpu import decode as gpu_decode
-    from jaxkv.pallas.quantized_attention import quantized_decode_attention_reference
-    from jaxkv.pallas.testing import mixed_quantized_problem, quantized_attention_f64, tolerance
+    from jaxkv.kernels.triton import decode as gpu_decode
+    from jaxkv.kernels.attention.quantized import quantized_decode_attention_reference
+    from jaxkv.kernels.testing import mixed_quantized_problem, quantized_attention_f64, tolerance
 
     args = mixed_quantized_problem(seed, K, G, D, pages or (0,) * len(tokens), tokens, dtype)
     wants = quantized_attention_f64(*args)
@@ -437,9 +437,9 @@ def check_quantized_decode(launcher, K, G, D, dtype, pages, tokens, seed):
 def check_masked_pages(launcher, seed):
     import jax
 
-    from jaxkv.pallas.gpu import decode as gpu_decode
-    from jaxkv.pallas.quantized_attention import quantized_decode_attention_reference
-    from jaxkv.pallas.testing import masked_float_problem, tolerance
+    from jaxkv.kernels.triton import decode as gpu_decode
+    from jaxkv.kernels.attention.quantized import quantized_decode_attention_reference
+    from jaxkv.kernels.testing import masked_float_problem, tolerance
 
     args, kw, wants = masked_float_problem(seed)
     out = jax.jit(functools.partial(gpu_decode.quantized_decode_attention, launcher=launcher, **kw))(*args)
@@ -452,9 +452,9 @@ def check_rope_delta(launcher, shape, moved, seed):
     import jax.numpy as jnp
     import numpy as np
 
-    from jaxkv.pallas.gpu import rope as gpu_rope
-    from jaxkv.pallas.rope_delta import rope_delta_reference
-    from jaxkv.pallas.testing import LLAMA3_ROPE, rel_err, rope_delta_problem, tolerance
+    from jaxkv.kernels.triton import rope as gpu_rope
+    from jaxkv.kernels.rope_delta import rope_delta_reference
+    from jaxkv.kernels.testing import LLAMA3_ROPE, rel_err, rope_delta_problem, tolerance
 
     pool, slots, delta = rope_delta_problem(seed, shape, jnp.bfloat16, moved)
     out = jax.jit(functools.partial(gpu_rope.rope_delta, rope=LLAMA3_ROPE, launcher=launcher))(pool, slots, delta)
@@ -472,9 +472,9 @@ def check_int4_write(launcher, T, K, D, S, seed):
     import jax.numpy as jnp
     import numpy as np
 
-    from jaxkv.pallas.gpu import quant_write
-    from jaxkv.pallas.kv_write import write_int4_rows_reference
-    from jaxkv.pallas.testing import decode_codes_np, int4_fit_np, int4_write_problem
+    from jaxkv.kernels.triton import quant_write
+    from jaxkv.kernels.kv_write import write_int4_rows_reference
+    from jaxkv.kernels.testing import decode_codes_np, int4_fit_np, int4_write_problem
 
     rows, slots, x = int4_write_problem(seed, T, K, D, S, jnp.bfloat16)
     got = jax.jit(functools.partial(quant_write.write_int4_rows, launcher=launcher))(rows, slots, x)
@@ -497,8 +497,8 @@ def check_ragged(launcher, K, G, D, dtype, rows, seed):
     import numpy as np
 
     from jaxkv.attention import ragged_attention_reference
-    from jaxkv.pallas.gpu import ragged as gpu_ragged
-    from jaxkv.pallas.testing import ragged_f64, ragged_problem, tolerance
+    from jaxkv.kernels.triton import ragged as gpu_ragged
+    from jaxkv.kernels.testing import ragged_f64, ragged_problem, tolerance
 
     args = ragged_problem(seed, K, G, D, dtype, rows, pad=8)
     out = jax.jit(functools.partial(gpu_ragged.ragged_attention, launcher=launcher))(*args)
@@ -542,7 +542,7 @@ def part_kernels(rec: Recorder, s: Settings, dry_run: bool) -> None:
     launcher = _launcher(dry_run)
     how = "the Triton interpreter (dry run)" if dry_run else "Triton through jax-triton, compiled for this GPU"
     rec.set(caption=f"Kernels run by {how}; the jnp reference under XLA with float32 dots at `highest` precision; "
-                    "the float64 oracle in numpy (`jaxkv.pallas.testing`); bounds are the CPU tests' own.")  # fmt: skip
+                    "the float64 oracle in numpy (`jaxkv.kernels.testing`); bounds are the CPU tests' own.")  # fmt: skip
     for kernel, shape, check in kernel_checks(s):
         if rec.out_of_time(f"{kernel} ({shape})"):
             return
@@ -595,7 +595,7 @@ def part_attention(rec: Recorder, s: Settings, dry_run: bool) -> None:
     rec.set(attention_caption=f"Hq {K * G}, Hkv {K}, D {D}, bf16 queries and pool, every request holding the live tokens in random "
                     f"slots; mixed = 65% of tokens in INT2 pages, the rest INT4. Per call: median of {s.reps} runs of one jit "
                     f"chaining {s.chain} dependent calls, / {s.chain}; operand copies rotate up to {CACHE_BYTES >> 20} MiB. "
-                    "Floor = bytes that must move (`jaxkv.pallas.cost`) / copy bandwidth. XLA jnp = `backend=\"reference\"` "
+                    "Floor = bytes that must move (`jaxkv.kernels.cost`) / copy bandwidth. XLA jnp = `backend=\"reference\"` "
                     "(gather, dequantize, einsum) on the same device.")  # fmt: skip
     for ctx in s.contexts:
         for B in s.batches:
@@ -618,10 +618,10 @@ def part_attention(rec: Recorder, s: Settings, dry_run: bool) -> None:
 def ragged_steps(s: Settings) -> list[tuple[dict, list]]:
     """``(row, calls)`` of every ragged timing of ``s``, in order: ``row`` the report's
     fields (``table: "ragged"``, model, heads, step, flops, executed_flops, bytes: the
-    sums over the calls, ``jaxkv.pallas.cost.ragged``), ``calls`` the ``(q_len,
+    sums over the calls, ``jaxkv.kernels.cost.ragged``), ``calls`` the ``(q_len,
     kv_len)`` rows of each call. A prompt is one call per chunk (the chunk after the
     ones before it), a mixed step one call."""
-    from jaxkv.pallas import cost
+    from jaxkv.kernels import cost
 
     out = []
 
@@ -673,13 +673,13 @@ def ragged_timings(rec: Recorder, s: Settings, launcher, kernel_error) -> None:
     chunks' lengths rotating)."""
     import jax
 
-    from jaxkv.pallas.gpu import ragged as gpu_ragged
+    from jaxkv.kernels.triton import ragged as gpu_ragged
 
     rec.set(ragged_caption="bf16 queries and pool, each row's list random slots of the pool. A prompt is one call per "
                            "chunk (the chunk after those before it: lengths are data, so its calls share one program); "
                            f"per call: median of {s.reps} runs of one jit chaining {s.chain} dependent calls (the "
                            f"chunks rotating), / {s.chain}; ms = the prompt's calls. TFLOP/s counts the attention's "
-                           "causal work (`jaxkv.pallas.cost.ragged`: 4 D + 5 per query head and entry it sees); "
+                           "causal work (`jaxkv.kernels.cost.ragged`: 4 D + 5 per query head and entry it sees); "
                            "executed adds the tiles' padded rows and masked diagonal. Roofline = max(bytes / copy "
                            "bandwidth, flops / bf16 matmul rate) / time.")  # fmt: skip
     for i, (row, calls) in enumerate(ragged_steps(s)):
@@ -756,7 +756,7 @@ def _place_torch(rec: Recorder, tm, dry_run: bool):
 def _backend_words(dry_run: bool) -> str:
     import warnings
 
-    from jaxkv.pallas import resolve_backend
+    from jaxkv.kernels import resolve_backend
 
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")

@@ -184,7 +184,7 @@ def attention_table(results) -> list[str]:
 def ragged_table(results) -> list[str]:
     """Part attention, rows with ``table: "ragged"``: model, heads (``"Hq/Hkv x D"``),
     step (words), calls, flops and executed_flops (causal work, and with the tiles'
-    padding: ``jaxkv.pallas.cost.ragged``), bytes (compulsory), kernel_s (seconds for
+    padding: ``jaxkv.kernels.cost.ragged``), bytes (compulsory), kernel_s (seconds for
     all the calls; None if not measured), kernel_error (text or None)."""
     env = _env(results)
     peak, bw = env.get("matmul_flops"), env.get("copy_bandwidth")

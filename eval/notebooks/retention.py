@@ -85,7 +85,7 @@ import jax
 import jaxkv
 from eval.quality import harness
 from jaxkv.models.sharding import make_mesh
-from jaxkv.pallas import resolve_backend
+from jaxkv.kernels import resolve_backend
 
 mesh = make_mesh(tp=tp) if tp > 1 else None
 loaded = jaxkv.load_model(model, dtype=dtype, mesh=mesh)

@@ -2,7 +2,7 @@
 
 Quantizes the device check's INT4-write problem five ways (the Triton write kernel;
 ``write_int4_rows_reference`` under XLA on the GPU, eager and jit'd, and on the CPU)
-and compares each with the numpy float32 oracle ``jaxkv.pallas.testing.int4_fit_np``,
+and compares each with the numpy float32 oracle ``jaxkv.kernels.testing.int4_fit_np``,
 counting differing codes, scales and zeros over the written rows. On the H200 on
 2026-11-26 it showed the kernel equal to the oracle and XLA:GPU off (see
 ``eval/results/device_NVIDIA_H200_followup.md``).
@@ -28,14 +28,14 @@ def main() -> None:
     import jax.numpy as jnp
     import numpy as np
 
-    from jaxkv.pallas.gpu import quant_write
-    from jaxkv.pallas.kv_write import write_int4_rows_reference
-    from jaxkv.pallas.testing import decode_codes_np, int4_fit_np, int4_write_problem
+    from jaxkv.kernels.triton import quant_write
+    from jaxkv.kernels.kv_write import write_int4_rows_reference
+    from jaxkv.kernels.testing import decode_codes_np, int4_fit_np, int4_write_problem
 
     if args.cpu:
-        from jaxkv.pallas.gpu.interpret import interpret_call as launcher
+        from jaxkv.kernels.triton.interpret import interpret_call as launcher
     else:
-        from jaxkv.pallas.gpu.launch import triton_call as launcher
+        from jaxkv.kernels.triton.launch import triton_call as launcher
     rows, slots, x = int4_write_problem(4, 512, 8, 128, 1024 if args.cpu else 16384, jnp.bfloat16)
     results = {"triton": jax.jit(functools.partial(quant_write.write_int4_rows, launcher=launcher))(rows, slots, x)}
     cpu = jax.devices("cpu")[0]

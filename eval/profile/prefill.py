@@ -6,7 +6,7 @@ rate against the float32 GEMM rate measured in the same run.
 
 One row, steps of ``--chunk`` tokens (``Engine.step``, after an untimed
 pass that compiled the step). The attention part is the CPU implementation
-(``jaxkv.pallas.ragged_attention.ragged_attention_blocked``) jit'd alone at the
+(``jaxkv.kernels.attention.ragged.ragged_attention_blocked``) jit'd alone at the
 step's shapes (the row's list as long as it is at that step, plus the chunk)
 times the layer count; the rest (projections, MLP, the pool write, the tables) is
 the step time minus that. Each part's achieved GFLOP/s counts its matmul work:
@@ -30,7 +30,7 @@ import numpy as np  # noqa: E402
 import jaxkv  # noqa: E402
 from jaxkv.engine import Engine  # noqa: E402
 from jaxkv.markdown import md_header, md_row  # noqa: E402
-from jaxkv.pallas.ragged_attention import KEY_BLOCK, PoolReader, ragged_attention_blocked  # noqa: E402
+from jaxkv.kernels.attention.ragged import KEY_BLOCK, PoolReader, ragged_attention_blocked  # noqa: E402
 
 
 def attention_seconds(cfg, before: int, T: int, repeats: int = 3) -> float:

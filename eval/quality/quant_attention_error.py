@@ -26,7 +26,7 @@ with the same queries:
   precision (``kv_quant="kivi2"``: groups of 32 leave the window oldest first);
 * ``kivi4``: KIVI's layout at 4 bits (keys per channel over pages, values per
   token, the same window): ``kv_quant="kivi4"``'s pages, through
-  ``jaxkv.pallas.quant.key_pages_round_trip`` (the pool's own quantize and
+  ``jaxkv.kernels.quant.key_pages_round_trip`` (the pool's own quantize and
   dequantize).
 
 Per layer, averaged over prompts: the relative attention-output error over all
@@ -37,7 +37,7 @@ over the mean over channels (mean over KV heads; 1 when every channel is alike),
 exists for.
 
 Written by hand because it measures the round trips of jaxkv's own stored
-formats (``jaxkv.pallas.quant``) on jaxkv's captures; quantization libraries
+formats (``jaxkv.kernels.quant``) on jaxkv's captures; quantization libraries
 measure their own layouts. Outputs in ``--out``: ``README.md`` (tables),
 ``errors.json`` (every number) and ``per_layer.png``.
 """
@@ -82,7 +82,7 @@ def workload(model_name: str, tokenizer, n: int, length: int) -> dict[str, list[
 
 
 def rows_round_trip(x, bits: int):
-    from jaxkv.pallas.quant import dequantize_rows, quantize_rows
+    from jaxkv.kernels.quant import dequantize_rows, quantize_rows
 
     return dequantize_rows(quantize_rows(x, bits))
 
@@ -90,7 +90,7 @@ def rows_round_trip(x, bits: int):
 def round_trip(fmt: str, k_LTKD, v_LTKD, T: int):
     """``(k, v)`` after ``fmt``'s round trip (module docstring); ``T`` real tokens
     (the captures are padded past them; causal rows below ``T`` never read the padding)."""
-    from jaxkv.pallas.quant import key_pages_round_trip
+    from jaxkv.kernels.quant import key_pages_round_trip
 
     if fmt == "int4":
         return rows_round_trip(k_LTKD, 4), rows_round_trip(v_LTKD, 4)
@@ -136,7 +136,7 @@ def key_statistics(k_LTKD, T: int) -> dict[str, np.ndarray]:
     """Per layer: the channel outlier ratio (max over mean: a median can be 0, as
     in the embedded model's first layers, where many channels are nearly silent) and the keys' relative 2-bit round-trip
     error per token and per channel (pages)."""
-    from jaxkv.pallas.quant import key_pages_round_trip
+    from jaxkv.kernels.quant import key_pages_round_trip
 
     k = k_LTKD[:, :T]
     per_channel = jnp.mean(jnp.abs(k), axis=1)  # [L, K, D]

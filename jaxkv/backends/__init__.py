@@ -19,14 +19,14 @@ from jaxkv.backends.kernel_float import FloatKernelBackend
 from jaxkv.backends.kernel_quant import QuantKernelBackend
 from jaxkv.backends.reference import ReferenceBackend
 from jaxkv.cache.quantized import QuantLayers
-from jaxkv.pallas.ragged_attention import ragged_backend
+from jaxkv.kernels.attention.ragged import ragged_backend
 
 
 def select_backend(layers, backend: str | None = None) -> AttentionBackend:
     """The backend of a pool (its device ``layers``) under ``backend`` (``None``:
     the platform's own: the blocked implementation on the CPU, the kernels on TPUs
     and NVIDIA GPUs; ``"reference"``, ``"interpret"``, ``"gpu"``, ``"tpu"`` as in
-    ``jaxkv.pallas._dispatch``)."""
+    ``jaxkv.kernels._dispatch``)."""
     platform = ragged_backend(backend)
     quantized = isinstance(layers, QuantLayers)
     blocked = CpuQuantBackend(layers) if quantized else CpuFloatBackend(layers)

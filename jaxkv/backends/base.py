@@ -7,7 +7,7 @@ call depends on the pool's kind and the platform, and is chosen once per engine
 tpu-inference's attention interface are:
 
 * ``CpuFloatBackend``: the blocked XLA implementation over a float pool
-  (``jaxkv.pallas.ragged_attention``), with the CPU decode loop's window as its
+  (``jaxkv.kernels.attention.ragged``), with the CPU decode loop's window as its
   private state;
 * ``CpuQuantBackend``: the same blocked implementation over the dual INT2/INT4
   pool, dequantizing one key block at a time, with its own decode window;
@@ -21,8 +21,8 @@ A backend has two halves. The *device half* is the backend object itself: a
 frozen, hashable dataclass (a static argument of the jit'd programs) whose methods
 run inside ``jax.jit``; it holds no arrays. The *host half* is ``DecodeState``:
 what a backend keeps between decode calls (the CPU backends' windows), made and
-kept by ``jaxkv.engine.runner.ModelRunner`` through ``decode_state`` and
-``keep_state``.
+kept by ``jaxkv.engine.runner.ModelRunner`` (its ``kept``; ``_window`` hands it to the
+next decode call over the same rows).
 
 ``AttentionMetadata`` is the one pytree every backend reads: the rows' tables
 after the step's tokens were appended, where each flat token lives, and the
@@ -55,7 +55,7 @@ from flax import struct
 
 from jaxkv.attention import positional_attention
 from jaxkv.cache.state import RowTables
-from jaxkv.pallas.ragged_attention import decode_rows_attention, ragged_attention_blocked
+from jaxkv.kernels.attention.ragged import decode_section_attention, ragged_attention_blocked
 
 
 @struct.dataclass
@@ -161,7 +161,7 @@ class AttentionBackend:
         lists, kv_len = meta.layer_list(i)
         reader = self.reader(kv, i, lists, k_TKD, v_TKD, meta)
         if meta.decode:  # one token per row, rows in order: the decode section alone
-            return decode_rows_attention(reader, q_THD, kv_len, meta.active_R).astype(q_THD.dtype)
+            return decode_section_attention(reader, q_THD, kv_len, meta.active_R).astype(q_THD.dtype)
         return ragged_attention_blocked(q_THD, reader, kv_len, meta.q_start_R, meta.q_len_R, width=reader.live_RN.shape[1])
 
     def attend_with_mass(self, kv, i, q_THD, k_TKD, v_TKD, meta: AttentionMetadata):

@@ -2,7 +2,7 @@
 decode loop's window as the backend's private state.
 
 Steps (prefill pieces beside decode tokens) read the pool through the rows' live
-lists in key blocks (``PoolReader``, ``jaxkv.pallas.ragged_attention``). The
+lists in key blocks (``PoolReader``, ``jaxkv.kernels.attention.ragged``). The
 multi-step decode loop instead reads a per-call, head-major copy of its rows'
 lists (``DecodeWindow``): every step's one query per row then runs two plain
 batched GEMMs over contiguous memory, several times faster on the CPU than
@@ -39,12 +39,12 @@ from flax import struct
 
 from jaxkv.backends.base import AttentionBackend, AttentionMetadata
 from jaxkv.cache.state import take_rows
-from jaxkv.pallas.ragged_attention import PoolReader, pad_lists, window_decode_attention
+from jaxkv.kernels.attention.ragged import PoolReader, pad_lists, window_decode_attention
 
 
 @struct.dataclass
 class DecodeWindow:
-    """The CPU decode loop's copy of its rows' lists (``gather_window``), per layer
+    """The CPU decode loop's copy of its rows' lists (``take_window``), per layer
     (tuples of ``L`` arrays, so the unrolled loop updates each in place), in two
     parts: the entries the rows held before the call (keys ``[R, K, D, W]``, values
     ``[R, K, W, D]``, the first ``len_LR[i]`` real, read-only in the loop), and the
@@ -73,7 +73,7 @@ class DecodeWindow:
         first part at list entry ``len + s``, and ``len_LR`` the entries that part now
         holds: the rows' list lengths now (after the call, or fewer where a row was
         truncated since; never more than ``len + fed``), ``-1`` to keep a row as it is
-        (padding rows). A window fresh from ``gather_window``, given its own lengths,
+        (padding rows). A window fresh from ``take_window``, given its own lengths,
         is unchanged. Run at the start of the decode program, whose window is
         donated, so the copy changes in place and no program is added for it."""
         R, _, _, W = self.k[0].shape

@@ -20,7 +20,7 @@ decode loop's window of unpacked codes as the backend's private state.
 several tokens per row (the fused kernels are decode kernels).
 
 Invariants: every read dequantizes with the pool's own arithmetic
-(``jaxkv.pallas.quant``), so the window, the packed reads and a kernel see the
+(``jaxkv.kernels.quant``), so the window, the packed reads and a kernel see the
 same float32 values; a window is taken per call (its new tokens are not folded
 back, unlike the float window).
 """
@@ -46,8 +46,8 @@ from jaxkv.cache.quantized import (
     dequantize_at,
     dequantize_int2_tokens,
 )
-from jaxkv.pallas.quant import PAGE, GROUP, PackedRows, dequantize_codes, dequantize_rows, quantize_rows, unpack
-from jaxkv.pallas.ragged_attention import KEY_BLOCK, MASKED, _online_step, pad_lists
+from jaxkv.kernels.quant import PAGE, GROUP, PackedRows, dequantize_codes, dequantize_rows, quantize_rows, unpack
+from jaxkv.kernels.attention.ragged import KEY_BLOCK, MASKED, _online_step, pad_lists
 
 
 @struct.dataclass
@@ -62,7 +62,7 @@ class StepTokens:
     ``q_start + j``.
 
     Attributes: ``k, v [T, K, D]`` the step's keys and values; ``kv_len_R``,
-    ``q_len_R``, ``q_start_R`` ``[R]`` as in ``jaxkv.pallas.ragged_attention``.
+    ``q_len_R``, ``q_start_R`` ``[R]`` as in ``jaxkv.kernels.attention.ragged``.
     """
 
     k: jax.Array
@@ -126,7 +126,7 @@ def decode_parts_attention(pool: DualPool, geo: Geometry, i, q_RHD, plan: Decode
     blocks of ``PAGE_BLOCK`` INT2 pages (keys per channel over the page, values per
     token, the row's bits only), then blocks of INT4 tokens (or float ones), each
     block dequantized from the packed pool inside the loop and folded into one
-    online softmax (``jaxkv.pallas.ragged_attention``'s). Layer ``i`` (static or
+    online softmax (``jaxkv.kernels.attention.ragged``'s). Layer ``i`` (static or
     traced) is read in place. Returns ``[R, Hq, D]`` float32, zero where inactive."""
     R, Hq, D = q_RHD.shape
     K = pool.int4.k.data.shape[2]
@@ -259,7 +259,7 @@ class QuantWindow:
     def attend(self, i: int, q_RHD, kv_len_R, active_R):
         """Layer ``i``'s attention of one query per row: the page part and the
         token part block by block, then the call's new tokens, in one online
-        softmax (``jaxkv.pallas.ragged_attention``'s). Returns ``[R, Hq, D]``
+        softmax (``jaxkv.kernels.attention.ragged``'s). Returns ``[R, Hq, D]``
         float32, zero where inactive."""
         R, Hq, D = q_RHD.shape
         K = self.k_new[i].shape[2]

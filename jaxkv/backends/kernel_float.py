@@ -1,6 +1,6 @@
 """The ragged paged attention kernels over a float pool: Pallas through Mosaic on
 TPUs (and the TPU interpreter anywhere, ``"interpret"``), Triton through
-jax-triton on NVIDIA GPUs (``jaxkv.pallas.ragged_attention``: one kernel for every
+jax-triton on NVIDIA GPUs (``jaxkv.kernels.attention.ragged``: one kernel for every
 step, prefill pieces and decode tokens alike, split-K for long lists).
 
 The decode loop calls the same kernel with one query per row; there is no window
@@ -17,12 +17,12 @@ from __future__ import annotations
 import dataclasses
 
 from jaxkv.backends.base import AttentionBackend, AttentionMetadata
-from jaxkv.pallas.ragged_attention import PoolReader, pad_lists, ragged_attention
+from jaxkv.kernels.attention.ragged import PoolReader, pad_lists, ragged_attention
 
 
 @dataclasses.dataclass(frozen=True)
 class FloatKernelBackend(AttentionBackend):
-    """Attributes: ``platform``: ``"tpu"``, ``"gpu"`` or ``"interpret"`` (``jaxkv.pallas._dispatch``)."""
+    """Attributes: ``platform``: ``"tpu"``, ``"gpu"`` or ``"interpret"`` (``jaxkv.kernels._dispatch``)."""
 
     platform: str = "interpret"
     name = "float-kernel"

@@ -1,8 +1,8 @@
 """The fused quantized decode kernels over the dual INT2/INT4 pool: INT2 pages and
 INT4 tokens (or KIVI's float residual) read by kind and dequantized inside the
 kernel, each part's split-K partials merged by log-sum-exp
-(``jaxkv.pallas.quantized_attention``: Pallas on TPUs and in interpret mode,
-Triton on NVIDIA GPUs through ``jaxkv.pallas.gpu.decode``).
+(``jaxkv.kernels.attention.quantized``: Pallas on TPUs and in interpret mode,
+Triton on NVIDIA GPUs through ``jaxkv.kernels.triton.decode``).
 
 Those kernels are decode kernels (one query per row, by page table), so this
 backend serves the decode loop through them, reading the call's plan
@@ -28,7 +28,7 @@ import jax.numpy as jnp
 from jaxkv.backends.base import AttentionMetadata
 from jaxkv.backends.cpu_quant import CpuQuantBackend
 from jaxkv.cache.quantized import FLOAT, DecodeParts
-from jaxkv.pallas.quantized_attention import quantized_decode_attention
+from jaxkv.kernels.attention.quantized import quantized_decode_attention
 
 
 @dataclasses.dataclass(frozen=True)

@@ -20,7 +20,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxkv.cache.quantized import FLOAT, INT2, INT4, dequantize_int2_tokens
-from jaxkv.pallas.quant import PackedRows, dequantize_rows
+from jaxkv.kernels.quant import PackedRows, dequantize_rows
 
 
 def blob_width(D: int, float_itemsize: int, page_bits: int = 2) -> int:

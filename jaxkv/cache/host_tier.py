@@ -16,8 +16,9 @@ Storage: per session one *shelf*: numpy arrays sorted by position
 older; the rows of one eviction event share it).
 Values keep the pool dtype, so a promoted row is bit-identical to the evicted one.
 
-Pinned memory: host bookkeeping is plain numpy (DESIGN.md). On an accelerator
-backend whose device exposes the ``pinned_host`` memory kind, rows handed back
+Pinned memory: host bookkeeping is plain numpy (``docs/architecture.md``, "The house
+and its invariants"). On an accelerator backend whose device exposes the
+``pinned_host`` memory kind, rows handed back
 for promotion are staged in page-locked memory first (``stage``), so the
 host-to-device copy is a DMA; on CPU (and where the kind is missing) rows go
 straight from numpy. A production tier would allocate its shelves in pinned

@@ -47,7 +47,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxkv import pallas
+from jaxkv import kernels
 from jaxkv.buckets import bucket
 from jaxkv.cache.allocator import SENTINEL_SLOT, SlotAllocator
 from jaxkv.cache.host_tier import stage
@@ -85,7 +85,7 @@ def pool_for_bytes(kv_quant, memory_bytes: int, cfg, *, float_dtype, page_share=
       the triaxial modes default to 0 (every token fits the INT4 region, and an
       INT2 plan short of pages is written INT4), so a session whose allocation
       writes INT2 wants its INT2 share here; the KIVI modes need a share (their
-      float window is 128-159 tokens a request, the rest are pages).
+      float residual is 128-159 tokens a request, the rest are pages).
 
     Admission counts the token region only (``DualAllocator.capacity``): a turn
     reserves its new tokens there, pages are extra room.
@@ -93,7 +93,7 @@ def pool_for_bytes(kv_quant, memory_bytes: int, cfg, *, float_dtype, page_share=
     from jaxkv.cache.quantized import Geometry
     from jaxkv.cache.quantized_host import KIVI_PAGE_BITS, QuantizedKV, check_mode
     from jaxkv.errors import ConfigError
-    from jaxkv.pallas.quant import PAGE
+    from jaxkv.kernels.quant import PAGE
 
     mode = check_mode(kv_quant)
     M = int(memory_bytes)
@@ -270,7 +270,7 @@ class FloatKV:
         """Copy a compact plan's kept rows to their fresh slots, keys rotated by ``plan.delta``."""
         dst = np.asarray(plan.copy_dst, np.int32)
         cache = _copy_rows(cache, np.asarray(plan.copy_src, np.int32), dst)
-        return cache.replace(k=pallas.rope_delta(cache.k, dst, np.asarray(plan.delta, np.int32), rope))
+        return cache.replace(k=kernels.rope_delta(cache.k, dst, np.asarray(plan.delta, np.int32), rope))
 
     def restore(self, cache, room, k_LMKD, v_LMKD, *, staged: bool = True):
         """Shelved rows back into fresh slots, unchanged: ``(cache, slots)``.

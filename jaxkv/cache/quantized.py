@@ -11,7 +11,7 @@ One slot address space ``[0, S)`` split by two offsets (``Geometry``):
   for ``int4`` / ``triaxial`` pools): slot ``s`` is row ``s - offF``.
 
 A token's precision is its slot's region, one comparison against the offsets
-(``Geometry.kind``). Formats are ``jaxkv.pallas.quant``'s: INT2 keys per channel
+(``Geometry.kind``). Formats are ``jaxkv.kernels.quant``'s: INT2 keys per channel
 over a page's 32 tokens, INT2 values per token, INT4 keys and values per token in
 groups of 32 channels, float16 scale and zero point beside the codes.
 
@@ -39,7 +39,7 @@ layer stores the step's tokens at their precision. Reading it is the attention
 backends' business (``jaxkv.backends.cpu_quant``: a key block at a time through
 the live lists, or by kind through ``DecodeParts``, the decode call's reading
 plan built here by the host; ``jaxkv.backends.kernel_quant``: the fused
-quantized decode kernels of ``jaxkv.pallas.quantized_attention``).
+quantized decode kernels of ``jaxkv.kernels.attention.quantized``).
 
 Invariants: page 0 is never written; a write touches only its slots and pages;
 the same bytes always dequantize to the same float32 values, so packed rows moved
@@ -56,7 +56,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import struct
 
-from jaxkv.pallas.quant import (
+from jaxkv.kernels.quant import (
     PAGE,
     Int2Pool,
     Int4Pool,

@@ -17,13 +17,13 @@ Modes (``Engine(kv_quant=...)``, ``Server(kv_quant=...)``):
   positions move to INT2 pages in groups of 32, oldest first (keys per channel,
   values per token), so a request holds 128 to 159 recent float tokens (plus at
   most one decode chunk) and everything older at 2 bits. A radix-cached prefix
-  keeps the slots the tree holds (its float window rows); the request
+  keeps the slots the tree holds (its float residual's slots); the request
   re-quantizes them the same way when they age (KIVI's rule, applied per request).
 * ``"kivi4"``: ``kivi2`` with 4-bit pages (keys per channel, values per token;
   KIVI's recommendation for GQA models). The page region keeps its INT2 token
   kind (``Geometry.kind``); ``QuantizedKV.page_bits`` is 4 and every count of
   precision (``composition``) reports those tokens as 4-bit. On NVIDIA GPUs its
-  page part runs through ``gpu.decode.masked_int2_partials`` (jnp): the Triton
+  page part runs through ``jaxkv.kernels.triton.decode.masked_int2_partials`` (jnp): the Triton
   page kernel reads 2-bit codes only.
 
 Page-completion rule: within one prefill chunk, the tokens meant for INT2 fill
@@ -70,7 +70,7 @@ from jaxkv.cache.quantized import (
 )
 from jaxkv.errors import ConfigError, OutOfSlotsError, SlotError
 from jaxkv.cache.blobs import blob_keys, decode_blobs, encode_blobs
-from jaxkv.pallas.quant import PAGE
+from jaxkv.kernels.quant import PAGE
 
 MODES = ("int4", "kivi2", "kivi4", "triaxial", "triaxial_no_temporal", "triaxial_no_semantic")
 KIVI_PAGE_BITS = {"kivi2": 2, "kivi4": 4}  # the KIVI modes: a float residual window, then pages of these bits
@@ -404,7 +404,7 @@ class QuantizedKV:
         if any(st.layer_live is not None for st in states):
             return None
         from jaxkv.cache.quantized import PAGE_BLOCK
-        from jaxkv.pallas.ragged_attention import KEY_BLOCK
+        from jaxkv.kernels.attention.ragged import KEY_BLOCK
 
         P = -(-self._positions // KEY_BLOCK) * KEY_BLOCK  # whole blocks of the decode loop
         Q = -(-(-(-P // PAGE)) // PAGE_BLOCK) * PAGE_BLOCK

@@ -4,7 +4,7 @@
 stored K/V and residuals, the row's keys with their positions, each padded to a
 bucket), runs it and records the result through the KV manager; ``key_deviation``
 is CacheBlend's per-token signal. The serving scheduler runs a spliced prefill as
-work of its own (``jaxkv.serving.pipeline.SpliceWork``), between steps.
+work of its own (``jaxkv.engine.jobs.SpliceJob``), between steps.
 
 Modes: ``"append"`` allocates slots for the plan's tokens at the row's next
 positions and records them in the row; ``"rewrite"`` recomputes tokens the row

@@ -101,7 +101,7 @@ class Server:
       prefill_chunk: the most prompt tokens of one turn an engine step takes.
       token_budget: the most tokens of one engine step (``Engine``'s default: a
         whole chunk beside a decode token of every row).
-      backend: decode-attention backend (``jaxkv.pallas``).
+      backend: decode-attention backend (``jaxkv.kernels``).
       kv_quant: None (float pool) or a quantized pool's mode
         (``jaxkv.cache.quantized_host.MODES``); every session on the server uses
         it (``jaxkv.serving.stages.quantization``).

@@ -1,4 +1,4 @@
-"""Backend resolution shared by every kernel in ``jaxkv.pallas``.
+"""Backend resolution shared by every kernel in ``jaxkv.kernels``.
 
 One rule for all kernels, so the engine can pass a single ``backend`` value through:
 
@@ -10,7 +10,7 @@ One rule for all kernels, so the engine can pass a single ``backend`` value thro
   (``pltpu.InterpretParams``); runs anywhere and simulates the DMAs, semaphores
   and memory spaces the TPU kernel uses. Outputs and scratch start as NaN, so a
   program that forgets to write its output block is caught.
-* ``"gpu"``: the Triton kernels of ``jaxkv.pallas.gpu`` through
+* ``"gpu"``: the Triton kernels of ``jaxkv.kernels.triton`` through
   ``jax_triton.triton_call``. Needs an NVIDIA GPU, a CUDA jaxlib, ``triton`` and
   ``jax-triton`` (``pip install 'jaxkv[cuda]'``); without them it raises
   ``BackendUnavailableError`` before anything is traced.
@@ -39,7 +39,7 @@ def resolve_backend(backend: str | None) -> str:
     """
     if backend not in BACKENDS:
         raise ConfigError(f"unknown backend {backend!r}; expected one of {BACKENDS}")
-    from jaxkv.pallas.gpu.launch import check_triton_call
+    from jaxkv.kernels.triton.launch import check_triton_call
 
     if backend is None:
         platform = jax.default_backend()

@@ -1,10 +1,10 @@
 """``pl.pallas_call`` keywords shared by the Pallas (TPU) kernels: the TPU interpreter,
 or Mosaic with parallel grid axes.
 
-Apart from ``_dispatch`` (which resolves backends and reaches into ``gpu/`` to check
-that Triton can launch) so that the split-K merge, which the Triton kernels of ``gpu/``
-use too, imports no backend resolution: ``gpu`` -> ``_splitk`` -> ``_dispatch`` ->
-``gpu`` was an import circle between ``jaxkv.pallas``'s parts.
+Apart from ``_dispatch`` (which resolves backends and reaches into ``triton/`` to check
+that Triton can launch) so that the split-K merge, which the Triton kernels of ``triton/``
+use too, imports no backend resolution: ``triton`` -> ``_splitk`` -> ``_dispatch`` ->
+``triton`` was an import circle between ``jaxkv.kernels``'s parts.
 """
 
 from __future__ import annotations

@@ -11,7 +11,7 @@ slots from the shared pool (token granular, any order, padded; entries at or pas
   ``q . k`` in the promoted input dtype with float32 accumulation, probabilities
   cast to the value dtype for ``p @ v`` (bf16 on bf16 pools, as flash attention
   does; exact for float32 pools).
-* GPU: the Triton kernel ``decode_float_tokens`` (``jaxkv.pallas.gpu.decode``), same
+* GPU: the Triton kernel ``decode_float_tokens`` (``jaxkv.kernels.triton.decode``), same
   partials and the same ``_splitk.merge``.
 """
 
@@ -24,8 +24,8 @@ import jax
 import jax.numpy as jnp
 
 from jaxkv.attention import decode_attention_reference
-from jaxkv.pallas import _splitk
-from jaxkv.pallas._dispatch import resolve_backend
+from jaxkv.kernels import _splitk
+from jaxkv.kernels._dispatch import resolve_backend
 
 TOKEN_BLOCK = 64
 
@@ -80,7 +80,7 @@ def decode_attention(q_BHD, k_pool_SKD, v_pool_SKD, live_idx_BN, live_len_B, *, 
       live_idx_BN: ``[B, N]`` int32 slot ids, any order; padding entries may hold anything
         in ``[0, S)`` and are never read.
       live_len_B: ``[B]`` int32, real entries of each list.
-      backend: see ``jaxkv.pallas._dispatch``; ``None`` on CPU is the reference.
+      backend: see ``jaxkv.kernels._dispatch``; ``None`` on CPU is the reference.
 
     Returns:
       ``[B, Hq, D]`` in ``q_BHD.dtype``: softmax(q k^T / sqrt(D)) v, float32 inside.
@@ -102,8 +102,8 @@ def _decode_attention(q_BHD, k_pool_SKD, v_pool_SKD, live_idx_BN, live_len_B, ba
     if backend == "reference":
         return decode_attention_reference(q_BHD, k_pool_SKD, v_pool_SKD, live_idx_BN, live_len_B)
     if backend == "gpu":
-        from jaxkv.pallas.gpu import decode as gpu_decode
-        from jaxkv.pallas.gpu.launch import triton_call
+        from jaxkv.kernels.triton import decode as gpu_decode
+        from jaxkv.kernels.triton.launch import triton_call
 
         return gpu_decode.decode_attention(q_BHD, k_pool_SKD, v_pool_SKD, live_idx_BN, live_len_B, launcher=triton_call)
     part = _splitk.split_k(

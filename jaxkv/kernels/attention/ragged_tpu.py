@@ -1,12 +1,12 @@
 """TPU ragged paged attention: the Pallas kernel (Mosaic on TPU, interpret mode anywhere).
 
-Same contract as ``jaxkv.pallas.ragged_attention`` (backends ``"tpu"`` and
+Same contract as ``jaxkv.kernels.attention.ragged`` (backends ``"tpu"`` and
 ``"interpret"``): ``T`` flat queries from ``R`` rows, each row over its own live
 list of slot ids into the pool ``[S, Hkv, D]``, causal within the step, zero at
 padding tokens. A call is two Pallas kernels and some jnp around them:
 
 1. **Query tiles** (``_tile_kernel``) for rows with two or more queries. The tile
-   list (``jaxkv.pallas._ragged_tiles.query_tiles``: ``Q`` queries of one row per
+   list (``jaxkv.kernels._ragged_tiles.query_tiles``: ``Q`` queries of one row per
    tile, ``NT = ceil(T / Q) + min(R, T // 2)`` tiles, unused ones empty) and the
    tiles' queries are gathered in jnp, laid out ``[NT, Hkv, Q*G, D]``: the ``G``
    query heads of a KV head are folded into the tile's ``M = Q*G`` dot rows (row
@@ -16,7 +16,7 @@ padding tokens. A call is two Pallas kernels and some jnp around them:
    bound read from SMEM at run time: lengths are data, not shapes). Per block it
    copies the entry ids into SMEM, starts one DMA per (entry, K/V) that gathers
    the slot's rows of every head into VMEM ``[Hkv, E, D]``, waits once per
-   operand (as ``jaxkv.pallas._splitk``), then runs one online-softmax step per
+   operand (as ``jaxkv.kernels._splitk``), then runs one online-softmax step per
    KV head: scores ``[M, E]`` in float32, the causal mask only on the blocks of
    the tile's diagonal, running max and sum lane-dense ``[M, 128]`` in VMEM
    scratch (as ``jax.experimental.pallas.ops.tpu.flash_attention``), the
@@ -25,7 +25,7 @@ padding tokens. A call is two Pallas kernels and some jnp around them:
    row owns. Unused tiles (the list's tail) all map to one spare output block and
    one query block, so they cost a grid step each but no HBM traffic.
 2. **Decode rows** (``q_len == 1``): the split-K skeleton of ``_splitk`` with the
-   float reader of ``jaxkv.pallas.decode_attention`` on the rows' single queries
+   float reader of ``jaxkv.kernels.attention.decode`` on the rows' single queries
    (``[R, Hq, D]``, other rows reading 0 entries), merged by log-sum-exp.
 3. The result: tile outputs at tiled rows' tokens, decode outputs at decode
    tokens, zero elsewhere.
@@ -50,7 +50,7 @@ Cost model: a tile's key blocks cost ``E`` DMAs of ``Hkv * D * itemsize`` bytes
 per operand; a row of ``n`` queries reads its visible entries ``ceil(n / Q)``
 times. Flops: ``4 * D`` per (query head, entry seen) plus the softmax; executed:
 ``M`` rows per tile over whole ``E``-entry blocks. The query gather and the output
-read-back move ``T * Hq * D`` elements each (``jaxkv.pallas.cost.ragged``).
+read-back move ``T * Hq * D`` elements each (``jaxkv.kernels.cost.ragged``).
 """
 
 from __future__ import annotations
@@ -63,9 +63,9 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
-from jaxkv.pallas import _ragged_tiles as tiles_mod
-from jaxkv.pallas import _splitk
-from jaxkv.pallas._options import pallas_options
+from jaxkv.kernels import _ragged_tiles as tiles_mod
+from jaxkv.kernels import _splitk
+from jaxkv.kernels._options import pallas_options
 
 MASKED = _splitk.MASKED
 LANES = _splitk.LANES
@@ -198,9 +198,9 @@ def tile_attention(q_THD, k_SKD, v_SKD, live_RN, tiles: tiles_mod.Tiles, Q: int,
 
 
 def ragged_attention(q_THD, k_SKD, v_SKD, live_RN, kv_len_R, q_start_R, q_len_R, *, interpret: bool):
-    """``jaxkv.pallas.ragged_attention`` with the Pallas kernels (module docstring):
+    """``jaxkv.kernels.attention.ragged`` with the Pallas kernels (module docstring):
     ``[T, Hq, D]`` in ``q_THD.dtype``, zero at padding tokens."""
-    from jaxkv.pallas.decode_attention import FloatTokens
+    from jaxkv.kernels.attention.decode import FloatTokens
 
     T, Hq, D = q_THD.shape
     K = k_SKD.shape[1]

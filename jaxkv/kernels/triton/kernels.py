@@ -3,7 +3,7 @@
 Every kernel takes array pointers (inputs, then outputs, in the order
 ``jax_triton.triton_call`` passes them) followed by ``tl.constexpr`` parameters
 only; shapes are constexprs, so a launch is fully described by its ``Launch``
-(``jaxkv.pallas.gpu.launch``). Every operation here is one the Triton interpreter
+(``jaxkv.kernels.triton.launch``). Every operation here is one the Triton interpreter
 implements for the dtypes used (bfloat16 only loaded, stored, converted to and from
 float32, and fed to ``tl.dot``), so the CPU tests run this exact source.
 
@@ -13,19 +13,19 @@ Decode kernels (split-K, grid ``(B, Hkv, P)``): program ``(b, h, s)`` loads the
 ``[s*SPLIT, (s+1)*SPLIT)`` of request ``b`` in blocks, gathers K/V rows by slot id
 (pointer gathers; rows past ``len`` are masked loads that read nothing) and runs
 the online softmax of ``_online_softmax``. It stores the partials of
-``jaxkv.pallas._splitk.Partials`` (``acc [B, P, Hq, D]``, ``m``, ``l``), which the
+``jaxkv.kernels._splitk.Partials`` (``acc [B, P, Hq, D]``, ``m``, ``l``), which the
 shared log-sum-exp ``merge`` combines. Dots run in the query dtype (bf16 tensor
 cores on bf16 models, IEEE fp32 on fp32 ones) with fp32 accumulation; softmax
 state is fp32.
 
 * ``decode_float_tokens``: float K/V pools ``[S, Hkv, D]``.
-* ``decode_int4_tokens``: INT4 per-token K and V (``jaxkv.pallas.quant`` layout),
+* ``decode_int4_tokens``: INT4 per-token K and V (``jaxkv.kernels.quant`` layout),
   dequantized to a tile in registers: code of channel ``c`` is bit-plane
   ``c // R`` of byte ``c % R`` (``R = D * bits / 8``), group ``c // 32``.
 * ``decode_int2_pages``: INT2 pages (per-channel keys, per-token values), two
   pages of 32 tokens per step.
 * ``ragged_query_tiles`` (grid ``(tiles, Hkv)``, not split-K): the query tiles of a
-  ragged step (``jaxkv.pallas.gpu.ragged``). Program ``(t, h)`` reads its tile's
+  ragged step (``jaxkv.kernels.triton.ragged``). Program ``(t, h)`` reads its tile's
   ``(row, start, count, before)`` and loads ``M`` dot rows: row ``i`` is query
   ``i // G`` of the tile at query head ``h*G + i % G``, so the ``G`` heads of KV
   head ``h`` share each key block. It walks entries ``[0, before + count)`` of its
@@ -38,7 +38,7 @@ state is fp32.
   place (the pool is aliased to the output).
 * ``quantize_int4_rows``: quantize float rows to INT4 per token and write them at
   a list of slots of an ``Int4Pool`` buffer triple, in place; bit-identical to
-  ``jaxkv.pallas.quant.quantize_rows`` (directed float16 rounding of scale and
+  ``jaxkv.kernels.quant.quantize_rows`` (directed float16 rounding of scale and
   zero, the range times the float32 reciprocal of 15, IEEE division
   ``(x - zero) / scale``, round-half-even codes).
 """
@@ -320,7 +320,7 @@ def _tile_step(q, keys, values, e, sees, m, l, acc, SCALE: tl.constexpr, CAUSAL:
 def ragged_query_tiles(tile_ptr, live_ptr, q_ptr, k_ptr, v_ptr, out_ptr,
                        N: tl.constexpr, K: tl.constexpr, G: tl.constexpr, D: tl.constexpr, DP: tl.constexpr,
                        M: tl.constexpr, BLOCK: tl.constexpr, SCALE: tl.constexpr):  # fmt: skip
-    """Program ``(t, h)``: query tile ``t`` (``jaxkv.pallas._ragged_tiles``), KV head ``h``.
+    """Program ``(t, h)``: query tile ``t`` (``jaxkv.kernels._ragged_tiles``), KV head ``h``.
 
     Dot row ``i`` is query ``i // G`` of the tile, query head ``h*G + i % G``: the
     ``G`` heads sharing KV head ``h`` ride in one ``[M, DP]`` tile, so each key block

@@ -7,9 +7,9 @@ follow the inputs, as ``jax_triton.triton_call`` passes them), the constexprs
 input-to-output aliases of in-place kernels. Three consumers read the same object:
 
 * ``triton_call`` (here): ``jax_triton.triton_call`` on an NVIDIA GPU, under jit;
-* ``jaxkv.pallas.gpu.interpret.interpret_call``: the Triton interpreter on torch CPU
+* ``jaxkv.kernels.triton.interpret.interpret_call``: the Triton interpreter on torch CPU
   tensors (the tests), also under jit through ``jax.pure_callback``;
-* ``jaxkv.pallas.gpu.aot``: ``triton.compile(ASTSource(kernel, launch.signature(),
+* ``jaxkv.kernels.triton.aot``: ``triton.compile(ASTSource(kernel, launch.signature(),
   constexprs, launch.attrs()))`` for sm_80 / sm_90, no GPU needed.
 
 A *launcher* is any ``(launch, *arrays) -> tuple of outputs``; the glue modules
@@ -59,7 +59,7 @@ class Launch:
     """One Triton kernel launch (see the module docstring).
 
     Attributes:
-      kernel: the ``@triton.jit`` function of ``jaxkv.pallas.gpu.kernels``.
+      kernel: the ``@triton.jit`` function of ``jaxkv.kernels.triton.kernels``.
       grid: programs per grid axis (1 to 3 axes).
       inputs: abstract input arrays, in argument order.
       outputs: abstract outputs; their pointers follow the inputs.

@@ -20,7 +20,7 @@ Kernels: on TPU and in interpret mode the Pallas kernel below, grid
 ``(L, M / 64)``: a program copies its 64 slot ids into SMEM, gathers the 64 rows
 ``[Hkv, D]`` of its layer by DMA into VMEM, rotates them in float32 and writes them
 back by DMA (all gathers finish before any write starts). On NVIDIA GPUs the
-Triton kernel of ``jaxkv.pallas.gpu.rope`` does the same with pointer gathers. The
+Triton kernel of ``jaxkv.kernels.triton.rope`` does the same with pointer gathers. The
 slot list is padded to a multiple of 64 by repeating its last entry: the copies sit
 in the same block as the original, read the same old row and write the same new
 row, so the padding is harmless.
@@ -40,8 +40,8 @@ from jax.experimental.pallas import tpu as pltpu
 
 from jaxkv.config import RopeConfig
 from jaxkv.rope import apply_rope, inv_frequencies
-from jaxkv.pallas._dispatch import resolve_backend
-from jaxkv.pallas._options import pallas_options
+from jaxkv.kernels._dispatch import resolve_backend
+from jaxkv.kernels._options import pallas_options
 
 SLOT_BLOCK = 64
 
@@ -119,7 +119,7 @@ def rope_delta(k_pool, slots_M, delta_M, rope: RopeConfig, *, backend=None):
       slots_M: ``[M]`` int32 distinct slot ids (S axis).
       delta_M: ``[M]`` int32 position deltas ``p_new - p_old`` (any sign).
       rope: the model's ``RopeConfig`` (static).
-      backend: see ``jaxkv.pallas._dispatch``.
+      backend: see ``jaxkv.kernels._dispatch``.
 
     Returns:
       The pool with those rows rotated, same shape and dtype.
@@ -144,8 +144,8 @@ def rope_delta(k_pool, slots_M, delta_M, rope: RopeConfig, *, backend=None):
     elif backend == "reference":
         out = rope_delta_reference(pool, slots_M, delta_M, rope)
     elif backend == "gpu":
-        from jaxkv.pallas.gpu import rope as gpu_rope
-        from jaxkv.pallas.gpu.launch import triton_call
+        from jaxkv.kernels.triton import rope as gpu_rope
+        from jaxkv.kernels.triton.launch import triton_call
 
         out = gpu_rope.rope_delta(pool, slots_M, delta_M, rope, launcher=triton_call)
     else:

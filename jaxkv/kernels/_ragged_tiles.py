@@ -1,6 +1,6 @@
 """Query tiles of a ragged step: the work list the GPU and TPU ragged kernels share.
 
-A ragged step (``jaxkv.pallas.ragged_attention``) is ``T`` flat query tokens from
+A ragged step (``jaxkv.kernels.attention.ragged``) is ``T`` flat query tokens from
 ``R`` rows; row ``r`` owns tokens ``[q_start_R[r], q_start_R[r] + q_len_R[r])`` and
 its query ``j`` sees its live-list entries ``[0, kv_len_R[r] - q_len_R[r] + j + 1)``.
 The kernels split the work in two:
@@ -17,7 +17,7 @@ The kernels split the work in two:
   *unused*: ``count = 0`` and every other field 0, so a kernel that runs one
   reads no entry and stores nothing.
 * **Decode rows** (``q_len == 1``) take the split-K decode kernels
-  (``jaxkv.pallas._splitk``): one query's ``G`` heads is a 16-row dot on a GPU,
+  (``jaxkv.kernels._splitk``): one query's ``G`` heads is a 16-row dot on a GPU,
   not a tile of ``Q`` queries, and a long row is cut into splits so that a step
   with few rows still fills the device. ``decode_lengths`` gives those kernels
   their per-row lengths (0 for every other row: its splits are empty and merge to
@@ -30,7 +30,7 @@ Invariants (the engine's, checked by the tests, not at run time): rows own
 disjoint token ranges inside ``[0, T)``, and ``q_len <= kv_len <= N``.
 
 Tile shapes per backend live here too (``gpu_tile``, ``tpu_tile``), so the cost
-model (``jaxkv.pallas.cost``) and the launch code read one table without
+model (``jaxkv.kernels.cost``) and the launch code read one table without
 importing triton.
 """
 
@@ -136,7 +136,7 @@ class TileShape(NamedTuple):
 
 
 def gpu_tile(group: int, head_dim: int, itemsize: int) -> TileShape:
-    """The Triton tile (``jaxkv.pallas.gpu.ragged``), 8 warps everywhere:
+    """The Triton tile (``jaxkv.kernels.triton.ragged``), 8 warps everywhere:
 
     * 16-bit dots (tensor cores), head dim <= 128: 128 dot rows over key blocks of
       64 entries (FlashAttention-2's forward tile);
@@ -145,7 +145,7 @@ def gpu_tile(group: int, head_dim: int, itemsize: int) -> TileShape:
       tiles spill registers on sm_90 (64 x 32: ~1.4 KB per thread).
 
     Every shape here compiles for sm_80 and sm_90 without register spills
-    (``python -m jaxkv.pallas.gpu.aot``). ``queries = rows // group``: a tile of a
+    (``python -m jaxkv.kernels.triton.aot``). ``queries = rows // group``: a tile of a
     GQA group that does not divide ``rows`` leaves ``rows % group`` rows idle.
     """
     if itemsize <= 2:
@@ -161,7 +161,7 @@ TPU_KEY_BLOCK = 128  # entries per key block on TPU: one lane-width of scores
 
 
 def tpu_tile(group: int) -> TileShape:
-    """The Pallas tile (``jaxkv.pallas.ragged_tpu``): at most 128 dot rows (the MXU
+    """The Pallas tile (``jaxkv.kernels.attention.ragged_tpu``): at most 128 dot rows (the MXU
     height) and at least one step, in a multiple of 16 (a bf16 vreg's sublanes),
     over 128-entry key blocks (one lane-width of scores): ``Q`` the largest multiple
     of ``16 / gcd(G, 16)`` with ``Q * G <= 128``."""

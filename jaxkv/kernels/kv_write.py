@@ -7,8 +7,8 @@ slots of an INT4 pool buffer (TriAxialKV's decode-generated tokens are INT4).
 ``rows`` with those slots replaced by ``quantize_int4(x_TKD)``; every other slot is
 unchanged. ``rows`` is donated, so the write is in place.
 
-Backends (``jaxkv.pallas._dispatch``): ``"gpu"`` runs the Triton kernel of
-``jaxkv.pallas.gpu.quant_write`` (bit-identical to the reference); every other
+Backends (``jaxkv.kernels._dispatch``): ``"gpu"`` runs the Triton kernel of
+``jaxkv.kernels.triton.quant_write`` (bit-identical to the reference); every other
 backend runs the reference, a quantize then one XLA scatter per buffer (there is
 no Pallas kernel: on TPU a row scatter is what XLA already does well). The engine
 integration comes with the TriAxialKV issue.
@@ -21,8 +21,8 @@ import functools
 import jax
 import jax.numpy as jnp
 
-from jaxkv.pallas._dispatch import resolve_backend
-from jaxkv.pallas.quant import PackedRows, check_head_dim, quantize_rows
+from jaxkv.kernels._dispatch import resolve_backend
+from jaxkv.kernels.quant import PackedRows, check_head_dim, quantize_rows
 
 
 def write_int4_rows_reference(rows: PackedRows, slots_T, x_TKD) -> PackedRows:
@@ -47,8 +47,8 @@ def write_int4_rows(rows: PackedRows, slots_T, x_TKD, *, backend=None) -> Packed
     if not jnp.issubdtype(x_TKD.dtype, jnp.floating):
         raise TypeError(f"x must be floating, got {x_TKD.dtype}")
     if resolve_backend(backend) == "gpu":
-        from jaxkv.pallas.gpu import quant_write
-        from jaxkv.pallas.gpu.launch import triton_call
+        from jaxkv.kernels.triton import quant_write
+        from jaxkv.kernels.triton.launch import triton_call
 
         return quant_write.write_int4_rows(rows, slots_T, x_TKD, launcher=triton_call)
     return write_int4_rows_reference(rows, slots_T, x_TKD)

@@ -8,7 +8,7 @@
 * ``decode_problem``: a float pool, queries and live lists for a mixed batch.
 * ``decode_codes_np`` / ``mixed_quantized_problem`` / ``quantized_attention_f64``:
   INT2/INT4 pools from random data and a float64 oracle that decodes the packed
-  bytes with numpy, from the layout documented in ``jaxkv.pallas.quant`` (not with
+  bytes with numpy, from the layout documented in ``jaxkv.kernels.quant`` (not with
   jaxkv's own dequantizers).
 * ``masked_float_problem``: the optional parts of the engine's dual pool (INT2
   pages with per-request token masks, a float part) and their float64 oracle.
@@ -101,7 +101,7 @@ def decode_f64(q_BHD, k_pool_SKD, v_pool_SKD, live_idx_BN, live_len_B) -> list[n
 
 
 def decode_codes_np(data, bits):
-    """Codes from packed bytes, written from ``jaxkv.pallas.quant``'s documented layout."""
+    """Codes from packed bytes, written from ``jaxkv.kernels.quant``'s documented layout."""
     data = np.asarray(data).astype(np.int64)
     per, R = 8 // bits, data.shape[-1]
     out = np.zeros(data.shape[:-1] + (R * per,), np.int64)
@@ -116,7 +116,7 @@ def mixed_quantized_problem(seed, K, G, D, pages, tokens, qdtype, page_bits=2):
 
     Returns the positional arguments of ``quantized_decode_attention``.
     """
-    from jaxkv.pallas.quant import quantize_int2_pool, quantize_int4_pool
+    from jaxkv.kernels.quant import quantize_int2_pool, quantize_int4_pool
 
     rng = np.random.default_rng(seed)
     P2, S4 = max(pages) + 8, max(tokens) + 40
@@ -162,7 +162,7 @@ def masked_float_problem(seed, K=2, G=2, D=64, page_bits=2):
     with masked INT2 pages (a partly kept page, a page keeping one token, a page
     kept whole) and a float part; ``want[b]`` is the float64 attention over the
     kept INT2 tokens, the INT4 tokens and the float tokens of request ``b``."""
-    from jaxkv.pallas.quant import dequantize_int2_keys, dequantize_rows, quantize_int2_pool, quantize_int4_pool
+    from jaxkv.kernels.quant import dequantize_int2_keys, dequantize_rows, quantize_int2_pool, quantize_int4_pool
 
     rng = np.random.default_rng(seed)
     kv = lambda n: rng.standard_normal((n, K, D)).astype(np.float32)
@@ -201,7 +201,7 @@ def int4_write_problem(seed, T, K, D, S, dtype):
     """``(rows, slots [T], x [T, K, D])``: an INT4 ``PackedRows`` of ``S`` slots, ``T``
     distinct slots >= 1, and new rows of varied scale and offset per (row, head), the
     first group of row 0 head 0 constant (its scale must come out 0)."""
-    from jaxkv.pallas.quant import quantize_int4
+    from jaxkv.kernels.quant import quantize_int4
 
     rng = np.random.default_rng(seed)
     x = rng.standard_normal((T, K, D)) * rng.uniform(0.01, 8, (T, K, 1)) + rng.uniform(-5, 5, (T, K, 1))
@@ -213,7 +213,7 @@ def int4_write_problem(seed, T, K, D, S, dtype):
 
 def int4_fit_np(x_TKD) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """``(codes uint8 [T, K, D], scale f16 [T, K, D/32], zero f16 [T, K, D/32])`` of
-    ``jaxkv.pallas.quant``'s per-token INT4 rule, computed in numpy float32: zero is the
+    ``jaxkv.kernels.quant``'s per-token INT4 rule, computed in numpy float32: zero is the
     group minimum rounded down to float16, scale ``(max - zero) * float32(1/15)`` rounded
     up, codes ``round_half_even((x - zero) / scale)`` with an IEEE division. Bit for bit
     what ``quantize_rows(x, 4)`` and the Triton write kernel must produce."""
@@ -235,7 +235,7 @@ def int4_fit_np(x_TKD) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
 
 
 def ragged_problem(seed, K, G, D, dtype, rows, *, pad: int = 0, width: int | None = None, shuffle_rows: bool = True):
-    """A ragged step (``jaxkv.pallas.ragged_attention``'s arguments) from random data.
+    """A ragged step (``jaxkv.kernels.attention.ragged``'s arguments) from random data.
 
     ``rows``: ``(q_len, kv_len)`` per row (``q_len 0``: the row is not in the step;
     ``q_len 1``: a decode row). Flat tokens: the rows' chunks in a random order

@@ -1,7 +1,7 @@
 """Split-K (flash-decoding) decode attention: the partials layout, the merge, and
 the Pallas skeleton that TPU (Mosaic) and interpret mode run.
 
-**Partials** (shared with the Triton kernels of ``jaxkv.pallas.gpu``): a request's
+**Partials** (shared with the Triton kernels of ``jaxkv.kernels.triton``): a request's
 entries (tokens, or INT2 pages of 32 tokens) are listed in ``idx_BN`` with a length
 ``len_B`` and cut into ``P`` splits of ``split`` entries. Each split leaves its
 unnormalised accumulator ``acc [B, P, Hq, D]``, running max ``m [B, P, Hq]`` and
@@ -55,7 +55,7 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
-from jaxkv.pallas._options import pallas_options
+from jaxkv.kernels._options import pallas_options
 
 MASKED = -1e30
 LANES = 128  # lane width of a TPU vector register: running stats are stored lane-dense

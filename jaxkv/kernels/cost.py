@@ -3,7 +3,7 @@
 Counts are what a call *must* move (compulsory traffic) and the arithmetic the
 algorithm needs, independent of backend; ``eval/bench/kernels.py`` divides the same
 byte counts by measured time to get achieved bandwidth, and
-``python -m jaxkv.pallas.gpu.aot`` prints them next to the AOT table.
+``python -m jaxkv.kernels.triton.aot`` prints them next to the AOT table.
 
 Bytes per call (``B`` requests, ``Hq``/``Hkv`` heads, head dim ``D``, pool dtype of
 ``e`` bytes, ``n`` live entries per request):
@@ -51,8 +51,8 @@ import dataclasses
 import math
 from typing import Sequence
 
-from jaxkv.pallas._ragged_tiles import TileShape, gpu_tile
-from jaxkv.pallas._splitk import gpu_splits
+from jaxkv.kernels._ragged_tiles import TileShape, gpu_tile
+from jaxkv.kernels._splitk import gpu_splits
 
 GROUP = 32
 PAGE = 32

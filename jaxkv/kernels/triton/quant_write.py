@@ -4,7 +4,7 @@
 rows ``[T, Hkv, D]`` to INT4 per token and writes their codes, scales and zeros at
 ``slots_T`` of an INT4 ``PackedRows`` (``[S, Hkv, D/2]`` uint8, ``[S, Hkv, D/32]``
 float16 twice), in place: the three buffers are aliased to the outputs, and no
-other slot is written. Bit-identical to ``jaxkv.pallas.quant.quantize_rows``.
+other slot is written. Bit-identical to ``jaxkv.kernels.quant.quantize_rows``.
 
 Launch: grid ``(ceil(T / ROW_BLOCK), Hkv)``, ``ROW_BLOCK = 32`` rows of one head per
 program, each row handled as its two bit-planes (channels ``[0, D/2)`` and
@@ -19,10 +19,10 @@ import math
 import jax
 import jax.numpy as jnp
 
-from jaxkv.pallas.gpu import kernels
-from jaxkv.pallas.gpu.decode import check_quantized_head_dim
-from jaxkv.pallas.gpu.launch import Launch, Launcher, abstract
-from jaxkv.pallas.quant import PackedRows
+from jaxkv.kernels.triton import kernels
+from jaxkv.kernels.triton.decode import check_quantized_head_dim
+from jaxkv.kernels.triton.launch import Launch, Launcher, abstract
+from jaxkv.kernels.quant import PackedRows
 
 ROW_BLOCK = 32
 NUM_WARPS = 4

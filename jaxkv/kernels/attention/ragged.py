@@ -11,10 +11,10 @@ itself (causal). A prefill chunk, a decode token and a mixed step are the same
 call; lengths are data, so one program serves every mix of lengths that fits the
 step's token bucket. Flat tokens no row owns are padding: their output is zero.
 
-``ragged_attention`` dispatches (``jaxkv.pallas._dispatch``): the CPU runs
+``ragged_attention`` dispatches (``jaxkv.kernels._dispatch``): the CPU runs
 ``ragged_attention_blocked`` below, the GPU the Triton kernel of
-``jaxkv.pallas.gpu.ragged``, the TPU (and ``"interpret"``) the Pallas kernel of
-``jaxkv.pallas.ragged_tpu``; ``"reference"`` is ``jaxkv.attention.
+``jaxkv.kernels.triton.ragged``, the TPU (and ``"interpret"``) the Pallas kernel of
+``jaxkv.kernels.attention.ragged_tpu``; ``"reference"`` is ``jaxkv.attention.
 ragged_attention_reference``, the dense masked softmax every backend is tested
 against.
 
@@ -33,8 +33,9 @@ time, so the cost follows the live length and no length is a shape.
   so each key block is read once for the ``G`` heads that share it. Key blocks
   every query of the tile fully sees run without a mask; the last few (the
   tile's own diagonal) run masked.
-* **Decode rows** (one query) are one batched section: every such row at once,
-  block by block up to the longest of them.
+* **The decode section** (``decode_section_attention``): the rows with one query
+  run as one batch, every such row at once, block by block up to the longest of
+  them. A decode step (one token per row) is this section alone.
 * **Readers.** What a key block is made of is the reader's business: the float
   pool gathers rows by slot id (``PoolReader``); a quantized pool gathers packed
   codes and dequantizes the block (``jaxkv.cache.quantized``). A step never
@@ -64,7 +65,7 @@ import jax.numpy as jnp
 from flax import struct
 from jax import lax
 
-from jaxkv.pallas._dispatch import resolve_backend
+from jaxkv.kernels._dispatch import resolve_backend
 
 MASKED = -1e30
 
@@ -247,7 +248,7 @@ def _tiles(q_pad, out, mass, reader, kv_len_R, q_start_R, q_len_R, first_R, n_R,
     return lax.fori_loop(0, total, one, (out, mass))
 
 
-def decode_rows_attention(reader, q_RHD, kv_len_R, active_R, E: int = KEY_BLOCK, *, return_mass: bool = False, width: int | None = None):
+def decode_section_attention(reader, q_RHD, kv_len_R, active_R, E: int = KEY_BLOCK, *, return_mass: bool = False, width: int | None = None):
     """One query per row for every row at once (``active_R`` false: skipped),
     query ``r`` seeing its row's entries ``[0, kv_len_R[r])``, block by block up
     to the longest active row. Returns ``[R, Hq, D]`` float32 (zero where
@@ -310,7 +311,7 @@ def ragged_attention_blocked(q_THD, reader, kv_len_R, q_start_R, q_len_R, *, ret
     out, mass = _tiles(q_pad, out, mass, reader, kv_len_R, q_start_R, q_len_R, n_big * big, n_small, small, block)
     decode = q_len_R == 1
     at_R = jnp.where(decode, q_start_R, T + pad)  # out of range: dropped
-    o = decode_rows_attention(reader, jnp.take(q_THD, jnp.minimum(at_R, T - 1), axis=0), kv_len_R, decode, block, return_mass=return_mass, width=width)
+    o = decode_section_attention(reader, jnp.take(q_THD, jnp.minimum(at_R, T - 1), axis=0), kv_len_R, decode, block, return_mass=return_mass, width=width)
     if return_mass:
         o, decode_mass = o
         mass = mass + decode_mass
@@ -362,7 +363,7 @@ def ragged_attention(q_THD, k_SKD, v_SKD, live_RN, kv_len_R, q_start_R, q_len_R,
         the step's new slots included.
       kv_len_R: ``[R]`` entries of each list that count.
       q_start_R, q_len_R: ``[R]`` each row's flat query tokens.
-      backend: ``jaxkv.pallas._dispatch`` (None: reference-free default per platform;
+      backend: ``jaxkv.kernels._dispatch`` (None: reference-free default per platform;
         the CPU runs the blocked XLA implementation).
 
     Returns:
@@ -388,11 +389,11 @@ def _ragged_attention(q_THD, k_SKD, v_SKD, live_RN, kv_len_R, q_start_R, q_len_R
     if backend == "blocked":
         return ragged_attention_blocked(q_THD, PoolReader(k_SKD, v_SKD, pad_lists(live_RN)), kv_len_R, q_start_R, q_len_R)
     if backend == "gpu":
-        from jaxkv.pallas.gpu import ragged as gpu_ragged
-        from jaxkv.pallas.gpu.launch import triton_call
+        from jaxkv.kernels.triton import ragged as gpu_ragged
+        from jaxkv.kernels.triton.launch import triton_call
 
         return gpu_ragged.ragged_attention(q_THD, k_SKD, v_SKD, live_RN, kv_len_R, q_start_R, q_len_R, launcher=triton_call)
-    from jaxkv.pallas import ragged_tpu
+    from jaxkv.kernels.attention import ragged_tpu
 
     return ragged_tpu.ragged_attention(q_THD, k_SKD, v_SKD, live_RN, kv_len_R, q_start_R, q_len_R, interpret=backend == "interpret")
 
@@ -403,7 +404,7 @@ __all__ = [
     "SMALL_TILE",
     "PoolReader",
     "window_decode_attention",
-    "decode_rows_attention",
+    "decode_section_attention",
     "pad_lists",
     "ragged_attention",
     "ragged_attention_blocked",

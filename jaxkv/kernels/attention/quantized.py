@@ -3,7 +3,7 @@
 A request's KV entries are its INT2 pages first (``int2_pages_BP``, ``int2_num_pages_B``
 pages of 32 tokens, in an ``Int2Pool``) then its INT4 tokens (``int4_idx_BN``,
 ``int4_len_B`` slots of an ``Int4Pool``); formats and packing are in
-``jaxkv.pallas.quant``. Attention is over all of them; the result does not depend
+``jaxkv.kernels.quant``. Attention is over all of them; the result does not depend
 on the order.
 
 Kernels: on TPU and in interpret mode the Pallas split-K skeleton of ``_splitk``
@@ -23,7 +23,7 @@ Dequantization is folded into the dots instead of materialising float K/V:
 
 INT2 pages are read one page (32 tokens) per step, INT4 tokens 64 per step. On
 NVIDIA GPUs the Triton kernels ``decode_int4_tokens`` and ``decode_int2_pages``
-(``jaxkv.pallas.gpu.decode``) produce the same partials for the same merge. The
+(``jaxkv.kernels.triton.decode``) produce the same partials for the same merge. The
 reference dequantizes the gathered entries to float32 and calls
 ``decode_attention_rows``.
 
@@ -37,7 +37,7 @@ Two optional parts serve the engine's dual pool (``jaxkv.cache.quantized``):
   of operands gathered per listed page (``masked_page_operands``: a copy of the
   listed INT2 pages plus keep flags, so the split-K skeleton is unchanged); the
   GPU path computes the masked INT2 part with the jnp partials of
-  ``gpu.decode.masked_int2_partials`` (the Triton INT2 kernel reads no mask yet).
+  ``triton.decode.masked_int2_partials`` (the Triton INT2 kernel reads no mask yet).
 * ``float_pool`` / ``float_idx_BN`` / ``float_len_B``: a third, full-precision
   part (KIVI's residual window of recent tokens), read by the float reader of
   ``decode_attention`` (Triton float kernel on GPU) and merged by the same
@@ -53,10 +53,10 @@ import jax
 import jax.numpy as jnp
 
 from jaxkv.attention import decode_attention_rows
-from jaxkv.pallas import _splitk
-from jaxkv.pallas._dispatch import resolve_backend
-from jaxkv.pallas.decode_attention import TOKEN_BLOCK, FloatTokens, check_decode_inputs
-from jaxkv.pallas.quant import PAGE, Int2Pool, Int4Pool, dequantize_int2_keys, dequantize_rows, plane_chunks
+from jaxkv.kernels import _splitk
+from jaxkv.kernels._dispatch import resolve_backend
+from jaxkv.kernels.attention.decode import TOKEN_BLOCK, FloatTokens, check_decode_inputs
+from jaxkv.kernels.quant import PAGE, Int2Pool, Int4Pool, dequantize_int2_keys, dequantize_rows, plane_chunks
 
 
 def _codes(data, chunk, bits):
@@ -245,7 +245,7 @@ def quantized_decode_attention(
         is read (default: all 32); a listed page keeps at least one bit.
       float_pool: optional ``(k [SF, Hkv, D], v [SF, Hkv, D])`` full-precision
         rows, read at ``float_idx_BN [B, NF]`` (``float_len_B [B]`` real).
-      backend: see ``jaxkv.pallas._dispatch``.
+      backend: see ``jaxkv.kernels._dispatch``.
 
     Returns:
       ``[B, Hq, D]`` in ``q_BHD.dtype``, float32 inside.
@@ -280,8 +280,8 @@ def _quantized_decode_attention(
             int2_mask_BP, float_pool, float_idx_BN, float_len_B,
         )
     if backend == "gpu":
-        from jaxkv.pallas.gpu import decode as gpu_decode
-        from jaxkv.pallas.gpu.launch import triton_call
+        from jaxkv.kernels.triton import decode as gpu_decode
+        from jaxkv.kernels.triton.launch import triton_call
 
         return gpu_decode.quantized_decode_attention(
             *args, int2_mask_BP=int2_mask_BP, float_pool=float_pool, float_idx_BN=float_idx_BN, float_len_B=float_len_B,

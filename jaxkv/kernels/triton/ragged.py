@@ -1,13 +1,13 @@
 """GPU ragged paged attention: launch descriptions and glue of the Triton kernels.
 
-Same contract as ``jaxkv.pallas.ragged_attention`` (whose dispatch calls
+Same contract as ``jaxkv.kernels.attention.ragged`` (whose dispatch calls
 ``ragged_attention`` here with ``launcher=launch.triton_call``; the CPU tests pass
 ``interpret.interpret_call``): ``T`` flat queries from ``R`` rows, each row over its
 own live list of slot ids into the pool, causal within the step, padding tokens
 zero. A call is two launches and a little jnp:
 
 1. **Query tiles** (``kernels.ragged_query_tiles``) for the rows with two or more
-   queries. The tile list (``jaxkv.pallas._ragged_tiles.query_tiles``, heaviest
+   queries. The tile list (``jaxkv.kernels._ragged_tiles.query_tiles``, heaviest
    tiles first) is computed in jnp from the step's metadata; grid ``(NT, Hkv)``
    with ``NT = ceil(T / Q) + min(R, T // 2)`` tiles, so only ``T`` and ``R`` reach
    the shape. Program ``(t, h)`` folds the ``G`` query heads of KV head ``h`` into
@@ -17,7 +17,7 @@ zero. A call is two launches and a little jnp:
    diagonal blocks, and writes its queries' outputs in place in the flat
    ``[T, Hq, D]`` output. Unused tiles write nothing.
 2. **Decode rows** (``q_len == 1``) through the split-K decode kernel
-   ``kernels.decode_float_tokens`` (``jaxkv.pallas.gpu.decode``): each row's query
+   ``kernels.decode_float_tokens`` (``jaxkv.kernels.triton.decode``): each row's query
    gathered into ``[R, Hq, D]``, the ``G`` heads padded to 16 dot rows (not to a
    tile of ``M``), long rows cut into splits so that a step with few rows still
    fills the GPU, splits merged by log-sum-exp (``_splitk.merge``). Other rows
@@ -40,13 +40,13 @@ head (tiles partition each tiled row); rows own disjoint token ranges; entries a
 or past a tile's last visible entry are never loaded (masked loads), so a list's
 tail past ``kv_len`` may hold any slot id and the pool any value there.
 
-Cost model (``jaxkv.pallas.cost.ragged``): flops ``4 * D`` per (query head, entry
+Cost model (``jaxkv.kernels.cost.ragged``): flops ``4 * D`` per (query head, entry
 it sees) plus ~5 for the softmax; the tiles execute ``M`` rows per tile over
 whole key blocks (the diagonal's masked half and padded rows included). Bytes: a
 tile reads its row's visible entries ``2 * Hkv * D * itemsize`` each, so a row of
 ``n`` queries in ``ceil(n / Q)`` tiles reads its list that many times (L2 serves
 most re-reads of a prefill chunk's list), plus queries, outputs and ``4`` bytes
-per id; decode rows as ``jaxkv.pallas.gpu.decode``.
+per id; decode rows as ``jaxkv.kernels.triton.decode``.
 """
 
 from __future__ import annotations
@@ -56,11 +56,11 @@ import math
 import jax
 import jax.numpy as jnp
 
-from jaxkv.pallas import _ragged_tiles as tiles_mod
-from jaxkv.pallas._splitk import Partials, merge
-from jaxkv.pallas.gpu import decode, kernels
-from jaxkv.pallas.gpu.decode import next_pow2, token_block
-from jaxkv.pallas.gpu.launch import Launch, Launcher, abstract
+from jaxkv.kernels import _ragged_tiles as tiles_mod
+from jaxkv.kernels._splitk import Partials, merge
+from jaxkv.kernels.triton import decode, kernels
+from jaxkv.kernels.triton.decode import next_pow2, token_block
+from jaxkv.kernels.triton.launch import Launch, Launcher, abstract
 
 NUM_STAGES = 2
 
@@ -93,7 +93,7 @@ def tile_launch(q_THD, k_SKD, live_RN) -> Launch:
 def decode_launch(q_THD, k_SKD, live_RN) -> Launch:
     """Launch of ``kernels.decode_float_tokens`` for the step's decode rows: one query
     per row, ``[R, Hq, D]``, over ``live_RN``; the same launch
-    ``jaxkv.pallas.gpu.decode`` makes for ``R`` requests."""
+    ``jaxkv.kernels.triton.decode`` makes for ``R`` requests."""
     q_RHD = jax.ShapeDtypeStruct((live_RN.shape[0],) + q_THD.shape[1:], q_THD.dtype)
     return decode.decode_launch(kernels.decode_float_tokens, q_RHD, (k_SKD, k_SKD), live_RN, block=token_block(q_THD.dtype))
 
@@ -105,7 +105,7 @@ def tile_queries(q_THD, k_SKD) -> int:
 
 
 def ragged_attention(q_THD, k_SKD, v_SKD, live_RN, kv_len_R, q_start_R, q_len_R, *, launcher: Launcher):
-    """``jaxkv.pallas.ragged_attention`` on a float pool with the Triton kernels
+    """``jaxkv.kernels.attention.ragged`` on a float pool with the Triton kernels
     (module docstring): ``[T, Hq, D]`` in ``q_THD.dtype``, zero at padding tokens."""
     T = q_THD.shape[0]
     q = q_THD.astype(jnp.promote_types(q_THD.dtype, k_SKD.dtype))

@@ -1,10 +1,10 @@
 """GPU decode attention (float and INT2/INT4 pools): launch descriptions and glue.
 
-Same contracts as ``jaxkv.pallas.decode_attention`` and
-``jaxkv.pallas.quantized_decode_attention`` (whose dispatch calls these with
+Same contracts as ``jaxkv.kernels.attention.decode`` and
+``jaxkv.kernels.quantized_decode_attention`` (whose dispatch calls these with
 ``launcher=launch.triton_call``; the CPU tests pass ``interpret.interpret_call``).
 The kernels are in ``kernels``; each call is one ``Launch`` per part plus the
-shared log-sum-exp ``merge`` of ``jaxkv.pallas._splitk``.
+shared log-sum-exp ``merge`` of ``jaxkv.kernels._splitk``.
 
 Production launch parameters (``aot`` compiles them for sm_80 and sm_90 and the
 tests require zero register spills):
@@ -24,7 +24,7 @@ Cost model (bytes per call, the decode is memory bound): float ``B * N_live * Hk
 * D * 2 * itemsize`` for K and V, INT4 ``B * N_live * Hkv * 2 * (D/2 + 4 D/32)``,
 INT2 pages ``B * pages * Hkv * (2 * 32 * D/4 + 4 D + 4 * 32 * D/32)``, plus
 ``4 * B * N`` of ids, the queries and the partials ``B * P * Hq * (D + 2) * 4``
-written and read by the merge. ``jaxkv.pallas.gpu.cost`` evaluates these.
+written and read by the merge. ``jaxkv.kernels.cost`` evaluates these.
 """
 
 from __future__ import annotations
@@ -35,9 +35,9 @@ import jax
 import jax.numpy as jnp
 
 from jaxkv.errors import ConfigError
-from jaxkv.pallas._splitk import Partials, gpu_splits, merge, split_size
-from jaxkv.pallas.gpu import kernels
-from jaxkv.pallas.gpu.launch import Launch, Launcher, abstract
+from jaxkv.kernels._splitk import Partials, gpu_splits, merge, split_size
+from jaxkv.kernels.triton import kernels
+from jaxkv.kernels.triton.launch import Launch, Launcher, abstract
 
 INT4_BLOCK = 32
 PAGE_BLOCK = 1
@@ -92,7 +92,7 @@ def _part(launcher: Launcher, kernel, q_BHD, operands, idx_BN, len_B, block: int
 
 
 def decode_attention(q_BHD, k_pool_SKD, v_pool_SKD, live_idx_BN, live_len_B, *, launcher: Launcher):
-    """``jaxkv.pallas.decode_attention`` on the float pool with the Triton kernel."""
+    """``jaxkv.kernels.attention.decode`` on the float pool with the Triton kernel."""
     q = q_BHD.astype(jnp.promote_types(q_BHD.dtype, k_pool_SKD.dtype))
     pools = (k_pool_SKD, v_pool_SKD)
     part = _part(launcher, kernels.decode_float_tokens, q, pools, live_idx_BN, live_len_B, token_block(q.dtype))
@@ -103,7 +103,7 @@ def quantized_decode_attention(
     q_BHD, int2_pool, int2_pages_BP, int2_num_pages_B, int4_pool, int4_idx_BN, int4_len_B, *, launcher: Launcher,
     int2_mask_BP=None, float_pool=None, float_idx_BN=None, float_len_B=None,
 ):
-    """``jaxkv.pallas.quantized_decode_attention`` with the Triton kernels (INT4
+    """``jaxkv.kernels.quantized_decode_attention`` with the Triton kernels (INT4
     part, then INT2 part, then the optional float part). A masked INT2 part (pages
     some of whose tokens the request evicted) is computed by
     ``masked_int2_partials`` in jnp: the Triton INT2 kernel reads no mask yet; so
@@ -128,8 +128,8 @@ def quantized_decode_attention(
 def masked_int2_partials(q_BHD, int2_pool, int2_pages_BP, int2_num_pages_B, int2_mask_BP) -> Partials:
     """One split (``P = 1``) of the INT2 part with per-page token masks, in jnp:
     the listed pages dequantized to float32, masked scores, running max and sum."""
-    from jaxkv.pallas.quant import PAGE, dequantize_int2_keys, dequantize_rows
-    from jaxkv.pallas._splitk import MASKED
+    from jaxkv.kernels.quant import PAGE, dequantize_int2_keys, dequantize_rows
+    from jaxkv.kernels._splitk import MASKED
 
     B, Hq, D = q_BHD.shape
     P = int2_pages_BP.shape[1]

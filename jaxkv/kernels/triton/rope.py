@@ -1,6 +1,6 @@
 """GPU RoPE delta rotation: the launch description and glue of ``kernels.rope_delta_rows``.
 
-Same contract as ``jaxkv.pallas.rope_delta`` on a ``[L, S, Hkv, D]`` pool: rows at
+Same contract as ``jaxkv.kernels.rope_delta`` on a ``[L, S, Hkv, D]`` pool: rows at
 ``slots_M`` (distinct) of every layer are rotated by ``delta_M`` positions in
 float32 and stored back in the pool dtype; the pool is aliased to the output
 (``input_output_aliases``), so under a donating jit the update is in place and no
@@ -23,9 +23,9 @@ import jax
 import jax.numpy as jnp
 
 from jaxkv.config import RopeConfig
-from jaxkv.pallas.gpu import kernels
-from jaxkv.pallas.gpu.decode import next_pow2
-from jaxkv.pallas.gpu.launch import Launch, Launcher, abstract
+from jaxkv.kernels.triton import kernels
+from jaxkv.kernels.triton.decode import next_pow2
+from jaxkv.kernels.triton.launch import Launch, Launcher, abstract
 from jaxkv.rope import inv_frequencies
 
 TILE = 1024  # elements of one half-row tile [rows, Hkv, D/2] per program

@@ -1,6 +1,6 @@
 """CPU launcher of the Triton kernels: the Triton interpreter on torch CPU tensors.
 
-``interpret_call(launch, *arrays)`` runs a ``Launch`` (``jaxkv.pallas.gpu.launch``)
+``interpret_call(launch, *arrays)`` runs a ``Launch`` (``jaxkv.kernels.triton.launch``)
 exactly as described: same kernel source, grid, argument order, output shapes and
 constexprs, so the glue around a kernel is tested together with the kernel. It is
 a launcher like ``launch.triton_call`` and works under ``jax.jit`` (through
@@ -13,7 +13,7 @@ How:
   ``tl.max``, ``tl.zeros``. So the interpreter needs ``TRITON_INTERPRET=1`` in the
   environment before ``triton`` is first imported (``tests/conftest.py`` sets it);
   ``run`` raises ``RuntimeError`` saying so otherwise. Such a process cannot
-  compile kernels: ``jaxkv.pallas.gpu.aot`` runs in one without the variable.
+  compile kernels: ``jaxkv.kernels.triton.aot`` runs in one without the variable.
 * Outputs are allocated poisoned (NaN for floats, ``0xA5`` bytes for integers), so
   an element a kernel forgets to write shows; an aliased output is its input's
   buffer, as with ``input_output_aliases`` on the GPU.
@@ -33,7 +33,7 @@ import jax
 import ml_dtypes
 import numpy as np
 
-from jaxkv.pallas.gpu.launch import Launch
+from jaxkv.kernels.triton.launch import Launch
 
 POISON_BYTE = 0xA5
 
