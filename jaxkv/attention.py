@@ -213,9 +213,7 @@ def decode_attention_reference(q_BHD, k_pool_SKD, v_pool_SKD, live_idx_BN, live_
     are ignored). Returns ``out [B,Hq,D]`` in ``q_BHD.dtype`` and, with
     ``return_probs``, the float32 attention probabilities ``[B,Hq,N]``.
     """
-    return decode_attention_rows(
-        q_BHD, k_pool_SKD[live_idx_BN], v_pool_SKD[live_idx_BN], live_len_B, return_probs=return_probs
-    )
+    return decode_attention_rows(q_BHD, k_pool_SKD[live_idx_BN], v_pool_SKD[live_idx_BN], live_len_B, return_probs=return_probs)
 
 
 def ragged_rows(T: int, q_start_R, q_len_R):

@@ -89,7 +89,9 @@ def window_width(entries: int, max_positions: int) -> int:
 
 def window_widths(max_positions: int) -> list[int]:
     """Every ``window_width`` an engine of ``max_positions`` can ask for."""
-    return sorted({window_width(n, max_positions) for n in [1] + [1 << k for k in range(int(max_positions).bit_length() + 1)] + [max_positions]})
+    return sorted(
+        {window_width(n, max_positions) for n in [1] + [1 << k for k in range(int(max_positions).bit_length() + 1)] + [max_positions]}
+    )
 
 
 def event_size(live: int) -> int:

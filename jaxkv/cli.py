@@ -46,8 +46,14 @@ def _cmd_generate(args) -> int:
     stop = sorted(stop_token_ids(model))
     t0 = time.perf_counter()
     out = jaxkv.generate(
-        model, [list(ids)], args.max_new_tokens, temperature=args.temperature,
-        top_k=args.top_k, top_p=args.top_p, seed=args.seed, stop_token_ids=stop,
+        model,
+        [list(ids)],
+        args.max_new_tokens,
+        temperature=args.temperature,
+        top_k=args.top_k,
+        top_p=args.top_p,
+        seed=args.seed,
+        stop_token_ids=stop,
     )[0]
     dt = time.perf_counter() - t0
     print(tok.decode(out, skip_special_tokens=False))
@@ -58,8 +64,16 @@ def _cmd_generate(args) -> int:
 def _cmd_demo(args) -> int:
     from jaxkv.demo import run_demo
 
-    return run_demo(model_path=args.model, turns=args.turns, seed=args.seed, length=args.length,
-                    policy=args.policy, budget=args.budget, repair=args.repair, rows=args.rows)
+    return run_demo(
+        model_path=args.model,
+        turns=args.turns,
+        seed=args.seed,
+        length=args.length,
+        policy=args.policy,
+        budget=args.budget,
+        repair=args.repair,
+        rows=args.rows,
+    )
 
 
 def _cmd_fetch(args) -> int:
@@ -89,7 +103,9 @@ def build_parser(load: tuple = ()) -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True)
 
     g = sub.add_parser("generate", help="generate a reply to one prompt")
-    g.add_argument("--model", required=True, help="checkpoint folder, .gguf file, HF repo id, reference model name (jaxkv fetch --list) or 'embedded'")
+    g.add_argument(
+        "--model", required=True, help="checkpoint folder, .gguf file, HF repo id, reference model name (jaxkv fetch --list) or 'embedded'"
+    )
     g.add_argument("--prompt", required=True)
     g.add_argument("--max-new-tokens", type=int, default=64)
     g.add_argument("--temperature", type=float, default=0.0)
@@ -102,10 +118,16 @@ def build_parser(load: tuple = ()) -> argparse.ArgumentParser:
 
     d = sub.add_parser("demo", help="the main job: agent sessions served at once, full cache vs managed cache")
     d.add_argument("--model", default=None, help="checkpoint folder with a tokenizer (default: the embedded agent model)")
-    d.add_argument("--turns", type=int, default=4, help="generated tasks to run (alternating agent trace / MQ-NIAH), each a multi-turn session")
+    d.add_argument(
+        "--turns", type=int, default=4, help="generated tasks to run (alternating agent trace / MQ-NIAH), each a multi-turn session"
+    )
     d.add_argument("--seed", type=int, default=0, help="task seed (held out from training)")
     d.add_argument("--length", type=int, default=2048, help="target conversation length of each task, in tokens")
-    d.add_argument("--policy", default=None, help="retention policy of the managed run (jaxkv.policies.REGISTRY; default intentkv for the embedded model, else snapkv)")
+    d.add_argument(
+        "--policy",
+        default=None,
+        help="retention policy of the managed run (jaxkv.policies.REGISTRY; default intentkv for the embedded model, else snapkv)",
+    )
     d.add_argument("--budget", type=int, default=1280, help="retention budget B of the managed run (live history tokens)")
     d.add_argument("--repair", type=int, default=64, help="RepairKV K of the managed run (0: off)")
     d.add_argument("--rows", type=int, default=None, help="engine rows (default: one per task)")

@@ -48,18 +48,14 @@ class RopeConfig:
         theta = float(merged.get("rope_theta", hf.get("rope_theta", 10000.0)))
         rope_type = merged.get("rope_type", merged.get("type", "default")) or "default"
         if rope_type not in ("default", "linear", "llama3"):
-            raise ConfigError(
-                f"unsupported rope_type {rope_type!r}; supported: default, linear, llama3"
-            )
+            raise ConfigError(f"unsupported rope_type {rope_type!r}; supported: default, linear, llama3")
         return cls(
             theta=theta,
             rope_type=rope_type,
             factor=float(merged.get("factor", 1.0)),
             low_freq_factor=float(merged.get("low_freq_factor", 1.0)),
             high_freq_factor=float(merged.get("high_freq_factor", 4.0)),
-            original_max_position_embeddings=int(
-                merged.get("original_max_position_embeddings", 8192)
-            ),
+            original_max_position_embeddings=int(merged.get("original_max_position_embeddings", 8192)),
         )
 
 
@@ -108,15 +104,9 @@ class ModelConfig:
 
     def __post_init__(self):
         if self.model_type not in SUPPORTED_MODEL_TYPES:
-            raise UnsupportedModelError(
-                f"unsupported model_type {self.model_type!r}; "
-                f"supported: {', '.join(SUPPORTED_MODEL_TYPES)}"
-            )
+            raise UnsupportedModelError(f"unsupported model_type {self.model_type!r}; supported: {', '.join(SUPPORTED_MODEL_TYPES)}")
         if self.num_heads % self.num_kv_heads:
-            raise ConfigError(
-                f"num_attention_heads ({self.num_heads}) must be a multiple of "
-                f"num_key_value_heads ({self.num_kv_heads})"
-            )
+            raise ConfigError(f"num_attention_heads ({self.num_heads}) must be a multiple of num_key_value_heads ({self.num_kv_heads})")
         if self.head_dim % 2:
             raise ConfigError(f"head_dim must be even for RoPE, got {self.head_dim}")
 
@@ -130,17 +120,8 @@ class ModelConfig:
         """Build from a parsed HF ``config.json`` dict."""
         model_type = hf.get("model_type")
         if model_type not in SUPPORTED_MODEL_TYPES:
-            raise UnsupportedModelError(
-                f"unsupported model_type {model_type!r}; "
-                f"supported: {', '.join(SUPPORTED_MODEL_TYPES)}"
-            )
-        required = (
-            "vocab_size",
-            "hidden_size",
-            "intermediate_size",
-            "num_hidden_layers",
-            "num_attention_heads",
-        )
+            raise UnsupportedModelError(f"unsupported model_type {model_type!r}; supported: {', '.join(SUPPORTED_MODEL_TYPES)}")
+        required = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads")
         missing = [k for k in required if k not in hf]
         if missing:
             raise ConfigError(f"config.json lacks required fields: {', '.join(missing)}")

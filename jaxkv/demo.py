@@ -57,9 +57,18 @@ def build_random_checkpoint(folder) -> str:
 
     tok = embedded_tokenizer()
     cfg = ModelConfig(
-        model_type="qwen3", vocab_size=len(tok), hidden_size=64, intermediate_size=128,
-        num_layers=2, num_heads=2, num_kv_heads=1, head_dim=32, qk_norm=True, tie_word_embeddings=True,
-        max_position_embeddings=4096, eos_token_ids=(tok.convert_tokens_to_ids("<|im_end|>"),),
+        model_type="qwen3",
+        vocab_size=len(tok),
+        hidden_size=64,
+        intermediate_size=128,
+        num_layers=2,
+        num_heads=2,
+        num_kv_heads=1,
+        head_dim=32,
+        qk_norm=True,
+        tie_word_embeddings=True,
+        max_position_embeddings=4096,
+        eos_token_ids=(tok.convert_tokens_to_ids("<|im_end|>"),),
     )
     jaxkv.save_pretrained(jaxkv.model_from_config(cfg, seed=0, tokenizer=tok), folder)
     return str(folder)
@@ -157,8 +166,7 @@ def run_needle_task(session, example, out=print) -> bool:
     from jaxkv.tasks import reply_matches
 
     msgs = example.messages
-    out(f"  user: document of {len(msgs[1]['content'])} characters; "
-        f"{_short(msgs[1]['content'].rsplit(chr(10), 1)[-1], 80)}")
+    out(f"  user: document of {len(msgs[1]['content'])} characters; {_short(msgs[1]['content'].rsplit(chr(10), 1)[-1], 80)}")
     ok = True
     history = [dict(m) for m in msgs[:2]]
     for turn, target in enumerate(example.targets, 1):
@@ -203,9 +211,12 @@ def retrieval_tasks(n: int, seed: int, length: int, tokenizer):
     from jaxkv.tasks.haystack import niah, passkey
 
     base = DEMO_SEED_BASE + 1000 * seed
-    return [passkey(1, length=length, seed=base + i, tokenizer=tokenizer)[0] if i % 2 == 0
-            else niah(1, length=length, seed=base + i, tokenizer=tokenizer, variant="single")[0]
-            for i in range(n)]
+    return [
+        passkey(1, length=length, seed=base + i, tokenizer=tokenizer)[0]
+        if i % 2 == 0
+        else niah(1, length=length, seed=base + i, tokenizer=tokenizer, variant="single")[0]
+        for i in range(n)
+    ]
 
 
 def demo_tasks(n: int, seed: int, length: int = 2048):
@@ -214,14 +225,16 @@ def demo_tasks(n: int, seed: int, length: int = 2048):
     from jaxkv.tasks.mqniah import one_mqniah
 
     base = DEMO_SEED_BASE + 1000 * seed
-    return [one_trace(base + i, length=length) if i % 2 == 0 else one_mqniah(base + i, needles=4, length=length)
-            for i in range(n)]
+    return [one_trace(base + i, length=length) if i % 2 == 0 else one_mqniah(base + i, needles=4, length=length) for i in range(n)]
 
 
 KINDS = {"agent_traces": "agent traces", "mqniah": "MQ-NIAH (both turns)", "passkey": "passkey", "niah_single": "needle in a haystack"}
 
-_COMPILE_EVENTS = ("/jax/core/compile/jaxpr_trace_duration", "/jax/core/compile/jaxpr_to_mlir_module_duration",
-                   "/jax/core/compile/backend_compile_duration")
+_COMPILE_EVENTS = (
+    "/jax/core/compile/jaxpr_trace_duration",
+    "/jax/core/compile/jaxpr_to_mlir_module_duration",
+    "/jax/core/compile/backend_compile_duration",
+)
 _compile_seconds = [0.0]
 
 
@@ -251,7 +264,11 @@ def run_mode(model, tasks, *, label: str, rows: int, positions: int, options: di
 
     def run_task(i, ex, server):
         opts = dict(options)
-        if opts.get("policy") and ex.task in ("mqniah", "passkey", "niah_single"):  # the document is the user turn: not protected as the query
+        if opts.get("policy") and ex.task in (
+            "mqniah",
+            "passkey",
+            "niah_single",
+        ):  # the document is the user turn: not protected as the query
             opts["protect_query"] = False
         session = server.session(max_new_tokens=MAX_NEW_TOKENS, session_id=f"task{i + 1}-{ex.task}", **opts)
         session.metrics = metrics
@@ -314,7 +331,17 @@ def print_table(columns: dict, out=print) -> None:
             out("|" + "|".join("-" * (w + 1) + (":" if c else "-") for c, w in enumerate(widths)) + "|")
 
 
-def run_demo(model_path: str | None = None, turns: int = 4, seed: int = 0, length: int = 2048, *, policy: str | None = None, budget: int = 1280, repair: int = 64, rows: int | None = None) -> int:
+def run_demo(
+    model_path: str | None = None,
+    turns: int = 4,
+    seed: int = 0,
+    length: int = 2048,
+    *,
+    policy: str | None = None,
+    budget: int = 1280,
+    repair: int = 64,
+    rows: int | None = None,
+) -> int:
     """Run ``turns`` generated agent tasks with the full cache, then with the managed
     cache, all sessions of a run at once; print both and the side-by-side table."""
     import jaxkv
@@ -333,23 +360,24 @@ def run_demo(model_path: str | None = None, turns: int = 4, seed: int = 0, lengt
         synthetic = model_path == "embedded" or made_random
         if policy is None:  # the shipped IntentKV head was trained for the embedded model only
             policy = "intentkv" if model_path == "embedded" else "snapkv"
-        print(f"model {model_path}: {cfg.model_type}, {cfg.num_layers} layers, {cfg.num_heads}/{cfg.num_kv_heads} heads, "
-              f"width {cfg.hidden_size}, vocab {cfg.vocab_size} ({time.perf_counter() - t_start:.1f}s)")
+        print(
+            f"model {model_path}: {cfg.model_type}, {cfg.num_layers} layers, {cfg.num_heads}/{cfg.num_kv_heads} heads, "
+            f"width {cfg.hidden_size}, vocab {cfg.vocab_size} ({time.perf_counter() - t_start:.1f}s)"
+        )
         if synthetic:
             tasks = demo_tasks(turns, seed, length)
         else:
-            print(f"tasks for a pretrained model: passkey and needle retrieval at {length:,} tokens, question-agnostic "
-                  f"(the document is compressed at the end of turn 1, the question comes in turn 2)")
+            print(
+                f"tasks for a pretrained model: passkey and needle retrieval at {length:,} tokens, question-agnostic "
+                f"(the document is compressed at the end of turn 1, the question comes in turn 2)"
+            )
             tasks = retrieval_tasks(turns, seed, length, model.tokenizer)
         positions = min(cfg.max_position_embeddings, max(4096, length * 2))
         rows = rows or len(tasks)
         managed = dict(policy=policy, budget=budget, layout="dead_slot")
         if repair:
             managed.update(repair=repair)
-        modes = {
-            "full cache": {},
-            f"managed ({policy} B={budget}, dead-slot" + (f", RepairKV K={repair})" if repair else ")"): managed,
-        }
+        modes = {"full cache": {}, f"managed ({policy} B={budget}, dead-slot" + (f", RepairKV K={repair})" if repair else ")"): managed}
         columns = {}
         for label, options in modes.items():
             print(f"\n=== {label}: {len(tasks)} sessions at once on one server ({rows} rows)")

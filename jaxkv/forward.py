@@ -138,7 +138,20 @@ def row_slots(slots_T, q_start_R, q_len_R, width: int):
     return jnp.where(t < q_len_R[:, None], slots_T[idx], SENTINEL_SLOT)
 
 
-def forward(model, backend, kv, tokens_T, positions_T, meta: AttentionMetadata, *, mesh=None, loop_state=None, layers=None, query_idx_X=None, mass=False):
+def forward(
+    model,
+    backend,
+    kv,
+    tokens_T,
+    positions_T,
+    meta: AttentionMetadata,
+    *,
+    mesh=None,
+    loop_state=None,
+    layers=None,
+    query_idx_X=None,
+    mass=False,
+):
     """The model over a flat batch: per layer, write then attend (module docstring).
 
     ``meta``: the step's attention metadata (its tables already hold the step's
@@ -203,8 +216,15 @@ def run_step(graphdef, params, cache, batch: StepBatch, write_plan=None, *, back
     tables = append_tokens(tables, row_slots(batch.slots_T, batch.q_start_R, batch.q_len_R, T), batch.q_len_R)
     meta = AttentionMetadata(tables, batch.slots_T, batch.q_start_R, batch.q_len_R, write_plan)
     x, kv, q_rows, _, mass = forward(
-        model, backend, cache.kv, batch.tokens_T, batch.positions_T, meta, mesh=mesh,
-        query_idx_X=batch.query_idx_X if outputs.query_rows else None, mass=outputs.attn_mass,
+        model,
+        backend,
+        cache.kv,
+        batch.tokens_T,
+        batch.positions_T,
+        meta,
+        mesh=mesh,
+        query_idx_X=batch.query_idx_X if outputs.query_rows else None,
+        mass=outputs.attn_mass,
     )
     last_R = jnp.clip(batch.q_start_R + batch.q_len_R - 1, 0, T - 1)
     logits = model.logits(x[last_R])
@@ -256,7 +276,25 @@ def constrain_cache(cache, mesh):
     static_argnames=("graphdef", "backend", "n_steps", "width", "outputs", "teacher_forced", "mesh", "regroup"),
     donate_argnames=("cache", "window"),
 )
-def run_decode(graphdef, params, cache, batch: DecodeBatch, read_plan=None, window=None, layer_params=None, window_len_LR=None, regather=None, *, backend, n_steps, width: int = 0, outputs: Outputs = TOKENS_ONLY, teacher_forced=False, mesh=None, regroup=False):
+def run_decode(
+    graphdef,
+    params,
+    cache,
+    batch: DecodeBatch,
+    read_plan=None,
+    window=None,
+    layer_params=None,
+    window_len_LR=None,
+    regather=None,
+    *,
+    backend,
+    n_steps,
+    width: int = 0,
+    outputs: Outputs = TOKENS_ONLY,
+    teacher_forced=False,
+    mesh=None,
+    regroup=False,
+):
     """Decode up to ``n_steps`` tokens for each row of ``batch`` (module docstring).
 
     Step ``s`` feeds each active row its last token (writing its K/V at
@@ -320,7 +358,15 @@ def run_decode(graphdef, params, cache, batch: DecodeBatch, read_plan=None, wind
         tables = append_tokens(tables, slot[:, None], q_len)
         meta = AttentionMetadata(tables, slot, arange_R, q_len, None, read_plan, decode=True)
         x, kv, q_rows, window, _ = forward(
-            model, backend, kv, last, pos, meta, mesh=mesh, loop_state=window, layers=layers,
+            model,
+            backend,
+            kv,
+            last,
+            pos,
+            meta,
+            mesh=mesh,
+            loop_state=window,
+            layers=layers,
             query_idx_X=arange_R if outputs.query_rows else None,
         )
         logits = model.logits(x)
@@ -338,7 +384,17 @@ def run_decode(graphdef, params, cache, batch: DecodeBatch, read_plan=None, wind
         return step + 1, kv, tables, tokens, new_active, feed, logits_buf, q_buf, window
 
     tables0 = take_rows(cache, b.rows_R)
-    carry = (jnp.int32(0), cache.kv, tables0, jnp.full((R, n_steps), -1, jnp.int32), b.limit_R > 0, b.first_token_R, logits_buf, q_buf, window)
+    carry = (
+        jnp.int32(0),
+        cache.kv,
+        tables0,
+        jnp.full((R, n_steps), -1, jnp.int32),
+        b.limit_R > 0,
+        b.first_token_R,
+        logits_buf,
+        q_buf,
+        window,
+    )
     _, kv, tables, tokens, _, _, logits_buf, q_buf, window = jax.lax.while_loop(cond, body, carry)
     fed = tables.seq_len - tables0.seq_len
     cache = put_rows(cache.with_kv(kv), b.rows_R, tables)

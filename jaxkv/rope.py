@@ -35,9 +35,7 @@ def _inv_frequencies_cached(rope: RopeConfig, head_dim: int) -> np.ndarray:
         high_wavelen = old_len / rope.high_freq_factor
         wavelen = np.float32(2 * math.pi) / inv_freq
         scaled = np.where(wavelen > low_wavelen, inv_freq / np.float32(rope.factor), inv_freq)
-        smooth = (old_len / wavelen - rope.low_freq_factor) / (
-            rope.high_freq_factor - rope.low_freq_factor
-        )
+        smooth = (old_len / wavelen - rope.low_freq_factor) / (rope.high_freq_factor - rope.low_freq_factor)
         smoothed = (1 - smooth) * scaled / np.float32(rope.factor) + smooth * scaled
         is_medium = ~(wavelen < high_wavelen) & ~(wavelen > low_wavelen)
         inv_freq = np.where(is_medium, smoothed, scaled).astype(np.float32)

@@ -60,9 +60,7 @@ def sample(logits_RV, key, spec: SamplerSpec, temperature, top_p):
         probs = jax.nn.softmax(sorted_logits, axis=-1)
         before = jnp.cumsum(probs, axis=-1) - probs  # mass strictly above each token
         sorted_logits = jnp.where(before < top_p, sorted_logits, -jnp.inf)  # top token always kept
-        logits = jnp.full_like(logits, -jnp.inf).at[
-            jnp.arange(logits.shape[0])[:, None], order
-        ].set(sorted_logits)
+        logits = jnp.full_like(logits, -jnp.inf).at[jnp.arange(logits.shape[0])[:, None], order].set(sorted_logits)
     return jax.random.categorical(key, logits, axis=-1).astype(jnp.int32)
 
 

@@ -56,8 +56,31 @@ PAD_POS = 1 << 30  # position of padding keys: after every query, so never visib
 
 
 @functools.partial(jax.jit, static_argnames=("graphdef", "cut", "kv_lo", "kv_hi", "backend"), donate_argnames=("cache",))
-def splice_step(graphdef, params, cache, a_tok_A, a_pos_A, a_slot_A, b_src_B, b_resid_BM, b_pos_B, b_slot_B, b_cut_slot_B,
-                kv_k_LMKD, kv_v_LMKD, kv_slot_M, kv_delta_M, live_N, live_pos_JN, logit_src_Y, *, cut, kv_lo, kv_hi, backend):
+def splice_step(
+    graphdef,
+    params,
+    cache,
+    a_tok_A,
+    a_pos_A,
+    a_slot_A,
+    b_src_B,
+    b_resid_BM,
+    b_pos_B,
+    b_slot_B,
+    b_cut_slot_B,
+    kv_k_LMKD,
+    kv_v_LMKD,
+    kv_slot_M,
+    kv_delta_M,
+    live_N,
+    live_pos_JN,
+    logit_src_Y,
+    *,
+    cut,
+    kv_lo,
+    kv_hi,
+    backend,
+):
     """One spliced piece (module docstring). Padding: A/B entries with slot 0 and
     position -1 (they see no key and write to the sentinel), K/V rows with slot 0.
 

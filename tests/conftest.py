@@ -32,10 +32,25 @@ if os.environ.get("JAXKV_XLA_CACHE"):
 # 2026-12-02 ended with the device check's 62 s dry run on one worker, 55 s after the
 # other finished), while short tests at the end balance the two. Modules stay whole
 # (their module-scoped fixtures are set up once); only the order changes, never what runs.
-LONGEST_FIRST = ("test_sharding.py", "test_isolation.py", "test_device_check.py", "test_embedded.py",
-                 "test_scheduler.py", "test_readme.py", "test_harness.py", "test_gguf.py", "test_shipped_assets.py",
-                 "test_gpu_aot.py", "test_notebooks.py", "test_warmup.py", "test_real_model.py", "test_composition.py",
-                 "test_eval_cli.py", "test_bf16.py", "test_triaxial.py")
+LONGEST_FIRST = (
+    "test_sharding.py",
+    "test_isolation.py",
+    "test_device_check.py",
+    "test_embedded.py",
+    "test_scheduler.py",
+    "test_readme.py",
+    "test_harness.py",
+    "test_gguf.py",
+    "test_shipped_assets.py",
+    "test_gpu_aot.py",
+    "test_notebooks.py",
+    "test_warmup.py",
+    "test_real_model.py",
+    "test_composition.py",
+    "test_eval_cli.py",
+    "test_bf16.py",
+    "test_triaxial.py",
+)
 
 
 def pytest_collection_modifyitems(config, items):
@@ -102,8 +117,13 @@ def save_task_model(folder, **dims):
 
     tok = embedded_tokenizer()
     cfg = ModelConfig(
-        model_type="qwen3", vocab_size=len(tok), num_layers=2, qk_norm=True, max_position_embeddings=4096,
-        eos_token_ids=(tok.convert_tokens_to_ids("<|im_end|>"),), **dims,
+        model_type="qwen3",
+        vocab_size=len(tok),
+        num_layers=2,
+        qk_norm=True,
+        max_position_embeddings=4096,
+        eos_token_ids=(tok.convert_tokens_to_ids("<|im_end|>"),),
+        **dims,
     )
     jaxkv.save_pretrained(jaxkv.model_from_config(cfg, seed=0, tokenizer=tok), folder)
     return folder
@@ -112,8 +132,9 @@ def save_task_model(folder, **dims):
 @pytest.fixture(scope="session")
 def task_model_dir(tmp_path_factory):
     """A tiny random Qwen3 with the embedded model's task tokenizer, saved once."""
-    return save_task_model(tmp_path_factory.mktemp("task_model"), hidden_size=32, intermediate_size=64,
-                           num_heads=2, num_kv_heads=1, head_dim=16)
+    return save_task_model(
+        tmp_path_factory.mktemp("task_model"), hidden_size=32, intermediate_size=64, num_heads=2, num_kv_heads=1, head_dim=16
+    )
 
 
 @pytest.fixture(scope="session")
@@ -122,15 +143,23 @@ def quant_model_dir(tmp_path_factory):
     saved once with a toy TriAxialKV calibration (``triaxial.json``) beside it."""
     import json
 
-    folder = save_task_model(tmp_path_factory.mktemp("quant_model"), hidden_size=64, intermediate_size=64,
-                             num_heads=2, num_kv_heads=1, head_dim=32)
+    folder = save_task_model(
+        tmp_path_factory.mktemp("quant_model"), hidden_size=64, intermediate_size=64, num_heads=2, num_kv_heads=1, head_dim=32
+    )
     tags = [{"index": (3 * 2 + 0) * 7 + s, "N": 100.0, "D2": 1.0 + s, "D4": 0.5} for s in range(7)]  # current|text|*
     variant = {"axes": ["temporal", "modal", "semantic"], "tags": tags}
-    (folder / "triaxial.json").write_text(json.dumps({"budget": 3.0, "variants": {
-        "triaxial": variant,
-        "triaxial_no_temporal": {"axes": ["modal", "semantic"], "tags": [{**t, "index": t["index"] - 42} for t in tags]},
-        "triaxial_no_semantic": {"axes": ["temporal", "modal"], "tags": [{"index": 3 * 2, "N": 700.0, "D2": 10.0, "D4": 1.0}]},
-    }}))
+    (folder / "triaxial.json").write_text(
+        json.dumps(
+            {
+                "budget": 3.0,
+                "variants": {
+                    "triaxial": variant,
+                    "triaxial_no_temporal": {"axes": ["modal", "semantic"], "tags": [{**t, "index": t["index"] - 42} for t in tags]},
+                    "triaxial_no_semantic": {"axes": ["temporal", "modal"], "tags": [{"index": 3 * 2, "N": 700.0, "D2": 10.0, "D4": 1.0}]},
+                },
+            }
+        )
+    )
     return folder
 
 
@@ -170,8 +199,16 @@ def tiny_chat_model(head_dim: int = 16, max_positions: int = 1024):
 
     tok = build_tokenizer(TINY_WORDS)
     cfg = ModelConfig(
-        model_type="qwen3", vocab_size=len(tok), hidden_size=32, intermediate_size=64, num_layers=2,
-        num_heads=2, num_kv_heads=1, head_dim=head_dim, qk_norm=True, max_position_embeddings=max_positions,
+        model_type="qwen3",
+        vocab_size=len(tok),
+        hidden_size=32,
+        intermediate_size=64,
+        num_layers=2,
+        num_heads=2,
+        num_kv_heads=1,
+        head_dim=head_dim,
+        qk_norm=True,
+        max_position_embeddings=max_positions,
         eos_token_ids=(tok.convert_tokens_to_ids("<|im_end|>"),),
     )
     return jaxkv.model_from_config(cfg, seed=0, tokenizer=tok)

@@ -14,32 +14,54 @@ VOCAB = 1024
 FAMILIES = {
     # Qwen2 with q/k/v biases, untied embeddings.
     "qwen2": lambda: transformers.Qwen2Config(
-        vocab_size=VOCAB, hidden_size=64, intermediate_size=160, num_hidden_layers=2,
-        num_attention_heads=4, num_key_value_heads=2, rms_norm_eps=1e-6,
-        rope_theta=10000.0, tie_word_embeddings=False, max_position_embeddings=512,
+        vocab_size=VOCAB,
+        hidden_size=64,
+        intermediate_size=160,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        rms_norm_eps=1e-6,
+        rope_theta=10000.0,
+        tie_word_embeddings=False,
+        max_position_embeddings=512,
     ),
     # Qwen3: per-head q/k norm, head_dim (24) != hidden / heads (16), tied embeddings.
     "qwen3": lambda: transformers.Qwen3Config(
-        vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-        num_attention_heads=4, num_key_value_heads=2, head_dim=24, rms_norm_eps=1e-6,
-        rope_theta=1000000.0, tie_word_embeddings=True, max_position_embeddings=512,
+        vocab_size=VOCAB,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=24,
+        rms_norm_eps=1e-6,
+        rope_theta=1000000.0,
+        tie_word_embeddings=True,
+        max_position_embeddings=512,
     ),
     # Llama with Llama-3 rope scaling (short original context so scaling matters), GQA 4.
     "llama": lambda: transformers.LlamaConfig(
-        vocab_size=VOCAB, hidden_size=64, intermediate_size=176, num_hidden_layers=2,
-        num_attention_heads=8, num_key_value_heads=2, rms_norm_eps=1e-5,
-        max_position_embeddings=512, tie_word_embeddings=False,
-        rope_scaling={"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
-                      "high_freq_factor": 4.0, "original_max_position_embeddings": 64},
+        vocab_size=VOCAB,
+        hidden_size=64,
+        intermediate_size=176,
+        num_hidden_layers=2,
+        num_attention_heads=8,
+        num_key_value_heads=2,
+        rms_norm_eps=1e-5,
+        max_position_embeddings=512,
+        tie_word_embeddings=False,
+        rope_scaling={
+            "rope_type": "llama3",
+            "factor": 8.0,
+            "low_freq_factor": 1.0,
+            "high_freq_factor": 4.0,
+            "original_max_position_embeddings": 64,
+        },
         rope_theta=500000.0,
     ),
 }
 
-_CLASSES = {
-    "qwen2": transformers.Qwen2ForCausalLM,
-    "qwen3": transformers.Qwen3ForCausalLM,
-    "llama": transformers.LlamaForCausalLM,
-}
+_CLASSES = {"qwen2": transformers.Qwen2ForCausalLM, "qwen3": transformers.Qwen3ForCausalLM, "llama": transformers.LlamaForCausalLM}
 
 
 def build(family: str, folder, *, seed: int = 0, dtype=torch.float32, **overrides):

@@ -91,7 +91,10 @@ def _incremental(model, seqs, prefill_lens, n_decode, backend=None):
     pre = engine.prefill(rows, [s[:n] for s, n in zip(seqs, prefill_lens)], all_logits=True)
     donated = before.is_deleted()
     _, dec = engine.decode(
-        rows, [s[n] for s, n in zip(seqs, prefill_lens)], n_decode, return_logits=True,
+        rows,
+        [s[n] for s, n in zip(seqs, prefill_lens)],
+        n_decode,
+        return_logits=True,
         forced_tokens=[s[n + 1 : n + 1 + n_decode] for s, n in zip(seqs, prefill_lens)],
     )
     return pre, dec, engine, donated
@@ -113,15 +116,21 @@ def logits_case(case) -> dict:
     return {
         "devices": jax.device_count(),
         "mesh": dict(mesh.shape),
-        "dense_err": _err(dense[0], dense[1]), "dense_scale": _scale(dense[0]),
-        "prefill_err": _err(runs[0][0], runs[1][0]), "prefill_scale": _scale(runs[0][0]),
-        "decode_err": _err(runs[0][1], runs[1][1]), "decode_scale": _scale(runs[0][1]),
-        "generate_single": gens[0], "generate_sharded": gens[1],
+        "dense_err": _err(dense[0], dense[1]),
+        "dense_scale": _scale(dense[0]),
+        "prefill_err": _err(runs[0][0], runs[1][0]),
+        "prefill_scale": _scale(runs[0][0]),
+        "decode_err": _err(runs[0][1], runs[1][1]),
+        "decode_scale": _scale(runs[0][1]),
+        "generate_single": gens[0],
+        "generate_sharded": gens[1],
         "weight_specs": _specs(sharded),
-        "pool_spec": str(engine.cache.k.sharding.spec), "pool_devices": len(engine.cache.k.sharding.device_set),
+        "pool_spec": str(engine.cache.k.sharding.spec),
+        "pool_devices": len(engine.cache.k.sharding.device_set),
         "pool_shard_shape": list(engine.cache.k.addressable_shards[0].data.shape),
         "pool_shape": list(engine.cache.k.shape),
-        "donated_single": runs[0][3], "donated_sharded": runs[1][3],
+        "donated_single": runs[0][3],
+        "donated_sharded": runs[1][3],
     }
 
 
@@ -147,8 +156,16 @@ def session_case(case) -> dict:
 
     tok = build_tokenizer(WORDS)
     cfg = ModelConfig(
-        model_type="qwen3", vocab_size=len(tok), hidden_size=64, intermediate_size=128, num_layers=2,
-        num_heads=4, num_kv_heads=2, head_dim=16, qk_norm=True, max_position_embeddings=2048,
+        model_type="qwen3",
+        vocab_size=len(tok),
+        hidden_size=64,
+        intermediate_size=128,
+        num_layers=2,
+        num_heads=4,
+        num_kv_heads=2,
+        head_dim=16,
+        qk_norm=True,
+        max_position_embeddings=2048,
         eos_token_ids=(tok.convert_tokens_to_ids("<|im_end|>"),),
     )
     single = jaxkv.model_from_config(cfg, seed=0, tokenizer=tok)
@@ -156,8 +173,7 @@ def session_case(case) -> dict:
     out = {}
     for name, model in (("single", single), ("sharded", sharded)):
         server = Server(model, rows=2, max_positions=512)
-        repairing = Session(model, server=server, keep_reasoning=True, policy="snapkv", budget=40, w=8,
-                            repair=8, repair_policy="repairkv")
+        repairing = Session(model, server=server, keep_reasoning=True, policy="snapkv", budget=40, w=8, repair=8, repair_policy="repairkv")
         compact = Session(model, server=server, keep_reasoning=True, policy="snapkv", budget=40, w=8, layout="compact")
         turns = repairing.replay(_conversation(0), None, generate=True, max_new_tokens=4)
         compact_turns = compact.replay(_conversation(1), None, generate=True, max_new_tokens=4)
@@ -175,8 +191,17 @@ def session_case(case) -> dict:
         server.close()
         # per-layer keep sets (a live list per layer, pyramid budgets) with RepairKV
         with Server(model, rows=1, max_positions=512, layer_lists=True) as layered:
-            per_layer = Session(model, server=layered, keep_reasoning=True, policy="snapkv", budget=40, w=8,
-                                keep_sets="layer", layer_budgets="pyramid", repair=8)
+            per_layer = Session(
+                model,
+                server=layered,
+                keep_reasoning=True,
+                policy="snapkv",
+                budget=40,
+                w=8,
+                keep_sets="layer",
+                layer_budgets="pyramid",
+                repair=8,
+            )
             layer_turns = per_layer.replay(_conversation(2), None, generate=True, max_new_tokens=4)
             held = layered.radix.held_slots()
             alloc = layered.engine.allocator
@@ -205,9 +230,12 @@ def reuse_case(case) -> dict:
         chat(server, *conversation(doc, 0), **opts)
         _, stage, _ = chat(server, *conversation(doc, 2), **opts)
         report = stage.reports[-1]
-        out[name] = {"logits": np.asarray(stage.last_logits).tolist(), "accepted": int(report.accepted),
-                     "spliced_tokens": int(report.spliced_tokens),
-                     "pool_split": _split(server.engine.cache.k)}
+        out[name] = {
+            "logits": np.asarray(stage.last_logits).tolist(),
+            "accepted": int(report.accepted),
+            "spliced_tokens": int(report.spliced_tokens),
+            "pool_split": _split(server.engine.cache.k),
+        }
         server.close()
         out[name]["http"] = _http_turns(model, conversation(doc, 1)[0])
     out["single_logits"] = out["single"]["logits"]  # the float pool's spliced prefill: the quant case's scale
@@ -236,8 +264,13 @@ def quant_case(case) -> dict:
         plain = server.session().chat(*conversation(doc, 1), max_new_tokens=3)  # the pool's own prefill, then decode
         pool = server.engine.cache.pool
         codes[name] = [np.asarray(pool.int4.k.data), np.asarray(pool.int4.v.data)]
-        out[name] = {"logits": np.asarray(stage.last_logits).tolist(), "accepted": int(stage.reports[-1].accepted),
-                     "reply": plain, "int4_split": _split(pool.int4.k.data), "int2_split": _split(pool.int2.k.scale)}
+        out[name] = {
+            "logits": np.asarray(stage.last_logits).tolist(),
+            "accepted": int(stage.reports[-1].accepted),
+            "reply": plain,
+            "int4_split": _split(pool.int4.k.data),
+            "int2_split": _split(pool.int2.k.scale),
+        }
         server.close()
     # How far INT4 itself moves the logits is measured against the reuse case's float
     # pool (the same spliced prefill on one device): the scale a sharded INT4 run is
@@ -266,8 +299,11 @@ def _http_turns(model, msgs) -> dict:
         for turn, extra in enumerate(({}, {"policy": "snapkv", "budget": 100, "repair": 16})):
             body = {"model": "m", "messages": msgs, "max_tokens": 3, "temperature": 0, "session_id": f"mesh-{turn}", **extra}
             r = client.post("/v1/chat/completions", json=body).json()
-            out[f"turn{turn}"] = {"content": r["choices"][0]["message"].get("content"), "options": r["jaxkv"]["options"],
-                                  "evicted": r["jaxkv"]["evicted_tokens"]}
+            out[f"turn{turn}"] = {
+                "content": r["choices"][0]["message"].get("content"),
+                "options": r["jaxkv"]["options"],
+                "evicted": r["jaxkv"]["evicted_tokens"],
+            }
     return out
 
 
@@ -280,8 +316,16 @@ def _qwen3_with_tokenizer(folder: str) -> str:
 
     tok = build_tokenizer(WORDS)
     cfg = ModelConfig(
-        model_type="qwen3", vocab_size=len(tok), hidden_size=64, intermediate_size=128, num_layers=2,
-        num_heads=8, num_kv_heads=4, head_dim=16, qk_norm=True, max_position_embeddings=1024,
+        model_type="qwen3",
+        vocab_size=len(tok),
+        hidden_size=64,
+        intermediate_size=128,
+        num_layers=2,
+        num_heads=8,
+        num_kv_heads=4,
+        head_dim=16,
+        qk_norm=True,
+        max_position_embeddings=1024,
         eos_token_ids=(tok.convert_tokens_to_ids("<|im_end|>"),),
     )
     jaxkv.save_pretrained(jaxkv.model_from_config(cfg, seed=0, tokenizer=tok), folder)
@@ -311,8 +355,10 @@ def user_meshes_case(case) -> dict:
 
     def run(model) -> dict:
         out = {"dense": np.asarray(jaxkv.score_logits(model, ids)), "generate": jaxkv.generate(model, prompts, 12)}
-        for name, make in (("session", lambda: Session(model, keep_reasoning=True, max_positions=512)),
-                           ("server_session", lambda: Session(model, server=server, keep_reasoning=True))):
+        for name, make in (
+            ("session", lambda: Session(model, keep_reasoning=True, max_positions=512)),
+            ("server_session", lambda: Session(model, server=server, keep_reasoning=True)),
+        ):
             server = Server(model, max_positions=512) if name == "server_session" else None
             session = make()
             turns = session.replay(msgs, None, generate=True, max_new_tokens=4, return_logits=True)
@@ -334,13 +380,16 @@ def user_meshes_case(case) -> dict:
             result[name] = {"error": f"{type(e).__name__}: {str(e)[:500]}"}
             continue
         result[name] = {
-            "axis_types": [str(t) for t in mesh.axis_types], "mesh": dict(mesh.shape),
+            "axis_types": [str(t) for t in mesh.axis_types],
+            "mesh": dict(mesh.shape),
             "model_axis_types": [str(t) for t in model.mesh.axis_types],
             "same_devices": model.mesh.devices.tolist() == mesh.devices.tolist(),
-            "dense_err": _err([ref["dense"]], [got["dense"]]), "dense_scale": _scale([ref["dense"]]),
+            "dense_err": _err([ref["dense"]], [got["dense"]]),
+            "dense_scale": _scale([ref["dense"]]),
             "session_err": _err(ref["session"], got["session"]),
             "server_session_err": _err(ref["server_session"], got["server_session"]),
-            "generate": got["generate"], "session_tokens": got["session_tokens"],
+            "generate": got["generate"],
+            "session_tokens": got["session_tokens"],
             "server_session_tokens": got["server_session_tokens"],
             "weights_split": sum("tp" in spec for spec in _specs(model).values()),
         }
@@ -366,8 +415,15 @@ def errors_case(case) -> dict:
     return out
 
 
-KINDS = {"logits": logits_case, "kernel": kernel_case, "session": session_case, "reuse": reuse_case, "quant": quant_case,
-         "user_meshes": user_meshes_case, "errors": errors_case}
+KINDS = {
+    "logits": logits_case,
+    "kernel": kernel_case,
+    "session": session_case,
+    "reuse": reuse_case,
+    "quant": quant_case,
+    "user_meshes": user_meshes_case,
+    "errors": errors_case,
+}
 
 
 def main(spec_path, out_path) -> None:
@@ -384,8 +440,7 @@ def main(spec_path, out_path) -> None:
 def process_main(index, port, folder, out_path) -> None:
     """One process of the two-process (multi-host) run; see the module docstring."""
     jax.config.update("jax_cpu_collectives_implementation", "gloo")
-    jax.distributed.initialize(coordinator_address=f"127.0.0.1:{port}", num_processes=2, process_id=int(index),
-                               initialization_timeout=120)
+    jax.distributed.initialize(coordinator_address=f"127.0.0.1:{port}", num_processes=2, process_id=int(index), initialization_timeout=120)
     rng = np.random.default_rng(3)
     out = {"processes": jax.process_count(), "devices": jax.device_count(), "local_devices": jax.local_device_count()}
     mesh = make_mesh(tp=2, dp=2)

@@ -32,8 +32,7 @@ def test_blocked_causal_attention_matches_the_oracle(T, block, Hq, Hkv):
     k = rng.normal(size=(2, T, Hkv, 16)).astype(np.float32) * 2
     v = rng.normal(size=(2, T, Hkv, 16)).astype(np.float32)
     got = np.asarray(attention.causal_attention(q, k, v, block=block))
-    np.testing.assert_allclose(got, _oracle(q.astype(np.float64), k.astype(np.float64), v.astype(np.float64)),
-                               rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(got, _oracle(q.astype(np.float64), k.astype(np.float64), v.astype(np.float64)), rtol=1e-5, atol=1e-5)
     # float32 sums in another order: agreement to float32 rounding, not bit for bit
     np.testing.assert_allclose(got, np.asarray(attention.causal_attention(q, k, v, block=T)), rtol=1e-5, atol=1e-5)
 

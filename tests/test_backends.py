@@ -14,8 +14,15 @@ import numpy as np
 import pytest
 
 import jaxkv
-from jaxkv.backends import (CpuFloatBackend, CpuQuantBackend, FloatKernelBackend, QuantKernelBackend, ReferenceBackend,
-                            kernel_quant, select_backend)
+from jaxkv.backends import (
+    CpuFloatBackend,
+    CpuQuantBackend,
+    FloatKernelBackend,
+    QuantKernelBackend,
+    ReferenceBackend,
+    kernel_quant,
+    select_backend,
+)
 from jaxkv.cache.pools import FloatLayers
 from jaxkv.cache.quantized import Geometry, QuantLayers
 from jaxkv.config import ModelConfig
@@ -41,8 +48,16 @@ def qmodel():
 
     tok = embedded_tokenizer()
     cfg = ModelConfig(
-        model_type="qwen3", vocab_size=len(tok), hidden_size=64, intermediate_size=64, num_layers=2,
-        num_heads=2, num_kv_heads=1, head_dim=32, qk_norm=True, max_position_embeddings=4096,
+        model_type="qwen3",
+        vocab_size=len(tok),
+        hidden_size=64,
+        intermediate_size=64,
+        num_layers=2,
+        num_heads=2,
+        num_kv_heads=1,
+        head_dim=32,
+        qk_norm=True,
+        max_position_embeddings=4096,
     )
     return jaxkv.model_from_config(cfg, seed=0, tokenizer=tok)
 

@@ -50,8 +50,18 @@ class Stub(BaseHTTPRequestHandler):
             time.sleep(0.002)
         send({**base, "choices": [{"index": 0, "delta": {}, "finish_reason": "length"}]})
         if Stub.usage and body.get("stream_options", {}).get("include_usage"):
-            send({**base, "choices": [], "usage": {"prompt_tokens": prompt, "completion_tokens": n, "total_tokens": prompt + n,
-                                                    "prompt_tokens_details": {"cached_tokens": prompt // 2}}})
+            send(
+                {
+                    **base,
+                    "choices": [],
+                    "usage": {
+                        "prompt_tokens": prompt,
+                        "completion_tokens": n,
+                        "total_tokens": prompt + n,
+                        "prompt_tokens_details": {"cached_tokens": prompt // 2},
+                    },
+                }
+            )
         self.wfile.write(b"data: [DONE]\n\n")
 
 

@@ -72,8 +72,10 @@ def test_bf16_decode_through_the_pallas_kernel_within_the_bf16_bound(hf_checkpoi
     kernel, _ = _paged_logits(model, seq, 40, backend="interpret")
     reference, _ = _paged_logits(model, seq, 40, backend="reference")
     ref = _hf_logits(torch_model, seq)
-    print(f"\nbf16 Pallas decode vs float32 transformers: {_rel(kernel[40:], ref[40:]):.4f}; "
-          f"vs the bf16 reference path: {_rel(kernel[40:], reference[40:]):.4f}")
+    print(
+        f"\nbf16 Pallas decode vs float32 transformers: {_rel(kernel[40:], ref[40:]):.4f}; "
+        f"vs the bf16 reference path: {_rel(kernel[40:], reference[40:]):.4f}"
+    )
     assert _rel(kernel[40:], ref[40:]) <= BF16_BOUND
     assert _rel(kernel[40:], reference[40:]) <= BF16_BOUND
 
@@ -99,8 +101,9 @@ def test_bf16_evicted_rows_come_back_bit_identical(hf_checkpoint):
     forced = np.zeros(40, bool)
     forced[:4] = forced[-4:] = True
     feats = _features(engine, row, 40)
-    compress_row(engine, row, policy, policy.make_config(seed=1), policy.init_state(None, None), feats, forced, 16,
-                 "dead_slot", on_evict=on_evict)
+    compress_row(
+        engine, row, policy, policy.make_config(seed=1), policy.init_state(None, None), feats, forced, 16, "dead_slot", on_evict=on_evict
+    )
     pos = shelved["positions"][:6]
     assert shelved["k"].dtype == engine.cache.k.dtype and all(engine.row_state[row].slots[p] == SENTINEL_SLOT for p in pos)
     fresh = engine.kv.restore_rows(row, pos, shelved["k"][:, :6], shelved["v"][:, :6])

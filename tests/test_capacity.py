@@ -24,8 +24,11 @@ def unit_bytes(model):
     from the formats: L layers x K heads x (K + V)."""
     c = model.config
     per = c.num_layers * c.num_kv_heads
-    return {"float": per * 2 * c.head_dim * 4, "int4": per * 2 * (c.head_dim // 2 + 2 * 2 * c.head_dim // 32),
-            "int2": per * 0.75 * c.head_dim}
+    return {
+        "float": per * 2 * c.head_dim * 4,
+        "int4": per * 2 * (c.head_dim // 2 + 2 * 2 * c.head_dim // 32),
+        "int2": per * 0.75 * c.head_dim,
+    }
 
 
 @pytest.mark.parametrize("kv_quant,share", [(None, None), ("int4", None), ("triaxial", None), ("triaxial", 0.6), ("kivi2", 0.8)])
@@ -112,13 +115,40 @@ def test_capacity_bench_holds_sessions_in_proportion_to_bytes_and_renders():
     assert tokens["int4"] / tokens["float"] == pytest.approx(u["float"] / u["int4"], rel=0.02)  # 6.4x the tokens
     assert sum(foot[: held["int4"]]) <= tokens["int4"] < sum(foot[: held["int4"] + 1])  # added until full
     assert held["int4"] >= 5 * held["float"]
-    rows = [{"kind": k, "budget": budget, "pool_bytes": budget - 1, "pool_tokens": tokens[k], "sessions": held[k], "turns": 2 * held[k],
-             "prefilled": 100 * held[k], "generated": 16 * held[k], "wall_s": 2.0, "compile_s": 1.0, "programs": 3,
-             "gen_tok_s": 8.0 * held[k], "served_tok_s": 58.0 * held[k], "radix_evicted": 0, "reprefilled_turns": 0, "errors": []}
-            for k in held]
-    meta = {"model": "embedded", "command": "python -m eval.bench.capacity --model embedded", "machine": bench.machine(),
-            "jax": jax.__version__, "backend": "cpu", "threads": bench.threads(), "load_before": bench.load(),
-            "load_after": bench.load(), "budget": budget, "budget_note": "test", "workload": "test"}
+    rows = [
+        {
+            "kind": k,
+            "budget": budget,
+            "pool_bytes": budget - 1,
+            "pool_tokens": tokens[k],
+            "sessions": held[k],
+            "turns": 2 * held[k],
+            "prefilled": 100 * held[k],
+            "generated": 16 * held[k],
+            "wall_s": 2.0,
+            "compile_s": 1.0,
+            "programs": 3,
+            "gen_tok_s": 8.0 * held[k],
+            "served_tok_s": 58.0 * held[k],
+            "radix_evicted": 0,
+            "reprefilled_turns": 0,
+            "errors": [],
+        }
+        for k in held
+    ]
+    meta = {
+        "model": "embedded",
+        "command": "python -m eval.bench.capacity --model embedded",
+        "machine": bench.machine(),
+        "jax": jax.__version__,
+        "backend": "cpu",
+        "threads": bench.threads(),
+        "load_before": bench.load(),
+        "load_after": bench.load(),
+        "budget": budget,
+        "budget_note": "test",
+        "workload": "test",
+    }
     text = bench.render_report(meta, rows)
     assert "| float |" in text and "| int4 |" in text and "python -m eval.bench.capacity --model embedded" in text
     assert f"{held['int4'] / held['float']:.2f}x" in text and "Goal (issue #60)" in text

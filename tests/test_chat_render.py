@@ -44,7 +44,7 @@ QWEN25_TEMPLATE = (
     "{%- for m in messages %}"
     "{%- if m.role == 'user' or (m.role == 'system' and not loop.first) %}<|im_start|>{{ m.role }}\n{{ m.content }}<|im_end|>\n"
     "{%- elif m.role == 'assistant' %}<|im_start|>assistant{% if m.content %}\n{{ m.content }}{% endif %}"
-    "{%- for c in m.tool_calls or [] %}\n<tool_call>\n{\"name\": \"{{ c.function.name }}\", \"arguments\": {{ c.function.arguments | tojson }}}\n</tool_call>{% endfor %}<|im_end|>\n"
+    '{%- for c in m.tool_calls or [] %}\n<tool_call>\n{"name": "{{ c.function.name }}", "arguments": {{ c.function.arguments | tojson }}}\n</tool_call>{% endfor %}<|im_end|>\n'
     "{%- elif m.role == 'tool' %}{% if loop.first or messages[loop.index0 - 1].role != 'tool' %}{{ '<|im_start|>user' }}{% endif %}{{ '\\n' }}"
     "<tool_response>\n{{ m.content }}\n</tool_response>"
     "{% if loop.last or messages[loop.index0 + 1].role != 'tool' %}<|im_end|>\n{% endif %}"
@@ -132,10 +132,13 @@ def test_qwen25_layout():
         ([{"content": "Hi"}], None, "unknown role"),
         (["Hi"], None, "not a mapping"),
         ([{"role": "user", "content": "Hi"}, {"role": "assistant", "tool_calls": CALL}], None, "must be a list"),
-        ([{"role": "user", "content": "Hi"}, {"role": "assistant", "tool_calls": [{"function": {"arguments": {}}}]}], None, "function name"),
         (
-            [{"role": "user", "content": "Hi"},
-             {"role": "assistant", "tool_calls": [{"function": {"name": "rm_rf", "arguments": 3}}]}],
+            [{"role": "user", "content": "Hi"}, {"role": "assistant", "tool_calls": [{"function": {"arguments": {}}}]}],
+            None,
+            "function name",
+        ),
+        (
+            [{"role": "user", "content": "Hi"}, {"role": "assistant", "tool_calls": [{"function": {"name": "rm_rf", "arguments": 3}}]}],
             TOOLS,
             "rm_rf",
         ),
@@ -152,8 +155,7 @@ def test_a_call_to_a_tool_not_offered_renders_and_is_tagged(tok, tools):
     """Models call tools they were not offered; the history still renders, and the
     call is tagged like any other (ACT), its result like any other (TOOL)."""
     call = {"type": "function", "function": {"name": "rm_rf", "arguments": {"city": "Paris"}}}
-    messages = [{"role": "user", "content": "Hi"}, {"role": "assistant", "tool_calls": [call]},
-                {"role": "tool", "content": "sunny"}]
+    messages = [{"role": "user", "content": "Hi"}, {"role": "assistant", "tool_calls": [call]}, {"role": "tool", "content": "sunny"}]
     r = render(tok, messages, tools=tools)
     p = [tok.convert_ids_to_tokens(int(i)) for i in r.ids]
     at = p.index("<tool_call>", p.index("assistant"))
@@ -183,7 +185,9 @@ def test_calls_in_the_history_render_as_text_where_the_template_drops_tool_calls
         r = render(tokenizer, history)
         assistant = r.text.split("<|im_start|>assistant\n")[1].split("<|im_end|>")[0]
         assert assistant == '<tool_call>{"name": "get_weather", "arguments": {"city": "Paris"}}</tool_call>'
-        assert parse_assistant(assistant)["tool_calls"] == [{"type": "function", "function": {"name": "get_weather", "arguments": '{"city": "Paris"}'}}]
+        assert parse_assistant(assistant)["tool_calls"] == [
+            {"type": "function", "function": {"name": "get_weather", "arguments": '{"city": "Paris"}'}}
+        ]
         kept = render(tokenizer, history, keep_reasoning=True).text
         assert "<think>\nhmm\n</think>\n<tool_call>" in kept
     p = pieces(plain, render(plain, history))

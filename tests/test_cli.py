@@ -15,8 +15,16 @@ def chat_model_dir(tmp_path_factory):
     folder = tmp_path_factory.mktemp("chat_model")
     tok = build_tokenizer("hello world how are you".split())
     cfg = ModelConfig(
-        model_type="qwen3", vocab_size=len(tok), hidden_size=32, intermediate_size=64, num_layers=2,
-        num_heads=2, num_kv_heads=1, head_dim=16, qk_norm=True, max_position_embeddings=256,
+        model_type="qwen3",
+        vocab_size=len(tok),
+        hidden_size=32,
+        intermediate_size=64,
+        num_layers=2,
+        num_heads=2,
+        num_kv_heads=1,
+        head_dim=16,
+        qk_norm=True,
+        max_position_embeddings=256,
         eos_token_ids=(tok.convert_tokens_to_ids("<|im_end|>"),),
     )
     jaxkv.save_pretrained(jaxkv.model_from_config(cfg, seed=1, tokenizer=tok), folder)

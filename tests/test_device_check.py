@@ -135,7 +135,8 @@ def test_ragged_rows_report_their_share_of_the_matmul_rate():
     assert f"ragged prefill (Llama-3-8B, 8192 tokens in 2048-token chunks) at {rate * 1e-12:.0f} TFLOP/s" in text
     # the decode table keeps its own rows only
     assert [r["kernel"] for r in device_report._rows(results, "attention")] == [
-        r["kernel"] for r in results["parts"]["attention"]["rows"] if "table" not in r]
+        r["kernel"] for r in results["parts"]["attention"]["rows"] if "table" not in r
+    ]
 
 
 def test_ragged_costs_count_a_causal_prompt():

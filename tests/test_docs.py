@@ -24,8 +24,14 @@ ROOT = Path(__file__).resolve().parent.parent
 
 def build(config: Path, site: Path) -> subprocess.CompletedProcess:
     env = dict(os.environ, NO_MKDOCS_2_WARNING="1", PYTHONPATH=str(ROOT))
-    return subprocess.run([sys.executable, "-m", "mkdocs", "build", "--strict", "-f", str(config), "-d", str(site)],
-                          cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+    return subprocess.run(
+        [sys.executable, "-m", "mkdocs", "build", "--strict", "-f", str(config), "-d", str(site)],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
 
 
 def test_docs_build_strict(tmp_path):
@@ -34,8 +40,19 @@ def test_docs_build_strict(tmp_path):
     home = (tmp_path / "site" / "index.html").read_text()
     assert "radix prefix cache" in home and 'href="architecture.html"' in home  # the README, its docs/ links made relative
     api = (tmp_path / "site" / "api.html").read_text()
-    public = ("load_model", "generate", "score_logits", "Session", "Session.chat", "Server", "policies.REGISTRY",
-              "errors.JaxKVError", "errors.ConfigError", "server.run.make_app", "server.run.BackgroundServer")
+    public = (
+        "load_model",
+        "generate",
+        "score_logits",
+        "Session",
+        "Session.chat",
+        "Server",
+        "policies.REGISTRY",
+        "errors.JaxKVError",
+        "errors.ConfigError",
+        "server.run.make_app",
+        "server.run.BackgroundServer",
+    )
     missing = [name for name in public if f'id="jaxkv.{name}"' not in api]
     assert not missing, f"the API reference has no entry for {missing}"
 

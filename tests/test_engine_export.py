@@ -37,8 +37,18 @@ DEVICE_KINDS = ("TPU v5 lite", "TPU v6 lite")
 sds = jax.ShapeDtypeStruct
 i32 = jnp.int32
 # A small Qwen3 with the shapes production kernels use: head_dim 128, GQA 4.
-CFG = ModelConfig(model_type="qwen3", vocab_size=1024, hidden_size=256, intermediate_size=384, num_layers=2,
-                  num_heads=8, num_kv_heads=2, head_dim=128, qk_norm=True, max_position_embeddings=4096)
+CFG = ModelConfig(
+    model_type="qwen3",
+    vocab_size=1024,
+    hidden_size=256,
+    intermediate_size=384,
+    num_layers=2,
+    num_heads=8,
+    num_kv_heads=2,
+    head_dim=128,
+    qk_norm=True,
+    max_position_embeddings=4096,
+)
 B, T, N_STEPS, SLOTS, ROWS, POSITIONS = 4, 128, 16, 4097, 4, 1024
 
 
@@ -46,20 +56,49 @@ def _abstract_args(mesh=None):
     """Abstract (shape, dtype, sharding) arguments of both steps for a bf16 model."""
     graphdef, params = nnx.split(nnx.eval_shape(lambda: Transformer(CFG, jnp.bfloat16, rngs=nnx.Rngs(0))))
     pure = jax.tree_util.tree_map_with_path(
-        lambda path, x: sds(x.shape, x.dtype, sharding=None if mesh is None else
-                            NamedSharding(mesh, sharding.weight_spec(tuple(k.key for k in path)))),
+        lambda path, x: sds(
+            x.shape, x.dtype, sharding=None if mesh is None else NamedSharding(mesh, sharding.weight_spec(tuple(k.key for k in path)))
+        ),
         nnx.to_pure_dict(params),
     )
     nnx.replace_by_pure_dict(params, pure)
-    cache = jax.eval_shape(lambda: PagedKVCache.create(num_layers=CFG.num_layers, num_slots=SLOTS, num_kv_heads=CFG.num_kv_heads,
-                                                       head_dim=CFG.head_dim, rows=ROWS, positions=POSITIONS, dtype=jnp.bfloat16))
+    cache = jax.eval_shape(
+        lambda: PagedKVCache.create(
+            num_layers=CFG.num_layers,
+            num_slots=SLOTS,
+            num_kv_heads=CFG.num_kv_heads,
+            head_dim=CFG.head_dim,
+            rows=ROWS,
+            positions=POSITIONS,
+            dtype=jnp.bfloat16,
+        )
+    )
     if mesh is not None:
         cache = jax.tree.map(lambda x, s: sds(x.shape, x.dtype, sharding=s), cache, cache_sharding(cache, mesh))
     samplers = RowSamplers(sds((B,), jnp.float32), sds((B,), i32), sds((B,), jnp.float32))
-    step = StepBatch(sds((T,), i32), sds((T,), i32), sds((T,), i32), sds((B,), i32), sds((B,), i32), sds((B,), i32),
-                     sds((B, 2), jnp.uint32), sds((B,), i32), samplers, sds((T,), i32))
-    decode = DecodeBatch(sds((B,), i32), sds((B,), i32), sds((B,), i32), sds((B, N_STEPS), i32), sds((B, 1), i32),
-                         sds((B, 2), jnp.uint32), sds((B,), i32), samplers, sds((B, N_STEPS), i32))
+    step = StepBatch(
+        sds((T,), i32),
+        sds((T,), i32),
+        sds((T,), i32),
+        sds((B,), i32),
+        sds((B,), i32),
+        sds((B,), i32),
+        sds((B, 2), jnp.uint32),
+        sds((B,), i32),
+        samplers,
+        sds((T,), i32),
+    )
+    decode = DecodeBatch(
+        sds((B,), i32),
+        sds((B,), i32),
+        sds((B,), i32),
+        sds((B, N_STEPS), i32),
+        sds((B, 1), i32),
+        sds((B, 2), jnp.uint32),
+        sds((B,), i32),
+        samplers,
+        sds((B, N_STEPS), i32),
+    )
     return graphdef, params, cache, step, decode
 
 
@@ -68,9 +107,11 @@ def _export_steps(platform, backend, mesh=None, capture_q=False):
     attention = select_backend(FloatLayers(), backend)
     outputs = Outputs(logits="last", query_rows=capture_q)
     exported_step = jax.export.export(run_step, platforms=[platform])(
-        graphdef, params, cache, step, backend=attention, mesh=mesh, outputs=outputs)
+        graphdef, params, cache, step, backend=attention, mesh=mesh, outputs=outputs
+    )
     exported_decode = jax.export.export(run_decode, platforms=[platform])(
-        graphdef, params, cache, decode, backend=attention, n_steps=N_STEPS, mesh=mesh, outputs=Outputs(query_rows=capture_q))
+        graphdef, params, cache, decode, backend=attention, n_steps=N_STEPS, mesh=mesh, outputs=Outputs(query_rows=capture_q)
+    )
     return exported_step, exported_decode
 
 
@@ -136,14 +177,20 @@ def test_features_export_for_tpu():
     assert exported_decode.out_avals[-1].shape == (N_STEPS, CFG.num_layers, B, CFG.num_heads, CFG.head_dim)  # every fed token's
 
 
-@pytest.mark.parametrize("platform,backend,device_kind", [("tpu", "tpu", DEVICE_KINDS[0]), ("tpu", "tpu", DEVICE_KINDS[1]), ("cuda", "reference", None)])
+@pytest.mark.parametrize(
+    "platform,backend,device_kind", [("tpu", "tpu", DEVICE_KINDS[0]), ("tpu", "tpu", DEVICE_KINDS[1]), ("cuda", "reference", None)]
+)
 def test_sharded_steps_export(platform, backend, device_kind):
     """On a 2 x 2 (dp x tp) mesh: the pool arguments are donated and split by KV head,
     the attention projections and the MLP by tp; on TPU the kernel runs per device."""
     if platform == "tpu":
         mesh = _tpu_mesh(device_kind, (2, 2), (sharding.DP, sharding.TP))
     else:
-        mesh = AbstractMesh((2, 2), (sharding.DP, sharding.TP), abstract_device=AbstractDevice(device_kind="NVIDIA A100-SXM4-80GB", num_cores=None, platform="cuda"))
+        mesh = AbstractMesh(
+            (2, 2),
+            (sharding.DP, sharding.TP),
+            abstract_device=AbstractDevice(device_kind="NVIDIA A100-SXM4-80GB", num_cores=None, platform="cuda"),
+        )
     with jax.sharding.use_abstract_mesh(mesh):
         exported_prefill, exported_decode = _export_steps(platform, backend, mesh)
     _check_bf16_steps(exported_prefill, exported_decode, platform)

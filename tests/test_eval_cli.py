@@ -43,9 +43,19 @@ def smollm2_tokenizer_model_dir(tmp_path_factory, smollm2_tokenizer):
     from jaxkv.config import ModelConfig
 
     tok = smollm2_tokenizer
-    cfg = ModelConfig(model_type="qwen3", vocab_size=len(tok), hidden_size=64, intermediate_size=64, num_layers=2,
-                      num_heads=2, num_kv_heads=1, head_dim=32, qk_norm=True, max_position_embeddings=4096,
-                      eos_token_ids=(tok.convert_tokens_to_ids("<|im_end|>"),))
+    cfg = ModelConfig(
+        model_type="qwen3",
+        vocab_size=len(tok),
+        hidden_size=64,
+        intermediate_size=64,
+        num_layers=2,
+        num_heads=2,
+        num_kv_heads=1,
+        head_dim=32,
+        qk_norm=True,
+        max_position_embeddings=4096,
+        eos_token_ids=(tok.convert_tokens_to_ids("<|im_end|>"),),
+    )
     folder = tmp_path_factory.mktemp("smollm2_tokenizer_model")
     jaxkv.save_pretrained(jaxkv.model_from_config(cfg, seed=0, tokenizer=tok), folder)
     return folder
@@ -58,8 +68,29 @@ def journal(path: Path) -> list[dict]:
 @pytest.mark.parametrize("task", harness.TASKS)
 def test_every_synthetic_task_runs_from_the_command_line(task, task_model_dir, tmp_path, jaxkv_eval):
     out = tmp_path / task
-    assert jaxkv_eval("--model", task_model_dir, "--task", task, "--n", 1, "--methods", "full,snapkv", "--budgets", 256,
-                      "--layouts", "dead_slot", "--length", 600, "--max-new-tokens", 4, "--out", out) == 0
+    assert (
+        jaxkv_eval(
+            "--model",
+            task_model_dir,
+            "--task",
+            task,
+            "--n",
+            1,
+            "--methods",
+            "full,snapkv",
+            "--budgets",
+            256,
+            "--layouts",
+            "dead_slot",
+            "--length",
+            600,
+            "--max-new-tokens",
+            4,
+            "--out",
+            out,
+        )
+        == 0
+    )
     with open(out / "results.csv") as f:
         rows = list(csv.DictReader(f))
     assert sorted(r["method"] for r in rows) == ["full", "snapkv"] and {r["task"] for r in rows} == {task}
@@ -72,8 +103,28 @@ def test_every_real_model_task_runs_from_the_command_line(task, smollm2_tokenize
     (and the accuracy plot, for a retrieval task) beside the journal."""
     context = 384 if task == "multiq" else 256  # six facts and their distractors need room
     short = ("--max-new-tokens", 8) if task == "multiq" else ()  # six greedy replies per cell
-    assert jaxkv_eval("--model", smollm2_tokenizer_model_dir, "--task", task, "--n", 1, "--context", context,
-                      "--methods", "snapkv", "--ratios", 0.5, "--settings", "agnostic", "--out", tmp_path, *short) == 0
+    assert (
+        jaxkv_eval(
+            "--model",
+            smollm2_tokenizer_model_dir,
+            "--task",
+            task,
+            "--n",
+            1,
+            "--context",
+            context,
+            "--methods",
+            "snapkv",
+            "--ratios",
+            0.5,
+            "--settings",
+            "agnostic",
+            "--out",
+            tmp_path,
+            *short,
+        )
+        == 0
+    )
     (record,) = journal(tmp_path / "examples.jsonl")
     assert record["task"] == task or (task == "niah" and record["task"].startswith("niah_"))  # niah: the variants in turn
     assert record["setting"] == "agnostic" and record["context"] == context
@@ -100,8 +151,27 @@ def test_a_real_model_task_with_kv_formats_writes_the_quant_journal(smollm2_toke
     """``--kv-quant`` (the harness's modes, ``none`` dropped) runs the full cache on
     the float pool and on each format: the run that crashed with ``'Namespace' object
     has no attribute 'journal'``."""
-    assert jaxkv_eval("--model", smollm2_tokenizer_model_dir, "--task", "passkey", "--n", 1, "--context", 256,
-                      "--methods", "full", "--kv-quant", "none,int4", "--settings", "agnostic", "--out", tmp_path) == 0
+    assert (
+        jaxkv_eval(
+            "--model",
+            smollm2_tokenizer_model_dir,
+            "--task",
+            "passkey",
+            "--n",
+            1,
+            "--context",
+            256,
+            "--methods",
+            "full",
+            "--kv-quant",
+            "none,int4",
+            "--settings",
+            "agnostic",
+            "--out",
+            tmp_path,
+        )
+        == 0
+    )
     (record,) = journal(tmp_path / "quant.jsonl")
     assert list(record["cells"]) == ["full", "kv:int4"] and record["setup"]["kv_quant"] == ["int4"]
     assert not (tmp_path / "examples.jsonl").exists()
@@ -115,8 +185,27 @@ def test_a_repair_run_uses_the_method_and_ratio_it_names(smollm2_tokenizer_model
     """``--repair-ks K`` with one ``--methods`` and one ``--ratios`` runs RepairKV's trio
     for that method at that ratio (it ran snapkv at 0.5 whatever was named), and the
     report has its cells."""
-    assert jaxkv_eval("--model", smollm2_tokenizer_model_dir, "--task", "passkey", "--n", 1, "--context", 256,
-                      "--methods", "keydiff", "--ratios", 0.25, "--repair-ks", 8, "--out", tmp_path) == 0
+    assert (
+        jaxkv_eval(
+            "--model",
+            smollm2_tokenizer_model_dir,
+            "--task",
+            "passkey",
+            "--n",
+            1,
+            "--context",
+            256,
+            "--methods",
+            "keydiff",
+            "--ratios",
+            0.25,
+            "--repair-ks",
+            8,
+            "--out",
+            tmp_path,
+        )
+        == 0
+    )
     (record,) = journal(tmp_path / "sessions.jsonl")
     assert set(record["cells"]) == {"session:keydiff@0.25", "repairkv8:keydiff@0.25", "matched8:keydiff@0.25"}
     assert "repairkv8:keydiff" in (tmp_path / "results.md").read_text()
@@ -124,11 +213,13 @@ def test_a_repair_run_uses_the_method_and_ratio_it_names(smollm2_tokenizer_model
 
 def test_real_model_tasks_refuse_what_they_cannot_use(smollm2_tokenizer_model_dir, tmp_path, jaxkv_eval, capsys):
     base = ("--model", smollm2_tokenizer_model_dir, "--n", 1, "--out", tmp_path)
-    for argv, message in ((("--task", "passkey", "--layouts", "compact"), "--layouts"),
-                          (("--task", "passkey,agent"), "runs alone"),
-                          (("--task", "passkey", "--repair-ks", "8,16"), "one repair budget"),
-                          (("--task", "passkey", "--repair-ks", "8", "--methods", "snapkv,tova"), "one method at one ratio"),
-                          (("--task", "passkey", "--kv-quant", "int3"), "unknown kv_quant")):
+    for argv, message in (
+        (("--task", "passkey", "--layouts", "compact"), "--layouts"),
+        (("--task", "passkey,agent"), "runs alone"),
+        (("--task", "passkey", "--repair-ks", "8,16"), "one repair budget"),
+        (("--task", "passkey", "--repair-ks", "8", "--methods", "snapkv,tova"), "one method at one ratio"),
+        (("--task", "passkey", "--kv-quant", "int3"), "unknown kv_quant"),
+    ):
         assert jaxkv_eval(*base, *argv) == 2, argv
         assert message in capsys.readouterr().err, argv
     with pytest.raises(ConfigError, match="pretrained"):
@@ -140,8 +231,27 @@ def test_real_model_tasks_refuse_what_they_cannot_use(smollm2_tokenizer_model_di
 def test_the_reported_command_runs_on_smollm2_by_name(smollm2_gguf, tmp_path, jaxkv_eval):
     """Issue #62's command, shortened (``--n 1``, a 256-token request, one setting):
     SmolLM2 by name, its shipped TriAxialKV calibration."""
-    assert jaxkv_eval("--model", "smollm2-135m-instruct", "--task", "passkey", "--methods", "full", "--kv-quant", "triaxial",
-                      "--n", 1, "--context", 256, "--settings", "agnostic", "--out", tmp_path) == 0
+    assert (
+        jaxkv_eval(
+            "--model",
+            "smollm2-135m-instruct",
+            "--task",
+            "passkey",
+            "--methods",
+            "full",
+            "--kv-quant",
+            "triaxial",
+            "--n",
+            1,
+            "--context",
+            256,
+            "--settings",
+            "agnostic",
+            "--out",
+            tmp_path,
+        )
+        == 0
+    )
     (record,) = journal(tmp_path / "quant.jsonl")
     assert list(record["cells"]) == ["full", "kv:triaxial"]
     assert record["cells"]["kv:triaxial"]["kv"]["int2"] + record["cells"]["kv:triaxial"]["kv"]["int4"] > 0

@@ -53,8 +53,9 @@ def test_the_one_bootstrap_reproduces_every_former_copy(n, seed):
 
     fa = [{"tokens": int(t), "dnll": float(d)} for t, d in zip(rng.integers(1, 40, n), rng.normal(0.2, 0.5, n))]
     fb = [{"tokens": int(t), "dnll": float(d)} for t, d in zip(rng.integers(1, 40, n), rng.normal(0.1, 0.5, n))]
-    got = stats.paired_ratio_difference(*(np.asarray([f[k] for f in x], np.float64) for x, k in
-                                          ((fa, "dnll"), (fa, "tokens"), (fb, "dnll"), (fb, "tokens"))), seed=seed)
+    got = stats.paired_ratio_difference(
+        *(np.asarray([f[k] for f in x], np.float64) for x, k in ((fa, "dnll"), (fa, "tokens"), (fb, "dnll"), (fb, "tokens"))), seed=seed
+    )
     np.testing.assert_equal(got, old_paired_nll_difference(fa, fb, seed=seed))
 
     x = rng.normal(0.0, 1.0, n)

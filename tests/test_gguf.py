@@ -102,8 +102,9 @@ def tiny_qtype(hf_name: str, arr: np.ndarray):
     return Q8_0 if ("self_attn" in hf_name or hf_name == "lm_head.weight") else F16
 
 
-def write_tiny_gguf(path, arch: str, tensors: dict[str, np.ndarray], *, arch_name: str | None = None,
-                    qtype=tiny_qtype, skip=(), raw_override=None):
+def write_tiny_gguf(
+    path, arch: str, tensors: dict[str, np.ndarray], *, arch_name: str | None = None, qtype=tiny_qtype, skip=(), raw_override=None
+):
     """Write ``tensors`` (HF names) as llama.cpp's converter would: GGUF names from
     ``gguf``'s tensor-name map, llama's q/k rows permuted, the architecture's metadata.
     ``raw_override``: GGUF name -> (bytes array, type) stored instead."""
@@ -164,7 +165,11 @@ def test_tiny_gguf_logits_match_transformers(tiny_files, arch):
     ours = jaxkv.load_model(path)
     cfg = ours.config
     assert (cfg.model_type, cfg.qkv_bias, cfg.qk_norm, cfg.tie_word_embeddings) == (
-        arch, arch == "qwen2", arch == "qwen3", TINY[arch]["tied"])
+        arch,
+        arch == "qwen2",
+        arch == "qwen3",
+        TINY[arch]["tied"],
+    )
     # The tensors are the original ones back (Q8_0 / F16 round-off aside): names, layout, q/k rows.
     ckpt = read_gguf(path, load_tokenizer=False)
     assert set(ckpt.tensors) == set(original)
@@ -201,6 +206,7 @@ def test_gguf_folder_and_mesh(tiny_files, tmp_path):
 @pytest.fixture
 def nothing_built(monkeypatch):
     """Fails the test if a module is built."""
+
     def refuse(*args, **kwargs):
         raise AssertionError("build_module was called")
 
@@ -231,8 +237,9 @@ def test_unsupported_tensor_type_raises_typed_error(tmp_path, nothing_built):
     assert not dequantizable(gguf.GGMLQuantizationType.Q8_1)
     block, size = gguf.GGML_QUANT_SIZES[gguf.GGMLQuantizationType.Q8_1]
     raw = np.zeros((96, 64 // block * size), np.uint8)  # ffn_up: 96 rows of 64
-    path = write_tiny_gguf(tmp_path / "x.gguf", "qwen2", tiny_hf_tensors("qwen2"),
-                           raw_override={"blk.1.ffn_up.weight": (raw, gguf.GGMLQuantizationType.Q8_1)})
+    path = write_tiny_gguf(
+        tmp_path / "x.gguf", "qwen2", tiny_hf_tensors("qwen2"), raw_override={"blk.1.ffn_up.weight": (raw, gguf.GGMLQuantizationType.Q8_1)}
+    )
     with pytest.raises(jaxkv.UnsupportedTensorTypeError, match=r"blk\.1\.ffn_up\.weight \(Q8_1\).*supported:.*Q4_K"):
         jaxkv.load_model(path)
 
@@ -259,9 +266,21 @@ def test_smollm2_config_from_metadata(smollm2, smollm2_gguf):
     assert (cfg.rope.theta, cfg.tie_word_embeddings, cfg.max_position_embeddings) == (1e5, True, 8192)
     theirs = smollm2[1].config.to_dict()
     ours = read_gguf(smollm2_gguf, load_tokenizer=False, lazy=True).hf_config
-    for key in ("model_type", "vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
-                "num_key_value_heads", "head_dim", "rms_norm_eps", "max_position_embeddings", "tie_word_embeddings",
-                "bos_token_id", "eos_token_id"):
+    for key in (
+        "model_type",
+        "vocab_size",
+        "hidden_size",
+        "intermediate_size",
+        "num_hidden_layers",
+        "num_attention_heads",
+        "num_key_value_heads",
+        "head_dim",
+        "rms_norm_eps",
+        "max_position_embeddings",
+        "tie_word_embeddings",
+        "bos_token_id",
+        "eos_token_id",
+    ):
         assert ours[key] == theirs[key], key
     assert ours["rope_parameters"]["rope_theta"] == theirs["rope_parameters"]["rope_theta"]
 
@@ -281,12 +300,13 @@ def test_smollm2_greedy_64_tokens_match_transformers(smollm2):
     transformers' own greedy decoding emits exactly these 64 tokens (by induction on
     i), at the cost of one forward instead of 64 decode steps on a 2-core CPU."""
     ours, ref, tok = smollm2
-    prompt = tok.apply_chat_template([{"role": "user", "content": "Write a short poem about the sea."}],
-                                     add_generation_prompt=True, tokenize=False)
+    prompt = tok.apply_chat_template(
+        [{"role": "user", "content": "Write a short poem about the sea."}], add_generation_prompt=True, tokenize=False
+    )
     ids = tok(prompt, add_special_tokens=False)["input_ids"]
     mine = jaxkv.generate(ours, [ids], max_new_tokens=64)[0]
     assert len(mine) == 64
-    theirs = hf_logits(ref, ids + mine[:-1])[len(ids) - 1:].argmax(-1).tolist()
+    theirs = hf_logits(ref, ids + mine[:-1])[len(ids) - 1 :].argmax(-1).tolist()
     assert mine == theirs
 
 
@@ -301,8 +321,12 @@ def test_smollm2_tokenizer_and_chat_template(smollm2):
     assert [mine.decode([i]) for i in mine("12345", add_special_tokens=False)["input_ids"]] == list("12345")  # digits split one by one
     assert mine.decode(ids) == text
     assert mine.chat_template == tok.chat_template and "<|im_start|>" in mine.chat_template
-    messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi 42"},
-                {"role": "assistant", "content": "Hello!"}, {"role": "user", "content": "Why?"}]
+    messages = [
+        {"role": "system", "content": "Be brief."},
+        {"role": "user", "content": "Hi 42"},
+        {"role": "assistant", "content": "Hello!"},
+        {"role": "user", "content": "Why?"},
+    ]
     from jaxkv.chat.render import render
 
     rendered = render(mine, messages)
@@ -323,8 +347,10 @@ def test_a_converted_tokenizer_is_cached_per_file_and_converter(tmp_path, monkey
     monkeypatch.setenv("JAXKV_CACHE", str(tmp_path / "cache"))
     path = tmp_path / "model.gguf"
     path.write_bytes(b"not read: the reader below stands in for the file's metadata")
-    fields = {gguf.Keys.Tokenizer.MODEL: SimpleNamespace(contents=lambda: "gpt2"),
-              gguf.Keys.Tokenizer.CHAT_TEMPLATE: SimpleNamespace(contents=lambda: "{{ messages[0]['content'] }}")}
+    fields = {
+        gguf.Keys.Tokenizer.MODEL: SimpleNamespace(contents=lambda: "gpt2"),
+        gguf.Keys.Tokenizer.CHAT_TEMPLATE: SimpleNamespace(contents=lambda: "{{ messages[0]['content'] }}"),
+    }
     reader = SimpleNamespace(get_field=fields.get)
     converted = tiny_chat_model().tokenizer
     conversions = []

@@ -20,8 +20,7 @@ import pytest
 pytest.importorskip("triton")
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
-KERNELS = {"decode_float_tokens", "decode_int4_tokens", "decode_int2_pages", "rope_delta_rows", "quantize_int4_rows",
-           "ragged_query_tiles"}
+KERNELS = {"decode_float_tokens", "decode_int4_tokens", "decode_int2_pages", "rope_delta_rows", "quantize_int4_rows", "ragged_query_tiles"}
 
 
 @pytest.fixture(scope="module")

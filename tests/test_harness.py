@@ -14,11 +14,28 @@ from train import replay
 
 def test_harness_writes_csv_markdown_and_plots(task_model_dir, tmp_path, capsys):
     out = tmp_path / "run"
-    args = harness.build_parser().parse_args([
-        "--model", str(task_model_dir), "--task", "mqniah", "--methods", "full,snapkv,oldest",
-        "--budgets", "200,400", "--layouts", "dead_slot,compact", "--n", "1", "--length", "600",
-        "--max-new-tokens", "4", "--out", str(out),
-    ])
+    args = harness.build_parser().parse_args(
+        [
+            "--model",
+            str(task_model_dir),
+            "--task",
+            "mqniah",
+            "--methods",
+            "full,snapkv,oldest",
+            "--budgets",
+            "200,400",
+            "--layouts",
+            "dead_slot,compact",
+            "--n",
+            "1",
+            "--length",
+            "600",
+            "--max-new-tokens",
+            "4",
+            "--out",
+            str(out),
+        ]
+    )
     rows = harness.run(args)
     assert len(rows) == 1 + 2 * 2 * 2  # full once + 2 methods x 2 budgets x 2 layouts
     with open(out / "results.csv") as f:
@@ -49,12 +66,32 @@ def test_harness_rejects_bad_arguments(task_model_dir, tmp_path):
 
 def test_harness_repair_cells_and_matched_budget(task_model_dir, tmp_path):
     out = tmp_path / "repair"
-    args = harness.build_parser().parse_args([
-        "--model", str(task_model_dir), "--task", "mqniah", "--methods", "snapkv",
-        "--budgets", "200", "--layouts", "dead_slot", "--n", "2", "--length", "600",
-        "--max-new-tokens", "4", "--repair-ks", "8,16", "--repair-policies", "repairkv,wrongq",
-        "--out", str(out),
-    ])
+    args = harness.build_parser().parse_args(
+        [
+            "--model",
+            str(task_model_dir),
+            "--task",
+            "mqniah",
+            "--methods",
+            "snapkv",
+            "--budgets",
+            "200",
+            "--layouts",
+            "dead_slot",
+            "--n",
+            "2",
+            "--length",
+            "600",
+            "--max-new-tokens",
+            "4",
+            "--repair-ks",
+            "8,16",
+            "--repair-policies",
+            "repairkv,wrongq",
+            "--out",
+            str(out),
+        ]
+    )
     rows = harness.run(args)
     by = {(r["repair_policy"], r["repair_k"]): r for r in rows}
     assert by[("none", 0)]["budget"] == 200
@@ -68,10 +105,29 @@ def test_harness_repair_cells_and_matched_budget(task_model_dir, tmp_path):
 
 
 def _grid_args(model_dir, out, *extra):
-    return harness.build_parser().parse_args([
-        "--model", str(model_dir), "--task", "mqniah", "--methods", "full,snapkv", "--budgets", "200,400",
-        "--layouts", "dead_slot", "--n", "1", "--length", "600", "--max-new-tokens", "4", "--out", str(out), *extra,
-    ])
+    return harness.build_parser().parse_args(
+        [
+            "--model",
+            str(model_dir),
+            "--task",
+            "mqniah",
+            "--methods",
+            "full,snapkv",
+            "--budgets",
+            "200,400",
+            "--layouts",
+            "dead_slot",
+            "--n",
+            "1",
+            "--length",
+            "600",
+            "--max-new-tokens",
+            "4",
+            "--out",
+            str(out),
+            *extra,
+        ]
+    )
 
 
 def _without_wall(rows):
@@ -113,17 +169,30 @@ def test_harness_resume_skips_recorded_cells_and_workers_agree(task_model_dir, t
 
 def _row(method, budget, correct, scored=None):
     scored = scored or [2] * len(correct)
-    return {"method": method, "budget": budget, "layout": "dead_slot" if budget != "-" else "-", "task": "agent",
-            "repair_policy": "none", "accuracy": sum(correct) / sum(scored), "peak_request_tokens": 10.0,
-            "peak_live_kv": 5.0, "raw_kv_reads": 100.0, "effective_kv_reads": 50.0,
-            replay.PER_EXAMPLE: {"correct": correct, "scored": scored}}
+    return {
+        "method": method,
+        "budget": budget,
+        "layout": "dead_slot" if budget != "-" else "-",
+        "task": "agent",
+        "repair_policy": "none",
+        "accuracy": sum(correct) / sum(scored),
+        "peak_request_tokens": 10.0,
+        "peak_live_kv": 5.0,
+        "raw_kv_reads": 100.0,
+        "effective_kv_reads": 50.0,
+        replay.PER_EXAMPLE: {"correct": correct, "scored": scored},
+    }
 
 
 def test_compare_to_best_baseline_pairs_examples_and_never_picks_a_learned_method():
     n = 40
     rows = [_row("full", "-", [2] * n)]
-    rows += [_row("snapkv", 100, [1] * n), _row("h2o", 100, [1] * (n // 2) + [0] * (n // 2)),
-             _row("intentkv", 100, [2] * n), _row("intentkv_no_xattn", 100, [1] * n)]
+    rows += [
+        _row("snapkv", 100, [1] * n),
+        _row("h2o", 100, [1] * (n // 2) + [0] * (n // 2)),
+        _row("intentkv", 100, [2] * n),
+        _row("intentkv_no_xattn", 100, [1] * n),
+    ]
     (col,) = harness.comparison(rows, "agent", "best", focus="intentkv")
     assert col["reference"]["method"] == "snapkv"  # the most accurate baseline; intentkv is never one
     by = {e["row"]["method"]: e for e in col["entries"]}
@@ -157,10 +226,28 @@ def test_a_cell_without_reuse_keeps_its_journal_key_from_before_the_reuse_field(
 
 def test_harness_kv_quant_axis_and_columns(quant_model_dir, tmp_path):
     out = tmp_path / "quant"
-    args = harness.build_parser().parse_args([
-        "--model", str(quant_model_dir), "--task", "mqniah", "--methods", "full", "--n", "1", "--length", "300",
-        "--max-new-tokens", "4", "--kv-quant", "none,int4,triaxial", "--kv-bits", "2.0,4.0", "--out", str(out),
-    ])
+    args = harness.build_parser().parse_args(
+        [
+            "--model",
+            str(quant_model_dir),
+            "--task",
+            "mqniah",
+            "--methods",
+            "full",
+            "--n",
+            "1",
+            "--length",
+            "300",
+            "--max-new-tokens",
+            "4",
+            "--kv-quant",
+            "none,int4,triaxial",
+            "--kv-bits",
+            "2.0,4.0",
+            "--out",
+            str(out),
+        ]
+    )
     rows = harness.run(args)
     assert [(r["kv_quant"], r["kv_bits"]) for r in rows] == [("none", "-"), ("int4", "-"), ("triaxial", 2.0), ("triaxial", 4.0)]
     by = {(r["kv_quant"], r["kv_bits"]): r for r in rows}
@@ -184,10 +271,29 @@ def test_fidelity_of_a_quantized_pool_counts_every_reply_against_the_float_pool(
     first prefill on, no compression event needed), and the KV-precision table
     gives its NLL increase with a paired interval."""
     out = tmp_path / "quant-fid"
-    args = harness.build_parser().parse_args([
-        "--model", str(quant_model_dir), "--task", "agent", "--methods", "full", "--n", "1", "--length", "300",
-        "--max-new-tokens", "4", "--kv-quant", "int4,none", "--fidelity", "--accuracy", "teacher", "--out", str(out),
-    ])
+    args = harness.build_parser().parse_args(
+        [
+            "--model",
+            str(quant_model_dir),
+            "--task",
+            "agent",
+            "--methods",
+            "full",
+            "--n",
+            "1",
+            "--length",
+            "300",
+            "--max-new-tokens",
+            "4",
+            "--kv-quant",
+            "int4,none",
+            "--fidelity",
+            "--accuracy",
+            "teacher",
+            "--out",
+            str(out),
+        ]
+    )
     rows = harness.run(args)
     by = {r["kv_quant"]: r for r in rows}
     assert by["none"]["nll_increase"] == "-" and by["int4"]["completion"] == 1.0
@@ -218,10 +324,29 @@ def test_fidelity_compares_each_cell_with_the_full_cache_after_its_events(task_m
     """--fidelity: the full cell runs first and writes its references; a compressing
     cell reports the NLL increase and KL on the turns after its first event."""
     out = tmp_path / "fid"
-    args = harness.build_parser().parse_args([
-        "--model", str(task_model_dir), "--task", "agent", "--methods", "snapkv,full", "--budgets", "150,100000",
-        "--layouts", "dead_slot", "--n", "1", "--length", "600", "--max-new-tokens", "4", "--fidelity", "--out", str(out),
-    ])
+    args = harness.build_parser().parse_args(
+        [
+            "--model",
+            str(task_model_dir),
+            "--task",
+            "agent",
+            "--methods",
+            "snapkv,full",
+            "--budgets",
+            "150,100000",
+            "--layouts",
+            "dead_slot",
+            "--n",
+            "1",
+            "--length",
+            "600",
+            "--max-new-tokens",
+            "4",
+            "--fidelity",
+            "--out",
+            str(out),
+        ]
+    )
     rows = harness.run(args)
     by = {(r["method"], r["budget"]): r for r in rows}
     assert by[("full", "-")]["nll_increase"] == "-" and sorted(p.name for p in (out / "fidelity").iterdir())
@@ -230,8 +355,11 @@ def test_fidelity_compares_each_cell_with_the_full_cache_after_its_events(task_m
     assert by[("snapkv", 100000)]["fidelity_tokens"] == 0  # a budget above the trace never compresses: nothing to compare
     assert "## agent: fidelity against the best baseline" in (out / "results.md").read_text()
     with pytest.raises(ValueError, match="add full"):
-        harness.run(harness.build_parser().parse_args(["--model", str(task_model_dir), "--methods", "snapkv", "--fidelity",
-                                                       "--out", str(tmp_path / "x"), "--n", "1"]))
+        harness.run(
+            harness.build_parser().parse_args(
+                ["--model", str(task_model_dir), "--methods", "snapkv", "--fidelity", "--out", str(tmp_path / "x"), "--n", "1"]
+            )
+        )
 
 
 def test_fractional_budgets_are_a_share_of_each_examples_rendered_length(task_model_dir, tmp_path):
@@ -251,19 +379,33 @@ def test_fractional_budgets_are_a_share_of_each_examples_rendered_length(task_mo
         assert replay.session_budget(300, model.tokenizer, ex, last) == 300
     # a grid with a fractional budget: test_teacher_forced_accuracy_... runs one
     with pytest.raises(ValueError, match="fractions"):
-        harness.run(harness.build_parser().parse_args(["--model", str(task_model_dir), "--out", str(tmp_path / "r2"),
-                                                       "--budgets", "0.5", "--repair-ks", "16"]))
+        harness.run(
+            harness.build_parser().parse_args(
+                ["--model", str(task_model_dir), "--out", str(tmp_path / "r2"), "--budgets", "0.5", "--repair-ks", "16"]
+            )
+        )
 
 
 def test_fidelity_differences_are_paired_over_examples_against_the_lowest_baseline():
     """The table's reference is the baseline with the lowest NLL increase; a method
     whose every example loses less than it gets a negative difference with its whole
     interval below zero; the reference against itself differs by exactly zero."""
+
     def row(method, dnll):
         fid = [{"tokens": 10, "dnll": d, "kl": abs(d)} for d in dnll]
-        return {"method": method, "task": "agent", "layout": "dead_slot", "budget": 0.5, "repair_policy": "none",
-                "reuse": "-", "accuracy": 0.5, "fidelity_tokens": 10 * len(dnll), "nll_increase": sum(dnll) / (10 * len(dnll)),
-                "kl": sum(map(abs, dnll)) / (10 * len(dnll)), replay.PER_EXAMPLE: {"fidelity": fid}}
+        return {
+            "method": method,
+            "task": "agent",
+            "layout": "dead_slot",
+            "budget": 0.5,
+            "repair_policy": "none",
+            "reuse": "-",
+            "accuracy": 0.5,
+            "fidelity_tokens": 10 * len(dnll),
+            "nll_increase": sum(dnll) / (10 * len(dnll)),
+            "kl": sum(map(abs, dnll)) / (10 * len(dnll)),
+            replay.PER_EXAMPLE: {"fidelity": fid},
+        }
 
     snap, h2o = row("snapkv", [1.0, 2.0, 3.0, 4.0]), row("h2o", [2.0, 3.0, 5.0, 6.0])
     head = row("intentkv", [0.5, 1.5, 2.0, 3.5])
@@ -299,8 +441,9 @@ def test_teacher_forced_accuracy_counts_a_turn_only_when_every_reply_token_is_th
     for i in range(4):
         wrong = rows.argmax(-1).copy()
         wrong[i] = (wrong[i] + 1) % 11
-        assert not replay.teacher_forced_match(types.SimpleNamespace(prompt_logits=prompt_logits, target_logits=target_logits,
-                                                                      target_ids=wrong))
+        assert not replay.teacher_forced_match(
+            types.SimpleNamespace(prompt_logits=prompt_logits, target_logits=target_logits, target_ids=wrong)
+        )
     assert not replay.teacher_forced_match(types.SimpleNamespace(prompt_logits=None, target_logits=None, target_ids=None))
 
     import jaxkv
@@ -312,10 +455,28 @@ def test_teacher_forced_accuracy_counts_a_turn_only_when_every_reply_token_is_th
     assert done and verdicts == [False] * len(ex.targets)  # a random model reproduces no recorded reply
     assert session.compressions and all(m.decode_steps == 0 for m in session.metrics.requests)  # nothing decoded
     session.close()
-    args = harness.build_parser().parse_args([
-        "--model", str(task_model_dir), "--task", "agent", "--methods", "full,snapkv", "--budgets", "0.5",
-        "--layouts", "dead_slot", "--n", "1", "--length", "600", "--accuracy", "teacher", "--out", str(tmp_path / "t"),
-    ])
+    args = harness.build_parser().parse_args(
+        [
+            "--model",
+            str(task_model_dir),
+            "--task",
+            "agent",
+            "--methods",
+            "full,snapkv",
+            "--budgets",
+            "0.5",
+            "--layouts",
+            "dead_slot",
+            "--n",
+            "1",
+            "--length",
+            "600",
+            "--accuracy",
+            "teacher",
+            "--out",
+            str(tmp_path / "t"),
+        ]
+    )
     rows = {r["method"]: r for r in harness.run(args)}
     assert all(r["accuracy"] == 0.0 and r["completion"] == 1.0 for r in rows.values())
     assert rows["snapkv"]["budget"] == 0.5  # a fraction of each example's length

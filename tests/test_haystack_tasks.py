@@ -52,8 +52,9 @@ def test_lengths_within_two_percent(smollm2_tokenizer, length):
 
 
 def test_needles_at_their_drawn_depths_and_values_in_the_document(smollm2_tokenizer):
-    examples = _all(smollm2_tokenizer, 1024, n_niah=6, seed=11) + niah(3, length=2048, seed=11, tokenizer=smollm2_tokenizer,
-                                                                       haystack="code")
+    examples = _all(smollm2_tokenizer, 1024, n_niah=6, seed=11) + niah(
+        3, length=2048, seed=11, tokenizer=smollm2_tokenizer, haystack="code"
+    )
     for ex in examples:
         body = ex.labels["body_start"]
         needles = ex.labels["needles"]
@@ -61,7 +62,7 @@ def test_needles_at_their_drawn_depths_and_values_in_the_document(smollm2_tokeni
         sep = 1  # one space (passkey) or newline (niah) joins units and needles
         body_chars = len(ex.document) - body - sum(nd["char_end"] - nd["char_start"] + sep for nd in needles)
         for k, nd in enumerate(needles):
-            assert ex.document[nd["char_start"]:nd["char_end"]] == _needle_text(ex, nd)
+            assert ex.document[nd["char_start"] : nd["char_end"]] == _needle_text(ex, nd)
             # the haystack text before the needle (the earlier needles excluded) over all of it
             before = nd["char_start"] - body - sum(p["char_end"] - p["char_start"] + sep for p in needles[:k])
             assert abs(before / body_chars - nd["depth"]) <= 0.02, (ex.task, k, before / body_chars, nd["depth"])
@@ -101,7 +102,7 @@ def test_needles_sit_at_the_unit_boundary_nearest_their_depth(smollm2_tokenizer)
             assert miss[j] <= miss.min() + 1e-9, (ex.task, ex.seed)
             at.setdefault(int(j), []).append(_needle_text(ex, nd))
         pieces = [p for j in range(len(units) + 1) for p in at.get(j, []) + units[j : j + 1]]
-        assert ex.document[ex.labels["body_start"]:] == sep.join(pieces), (ex.task, ex.seed)
+        assert ex.document[ex.labels["body_start"] :] == sep.join(pieces), (ex.task, ex.seed)
     drawn = sorted(ex.labels["needles"][0]["depth"] for ex in passkeys)
     assert drawn[0] < 0.3 and drawn[-1] > 0.7  # uniform draws cover the document
     assert H.haystack_units("filler") == (tuple(s.strip() for s in re.findall(r"[^.]+\.", H.PASSKEY_FILLER)), " ")

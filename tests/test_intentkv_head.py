@@ -32,8 +32,7 @@ from jaxkv.policies.intentkv import QueryMemory
 
 L, N, HQ, HKV, D = 2, 48, 4, 2, 16
 MODEL_CFG = ModelConfig(
-    model_type="qwen3", vocab_size=64, hidden_size=64, intermediate_size=64,
-    num_layers=L, num_heads=HQ, num_kv_heads=HKV, head_dim=D,
+    model_type="qwen3", vocab_size=64, hidden_size=64, intermediate_size=64, num_layers=L, num_heads=HQ, num_kv_heads=HKV, head_dim=D
 )
 ABLATIONS = ("intentkv", "intentkv_no_memory", "intentkv_no_xattn", "intentkv_no_residual")
 
@@ -89,9 +88,13 @@ def test_at_init_z_equals_s_exactly_and_training_reaches_alpha_and_the_mlp():
     labels = (rng.random((B, n)) < 0.1).astype(np.int8)
     labels[:, 0] = 1
     batch = {
-        "kbar": rng.normal(size=(B, n, D)).astype(np.float32), "s": rng.random((B, n)).astype(np.float32) / n,
-        "labels": labels, "forced": np.arange(n)[None].repeat(B, 0) >= n - 8, "valid": np.ones((B, n), bool),
-        "span": np.arange(n)[None].repeat(B, 0) >= n - 8, "mbar": rng.normal(size=(B, D)).astype(np.float32),
+        "kbar": rng.normal(size=(B, n, D)).astype(np.float32),
+        "s": rng.random((B, n)).astype(np.float32) / n,
+        "labels": labels,
+        "forced": np.arange(n)[None].repeat(B, 0) >= n - 8,
+        "valid": np.ones((B, n), bool),
+        "span": np.arange(n)[None].repeat(B, 0) >= n - 8,
+        "mbar": rng.normal(size=(B, D)).astype(np.float32),
         "norm_err": np.zeros(B, np.float32),
     }
     r = jax.vmap(lambda k, m, sp: ih.residual_scores(head.graphdef, head.params, k, m, sp))(batch["kbar"], batch["mbar"], batch["span"])
@@ -264,12 +267,14 @@ def hand_built_conversation():
         {"role": "user", "content": f"Open {', '.join(opens)} in this order, then look up v021."},
     ]
     for i, d in enumerate(opens):
-        messages.append({"role": "assistant", "content": "", "reasoning_content": "Next document.",
-                         "tool_calls": [tool_call("open", doc_id=d)]})
+        messages.append(
+            {"role": "assistant", "content": "", "reasoning_content": "Next document.", "tool_calls": [tool_call("open", doc_id=d)]}
+        )
         body = f"Document {d}: k100: v100" + (", see d013" if i == 0 else "")
         messages.append({"role": "tool", "name": "open", "content": body})
-    messages.append({"role": "assistant", "content": "", "reasoning_content": "The lookup.",
-                     "tool_calls": [tool_call("lookup", key="v021")]})
+    messages.append(
+        {"role": "assistant", "content": "", "reasoning_content": "The lookup.", "tool_calls": [tool_call("lookup", key="v021")]}
+    )
     messages.append({"role": "tool", "name": "lookup", "content": "v021: v022"})
     messages.append({"role": "assistant", "content": "Answer: v022.", "reasoning_content": "Done."})
     return messages, tools
@@ -321,7 +326,7 @@ def test_row_scores_are_what_a_session_scores_at_its_event(task_model_dir):
     assert row["turn"] == 2 and out["rows"][1]["len"] <= budget < row["len"]  # the first event is this row's
     session = Session(model, policy="intentkv_memory", budget=budget, max_positions=4096)
     turn_j = [i for i, m in enumerate(ex.messages) if m["role"] == "assistant"][2]
-    session.replay(ex.messages[:turn_j + 1], ex.tools)
+    session.replay(ex.messages[: turn_j + 1], ex.tools)
     report = session.compressions[0]
     n = row["len"]
     assert report.live_before == n
@@ -398,11 +403,38 @@ def quick_run(task_model_dir, tmp_path_factory):
 
     folder = tmp_path_factory.mktemp("ikv")
     shutil.copytree(task_model_dir, folder / "model")  # --export writes the head into this model's folder
-    intentkv_data.generate(intentkv_data.parse_args(["--out", str(folder / "data"), "--model", str(task_model_dir),
-                                                      "--quick", "--quiet", "--length-min", "1300", "--length-max", "1500"]))
-    args = intentkv_head.parse_args(["--data", str(folder / "data"), "--out", str(folder / "head"), "--quick",
-                                     "--quiet", "--lr", "3e-3", "--export", str(folder / "model" / ih.HEAD_FOLDER),
-                                     "--measure-labels", "actions,read@0.05"])
+    intentkv_data.generate(
+        intentkv_data.parse_args(
+            [
+                "--out",
+                str(folder / "data"),
+                "--model",
+                str(task_model_dir),
+                "--quick",
+                "--quiet",
+                "--length-min",
+                "1300",
+                "--length-max",
+                "1500",
+            ]
+        )
+    )
+    args = intentkv_head.parse_args(
+        [
+            "--data",
+            str(folder / "data"),
+            "--out",
+            str(folder / "head"),
+            "--quick",
+            "--quiet",
+            "--lr",
+            "3e-3",
+            "--export",
+            str(folder / "model" / ih.HEAD_FOLDER),
+            "--measure-labels",
+            "actions,read@0.05",
+        ]
+    )
     return folder, intentkv_head.train(args)
 
 
@@ -433,8 +465,22 @@ def test_a_resumed_data_run_states_the_seconds_of_every_run(quick_run, task_mode
     folder, _ = quick_run
     first = json.loads((folder / "data" / "meta.json").read_text())
     shards = sorted(p.stat().st_mtime_ns for p in (folder / "data").glob("*.npz"))
-    again = intentkv_data.generate(intentkv_data.parse_args(["--out", str(folder / "data"), "--model", str(task_model_dir),
-                                                              "--quick", "--quiet", "--length-min", "1300", "--length-max", "1500"]))
+    again = intentkv_data.generate(
+        intentkv_data.parse_args(
+            [
+                "--out",
+                str(folder / "data"),
+                "--model",
+                str(task_model_dir),
+                "--quick",
+                "--quiet",
+                "--length-min",
+                "1300",
+                "--length-max",
+                "1500",
+            ]
+        )
+    )
     assert sorted(p.stat().st_mtime_ns for p in (folder / "data").glob("*.npz")) == shards  # nothing rewritten
     assert again["seconds"] == pytest.approx(first["seconds"] + again["seconds_this_run"], abs=0.11)
     assert again["train"] == first["train"] and again["heldout"] == first["heldout"]
@@ -541,9 +587,11 @@ def test_mass_labels_are_the_top_fraction_of_each_rows_candidates_by_attention_m
     from train import intentkv_data as data
 
     # two rows of 5 and 4 positions; the first row's position 0 is forced
-    arrays = {"labels_read": np.asarray([-1, 0, 1, 0, 0, 0, 0, 1, 0], np.int8),
-              "read_mass": np.asarray([9.0, 0.1, 0.4, 0.3, 0.2, 0.5, 0.9, 0.1, 0.7], np.float32),
-              "row_offset": np.asarray([0, 5, 9])}
+    arrays = {
+        "labels_read": np.asarray([-1, 0, 1, 0, 0, 0, 0, 1, 0], np.int8),
+        "read_mass": np.asarray([9.0, 0.1, 0.4, 0.3, 0.2, 0.5, 0.9, 0.1, 0.7], np.float32),
+        "row_offset": np.asarray([0, 5, 9]),
+    }
     got = data.label_array(arrays, "mass@0.5")
     # row 1: 4 candidates, top 2 by mass (0.4, 0.3); row 2: 4 candidates, top 2 (0.9, 0.7)
     np.testing.assert_array_equal(got, [-1, 0, 1, 1, 0, 0, 1, 0, 1])

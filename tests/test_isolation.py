@@ -29,10 +29,11 @@ from jaxkv.policies import REGISTRY
 from jaxkv.serving import Server, Session
 
 BUDGET = 256
-KINDS = [{}] + [{"policy": name, "budget": BUDGET} for name in sorted(REGISTRY)] + [
-    {"policy": "h2o", "budget": BUDGET, "repair": 16},
-    {"policy": "snapkv", "budget": BUDGET, "layout": "compact"},
-]
+KINDS = (
+    [{}]
+    + [{"policy": name, "budget": BUDGET} for name in sorted(REGISTRY)]
+    + [{"policy": "h2o", "budget": BUDGET, "repair": 16}, {"policy": "snapkv", "budget": BUDGET, "layout": "compact"}]
+)
 
 
 def _conversation():
@@ -147,8 +148,12 @@ def test_sessions_of_one_cache_namespace_own_their_holes(quant_model_dir):
     doc = shared_corpus(5, n_shelves=1, length=600)[0]
 
     def chat(question):
-        return [{"role": "system", "content": "You are a research agent."}, {"role": "user", "content": f"Read this document.\n{doc.text}"},
-                {"role": "assistant", "content": "Done."}, {"role": "user", "content": question}]
+        return [
+            {"role": "system", "content": "You are a research agent."},
+            {"role": "user", "content": f"Read this document.\n{doc.text}"},
+            {"role": "assistant", "content": "Done."},
+            {"role": "user", "content": question},
+        ]
 
     with Server(jaxkv.load_model(quant_model_dir), rows=2, max_positions=1024) as server:
         first = server.session(cache_namespace="tenant", policy="streaming_llm", budget=48)

@@ -36,8 +36,15 @@ THETA = 10000.0
 
 def model_cfg(num_layers=L, num_heads=HQ, num_kv_heads=HKV, head_dim=D, rope=RopeConfig(theta=THETA)):
     return ModelConfig(
-        model_type="qwen3", vocab_size=64, hidden_size=64, intermediate_size=64, num_layers=num_layers,
-        num_heads=num_heads, num_kv_heads=num_kv_heads, head_dim=head_dim, rope=rope,
+        model_type="qwen3",
+        vocab_size=64,
+        hidden_size=64,
+        intermediate_size=64,
+        num_layers=num_layers,
+        num_heads=num_heads,
+        num_kv_heads=num_kv_heads,
+        head_dim=head_dim,
+        rope=rope,
     )
 
 
@@ -72,9 +79,13 @@ def random_feats(seed, n=N, w=W, positions=None, window_valid=None, valid=None):
     real = np.ones(len(positions), bool) if valid is None else np.asarray(valid, bool)
     last = positions[real][-w:]
     return feats_of(
-        rng.normal(size=(L, len(positions), HKV, D)), positions,
-        window_q=rng.normal(size=(L, len(last), HQ, D)), window_pos=last, window_valid=window_valid,
-        seq_len=int(positions[real].max()) + 1, valid=valid,
+        rng.normal(size=(L, len(positions), HKV, D)),
+        positions,
+        window_q=rng.normal(size=(L, len(last), HQ, D)),
+        window_pos=last,
+        window_valid=window_valid,
+        seq_len=int(positions[real].max()) + 1,
+        valid=valid,
     )
 
 
@@ -233,7 +244,7 @@ def test_keydiff_matches_numpy_over_layers_and_heads_and_ignores_padding():
     np.testing.assert_allclose(scores, np_keydiff(padded, valid), rtol=1e-5, atol=1e-6)
     assert (scores[~valid] == 0).all()
     trimmed = feats_of(padded[:, valid], np.asarray(feats.positions_N)[valid])
-    np.testing.assert_allclose(run_score("keydiff", trimmed)[: n_real], scores[valid], rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(run_score("keydiff", trimmed)[:n_real], scores[valid], rtol=1e-5, atol=1e-6)
     # every layer and KV head counts: the mean is not one head's score
     one_head = np_keydiff(padded[:1, :, :1], valid)
     assert np.abs(scores - one_head).max() > 1e-2
@@ -290,8 +301,7 @@ def test_expected_attention_rotates_queries_to_the_future():
     others = rng.normal(size=(6, d))
     others *= np.linalg.norm(u) / np.linalg.norm(others, axis=1, keepdims=True)
     keys = np.concatenate([others[:2], [stored], others[2:4], [future], others[4:]]) * 2.0  # stored at 2, future at 5
-    feats = feats_of(keys[None, :, None, :], np.arange(4, 12), window_q=window_of(np.tile(u, (4, 1)), pos_W),
-                     window_pos=pos_W, seq_len=T)
+    feats = feats_of(keys[None, :, None, :], np.arange(4, 12), window_q=window_of(np.tile(u, (4, 1)), pos_W), window_pos=pos_W, seq_len=T)
     scores = run_score("expected_attention", feats, mcfg=one_head_cfg(), n_future_positions=1)
     np.testing.assert_allclose(scores, np_expected_attention(feats, n_future=1), rtol=1e-4, atol=1e-7)
     assert np.argmax(scores) == 5 and scores[5] > 5 * scores[2]
@@ -356,13 +366,20 @@ def test_expected_attention_padding_and_sinks_take_no_part():
     scores = run_score("expected_attention", feats)
     np.testing.assert_allclose(scores, np_expected_attention(feats), rtol=2e-4, atol=1e-7)
     assert (scores[~valid] == 0).all() and (scores[:4] == 0).all()
-    trimmed = dataclasses.replace(feats, keys_LNKD=feats.keys_LNKD[:, :n_real], positions_N=feats.positions_N[:n_real],
-                                  phase_N=feats.phase_N[:n_real], acc_mass_N=feats.acc_mass_N[:n_real], valid_N=None)
+    trimmed = dataclasses.replace(
+        feats,
+        keys_LNKD=feats.keys_LNKD[:, :n_real],
+        positions_N=feats.positions_N[:n_real],
+        phase_N=feats.phase_N[:n_real],
+        acc_mass_N=feats.acc_mass_N[:n_real],
+        valid_N=None,
+    )
     np.testing.assert_allclose(run_score("expected_attention", trimmed), scores[:n_real], rtol=1e-5, atol=1e-8)
     kept, *_ = kept_positions("expected_attention", feats, N)
     np.testing.assert_array_equal(kept, valid)  # a budget past the live count keeps every real entry, no padding
-    np.testing.assert_array_equal(np.asarray(get_policy("expected_attention").keep(
-        get_policy("expected_attention").make_config(), feats)), positions < 4)
+    np.testing.assert_array_equal(
+        np.asarray(get_policy("expected_attention").keep(get_policy("expected_attention").make_config(), feats)), positions < 4
+    )
 
 
 def test_expected_attention_window_rows_at_sink_positions_are_not_samples():

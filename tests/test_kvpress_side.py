@@ -55,8 +55,9 @@ def model(setup):
 @pytest.mark.parametrize("setting,ratio", [("aware", 0.75), ("agnostic", 0.25)])
 def test_shared_prefill_matches_kvpress_own_path(setup, model, setting, ratio):
     folder, tok, example = setup
-    report = K.verify(model, tok, example, setting, ["SnapKVPress", "KnormPress", "RandomPress", "ExpectedAttentionPress"],
-                      [ratio], max_new_tokens=8)
+    report = K.verify(
+        model, tok, example, setting, ["SnapKVPress", "KnormPress", "RandomPress", "ExpectedAttentionPress"], [ratio], max_new_tokens=8
+    )
     for name, cell in report["cells"].items():
         assert cell["cache_equal"], (name, cell)
         assert cell["same_argmax"] and cell["answer_logits_max_abs_diff"] < 1e-4, (name, cell)
@@ -91,8 +92,24 @@ def test_hook_kwargs_shim():
 
 
 def test_cli_writes_and_resumes(setup, tmp_path, capsys):
-    args = ["--task", "passkey", "--context", str(LENGTH), "--n", "1", "--presses", "StreamingLLMPress,KnormPress",
-            "--ratios", "0.5", "--max-new-tokens", "4", "--threads", "1", "--out", str(tmp_path)]
+    args = [
+        "--task",
+        "passkey",
+        "--context",
+        str(LENGTH),
+        "--n",
+        "1",
+        "--presses",
+        "StreamingLLMPress,KnormPress",
+        "--ratios",
+        "0.5",
+        "--max-new-tokens",
+        "4",
+        "--threads",
+        "1",
+        "--out",
+        str(tmp_path),
+    ]
     assert K.main(args) == 0
     lines = (tmp_path / "examples.jsonl").read_text().splitlines()
     rec = json.loads(lines[0])
@@ -106,8 +123,17 @@ def test_cli_writes_and_resumes(setup, tmp_path, capsys):
     assert len((tmp_path / "examples.jsonl").read_text().splitlines()) == 1
 
 
-NEW_PRESSES = ["AdaKVPress(SnapKVPress)", "CriticalAdaKVPress(ExpectedAttentionPress)", "CriticalKVPress(SnapKVPress)",
-               "PyramidKVPress", "LagKVPress", "CURPress", "KVzipPress", "KeyRerotationPress(SnapKVPress)", "KVComposePress"]
+NEW_PRESSES = [
+    "AdaKVPress(SnapKVPress)",
+    "CriticalAdaKVPress(ExpectedAttentionPress)",
+    "CriticalKVPress(SnapKVPress)",
+    "PyramidKVPress",
+    "LagKVPress",
+    "CURPress",
+    "KVzipPress",
+    "KeyRerotationPress(SnapKVPress)",
+    "KVComposePress",
+]
 
 
 @pytest.mark.parametrize("setting,ratio", [("agnostic", 0.5), ("aware", 0.75)])
@@ -227,16 +253,34 @@ def test_kvzip_scores_are_jaxkvs_on_the_same_queries_and_keys(setup, model):
     keys = np.stack([captured[l][1].numpy() for l in range(len(lm.layers))])  # [L, N + X, Hkv, D]
     n = len(ids)
     softmax_n, scored_n = kvzip.chunk_masks(n, chunk.start, chunk.end)
-    ours = kvzip.context_scores([kvzip.reconstruction_scores(q, keys[:, :n], keys[:, n:], softmax_n, scored_n,
-                                                             np.ones(q.shape[1], bool))])
+    ours = kvzip.context_scores([kvzip.reconstruction_scores(q, keys[:, :n], keys[:, n:], softmax_n, scored_n, np.ones(q.shape[1], bool))])
     theirs = scores["val"][:, 0].permute(0, 2, 1).numpy()  # [L, 1, Hkv, N] -> [L, N, Hkv]
     np.testing.assert_allclose(np.asarray(ours), theirs, rtol=1e-4, atol=1e-6)
 
 
 def test_cli_runs_the_multi_question_task_with_issue75_presses(setup, tmp_path):
-    args = ["--task", "multiq", "--context", "384", "--n", "1", "--presses", "KVzipPress,AdaKVPress(SnapKVPress),PyramidKVPress",
-            "--ratios", "0.5", "--settings", "agnostic", "--max-new-tokens", "4", "--threads", "1", "--out", str(tmp_path),
-            "--journal", "examples_75.jsonl"]
+    args = [
+        "--task",
+        "multiq",
+        "--context",
+        "384",
+        "--n",
+        "1",
+        "--presses",
+        "KVzipPress,AdaKVPress(SnapKVPress),PyramidKVPress",
+        "--ratios",
+        "0.5",
+        "--settings",
+        "agnostic",
+        "--max-new-tokens",
+        "4",
+        "--threads",
+        "1",
+        "--out",
+        str(tmp_path),
+        "--journal",
+        "examples_75.jsonl",
+    ]
     assert K.main(args) == 0
     (rec,) = [json.loads(line) for line in (tmp_path / "examples_75.jsonl").read_text().splitlines()]
     block = rec["settings"]["agnostic"]

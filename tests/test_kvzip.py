@@ -81,8 +81,9 @@ def test_one_pass_is_kvpress_score_with_gqa_and_padding(start, end):
     qp, kcp, ksp, valid = _padded(rng, q, k_ctx, k_self, pad_rows=5, pad_ctx=6)
     softmax_n, scored_n = kvzip.chunk_masks(n_ctx, start, end)
     pad = np.zeros(6, bool)
-    got = np.asarray(SCORE(qp.astype(np.float32), kcp.astype(np.float32), ksp.astype(np.float32),
-                           np.r_[softmax_n, pad], np.r_[scored_n, pad], valid))
+    got = np.asarray(
+        SCORE(qp.astype(np.float32), kcp.astype(np.float32), ksp.astype(np.float32), np.r_[softmax_n, pad], np.r_[scored_n, pad], valid)
+    )
     assert got.shape == (L, n_ctx + 6, HKV) and got.dtype == np.float32
     np.testing.assert_allclose(got[:, start:end], want, rtol=2e-5, atol=1e-7)
     outside = np.ones(n_ctx + 6, bool)

@@ -47,9 +47,17 @@ def model():
     """A tiny 4-layer GQA model with the chat tokenizer (so pyramids have a slope)."""
     tok = build_tokenizer(WORDS)
     cfg = ModelConfig(
-        model_type="qwen3", vocab_size=len(tok), hidden_size=64, intermediate_size=128,
-        num_layers=L, num_heads=4, num_kv_heads=2, head_dim=16, qk_norm=True,
-        max_position_embeddings=2048, eos_token_ids=(tok.convert_tokens_to_ids("<|im_end|>"),),
+        model_type="qwen3",
+        vocab_size=len(tok),
+        hidden_size=64,
+        intermediate_size=128,
+        num_layers=L,
+        num_heads=4,
+        num_kv_heads=2,
+        head_dim=16,
+        qk_norm=True,
+        max_position_embeddings=2048,
+        eos_token_ids=(tok.convert_tokens_to_ids("<|im_end|>"),),
     )
     return jaxkv.model_from_config(cfg, seed=3, tokenizer=tok)
 
@@ -85,10 +93,11 @@ def _event(engine, row, policy_name, budgets, pinned, layout="dead_slot", on_evi
     req.pinned[pinned] = True
     zeros_q = np.zeros((cfg.num_layers, 1, cfg.num_heads, cfg.head_dim), np.float32)
     feats, per_layer, forced = layer_features(
-        engine, row, zeros_q, np.zeros(1, np.int32), np.zeros(1, bool), np.zeros((cfg.num_layers, cfg.num_heads, cfg.head_dim), np.float32),
+        engine, row, zeros_q, np.zeros(1, np.int32), np.zeros(1, bool), np.zeros((cfg.num_layers, cfg.num_heads, cfg.head_dim), np.float32)
     )
-    _, report = compress_row_layers(engine, row, policy, policy.make_config(), state, feats, per_layer, forced,
-                                    np.asarray(budgets), layout, on_evict=on_evict)
+    _, report = compress_row_layers(
+        engine, row, policy, policy.make_config(), state, feats, per_layer, forced, np.asarray(budgets), layout, on_evict=on_evict
+    )
     return report, per_layer
 
 
@@ -221,8 +230,16 @@ def test_repair_restores_rows_bit_identical_under_per_layer_sets(model):
 def quant_model():
     """``model``'s shape with head_dim 32 (a quantized pool's groups)."""
     cfg = ModelConfig(
-        model_type="qwen3", vocab_size=64, hidden_size=64, intermediate_size=128,
-        num_layers=L, num_heads=4, num_kv_heads=2, head_dim=32, qk_norm=True, max_position_embeddings=2048,
+        model_type="qwen3",
+        vocab_size=64,
+        hidden_size=64,
+        intermediate_size=128,
+        num_layers=L,
+        num_heads=4,
+        num_kv_heads=2,
+        head_dim=32,
+        qk_norm=True,
+        max_position_embeddings=2048,
     )
     return jaxkv.model_from_config(cfg, seed=5)
 

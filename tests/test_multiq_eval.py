@@ -26,9 +26,19 @@ def tiny(smollm2_tokenizer):
     from jaxkv.config import ModelConfig
 
     tok = smollm2_tokenizer
-    cfg = ModelConfig(model_type="qwen3", vocab_size=len(tok), hidden_size=64, intermediate_size=64, num_layers=2,
-                      num_heads=2, num_kv_heads=1, head_dim=32, qk_norm=True, max_position_embeddings=2048,
-                      eos_token_ids=(tok.convert_tokens_to_ids("<|im_end|>"),))
+    cfg = ModelConfig(
+        model_type="qwen3",
+        vocab_size=len(tok),
+        hidden_size=64,
+        intermediate_size=64,
+        num_layers=2,
+        num_heads=2,
+        num_kv_heads=1,
+        head_dim=32,
+        qk_norm=True,
+        max_position_embeddings=2048,
+        eos_token_ids=(tok.convert_tokens_to_ids("<|im_end|>"),),
+    )
     return jaxkv.model_from_config(cfg, seed=0, tokenizer=tok)
 
 
@@ -53,8 +63,10 @@ def test_every_question_is_scored_on_the_reference_history(tiny):
 
 def test_the_report_has_a_column_per_question_and_per_kind():
     qs = lambda *ok: [{"tf_correct": o, "kind": k} for o, k in zip(ok, ("passkey", "number", "pair"))]
-    cells = {"full": {1: {"questions": qs(1, 1, 1)}, 2: {"questions": qs(1, 0, 1)}},
-             "snapkv@0.5": {1: {"questions": qs(0, 1, 0)}, 2: {"questions": qs(1, 1, 0)}}}
+    cells = {
+        "full": {1: {"questions": qs(1, 1, 1)}, 2: {"questions": qs(1, 0, 1)}},
+        "snapkv@0.5": {1: {"questions": qs(0, 1, 0)}, 2: {"questions": qs(1, 1, 0)}},
+    }
     lines = report.question_table({"jaxkv": cells})
     assert lines[2].split("|")[1:-1] == [f" {c} " for c in ("side", "cell", "n", "Q1", "Q2", "Q3", "number", "pair", "passkey")]
     assert lines[4] == "| jaxkv | full | 2 | 100 | 50 | 100 | 50 | 100 | 100 |"

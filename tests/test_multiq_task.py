@@ -53,7 +53,7 @@ def test_facts_answers_and_questions(smollm2_tokenizer, questions):
         assert len(set(ex.questions)) == questions  # distinct questions
         runs = re.findall(r"\d+", ex.document)
         for f in facts:
-            assert ex.document[f["char_start"]:f["char_end"]] == M._sentence(f)
+            assert ex.document[f["char_start"] : f["char_end"]] == M._sentence(f)
             assert runs.count(f["value"]) == 1, f  # every value exactly once in the context
             assert abs(f["position"] - f["depth"]) <= 0.02
             assert not any(f["value"] in q for q in ex.questions)
@@ -100,7 +100,7 @@ def test_token_plans_share_the_request_and_extend(smollm2_tokenizer, setting):
     else:
         assert H.ACK in rest0 and ex.questions[0] in rest0 and ex.questions[0] not in tok.decode(plans[0].compressed.tolist())
     messages = ex.messages(setting)
-    assert [m["content"] for m in messages if m["role"] == "assistant"][-len(ex.answers):] == list(ex.answers)
+    assert [m["content"] for m in messages if m["role"] == "assistant"][-len(ex.answers) :] == list(ex.answers)
     with pytest.raises(ValueError, match="setting"):
         ex.view(0).messages("both")
     with pytest.raises(IndexError):
@@ -118,8 +118,11 @@ def test_evaluation_seeds_are_held_out():
     assert example_seed(M.EVAL_SEED, n - 1) == start + n - 1  # no wrap-around
     ours = range(start, start + n)
     hay = example_seed(H.EVAL_SEED, 0)
-    others = {"haystack eval": range(hay, hay + n), **intentkv_data.evaluation_seed_ranges(),
-              **{name: range(base, base + intentkv_data.SPLIT_SEEDS) for name, base in intentkv_data.SPLITS.items()}}
+    others = {
+        "haystack eval": range(hay, hay + n),
+        **intentkv_data.evaluation_seed_ranges(),
+        **{name: range(base, base + intentkv_data.SPLIT_SEEDS) for name, base in intentkv_data.SPLITS.items()},
+    }
     for name, r in others.items():
         assert ours.stop <= r.start or r.stop <= ours.start, name
     assert M.EVAL_SEED >= 1 << 30 > max(intentkv_data.SPLITS.values())

@@ -42,10 +42,16 @@ def kernel(tmp_path_factory):
     root = tmp_path_factory.mktemp("jupyter")
     spec = root / "kernels" / KERNEL
     spec.mkdir(parents=True)
-    (spec / "kernel.json").write_text(json.dumps({
-        "argv": [sys.executable, "-m", "ipykernel_launcher", "-f", "{connection_file}"],
-        "display_name": "jaxkv tests", "language": "python", "env": {"JAX_PLATFORMS": "cpu"},
-    }))
+    (spec / "kernel.json").write_text(
+        json.dumps(
+            {
+                "argv": [sys.executable, "-m", "ipykernel_launcher", "-f", "{connection_file}"],
+                "display_name": "jaxkv tests",
+                "language": "python",
+                "env": {"JAX_PLATFORMS": "cpu"},
+            }
+        )
+    )
     old = os.environ.get("JUPYTER_PATH")
     os.environ["JUPYTER_PATH"] = os.pathsep.join([str(root)] + ([old] if old else []))
     yield KERNEL
@@ -68,7 +74,7 @@ def test_notebook_is_stored_without_outputs_and_documents_every_parameter(name):
     params = _parameters(notebook)
     assert {"model", "dtype", "tp", "n", "out_dir"} <= set(params) and params["model"] == "embedded"
     docs = "\n".join(c.source for c in notebook.cells if c.cell_type == "markdown")
-    a100 = docs[docs.index("one A100"):]
+    a100 = docs[docs.index("one A100") :]
     for param in params:
         assert f"| `{param}` |" in a100, f"{name}: parameter {param} has no A100 row"
     assert not any(c.get("outputs") for c in notebook.cells if c.cell_type == "code")
@@ -82,8 +88,13 @@ def test_notebook_runs_on_the_cpu_and_shows_its_table_and_plots(name, kernel, tm
     source = jupytext.read(NOTEBOOKS / f"{name}.py")
     t0 = time.perf_counter()
     executed = papermill.execute_notebook(
-        source, str(tmp_path / f"{name}.ipynb"), parameters={"out_dir": str(out_dir), "n": 1, **SMALL[name]}, kernel_name=kernel,
-        cwd=str(REPO), progress_bar=False, execution_timeout=600,
+        source,
+        str(tmp_path / f"{name}.ipynb"),
+        parameters={"out_dir": str(out_dir), "n": 1, **SMALL[name]},
+        kernel_name=kernel,
+        cwd=str(REPO),
+        progress_bar=False,
+        execution_timeout=600,
     )
     print(f"\n{name} notebook: {time.perf_counter() - t0:.1f} s")
     files, header = EXPECTED[name]

@@ -34,9 +34,7 @@ def _check(out, args, tol):
     assert request_errors(out, decode_f64(*args)) <= tol
 
 
-@pytest.mark.parametrize(
-    "D,G,dtype", [(64, 1, jnp.float32), (128, 2, jnp.bfloat16), (64, 4, jnp.bfloat16), (128, 8, jnp.float32)]
-)
+@pytest.mark.parametrize("D,G,dtype", [(64, 1, jnp.float32), (128, 2, jnp.bfloat16), (64, 4, jnp.bfloat16), (128, 8, jnp.float32)])
 def test_kernel_matches_reference_and_f64(D, G, dtype):
     args = _problem(D * 10 + G, 2, G, D, dtype, LENGTHS)
     _check(decode_attention(*args, backend="interpret"), args, tolerance(dtype))
@@ -65,9 +63,7 @@ def test_padding_entries_and_order_are_ignored():
 def test_cpu_default_is_the_reference():
     assert resolve_backend(None) == "reference"
     q, k, v, idx, lens = _problem(3, 2, 2, 64, jnp.float32, (5, 9))
-    np.testing.assert_array_equal(
-        decode_attention(q, k, v, idx, lens), decode_attention_reference(q, k, v, idx, lens)
-    )
+    np.testing.assert_array_equal(decode_attention(q, k, v, idx, lens), decode_attention_reference(q, k, v, idx, lens))
 
 
 def test_bad_inputs_raise_typed_errors():

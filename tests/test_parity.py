@@ -64,8 +64,7 @@ def test_greedy_generate_matches_hf(hf_checkpoint, family):
     batch = torch.tensor([[pad] * (width - len(p)) + p for p in prompts])
     mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts])
     with torch.no_grad():
-        hf = torch_model.generate(
-            batch, attention_mask=mask, max_new_tokens=32, min_new_tokens=32,
-            do_sample=False, pad_token_id=pad,
-        )[:, width:].tolist()
+        hf = torch_model.generate(batch, attention_mask=mask, max_new_tokens=32, min_new_tokens=32, do_sample=False, pad_token_id=pad)[
+            :, width:
+        ].tolist()
     assert ours == hf

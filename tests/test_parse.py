@@ -25,8 +25,11 @@ def test_reasoning_content_and_several_calls():
 
 def test_plain_answer_and_reasoning_opened_by_the_prompt():
     assert parse_assistant("Paris is sunny.") == {
-        "role": "assistant", "content": "Paris is sunny.", "reasoning_content": None,
-        "tool_calls": [], "parse_errors": [],
+        "role": "assistant",
+        "content": "Paris is sunny.",
+        "reasoning_content": None,
+        "tool_calls": [],
+        "parse_errors": [],
     }
     msg = parse_assistant("hmm\n</think>\n\nok")  # '<think>' was in the generation prompt
     assert msg["reasoning_content"] == "hmm" and msg["content"] == "ok"
@@ -47,7 +50,7 @@ def test_missing_name_unknown_tool_and_truncation_are_reported():
     msg = parse_assistant('<tool_call>{"name": "rm", "arguments": {}}</tool_call>', tool_names={"f"})
     assert msg["tool_calls"] == [] and "unknown tool 'rm'" in msg["parse_errors"][0]
     assert "<tool_call>" in msg["content"]
-    msg = parse_assistant('<think>still thinking')
+    msg = parse_assistant("<think>still thinking")
     assert msg["reasoning_content"] == "still thinking" and msg["parse_errors"] == ["unterminated <think> block"]
     msg = parse_assistant('ok <tool_call>{"name": "f", "argu')
     assert msg["content"] == 'ok <tool_call>{"name": "f", "argu'

@@ -25,12 +25,20 @@ from jaxkv.policies.snapkv import pool_1d
 L, N, HQ, HKV, D, W, X = 2, 48, 4, 2, 16, 8, 24
 G = HQ // HKV
 MODEL_CFG = ModelConfig(
-    model_type="qwen3", vocab_size=64, hidden_size=64, intermediate_size=64,
-    num_layers=L, num_heads=HQ, num_kv_heads=HKV, head_dim=D,
+    model_type="qwen3", vocab_size=64, hidden_size=64, intermediate_size=64, num_layers=L, num_heads=HQ, num_kv_heads=HKV, head_dim=D
 )
 ALL_METHODS = (
-    "agentkv", "expected_attention", "h2o", "intentkv_memory", "intentkv_query", "keydiff", "oldest",
-    "random", "snapkv", "streaming_llm", "tova",
+    "agentkv",
+    "expected_attention",
+    "h2o",
+    "intentkv_memory",
+    "intentkv_query",
+    "keydiff",
+    "oldest",
+    "random",
+    "snapkv",
+    "streaming_llm",
+    "tova",
 )
 
 
@@ -218,9 +226,7 @@ def test_select_drops_non_candidates_and_jits():
         cand = jnp.asarray(rng.random(32) < 0.7)
         kept = np.asarray(select_jit(scores, forced, cand, budget))
         np.testing.assert_array_equal(kept, np.asarray(select(scores, forced, cand, budget)))
-        np.testing.assert_array_equal(
-            kept, np_topk_kept(np.asarray(scores), np.arange(32), forced, cand & ~forced, budget)
-        )
+        np.testing.assert_array_equal(kept, np_topk_kept(np.asarray(scores), np.arange(32), forced, cand & ~forced, budget))
         assert not kept[~np.asarray(forced) & ~np.asarray(cand)].any()
 
 
@@ -451,8 +457,7 @@ def test_intentkv_modes_differ_only_through_the_vector():
     cand = jnp.asarray(np.random.default_rng(25).random(N) < 0.7)
     q_scores, _ = query.score(query.make_config(), (), feats, cand)
     np.testing.assert_allclose(
-        q_scores, np_candidate_score(np.asarray(feats.query_mean_LHD)[:, None], feats.keys_LNKD, np.asarray(cand)),
-        rtol=1e-5, atol=1e-7,
+        q_scores, np_candidate_score(np.asarray(feats.query_mean_LHD)[:, None], feats.keys_LNKD, np.asarray(cand)), rtol=1e-5, atol=1e-7
     )
     cfg = memory.make_config()
     same = QueryMemory(feats.query_mean_LHD, jnp.asarray(True))
@@ -462,8 +467,7 @@ def test_intentkv_modes_differ_only_through_the_vector():
     o_scores, _ = memory.score(cfg, other, feats, cand)
     assert np.abs(np.asarray(o_scores) - np.asarray(q_scores)).max() > 1e-4
     np.testing.assert_allclose(
-        o_scores, np_candidate_score(np.asarray(other.m_LHD)[:, None], feats.keys_LNKD, np.asarray(cand)),
-        rtol=1e-5, atol=1e-7,
+        o_scores, np_candidate_score(np.asarray(other.m_LHD)[:, None], feats.keys_LNKD, np.asarray(cand)), rtol=1e-5, atol=1e-7
     )
     # before any turn is observed the memory scores with the normalised q̄_t
     fresh, _ = memory.score(cfg, memory.init_state(cfg, MODEL_CFG), feats, cand)

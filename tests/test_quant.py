@@ -56,9 +56,10 @@ def test_per_token_roundtrip_and_layout(bits):
     assert p.scale.dtype == np.float16 and p.scale.shape == (96, 2, 4) == p.zero.shape
     err = np.abs(np.asarray(dequantize_rows(p), np.float64) - x).reshape(96, 2, 4, 32)
     assert (err <= _bound(p.scale, p.zero, 2**bits - 1)[..., None]).all()
-    want = np.asarray(p.zero, np.float64)[..., None] + decode_codes_np(p.data, bits).reshape(96, 2, 4, 32) * np.asarray(
-        p.scale, np.float64
-    )[..., None]
+    want = (
+        np.asarray(p.zero, np.float64)[..., None]
+        + decode_codes_np(p.data, bits).reshape(96, 2, 4, 32) * np.asarray(p.scale, np.float64)[..., None]
+    )
     np.testing.assert_allclose(np.asarray(dequantize_rows(p)).reshape(96, 2, 4, 32), want, rtol=1e-6, atol=1e-6)
 
 

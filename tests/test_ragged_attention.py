@@ -152,23 +152,49 @@ def test_each_layer_reads_its_own_live_list(hf_checkpoint):
     engine.prefill([row], [tokens[:n_old]])
     slots = np.asarray(engine.row_state[row].slots)
     keep = [np.setdiff1d(np.arange(n_old), drop) for drop in ([2, 3, 17], [0, 9, 10, 11, 25])][:L]
-    cache = PagedKVCache.create(num_layers=L, num_slots=engine.cache.num_slots, num_kv_heads=cfg.num_kv_heads,
-                                head_dim=cfg.head_dim, rows=1, positions=P, dtype=jnp.float32, lists=L)
+    cache = PagedKVCache.create(
+        num_layers=L,
+        num_slots=engine.cache.num_slots,
+        num_kv_heads=cfg.num_kv_heads,
+        head_dim=cfg.head_dim,
+        rows=1,
+        positions=P,
+        dtype=jnp.float32,
+        lists=L,
+    )
     live = np.zeros((L, 1, P), np.int32)
     for i in range(L):
         live[i, 0, : keep[i].size] = slots[keep[i]]
     copy = jnp.copy  # the step donates its cache: the engine keeps its own arrays
-    cache = cache.replace(k=copy(engine.cache.k), v=copy(engine.cache.v), slot_map=copy(engine.cache.slot_map), seq_len=copy(engine.cache.seq_len),
-                          live_idx=jnp.asarray(live), live_len=jnp.asarray([[kp.size] for kp in keep], jnp.int32))
+    cache = cache.replace(
+        k=copy(engine.cache.k),
+        v=copy(engine.cache.v),
+        slot_map=copy(engine.cache.slot_map),
+        seq_len=copy(engine.cache.seq_len),
+        live_idx=jnp.asarray(live),
+        live_len=jnp.asarray([[kp.size] for kp in keep], jnp.int32),
+    )
     T = 16
     batch = StepBatch(
-        np.pad(tokens[n_old:], (0, T - n_new)).astype(np.int32), np.pad(np.arange(n_old, n_old + n_new), (0, T - n_new)).astype(np.int32),
-        np.pad(engine.allocator.allocate(n_new), (0, T - n_new)).astype(np.int32), np.zeros(1, np.int32),
-        np.zeros(1, np.int32), np.full(1, n_new, np.int32), np.zeros((1, 2), np.uint32), np.zeros(1, np.int32),
-        RowSamplers.of([(0.0, None, None)]), np.zeros(1, np.int32),
+        np.pad(tokens[n_old:], (0, T - n_new)).astype(np.int32),
+        np.pad(np.arange(n_old, n_old + n_new), (0, T - n_new)).astype(np.int32),
+        np.pad(engine.allocator.allocate(n_new), (0, T - n_new)).astype(np.int32),
+        np.zeros(1, np.int32),
+        np.zeros(1, np.int32),
+        np.full(1, n_new, np.int32),
+        np.zeros((1, 2), np.uint32),
+        np.zeros(1, np.int32),
+        RowSamplers.of([(0.0, None, None)]),
+        np.zeros(1, np.int32),
     )
-    _, cache, aux = run_step(engine.runner.graphdef, engine.runner.params, cache, batch, backend=select_backend(engine.pool.layers),
-                             outputs=Outputs(logits="all"))
+    _, cache, aux = run_step(
+        engine.runner.graphdef,
+        engine.runner.params,
+        cache,
+        batch,
+        backend=select_backend(engine.pool.layers),
+        outputs=Outputs(logits="all"),
+    )
     got = np.asarray(aux["logits"])[:n_new]
     assert (np.asarray(cache.live_len)[:, 0] == [kp.size + n_new for kp in keep]).all()  # each list grew by the step
 

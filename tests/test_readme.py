@@ -44,10 +44,7 @@ PAGES = [README, *sorted((ROOT / "docs").glob("*.md"))]
 SKIPPED = ("make", "curl", "pip", "cd", "export", "git", "uvicorn")
 CHECKED_LANGUAGES = ("python", "bash")
 # Markers a fence may carry after its language to say it is not run; each with why.
-SKIP_MARKERS = {
-    "output": "output shown on the page, not code",
-    "long-running": "minutes of work: run by hand, not in make test",
-}
+SKIP_MARKERS = {"output": "output shown on the page, not code", "long-running": "minutes of work: run by hand, not in make test"}
 
 
 @dataclass(frozen=True)
@@ -186,8 +183,18 @@ def test_readme_has_code_blocks():
 def test_every_docs_page_is_covered():
     """Every page of docs/ is collected, and each opens with a minimal example."""
     assert {p.name for p in PAGES} >= {
-        "architecture.md", "retention.md", "intentkv.md", "repair.md", "triaxial.md", "reuse.md",
-        "server.md", "accelerators.md", "models.md", "evaluation.md", "benchmarks.md", "api.md",
+        "architecture.md",
+        "retention.md",
+        "intentkv.md",
+        "repair.md",
+        "triaxial.md",
+        "reuse.md",
+        "server.md",
+        "accelerators.md",
+        "models.md",
+        "evaluation.md",
+        "benchmarks.md",
+        "api.md",
     }
     for page in PAGES[1:]:
         if page.name == "index.md":  # the README, put there by mkdocs_hooks.py
@@ -272,7 +279,9 @@ def test_fence_markers_are_read_from_the_info_string(tmp_path, monkeypatch):
     """A marked fence is skipped with its reason; an unmarked non-python/bash fence is an error."""
     monkeypatch.setattr(sys.modules[__name__], "ROOT", tmp_path)
     page = tmp_path / "page.md"
-    page.write_text("text\n\n```python long-running\nrun()\n```\n\n```text output\n42\n```\n\n```json\n{}\n```\n\n```bash\njaxkv demo\n```\n")
+    page.write_text(
+        "text\n\n```python long-running\nrun()\n```\n\n```text output\n42\n```\n\n```json\n{}\n```\n\n```bash\njaxkv demo\n```\n"
+    )
     slow, shown, data, shell = fences(page)
     assert (slow.language, slow.markers, slow.body, slow.line) == ("python", ("long-running",), "run()\n", 3)
     assert "page.md:3 is marked 'long-running'" in slow.skip_reason and "page.md:7" in shown.skip_reason

@@ -78,13 +78,18 @@ def test_a_managed_session_answers_a_real_passkey_task(smollm2):
 
 
 MECHANISMS = (
-    [dict(policy=name, budget=160, layout="dead_slot") for name in sorted(REGISTRY)
-     if not name.startswith("intentkv") and name not in ("oldest", "random")]  # the two controls: tests/test_retention.py
+    [
+        dict(policy=name, budget=160, layout="dead_slot")
+        for name in sorted(REGISTRY)
+        if not name.startswith("intentkv") and name not in ("oldest", "random")
+    ]  # the two controls: tests/test_retention.py
     + [dict(policy="snapkv", budget=160, layout="compact")]
-    + [dict(policy="snapkv", budget=160, layout="dead_slot", repair=16),
-       dict(kv_quant="int4"),
-       dict(reuse="segment", tenant="t1"),
-       dict(policy="intentkv_memory", budget=160, layout="dead_slot")]
+    + [
+        dict(policy="snapkv", budget=160, layout="dead_slot", repair=16),
+        dict(kv_quant="int4"),
+        dict(reuse="segment", tenant="t1"),
+        dict(policy="intentkv_memory", budget=160, layout="dead_slot"),
+    ]
 )
 
 
@@ -137,13 +142,17 @@ def test_served_over_http_to_the_openai_client(smollm2):
         client = openai.OpenAI(base_url=running.url + "/v1", api_key="x", max_retries=0, timeout=300)
         assert [m.id for m in client.models.list().data] == [NAME]
         r = client.chat.completions.create(
-            model=NAME, temperature=0, max_tokens=12,
+            model=NAME,
+            temperature=0,
+            max_tokens=12,
             messages=[{"role": "user", "content": "What is the capital of France? Answer in one word."}],
         )
         assert "Paris" in r.choices[0].message.content
         with pytest.raises(openai.BadRequestError) as info:
             client.chat.completions.create(
-                model=NAME, max_tokens=4, messages=[{"role": "user", "content": "hi"}],
+                model=NAME,
+                max_tokens=4,
+                messages=[{"role": "user", "content": "hi"}],
                 tools=[{"type": "function", "function": {"name": "f", "parameters": {"type": "object", "properties": {}}}}],
             )
         body = info.value.body if isinstance(info.value.body, dict) else {}

@@ -86,7 +86,7 @@ def test_a_branched_cell_is_its_policy_alone(shallow):
         (result,) = alone.replay(ex.messages("aware"), return_logits=True)
         (event,) = alone.compressions
         cell = branched[f"{policy}@0.5"]
-        assert np.array_equal(cell["live"][: budget], event.kept_positions), policy
+        assert np.array_equal(cell["live"][:budget], event.kept_positions), policy
         assert np.array_equal(result.target_ids, target)
         expected = np.concatenate([np.asarray(result.prompt_logits)[-1:], np.asarray(result.target_logits)[:-1]])
         # Equal up to float32 rounding: the probe's prefill captures more (attention
@@ -199,8 +199,21 @@ def test_quant_report_merges_formats_added_by_another_journal(tmp_path):
     def write(name, seeds, cells):
         with (tmp_path / name).open("w") as f:
             for seed in seeds:
-                f.write(json.dumps({"task": "lm", "context": 2048, "seed": seed, "setting": "agnostic", "seconds": 1.0,
-                                    "n_request": 2048, "cells": {c: {"nll": v + seed, "seconds": 900.0} for c, v in cells.items()}}) + "\n")
+                f.write(
+                    json.dumps(
+                        {
+                            "task": "lm",
+                            "context": 2048,
+                            "seed": seed,
+                            "setting": "agnostic",
+                            "seconds": 1.0,
+                            "n_request": 2048,
+                            "cells": {c: {"nll": v + seed, "seconds": 900.0} for c, v in cells.items()},
+                        }
+                    )
+                    + "\n"
+                )
+
     write("quant.jsonl", [1, 2, 3], {"full": 2.0, "kv:int4": 2.01})
     write("quant_kivi4.jsonl", [2, 3], {"full": 9.0, "kv:kivi4/imported": 2.02})
     recs = {r["seed"]: r for r in merged(tmp_path)}
@@ -225,11 +238,23 @@ def test_report_merges_the_cells_of_one_example_across_journals(tmp_path):
 
     side = tmp_path / "jaxkv"
     side.mkdir()
+
     def write(name, cells):
         with (side / name).open("w") as f:
             for seed in (1, 2):
-                f.write(json.dumps({"task": "passkey", "context": 2048, "seed": seed, "setting": "agnostic",
-                                    "cells": {c: {"tf_correct": seed == 1} for c in cells}}) + "\n")
+                f.write(
+                    json.dumps(
+                        {
+                            "task": "passkey",
+                            "context": 2048,
+                            "seed": seed,
+                            "setting": "agnostic",
+                            "cells": {c: {"tf_correct": seed == 1} for c in cells},
+                        }
+                    )
+                    + "\n"
+                )
+
     write("examples.jsonl", ["full", "snapkv@0.5"])
     write("examples_intentkv.jsonl", ["full", "intentkv@0.5"])
     assert [p.name for p in rep.journals(side)] == ["examples.jsonl", "examples_intentkv.jsonl", "sessions.jsonl"]
@@ -246,19 +271,25 @@ def test_head_fidelity_pairs_answer_nll_increases_against_the_rule_and_a_best_ba
     from eval.quality import real_model_report as rep
 
     seeds = range(10)
+
     def side(full, cells):
         table = {"full": {s: {"answer_nll": full} for s in seeds}}
         for name, (value, n) in cells.items():
             table[name] = {s: {"answer_nll": full + value + 0.01 * s} for s in list(seeds)[:n]}
         return {("passkey", 2048, "agnostic"): table}
-    tables = {"jaxkv": side(0.1, {"intentkv@0.5": (1.0, 10), "intentkv_memory@0.5": (1.5, 10), "snapkv@0.5": (0.8, 10)}),
-              "kvpress": side(0.3, {"KeyDiffPress@0.5": (0.0, 3), "TOVAPress@0.5": (0.7, 5)})}
+
+    tables = {
+        "jaxkv": side(0.1, {"intentkv@0.5": (1.0, 10), "intentkv_memory@0.5": (1.5, 10), "snapkv@0.5": (0.8, 10)}),
+        "kvpress": side(0.3, {"KeyDiffPress@0.5": (0.0, 3), "TOVAPress@0.5": (0.7, 5)}),
+    }
     inc = rep.answer_nll_increase(tables["kvpress"][("passkey", 2048, "agnostic")])
     assert inc["TOVAPress@0.5"][4]["inc"] == pytest.approx(0.74)  # against kvpress's own full cache
     lines = rep.head_fidelity(tables, ("passkey", 2048, "agnostic"), [0.5])
     pairs = [line for line in lines if line.startswith("| 0.5 |")]
-    assert pairs == ["| 0.5 | rule: jaxkv intentkv_memory | 10 | -0.500 [-0.500, -0.500] |",
-                     "| 0.5 | best baseline: kvpress TOVAPress | 5 | +0.300 [+0.300, +0.300] |"]
+    assert pairs == [
+        "| 0.5 | rule: jaxkv intentkv_memory | 10 | -0.500 [-0.500, -0.500] |",
+        "| 0.5 | best baseline: kvpress TOVAPress | 5 | +0.300 [+0.300, +0.300] |",
+    ]
 
 
 def test_triaxial_calibration_of_a_real_model_tags_its_conversations_and_streams_its_tables(shallow):
@@ -300,8 +331,10 @@ def test_quant_report_counts_a_cells_recorded_precisions_and_pools_niah(tmp_path
 
     cfg = SimpleNamespace(head_dim=64, num_layers=30, num_kv_heads=3)
     int2, int4 = 0.75 * 64 * 30 * 3, 1.25 * 64 * 30 * 3  # bytes per token: INT2 3 bits, INT4 5 bits per element
-    cells = [{"kv": {"int2": 900, "int4": 100, "full": 0, "bytes": 900 * int2 + 100 * int4}},
-             {"kv": {"int2": 0, "int4": 1000, "full": 0, "bytes": 1000 * int4}}]
+    cells = [
+        {"kv": {"int2": 900, "int4": 100, "full": 0, "bytes": 900 * int2 + 100 * int4}},
+        {"kv": {"int2": 0, "int4": 1000, "full": 0, "bytes": 1000 * int4}},
+    ]
     st = rep.recorded_storage(cells, cfg)
     assert st["bits"] == pytest.approx((900 * 3 + 1100 * 5) / 2000)
     assert st["capacity"] == pytest.approx(16 / st["bits"])
@@ -311,9 +344,21 @@ def test_quant_report_counts_a_cells_recorded_precisions_and_pools_niah(tmp_path
         for task, seeds in (("niah_single", [1, 2, 3]), ("niah_multikey", [1, 2])):
             for seed in seeds:
                 cell = {"tf_correct": seed % 2, "gen_correct": 0, "kv": {"int2": 0, "int4": 10, "full": 0, "bytes": 10 * int4}}
-                f.write(json.dumps({"task": task, "context": 2048, "seed": seed, "setting": "aware", "seconds": 1.0,
-                                    "n_request": 10, "setup": {"kv_quant": ["int4"], "quant_prefill": "imported"},
-                                    "cells": {"full": {"tf_correct": 1, "gen_correct": 1}, "kv:int4/imported": cell}}) + "\n")
+                f.write(
+                    json.dumps(
+                        {
+                            "task": task,
+                            "context": 2048,
+                            "seed": seed,
+                            "setting": "aware",
+                            "seconds": 1.0,
+                            "n_request": 10,
+                            "setup": {"kv_quant": ["int4"], "quant_prefill": "imported"},
+                            "cells": {"full": {"tf_correct": 1, "gen_correct": 1}, "kv:int4/imported": cell},
+                        }
+                    )
+                    + "\n"
+                )
     text = rep.report(tmp_path)
     assert "## niah (niah_single + niah_multikey), 2048 tokens, aware (5 examples)" in text
     pooled = text.split("## niah (niah_single")[1]
@@ -332,10 +377,12 @@ def test_repair_is_set_beside_kvpress_at_its_own_live_budget():
     from eval.quality import real_model_report as rep
 
     matched = {s: {"budget": 1150, "tf_correct": False} for s in range(4)}
-    kp = {"full": {s: {"kept": 2044, "tf_correct": True} for s in range(4)},
-          "SnapKVPress@0.5": {s: {"kept": 1022, "tf_correct": True} for s in range(4)},
-          "StreamingLLMPress@0.4375": {s: {"kept": 1149, "tf_correct": s < 2} for s in range(4)},
-          "KeyDiffPress@0.4375": {s: {"kept": 1149, "tf_correct": s < 3} for s in range(4)}}
+    kp = {
+        "full": {s: {"kept": 2044, "tf_correct": True} for s in range(4)},
+        "SnapKVPress@0.5": {s: {"kept": 1022, "tf_correct": True} for s in range(4)},
+        "StreamingLLMPress@0.4375": {s: {"kept": 1149, "tf_correct": s < 2} for s in range(4)},
+        "KeyDiffPress@0.4375": {s: {"kept": 1149, "tf_correct": s < 3} for s in range(4)},
+    }
     name, cells = rep.live_budget_best(kp, matched, "tf_correct")
     assert name == "KeyDiffPress@0.4375" and set(cells) == set(range(4))
     del kp["StreamingLLMPress@0.4375"], kp["KeyDiffPress@0.4375"]
@@ -398,13 +445,23 @@ def test_compute_section_projects_each_rows_size_at_its_median_seconds(tmp_path)
 
     (tmp_path / "jaxkv").mkdir()
     (tmp_path / "kvpress").mkdir()
-    jaxkv = [{"task": "passkey", "context": 4096, "seed": s, "setting": "aware", "seconds": sec, "cells": {}}
-             for s, sec in enumerate([50.0, 70.0, 60.0])]
+    jaxkv = [
+        {"task": "passkey", "context": 4096, "seed": s, "setting": "aware", "seconds": sec, "cells": {}}
+        for s, sec in enumerate([50.0, 70.0, 60.0])
+    ]
     jaxkv.append({"task": "niah_multivalue", "context": 2048, "seed": 9, "setting": "aware", "seconds": 10.0, "cells": {}})
     (tmp_path / "jaxkv" / "examples.jsonl").write_text("\n".join(json.dumps(r) for r in jaxkv) + "\n")
-    kvpress = [{"task": "passkey", "example_task": "passkey", "context": 2048, "seed": s,
-                "settings": {"aware": {"cells": {}}, "agnostic": {"cells": {}}},
-                "seconds": {"aware": 20.0 + s, "agnostic": 30.0, "total": 50.0 + s}} for s in range(2)]
+    kvpress = [
+        {
+            "task": "passkey",
+            "example_task": "passkey",
+            "context": 2048,
+            "seed": s,
+            "settings": {"aware": {"cells": {}}, "agnostic": {"cells": {}}},
+            "seconds": {"aware": 20.0 + s, "agnostic": 30.0, "total": 50.0 + s},
+        }
+        for s in range(2)
+    ]
     (tmp_path / "kvpress" / "examples.jsonl").write_text("\n".join(json.dumps(r) for r in kvpress) + "\n")
 
     lines = compute_section(tmp_path, left_out={("niah_multivalue", 2048, "aware")})  # below the ceiling
@@ -427,12 +484,25 @@ def test_compute_section_takes_a_rows_rate_from_its_pinned_examples_once_it_has_
 
     one = {"threads": "--xla_cpu_multi_thread_eigen=false intra_op_parallelism_threads=1", "cpus": 1}
     two = {"threads": "--xla_cpu_multi_thread_eigen=true intra_op_parallelism_threads=2"}
-    recs = [{"task": "lm", "context": 2048, "seed": s, "setting": "agnostic", "seconds": 130.0, "cells": {}, "setup": two}
-            for s in range(10)]
-    recs += [{"task": "lm", "context": 2048, "seed": 100 + s, "setting": "agnostic", "seconds": 40.0 + s, "cells": {},
-              "setup": one, "load": 2.0} for s in range(PINNED_MIN)]
-    recs.append({"task": "lm", "context": 2048, "seed": 999, "setting": "agnostic", "seconds": 500.0, "cells": {},
-                 "setup": one, "load": PINNED_LOAD + 1})  # pinned, but started beside two other jobs
+    recs = [
+        {"task": "lm", "context": 2048, "seed": s, "setting": "agnostic", "seconds": 130.0, "cells": {}, "setup": two} for s in range(10)
+    ]
+    recs += [
+        {"task": "lm", "context": 2048, "seed": 100 + s, "setting": "agnostic", "seconds": 40.0 + s, "cells": {}, "setup": one, "load": 2.0}
+        for s in range(PINNED_MIN)
+    ]
+    recs.append(
+        {
+            "task": "lm",
+            "context": 2048,
+            "seed": 999,
+            "setting": "agnostic",
+            "seconds": 500.0,
+            "cells": {},
+            "setup": one,
+            "load": PINNED_LOAD + 1,
+        }
+    )  # pinned, but started beside two other jobs
     (tmp_path / "jaxkv").mkdir()
     (tmp_path / "jaxkv" / "examples.jsonl").write_text("\n".join(json.dumps(r) for r in recs) + "\n")
     row = next(x for x in compute_section(tmp_path) if x.startswith("| jaxkv | lm | 2048 |")).split("|")

@@ -174,14 +174,20 @@ def test_a_named_models_calibration_is_found_beside_its_converted_copy(cache):
     shipped_id = json.loads((registry.SHIPPED_ASSETS / NAME / registry.WEIGHTS_MANIFEST).read_text())["weights_id"]
     model = types.SimpleNamespace(path=registry.converted_dir(NAME), weights_id=lambda: shipped_id)
     assert registry.artifact_paths(model.path, CALIBRATION_FILE) == [
-        registry.converted_dir(NAME) / CALIBRATION_FILE, registry.model_dir(NAME) / CALIBRATION_FILE]
+        registry.converted_dir(NAME) / CALIBRATION_FILE,
+        registry.model_dir(NAME) / CALIBRATION_FILE,
+    ]
     assert registry.artifact_paths(model.path, CALIBRATION_FILE, shipped_id) == [
-        registry.converted_dir(NAME) / CALIBRATION_FILE, registry.model_dir(NAME) / CALIBRATION_FILE,
-        registry.SHIPPED_ASSETS / NAME / CALIBRATION_FILE]
+        registry.converted_dir(NAME) / CALIBRATION_FILE,
+        registry.model_dir(NAME) / CALIBRATION_FILE,
+        registry.SHIPPED_ASSETS / NAME / CALIBRATION_FILE,
+    ]
     assert registry.artifact_paths(cache / "elsewhere", CALIBRATION_FILE) == [cache / "elsewhere" / CALIBRATION_FILE]
     assert registry.artifact_paths(cache / "elsewhere", CALIBRATION_FILE, shipped_id) == [
-        cache / "elsewhere" / CALIBRATION_FILE, registry.model_dir(NAME) / CALIBRATION_FILE,
-        registry.SHIPPED_ASSETS / NAME / CALIBRATION_FILE]
+        cache / "elsewhere" / CALIBRATION_FILE,
+        registry.model_dir(NAME) / CALIBRATION_FILE,
+        registry.SHIPPED_ASSETS / NAME / CALIBRATION_FILE,
+    ]
     assert resolve_allocation(model, "triaxial", None) == load_allocation(registry.SHIPPED_ASSETS / NAME / CALIBRATION_FILE)
     with pytest.raises(ConfigError, match="calibrate_triaxial"):
         resolve_allocation(types.SimpleNamespace(path=model.path), "triaxial", None)  # other weights: not the shipped one

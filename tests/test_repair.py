@@ -77,7 +77,7 @@ def _oracle_scores(q, q_pos, ctx_k, ctx_pos, cand_k, cand_pos):
     keys = jnp.concatenate([ctx_k, cand_k], axis=1)
     k_pos = jnp.asarray(np.concatenate([ctx_pos, cand_pos]))
     p = attention_probs(jnp.asarray(q), keys, causal_q_pos=jnp.asarray(q_pos), k_pos_N=k_pos)  # [L, Hq, X, N+M]
-    return np.asarray(p[..., ctx_k.shape[1]:].max(axis=2).mean(axis=(0, 1)))
+    return np.asarray(p[..., ctx_k.shape[1] :].max(axis=2).mean(axis=(0, 1)))
 
 
 def test_chunked_scoring_equals_unchunked_softmax():
@@ -86,7 +86,9 @@ def test_chunked_scoring_equals_unchunked_softmax():
     assert (ref == 0).any() and (ref > 0).sum() > 20  # the causal mask matters here
     X, N, M = q.shape[1], ctx_pos.size, cand_pos.size
     for chunk in (M, 5, 8):
-        got = repair.repair_scores(q, q_pos, np.ones(X, bool), ctx_k, ctx_pos, np.ones(N, bool), cand_k, cand_pos, np.ones(M, bool), chunk=chunk)
+        got = repair.repair_scores(
+            q, q_pos, np.ones(X, bool), ctx_k, ctx_pos, np.ones(N, bool), cand_k, cand_pos, np.ones(M, bool), chunk=chunk
+        )
         np.testing.assert_allclose(np.asarray(got), ref, rtol=1e-5, atol=1e-7)
 
     def chunks(C=8):
@@ -128,11 +130,7 @@ def test_bursts_clip_at_sequence_ends_and_active_rows():
 
 
 @settings(max_examples=40, deadline=None)
-@given(
-    st.lists(st.integers(0, 300), min_size=1, max_size=120, unique=True),
-    st.integers(1, 150),
-    st.integers(0, 2**31 - 1),
-)
+@given(st.lists(st.integers(0, 300), min_size=1, max_size=120, unique=True), st.integers(1, 150), st.integers(0, 2**31 - 1))
 def test_selection_is_a_valid_set_of_min_k_m(positions, k, seed):
     pos = np.asarray(sorted(positions), np.int64)
     rng = np.random.default_rng(seed)
@@ -169,10 +167,15 @@ def _event_features(engine, row, n):
     L = engine.model.config.num_layers
     cfg = engine.model.config
     return EventFeatures(
-        keys_LNKD=engine.kv.gather_keys(row), positions_N=jnp.asarray(positions, jnp.int32),
-        phase_N=jnp.zeros(n, jnp.int32), window_q_LWHD=jnp.zeros((L, 1, cfg.num_heads, cfg.head_dim)),
-        window_pos_W=jnp.zeros(1, jnp.int32), window_valid_W=jnp.zeros(1, bool), acc_mass_N=jnp.zeros(n),
-        query_mean_LHD=jnp.zeros((L, cfg.num_heads, cfg.head_dim)), seq_len=jnp.int32(n),
+        keys_LNKD=engine.kv.gather_keys(row),
+        positions_N=jnp.asarray(positions, jnp.int32),
+        phase_N=jnp.zeros(n, jnp.int32),
+        window_q_LWHD=jnp.zeros((L, 1, cfg.num_heads, cfg.head_dim)),
+        window_pos_W=jnp.zeros(1, jnp.int32),
+        window_valid_W=jnp.zeros(1, bool),
+        acc_mass_N=jnp.zeros(n),
+        query_mean_LHD=jnp.zeros((L, cfg.num_heads, cfg.head_dim)),
+        seq_len=jnp.int32(n),
     )
 
 
@@ -195,8 +198,18 @@ def test_promoted_rows_are_bit_identical_and_logits_match_attention_over_kept(ag
     policy = get_policy("random")
     forced = np.zeros(60, bool)
     forced[:4] = forced[-8:] = True
-    _, report = compress_row(engine, row, policy, policy.make_config(seed=1), policy.init_state(None, None),
-                             _event_features(engine, row, 60), forced, 24, "dead_slot", on_evict=on_evict)
+    _, report = compress_row(
+        engine,
+        row,
+        policy,
+        policy.make_config(seed=1),
+        policy.init_state(None, None),
+        _event_features(engine, row, 60),
+        forced,
+        24,
+        "dead_slot",
+        on_evict=on_evict,
+    )
     kept = report.kept_positions
     evicted = report.plan.evicted_positions
     assert kept.size == 24 and evicted.size == 36 and report.evicted_scores.shape == (36,)
@@ -238,9 +251,12 @@ def _conversation(seed):
         return " ".join(rng.choice(WORDS, n))
 
     return [
-        {"role": "system", "content": "answer"}, {"role": "user", "content": words(120)},
-        {"role": "assistant", "content": words(6)}, {"role": "tool", "content": words(20)},
-        {"role": "assistant", "content": words(6)}, {"role": "user", "content": words(20)},
+        {"role": "system", "content": "answer"},
+        {"role": "user", "content": words(120)},
+        {"role": "assistant", "content": words(6)},
+        {"role": "tool", "content": words(20)},
+        {"role": "assistant", "content": words(6)},
+        {"role": "user", "content": words(20)},
         {"role": "assistant", "content": words(4)},
     ]
 
@@ -333,7 +349,9 @@ def test_repairs_persist_in_the_radix_cache(agent_model):
     ids = render(agent_model.tokenizer, convo, None, add_generation_prompt=False, keep_reasoning=True).ids
     cached = server.radix.match(ids, lock=False, owner=session.cache_owner).slots  # its own (private) holes
     assert (cached[promoted] != SENTINEL_SLOT).all()
-    shelved = set(server.host_tier.rows(session.session_id).positions_M.tolist()) if server.host_tier.session_size(session.session_id) else set()
+    shelved = (
+        set(server.host_tier.rows(session.session_id).positions_M.tolist()) if server.host_tier.session_size(session.session_id) else set()
+    )
     assert not shelved & set(promoted.tolist())
     _assert_no_leak(server)
 
@@ -351,8 +369,11 @@ def test_a_fork_replays_like_a_fresh_session_and_leaves_its_origin_alone(agent_m
     opts = dict(max_positions=512, keep_reasoning=True, policy="snapkv", budget=40, w=8)
     origin = Session(agent_model, repair=1, **opts)
     first = origin.replay(convo[:3], None, generate=True, max_new_tokens=4)
-    before = (np.asarray(origin.server.engine.cache.k).copy(), origin.server.radix.held_slots().copy(),
-              origin.server.host_tier.session_size(origin.session_id))
+    before = (
+        np.asarray(origin.server.engine.cache.k).copy(),
+        origin.server.radix.held_slots().copy(),
+        origin.server.host_tier.session_size(origin.session_id),
+    )
     for policy in ("repairkv", "refresh", "oldest"):
         twin = origin.fork(repair=6, repair_policy=policy)
         rest = twin.replay(convo, None, generate=True, max_new_tokens=4, start_turn=1)
@@ -392,8 +413,7 @@ def test_protect_query_false_lets_the_first_event_evict_inside_the_question(agen
     convo = _conversation(4)[:3]
     kept = {}
     for protect in (True, False):
-        session = Session(agent_model, max_positions=512, keep_reasoning=True, policy="snapkv", budget=40, w=8,
-                          protect_query=protect)
+        session = Session(agent_model, max_positions=512, keep_reasoning=True, policy="snapkv", budget=40, w=8, protect_query=protect)
         session.replay(convo, None, generate=False)
         event = session.compressions[0]
         kept[protect] = (event.live_before, event.live_after)

@@ -29,9 +29,22 @@ def test_the_needle_span_is_the_shortest_run_holding_the_needle(smollm2_tokenize
 
 def test_the_table_sets_misses_beside_hits():
     def row(seed, tf, whole):
-        return {"seed": seed, "depth": 0.5, "n": 100, "span": (10, 20), "kept_in": 5, "evicted_in": 5,
-                "promoted_in": 5 if whole else 2, "whole_after": whole, "promoted": 8, "promoted_near": 1,
-                "promoted_far": 7 - (5 if whole else 2) + 5, "tf_correct": tf, "gen_correct": tf, "reply": "The number is 12|3."}
+        return {
+            "seed": seed,
+            "depth": 0.5,
+            "n": 100,
+            "span": (10, 20),
+            "kept_in": 5,
+            "evicted_in": 5,
+            "promoted_in": 5 if whole else 2,
+            "whole_after": whole,
+            "promoted": 8,
+            "promoted_near": 1,
+            "promoted_far": 7 - (5 if whole else 2) + 5,
+            "tf_correct": tf,
+            "gen_correct": tf,
+            "reply": "The number is 12|3.",
+        }
 
     args = argparse.Namespace(method="snapkv", ratio=0.5, k=8, context=512, n=3)
     text = rm.render([row(1, False, False), row(2, True, True), row(3, True, True)], args)

@@ -14,17 +14,39 @@ from eval.quality import repair_protocol as rp
 
 
 def _args(task_model_dir, out, *extra):
-    return rp.build_parser().parse_args(["--model", str(task_model_dir), "--needles", "4", "--n", "1", "--length", "600",
-                                         "--max-new-tokens", "4", "--out", str(out), *extra])
+    return rp.build_parser().parse_args(
+        [
+            "--model",
+            str(task_model_dir),
+            "--needles",
+            "4",
+            "--n",
+            "1",
+            "--length",
+            "600",
+            "--max-new-tokens",
+            "4",
+            "--out",
+            str(out),
+            *extra,
+        ]
+    )
 
 
 def test_grid_cells_budgets_and_outputs(task_model_dir, tmp_path):
     out = tmp_path / "grid"
     rows = rp.run(_args(task_model_dir, out, "--base-budget", "200", "--ks", "8,16", "--policies", "repairkv,random"))
     cells = [(r["cell"], r["repair_k"], r["budget"]) for r in rows]
-    assert cells == [("full", 0, "-"), ("none", 0, 200),
-                     ("matched", 8, 208), ("repairkv", 8, 200), ("random", 8, 200),
-                     ("matched", 16, 216), ("repairkv", 16, 200), ("random", 16, 200)]
+    assert cells == [
+        ("full", 0, "-"),
+        ("none", 0, 200),
+        ("matched", 8, 208),
+        ("repairkv", 8, 200),
+        ("random", 8, 200),
+        ("matched", 16, 216),
+        ("repairkv", 16, 200),
+        ("random", 16, 200),
+    ]
     assert all(r["base_budget"] == 200 and 0.0 <= r["accuracy"] <= 1.0 for r in rows)
     with open(out / "results.csv") as f:
         assert tuple(csv.DictReader(f).fieldnames) == rp.FIELDS
@@ -46,8 +68,7 @@ def test_forked_cells_equal_fresh_replays(task_model_dir, monkeypatch):
     monkeypatch.setattr(replay, "reply_matches", reply)
     model = jaxkv.load_model(str(task_model_dir))
     examples = mqniah(2, rp.PROTOCOL_SEED, needles=4, length=600)
-    setup = dict(first_stage="snapkv", base_budget=120, ks=[8, 40], policies=list(rp.REPAIR_POLICIES),
-                 max_new_tokens=6, max_positions=1024)
+    setup = dict(first_stage="snapkv", base_budget=120, ks=[8, 40], policies=list(rp.REPAIR_POLICIES), max_new_tokens=6, max_positions=1024)
     donor = rp.turn2_signal(model, examples[1], setup)
     record = rp.example_verdicts(model, examples[0], setup, donor)
     assert record["signal"] is not None and not record["incomplete"]
@@ -56,8 +77,14 @@ def test_forked_cells_equal_fresh_replays(task_model_dir, monkeypatch):
         for policy in setup["policies"]:
             cell = replay.Cell("snapkv", 120, "dead_slot", "mqniah", policy, k, 120)
             fresh, done, _, session = replay.replay_example(
-                model, examples[0], cell, max_new_tokens=6, max_positions=1024, protect_query=False,
-                repair_wrong_signal=donor if policy == "wrongq" else None)
+                model,
+                examples[0],
+                cell,
+                max_new_tokens=6,
+                max_positions=1024,
+                protect_query=False,
+                repair_wrong_signal=donor if policy == "wrongq" else None,
+            )
             assert done and record["verdicts"][f"{policy}@{k}"] == fresh, (policy, k)
             assert session.repairs[1].candidates > 0  # the first event compressed the document
     assert all(isinstance(v, str) for v in record["verdicts"]["repairkv@8"])
@@ -65,8 +92,7 @@ def test_forked_cells_equal_fresh_replays(task_model_dir, monkeypatch):
 
 def test_resume_skips_journaled_examples(task_model_dir, tmp_path, monkeypatch):
     out = tmp_path / "resume"
-    first = rp.run(_args(task_model_dir, out, "--n", "3", "--chunk", "2", "--base-budget", "200", "--ks", "8",
-                         "--policies", "repairkv"))
+    first = rp.run(_args(task_model_dir, out, "--n", "3", "--chunk", "2", "--base-budget", "200", "--ks", "8", "--policies", "repairkv"))
     lines = (out / "examples.jsonl").read_text().splitlines()
     assert len(lines) == 3
 
@@ -74,16 +100,14 @@ def test_resume_skips_journaled_examples(task_model_dir, tmp_path, monkeypatch):
         raise AssertionError("a journaled example was replayed")
 
     monkeypatch.setattr(rp, "example_verdicts", boom)
-    again = rp.run(_args(task_model_dir, out, "--n", "3", "--base-budget", "200", "--ks", "8", "--policies", "repairkv",
-                         "--resume"))
+    again = rp.run(_args(task_model_dir, out, "--n", "3", "--base-budget", "200", "--ks", "8", "--policies", "repairkv", "--resume"))
     assert again == first and len((out / "examples.jsonl").read_text().splitlines()) == 3
     assert rp.run(_args(task_model_dir, out, "--report-only")) == first
     with pytest.raises(rp.ProtocolError, match="no journal"):
         rp.run(_args(task_model_dir, tmp_path / "empty", "--report-only"))
     # another setup (a different B_base) is not served from the journal
     with pytest.raises(AssertionError, match="journaled"):
-        rp.run(_args(task_model_dir, out, "--n", "3", "--base-budget", "210", "--ks", "8", "--policies", "repairkv",
-                     "--resume"))
+        rp.run(_args(task_model_dir, out, "--n", "3", "--base-budget", "210", "--ks", "8", "--policies", "repairkv", "--resume"))
 
 
 def test_paired_gain_and_chunking():
@@ -97,16 +121,34 @@ def test_paired_gain_and_chunking():
 
 
 def test_five_turn_schedule_runs(task_model_dir, tmp_path):
-    rows = rp.run(_args(task_model_dir, tmp_path / "five", "--turns", "5", "--base-budget", "200", "--ks", "8",
-                        "--policies", "repairkv"))
+    rows = rp.run(_args(task_model_dir, tmp_path / "five", "--turns", "5", "--base-budget", "200", "--ks", "8", "--policies", "repairkv"))
     assert {r["turns"] for r in rows} == {5}
 
 
 def test_calibration_refuses_a_model_that_fails_with_the_full_cache(task_model_dir, tmp_path):
     with pytest.raises(rp.ProtocolError, match="full-cache accuracy"):
         rp.run(_args(task_model_dir, tmp_path / "cal", "--ks", "8", "--policies", "repairkv"))
-    assert rp.main(["--model", str(task_model_dir), "--needles", "4", "--n", "1", "--length", "600",
-                    "--max-new-tokens", "4", "--ks", "8", "--out", str(tmp_path / "cal2")]) == 2
+    assert (
+        rp.main(
+            [
+                "--model",
+                str(task_model_dir),
+                "--needles",
+                "4",
+                "--n",
+                "1",
+                "--length",
+                "600",
+                "--max-new-tokens",
+                "4",
+                "--ks",
+                "8",
+                "--out",
+                str(tmp_path / "cal2"),
+            ]
+        )
+        == 2
+    )
 
 
 def test_calibration_picks_the_budget_whose_matched_accuracy_is_nearest_half_of_full(monkeypatch):

@@ -77,8 +77,14 @@ def _check_server(server: Server):
 @settings(max_examples=8, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(
     plan=st.lists(
-        st.tuples(st.integers(0, 2), st.sampled_from(["dead_slot", "compact"]), st.sampled_from(["random", "oldest", "streaming_llm"]), st.integers(40, 140)),
-        min_size=2, max_size=5,
+        st.tuples(
+            st.integers(0, 2),
+            st.sampled_from(["dead_slot", "compact"]),
+            st.sampled_from(["random", "oldest", "streaming_llm"]),
+            st.integers(40, 140),
+        ),
+        min_size=2,
+        max_size=5,
     )
 )
 def test_alias_safety_under_shared_prefixes(agent_model, plan, monkeypatch):

@@ -41,15 +41,35 @@ def doc():
 def conversation(doc, history: int):
     """A conversation that opens ``doc`` after ``history`` earlier records of prose."""
     tools = None  # short system prompt: the document is most of each prompt
-    msgs = [{"role": "system", "content": SYSTEM_AGENT},
-            {"role": "user", "content": f"In the {doc.project} project, find {doc.topic} {doc.records[history % 5][0]}. Then answer."}]
+    msgs = [
+        {"role": "system", "content": SYSTEM_AGENT},
+        {"role": "user", "content": f"In the {doc.project} project, find {doc.topic} {doc.records[history % 5][0]}. Then answer."},
+    ]
     for i in range(history):
-        msgs.append({"role": "assistant", "content": "", "reasoning_content": f"First, the search for {doc.project}.",
-                     "tool_calls": [tool_call("search", query=doc.project)]})
-        msgs.append({"role": "tool", "name": "search", "content": f"Search results for {doc.project}:\n" + "\n".join(
-            f"{doc.project} {t}: d1{i}{j}" for j, t in enumerate(("budget", "travel", "legal")[: 1 + i % 3]))})
-    msgs.append({"role": "assistant", "content": "", "reasoning_content": f"After the search, next is {doc.topic}.",
-                 "tool_calls": [tool_call("open", doc_id=doc.doc_id)]})
+        msgs.append(
+            {
+                "role": "assistant",
+                "content": "",
+                "reasoning_content": f"First, the search for {doc.project}.",
+                "tool_calls": [tool_call("search", query=doc.project)],
+            }
+        )
+        msgs.append(
+            {
+                "role": "tool",
+                "name": "search",
+                "content": f"Search results for {doc.project}:\n"
+                + "\n".join(f"{doc.project} {t}: d1{i}{j}" for j, t in enumerate(("budget", "travel", "legal")[: 1 + i % 3])),
+            }
+        )
+    msgs.append(
+        {
+            "role": "assistant",
+            "content": "",
+            "reasoning_content": f"After the search, next is {doc.topic}.",
+            "tool_calls": [tool_call("open", doc_id=doc.doc_id)],
+        }
+    )
     msgs.append({"role": "tool", "name": "open", "content": doc.text})
     return msgs, tools
 
@@ -166,7 +186,9 @@ def test_lsh_finds_shifted_and_edited_segment(offset, edit_frac, seed):
 
 
 # ============================================================================ isolation, eviction
-OPS = st.lists(st.tuples(st.sampled_from(["add", "lookup", "remove"]), st.sampled_from(["a", "b", "c"]), st.integers(0, 7)), min_size=1, max_size=40)
+OPS = st.lists(
+    st.tuples(st.sampled_from(["add", "lookup", "remove"]), st.sampled_from(["a", "b", "c"]), st.integers(0, 7)), min_size=1, max_size=40
+)
 
 
 @settings(max_examples=60, deadline=None, derandomize=True)
@@ -210,8 +232,17 @@ def test_eviction_zeroises_stored_arrays():
 
     def add(store, tenant="t"):
         toks = rng.integers(0, 100, 32)
-        return store.add(tenant, NS, toks, np.arange(32), rng.standard_normal((2, 32, 1, 4)), rng.standard_normal((2, 32, 1, 4)),
-                         rng.standard_normal((32, 8)), minhash(toks), minhash([]))
+        return store.add(
+            tenant,
+            NS,
+            toks,
+            np.arange(32),
+            rng.standard_normal((2, 32, 1, 4)),
+            rng.standard_normal((2, 32, 1, 4)),
+            rng.standard_normal((32, 8)),
+            minhash(toks),
+            minhash([]),
+        )
 
     store = SegmentStore(cap_bytes=2 * 5000)
     first, second = add(store), add(store)

@@ -30,10 +30,14 @@ from jaxkv.serving import Server, Session
 from conftest import TINY_WORDS, tiny_chat_model
 
 OPTIONS = [
-    {}, {},
-    {"policy": "snapkv", "budget": 768}, {"policy": "snapkv", "budget": 768},
-    {"policy": "h2o", "budget": 768, "repair": 32}, {"policy": "h2o", "budget": 768, "repair": 32},
-    {"policy": "intentkv_memory", "budget": 768}, {"policy": "intentkv_memory", "budget": 768},
+    {},
+    {},
+    {"policy": "snapkv", "budget": 768},
+    {"policy": "snapkv", "budget": 768},
+    {"policy": "h2o", "budget": 768, "repair": 32},
+    {"policy": "h2o", "budget": 768, "repair": 32},
+    {"policy": "intentkv_memory", "budget": 768},
+    {"policy": "intentkv_memory", "budget": 768},
 ]
 
 
@@ -80,8 +84,15 @@ def explain_differences(alone, together, alone_sessions, together_sessions):
                 continue
             k = next((k for k, (x, y) in enumerate(zip(a.reply_ids, b.reply_ids)) if x != y), min(len(a.reply_ids), len(b.reply_ids)))
             margin = float(a.reply_margins[k]) if k < len(a.reply_margins) else float("inf")
-            diffs.append((i, t, f"reply token {k} ({a.reply_ids[k] if k < len(a.reply_ids) else None} alone, "
-                                f"{b.reply_ids[k] if k < len(b.reply_ids) else None} batched)", margin))
+            diffs.append(
+                (
+                    i,
+                    t,
+                    f"reply token {k} ({a.reply_ids[k] if k < len(a.reply_ids) else None} alone, "
+                    f"{b.reply_ids[k] if k < len(b.reply_ids) else None} batched)",
+                    margin,
+                )
+            )
     return turns, same, diffs
 
 
@@ -158,14 +169,20 @@ def small_model():
     return tiny_chat_model()
 
 
-SESSION_KINDS = [{}, {"policy": "snapkv", "budget": 24, "w": 4}, {"policy": "h2o", "budget": 24, "repair": 4}, {"policy": "random", "budget": 20, "layout": "compact"}]
+SESSION_KINDS = [
+    {},
+    {"policy": "snapkv", "budget": 24, "w": 4},
+    {"policy": "h2o", "budget": 24, "repair": 4},
+    {"policy": "random", "budget": 20, "layout": "compact"},
+]
 
 
 @settings(max_examples=8, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow])
 @given(
     ops=st.lists(
         st.tuples(st.sampled_from(["turn", "turn", "turn", "cancel", "huge"]), st.integers(0, 5), st.integers(1, 60), st.integers(0, 24)),
-        min_size=4, max_size=14,
+        min_size=4,
+        max_size=14,
     ),
     rows=st.integers(1, 3),
     slots=st.sampled_from((160, 420)),  # a tight pool and a roomy one: each size is a compile set

@@ -46,7 +46,9 @@ def test_doc_command_lines_parse(line):
 
 
 def test_serve_flags_become_session_rules():
-    args = cli.build_parser().parse_args(["serve", "--policy", "snapkv", "--budget", "512", "--repair", "32", "--allow-policies", "h2o,full", "--max-budget", "1024"])
+    args = cli.build_parser().parse_args(
+        ["serve", "--policy", "snapkv", "--budget", "512", "--repair", "32", "--allow-policies", "h2o,full", "--max-budget", "1024"]
+    )
     rules = rules_from_args(args)
     assert rules.resolve({}) == {"keep_reasoning": False, "policy": "snapkv", "budget": 512, "layout": "dead_slot", "repair": 32}
     assert rules.resolve({"policy": "full"}) == {"keep_reasoning": False}  # the default repair applies to policies only

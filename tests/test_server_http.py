@@ -40,10 +40,22 @@ MESSAGES = [
     {"role": "user", "content": "In the Meadow project, find facilities k086 and pricing k312. Then answer."},
 ]
 TOOLS = [
-    {"type": "function", "function": {"name": "search", "description": "Search the document index.",
-                                      "parameters": {"type": "object", "properties": {"query": {"type": "string"}}, "required": ["query"]}}},
-    {"type": "function", "function": {"name": "open", "description": "Open a document by its id.",
-                                      "parameters": {"type": "object", "properties": {"doc_id": {"type": "string"}}, "required": ["doc_id"]}}},
+    {
+        "type": "function",
+        "function": {
+            "name": "search",
+            "description": "Search the document index.",
+            "parameters": {"type": "object", "properties": {"query": {"type": "string"}}, "required": ["query"]},
+        },
+    },
+    {
+        "type": "function",
+        "function": {
+            "name": "open",
+            "description": "Open a document by its id.",
+            "parameters": {"type": "object", "properties": {"doc_id": {"type": "string"}}, "required": ["doc_id"]},
+        },
+    },
 ]
 
 
@@ -96,8 +108,9 @@ def tiny(task_model_dir):
     request can be too big for the pool yet fit the context; a queue of 2."""
     model = jaxkv.load_model(task_model_dir)
     rules = OptionRules(allow_policies=frozenset({"snapkv", "h2o"}), max_budget=2048)
-    app = make_app(model, model_name="tiny", rows=2, max_queue=2, max_positions=4096, num_slots=2049,
-                   api_keys=KEYS, rules=rules, max_tokens=16)
+    app = make_app(
+        model, model_name="tiny", rows=2, max_queue=2, max_positions=4096, num_slots=2049, api_keys=KEYS, rules=rules, max_tokens=16
+    )
     with BackgroundServer(app) as running:
         running.server = app.state.jaxkv.server
         yield running
@@ -141,7 +154,11 @@ def test_metrics_are_prometheus_text_with_latency_histograms(tiny):
 
     def after_both_turns_ended():  # their queue waits are observed as the turns end, beside the responses
         text = scrape()
-        return text if check_histogram(samples(text), "jaxkv_queue_wait_seconds") >= check_histogram(before, "jaxkv_queue_wait_seconds") + 2 else None
+        return (
+            text
+            if check_histogram(samples(text), "jaxkv_queue_wait_seconds") >= check_histogram(before, "jaxkv_queue_wait_seconds") + 2
+            else None
+        )
 
     text = wait_until(after_both_turns_ended, 10)
     assert text, scrape()
@@ -149,12 +166,22 @@ def test_metrics_are_prometheus_text_with_latency_histograms(tiny):
     assert all(types.get(name) == kind and name in after for name, (kind, _, _) in OLD_METRICS.items()), types
     grown = {name: check_histogram(after, name) - check_histogram(before, name) for name in HISTOGRAMS}
     assert all(types[name] == "histogram" for name in HISTOGRAMS)
-    assert grown == {"jaxkv_time_to_first_token_seconds": 2, "jaxkv_inter_token_latency_seconds": sum(tokens) - 2, "jaxkv_queue_wait_seconds": 2}
+    assert grown == {
+        "jaxkv_time_to_first_token_seconds": 2,
+        "jaxkv_inter_token_latency_seconds": sum(tokens) - 2,
+        "jaxkv_queue_wait_seconds": 2,
+    }
 
 
 def test_streaming_deltas_equal_the_greedy_non_streaming_reply(tiny):
     c = client(tiny.url)
-    for i, (messages, tools) in enumerate([(MESSAGES, TOOLS), (MESSAGES[1:], None), (MESSAGES + [{"role": "assistant", "content": "ok"}, {"role": "user", "content": "And pricing?"}], TOOLS)]):
+    for i, (messages, tools) in enumerate(
+        [
+            (MESSAGES, TOOLS),
+            (MESSAGES[1:], None),
+            (MESSAGES + [{"role": "assistant", "content": "ok"}, {"role": "user", "content": "And pricing?"}], TOOLS),
+        ]
+    ):
         kw = dict(model="tiny", messages=messages, tools=tools, max_tokens=48, temperature=0, extra_body={"session_id": f"stream-{i}"})
         c.chat.completions.create(**{**kw, "max_tokens": 1})  # cache the prompt, so both runs below prefill alike
         full = c.chat.completions.create(**kw)
@@ -189,7 +216,13 @@ BAD = [  # (body changes, status, error type, code, param)
     ({"messages": []}, 400, "invalid_request_error", "invalid_value", "messages"),
     ({"messages": "hi"}, 400, "invalid_request_error", "invalid_value", "messages"),
     ({"messages": [{"role": "wizard", "content": "hi"}]}, 400, "invalid_request_error", "invalid_value", "messages"),
-    ({"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}]}, 400, "invalid_request_error", "invalid_value", "messages[0].content"),
+    (
+        {"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}]},
+        400,
+        "invalid_request_error",
+        "invalid_value",
+        "messages[0].content",
+    ),
     ({"temperature": -1}, 400, "invalid_request_error", "invalid_value", "temperature"),
     ({"top_p": 0}, 400, "invalid_request_error", "invalid_value", "top_p"),
     ({"max_tokens": 0}, 400, "invalid_request_error", "invalid_value", "max_tokens"),
@@ -200,7 +233,13 @@ BAD = [  # (body changes, status, error type, code, param)
     ({"frequency_penalty": 0.5}, 400, "invalid_request_error", "unsupported_parameter", "frequency_penalty"),
     ({"response_format": {"type": "json_object"}}, 400, "invalid_request_error", "unsupported_parameter", "response_format"),
     ({"sesion_id": "typo"}, 400, "invalid_request_error", "unknown_parameter", "sesion_id"),
-    ({"tools": TOOLS, "tool_choice": {"type": "function", "function": {"name": "rm"}}}, 400, "invalid_request_error", "invalid_value", "tool_choice"),
+    (
+        {"tools": TOOLS, "tool_choice": {"type": "function", "function": {"name": "rm"}}},
+        400,
+        "invalid_request_error",
+        "invalid_value",
+        "tool_choice",
+    ),
     ({"tool_choice": "required"}, 400, "invalid_request_error", "invalid_value", "tool_choice"),
     ({"tools": [{"type": "function"}]}, 400, "invalid_request_error", "invalid_value", "tools[0]"),
     ({"policy": "tova", "budget": 64}, 400, "invalid_request_error", "option_not_allowed", "policy"),
@@ -233,9 +272,13 @@ def test_every_bad_input_gets_its_status_and_openai_error(tiny):
         client(tiny.url).chat.completions.create(model="nope", messages=MESSAGES)
     # a session's options are its own
     c = client(tiny.url)
-    c.chat.completions.create(model="tiny", messages=MESSAGES, max_tokens=2, extra_body={"session_id": "opts", "policy": "snapkv", "budget": 512})
+    c.chat.completions.create(
+        model="tiny", messages=MESSAGES, max_tokens=2, extra_body={"session_id": "opts", "policy": "snapkv", "budget": 512}
+    )
     with pytest.raises(openai.BadRequestError) as err:
-        c.chat.completions.create(model="tiny", messages=MESSAGES, max_tokens=2, extra_body={"session_id": "opts", "policy": "h2o", "budget": 512})
+        c.chat.completions.create(
+            model="tiny", messages=MESSAGES, max_tokens=2, extra_body={"session_id": "opts", "policy": "h2o", "budget": 512}
+        )
     assert err.value.code == "session_options_mismatch" and err.value.param == "policy"
     # nothing above broke the server
     assert httpx.get(tiny.url + "/health").json() == {"status": "ok", "model": "tiny"}
@@ -251,7 +294,9 @@ def test_a_full_queue_answers_429_with_retry_after(tiny):
 
     def ask(i):
         try:
-            results[i] = client(tiny.url).chat.completions.create(model="tiny", messages=MESSAGES, max_tokens=2, extra_body={"session_id": f"q{i}"})
+            results[i] = client(tiny.url).chat.completions.create(
+                model="tiny", messages=MESSAGES, max_tokens=2, extra_body={"session_id": f"q{i}"}
+            )
         except Exception as err:  # checked below
             results[i] = err
 
@@ -261,8 +306,12 @@ def test_a_full_queue_answers_429_with_retry_after(tiny):
             threads.append(threading.Thread(target=ask, args=(i,)))
             threads[-1].start()
             assert wait_until(lambda: scheduler.queue_depth == i + 1, 30)
-        r = httpx.post(tiny.url + "/v1/chat/completions", json={"model": "tiny", "messages": MESSAGES, "max_tokens": 2, "session_id": "q2"},
-                       headers={"Authorization": f"Bearer {KEYS[0]}"}, timeout=30)
+        r = httpx.post(
+            tiny.url + "/v1/chat/completions",
+            json={"model": "tiny", "messages": MESSAGES, "max_tokens": 2, "session_id": "q2"},
+            headers={"Authorization": f"Bearer {KEYS[0]}"},
+            timeout=30,
+        )
         assert r.status_code == 429 and r.json()["error"]["type"] == "rate_limit_error" and r.json()["error"]["code"] == "queue_full"
         assert int(r.headers["Retry-After"]) >= 1
         with pytest.raises(openai.RateLimitError):
@@ -309,7 +358,9 @@ def test_a_silent_stream_gets_keepalive_comments_and_still_parses(tiny):
         plain = message_parts(c.chat.completions.create(**kw, extra_body={"session_id": "keepalive"}).choices[0].message)
         body = {**kw, "stream": True, "session_id": "keepalive"}
         with scheduler_held(tiny.server) as gate:
-            with httpx.stream("POST", tiny.url + "/v1/chat/completions", json=body, headers={"Authorization": f"Bearer {KEYS[0]}"}, timeout=60) as r:
+            with httpx.stream(
+                "POST", tiny.url + "/v1/chat/completions", json=body, headers={"Authorization": f"Bearer {KEYS[0]}"}, timeout=60
+            ) as r:
                 assert r.status_code == 200
                 lines = r.iter_lines()
                 before = []  # what came before the scheduler could run the turn
@@ -334,18 +385,29 @@ def test_a_silent_stream_gets_keepalive_comments_and_still_parses(tiny):
 
 def test_an_interrupted_stream_frees_its_row_and_slots(tiny):
     before = metrics(tiny.url)
-    body = {"model": "tiny", "messages": MESSAGES + [{"role": "assistant", "content": "ok"}, {"role": "user", "content": "Go on, at length."}],
-            "max_tokens": 1500, "ignore_eos": True, "temperature": 0, "stream": True, "session_id": "interrupted"}
+    body = {
+        "model": "tiny",
+        "messages": MESSAGES + [{"role": "assistant", "content": "ok"}, {"role": "user", "content": "Go on, at length."}],
+        "max_tokens": 1500,
+        "ignore_eos": True,
+        "temperature": 0,
+        "stream": True,
+        "session_id": "interrupted",
+    }
     # ignore_eos and a held scheduler: the turn cannot end on its own while the test
     # looks (a random model's greedy reply may reach EOS, and 1,500 tiny-model tokens
     # can take less time than one /metrics round trip)
     with contextlib.ExitStack() as held:
-        with httpx.stream("POST", tiny.url + "/v1/chat/completions", json=body, headers={"Authorization": f"Bearer {KEYS[0]}"}, timeout=60) as r:
+        with httpx.stream(
+            "POST", tiny.url + "/v1/chat/completions", json=body, headers={"Authorization": f"Bearer {KEYS[0]}"}, timeout=60
+        ) as r:
             assert r.status_code == 200
             lines = r.iter_lines()
             first = next(line for line in lines if line.startswith("data:"))
             assert json.loads(first[5:])["choices"][0]["delta"]["role"] == "assistant"
-            next(line for line in lines if line.startswith("data:"))  # a token: the turn has its row (the role chunk may come while it queues)
+            next(
+                line for line in lines if line.startswith("data:")
+            )  # a token: the turn has its row (the role chunk may come while it queues)
             held.enter_context(scheduler_held(tiny.server))
             assert tiny.server.snapshot()["rows_busy"] == 1  # the turn runs (/metrics waits for the scheduler)
         # the client leaves while the turn is still running; then the scheduler goes on
@@ -363,9 +425,14 @@ def test_an_interrupted_stream_frees_its_row_and_slots(tiny):
 
 def test_api_keys_and_tenants_that_never_share_state(tiny):
     for key in (None, "wrong"):
-        r = httpx.post(tiny.url + "/v1/chat/completions", json={"model": "tiny", "messages": MESSAGES},
-                       headers={"Authorization": f"Bearer {key}"} if key else {})
-        assert r.status_code == 401 and r.json()["error"]["type"] == "authentication_error" and r.json()["error"]["code"] == "invalid_api_key"
+        r = httpx.post(
+            tiny.url + "/v1/chat/completions",
+            json={"model": "tiny", "messages": MESSAGES},
+            headers={"Authorization": f"Bearer {key}"} if key else {},
+        )
+        assert (
+            r.status_code == 401 and r.json()["error"]["type"] == "authentication_error" and r.json()["error"]["code"] == "invalid_api_key"
+        )
         assert httpx.get(tiny.url + "/v1/models", headers={"Authorization": f"Bearer {key}"} if key else {}).status_code == 401
         assert httpx.get(tiny.url + "/metrics", headers={"Authorization": f"Bearer {key}"} if key else {}).status_code == 401
     with pytest.raises(openai.AuthenticationError):
@@ -411,8 +478,9 @@ def test_agent_trace_solved_through_tool_call_round_trips(embedded):
     messages = [dict(m) for m in example.messages[:2]]
     answer, cached = None, []
     for step in range(MAX_AGENT_STEPS):
-        r = c.chat.completions.create(model="embedded", messages=messages, tools=example.tools, temperature=0,
-                                      extra_headers={"X-Session-Id": f"trace-{example.seed}"})
+        r = c.chat.completions.create(
+            model="embedded", messages=messages, tools=example.tools, temperature=0, extra_headers={"X-Session-Id": f"trace-{example.seed}"}
+        )
         cached.append(r.usage.prompt_tokens_details.cached_tokens)
         message = r.choices[0].message
         if not message.tool_calls:
@@ -439,7 +507,9 @@ def test_ignore_eos_decodes_max_tokens_past_the_stop_token(embedded):
     assert short.choices[0].finish_reason == "stop" and short.usage.completion_tokens < 60
     long = c.chat.completions.create(**kw, extra_body={"ignore_eos": True})
     assert long.usage.completion_tokens == 60 and long.choices[0].finish_reason == "length"
-    *_, finish, use = stream_reply(c.chat.completions.create(**kw, extra_body={"ignore_eos": True}, stream=True, stream_options={"include_usage": True}))
+    *_, finish, use = stream_reply(
+        c.chat.completions.create(**kw, extra_body={"ignore_eos": True}, stream=True, stream_options={"include_usage": True})
+    )
     assert use.completion_tokens == 60 and finish == "length"
 
 

@@ -51,11 +51,30 @@ OLD_METRICS = {
 HISTOGRAMS = ("jaxkv_time_to_first_token_seconds", "jaxkv_inter_token_latency_seconds", "jaxkv_queue_wait_seconds")
 
 SNAPSHOT = {  # a Server.snapshot() (the scheduler's counts appear once they count)
-    "rows": 4, "rows_busy": 1, "slots_capacity": 400, "slots_used": 100, "slots_free": 300, "radix_slots": 60,
-    "live_kv": 40, "queue_depth": 2, "host_tier_rows": 7, "turns_done": 5, "turns_cancelled": 1, "tokens_generated": 90,
-    "prefill_tokens": 120, "steps": 9, "prefill_seconds": 0.5, "decode_seconds": 2.25, "xla_compiles": 30,
-    "xla_cache_hits": 3, "xla_releases": 0, "prompt_tokens": 200, "cached_tokens": 80, "evicted_tokens": 11,
-    "repaired_rows": 4, "radix_evicted_slots": 6,
+    "rows": 4,
+    "rows_busy": 1,
+    "slots_capacity": 400,
+    "slots_used": 100,
+    "slots_free": 300,
+    "radix_slots": 60,
+    "live_kv": 40,
+    "queue_depth": 2,
+    "host_tier_rows": 7,
+    "turns_done": 5,
+    "turns_cancelled": 1,
+    "tokens_generated": 90,
+    "prefill_tokens": 120,
+    "steps": 9,
+    "prefill_seconds": 0.5,
+    "decode_seconds": 2.25,
+    "xla_compiles": 30,
+    "xla_cache_hits": 3,
+    "xla_releases": 0,
+    "prompt_tokens": 200,
+    "cached_tokens": 80,
+    "evicted_tokens": 11,
+    "repaired_rows": 4,
+    "radix_evicted_slots": 6,
 }
 
 

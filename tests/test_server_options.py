@@ -56,8 +56,12 @@ def doc():
 def document_chat(doc, system: str = "You are a research agent.", question: str = "What is the first record?"):
     """A document read in an earlier turn, then a short question (the actionable
     query, which retention never evicts): the document is what a policy prunes."""
-    return [{"role": "system", "content": system}, {"role": "user", "content": f"Read this document.\n{doc.text}"},
-            {"role": "assistant", "content": "Done."}, {"role": "user", "content": question}]
+    return [
+        {"role": "system", "content": system},
+        {"role": "user", "content": f"Read this document.\n{doc.text}"},
+        {"role": "assistant", "content": "Done."},
+        {"role": "user", "content": question},
+    ]
 
 
 @pytest.fixture(scope="module")
@@ -66,9 +70,17 @@ def model(quant_model_dir):
 
 
 APPS = {  # the two servers' settings (make_app keywords)
-    "served": dict(rows=2, max_positions=2048, max_tokens=4, rules=OptionRules(
-        allow_policies={"snapkv", "streaming_llm"}, max_budget=256, allow_layouts={"compact"}, max_repair=16, allow_reuse={"segment"})),
-    "quantized": dict(rows=1, max_positions=1024, max_tokens=4, rules=OptionRules(kv_quant="triaxial", allow_kv_quant={"int4"}, max_kv_bits=3.5)),
+    "served": dict(
+        rows=2,
+        max_positions=2048,
+        max_tokens=4,
+        rules=OptionRules(
+            allow_policies={"snapkv", "streaming_llm"}, max_budget=256, allow_layouts={"compact"}, max_repair=16, allow_reuse={"segment"}
+        ),
+    ),
+    "quantized": dict(
+        rows=1, max_positions=1024, max_tokens=4, rules=OptionRules(kv_quant="triaxial", allow_kv_quant={"int4"}, max_kv_bits=3.5)
+    ),
 }
 
 
@@ -121,8 +133,15 @@ def test_layout_per_request(served, doc):
     assert dead["evicted_tokens"] == compact["evicted_tokens"] > 0
     assert dead["compacted_tokens"] == 0 and compact["compacted_tokens"] == BUDGET  # the kept rows were copied together
     # a stream carries the same report in its usage chunk
-    stream = client(served.url).chat.completions.create(model="tiny", messages=msgs, max_tokens=2, temperature=0, stream=True, stream_options={"include_usage": True},
-                                                        extra_body={"session_id": "compact-stream", "policy": "snapkv", "budget": BUDGET, "layout": "compact"})
+    stream = client(served.url).chat.completions.create(
+        model="tiny",
+        messages=msgs,
+        max_tokens=2,
+        temperature=0,
+        stream=True,
+        stream_options={"include_usage": True},
+        extra_body={"session_id": "compact-stream", "policy": "snapkv", "budget": BUDGET, "layout": "compact"},
+    )
     last = [chunk for chunk in stream][-1]
     assert last.usage is not None and last.model_extra["jaxkv"] == compact
 
@@ -140,8 +159,10 @@ def test_repair_per_request(served, doc):
 
 
 def test_kv_quant_and_kv_bits_per_request(quantized, doc):
-    msgs = [{"role": "system", "content": "You are a research agent."},  # the document in the current turn: the toy calibration's INT2 tags
-            {"role": "user", "content": f"{doc.text}\nWhat is the first record?"}]
+    msgs = [
+        {"role": "system", "content": "You are a research agent."},  # the document in the current turn: the toy calibration's INT2 tags
+        {"role": "user", "content": f"{doc.text}\nWhat is the first record?"},
+    ]
     _, default = ask(quantized.url, msgs, session_id="triaxial")
     assert default["options"] == {**OFF, "kv_quant": "triaxial", "kv_bits": 3.0}  # the pool's mode, the calibration's B
     assert 2.0 < default["kv_avg_bits"] < 4.0  # INT2 where the calibration says, INT4 elsewhere
@@ -151,15 +172,26 @@ def test_kv_quant_and_kv_bits_per_request(quantized, doc):
     _, low = ask(quantized.url, msgs, session_id="bits-2", kv_bits=2)
     _, high = ask(quantized.url, msgs, session_id="bits-3.5", kv_bits=3.5)
     assert low["options"]["kv_bits"] == 2.0 and high["options"]["kv_bits"] == 3.5
-    assert 2.0 <= low["kv_avg_bits"] < default["kv_avg_bits"] <= high["kv_avg_bits"] <= 4.0  # the request's budget sets the precision (2 bits: more INT2 pages)
+    assert (
+        2.0 <= low["kv_avg_bits"] < default["kv_avg_bits"] <= high["kv_avg_bits"] <= 4.0
+    )  # the request's budget sets the precision (2 bits: more INT2 pages)
     r, again = ask(quantized.url, msgs, session_id="triaxial-again")
     assert r.usage.prompt_tokens_details.cached_tokens == r.usage.prompt_tokens - 1  # the same precision shares its prefix
-    for extra, code, param in [({"kv_bits": 4}, "option_not_allowed", "kv_bits"), ({"kv_quant": "kivi2"}, "option_not_allowed", "kv_quant"),
-                               ({"kv_quant": "none"}, "option_not_allowed", "kv_quant"), ({"kv_quant": "int4", "kv_bits": 3}, "invalid_value", "kv_bits"),
-                               ({"kv_bits": 1.5}, "invalid_value", "kv_bits")]:
+    for extra, code, param in [
+        ({"kv_bits": 4}, "option_not_allowed", "kv_bits"),
+        ({"kv_quant": "kivi2"}, "option_not_allowed", "kv_quant"),
+        ({"kv_quant": "none"}, "option_not_allowed", "kv_quant"),
+        ({"kv_quant": "int4", "kv_bits": 3}, "invalid_value", "kv_bits"),
+        ({"kv_bits": 1.5}, "invalid_value", "kv_bits"),
+    ]:
         with pytest.raises(openai.BadRequestError) as err:
             ask(quantized.url, msgs, session_id="refused", **extra)
-        assert (err.value.status_code, err.value.body["type"], err.value.code, err.value.param) == (400, "invalid_request_error", code, param), extra
+        assert (err.value.status_code, err.value.body["type"], err.value.code, err.value.param) == (
+            400,
+            "invalid_request_error",
+            code,
+            param,
+        ), extra
 
 
 def test_segment_reuse_is_scoped_by_tenant(served):
@@ -190,10 +222,14 @@ def test_one_tenants_sessions_prune_one_document_each_their_own_way(served, doc)
     policies: each owns its holes (when a tenant's sessions shared one radix
     owner, the second turn failed with a 500, RadixError from the hole sync)."""
     system = "You are a research agent."
-    _, one = ask(served.url, document_chat(doc, system, "What is the first record?"), session_id="prune-1", policy="streaming_llm", budget=BUDGET)
+    _, one = ask(
+        served.url, document_chat(doc, system, "What is the first record?"), session_id="prune-1", policy="streaming_llm", budget=BUDGET
+    )
     _, two = ask(served.url, document_chat(doc, system, "Which record comes last?"), session_id="prune-2", policy="snapkv", budget=BUDGET)
     assert one["evicted_tokens"] > 0 and two["evicted_tokens"] > 0
-    owners = {e.session.cache_owner for (tenant, key), e in served.state.store._entries.items() if key in ("explicit:prune-1", "explicit:prune-2")}
+    owners = {
+        e.session.cache_owner for (tenant, key), e in served.state.store._entries.items() if key in ("explicit:prune-1", "explicit:prune-2")
+    }
     assert len(owners) == 2
     served.state.server.radix.check_invariants()
 
@@ -228,7 +264,11 @@ def test_every_per_request_option_matches_its_session(model, fixture, extra):
 
 def _conversations(extra) -> list:
     doc = shared_corpus(5, n_shelves=1, length=600)[2]
-    systems = ["You compare HTTP with the library.", "You are the second reader of it."] if "reuse" in extra else ["You compare HTTP with the library."]
+    systems = (
+        ["You compare HTTP with the library.", "You are the second reader of it."]
+        if "reuse" in extra
+        else ["You compare HTTP with the library."]
+    )
     return [[{"role": "system", "content": system}, {"role": "user", "content": f"Read this document.\n{doc.text}"}] for system in systems]
 
 
@@ -238,7 +278,10 @@ def _converse_over_http(url, extra) -> list:
     over_http = []
     for c, msgs in enumerate(_conversations(extra)):
         first, report1 = ask(url, msgs, session_id=f"lib-{tag}-{c}", **extra)
-        msgs2 = msgs + [{"role": "assistant", "content": first.choices[0].message.content or ""}, {"role": "user", "content": "What is the first record?"}]
+        msgs2 = msgs + [
+            {"role": "assistant", "content": first.choices[0].message.content or ""},
+            {"role": "user", "content": "What is the first record?"},
+        ]
         second, report2 = ask(url, msgs2, session_id=f"lib-{tag}-{c}", **extra)
         over_http.append((first.choices[0].message.content, second.choices[0].message.content, report1, report2))
     return over_http
@@ -250,7 +293,10 @@ def _compare_with_session(model, settings, options, extra, over_http) -> None:
         for (content1, content2, report1, report2), msgs in zip(over_http, _conversations(extra)):
             session = server.session(tenant="reference", **options) if "reuse" in extra else server.session(**options)
             one = session.chat(msgs, max_new_tokens=2)
-            msgs2 = msgs + [{"role": "assistant", "content": one.get("content") or ""}, {"role": "user", "content": "What is the first record?"}]
+            msgs2 = msgs + [
+                {"role": "assistant", "content": one.get("content") or ""},
+                {"role": "user", "content": "What is the first record?"},
+            ]
             two = session.chat(msgs2, max_new_tokens=2)
             assert (one.get("content"), two.get("content")) == (content1, content2), extra
             if "reuse" in extra:
@@ -292,8 +338,12 @@ def test_the_allow_list_refuses_in_openais_shape(served, doc):
     msgs = document_chat(doc)
     headers = {"Authorization": f"Bearer {KEYS[0]}"}
     for extra, code, param in REFUSED:
-        r = httpx.post(served.url + "/v1/chat/completions", json={"model": "tiny", "messages": msgs, "max_tokens": 1, "session_id": "refused", **extra},
-                       headers=headers, timeout=60)
+        r = httpx.post(
+            served.url + "/v1/chat/completions",
+            json={"model": "tiny", "messages": msgs, "max_tokens": 1, "session_id": "refused", **extra},
+            headers=headers,
+            timeout=60,
+        )
         assert r.status_code == 400, (extra, r.text)
         err = r.json()["error"]
         assert (err["type"], err["code"], err["param"]) == ("invalid_request_error", code, param), (extra, err)
@@ -310,9 +360,18 @@ def test_a_session_keeps_its_options(served, doc):
     _, made = ask(served.url, msgs, session_id="kept", policy="snapkv", budget=BUDGET, reuse="segment")
     _, same = ask(served.url, msgs, session_id="kept", policy="snapkv", budget=BUDGET)  # naming the same ones, or none: the session as made
     _, silent = ask(served.url, msgs, session_id="kept")
-    assert made["options"] == same["options"] == silent["options"] == {**OFF, "policy": "snapkv", "budget": BUDGET, "layout": "dead_slot", "reuse": "segment"}
-    for extra, param in [({"policy": "streaming_llm", "budget": BUDGET}, "policy"), ({"policy": "snapkv", "budget": 64}, "budget"),
-                         ({"reuse": None}, "reuse"), ({"policy": "snapkv", "budget": BUDGET, "layout": "compact"}, "layout")]:
+    assert (
+        made["options"]
+        == same["options"]
+        == silent["options"]
+        == {**OFF, "policy": "snapkv", "budget": BUDGET, "layout": "dead_slot", "reuse": "segment"}
+    )
+    for extra, param in [
+        ({"policy": "streaming_llm", "budget": BUDGET}, "policy"),
+        ({"policy": "snapkv", "budget": 64}, "budget"),
+        ({"reuse": None}, "reuse"),
+        ({"policy": "snapkv", "budget": BUDGET, "layout": "compact"}, "layout"),
+    ]:
         with pytest.raises(openai.BadRequestError) as err:
             ask(served.url, msgs, session_id="kept", **extra)
         assert err.value.code == "session_options_mismatch" and err.value.param == param, extra
@@ -336,16 +395,24 @@ def test_allow_lists_the_server_cannot_serve_fail_at_start_up(model, tmp_path):
     def rules(*flags):
         return rules_from_args(cli.build_parser().parse_args(["serve", *flags]))
 
-    for flags in (["--allow", "kv_quant=int4"],  # a float pool cannot hold packed rows
-                  ["--kv-quant", "int4", "--allow", "kv_quant=triaxial"],  # an INT4 pool has no INT2 pages
-                  ["--kv-quant", "kivi2", "--allow", "kv_quant=int4"],
-                  ["--kv-quant", "int4", "--allow", "kv_bits=3"],  # kv_bits without a triaxial mode
-                  ["--kv-quant", "triaxial", "--allow", "kv_bits=5"],
-                  ["--allow", "policy=snapkv,nonsense"], ["--allow", "layout=diagonal"], ["--allow", "reuse=everything"],
-                  ["--allow", "tenant=a"], ["--allow", "repair=many"], ["--allow", "repair=8", "--max-repair", "16"]):
+    for flags in (
+        ["--allow", "kv_quant=int4"],  # a float pool cannot hold packed rows
+        ["--kv-quant", "int4", "--allow", "kv_quant=triaxial"],  # an INT4 pool has no INT2 pages
+        ["--kv-quant", "kivi2", "--allow", "kv_quant=int4"],
+        ["--kv-quant", "int4", "--allow", "kv_bits=3"],  # kv_bits without a triaxial mode
+        ["--kv-quant", "triaxial", "--allow", "kv_bits=5"],
+        ["--allow", "policy=snapkv,nonsense"],
+        ["--allow", "layout=diagonal"],
+        ["--allow", "reuse=everything"],
+        ["--allow", "tenant=a"],
+        ["--allow", "repair=many"],
+        ["--allow", "repair=8", "--max-repair", "16"],
+    ):
         with pytest.raises(ConfigError):
             rules(*flags)
-    every = rules("--kv-quant", "triaxial", "--allow", "kv_quant=all", "--allow", "policy=snapkv", "--allow-policies", "h2o", "--max-budget", "512")
+    every = rules(
+        "--kv-quant", "triaxial", "--allow", "kv_quant=all", "--allow", "policy=snapkv", "--allow-policies", "h2o", "--max-budget", "512"
+    )
     assert every.allow_kv_quant == {"int4", "triaxial", "triaxial_no_temporal", "triaxial_no_semantic"}
     assert every.allow_policies == {"snapkv", "h2o"} and every.max_budget == 512
     # the pool and the calibration are checked by building the sessions, before the app exists

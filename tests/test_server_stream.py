@@ -31,9 +31,28 @@ from jaxkv.tasks import embedded_tokenizer
 
 TOKENIZER = embedded_tokenizer()
 PIECES = [
-    "<think>", "</think>", "<tool_call>", "</tool_call>", "<|im_end|>", "\n", "\n\n", " ", "  ",
-    '{"name": "search", "arguments": {"query": "Ember"}}', '{"name": "open", "arguments": {"doc_id": "d019"}}',
-    '{"name": "nope"', "Answer", ":", " k086", " v276", " the", " report", ".", "<", "é", "日本",
+    "<think>",
+    "</think>",
+    "<tool_call>",
+    "</tool_call>",
+    "<|im_end|>",
+    "\n",
+    "\n\n",
+    " ",
+    "  ",
+    '{"name": "search", "arguments": {"query": "Ember"}}',
+    '{"name": "open", "arguments": {"doc_id": "d019"}}',
+    '{"name": "nope"',
+    "Answer",
+    ":",
+    " k086",
+    " v276",
+    " the",
+    " report",
+    ".",
+    "<",
+    "é",
+    "日本",
 ]
 
 
@@ -107,11 +126,14 @@ def test_a_tool_call_reply_streams_reasoning_then_one_call_and_no_markup():
     assert final["tool_calls"][0]["function"]["name"] == "search"
 
 
-@pytest.mark.parametrize("text", [
-    '  Answer <tool_call>\n{"name": "search", "arguments": {"query": "Ember"}}\n</tool_call>',  # a call strips content
-    'Answer  \n<tool_call>\n{"name": "search", "arguments": {}}\n</tool_call> then more',
-    "<think>\nplan  \n</think>\n\n  Answer: v276<|im_end|>",
-])
+@pytest.mark.parametrize(
+    "text",
+    [
+        '  Answer <tool_call>\n{"name": "search", "arguments": {"query": "Ember"}}\n</tool_call>',  # a call strips content
+        'Answer  \n<tool_call>\n{"name": "search", "arguments": {}}\n</tool_call> then more',
+        "<think>\nplan  \n</think>\n\n  Answer: v276<|im_end|>",
+    ],
+)
 def test_whitespace_a_later_call_strips_is_never_sent_early(text):
     ids = token_ids(text)
     fmt = ReplyFormat(tool_names=("search",))
@@ -167,7 +189,10 @@ def server(model):
         yield srv
 
 
-MESSAGES = [{"role": "system", "content": "You are a research agent."}, {"role": "user", "content": "In the Meadow project, find facilities k086."}]
+MESSAGES = [
+    {"role": "system", "content": "You are a research agent."},
+    {"role": "user", "content": "In the Meadow project, find facilities k086."},
+]
 TOOLS = [schema("search", "Search the index.", query="words"), schema("open", "Open a document.", doc_id="the id")]
 
 
@@ -217,7 +242,11 @@ def test_tool_choice_none_and_errors(server):
     assert turn.reply["tool_calls"] == [] and turn.finish_reason in ("stop", "length")
     with_tools = server.session().start_chat(MESSAGES, TOOLS, max_new_tokens=1).result()
     assert turn.prompt_tokens < with_tools.prompt_tokens  # rendered without the tool schemas
-    forced = server.session().start_chat(MESSAGES, TOOLS, max_new_tokens=1, tool_choice={"type": "function", "function": {"name": "open"}}).result()
+    forced = (
+        server.session()
+        .start_chat(MESSAGES, TOOLS, max_new_tokens=1, tool_choice={"type": "function", "function": {"name": "open"}})
+        .result()
+    )
     assert forced.text.startswith('<tool_call>\n{"name": "open", "arguments": ')
     for bad in ("sometimes", {"type": "function", "function": {"name": "rm"}}):
         with pytest.raises(ChatError):
@@ -285,10 +314,20 @@ def test_api_keys_from_values_and_files(tmp_path):
 def test_option_rules_allow_only_what_the_server_allows():
     rules = OptionRules("snapkv", 512, repair=16, allow_policies=frozenset({"h2o", "full"}), max_budget=1024, max_repair=32)
     assert rules.resolve({}) == {"keep_reasoning": False, "policy": "snapkv", "budget": 512, "layout": "dead_slot", "repair": 16}
-    assert rules.resolve({"policy": "h2o", "budget": 256, "repair": 0}) == {"keep_reasoning": False, "policy": "h2o", "budget": 256, "layout": "dead_slot"}
+    assert rules.resolve({"policy": "h2o", "budget": 256, "repair": 0}) == {
+        "keep_reasoning": False,
+        "policy": "h2o",
+        "budget": 256,
+        "layout": "dead_slot",
+    }
     assert rules.resolve({"policy": None}) == {"keep_reasoning": False}  # the default repair needs a policy: off with the full cache
-    for bad, code in [({"policy": "tova"}, "option_not_allowed"), ({"budget": 4096}, "option_not_allowed"),
-                      ({"repair": 64}, "option_not_allowed"), ({"budget": 0}, "invalid_value"), ({"repair": "x"}, "invalid_value")]:
+    for bad, code in [
+        ({"policy": "tova"}, "option_not_allowed"),
+        ({"budget": 4096}, "option_not_allowed"),
+        ({"repair": 64}, "option_not_allowed"),
+        ({"budget": 0}, "invalid_value"),
+        ({"repair": "x"}, "invalid_value"),
+    ]:
         with pytest.raises(APIError) as err:
             rules.resolve(bad)
         assert err.value.status == 400 and err.value.code == code and err.value.param == next(iter(bad))

@@ -20,9 +20,17 @@ TOOLS = [schema("get_weather", "current weather", city="city name"), schema("con
 def agent_model():
     tok = build_tokenizer(WORDS)
     cfg = ModelConfig(
-        model_type="qwen3", vocab_size=len(tok), hidden_size=64, intermediate_size=128,
-        num_layers=2, num_heads=4, num_kv_heads=2, head_dim=16, qk_norm=True,
-        max_position_embeddings=2048, eos_token_ids=(tok.convert_tokens_to_ids("<|im_end|>"),),
+        model_type="qwen3",
+        vocab_size=len(tok),
+        hidden_size=64,
+        intermediate_size=128,
+        num_layers=2,
+        num_heads=4,
+        num_kv_heads=2,
+        head_dim=16,
+        qk_norm=True,
+        max_position_embeddings=2048,
+        eos_token_ids=(tok.convert_tokens_to_ids("<|im_end|>"),),
     )
     return jaxkv.model_from_config(cfg, seed=0, tokenizer=tok)
 
@@ -38,8 +46,14 @@ def six_turn_conversation():
     ]
     cities = ["paris", "rome", "london", "tokyo", "paris"]
     for i, city in enumerate(cities):
-        msgs.append({"role": "assistant", "content": "", "reasoning_content": f"find {city} then compare",
-                     "tool_calls": [_call("get_weather", city=city)]})
+        msgs.append(
+            {
+                "role": "assistant",
+                "content": "",
+                "reasoning_content": f"find {city} then compare",
+                "tool_calls": [_call("get_weather", city=city)],
+            }
+        )
         msgs.append({"role": "tool", "content": f"{city} is {['sunny', 'rainy', 'cloudy'][i % 3]} and {10 + i} degrees"})
     msgs.append({"role": "assistant", "content": "paris is sunny and rome is rainy", "reasoning_content": "compare"})
     return msgs
@@ -55,7 +69,7 @@ def test_six_turn_replay_reuses_prefix_and_matches_oracle(agent_model):
         full = np.concatenate([turn.prompt_ids, turn.target_ids])
         oracle = np.asarray(jaxkv.score_logits(agent_model, full[None]))[0]
         got = np.concatenate([turn.prompt_logits, turn.target_logits])
-        ref = oracle[turn.prefix_hit:]
+        ref = oracle[turn.prefix_hit :]
         assert got.shape == ref.shape
         assert np.abs(got - ref).max() / np.abs(ref).max() <= 1e-4
         if previous is not None:
@@ -90,7 +104,7 @@ def test_dropped_reasoning_diverges_and_is_handled(agent_model):
     diverge = jaxkv.cache.radix.common_prefix_length(first, last.prompt_ids)
     assert diverge < first.size  # the old reasoning is gone from the new prompt
     assert last.prefix_hit >= diverge
-    oracle = np.asarray(jaxkv.score_logits(agent_model, last.prompt_ids[None]))[0][last.prefix_hit:]
+    oracle = np.asarray(jaxkv.score_logits(agent_model, last.prompt_ids[None]))[0][last.prefix_hit :]
     assert np.abs(last.prompt_logits - oracle).max() / np.abs(oracle).max() <= 1e-4
 
 
@@ -115,9 +129,26 @@ def test_bad_input(agent_model):
     with pytest.raises(jaxkv.errors.ChatError, match="wizard"):
         session.chat([{"role": "wizard", "content": "hi"}])
     with pytest.raises(jaxkv.errors.ChatError, match="fly"):  # malformed: arguments neither JSON text nor an object
-        session.chat([{"role": "user", "content": "x"}, {"role": "assistant", "content": "", "tool_calls": [{"function": {"name": "fly", "arguments": 7}}]}, {"role": "user", "content": "y"}], TOOLS)
+        session.chat(
+            [
+                {"role": "user", "content": "x"},
+                {"role": "assistant", "content": "", "tool_calls": [{"function": {"name": "fly", "arguments": 7}}]},
+                {"role": "user", "content": "y"},
+            ],
+            TOOLS,
+        )
     # A call to a tool that was not offered is well formed: it renders and the turn runs.
-    assert session.chat([{"role": "user", "content": "x"}, {"role": "assistant", "content": "", "tool_calls": [_call("fly", to="rome")]}, {"role": "user", "content": "y"}], max_new_tokens=2)["role"] == "assistant"
+    assert (
+        session.chat(
+            [
+                {"role": "user", "content": "x"},
+                {"role": "assistant", "content": "", "tool_calls": [_call("fly", to="rome")]},
+                {"role": "user", "content": "y"},
+            ],
+            max_new_tokens=2,
+        )["role"]
+        == "assistant"
+    )
     long = [{"role": "user", "content": " ".join(["weather"] * 400)}]
     with pytest.raises(jaxkv.ContextLengthError, match=r"\d+ tokens \+ 16 new tokens exceeds the context of 256"):
         session.chat(long, max_new_tokens=16)

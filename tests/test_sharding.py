@@ -55,8 +55,9 @@ def _run_subprocess(hf_checkpoint, tmp, out) -> None:
     spec, part = tmp / "spec.json", tmp / "partial.json"
     spec.write_text(json.dumps({"cases": cases}))
     env = {**os.environ, "JAX_PLATFORMS": "cpu"}
-    proc = subprocess.run([sys.executable, os.path.join(HERE, "multidevice.py"), str(spec), str(part)],
-                          env=env, capture_output=True, text=True, timeout=900)
+    proc = subprocess.run(
+        [sys.executable, os.path.join(HERE, "multidevice.py"), str(spec), str(part)], env=env, capture_output=True, text=True, timeout=900
+    )
     assert proc.returncode == 0, proc.stderr[-4000:]
     os.replace(part, out)
 
@@ -89,8 +90,10 @@ def test_sharded_logits_equal_single_device(measured, case):
     assert m["devices"] == 8
     _, _, tp, dp = LOGITS_CASES[case]
     assert m["mesh"] == {"dp": dp, "tp": tp}
-    print(f"\n{case}: max |sharded - single| dense {m['dense_err']:.2e}, prefill {m['prefill_err']:.2e}, "
-          f"decode {m['decode_err']:.2e} (logits up to {m['dense_scale']:.1f})")
+    print(
+        f"\n{case}: max |sharded - single| dense {m['dense_err']:.2e}, prefill {m['prefill_err']:.2e}, "
+        f"decode {m['decode_err']:.2e} (logits up to {m['dense_scale']:.1f})"
+    )
     for what in ("dense", "prefill", "decode"):
         assert m[f"{what}_err"] <= TOL, what
 
@@ -198,8 +201,10 @@ def test_quantized_pool_with_reuse_runs_sharded(measured):
     head on the wrong device, a scale from another head) changes far more codes."""
     m = measured["quant"]
     int4_effect = float(np.abs(np.subtract(m["single_logits"], measured["reuse"]["single_logits"], dtype=np.float64)).max())
-    print(f"\nINT4 pool, spliced prefill, sharded vs one device: max logit error {m['logits_err']:.2e}, "
-          f"INT4 vs float {int4_effect:.2e}, code bytes differing {m['code_bytes_differing']:.1e}")
+    print(
+        f"\nINT4 pool, spliced prefill, sharded vs one device: max logit error {m['logits_err']:.2e}, "
+        f"INT4 vs float {int4_effect:.2e}, code bytes differing {m['code_bytes_differing']:.1e}"
+    )
     assert m["single"]["accepted"] > 0  # reuse spliced
     for key in ("accepted", "reply"):
         assert m["sharded"][key] == m["single"][key], key
@@ -211,8 +216,12 @@ def test_quantized_pool_with_reuse_runs_sharded(measured):
 
 def test_meshes_a_model_cannot_use_raise_config_error(measured):
     errors = measured["errors"]
-    for name, expect in (("tp_not_dividing_kv_heads", "KV heads"), ("dp_not_power_of_two", "power of two"),
-                         ("unknown_axis", "mesh axes"), ("too_many_devices", "devices")):
+    for name, expect in (
+        ("tp_not_dividing_kv_heads", "KV heads"),
+        ("dp_not_power_of_two", "power of two"),
+        ("unknown_axis", "mesh axes"),
+        ("too_many_devices", "devices"),
+    ):
         assert errors[name] is not None, name
         kind, message = errors[name]
         assert kind == "ConfigError" and expect in message, (name, message)
@@ -238,8 +247,10 @@ def test_meshes_built_with_jax_match_one_device(measured, name):
     assert m["axis_types"] == types and m["mesh"] == shape  # the mesh really was built that way
     assert m["model_axis_types"] == ["AxisType.Auto"] * len(types) and m["same_devices"]
     assert m["weights_split"] == 7  # q, k, v, o, gate, up, down: every layer's, stacked
-    print(f"\n{name}: max |mesh - one device| score_logits {m['dense_err']:.2e}, session {m['session_err']:.2e}, "
-          f"server session {m['server_session_err']:.2e} (logits up to {m['dense_scale']:.2f})")
+    print(
+        f"\n{name}: max |mesh - one device| score_logits {m['dense_err']:.2e}, session {m['session_err']:.2e}, "
+        f"server session {m['server_session_err']:.2e} (logits up to {m['dense_scale']:.2f})"
+    )
     for what in ("dense", "session", "server_session"):
         assert m[f"{what}_err"] <= TOL, what
     assert [len(g) for g in single["generate"]] == [12, 12, 12]
@@ -256,12 +267,16 @@ def _one_device_mesh(axis_type=AxisType.Explicit, names=("tp",)) -> Mesh:
     return Mesh(np.asarray(jax.devices()[:1]).reshape((1,) * len(names)), names, axis_types=(axis_type,) * len(names))
 
 
-@pytest.mark.parametrize("mesh, message", [
-    (lambda: _one_device_mesh(AxisType.Manual), "AxisType.Manual"),
-    (lambda: jax.make_mesh((1,), ("model",)), "mesh axes must be 'tp' and/or 'dp'"),
-    (lambda: _one_device_mesh().abstract_mesh, "must be a jax.sharding.Mesh"),
-    (lambda: ("tp", 1), "must be a jax.sharding.Mesh"),
-], ids=["manual_axis", "axis_named_model", "abstract_mesh", "not_a_mesh"])
+@pytest.mark.parametrize(
+    "mesh, message",
+    [
+        (lambda: _one_device_mesh(AxisType.Manual), "AxisType.Manual"),
+        (lambda: jax.make_mesh((1,), ("model",)), "mesh axes must be 'tp' and/or 'dp'"),
+        (lambda: _one_device_mesh().abstract_mesh, "must be a jax.sharding.Mesh"),
+        (lambda: ("tp", 1), "must be a jax.sharding.Mesh"),
+    ],
+    ids=["manual_axis", "axis_named_model", "abstract_mesh", "not_a_mesh"],
+)
 def test_a_mesh_jaxkv_cannot_use_is_refused_at_load_model(qwen2_folder, mesh, message):
     with pytest.raises(ConfigError, match=message):
         jaxkv.load_model(qwen2_folder, mesh=mesh())
@@ -303,8 +318,16 @@ def test_two_processes_through_jax_distributed_match_one_device(hf_checkpoint, t
     env = {**os.environ, "JAX_PLATFORMS": "cpu"}  # make test's XLA flags too: a float model, nothing quantized
     port = _free_port()
     outs = [tmp_path / f"process{i}.json" for i in range(2)]
-    procs = [subprocess.Popen([sys.executable, os.path.join(HERE, "multidevice.py"), "--process", str(i), str(port), folder, str(outs[i])],
-                              env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True) for i in range(2)]
+    procs = [
+        subprocess.Popen(
+            [sys.executable, os.path.join(HERE, "multidevice.py"), "--process", str(i), str(port), folder, str(outs[i])],
+            env=env,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+        )
+        for i in range(2)
+    ]
     try:
         logs = [p.communicate(timeout=600)[0] for p in procs]
     finally:

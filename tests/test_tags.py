@@ -37,8 +37,13 @@ TOOLS = [{"type": "function", "function": {"name": n}} for n in ("f", "g")]
 O, T, A, K = Phase.OTHERS, Phase.THINK, Phase.ACT, Phase.TOOL
 M1, CUR = Temporal.TURN_M1, Temporal.CURRENT
 D, INST, USER, ASST, REAS, CALL, OBS = (
-    Semantic.DELIM, Semantic.INST, Semantic.USER, Semantic.ASSISTANT,
-    Semantic.REASONING, Semantic.TOOL_CALL, Semantic.OBS,
+    Semantic.DELIM,
+    Semantic.INST,
+    Semantic.USER,
+    Semantic.ASSISTANT,
+    Semantic.REASONING,
+    Semantic.TOOL_CALL,
+    Semantic.OBS,
 )
 CALL_F = '\n { " name " : ␣ " f " , ␣ " arguments " : ␣ { } } \n'
 CALL_G = CALL_F.replace(" f ", " g ")
@@ -177,8 +182,12 @@ def test_tool_role_layout(tok):
         "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
     )
     tok2 = build_tokenizer(WORDS, chat_template=template)
-    msgs = [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "ok"},
-            {"role": "tool", "content": "sunny"}, {"role": "tool", "content": "rain"}]
+    msgs = [
+        {"role": "user", "content": "Hi"},
+        {"role": "assistant", "content": "ok"},
+        {"role": "tool", "content": "sunny"},
+        {"role": "tool", "content": "rain"},
+    ]
     r = render(tok2, msgs)
     pieces = tok2.convert_ids_to_tokens(r.ids.tolist())
     tool_header = pieces.index("tool")

@@ -74,8 +74,9 @@ def test_five_turn_schedule_revisits_and_never_asks_the_tail_after_turn_1(k):
         assert len(users) == 5 and len(ex.targets) == 5
         for user, ask in zip(users, asks):
             assert all(key in user["content"] for key in ask)
-        assert {n["key"]: n["turn"] for n in needles} == {key: 1 + min(t for t, a in enumerate(asks) if key in a)
-                                                           for key in (n["key"] for n in needles)}
+        assert {n["key"]: n["turn"] for n in needles} == {
+            key: 1 + min(t for t, a in enumerate(asks) if key in a) for key in (n["key"] for n in needles)
+        }
 
 
 def test_mqniah_rejects_bad_turn_counts():
@@ -160,8 +161,7 @@ def test_seeds_are_deterministic_and_distinct():
     assert [e.messages for e in a] != [e.messages for e in c]
 
 
-@pytest.mark.parametrize("make", [lambda L: agent_traces(4, 0, length=L, n_docs=2),
-                                  lambda L: mqniah(4, 0, needles=4, length=L)])
+@pytest.mark.parametrize("make", [lambda L: agent_traces(4, 0, length=L, n_docs=2), lambda L: mqniah(4, 0, needles=4, length=L)])
 def test_length_knob_scales_the_rendered_length(make):
     for length in (2048, 4096, 8192):
         for ex in make(length):
@@ -254,8 +254,9 @@ def test_shared_docs_sessions_are_agent_traces_over_a_shared_corpus():
         # identifiers unique within the session: each occurs once in the tool responses
         # (less the documents' headers, which repeat their search result, and the
         # registry's needle, which repeats the first value)
-        tool_text = "\n".join(m["content"].split("\n", 1)[1] if m["name"] == "open" else m["content"]
-                              for m in ex.messages if m["role"] == "tool")
+        tool_text = "\n".join(
+            m["content"].split("\n", 1)[1] if m["name"] == "open" else m["content"] for m in ex.messages if m["role"] == "tool"
+        )
         if ex.labels["registry"]:
             tool_text = tool_text.replace(f"\n{ex.labels['values'][0]}: {ex.labels['resolved']}\n", "\n")
         for ident in set(re.findall(r"\b[kvd]\d{3}\b", tool_text)):

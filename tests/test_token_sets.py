@@ -113,9 +113,13 @@ def test_on_smollm2_head_cells_are_the_presses_own(smollm2_gguf):
     model = K.load_hf(folder, "sdpa")
     example = K.eval_examples("passkey", 1, 320, tok)[0]
     plan = tasks.token_plan(example, tok, "agnostic")
-    presses = {"snap_own": K.make_press("SnapKVPress", 0.5), "snap_head": T.TokenSetPress(K.make_press("SnapKVPress", 0.5), "head"),
-               "tova_own": K.make_press("TOVAPress", 0.5), "tova_layer": T.TokenSetPress(K.make_press("TOVAPress", 0.5), "layer"),
-               "tova_one": T.TokenSetPress(K.make_press("TOVAPress", 0.5), "one")}
+    presses = {
+        "snap_own": K.make_press("SnapKVPress", 0.5),
+        "snap_head": T.TokenSetPress(K.make_press("SnapKVPress", 0.5), "head"),
+        "tova_own": K.make_press("TOVAPress", 0.5),
+        "tova_layer": T.TokenSetPress(K.make_press("TOVAPress", 0.5), "layer"),
+        "tova_one": T.TokenSetPress(K.make_press("TOVAPress", 0.5), "one"),
+    }
     prefill = K.shared_prefill(model, plan.compressed, presses, example.seed)
     T.select_one_sets(prefill, presses)
     for a, b in (("snap_own", "snap_head"), ("tova_own", "tova_layer")):
@@ -198,8 +202,17 @@ def test_windowed_expected_attention_takes_the_last_rows_statistics_at_the_promp
 def _lm_line(seed: int, cells: dict) -> str:
     import json
 
-    return json.dumps({"task": "lm", "example_task": "lm", "context": 2048, "length": 2048, "seed": seed,
-                       "settings": {"agnostic": {"cells": cells}}, "seconds": {"total": 1.0}})
+    return json.dumps(
+        {
+            "task": "lm",
+            "example_task": "lm",
+            "context": 2048,
+            "length": 2048,
+            "seed": seed,
+            "settings": {"agnostic": {"cells": cells}},
+            "seconds": {"total": 1.0},
+        }
+    )
 
 
 def test_report_scores_lm_by_nll_increase_and_sets_one_set_cells_beside_jaxkv(tmp_path):
@@ -219,11 +232,24 @@ def test_report_scores_lm_by_nll_increase_and_sets_one_set_cells_beside_jaxkv(tm
     (out / "examples.jsonl").write_text(_lm_line(1, {"full": {"nll": 2.0}, "RandomPress/head@0.5": {"nll": 2.4}}) + "\n")
     (tmp_path / "kvpress").mkdir()  # kvpress's own RandomPress on example 1: the same cell, reproduced
     (tmp_path / "kvpress" / "examples.jsonl").write_text(_lm_line(1, {"full": {"nll": 2.0}, "RandomPress@0.5": {"nll": 2.4}}) + "\n")
-    (out / "examples_h2o_random.jsonl").write_text("\n".join(
-        _lm_line(s, {"full": {"nll": full[s]}, cell: {"nll": mine[s]}}) for s in full) + "\n")
-    (jaxkv / "examples.jsonl").write_text("\n".join(json.dumps(
-        {"task": "lm", "context": 2048, "seed": s, "setting": "agnostic",
-         "cells": {"full": {"nll": full.get(s, 9.0)}, "h2o@0.5": {"nll": nll}}}) for s, nll in theirs.items()) + "\n")
+    (out / "examples_h2o_random.jsonl").write_text(
+        "\n".join(_lm_line(s, {"full": {"nll": full[s]}, cell: {"nll": mine[s]}}) for s in full) + "\n"
+    )
+    (jaxkv / "examples.jsonl").write_text(
+        "\n".join(
+            json.dumps(
+                {
+                    "task": "lm",
+                    "context": 2048,
+                    "seed": s,
+                    "setting": "agnostic",
+                    "cells": {"full": {"nll": full.get(s, 9.0)}, "h2o@0.5": {"nll": nll}},
+                }
+            )
+            for s, nll in theirs.items()
+        )
+        + "\n"
+    )
 
     tables = T.read(out)
     values = T.cell_values("lm", tables[("lm", 2048, "agnostic")], cell)

@@ -23,8 +23,7 @@ def tokenizer():
 @pytest.fixture(scope="module")
 def tiny_run(tmp_path_factory):
     out = tmp_path_factory.mktemp("embedded")
-    args = em.parse_args(["--tiny", "--steps", "3", "--batch", "2", "--lr", "1e-2", "--out", str(out),
-                          "--eval-examples", "2", "--quiet"])
+    args = em.parse_args(["--tiny", "--steps", "3", "--batch", "2", "--lr", "1e-2", "--out", str(out), "--eval-examples", "2", "--quiet"])
     return out, em.train(args)
 
 
@@ -107,8 +106,7 @@ def test_export_loads_back_with_the_same_logits(tiny_run):
 def test_resume_continues_the_same_run(tiny_run, tmp_path):
     """Stopping after step 2 and resuming gives the same step-3 loss as one 3-step run."""
     _, result = tiny_run
-    common = ["--tiny", "--steps", "3", "--batch", "2", "--lr", "1e-2", "--out", str(tmp_path),
-              "--eval-examples", "0", "--quiet"]
+    common = ["--tiny", "--steps", "3", "--batch", "2", "--lr", "1e-2", "--out", str(tmp_path), "--eval-examples", "0", "--quiet"]
     first = em.train(em.parse_args(common + ["--stop-after", "2"]))
     second = em.train(em.parse_args(common))
     np.testing.assert_allclose(first["losses"], result["losses"][:2], rtol=1e-6)
@@ -132,6 +130,7 @@ def test_a_batch_that_fails_to_build_raises_in_the_trainer(tmp_path, monkeypatch
     """The trainer gets the batch's own error, instead of waiting forever for a
     batch the prefetch thread will never build (run on a thread with a deadline,
     so a regression fails here instead of hanging the suite)."""
+
     def broken(*args, **kwargs):
         raise RuntimeError("no batch today")
 

@@ -32,8 +32,16 @@ def qmodel():
 
     tok = embedded_tokenizer()
     cfg = ModelConfig(
-        model_type="qwen3", vocab_size=len(tok), hidden_size=64, intermediate_size=64, num_layers=2,
-        num_heads=2, num_kv_heads=1, head_dim=32, qk_norm=True, max_position_embeddings=4096,
+        model_type="qwen3",
+        vocab_size=len(tok),
+        hidden_size=64,
+        intermediate_size=64,
+        num_layers=2,
+        num_heads=2,
+        num_kv_heads=1,
+        head_dim=32,
+        qk_norm=True,
+        max_position_embeddings=4096,
         eos_token_ids=(tok.convert_tokens_to_ids("<|im_end|>"),),
     )
     return jaxkv.model_from_config(cfg, seed=0, tokenizer=tok)
@@ -42,9 +50,11 @@ def qmodel():
 def allocation(int2_semantics=(1, 5), budget=3.0):
     """A calibration table over the semantic axis: the listed semantics are cheap to
     quantize (they go to INT2 first), the others costly."""
-    return {"axes": ["semantic"], "budget": budget, "tags": [
-        {"index": s, "N": 10.0, "D2": 1.0 if s in int2_semantics else 100.0, "D4": 0.5} for s in range(7)
-    ]}
+    return {
+        "axes": ["semantic"],
+        "budget": budget,
+        "tags": [{"index": s, "N": 10.0, "D2": 1.0 if s in int2_semantics else 100.0, "D4": 0.5} for s in range(7)],
+    }
 
 
 def kinds_of(engine, row):
@@ -141,9 +151,11 @@ def test_decode_tokens_go_to_int4_and_kivi_keeps_a_recent_float_window(qmodel):
 def test_prefix_cached_token_keeps_its_first_precision(qmodel):
     """A token matched through the radix cache keeps the precision it was first
     written with: session B (all INT4) reuses session A's INT2 prefix as is."""
-    msgs = [{"role": "system", "content": "Read the document below and answer."},
-            {"role": "user", "content": " ".join(["report budget travel legal"] * 30)},
-            {"role": "assistant", "content": "ok"}]
+    msgs = [
+        {"role": "system", "content": "Read the document below and answer."},
+        {"role": "user", "content": " ".join(["report budget travel legal"] * 30)},
+        {"role": "assistant", "content": "ok"},
+    ]
     with Server(qmodel, rows=1, max_positions=1024, kv_quant="triaxial") as server:
         a = server.session(kv_bits=2.0, kv_allocation=allocation())
         b = server.session(kv_bits=4.0, kv_allocation=allocation())
@@ -192,7 +204,9 @@ def test_shelved_rows_are_promoted_back_bit_identical(qmodel, mode):
     assert np.unique(fresh[two] // PAGE).size == np.unique(slots[two] // PAGE).size
 
 
-@pytest.mark.parametrize("mode,backend", [("triaxial", None), ("triaxial", "interpret"), ("kivi2", None), ("kivi4", None)])  # kivi4 in interpret mode: tests/test_quant.py
+@pytest.mark.parametrize(
+    "mode,backend", [("triaxial", None), ("triaxial", "interpret"), ("kivi2", None), ("kivi4", None)]
+)  # kivi4 in interpret mode: tests/test_quant.py
 def test_quantized_decode_logits_equal_attention_over_dequantized_kv(qmodel, mode, backend):
     """The page-table path (``quantized_decode_attention``: kernel in interpret mode,
     reference on CPU) and the float reference over the dequantized live list give
@@ -293,8 +307,11 @@ def test_prefill_attends_over_the_dequantized_prefix_and_its_chunk_in_full_preci
     f.prefill([rf], [tokens[:128]])
     layers = [dequantize_slots(q.cache.pool.layer(i), q.pool.geometry, jnp.asarray(q.row_state[rq].slots)) for i in range(2)]
     slots = jnp.asarray(f.row_state[rf].slots)
-    f.kv.commit(f.cache.replace(k=f.cache.k.at[:, slots].set(jnp.stack([k for k, _ in layers])),
-                                v=f.cache.v.at[:, slots].set(jnp.stack([v for _, v in layers]))))
+    f.kv.commit(
+        f.cache.replace(
+            k=f.cache.k.at[:, slots].set(jnp.stack([k for k, _ in layers])), v=f.cache.v.at[:, slots].set(jnp.stack([v for _, v in layers]))
+        )
+    )
     got = q.prefill([rq], [tokens[128:]], all_logits=True)[0]
     want = f.prefill([rf], [tokens[128:]], all_logits=True)[0]
     assert np.abs(got - want).max() <= 1e-5 * np.abs(want).max()
@@ -405,8 +422,17 @@ def test_quantized_session_composes_with_retention_and_repair(qmodel, layout):
 
     ex = mqniah(1, 77, needles=4, length=600)[0]  # document + question, then a second question
     repair = {"repair": 16} if layout == "dead_slot" else {}
-    s = Session(qmodel, kv_quant="triaxial", kv_allocation=allocation(), max_positions=1024, protect_query=False,
-                policy="snapkv", budget=160, layout=layout, **repair)
+    s = Session(
+        qmodel,
+        kv_quant="triaxial",
+        kv_allocation=allocation(),
+        max_positions=1024,
+        protect_query=False,
+        policy="snapkv",
+        budget=160,
+        layout=layout,
+        **repair,
+    )
     s.replay(ex.messages, ex.tools)
     assert any(r.live_after < r.live_before for r in s.compressions)
     assert any(r.int2 > 0 for r in s.quantization.records)

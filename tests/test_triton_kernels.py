@@ -60,9 +60,7 @@ def _check_decode(out, args, tol):
 # --------------------------------------------------------------------------- float decode
 
 
-@pytest.mark.parametrize(
-    "D,G,dtype", [(64, 1, jnp.float32), (128, 2, jnp.bfloat16), (64, 4, jnp.bfloat16), (128, 8, jnp.float32)]
-)
+@pytest.mark.parametrize("D,G,dtype", [(64, 1, jnp.float32), (128, 2, jnp.bfloat16), (64, 4, jnp.bfloat16), (128, 8, jnp.float32)])
 def test_float_decode_matches_reference_and_f64(D, G, dtype):
     args = decode_problem(D + G, 2, G, D, dtype, LENGTHS)
     _check_decode(gpu_float(*args), args, tolerance(dtype))
@@ -187,9 +185,7 @@ def test_quantized_decode_rejects_head_dims_it_cannot_tile():
 # --------------------------------------------------------------------------- RoPE delta
 
 
-@pytest.mark.parametrize(
-    "rope,shape,dtype", [(RopeConfig(), (3, 300, 2, 128), jnp.float32), (LLAMA3, (2, 200, 3, 64), jnp.bfloat16)]
-)
+@pytest.mark.parametrize("rope,shape,dtype", [(RopeConfig(), (3, 300, 2, 128), jnp.float32), (LLAMA3, (2, 200, 3, 64), jnp.bfloat16)])
 def test_rope_delta_matches_reference_and_touches_only_its_rows(rope, shape, dtype):
     pool, slots, delta = rope_delta_problem(shape[1], shape, dtype, 130)
     out = jax.jit(functools.partial(gpu_rope.rope_delta, rope=rope, launcher=interpret_call))(pool, slots, delta)

@@ -44,7 +44,9 @@ def test_shape_set_is_bounded_by_buckets_not_lengths():
     assert {W for _, W in s.decode} == {512, 1024, 2048, 4096}
     assert s.size == 7 + 3 * 4 <= 40
     assert buckets.shape_set(4, 8192, buckets.token_budget(512, 4), 32).size == s.size + 3
-    assert buckets.shape_set(16, 8192, buckets.token_budget(512, 16), 32, windows=False).decode == tuple((B, 0) for B in (1, 2, 4, 8, 12, 16))
+    assert buckets.shape_set(16, 8192, buckets.token_budget(512, 16), 32, windows=False).decode == tuple(
+        (B, 0) for B in (1, 2, 4, 8, 12, 16)
+    )
     assert buckets.step_tokens(17, 528) == 32 and buckets.step_tokens(513, 528) == 528
 
 
@@ -57,7 +59,9 @@ CASES = [(None, SAMPLERS, POLICIES), ("int4", ("greedy",), ("snapkv", "h2o"))]
 @pytest.mark.parametrize("kv_quant,samplers,policies", CASES, ids=["float", "int4"])
 def test_no_compile_after_warmup(tiny_model, monkeypatch, kv_quant, samplers, policies):
     monkeypatch.setenv(compiles.ENV_CACHE, "off")  # keep the user's cache folder out of the test
-    server = Server(tiny_model, rows=2, max_positions=64, prefill_chunk=64, decode_chunk=8, kv_quant=kv_quant, warmup=samplers, warmup_policies=policies)
+    server = Server(
+        tiny_model, rows=2, max_positions=64, prefill_chunk=64, decode_chunk=8, kv_quant=kv_quant, warmup=samplers, warmup_policies=policies
+    )
     try:
         assert server.warmup_seconds is not None
         before = compiles.count()

@@ -102,8 +102,10 @@ def calibration_examples(n: int, length: int):
     """``{task: [Example]}``: ``n`` agent traces and ``n`` 4-needle MQ-NIAH examples."""
     from jaxkv.tasks import agent_traces, mqniah
 
-    return {"agent": agent_traces(n, CALIBRATION_SEED, length=length),
-            "mqniah": mqniah(n, CALIBRATION_SEED + 500_000, needles=4, length=length)}
+    return {
+        "agent": agent_traces(n, CALIBRATION_SEED, length=length),
+        "mqniah": mqniah(n, CALIBRATION_SEED + 500_000, needles=4, length=length),
+    }
 
 
 def calibration_requests(model, tasks, n: int, length: int):
@@ -125,8 +127,9 @@ def calibration_requests(model, tasks, n: int, length: int):
         elif task in ("passkey", "niah"):
             for ex in haystack.examples(task, n, length=length, tokenizer=tok, seed=HAYSTACK_SEED):
                 messages = ex.messages("agnostic")
-                conversation = types.SimpleNamespace(messages=messages, tools=None,
-                                                     targets=[types.SimpleNamespace(message_index=len(messages) - 1)])
+                conversation = types.SimpleNamespace(
+                    messages=messages, tools=None, targets=[types.SimpleNamespace(message_index=len(messages) - 1)]
+                )
                 yield (task, *written_codes(tok, conversation))
         else:
             raise ValueError(f"unknown calibration task {task!r}; known: agent, mqniah, passkey, niah")
@@ -247,8 +250,7 @@ class Capture:
         idx, ok, left = pages_of(int2_tokens, self.Tp)
         if not float_leftover:
             int4[left] = True
-        mse, rel, last = replay_error(self.q, self.k, self.v, self.o, jnp.asarray(int4),
-                                      jnp.asarray(idx), jnp.asarray(ok), self.row_ok)
+        mse, rel, last = replay_error(self.q, self.k, self.v, self.o, jnp.asarray(int4), jnp.asarray(idx), jnp.asarray(ok), self.row_ok)
         return np.asarray(mse), np.asarray(rel), np.asarray(last)
 
 
@@ -328,9 +330,11 @@ def distortion_tables(captures, log=print):
 def allocation_dict(axes, table, budget):
     from jaxkv.policies.quant_allocation import tag_name
 
-    return {"axes": list(axes), "budget": budget, "tags": [
-        {"index": t, "name": tag_name(t, axes), "N": n, "D2": d2, "D4": d4} for t, (n, d2, d4) in table.items()
-    ]}
+    return {
+        "axes": list(axes),
+        "budget": budget,
+        "tags": [{"index": t, "name": tag_name(t, axes), "N": n, "D2": d2, "D4": d4} for t, (n, d2, d4) in table.items()],
+    }
 
 
 def attention_errors(captures, alloc, budget):
@@ -356,8 +360,12 @@ def attention_errors(captures, alloc, budget):
                 e = cap.error(int4_tokens=every[bits == 4], int2_tokens=every[bits == 2])
             rel.append(e[1])
             last.append(e[2])
-        out[fmt] = {"all_rows_per_layer": np.mean(rel, axis=0).tolist(), "all_rows": float(np.mean(rel)),
-                    "last_row_per_layer": np.mean(last, axis=0).tolist(), "last_row": float(np.mean(last))}
+        out[fmt] = {
+            "all_rows_per_layer": np.mean(rel, axis=0).tolist(),
+            "all_rows": float(np.mean(rel)),
+            "last_row_per_layer": np.mean(last, axis=0).tolist(),
+            "last_row": float(np.mean(last)),
+        }
     return out
 
 
@@ -377,14 +385,24 @@ def sweep(model_name, examples, alloc_dict, *, workers, max_new_tokens, length, 
     import math
 
     max_positions = int(min(4096, 1 << math.ceil(math.log2(max(2 * length + 4 * max_new_tokens, 1024)))))
-    setup = dict(model=model_name, n=len(next(iter(examples.values()))), length=length, seed=CALIBRATION_SEED,
-                 needles=4, max_new_tokens=max_new_tokens, max_positions=max_positions)
+    setup = dict(
+        model=model_name,
+        n=len(next(iter(examples.values()))),
+        length=length,
+        seed=CALIBRATION_SEED,
+        needles=4,
+        max_new_tokens=max_new_tokens,
+        max_positions=max_positions,
+    )
     rows = {}
     t0 = time.perf_counter()
-    for cell, row in run_cells(None if workers > 1 else _load(model_name), examples, cells, setup,
-                               workers=workers, session_options={"kv_allocation": alloc_dict}):
+    for cell, row in run_cells(
+        None if workers > 1 else _load(model_name), examples, cells, setup, workers=workers, session_options={"kv_allocation": alloc_dict}
+    ):
         rows[(cell.kv_quant, cell.kv_bits, cell.task)] = row
-        log(f"  {cell.task} {cell.kv_quant} B={cell.kv_bits}: accuracy {row['accuracy']:.3f} avg_bits {row['avg_bits']:.2f} ({time.perf_counter() - t0:.0f} s)")
+        log(
+            f"  {cell.task} {cell.kv_quant} B={cell.kv_bits}: accuracy {row['accuracy']:.3f} avg_bits {row['avg_bits']:.2f} ({time.perf_counter() - t0:.0f} s)"
+        )
     turns = {t: sum(len(e.targets) for e in examples[t]) for t in examples}
 
     def pooled(q, b):
@@ -398,14 +416,21 @@ def sweep(model_name, examples, alloc_dict, *, workers, max_new_tokens, length, 
     for bs in groups.values():
         rep = bs[0]
         for B in bs:
-            out.append({"B": B, "accuracy": pooled("triaxial", rep), "avg_bits": bits("triaxial", rep),
-                        **{t: rows[("triaxial", rep, t)]["accuracy"] for t in examples},
-                        **{f"{t}_avg_bits": rows[("triaxial", rep, t)]["avg_bits"] for t in examples}})
+            out.append(
+                {
+                    "B": B,
+                    "accuracy": pooled("triaxial", rep),
+                    "avg_bits": bits("triaxial", rep),
+                    **{t: rows[("triaxial", rep, t)]["accuracy"] for t in examples},
+                    **{f"{t}_avg_bits": rows[("triaxial", rep, t)]["avg_bits"] for t in examples},
+                }
+            )
     return full, sorted(out, key=lambda r: r["B"])
 
 
-def real_sweep(model, alloc_dict, *, n: int, length: int, log=print, journal: Path | None = None, resume: bool = False,
-               prefill: str = "imported"):
+def real_sweep(
+    model, alloc_dict, *, n: int, length: int, log=print, journal: Path | None = None, resume: bool = False, prefill: str = "imported"
+):
     """The real-model budget sweep (module docstring): full precision and the
     triaxial allocation at each budget (identical allocations once) on ``n``
     passkey, ``n`` niah (question-agnostic) and ``n`` lm examples, each example's
@@ -429,8 +454,11 @@ def real_sweep(model, alloc_dict, *, n: int, length: int, log=print, journal: Pa
     reps = [bs[0] for bs in groups.values()]
     specs = [f"triaxial@{B}" for B in reps]
     positions = min(positions_for(length), model.config.max_position_embeddings)
-    examples = [(t, ex) for t in ("passkey", "niah", "lm")
-                for ex in haystack.examples(t, n, length=length, tokenizer=model.tokenizer, seed=HAYSTACK_SEED)]
+    examples = [
+        (t, ex)
+        for t in ("passkey", "niah", "lm")
+        for ex in haystack.examples(t, n, length=length, tokenizer=model.tokenizer, seed=HAYSTACK_SEED)
+    ]
     cells: dict[str, list] = {"full": [], **{s: [] for s in specs}}
     setup = {"allocations": {s: alloc.table(B).tolist() for s, B in zip(specs, reps)}, "n": n, "length": length}
     if prefill != "chunked":  # journals written before the option ran chunked and keep their setup
@@ -454,8 +482,12 @@ def real_sweep(model, alloc_dict, *, n: int, length: int, log=print, journal: Pa
         nll = [r["nll"] for t, r in rows if t == "lm"]
         records = [KVRecord(**r["kv"]) for _, r in rows if "kv" in r]  # the float cell has none: 16 bits
         kv = summarize(records) if records else {"avg_bits": 16.0, "kv_bytes_per_token": None}
-        return {"accuracy": float(np.mean(acc)), "lm_nll": float(np.mean(nll)), **kv,
-                **{t: float(np.mean([float(r["tf_correct"]) for tt, r in rows if tt == t])) for t in ("passkey", "niah")}}
+        return {
+            "accuracy": float(np.mean(acc)),
+            "lm_nll": float(np.mean(nll)),
+            **kv,
+            **{t: float(np.mean([float(r["tf_correct"]) for tt, r in rows if tt == t])) for t in ("passkey", "niah")},
+        }
 
     full = summary("full")
     out = []
@@ -464,8 +496,10 @@ def real_sweep(model, alloc_dict, *, n: int, length: int, log=print, journal: Pa
         for B in bs:
             out.append({"B": B, **got, "nll_increase": got["lm_nll"] - full["lm_nll"]})
     for r in sorted(out, key=lambda r: r["B"]):
-        log(f"  B={r['B']}: accuracy {r['accuracy']:.3f} (full {full['accuracy']:.3f}), lm NLL +{r['nll_increase']:.4f}, "
-            f"{r['avg_bits']:.2f} bits")
+        log(
+            f"  B={r['B']}: accuracy {r['accuracy']:.3f} (full {full['accuracy']:.3f}), lm NLL +{r['nll_increase']:.4f}, "
+            f"{r['avg_bits']:.2f} bits"
+        )
     return full, sorted(out, key=lambda r: r["B"])
 
 
@@ -523,8 +557,13 @@ def plot(data, out_dir: Path):
     ax.legend(fontsize=8, loc="lower left")
     if "nll_increase" in sweep_rows[0]:  # a real model's sweep: the lm criterion too
         ax2 = ax.twinx()
-        ax2.plot([r["B"] for r in sweep_rows], [r["nll_increase"] for r in sweep_rows], marker="s", color="tab:red",
-                 label="lm NLL increase (nats/token)")
+        ax2.plot(
+            [r["B"] for r in sweep_rows],
+            [r["nll_increase"] for r in sweep_rows],
+            marker="s",
+            color="tab:red",
+            label="lm NLL increase (nats/token)",
+        )
         ax2.axhline(NLL_TOLERANCE, color="tab:red", linestyle=":", label=f"{NLL_TOLERANCE} nats")
         ax2.set_ylabel("lm NLL increase over full precision", color="tab:red")
         ax2.legend(fontsize=8, loc="upper right")
@@ -536,26 +575,39 @@ def plot(data, out_dir: Path):
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--model", default="embedded")
-    ap.add_argument("--tasks", default=None,
-                    help="calibration tasks (default: agent,mqniah for the embedded model, else agent,passkey,niah)")
+    ap.add_argument(
+        "--tasks", default=None, help="calibration tasks (default: agent,mqniah for the embedded model, else agent,passkey,niah)"
+    )
     ap.add_argument("--n", type=int, default=24, help="calibration conversations per task")
     ap.add_argument("--length", type=int, default=2048)
     ap.add_argument("--max-new-tokens", type=int, default=64)
     ap.add_argument("--workers", type=int, default=1)
     ap.add_argument("--sweep-n", type=int, default=8, help="real models: passkey, niah and lm examples of the sweep, each")
-    ap.add_argument("--sweep-prefill", choices=("imported", "chunked"), default="imported",
-                    help="real models: the sweep's prefill protocol (train.haystack_measure, as --quant-prefill of eval.quality.real_model)")
-    ap.add_argument("--error-requests", type=int, default=None,
-                    help="captures kept for the attention-error table (default: all; a real model's are large)")
+    ap.add_argument(
+        "--sweep-prefill",
+        choices=("imported", "chunked"),
+        default="imported",
+        help="real models: the sweep's prefill protocol (train.haystack_measure, as --quant-prefill of eval.quality.real_model)",
+    )
+    ap.add_argument(
+        "--error-requests",
+        type=int,
+        default=None,
+        help="captures kept for the attention-error table (default: all; a real model's are large)",
+    )
     ap.add_argument("--out", default=None, help="the calibration file (default: where kv_quant='triaxial' finds it)")
     ap.add_argument("--plots", default=None, help="plot folder (default: eval/results/triaxial[/<model>])")
     ap.add_argument("--skip-sweep", action="store_true", help="tables only; B = --budget")
     ap.add_argument("--budget", type=float, default=None, help="use this B instead of sweeping")
     ap.add_argument("--replot", action="store_true", help="only redraw the plots from --out")
-    ap.add_argument("--work", default=None,
-                    help="journals of finished requests (distortion.jsonl, sweep.jsonl; default runs/calibrate-triaxial/<model>)")
-    ap.add_argument("--resume", action="store_true",
-                    help="reuse the journaled requests and sweep examples of the same setup instead of replaying them")
+    ap.add_argument(
+        "--work",
+        default=None,
+        help="journals of finished requests (distortion.jsonl, sweep.jsonl; default runs/calibrate-triaxial/<model>)",
+    )
+    ap.add_argument(
+        "--resume", action="store_true", help="reuse the journaled requests and sweep examples of the same setup instead of replaying them"
+    )
     args = ap.parse_args(argv)
     embedded = args.model == "embedded"
     plots = Path(args.plots or ("eval/results/triaxial" if embedded else f"eval/results/triaxial/{Path(args.model).name}"))
@@ -583,8 +635,9 @@ def main(argv=None) -> int:
     if done:
         log(f"--resume: {len(done)} requests' distortion already in {journal}")
     acc, kept, n_requests = DistortionTables(), [], 0
-    for task, ids, codes in tqdm(calibration_requests(model, tasks, args.n, args.length), total=args.n * len(tasks),
-                                 desc="capture + distortion", unit="request"):
+    for task, ids, codes in tqdm(
+        calibration_requests(model, tasks, args.n, args.length), total=args.n * len(tasks), desc="capture + distortion", unit="request"
+    ):
         key = f"{task}:{n_requests}"
         n_requests += 1
         keep = args.error_requests is None or len(kept) < args.error_requests
@@ -606,20 +659,30 @@ def main(argv=None) -> int:
         criterion = "given (--budget)"
     elif embedded:
         examples = {t: exs for t, exs in calibration_examples(args.n, args.length).items() if t in tasks}
-        full, sweep_rows = sweep(args.model, examples, tri, workers=args.workers, max_new_tokens=args.max_new_tokens,
-                                 length=args.length, log=log)
+        full, sweep_rows = sweep(
+            args.model, examples, tri, workers=args.workers, max_new_tokens=args.max_new_tokens, length=args.length, log=log
+        )
         ok = [r["B"] for r in sweep_rows if r["accuracy"] >= full["accuracy"] - TOLERANCE]
         budget = min(ok) if ok else max(BUDGETS)  # none within a point: the most precise budget
         criterion = f"smallest B in {list(BUDGETS)} whose pooled calibration accuracy is within {TOLERANCE:.2f} of full precision"
     else:
-        full, sweep_rows = real_sweep(model, tri, n=args.sweep_n, length=args.length, log=log,
-                                      journal=work / "sweep.jsonl", resume=args.resume, prefill=args.sweep_prefill)
-        ok = [r["B"] for r in sweep_rows
-              if r["accuracy"] >= full["accuracy"] - TOLERANCE and r["nll_increase"] <= NLL_TOLERANCE]
+        full, sweep_rows = real_sweep(
+            model,
+            tri,
+            n=args.sweep_n,
+            length=args.length,
+            log=log,
+            journal=work / "sweep.jsonl",
+            resume=args.resume,
+            prefill=args.sweep_prefill,
+        )
+        ok = [r["B"] for r in sweep_rows if r["accuracy"] >= full["accuracy"] - TOLERANCE and r["nll_increase"] <= NLL_TOLERANCE]
         budget = min(ok) if ok else max(BUDGETS)
-        criterion = (f"smallest B in {list(BUDGETS)} whose passkey/niah teacher-forced accuracy is within {TOLERANCE:.2f} "
-                     f"of full precision and whose lm NLL increase is at most {NLL_TOLERANCE} nats/token "
-                     f"({args.sweep_prefill} prefill)")
+        criterion = (
+            f"smallest B in {list(BUDGETS)} whose passkey/niah teacher-forced accuracy is within {TOLERANCE:.2f} "
+            f"of full precision and whose lm NLL increase is at most {NLL_TOLERANCE} nats/token "
+            f"({args.sweep_prefill} prefill)"
+        )
     log(f"calibrated B = {budget}")
     variants = {}
     for name, axes in VARIANTS.items():
@@ -631,9 +694,16 @@ def main(argv=None) -> int:
         "model": args.model,
         "budget": budget,
         "criterion": criterion,
-        "calibration": {"seed": CALIBRATION_SEED, "n_per_task": args.n, "tasks": tasks, "length": args.length,
-                        "requests": n_requests, "error_requests": len(kept), "seconds": round(time.perf_counter() - t0, 1),
-                        "command": "python -m train.calibrate_triaxial " + " ".join(argv or sys.argv[1:])},
+        "calibration": {
+            "seed": CALIBRATION_SEED,
+            "n_per_task": args.n,
+            "tasks": tasks,
+            "length": args.length,
+            "requests": n_requests,
+            "error_requests": len(kept),
+            "seconds": round(time.perf_counter() - t0, 1),
+            "command": "python -m train.calibrate_triaxial " + " ".join(argv or sys.argv[1:]),
+        },
         "full_precision": full,
         "sweep": sweep_rows,
         "attention_error": errors,

@@ -37,8 +37,19 @@ import numpy as np
 
 from jaxkv.tasks.words import IDENTIFIERS, KEY_POOL, VALUE_POOL, filler_sentence
 
-FORMATS = ("repeat", "chunks", "general", "needles", "adjacent", "nospace", "mix", "mix_adjacent", "mix_nospace",
-           "chunks_adjacent", "chunks_nospace")
+FORMATS = (
+    "repeat",
+    "chunks",
+    "general",
+    "needles",
+    "adjacent",
+    "nospace",
+    "mix",
+    "mix_adjacent",
+    "mix_nospace",
+    "chunks_adjacent",
+    "chunks_nospace",
+)
 
 
 class Formats:
@@ -184,4 +195,3 @@ def raw_batch(builder, seed: int, batch: int, seq_len: int) -> tuple[np.ndarray,
         ids, m = builder(rng)
         tokens[b, : len(ids)], mask[b, : len(m)] = ids, m
     return tokens, mask
-

@@ -171,7 +171,7 @@ def _leaves_by_name(params) -> dict[str, np.ndarray]:
     for k, v in jax.tree_util.tree_leaves_with_path(params):
         name, v = jax.tree_util.keystr(k), np.asarray(v)
         if name.startswith(LAYERS):
-            out.update({f"{LAYERS}[{i}]{name[len(LAYERS):]}": v[i] for i in range(v.shape[0])})
+            out.update({f"{LAYERS}[{i}]{name[len(LAYERS) :]}": v[i] for i in range(v.shape[0])})
         else:
             out[name] = v
     return out
@@ -180,10 +180,11 @@ def _leaves_by_name(params) -> dict[str, np.ndarray]:
 def _replace_leaves(params, updates: dict[str, np.ndarray]):
     """``params`` with the leaves (or layer rows) named in ``updates``
     (``_leaves_by_name`` names) replaced."""
+
     def pick(path, x):
         name = jax.tree_util.keystr(path)
         if name.startswith(LAYERS):
-            rows = {i: updates.get(f"{LAYERS}[{i}]{name[len(LAYERS):]}") for i in range(x.shape[0])}
+            rows = {i: updates.get(f"{LAYERS}[{i}]{name[len(LAYERS) :]}") for i in range(x.shape[0])}
             if all(r is None for r in rows.values()):
                 return x
             return jnp.stack([x[i] if r is None else jnp.asarray(r, x.dtype) for i, r in rows.items()])
@@ -235,8 +236,9 @@ def shared_embedding_direction(params, seed: int, share: float = 0.7):
     return _replace_leaves(params, {name: e + share * np.linalg.norm(e, axis=1).mean() * u})
 
 
-def positional_heads_prior(params, rope_theta: float, head_dim: int, offsets=(1,), layer: int = 0, pairs: int = 3,
-                           gain: float = 3.0, shared_v=None):
+def positional_heads_prior(
+    params, rope_theta: float, head_dim: int, offsets=(1,), layer: int = 0, pairs: int = 3, gain: float = 3.0, shared_v=None
+):
     """Initialise head ``h`` of ``layer`` to attend ``offsets[h]`` positions back.
 
     Uses the shared embedding direction ``u`` (``shared_embedding_direction``: the
@@ -280,8 +282,12 @@ def positional_heads_prior(params, rope_theta: float, head_dim: int, offsets=(1,
         k[:, cols] = scale * np.outer(u, rc)
         v[:, cols] = v_shared
         o[cols, :] = v_shared.T
-    updates = {base + "['q_proj']['kernel'].value": q, base + "['k_proj']['kernel'].value": k,
-               base + "['v_proj']['kernel'].value": v, base + "['o_proj']['kernel'].value": o}
+    updates = {
+        base + "['q_proj']['kernel'].value": q,
+        base + "['k_proj']['kernel'].value": k,
+        base + "['v_proj']['kernel'].value": v,
+        base + "['o_proj']['kernel'].value": o,
+    }
     for norm in ("q_norm", "k_norm"):
         name = base + f"['{norm}']['weight'].value"
         updates[name] = np.full_like(by_name[name], gain)
@@ -296,8 +302,7 @@ INIT_SCHEMES = ("random", "copy")
 POSITIONAL_PAIRS = 6
 
 
-def copy_circuit_init(params, cfg, seed: int, scheme: str = "copy", offsets=(1, 2, 3, 4), qk_gain: float = 1.0,
-                      layer1_head: bool = True):
+def copy_circuit_init(params, cfg, seed: int, scheme: str = "copy", offsets=(1, 2, 3, 4), qk_gain: float = 1.0, layer1_head: bool = True):
     """The trainer's initialisation: ``"random"`` (the module's own small normal
     init) or ``"copy"``: a shared embedding direction, positional heads looking
     ``offsets`` back in layer 0 (one head each, one shared value subspace: the bag of
@@ -316,12 +321,10 @@ def copy_circuit_init(params, cfg, seed: int, scheme: str = "copy", offsets=(1, 
     params = mimetic_init(params, seed)
     params = scale_qk_norm(params, qk_gain)
     offsets = offsets[: cfg.num_heads]
-    params = positional_heads_prior(params, cfg.rope.theta, cfg.head_dim, offsets,
-                                    pairs=min(POSITIONAL_PAIRS, cfg.head_dim // 4))
+    params = positional_heads_prior(params, cfg.rope.theta, cfg.head_dim, offsets, pairs=min(POSITIONAL_PAIRS, cfg.head_dim // 4))
     if layer1_head and cfg.num_layers > 2:
         v0 = _leaves_by_name(params)["['layers'][0]['self_attn']['v_proj']['kernel'].value"][:, : cfg.head_dim]
-        params = positional_heads_prior(params, cfg.rope.theta, cfg.head_dim, (max(offsets),), layer=1, shared_v=v0,
-                                        gain=1.0)
+        params = positional_heads_prior(params, cfg.rope.theta, cfg.head_dim, (max(offsets),), layer=1, shared_v=v0, gain=1.0)
     return params
 
 
@@ -466,8 +469,9 @@ def needle_drill(seed: int, seq_len: int) -> Example:
 DRILLS = {"copy": copy_drill, "needles": needle_drill}
 
 
-def make_sequence(tokenizer, seed: int, seq_len: int, mqniah_share: float = 0.5, copy_share: float = 0.0,
-                  needle_share: float = 0.0) -> TrainSequence:
+def make_sequence(
+    tokenizer, seed: int, seq_len: int, mqniah_share: float = 0.5, copy_share: float = 0.0, needle_share: float = 0.0
+) -> TrainSequence:
     """A seeded training sequence of at most ``seq_len`` tokens (prefix-truncated).
 
     A fraction ``copy_share`` are copy drills, ``needle_share`` needle drills; the
@@ -487,8 +491,7 @@ def make_sequence(tokenizer, seed: int, seq_len: int, mqniah_share: float = 0.5,
     messages, _ = training_view(example, rng)
     seq = render_sequence(tokenizer, example, messages)
     if seq.ids.size > seq_len:  # rare: the length estimate is within a few percent
-        seq = TrainSequence(seq.ids[:seq_len], seq.target_mask[:seq_len],
-                       tuple((a, b) for a, b in seq.scored if b <= seq_len), seq.task)
+        seq = TrainSequence(seq.ids[:seq_len], seq.target_mask[:seq_len], tuple((a, b) for a, b in seq.scored if b <= seq_len), seq.task)
     return seq
 
 
@@ -537,12 +540,20 @@ def step_seed(seed: int, step: int) -> int:
     return (seed * 7_919 + step * 104_729 + 17) & 0x7FFFFFFF
 
 
-def batch_for_step(tokenizer, seed: int, step: int, seq_len: int, batch: int, mqniah_share: float = 0.5,
-                   copy_share: float = 0.0, needle_share: float = 0.0, copy_ids=None,
-                   copy_weight: float = 1.0) -> dict[str, np.ndarray]:
+def batch_for_step(
+    tokenizer,
+    seed: int,
+    step: int,
+    seq_len: int,
+    batch: int,
+    mqniah_share: float = 0.5,
+    copy_share: float = 0.0,
+    needle_share: float = 0.0,
+    copy_ids=None,
+    copy_weight: float = 1.0,
+) -> dict[str, np.ndarray]:
     rng = random.Random(step_seed(seed, step))
-    seqs = [make_sequence(tokenizer, rng.randrange(1 << 31), seq_len, mqniah_share, copy_share, needle_share)
-            for _ in range(batch)]
+    seqs = [make_sequence(tokenizer, rng.randrange(1 << 31), seq_len, mqniah_share, copy_share, needle_share) for _ in range(batch)]
     return pack_batch(seqs, seq_len, tokenizer.pad_token_id, copy_ids, copy_weight)
 
 
@@ -673,8 +684,9 @@ def heldout_sequences(tokenizer, seed: int, n: int, seq_len: int) -> list[TrainS
     return out
 
 
-def heldout_accuracy(predict, params, seqs: list[TrainSequence], seq_len: int, pad_id: int, batch: int,
-                     copy_ids: np.ndarray | None = None) -> dict[str, float]:
+def heldout_accuracy(
+    predict, params, seqs: list[TrainSequence], seq_len: int, pad_id: int, batch: int, copy_ids: np.ndarray | None = None
+) -> dict[str, float]:
     """Teacher-forced exact match per scored assistant message, per task, token accuracy,
     and (with ``copy_ids``, the identifier token ids) accuracy on the identifier tokens
     of the targets: the tokens that must be copied from the context."""
@@ -717,9 +729,7 @@ def train(args) -> dict:
     predict = make_predict(graphdef)
     stages = parse_curriculum(args.curriculum, args.seq_len)
 
-    ckpt = ocp.CheckpointManager(
-        (out / "ckpt").absolute(), options=ocp.CheckpointManagerOptions(max_to_keep=2, create=True)
-    )
+    ckpt = ocp.CheckpointManager((out / "ckpt").absolute(), options=ocp.CheckpointManagerOptions(max_to_keep=2, create=True))
     start = 0
     if ckpt.latest_step() is not None and not args.restart:
         start = ckpt.latest_step()
@@ -744,9 +754,18 @@ def train(args) -> dict:
         if s < args.raw_drill_steps:
             return raw_drill_batch(tokenizer, args.seed, s)
         length = seq_len_at(s, args.steps, stages)
-        return batch_for_step(tokenizer, args.seed, s, length, max(1, args.batch * args.seq_len // length), args.mqniah_share,
-                              args.copy_share if length <= args.copy_max_len else 0.0, args.needle_share,
-                              copy_ids, args.copy_weight)
+        return batch_for_step(
+            tokenizer,
+            args.seed,
+            s,
+            length,
+            max(1, args.batch * args.seq_len // length),
+            args.mqniah_share,
+            args.copy_share if length <= args.copy_max_len else 0.0,
+            args.needle_share,
+            copy_ids,
+            args.copy_weight,
+        )
 
     metrics_file = open(out / "metrics.jsonl", "a")
     stop = min(args.steps, args.stop_after or args.steps)
@@ -764,8 +783,14 @@ def train(args) -> dict:
         step_tok_s = int((batch["tokens"] != tokenizer.pad_token_id).sum()) / (now - t_prev)
         tok_s = step_tok_s if tok_s is None else 0.9 * tok_s + 0.1 * step_tok_s
         bar.set_postfix(loss=f"{loss:.3f}", tok_s=f"{tok_s:.0f}", T=batch["tokens"].shape[1], lr=f"{float(schedule(s)):.1e}")
-        record = {"step": s + 1, "loss": loss, "grad_norm": float(gnorm), "tok_s": step_tok_s,
-                  "seq_len": batch["tokens"].shape[1], "elapsed_s": now - t0}
+        record = {
+            "step": s + 1,
+            "loss": loss,
+            "grad_norm": float(gnorm),
+            "tok_s": step_tok_s,
+            "seq_len": batch["tokens"].shape[1],
+            "elapsed_s": now - t0,
+        }
         over_time = args.max_minutes is not None and now - t0 > 60 * args.max_minutes
         last = s + 1 == stop or over_time
         if heldout and ((s + 1) % args.eval_every == 0 or last):
@@ -792,24 +817,35 @@ def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0], formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     p.add_argument("--out", default="runs/embedded", help="output folder (ckpt/, hf/, metrics.jsonl)")
     p.add_argument("--steps", type=int, default=2300)
-    p.add_argument("--seq-len", type=int, default=2304,
-                   help="longest sequence (last curriculum stage); evaluation requests are 2.1-2.3k tokens")
+    p.add_argument(
+        "--seq-len", type=int, default=2304, help="longest sequence (last curriculum stage); evaluation requests are 2.1-2.3k tokens"
+    )
     p.add_argument("--batch", type=int, default=2, help="sequences per step at --seq-len (more at shorter stages)")
     p.add_argument("--curriculum", default="0.2:512,0.7:1280,1.0:2304", help="step fraction:sequence length, ...")
     p.add_argument("--size", choices=sorted(SIZES), default="agent")
     p.add_argument("--tiny", action="store_true", help="tiny model, 1024-token sequences (tests)")
-    p.add_argument("--mqniah-share", type=float, default=0.35,
-                   help="fraction of MQ-NIAH sequences (the rest agent traces; stages too short for one are all MQ-NIAH)")
+    p.add_argument(
+        "--mqniah-share",
+        type=float,
+        default=0.35,
+        help="fraction of MQ-NIAH sequences (the rest agent traces; stages too short for one are all MQ-NIAH)",
+    )
     p.add_argument("--copy-share", type=float, default=0.1, help="fraction of copy-drill warm-up sequences")
     p.add_argument("--copy-max-len", type=int, default=512, help="curriculum stages longer than this use no copy drill")
     p.add_argument("--needle-share", type=float, default=0.0, help="fraction of needle-drill sequences (all stages)")
-    p.add_argument("--raw-drill-steps", type=int, default=200,
-                   help="first steps on raw needle documents (loss on values only) before the chat curriculum")
-    p.add_argument("--copy-weight", type=float, default=4.0,
-                   help="loss weight of identifier tokens (copied from context) among the assistant tokens")
+    p.add_argument(
+        "--raw-drill-steps",
+        type=int,
+        default=200,
+        help="first steps on raw needle documents (loss on values only) before the chat curriculum",
+    )
+    p.add_argument(
+        "--copy-weight", type=float, default=4.0, help="loss weight of identifier tokens (copied from context) among the assistant tokens"
+    )
     p.add_argument("--init", choices=INIT_SCHEMES, default="copy", help="initialisation (copy_circuit_init)")
-    p.add_argument("--lr", type=float, default=1e-3,
-                   help="peak learning rate (3e-3 keeps the identifier embeddings too noisy to learn retrieval)")
+    p.add_argument(
+        "--lr", type=float, default=1e-3, help="peak learning rate (3e-3 keeps the identifier embeddings too noisy to learn retrieval)"
+    )
     p.add_argument("--warmup", type=int, default=50)
     p.add_argument("--weight-decay", type=float, default=0.01)
     p.add_argument("--clip", type=float, default=1.0)
@@ -819,8 +855,12 @@ def parse_args(argv=None):
     p.add_argument("--eval-batch", type=int, default=4)
     p.add_argument("--ckpt-every", type=int, default=500)
     p.add_argument("--stop-after", type=int, default=None, help="checkpoint, export and exit after this step")
-    p.add_argument("--max-minutes", type=float, default=None,
-                   help="wall-clock guard: evaluate, checkpoint, export and exit once training has run this long")
+    p.add_argument(
+        "--max-minutes",
+        type=float,
+        default=None,
+        help="wall-clock guard: evaluate, checkpoint, export and exit once training has run this long",
+    )
     p.add_argument("--restart", action="store_true", help="ignore checkpoints in --out")
     p.add_argument("--export-only", action="store_true", help="export the latest checkpoint in --out to --out/hf and exit")
     p.add_argument("--quiet", action="store_true", help="no progress bar")

@@ -24,8 +24,17 @@ from flax import nnx
 
 from jaxkv.tasks.words import IDENTIFIERS
 from jaxkv.models.transformer import Transformer
-from train.embedded_model import (RAW_DRILL_BATCH, RAW_DRILL_LEN, SIZES, embedded_tokenizer, heldout_accuracy,
-                                  heldout_sequences, make_optimizer, make_predict, model_config)
+from train.embedded_model import (
+    RAW_DRILL_BATCH,
+    RAW_DRILL_LEN,
+    SIZES,
+    embedded_tokenizer,
+    heldout_accuracy,
+    heldout_sequences,
+    make_optimizer,
+    make_predict,
+    model_config,
+)
 from train.copy_drills import Formats, raw_batch
 
 

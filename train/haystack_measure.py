@@ -81,8 +81,7 @@ def digit_scores(pred, answer, digit_idx) -> dict:
     ``answer_nll`` (their mean NLL)."""
     pred, want = np.asarray(pred)[digit_idx], np.asarray(answer)[digit_idx]
     logp = log_softmax(pred)
-    return {"tf_correct": bool((pred.argmax(-1) == want).all()),
-            "answer_nll": round(float(-logp[np.arange(want.size), want].mean()), 5)}
+    return {"tf_correct": bool((pred.argmax(-1) == want).all()), "answer_nll": round(float(-logp[np.arange(want.size), want].mean()), 5)}
 
 
 def replayed_answer_logits(result, answer) -> np.ndarray:
@@ -125,8 +124,12 @@ def answer_turn(turn, last_logits, fed, plan, example, tokenizer, max_new: int, 
             yield from turn.prefill(plan.answer[agree:])
     text = tokenizer.decode(reply, skip_special_tokens=True)
     digit_idx = answer_digit_positions(example, tokenizer, plan.answer)
-    scores = {**digit_scores(pred, plan.answer, digit_idx), "gen_correct": bool(reply_correct(example, text)),
-              "reply": text, "decoded": len(reply) - agree}
+    scores = {
+        **digit_scores(pred, plan.answer, digit_idx),
+        "gen_correct": bool(reply_correct(example, text)),
+        "reply": text,
+        "decoded": len(reply) - agree,
+    }
     return scores, logits[-1]
 
 
@@ -150,8 +153,7 @@ def multiq_measure(example, plans, tokenizer, max_new: int):
     def measure(turn, first_logits):
         last, out = first_logits, []
         for q, (plan, view) in enumerate(zip(plans, example.views())):
-            scores, last = yield from answer_turn(turn, last, multiq.new_rest(plans, q), plan, view, tokenizer, max_new,
-                                                  restore=True)
+            scores, last = yield from answer_turn(turn, last, multiq.new_rest(plans, q), plan, view, tokenizer, max_new, restore=True)
             out.append(scores)
         return multiq.cell_record(out, example.labels["kinds"])
 
@@ -274,8 +276,9 @@ def format_options(fmt: str, allocation=None) -> dict:
     return opts
 
 
-def run_quant_example(model, example, setting: str, formats, *, positions: int, max_new: int = MAX_NEW,
-                      allocation=None, prefill: str = "chunked") -> dict:
+def run_quant_example(
+    model, example, setting: str, formats, *, positions: int, max_new: int = MAX_NEW, allocation=None, prefill: str = "chunked"
+) -> dict:
     """The full cache of one (example, setting) on the float pool (cell ``full``)
     and on each KV format spec in ``formats`` (``format_options``; cells
     ``kv:<spec>``, ``kv:<spec>/imported`` under ``prefill="imported"``), one session

@@ -228,10 +228,15 @@ def memory_scores(state, keys_LnKD, q_mean_LHD, cand_n) -> np.ndarray:
     cand = np.zeros(N, bool)
     cand[:n] = cand_n
     feats = EventFeatures(
-        keys_LNKD=jnp.asarray(keys), positions_N=jnp.arange(N, dtype=jnp.int32), phase_N=jnp.zeros(N, jnp.int32),
-        window_q_LWHD=jnp.zeros((L, 1, q_mean_LHD.shape[1], D), jnp.float32), window_pos_W=jnp.zeros(1, jnp.int32),
-        window_valid_W=jnp.zeros(1, bool), acc_mass_N=jnp.zeros(N, jnp.float32),
-        query_mean_LHD=jnp.asarray(q_mean_LHD, jnp.float32), seq_len=jnp.int32(n),
+        keys_LNKD=jnp.asarray(keys),
+        positions_N=jnp.arange(N, dtype=jnp.int32),
+        phase_N=jnp.zeros(N, jnp.int32),
+        window_q_LWHD=jnp.zeros((L, 1, q_mean_LHD.shape[1], D), jnp.float32),
+        window_pos_W=jnp.zeros(1, jnp.int32),
+        window_valid_W=jnp.zeros(1, bool),
+        acc_mass_N=jnp.zeros(N, jnp.float32),
+        query_mean_LHD=jnp.asarray(q_mean_LHD, jnp.float32),
+        seq_len=jnp.int32(n),
         valid_N=jnp.asarray(np.arange(N) < n),
     )
     _, score = _memory_score_jit()
@@ -361,9 +366,18 @@ def full_cache_reads(model, messages, tools):
     return full, offsets, q_LTHD, k_LTKD, replies, stats
 
 
-def trace_rows(model, messages, tools, answer_values=(), horizon: int = HORIZON, beta: float | None = None,
-               keep_empty=False, cue_tokens: int = CUE_TOKENS, read_threshold: float = READ_THRESHOLD,
-               label_messages=None):
+def trace_rows(
+    model,
+    messages,
+    tools,
+    answer_values=(),
+    horizon: int = HORIZON,
+    beta: float | None = None,
+    keep_empty=False,
+    cue_tokens: int = CUE_TOKENS,
+    read_threshold: float = READ_THRESHOLD,
+    label_messages=None,
+):
     """Rows of one conversation (see the module docstring) as a dict of arrays:
     ``kbar [T, D]`` and lists of per-row entries, each with the three label
     variants (``labels``: §4; ``labels_cue``: with ``cue_tokens``; ``labels_read``:
@@ -404,14 +418,25 @@ def trace_rows(model, messages, tools, answer_values=(), horizon: int = HORIZON,
         if not keep_empty and not any((x == 1).any() for x in (labels, labels_cue, labels_read)):
             continue
         s = memory_scores(state, k_LTKD[:, :n], q_mean, cand)
-        rows.append(dict(
-            turn=turn, len=n, span=(a, b), protected=prompt.spans.protected_prefix[1],
-            mbar=np.asarray(mean_query(state.m_LHD)), qbar=np.asarray(mean_query(q_mean)),
-            qbar_unit=np.asarray(mean_query(unit_norm(q_mean))), norm_err=norm_err,
-            s=s.astype(np.float32), labels=labels, labels_cue=labels_cue, labels_read=labels_read, values=values,
-            read_max=read_max.astype(np.float16),
-            read_mass=read_mass.astype(np.float32),
-        ))
+        rows.append(
+            dict(
+                turn=turn,
+                len=n,
+                span=(a, b),
+                protected=prompt.spans.protected_prefix[1],
+                mbar=np.asarray(mean_query(state.m_LHD)),
+                qbar=np.asarray(mean_query(q_mean)),
+                qbar_unit=np.asarray(mean_query(unit_norm(q_mean))),
+                norm_err=norm_err,
+                s=s.astype(np.float32),
+                labels=labels,
+                labels_cue=labels_cue,
+                labels_read=labels_read,
+                values=values,
+                read_max=read_max.astype(np.float16),
+                read_mass=read_mass.astype(np.float32),
+            )
+        )
     return {"kbar": kbar, "rows": rows, "ids": full.ids}
 
 
@@ -440,9 +465,20 @@ def recorded_events():
 _SESSION_IDS = itertools.count()
 
 
-def managed_trace_rows(model, messages, tools, answer_values=(), *, server, budget: int, policy: str = "intentkv_memory",
-                       horizon: int = HORIZON, cue_tokens: int = CUE_TOKENS, read_threshold: float = READ_THRESHOLD,
-                       label_messages=None):
+def managed_trace_rows(
+    model,
+    messages,
+    tools,
+    answer_values=(),
+    *,
+    server,
+    budget: int,
+    policy: str = "intentkv_memory",
+    horizon: int = HORIZON,
+    cue_tokens: int = CUE_TOKENS,
+    read_threshold: float = READ_THRESHOLD,
+    label_messages=None,
+):
     """Rows of one conversation replayed on a managed cache (``--events managed``).
 
     A session on ``server`` replays the conversation (teacher-forced) under
@@ -470,8 +506,7 @@ def managed_trace_rows(model, messages, tools, answer_values=(), *, server, budg
     turn_of = {n: turn for turn, (_, n, _) in enumerate(replies)}
     # an id of its own: a derived one (ALGORITHMS.md §4) would join an earlier replay of the
     # same conversation on this server, and its policy state
-    session = server.session(policy=policy, budget=int(budget), layout="dead_slot",
-                             session_id=f"intentkv-data-{next(_SESSION_IDS)}")
+    session = server.session(policy=policy, budget=int(budget), layout="dead_slot", session_id=f"intentkv-data-{next(_SESSION_IDS)}")
     with recorded_events() as events:
         try:
             session.replay(messages, tools)
@@ -503,15 +538,33 @@ def managed_trace_rows(model, messages, tools, answer_values=(), *, server, budg
         if not any((x == 1).any() for x in (labels, labels_cue, labels_read)):
             continue
         at = np.flatnonzero(span)
-        traces.append({"kbar": np.asarray(mean_keys(np.asarray(feats.keys_LNKD)[:, :n])), "rows": [dict(
-            turn=turn, len=n, span=(int(at[0]), int(at[-1]) + 1) if at.size else (0, 0),
-            protected=int(np.argmin(forced)) if not forced.all() else n,
-            mbar=np.asarray(mean_query(scoring_memory(memory, feats))), qbar=np.asarray(mean_query(q_mean)),
-            qbar_unit=np.asarray(mean_query(unit_norm(q_mean))), norm_err=0.0,
-            s=np.asarray(s_N, np.float32)[:n], labels=labels, labels_cue=labels_cue, labels_read=labels_read, values=values,
-            read_max=read_max.astype(np.float16), read_mass=read_mass.astype(np.float32),
-            forced=forced, span_mask=span, positions=pos.astype(np.int32),
-        )]})
+        traces.append(
+            {
+                "kbar": np.asarray(mean_keys(np.asarray(feats.keys_LNKD)[:, :n])),
+                "rows": [
+                    dict(
+                        turn=turn,
+                        len=n,
+                        span=(int(at[0]), int(at[-1]) + 1) if at.size else (0, 0),
+                        protected=int(np.argmin(forced)) if not forced.all() else n,
+                        mbar=np.asarray(mean_query(scoring_memory(memory, feats))),
+                        qbar=np.asarray(mean_query(q_mean)),
+                        qbar_unit=np.asarray(mean_query(unit_norm(q_mean))),
+                        norm_err=0.0,
+                        s=np.asarray(s_N, np.float32)[:n],
+                        labels=labels,
+                        labels_cue=labels_cue,
+                        labels_read=labels_read,
+                        values=values,
+                        read_max=read_max.astype(np.float16),
+                        read_mass=read_mass.astype(np.float32),
+                        forced=forced,
+                        span_mask=span,
+                        positions=pos.astype(np.int32),
+                    )
+                ],
+            }
+        )
     return traces
 
 
@@ -663,8 +716,12 @@ def generate(args) -> dict:
     model = jaxkv.load_model(args.model)
     plan = [("train", args.traces), ("heldout", args.heldout)]
     part, parts = args.part
-    total = sum(min(n, start + args.shard_size) - start for _, n in plan
-                for index, start in enumerate(range(0, n, args.shard_size)) if index % parts == part)
+    total = sum(
+        min(n, start + args.shard_size) - start
+        for _, n in plan
+        for index, start in enumerate(range(0, n, args.shard_size))
+        if index % parts == part
+    )
     server = None
     if args.events == "managed":
         from jaxkv.serving import Server
@@ -690,16 +747,25 @@ def generate(args) -> dict:
             for seed in seeds:
                 ex = one_trace(seed, length=trace_length(seed, args.length_min, args.length_max))
                 shown = for_template(ex, model.tokenizer)  # SmolLM2: tools inlined as text
-                common = dict(horizon=args.horizon, cue_tokens=args.cue_tokens, read_threshold=args.read_threshold,
-                              label_messages=ex.messages)
+                common = dict(
+                    horizon=args.horizon, cue_tokens=args.cue_tokens, read_threshold=args.read_threshold, label_messages=ex.messages
+                )
                 if server is None:
                     traces.append(trace_rows(model, shown.messages, shown.tools or None, answer_values_of(ex), **common))
                     trace_seeds.append(seed)
                 else:
                     fraction = args.managed_budgets[seed % len(args.managed_budgets)]
                     budget = session_budget(fraction, model.tokenizer, shown, len(shown.messages) - 1)  # as a grid cell's
-                    got = managed_trace_rows(model, shown.messages, shown.tools or None, answer_values_of(ex), server=server,
-                                             budget=budget, policy=args.managed_policy, **common)
+                    got = managed_trace_rows(
+                        model,
+                        shown.messages,
+                        shown.tools or None,
+                        answer_values_of(ex),
+                        server=server,
+                        budget=budget,
+                        policy=args.managed_policy,
+                        **common,
+                    )
                     traces += got
                     trace_seeds += [seed] * len(got)
                 bar.update(1)
@@ -709,12 +775,13 @@ def generate(args) -> dict:
     from jaxkv.policies.intentkv_head import model_signature
 
     seconds = time.perf_counter() - t0
-    summary = {"args": {**vars(args), "part": f"{part}/{parts}",
-                        "managed_budgets": ",".join(map(str, args.managed_budgets))},
-               "model_signature": model_signature(model.config),
-               # every run that wrote these shards, so a resumed or extended run states the whole cost
-               "seconds": round(seconds + (earlier.get("seconds", 0.0) if reused else 0.0), 1),
-               "seconds_this_run": round(seconds, 1)}
+    summary = {
+        "args": {**vars(args), "part": f"{part}/{parts}", "managed_budgets": ",".join(map(str, args.managed_budgets))},
+        "model_signature": model_signature(model.config),
+        # every run that wrote these shards, so a resumed or extended run states the whole cost
+        "seconds": round(seconds + (earlier.get("seconds", 0.0) if reused else 0.0), 1),
+        "seconds_this_run": round(seconds, 1),
+    }
     for split, _ in plan:
         shards = load_shards(out, split)
         summary[split] = {
@@ -723,8 +790,7 @@ def generate(args) -> dict:
             "positions": int(sum(s["labels"].size for s in shards)),
             "candidates_labelled": int(sum((s["labels"] >= 0).sum() for s in shards)),
             "positives": int(sum((s["labels"] == 1).sum() for s in shards)),
-            **{f"positives_{name}": int(sum((s[key] == 1).sum() for s in shards if key in s))
-               for name, key in LABEL_VARIANTS.items()},
+            **{f"positives_{name}": int(sum((s[key] == 1).sum() for s in shards if key in s)) for name, key in LABEL_VARIANTS.items()},
             "seeds": [SPLITS[split], SPLITS[split] + _ - 1] if _ else [],
         }
     (out / "meta.json").write_text(json.dumps(summary, indent=2) + "\n")
@@ -743,13 +809,20 @@ def parse_args(argv=None):
     p.add_argument("--horizon", type=int, default=HORIZON, help="future actions whose values label a row")
     p.add_argument("--cue-tokens", type=int, default=CUE_TOKENS, help="label variant cue: tokens before a match on its line")
     p.add_argument("--read-threshold", type=float, default=READ_THRESHOLD, help="label variant read: attention that counts as a read")
-    p.add_argument("--events", choices=("full", "managed"), default="full",
-                   help="full: rows from one full-cache forward per trace (every turn, keys of an uncompressed context); "
-                        "managed: rows from the compression events of a session running --managed-policy "
-                        "(the keys and live set an event of a managed cache sees; labels still from the full cache)")
+    p.add_argument(
+        "--events",
+        choices=("full", "managed"),
+        default="full",
+        help="full: rows from one full-cache forward per trace (every turn, keys of an uncompressed context); "
+        "managed: rows from the compression events of a session running --managed-policy "
+        "(the keys and live set an event of a managed cache sees; labels still from the full cache)",
+    )
     p.add_argument("--managed-policy", default="intentkv_memory", help="--events managed: the policy the sessions run")
-    p.add_argument("--managed-budgets", default="0.5,0.65",
-                   help="--events managed: budgets as fractions of each trace's rendered length, one per trace in turn (by seed)")
+    p.add_argument(
+        "--managed-budgets",
+        default="0.5,0.65",
+        help="--events managed: budgets as fractions of each trace's rendered length, one per trace in turn (by seed)",
+    )
     p.add_argument("--part", default="0/1", help="K/N: generate only shards K, K+N, ... (N processes share one folder)")
     p.add_argument("--quick", action="store_true", help="a few traces (tests)")
     p.add_argument("--quiet", action="store_true", help="no progress bar")

@@ -77,15 +77,7 @@ from tqdm import tqdm
 
 from jaxkv.markdown import md_table
 from jaxkv.policies import select
-from jaxkv.policies.intentkv_head import (
-    Head,
-    HeadConfig,
-    alpha_of,
-    combine,
-    init_head,
-    residual_scores,
-    save_head,
-)
+from jaxkv.policies.intentkv_head import Head, HeadConfig, alpha_of, combine, init_head, residual_scores, save_head
 from train.intentkv_data import label_array, label_keys, load_meta, load_shards
 
 BUDGETS = (1024, 1280, 1536)
@@ -161,8 +153,14 @@ class Rows:
             span[a:b] = True
         mass = s["read_mass"][o0 : o0 + n] if "read_mass" in s else np.zeros(n, np.float32)
         return {
-            "kbar": s["kbar"][k0 : k0 + n], "s": s["s"][o0 : o0 + n], "labels": self.labels[si][o0 : o0 + n],
-            "forced": forced, "span": span, "mbar": s["row_mbar"][r], "norm_err": s["row_norm_err"][r], "mass": mass,
+            "kbar": s["kbar"][k0 : k0 + n],
+            "s": s["s"][o0 : o0 + n],
+            "labels": self.labels[si][o0 : o0 + n],
+            "forced": forced,
+            "span": span,
+            "mbar": s["row_mbar"][r],
+            "norm_err": s["row_norm_err"][r],
+            "mass": mass,
         }
 
     def batch(self, idx) -> dict[str, np.ndarray]:
@@ -171,9 +169,13 @@ class Rows:
         N = -(-max(r["kbar"].shape[0] for r in rows) // PAD_TO) * PAD_TO
         B, D = len(rows), self.head_dim
         out = {
-            "kbar": np.zeros((B, N, D), np.float32), "s": np.zeros((B, N), np.float32),
-            "labels": np.full((B, N), -1, np.int8), "forced": np.zeros((B, N), bool), "mass": np.zeros((B, N), np.float32),
-            "valid": np.zeros((B, N), bool), "span": np.zeros((B, N), bool),
+            "kbar": np.zeros((B, N, D), np.float32),
+            "s": np.zeros((B, N), np.float32),
+            "labels": np.full((B, N), -1, np.int8),
+            "forced": np.zeros((B, N), bool),
+            "mass": np.zeros((B, N), np.float32),
+            "valid": np.zeros((B, N), bool),
+            "span": np.zeros((B, N), bool),
             "mbar": np.stack([r["mbar"] for r in rows]).astype(np.float32),
             "norm_err": np.asarray([r["norm_err"] for r in rows], np.float32),
         }
@@ -229,8 +231,9 @@ def batch_loss(graphdef, params, batch, lc: LossConfig, clip_alpha: float | None
 
 def make_optimizer(args, total_updates: int):
     warmup = min(args.warmup, max(total_updates - 1, 0))
-    schedule = optax.warmup_cosine_decay_schedule(args.lr / (warmup + 1), args.lr, max(warmup, 1),
-                                                  max(total_updates, warmup + 1), args.lr * 0.05)
+    schedule = optax.warmup_cosine_decay_schedule(
+        args.lr / (warmup + 1), args.lr, max(warmup, 1), max(total_updates, warmup + 1), args.lr * 0.05
+    )
     opt = optax.chain(optax.clip_by_global_norm(args.clip), optax.adamw(schedule, weight_decay=args.weight_decay))
     return optax.MultiSteps(opt, every_k_schedule=args.accum), schedule
 
@@ -392,8 +395,14 @@ def train(args) -> dict:
         metrics_file.write(json.dumps(record) + "\n")
         metrics_file.flush()
 
-    meta = {"rows": len(train_rows), "heldout_rows": len(heldout), "sessions": int(np.unique(train_rows.session).size),
-            "updates": total_updates, "micro_steps": micro_total, "params": int(sum(x.size for x in jax.tree.leaves(params)))}
+    meta = {
+        "rows": len(train_rows),
+        "heldout_rows": len(heldout),
+        "sessions": int(np.unique(train_rows.session).size),
+        "updates": total_updates,
+        "micro_steps": micro_total,
+        "params": int(sum(x.size for x in jax.tree.leaves(params))),
+    }
     tqdm.write(json.dumps(meta))
     if start == 0:
         log({"update": 0, "micro_step": 0, **evaluate(graphdef, params, heldout, lc, head_cfg.alpha_max, args.budgets)})
@@ -413,9 +422,18 @@ def train(args) -> dict:
         losses.append(loss)
         update = (m + 1) // args.accum
         bar.set_postfix(loss=f"{loss:.3f}", alpha=f"{float(params['alpha'][...]):.3f}", lr=f"{float(schedule(update)):.1e}")
-        log({"update": update, "micro_step": m + 1, "epoch": epoch, "loss": loss, "grad_norm": float(gnorm),
-             "alpha": float(params["alpha"][...]), "elapsed_s": round(time.perf_counter() - t0, 2),
-             **{k: float(v) for k, v in parts.items()}})
+        log(
+            {
+                "update": update,
+                "micro_step": m + 1,
+                "epoch": epoch,
+                "loss": loss,
+                "grad_norm": float(gnorm),
+                "alpha": float(params["alpha"][...]),
+                "elapsed_s": round(time.perf_counter() - t0, 2),
+                **{k: float(v) for k, v in parts.items()},
+            }
+        )
         last = m + 1 == stop
         at_update = (m + 1) % args.accum == 0
         if last or (at_update and update % args.eval_every == 0):
@@ -485,40 +503,54 @@ def head_card(head: Head, base_model: dict, summary: dict, budgets) -> str:
     if any(f"mass{b}_z" in fin for b in budgets):
         rows += [(f"attention mass kept at B = {b}", f"mass{b}") for b in budgets]
     cell = lambda m, key: f"{m.get(key, float('nan')):.3f}"  # noqa: E731
-    table = md_table(["metric", "rule `s` alone", "head, before training", "head `z`, trained"],
-                     [[label, cell(fin, key + "_s"), cell(ini, key + "_z"), cell(fin, key + "_z")] for label, key in rows], "lrrr")
+    table = md_table(
+        ["metric", "rule `s` alone", "head, before training", "head `z`, trained"],
+        [[label, cell(fin, key + "_s"), cell(ini, key + "_z"), cell(fin, key + "_z")] for label, key in rows],
+        "lrrr",
+    )
     other_tables = ""
     for spec, m in (summary.get("heldout_final_on") or {}).items():
-        other_tables += (f"\nThe same head on `{spec}` labels ({m.get('heldout_rows', '?')} held-out rows):\n\n"
-                         + md_table(["metric", "rule `s` alone", "head `z`, trained"],
-                                    [[label, cell(m, key + "_s"), cell(m, key + "_z")] for label, key in rows], "lrr") + "\n")
-    files = md_table(["file", "what"], [["`head.safetensors`", f"{n_params:,} float32 parameters"],
-                                        ["`head.json`", "`HeadConfig`, the base model's signature, the training record"],
-                                        ["`training.png`", "loss and held-out metrics during training"]])
+        other_tables += (
+            f"\nThe same head on `{spec}` labels ({m.get('heldout_rows', '?')} held-out rows):\n\n"
+            + md_table(
+                ["metric", "rule `s` alone", "head `z`, trained"],
+                [[label, cell(m, key + "_s"), cell(m, key + "_z")] for label, key in rows],
+                "lrr",
+            )
+            + "\n"
+        )
+    files = md_table(
+        ["file", "what"],
+        [
+            ["`head.safetensors`", f"{n_params:,} float32 parameters"],
+            ["`head.json`", "`HeadConfig`, the base model's signature, the training record"],
+            ["`training.png`", "loss and held-out metrics during training"],
+        ],
+    )
     sig = base_model.get("signature") or {}
-    return f"""# intentkv-head for {base_model.get('name', 'unknown')}
+    return f"""# intentkv-head for {base_model.get("name", "unknown")}
 
 IntentKV's learned residual head (ALGORITHMS.md §4): `z_i = s_i + α·r_i`, the
 QueryMemory rule `s` plus a small head `r` on the frozen model's mean keys and
 queries (`jaxkv/policies/intentkv_head.py`). `Session(model, policy="intentkv")`
 finds it in the model's folder (`<model folder>/intentkv-head`), or pass
 `head=PATH`. It refuses any other model (`jaxkv.ConfigError`): it was trained for
-{', '.join(f'{k} {v}' for k, v in sig.items()) or 'the model recorded in head.json'}.
+{", ".join(f"{k} {v}" for k, v in sig.items()) or "the model recorded in head.json"}.
 
 {files}
 
 ## Training
 
     {data_command(data)}
-    {summary['command']}
+    {summary["command"]}
 
-- Data: `{summary['data'].get('folder')}`, model `{(data.get('args') or {}).get('model', '?')}`:
-  {split('train').get('traces', '?')} training traces ({split('train').get('rows', '?')} rows, seeds
-  {split('train').get('seeds')}) and {split('heldout').get('traces', '?')} held-out traces
-  ({split('heldout').get('rows', '?')} rows, seeds {split('heldout').get('seeds')}), disjoint from every
-  evaluation seed (`train.intentkv_data.check_seed_ranges`); data generation took {data.get('seconds', '?')} s{_per_process(data)}.
-- Labels: `{summary['labels']}`; {summary['train_seconds_this_run']} s of training in the last run;
-  loss {summary['loss_first']:.4f} -> {summary['loss_last']:.4f} (mean of {summary['loss_window']} updates); α = {summary['alpha']:.3f}.
+- Data: `{summary["data"].get("folder")}`, model `{(data.get("args") or {}).get("model", "?")}`:
+  {split("train").get("traces", "?")} training traces ({split("train").get("rows", "?")} rows, seeds
+  {split("train").get("seeds")}) and {split("heldout").get("traces", "?")} held-out traces
+  ({split("heldout").get("rows", "?")} rows, seeds {split("heldout").get("seeds")}), disjoint from every
+  evaluation seed (`train.intentkv_data.check_seed_ranges`); data generation took {data.get("seconds", "?")} s{_per_process(data)}.
+- Labels: `{summary["labels"]}`; {summary["train_seconds_this_run"]} s of training in the last run;
+  loss {summary["loss_first"]:.4f} -> {summary["loss_last"]:.4f} (mean of {summary["loss_window"]} updates); α = {summary["alpha"]:.3f}.
 
 ## Held-out rows
 
@@ -561,16 +593,23 @@ def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0], formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     p.add_argument("--data", default="runs/intentkv-data", help="rows from `python -m train.intentkv_data`")
     p.add_argument("--out", default="runs/intentkv-head")
-    p.add_argument("--export", default=None,
-                   help="also copy the head and its card here, e.g. MODEL_FOLDER/intentkv-head (where sessions find it)")
-    p.add_argument("--labels", default="actions",
-                   help="label spec (train.intentkv_data.label_array): actions (§4 future-action grounding, the default), "
-                        "cue (+ each match's cue tokens), read (what the next replies attend to), read@T (read at attention "
-                        "threshold T, from the rows' read_max), mass@F (the fraction F of each row's candidates the next replies "
-                        "spend the most attention on, from read_mass), or a union such as actions+read or actions+read@0.05")
-    p.add_argument("--measure-labels", default="actions",
-                   help="comma list of label specs the trained head is also measured on (held-out recall and AUC of "
-                        "each spec's own held-out rows, in summary.json and the card), beside --labels")
+    p.add_argument(
+        "--export", default=None, help="also copy the head and its card here, e.g. MODEL_FOLDER/intentkv-head (where sessions find it)"
+    )
+    p.add_argument(
+        "--labels",
+        default="actions",
+        help="label spec (train.intentkv_data.label_array): actions (§4 future-action grounding, the default), "
+        "cue (+ each match's cue tokens), read (what the next replies attend to), read@T (read at attention "
+        "threshold T, from the rows' read_max), mass@F (the fraction F of each row's candidates the next replies "
+        "spend the most attention on, from read_mass), or a union such as actions+read or actions+read@0.05",
+    )
+    p.add_argument(
+        "--measure-labels",
+        default="actions",
+        help="comma list of label specs the trained head is also measured on (held-out recall and AUC of "
+        "each spec's own held-out rows, in summary.json and the card), beside --labels",
+    )
     p.add_argument("--epochs", type=int, default=2)
     p.add_argument("--steps", type=int, default=None, help="optimizer updates (default: --epochs over the rows)")
     p.add_argument("--micro-batch", type=int, default=4, help="rows per micro-step")

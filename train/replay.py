@@ -80,8 +80,18 @@ class Cell:
     reuse: str = "-"
 
 
-def replay_example(model, example, cell: Cell, *, max_new_tokens: int, max_positions: int, server=None,
-                   fidelity: Path | None = None, accuracy: str = "greedy", **session_options):
+def replay_example(
+    model,
+    example,
+    cell: Cell,
+    *,
+    max_new_tokens: int,
+    max_positions: int,
+    server=None,
+    fidelity: Path | None = None,
+    accuracy: str = "greedy",
+    **session_options,
+):
     """Replay one example through a fresh ``Session`` configured for ``cell``
     (on ``server`` when given, else on a private one).
 
@@ -122,9 +132,13 @@ def replay_example(model, example, cell: Cell, *, max_new_tokens: int, max_posit
     else:
         session = Session(model, max_positions=max_positions, max_new_tokens=max_new_tokens, **options)
     try:
-        turns = session.replay(example.messages[: last + 1], example.tools or None, generate=accuracy == "greedy",
-                               max_new_tokens=max_new_tokens,
-                               return_logits="reply" if fidelity is not None or accuracy == "teacher" else False)
+        turns = session.replay(
+            example.messages[: last + 1],
+            example.tools or None,
+            generate=accuracy == "greedy",
+            max_new_tokens=max_new_tokens,
+            return_logits="reply" if fidelity is not None or accuracy == "teacher" else False,
+        )
     except (jaxkv.ContextLengthError, jaxkv.OutOfSlotsError):
         return [False] * len(example.targets), False, session.metrics.as_dict(), session
     by_index = dict(zip(assistant_at, turns))
@@ -214,10 +228,15 @@ def fidelity_of(turns, cell: Cell, example, folder: Path) -> dict:
         refs = [binned_reference(lp) for _, lp in keep]
         nll = [-np.take_along_axis(lp, np.asarray(turns[i].target_ids)[: len(lp), None], -1)[:, 0] for i, lp in keep]
         folder.mkdir(parents=True, exist_ok=True)
-        np.savez(path, turn=np.array([i for i, _ in keep], np.int32), offsets=np.cumsum([0] + [len(x) for x in nll]),
-                 nll=np.concatenate(nll) if nll else np.zeros(0), ids=np.concatenate([r["ids"] for r in refs]) if refs else np.zeros((0, 1), np.int32),
-                 logp=np.concatenate([r["logp"] for r in refs]) if refs else np.zeros((0, 1), np.float32),
-                 rest=np.concatenate([r["rest"] for r in refs]) if refs else np.zeros(0))
+        np.savez(
+            path,
+            turn=np.array([i for i, _ in keep], np.int32),
+            offsets=np.cumsum([0] + [len(x) for x in nll]),
+            nll=np.concatenate(nll) if nll else np.zeros(0),
+            ids=np.concatenate([r["ids"] for r in refs]) if refs else np.zeros((0, 1), np.int32),
+            logp=np.concatenate([r["logp"] for r in refs]) if refs else np.zeros((0, 1), np.float32),
+            rest=np.concatenate([r["rest"] for r in refs]) if refs else np.zeros(0),
+        )
         return {"tokens": 0, "dnll": 0.0, "kl": 0.0}
     if not path.is_file():
         raise FileNotFoundError(f"{path}: the full cell's reference for this example (run the full cell first)")
@@ -251,12 +270,12 @@ def replay_cell(model, examples, cell: Cell, *, max_new_tokens: int, max_positio
             options = dict(session_options)
             if cell.repair_policy == "wrongq":
                 options["repair_wrong_signal"] = wrong_signal
-            verdicts, done, metrics, session = replay_example(model, ex, cell, max_new_tokens=max_new_tokens,
-                                                              max_positions=max_positions, server=server, **options)
+            verdicts, done, metrics, session = replay_example(
+                model, ex, cell, max_new_tokens=max_new_tokens, max_positions=max_positions, server=server, **options
+            )
             wrong_signal = session.repair_signal or wrong_signal
             stage = session._stage("reuse")
-            metrics = dict(metrics, reuse_reports=list(stage.reports) if stage is not None else [],
-                           kv=kv_summary(model, session))
+            metrics = dict(metrics, reuse_reports=list(stage.reports) if stage is not None else [], kv=kv_summary(model, session))
             if server is None:
                 session.close()  # its private server (pool, scheduler thread) goes now, not at exit
             if progress is not None:
@@ -302,15 +321,19 @@ def run_cell(model, examples, cell: Cell, *, max_new_tokens: int, max_positions:
     t0 = time.perf_counter()
     correct = scored = completed = 0
     metrics, reports, correct_E, scored_E, fidelity = [], [], [], [], []
-    for verdicts, done, m in replay_cell(model, examples, cell, max_new_tokens=max_new_tokens,
-                                         max_positions=max_positions, progress=progress, **session_options):
+    for verdicts, done, m in replay_cell(
+        model, examples, cell, max_new_tokens=max_new_tokens, max_positions=max_positions, progress=progress, **session_options
+    ):
         correct, scored, completed = correct + sum(verdicts), scored + len(verdicts), completed + done
         correct_E.append(int(sum(verdicts)))
         scored_E.append(len(verdicts))
         reports += m.pop("reuse_reports", [])
         fidelity.append(m.pop("fidelity", None))
         metrics.append(m)
-    mean = {k: float(np.mean([m[k] for m in metrics])) for k in ("peak_request_tokens", "peak_live_kv", "raw_kv_reads", "effective_kv_reads", "prefix_hit_rate")}
+    mean = {
+        k: float(np.mean([m[k] for m in metrics]))
+        for k in ("peak_request_tokens", "peak_live_kv", "raw_kv_reads", "effective_kv_reads", "prefix_hit_rate")
+    }
     kv_tokens = sum(m["kv"]["tokens"] for m in metrics) or 1.0
     return {
         "method": cell.method,
@@ -332,8 +355,11 @@ def run_cell(model, examples, cell: Cell, *, max_new_tokens: int, max_positions:
         "reuse": cell.reuse,
         **reuse_summary(reports),
         **fidelity_summary(fidelity, cell),
-        PER_EXAMPLE: {"correct": correct_E, "scored": scored_E,
-                      **({"fidelity": [f for f in fidelity]} if any(f is not None for f in fidelity) else {})},
+        PER_EXAMPLE: {
+            "correct": correct_E,
+            "scored": scored_E,
+            **({"fidelity": [f for f in fidelity]} if any(f is not None for f in fidelity) else {}),
+        },
     }
 
 
@@ -347,8 +373,7 @@ def fidelity_summary(per_example, cell: Cell) -> dict:
     tokens = sum(f["tokens"] for f in got)
     if tokens == 0:
         return {"fidelity_tokens": 0, "nll_increase": "-", "kl": "-"}
-    return {"fidelity_tokens": tokens, "nll_increase": sum(f["dnll"] for f in got) / tokens,
-            "kl": sum(f["kl"] for f in got) / tokens}
+    return {"fidelity_tokens": tokens, "nll_increase": sum(f["dnll"] for f in got) / tokens, "kl": sum(f["kl"] for f in got) / tokens}
 
 
 # ----------------------------------------------------------------------------- many cells
@@ -358,8 +383,15 @@ def run_cells(model, examples, cells, setup, *, workers=1, bar=None, session_opt
     every session (e.g. a ``kv_allocation`` under calibration)."""
     kw = dict(max_new_tokens=setup["max_new_tokens"], max_positions=setup["max_positions"], **(session_options or {}))
     jobs = [(examples[c.task], c, kw) for c in cells]
-    for (_, cell, _), row in pool_map(_cell_job, jobs, setup["model"], workers=workers, model=model, bar=bar,
-                                      label=lambda job: f"{job[1].task} {job[1].method} B={job[1].budget} {job[1].layout} {job[1].kv_quant}"):
+    for (_, cell, _), row in pool_map(
+        _cell_job,
+        jobs,
+        setup["model"],
+        workers=workers,
+        model=model,
+        bar=bar,
+        label=lambda job: f"{job[1].task} {job[1].method} B={job[1].budget} {job[1].layout} {job[1].kv_quant}",
+    ):
         yield cell, row
 
 

@@ -29,16 +29,36 @@ from flax import nnx
 
 from jaxkv.models.transformer import Transformer
 from train.copy_drills import FORMATS, Formats, raw_batch
-from train.embedded_model import SIZES, copy_circuit_init, mimetic_init, positional_heads_prior, scale_qk_norm, shared_embedding_direction, embedded_tokenizer, make_optimizer, make_predict, make_train_step, model_config, with_targets
-
+from train.embedded_model import (
+    SIZES,
+    copy_circuit_init,
+    mimetic_init,
+    positional_heads_prior,
+    scale_qk_norm,
+    shared_embedding_direction,
+    embedded_tokenizer,
+    make_optimizer,
+    make_predict,
+    make_train_step,
+    model_config,
+    with_targets,
+)
 
 
 def run(args) -> list[dict]:
     tok = embedded_tokenizer()
     formats = Formats(tok, args.seq_len, args.pairs, args.filler)
     make = getattr(formats, args.format)
-    heldout_make = getattr(formats, {"mix": "needles", "mix_adjacent": "adjacent", "mix_nospace": "nospace",
-                                    "chunks_adjacent": "adjacent", "chunks_nospace": "nospace"}.get(args.format, args.format))
+    heldout_make = getattr(
+        formats,
+        {
+            "mix": "needles",
+            "mix_adjacent": "adjacent",
+            "mix_nospace": "nospace",
+            "chunks_adjacent": "adjacent",
+            "chunks_nospace": "nospace",
+        }.get(args.format, args.format),
+    )
 
     batch = lambda seed, builder: raw_batch(builder, seed, args.batch, args.seq_len)
 
@@ -67,8 +87,12 @@ def run(args) -> list[dict]:
         if step % args.every == 0 or step == args.steps:
             pred = np.asarray(predict(params, held_tokens))
             hits = (pred[:, :-1] == held_tokens[:, 1:]) * held_mask[:, :-1]
-            row = {"step": step, "loss": round(float(loss), 3), "accuracy": round(float(hits.sum() / held_mask[:, :-1].sum()), 3),
-                   "seconds": round(time.perf_counter() - t0, 1)}
+            row = {
+                "step": step,
+                "loss": round(float(loss), 3),
+                "accuracy": round(float(hits.sum() / held_mask[:, :-1].sum()), 3),
+                "seconds": round(time.perf_counter() - t0, 1),
+            }
             print(json.dumps(row), flush=True)
             rows.append(row)
     return rows
@@ -86,7 +110,9 @@ def main(argv=None):
     p.add_argument("--warmup", type=int, default=50)
     p.add_argument("--size", choices=sorted(SIZES), default="agent")
     p.add_argument("--every", type=int, default=50)
-    p.add_argument("--mimetic", choices=("", "qk", "ov", "qkov"), default="", help="mimetic attention init (train.embedded_model.mimetic_init)")
+    p.add_argument(
+        "--mimetic", choices=("", "qk", "ov", "qkov"), default="", help="mimetic attention init (train.embedded_model.mimetic_init)"
+    )
     p.add_argument("--init-copy", action="store_true", help="the trainer's copy init (train.embedded_model.copy_circuit_init)")
     p.add_argument("--layer1-head", type=int, default=1, help="with --init-copy: the layer-1 positional head (1) or not (0)")
     p.add_argument("--embed-mean", action="store_true", help="shared embedding direction at init")

@@ -58,8 +58,7 @@ def pool_map(job_fn, jobs, model_name, *, workers=1, model=None, bar=None, label
             while waiting or pending:
                 while waiting and len(pending) < workers:
                     job = waiting.pop(0)
-                    worker = cf.ProcessPoolExecutor(max_workers=1, mp_context=ctx, initializer=_worker_init,
-                                                    initargs=(model_name, ticks))
+                    worker = cf.ProcessPoolExecutor(max_workers=1, mp_context=ctx, initializer=_worker_init, initargs=(model_name, ticks))
                     pending[worker.submit(_worker_job, job_fn, job)] = job, worker
                     worker.shutdown(wait=False)  # its process exits after this one job
                 finished, _ = cf.wait(pending, timeout=0.5, return_when=cf.FIRST_COMPLETED)

@@ -72,8 +72,11 @@ from jaxkv.markdown import md_table  # noqa: E402
 from jaxkv.kernels.quant import PAGE  # noqa: E402
 
 CAPACITY_SEED_OFFSET = 7_000  # trace seeds: EVAL_SEED_BASE + this (held out, disjoint from bench_serving's 5,000)
-COMPILE_EVENTS = ("/jax/core/compile/backend_compile_duration", "/jax/core/compile/jaxpr_trace_duration",
-                  "/jax/core/compile/jaxpr_to_mlir_module_duration")
+COMPILE_EVENTS = (
+    "/jax/core/compile/backend_compile_duration",
+    "/jax/core/compile/jaxpr_trace_duration",
+    "/jax/core/compile/jaxpr_to_mlir_module_duration",
+)
 COMPILE_SECONDS = [0.0]
 jax.monitoring.register_event_duration_secs_listener(
     lambda name, secs, **kw: COMPILE_SECONDS.__setitem__(0, COMPILE_SECONDS[0] + secs) if name in COMPILE_EVENTS else None
@@ -165,8 +168,9 @@ def size_pool(model, kind: Kind, budget: int):
     from jaxkv.cache.pools import pool_for_bytes
     from jaxkv.cache.state import float_pool_dtype
 
-    return pool_for_bytes(kind.kv_quant, budget, model.config, float_dtype=float_pool_dtype(model.dtype, jax.default_backend()),
-                          page_share=kind.page_share)
+    return pool_for_bytes(
+        kind.kv_quant, budget, model.config, float_dtype=float_pool_dtype(model.dtype, jax.default_backend()), page_share=kind.page_share
+    )
 
 
 def float_budget(model, footprints) -> int:
@@ -189,8 +193,9 @@ def run_kind(model, kind: Kind, budget: int, session_plans, max_new_tokens: int)
     max_positions = -(-max(p.footprint for p in session_plans) // 256) * 256
     turns, lock = [], threading.Lock()
     errors = []
-    with jaxkv.Server(model, rows=n, max_positions=max_positions, kv_quant=kind.kv_quant, kv_memory_bytes=budget,
-                      kv_page_share=kind.page_share) as server:
+    with jaxkv.Server(
+        model, rows=n, max_positions=max_positions, kv_quant=kind.kv_quant, kv_memory_bytes=budget, kv_page_share=kind.page_share
+    ) as server:
         pool_bytes = kv_bytes(server.engine.cache)
         sessions = [server.session(session_id=f"capacity{i}", max_new_tokens=max_new_tokens) for i in range(n)]
 
@@ -221,10 +226,22 @@ def run_kind(model, kind: Kind, budget: int, session_plans, max_new_tokens: int)
     prefilled = snap["prompt_tokens"] - snap["cached_tokens"]
     busy = max(wall - compile_s, 1e-9)
     return {
-        "kind": kind.label, "budget": budget, "pool_bytes": pool_bytes, "pool_tokens": tokens, "sessions": n,
-        "turns": len(turns), "prefilled": prefilled, "generated": generated, "wall_s": wall, "compile_s": compile_s,
-        "programs": programs, "gen_tok_s": generated / busy, "served_tok_s": (prefilled + generated) / busy,
-        "radix_evicted": snap["radix_evicted_slots"], "reprefilled_turns": reprefilled, "errors": errors,
+        "kind": kind.label,
+        "budget": budget,
+        "pool_bytes": pool_bytes,
+        "pool_tokens": tokens,
+        "sessions": n,
+        "turns": len(turns),
+        "prefilled": prefilled,
+        "generated": generated,
+        "wall_s": wall,
+        "compile_s": compile_s,
+        "programs": programs,
+        "gen_tok_s": generated / busy,
+        "served_tok_s": (prefilled + generated) / busy,
+        "radix_evicted": snap["radix_evicted_slots"],
+        "reprefilled_turns": reprefilled,
+        "errors": errors,
     }
 
 
@@ -246,25 +263,65 @@ def render_report(meta: dict, rows: list[dict]) -> str:
         "Pool tokens: the token region plus INT2 pages; pool MiB: the pool's device bytes (codes, scales, zero points).",
         "",
         md_table(
-            ["pool", "pool tokens", "pool MiB", "sessions held", "x float", "turns", "prefilled tokens", "generated tokens", "wall s",
-             "compile s", "generated tok/s", "x float", "served tok/s", "x float", "radix evicted slots", "re-prefilled turns"],
-            [[r["kind"], f"{r['pool_tokens']:,}", f"{r['pool_bytes'] / 2**20:.1f}", r["sessions"], f"{r['sessions'] / base['sessions']:.2f}x",
-              r["turns"], f"{r['prefilled']:,}", f"{r['generated']:,}", f"{r['wall_s']:.1f}", f"{r['compile_s']:.1f}",
-              f"{r['gen_tok_s']:.1f}", f"{r['gen_tok_s'] / base['gen_tok_s']:.2f}x", f"{r['served_tok_s']:.1f}",
-              f"{r['served_tok_s'] / base['served_tok_s']:.2f}x", r["radix_evicted"], r["reprefilled_turns"]] for r in rows],
+            [
+                "pool",
+                "pool tokens",
+                "pool MiB",
+                "sessions held",
+                "x float",
+                "turns",
+                "prefilled tokens",
+                "generated tokens",
+                "wall s",
+                "compile s",
+                "generated tok/s",
+                "x float",
+                "served tok/s",
+                "x float",
+                "radix evicted slots",
+                "re-prefilled turns",
+            ],
+            [
+                [
+                    r["kind"],
+                    f"{r['pool_tokens']:,}",
+                    f"{r['pool_bytes'] / 2**20:.1f}",
+                    r["sessions"],
+                    f"{r['sessions'] / base['sessions']:.2f}x",
+                    r["turns"],
+                    f"{r['prefilled']:,}",
+                    f"{r['generated']:,}",
+                    f"{r['wall_s']:.1f}",
+                    f"{r['compile_s']:.1f}",
+                    f"{r['gen_tok_s']:.1f}",
+                    f"{r['gen_tok_s'] / base['gen_tok_s']:.2f}x",
+                    f"{r['served_tok_s']:.1f}",
+                    f"{r['served_tok_s'] / base['served_tok_s']:.2f}x",
+                    r["radix_evicted"],
+                    r["reprefilled_turns"],
+                ]
+                for r in rows
+            ],
             "l" + "r" * 15,
         ),
     ]
-    lines += ["", "Tokens/s are over the wall time less the XLA compile seconds inside it (compiles counted: "
-              + ", ".join(f"{r['kind']} {r['programs']}" for r in rows) + ")."]
+    lines += [
+        "",
+        "Tokens/s are over the wall time less the XLA compile seconds inside it (compiles counted: "
+        + ", ".join(f"{r['kind']} {r['programs']}" for r in rows)
+        + ").",
+    ]
     for r in rows:
         for e in r["errors"]:
             lines.append(f"- {r['kind']}: {e}")
     tri = [r for r in rows if r["kind"].startswith("triaxial")]
     for r in tri:
         s, g = r["sessions"] / base["sessions"], r["gen_tok_s"] / base["gen_tok_s"]
-        lines += ["", f"Goal (issue #60): TriAxialKV >= 3x the float pool's sessions and >= 1.0x its tokens/s. {r['kind']}: "
-                  f"{s:.2f}x sessions ({'met' if s >= 3 else 'missed'}), {g:.2f}x generated tokens/s ({'met' if g >= 1 else 'missed'})."]
+        lines += [
+            "",
+            f"Goal (issue #60): TriAxialKV >= 3x the float pool's sessions and >= 1.0x its tokens/s. {r['kind']}: "
+            f"{s:.2f}x sessions ({'met' if s >= 3 else 'missed'}), {g:.2f}x generated tokens/s ({'met' if g >= 1 else 'missed'}).",
+        ]
     return "\n".join(lines) + "\n"
 
 
@@ -298,8 +355,12 @@ def main(argv=None) -> str:
     ap.add_argument("--turns", type=int, default=0, help="assistant turns per session (0: all)")
     ap.add_argument("--max-new-tokens", type=int, default=32)
     ap.add_argument("--max-traces", type=int, default=48, help="the most sessions any format may hold")
-    ap.add_argument("--warmup", action=argparse.BooleanOptionalAction, default=True,
-                    help="run every format once untimed first (default; --no-warmup subtracts compile seconds instead)")
+    ap.add_argument(
+        "--warmup",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="run every format once untimed first (default; --no-warmup subtracts compile seconds instead)",
+    )
     ap.add_argument("--out", default=None, help="also write the markdown here")
     args = ap.parse_args(argv)
     argv = sys.argv[1:] if argv is None else argv
@@ -335,14 +396,23 @@ def main(argv=None) -> str:
     turns_note = f"{args.turns} turns" if args.turns else "every assistant turn"
     lengths = [p.prompt_tokens[-1] for p in pool_plans]
     meta = {
-        "model": args.model, "command": "python -m eval.bench.capacity " + " ".join(shlex.quote(a) for a in argv),
-        "machine": machine(), "jax": jax.__version__, "backend": jax.default_backend(), "threads": threads(),
-        "load_before": load_before, "load_after": load(), "budget": budget, "budget_note": note,
-        "workload": (f"held-out agent traces (`agent_traces(length={args.length})`, rendered for the model's template: "
-                     f"last prompts {min(lengths)}-{max(lengths)} tokens), {turns_note} per session, "
-                     f"{args.max_new_tokens} generated tokens per turn (greedy, `ignore_eos`), one row and one thread per session; "
-                     f"{'a warm-up run of every format first' if args.warmup else 'no warm-up run'}."
-                     + (f" Capped at --max-traces {args.max_traces} sessions: {', '.join(capped)}." if capped else "")),
+        "model": args.model,
+        "command": "python -m eval.bench.capacity " + " ".join(shlex.quote(a) for a in argv),
+        "machine": machine(),
+        "jax": jax.__version__,
+        "backend": jax.default_backend(),
+        "threads": threads(),
+        "load_before": load_before,
+        "load_after": load(),
+        "budget": budget,
+        "budget_note": note,
+        "workload": (
+            f"held-out agent traces (`agent_traces(length={args.length})`, rendered for the model's template: "
+            f"last prompts {min(lengths)}-{max(lengths)} tokens), {turns_note} per session, "
+            f"{args.max_new_tokens} generated tokens per turn (greedy, `ignore_eos`), one row and one thread per session; "
+            f"{'a warm-up run of every format first' if args.warmup else 'no warm-up run'}."
+            + (f" Capped at --max-traces {args.max_traces} sessions: {', '.join(capped)}." if capped else "")
+        ),
     }
     text = render_report(meta, rows)
     print(text, flush=True)

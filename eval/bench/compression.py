@@ -39,8 +39,7 @@ from jaxkv.serving.stages.retention import compress_row  # noqa: E402
 from jaxkv.policies import REGISTRY, EventFeatures, Observation  # noqa: E402
 
 CFG_125M = ModelConfig.from_hf({**QWEN3_125M, "model_type": "qwen3", "max_position_embeddings": 40960})  # the decode bench's shape
-METHODS = ("streaming_llm", "snapkv", "h2o", "tova", "random", "oldest", "agentkv", "intentkv_memory", "intentkv_query",
-           "intentkv")
+METHODS = ("streaming_llm", "snapkv", "h2o", "tova", "random", "oldest", "agentkv", "intentkv_memory", "intentkv_query", "intentkv")
 LEARNED = ("intentkv", "intentkv_no_memory", "intentkv_no_xattn", "intentkv_no_residual")
 SPAN = 1024  # live positions of the actionable query span (a long tool response)
 

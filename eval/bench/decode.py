@@ -45,9 +45,17 @@ from jaxkv.engine import Engine  # noqa: E402
 from jaxkv.markdown import md_header, md_row  # noqa: E402
 
 QWEN3_125M = dict(
-    vocab_size=32000, hidden_size=768, intermediate_size=2048, num_hidden_layers=12,
-    num_attention_heads=12, num_key_value_heads=4, head_dim=64, rms_norm_eps=1e-6,
-    rope_theta=1000000.0, tie_word_embeddings=False, max_position_embeddings=8192,
+    vocab_size=32000,
+    hidden_size=768,
+    intermediate_size=2048,
+    num_hidden_layers=12,
+    num_attention_heads=12,
+    num_key_value_heads=4,
+    head_dim=64,
+    rms_norm_eps=1e-6,
+    rope_theta=1000000.0,
+    tie_word_embeddings=False,
+    max_position_embeddings=8192,
 )
 
 
@@ -99,10 +107,12 @@ def fill_pool_randomly(engine, rng) -> None:
     does not depend on the values)."""
     key = jax.random.key(int(rng.integers(1 << 31)))
     k, v = engine.cache.k, engine.cache.v
-    engine.kv.commit(engine.cache.replace(
-        k=jax.random.normal(jax.random.fold_in(key, 0), k.shape, k.dtype) * 0.5,
-        v=jax.random.normal(jax.random.fold_in(key, 1), v.shape, v.dtype) * 0.5,
-    ))
+    engine.kv.commit(
+        engine.cache.replace(
+            k=jax.random.normal(jax.random.fold_in(key, 0), k.shape, k.dtype) * 0.5,
+            v=jax.random.normal(jax.random.fold_in(key, 1), v.shape, v.dtype) * 0.5,
+        )
+    )
 
 
 def bench_jaxkv(model, batch, ctx, steps, window=True) -> float:
@@ -200,8 +210,15 @@ def bench_torch_generate(tm, batch, ctx, steps) -> float:
         torch_sync(tm)
         t0 = time.perf_counter()
         with torch.no_grad():
-            tm.generate(ids, attention_mask=torch.ones_like(ids), past_key_values=cache, max_new_tokens=steps,
-                        min_new_tokens=steps, do_sample=False, pad_token_id=0)
+            tm.generate(
+                ids,
+                attention_mask=torch.ones_like(ids),
+                past_key_values=cache,
+                max_new_tokens=steps,
+                min_new_tokens=steps,
+                do_sample=False,
+                pad_token_id=0,
+            )
         torch_sync(tm)
         return time.perf_counter() - t0
 
@@ -220,8 +237,21 @@ def decode_table(tm, model, n_params, steps, contexts, batches, label: str = "ra
         f"{os.cpu_count()} cores, jax {jax.__version__} ({jax.default_backend()}), torch {torch.__version__}; "
         f"measured read bandwidth {bw:.1f} GB/s; {steps} timed greedy steps after warm-up.",
         "",
-        *md_header(["batch", "context", "jaxkv tok/s", "jaxkv, per-step gather tok/s", "transformers loop tok/s", "transformers generate tok/s",
-                    "ratio (vs faster)", "floor tok/s", "jaxkv % floor", "transformers % floor"], "r" * 10),
+        *md_header(
+            [
+                "batch",
+                "context",
+                "jaxkv tok/s",
+                "jaxkv, per-step gather tok/s",
+                "transformers loop tok/s",
+                "transformers generate tok/s",
+                "ratio (vs faster)",
+                "floor tok/s",
+                "jaxkv % floor",
+                "transformers % floor",
+            ],
+            "r" * 10,
+        ),
     ]
     print("\n".join(lines), flush=True)
     for batch in batches:
@@ -232,8 +262,20 @@ def decode_table(tm, model, n_params, steps, contexts, batches, label: str = "ra
             loop = bench_torch(tm, batch, ctx, steps)
             gen = bench_torch_generate(tm, batch, ctx, steps)
             ref = max(loop, gen)
-            row = md_row([batch, ctx, f"{ours:.1f}", f"{ours_gather:.1f}", f"{loop:.1f}", f"{gen:.1f}", f"{ours / ref:.2f}x", f"{floor:.1f}",
-                          f"{100 * ours / floor:.0f}%", f"{100 * ref / floor:.0f}%"])
+            row = md_row(
+                [
+                    batch,
+                    ctx,
+                    f"{ours:.1f}",
+                    f"{ours_gather:.1f}",
+                    f"{loop:.1f}",
+                    f"{gen:.1f}",
+                    f"{ours / ref:.2f}x",
+                    f"{floor:.1f}",
+                    f"{100 * ours / floor:.0f}%",
+                    f"{100 * ref / floor:.0f}%",
+                ]
+            )
             lines.append(row)
             print(row, flush=True)
     return lines
@@ -252,8 +294,9 @@ def main(argv=None) -> str:
     torch.set_num_threads(os.cpu_count() or 1)
     with tempfile.TemporaryDirectory() as folder:
         tm, model, n_params, label = build_models(folder, args.model)
-        lines = decode_table(tm, model, n_params, args.steps, [int(c) for c in args.contexts.split(",")],
-                             [int(b) for b in args.batches.split(",")], label)
+        lines = decode_table(
+            tm, model, n_params, args.steps, [int(c) for c in args.contexts.split(",")], [int(b) for b in args.batches.split(",")], label
+        )
     table = "\n".join(lines) + "\n"
     if args.out:
         with open(args.out, "w") as f:

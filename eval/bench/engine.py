@@ -40,7 +40,7 @@ from jaxkv.markdown import md_header, md_row
 ROOT = Path(__file__).resolve().parents[2]
 OLD = "44e9456"
 
-RUNNER = r'''
+RUNNER = r"""
 import json, os, statistics, sys, time
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 import jax, numpy as np
@@ -103,16 +103,18 @@ else:
     run()
     value = B * steps / min(run() for _ in range(spec["repeats"]))
 print("RESULT " + json.dumps(value))
-'''
+"""
 
 
 def machine_rates() -> str:
     """The float32 GEMM rate (the MLP's shapes) and the read bandwidth, measured in
     a process of its own like the cells."""
-    code = ("import os; os.environ.setdefault('JAX_PLATFORMS', 'cpu')\n"
-            "from eval.bench.prefill import gemm_peak_gflops\nfrom eval.bench.decode import read_bandwidth_gbs\n"
-            "print(f'GEMM {gemm_peak_gflops(512, 576, 1536):.0f} GFLOP/s (float32, 512 x 576 x 1536), "
-            "read bandwidth {read_bandwidth_gbs():.1f} GB/s')")
+    code = (
+        "import os; os.environ.setdefault('JAX_PLATFORMS', 'cpu')\n"
+        "from eval.bench.prefill import gemm_peak_gflops\nfrom eval.bench.decode import read_bandwidth_gbs\n"
+        "print(f'GEMM {gemm_peak_gflops(512, 576, 1536):.0f} GFLOP/s (float32, 512 x 576 x 1536), "
+        "read bandwidth {read_bandwidth_gbs():.1f} GB/s')"
+    )
     proc = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, check=True)
     return proc.stdout.strip().splitlines()[-1]
 
@@ -123,7 +125,7 @@ def measure(tree: Path, spec: dict) -> float:
     lines = [line for line in proc.stdout.splitlines() if line.startswith("RESULT ")]
     if proc.returncode or not lines:
         raise RuntimeError(f"{tree}: {spec} failed:\n{proc.stderr[-3000:]}")
-    return float(json.loads(lines[-1][len("RESULT "):]))
+    return float(json.loads(lines[-1][len("RESULT ") :]))
 
 
 def main(argv=None) -> int:
@@ -135,9 +137,14 @@ def main(argv=None) -> int:
     p.add_argument("--batches", default="1,8")
     p.add_argument("--steps", type=int, default=32)
     p.add_argument("--repeats", type=int, default=3)
-    p.add_argument("--rounds", type=int, default=1, help="decode: alternating old/new processes per cell; medians and the ratio's range are reported")
-    p.add_argument("--interleave", action="store_true",
-                   help="decode: another row's one-token prefill before each timed call, so no decode call follows another")
+    p.add_argument(
+        "--rounds", type=int, default=1, help="decode: alternating old/new processes per cell; medians and the ratio's range are reported"
+    )
+    p.add_argument(
+        "--interleave",
+        action="store_true",
+        help="decode: another row's one-token prefill before each timed call, so no decode call follows another",
+    )
     p.add_argument("--out", default=None)
     args = p.parse_args(argv)
     load0 = os.getloadavg()
@@ -162,13 +169,24 @@ def main(argv=None) -> int:
             lines.append(md_row([T, f"{old:.2f}", f"{new:.2f}", f"{old / new:.2f}x"]))
             print(lines[-1], flush=True)
         between = "another row's one-token prefill before each call" if args.interleave else "calls back to back"
-        lines += ["", f"## Decode ({args.steps} greedy steps per call, {between}, best of {args.repeats} calls after a warm-up call; "
-                  f"{args.rounds} round(s) of one process per engine, alternating; medians)", "",
-                  *md_header(["batch", "context", "previous tok/s", "now tok/s", "ratio", "ratio per round"], "rrrrrl")]
+        lines += [
+            "",
+            f"## Decode ({args.steps} greedy steps per call, {between}, best of {args.repeats} calls after a warm-up call; "
+            f"{args.rounds} round(s) of one process per engine, alternating; medians)",
+            "",
+            *md_header(["batch", "context", "previous tok/s", "now tok/s", "ratio", "ratio per round"], "rrrrrl"),
+        ]
         for B in [int(x) for x in args.batches.split(",")]:
             for ctx in [int(x) for x in args.contexts.split(",")]:
-                spec = dict(kind="decode", model=args.model, batch=B, context=ctx, steps=args.steps, repeats=args.repeats,
-                            interleave=args.interleave)
+                spec = dict(
+                    kind="decode",
+                    model=args.model,
+                    batch=B,
+                    context=ctx,
+                    steps=args.steps,
+                    repeats=args.repeats,
+                    interleave=args.interleave,
+                )
                 pairs = [(measure(old_tree, spec), measure(ROOT, spec)) for _ in range(args.rounds)]
                 old, new = statistics.median(o for o, _ in pairs), statistics.median(n for _, n in pairs)
                 per_round = ", ".join(f"{n / o:.2f}" for o, n in pairs)

@@ -34,14 +34,7 @@ import jax.numpy as jnp
 from jaxkv.config import RopeConfig
 from jaxkv.markdown import md_header, md_row
 from jaxkv.kernels import cost
-from jaxkv.kernels import (
-    decode_attention,
-    quantize_int2_pool,
-    quantize_int4_pool,
-    quantized_decode_attention,
-    resolve_backend,
-    rope_delta,
-)
+from jaxkv.kernels import decode_attention, quantize_int2_pool, quantize_int4_pool, quantized_decode_attention, resolve_backend, rope_delta
 
 CACHE_BYTES = 256 << 20  # rotate inputs until the set of copies exceeds this
 INT2_FRACTION = 0.65  # 0.65 * 2 + 0.35 * 4 = 2.7 bits

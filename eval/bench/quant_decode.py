@@ -68,6 +68,7 @@ def build_model(max_context: int, dtype="float32", config=QWEN3_125M):
 
 def fill_packed_randomly(engine, rng) -> None:
     """Random codes and small positive scales in every quantized buffer."""
+
     def rand(a):
         if a.dtype == jnp.uint8:
             return jnp.asarray(rng.integers(0, 256, a.shape, dtype=np.uint8))
@@ -139,7 +140,9 @@ def main(argv=None) -> str:
         model = jaxkv.load_model(args.model)
         room = model.config.max_position_embeddings - args.steps - 1
         if max(contexts) > room:
-            ap.error(f"--contexts: {args.model} holds {model.config.max_position_embeddings} positions, so at most {room} live tokens with {args.steps} steps")
+            ap.error(
+                f"--contexts: {args.model} holds {model.config.max_position_embeddings} positions, so at most {room} live tokens with {args.steps} steps"
+            )
     else:
         model = build_model(max(contexts) + args.steps + 64)
     n_params = sum(x.size for x in jax.tree.leaves(model.split()[1]))

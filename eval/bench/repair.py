@@ -79,6 +79,7 @@ def main(argv=None):
                 start = N + i * C
                 n = min(C, M - i * C)
                 yield buffers[i % len(buffers)], jnp.arange(start, start + C, dtype=jnp.int32), jnp.arange(C) < n
+
         return chunks
 
     rows = []
@@ -122,12 +123,37 @@ def main(argv=None):
         "see the module docstring). One repair = two-pass chunked scoring over active ∪ candidates + "
         "rank + burst selection + host-to-device copy of the K promoted K/V rows. Scoring does not depend on K.",
         "",
-        *md_header(["candidates M", "K", "reps", "score p50 (s)", "score p95 (s)", "select p50 (ms)", "total p50 (s)", "total p95 (s)",
-                    "candidates/s (p50)"], "r" * 9),
+        *md_header(
+            [
+                "candidates M",
+                "K",
+                "reps",
+                "score p50 (s)",
+                "score p95 (s)",
+                "select p50 (ms)",
+                "total p50 (s)",
+                "total p95 (s)",
+                "candidates/s (p50)",
+            ],
+            "r" * 9,
+        ),
     ]
     for M, K, n, sc, se, tot in rows:
-        lines.append(md_row([f"{M:,}", f"{K:,}", n, f"{_pct(sc, 50):.3f}", f"{_pct(sc, 95):.3f}", f"{1e3 * _pct(se, 50):.1f}",
-                             f"{_pct(tot, 50):.3f}", f"{_pct(tot, 95):.3f}", f"{M / _pct(tot, 50):,.0f}"]))
+        lines.append(
+            md_row(
+                [
+                    f"{M:,}",
+                    f"{K:,}",
+                    n,
+                    f"{_pct(sc, 50):.3f}",
+                    f"{_pct(sc, 95):.3f}",
+                    f"{1e3 * _pct(se, 50):.1f}",
+                    f"{_pct(tot, 50):.3f}",
+                    f"{_pct(tot, 95):.3f}",
+                    f"{M / _pct(tot, 50):,.0f}",
+                ]
+            )
+        )
     text = "\n".join(lines) + "\n"
     print(text)
     if args.out:

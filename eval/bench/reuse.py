@@ -47,8 +47,19 @@ def bytes_table(num_perm: int) -> str:
     from jaxkv.cache.segments import SegmentStore, minhash
 
     shapes = {"embedded (L=4, Hkv=4, D=32, M=128)": (4, 4, 32, 128), "Llama-3-8B (L=32, Hkv=8, D=128, M=4096)": (32, 8, 128, 4096)}
-    lines = md_header(["model", "n = L_reuse", "bytes / segment (f32, as stored)", "of which K+V", "residual", "signatures",
-                       "bf16 K/V + residual", "per token (f32)"], "l" + "r" * 7)
+    lines = md_header(
+        [
+            "model",
+            "n = L_reuse",
+            "bytes / segment (f32, as stored)",
+            "of which K+V",
+            "residual",
+            "signatures",
+            "bf16 K/V + residual",
+            "per token (f32)",
+        ],
+        "l" + "r" * 7,
+    )
     T = 128
     for name, (L, Hkv, D, M) in shapes.items():
         for n in sorted({1, 2, L // 2, L - 1, L}):
@@ -68,8 +79,18 @@ def lookup_table(max_index: int, model) -> str:
     sizes = [s for s in (100, 1_000, 10_000, 100_000) if s <= max_index]
     target = rng.integers(0, 1900, 128)
     query = np.concatenate([rng.integers(0, 1900, 300), target, rng.integers(0, 1900, 50)])
-    rows = md_header(["segments in the index", "MinHash of the query window (ms)", "LSH query (ms)", "align candidates (ms)", "candidates",
-                      "total lookup (ms)", "found"], "r" * 6 + "l")
+    rows = md_header(
+        [
+            "segments in the index",
+            "MinHash of the query window (ms)",
+            "LSH query (ms)",
+            "align candidates (ms)",
+            "candidates",
+            "total lookup (ms)",
+            "found",
+        ],
+        "r" * 6 + "l",
+    )
     have = 0
     t_build = time.perf_counter()
     for size in sizes:
@@ -93,8 +114,19 @@ def lookup_table(max_index: int, model) -> str:
             for al in align(seg, prompt):
                 found |= al.similarity == 1.0
         t_align = time.perf_counter() - t0
-        rows.append(md_row([f"{size:,}", f"{1e3 * t_sig:.2f}", f"{1e3 * t_lsh:.3f}", f"{1e3 * t_align:.2f}", len(cands),
-                            f"{1e3 * (t_sig + t_lsh + t_align):.2f}", found]))
+        rows.append(
+            md_row(
+                [
+                    f"{size:,}",
+                    f"{1e3 * t_sig:.2f}",
+                    f"{1e3 * t_lsh:.3f}",
+                    f"{1e3 * t_align:.2f}",
+                    len(cands),
+                    f"{1e3 * (t_sig + t_lsh + t_align):.2f}",
+                    found,
+                ]
+            )
+        )
     build = time.perf_counter() - t_build
     # reference: recomputing the same 128-token window (prefill after a 300-token context)
     import jaxkv
@@ -112,8 +144,10 @@ def lookup_table(max_index: int, model) -> str:
         eng.close_row(r)
     ref = 1e3 * float(np.median(times[1:]))
     rows.append("")
-    rows.append(f"Reference, same run: prefill of that 128-token window on the embedded model after 300 tokens: {ref:.2f} ms "
-                f"(index build: {have:,} segments in {build:.1f} s).")
+    rows.append(
+        f"Reference, same run: prefill of that 128-token window on the embedded model after 300 tokens: {ref:.2f} ms "
+        f"(index build: {have:,} segments in {build:.1f} s)."
+    )
     del jaxkv
     return "\n".join(rows)
 
@@ -129,8 +163,19 @@ def breakeven_table(model, lengths) -> str:
     t_star = 2 * h + p * (2 * L - n + 1) / (n - 1)
     rng = np.random.default_rng(1)
     vocab_words = ["k%03d: v%03d" % (i, (7 * i) % 400) for i in range(400)]
-    rows = md_header(["segment tokens T", "prefix caching: units", "s (median)", "segment reuse: units", "s (median)", "accepted", "unit saving",
-                      "time saving"], "r" * 8)
+    rows = md_header(
+        [
+            "segment tokens T",
+            "prefix caching: units",
+            "s (median)",
+            "segment reuse: units",
+            "s (median)",
+            "accepted",
+            "unit saving",
+            "time saving",
+        ],
+        "r" * 8,
+    )
     for T in lengths:
         words = " ".join(rng.choice(vocab_words, max(T // 3, 2)))
         doc = model.tokenizer.decode(model.tokenizer(words)["input_ids"][:T])
@@ -140,8 +185,12 @@ def breakeven_table(model, lengths) -> str:
             units, secs, acc = [], [], 0
             for i in range(7):
                 history = " ".join(rng.choice(vocab_words, 20))  # new text, same length: the same compiled shapes
-                msgs = [{"role": "system", "content": SYSTEM_AGENT}, {"role": "user", "content": history},
-                        {"role": "assistant", "content": "ok"}, {"role": "user", "content": doc}]
+                msgs = [
+                    {"role": "system", "content": SYSTEM_AGENT},
+                    {"role": "user", "content": history},
+                    {"role": "assistant", "content": "ok"},
+                    {"role": "user", "content": doc},
+                ]
                 s = server.session(reuse=mode, tenant="t", **({"kl_epsilon": float("inf")} if mode == "segment" else {}))
                 s.chat(msgs, max_new_tokens=1)
                 rep = s._stage("reuse").reports[-1]
@@ -154,8 +203,10 @@ def breakeven_table(model, lengths) -> str:
         (u0, s0, _), (u1, s1, a1) = res["none"], res["segment"]
         rows.append(md_row([T, f"{u0:.0f}", f"{s0:.4f}", f"{u1:.0f}", f"{s1:.4f}", f"{a1}/5", f"{u0 / u1:.2f}x", f"{s0 / s1:.2f}x"]))
     rows.append("")
-    rows.append(f"Analytic break-even in units at the defaults (L={L}, n={n}, h={h}, probe p={p}): T* = 2h + p(2L - n + 1)/(n - 1) = {t_star:.0f} tokens "
-                f"(the user-turn tokens around the segment and the template are recomputed either way).")
+    rows.append(
+        f"Analytic break-even in units at the defaults (L={L}, n={n}, h={h}, probe p={p}): T* = 2h + p(2L - n + 1)/(n - 1) = {t_star:.0f} tokens "
+        f"(the user-turn tokens around the segment and the template are recomputed either way)."
+    )
     return "\n".join(rows)
 
 
@@ -169,9 +220,20 @@ def main(argv=None) -> int:
     p.add_argument("--out", default=None)
     args = p.parse_args(argv)
     model = jaxkv.load_model("embedded")
-    parts = ["## Bytes per stored segment (128 tokens)", "", bytes_table(NUM_PERM), "",
-             "## Lookup latency vs index size (one tenant, 128-token windows)", "", lookup_table(args.max_index, model), "",
-             "## Break-even segment length (embedded model, CPU)", "", breakeven_table(model, [int(x) for x in args.lengths.split(",")]), ""]
+    parts = [
+        "## Bytes per stored segment (128 tokens)",
+        "",
+        bytes_table(NUM_PERM),
+        "",
+        "## Lookup latency vs index size (one tenant, 128-token windows)",
+        "",
+        lookup_table(args.max_index, model),
+        "",
+        "## Break-even segment length (embedded model, CPU)",
+        "",
+        breakeven_table(model, [int(x) for x in args.lengths.split(",")]),
+        "",
+    ]
     text = "\n".join(parts)
     print(text)
     if args.out:

@@ -77,9 +77,28 @@ SEED_OFFSET = 70_000  # trace seeds: EVAL_SEED_BASE + SEED_OFFSET + ... (held ou
 
 def server_command(args, port: int) -> tuple[list[str], dict]:
     """``jaxkv serve``'s argv and environment for this bench's options."""
-    cmd = [sys.executable, "-m", "jaxkv.cli", "serve", "--model", checkpoint(args.model), "--host", "127.0.0.1", "--port", str(port),
-           "--rows", str(args.clients), "--max-positions", str(MAX_POSITIONS), "--max-queue", str(4 * args.clients), "--max-tokens", str(args.max_tokens),
-           "--log-level", "warning"]
+    cmd = [
+        sys.executable,
+        "-m",
+        "jaxkv.cli",
+        "serve",
+        "--model",
+        checkpoint(args.model),
+        "--host",
+        "127.0.0.1",
+        "--port",
+        str(port),
+        "--rows",
+        str(args.clients),
+        "--max-positions",
+        str(MAX_POSITIONS),
+        "--max-queue",
+        str(4 * args.clients),
+        "--max-tokens",
+        str(args.max_tokens),
+        "--log-level",
+        "warning",
+    ]
     if args.policy:
         cmd += ["--policy", args.policy, "--budget", str(args.budget)]
     if args.repair:
@@ -196,8 +215,12 @@ def run_phase(url: str, model_name: str, clients: int, seconds: float, examples,
                 t0 = time.perf_counter()
                 try:
                     r = c.chat.completions.create(
-                        model=model_name, messages=example.messages[:j], tools=example.tools, temperature=0,
-                        max_tokens=args.max_tokens, extra_body={"session_id": sid},
+                        model=model_name,
+                        messages=example.messages[:j],
+                        tools=example.tools,
+                        temperature=0,
+                        max_tokens=args.max_tokens,
+                        extra_body={"session_id": sid},
                     )
                 except Exception as err:  # counted: the bench requires zero
                     with lock:
@@ -207,7 +230,9 @@ def run_phase(url: str, model_name: str, clients: int, seconds: float, examples,
                 record["turns"].append(j)
                 record["replies"].append(reply_of(r.choices[0].message))
                 with lock:
-                    requests.append((latency, r.usage.completion_tokens, r.usage.prompt_tokens, r.usage.prompt_tokens_details.cached_tokens))
+                    requests.append(
+                        (latency, r.usage.completion_tokens, r.usage.prompt_tokens, r.usage.prompt_tokens_details.cached_tokens)
+                    )
 
     threads = [threading.Thread(target=client_loop, args=(k,)) for k in range(clients)]
     before = server_counters(url)
@@ -223,11 +248,20 @@ def run_phase(url: str, model_name: str, clients: int, seconds: float, examples,
     completion = sum(r[1] for r in requests)
     prompt, cached = sum(r[2] for r in requests), sum(r[3] for r in requests)
     return {
-        "clients": clients, "wall_s": wall, "requests": len(requests), "errors": errors,
-        "sessions": [s for s in sessions if s["turns"]], "traces": len(sessions),
-        "p50_s": float(np.percentile(lat, 50)), "p95_s": float(np.percentile(lat, 95)),
-        "completion_tokens": completion, "tokens_per_s": completion / wall, "requests_per_s": len(requests) / wall,
-        "prompt_tokens": prompt, "cached_tokens": cached, "prefix_hit_rate": cached / prompt if prompt else 0.0,
+        "clients": clients,
+        "wall_s": wall,
+        "requests": len(requests),
+        "errors": errors,
+        "sessions": [s for s in sessions if s["turns"]],
+        "traces": len(sessions),
+        "p50_s": float(np.percentile(lat, 50)),
+        "p95_s": float(np.percentile(lat, 95)),
+        "completion_tokens": completion,
+        "tokens_per_s": completion / wall,
+        "requests_per_s": len(requests) / wall,
+        "prompt_tokens": prompt,
+        "cached_tokens": cached,
+        "prefix_hit_rate": cached / prompt if prompt else 0.0,
         "engine": engine,
     }
 
@@ -262,7 +296,9 @@ def verify_offline(phases, examples_by_seed, args) -> dict:
                 session.record_margins = True  # each offline reply token's top-2 logit margin
                 same = True
                 for j, served in zip(record["turns"], record["replies"]):
-                    result = session.start_chat(example.messages[:j], example.tools, max_new_tokens=args.max_tokens, temperature=0.0).result()
+                    result = session.start_chat(
+                        example.messages[:j], example.tools, max_new_tokens=args.max_tokens, temperature=0.0
+                    ).result()
                     offline = reply_of(result.reply)
                     turns += 1
                     if offline == served:
@@ -270,13 +306,27 @@ def verify_offline(phases, examples_by_seed, args) -> dict:
                     else:
                         same = False
                         token, margin = first_divergence(served, result, model.tokenizer)
-                        mismatches.append({"session": record["session_id"], "turn": j, "served": served, "offline": offline,
-                                           "first_token": token, "margin": margin})
+                        mismatches.append(
+                            {
+                                "session": record["session_id"],
+                                "turn": j,
+                                "served": served,
+                                "offline": offline,
+                                "first_token": token,
+                                "margin": margin,
+                            }
+                        )
                 session.close()
                 sessions += 1
                 equal_sessions += same
-    return {"sessions": sessions, "equal_sessions": equal_sessions, "turns": turns, "equal_turns": equal_turns,
-            "mismatches": mismatches, "wall_s": time.perf_counter() - t0}
+    return {
+        "sessions": sessions,
+        "equal_sessions": equal_sessions,
+        "turns": turns,
+        "equal_turns": equal_turns,
+        "mismatches": mismatches,
+        "wall_s": time.perf_counter() - t0,
+    }
 
 
 def engine_ceiling(one: dict, many: dict) -> str:
@@ -309,30 +359,45 @@ def report(args, phases, check, command: str) -> str:
         ("generated tokens/s (aggregate)", f"{one['tokens_per_s']:.1f}", f"{many['tokens_per_s']:.1f}"),
         ("requests/s", f"{one['requests_per_s']:.2f}", f"{many['requests_per_s']:.2f}"),
         ("prefix-hit rate", f"{100 * one['prefix_hit_rate']:.1f}%", f"{100 * many['prefix_hit_rate']:.1f}%"),
-        ("engine busy: prefill / decode (share of wall)", *(f"{p['engine']['prefill_s'] / p['wall_s']:.0%} / {p['engine']['decode_s'] / p['wall_s']:.0%}" for p in phases)),
-        ("decode calls; generated tokens per call", *(f"{p['engine']['decode_calls']:.0f}; {p['engine']['generated'] / max(p['engine']['decode_calls'], 1):.1f}" for p in phases)),
+        (
+            "engine busy: prefill / decode (share of wall)",
+            *(f"{p['engine']['prefill_s'] / p['wall_s']:.0%} / {p['engine']['decode_s'] / p['wall_s']:.0%}" for p in phases),
+        ),
+        (
+            "decode calls; generated tokens per call",
+            *(f"{p['engine']['decode_calls']:.0f}; {p['engine']['generated'] / max(p['engine']['decode_calls'], 1):.1f}" for p in phases),
+        ),
         ("decode tokens/s while decoding", *(f"{p['engine']['generated'] / max(p['engine']['decode_s'], 1e-9):.0f}" for p in phases)),
     ]
     lines = [
-        "# jaxkv serve load test (eval/bench/server.py)", "",
-        f"`{command}`", "",
+        "# jaxkv serve load test (eval/bench/server.py)",
+        "",
+        f"`{command}`",
+        "",
         f"Model {args.model}, agent traces of ~{args.length} tokens (held-out seeds), greedy, max_tokens {args.max_tokens}; "
         f"server `jaxkv serve --rows {args.clients}` on 127.0.0.1"
-        + (f", {args.policy} B={args.budget}" if args.policy else ", full cache") + (f", RepairKV K={args.repair}" if args.repair else "")
-        + f"; {os.cpu_count()} CPU cores ({platform.processor() or platform.machine()}), clients and server on the same machine.", "",
+        + (f", {args.policy} B={args.budget}" if args.policy else ", full cache")
+        + (f", RepairKV K={args.repair}" if args.repair else "")
+        + f"; {os.cpu_count()} CPU cores ({platform.processor() or platform.machine()}), clients and server on the same machine.",
+        "",
         md_table(["metric", "1 client", f"{many['clients']} clients"], rows[1:], align="lrr"),
     ]
     lines += [
-        "", f"Throughput at {many['clients']} clients / 1 client: **{ratio:.2f}x** (target >= 3x).", "",
-        engine_ceiling(one, many), "",
+        "",
+        f"Throughput at {many['clients']} clients / 1 client: **{ratio:.2f}x** (target >= 3x).",
+        "",
+        engine_ceiling(one, many),
+        "",
         f"Offline check (each session alone, jaxkv.Session on an in-process Server, same options): "
         f"{check['equal_sessions']}/{check['sessions']} sessions and {check['equal_turns']}/{check['turns']} turns "
         f"reply exactly as served ({check['wall_s']:.0f} s).",
     ]
     for m in check["mismatches"][:5]:
-        lines.append(f"- mismatch {m['session']} turn {m['turn']}: first divergent token {m['first_token']} of the offline reply, "
-                     f"its solo top-2 logit margin {m['margin']:.2e} ({'a near tie' if m['margin'] < 1e-4 else 'NOT a near tie'}); "
-                     f"served {json.dumps(m['served'])[:160]} / offline {json.dumps(m['offline'])[:160]}")
+        lines.append(
+            f"- mismatch {m['session']} turn {m['turn']}: first divergent token {m['first_token']} of the offline reply, "
+            f"its solo top-2 logit margin {m['margin']:.2e} ({'a near tie' if m['margin'] < 1e-4 else 'NOT a near tie'}); "
+            f"served {json.dumps(m['served'])[:160]} / offline {json.dumps(m['offline'])[:160]}"
+        )
     for phase in phases:
         for e in phase["errors"][:5]:
             lines.append(f"- error ({phase['clients']} clients): {e[:200]}")
@@ -341,11 +406,17 @@ def report(args, phases, check, command: str) -> str:
 
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--model", default="embedded", help="checkpoint with a tokenizer (default: the embedded agent model), "
-                   "or qwen3-125m: a random ~125M Qwen3 body with the task tokenizer, built once into the temp folder")
+    p.add_argument(
+        "--model",
+        default="embedded",
+        help="checkpoint with a tokenizer (default: the embedded agent model), "
+        "or qwen3-125m: a random ~125M Qwen3 body with the task tokenizer, built once into the temp folder",
+    )
     p.add_argument("--seconds", type=float, default=60.0, help="length of each phase")
     p.add_argument("--clients", type=int, default=16, help="concurrent clients of the second phase (and server rows)")
-    p.add_argument("--warmup", type=float, default=60.0, help="seconds of unmeasured load first (1 client for a third of it, then --clients)")
+    p.add_argument(
+        "--warmup", type=float, default=60.0, help="seconds of unmeasured load first (1 client for a third of it, then --clients)"
+    )
     p.add_argument("--length", type=int, default=1024, help="target length of each agent trace, in tokens")
     p.add_argument("--max-tokens", type=int, default=96, help="reply budget of every request")
     p.add_argument("--traces", type=int, default=200, help="at most this many traces per phase")
@@ -353,11 +424,18 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--budget", type=int, default=None)
     p.add_argument("--repair", type=int, default=0)
     p.add_argument("--out", default=None, help="also write the report (markdown) and a .json beside it")
-    p.add_argument("--server-warmup", action="store_true",
-                   help="start jaxkv serve with its start-up warm-up (every engine program compiled) instead of --no-warmup")
-    p.add_argument("--stage", default="all", choices=["all", "serve", "check"],
-                   help="serve: the timed phases only, saved to OUT.phases.json; check: the offline check of a saved "
-                        "run and the report (two shorter jobs instead of one)")
+    p.add_argument(
+        "--server-warmup",
+        action="store_true",
+        help="start jaxkv serve with its start-up warm-up (every engine program compiled) instead of --no-warmup",
+    )
+    p.add_argument(
+        "--stage",
+        default="all",
+        choices=["all", "serve", "check"],
+        help="serve: the timed phases only, saved to OUT.phases.json; check: the offline check of a saved "
+        "run and the report (two shorter jobs instead of one)",
+    )
     return p
 
 
@@ -391,7 +469,11 @@ def main(argv=None) -> int:
     if args.out:
         out = Path(args.out)
         out.write_text(text)
-        summary = {"phases": [{k: v for k, v in p.items() if k != "sessions"} for p in phases], "offline": {k: v for k, v in check.items() if k != "mismatches"}, "mismatches": check["mismatches"]}
+        summary = {
+            "phases": [{k: v for k, v in p.items() if k != "sessions"} for p in phases],
+            "offline": {k: v for k, v in check.items() if k != "mismatches"},
+            "mismatches": check["mismatches"],
+        }
         out.with_suffix(".json").write_text(json.dumps(summary, indent=1, default=str))
     ok = not any(p["errors"] for p in phases) and check["equal_sessions"] == check["sessions"]
     return 0 if ok else 1
@@ -405,8 +487,9 @@ def serve_phases(args, pools) -> list[dict]:
     warm = agent_traces(args.traces, EVAL_SEED_BASE + SEED_OFFSET, length=args.length)
     port = free_port()
     argv, env = server_command(args, port)
-    with ServerProcess(argv, port, name="jaxkv serve", env=env, ready_path="/health", stop_timeout=60.0,
-                       timeout=3600.0 if args.server_warmup else 300.0) as server:
+    with ServerProcess(
+        argv, port, name="jaxkv serve", env=env, ready_path="/health", stop_timeout=60.0, timeout=3600.0 if args.server_warmup else 300.0
+    ) as server:
         import httpx
 
         url = server.base
@@ -417,8 +500,11 @@ def serve_phases(args, pools) -> list[dict]:
         phases = []
         for clients, pool in zip((1, args.clients), pools):
             phase = run_phase(url, model_name, clients, args.seconds, pool, args)
-            print(f"{clients:>3} clients: {phase['requests']} requests, {len(phase['errors'])} errors, "
-                  f"p50 {phase['p50_s']:.2f}s p95 {phase['p95_s']:.2f}s, {phase['tokens_per_s']:.1f} tok/s", flush=True)
+            print(
+                f"{clients:>3} clients: {phase['requests']} requests, {len(phase['errors'])} errors, "
+                f"p50 {phase['p50_s']:.2f}s p95 {phase['p95_s']:.2f}s, {phase['tokens_per_s']:.1f} tok/s",
+                flush=True,
+            )
             phases.append(phase)
     return phases
 

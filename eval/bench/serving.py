@@ -128,8 +128,14 @@ def run_level(model, n: int, convs, max_new_tokens: int, rows: int, decode_chunk
     tokens = sum(generated)
     lat = sorted(latencies)
     return {
-        "sessions": n, "turns": len(lat), "tokens": tokens, "wall_s": wall, "tok_s": tokens / wall,
-        "decode_tok_s": tokens / max(decode_s, 1e-9), "per_call": tokens / max(decode_calls, 1), "p50": statistics.median(lat),
+        "sessions": n,
+        "turns": len(lat),
+        "tokens": tokens,
+        "wall_s": wall,
+        "tok_s": tokens / wall,
+        "decode_tok_s": tokens / max(decode_s, 1e-9),
+        "per_call": tokens / max(decode_calls, 1),
+        "p50": statistics.median(lat),
         "p95": lat[min(len(lat) - 1, int(np.ceil(0.95 * len(lat))) - 1)],
     }
 
@@ -163,7 +169,9 @@ def bench_model(name: str, levels, turns: int, out, decode_chunk: int = DECODE_C
                 if run["compiles"] == 0:
                     break
             runs[n].append(run)
-    rows = {n: {k: (statistics.median(r[k] for r in rs) if k != "compiles" else sum(r[k] for r in rs)) for k in rs[0]} for n, rs in runs.items()}
+    rows = {
+        n: {k: (statistics.median(r[k] for r in rs) if k != "compiles" else sum(r[k] for r in rs)) for k in rs[0]} for n, rs in runs.items()
+    }
     timed_compiles = sum(r["compiles"] for r in rows.values())
     print(f"(timed levels: {repeats} kept runs per level, {tries} runs in all; {timed_compiles} XLA compiles in the kept runs)", flush=True)
     base = rows[1]
@@ -172,18 +180,49 @@ def bench_model(name: str, levels, turns: int, out, decode_chunk: int = DECODE_C
         f"{turns} turns per session, up to {max_new} new tokens per turn, decode chunk {decode_chunk}; warm-up {p} passes; "
         f"medians of {repeats} timed runs per level, {timed_compiles} XLA compiles inside them:",
         "",
-        *md_header(["sessions", "turns", "generated tokens", "wall s", "aggregate tok/s", "x 1 session", "decode tok/s", "x 1 session",
-                    "tokens per decode call", "p50 turn s", "p95 turn s"], "r" * 11),
+        *md_header(
+            [
+                "sessions",
+                "turns",
+                "generated tokens",
+                "wall s",
+                "aggregate tok/s",
+                "x 1 session",
+                "decode tok/s",
+                "x 1 session",
+                "tokens per decode call",
+                "p50 turn s",
+                "p95 turn s",
+            ],
+            "r" * 11,
+        ),
     ]
     for n in levels:
         r = rows[n]
-        lines.append(md_row([n, r["turns"], r["tokens"], f"{r['wall_s']:.1f}", f"{r['tok_s']:.1f}", f"{r['tok_s'] / base['tok_s']:.2f}x",
-                             f"{r['decode_tok_s']:.1f}", f"{r['decode_tok_s'] / base['decode_tok_s']:.2f}x", f"{r['per_call']:.1f}",
-                             f"{r['p50']:.2f}", f"{r['p95']:.2f}"]))
+        lines.append(
+            md_row(
+                [
+                    n,
+                    r["turns"],
+                    r["tokens"],
+                    f"{r['wall_s']:.1f}",
+                    f"{r['tok_s']:.1f}",
+                    f"{r['tok_s'] / base['tok_s']:.2f}x",
+                    f"{r['decode_tok_s']:.1f}",
+                    f"{r['decode_tok_s'] / base['decode_tok_s']:.2f}x",
+                    f"{r['per_call']:.1f}",
+                    f"{r['p50']:.2f}",
+                    f"{r['p95']:.2f}",
+                ]
+            )
+        )
     top = max(levels)
-    lines += ["", f"{top} sessions reach **{rows[top]['decode_tok_s'] / base['decode_tok_s']:.2f}x** one session's decode tokens/s "
-              f"({rows[top]['decode_tok_s']:.1f} vs {base['decode_tok_s']:.1f}; targets at 8 sessions: >= 2x on the embedded model, "
-              f">= 3x on the ~125M model)."]
+    lines += [
+        "",
+        f"{top} sessions reach **{rows[top]['decode_tok_s'] / base['decode_tok_s']:.2f}x** one session's decode tokens/s "
+        f"({rows[top]['decode_tok_s']:.1f} vs {base['decode_tok_s']:.1f}; targets at 8 sessions: >= 2x on the embedded model, "
+        f">= 3x on the ~125M model).",
+    ]
     out("\n".join(lines) + "\n")
     return lines
 
@@ -198,10 +237,17 @@ def main(argv=None) -> str:
     ap.add_argument("--out", default=None, help="also write the markdown here")
     args = ap.parse_args(argv)
     levels = [int(x) for x in args.sessions.split(",")]
-    header = (f"Serving throughput, {platform.processor() or platform.machine()}, {os.cpu_count()} cores, "
-              f"jax {jax.__version__} ({jax.default_backend()}); float32; fresh server per level after a warm-up.")
+    header = (
+        f"Serving throughput, {platform.processor() or platform.machine()}, {os.cpu_count()} cores, "
+        f"jax {jax.__version__} ({jax.default_backend()}); float32; fresh server per level after a warm-up."
+    )
     print(header + "\n", flush=True)
-    lines = [header, "", f"1-minute load average before the run: {os.getloadavg()[0]:.2f} (a run that starts above 0.5 shares the machine).", ""]
+    lines = [
+        header,
+        "",
+        f"1-minute load average before the run: {os.getloadavg()[0]:.2f} (a run that starts above 0.5 shares the machine).",
+        "",
+    ]
     for name in args.models.split(","):
         lines += bench_model(name.strip(), levels, args.turns, lambda s: print(s, flush=True), args.decode_chunk, args.repeats) + [""]
     lines.append(f"1-minute load average after the run: {os.getloadavg()[0]:.2f} (the bench's own two cores).")

@@ -36,8 +36,20 @@ def start(args, cache: str, log: Path) -> dict:
     """One ``jaxkv serve`` start: seconds to an open port and the warm-up's metrics
     (the server's output in ``log``)."""
     port = free_port()
-    argv = [sys.executable, "-m", "jaxkv.cli", "serve", "--model", args.model, "--rows", str(args.rows), "--port", str(port),
-            "--log-level", "warning"]
+    argv = [
+        sys.executable,
+        "-m",
+        "jaxkv.cli",
+        "serve",
+        "--model",
+        args.model,
+        "--rows",
+        str(args.rows),
+        "--port",
+        str(port),
+        "--log-level",
+        "warning",
+    ]
     if args.max_positions:
         argv += ["--max-positions", str(args.max_positions)]
     if args.policies != "none":
@@ -47,8 +59,12 @@ def start(args, cache: str, log: Path) -> dict:
     env = {**os.environ, "JAXKV_XLA_CACHE": cache, "JAX_PLATFORMS": "cpu"}
     with ServerProcess(argv, port, name="jaxkv serve", env=env, log=log, timeout=3600.0, poll_s=0.2) as server:
         text = server.metrics()
-        return {"port_open_s": server.start_s, "warmup_programs": int(metric(text, "jaxkv_warmup_programs")),
-                "warmup_s": metric(text, "jaxkv_warmup_seconds"), "cache_hits": int(metric(text, "jaxkv_xla_cache_hits_total"))}
+        return {
+            "port_open_s": server.start_s,
+            "warmup_programs": int(metric(text, "jaxkv_warmup_programs")),
+            "warmup_s": metric(text, "jaxkv_warmup_seconds"),
+            "cache_hits": int(metric(text, "jaxkv_xla_cache_hits_total")),
+        }
 
 
 def main(argv=None) -> int:
@@ -83,9 +99,11 @@ def main(argv=None) -> int:
         f"programs (rows x window width), {shapes.size} in all; the warm-up also compiles the feature-capturing "
         "variants the allowed policies need, their event programs and the turn pipeline's small programs.",
         "",
-        md_table(["start", "seconds to an open port", "warm-up: XLA programs compiled or loaded", "warm-up seconds", "loaded from the cache"],
-                 [[label, f"{r['port_open_s']:.1f}", r["warmup_programs"], f"{r['warmup_s']:.1f}", r["cache_hits"]] for label, r in runs],
-                 align="lrrrr"),
+        md_table(
+            ["start", "seconds to an open port", "warm-up: XLA programs compiled or loaded", "warm-up seconds", "loaded from the cache"],
+            [[label, f"{r['port_open_s']:.1f}", r["warmup_programs"], f"{r['warmup_s']:.1f}", r["cache_hits"]] for label, r in runs],
+            align="lrrrr",
+        ),
     ]
     text = "\n".join(lines) + "\n"
     print(text)

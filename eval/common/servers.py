@@ -44,9 +44,20 @@ class ServerProcess:
       start_s: seconds from the start to the first 200 from ``ready_path``.
     """
 
-    def __init__(self, argv: list[str], port: int, *, name: str = "server", env: dict | None = None,
-                 cwd: str | Path | None = None, log: Path | None = None, ready_path: str = "/v1/models",
-                 timeout: float = 300.0, stop_timeout: float = 30.0, poll_s: float = 0.5):
+    def __init__(
+        self,
+        argv: list[str],
+        port: int,
+        *,
+        name: str = "server",
+        env: dict | None = None,
+        cwd: str | Path | None = None,
+        log: Path | None = None,
+        ready_path: str = "/v1/models",
+        timeout: float = 300.0,
+        stop_timeout: float = 30.0,
+        poll_s: float = 0.5,
+    ):
         self.argv, self.port, self.name, self.env, self.cwd = list(argv), port, name, env, cwd
         self.log, self.ready_path, self.timeout, self.stop_timeout, self.poll_s = log, ready_path, timeout, stop_timeout, poll_s
         self.base = f"http://{LOCALHOST}:{port}"
@@ -60,8 +71,9 @@ class ServerProcess:
             raise RuntimeError(f"port {self.port} is already in use (a server left running?); stop it or pick another port")
         self._out = open(self.log, "w") if self.log is not None else None
         t0 = time.perf_counter()
-        self.proc = subprocess.Popen(self.argv, env=self.env, cwd=self.cwd, stdout=self._out,
-                                     stderr=subprocess.STDOUT if self._out is not None else None)
+        self.proc = subprocess.Popen(
+            self.argv, env=self.env, cwd=self.cwd, stdout=self._out, stderr=subprocess.STDOUT if self._out is not None else None
+        )
         try:
             while True:
                 if self.proc.poll() is not None:

@@ -56,5 +56,6 @@ def paired_gain(a_E, b_E, turns_E, *, seed: int = 0) -> tuple[float, float, floa
 def paired_ratio_difference(num_a_E, den_a_E, num_b_E, den_b_E, *, seed: int = 0) -> tuple[float, float, float]:
     """``sum(num_a)/sum(den_a) - sum(num_b)/sum(den_b)`` on the same examples (a
     token-weighted mean of ``a`` minus ``b``'s) and its paired 95% interval."""
-    return bootstrap_ci(lambda na, da, nb, db: na.sum(-1) / da.sum(-1) - nb.sum(-1) / db.sum(-1),
-                        num_a_E, den_a_E, num_b_E, den_b_E, seed=seed)
+    return bootstrap_ci(
+        lambda na, da, nb, db: na.sum(-1) / da.sum(-1) - nb.sum(-1) / db.sum(-1), num_a_E, den_a_E, num_b_E, den_b_E, seed=seed
+    )

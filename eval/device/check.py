@@ -485,8 +485,14 @@ def check_int4_write(launcher, T, K, D, S, seed):
     # the written rows against the numpy float32 oracle: tells a kernel fault from an XLA one
     at = np.asarray(slots)
     codes, scale, zero = int4_fit_np(x)
-    off_oracle = sum(int(np.sum(a != b)) for a, b in (
-        (decode_codes_np(np.asarray(got.data)[at], 4), codes), (np.asarray(got.scale)[at], scale), (np.asarray(got.zero)[at], zero)))
+    off_oracle = sum(
+        int(np.sum(a != b))
+        for a, b in (
+            (decode_codes_np(np.asarray(got.data)[at], 4), codes),
+            (np.asarray(got.scale)[at], scale),
+            (np.asarray(got.zero)[at], zero),
+        )
+    )
     return dict(vs_reference=differing / total, vs_f64=None, bound="bit-identical", passed=differing == 0 and off_oracle == 0,
                 note=f"{differing} of {total} codes/scales/zeros differ from the XLA reference, "
                      f"{off_oracle} of the written ones from the numpy float32 oracle")  # fmt: skip
@@ -522,15 +528,32 @@ def kernel_checks(s: Settings) -> list:
     for i, (K, G, D, dtype, pages, tokens) in enumerate(s.quant_checks):
         name = "decode INT4" if pages is None else "decode INT2 pages + INT4"
         shape = f"Hq {K * G}, Hkv {K}, D {D}, {dtype} queries, " + (f"pages {pages}, " if pages else "") + f"INT4 tokens {tokens}"
-        checks.append((name, shape, functools.partial(check_quantized_decode, K=K, G=G, D=D, dtype=dtype, pages=pages, tokens=tokens, seed=10 + i)))
-    checks.append(("decode masked INT2 pages + float part", "Hq 4, Hkv 2, D 64, float32 (the engine's dual pool)",
-                   functools.partial(check_masked_pages, seed=7)))
+        checks.append(
+            (name, shape, functools.partial(check_quantized_decode, K=K, G=G, D=D, dtype=dtype, pages=pages, tokens=tokens, seed=10 + i))
+        )
+    checks.append(
+        (
+            "decode masked INT2 pages + float part",
+            "Hq 4, Hkv 2, D 64, float32 (the engine's dual pool)",
+            functools.partial(check_masked_pages, seed=7),
+        )
+    )
     L, S, K, D = s.rope_shape
-    checks.append(("RoPE delta (Llama-3 scaling)", f"L {L}, S {S}, Hkv {K}, D {D}, bf16, {s.rope_moved} rows, |delta| < 5000",
-                   functools.partial(check_rope_delta, shape=s.rope_shape, moved=s.rope_moved, seed=3)))
+    checks.append(
+        (
+            "RoPE delta (Llama-3 scaling)",
+            f"L {L}, S {S}, Hkv {K}, D {D}, bf16, {s.rope_moved} rows, |delta| < 5000",
+            functools.partial(check_rope_delta, shape=s.rope_shape, moved=s.rope_moved, seed=3),
+        )
+    )
     T, K, D, S = s.write_shape
-    checks.append(("INT4 quantizing write", f"{T} bf16 rows into {S} slots, Hkv {K}, D {D}",
-                   functools.partial(check_int4_write, T=T, K=K, D=D, S=S, seed=4)))
+    checks.append(
+        (
+            "INT4 quantizing write",
+            f"{T} bf16 rows into {S} slots, Hkv {K}, D {D}",
+            functools.partial(check_int4_write, T=T, K=K, D=D, S=S, seed=4),
+        )
+    )
     for i, (K, G, D, dtype, rows) in enumerate(s.ragged_checks):
         shape = f"Hq {K * G}, Hkv {K}, D {D}, {dtype}, (q_len, kv_len) per row {rows}, 8 padding tokens"
         check = functools.partial(check_ragged, K=K, G=G, D=D, dtype=dtype, rows=rows, seed=20 + i)
@@ -607,7 +630,9 @@ def part_attention(rec: Recorder, s: Settings, dry_run: bool) -> None:
                 sets = [case.operands] + [jax.tree.map(jnp.copy, case.operands) for _ in range(copies - 1)]
                 row = rec.add(dict(kernel=case.name, ctx=ctx, batch=B, bytes=case.cost.bytes, kernel_error=kernel_error))
                 if launcher is not None:
-                    row["kernel_error"] = rec.measure(row, "kernel_s", lambda: chained_seconds(case.triton(launcher), q, sets, s.chain, s.reps))
+                    row["kernel_error"] = rec.measure(
+                        row, "kernel_s", lambda: chained_seconds(case.triton(launcher), q, sets, s.chain, s.reps)
+                    )
                 xla = functools.partial(case.public, backend="reference")
                 rec.measure(row, "xla_s", lambda: chained_seconds(xla, q, sets, s.chain, s.reps))
                 del sets
@@ -636,8 +661,14 @@ def ragged_steps(s: Settings) -> list[tuple[dict, list]]:
         calls = [[(chunk, end)] for end in range(chunk, tokens + 1, chunk)]
         add(model, K, G, D, f"prefill {tokens} tokens in {chunk}-token chunks", calls)
     for model, K, G, D, chunk, cached, decode_rows, ctx in s.ragged_mixed:
-        add(model, K, G, D, f"mixed: {chunk}-token chunk after {cached} + {decode_rows} decode rows at {ctx}",
-            [[(chunk, cached + chunk)] + [(1, ctx)] * decode_rows])
+        add(
+            model,
+            K,
+            G,
+            D,
+            f"mixed: {chunk}-token chunk after {cached} + {decode_rows} decode rows at {ctx}",
+            [[(chunk, cached + chunk)] + [(1, ctx)] * decode_rows],
+        )
     return out
 
 
@@ -993,11 +1024,16 @@ def main(argv=None) -> str:
     ap.add_argument("--out", help="report path (default eval/results/device_<gpu name>.md; the results JSON goes beside it)")
     ap.add_argument("--parts", help=f"comma-separated subset of {','.join(PARTS_BY_NAME)} (env always runs)")
     ap.add_argument("--logs", help="folder for each part's log and raw results (default: a new temp folder)")
-    ap.add_argument("--model", help=f"the real model: a jaxkv.load_model name or HF folder (default {SMOLLM2!r}; "
-                                    "the random Qwen3 when it does not load)")
-    ap.add_argument("--limits", metavar="PART=S,...",
-                    help="other time limits for some parts, e.g. e2e=240,quant=110 (the overall budget grows to "
-                         "their sum plus 30 s when that is more than the default)")
+    ap.add_argument(
+        "--model",
+        help=f"the real model: a jaxkv.load_model name or HF folder (default {SMOLLM2!r}; the random Qwen3 when it does not load)",
+    )
+    ap.add_argument(
+        "--limits",
+        metavar="PART=S,...",
+        help="other time limits for some parts, e.g. e2e=240,quant=110 (the overall budget grows to "
+        "their sum plus 30 s when that is more than the default)",
+    )
     ap.add_argument("--render", metavar="RESULTS_JSON", help="only re-render the report of a recorded results file")
     ap.add_argument("--child", choices=sorted(PART_FUNCTIONS), help=argparse.SUPPRESS)
     ap.add_argument("--result", help=argparse.SUPPRESS)
@@ -1024,15 +1060,15 @@ def main(argv=None) -> str:
         if name not in PARTS_BY_NAME or not seconds.replace(".", "", 1).isdigit():
             ap.error(f"--limits: expected PART=SECONDS with PART one of {list(PARTS_BY_NAME)}, got {item!r}")
         limits[name] = float(seconds)
-    parts = [dataclasses.replace(p, limit_s=limits.get(p.name, p.limit_s))
-             for p in PARTS if not names or p.name in names or p.name == "env"]
+    parts = [
+        dataclasses.replace(p, limit_s=limits.get(p.name, p.limit_s)) for p in PARTS if not names or p.name in names or p.name == "env"
+    ]
     budget_s = max(BUDGET_S, sum(p.limit_s for p in parts) + 30)
     logs = Path(args.logs) if args.logs else Path(tempfile.mkdtemp(prefix="jaxkv_device_check_"))
     logs.mkdir(parents=True, exist_ok=True)
     print(f"[device check] logs in {logs}", flush=True)
     command = shlex.join(["python", "-m", "eval.device.check"] + list(argv if argv is not None else sys.argv[1:]))
-    results, path = run_check(parts, dry_run=args.dry_run, out=args.out, logs=logs, command=command, model=args.model,
-                              budget_s=budget_s)
+    results, path = run_check(parts, dry_run=args.dry_run, out=args.out, logs=logs, command=command, model=args.model, budget_s=budget_s)
     text = write_outputs(results, path)
     print(text)
     print(f"[device check] report: {path}; results: {path.with_suffix('.json')}", flush=True)

@@ -31,7 +31,6 @@ from jaxkv.markdown import md_table
 STATUSES = ("ok", "stopped at deadline", "timed out", "failed", "not run")
 
 
-
 @dataclasses.dataclass(frozen=True)
 class Table:
     """One table of the report: ``key`` names its writer, ``part`` the part whose rows

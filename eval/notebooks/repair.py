@@ -92,13 +92,34 @@ from jaxkv.kernels import resolve_backend
 mesh = make_mesh(tp=tp) if tp > 1 else None
 loaded = jaxkv.load_model(model, dtype=dtype, mesh=mesh)
 cfg = loaded.config
-print(f"{model}: {cfg.model_type}, {cfg.num_layers} layers, {cfg.num_heads}/{cfg.num_kv_heads} heads, {dtype}; "
-      f"devices {jax.devices()}; decode kernels: {resolve_backend(None)}")
+print(
+    f"{model}: {cfg.model_type}, {cfg.num_layers} layers, {cfg.num_heads}/{cfg.num_kv_heads} heads, {dtype}; "
+    f"devices {jax.devices()}; decode kernels: {resolve_backend(None)}"
+)
 
 # %%
-argv = ["--model", str(model), "--needles", str(needles), "--turns", str(turns), "--first-stage", first_stage,
-        "--ks", str(ks), "--policies", policies, "--n", str(n), "--length", str(length),
-        "--max-new-tokens", str(max_new_tokens), "--out", out_dir]
+argv = [
+    "--model",
+    str(model),
+    "--needles",
+    str(needles),
+    "--turns",
+    str(turns),
+    "--first-stage",
+    first_stage,
+    "--ks",
+    str(ks),
+    "--policies",
+    policies,
+    "--n",
+    str(n),
+    "--length",
+    str(length),
+    "--max-new-tokens",
+    str(max_new_tokens),
+    "--out",
+    out_dir,
+]
 if base_budget is not None:
     argv += ["--base-budget", str(base_budget)]
 rows = repair_protocol.run(repair_protocol.build_parser().parse_args(argv), model=loaded)

@@ -90,12 +90,34 @@ from jaxkv.kernels import resolve_backend
 mesh = make_mesh(tp=tp) if tp > 1 else None
 loaded = jaxkv.load_model(model, dtype=dtype, mesh=mesh)
 cfg = loaded.config
-print(f"{model}: {cfg.model_type}, {cfg.num_layers} layers, {cfg.num_heads}/{cfg.num_kv_heads} heads, {dtype}; "
-      f"devices {jax.devices()}; decode kernels: {resolve_backend(None)}")
+print(
+    f"{model}: {cfg.model_type}, {cfg.num_layers} layers, {cfg.num_heads}/{cfg.num_kv_heads} heads, {dtype}; "
+    f"devices {jax.devices()}; decode kernels: {resolve_backend(None)}"
+)
 
 # %%
-argv = ["--model", str(model), "--task", task, "--methods", methods, "--budgets", str(budgets), "--layouts", layouts,
-        "--n", str(n), "--length", str(length), "--max-new-tokens", str(max_new_tokens), "--reuse", str(reuse), "--out", out_dir]
+argv = [
+    "--model",
+    str(model),
+    "--task",
+    task,
+    "--methods",
+    methods,
+    "--budgets",
+    str(budgets),
+    "--layouts",
+    layouts,
+    "--n",
+    str(n),
+    "--length",
+    str(length),
+    "--max-new-tokens",
+    str(max_new_tokens),
+    "--reuse",
+    str(reuse),
+    "--out",
+    out_dir,
+]
 if str(repair_ks).strip():
     argv += ["--repair-ks", str(repair_ks)]
 rows = harness.run(harness.build_parser().parse_args(argv), model=loaded)

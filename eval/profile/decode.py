@@ -77,9 +77,11 @@ def main() -> None:
         t = time.perf_counter()
         engine.decode(rows, tokens, 16)
         times.append(time.perf_counter() - t)
-    print(f"{args.dtype} weights, pool {engine.cache.k.dtype if args.kv_quant is None else args.kv_quant}, "
-          f"{args.num_slots} slots, {len(rows)} rows, context {args.context}: 16-step decode call "
-          f"{sorted(times)[1] * 1e3:.0f} ms (median of 3), {sorted(times)[1] / 16 * 1e3:.1f} ms per step")
+    print(
+        f"{args.dtype} weights, pool {engine.cache.k.dtype if args.kv_quant is None else args.kv_quant}, "
+        f"{args.num_slots} slots, {len(rows)} rows, context {args.context}: 16-step decode call "
+        f"{sorted(times)[1] * 1e3:.0f} ms (median of 3), {sorted(times)[1] / 16 * 1e3:.1f} ms per step"
+    )
     with tempfile.TemporaryDirectory() as folder:
         jax.profiler.start_trace(folder)
         engine.decode(rows, tokens, 16)

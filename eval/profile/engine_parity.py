@@ -40,7 +40,7 @@ TOL = 1e-5
 SMALL = dict(lengths=(70, 45), chunk=32, decode=24, holes=(5, 6, 7, 20), positions=256)
 REAL = dict(lengths=(700, 1300), chunk=512, decode=16, holes=(3, 4, 100, 101, 102), positions=2048)
 
-RUNNER = r'''
+RUNNER = r"""
 import json, sys
 import numpy as np
 import jaxkv
@@ -63,7 +63,7 @@ slots = [SENTINEL_SLOT if p in spec["holes"] else s for p, s in enumerate(engine
 holed = engine.open_row(slots)
 out["holes"] = engine.prefill([holed], [seqs[0][n0 : n0 + 8]], all_logits=True)[0]
 np.savez(spec["out"], **out)
-'''
+"""
 
 
 def run(tree: Path, spec: dict) -> dict:
@@ -114,9 +114,14 @@ def main() -> None:
         "all logits plus teacher-forced decode steps (`row0`, `row1`) and a prefill over a prefix with evicted",
         f"holes (`holes`). Bound: {TOL:g}.",
         "",
-        md_table(["model", "row0", "row1", "holes", "worst", "within bound"],
-                 [[name, f"{per['row0']:.1e}", f"{per['row1']:.1e}", f"{per['holes']:.1e}", f"{worst:.1e}", "yes" if worst <= TOL else "NO"]
-                  for name, worst, per in rows], align="lrrrrl"),
+        md_table(
+            ["model", "row0", "row1", "holes", "worst", "within bound"],
+            [
+                [name, f"{per['row0']:.1e}", f"{per['row1']:.1e}", f"{per['holes']:.1e}", f"{worst:.1e}", "yes" if worst <= TOL else "NO"]
+                for name, worst, per in rows
+            ],
+            align="lrrrrl",
+        ),
     ]
     Path(args.out).write_text("\n".join(lines) + "\n")
     print(f"wrote {args.out}")

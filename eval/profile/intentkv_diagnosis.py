@@ -81,8 +81,7 @@ def diagnose(args) -> dict:
     import jaxkv
     from jaxkv.chat.render import render
     from jaxkv.tasks.agent import one_trace
-    from train.intentkv_data import (HELDOUT_SEED_BASE, answer_values_of, capture_qk, future_values, read_strength,
-                                     reply_spans, value_masks)
+    from train.intentkv_data import HELDOUT_SEED_BASE, answer_values_of, capture_qk, future_values, read_strength, reply_spans, value_masks
     from train.replay import Cell, replay_example
 
     model = jaxkv.load_model(args.model)
@@ -112,7 +111,9 @@ def diagnose(args) -> dict:
         for cell in cells:
             rec = LiveRecorder()
             try:
-                verdicts, done, _, session = replay_example(model, ex, cell, **kw, **(options if cell.method.startswith("intentkv") else {}))
+                verdicts, done, _, session = replay_example(
+                    model, ex, cell, **kw, **(options if cell.method.startswith("intentkv") else {})
+                )
             finally:
                 rec.restore()
             bar.update(1)
@@ -156,8 +157,12 @@ def diagnose(args) -> dict:
                 st["read_labelled"] += (read & labelled).sum()
         per_example.append(record)
     bar.close()
-    result = {"args": vars(args), "cells": {k: {kk: float(vv) for kk, vv in v.items()} for k, v in stats.items()},
-              "lost_tokens_wrong": {k: dict(v.most_common(25)) for k, v in lost_tokens.items()}, "examples": per_example}
+    result = {
+        "args": vars(args),
+        "cells": {k: {kk: float(vv) for kk, vv in v.items()} for k, v in stats.items()},
+        "lost_tokens_wrong": {k: dict(v.most_common(25)) for k, v in lost_tokens.items()},
+        "examples": per_example,
+    }
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     (out / "diagnosis.json").write_text(json.dumps(result, indent=1) + "\n")
@@ -165,18 +170,43 @@ def diagnose(args) -> dict:
 
 
 def summary(result) -> str:
-    lines = md_header(["cell", "accuracy", "turns ok/wrong (full ok)", "read lost: ok turns", "wrong turns", "wrong turns with a loss",
-                       *(f"lost {k} (wrong)" for k in KINDS), "lost labelled (wrong)"], "l" + "r" * (len(KINDS) + 6))
+    lines = md_header(
+        [
+            "cell",
+            "accuracy",
+            "turns ok/wrong (full ok)",
+            "read lost: ok turns",
+            "wrong turns",
+            "wrong turns with a loss",
+            *(f"lost {k} (wrong)" for k in KINDS),
+            "lost labelled (wrong)",
+        ],
+        "l" + "r" * (len(KINDS) + 6),
+    )
     for name, st in result["cells"].items():
         g = lambda k: st.get(k, 0.0)  # noqa: E731
         acc = g("correct") / max(g("scored"), 1)
-        lines.append(md_row([name, f"{acc:.3f}", f"{g('turns_ok'):.0f}/{g('turns_wrong'):.0f}", f"{g('lost_ok') / max(g('read_ok'), 1):.3f}",
-                             f"{g('lost_wrong') / max(g('read_wrong'), 1):.3f}", f"{g('turns_wrong_any_lost'):.0f}",
-                             *(f"{g(f'lost_wrong_{k}'):.0f}" for k in KINDS), f"{g('lost_wrong_labelled'):.0f}"]))
+        lines.append(
+            md_row(
+                [
+                    name,
+                    f"{acc:.3f}",
+                    f"{g('turns_ok'):.0f}/{g('turns_wrong'):.0f}",
+                    f"{g('lost_ok') / max(g('read_ok'), 1):.3f}",
+                    f"{g('lost_wrong') / max(g('read_wrong'), 1):.3f}",
+                    f"{g('turns_wrong_any_lost'):.0f}",
+                    *(f"{g(f'lost_wrong_{k}'):.0f}" for k in KINDS),
+                    f"{g('lost_wrong_labelled'):.0f}",
+                ]
+            )
+        )
     c = next(iter(result["cells"].values()))
     lines.append("")
-    lines.append("read positions by kind (all cells' turns): " + ", ".join(f"{k} {c.get(f'read_{k}', 0):.0f}" for k in KINDS)
-                 + f", labelled {c.get('read_labelled', 0):.0f}")
+    lines.append(
+        "read positions by kind (all cells' turns): "
+        + ", ".join(f"{k} {c.get(f'read_{k}', 0):.0f}" for k in KINDS)
+        + f", labelled {c.get('read_labelled', 0):.0f}"
+    )
     lines.append("")
     for name, counts in result.get("lost_tokens_wrong", {}).items():
         if counts:

@@ -58,17 +58,23 @@ def main(argv=None):
                 kinds[next((k for k, v in kind_ids.items() if ids[i] in v), "other")] += 1
             vd = np.isin(ids, np.concatenate([kind_ids["v"], kind_ids["d"]])).astype(np.float32)
             kvd = np.isin(ids, np.concatenate(list(kind_ids.values()))).astype(np.float32)
-            for name, score in (("rule s", s), ("v/d tokens first", vd), ("v/d tokens first, then s", vd + s),
-                                ("k/v/d tokens first", kvd)):
+            for name, score in (("rule s", s), ("v/d tokens first", vd), ("v/d tokens first, then s", vd + s), ("k/v/d tokens first", kvd)):
                 for B in BUDGETS:
                     if n > B:
                         kept = np.asarray(select_one(jnp.asarray(score), jnp.asarray(forced), jnp.asarray(~forced), B))
                         k, t = hits.get((name, B), (0, 0))
                         hits[(name, B)] = (k + int((kept & pos).sum()), t + int(pos.sum()))
     print("held-out positives by token kind:", kinds)
-    print(md_table(["scorer", *(f"recall B={B}" for B in BUDGETS)],
-                   [[name, *(f"{hits[(name, B)][0] / max(hits[(name, B)][1], 1):.3f}" for B in BUDGETS)] for name in dict.fromkeys(n for n, _ in hits)],
-                   align="l" + "r" * len(BUDGETS)))
+    print(
+        md_table(
+            ["scorer", *(f"recall B={B}" for B in BUDGETS)],
+            [
+                [name, *(f"{hits[(name, B)][0] / max(hits[(name, B)][1], 1):.3f}" for B in BUDGETS)]
+                for name in dict.fromkeys(n for n, _ in hits)
+            ],
+            align="l" + "r" * len(BUDGETS),
+        )
+    )
 
 
 if __name__ == "__main__":

@@ -57,7 +57,9 @@ def main() -> None:
             batch = torch.tensor([[0] * (width - len(p)) + p for p in prompts])
             mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts])
             with torch.no_grad():
-                hf = tm.generate(batch, attention_mask=mask, max_new_tokens=32, min_new_tokens=32, do_sample=False, pad_token_id=0)[:, width:].tolist()
+                hf = tm.generate(batch, attention_mask=mask, max_new_tokens=32, min_new_tokens=32, do_sample=False, pad_token_id=0)[
+                    :, width:
+                ].tolist()
             print(md_row([family, f"{e32:.2e}", f"{e16:.2e}", f"{epd:.2e}", ours == hf]), flush=True)
 
 

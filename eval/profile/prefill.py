@@ -97,23 +97,54 @@ def main(argv=None) -> int:
     gemm = gemm_gflops(cfg, args.chunk)
     L, M, F, Hq, K, D = cfg.num_layers, cfg.hidden_size, cfg.intermediate_size, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
     linear_per_token = 2 * L * (M * Hq * D * 2 + M * K * D * 2 + 3 * M * F)
-    print(f"Prefill of {args.tokens} tokens in {args.chunk}-token steps, {args.model} ({L} layers), "
-          f"{jax.devices()[0].platform}, {os.cpu_count()} cores; float32 GEMM rate {gemm:.0f} GFLOP/s; "
-          f"load average before {load0[0]:.2f}\n")
-    print("\n".join(md_header(["step starts at", "tokens", "step s", "attention s (all layers)", "attention GFLOP/s", "rest s", "rest GFLOP/s",
-                               "attention share"], "r" * 8)))
+    print(
+        f"Prefill of {args.tokens} tokens in {args.chunk}-token steps, {args.model} ({L} layers), "
+        f"{jax.devices()[0].platform}, {os.cpu_count()} cores; float32 GEMM rate {gemm:.0f} GFLOP/s; "
+        f"load average before {load0[0]:.2f}\n"
+    )
+    print(
+        "\n".join(
+            md_header(
+                [
+                    "step starts at",
+                    "tokens",
+                    "step s",
+                    "attention s (all layers)",
+                    "attention GFLOP/s",
+                    "rest s",
+                    "rest GFLOP/s",
+                    "attention share",
+                ],
+                "r" * 8,
+            )
+        )
+    )
     total = att_total = att_flops_total = 0.0
     for before, n, secs in step_times:
         att = attention_seconds(cfg, before, n) * L
         att_flops = 4 * L * Hq * D * n * (before + (n + 1) / 2)
         rest = secs - att
         total, att_total, att_flops_total = total + secs, att_total + att, att_flops_total + att_flops
-        print(md_row([before, n, f"{secs:.2f}", f"{att:.2f}", f"{att_flops / att / 1e9:.0f}", f"{rest:.2f}",
-                      f"{linear_per_token * n / max(rest, 1e-9) / 1e9:.0f}", f"{att / secs:.0%}"]))
+        print(
+            md_row(
+                [
+                    before,
+                    n,
+                    f"{secs:.2f}",
+                    f"{att:.2f}",
+                    f"{att_flops / att / 1e9:.0f}",
+                    f"{rest:.2f}",
+                    f"{linear_per_token * n / max(rest, 1e-9) / 1e9:.0f}",
+                    f"{att / secs:.0%}",
+                ]
+            )
+        )
     whole = (att_flops_total + linear_per_token * args.tokens) / total / 1e9
-    print(f"\nTotal {total:.1f} s, of which attention {att_total:.1f} s ({att_total / total:.0%}, "
-          f"{att_flops_total / att_total / 1e9:.0f} GFLOP/s); the whole prefill at {whole:.0f} GFLOP/s = "
-          f"{whole / gemm:.0%} of the GEMM rate; load average after {os.getloadavg()[0]:.2f}")
+    print(
+        f"\nTotal {total:.1f} s, of which attention {att_total:.1f} s ({att_total / total:.0%}, "
+        f"{att_flops_total / att_total / 1e9:.0f} GFLOP/s); the whole prefill at {whole:.0f} GFLOP/s = "
+        f"{whole / gemm:.0%} of the GEMM rate; load average after {os.getloadavg()[0]:.2f}"
+    )
     return 0
 
 

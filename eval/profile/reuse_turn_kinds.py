@@ -23,14 +23,17 @@ def main() -> None:
     exs = harness.make_examples(args.task, args.n, 2048, EVAL_SEED_BASE)
     server = jaxkv.Server(model, max_positions=4096)
     cell = replay.Cell("full", None, None, args.task)
-    tot = collections.Counter(); ok = collections.Counter()
+    tot = collections.Counter()
+    ok = collections.Counter()
     for ex in exs:
         v, _, _, _ = replay.replay_example(model, ex, cell, max_new_tokens=64, max_positions=4096, server=server)
         for t, good in zip(ex.targets, v):
             kind = t.kind if t.kind == "answer" else t.expected["name"]
-            tot[kind] += 1; ok[kind] += good
-    for k in tot: print(f"{args.task} {k}: {ok[k]}/{tot[k]} = {ok[k]/tot[k]:.3f}")
-    print(f"{args.task} all: {sum(ok.values())}/{sum(tot.values())} = {sum(ok.values())/sum(tot.values()):.3f}")
+            tot[kind] += 1
+            ok[kind] += good
+    for k in tot:
+        print(f"{args.task} {k}: {ok[k]}/{tot[k]} = {ok[k] / tot[k]:.3f}")
+    print(f"{args.task} all: {sum(ok.values())}/{sum(tot.values())} = {sum(ok.values()) / sum(tot.values()):.3f}")
 
 
 if __name__ == "__main__":

@@ -152,10 +152,16 @@ def summarize(task: str, examples: list[ExampleJobs]) -> list[dict]:
 
 def markdown_table(rows: list[dict], request_tokens: dict[str, tuple[int, int, int]]) -> str:
     bold = lambda r: "**" if r["scored"] == "all scored turns" else ""  # noqa: E731
-    accuracy = md_table(["task", "scored", "n", "exact match"],
-                        [[r["task"], r["scored"], r["n"], f"{bold(r)}{100 * r['acc']:.1f}%{bold(r)}"] for r in rows], align="llrr")
-    lengths = md_table(["task", "request tokens: shortest", "longest request per example: min", "max"],
-                       [[task, *spans] for task, spans in request_tokens.items()], align="lrrr")
+    accuracy = md_table(
+        ["task", "scored", "n", "exact match"],
+        [[r["task"], r["scored"], r["n"], f"{bold(r)}{100 * r['acc']:.1f}%{bold(r)}"] for r in rows],
+        align="llrr",
+    )
+    lengths = md_table(
+        ["task", "request tokens: shortest", "longest request per example: min", "max"],
+        [[task, *spans] for task, spans in request_tokens.items()],
+        align="lrrr",
+    )
     return accuracy + "\n\n" + lengths
 
 
@@ -203,8 +209,10 @@ def main(argv=None) -> int:
             for j in ex.jobs:
                 if not j.correct and shown < args.failures:
                     shown += 1
-                    print(f"{task} #{j.example} {j.label}: expected {j.expected!r}, got "
-                          f"{j.generated.get('tool_calls') or j.generated.get('content')!r}")
+                    print(
+                        f"{task} #{j.example} {j.label}: expected {j.expected!r}, got "
+                        f"{j.generated.get('tool_calls') or j.generated.get('content')!r}"
+                    )
     if args.out:
         with open(args.out, "w") as f:
             f.write(table + "\n")

@@ -48,9 +48,15 @@ def hf_greedy(folder, prompts: list[list[int]], max_new_tokens: int, stop: set[i
     with torch.no_grad():
         for p in prompts:
             ids = torch.tensor([p])
-            gen = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_new_tokens, do_sample=False,
-                                 eos_token_id=sorted(stop), pad_token_id=sorted(stop)[0])
-            outs.append(_cut(gen[0, len(p):].tolist(), stop))
+            gen = model.generate(
+                ids,
+                attention_mask=torch.ones_like(ids),
+                max_new_tokens=max_new_tokens,
+                do_sample=False,
+                eos_token_id=sorted(stop),
+                pad_token_id=sorted(stop)[0],
+            )
+            outs.append(_cut(gen[0, len(p) :].tolist(), stop))
     return outs
 
 

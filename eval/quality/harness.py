@@ -127,17 +127,53 @@ from train.journal import append_journal, load_journal
 from train.replay import PER_EXAMPLE, REPAIR_POLICIES, Cell, is_reference, run_cells
 
 COLUMNS = (
-    "method", "budget", "layout", "task", "n", "accuracy", "completion",
-    "peak_request_tokens", "peak_live_kv", "raw_kv_reads", "effective_kv_reads",
-    "prefix_hit_rate", "wall_s", "repair_policy", "repair_k", "base_budget",
-    "kv_quant", "kv_bits", "avg_bits", "kv_bytes_per_token",
-    "reuse", "prefill_tokens_computed", "prefill_s", "accept_rate", "fallback_rate",
-    "fidelity_tokens", "nll_increase", "kl",
+    "method",
+    "budget",
+    "layout",
+    "task",
+    "n",
+    "accuracy",
+    "completion",
+    "peak_request_tokens",
+    "peak_live_kv",
+    "raw_kv_reads",
+    "effective_kv_reads",
+    "prefix_hit_rate",
+    "wall_s",
+    "repair_policy",
+    "repair_k",
+    "base_budget",
+    "kv_quant",
+    "kv_bits",
+    "avg_bits",
+    "kv_bytes_per_token",
+    "reuse",
+    "prefill_tokens_computed",
+    "prefill_s",
+    "accept_rate",
+    "fallback_rate",
+    "fidelity_tokens",
+    "nll_increase",
+    "kl",
 )
 KV_QUANTS = ("none", "int4", "kivi2", "kivi4", "triaxial", "triaxial_no_temporal", "triaxial_no_semantic")
 REUSE_MODES = ("none", "segment", "cacheblend")
-ALL_METHODS = ("full", "streaming_llm", "snapkv", "h2o", "tova", "random", "oldest", "agentkv", "intentkv_memory", "intentkv_query",
-               "intentkv", "intentkv_no_memory", "intentkv_no_xattn", "intentkv_no_residual")
+ALL_METHODS = (
+    "full",
+    "streaming_llm",
+    "snapkv",
+    "h2o",
+    "tova",
+    "random",
+    "oldest",
+    "agentkv",
+    "intentkv_memory",
+    "intentkv_query",
+    "intentkv",
+    "intentkv_no_memory",
+    "intentkv_no_xattn",
+    "intentkv_no_residual",
+)
 # The retention methods jaxkv had before IntentKV Phase 2: the baselines ``--compare-to best``
 # picks from (the learned head, its ablations and the full cache are never "the best baseline").
 BASELINES = ("streaming_llm", "snapkv", "h2o", "tova", "random", "oldest", "agentkv", "intentkv_memory", "intentkv_query")
@@ -173,7 +209,9 @@ def parse_budgets(spec: str) -> list:
     return out
 
 
-def grid(methods, budgets, layouts, tasks, repair_ks=(), repair_policies=("repairkv",), kv_quants=("none",), kv_bits=(), reuses=("-",)) -> list[Cell]:
+def grid(
+    methods, budgets, layouts, tasks, repair_ks=(), repair_policies=("repairkv",), kv_quants=("none",), kv_bits=(), reuses=("-",)
+) -> list[Cell]:
     """Every cell to run. With ``repair_ks``, each (method, B_base) on the dead-slot
     layout (repair needs stable positions) also gets, per K, one cell per repair
     policy at B_base and the matched no-repair cell at B_base + K. Every cell is
@@ -289,12 +327,19 @@ def comparison(rows, task: str, reference: str = "best", focus: str | None = Non
             ref = next((r for r in col if r["method"] == reference), None)
         if ref is None:
             continue
-        entries = [{"row": r, "gain": _paired(r, ref) if r is not ref else None, "share": r["accuracy"] / full["accuracy"]
-                    if full and full["accuracy"] else None} for r in ([full] if full else []) + col]
+        entries = [
+            {
+                "row": r,
+                "gain": _paired(r, ref) if r is not ref else None,
+                "share": r["accuracy"] / full["accuracy"] if full and full["accuracy"] else None,
+            }
+            for r in ([full] if full else []) + col
+        ]
         focus_row = next((r for r in col if r["method"] == focus), None)
         focus_gains = {r["method"]: _paired(focus_row, r) for m in BASELINES for r in col if r["method"] == m} if focus_row else {}
-        out.append({"layout": layout, "budget": budget, "reference": ref, "entries": entries,
-                    "focus": focus_row, "focus_gains": focus_gains})
+        out.append(
+            {"layout": layout, "budget": budget, "reference": ref, "entries": entries, "focus": focus_row, "focus_gains": focus_gains}
+        )
     return out
 
 
@@ -303,8 +348,11 @@ def comparison_markdown(rows, task: str, reference: str = "best", focus: str | N
     cache, gain over the reference [95% CI], peak request tokens, peak live KV, raw and
     effective KV reads), then the focus method against each baseline."""
     what = "the best baseline" if reference == "best" else reference
-    lines = [f"Gain = accuracy − {what}'s on the same examples, with a paired bootstrap 95% interval over "
-             f"examples (`eval.common.stats.paired_gain`); baselines: {', '.join(BASELINES)}.", ""]
+    lines = [
+        f"Gain = accuracy − {what}'s on the same examples, with a paired bootstrap 95% interval over "
+        f"examples (`eval.common.stats.paired_gain`); baselines: {', '.join(BASELINES)}.",
+        "",
+    ]
     for c in comparison(rows, task, reference, focus):
         ref = c["reference"]
         table = []
@@ -313,19 +361,48 @@ def comparison_markdown(rows, task: str, reference: str = "best", focus: str | N
             name = "full cache" if r["method"] == "full" else r["method"]
             gain = "reference" if r is ref else _gain_text(e["gain"])
             share = "-" if e["share"] is None else f"{e['share']:.3f}"
-            table.append([name, f"{r['accuracy']:.3f}", share, gain, f"{r['peak_request_tokens']:.0f}", f"{r['peak_live_kv']:.0f}",
-                          f"{r['raw_kv_reads']:.0f}", f"{r['effective_kv_reads']:.0f}"])
-        lines += [f"### {task}, {c['layout']}, B = {c['budget']}: reference {ref['method']} ({ref['accuracy']:.3f})", "",
-                  md_table(["method", "accuracy", "of full cache", "gain vs reference [95% CI]", "peak request tokens",
-                            "peak live KV", "raw KV reads", "effective KV reads"], table, align="lrrrrrrr")]
+            table.append(
+                [
+                    name,
+                    f"{r['accuracy']:.3f}",
+                    share,
+                    gain,
+                    f"{r['peak_request_tokens']:.0f}",
+                    f"{r['peak_live_kv']:.0f}",
+                    f"{r['raw_kv_reads']:.0f}",
+                    f"{r['effective_kv_reads']:.0f}",
+                ]
+            )
+        lines += [
+            f"### {task}, {c['layout']}, B = {c['budget']}: reference {ref['method']} ({ref['accuracy']:.3f})",
+            "",
+            md_table(
+                [
+                    "method",
+                    "accuracy",
+                    "of full cache",
+                    "gain vs reference [95% CI]",
+                    "peak request tokens",
+                    "peak live KV",
+                    "raw KV reads",
+                    "effective KV reads",
+                ],
+                table,
+                align="lrrrrrrr",
+            ),
+        ]
         if c["focus_gains"]:
             gains = c["focus_gains"]
             paired = {m: g for m, g in gains.items() if g is not None}
             unpaired = [m for m in gains if m not in paired]
             verdict = "no" if any(g[1] <= 0 for g in paired.values()) else "yes" if not unpaired else "not decided"
-            lines += ["", f"{focus} against each baseline: " + "; ".join(f"{m} {_gain_text(g)}" for m, g in gains.items())
-                      + f". Above every baseline with the interval clear of zero: **{verdict}**"
-                      + (f" (no per-example counts for {', '.join(unpaired)}: cells from an older journal)." if unpaired else ".")]
+            lines += [
+                "",
+                f"{focus} against each baseline: "
+                + "; ".join(f"{m} {_gain_text(g)}" for m, g in gains.items())
+                + f". Above every baseline with the interval clear of zero: **{verdict}**"
+                + (f" (no per-example counts for {', '.join(unpaired)}: cells from an older journal)." if unpaired else "."),
+            ]
         lines.append("")
     return "\n".join(lines)
 
@@ -345,11 +422,22 @@ def fidelity_comparison_markdown(rows, task: str) -> str:
     increase and KL over the full cache on the turns after its compression events,
     and its NLL increase minus that of the best baseline (the lowest of
     ``BASELINES``) with a paired bootstrap 95% interval over examples."""
-    rows = [r for r in rows if r["task"] == task and r["repair_policy"] == "none" and r.get("reuse", "-") == "-"
-            and r["method"] != "full" and isinstance(r.get("nll_increase"), float) and "fidelity" in r.get(PER_EXAMPLE, {})]
-    lines = ["NLL increase = mean NLL of the recorded assistant tokens after a compression event, managed minus full "
-             "cache (nats/token); Δ = minus the best baseline's on the same examples (negative: closer to the full "
-             f"cache), paired bootstrap 95% interval over examples; baselines: {', '.join(BASELINES)}.", ""]
+    rows = [
+        r
+        for r in rows
+        if r["task"] == task
+        and r["repair_policy"] == "none"
+        and r.get("reuse", "-") == "-"
+        and r["method"] != "full"
+        and isinstance(r.get("nll_increase"), float)
+        and "fidelity" in r.get(PER_EXAMPLE, {})
+    ]
+    lines = [
+        "NLL increase = mean NLL of the recorded assistant tokens after a compression event, managed minus full "
+        "cache (nats/token); Δ = minus the best baseline's on the same examples (negative: closer to the full "
+        f"cache), paired bootstrap 95% interval over examples; baselines: {', '.join(BASELINES)}.",
+        "",
+    ]
     for layout, budget in sorted({(r["layout"], r["budget"]) for r in rows}, key=str):
         col = [r for r in rows if (r["layout"], r["budget"]) == (layout, budget)]
         base = [r for m in BASELINES for r in col if r["method"] == m]
@@ -364,9 +452,14 @@ def fidelity_comparison_markdown(rows, task: str) -> str:
                 d = paired_nll_difference(r[PER_EXAMPLE]["fidelity"], ref[PER_EXAMPLE]["fidelity"])
                 gain = f"{d[0]:+.4f} [{d[1]:+.4f}, {d[2]:+.4f}]"
             table.append([r["method"], f"{r['nll_increase']:+.4f}", f"{r['kl']:.4f}", gain, r["fidelity_tokens"], f"{r['accuracy']:.3f}"])
-        lines += [f"### {task}, {layout}, B = {budget}: best baseline {ref['method']} ({ref['nll_increase']:+.4f})", "",
-                  md_table(["method", "NLL increase", "KL per token", "Δ NLL vs best baseline [95% CI]", "tokens", "accuracy"],
-                           table, align="lrrrrr"), ""]
+        lines += [
+            f"### {task}, {layout}, B = {budget}: best baseline {ref['method']} ({ref['nll_increase']:+.4f})",
+            "",
+            md_table(
+                ["method", "NLL increase", "KL per token", "Δ NLL vs best baseline [95% CI]", "tokens", "accuracy"], table, align="lrrrrr"
+            ),
+            "",
+        ]
         lines += head_verdict(col, ref)
     return "\n".join(lines)
 
@@ -392,9 +485,14 @@ def head_verdict(col: list, ref: dict) -> list[str]:
     d, lo, hi = paired_nll_difference(head[PER_EXAMPLE]["fidelity"], ref[PER_EXAMPLE]["fidelity"])
     lowest = min(col, key=lambda r: r["nll_increase"])["method"] == HEAD
     met = lowest and hi < 0
-    lines.append(f"- Goal: the head minus the best baseline (`{ref['method']}`): {d:+.4f} [{lo:+.4f}, {hi:+.4f}]; "
-                 + ("met (lowest of all methods, interval below zero)." if met else
-                    f"not met ({'lowest, but the interval includes zero' if lowest else 'not the lowest NLL increase'})."))
+    lines.append(
+        f"- Goal: the head minus the best baseline (`{ref['method']}`): {d:+.4f} [{lo:+.4f}, {hi:+.4f}]; "
+        + (
+            "met (lowest of all methods, interval below zero)."
+            if met
+            else f"not met ({'lowest, but the interval includes zero' if lowest else 'not the lowest NLL increase'})."
+        )
+    )
     if rule is None:
         lines.append(f"- Minimum: `{HEAD_RULE}` is not in this column yet.")
     return lines + [""]
@@ -409,14 +507,35 @@ def quant_table(rows, task: str) -> str:
     rows = [r for r in rows if r["task"] == task and r["repair_policy"] == "none"]
     full = {(r["method"], r["budget"], r["layout"]): r for r in rows if r["kv_quant"] == "none"}
     fidelity = any(isinstance(r.get("nll_increase"), float) for r in rows)
-    header = ["method", "budget", "layout", "kv_quant", "kv_bits", "accuracy", "Δ vs none", "avg_bits", "KV bytes/token", "capacity vs bf16"]
+    header = [
+        "method",
+        "budget",
+        "layout",
+        "kv_quant",
+        "kv_bits",
+        "accuracy",
+        "Δ vs none",
+        "avg_bits",
+        "KV bytes/token",
+        "capacity vs bf16",
+    ]
     table = []
     for r in rows:
         base = full.get((r["method"], r["budget"], r["layout"]))
         delta = "" if base is None else f"{100 * (r['accuracy'] - base['accuracy']):+.1f}"
         bf16 = base["kv_bytes_per_token"] if base is not None else float("nan")
-        row = [r["method"], r["budget"], r["layout"], r["kv_quant"], r["kv_bits"], _fmt(r["accuracy"]), delta,
-               f"{r['avg_bits']:.2f}", f"{r['kv_bytes_per_token']:.0f}", f"{bf16 / r['kv_bytes_per_token']:.2f}x"]
+        row = [
+            r["method"],
+            r["budget"],
+            r["layout"],
+            r["kv_quant"],
+            r["kv_bits"],
+            _fmt(r["accuracy"]),
+            delta,
+            f"{r['avg_bits']:.2f}",
+            f"{r['kv_bytes_per_token']:.0f}",
+            f"{bf16 / r['kv_bytes_per_token']:.2f}x",
+        ]
         if fidelity:
             d = quant_nll_increase(r)
             row += [f"{d[0]:+.4f} [{d[1]:+.4f}, {d[2]:+.4f}]", f"{r['kl']:.4f}"] if d is not None else ["-", "-"]
@@ -443,7 +562,11 @@ def prefix_summary(rows) -> str:
     for task in sorted({r["task"] for r in rows}):
         parts = []
         for layout in ("-", "dead_slot", "compact"):
-            vals = [r["prefix_hit_rate"] for r in rows if r["task"] == task and r["layout"] == layout and r["repair_policy"] == "none" and r.get("kv_quant", "none") == "none"]
+            vals = [
+                r["prefix_hit_rate"]
+                for r in rows
+                if r["task"] == task and r["layout"] == layout and r["repair_policy"] == "none" and r.get("kv_quant", "none") == "none"
+            ]
             if vals:
                 parts.append(f"{'full cache' if layout == '-' else layout} {np.mean(vals):.3f}")
         out.append(f"prefix-hit rate on {task}: " + ", ".join(parts))
@@ -477,11 +600,17 @@ def plot(rows, out_dir: Path) -> list[Path]:
                 ax = axes[i][j]
                 budgets = sorted({r["budget"] for r in rows if r["budget"] != "-"})
                 for method in sorted({r["method"] for r in rows if r["method"] != "full"}):
-                    pts = sorted((r["budget"], r[metric]) for r in rows if r["task"] == task and r["layout"] == layout and r["method"] == method)
+                    pts = sorted(
+                        (r["budget"], r[metric]) for r in rows if r["task"] == task and r["layout"] == layout and r["method"] == method
+                    )
                     if pts:
                         ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", label=method)
                     if metric == "raw_kv_reads":
-                        eff = sorted((r["budget"], r["effective_kv_reads"]) for r in rows if r["task"] == task and r["layout"] == layout and r["method"] == method)
+                        eff = sorted(
+                            (r["budget"], r["effective_kv_reads"])
+                            for r in rows
+                            if r["task"] == task and r["layout"] == layout and r["method"] == method
+                        )
                         if eff:
                             ax.plot([p[0] for p in eff], [p[1] for p in eff], linestyle=":", color=ax.lines[-1].get_color())
                 for r in rows:
@@ -509,8 +638,9 @@ def plot_quant(quant_rows, base_rows, out_dir: Path, plt) -> Path:
     fig, axes = plt.subplots(1, len(tasks), figsize=(6 * len(tasks), 4), squeeze=False)
     for ax, task in zip(axes[0], tasks):
         for mode in dict.fromkeys(r["kv_quant"] for r in quant_rows):
-            pts = sorted((r["avg_bits"], r["accuracy"]) for r in quant_rows
-                         if r["task"] == task and r["kv_quant"] == mode and r["method"] == "full")
+            pts = sorted(
+                (r["avg_bits"], r["accuracy"]) for r in quant_rows if r["task"] == task and r["kv_quant"] == mode and r["method"] == "full"
+            )
             if pts:
                 ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", label=mode)
         for r in base_rows:
@@ -536,10 +666,15 @@ def plot_repair(repair_rows, base_rows, out_dir: Path, plt) -> list[Path]:
     fig, axes = plt.subplots(1, len(panels), figsize=(6 * len(panels), 4), squeeze=False)
     for ax, (task, method, base) in zip(axes[0], panels):
         for policy in sorted({r["repair_policy"] for r in repair_rows}):
-            pts = sorted((r["repair_k"], r["accuracy"]) for r in repair_rows
-                         if (r["task"], r["method"], r["base_budget"], r["repair_policy"]) == (task, method, base, policy))
+            pts = sorted(
+                (r["repair_k"], r["accuracy"])
+                for r in repair_rows
+                if (r["task"], r["method"], r["base_budget"], r["repair_policy"]) == (task, method, base, policy)
+            )
             style = dict(linestyle="--", color="gray") if policy == "matched" else {}
-            ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", label="matched no-repair" if policy == "matched" else policy, **style)
+            ax.plot(
+                [p[0] for p in pts], [p[1] for p in pts], marker="o", label="matched no-repair" if policy == "matched" else policy, **style
+            )
         for r in base_rows:
             if r["task"] == task and r["method"] == "full":
                 ax.axhline(r["accuracy"], color="black", linestyle="--", label="full cache")
@@ -563,22 +698,36 @@ QUICK = dict(n=2, length=1024, budgets="256,512", max_new_tokens=48)
 
 def build_parser(parser=None):
     p = parser or argparse.ArgumentParser(prog="jaxkv eval", description=__doc__.splitlines()[0])
-    p.add_argument("--model", default=None, help="checkpoint folder, repo id, reference model name or 'embedded' (default: 'embedded' "
-                   "for the synthetic tasks, smollm2-135m-instruct for the real-model ones)")
-    p.add_argument("--task", default="agent", help="agent, mqniah, shared_docs, or a comma list; or a real-model task "
-                   "(passkey, niah, niah_<variant>, lm, multiq: eval.quality.real_model with --context, --ratios, --settings)")
+    p.add_argument(
+        "--model",
+        default=None,
+        help="checkpoint folder, repo id, reference model name or 'embedded' (default: 'embedded' "
+        "for the synthetic tasks, smollm2-135m-instruct for the real-model ones)",
+    )
+    p.add_argument(
+        "--task",
+        default="agent",
+        help="agent, mqniah, shared_docs, or a comma list; or a real-model task "
+        "(passkey, niah, niah_<variant>, lm, multiq: eval.quality.real_model with --context, --ratios, --settings)",
+    )
     p.add_argument("--context", type=int, default=2048, help="real-model tasks: the compressed request's tokens")
     p.add_argument("--ratios", default="0.25,0.5,0.75", help="real-model tasks: kvpress compression ratios (fraction removed)")
     p.add_argument("--settings", default=None, help="real-model tasks: aware,agnostic")
     p.add_argument("--methods", default=",".join(ALL_METHODS))
-    p.add_argument("--budgets", default="256,512,1024",
-                   help="live KV tokens, or fractions in (0, 1) of each example's rendered length (0.5,0.65)")
+    p.add_argument(
+        "--budgets", default="256,512,1024", help="live KV tokens, or fractions in (0, 1) of each example's rendered length (0.5,0.65)"
+    )
     p.add_argument("--layouts", default="dead_slot,compact")
     p.add_argument("--n", type=int, default=100, help="examples per cell")
     p.add_argument("--length", type=int, default=2048, help="target tokens per conversation")
     p.add_argument("--max-new-tokens", type=int, default=64)
-    p.add_argument("--seed", type=int, default=None, help="example seed base (default: jaxkv.tasks.seeds.EVAL_SEED_BASE for the synthetic "
-                   "tasks, jaxkv.tasks.haystack's for the real-model ones)")
+    p.add_argument(
+        "--seed",
+        type=int,
+        default=None,
+        help="example seed base (default: jaxkv.tasks.seeds.EVAL_SEED_BASE for the synthetic "
+        "tasks, jaxkv.tasks.haystack's for the real-model ones)",
+    )
     p.add_argument("--needles", type=int, default=4, choices=(2, 4, 6, 8), help="MQ-NIAH needles per document (task mqniah)")
     p.add_argument("--out", default="eval/results/harness")
     p.add_argument("--repair-ks", default="", help="repair budgets K (RepairKV): adds repair and matched cells")
@@ -588,17 +737,28 @@ def build_parser(parser=None):
     p.add_argument("--reuse", default="-", help=f"cross-query reuse modes, a comma list of {', '.join(REUSE_MODES)} ('-': stage off)")
     p.add_argument("--workers", type=int, default=1, help="processes replaying cells in parallel (up to the core count)")
     p.add_argument("--resume", action="store_true", help="skip cells already recorded in OUT/cells.jsonl for the same setup")
-    p.add_argument("--compare-to", default=None,
-                   help="add paired-bootstrap comparisons to results.md: 'best' (the best baseline per budget) or a method")
+    p.add_argument(
+        "--compare-to",
+        default=None,
+        help="add paired-bootstrap comparisons to results.md: 'best' (the best baseline per budget) or a method",
+    )
     p.add_argument("--focus", default=None, help="with --compare-to: also this method's gain over every baseline")
-    p.add_argument("--report-only", action="store_true",
-                   help="with --resume: write the report from the cells already in the journal, run none")
-    p.add_argument("--accuracy", choices=("greedy", "teacher"), default="greedy",
-                   help="greedy: generate each scored turn and match it; teacher: no generation, a turn counts when every "
-                        "recorded reply token is the argmax of its teacher-forced row (what greedy would reproduce exactly)")
-    p.add_argument("--fidelity", action="store_true",
-                   help="also teacher-force the recorded turns: NLL increase and KL against the full cell after each "
-                        "compression event (needs the method full; its cells run first)")
+    p.add_argument(
+        "--report-only", action="store_true", help="with --resume: write the report from the cells already in the journal, run none"
+    )
+    p.add_argument(
+        "--accuracy",
+        choices=("greedy", "teacher"),
+        default="greedy",
+        help="greedy: generate each scored turn and match it; teacher: no generation, a turn counts when every "
+        "recorded reply token is the argmax of its teacher-forced row (what greedy would reproduce exactly)",
+    )
+    p.add_argument(
+        "--fidelity",
+        action="store_true",
+        help="also teacher-force the recorded turns: NLL increase and KL against the full cell after each "
+        "compression event (needs the method full; its cells run first)",
+    )
     p.add_argument("--quick", action="store_true", help=f"small preset: {QUICK}")
     return p
 
@@ -618,8 +778,21 @@ def _cmd_eval(args) -> int:
 
 # Options of the synthetic tasks' grid that a real-model task has no use for: given
 # with one, they are an error, not silently dropped.
-SYNTHETIC_ONLY = ("budgets", "layouts", "length", "needles", "repair_policies", "reuse", "workers", "compare_to", "focus",
-                  "report_only", "accuracy", "fidelity", "quick")
+SYNTHETIC_ONLY = (
+    "budgets",
+    "layouts",
+    "length",
+    "needles",
+    "repair_policies",
+    "reuse",
+    "workers",
+    "compare_to",
+    "focus",
+    "report_only",
+    "accuracy",
+    "fidelity",
+    "quick",
+)
 
 
 def _real_model_task(args) -> bool:
@@ -641,13 +814,14 @@ def _real_model_task(args) -> bool:
         raise ConfigError(f"a real-model task runs alone: --task {args.task!r} lists {', '.join(tasks)}")
     model = args.model or real_model.DEFAULT_MODEL
     if model == "embedded":
-        raise ConfigError(f"task {tasks[0]!r} needs a pretrained model's tokenizer and chat template; "
-                          f"pass --model {real_model.DEFAULT_MODEL} (or another checkpoint)")
+        raise ConfigError(
+            f"task {tasks[0]!r} needs a pretrained model's tokenizer and chat template; "
+            f"pass --model {real_model.DEFAULT_MODEL} (or another checkpoint)"
+        )
     defaults = build_parser().parse_args([])
     unused = [f"--{name.replace('_', '-')}" for name in SYNTHETIC_ONLY if getattr(args, name) != getattr(defaults, name)]
     if unused:
-        raise ConfigError(f"{', '.join(unused)} set the synthetic tasks' grid ({', '.join(TASKS)}); "
-                          f"task {tasks[0]!r} does not use them")
+        raise ConfigError(f"{', '.join(unused)} set the synthetic tasks' grid ({', '.join(TASKS)}); task {tasks[0]!r} does not use them")
     if args.n < 1:
         raise ValueError("--n must be positive")
     methods = [m for m in _names(args.methods, None, "methods") if m != "full"]  # the full cache is always a cell
@@ -664,14 +838,24 @@ def _real_model_task(args) -> bool:
     if repair_ks:  # the trio's method and ratio: the one --methods and --ratios name (else real_model's defaults)
         ratios = [r for r in str(args.ratios).split(",") if r.strip()]
         if args.methods != defaults.methods and len(methods) != 1 or len(ratios) != 1 and args.ratios != defaults.ratios:
-            raise ConfigError(f"--repair-ks runs RepairKV's trio for one method at one ratio; got --methods {args.methods} "
-                              f"--ratios {args.ratios}")
+            raise ConfigError(
+                f"--repair-ks runs RepairKV's trio for one method at one ratio; got --methods {args.methods} --ratios {args.ratios}"
+            )
         grid.repair_method = methods[0] if args.methods != defaults.methods else grid.repair_method
         grid.repair_ratio = float(ratios[0]) if args.ratios != defaults.ratios else grid.repair_ratio
     vars(grid).update(
-        model=model, task=tasks[0], context=args.context, n=args.n, ratios=args.ratios, methods=",".join(methods),
-        settings=args.settings, seed=args.seed, out=Path(args.out), resume=args.resume,
-        kv_quant=",".join(formats) or None, repair=repair_ks[0] if repair_ks else None,
+        model=model,
+        task=tasks[0],
+        context=args.context,
+        n=args.n,
+        ratios=args.ratios,
+        methods=",".join(methods),
+        settings=args.settings,
+        seed=args.seed,
+        out=Path(args.out),
+        resume=args.resume,
+        kv_quant=",".join(formats) or None,
+        repair=repair_ks[0] if repair_ks else None,
         max_new=args.max_new_tokens if args.max_new_tokens != defaults.max_new_tokens else grid.max_new,
     )
     real_model.run_grid(grid)
@@ -680,8 +864,11 @@ def _real_model_task(args) -> bool:
 
     print(run_report(grid.out, model))
     plots = ", ".join(p.name for p in sorted(grid.out.glob("*.png")))
-    print(f"wrote {grid.out / journal}, {grid.out / 'results.md'}, {grid.out / 'results.csv'}" + (f" and {plots}" if plots else "")
-          + f"; the same report again: python -m eval.quality.real_model_report --out {grid.out} --model {model}")
+    print(
+        f"wrote {grid.out / journal}, {grid.out / 'results.md'}, {grid.out / 'results.csv'}"
+        + (f" and {plots}" if plots else "")
+        + f"; the same report again: python -m eval.quality.real_model_report --out {grid.out} --model {model}"
+    )
     return True
 
 
@@ -748,9 +935,18 @@ def run(args, model=None) -> list[dict]:
     examples = {t: make_examples(t, args.n, args.length, args.seed, args.needles) for t in tasks}
     cells = grid(methods, budgets, layouts, tasks, repair_ks, repair_policies, kv_quants, kv_bits, reuses)
     total = sum(len(examples[c.task]) for c in cells)
-    max_positions = int(min(model.config.max_position_embeddings, 1 << math.ceil(math.log2(max(2 * args.length + 4 * args.max_new_tokens, 1024)))))
-    setup = dict(model=args.model, n=args.n, length=args.length, seed=args.seed, needles=args.needles,
-                 max_new_tokens=args.max_new_tokens, max_positions=max_positions)
+    max_positions = int(
+        min(model.config.max_position_embeddings, 1 << math.ceil(math.log2(max(2 * args.length + 4 * args.max_new_tokens, 1024))))
+    )
+    setup = dict(
+        model=args.model,
+        n=args.n,
+        length=args.length,
+        seed=args.seed,
+        needles=args.needles,
+        max_new_tokens=args.max_new_tokens,
+        max_positions=max_positions,
+    )
     fidelity = getattr(args, "fidelity", False)
     teacher = getattr(args, "accuracy", "greedy") == "teacher"
     if teacher:
@@ -770,8 +966,9 @@ def run(args, model=None) -> list[dict]:
         missing, cells, todo = todo, [c for c in cells if cell_key(c) in done], []
         if not cells:
             raise ValueError(f"--report-only: no finished cell of this grid in {journal}")
-    with tqdm(total=total, initial=total - sum(len(examples[c.task]) for c in todo), desc="jaxkv eval",
-              unit="example", file=sys.stderr) as bar:
+    with tqdm(
+        total=total, initial=total - sum(len(examples[c.task]) for c in todo), desc="jaxkv eval", unit="example", file=sys.stderr
+    ) as bar:
         if done:
             tqdm.write(f"--resume: {len(cells) - len(todo)} of {len(cells)} cells already in {journal}", file=sys.stderr)
         # with --fidelity the full cells on the float pool write the references every other cell reads: they run first
@@ -783,11 +980,20 @@ def run(args, model=None) -> list[dict]:
                 append_journal(journal, {"setup": setup, "key": cell_key(cell), "row": row})
     rows = [done[cell_key(c)] for c in cells]
     write_csv(rows, out / "results.csv")
-    md = [f"# jaxkv eval: {args.model}", "", f"n={args.n} per cell, length {args.length}, max_new_tokens {args.max_new_tokens}"
-          + (", accuracy by teacher forcing (every recorded reply token the argmax; no generation)" if teacher else ""), ""]
+    md = [
+        f"# jaxkv eval: {args.model}",
+        "",
+        f"n={args.n} per cell, length {args.length}, max_new_tokens {args.max_new_tokens}"
+        + (", accuracy by teacher forcing (every recorded reply token the argmax; no generation)" if teacher else ""),
+        "",
+    ]
     if args.report_only and missing:
-        md += [f"Not run (--report-only; {len(missing)} cells of the grid): "
-               + ", ".join(f"{c.method}@{c.budget}/{c.layout}/{c.task}" for c in missing) + ".", ""]
+        md += [
+            f"Not run (--report-only; {len(missing)} cells of the grid): "
+            + ", ".join(f"{c.method}@{c.budget}/{c.layout}/{c.task}" for c in missing)
+            + ".",
+            "",
+        ]
     for task in tasks:
         for metric in ("accuracy", "raw_kv_reads") + (("nll_increase", "kl") if fidelity else ()):
             md += [f"## {task}: {metric}", "", pivot_table(rows, metric, task), ""]

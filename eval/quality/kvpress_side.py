@@ -203,24 +203,55 @@ TASK_CHOICES = ("passkey", "niah", "niah_single", "niah_multikey", "niah_multiva
 
 # Issue #32's grid (the journals of eval/results/real_smollm2/kvpress): the default.
 PRESSES = (
-    "SnapKVPress", "StreamingLLMPress", "TOVAPress", "ObservedAttentionPress",
-    "RandomPress", "KnormPress", "ExpectedAttentionPress", "KeyDiffPress",
+    "SnapKVPress",
+    "StreamingLLMPress",
+    "TOVAPress",
+    "ObservedAttentionPress",
+    "RandomPress",
+    "KnormPress",
+    "ExpectedAttentionPress",
+    "KeyDiffPress",
 )
 # Issue #75's: every other press of kvpress 0.5.5 that runs on SmolLM2 at a given ratio
 # (docs/retention.md lists the rest and why not), a wrapper as "Wrapper(Scorer)".
 PRESSES_75 = (
-    "KVzipPress", "KVgradPress", "PyramidKVPress", "LagKVPress", "CURPress", "LeverageScorePress",
-    "NonCausalAttnPress", "CompactorPress", "CapPress",
-    "AdaKVPress(SnapKVPress)", "AdaKVPress(ExpectedAttentionPress)", "AdaKVPress(KeyDiffPress)",
-    "CriticalKVPress(SnapKVPress)", "CriticalKVPress(ExpectedAttentionPress)",
-    "CriticalAdaKVPress(SnapKVPress)", "CriticalAdaKVPress(ExpectedAttentionPress)",
-    "ChunkKVPress(SnapKVPress)", "ChunkPress(SnapKVPress)", "EntropyGatedChunkKVPress(SnapKVPress)",
-    "BlockPress(KeyDiffPress)", "MergingPress(KnormPress)", "KeyRerotationPress(SnapKVPress)", "KVComposePress",
+    "KVzipPress",
+    "KVgradPress",
+    "PyramidKVPress",
+    "LagKVPress",
+    "CURPress",
+    "LeverageScorePress",
+    "NonCausalAttnPress",
+    "CompactorPress",
+    "CapPress",
+    "AdaKVPress(SnapKVPress)",
+    "AdaKVPress(ExpectedAttentionPress)",
+    "AdaKVPress(KeyDiffPress)",
+    "CriticalKVPress(SnapKVPress)",
+    "CriticalKVPress(ExpectedAttentionPress)",
+    "CriticalAdaKVPress(SnapKVPress)",
+    "CriticalAdaKVPress(ExpectedAttentionPress)",
+    "ChunkKVPress(SnapKVPress)",
+    "ChunkPress(SnapKVPress)",
+    "EntropyGatedChunkKVPress(SnapKVPress)",
+    "BlockPress(KeyDiffPress)",
+    "MergingPress(KnormPress)",
+    "KeyRerotationPress(SnapKVPress)",
+    "KVComposePress",
 )
 KNOWN_PRESSES = PRESSES + PRESSES_75
 # Wrappers whose ``press`` is a scorer: "AdaKVPress(SnapKVPress)"
-WRAPPERS = ("AdaKVPress", "CriticalKVPress", "CriticalAdaKVPress", "ChunkKVPress", "ChunkPress", "BlockPress", "MergingPress",
-            "EntropyGatedChunkKVPress", "KeyRerotationPress")
+WRAPPERS = (
+    "AdaKVPress",
+    "CriticalKVPress",
+    "CriticalAdaKVPress",
+    "ChunkKVPress",
+    "ChunkPress",
+    "BlockPress",
+    "MergingPress",
+    "EntropyGatedChunkKVPress",
+    "KeyRerotationPress",
+)
 EAGER_PRESSES = frozenset({"ObservedAttentionPress"})  # need the attention weights (eager attention)
 RATIOS = (0.25, 0.5, 0.75)
 SETTINGS = ("aware", "agnostic")
@@ -486,10 +517,10 @@ def stop_ids(tokenizer, model) -> list[int]:
 # --------------------------------------------------------------------------- the shared prefill
 @dataclasses.dataclass
 class Prefill:
-    length: int                      # uncompressed length (positions continue from here)
-    last_logits: Any                 # (V,) the prefill's last position
-    full: list                       # per layer (keys, values), (1, kv_heads, length, head_dim)
-    cells: dict                      # cell name -> per layer (keys, values), compressed
+    length: int  # uncompressed length (positions continue from here)
+    last_logits: Any  # (V,) the prefill's last position
+    full: list  # per layer (keys, values), (1, kv_heads, length, head_dim)
+    cells: dict  # cell name -> per layer (keys, values), compressed
     # cell name -> per layer (head indices, position indices) of the keys a head-wise press
     # masks (AdaKV-style ``masked_key_indices``, batch row 0), or None for a layer without
     masks: dict = dataclasses.field(default_factory=dict)
@@ -689,8 +720,15 @@ class Rows:
     keep different counts (``PyramidKVPress``) fills layer ``l``'s slots
     ``[0, n_rl)`` and masks the rest of its row's slots in that layer the same way."""
 
-    def __init__(self, model, rows: Sequence[list], extra: int, consume: bool = False, masks: Sequence | None = None,
-                 shift: Sequence[int] | None = None):
+    def __init__(
+        self,
+        model,
+        rows: Sequence[list],
+        extra: int,
+        consume: bool = False,
+        masks: Sequence | None = None,
+        shift: Sequence[int] | None = None,
+    ):
         import torch
         from transformers import DynamicCache
 
@@ -722,7 +760,9 @@ class Rows:
                     parts.append((torch.full_like(found[0], r), found[0], found[1]))
                 if n < row_len[r]:  # this layer keeps fewer than the row's longest: mask the gap
                     gap = torch.arange(n, row_len[r])
-                    parts.append((torch.full((heads * gap.numel(),), r), torch.arange(heads).repeat_interleave(gap.numel()), gap.repeat(heads)))
+                    parts.append(
+                        (torch.full((heads * gap.numel(),), r), torch.arange(heads).repeat_interleave(gap.numel()), gap.repeat(heads))
+                    )
             self.masked.append(tuple(torch.cat(x) for x in zip(*parts)) if parts else None)
             layers.append(grow(k, v))
             layers[-1].resize(width)
@@ -749,8 +789,9 @@ class Rows:
             module.masked_key_indices = masked
         try:
             positions = torch.arange(start, start + q)[None] - self.shift[:, None]  # a re-rotated row continues at its length
-            return self.model(input_ids=ids, position_ids=positions, attention_mask=mask,
-                              logits_to_keep=logits_to_keep, **{self.kw: self.cache}).logits
+            return self.model(
+                input_ids=ids, position_ids=positions, attention_mask=mask, logits_to_keep=logits_to_keep, **{self.kw: self.cache}
+            ).logits
         finally:
             for module in self.modules:
                 module.masked_key_indices = None
@@ -779,22 +820,36 @@ def kept_of(layers: list, masks: list | None) -> float | int:
     """The KV a cell keeps per layer and KV head, averaged (an int when every layer
     and head keeps the same count): the cache's length less the masked keys."""
     heads = layers[0][0].shape[1]
-    per_layer = [k.shape[2] * heads - (0 if masks is None or masks[l] is None else int(masks[l][1].numel()))
-                 for l, (k, _) in enumerate(layers)]
+    per_layer = [
+        k.shape[2] * heads - (0 if masks is None or masks[l] is None else int(masks[l][1].numel())) for l, (k, _) in enumerate(layers)
+    ]
     mean = sum(per_layer) / (len(per_layer) * heads)
     return int(mean) if mean == int(mean) else round(mean, 2)
 
 
 @dataclasses.dataclass
 class Continuation:
-    answer_logits: Any = None      # (B, len(answer), V): the logits predicting each answer token
+    answer_logits: Any = None  # (B, len(answer), V): the logits predicting each answer token
     generated: list | None = None  # per row, the greedy token ids (up to and including a stop id)
 
 
-def continue_rows(model, rows: Sequence[list], start: int, rest, answer, prefill_last, *, stops=(),
-                  teacher_force=True, greedy=True, max_new_tokens: int = MAX_NEW_TOKENS,
-                  consume: bool = False, skip_agreeing: bool = False, masks: Sequence | None = None,
-                  shift: Sequence[int] | None = None) -> Continuation:
+def continue_rows(
+    model,
+    rows: Sequence[list],
+    start: int,
+    rest,
+    answer,
+    prefill_last,
+    *,
+    stops=(),
+    teacher_force=True,
+    greedy=True,
+    max_new_tokens: int = MAX_NEW_TOKENS,
+    consume: bool = False,
+    skip_agreeing: bool = False,
+    masks: Sequence | None = None,
+    shift: Sequence[int] | None = None,
+) -> Continuation:
     """Feed ``rest`` then (teacher-forced) ``answer`` after each row's compressed cache
     (``rows``: per row, per layer (keys, values)) at positions ``start, start + 1, ...``;
     then greedy generation after ``rest``, rows dropping out of the batch as they stop.
@@ -856,9 +911,19 @@ def continue_rows(model, rows: Sequence[list], start: int, rest, answer, prefill
     return res
 
 
-def continue_questions(model, rows: Sequence[list], start: int, plans, prefill_last, *, stops=(),
-                       max_new_tokens: int = MAX_NEW_TOKENS, consume: bool = False, masks: Sequence | None = None,
-                       shift: Sequence[int] | None = None) -> list:
+def continue_questions(
+    model,
+    rows: Sequence[list],
+    start: int,
+    plans,
+    prefill_last,
+    *,
+    stops=(),
+    max_new_tokens: int = MAX_NEW_TOKENS,
+    consume: bool = False,
+    masks: Sequence | None = None,
+    shift: Sequence[int] | None = None,
+) -> list:
     """Several questions after each row's compressed cache (``jaxkv.tasks.multiq``):
     per question, the conversation since the last answer (``multiq.new_rest``) and
     the answer teacher forced, then a greedy reply for every row whose answer tokens
@@ -921,8 +986,11 @@ def plain_continue(model, cache, start: int, rest, answer, prefill_last):
 
     ids = np.concatenate([np.asarray(rest), np.asarray(answer)[:-1]])
     with torch.no_grad():
-        out = model(input_ids=torch.as_tensor(ids, dtype=torch.long)[None],
-                    position_ids=torch.arange(start, start + ids.size)[None], **{cache_kw(model): cache}).logits[0]
+        out = model(
+            input_ids=torch.as_tensor(ids, dtype=torch.long)[None],
+            position_ids=torch.arange(start, start + ids.size)[None],
+            **{cache_kw(model): cache},
+        ).logits[0]
     first = out[len(rest) - 1 : len(rest)] if len(rest) else prefill_last[None]
     return torch.cat([first, out[len(rest) :]], dim=0)
 
@@ -937,8 +1005,9 @@ def stepwise_continue(model, cache, start: int, rest, answer, prefill_last):
     rows = []
     with torch.no_grad():
         for i, t in enumerate(ids.tolist()):
-            rows.append(model(input_ids=torch.tensor([[t]]), position_ids=torch.tensor([[start + i]]),
-                              **{cache_kw(model): cache}).logits[0, -1])
+            rows.append(
+                model(input_ids=torch.tensor([[t]]), position_ids=torch.tensor([[start + i]]), **{cache_kw(model): cache}).logits[0, -1]
+            )
     out = torch.stack(rows) if rows else prefill_last.new_zeros(0, prefill_last.shape[-1])
     first = out[len(rest) - 1 : len(rest)] if len(rest) else prefill_last[None]
     return torch.cat([first, out[len(rest) :]], dim=0)
@@ -950,8 +1019,9 @@ def truncate(cache, n: int) -> None:
         layer.keys, layer.values = layer.keys[:, :, :n], layer.values[:, :, :n]
 
 
-def plain_greedy(model, cache, start: int, rest, prefill_last, stops, max_new_tokens: int = MAX_NEW_TOKENS,
-                 stepwise: bool = False) -> list[int]:
+def plain_greedy(
+    model, cache, start: int, rest, prefill_last, stops, max_new_tokens: int = MAX_NEW_TOKENS, stepwise: bool = False
+) -> list[int]:
     """kvpress's ``generate_answer`` on one cache: ``rest`` at positions from ``start``,
     then one token at a time until a stop id (included) or ``max_new_tokens``.
     ``stepwise``: ``rest`` one token per forward too (``stepwise_continue``)."""
@@ -963,8 +1033,12 @@ def plain_greedy(model, cache, start: int, rest, prefill_last, stops, max_new_to
         if len(rest):
             chunks = [[t] for t in np.asarray(rest).tolist()] if stepwise else [np.asarray(rest).tolist()]
             for chunk in chunks:
-                last = model(input_ids=torch.as_tensor(chunk, dtype=torch.long)[None],
-                             position_ids=torch.arange(pos, pos + len(chunk))[None], logits_to_keep=1, **{kw: cache}).logits[0, -1]
+                last = model(
+                    input_ids=torch.as_tensor(chunk, dtype=torch.long)[None],
+                    position_ids=torch.arange(pos, pos + len(chunk))[None],
+                    logits_to_keep=1,
+                    **{kw: cache},
+                ).logits[0, -1]
                 pos += len(chunk)
         else:
             last = prefill_last
@@ -1083,8 +1157,7 @@ def _cell_row(name: str, layers: list, masks) -> dict:
     return {"press": press, "ratio": ratio, "kept": kept_of(layers, masks)}
 
 
-def score_cells(model, tokenizer, example, plan, prefill: Prefill, *, stops, max_new_tokens=MAX_NEW_TOKENS,
-                greedy: bool = True) -> dict:
+def score_cells(model, tokenizer, example, plan, prefill: Prefill, *, stops, max_new_tokens=MAX_NEW_TOKENS, greedy: bool = True) -> dict:
     """``run_setting``'s second half: continue every cell of ``prefill`` (the full cache
     and each compressed one) with ``plan.rest`` and ``plan.answer`` in batches
     (``_batches``), and score it (teacher forced only, ``gen_correct`` None, without
@@ -1104,9 +1177,21 @@ def score_cells(model, tokenizer, example, plan, prefill: Prefill, *, stops, max
     del prefill.full, prefill.cells
     logits_of, generated_of = {}, {}
     for batch in _batches(kv, by_length=lm_task):
-        cont = continue_rows(model, [kv[b] for b in batch], prefill.length, plan.rest, plan.answer, prefill.last_logits,
-                             stops=stops, greedy=greedy and not lm_task, max_new_tokens=reply_budget(plan, max_new_tokens), consume=True,
-                             skip_agreeing=True, masks=[masks[b] for b in batch], shift=[shift[b] for b in batch])
+        cont = continue_rows(
+            model,
+            [kv[b] for b in batch],
+            prefill.length,
+            plan.rest,
+            plan.answer,
+            prefill.last_logits,
+            stops=stops,
+            greedy=greedy and not lm_task,
+            max_new_tokens=reply_budget(plan, max_new_tokens),
+            consume=True,
+            skip_agreeing=True,
+            masks=[masks[b] for b in batch],
+            shift=[shift[b] for b in batch],
+        )
         for i, b in enumerate(batch):
             logits_of[b] = cont.answer_logits[i]
             generated_of[b] = cont.generated[i] if cont.generated is not None else None
@@ -1124,8 +1209,13 @@ def score_cells(model, tokenizer, example, plan, prefill: Prefill, *, stops, max
         else:
             row.update(score_qa(example, tokenizer, plan, logits_of[b], generated_of[b], digit_pos))
         cells[name] = row
-    return {"n_compressed": int(plan.compressed.size), "n_rest": int(plan.rest.size), "n_answer": int(plan.answer.size),
-            "n_digits": None if lm_task else int(digit_pos.size), "cells": cells}
+    return {
+        "n_compressed": int(plan.compressed.size),
+        "n_rest": int(plan.rest.size),
+        "n_answer": int(plan.answer.size),
+        "n_digits": None if lm_task else int(digit_pos.size),
+        "cells": cells,
+    }
 
 
 def score_question_cells(model, tokenizer, example, plans, prefill: Prefill, *, stops, max_new_tokens=MAX_NEW_TOKENS) -> dict:
@@ -1145,21 +1235,43 @@ def score_question_cells(model, tokenizer, example, plans, prefill: Prefill, *, 
     digits = [np.asarray(tasks.answer_digit_positions(v, tokenizer, p.answer)) for v, p in zip(views, plans)]
     cells = {}
     for batch in _batches(kv, by_length=False):
-        per_row = continue_questions(model, [kv[b] for b in batch], prefill.length, plans, prefill.last_logits, stops=stops,
-                                     max_new_tokens=max_new_tokens, consume=True, masks=[masks[b] for b in batch],
-                                     shift=[shift[b] for b in batch])
+        per_row = continue_questions(
+            model,
+            [kv[b] for b in batch],
+            prefill.length,
+            plans,
+            prefill.last_logits,
+            stops=stops,
+            max_new_tokens=max_new_tokens,
+            consume=True,
+            masks=[masks[b] for b in batch],
+            shift=[shift[b] for b in batch],
+        )
         for b, answers in zip(batch, per_row):
             scored = [score_qa(v, tokenizer, p, logits, gen, d) for v, p, d, (logits, gen) in zip(views, plans, digits, answers)]
             cells[names[b]] = {**rows_of[b], **multiq.cell_record(scored, example.labels["kinds"])}
     last = plans[-1]
-    return {"n_compressed": int(last.compressed.size), "n_rest": int(last.rest.size),
-            "n_answer": [int(p.answer.size) for p in plans], "n_questions": len(plans),
-            "cells": {n: cells[n] for n in names}}
+    return {
+        "n_compressed": int(last.compressed.size),
+        "n_rest": int(last.rest.size),
+        "n_answer": [int(p.answer.size) for p in plans],
+        "n_questions": len(plans),
+        "cells": {n: cells[n] for n in names},
+    }
 
 
 # --------------------------------------------------------------------------- verification
-def verify(model, tokenizer, example, setting: str, press_names: Sequence[str], ratios: Sequence[float], *,
-           atol: float = 1e-4, max_new_tokens: int = MAX_NEW_TOKENS) -> dict:
+def verify(
+    model,
+    tokenizer,
+    example,
+    setting: str,
+    press_names: Sequence[str],
+    ratios: Sequence[float],
+    *,
+    atol: float = 1e-4,
+    max_new_tokens: int = MAX_NEW_TOKENS,
+) -> dict:
     """The shared path (``cells_prefill``, every cell continued in one padded batch, as
     ``run_setting`` runs) against kvpress's own path, press by press (``with
     press(model)``, then the cache it leaves continued alone, its head-wise masks on,
@@ -1177,11 +1289,26 @@ def verify(model, tokenizer, example, setting: str, press_names: Sequence[str], 
     stops = stop_ids(tokenizer, model)
     names = [FULL, *prefill.cells]
     masks = {n: prefill.masks.get(n) for n in prefill.cells}
-    shared = continue_rows(model, [prefill.full, *prefill.cells.values()], prefill.length, plan.rest, plan.answer,
-                           prefill.last_logits, stops=stops, max_new_tokens=max_new_tokens, masks=[None, *masks.values()],
-                           shift=[0, *(prefill.shift.get(n, 0) for n in prefill.cells)])
-    report = {"setting": setting, "task": example.task, "seed": example.seed, "atol": atol,
-              "prefill_attention": attn or model.config._attn_implementation, "cells": {}}
+    shared = continue_rows(
+        model,
+        [prefill.full, *prefill.cells.values()],
+        prefill.length,
+        plan.rest,
+        plan.answer,
+        prefill.last_logits,
+        stops=stops,
+        max_new_tokens=max_new_tokens,
+        masks=[None, *masks.values()],
+        shift=[0, *(prefill.shift.get(n, 0) for n in prefill.cells)],
+    )
+    report = {
+        "setting": setting,
+        "task": example.task,
+        "seed": example.seed,
+        "atol": atol,
+        "prefill_attention": attn or model.config._attn_implementation,
+        "cells": {},
+    }
     ok = True
     for name in presses:
         b = names.index(name)
@@ -1211,9 +1338,16 @@ def verify(model, tokenizer, example, setting: str, press_names: Sequence[str], 
         same_greedy = own_gen == shared.generated[b]
         cell_ok = kv_diff <= atol and masks_equal and diff <= atol and same_argmax and same_greedy
         ok &= cell_ok
-        report["cells"][name] = {"cache_equal": kv_equal, "cache_max_abs_diff": kv_diff, "masks_equal": masks_equal,
-                                 "answer_logits_max_abs_diff": diff, "same_argmax": same_argmax,
-                                 "same_greedy": same_greedy, "greedy": tokenizer.decode(own_gen), "ok": cell_ok}
+        report["cells"][name] = {
+            "cache_equal": kv_equal,
+            "cache_max_abs_diff": kv_diff,
+            "masks_equal": masks_equal,
+            "answer_logits_max_abs_diff": diff,
+            "same_argmax": same_argmax,
+            "same_greedy": same_greedy,
+            "greedy": tokenizer.decode(own_gen),
+            "ok": cell_ok,
+        }
     report["ok"] = ok
     return report
 
@@ -1229,9 +1363,12 @@ def eager_sdpa_check(model, plan) -> dict:
         for attn in ("eager", "sdpa"):
             with attention(model, attn):
                 logits[attn] = model(input_ids=ids, logits_to_keep=keep).logits[0]
-    return {"tokens": int(ids.shape[1]), "compared": keep,
-            "max_abs_diff": float((logits["eager"] - logits["sdpa"]).abs().max()),
-            "argmax_agree_tail": bool(torch.equal(logits["eager"].argmax(-1), logits["sdpa"].argmax(-1)))}
+    return {
+        "tokens": int(ids.shape[1]),
+        "compared": keep,
+        "max_abs_diff": float((logits["eager"] - logits["sdpa"]).abs().max()),
+        "argmax_agree_tail": bool(torch.equal(logits["eager"].argmax(-1), logits["sdpa"].argmax(-1))),
+    }
 
 
 # --------------------------------------------------------------------------- examples and the run
@@ -1297,24 +1434,34 @@ def main(argv=None) -> int:
     ap.add_argument("--n", type=int, default=50, help="examples")
     ap.add_argument("--first", type=int, default=0, help="skip the first examples (split a run)")
     ap.add_argument("--ratios", default=",".join(f"{r:g}" for r in RATIOS), help="kvpress compression ratios (fraction removed)")
-    ap.add_argument("--presses", default=",".join(PRESSES),
-                    help="press specs (a wrapper as Wrapper(Scorer)); issue32 (the default: PRESSES), issue75 "
-                         "(PRESSES_75) and all name groups")
+    ap.add_argument(
+        "--presses",
+        default=",".join(PRESSES),
+        help="press specs (a wrapper as Wrapper(Scorer)); issue32 (the default: PRESSES), issue75 (PRESSES_75) and all name groups",
+    )
     ap.add_argument("--settings", default=None, help="aware,agnostic (lm: agnostic only; its ids do not depend on it)")
     ap.add_argument("--seed", type=int, default=None, help="the evaluation seed base (default: the task module's EVAL_SEED)")
     ap.add_argument("--model", default=MODEL, help="reference model name or a float32 HF folder")
     ap.add_argument("--out", type=Path, default=Path("eval/results/real_smollm2/kvpress"))
     ap.add_argument("--resume", action="store_true", help="skip (task, length, seed) entries already in the journal")
-    ap.add_argument("--journal", default="examples.jsonl",
-                    help="the journal in --out; another examples*.jsonl adds presses to the same examples (the report "
-                         "merges every examples*.jsonl by example)")
+    ap.add_argument(
+        "--journal",
+        default="examples.jsonl",
+        help="the journal in --out; another examples*.jsonl adds presses to the same examples (the report "
+        "merges every examples*.jsonl by example)",
+    )
     ap.add_argument("--threads", type=int, default=2, help="torch.set_num_threads")
     ap.add_argument("--max-new-tokens", type=int, default=MAX_NEW_TOKENS)
-    ap.add_argument("--verify", action="store_true",
-                    help="check the shared prefill against kvpress's own path on the first example, "
-                         "write OUT/verify.json and exit (1 if it fails)")
-    ap.add_argument("--verify-presses", default=",".join(VERIFY_PRESSES),
-                    help="presses --verify checks (plus ObservedAttentionPress when attention is eager)")
+    ap.add_argument(
+        "--verify",
+        action="store_true",
+        help="check the shared prefill against kvpress's own path on the first example, write OUT/verify.json and exit (1 if it fails)",
+    )
+    ap.add_argument(
+        "--verify-presses",
+        default=",".join(VERIFY_PRESSES),
+        help="presses --verify checks (plus ObservedAttentionPress when attention is eager)",
+    )
     ap.add_argument("--summary", action="store_true", help="print the accuracy table of the journal and exit")
     args = ap.parse_args(argv)
     if args.summary:
@@ -1358,38 +1505,56 @@ def main(argv=None) -> int:
             rep["seconds"] = round(time.perf_counter() - t0, 1)
             reports.append(rep)
             for name, cell in rep["cells"].items():
-                print(f"verify {setting:8s} {name:28s} cache equal {cell['cache_equal']!s:5s} "
-                      f"(max |d| {cell['cache_max_abs_diff']:.1e})  answer logits max |d| "
-                      f"{cell['answer_logits_max_abs_diff']:.1e}  same argmax {cell['same_argmax']!s:5s} "
-                      f"same greedy {cell['same_greedy']!s:5s} {cell['greedy']!r}")
+                print(
+                    f"verify {setting:8s} {name:28s} cache equal {cell['cache_equal']!s:5s} "
+                    f"(max |d| {cell['cache_max_abs_diff']:.1e})  answer logits max |d| "
+                    f"{cell['answer_logits_max_abs_diff']:.1e}  same argmax {cell['same_argmax']!s:5s} "
+                    f"same greedy {cell['same_greedy']!s:5s} {cell['greedy']!r}"
+                )
         if eager:
             check = eager_sdpa_check(model, tasks.real.plans(examples[0], tokenizer, settings[-1])[0])
-            print(f"eager vs sdpa (full cache, {check['tokens']} tokens): max |d logits| {check['max_abs_diff']:.1e}, "
-                  f"argmax agrees from the last request token on: {check['argmax_agree_tail']}")
+            print(
+                f"eager vs sdpa (full cache, {check['tokens']} tokens): max |d logits| {check['max_abs_diff']:.1e}, "
+                f"argmax agrees from the last request token on: {check['argmax_agree_tail']}"
+            )
             reports.append({"eager_vs_sdpa": check})
         (args.out / "verify.json").write_text(json.dumps({"versions": _versions(), "reports": reports}, indent=2) + "\n")
         ok = all(r.get("ok", True) for r in reports)
         print("verify:", "OK" if ok else "FAILED", "->", args.out / "verify.json")
         return 0 if ok else 1
 
-    setup = {"model": args.model, "folder": str(folder), "dtype": "float32", "device": "cpu",
-             "attn_implementation": {"prefill": "eager" if eager else "sdpa", "rest_answer_generation": "sdpa"},
-             "threads": args.threads, "cpus": len(os.sched_getaffinity(0)),
-             "omp_wait_policy": os.environ.get("OMP_WAIT_POLICY"), "ratios": ratios, "presses": {p: press_defaults(p) for p in press_names},
-             "settings": settings, "max_new_tokens": args.max_new_tokens, "seed_base": seed,
-             "protocol": "one shared prefill of plan.compressed per example and setting, each press's compress() per "
-                         "layer (a press with its own hooks or context manager: its own prefill, kvpress's path); "
-                         "rest + answer fed on each cell's cache at the original positions (head-wise presses: "
-                         "their masked keys masked by kvpress's attention patch); multiq: every question from the one cache",
-             "versions": _versions()}
+    setup = {
+        "model": args.model,
+        "folder": str(folder),
+        "dtype": "float32",
+        "device": "cpu",
+        "attn_implementation": {"prefill": "eager" if eager else "sdpa", "rest_answer_generation": "sdpa"},
+        "threads": args.threads,
+        "cpus": len(os.sched_getaffinity(0)),
+        "omp_wait_policy": os.environ.get("OMP_WAIT_POLICY"),
+        "ratios": ratios,
+        "presses": {p: press_defaults(p) for p in press_names},
+        "settings": settings,
+        "max_new_tokens": args.max_new_tokens,
+        "seed_base": seed,
+        "protocol": "one shared prefill of plan.compressed per example and setting, each press's compress() per "
+        "layer (a press with its own hooks or context manager: its own prefill, kvpress's path); "
+        "rest + answer fed on each cell's cache at the original positions (head-wise presses: "
+        "their masked keys masked by kvpress's attention patch); multiq: every question from the one cache",
+        "versions": _versions(),
+    }
     path = args.out / args.journal
     done = done_keys(path) if args.resume else set()
     todo = [ex for ex in examples if (ex.task, ex.length, ex.seed) not in done]
-    print(f"kvpress side: {args.task} @ {args.context}: {len(todo)} to run ({len(examples) - len(todo)} done), "
-          f"{len(press_names)} presses x {len(ratios)} ratios x {len(settings)} settings, prefill attention {'eager' if eager else 'sdpa'}, "
-          f"{args.threads} threads -> {path}", flush=True)
+    print(
+        f"kvpress side: {args.task} @ {args.context}: {len(todo)} to run ({len(examples) - len(todo)} done), "
+        f"{len(press_names)} presses x {len(ratios)} ratios x {len(settings)} settings, prefill attention {'eager' if eager else 'sdpa'}, "
+        f"{args.threads} threads -> {path}",
+        flush=True,
+    )
     if eager and todo:
         setup["eager_vs_sdpa"] = eager_sdpa_check(model, tasks.real.plans(todo[0], tokenizer, settings[-1])[0])
+
     def run(ex, setting):
         presses = {cell_name(p, r): make_press(p, r) for p in press_names for r in ratios}
         return run_setting(model, tokenizer, ex, setting, presses, stops=stops, max_new_tokens=args.max_new_tokens)
@@ -1407,8 +1572,16 @@ def journal_examples(todo, settings, run, path: Path, setup: dict, *, task: str,
     bar = tqdm(todo, desc=f"{desc} {task} {context}", unit="ex")
     for ex in bar:
         t0 = time.perf_counter()
-        rec = {"task": task, "example_task": ex.task, "context": context, "length": ex.length, "seed": ex.seed,
-               "settings": {}, "seconds": {}, "load": round(os.getloadavg()[0], 2)}
+        rec = {
+            "task": task,
+            "example_task": ex.task,
+            "context": context,
+            "length": ex.length,
+            "seed": ex.seed,
+            "settings": {},
+            "seconds": {},
+            "load": round(os.getloadavg()[0], 2),
+        }
         for setting in settings:
             ts = time.perf_counter()
             rec["settings"][setting] = run(ex, setting)
@@ -1417,8 +1590,11 @@ def journal_examples(todo, settings, run, path: Path, setup: dict, *, task: str,
         rec["setup"] = setup
         with path.open("a") as f:
             f.write(json.dumps(rec) + "\n")
-        bar.write(f"{ex.task} seed {ex.seed}: {rec['seconds']['total']:.1f}s "
-                  f"({', '.join(f'{k} {v:.1f}s' for k, v in rec['seconds'].items() if k != 'total')})")
+        bar.write(
+            f"{ex.task} seed {ex.seed}: {rec['seconds']['total']:.1f}s "
+            f"({', '.join(f'{k} {v:.1f}s' for k, v in rec['seconds'].items() if k != 'total')})"
+        )
+
 
 if __name__ == "__main__":
     sys.exit(main())

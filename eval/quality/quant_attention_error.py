@@ -67,8 +67,7 @@ def workload(model_name: str, tokenizer, n: int, length: int) -> dict[str, list[
     from train.calibrate_triaxial import CALIBRATION_SEED, calibration_examples, written_codes
 
     if model_name == "embedded":
-        return {task: [written_codes(tokenizer, ex)[0] for ex in exs]
-                for task, exs in calibration_examples(n, length).items()}
+        return {task: [written_codes(tokenizer, ex)[0] for ex in exs] for task, exs in calibration_examples(n, length).items()}
     from jaxkv.tasks import haystack
 
     out = {}
@@ -147,9 +146,11 @@ def key_statistics(k_LTKD, T: int) -> dict[str, np.ndarray]:
     def rel(x):
         return jnp.sqrt(jnp.sum((x - k_paged) ** 2, axis=(1, 2, 3)) / jnp.sum(k_paged**2, axis=(1, 2, 3)))
 
-    return {"outlier_ratio": np.asarray(ratio),
-            "key_err_token2": np.asarray(rel(rows_round_trip(k_paged, 2))),
-            "key_err_channel2": np.asarray(rel(jax.vmap(lambda x: key_pages_round_trip(x, 2))(k_paged)))}
+    return {
+        "outlier_ratio": np.asarray(ratio),
+        "key_err_token2": np.asarray(rel(rows_round_trip(k_paged, 2))),
+        "key_err_channel2": np.asarray(rel(jax.vmap(lambda x: key_pages_round_trip(x, 2))(k_paged))),
+    }
 
 
 def measure(model_name: str, n: int, length: int, log=print) -> dict:
@@ -186,38 +187,66 @@ def measure(model_name: str, n: int, length: int, log=print) -> dict:
     def mean(get):
         return np.mean([get(e) for e in per_prompt], axis=0)
 
-    layers = {fmt: {"all_rows": mean(lambda e: e[fmt][0]).tolist(), "last_row": mean(lambda e: e[fmt][1]).tolist()}
-              for fmt in FORMATS}
+    layers = {fmt: {"all_rows": mean(lambda e: e[fmt][0]).tolist(), "last_row": mean(lambda e: e[fmt][1]).tolist()} for fmt in FORMATS}
     keys = {name: mean(lambda e: e[name]).tolist() for name in ("outlier_ratio", "key_err_token2", "key_err_channel2")}
     log(f"{model_name}: {len(per_prompt)} prompts in {seconds:.0f} s")
-    return {"model": model_name, "layers": cfg.num_layers, "kv_heads": cfg.num_kv_heads, "head_dim": cfg.head_dim,
-            "prompts": {task: len(ids) for task, ids in prompts.items()},
-            "tokens": [e["tokens"] for e in per_prompt], "seconds": round(seconds, 1),
-            "per_layer": layers, "keys": keys}
+    return {
+        "model": model_name,
+        "layers": cfg.num_layers,
+        "kv_heads": cfg.num_kv_heads,
+        "head_dim": cfg.head_dim,
+        "prompts": {task: len(ids) for task, ids in prompts.items()},
+        "tokens": [e["tokens"] for e in per_prompt],
+        "seconds": round(seconds, 1),
+        "per_layer": layers,
+        "keys": keys,
+    }
 
 
 def render_markdown(results: list[dict], command: str, header: str) -> str:
-    lines = ["# Attention-output error of each KV format, per layer", "", header, "",
-             f"Command: `{command}`", "",
-             "Relative error of the attention output, the layer's K/V round-tripped through the format "
-             "and its attention replayed with the same queries (`eval/quality/quant_attention_error.py` says how). "
-             "*all rows*: Frobenius over every query row of the prompt; *last*: the last row (one decode step). "
-             "Mean over the model's prompts; the summary row is the mean over layers.", ""]
+    lines = [
+        "# Attention-output error of each KV format, per layer",
+        "",
+        header,
+        "",
+        f"Command: `{command}`",
+        "",
+        "Relative error of the attention output, the layer's K/V round-tripped through the format "
+        "and its attention replayed with the same queries (`eval/quality/quant_attention_error.py` says how). "
+        "*all rows*: Frobenius over every query row of the prompt; *last*: the last row (one decode step). "
+        "Mean over the model's prompts; the summary row is the mean over layers.",
+        "",
+    ]
     summary = []
     for r in results:
         cells = [f"{np.mean(r['per_layer'][f]['all_rows']):.4f} / {np.mean(r['per_layer'][f]['last_row']):.4f}" for f in FORMATS]
         prompts = ", ".join(f"{t} {k}" for t, k in r["prompts"].items())
         summary.append([r["model"], f"{prompts} ({int(np.mean(r['tokens']))} tokens avg)", *cells])
-    lines += ["## Summary", "", md_table(["model", "prompts", *(f"{f} all / last" for f in FORMATS)], summary, align="ll" + "r" * len(FORMATS))]
+    lines += [
+        "## Summary",
+        "",
+        md_table(["model", "prompts", *(f"{f} all / last" for f in FORMATS)], summary, align="ll" + "r" * len(FORMATS)),
+    ]
     for r in results:
         keys, per_layer = r["keys"], []
         for layer in range(r["layers"]):
             cells = [f"{r['per_layer'][f]['all_rows'][layer]:.4f}" for f in FORMATS]
-            cells += [f"{keys['outlier_ratio'][layer]:.1f}", f"{keys['key_err_token2'][layer]:.3f}", f"{keys['key_err_channel2'][layer]:.3f}"]
+            cells += [
+                f"{keys['outlier_ratio'][layer]:.1f}",
+                f"{keys['key_err_token2'][layer]:.3f}",
+                f"{keys['key_err_channel2'][layer]:.3f}",
+            ]
             per_layer.append([layer, *cells])
-        lines += ["", f"## {r['model']}: per layer ({r['layers']} layers, {r['kv_heads']} KV heads, head_dim {r['head_dim']})", "",
-                  md_table(["layer", *FORMATS, "key channel outlier ratio", "key 2-bit error per token", "per channel"], per_layer,
-                           align="r" * (len(FORMATS) + 4))]
+        lines += [
+            "",
+            f"## {r['model']}: per layer ({r['layers']} layers, {r['kv_heads']} KV heads, head_dim {r['head_dim']})",
+            "",
+            md_table(
+                ["layer", *FORMATS, "key channel outlier ratio", "key 2-bit error per token", "per channel"],
+                per_layer,
+                align="r" * (len(FORMATS) + 4),
+            ),
+        ]
     lines += ["", "![relative attention-output error per layer](per_layer.png)", ""]
     return "\n".join(lines)
 
@@ -255,10 +284,11 @@ def main(argv=None) -> list[dict]:
     args = p.parse_args(argv)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    command = "python -m eval.quality.quant_attention_error " + " ".join(
-        f"--{k.replace('_', '-')} {v}" for k, v in vars(args).items())
-    header = (f"{platform.machine()}, {os.cpu_count()} cores, jax {jax.__version__} ({jax.default_backend()}), float32 "
-              f"captures, {time.strftime('%Y-%m-%d')}.")
+    command = "python -m eval.quality.quant_attention_error " + " ".join(f"--{k.replace('_', '-')} {v}" for k, v in vars(args).items())
+    header = (
+        f"{platform.machine()}, {os.cpu_count()} cores, jax {jax.__version__} ({jax.default_backend()}), float32 "
+        f"captures, {time.strftime('%Y-%m-%d')}."
+    )
     results = [measure(name, args.n, args.length) for name in args.models.split(",")]
     (out / "errors.json").write_text(json.dumps({"command": command, "results": results}, indent=1) + "\n")
     plot(results, out / "per_layer.png")

@@ -69,8 +69,15 @@ from pathlib import Path
 from jaxkv.serving.stages.base import Capture, Stage
 from jaxkv.tasks import haystack
 from jaxkv.tasks import real as real_tasks
-from train.haystack_measure import (MAX_NEW, digit_scores, positions_for, replayed_answer_logits, request_and_measure,
-                                    run_quant_example, tokens_needed)
+from train.haystack_measure import (
+    MAX_NEW,
+    digit_scores,
+    positions_for,
+    replayed_answer_logits,
+    request_and_measure,
+    run_quant_example,
+    tokens_needed,
+)
 from train.journal import append_journal, read_journal
 
 METHODS = ("snapkv", "tova", "h2o", "streaming_llm", "random", "agentkv", "intentkv_memory", "intentkv_query")
@@ -210,8 +217,10 @@ def run_example(model, example, setting: str, cells, *, positions: int, max_new:
         server = Server(model, max_positions=positions, layer_lists=True)
     session = Session(model, server=server, max_positions=positions, protect_query=False, max_new_tokens=max_new)
     try:
-        stages = [None if c.method is None else _retention_stage(c, budget_for_ratio(c.ratio, n_request), session.model, example.seed)
-                  for c in cells]
+        stages = [
+            None if c.method is None else _retention_stage(c, budget_for_ratio(c.ratio, n_request), session.model, example.seed)
+            for c in cells
+        ]
         probe = ProbeStage([s for s in stages if s is not None])
         session.stages = sorted(list(session.stages) + [probe], key=lambda s: s.order)
         rendered, measure = request_and_measure(session, example, setting, plans, max_new, {})
@@ -236,9 +245,7 @@ def session_cells(method: str, ratio: float, k: int) -> list[tuple[str, dict]]:
     a ``--methods`` spec: ``keydiff:layer`` keeps a set per layer (``Cell.parse``)."""
     cell = Cell.parse(method, ratio)
     tag, base = cell.name, {"policy": cell.method, **dict(cell.options)}
-    return [(f"session:{tag}", base),
-            (f"repairkv{k}:{tag}", {**base, "repair": k}),
-            (f"matched{k}:{tag}", {**base, "extra": k})]
+    return [(f"session:{tag}", base), (f"repairkv{k}:{tag}", {**base, "repair": k}), (f"matched{k}:{tag}", {**base, "extra": k})]
 
 
 def run_sessions(model, example, cells, ratio: float, *, positions: int, max_new: int = MAX_NEW) -> dict:
@@ -265,16 +272,24 @@ def run_sessions(model, example, cells, ratio: float, *, positions: int, max_new
             n_new = max(haystack.reply_budget(p, max_new) for p in plans)
             turns = session.replay(messages, generate=True, return_logits=True, max_new_tokens=n_new)
             scored = []
-            for result, plan, view in zip(turns[-len(plans):], plans, views):  # the questions' turns are the last ones
+            for result, plan, view in zip(turns[-len(plans) :], plans, views):  # the questions' turns are the last ones
                 pred = replayed_answer_logits(result, plan.answer)
                 text = tok.decode(list(result.reply_ids or []), skip_special_tokens=True)
-                scored.append({**digit_scores(pred, plan.answer, answer_digit_positions(view, tok, plan.answer)),
-                               "gen_correct": bool(reply_correct(view, text)), "reply": text})
+                scored.append(
+                    {
+                        **digit_scores(pred, plan.answer, answer_digit_positions(view, tok, plan.answer)),
+                        "gen_correct": bool(reply_correct(view, text)),
+                        "reply": text,
+                    }
+                )
             cell = multiq.cell_record(scored, example.labels["kinds"]) if example.task == multiq.TASK else scored[0]
-            out[name] = {**cell, "budget": int(b),
-                         "kept": int(session.compressions[0].live_after) if session.compressions else None,
-                         "repaired": int(sum(len(r.promoted_positions) for r in session.repairs)),
-                         "seconds": round(time.perf_counter() - t0, 3)}
+            out[name] = {
+                **cell,
+                "budget": int(b),
+                "kept": int(session.compressions[0].live_after) if session.compressions else None,
+                "repaired": int(sum(len(r.promoted_positions) for r in session.repairs)),
+                "seconds": round(time.perf_counter() - t0, 3),
+            }
         finally:
             session.close()
     return {"n_request": int(plans[0].compressed.size), "cells": out}
@@ -304,26 +319,46 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--n", type=int, default=100)
     p.add_argument("--first", type=int, default=0, help="skip the first F examples (split a run): --first 50 --n 50 runs examples 50-99")
     p.add_argument("--ratios", default=",".join(f"{r:g}" for r in RATIOS))
-    p.add_argument("--methods", default=",".join(METHODS), help="policies; NAME:layer or NAME:pyramid keeps a set per layer (equal or PyramidKV budgets)")
+    p.add_argument(
+        "--methods",
+        default=",".join(METHODS),
+        help="policies; NAME:layer or NAME:pyramid keeps a set per layer (equal or PyramidKV budgets)",
+    )
     p.add_argument("--settings", default=None, help="aware,agnostic (lm: agnostic only)")
     p.add_argument("--seed", type=int, default=None, help="the evaluation seed base (default: the task module's EVAL_SEED)")
     p.add_argument("--max-new", type=int, default=MAX_NEW)
     p.add_argument("--out", type=Path, default=Path("eval/results/real_smollm2/jaxkv"))
     p.add_argument("--resume", action="store_true")
-    p.add_argument("--journal", default=None,
-                   help="the journal in --out (default: examples.jsonl for the retention grid, quant.jsonl with "
-                        "--kv-quant); another examples*.jsonl (or quant*.jsonl) adds cells (methods, formats) to the "
-                        "same examples, which the reports merge by example")
-    p.add_argument("--repair", type=int, default=None, metavar="K",
-                   help="instead of the branched grid: RepairKV with K rows, matched no-repair at B+K and no repair at B, "
-                        "as multi-turn sessions in the agnostic setting (--repair-method at --repair-ratio)")
-    p.add_argument("--kv-quant", default=None, metavar="FORMATS",
-                   help="instead of the retention grid: the full cache on the float pool and on each of these KV "
-                        "formats (int4,kivi2,...), one session each (journal quant.jsonl)")
-    p.add_argument("--quant-prefill", choices=("chunked", "imported"), default="chunked",
-                   help="with --kv-quant: each format prefills the request itself in 512-token chunks (chunked, what a "
-                        "jaxkv server does) or imports the float cell's K/V (imported: the papers' full-precision "
-                        "prefill, one forward per example)")
+    p.add_argument(
+        "--journal",
+        default=None,
+        help="the journal in --out (default: examples.jsonl for the retention grid, quant.jsonl with "
+        "--kv-quant); another examples*.jsonl (or quant*.jsonl) adds cells (methods, formats) to the "
+        "same examples, which the reports merge by example",
+    )
+    p.add_argument(
+        "--repair",
+        type=int,
+        default=None,
+        metavar="K",
+        help="instead of the branched grid: RepairKV with K rows, matched no-repair at B+K and no repair at B, "
+        "as multi-turn sessions in the agnostic setting (--repair-method at --repair-ratio)",
+    )
+    p.add_argument(
+        "--kv-quant",
+        default=None,
+        metavar="FORMATS",
+        help="instead of the retention grid: the full cache on the float pool and on each of these KV "
+        "formats (int4,kivi2,...), one session each (journal quant.jsonl)",
+    )
+    p.add_argument(
+        "--quant-prefill",
+        choices=("chunked", "imported"),
+        default="chunked",
+        help="with --kv-quant: each format prefills the request itself in 512-token chunks (chunked, what a "
+        "jaxkv server does) or imports the float cell's K/V (imported: the papers' full-precision "
+        "prefill, one forward per example)",
+    )
     p.add_argument("--repair-method", default="snapkv")
     p.add_argument("--repair-ratio", type=float, default=0.5)
     return p
@@ -352,13 +387,17 @@ def run_grid(args) -> int:
     cells = [Cell(None)] + [Cell.parse(m, r) for m in methods for r in ratios]
     settings = args.settings.split(",") if args.settings else (["agnostic"] if args.task == "lm" else ["aware", "agnostic"])
     model = jaxkv.load_model(args.model)
-    examples = real_tasks.examples(args.task, args.first + args.n, length=args.context, tokenizer=model.tokenizer, seed=args.seed)[args.first :]
+    examples = real_tasks.examples(args.task, args.first + args.n, length=args.context, tokenizer=model.tokenizer, seed=args.seed)[
+        args.first :
+    ]
     args.out.mkdir(parents=True, exist_ok=True)
     kv_formats = [f for f in (args.kv_quant or "").split(",") if f]
     quant_prefill = args.quant_prefill
     if kv_formats and args.repair is not None:
         raise SystemExit("--kv-quant and --repair are separate runs")
-    journal = args.out / ("sessions.jsonl" if args.repair is not None else args.journal or ("quant.jsonl" if kv_formats else "examples.jsonl"))
+    journal = args.out / (
+        "sessions.jsonl" if args.repair is not None else args.journal or ("quant.jsonl" if kv_formats else "examples.jsonl")
+    )
     if args.repair is not None:
         settings = ["agnostic"]
     # What the journal holds, per (task, context, seed, setting): the cell names. A
@@ -370,9 +409,17 @@ def run_grid(args) -> int:
         held.setdefault((r["task"], r["context"], r["seed"], r["setting"]), set()).update(r["cells"])
     trio = session_cells(args.repair_method, args.repair_ratio, args.repair) if args.repair is not None else None
     positions = min(positions_for(args.context), model.config.max_position_embeddings)
-    setup = {"model": args.model, "ratios": ratios, "methods": methods, "max_new": args.max_new, "positions": positions,
-             **({"kv_quant": kv_formats, "quant_prefill": quant_prefill} if kv_formats else {}),
-             "threads": os.environ.get("XLA_FLAGS", ""), "cpus": len(os.sched_getaffinity(0))}
+    setup = {
+        "model": args.model,
+        "ratios": ratios,
+        "methods": methods,
+        "max_new": args.max_new,
+        "positions": positions,
+        **({"kv_quant": kv_formats, "quant_prefill": quant_prefill} if kv_formats else {}),
+        "threads": os.environ.get("XLA_FLAGS", ""),
+        "cpus": len(os.sched_getaffinity(0)),
+    }
+
     def missing(ex, setting) -> list:
         return cells_to_run(held.get((ex.task, args.context, ex.seed, setting)), cells, trio)
 
@@ -384,12 +431,19 @@ def run_grid(args) -> int:
         if trio is not None:
             record = run_sessions(model, ex, missing(ex, setting), args.repair_ratio, positions=positions, max_new=args.max_new)
         elif kv_formats:
-            record = run_quant_example(model, ex, setting, kv_formats, positions=positions, max_new=args.max_new,
-                                       prefill=quant_prefill)
+            record = run_quant_example(model, ex, setting, kv_formats, positions=positions, max_new=args.max_new, prefill=quant_prefill)
         else:
             record = run_example(model, ex, setting, cells, positions=positions, max_new=args.max_new)
-        record.update(task=ex.task, context=args.context, seed=ex.seed,
-                      setting=setting, length=ex.length, seconds=round(time.perf_counter() - t0, 2), load=round(load, 2), setup=setup)
+        record.update(
+            task=ex.task,
+            context=args.context,
+            seed=ex.seed,
+            setting=setting,
+            length=ex.length,
+            seconds=round(time.perf_counter() - t0, 2),
+            load=round(load, 2),
+            setup=setup,
+        )
         append_journal(journal, record)
         gc.collect()  # a closed session's pool sits in reference cycles (stages, turns); free it now, not at the next GC
         # Every compiled XLA:CPU program holds memory mappings; a quantized run (each format's

@@ -103,13 +103,21 @@ def commands(root: Path) -> list[str]:
         runs: dict = {}
         for rec in read(path):
             setup = rec.get("setup", {})
-            key = (setup.get("model", "smollm2-135m-instruct"), rec["task"], rec["context"], rec["setting"],
-                   ",".join(setup.get("kv_quant", [])), setup.get("quant_prefill", "chunked"))
+            key = (
+                setup.get("model", "smollm2-135m-instruct"),
+                rec["task"],
+                rec["context"],
+                rec["setting"],
+                ",".join(setup.get("kv_quant", [])),
+                setup.get("quant_prefill", "chunked"),
+            )
             runs[key] = runs.get(key, 0) + 1
         for (model, task, context, setting, formats, prefill), n in runs.items():
-            out.append(f"`python -m eval.quality.real_model --model {model} --task {task} --context {context} --n {n} "
-                       f"--settings {setting} --kv-quant {formats} --quant-prefill {prefill} --out {root} "
-                       f"--journal {path.name} --resume` ({n} examples)")
+            out.append(
+                f"`python -m eval.quality.real_model --model {model} --task {task} --context {context} --n {n} "
+                f"--settings {setting} --kv-quant {formats} --quant-prefill {prefill} --out {root} "
+                f"--journal {path.name} --resume` ({n} examples)"
+            )
     return out
 
 
@@ -169,11 +177,14 @@ def compute_table(records: list[dict], journals: dict | None = None) -> list[str
         spent, once = np.array(secs).T
         lines.append(md_row([task, context, len(secs), f"{spent.sum() / 3600:.2f}", f"{np.median(spent):.0f}", f"{once.sum() / 3600:.2f}"]))
     total, once_total = np.array([s for secs in by.values() for s in secs]).sum(axis=0)
-    lines += ["", f"In all {total / 3600:.2f} h of CPU: as two jobs, one per core, about {total / 7200:.2f} h of wall time "
-              "on the 2-core machine (one-core jobs; compile warm-ups included, shared with other runs as stated above). "
-              f"The grid in one pass (each example's float prefill once, every imported-prefill format branched from it, "
-              f"the chunked-protocol extras left out; the sum of the cells' own recorded seconds): {once_total / 3600:.2f} h "
-              f"of CPU, about {once_total / 7200:.2f} h on the two cores."]
+    lines += [
+        "",
+        f"In all {total / 3600:.2f} h of CPU: as two jobs, one per core, about {total / 7200:.2f} h of wall time "
+        "on the 2-core machine (one-core jobs; compile warm-ups included, shared with other runs as stated above). "
+        f"The grid in one pass (each example's float prefill once, every imported-prefill format branched from it, "
+        f"the chunked-protocol extras left out; the sum of the cells' own recorded seconds): {once_total / 3600:.2f} h "
+        f"of CPU, about {once_total / 7200:.2f} h on the two cores.",
+    ]
     if journals:  # journal name -> its seconds: which runs the hours went to
         lines += ["", "Per journal: " + ", ".join(f"`{name}` {secs / 3600:.2f} h" for name, secs in journals.items()) + "."]
     return lines
@@ -195,12 +206,19 @@ def report(root: Path, model_name: str = "smollm2-135m-instruct", points: list |
                 groups[(pooled, context, setting)] = [r for p in parts for r in groups[(p, context, setting)]]
     seconds = sum(r["seconds"] for r in records)
     points = [] if points is None else points  # one per (group, format): the plot's stored bits against quality
-    lines = [f"# KV quantization on {model_name}: the full cache on each KV format, on the same examples", "",
-             *findings(root),
-             f"Journals `quant*.jsonl`: {len(records)} examples, {seconds / 3600:.2f} h of CPU in all (2-core x86_64, "
-             "sums of per-example seconds, mostly shared with other runs). Regenerate: "
-             f"`python -m eval.quality.real_model_quant_report --root {root}` after the runs below (each `--resume`s).", "",
-             *[f"- {c}" for c in commands(root)], "", *compute_table(records, {p.name: sum(r["seconds"] for r in read(p)) for p in sorted(root.glob("quant*.jsonl"))}), ""]
+    lines = [
+        f"# KV quantization on {model_name}: the full cache on each KV format, on the same examples",
+        "",
+        *findings(root),
+        f"Journals `quant*.jsonl`: {len(records)} examples, {seconds / 3600:.2f} h of CPU in all (2-core x86_64, "
+        "sums of per-example seconds, mostly shared with other runs). Regenerate: "
+        f"`python -m eval.quality.real_model_quant_report --root {root}` after the runs below (each `--resume`s).",
+        "",
+        *[f"- {c}" for c in commands(root)],
+        "",
+        *compute_table(records, {p.name: sum(r["seconds"] for r in read(p)) for p in sorted(root.glob("quant*.jsonl"))}),
+        "",
+    ]
     for (task, context, setting), every in sorted(groups.items()):
         formats = list(dict.fromkeys(c for r in every for c in r["cells"] if c != "full"))
         n_tokens = float(np.mean([r["n_request"] for r in every]))
@@ -210,9 +228,22 @@ def report(root: Path, model_name: str = "smollm2-135m-instruct", points: list |
         lines += [f"## {title}, {context} tokens, {setting} ({len(every)} examples)", ""]
         if task == "lm":
             full = np.array([r["cells"]["full"]["nll"] for r in every])
-            lines += [f"Float pool (the ceiling): continuation NLL {full.mean():.3f} nats/token.", "",
-                      *md_header(["format", "n", "NLL increase, nats/token [95%]", "KL(full \\|\\| format) per token [95%]",
-                                  "KV bytes / token", "stored bits", "capacity vs bf16"], "l" + "r" * 6)]
+            lines += [
+                f"Float pool (the ceiling): continuation NLL {full.mean():.3f} nats/token.",
+                "",
+                *md_header(
+                    [
+                        "format",
+                        "n",
+                        "NLL increase, nats/token [95%]",
+                        "KL(full \\|\\| format) per token [95%]",
+                        "KV bytes / token",
+                        "stored bits",
+                        "capacity vs bf16",
+                    ],
+                    "l" + "r" * 6,
+                ),
+            ]
             for fmt in formats:
                 d = np.array([r["cells"][fmt]["nll"] - r["cells"]["full"]["nll"] for r in ran[fmt]])
                 kl = np.array([r["cells"][fmt]["kl"] for r in ran[fmt]])
@@ -221,11 +252,33 @@ def report(root: Path, model_name: str = "smollm2-135m-instruct", points: list |
                 m, lo, hi = mean_ci(d)
                 km, klo, khi = mean_ci(kl)
                 points.append(dict(group=(task, context, setting), name=name, bits=st["bits"], y=m, lo=lo, hi=hi))
-                lines.append(md_row([name, d.size, f"{m:+.4f} [{lo:+.4f}, {hi:+.4f}]", f"{km:.4f} [{klo:.4f}, {khi:.4f}]",
-                                     f"{st['bytes']:.0f}", f"{st['bits']:.2f}", f"{st['capacity']:.2f}x"]))
+                lines.append(
+                    md_row(
+                        [
+                            name,
+                            d.size,
+                            f"{m:+.4f} [{lo:+.4f}, {hi:+.4f}]",
+                            f"{km:.4f} [{klo:.4f}, {khi:.4f}]",
+                            f"{st['bytes']:.0f}",
+                            f"{st['bits']:.2f}",
+                            f"{st['capacity']:.2f}x",
+                        ]
+                    )
+                )
         else:
-            lines += md_header(["format", "n", "teacher-forced %", "greedy %", "Δ teacher-forced pt [95%]", "KV bytes / token", "stored bits",
-                                "capacity vs bf16"], "l" + "r" * 7)
+            lines += md_header(
+                [
+                    "format",
+                    "n",
+                    "teacher-forced %",
+                    "greedy %",
+                    "Δ teacher-forced pt [95%]",
+                    "KV bytes / token",
+                    "stored bits",
+                    "capacity vs bf16",
+                ],
+                "l" + "r" * 7,
+            )
             for fmt in ["full"] + formats:
                 full = np.array([r["cells"]["full"]["tf_correct"] for r in ran[fmt]], float)
                 tf = np.array([r["cells"][fmt]["tf_correct"] for r in ran[fmt]], float)
@@ -235,19 +288,44 @@ def report(root: Path, model_name: str = "smollm2-135m-instruct", points: list |
                 st = recorded_storage([r["cells"][fmt] for r in ran[fmt]], config) or storage(spec, n_tokens, config)  # full: no record
                 acc, acc_lo, acc_hi = mean_ci(100 * tf)
                 points.append(dict(group=(task, context, setting), name=name, bits=st["bits"], y=acc, lo=acc_lo, hi=acc_hi))
-                lines.append(md_row([name, tf.size, f"{100 * tf.mean():.0f}", f"{100 * gen.mean():.0f}", f"{m:+.1f} [{lo:+.1f}, {hi:+.1f}]",
-                                     f"{st['bytes']:.0f}", f"{st['bits']:.2f}", f"{st['capacity']:.2f}x"]))
+                lines.append(
+                    md_row(
+                        [
+                            name,
+                            tf.size,
+                            f"{100 * tf.mean():.0f}",
+                            f"{100 * gen.mean():.0f}",
+                            f"{m:+.1f} [{lo:+.1f}, {hi:+.1f}]",
+                            f"{st['bytes']:.0f}",
+                            f"{st['bits']:.2f}",
+                            f"{st['capacity']:.2f}x",
+                        ]
+                    )
+                )
         lines.append("")
     if plot(root, points):
-        lines += ["![quality against stored bits](quality_vs_bits.png)", "",
-                  "`quality_vs_bits.png`: each format's quality against its stored bits per element, one panel per task "
-                  "(teacher-forced accuracy, or the `lm` NLL increase over the float pool), 95% intervals over examples.", ""]
-    lines += ["Stored bits count the scales and zero points (INT4 = 5 bits per element, INT2 = 3, float counted as "
-              "bf16 = 16; KIVI-4's 4-bit pages store as INT4 does), for the request as its prefill leaves it; capacity is bf16's bytes per token over the format's.", ""]
+        lines += [
+            "![quality against stored bits](quality_vs_bits.png)",
+            "",
+            "`quality_vs_bits.png`: each format's quality against its stored bits per element, one panel per task "
+            "(teacher-forced accuracy, or the `lm` NLL increase over the float pool), 95% intervals over examples.",
+            "",
+        ]
+    lines += [
+        "Stored bits count the scales and zero points (INT4 = 5 bits per element, INT2 = 3, float counted as "
+        "bf16 = 16; KIVI-4's 4-bit pages store as INT4 does), for the request as its prefill leaves it; capacity is bf16's bytes per token over the format's.",
+        "",
+    ]
     for speed in sorted(root.glob("decode_speed_cpu_*.md")):  # eval/bench/quant_decode.py --model ... --out
-        lines += [f"## Decode speed on the CPU ({speed.stem.rsplit('_', 1)[1]}, `{speed.name}`)", "",
-                  f"`python -m eval.bench.quant_decode --model {model_name} --contexts 4096,8000 --out {root / speed.name}`, "
-                  "on an otherwise idle machine:", "", speed.read_text().strip(), ""]
+        lines += [
+            f"## Decode speed on the CPU ({speed.stem.rsplit('_', 1)[1]}, `{speed.name}`)",
+            "",
+            f"`python -m eval.bench.quant_decode --model {model_name} --contexts 4096,8000 --out {root / speed.name}`, "
+            "on an otherwise idle machine:",
+            "",
+            speed.read_text().strip(),
+            "",
+        ]
     return "\n".join(lines)
 
 
@@ -278,13 +356,21 @@ def plot(root: Path, points: list[dict]) -> bool:
         sel = [p for p in points if p["group"] == group]
         labels: dict = {}  # formats at the same point (an ablation that allocates as another) share one label
         for p in sel:
-            ax.errorbar(p["bits"], p["y"], yerr=[[p["y"] - p["lo"]], [p["hi"] - p["y"]]], fmt="o", ms=4, capsize=2,
-                        color=colour[p["name"].split(",")[0]])
+            ax.errorbar(
+                p["bits"],
+                p["y"],
+                yerr=[[p["y"] - p["lo"]], [p["hi"] - p["y"]]],
+                fmt="o",
+                ms=4,
+                capsize=2,
+                color=colour[p["name"].split(",")[0]],
+            )
             short = p["name"].replace(", imported prefill", " (imp.)").replace("triaxial_", "").replace("triaxial", "tri")
             labels.setdefault((round(p["bits"], 2), round(p["y"], 4)), []).append(short)
         for (bits, y), names in labels.items():  # inside the panel; the layout leaves them out so panels keep their width
-            ax.annotate(" = ".join(names), (bits, y), fontsize=6, xytext=(3, 3), textcoords="offset points",
-                        clip_on=True).set_in_layout(False)
+            ax.annotate(" = ".join(names), (bits, y), fontsize=6, xytext=(3, 3), textcoords="offset points", clip_on=True).set_in_layout(
+                False
+            )
         ax.set_xlim(right=max(p["bits"] for p in sel) * 1.35)  # room for the rightmost point's label
         task, context, setting = group
         ax.set_title(f"{task} {context} ({setting})", fontsize=9)

@@ -189,8 +189,11 @@ def answer_nll_increase(cells: dict) -> dict:
     examples that also ran the full cache; each side against its own full cache
     (kvpress's torch numerics and kept counts differ slightly from jaxkv's)."""
     full = cells.get("full", {})
-    return {name: {s: {"inc": float(r["answer_nll"]) - float(full[s]["answer_nll"])} for s, r in by_seed.items() if s in full}
-            for name, by_seed in cells.items() if name != "full" and ":" not in name}
+    return {
+        name: {s: {"inc": float(r["answer_nll"]) - float(full[s]["answer_nll"])} for s, r in by_seed.items() if s in full}
+        for name, by_seed in cells.items()
+        if name != "full" and ":" not in name
+    }
 
 
 def head_fidelity(tables: dict, key: tuple, ratios: list) -> list[str]:
@@ -202,8 +205,11 @@ def head_fidelity(tables: dict, key: tuple, ratios: list) -> list[str]:
     KL is not recorded for retrieval cells (their answers are scored by NLL and
     argmax only)."""
     inc = {side: answer_nll_increase(tables[side].get(key, {})) for side in SIDES}
-    lines = [f"Answer NLL increase over the full cache (nats/token [95% interval]; issue #27's fidelity measure on the answer tokens):", "",
-             *md_header(["side", "method", *(f"ratio {x:g}" for x in ratios)], "ll" + "r" * len(ratios))]
+    lines = [
+        f"Answer NLL increase over the full cache (nats/token [95% interval]; issue #27's fidelity measure on the answer tokens):",
+        "",
+        *md_header(["side", "method", *(f"ratio {x:g}" for x in ratios)], "ll" + "r" * len(ratios)),
+    ]
     for side in SIDES:
         for m in sorted({split_cell(n)[0] for n in inc[side]}):
             row = []
@@ -217,8 +223,12 @@ def head_fidelity(tables: dict, key: tuple, ratios: list) -> list[str]:
         if not head:
             continue
         # a baseline competes on at least half of the head's examples (a 3-example pilot does not)
-        others = [(side, name, by_seed) for side in SIDES for name, by_seed in inc[side].items()
-                  if split_cell(name)[1] == x and split_cell(name)[0] != HEAD and 2 * len(set(by_seed) & set(head)) >= len(head)]
+        others = [
+            (side, name, by_seed)
+            for side in SIDES
+            for name, by_seed in inc[side].items()
+            if split_cell(name)[1] == x and split_cell(name)[0] != HEAD and 2 * len(set(by_seed) & set(head)) >= len(head)
+        ]
         if not others:
             continue
         best = min(others, key=lambda o: np.mean([r["inc"] for r in o[2].values()]))
@@ -231,9 +241,14 @@ def head_fidelity(tables: dict, key: tuple, ratios: list) -> list[str]:
                 g, lo, hi, n = res
                 pairs.append(md_row([f"{x:g}", f"{label}: {other[0]} {split_cell(other[1])[0]}", n, f"{g:+.3f} [{lo:+.3f}, {hi:+.3f}]"]))
     if pairs:
-        lines += ["", f"The learned head (`{HEAD}`) against its rule and the best baseline, paired on common examples "
-                  "(head minus other, nats/token; negative: the head keeps the answer closer to the full cache):", "",
-                  *md_header(["ratio", "against", "n", "difference [95%]"], "rlrr"), *pairs]
+        lines += [
+            "",
+            f"The learned head (`{HEAD}`) against its rule and the best baseline, paired on common examples "
+            "(head minus other, nats/token; negative: the head keeps the answer closer to the full cache):",
+            "",
+            *md_header(["ratio", "against", "n", "difference [95%]"], "rlrr"),
+            *pairs,
+        ]
     return lines + [""]
 
 
@@ -265,7 +280,11 @@ def ceiling(tables: dict, sides, min_full: float) -> tuple[list[str], set]:
     """The full cache's table (every (task, context, setting) and side) and the keys
     usable for comparisons: ``lm`` always, a retrieval task where jaxkv's full cache
     (the only side's, when there is one) reaches ``min_full`` teacher forced."""
-    lines = ["## The full cache (the ceiling)", "", *md_header(["task", "context", "setting", "side", "n", "teacher-forced %", "greedy %"], "lrllrrr")]
+    lines = [
+        "## The full cache (the ceiling)",
+        "",
+        *md_header(["task", "context", "setting", "side", "n", "teacher-forced %", "greedy %"], "lrllrrr"),
+    ]
     usable = set()
     for key in sorted(set().union(*(tables[side] for side in sides))):
         task, context, setting = key
@@ -309,8 +328,10 @@ def ratio_table(rows: list[dict], key: tuple, sides) -> list[str]:
     if task == "lm":
         lines.append("Cells: NLL increase over the full cache, nats/token [95% interval] (mean KL(full || cell) per token).")
     elif task == "multiq":
-        lines.append("Cells: the share of an example's questions answered right, teacher forced, % [95% interval over examples] "
-                     "/ greedy exact match %.")
+        lines.append(
+            "Cells: the share of an example's questions answered right, teacher forced, % [95% interval over examples] "
+            "/ greedy exact match %."
+        )
     else:
         lines.append("Cells: teacher-forced accuracy % [95% interval] / greedy exact match %.")
     return lines + [""]
@@ -329,8 +350,13 @@ def per_layer_gains(cells: dict, score: str, lower: bool) -> list[str]:
     if not gran:
         return []
     unit = "nats, positive: the per-layer sets lower the NLL" if lower else "points"
-    return [f"Keep sets per layer against one set for the model, same scorer and KV (jaxkv, paired; {unit}):", "",
-            *md_header(["per layer", "one set", "ratio", "n", "gain [95%]"], "llrrr"), *gran, ""]
+    return [
+        f"Keep sets per layer against one set for the model, same scorer and KV (jaxkv, paired; {unit}):",
+        "",
+        *md_header(["per layer", "one set", "ratio", "n", "gain [95%]"], "llrrr"),
+        *gran,
+        "",
+    ]
 
 
 def question_table(cells_by_side: dict) -> list[str]:
@@ -347,8 +373,11 @@ def question_table(cells_by_side: dict) -> list[str]:
             kinds = sorted({q["kind"] for qs in per for q in qs})
             if not lines:
                 header = ["side", "cell", "n", *(f"Q{i + 1}" for i in range(turns)), *kinds]
-                lines = ["Per question (teacher-forced %; Q1 first in the conversation) and per kind of fact:", "",
-                         *md_header(header, "llr" + "r" * (turns + len(kinds)))]
+                lines = [
+                    "Per question (teacher-forced %; Q1 first in the conversation) and per kind of fact:",
+                    "",
+                    *md_header(header, "llr" + "r" * (turns + len(kinds))),
+                ]
             at = [f"{100 * np.mean([float(qs[i]['tf_correct']) for qs in per if len(qs) > i]):.0f}" for i in range(turns)]
             by_kind = [f"{100 * np.mean([float(q['tf_correct']) for qs in per for q in qs if q['kind'] == k]):.0f}" for k in kinds]
             lines.append(md_row([side, name, len(per), *at, *by_kind]))
@@ -362,20 +391,27 @@ def report(root: Path, min_full: float = 0.5) -> str:
     rows = [r for side in SIDES for r in rows_for(side, tables[side])]
     write_csv(rows, root / "results.csv")
     lines = ["# jaxkv and kvpress on SmolLM2-135M-Instruct, on the same examples", "", *findings(root)]
+
     def seconds(rec):
         sec = rec.get("seconds", 0)
         return sec.get("total", 0) if isinstance(sec, dict) else sec
 
     secs = {side: sum(seconds(rec) for f in journals(root / side) for rec in read(f)) for side in SIDES}
-    lines += [f"CPU time in the journals: jaxkv {secs['jaxkv'] / 3600:.2f} h, kvpress {secs['kvpress'] / 3600:.2f} h "
-              "(2-core x86_64; sums of per-example seconds).", ""]
+    lines += [
+        f"CPU time in the journals: jaxkv {secs['jaxkv'] / 3600:.2f} h, kvpress {secs['kvpress'] / 3600:.2f} h "
+        "(2-core x86_64; sums of per-example seconds).",
+        "",
+    ]
     compute_at = len(lines)  # the compute section goes here, once the left-out rows are known
     ceiling_lines, usable = ceiling(tables, SIDES, min_full)
     lines += ceiling_lines
     dropped = sorted(k for k in set(tables["jaxkv"]) if k not in usable)
     lines[compute_at:compute_at] = compute_section(root, left_out=set(dropped))
     if dropped:
-        lines += [f"Left out of the comparisons (full cache below {100 * min_full:.0f}%): " + ", ".join(f"{t} {c} {s}" for t, c, s in dropped), ""]
+        lines += [
+            f"Left out of the comparisons (full cache below {100 * min_full:.0f}%): " + ", ".join(f"{t} {c} {s}" for t, c, s in dropped),
+            "",
+        ]
     # per-task tables
     for key in sorted(usable):
         task, context, setting = key
@@ -395,8 +431,13 @@ def report(root: Path, min_full: float = 0.5) -> str:
                     h2h.append(md_row([f"{x:g}", jn, kn, res[3], fmt_paired(*res[:3], lower, gain=True)]))
         if h2h:
             unit = "nats (positive: jaxkv lower NLL)" if lower else "points"
-            lines += [f"Best of each side, paired on common examples (gain of jaxkv's best, {unit}):", "",
-                      *md_header(["ratio", "jaxkv best", "kvpress best", "n", "gain [95%]"], "rllrr"), *h2h, ""]
+            lines += [
+                f"Best of each side, paired on common examples (gain of jaxkv's best, {unit}):",
+                "",
+                *md_header(["ratio", "jaxkv best", "kvpress best", "n", "gain [95%]"], "rllrr"),
+                *h2h,
+                "",
+            ]
         cp = []
         for jm, km in COUNTERPARTS.items():
             for x in ratios:
@@ -406,7 +447,13 @@ def report(root: Path, min_full: float = 0.5) -> str:
                     if res:
                         cp.append(md_row([f"{jm} vs {km}", f"{x:g}", res[3], fmt_paired(*res[:3], lower, gain=False)]))
         if cp:
-            lines += ["Counterparts (jaxkv minus kvpress, paired):", "", *md_header(["pair", "ratio", "n", "difference [95%]"], "lrrr"), *cp, ""]
+            lines += [
+                "Counterparts (jaxkv minus kvpress, paired):",
+                "",
+                *md_header(["pair", "ratio", "n", "difference [95%]"], "lrrr"),
+                *cp,
+                "",
+            ]
         lines += per_layer_gains(jx, score, lower)
         if task == "multiq":
             lines += question_table({side: tables[side].get(key, {}) for side in SIDES})
@@ -421,19 +468,27 @@ def report(root: Path, min_full: float = 0.5) -> str:
                 live_name, live = live_budget_best({**kp, **live_tables.get(key, {})}, matched, score)
                 acc = 100 * np.mean([float(r[score]) for r in jx[name].values()])
                 rl.append(md_row([name, f"itself ({acc:.0f}%)", len(jx[name]), "-"]))
-                for other, label in ((jx.get("full"), "full cache"), (best_cell(kp, x, score)[1], f"kvpress best at {x:g} (live B)"),
-                                     (live, f"kvpress best at live B + K ({live_name})"),
-                                     (matched, "matched no-repair (B + K)"),
-                                     (jx.get("session:" + name.split(":", 1)[1]), "no repair (B)")):
+                for other, label in (
+                    (jx.get("full"), "full cache"),
+                    (best_cell(kp, x, score)[1], f"kvpress best at {x:g} (live B)"),
+                    (live, f"kvpress best at live B + K ({live_name})"),
+                    (matched, "matched no-repair (B + K)"),
+                    (jx.get("session:" + name.split(":", 1)[1]), "no repair (B)"),
+                ):
                     if other:
                         res = paired(jx[name], other, score)
                         if res:
                             g, lo, hi, n = res
                             rl.append(md_row([name, label, n, f"{100 * g:+.0f} [{100 * lo:+.0f}, {100 * hi:+.0f}]"]))
             if rl:
-                lines += ["RepairKV across the turn boundary (multi-turn sessions; gain in points, paired). B is the "
-                          "ratio's budget; RepairKV holds B + K live rows while it answers, as the matched cell does:", "",
-                          *md_header(["cell", "against", "n", "gain [95%]"], "llrr"), *rl, ""]
+                lines += [
+                    "RepairKV across the turn boundary (multi-turn sessions; gain in points, paired). B is the "
+                    "ratio's budget; RepairKV holds B + K live rows while it answers, as the matched cell does:",
+                    "",
+                    *md_header(["cell", "against", "n", "gain [95%]"], "llrr"),
+                    *rl,
+                    "",
+                ]
     lines += reuse_section(root / "reuse")
     text = "\n".join(lines) + "\n"
     plot(root, rows, usable)
@@ -487,16 +542,21 @@ def compute_section(root: Path, left_out: set = frozenset()) -> list[str]:
     of all its examples, and the table says which. Rows in ``left_out`` ((task, context,
     setting) whose full cache is below the report's ceiling) are not projected; a
     (task, context) not run yet has no rate and no row."""
-    lines = ["## Compute against the report's sizes", "",
-             "Per side, task, context and setting: examples run, the median seconds of one example (its prefill "
-             "and every cell), where that median comes from (`pinned`: examples whose job had one core and one "
-             "thread with at most one other job beside it, as the budget assumes; `all`: the row has fewer than "
-             f"{PINNED_MIN} such examples, so its rate includes oversubscribed runs), the CPU hours spent, and the "
-             "CPU hours the report's size (jaxkv 100 / 50 / 30 examples at 2k / 4k / 8k, kvpress 50 / 30 / 30) would "
-             "take at that median. The 8k rows in the issue need only the full cache and two methods per side; "
-             "their cost is not projected here.", "",
-             *md_header(["side", "task", "context", "setting", "n run", "n wanted", "median s", "rate from", "h spent", "h for the size"],
-                       "llrlrrrlrr")]
+    lines = [
+        "## Compute against the report's sizes",
+        "",
+        "Per side, task, context and setting: examples run, the median seconds of one example (its prefill "
+        "and every cell), where that median comes from (`pinned`: examples whose job had one core and one "
+        "thread with at most one other job beside it, as the budget assumes; `all`: the row has fewer than "
+        f"{PINNED_MIN} such examples, so its rate includes oversubscribed runs), the CPU hours spent, and the "
+        "CPU hours the report's size (jaxkv 100 / 50 / 30 examples at 2k / 4k / 8k, kvpress 50 / 30 / 30) would "
+        "take at that median. The 8k rows in the issue need only the full cache and two methods per side; "
+        "their cost is not projected here.",
+        "",
+        *md_header(
+            ["side", "task", "context", "setting", "n run", "n wanted", "median s", "rate from", "h spent", "h for the size"], "llrlrrrlrr"
+        ),
+    ]
     totals = {}
     for side in SIDES:
         records = read(root / side / "examples.jsonl")
@@ -517,9 +577,11 @@ def compute_section(root: Path, left_out: set = frozenset()) -> list[str]:
         totals[side] = (spent, wanted_h)
     lines.append("")
     for side, (spent, wanted_h) in totals.items():
-        lines.append(f"- {side}: {spent:.2f} CPU h spent on these rows; the rows above at their sizes: {wanted_h:.2f} CPU h "
-                     f"(~{wanted_h / 2:.1f} h of wall clock on the 2 cores), against a budget of {BUDGET_HOURS[side]:.0f} h "
-                     "for the whole report, before the contexts not run yet.")
+        lines.append(
+            f"- {side}: {spent:.2f} CPU h spent on these rows; the rows above at their sizes: {wanted_h:.2f} CPU h "
+            f"(~{wanted_h / 2:.1f} h of wall clock on the 2 cores), against a budget of {BUDGET_HOURS[side]:.0f} h "
+            "for the whole report, before the contexts not run yet."
+        )
     return lines + [""]
 
 
@@ -536,12 +598,31 @@ def reuse_section(folder: Path) -> list[str]:
             by_key[(rec["task"], rec["context"])][mode][rec["seed"]] = row
     if not by_key:
         return []
-    lines = ["## Segment reuse: one document, two requests", "",
-             "Regenerate: `python -m eval.quality.real_model_reuse --task TASK --context N --n 20 --out " + str(folder) + " --resume`. "
-             "Each mode on a fresh server; the target request's prompt differs from the primer's before the document, so "
-             "the radix prefix cache cannot serve it and only segment reuse can.", "",
-             *md_header(["task", "context", "mode", "n", "teacher-forced %", "greedy %", "answer NLL", "spliced tokens", "units computed",
-                         "spans accepted / rejected", "target seconds", "teacher-forced gain vs none [95%]"], "lrl" + "r" * 9)]
+    lines = [
+        "## Segment reuse: one document, two requests",
+        "",
+        "Regenerate: `python -m eval.quality.real_model_reuse --task TASK --context N --n 20 --out " + str(folder) + " --resume`. "
+        "Each mode on a fresh server; the target request's prompt differs from the primer's before the document, so "
+        "the radix prefix cache cannot serve it and only segment reuse can.",
+        "",
+        *md_header(
+            [
+                "task",
+                "context",
+                "mode",
+                "n",
+                "teacher-forced %",
+                "greedy %",
+                "answer NLL",
+                "spliced tokens",
+                "units computed",
+                "spans accepted / rejected",
+                "target seconds",
+                "teacher-forced gain vs none [95%]",
+            ],
+            "lrl" + "r" * 9,
+        ),
+    ]
     for (task, context), modes in sorted(by_key.items()):
         none = modes.get("none", {})
         for mode, by_seed in modes.items():
@@ -549,15 +630,35 @@ def reuse_section(folder: Path) -> list[str]:
             tf, gen = (100 * np.mean([r[k] for r in rows]) for k in ("tf_correct", "gen_correct"))
             nll = np.mean([r["answer_nll"] for r in rows])
             spliced = f"{np.mean([r['spliced'] for r in rows]):.0f}" if "spliced" in rows[0] else "-"
-            units = (f"{100 * sum(r['units'] for r in rows) / max(sum(r['full_units'] for r in rows), 1):.0f}%"
-                     if "units" in rows[0] else "100%")
+            units = (
+                f"{100 * sum(r['units'] for r in rows) / max(sum(r['full_units'] for r in rows), 1):.0f}%" if "units" in rows[0] else "100%"
+            )
             spans = f"{sum(r['accepted'] for r in rows)} / {sum(r['rejected'] for r in rows)}" if "accepted" in rows[0] else "-"
             res = paired(by_seed, none, "tf_correct") if mode != "none" and none else None
             gain = f"{100 * res[0]:+.0f} [{100 * res[1]:+.0f}, {100 * res[2]:+.0f}]" if res else "-"
-            lines.append(md_row([task, context, mode, len(rows), f"{tf:.0f}", f"{gen:.0f}", f"{nll:.3f}", spliced, units, spans,
-                                 f"{np.mean([r['seconds'] for r in rows]):.1f}", gain]))
-    return lines + ["", "Target seconds: the second request's prefill and greedy reply on one core, not a timing bench "
-                    "(other jobs ran on the other core).", ""]
+            lines.append(
+                md_row(
+                    [
+                        task,
+                        context,
+                        mode,
+                        len(rows),
+                        f"{tf:.0f}",
+                        f"{gen:.0f}",
+                        f"{nll:.3f}",
+                        spliced,
+                        units,
+                        spans,
+                        f"{np.mean([r['seconds'] for r in rows]):.1f}",
+                        gain,
+                    ]
+                )
+            )
+    return lines + [
+        "",
+        "Target seconds: the second request's prefill and greedy reply on one core, not a timing bench (other jobs ran on the other core).",
+        "",
+    ]
 
 
 def plot(root: Path, rows: list[dict], usable: set) -> None:
@@ -615,8 +716,12 @@ def run_report(out: Path, model: str, min_full: float = 0.5) -> str:
     full cache is below ``min_full`` says so in its title. The two-side comparison
     with kvpress is ``report`` (``--root``), which reads another layout."""
     records = [rec for f in journals(out) for rec in read(f)]
-    lines = [f"# jaxkv eval: {model}", "", f"The journals in `{out}`; regenerate this page with "
-             f"`python -m eval.quality.real_model_report --out {out} --model {model}`.", ""]
+    lines = [
+        f"# jaxkv eval: {model}",
+        "",
+        f"The journals in `{out}`; regenerate this page with `python -m eval.quality.real_model_report --out {out} --model {model}`.",
+        "",
+    ]
     rows: list[dict] = []
     if records:
         table = {"jaxkv": verdicts(records)}
@@ -638,9 +743,21 @@ def run_report(out: Path, model: str, min_full: float = 0.5) -> str:
 
         points: list[dict] = []
         lines += [real_model_quant_report.report(out, model, points=points), ""]
-        rows += [{"side": "jaxkv", "task": p["group"][0], "context": p["group"][1], "setting": p["group"][2], "kv_format": p["name"],
-                  "stored_bits": round(p["bits"], 4), "value": p["y"], "value_lo": p["lo"], "value_hi": p["hi"],
-                  "value_is": "nll_increase" if p["group"][0] == "lm" else "tf_acc_pct"} for p in points]
+        rows += [
+            {
+                "side": "jaxkv",
+                "task": p["group"][0],
+                "context": p["group"][1],
+                "setting": p["group"][2],
+                "kv_format": p["name"],
+                "stored_bits": round(p["bits"], 4),
+                "value": p["y"],
+                "value_lo": p["lo"],
+                "value_hi": p["hi"],
+                "value_is": "nll_increase" if p["group"][0] == "lm" else "tf_acc_pct",
+            }
+            for p in points
+        ]
     if not records and not rows:
         lines += [f"No journal in `{out}` yet.", ""]
     write_csv(rows, out / "results.csv")
@@ -653,8 +770,12 @@ def main(argv=None) -> int:
     p = argparse.ArgumentParser(prog="python -m eval.quality.real_model_report", description=__doc__.splitlines()[0])
     p.add_argument("--root", type=Path, default=Path("eval/results/real_smollm2"))
     p.add_argument("--min-full", type=float, default=0.5)
-    p.add_argument("--out", type=Path, default=None,
-                   help="instead of --root's two-side report: one `jaxkv eval` run's folder (results.md, results.csv, plots)")
+    p.add_argument(
+        "--out",
+        type=Path,
+        default=None,
+        help="instead of --root's two-side report: one `jaxkv eval` run's folder (results.md, results.csv, plots)",
+    )
     p.add_argument("--model", default="smollm2-135m-instruct", help="with --out: the model the run used")
     args = p.parse_args(argv)
     if args.out is not None:

@@ -51,9 +51,11 @@ def primer_messages(example) -> list[dict]:
     template's default, so the document starts at another position after other
     tokens (the document opens its user message in both requests, where the
     segmenter's windows start)."""
-    return [{"role": "system", "content": PRIMER_SYSTEM},
-            {"role": "user", "content": example.document},
-            {"role": "assistant", "content": haystack.ACK}]
+    return [
+        {"role": "system", "content": PRIMER_SYSTEM},
+        {"role": "user", "content": example.document},
+        {"role": "assistant", "content": haystack.ACK},
+    ]
 
 
 def run_mode(model, example, mode: str, *, positions: int, max_new: int) -> dict:
@@ -85,8 +87,14 @@ def run_mode(model, example, mode: str, *, positions: int, max_new: int) -> dict
         "seconds": round(seconds, 3),
     }
     if report is not None:
-        row.update(spliced=int(report.spliced_tokens), units=int(report.units), full_units=int(report.full_units),
-                   accepted=int(report.accepted), rejected=int(report.rejected), skipped=report.skipped)
+        row.update(
+            spliced=int(report.spliced_tokens),
+            units=int(report.units),
+            full_units=int(report.full_units),
+            accepted=int(report.accepted),
+            rejected=int(report.rejected),
+            skipped=report.skipped,
+        )
     return row
 
 
@@ -123,8 +131,14 @@ def main(argv=None) -> int:
     for ex in tqdm(todo, desc=f"reuse {args.task} {args.context}", unit="ex"):
         t0 = time.perf_counter()
         modes_out = {m: run_mode(model, ex, m, positions=positions, max_new=args.max_new) for m in modes}
-        record = {"task": ex.task, "context": args.context, "seed": ex.seed, "length": ex.length,
-                  "modes": modes_out, "seconds": round(time.perf_counter() - t0, 2)}
+        record = {
+            "task": ex.task,
+            "context": args.context,
+            "seed": ex.seed,
+            "length": ex.length,
+            "modes": modes_out,
+            "seconds": round(time.perf_counter() - t0, 2),
+        }
         append_journal(journal, record)
         gc.collect()  # a closed server's pool sits in reference cycles: free it now
     return 0

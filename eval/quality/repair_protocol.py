@@ -84,8 +84,22 @@ from train.journal import append_journal, read_journal
 from train.replay import REPAIR_POLICIES, TASK_SESSION_OPTIONS, Cell, replay_cell, replay_example
 from train.workers import pool_map
 
-FIELDS = ("needles", "turns", "first_stage", "cell", "repair_k", "budget", "base_budget", "n", "accuracy",
-          "accuracy_turn1", "completion", "gain_vs_matched", "gain_ci_low", "gain_ci_high")
+FIELDS = (
+    "needles",
+    "turns",
+    "first_stage",
+    "cell",
+    "repair_k",
+    "budget",
+    "base_budget",
+    "n",
+    "accuracy",
+    "accuracy_turn1",
+    "completion",
+    "gain_vs_matched",
+    "gain_ci_low",
+    "gain_ci_high",
+)
 PROTOCOL_SEED = EVAL_SEED_BASE + 700_000
 
 
@@ -96,13 +110,13 @@ class ProtocolError(ValueError):
 def score(model, examples, cell: Cell, *, max_new_tokens: int, max_positions: int, progress=None) -> dict:
     """Accuracy after turn 1 and on turn 1 over ``examples`` for one cell."""
     later, first, completed = [], [], 0
-    for verdicts, done, _ in replay_cell(model, examples, cell, max_new_tokens=max_new_tokens,
-                                         max_positions=max_positions, progress=progress):
+    for verdicts, done, _ in replay_cell(
+        model, examples, cell, max_new_tokens=max_new_tokens, max_positions=max_positions, progress=progress
+    ):
         first.append(verdicts[0])
         later += verdicts[1:]
         completed += done
-    return {"accuracy": float(np.mean(later)), "accuracy_turn1": float(np.mean(first)),
-            "completion": completed / len(examples)}
+    return {"accuracy": float(np.mean(later)), "accuracy_turn1": float(np.mean(first)), "completion": completed / len(examples)}
 
 
 # ----------------------------------------------------------------------------- one example, every cell
@@ -116,9 +130,16 @@ def _base_session(model, setup):
     is shelved before it, so K and the policy do not matter until it is forked)."""
     from jaxkv.serving import Session
 
-    return Session(model, max_positions=setup["max_positions"], max_new_tokens=setup["max_new_tokens"],
-                   policy=setup["first_stage"], budget=setup["base_budget"], layout="dead_slot", repair=1,
-                   **TASK_SESSION_OPTIONS["mqniah"])
+    return Session(
+        model,
+        max_positions=setup["max_positions"],
+        max_new_tokens=setup["max_new_tokens"],
+        policy=setup["first_stage"],
+        budget=setup["base_budget"],
+        layout="dead_slot",
+        repair=1,
+        **TASK_SESSION_OPTIONS["mqniah"],
+    )
 
 
 def _replay(session, example, setup, *, start_turn: int, stop_turn: int | None = None, generate=True) -> dict:
@@ -127,8 +148,13 @@ def _replay(session, example, setup, *, start_turn: int, stop_turn: int | None =
     last_target = max(t.message_index for t in example.targets)
     at = [j for j, m in enumerate(example.messages) if m.get("role") == "assistant" and j <= last_target]
     last = at[(stop_turn or len(at)) - 1]
-    turns = session.replay(example.messages[: last + 1], example.tools or None, generate=generate,
-                           max_new_tokens=setup["max_new_tokens"], start_turn=start_turn)
+    turns = session.replay(
+        example.messages[: last + 1],
+        example.tools or None,
+        generate=generate,
+        max_new_tokens=setup["max_new_tokens"],
+        start_turn=start_turn,
+    )
     return {j: t.generated for j, t in zip(at[start_turn:], turns)}
 
 
@@ -181,8 +207,7 @@ def example_verdicts(model, example, setup, donor_signal) -> dict:
             raise RuntimeError("turn 1 promoted rows: forks of it would not equal fresh replays")
         signal = _signal_after_turn1(session, example, setup)
         for policy, k in repair_cells:
-            twin = session.fork(repair=k, repair_policy=policy,
-                                repair_wrong_signal=donor_signal if policy == "wrongq" else None)
+            twin = session.fork(repair=k, repair_policy=policy, repair_wrong_signal=donor_signal if policy == "wrongq" else None)
             replies = {**first, **_replay(twin, example, setup, start_turn=1)}
             verdicts[f"{policy}@{k}"] = [reply_matches(t, replies[t.message_index]) for t in example.targets]
     except (jaxkv.ContextLengthError, jaxkv.OutOfSlotsError):
@@ -211,18 +236,33 @@ def _score_job(model, job, progress):
     return score(model, examples, cell, progress=progress, **kw)
 
 
-def calibrate(model, examples, first_stage: str, candidates, full_accuracy: float, min_full: float, *,
-              reference_k: int = 96, workers: int = 1, model_name: str | None = None, bar=None, **kw) -> tuple[int, list]:
+def calibrate(
+    model,
+    examples,
+    first_stage: str,
+    candidates,
+    full_accuracy: float,
+    min_full: float,
+    *,
+    reference_k: int = 96,
+    workers: int = 1,
+    model_name: str | None = None,
+    bar=None,
+    **kw,
+) -> tuple[int, list]:
     """``(B_base, [(B, accuracy), ...])``: the candidate ``B`` whose matched no-repair
     accuracy at ``reference_k`` (no repair at ``B + reference_k``) is closest to
     half of ``full_accuracy`` (see the module docstring)."""
     if full_accuracy < min_full:
         raise ProtocolError(
             f"full-cache accuracy after turn 1 is {full_accuracy:.3f} (< {min_full}): the model does not "
-            "solve the task even without eviction, so no budget separates repair from no repair")
+            "solve the task even without eviction, so no budget separates repair from no repair"
+        )
     jobs = [(examples, Cell(first_stage, b + reference_k, "dead_slot", "mqniah"), kw) for b in candidates]
-    tried = sorted((job[1].budget - reference_k, r["accuracy"])
-                   for job, r in pool_map(_score_job, jobs, model_name, workers=workers, model=model, bar=bar))
+    tried = sorted(
+        (job[1].budget - reference_k, r["accuracy"])
+        for job, r in pool_map(_score_job, jobs, model_name, workers=workers, model=model, bar=bar)
+    )
     best = min(tried, key=lambda bt: (abs(bt[1] - full_accuracy / 2), -bt[0]))
     return best[0], tried
 
@@ -245,17 +285,31 @@ def setup_rows(setup: dict, records: dict) -> list[dict]:
     """Result rows (``FIELDS``) of one complete setup from its example records."""
     order = sorted(records)
     n = len(order)
-    later = {name: np.asarray([sum(records[i]["verdicts"][name][1:]) for i in order]) for name in cell_names(setup["ks"], setup["policies"])}
+    later = {
+        name: np.asarray([sum(records[i]["verdicts"][name][1:]) for i in order]) for name in cell_names(setup["ks"], setup["policies"])
+    }
     first = {name: np.asarray([records[i]["verdicts"][name][0] for i in order]) for name in later}
     turns_E = np.asarray([len(records[i]["verdicts"]["full"]) - 1 for i in order])
     done = {name: 1 - sum(name in records[i]["incomplete"] for i in order) / n for name in later}
     rows = []
 
     def row(name, cell, k, budget):
-        r = {"needles": setup["needles"], "turns": setup["turns"], "first_stage": setup["first_stage"], "cell": cell,
-             "repair_k": k, "budget": budget, "base_budget": setup["base_budget"], "n": n,
-             "accuracy": float(later[name].sum() / turns_E.sum()), "accuracy_turn1": float(first[name].mean()),
-             "completion": done[name], "gain_vs_matched": "", "gain_ci_low": "", "gain_ci_high": ""}
+        r = {
+            "needles": setup["needles"],
+            "turns": setup["turns"],
+            "first_stage": setup["first_stage"],
+            "cell": cell,
+            "repair_k": k,
+            "budget": budget,
+            "base_budget": setup["base_budget"],
+            "n": n,
+            "accuracy": float(later[name].sum() / turns_E.sum()),
+            "accuracy_turn1": float(first[name].mean()),
+            "completion": done[name],
+            "gain_vs_matched": "",
+            "gain_ci_low": "",
+            "gain_ci_high": "",
+        }
         if cell in REPAIR_POLICIES:
             g, lo, hi = paired_gain(later[name], later[f"matched@{k}"], turns_E)
             r.update(gain_vs_matched=g, gain_ci_low=lo, gain_ci_high=hi)
@@ -303,7 +357,7 @@ def plot(rows, path: Path) -> None:
     ncol = min(5, 2 * cols)  # legend columns; at most 9 entries
     legend_h = 0.25 * math.ceil(9 / ncol) + 0.1
     fig, axes = plt.subplots(nrows, cols, figsize=(4.6 * cols, 3.7 * nrows + legend_h), squeeze=False)
-    for ax in axes.flat[len(panels):]:
+    for ax in axes.flat[len(panels) :]:
         ax.axis("off")
     handles = {}
     for ax, (needles, turns, stage) in zip(axes.flat, panels):
@@ -319,8 +373,7 @@ def plot(rows, path: Path) -> None:
                 handles["full cache"] = ax.axhline(r["accuracy"], color="black", linestyle="--", linewidth=0.8)
             if r["cell"] == "none":
                 handles["no repair at B_base"] = ax.axhline(r["accuracy"], color="red", linestyle=":", linewidth=0.8)
-        ax.set_title(f"MQ-NIAH-{needles}Q{'' if turns == 2 else f', {turns} turns'}, {stage}, B_base {mine[0]['base_budget']}",
-                     fontsize=9)
+        ax.set_title(f"MQ-NIAH-{needles}Q{'' if turns == 2 else f', {turns} turns'}, {stage}, B_base {mine[0]['base_budget']}", fontsize=9)
         ax.set_xlabel("repair budget K (rows)")
         ax.set_ylabel("exact match after turn 1")
         ax.set_ylim(-0.02, 1.02)
@@ -357,12 +410,21 @@ def plot_figure2(rows, path: Path, *, first_stage="snapkv", turns=2, label_k=96)
     fig, ax = plt.subplots(figsize=(6.4, 4.4))
     labels = []  # (y, text, colour) at the right end of each REPAIRKV curve
     for color, needles in enumerate(sorted({r["needles"] for r in mine})):
-        cur = {c: sorted((r["repair_k"], r["accuracy"]) for r in mine if r["needles"] == needles and r["cell"] == c)
-               for c in ("repairkv", "matched")}
+        cur = {
+            c: sorted((r["repair_k"], r["accuracy"]) for r in mine if r["needles"] == needles and r["cell"] == c)
+            for c in ("repairkv", "matched")
+        }
         for c, style in (("repairkv", "-"), ("matched", ":")):
             if cur[c]:
-                ax.plot([p[0] for p in cur[c]], [p[1] for p in cur[c]], style, marker="o", markersize=3, color=f"C{color}",
-                        linewidth=2 if c == "repairkv" else 1.4)
+                ax.plot(
+                    [p[0] for p in cur[c]],
+                    [p[1] for p in cur[c]],
+                    style,
+                    marker="o",
+                    markersize=3,
+                    color=f"C{color}",
+                    linewidth=2 if c == "repairkv" else 1.4,
+                )
         at = {c: dict(cur[c]).get(label_k) for c in cur}
         if cur["repairkv"]:
             gain = f", Δ{label_k} {at['repairkv'] - at['matched']:+.2f}" if None not in at.values() else ""
@@ -398,18 +460,26 @@ def markdown(rows) -> str:
         mine = [r for r in rows if (r["needles"], r["turns"], r["first_stage"]) == (needles, turns, stage)]
         fixed = {r["cell"]: r for r in mine if r["cell"] in ("full", "none")}
         cells = list(dict.fromkeys(c for c in ("repairkv", "matched", *REPAIR_POLICIES) if any(r["cell"] == c for r in mine)))
-        out.append(f"### MQ-NIAH-{needles}Q, {turns} turns, {stage} first stage, B_base = {fixed['none']['budget']}, "
-                   f"n = {fixed['none']['n']}")
-        out.append(f"full cache {fixed['full']['accuracy']:.3f}; no repair at B_base {fixed['none']['accuracy']:.3f} "
-                   f"(exact match after turn 1; turn 1: full {fixed['full']['accuracy_turn1']:.3f}, "
-                   f"B_base {fixed['none']['accuracy_turn1']:.3f})\n")
+        out.append(
+            f"### MQ-NIAH-{needles}Q, {turns} turns, {stage} first stage, B_base = {fixed['none']['budget']}, n = {fixed['none']['n']}"
+        )
+        out.append(
+            f"full cache {fixed['full']['accuracy']:.3f}; no repair at B_base {fixed['none']['accuracy']:.3f} "
+            f"(exact match after turn 1; turn 1: full {fixed['full']['accuracy_turn1']:.3f}, "
+            f"B_base {fixed['none']['accuracy_turn1']:.3f})\n"
+        )
         table = []
         for k in sorted({r["repair_k"] for r in mine if r["repair_k"]}):
             at = {r["cell"]: r for r in mine if r["repair_k"] == k}
             gain = _gain(at["repairkv"]) if "repairkv" in at else "-"
             table.append([k, *(f"{at[c]['accuracy']:.3f}" if c in at else "-" for c in cells), gain])
-        out.append(md_table(["K", *("matched no-repair" if c == "matched" else c for c in cells), "REPAIRKV − matched [95% CI]"],
-                            table, align="r" * (len(cells) + 2)))
+        out.append(
+            md_table(
+                ["K", *("matched no-repair" if c == "matched" else c for c in cells), "REPAIRKV − matched [95% CI]"],
+                table,
+                align="r" * (len(cells) + 2),
+            )
+        )
         out.append("")
     return "\n".join(out)
 
@@ -457,20 +527,27 @@ def run(args, model=None) -> list[dict]:
         return rows
     model = model if model is not None else jaxkv.load_model(args.model)
     out.mkdir(parents=True, exist_ok=True)
-    max_positions = int(min(model.config.max_position_embeddings,
-                            1 << math.ceil(math.log2(max(2 * args.length + 8 * args.max_new_tokens, 1024)))))
+    max_positions = int(
+        min(model.config.max_position_embeddings, 1 << math.ceil(math.log2(max(2 * args.length + 8 * args.max_new_tokens, 1024))))
+    )
     kw = dict(max_new_tokens=args.max_new_tokens, max_positions=max_positions)
     for needles in needles_list:
         seed = PROTOCOL_SEED + needles
         examples = mqniah(args.n, seed, needles=needles, length=args.length, turns=args.turns)
-        common = {"model": args.model, "needles": needles, "turns": args.turns, "first_stage": args.first_stage,
-                  "length": args.length, "seed": seed, **kw}
+        common = {
+            "model": args.model,
+            "needles": needles,
+            "turns": args.turns,
+            "first_stage": args.first_stage,
+            "length": args.length,
+            "seed": seed,
+            **kw,
+        }
         base = args.base_budget or _calibrated(model, examples, common, journal, args, kw)
         setup = {**common, "n": args.n, "base_budget": base, "ks": ks, "policies": policies}
         done = next((recs for s, recs in load_records(journal)[1] if s == setup), {}) if args.resume else {}
         todo = [i for i in range(args.n) if i not in done]
-        jobs = [(setup, run[0], [examples[i] for i in run], examples[(run[0] - 1) % args.n])
-                for run in _runs(todo, args.chunk)]
+        jobs = [(setup, run[0], [examples[i] for i in run], examples[(run[0] - 1) % args.n]) for run in _runs(todo, args.chunk)]
         desc = f"{needles}Q {args.first_stage} {args.turns} turns, B_base {base}"
         with tqdm(total=args.n, initial=args.n - len(todo), desc=desc, unit="example", file=sys.stderr) as bar:
             for _, records in pool_map(_chunk_job, jobs, args.model, workers=args.workers, model=model, bar=bar):
@@ -499,28 +576,45 @@ def _calibrated(model, examples, common, journal, args, kw) -> int:
     from tqdm import tqdm
 
     cal = examples[: args.calibrate_n]
-    key = {**common, "calibrate_n": len(cal), "candidates": args.candidates, "min_full": args.min_full,
-           "calibrate_k": args.calibrate_k}
+    key = {**common, "calibrate_n": len(cal), "candidates": args.candidates, "min_full": args.min_full, "calibrate_k": args.calibrate_k}
     calibrations, _ = load_records(journal)
     found = calibrations.get(json.dumps(key, sort_keys=True))
     if found is not None and args.resume:
         return found["base_budget"]
     shortest = min(e.approx_tokens() for e in examples)
     candidates = sorted({max(16, int(shortest * f)) for f in args.candidates})
-    with tqdm(total=len(cal) * (1 + len(candidates)), desc=f"{common['needles']}Q calibrating B_base", unit="example",
-              file=sys.stderr) as bar:
+    with tqdm(
+        total=len(cal) * (1 + len(candidates)), desc=f"{common['needles']}Q calibrating B_base", unit="example", file=sys.stderr
+    ) as bar:
         full = score(model, cal, Cell("full", None, None, "mqniah"), progress=bar.update, **kw)["accuracy"]
-        base, tried = calibrate(model, cal, common["first_stage"], candidates, full, args.min_full,
-                                reference_k=args.calibrate_k, workers=args.workers, model_name=args.model, bar=bar, **kw)
-    tqdm.write(f"{common['needles']}Q calibration (n={len(cal)}): full {full:.3f}; no repair at B + {args.calibrate_k}: "
-               + ", ".join(f"B={b}: {a:.3f}" for b, a in tried) + f" -> B_base {base}")
+        base, tried = calibrate(
+            model,
+            cal,
+            common["first_stage"],
+            candidates,
+            full,
+            args.min_full,
+            reference_k=args.calibrate_k,
+            workers=args.workers,
+            model_name=args.model,
+            bar=bar,
+            **kw,
+        )
+    tqdm.write(
+        f"{common['needles']}Q calibration (n={len(cal)}): full {full:.3f}; no repair at B + {args.calibrate_k}: "
+        + ", ".join(f"B={b}: {a:.3f}" for b, a in tried)
+        + f" -> B_base {base}"
+    )
     append_journal(journal, {"setup": key, "calibration": tried, "full": full, "base_budget": base})
     return base
 
 
 def build_parser():
-    p = argparse.ArgumentParser(prog="python -m eval.quality.repair_protocol", description=__doc__.splitlines()[0],
-                                formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    p = argparse.ArgumentParser(
+        prog="python -m eval.quality.repair_protocol",
+        description=__doc__.splitlines()[0],
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+    )
     p.add_argument("--model", default="embedded")
     p.add_argument("--needles", default="2,4,6,8", help="needle counts (comma list)")
     p.add_argument("--turns", type=int, default=2, choices=(2, 5), help="5: repeated-shift schedule (needles 4 or 8)")
@@ -531,8 +625,12 @@ def build_parser():
     p.add_argument("--length", type=int, default=2048)
     p.add_argument("--max-new-tokens", type=int, default=64)
     p.add_argument("--base-budget", type=int, default=None, help="B_base (default: calibrated)")
-    p.add_argument("--candidates", type=lambda s: [float(x) for x in s.split(",")],
-                   default=[0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.5], help="calibration budgets as fractions of the shortest turn-1 request")
+    p.add_argument(
+        "--candidates",
+        type=lambda s: [float(x) for x in s.split(",")],
+        default=[0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.5],
+        help="calibration budgets as fractions of the shortest turn-1 request",
+    )
     p.add_argument("--calibrate-k", type=int, default=96, help="K at which calibration aims matched no-repair at half of full")
     p.add_argument("--calibrate-n", type=int, default=20)
     p.add_argument("--min-full", type=float, default=0.5, help="full-cache accuracy below which calibration refuses")

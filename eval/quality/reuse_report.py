@@ -58,11 +58,14 @@ from jaxkv.tasks.seeds import EVAL_SEED_BASE
 from train import replay
 from train.journal import append_journal, read_journal
 
+
 def _defaults() -> dict:
     from jaxkv.serving.stages.reuse import ReuseConfig
 
     c = ReuseConfig()
-    return dict(reuse_layers=c.reuse_layers, halo=c.halo, tau_seg=c.tau_seg, tau_ctx=c.tau_ctx, ctx_window=c.ctx_window, kl_epsilon=c.kl_epsilon)
+    return dict(
+        reuse_layers=c.reuse_layers, halo=c.halo, tau_seg=c.tau_seg, tau_ctx=c.tau_ctx, ctx_window=c.ctx_window, kl_epsilon=c.kl_epsilon
+    )
 
 
 DEFAULT_ALIASES = ("L_reuse=4", "h=8", "tau_seg=0.8")  # sweep rows = the headline's segment pass
@@ -110,7 +113,9 @@ def summarize(name, reuse, options, sessions) -> dict:
     last = [r.last_kl for r in reports if r.last_kl is not None]
     opts = {**_defaults(), **options} if reuse == "segment" else options
     return {
-        "config": name, "reuse": reuse, "n": n_sessions,
+        "config": name,
+        "reuse": reuse,
+        "n": n_sessions,
         "L_reuse": opts.get("reuse_layers", "-") if reuse == "segment" else ("all" if reuse == "cacheblend" else "-"),
         "h": opts.get("halo", "-") if reuse == "segment" else "-",
         "tau_seg": opts.get("tau_seg", "-") if reuse == "segment" else "-",
@@ -148,8 +153,9 @@ def run_pass(model, examples, reuse: str, options: dict, *, max_new_tokens: int,
         try:
             for i, ex in enumerate(batch):
                 cell = replay.Cell("full", None, None, "shared_docs", reuse=reuse)
-                v, _, _, session = replay.replay_example(model, ex, cell, max_new_tokens=max_new_tokens, max_positions=max_positions,
-                                                          server=server, **options)
+                v, _, _, session = replay.replay_example(
+                    model, ex, cell, max_new_tokens=max_new_tokens, max_positions=max_positions, server=server, **options
+                )
                 if phase == "run":
                     out.append({"v": [bool(x) for x in v], "reports": [dataclasses.asdict(r) for r in session._stage("reuse").reports]})
                     if (i + 1) % 20 == 0:
@@ -182,7 +188,11 @@ def main(argv=None) -> int:
     p.add_argument("--max-positions", type=int, default=4096)
     p.add_argument("--seed", type=int, default=EVAL_SEED_BASE)
     p.add_argument("--only", choices=("headline", "sweeps", "pilot"), default=None)
-    p.add_argument("--passes", default=None, help="comma list of configurations to run now (default: all missing); a name with commas is named by its parts")
+    p.add_argument(
+        "--passes",
+        default=None,
+        help="comma list of configurations to run now (default: all missing); a name with commas is named by its parts",
+    )
     p.add_argument("--out", default="eval/results/reuse")
     p.add_argument("--resume", action="store_true")
     args = p.parse_args(argv)
@@ -214,14 +224,42 @@ def main(argv=None) -> int:
                 continue
             t0 = time.perf_counter()
             print(f"{group} {name}: {n} sessions", file=sys.stderr)
-            done[k] = run_pass(model, examples[:n], reuse, options, max_new_tokens=args.max_new_tokens, max_positions=args.max_positions,
-                               warmup=warmup, log=lambda m: print(m, file=sys.stderr))
+            done[k] = run_pass(
+                model,
+                examples[:n],
+                reuse,
+                options,
+                max_new_tokens=args.max_new_tokens,
+                max_positions=args.max_positions,
+                warmup=warmup,
+                log=lambda m: print(m, file=sys.stderr),
+            )
             print(f"{group} {name}: {time.perf_counter() - t0:.0f} s", file=sys.stderr)
             append_journal(journal, {"key": k, "sessions": done[k]})
 
     head = configs(False)
-    cols = ["config", "n", "L_reuse", "h", "tau_seg", "W", "tau_ctx", "eps", "accuracy", "prefill_tokens_computed", "saving", "prefill_s", "prefill_s_median",
-            "accept_rate", "fallback_rate", "spliced_share", "boundary_kl_mean", "boundary_kl_p95", "false_accept_rate", "last_kl_mean"]
+    cols = [
+        "config",
+        "n",
+        "L_reuse",
+        "h",
+        "tau_seg",
+        "W",
+        "tau_ctx",
+        "eps",
+        "accuracy",
+        "prefill_tokens_computed",
+        "saving",
+        "prefill_s",
+        "prefill_s_median",
+        "accept_rate",
+        "fallback_rate",
+        "spliced_share",
+        "boundary_kl_mean",
+        "boundary_kl_p95",
+        "false_accept_rate",
+        "last_kl_mean",
+    ]
     md = [f"# Cross-query segment reuse on shared_docs ({args.model})", ""]
     rows, missing = [], []
     for group, n, cfgs in groups:
@@ -244,7 +282,12 @@ def main(argv=None) -> int:
         for r in rs:
             r["accuracy_delta_pts"] = 100 * (r["accuracy"] - base["accuracy"])
         rows += rs
-        md += [f"## {group} ({n} held-out sessions, {base['requests']} requests)", "", table(rs, cols[:9] + ["accuracy_delta_pts"] + cols[9:]), ""]
+        md += [
+            f"## {group} ({n} held-out sessions, {base['requests']} requests)",
+            "",
+            table(rs, cols[:9] + ["accuracy_delta_pts"] + cols[9:]),
+            "",
+        ]
     if missing:
         md += [f"Missing passes (run them with --resume): {', '.join(missing)}", ""]
         print(f"missing: {', '.join(missing)}", file=sys.stderr)

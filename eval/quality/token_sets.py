@@ -63,16 +63,30 @@ EXPECTED = "ExpectedAttentionPress"
 EA_NO_VNORM, EA_WINDOW = "ExpectedAttentionPress-novnorm", "ExpectedAttentionPress-window"
 EA_WINDOW_ROWS = 256  # jaxkv's observation window (ExpectedAttentionConfig.w)
 # kvpress's presses, plus ACCUMULATED and the EA variants (below); the first four are the default run
-SCORERS = ("SnapKVPress", "TOVAPress", "ObservedAttentionPress", "KeyDiffPress", "RandomPress", ACCUMULATED,
-           EXPECTED, EA_NO_VNORM, EA_WINDOW)
+SCORERS = (
+    "SnapKVPress",
+    "TOVAPress",
+    "ObservedAttentionPress",
+    "KeyDiffPress",
+    "RandomPress",
+    ACCUMULATED,
+    EXPECTED,
+    EA_NO_VNORM,
+    EA_WINDOW,
+)
 DEFAULT_SCORERS = SCORERS[:4]
 H2O_RECENT = H2OConfig().recent  # jaxkv's H2O recent floor (32)
 
 EAGER_SCORERS = kp.EAGER_PRESSES | {ACCUMULATED}  # read the prefill's attention weights
 HEAD_MEAN_SCORERS = frozenset({"TOVAPress"})  # the score is already a head mean: `head` is `layer`
 # a one-set cell and the jaxkv method whose rule it is (ALGORITHMS.md §2), compared on the same examples
-JAXKV_RULES = {"TOVAPress/one": "tova", "RandomPress/one": "random", f"{ACCUMULATED}/one": "h2o",
-               "ObservedAttentionPress/one": "h2o", f"{EA_WINDOW}/one": "expected_attention"}
+JAXKV_RULES = {
+    "TOVAPress/one": "tova",
+    "RandomPress/one": "random",
+    f"{ACCUMULATED}/one": "h2o",
+    "ObservedAttentionPress/one": "h2o",
+    f"{EA_WINDOW}/one": "expected_attention",
+}
 RATIOS = kp.RATIOS
 OUT = Path("eval/results/real_smollm2/token_sets")
 
@@ -134,7 +148,7 @@ def accumulated_attention_press(ratio: float, recent: int = H2O_RECENT):
                 bsz, kv_heads, n, _ = keys.shape
                 scores = attentions.sum(2).view(bsz, kv_heads, -1, n).mean(2)
                 if self.recent:
-                    scores[..., max(n - self.recent, 0):] = float("inf")
+                    scores[..., max(n - self.recent, 0) :] = float("inf")
                 return scores
 
         _ACCUMULATED_CLASS = AccumulatedAttentionPress
@@ -234,8 +248,13 @@ def cell_name(scorer: str, granularity: str, ratio: float) -> str:
 
 
 def make_presses(scorers, ratios) -> dict:
-    return {cell_name(s, g, r): TokenSetPress(make_scorer(s, r), g)
-            for s in scorers for g in GRANULARITIES if not (g == "head" and s in HEAD_MEAN_SCORERS) for r in ratios}
+    return {
+        cell_name(s, g, r): TokenSetPress(make_scorer(s, r), g)
+        for s in scorers
+        for g in GRANULARITIES
+        if not (g == "head" and s in HEAD_MEAN_SCORERS)
+        for r in ratios
+    }
 
 
 def run_setting(model, tokenizer, example, setting: str, scorers, ratios, *, stops, greedy: bool = False) -> dict:
@@ -333,8 +352,19 @@ def side_rows(out: Path, tables: dict, side: str, rules: dict) -> list[str]:
             if res is None:
                 continue
             common = set(other) & set(mine)
-            lines.append(md_row([f"{task} {key[1]} {key[2]}", cell, name, res[3], fmt_mean(task, {s: mine[s] for s in common}),
-                                 fmt_mean(task, {s: other[s] for s in common}), fmt_gain(task, res)]))
+            lines.append(
+                md_row(
+                    [
+                        f"{task} {key[1]} {key[2]}",
+                        cell,
+                        name,
+                        res[3],
+                        fmt_mean(task, {s: mine[s] for s in common}),
+                        fmt_mean(task, {s: other[s] for s in common}),
+                        fmt_gain(task, res),
+                    ]
+                )
+            )
     return lines
 
 
@@ -347,21 +377,33 @@ def counterpart_rows(out: Path, tables: dict) -> list[str]:
     out_lines = []
     rows = side_rows(out, tables, "jaxkv", JAXKV_RULES)
     if rows:
-        out_lines += ["## One set in kvpress's pipeline beside jaxkv's method", "",
-                      "Each one-set cell beside the jaxkv cell whose rule it is, on the examples both ran (jaxkv's "
-                      "journals under the report root's `jaxkv/`): accuracy in % (teacher forced) or, on `lm`, the NLL "
-                      "increase over each side's own full cache (nats per token, lower is better); the difference is "
-                      "jaxkv minus the one-set cell with a paired bootstrap 95% interval. What still differs: the "
-                      "pipelines (jaxkv's engine, transformers), jaxkv's pinned system prompt (none on `lm`), and "
-                      "the random draws.", "",
-                      *md_header(["task", "one-set cell", "jaxkv cell", "n", "one set", "jaxkv", "jaxkv - one set"], "lllrrrr"), *rows, ""]
+        out_lines += [
+            "## One set in kvpress's pipeline beside jaxkv's method",
+            "",
+            "Each one-set cell beside the jaxkv cell whose rule it is, on the examples both ran (jaxkv's "
+            "journals under the report root's `jaxkv/`): accuracy in % (teacher forced) or, on `lm`, the NLL "
+            "increase over each side's own full cache (nats per token, lower is better); the difference is "
+            "jaxkv minus the one-set cell with a paired bootstrap 95% interval. What still differs: the "
+            "pipelines (jaxkv's engine, transformers), jaxkv's pinned system prompt (none on `lm`), and "
+            "the random draws.",
+            "",
+            *md_header(["task", "one-set cell", "jaxkv cell", "n", "one set", "jaxkv", "jaxkv - one set"], "lllrrrr"),
+            *rows,
+            "",
+        ]
     rows = side_rows(out, tables, "kvpress", own)
     if rows:
-        out_lines += ["## kvpress's own cells, reproduced", "",
-                      "Each `head` cell (TOVAPress: `layer`) beside the press's own cell in the main report's kvpress "
-                      "journals, on the examples both ran (kvpress minus the cell here): zero where this pipeline "
-                      "is kvpress's.", "",
-                      *md_header(["task", "cell", "kvpress cell", "n", "here", "kvpress", "kvpress - here"], "lllrrrr"), *rows, ""]
+        out_lines += [
+            "## kvpress's own cells, reproduced",
+            "",
+            "Each `head` cell (TOVAPress: `layer`) beside the press's own cell in the main report's kvpress "
+            "journals, on the examples both ran (kvpress minus the cell here): zero where this pipeline "
+            "is kvpress's.",
+            "",
+            *md_header(["task", "cell", "kvpress cell", "n", "here", "kvpress", "kvpress - here"], "lllrrrr"),
+            *rows,
+            "",
+        ]
     return out_lines
 
 
@@ -369,16 +411,21 @@ def report(out: Path) -> str:
     from eval.quality.real_model_report import findings
 
     tables = read(out)
-    lines = ["# Token-set granularity at equal KV (issue #32, item 6)", "",
-             "Generated by `python -m eval.quality.token_sets --report --out " + str(out) + "` from `examples*.jsonl` "
-             "(`python -m eval.quality.token_sets ... --resume`). SmolLM2-135M-Instruct in transformers, float32, CPU, "
-             "kvpress's scorers with their defaults (and `AccumulatedAttentionPress`, H2O's raw accumulated "
-             "attention); every cell keeps the same number of tokens in every layer and "
-             "KV head. `head`: top-k per (layer, KV head), kvpress's own cell; `layer`: per layer from the head-mean "
-             "score; `one`: one set for the model from the mean over layers and heads (jaxkv's rule). Retrieval: "
-             "teacher-forced accuracy (every answer digit is its row's argmax), %, gains in points; `lm`: the NLL "
-             "increase over the full cache, nats per token (lower is better), differences in nats; paired bootstrap "
-             "95% intervals over examples.", "", *findings(out)]
+    lines = [
+        "# Token-set granularity at equal KV (issue #32, item 6)",
+        "",
+        "Generated by `python -m eval.quality.token_sets --report --out " + str(out) + "` from `examples*.jsonl` "
+        "(`python -m eval.quality.token_sets ... --resume`). SmolLM2-135M-Instruct in transformers, float32, CPU, "
+        "kvpress's scorers with their defaults (and `AccumulatedAttentionPress`, H2O's raw accumulated "
+        "attention); every cell keeps the same number of tokens in every layer and "
+        "KV head. `head`: top-k per (layer, KV head), kvpress's own cell; `layer`: per layer from the head-mean "
+        "score; `one`: one set for the model from the mean over layers and heads (jaxkv's rule). Retrieval: "
+        "teacher-forced accuracy (every answer digit is its row's argmax), %, gains in points; `lm`: the NLL "
+        "increase over the full cache, nats per token (lower is better), differences in nats; paired bootstrap "
+        "95% intervals over examples.",
+        "",
+        *findings(out),
+    ]
     for (task, context, setting), cells in sorted(tables.items()):
         full = cells.get(kp.FULL, {})
         n = len(full)
@@ -386,8 +433,13 @@ def report(out: Path) -> str:
             head = f"Full cache: NLL {np.mean([c['nll'] for c in full.values()]):.3f} nats per token (n = {n})." if n else "Full cache: -."
         else:
             head = f"Full cache: {100 * np.mean([c['tf_correct'] for c in full.values()]):.0f}% (n = {n})." if n else "Full cache: -."
-        lines += [f"## {task}, {context} tokens, question-{setting}", "", head, "",
-                  *md_header(["scorer", "ratio", "head", "layer", "one", "layer - one", "head - one"], "l" + "r" * 6)]
+        lines += [
+            f"## {task}, {context} tokens, question-{setting}",
+            "",
+            head,
+            "",
+            *md_header(["scorer", "ratio", "head", "layer", "one", "layer - one", "head - one"], "l" + "r" * 6),
+        ]
         combos = sorted({split(c)[0::2] for c in cells if c != kp.FULL})
         for scorer, ratio in combos:
             got = {g: cell_values(task, cells, cell_name(scorer, g, ratio)) for g in GRANULARITIES}
@@ -429,8 +481,11 @@ def plot(out: Path, tables: dict) -> None:
             elif cells.get(kp.FULL):
                 ax.axhline(100 * np.mean([c["tf_correct"] for c in cells[kp.FULL].values()]), color="grey", ls=":", label="full cache")
             for g in GRANULARITIES:
-                pts = sorted((split(c)[2], scale * np.mean(list(cell_values(key[0], cells, c).values())))
-                             for c in cells if c != kp.FULL and split(c)[:2] == (scorer, g))
+                pts = sorted(
+                    (split(c)[2], scale * np.mean(list(cell_values(key[0], cells, c).values())))
+                    for c in cells
+                    if c != kp.FULL and split(c)[:2] == (scorer, g)
+                )
                 if pts:
                     ax.plot(*zip(*pts), marker=style[g][1], color=style[g][0], label=g)
             ax.set_title(f"{scorer} · {key[0]} {key[1]} {key[2]}", fontsize=8)
@@ -459,8 +514,11 @@ def main(argv=None) -> int:
     ap.add_argument("--greedy", action="store_true", help="also decode greedy replies (teacher forced only by default)")
     ap.add_argument("--out", type=Path, default=OUT)
     ap.add_argument("--resume", action="store_true")
-    ap.add_argument("--journal", default="examples.jsonl",
-                    help="the journal in --out; another examples_*.jsonl adds scorers to the same examples (merged by --report)")
+    ap.add_argument(
+        "--journal",
+        default="examples.jsonl",
+        help="the journal in --out; another examples_*.jsonl adds scorers to the same examples (merged by --report)",
+    )
     ap.add_argument("--report", action="store_true", help="write OUT/README.md and the plot from the journal, and exit")
     args = ap.parse_args(argv)
     if args.report:
@@ -490,13 +548,30 @@ def main(argv=None) -> int:
     path = args.out / args.journal
     done = kp.done_keys(path) if args.resume else set()
     todo = [ex for ex in examples if (ex.task, ex.length, ex.seed) not in done]
-    setup = {"model": kp.MODEL, "dtype": "float32", "device": "cpu", "threads": args.threads, "ratios": ratios,
-             "scorers": {s: scorer_settings(s) for s in scorers}, "granularities": list(GRANULARITIES),
-             "settings": settings, "greedy": args.greedy, "versions": kp._versions()}
-    kp.journal_examples(todo, settings,
-                        lambda ex, setting: run_setting(model, tokenizer, ex, setting, scorers, ratios, stops=stops, greedy=args.greedy),
-                        path, setup, task=args.task, context=args.context, desc="token sets")
+    setup = {
+        "model": kp.MODEL,
+        "dtype": "float32",
+        "device": "cpu",
+        "threads": args.threads,
+        "ratios": ratios,
+        "scorers": {s: scorer_settings(s) for s in scorers},
+        "granularities": list(GRANULARITIES),
+        "settings": settings,
+        "greedy": args.greedy,
+        "versions": kp._versions(),
+    }
+    kp.journal_examples(
+        todo,
+        settings,
+        lambda ex, setting: run_setting(model, tokenizer, ex, setting, scorers, ratios, stops=stops, greedy=args.greedy),
+        path,
+        setup,
+        task=args.task,
+        context=args.context,
+        desc="token sets",
+    )
     return 0
+
 
 if __name__ == "__main__":
     sys.exit(main())

@@ -70,20 +70,60 @@ def agent_table(rows: list[dict], calibration: Path) -> list[str]:
     from eval.quality.harness import quant_nll_increase
 
     base = next(r for r in rows if r["kv_quant"] == "none")
-    lines = md_header(["kv_quant", "B", "INT2 tags", "stored bits", "KV bytes / token", "capacity vs bf16", "NLL increase, nats/token [95%]",
-                       f"within {GOAL}", "KL per token", "teacher-forced accuracy"], "lrlrrrrlrr")
+    lines = md_header(
+        [
+            "kv_quant",
+            "B",
+            "INT2 tags",
+            "stored bits",
+            "KV bytes / token",
+            "capacity vs bf16",
+            "NLL increase, nats/token [95%]",
+            f"within {GOAL}",
+            "KL per token",
+            "teacher-forced accuracy",
+        ],
+        "lrlrrrrlrr",
+    )
     for r in rows:
         if r["kv_quant"] == "none":
-            lines.append(md_row(["none (float pool)", "-", "-", "16.00", f"{base['kv_bytes_per_token']:.0f}", "1.00x", "(ceiling)", "", "",
-                                 f"{100 * r['accuracy']:.1f}%"]))
+            lines.append(
+                md_row(
+                    [
+                        "none (float pool)",
+                        "-",
+                        "-",
+                        "16.00",
+                        f"{base['kv_bytes_per_token']:.0f}",
+                        "1.00x",
+                        "(ceiling)",
+                        "",
+                        "",
+                        f"{100 * r['accuracy']:.1f}%",
+                    ]
+                )
+            )
             continue
         d = quant_nll_increase(r)
         verdict = "yes" if d[2] < GOAL else ("point estimate only" if d[0] < GOAL else "no")
         B = r["kv_bits"] if r["kv_quant"].startswith("triaxial") else "-"
         tags = int2_tags(calibration, float(B)) if B != "-" else "-"
-        lines.append(md_row([r["kv_quant"], B, tags, f"{r['avg_bits']:.2f}", f"{r['kv_bytes_per_token']:.0f}",
-                             f"{base['kv_bytes_per_token'] / r['kv_bytes_per_token']:.2f}x", f"{d[0]:+.4f} [{d[1]:+.4f}, {d[2]:+.4f}]", verdict,
-                             f"{r['kl']:.4f}", f"{100 * r['accuracy']:.1f}%"]))
+        lines.append(
+            md_row(
+                [
+                    r["kv_quant"],
+                    B,
+                    tags,
+                    f"{r['avg_bits']:.2f}",
+                    f"{r['kv_bytes_per_token']:.0f}",
+                    f"{base['kv_bytes_per_token'] / r['kv_bytes_per_token']:.2f}x",
+                    f"{d[0]:+.4f} [{d[1]:+.4f}, {d[2]:+.4f}]",
+                    verdict,
+                    f"{r['kl']:.4f}",
+                    f"{100 * r['accuracy']:.1f}%",
+                ]
+            )
+        )
     return lines
 
 
@@ -93,8 +133,10 @@ def lm_table(root: Path) -> list[str]:
     records = [json.loads(line) for p in sorted(root.glob("quant*.jsonl")) for line in p.read_text().splitlines() if line.strip()]
     if not records:
         return []
-    lines = md_header(["format", "context", "examples", "float pool NLL", "NLL increase, nats/token [95%]", f"within {LM_GOAL}",
-                       "KL per token [95%]"], "lrrrrlr")
+    lines = md_header(
+        ["format", "context", "examples", "float pool NLL", "NLL increase, nats/token [95%]", f"within {LM_GOAL}", "KL per token [95%]"],
+        "lrrrrlr",
+    )
     for ctx in sorted({r["context"] for r in records}):
         recs = [r for r in records if r["context"] == ctx]
         for cell in sorted({c for r in recs for c in r["cells"] if c != "full"}):
@@ -103,8 +145,19 @@ def lm_table(root: Path) -> list[str]:
             kl = mean_ci([r["cells"][cell]["kl"] for r in got])
             verdict = "yes" if d[2] < LM_GOAL else ("point estimate only" if d[0] < LM_GOAL else "no")
             full = np.mean([r["cells"]["full"]["nll"] for r in got])
-            lines.append(md_row([cell.removeprefix("kv:"), ctx, len(got), f"{full:.3f}", f"{d[0]:+.4f} [{d[1]:+.4f}, {d[2]:+.4f}]", verdict,
-                                 f"{kl[0]:.4f} [{kl[1]:.4f}, {kl[2]:.4f}]"]))
+            lines.append(
+                md_row(
+                    [
+                        cell.removeprefix("kv:"),
+                        ctx,
+                        len(got),
+                        f"{full:.3f}",
+                        f"{d[0]:+.4f} [{d[1]:+.4f}, {d[2]:+.4f}]",
+                        verdict,
+                        f"{kl[0]:.4f} [{kl[1]:.4f}, {kl[2]:.4f}]",
+                    ]
+                )
+            )
     return lines
 
 
@@ -118,20 +171,32 @@ def report(root: Path, calibration: Path) -> str:
     md = ["# TriAxialKV on agent traces: SmolLM2-135M-Instruct (issue #60, item 3)", ""]
     if (root / "summary.md").is_file():
         md += [(root / "summary.md").read_text().strip(), ""]
-    md += ["## Agent traces: every KV format against the float pool", "",
-           f"{'/'.join(map(str, sorted(n)))} held-out agent traces, {ceiling['tokens']} teacher-forced reply tokens "
-           f"({'/'.join(map(str, sorted(tokens)))} compared per cell); the float pool's own reply NLL is "
-           f"{ceiling['nll']:.3f} nats/token. Stored bits and bytes per token are those of the live KV after each "
-           "prompt prefill (scales and zero points included, the float pool counted as bf16). The NLL increase is "
-           "token-weighted over every recorded reply, with a paired bootstrap 95% interval over traces; "
-           f"*within {GOAL}* asks the interval's upper end to be below {GOAL} nats/token. INT2 tags: the tags the "
-           f"allocation at B stores at 2 bits (calibration `{calibration}`).", ""]
+    md += [
+        "## Agent traces: every KV format against the float pool",
+        "",
+        f"{'/'.join(map(str, sorted(n)))} held-out agent traces, {ceiling['tokens']} teacher-forced reply tokens "
+        f"({'/'.join(map(str, sorted(tokens)))} compared per cell); the float pool's own reply NLL is "
+        f"{ceiling['nll']:.3f} nats/token. Stored bits and bytes per token are those of the live KV after each "
+        "prompt prefill (scales and zero points included, the float pool counted as bf16). The NLL increase is "
+        "token-weighted over every recorded reply, with a paired bootstrap 95% interval over traces; "
+        f"*within {GOAL}* asks the interval's upper end to be below {GOAL} nats/token. INT2 tags: the tags the "
+        f"allocation at B stores at 2 bits (calibration `{calibration}`).",
+        "",
+    ]
     md += agent_table(rows, calibration) + [""]
     lm = lm_table(root / "lm")
     if lm:
-        md += ["## INT4 on real text (`lm`), re-measured on the rewritten engine", "",
-               "Continuation NLL increase of 256 teacher-forced tokens after 2,048 context tokens of real text, "
-               "chunked prefill (what a server does), mean over windows with a bootstrap 95% interval.", ""] + lm + [""]
+        md += (
+            [
+                "## INT4 on real text (`lm`), re-measured on the rewritten engine",
+                "",
+                "Continuation NLL increase of 256 teacher-forced tokens after 2,048 context tokens of real text, "
+                "chunked prefill (what a server does), mean over windows with a bootstrap 95% interval.",
+                "",
+            ]
+            + lm
+            + [""]
+        )
     if (root / "commands.md").is_file():
         md += [(root / "commands.md").read_text().strip(), ""]
     return "\n".join(md)

@@ -43,8 +43,18 @@ def precision_table(rows, task, budget=None):
     table = []
     for r in rows:
         B = budget if r["kv_bits"] == "-" and r["kv_quant"].startswith("triaxial") else r["kv_bits"]
-        table.append([r["kv_quant"], B, f"{r['n']:.0f}", f"{100 * r['accuracy']:.1f}%", f"{100 * (r['accuracy'] - none['accuracy']):+.1f}",
-                      f"{r['avg_bits']:.2f}", f"{r['kv_bytes_per_token']:.0f}", f"{none['kv_bytes_per_token'] / r['kv_bytes_per_token']:.2f}x"])
+        table.append(
+            [
+                r["kv_quant"],
+                B,
+                f"{r['n']:.0f}",
+                f"{100 * r['accuracy']:.1f}%",
+                f"{100 * (r['accuracy'] - none['accuracy']):+.1f}",
+                f"{r['avg_bits']:.2f}",
+                f"{r['kv_bytes_per_token']:.0f}",
+                f"{none['kv_bytes_per_token'] / r['kv_bytes_per_token']:.2f}x",
+            ]
+        )
     header = ["kv_quant", "B", "n", "accuracy", "Δ vs full precision (points)", "avg bits", "KV bytes / token", "capacity vs bf16"]
     return md_table(header, table, align="ll" + "r" * 6), {r["kv_quant"]: r for r in rows}, none
 
@@ -64,8 +74,10 @@ def goal_lines(by, none, task):
         kloss = 100 * (none["accuracy"] - kivi["accuracy"])
         ratio = kloss / loss if loss > 0 else float("inf")
         met = kloss >= GOAL_KIVI * max(loss, 0) and kloss > 0
-        lines.append(f"- {task}: kivi2 loses {kloss:+.1f} points, {'∞' if ratio == float('inf') else f'{ratio:.1f}x'} triaxial's loss "
-                     f"(goal >= {GOAL_KIVI:.0f}x): **{'met' if met else 'not met'}**.")
+        lines.append(
+            f"- {task}: kivi2 loses {kloss:+.1f} points, {'∞' if ratio == float('inf') else f'{ratio:.1f}x'} triaxial's loss "
+            f"(goal >= {GOAL_KIVI:.0f}x): **{'met' if met else 'not met'}**."
+        )
     return lines
 
 
@@ -79,14 +91,24 @@ def sweep_table(rows, none_by_task, same_as):
     for b, mode in keys:
         cells = []
         for t in tasks:
-            r = next((r for r in rows if r["task"] == t and r["kv_quant"] == mode and r["kv_bits"] != "-" and float(r["kv_bits"]) == b), None)
+            r = next(
+                (r for r in rows if r["task"] == t and r["kv_quant"] == mode and r["kv_bits"] != "-" and float(r["kv_bits"]) == b), None
+            )
             n = none_by_task[t]
             if r is None:
                 cells += ["", "", "", ""]
                 continue
-            cells += [f"{100 * r['accuracy']:.1f}%", f"{100 * (r['accuracy'] - n['accuracy']):+.1f}", f"{r['avg_bits']:.2f}",
-                      f"{n['kv_bytes_per_token'] / r['kv_bytes_per_token']:.2f}x"]
-        label = f"{b:.1f}" + (f" ({', '.join(f'{x:.1f}' for x in same_as.get(b, []) if x != b)})" if mode == "triaxial" and len(same_as.get(b, [])) > 1 else "")
+            cells += [
+                f"{100 * r['accuracy']:.1f}%",
+                f"{100 * (r['accuracy'] - n['accuracy']):+.1f}",
+                f"{r['avg_bits']:.2f}",
+                f"{n['kv_bytes_per_token'] / r['kv_bytes_per_token']:.2f}x",
+            ]
+        label = f"{b:.1f}" + (
+            f" ({', '.join(f'{x:.1f}' for x in same_as.get(b, []) if x != b)})"
+            if mode == "triaxial" and len(same_as.get(b, [])) > 1
+            else ""
+        )
         table.append([label, mode, *cells])
     return md_table(header, table, align="ll" + "r" * (4 * len(tasks)))
 
@@ -95,22 +117,45 @@ def calibration_tables(cal):
     out = []
     B = cal["budget"]
     for name, v in cal["variants"].items():
-        out += [f"**{name}** (axes: {', '.join(v['axes'])}; bits at B = {B}):", "",
-                md_table(["tag", "N", "D(2)", "D(4)", "bits"],
-                         [[t["name"].replace("|", "\\|"), f"{t['N']:.0f}", f"{t['D2']:.3g}", f"{t['D4']:.3g}", v["bits"][t["name"]]] for t in v["tags"]],
-                         align="lrrrr"), ""]
+        out += [
+            f"**{name}** (axes: {', '.join(v['axes'])}; bits at B = {B}):",
+            "",
+            md_table(
+                ["tag", "N", "D(2)", "D(4)", "bits"],
+                [
+                    [t["name"].replace("|", "\\|"), f"{t['N']:.0f}", f"{t['D2']:.3g}", f"{t['D4']:.3g}", v["bits"][t["name"]]]
+                    for t in v["tags"]
+                ],
+                align="lrrrr",
+            ),
+            "",
+        ]
     sweep = cal.get("sweep") or []
     if sweep:
         tasks = [t for t in cal["calibration"]["tasks"]]
         full = cal["full_precision"]
-        out += [f"Calibration sweep ({cal['calibration']['n_per_task']} conversations per task; full precision "
-                f"{100 * full['accuracy']:.1f}% pooled, " + ", ".join(f"{t} {100 * full[t]:.1f}%" for t in tasks) + "):", "",
-                md_table(["B", "pooled accuracy", *tasks, "avg bits (served)"],
-                         [[f"{r['B']:.1f}", f"{100 * r['accuracy']:.1f}%", *(f"{100 * r[t]:.1f}%" for t in tasks), f"{r['avg_bits']:.2f}"] for r in sweep],
-                         align="r" * (len(tasks) + 3))]
+        out += [
+            f"Calibration sweep ({cal['calibration']['n_per_task']} conversations per task; full precision "
+            f"{100 * full['accuracy']:.1f}% pooled, " + ", ".join(f"{t} {100 * full[t]:.1f}%" for t in tasks) + "):",
+            "",
+            md_table(
+                ["B", "pooled accuracy", *tasks, "avg bits (served)"],
+                [
+                    [f"{r['B']:.1f}", f"{100 * r['accuracy']:.1f}%", *(f"{100 * r[t]:.1f}%" for t in tasks), f"{r['avg_bits']:.2f}"]
+                    for r in sweep
+                ],
+                align="r" * (len(tasks) + 3),
+            ),
+        ]
         met = [r for r in sweep if full["accuracy"] - r["accuracy"] <= 0.01]
-        verdict = "" if met else (f"; no budget met it, even B = {max(r['B'] for r in sweep)} (uniform INT4 on this model), "
-                                  "so the largest budget is the fallback")
+        verdict = (
+            ""
+            if met
+            else (
+                f"; no budget met it, even B = {max(r['B'] for r in sweep)} (uniform INT4 on this model), "
+                "so the largest budget is the fallback"
+            )
+        )
         out += ["", f"Calibrated B = **{B}** ({cal['criterion']}{verdict}).", ""]
     return "\n".join(out)
 
@@ -118,9 +163,11 @@ def calibration_tables(cal):
 def attention_table(cal):
     err = cal["attention_error"]
     L = len(next(iter(err.values()))["all_rows_per_layer"])
-    return md_table(["format", "all rows (mean)", "last row (mean)", *(f"last row, layer {i}" for i in range(L))],
-                    [[fmt, f"{e['all_rows']:.3f}", f"{e['last_row']:.3f}", *(f"{x:.3f}" for x in e["last_row_per_layer"])]
-                     for fmt, e in err.items()], align="l" + "r" * (L + 2))
+    return md_table(
+        ["format", "all rows (mean)", "last row (mean)", *(f"last row, layer {i}" for i in range(L))],
+        [[fmt, f"{e['all_rows']:.3f}", f"{e['last_row']:.3f}", *(f"{x:.3f}" for x in e["last_row_per_layer"])] for fmt, e in err.items()],
+        align="l" + "r" * (L + 2),
+    )
 
 
 def main(argv=None) -> int:
@@ -133,9 +180,13 @@ def main(argv=None) -> int:
     args = ap.parse_args(argv)
     cal = json.loads(Path(args.calibration).read_text())
     grid = read_csv(args.grid)
-    md = ["# TriAxialKV on the embedded model", "",
-          "Generated by `python -m eval.quality.triaxial_report` from the files it names; the commands that made them are in",
-          "`docs/triaxial.md`.", ""]
+    md = [
+        "# TriAxialKV on the embedded model",
+        "",
+        "Generated by `python -m eval.quality.triaxial_report` from the files it names; the commands that made them are in",
+        "`docs/triaxial.md`.",
+        "",
+    ]
     none_by_task, goals = {}, []
     for task in sorted({r["task"] for r in grid}):
         table, by, none = precision_table(grid, task, cal["budget"])
@@ -152,15 +203,28 @@ def main(argv=None) -> int:
             groups.setdefault(tuple(alloc.table(r["B"]).tolist()), []).append(r["B"])
         same_as = {b: bs for bs in groups.values() for b in bs}
         calibrated = [dict(r, kv_bits=str(cal["budget"])) for r in grid if r["kv_quant"] == "triaxial" and r["kv_bits"] == "-"]
-        md += ["## Budget sweep on the evaluation set (triaxial)", "",
-               "Budgets that give the same triaxial allocation serve identically; each group ran once, at the budget "
-               f"listed first (the others in brackets). B = {cal['budget']} is the calibrated cell of the table above.", "",
-               sweep_table(read_csv(args.sweep) + calibrated, none_by_task, same_as), ""]
-    md += ["## Calibration", "", calibration_tables(cal), "",
-           "## Attention-output error per format on K/V captured from the embedded model", "",
-           "Relative error ||o' - o|| / ||o|| of the attention output with the format applied to the calibration "
-           "requests' K/V (every query row, and the last row as a decode step), mean over requests:", "",
-           attention_table(cal), ""]
+        md += [
+            "## Budget sweep on the evaluation set (triaxial)",
+            "",
+            "Budgets that give the same triaxial allocation serve identically; each group ran once, at the budget "
+            f"listed first (the others in brackets). B = {cal['budget']} is the calibrated cell of the table above.",
+            "",
+            sweep_table(read_csv(args.sweep) + calibrated, none_by_task, same_as),
+            "",
+        ]
+    md += [
+        "## Calibration",
+        "",
+        calibration_tables(cal),
+        "",
+        "## Attention-output error per format on K/V captured from the embedded model",
+        "",
+        "Relative error ||o' - o|| / ||o|| of the attention output with the format applied to the calibration "
+        "requests' K/V (every query row, and the last row as a decode step), mean over requests:",
+        "",
+        attention_table(cal),
+        "",
+    ]
     if Path(args.bench).exists():
         md += ["## CPU decode speed, quantized vs float pool", "", Path(args.bench).read_text(), ""]
     Path(args.out).write_text("\n".join(md))

@@ -64,7 +64,7 @@ class DecodeWindow:
         R, S = self.k_new[i].shape[:2]
         at = jnp.where(active_R, kv_len_R - 1 - self.len_LR[i], S)  # out of range: dropped
         rows = jnp.arange(R)
-        put = lambda parts, x: parts[:i] + (parts[i].at[rows, at].set(x.astype(parts[i].dtype), mode="drop"),) + parts[i + 1:]  # noqa: E731
+        put = lambda parts, x: parts[:i] + (parts[i].at[rows, at].set(x.astype(parts[i].dtype), mode="drop"),) + parts[i + 1 :]  # noqa: E731
         return self.replace(k_new=put(self.k_new, k_RKD), v_new=put(self.v_new, v_RKD))
 
     def roll(self, len_LR) -> "DecodeWindow":

@@ -119,8 +119,6 @@ class QuantReader:
         return self.gather(jax.lax.dynamic_slice_in_dim(self.live_RN, e0, E, axis=1))
 
 
-
-
 def decode_parts_attention(pool: DualPool, geo: Geometry, i, q_RHD, plan: DecodeParts, kv_len_R, active_R, token_kind: int):
     """One query per row over its quantized entries, read by kind (``DecodeParts``):
     blocks of ``PAGE_BLOCK`` INT2 pages (keys per channel over the page, values per
@@ -147,7 +145,9 @@ def decode_parts_attention(pool: DualPool, geo: Geometry, i, q_RHD, plan: Decode
             ids = jax.lax.dynamic_slice_in_dim(plan.pages_RQ, j * PAGE_BLOCK, PAGE_BLOCK, axis=1)  # [R, B]
             listed = (j * PAGE_BLOCK + jnp.arange(PAGE_BLOCK))[None, :] < plan.n_pages_R[:, None]
             ids = jnp.where(listed, ids, 0)
-            k = dequantize_int2_tokens(kp.data[i, ids], kp.scale[i, ids][..., None, :], kp.zero[i, ids][..., None, :], kp.bits)  # [R, B, K, 32, D]
+            k = dequantize_int2_tokens(
+                kp.data[i, ids], kp.scale[i, ids][..., None, :], kp.zero[i, ids][..., None, :], kp.bits
+            )  # [R, B, K, 32, D]
             v = dequantize_rows(PackedRows(vp.data[i, ids], vp.scale[i, ids], vp.zero[i, ids], vp.bits))
             bits = jax.lax.dynamic_slice_in_dim(plan.mask_RQ, j * PAGE_BLOCK, PAGE_BLOCK, axis=1)
             held = ((bits[..., None] >> jnp.arange(PAGE, dtype=jnp.uint32)) & 1).astype(bool) & listed[..., None]  # [R, B, 32]
@@ -214,7 +214,9 @@ class WindowPart:
         def block(j, state):
             cut = lambda a, at, n: jax.lax.dynamic_slice_in_dim(a, at, n, axis=a.ndim - 2)  # noqa: E731  (along W)
             e0 = j * E
-            k = dequantize_codes(cut(self.k[i], e0, E), cut(self.k_scale[i], j * per_key, per_key), cut(self.k_zero[i], j * per_key, per_key), self.key_axis)
+            k = dequantize_codes(
+                cut(self.k[i], e0, E), cut(self.k_scale[i], j * per_key, per_key), cut(self.k_zero[i], j * per_key, per_key), self.key_axis
+            )
             v = dequantize_codes(cut(self.v[i], e0, E), cut(self.v_scale[i], e0, E), cut(self.v_zero[i], e0, E))
             s = jnp.einsum("rkgd,rked->rkge", q_RKGD, k)
             seen = jax.lax.dynamic_slice_in_dim(self.valid_RW, e0, E, axis=1) & active_R[:, None]
@@ -253,7 +255,7 @@ class QuantWindow:
         at = jnp.where(active_R, kv_len_R - 1 - self.live0_R, S)  # out of range: dropped
         rows = jnp.arange(R)
         stored = lambda x: dequantize_rows(quantize_rows(x, 4))  # noqa: E731  (write_tokens' INT4 rows, read back)
-        put = lambda parts, x: parts[:i] + (parts[i].at[rows, at].set(stored(x), mode="drop"),) + parts[i + 1:]  # noqa: E731
+        put = lambda parts, x: parts[:i] + (parts[i].at[rows, at].set(stored(x), mode="drop"),) + parts[i + 1 :]  # noqa: E731
         return self.replace(k_new=put(self.k_new, k_RKD), v_new=put(self.v_new, v_RKD))
 
     def attend(self, i: int, q_RHD, kv_len_R, active_R):
@@ -264,7 +266,11 @@ class QuantWindow:
         R, Hq, D = q_RHD.shape
         K = self.k_new[i].shape[2]
         q = q_RHD.astype(jnp.float32).reshape(R, K, Hq // K, D) * (1.0 / np.sqrt(D))
-        state = (jnp.full((R, K, Hq // K), MASKED, jnp.float32), jnp.zeros((R, K, Hq // K), jnp.float32), jnp.zeros((R, K, Hq // K, D), jnp.float32))
+        state = (
+            jnp.full((R, K, Hq // K), MASKED, jnp.float32),
+            jnp.zeros((R, K, Hq // K), jnp.float32),
+            jnp.zeros((R, K, Hq // K, D), jnp.float32),
+        )
         for part in (self.pages, self.tokens):
             if part is not None:
                 state = part.fold(i, q, state, active_R)
@@ -299,8 +305,15 @@ def take_quant_window(cache: QuantizedKVCache, plan: DecodeParts, *, width: int,
     scale4, zero4 = (lambda r, i: f32(r.scale[i, i4])), (lambda r, i: f32(r.zero[i, i4]))
     k4, v4 = pool.int4.k, pool.int4.v
     tokens = WindowPart(
-        rows(k4, codes4), rows(k4, scale4), rows(k4, zero4), rows(v4, codes4), rows(v4, scale4), rows(v4, zero4),
-        jnp.arange(width)[None, :] < plan.n_tokens_R[:, None], plan.n_tokens_R, key_axis=-1,
+        rows(k4, codes4),
+        rows(k4, scale4),
+        rows(k4, zero4),
+        rows(v4, codes4),
+        rows(v4, scale4),
+        rows(v4, zero4),
+        jnp.arange(width)[None, :] < plan.n_tokens_R[:, None],
+        plan.n_tokens_R,
+        key_axis=-1,
     )
     pages = None
     if geo.pages > 1 and width >= PAGE:  # (a narrower window holds no whole page, so its rows have none)
@@ -315,13 +328,18 @@ def take_quant_window(cache: QuantizedKVCache, plan: DecodeParts, *, width: int,
         codes2 = lambda r, i: unpack(r.data[i, ids], r.bits)  # noqa: E731
         page_keys = lambda a: tuple(head_major(f32(a[i, ids])) for i in range(L))  # noqa: E731  [R, K, Wp, D]
         pages = WindowPart(
-            paged(kp, codes2), page_keys(kp.scale), page_keys(kp.zero),
-            paged(vp, codes2), paged(vp, lambda r, i: f32(r.scale[i, ids])), paged(vp, lambda r, i: f32(r.zero[i, ids])),
-            held.reshape(R, width), PAGE * plan.n_pages_R, key_axis=-2,
+            paged(kp, codes2),
+            page_keys(kp.scale),
+            page_keys(kp.zero),
+            paged(vp, codes2),
+            paged(vp, lambda r, i: f32(r.scale[i, ids])),
+            paged(vp, lambda r, i: f32(r.zero[i, ids])),
+            held.reshape(R, width),
+            PAGE * plan.n_pages_R,
+            key_axis=-2,
         )
     new = tuple(jnp.zeros((R, n_steps, K, D), jnp.float32) for _ in range(L))
     return QuantWindow(tokens, pages, new, new, plan.live0_R)
-
 
 
 @dataclasses.dataclass(frozen=True)

@@ -60,14 +60,23 @@ class QuantKernelBackend(CpuQuantBackend):
         if self.layers.token_kind == FLOAT:  # KIVI: the token part is the float residual
             floats = dict(
                 float_pool=(pool.flt_k[i], pool.flt_v[i]),
-                float_idx_BN=jnp.clip(slots - geo.off_float, 0, max(geo.float_slots - 1, 0)), float_len_B=n_tokens,
+                float_idx_BN=jnp.clip(slots - geo.off_float, 0, max(geo.float_slots - 1, 0)),
+                float_len_B=n_tokens,
             )
             int4_idx, int4_len = jnp.zeros_like(slots[:, :1]), jnp.zeros_like(n_tokens)
         else:
             floats = {}
             int4_idx, int4_len = jnp.clip(slots - geo.off4, 0, geo.int4_slots - 1), n_tokens
         out = quantized_decode_attention(
-            q_RHD, int2, plan.pages_RQ.astype(jnp.int32), n_pages, layer(pool.int4), int4_idx, int4_len,
-            int2_mask_BP=plan.mask_RQ if int2 is not None else None, backend=self.platform, **floats,
+            q_RHD,
+            int2,
+            plan.pages_RQ.astype(jnp.int32),
+            n_pages,
+            layer(pool.int4),
+            int4_idx,
+            int4_len,
+            int2_mask_BP=plan.mask_RQ if int2 is not None else None,
+            backend=self.platform,
+            **floats,
         )
         return jnp.where(active_R[:, None, None], out.astype(jnp.float32), 0.0)

@@ -98,10 +98,7 @@ class SlotAllocator(RefCountedSlots):
         if n < 0:
             raise SlotError(f"cannot allocate a negative number of slots ({n})")
         if n > len(self._free):
-            raise OutOfSlotsError(
-                f"asked for {n} KV slots but only {len(self._free)} of "
-                f"{self.capacity} are free"
-            )
+            raise OutOfSlotsError(f"asked for {n} KV slots but only {len(self._free)} of {self.capacity} are free")
         slots = np.fromiter((heapq.heappop(self._free) for _ in range(n)), dtype=np.int32, count=n)
         self._refcount[slots] = 1
         return slots

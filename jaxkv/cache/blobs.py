@@ -67,10 +67,14 @@ def decode_blobs(k_blob: np.ndarray, v_blob: np.ndarray | None, head_dim: int, f
     fd = np.dtype(float_dtype)
     kinds = k_blob[0, :, 0, 0].astype(np.int64)
     sizes = {
-        INT4: ((("k4_data", D // 2, np.uint8), ("k4_scale", D // 32, np.float16), ("k4_zero", D // 32, np.float16)),
-               (("v4_data", D // 2, np.uint8), ("v4_scale", D // 32, np.float16), ("v4_zero", D // 32, np.float16))),
-        INT2: ((("k2_data", D * page_bits // 8, np.uint8), ("k2_scale", D, np.float16), ("k2_zero", D, np.float16)),
-               (("v2_data", D * page_bits // 8, np.uint8), ("v2_scale", D // 32, np.float16), ("v2_zero", D // 32, np.float16))),
+        INT4: (
+            (("k4_data", D // 2, np.uint8), ("k4_scale", D // 32, np.float16), ("k4_zero", D // 32, np.float16)),
+            (("v4_data", D // 2, np.uint8), ("v4_scale", D // 32, np.float16), ("v4_zero", D // 32, np.float16)),
+        ),
+        INT2: (
+            (("k2_data", D * page_bits // 8, np.uint8), ("k2_scale", D, np.float16), ("k2_zero", D, np.float16)),
+            (("v2_data", D * page_bits // 8, np.uint8), ("v2_scale", D // 32, np.float16), ("v2_zero", D // 32, np.float16)),
+        ),
         FLOAT: ((("f_k", D, fd),), (("f_v", D, fd),)),
     }
     fields = {}
@@ -98,9 +102,13 @@ def blob_keys(k_blob: np.ndarray, head_dim: int, float_dtype, page_bits: int = 2
         if not m.size:
             continue
         if kind == INT4:
-            out[:, m] = np.asarray(dequantize_rows(PackedRows(jnp.asarray(f["k4_data"]), jnp.asarray(f["k4_scale"]), jnp.asarray(f["k4_zero"]), 4)))
+            out[:, m] = np.asarray(
+                dequantize_rows(PackedRows(jnp.asarray(f["k4_data"]), jnp.asarray(f["k4_scale"]), jnp.asarray(f["k4_zero"]), 4))
+            )
         elif kind == INT2:
-            out[:, m] = np.asarray(dequantize_int2_tokens(jnp.asarray(f["k2_data"]), jnp.asarray(f["k2_scale"]), jnp.asarray(f["k2_zero"]), page_bits))
+            out[:, m] = np.asarray(
+                dequantize_int2_tokens(jnp.asarray(f["k2_data"]), jnp.asarray(f["k2_scale"]), jnp.asarray(f["k2_zero"]), page_bits)
+            )
         else:
             out[:, m] = f["f_k"].astype(np.float32)
     return out

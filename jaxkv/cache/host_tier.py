@@ -83,16 +83,18 @@ class TierRows:
     def subset(self, idx) -> "TierRows":
         idx = np.asarray(idx)
         return TierRows(
-            self.positions_M[idx], self.tokens_M[idx], self.k_LMKD[:, idx], self.v_LMKD[:, idx],
-            self.scores_M[idx], self.stamp_M[idx],
+            self.positions_M[idx], self.tokens_M[idx], self.k_LMKD[:, idx], self.v_LMKD[:, idx], self.scores_M[idx], self.stamp_M[idx]
         )
 
     @staticmethod
     def concat(a: "TierRows", b: "TierRows") -> "TierRows":
         return TierRows(
-            np.concatenate([a.positions_M, b.positions_M]), np.concatenate([a.tokens_M, b.tokens_M]),
-            np.concatenate([a.k_LMKD, b.k_LMKD], axis=1), np.concatenate([a.v_LMKD, b.v_LMKD], axis=1),
-            np.concatenate([a.scores_M, b.scores_M]), np.concatenate([a.stamp_M, b.stamp_M]),
+            np.concatenate([a.positions_M, b.positions_M]),
+            np.concatenate([a.tokens_M, b.tokens_M]),
+            np.concatenate([a.k_LMKD, b.k_LMKD], axis=1),
+            np.concatenate([a.v_LMKD, b.v_LMKD], axis=1),
+            np.concatenate([a.scores_M, b.scores_M]),
+            np.concatenate([a.stamp_M, b.stamp_M]),
         )
 
 

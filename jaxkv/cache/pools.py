@@ -182,8 +182,7 @@ def _copy_rows(cache: PagedKVCache, src_M, dst_M):
 def _write_rows(cache: PagedKVCache, slots_M, k_LMKD, v_LMKD):
     """Write K/V rows as given (post-RoPE at their original positions: no rotation)."""
     return cache.replace(
-        k=cache.k.at[:, slots_M].set(k_LMKD.astype(cache.k.dtype)),
-        v=cache.v.at[:, slots_M].set(v_LMKD.astype(cache.v.dtype)),
+        k=cache.k.at[:, slots_M].set(k_LMKD.astype(cache.k.dtype)), v=cache.v.at[:, slots_M].set(v_LMKD.astype(cache.v.dtype))
     )
 
 
@@ -210,8 +209,15 @@ class FloatKV:
         """A zero-argument function making the empty cache (jit'd onto a mesh by the
         engine); ``lists``: live lists per row (J)."""
         return functools.partial(
-            PagedKVCache.create, num_layers=cfg.num_layers, num_slots=self.allocator.num_slots,
-            num_kv_heads=cfg.num_kv_heads, head_dim=cfg.head_dim, rows=rows, positions=positions, dtype=dtype, lists=lists,
+            PagedKVCache.create,
+            num_layers=cfg.num_layers,
+            num_slots=self.allocator.num_slots,
+            num_kv_heads=cfg.num_kv_heads,
+            head_dim=cfg.head_dim,
+            rows=rows,
+            positions=positions,
+            dtype=dtype,
+            lists=lists,
         )
 
     # -- writes --------------------------------------------------------------------

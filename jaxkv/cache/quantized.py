@@ -126,11 +126,18 @@ class DualPool:
         """An empty pool; ``page_bits``: the page region's code width (2; ``kivi4``: 4)."""
         L, P2, S4, SF, K, D = num_layers, geo.pages, geo.int4_slots, geo.float_slots, num_kv_heads, head_dim
         u8, f16 = jnp.uint8, jnp.float16
-        rows = lambda n, bits: PackedRows(jnp.zeros((L, n, K, D * bits // 8), u8), jnp.zeros((L, n, K, D // 32), f16), jnp.zeros((L, n, K, D // 32), f16), bits)
+        rows = lambda n, bits: PackedRows(
+            jnp.zeros((L, n, K, D * bits // 8), u8), jnp.zeros((L, n, K, D // 32), f16), jnp.zeros((L, n, K, D // 32), f16), bits
+        )
         R = D * page_bits // 8
         int2 = Int2Pool(
             PackedKeyPages(jnp.zeros((L, P2, K, PAGE, R), u8), jnp.zeros((L, P2, K, D), f16), jnp.zeros((L, P2, K, D), f16), page_bits),
-            PackedRows(jnp.zeros((L, P2, K, PAGE, R), u8), jnp.zeros((L, P2, K, PAGE, D // 32), f16), jnp.zeros((L, P2, K, PAGE, D // 32), f16), page_bits),
+            PackedRows(
+                jnp.zeros((L, P2, K, PAGE, R), u8),
+                jnp.zeros((L, P2, K, PAGE, D // 32), f16),
+                jnp.zeros((L, P2, K, PAGE, D // 32), f16),
+                page_bits,
+            ),
         )
         return cls(int2, Int4Pool(rows(S4, 4), rows(S4, 4)), jnp.zeros((L, SF, K, D), dtype), jnp.zeros((L, SF, K, D), dtype))
 
@@ -160,8 +167,7 @@ class QuantizedKVCache:
 
     @classmethod
     def create(cls, geo: Geometry, *, num_layers, num_kv_heads, head_dim, rows, positions, dtype, page_bits: int = 2, lists: int = 1):
-        pool = DualPool.create(geo, num_layers=num_layers, num_kv_heads=num_kv_heads, head_dim=head_dim, dtype=dtype,
-                               page_bits=page_bits)
+        pool = DualPool.create(geo, num_layers=num_layers, num_kv_heads=num_kv_heads, head_dim=head_dim, dtype=dtype, page_bits=page_bits)
         return cls(pool, **empty_tables(rows, positions, lists), geometry=geo)
 
     @property
@@ -237,9 +243,9 @@ def write_tokens(pool: DualPool, geo: Geometry, i, k_XKD, v_XKD, slots_X, page_s
     slots_X = slots_X.astype(jnp.int32)
     kind = geo.kind(slots_X)
     i4 = jnp.where(kind == INT4, slots_X - geo.off4, geo.int4_slots)
-    pool = pool.replace(int4=Int4Pool(
-        _scatter(pool.int4.k, (i, i4), quantize_rows(k_XKD, 4)), _scatter(pool.int4.v, (i, i4), quantize_rows(v_XKD, 4))
-    ))
+    pool = pool.replace(
+        int4=Int4Pool(_scatter(pool.int4.k, (i, i4), quantize_rows(k_XKD, 4)), _scatter(pool.int4.v, (i, i4), quantize_rows(v_XKD, 4)))
+    )
     if geo.float_slots:
         f = jnp.where(kind == FLOAT, slots_X - geo.off_float, geo.float_slots)
         pool = pool.replace(
@@ -252,10 +258,12 @@ def write_tokens(pool: DualPool, geo: Geometry, i, k_XKD, v_XKD, slots_X, page_s
         ids = page_ids_Q.astype(jnp.int32)
         kp = pool.int2.k
         put = lambda a, b: a.at[i, ids].set(b, mode="drop")
-        pool = pool.replace(int2=Int2Pool(
-            PackedKeyPages(put(kp.data, new.k.data), put(kp.scale, new.k.scale), put(kp.zero, new.k.zero), kp.bits),
-            _scatter(pool.int2.v, (i, ids), new.v),
-        ))
+        pool = pool.replace(
+            int2=Int2Pool(
+                PackedKeyPages(put(kp.data, new.k.data), put(kp.scale, new.k.scale), put(kp.zero, new.k.zero), kp.bits),
+                _scatter(pool.int2.v, (i, ids), new.v),
+            )
+        )
     return pool
 
 
@@ -368,10 +376,18 @@ def _gather_layer(pool: DualPool, geo: Geometry, slots_M):
     f = jnp.clip(slots_M - geo.off_float, 0, max(geo.float_slots - 1, 0))
     k2, v2 = pool.int2.k, pool.int2.v
     out = {
-        "k4_data": pool.int4.k.data[i4], "k4_scale": pool.int4.k.scale[i4], "k4_zero": pool.int4.k.zero[i4],
-        "v4_data": pool.int4.v.data[i4], "v4_scale": pool.int4.v.scale[i4], "v4_zero": pool.int4.v.zero[i4],
-        "k2_data": k2.data[page, :, t], "k2_scale": k2.scale[page], "k2_zero": k2.zero[page],
-        "v2_data": v2.data[page, :, t], "v2_scale": v2.scale[page, :, t], "v2_zero": v2.zero[page, :, t],
+        "k4_data": pool.int4.k.data[i4],
+        "k4_scale": pool.int4.k.scale[i4],
+        "k4_zero": pool.int4.k.zero[i4],
+        "v4_data": pool.int4.v.data[i4],
+        "v4_scale": pool.int4.v.scale[i4],
+        "v4_zero": pool.int4.v.zero[i4],
+        "k2_data": k2.data[page, :, t],
+        "k2_scale": k2.scale[page],
+        "k2_zero": k2.zero[page],
+        "v2_data": v2.data[page, :, t],
+        "v2_scale": v2.scale[page, :, t],
+        "v2_zero": v2.zero[page, :, t],
     }
     if geo.float_slots:
         out["f_k"], out["f_v"] = pool.flt_k[f], pool.flt_v[f]
@@ -408,14 +424,34 @@ def write_packed(cache: QuantizedKVCache, rows: dict):
     def one(layer: DualPool, r):
         at = lambda a, idx, b: a.at[idx].set(b, mode="drop")
         int4 = Int4Pool(
-            PackedRows(at(layer.int4.k.data, r["i4"], r["k4_data"]), at(layer.int4.k.scale, r["i4"], r["k4_scale"]), at(layer.int4.k.zero, r["i4"], r["k4_zero"]), 4),
-            PackedRows(at(layer.int4.v.data, r["i4"], r["v4_data"]), at(layer.int4.v.scale, r["i4"], r["v4_scale"]), at(layer.int4.v.zero, r["i4"], r["v4_zero"]), 4),
+            PackedRows(
+                at(layer.int4.k.data, r["i4"], r["k4_data"]),
+                at(layer.int4.k.scale, r["i4"], r["k4_scale"]),
+                at(layer.int4.k.zero, r["i4"], r["k4_zero"]),
+                4,
+            ),
+            PackedRows(
+                at(layer.int4.v.data, r["i4"], r["v4_data"]),
+                at(layer.int4.v.scale, r["i4"], r["v4_scale"]),
+                at(layer.int4.v.zero, r["i4"], r["v4_zero"]),
+                4,
+            ),
         )
         k2, v2 = layer.int2.k, layer.int2.v
         pt = (r["p2"], slice(None), r["t2"])
         int2 = Int2Pool(
-            PackedKeyPages(k2.data.at[pt].set(r["k2_data"], mode="drop"), at(k2.scale, r["page"], r["k2_scale"]), at(k2.zero, r["page"], r["k2_zero"]), k2.bits),
-            PackedRows(v2.data.at[pt].set(r["v2_data"], mode="drop"), v2.scale.at[pt].set(r["v2_scale"], mode="drop"), v2.zero.at[pt].set(r["v2_zero"], mode="drop"), v2.bits),
+            PackedKeyPages(
+                k2.data.at[pt].set(r["k2_data"], mode="drop"),
+                at(k2.scale, r["page"], r["k2_scale"]),
+                at(k2.zero, r["page"], r["k2_zero"]),
+                k2.bits,
+            ),
+            PackedRows(
+                v2.data.at[pt].set(r["v2_data"], mode="drop"),
+                v2.scale.at[pt].set(r["v2_scale"], mode="drop"),
+                v2.zero.at[pt].set(r["v2_zero"], mode="drop"),
+                v2.bits,
+            ),
         )
         layer = layer.replace(int2=int2, int4=int4)
         if geo.float_slots:

@@ -131,10 +131,7 @@ class DualAllocator(RefCountedSlots):
         self.token_kind = token_kind
         self._free_pages = list(range(1, geometry.pages))  # page 0 is reserved
         self._page_out = np.zeros(geometry.pages, bool)
-        self._free = {
-            INT4: list(range(geometry.off4, geometry.off_float)),
-            FLOAT: list(range(geometry.off_float, geometry.num_slots)),
-        }
+        self._free = {INT4: list(range(geometry.off4, geometry.off_float)), FLOAT: list(range(geometry.off_float, geometry.num_slots))}
         if token_kind == FLOAT:  # kivi2: the INT4 region is one unused row
             self._free[INT4] = []
 
@@ -185,7 +182,11 @@ class DualAllocator(RefCountedSlots):
             raise OutOfSlotsError(f"asked for {counts.size} INT2 pages but only {len(self._free_pages)} are free")
         pages = np.fromiter((heapq.heappop(self._free_pages) for _ in range(counts.size)), dtype=np.int32, count=counts.size)
         self._page_out[pages] = True
-        slots = np.concatenate([p * PAGE + np.arange(c) for p, c in zip(pages, counts)]).astype(np.int32) if pages.size else np.zeros(0, np.int32)
+        slots = (
+            np.concatenate([p * PAGE + np.arange(c) for p, c in zip(pages, counts)]).astype(np.int32)
+            if pages.size
+            else np.zeros(0, np.int32)
+        )
         self._refcount[slots] = 1
         return pages, slots
 
@@ -309,8 +310,16 @@ class QuantizedKV:
         """A zero-argument function making the empty cache (as ``FloatKV``'s)."""
         self._positions = int(positions)  # the decode plans' widths (``decode_plan``)
         return functools.partial(
-            QuantizedKVCache.create, self.geometry, num_layers=cfg.num_layers, num_kv_heads=cfg.num_kv_heads,
-            head_dim=cfg.head_dim, rows=rows, positions=positions, dtype=dtype, page_bits=self.page_bits, lists=lists,
+            QuantizedKVCache.create,
+            self.geometry,
+            num_layers=cfg.num_layers,
+            num_kv_heads=cfg.num_kv_heads,
+            head_dim=cfg.head_dim,
+            rows=rows,
+            positions=positions,
+            dtype=dtype,
+            page_bits=self.page_bits,
+            lists=lists,
         )
 
     # -- allocation ------------------------------------------------------------------
@@ -509,7 +518,7 @@ class QuantizedKV:
         pad = lambda a, n, fill=0: np.concatenate([np.asarray(a, np.int64).reshape(-1), np.full(n, fill, np.int64)]).astype(np.int32)
         page_src = np.concatenate([np.asarray(page_src, np.int64).reshape(-1, PAGE), np.zeros((Qp - Q, PAGE), np.int64)]).astype(np.int32)
         return rewrite_rows(
-            cache, pad(src, Mp - M), pad(dst, Mp - M), pad(delta, Mp - M), page_src, pad(page_ids, Qp - Q, self.geometry.pages), rope=rope,
+            cache, pad(src, Mp - M), pad(dst, Mp - M), pad(delta, Mp - M), page_src, pad(page_ids, Qp - Q, self.geometry.pages), rope=rope
         )
 
     def gather_rows(self, cache, slots) -> tuple[np.ndarray, np.ndarray]:
@@ -536,7 +545,9 @@ class QuantizedKV:
             raise OutOfSlotsError(f"promotion needs {len(chunks)} INT2 pages and {n_tok} slots")
         fresh = np.zeros(M, np.int64)
         fresh[kinds != INT2] = self.allocator.allocate(n_tok)
-        pages, page_slots = self.allocator.allocate_pages([len(c) for c in chunks]) if chunks else (np.zeros(0, np.int32), np.zeros(0, np.int32))
+        pages, page_slots = (
+            self.allocator.allocate_pages([len(c) for c in chunks]) if chunks else (np.zeros(0, np.int32), np.zeros(0, np.int32))
+        )
         order = np.asarray([i for c in chunks for i in c], np.int64)  # INT2 rows (index into m2) in page order
         fresh[m2[order]] = page_slots
         L, _, K = np.asarray(k_blob).shape[:3]

@@ -89,7 +89,16 @@ def minhash(tokens, k: int = SHINGLE, num_perm: int = NUM_PERM) -> LeanMinHash:
     return LeanMinHash(m)
 
 
-def segment_units(n: int, anchors: Sequence[tuple[int, int]], start: int = 0, stop: int | None = None, *, window: int = 128, stride: int = 64, min_len: int = 16) -> list[tuple[int, int]]:
+def segment_units(
+    n: int,
+    anchors: Sequence[tuple[int, int]],
+    start: int = 0,
+    stop: int | None = None,
+    *,
+    window: int = 128,
+    stride: int = 64,
+    min_len: int = 16,
+) -> list[tuple[int, int]]:
     """Units ``[(a, b)]`` of positions ``[start, stop)`` (module docstring): windows
     inside each anchor span, restarted at every anchor; units shorter than
     ``min_len`` are dropped. Spans outside every anchor are not units."""
@@ -225,11 +234,23 @@ class SegmentStore:
             raise ConfigError(f"tenant must be a string, got {tenant!r}")
         tokens = np.array(tokens, np.int32).reshape(-1)
         seg = Segment(
-            next(self._ids), tenant, tuple(namespace), int(origin), tokens, np.array(positions, np.int64).reshape(-1),
-            np.array(k, np.float32), np.array(v, np.float32), None if resid is None else np.array(resid, np.float32),
-            sig, ctx_sig,
+            next(self._ids),
+            tenant,
+            tuple(namespace),
+            int(origin),
+            tokens,
+            np.array(positions, np.int64).reshape(-1),
+            np.array(k, np.float32),
+            np.array(v, np.float32),
+            None if resid is None else np.array(resid, np.float32),
+            sig,
+            ctx_sig,
         )
-        if seg.positions.size != tokens.size or seg.k.shape[1] != tokens.size or (seg.resid is not None and seg.resid.shape[0] != tokens.size):
+        if (
+            seg.positions.size != tokens.size
+            or seg.k.shape[1] != tokens.size
+            or (seg.resid is not None and seg.resid.shape[0] != tokens.size)
+        ):
             raise ConfigError("segment arrays disagree on the token count")
         size = seg.nbytes
         if size > self.cap_bytes:

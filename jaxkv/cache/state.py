@@ -55,11 +55,7 @@ class PagedKVCache:
     @classmethod
     def create(cls, *, num_layers, num_slots, num_kv_heads, head_dim, rows, positions, dtype, lists: int = 1):
         pool_shape = (num_layers, num_slots, num_kv_heads, head_dim)
-        return cls(
-            k=jnp.zeros(pool_shape, dtype),
-            v=jnp.zeros(pool_shape, dtype),
-            **empty_tables(rows, positions, lists),
-        )
+        return cls(k=jnp.zeros(pool_shape, dtype), v=jnp.zeros(pool_shape, dtype), **empty_tables(rows, positions, lists))
 
     @property
     def num_slots(self) -> int:
@@ -151,12 +147,7 @@ def append_tokens(cache, slots_RT: jax.Array, count_R: jax.Array):
     lists = jnp.arange(J)[:, None, None]
     slot_map = cache.slot_map.at[rows, pos].set(slots_RT, mode="drop")
     live_idx = cache.live_idx.at[lists, rows[None], live_pos].set(jnp.broadcast_to(slots_RT[None], live_pos.shape), mode="drop")
-    return cache.replace(
-        slot_map=slot_map,
-        live_idx=live_idx,
-        live_len=cache.live_len + count_R[None],
-        seq_len=cache.seq_len + count_R,
-    )
+    return cache.replace(slot_map=slot_map, live_idx=live_idx, live_len=cache.live_len + count_R[None], seq_len=cache.seq_len + count_R)
 
 
 def float_pool_dtype(model_dtype, platform: str):

@@ -95,13 +95,7 @@ def parse_assistant(text: str, tool_names: Collection[str] | None = None, *, thi
     content = "".join(kept)
     if calls:
         content = content.strip()
-    return {
-        "role": "assistant",
-        "content": content,
-        "reasoning_content": reasoning,
-        "tool_calls": calls,
-        "parse_errors": errors,
-    }
+    return {"role": "assistant", "content": content, "reasoning_content": reasoning, "tool_calls": calls, "parse_errors": errors}
 
 
 @dataclasses.dataclass(frozen=True)

@@ -93,8 +93,9 @@ def render(
     """
     validate_messages(messages, tools)
     if not template_reads(tokenizer, "tool_calls"):
-        messages = [assistant_as_text(m, reasoning=keep_reasoning) if m.get("role") == "assistant" and m.get("tool_calls") else m
-                    for m in messages]
+        messages = [
+            assistant_as_text(m, reasoning=keep_reasoning) if m.get("role") == "assistant" and m.get("tool_calls") else m for m in messages
+        ]
     if tools and not template_takes_tools(tokenizer):
         raise ChatError(
             "this model's chat template has no tool section, so the tool schemas would be dropped silently; "
@@ -103,13 +104,16 @@ def render(
         )
     if reply_prefix and not add_generation_prompt:
         raise ChatError("a reply prefix needs the generation prompt")
-    text = tokenizer.apply_chat_template(
-        list(messages),
-        tools=list(tools) if tools else None,
-        tokenize=False,
-        add_generation_prompt=add_generation_prompt,
-        keep_reasoning=keep_reasoning,
-    ) + reply_prefix
+    text = (
+        tokenizer.apply_chat_template(
+            list(messages),
+            tools=list(tools) if tools else None,
+            tokenize=False,
+            add_generation_prompt=add_generation_prompt,
+            keep_reasoning=keep_reasoning,
+        )
+        + reply_prefix
+    )
     ids = np.asarray(tokenizer(text, add_special_tokens=False)["input_ids"], dtype=np.int32)
     tags, temporal, spans, found, scanner = tag_prompt(ids, chat_markers(tokenizer))
     triaxial = np.empty(ids.size, TRIAXIAL_DTYPE)

@@ -26,10 +26,7 @@ DEFAULT_PREFIX_TOKENS = 256
 
 
 def derive_session_id(
-    ids=None,
-    session_span: tuple[int, int] | None = None,
-    explicit: str | None = None,
-    n_prefix: int = DEFAULT_PREFIX_TOKENS,
+    ids=None, session_span: tuple[int, int] | None = None, explicit: str | None = None, n_prefix: int = DEFAULT_PREFIX_TOKENS
 ) -> str:
     """The session key of a request (see the module docstring for the order).
 

@@ -105,14 +105,7 @@ def triaxial_codes(triaxial: np.ndarray) -> np.ndarray:
     return (t * len(Modal) + m) * len(Semantic) + s
 
 
-_ROLE_KIND = {
-    "system": "system",
-    "user": "user",
-    "assistant": "assistant",
-    "tool": "tool",
-    "ipython": "tool",
-    "function": "tool",
-}
+_ROLE_KIND = {"system": "system", "user": "user", "assistant": "assistant", "tool": "tool", "ipython": "tool", "function": "tool"}
 _KIND_BASE = {
     "system": (Phase.OTHERS, Semantic.INST),
     "user": (Phase.OTHERS, Semantic.USER),

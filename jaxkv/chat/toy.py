@@ -45,22 +45,8 @@ from typing import Iterable, Sequence
 from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, pre_tokenizers
 from transformers import PreTrainedTokenizerFast
 
-QWEN_SPECIAL_TOKENS = (
-    "<|endoftext|>",
-    "<|im_start|>",
-    "<|im_end|>",
-    "<|image_pad|>",
-    "<|vision_start|>",
-    "<|vision_end|>",
-)
-QWEN_MARKER_TOKENS = (
-    "<think>",
-    "</think>",
-    "<tool_call>",
-    "</tool_call>",
-    "<tool_response>",
-    "</tool_response>",
-)
+QWEN_SPECIAL_TOKENS = ("<|endoftext|>", "<|im_start|>", "<|im_end|>", "<|image_pad|>", "<|vision_start|>", "<|vision_end|>")
+QWEN_MARKER_TOKENS = ("<think>", "</think>", "<tool_call>", "</tool_call>", "<tool_response>", "</tool_response>")
 UNK_TOKEN = "<unk>"
 _BYTE_TOKENS = tuple(f"<0x{b:02X}>" for b in range(256))
 _CHARS = tuple(dict.fromkeys(string.printable))  # digits, letters, punctuation, whitespace
@@ -217,9 +203,7 @@ def build_tokenizer(
     runs = r" ?\w+| ?[^\w\s]|\s" if spaced_words is not None else r"\w+|[^\w\s]|\s"
     core.pre_tokenizer = pre_tokenizers.Split(Regex(runs), behavior="isolated")
     core.decoder = decoders.Sequence([decoders.ByteFallback(), decoders.Fuse()])
-    core.add_special_tokens(
-        [AddedToken(t, special=True, normalized=False) for t in (*QWEN_SPECIAL_TOKENS, *extra_special)]
-    )
+    core.add_special_tokens([AddedToken(t, special=True, normalized=False) for t in (*QWEN_SPECIAL_TOKENS, *extra_special)])
     core.add_tokens([AddedToken(t, special=False, normalized=False) for t in QWEN_MARKER_TOKENS])
 
     tokenizer = PreTrainedTokenizerFast(

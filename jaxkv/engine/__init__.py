@@ -91,7 +91,22 @@ class Engine:
         layer; False: one list per row read by every layer.
     """
 
-    def __init__(self, model: Model, *, rows: int = 1, max_positions: int | None = None, num_slots: int | None = None, prefill_chunk: int = PREFILL_CHUNK, token_budget: int | None = None, backend=None, reclaim=None, kv_quant=None, kv_memory_bytes: int | None = None, kv_page_share: float | None = None, layer_lists: bool = False):
+    def __init__(
+        self,
+        model: Model,
+        *,
+        rows: int = 1,
+        max_positions: int | None = None,
+        num_slots: int | None = None,
+        prefill_chunk: int = PREFILL_CHUNK,
+        token_budget: int | None = None,
+        backend=None,
+        reclaim=None,
+        kv_quant=None,
+        kv_memory_bytes: int | None = None,
+        kv_page_share: float | None = None,
+        layer_lists: bool = False,
+    ):
         cfg = model.config
         self.model = model
         P = int(max_positions or min(cfg.max_position_embeddings, 8192))
@@ -167,12 +182,40 @@ class Engine:
         make_sampler(*job.sampling.settings)  # validates
         return self.kv.start(job, self.prefill_chunk)
 
-    def start_prefill(self, row: int, tokens, *, all_logits=False, q_idx=None, attn_mass=False, kv_bits=None, kv_source: KVSource | None = None) -> PrefillJob:
+    def start_prefill(
+        self, row: int, tokens, *, all_logits=False, q_idx=None, attn_mass=False, kv_bits=None, kv_source: KVSource | None = None
+    ) -> PrefillJob:
         """``start(PrefillJob(...))`` bringing back the logits of every token
         (``all_logits``) or of the last, and the queries at ``q_idx`` (indices into ``tokens``)."""
-        return self.start(PrefillJob(row, tokens, logits="all" if all_logits else "last", q_idx_X=q_idx, attn_mass=attn_mass, kv_bits=kv_bits, kv_source=kv_source))
+        return self.start(
+            PrefillJob(
+                row,
+                tokens,
+                logits="all" if all_logits else "last",
+                q_idx_X=q_idx,
+                attn_mass=attn_mass,
+                kv_bits=kv_bits,
+                kv_source=kv_source,
+            )
+        )
 
-    def start_decode(self, row: int, first_token: int, n_steps: int, *, temperature=0.0, top_k=None, top_p=None, key=None, step0: int = 0, stop_token_ids=(), return_logits=False, forced_tokens=None, query_rows=False, attn_mass=False) -> DecodeJob:
+    def start_decode(
+        self,
+        row: int,
+        first_token: int,
+        n_steps: int,
+        *,
+        temperature=0.0,
+        top_k=None,
+        top_p=None,
+        key=None,
+        step0: int = 0,
+        stop_token_ids=(),
+        return_logits=False,
+        forced_tokens=None,
+        query_rows=False,
+        attn_mass=False,
+    ) -> DecodeJob:
         """``start(DecodeJob(...))``: step ``s`` samples with ``fold_in(key, step0 + s)``."""
         stops = tuple(sorted(set(int(t) for t in stop_token_ids)))
         forced = None if forced_tokens is None else list(forced_tokens)
@@ -193,8 +236,15 @@ class Engine:
         imports = [j for j in prefill_jobs if j.kv_source is not None and not j.finished]
         if imports:
             return self.runner.import_chunk(imports[0], self.prefill_chunk)
-        step = pack_step(prefill_jobs, decode_jobs, budget=self.token_budget, rows=self.kv.rows, chunk=self.prefill_chunk,
-                         whole_chunks=self.kv.pool.whole_chunks, max_captured=self.runner.max_captured)
+        step = pack_step(
+            prefill_jobs,
+            decode_jobs,
+            budget=self.token_budget,
+            rows=self.kv.rows,
+            chunk=self.prefill_chunk,
+            whole_chunks=self.kv.pool.whole_chunks,
+            max_captured=self.runner.max_captured,
+        )
         self.run(step)
 
     def run(self, step: ScheduledStep) -> None:
@@ -231,8 +281,14 @@ class Engine:
             self.kv.check_room(r, len(tokens))
         self.kv.reserve(sum(len(t) for t in token_lists))
         jobs = [
-            self.start_prefill(r, t, all_logits=all_logits, attn_mass=attn_mass, kv_bits=None if kv_bits is None else kv_bits[i],
-                               q_idx=None if q_row_positions is None else q_row_positions[i])
+            self.start_prefill(
+                r,
+                t,
+                all_logits=all_logits,
+                attn_mass=attn_mass,
+                kv_bits=None if kv_bits is None else kv_bits[i],
+                q_idx=None if q_row_positions is None else q_row_positions[i],
+            )
             for i, (r, t) in enumerate(zip(rows, token_lists))
         ]
         while not all(j.finished for j in jobs):
@@ -247,7 +303,22 @@ class Engine:
             aux["q_rows"] = np.stack([j.q_rows for j in jobs], axis=1)
         return logits, aux
 
-    def decode(self, rows: Sequence[int], first_tokens: Sequence[int], n_steps: int, *, temperature=0.0, top_k=None, top_p=None, key=None, stop_token_ids=(), return_logits=False, forced_tokens=None, query_rows=False, attn_mass=False):
+    def decode(
+        self,
+        rows: Sequence[int],
+        first_tokens: Sequence[int],
+        n_steps: int,
+        *,
+        temperature=0.0,
+        top_k=None,
+        top_p=None,
+        key=None,
+        stop_token_ids=(),
+        return_logits=False,
+        forced_tokens=None,
+        query_rows=False,
+        attn_mass=False,
+    ):
         """Feed ``first_tokens`` and decode up to ``n_steps`` tokens per row. Returns
         ``(tokens, logits)``: ``tokens[i]`` row i's sampled tokens (ending with its stop
         token when one came); ``logits[i]`` ``[n, V]`` with ``return_logits``.
@@ -260,9 +331,20 @@ class Engine:
             return [[] for _ in rows], None
         key = key if key is not None else jax.random.key(0)
         jobs = [
-            self.start_decode(r, first_tokens[i], n_steps, temperature=temperature, top_k=top_k, top_p=top_p, key=jax.random.fold_in(key, i),
-                              stop_token_ids=stop_token_ids, return_logits=return_logits, query_rows=query_rows, attn_mass=attn_mass,
-                              forced_tokens=None if forced_tokens is None else forced_tokens[i])
+            self.start_decode(
+                r,
+                first_tokens[i],
+                n_steps,
+                temperature=temperature,
+                top_k=top_k,
+                top_p=top_p,
+                key=jax.random.fold_in(key, i),
+                stop_token_ids=stop_token_ids,
+                return_logits=return_logits,
+                query_rows=query_rows,
+                attn_mass=attn_mass,
+                forced_tokens=None if forced_tokens is None else forced_tokens[i],
+            )
             for i, r in enumerate(rows)
         ]
         self.step_decode(jobs)

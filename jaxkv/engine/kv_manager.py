@@ -237,7 +237,9 @@ class KVManager:
         cfg, src, n = self.cfg, job.kv_source, job.tokens.size
         want = (cfg.num_layers, n, cfg.num_kv_heads, cfg.head_dim)
         if tuple(np.shape(src.k)) != want or tuple(np.shape(src.v)) != want:
-            raise JaxKVError(f"an imported prefill of {n} tokens needs K and V of shape {want}, got {np.shape(src.k)} and {np.shape(src.v)}")
+            raise JaxKVError(
+                f"an imported prefill of {n} tokens needs K and V of shape {want}, got {np.shape(src.k)} and {np.shape(src.v)}"
+            )
         if job.logits == "all" or job.q_idx_X is not None or job.attn_mass:
             raise JaxKVError("an imported prefill runs no forward: it has no logits but its last ones, no query rows, no attention mass")
         if self.mesh is not None:

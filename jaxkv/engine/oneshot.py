@@ -41,7 +41,18 @@ def _check_ids(model: Model, ids: np.ndarray) -> None:
         raise ValueError(f"token ids out of range [0, {model.config.vocab_size}): {ids[bad][:5].tolist()}")
 
 
-def generate(model: Model, prompts, max_new_tokens: int, temperature: float = 0.0, top_k=None, top_p=None, seed: int = 0, stop_token_ids=None, *, backend=None) -> list[list[int]]:
+def generate(
+    model: Model,
+    prompts,
+    max_new_tokens: int,
+    temperature: float = 0.0,
+    top_k=None,
+    top_p=None,
+    seed: int = 0,
+    stop_token_ids=None,
+    *,
+    backend=None,
+) -> list[list[int]]:
     """Generate up to ``max_new_tokens`` tokens for each prompt (a list of id lists).
 
     Greedy when ``temperature == 0``. Prompt ``i`` samples with ``fold_in(key(seed),
@@ -80,7 +91,8 @@ def generate(model: Model, prompts, max_new_tokens: int, temperature: float = 0.
     outputs = [[j.first_token] for j in jobs]
     decode = {
         i: engine.start(DecodeJob(j.row, j.first_token, max_new_tokens - 1, Sampling(float(temperature), top_k, top_p, k), stop))
-        for i, (j, k) in enumerate(zip(jobs, keys)) if j.first_token not in stop
+        for i, (j, k) in enumerate(zip(jobs, keys))
+        if j.first_token not in stop
     }
     if max_new_tokens > 1 and decode:
         engine.step_decode(list(decode.values()))

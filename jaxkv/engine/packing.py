@@ -66,8 +66,16 @@ def captured_in(job, n: int) -> np.ndarray:
     return q[(q >= job.done) & (q < job.done + n)]
 
 
-def pack_step(prefill_jobs: Sequence, decode_jobs: Sequence, *, budget: int, rows: int, chunk: int, whole_chunks: bool,
-              max_captured: int | None = None) -> ScheduledStep:
+def pack_step(
+    prefill_jobs: Sequence,
+    decode_jobs: Sequence,
+    *,
+    budget: int,
+    rows: int,
+    chunk: int,
+    whole_chunks: bool,
+    max_captured: int | None = None,
+) -> ScheduledStep:
     """The next step over the unfinished jobs (module docstring). ``JaxKVError``
     when no prefill piece fits and no decode token is due, or when more decode
     jobs than rows are given."""

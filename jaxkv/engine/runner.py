@@ -144,7 +144,9 @@ class ModelRunner:
         query_idx_X[: len(query_idx)] = query_idx
         batch = StepBatch(tokens, positions, slots, rows, q_start, q_len, key_data, step_idx, RowSamplers.of(settings), query_idx_X)
         plan = kv.pool.step_plan(list(step.pieces), [int(q_start[len(decode) + i]) for i in range(len(step.pieces))], T)
-        sampled, cache, aux = run_step(self.graphdef, self.params, kv.cache, batch, plan, backend=self.backend, mesh=self.mesh, outputs=outputs)
+        sampled, cache, aux = run_step(
+            self.graphdef, self.params, kv.cache, batch, plan, backend=self.backend, mesh=self.mesh, outputs=outputs
+        )
         kv.commit(cache)
         self._record_step(entries, np.asarray(sampled), {k: np.asarray(v) for k, v in aux.items()}, q_start, query_idx)
         kv.settle([e[0].row for e in entries])
@@ -259,9 +261,22 @@ class ModelRunner:
         plan = kv.pool.decode_plan(states, [s[:k] for s, k in zip(per_job, steps)], B, n)
         window, window_len, regather, width, len_JB = self._window(rows, states, plan, n)
         tokens, fed, cache, aux, window = run_decode(
-            self.graphdef, self.params, kv.cache, batch, plan, window, self._layer_copies() if width else None,
-            window_len, regather, backend=self.backend, n_steps=n, width=width, outputs=outputs,
-            teacher_forced=any(j.forced is not None for j in jobs), mesh=self.mesh, regroup=regroup,
+            self.graphdef,
+            self.params,
+            kv.cache,
+            batch,
+            plan,
+            window,
+            self._layer_copies() if width else None,
+            window_len,
+            regather,
+            backend=self.backend,
+            n_steps=n,
+            width=width,
+            outputs=outputs,
+            teacher_forced=any(j.forced is not None for j in jobs),
+            mesh=self.mesh,
+            regroup=regroup,
         )
         kv.commit(cache)
         tokens, fed = np.asarray(tokens), np.asarray(fed)
@@ -325,8 +340,7 @@ class ModelRunner:
         len_LR = len_JB[np.minimum(np.arange(L), J - 1)]
         key = (tuple(int(r) for r in rows), n, width)
         kept, self._kept = self._kept, None
-        if (kept is not None and kept.key == key and kept.writes == self.kv.writes
-                and np.all(len_JB <= kept.len_JB + kept.fed_B[None, :])):
+        if kept is not None and kept.key == key and kept.writes == self.kv.writes and np.all(len_JB <= kept.len_JB + kept.fed_B[None, :]):
             return kept.loop_state, len_LR, np.False_, width, len_JB
         self.regathers += 1
         same_shape = kept is not None and len(kept.key[0]) == len(rows) and kept.key[1:] == key[1:]

@@ -107,9 +107,28 @@ def splice_prefill(engine, row: int, plan, *, mode: str = "append"):
         logit_src = np.zeros(Y, np.int32)
         logit_src[: logit_idx.size] = src[logit_idx]
         logits, cache, resid = splice_step(
-            engine.runner.graphdef, engine.runner.params, kv.cache, a_tok, a_pos, a_slot, b_src, b_resid, b_pos, b_slot, b_cut_slot,
-            kv_k, kv_v, kv_slot, kv_delta, live_N, live_pos_JN, logit_src,
-            cut=int(plan.cut), kv_lo=int(plan.kv_lo), kv_hi=int(plan.kv_hi) if nl else int(plan.kv_lo), backend=engine.runner.backend,
+            engine.runner.graphdef,
+            engine.runner.params,
+            kv.cache,
+            a_tok,
+            a_pos,
+            a_slot,
+            b_src,
+            b_resid,
+            b_pos,
+            b_slot,
+            b_cut_slot,
+            kv_k,
+            kv_v,
+            kv_slot,
+            kv_delta,
+            live_N,
+            live_pos_JN,
+            logit_src,
+            cut=int(plan.cut),
+            kv_lo=int(plan.kv_lo),
+            kv_hi=int(plan.kv_hi) if nl else int(plan.kv_lo),
+            backend=engine.runner.backend,
         )
         kv.commit(cache)
         logits, resid = np.asarray(logits)[: logit_idx.size], np.asarray(resid)[: a_idx.size]

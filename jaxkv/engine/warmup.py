@@ -36,7 +36,9 @@ def shape_set(engine, decode_chunk: int) -> buckets.ShapeSet:
     return buckets.shape_set(engine.rows, engine.max_positions, engine.token_budget, decode_chunk, windows=windows)
 
 
-def warmup(engine, decode_chunk: int, *, stop_token_ids=(), progress=None, capture_q: bool = False, attn_mass: bool = False, decode_q: bool = False) -> int:
+def warmup(
+    engine, decode_chunk: int, *, stop_token_ids=(), progress=None, capture_q: bool = False, attn_mass: bool = False, decode_q: bool = False
+) -> int:
     """Compile every program of ``shape_set`` with the variants the flags ask for
     (module docstring). ``progress(n)`` is called after each program. Returns how
     many programs it ran."""

@@ -206,9 +206,7 @@ def split_k(q_BHD, reader: Reader, operands, idx_BN, len_B, *, interpret: bool) 
     P = num_splits(N, reader.block, PALLAS_SPLITS)
     split = split_size(N, P, reader.block)
     idx_BN = jnp.pad(idx_BN.astype(jnp.int32), ((0, 0), (0, P * split - N)))
-    kernel = functools.partial(
-        _kernel, reader=reader, num_operands=len(operands), split=split, scale=1.0 / math.sqrt(D)
-    )
+    kernel = functools.partial(_kernel, reader=reader, num_operands=len(operands), split=split, scale=1.0 / math.sqrt(D))
     hbm = pl.BlockSpec(memory_space=pl.ANY)
     per_program = lambda *shape: pl.BlockSpec((None, None) + shape, lambda b, s, lens: (b, s) + (0,) * len(shape))
     grid_spec = pltpu.PrefetchScalarGridSpec(

@@ -184,8 +184,7 @@ def ragged(rows: Sequence[tuple[int, int]], Hq: int, Hkv: int, D: int, itemsize:
         partials = 2 * len(rows) * splits * Hq * (D + 2) * 4
     shape = shape or (f"T={T}, {sum(1 for n, _ in rows if n > 1)} chunk rows, {decode} decode rows, "
                       f"kv<={max(c for _, c in rows)}, Hq={Hq}, Hkv={Hkv}, D={D}, {_dtype(itemsize)}")  # fmt: skip
-    return Cost("ragged attention", shape, nbytes, flops, executed + seen * Hq * 5,
-                reread * 2 * Hkv * D * itemsize + partials)
+    return Cost("ragged attention", shape, nbytes, flops, executed + seen * Hq * 5, reread * 2 * Hkv * D * itemsize + partials)
 
 
 def ragged_prefill(tokens: int, chunk: int, Hq: int, Hkv: int, D: int, itemsize: int = 2) -> Cost:

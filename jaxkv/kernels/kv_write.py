@@ -27,9 +27,7 @@ from jaxkv.kernels.quant import PackedRows, check_head_dim, quantize_rows
 
 def write_int4_rows_reference(rows: PackedRows, slots_T, x_TKD) -> PackedRows:
     q = quantize_rows(x_TKD, 4)
-    return PackedRows(
-        rows.data.at[slots_T].set(q.data), rows.scale.at[slots_T].set(q.scale), rows.zero.at[slots_T].set(q.zero), 4
-    )
+    return PackedRows(rows.data.at[slots_T].set(q.data), rows.scale.at[slots_T].set(q.scale), rows.zero.at[slots_T].set(q.zero), 4)
 
 
 @functools.partial(jax.jit, static_argnames="backend", donate_argnums=0)
@@ -38,9 +36,7 @@ def write_int4_rows(rows: PackedRows, slots_T, x_TKD, *, backend=None) -> Packed
     if not isinstance(rows, PackedRows) or rows.bits != 4:
         raise TypeError(f"rows must be 4-bit PackedRows, got {type(rows).__name__}")
     if x_TKD.ndim != 3 or x_TKD.shape[1:] != (rows.data.shape[1], rows.head_dim):
-        raise ValueError(
-            f"x must be [T, Hkv={rows.data.shape[1]}, D={rows.head_dim}], got shape {x_TKD.shape}"
-        )
+        raise ValueError(f"x must be [T, Hkv={rows.data.shape[1]}, D={rows.head_dim}], got shape {x_TKD.shape}")
     check_head_dim(x_TKD.shape[-1])
     if slots_T.shape != x_TKD.shape[:1] or not jnp.issubdtype(slots_T.dtype, jnp.integer):
         raise ValueError(f"slots must be [T={x_TKD.shape[0]}] integers, got {slots_T.shape} {slots_T.dtype}")

@@ -85,8 +85,7 @@ def plane_chunks(head_dim: int, bits: int) -> tuple[Chunk, ...]:
     row_bytes = head_dim * bits // 8
     cuts = sorted(set(range(0, head_dim, GROUP)) | set(range(0, head_dim, row_bytes)) | {head_dim})
     return tuple(
-        Chunk(channel=a, width=b - a, plane=a // row_bytes, byte=a % row_bytes, group=a // GROUP)
-        for a, b in zip(cuts[:-1], cuts[1:])
+        Chunk(channel=a, width=b - a, plane=a // row_bytes, byte=a % row_bytes, group=a // GROUP) for a, b in zip(cuts[:-1], cuts[1:])
     )
 
 
@@ -216,7 +215,7 @@ def dequantize_codes(codes: jnp.ndarray, scale: jnp.ndarray, zero: jnp.ndarray, 
     channel, head-major copies)."""
     axis = axis % codes.ndim
     shape = codes.shape
-    grouped = codes.astype(jnp.float32).reshape(*shape[:axis], shape[axis] // GROUP, GROUP, *shape[axis + 1:])
+    grouped = codes.astype(jnp.float32).reshape(*shape[:axis], shape[axis] // GROUP, GROUP, *shape[axis + 1 :])
     at = lambda p: jnp.expand_dims(p.astype(jnp.float32), axis + 1)  # noqa: E731
     return (at(zero) + grouped * at(scale)).reshape(shape)
 
@@ -329,4 +328,3 @@ def dequantize_int4_pool(pool: Int4Pool) -> tuple[jnp.ndarray, jnp.ndarray]:
 def dequantize_int2_pool(pool: Int2Pool) -> tuple[jnp.ndarray, jnp.ndarray]:
     """float32 ``(k[T,K,D], v[T,K,D])`` with ``T = 32 P`` in page order."""
     return _tokens(dequantize_int2_keys(pool.k)), _tokens(dequantize_rows(pool.v))
-

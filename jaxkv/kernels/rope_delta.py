@@ -61,9 +61,7 @@ def _kernel(slots_hbm, delta_ref, inv_freq_ref, pool_in_hbm, pool_hbm, ids_smem,
 
     def copy(j, gather: bool):
         row = pool_hbm.at[layer, ids_smem[j]]
-        return pltpu.make_async_copy(row, buf.at[j], sems.at[0]) if gather else pltpu.make_async_copy(
-            buf.at[j], row, sems.at[1]
-        )
+        return pltpu.make_async_copy(row, buf.at[j], sems.at[0]) if gather else pltpu.make_async_copy(buf.at[j], row, sems.at[1])
 
     def start_all(gather):
         jax.lax.fori_loop(0, SLOT_BLOCK, lambda j, c: (copy(j, gather).start(), c)[1], 0)
@@ -91,12 +89,7 @@ def _rope_delta_kernel(k_pool_LSKD, slots_M, delta_M, rope, backend):
     return pl.pallas_call(
         _kernel,
         grid=(L, (M + pad) // SLOT_BLOCK),
-        in_specs=[
-            hbm,
-            pl.BlockSpec((SLOT_BLOCK, 1), lambda layer, i: (i, 0)),
-            pl.BlockSpec((1, D // 2), lambda layer, i: (0, 0)),
-            hbm,
-        ],
+        in_specs=[hbm, pl.BlockSpec((SLOT_BLOCK, 1), lambda layer, i: (i, 0)), pl.BlockSpec((1, D // 2), lambda layer, i: (0, 0)), hbm],
         out_specs=hbm,
         out_shape=jax.ShapeDtypeStruct(k_pool_LSKD.shape, k_pool_LSKD.dtype),
         scratch_shapes=[

@@ -94,10 +94,7 @@ def decode_f64(q_BHD, k_pool_SKD, v_pool_SKD, live_idx_BN, live_len_B) -> list[n
     """``attention_f64`` of every request with at least one entry (``None`` for empty ones)."""
     f32 = lambda a: np.asarray(a, np.float32)
     k, v, idx = f32(k_pool_SKD), f32(v_pool_SKD), np.asarray(live_idx_BN)
-    return [
-        attention_f64(f32(q_BHD[b]), k[idx[b, :n]], v[idx[b, :n]]) if n else None
-        for b, n in enumerate(np.asarray(live_len_B))
-    ]
+    return [attention_f64(f32(q_BHD[b]), k[idx[b, :n]], v[idx[b, :n]]) if n else None for b, n in enumerate(np.asarray(live_len_B))]
 
 
 def decode_codes_np(data, bits):
@@ -140,9 +137,10 @@ def quantized_attention_f64(q, pool2, page_ids, num_pages, pool4, slot_ids, num_
         )
 
     k4, v4 = rows(pool4.k, 4), rows(pool4.v, 4)
-    k2 = np.asarray(pool2.k.zero, np.float64)[:, :, None] + decode_codes_np(pool2.k.data, pool2.k.bits) * np.asarray(
-        pool2.k.scale, np.float64
-    )[:, :, None]
+    k2 = (
+        np.asarray(pool2.k.zero, np.float64)[:, :, None]
+        + decode_codes_np(pool2.k.data, pool2.k.bits) * np.asarray(pool2.k.scale, np.float64)[:, :, None]
+    )
     v2 = rows(pool2.v, pool2.v.bits)
     tok = lambda a: a.transpose(0, 2, 1, 3).reshape(-1, a.shape[1], D)  # [P,K,32,D] -> [32P,K,D]
     k2, v2 = tok(k2), tok(v2)
@@ -174,8 +172,12 @@ def masked_float_problem(seed, K=2, G=2, D=64, page_bits=2):
     fi, nf = np.array([[5, 6], [7, 0]], np.int32), np.array([2, 1], np.int32)
     q = jnp.asarray(rng.standard_normal((2, K * G, D)), jnp.float32)
     args = (q, pool2, jnp.asarray(pages), jnp.asarray(npg), pool4, jnp.asarray(i4), jnp.asarray(n4))
-    kw = dict(int2_mask_BP=jnp.asarray(mask), float_pool=(jnp.asarray(fk), jnp.asarray(fv)),
-              float_idx_BN=jnp.asarray(fi), float_len_B=jnp.asarray(nf))
+    kw = dict(
+        int2_mask_BP=jnp.asarray(mask),
+        float_pool=(jnp.asarray(fk), jnp.asarray(fv)),
+        float_idx_BN=jnp.asarray(fi),
+        float_len_B=jnp.asarray(nf),
+    )
     tok = lambda a: np.asarray(a, np.float64).transpose(0, 2, 1, 3).reshape(-1, K, D)
     k2, v2 = tok(dequantize_int2_keys(pool2.k)), tok(dequantize_rows(pool2.v))
     k4, v4 = np.asarray(dequantize_rows(pool4.k), np.float64), np.asarray(dequantize_rows(pool4.v), np.float64)

@@ -65,13 +65,7 @@ import gguf
 import numpy as np
 
 from jaxkv.config import SUPPORTED_MODEL_TYPES, ModelConfig
-from jaxkv.errors import (
-    CheckpointError,
-    CheckpointNotFoundError,
-    ConfigError,
-    UnsupportedModelError,
-    UnsupportedTensorTypeError,
-)
+from jaxkv.errors import CheckpointError, CheckpointNotFoundError, ConfigError, UnsupportedModelError, UnsupportedTensorTypeError
 from jaxkv.models.weights import check_tensor_shapes, hf_parameter_map
 
 HF_ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM"}
@@ -128,9 +122,7 @@ def _field(reader: gguf.GGUFReader, key: str, default: Any = None) -> Any:
 def architecture(reader: gguf.GGUFReader) -> str:
     arch = _field(reader, gguf.Keys.General.ARCHITECTURE)
     if arch not in SUPPORTED_MODEL_TYPES:
-        raise UnsupportedModelError(
-            f"unsupported GGUF architecture {arch!r}; supported: {', '.join(SUPPORTED_MODEL_TYPES)}"
-        )
+        raise UnsupportedModelError(f"unsupported GGUF architecture {arch!r}; supported: {', '.join(SUPPORTED_MODEL_TYPES)}")
     return arch
 
 
@@ -292,7 +284,9 @@ def read_gguf(path, *, load_tokenizer: bool = True, lazy: bool = False) -> GGUFC
     by_name = {t.name: t for t in reader.tensors}
     names = gguf_tensor_names(cfg)
 
-    bad_types = [f"{g} ({by_name[g].tensor_type.name})" for g in names.values() if g in by_name and not dequantizable(by_name[g].tensor_type)]
+    bad_types = [
+        f"{g} ({by_name[g].tensor_type.name})" for g in names.values() if g in by_name and not dequantizable(by_name[g].tensor_type)
+    ]
     if bad_types:
         raise UnsupportedTensorTypeError(
             f"{path}: tensor type(s) the gguf package cannot dequantize: {', '.join(bad_types[:5])}; "

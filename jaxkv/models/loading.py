@@ -156,13 +156,19 @@ def write_weights_manifest(model: Model, folder: str, **source) -> Path:
             w(jaxkv.load_model('smollm2-135m-instruct'), 'smollm2-135m-instruct', gguf='...')"
     """
     path = registry.SHIPPED_ASSETS / folder / registry.WEIGHTS_MANIFEST
-    path.write_text(json.dumps({
-        "weights_id": model.weights_id(),
-        "rule": f"jaxkv.models.loading.weights_id ({WEIGHTS_ID_VERSION}): sha256 over every HF tensor's name, shape and "
+    path.write_text(
+        json.dumps(
+            {
+                "weights_id": model.weights_id(),
+                "rule": f"jaxkv.models.loading.weights_id ({WEIGHTS_ID_VERSION}): sha256 over every HF tensor's name, shape and "
                 f"{WEIGHTS_ID_SAMPLES} evenly spaced values rounded to bfloat16; the same for a GGUF file, the float32 "
                 "folder converted from it and any copy of either, loaded in float32 or bfloat16",
-        "source": source,
-    }, indent=1) + "\n")
+                "source": source,
+            },
+            indent=1,
+        )
+        + "\n"
+    )
     registry.shipped_ids.cache_clear()
     return path
 
@@ -251,8 +257,7 @@ def resolve_checkpoint(path_or_repo_id: str | os.PathLike) -> Path:
         return Path(snapshot_download(name, allow_patterns=patterns))
     except Exception as err:  # network, auth, missing repo: all one message
         raise CheckpointNotFoundError(
-            f"{name!r} is neither a local folder nor a cached Hugging Face repo, "
-            f"and downloading it failed: {type(err).__name__}: {err}"
+            f"{name!r} is neither a local folder nor a cached Hugging Face repo, and downloading it failed: {type(err).__name__}: {err}"
         ) from err
 
 

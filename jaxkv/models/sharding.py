@@ -131,9 +131,7 @@ def check_mesh(cfg, mesh: Mesh) -> None:
         )
     tp, dp = axis_size(mesh, TP), axis_size(mesh, DP)
     if cfg.num_kv_heads % tp or cfg.intermediate_size % tp:
-        raise ConfigError(
-            f"tp={tp} must divide the KV heads ({cfg.num_kv_heads}) and the MLP width ({cfg.intermediate_size})"
-        )
+        raise ConfigError(f"tp={tp} must divide the KV heads ({cfg.num_kv_heads}) and the MLP width ({cfg.intermediate_size})")
     if dp & (dp - 1):
         raise ConfigError(f"dp={dp} must be a power of two (the engine's batch buckets are)")
 
@@ -195,8 +193,7 @@ def shard_model(model, mesh: Mesh):
     mesh = usable_mesh(model.config, mesh)
     graphdef, state = nnx.split(model.module)
     pure = jax.tree_util.tree_map_with_path(
-        lambda path, x: place(np.asarray(jax.device_get(x)), tuple(k.key for k in path), mesh, x.dtype),
-        nnx.to_pure_dict(state),
+        lambda path, x: place(np.asarray(jax.device_get(x)), tuple(k.key for k in path), mesh, x.dtype), nnx.to_pure_dict(state)
     )
     nnx.replace_by_pure_dict(state, pure)
     return dataclasses.replace(model, module=nnx.merge(graphdef, state), mesh=mesh)
@@ -232,6 +229,9 @@ def shard_heads(attend, mesh: Mesh, kv):
     pool = jax.tree.map(lambda _: POOL_SPEC, kv)
     q = P(None, TP, None)
     return jax.shard_map(
-        lambda kv_, q_, k_, v_, meta_: attend(kv_, q_, k_, v_, meta_), mesh=mesh,
-        in_specs=(pool, q, q, q, P()), out_specs=q, check_vma=False,
+        lambda kv_, q_, k_, v_, meta_: attend(kv_, q_, k_, v_, meta_),
+        mesh=mesh,
+        in_specs=(pool, q, q, q, P()),
+        out_specs=q,
+        check_vma=False,
     )

@@ -45,13 +45,7 @@ class RMSNorm(nnx.Module):
 
 def _linear(cfg_dtype, rngs, d_in, d_out, bias):
     return nnx.Linear(
-        d_in,
-        d_out,
-        use_bias=bias,
-        dtype=cfg_dtype,
-        param_dtype=cfg_dtype,
-        kernel_init=nnx.initializers.normal(0.02),
-        rngs=rngs,
+        d_in, d_out, use_bias=bias, dtype=cfg_dtype, param_dtype=cfg_dtype, kernel_init=nnx.initializers.normal(0.02), rngs=rngs
     )
 
 
@@ -126,12 +120,7 @@ class Transformer(nnx.Module):
     def __init__(self, cfg: ModelConfig, dtype=jnp.float32, *, rngs: nnx.Rngs):
         self.cfg = cfg
         self.embed_tokens = nnx.Embed(
-            cfg.vocab_size,
-            cfg.hidden_size,
-            dtype=dtype,
-            param_dtype=dtype,
-            embedding_init=nnx.initializers.normal(0.02),
-            rngs=rngs,
+            cfg.vocab_size, cfg.hidden_size, dtype=dtype, param_dtype=dtype, embedding_init=nnx.initializers.normal(0.02), rngs=rngs
         )
         self.layers = _stacked_layers(cfg, dtype, rngs)
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)

@@ -6,29 +6,9 @@ and Expected Attention, kvpress's rules, are stated in their modules); see
 policy's ``Needs`` ask for and applies the kept set with a layout.
 """
 
-from jaxkv.policies.base import (
-    REGISTRY,
-    EventFeatures,
-    Needs,
-    Observation,
-    Policy,
-    attention_probs,
-    get_policy,
-    register,
-    select,
-)
+from jaxkv.policies.base import REGISTRY, EventFeatures, Needs, Observation, Policy, attention_probs, get_policy, register, select
 
-__all__ = [
-    "REGISTRY",
-    "EventFeatures",
-    "Needs",
-    "Observation",
-    "Policy",
-    "attention_probs",
-    "get_policy",
-    "register",
-    "select",
-]
+__all__ = ["REGISTRY", "EventFeatures", "Needs", "Observation", "Policy", "attention_probs", "get_policy", "register", "select"]
 
 # Importing a method's module registers it in REGISTRY.
 from jaxkv.policies import (  # noqa: E402,F401

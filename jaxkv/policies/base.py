@@ -156,8 +156,7 @@ class Policy:
         unknown = sorted(set(options) - fields)
         if unknown:
             raise OptionError(
-                f"policy {self.name!r} has no option(s) {', '.join(unknown)}; "
-                f"its options are {', '.join(sorted(fields)) or '(none)'}"
+                f"policy {self.name!r} has no option(s) {', '.join(unknown)}; its options are {', '.join(sorted(fields)) or '(none)'}"
             )
         return self.config(**options)
 
@@ -243,4 +242,3 @@ def get_policy(name: str) -> Policy:
         return REGISTRY[name]
     except KeyError:
         raise ConfigError(f"unknown policy {name!r}; known: {', '.join(sorted(REGISTRY))}") from None
-

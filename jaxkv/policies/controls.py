@@ -69,11 +69,5 @@ RANDOM = register(
     )
 )
 OLDEST = register(
-    Policy(
-        name="oldest",
-        config=OldestConfig,
-        score=oldest_score,
-        needs=_needs,
-        doc="Oldest-K control: keeps the oldest candidates.",
-    )
+    Policy(name="oldest", config=OldestConfig, score=oldest_score, needs=_needs, doc="Oldest-K control: keeps the oldest candidates.")
 )

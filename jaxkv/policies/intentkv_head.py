@@ -249,15 +249,16 @@ def save_head(head: Head, folder, **meta) -> Path:
     folder = Path(folder)
     folder.mkdir(parents=True, exist_ok=True)
     write_safetensors(folder / WEIGHTS_FILE, flat_params(head.params))
-    record = {"format": HEAD_FORMAT, "version": HEAD_VERSION, "config": dataclasses.asdict(head.cfg),
-              **{**head.meta, **meta}}
+    record = {"format": HEAD_FORMAT, "version": HEAD_VERSION, "config": dataclasses.asdict(head.cfg), **{**head.meta, **meta}}
     (folder / CONFIG_FILE).write_text(json.dumps(record, indent=2) + "\n")
     return folder
 
 
-_TRAIN_ONE = (f"Train one for this model with `python -m train.intentkv_data --model M` and "
-              f"`python -m train.intentkv_head --export MODEL_FOLDER/{HEAD_FOLDER}` (sessions find it there), "
-              f"or pass head=PATH.")
+_TRAIN_ONE = (
+    f"Train one for this model with `python -m train.intentkv_data --model M` and "
+    f"`python -m train.intentkv_head --export MODEL_FOLDER/{HEAD_FOLDER}` (sessions find it there), "
+    f"or pass head=PATH."
+)
 
 
 def load_head(folder=None) -> Head:
@@ -311,10 +312,7 @@ def check_head_model(head: Head, model_cfg, where="") -> None:
     if differ:
         base = head.meta.get("base_model", {}).get("name", "another model")
         fields = ", ".join(f"{k} {a} (head) vs {b} (model)" for k, (a, b) in differ.items())
-        raise ConfigError(
-            f"IntentKV head{(' ' + where) if where else ''} was trained for {base}, not this model: {fields}. "
-            f"{_TRAIN_ONE}"
-        )
+        raise ConfigError(f"IntentKV head{(' ' + where) if where else ''} was trained for {base}, not this model: {fields}. {_TRAIN_ONE}")
 
 
 def check_head_dim(head: Head, head_dim: int, where="") -> None:

@@ -42,16 +42,7 @@ from flax import struct
 from jaxkv.policies import intentkv
 from jaxkv.policies.base import Needs, Policy, register
 from jaxkv.policies.common import unit_norm
-from jaxkv.policies.intentkv_head import (
-    HeadConfig,
-    alpha_of,
-    check_head_model,
-    combine,
-    load_head,
-    mean_keys,
-    mean_query,
-    residual_scores,
-)
+from jaxkv.policies.intentkv_head import HeadConfig, alpha_of, check_head_model, combine, load_head, mean_keys, mean_query, residual_scores
 
 MODES = ("full", "no_memory", "no_xattn", "no_residual")
 
@@ -108,8 +99,7 @@ def score(cfg: IntentKVConfig, state: IntentKVHeadState, feats, candidates_N, *,
     if mode == "no_residual":
         return s_N, state
     r_N = residual_scores(
-        state.graphdef, state.params, mean_keys(feats.keys_LNKD), mean_query(m_LHD), feats.query_span_N,
-        xattn=mode != "no_xattn",
+        state.graphdef, state.params, mean_keys(feats.keys_LNKD), mean_query(m_LHD), feats.query_span_N, xattn=mode != "no_xattn"
     )
     z_N = combine(s_N, r_N, alpha_of(state.params, state.head_cfg.alpha_max))
     return jnp.where(jnp.asarray(candidates_N, bool), z_N, 0.0), state

@@ -77,8 +77,7 @@ LATER_PROMPT = "\n\nRepeat the part of the previous context exactly, starting wi
 
 
 # --------------------------------------------------------------------------- the score
-def reconstruction_scores(q_LXHD, k_LNKD, kself_LXKD, softmax_N, scored_N, valid_X,
-                          row_scale_LX=None, col_scale_LHN=None):
+def reconstruction_scores(q_LXHD, k_LNKD, kself_LXKD, softmax_N, scored_N, valid_X, row_scale_LX=None, col_scale_LHN=None):
     """KVzip's score of one reconstruction pass, ``[L, N, Hkv]`` float32.
 
     Args:
@@ -164,8 +163,9 @@ def template_split(tokenizer) -> tuple[int, np.ndarray]:
     else:
         dummy = "dummy context"
         separator = "\n" + "#" * len(dummy)
-        text = tokenizer.apply_chat_template([{"role": "user", "content": dummy + separator}], add_generation_prompt=True,
-                                             tokenize=False, enable_thinking=False)
+        text = tokenizer.apply_chat_template(
+            [{"role": "user", "content": dummy + separator}], add_generation_prompt=True, tokenize=False, enable_thinking=False
+        )
         context, suffix_text = text.split(separator)
         prefix_text = context.split(dummy)[0]
     encode = lambda t: tokenizer.encode(t, add_special_tokens=False)

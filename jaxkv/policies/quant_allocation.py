@@ -149,8 +149,14 @@ class Allocation:
         if not axes or any(a not in AXES for a in axes):
             raise ConfigError(f"allocation axes must be a subset of {AXES}, got {axes}")
         rows = d["tags"]
-        return cls(axes, tuple(int(r["index"]) for r in rows), tuple(float(r["N"]) for r in rows),
-                   tuple(float(r["D2"]) for r in rows), tuple(float(r["D4"]) for r in rows), float(d["budget"]))
+        return cls(
+            axes,
+            tuple(int(r["index"]) for r in rows),
+            tuple(float(r["N"]) for r in rows),
+            tuple(float(r["D2"]) for r in rows),
+            tuple(float(r["D4"]) for r in rows),
+            float(d["budget"]),
+        )
 
 
 @functools.lru_cache(maxsize=64)

@@ -213,7 +213,10 @@ def repair_scores_streamed(q_LXHD, q_pos_X, q_valid_X, ctx_k_LNKD, ctx_pos_N, ct
     Returns the concatenated valid and padded entries, in the order yielded."""
     Hkv = ctx_k_LNKD.shape[2]
     q = _group(q_LXHD, Hkv)
-    q_pos, q_valid = np.asarray(q_pos_X, np.int32), np.asarray(q_valid_X, bool)  # host arrays: jit transfers them (jnp.asarray would compile a program per shape)
+    q_pos, q_valid = (
+        np.asarray(q_pos_X, np.int32),
+        np.asarray(q_valid_X, bool),
+    )  # host arrays: jit transfers them (jnp.asarray would compile a program per shape)
     lse = _chunk_lse_jit(q, q_pos, q_valid, ctx_k_LNKD, np.asarray(ctx_pos_N, np.int32), np.asarray(ctx_valid_N, bool))
     for k, pos, valid in chunks():
         lse = jnp.logaddexp(lse, _chunk_lse_jit(q, q_pos, q_valid, k, pos, valid))
@@ -245,9 +248,15 @@ def score_rows(signal: Signal, ctx_k_LNKD, ctx_pos_N, cand_k_LMKD, cand_pos_M, *
         return np.pad(np.asarray(x, np.int64), (0, n - len(x)))
 
     a = repair_scores(
-        q_pad, q_pos.astype(np.int32), np.arange(Xp) < X,
-        pad_rows(ctx_k_LNKD, Np), pad_vec(ctx_pos_N, Np).astype(np.int32), np.arange(Np) < N,
-        pad_rows(cand_k_LMKD, Mp), pad_vec(cand_pos_M, Mp).astype(np.int32), np.arange(Mp) < M,
+        q_pad,
+        q_pos.astype(np.int32),
+        np.arange(Xp) < X,
+        pad_rows(ctx_k_LNKD, Np),
+        pad_vec(ctx_pos_N, Np).astype(np.int32),
+        np.arange(Np) < N,
+        pad_rows(cand_k_LMKD, Mp),
+        pad_vec(cand_pos_M, Mp).astype(np.int32),
+        np.arange(Mp) < M,
         chunk=C,
     )
     return np.asarray(a)[:M]

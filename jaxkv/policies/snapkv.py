@@ -74,9 +74,7 @@ def keep(cfg: SnapKVConfig, feats):
 
 def score(cfg: SnapKVConfig, state, feats, candidates_N):
     L, N, Hkv, _ = feats.keys_LNKD.shape
-    probs_LHWN = attention_probs(
-        feats.window_q_LWHD, feats.keys_LNKD, causal_q_pos=feats.window_pos_W, k_pos_N=feats.positions_N
-    )
+    probs_LHWN = attention_probs(feats.window_q_LWHD, feats.keys_LNKD, causal_q_pos=feats.window_pos_W, k_pos_N=feats.positions_N)
     mass_LHN = jnp.einsum("lhwn,w->lhn", probs_LHWN, feats.window_valid_W.astype(jnp.float32))
     mass_LKN = mass_LHN.reshape(L, Hkv, -1, N).mean(axis=2)  # mean over the GQA group
     return pool_1d(mass_LKN, cfg.kernel, cfg.pooling, feats.valid()).mean(axis=(0, 1)), state

@@ -39,9 +39,7 @@ def keep(cfg: TOVAConfig, feats):
 def score(cfg: TOVAConfig, state, feats, candidates_N):
     last = last_valid_index(feats.window_valid_W)
     q_L1HD = feats.window_q_LWHD[:, last][:, None]
-    probs_LH1N = attention_probs(
-        q_L1HD, feats.keys_LNKD, causal_q_pos=feats.window_pos_W[last][None], k_pos_N=feats.positions_N
-    )
+    probs_LH1N = attention_probs(q_L1HD, feats.keys_LNKD, causal_q_pos=feats.window_pos_W[last][None], k_pos_N=feats.positions_N)
     return probs_LH1N.mean(axis=(0, 1, 2)), state
 
 

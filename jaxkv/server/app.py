@@ -55,7 +55,18 @@ from jaxkv.chat.render import chat_markers
 from jaxkv.server import metrics as prom
 from jaxkv.server.errors import APIError, from_exception, invalid
 from jaxkv.errors import JaxKVError
-from jaxkv.server.protocol import KEEPALIVE, KEEPALIVE_S, SESSION_OPTIONS, ChatRequest, chunk, completion, message_of, new_id, parse_chat_request, usage
+from jaxkv.server.protocol import (
+    KEEPALIVE,
+    KEEPALIVE_S,
+    SESSION_OPTIONS,
+    ChatRequest,
+    chunk,
+    completion,
+    message_of,
+    new_id,
+    parse_chat_request,
+    usage,
+)
 from jaxkv.server.sessions import PUBLIC, OptionRules, SessionStore, Tenants, cache_namespace, ledger, session_key, turn_report
 from jaxkv.server.streaming import ReplyStream
 
@@ -204,8 +215,14 @@ def _prepare(state: ServingState, req: ChatRequest, explicit: str | None) -> _Pr
         name = req.tool_choice["function"]["name"] if isinstance(req.tool_choice, dict) else None
         with contextlib.suppress(ValueError):  # unknown template: the session refuses the choice
             prefix = forced_call_prefix(chat_markers(state.tokenizer).layout, name)
-    rendered = render(state.tokenizer, req.messages, tools, add_generation_prompt=True,
-                      keep_reasoning=state.config.rules.keep_reasoning, reply_prefix=prefix)
+    rendered = render(
+        state.tokenizer,
+        req.messages,
+        tools,
+        add_generation_prompt=True,
+        keep_reasoning=state.config.rules.keep_reasoning,
+        reply_prefix=prefix,
+    )
     n_new = req.max_tokens
     if n_new is None:
         n_new = min(state.config.max_tokens, state.limit - int(rendered.ids.size))
@@ -298,7 +315,13 @@ def create_app(server, config: ServeConfig, *, own_server: bool = False) -> Fast
             raise invalid(f"the request body is not valid JSON: {err}", None, "invalid_json") from None
         req = parse_chat_request(body)
         if req.model != config.model_name:
-            raise APIError(404, f"the model {req.model!r} does not exist (this server serves {config.model_name!r})", "not_found_error", "model", "model_not_found")
+            raise APIError(
+                404,
+                f"the model {req.model!r} does not exist (this server serves {config.model_name!r})",
+                "not_found_error",
+                "model",
+                "model_not_found",
+            )
         explicit = req.session_id or request.headers.get("x-session-id") or None
         if explicit is not None and len(explicit) > 256:
             raise invalid("the session id must be at most 256 characters", "session_id")
@@ -347,8 +370,17 @@ def create_app(server, config: ServeConfig, *, own_server: bool = False) -> Fast
         def start():  # worker thread: render + submit (the scheduler's checks raise here)
             before = ledger(entry.session)
             handle = entry.session.start_chat(
-                req.messages, req.tools, max_new_tokens=prepared.n_new, temperature=temperature, top_k=req.top_k,
-                top_p=req.top_p, seed=seed, tool_choice=req.tool_choice, stop=req.stop, on_tokens=on_tokens, ignore_eos=req.ignore_eos,
+                req.messages,
+                req.tools,
+                max_new_tokens=prepared.n_new,
+                temperature=temperature,
+                top_k=req.top_k,
+                top_p=req.top_p,
+                seed=seed,
+                tool_choice=req.tool_choice,
+                stop=req.stop,
+                on_tokens=on_tokens,
+                ignore_eos=req.ignore_eos,
             )
 
             def ended(f):  # the scheduler thread, while the session lock is still held
@@ -382,7 +414,8 @@ def create_app(server, config: ServeConfig, *, own_server: bool = False) -> Fast
         rid = new_id("chatcmpl-")
         if req.stream:
             return StreamingResponse(
-                _stream(state, req, handle, queue, rid, report), media_type="text/event-stream",
+                _stream(state, req, handle, queue, rid, report),
+                media_type="text/event-stream",
                 headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no", **headers},
                 background=BackgroundTask(handle.cancel),  # a stream that never started: drop its turn
             )
@@ -428,7 +461,9 @@ async def _stream(state: ServingState, req: ChatRequest, handle, queue: asyncio.
             yield _sse(chunk(rid, model, created, delta, **extra))
         yield _sse(chunk(rid, model, created, {}, turn.finish_reason, **extra))
         if req.include_usage:  # the usage chunk also carries what the mechanisms did
-            last = chunk(rid, model, created, None, use=usage(turn.prompt_tokens, len(turn.reply_ids), turn.cached_tokens), include_usage=True)
+            last = chunk(
+                rid, model, created, None, use=usage(turn.prompt_tokens, len(turn.reply_ids), turn.cached_tokens), include_usage=True
+            )
             yield _sse({**last, "jaxkv": report})
         yield "data: [DONE]\n\n"
     finally:

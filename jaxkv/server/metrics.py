@@ -197,8 +197,13 @@ def _responses(state: ServerState) -> dict[str, int]:
 
 
 STATE_METRICS = (
-    StateMetric("jaxkv_pool_slots", "gauge", "KV pool slots (sentinel excluded).",
-                lambda s: {state: s.snapshot[f"slots_{state}"] for state in ("capacity", "used", "free")}, label="state"),
+    StateMetric(
+        "jaxkv_pool_slots",
+        "gauge",
+        "KV pool slots (sentinel excluded).",
+        lambda s: {state: s.snapshot[f"slots_{state}"] for state in ("capacity", "used", "free")},
+        label="state",
+    ),
     StateMetric("jaxkv_pool_occupancy", "gauge", "Used share of the KV pool.", _occupancy),
     StateMetric("jaxkv_prefix_cache_slots", "gauge", "Slots the radix prefix cache holds.", _snapshot("radix_slots")),
     StateMetric("jaxkv_live_kv_tokens", "gauge", "KV rows the running requests attend to.", _snapshot("live_kv")),
@@ -206,36 +211,76 @@ STATE_METRICS = (
     StateMetric("jaxkv_rows_busy", "gauge", "Engine rows running a turn.", _snapshot("rows_busy")),
     StateMetric("jaxkv_queue_depth", "gauge", "Turns waiting for a row.", _snapshot("queue_depth")),
     StateMetric("jaxkv_sessions", "gauge", "Live sessions in the HTTP session store.", lambda s: s.sessions),
-    StateMetric("jaxkv_turns_total", "counter", "Turns ended, by outcome.",
-                lambda s: {outcome: s.snapshot.get(f"turns_{outcome}", 0) for outcome in ("done", "failed", "cancelled")}, label="outcome"),
+    StateMetric(
+        "jaxkv_turns_total",
+        "counter",
+        "Turns ended, by outcome.",
+        lambda s: {outcome: s.snapshot.get(f"turns_{outcome}", 0) for outcome in ("done", "failed", "cancelled")},
+        label="outcome",
+    ),
     StateMetric("jaxkv_prompt_tokens_total", "counter", "Prompt tokens of all turns.", _snapshot("prompt_tokens")),
-    StateMetric("jaxkv_cached_prompt_tokens_total", "counter", "Prompt tokens taken from the radix prefix cache.", _snapshot("cached_tokens")),
+    StateMetric(
+        "jaxkv_cached_prompt_tokens_total", "counter", "Prompt tokens taken from the radix prefix cache.", _snapshot("cached_tokens")
+    ),
     StateMetric("jaxkv_prefix_hit_rate", "gauge", "Cached prompt tokens / prompt tokens, over all turns.", _prefix_hit_rate),
     StateMetric("jaxkv_evicted_tokens_total", "counter", "KV positions evicted by retention policies.", _snapshot("evicted_tokens")),
-    StateMetric("jaxkv_prefix_cache_evicted_slots_total", "counter", "Slots the prefix cache gave back under pool pressure.",
-                _snapshot("radix_evicted_slots")),
+    StateMetric(
+        "jaxkv_prefix_cache_evicted_slots_total",
+        "counter",
+        "Slots the prefix cache gave back under pool pressure.",
+        _snapshot("radix_evicted_slots"),
+    ),
     StateMetric("jaxkv_repaired_rows_total", "counter", "KV rows RepairKV promoted back from the host tier.", _snapshot("repaired_rows")),
-    StateMetric("jaxkv_segment_reused_tokens_total", "counter", "Prompt tokens spliced from stored KV segments (cross-query reuse).",
-                lambda state: state.mechanisms.get("reused_tokens", 0)),
+    StateMetric(
+        "jaxkv_segment_reused_tokens_total",
+        "counter",
+        "Prompt tokens spliced from stored KV segments (cross-query reuse).",
+        lambda state: state.mechanisms.get("reused_tokens", 0),
+    ),
     StateMetric("jaxkv_host_tier_rows", "gauge", "Evicted KV rows shelved in the host tier.", _snapshot("host_tier_rows")),
     StateMetric("jaxkv_generated_tokens_total", "counter", "Tokens generated.", _counted("tokens_generated")),
     StateMetric("jaxkv_prefill_tokens_total", "counter", "Prompt tokens prefilled (not cached).", _counted("prefill_tokens")),
-    StateMetric("jaxkv_generated_tokens_per_second", "gauge", f"Tokens generated per second over the last {RATE_WINDOW_S:g} s.",
-                lambda s: s.tokens_per_second),
-    StateMetric("jaxkv_engine_seconds_total", "counter", "Seconds spent in batched engine steps, by phase.",
-                lambda s: {phase: s.snapshot.get(f"{phase}_seconds", 0.0) for phase in ("prefill", "decode")}, label="phase"),
-    StateMetric("jaxkv_decode_steps_total", "counter", "Batched decode calls (each up to decode_chunk steps of every decoding row).",
-                _counted("steps")),
-    StateMetric("jaxkv_xla_compiles_total", "counter",
-                "XLA programs this process compiled or loaded from the persistent cache (after warm-up a request adds none).",
-                _counted("xla_compiles")),
-    StateMetric("jaxkv_xla_cache_hits_total", "counter", "XLA programs loaded from the persistent compilation cache.", _counted("xla_cache_hits")),
-    StateMetric("jaxkv_warmup_programs", "gauge", "XLA programs the start-up warm-up compiled or loaded (0: no warm-up).",
-                _counted("warmup_programs")),
+    StateMetric(
+        "jaxkv_generated_tokens_per_second",
+        "gauge",
+        f"Tokens generated per second over the last {RATE_WINDOW_S:g} s.",
+        lambda s: s.tokens_per_second,
+    ),
+    StateMetric(
+        "jaxkv_engine_seconds_total",
+        "counter",
+        "Seconds spent in batched engine steps, by phase.",
+        lambda s: {phase: s.snapshot.get(f"{phase}_seconds", 0.0) for phase in ("prefill", "decode")},
+        label="phase",
+    ),
+    StateMetric(
+        "jaxkv_decode_steps_total",
+        "counter",
+        "Batched decode calls (each up to decode_chunk steps of every decoding row).",
+        _counted("steps"),
+    ),
+    StateMetric(
+        "jaxkv_xla_compiles_total",
+        "counter",
+        "XLA programs this process compiled or loaded from the persistent cache (after warm-up a request adds none).",
+        _counted("xla_compiles"),
+    ),
+    StateMetric(
+        "jaxkv_xla_cache_hits_total", "counter", "XLA programs loaded from the persistent compilation cache.", _counted("xla_cache_hits")
+    ),
+    StateMetric(
+        "jaxkv_warmup_programs",
+        "gauge",
+        "XLA programs the start-up warm-up compiled or loaded (0: no warm-up).",
+        _counted("warmup_programs"),
+    ),
     StateMetric("jaxkv_warmup_seconds", "gauge", "Seconds the start-up warm-up took (0: no warm-up).", _counted("warmup_seconds")),
-    StateMetric("jaxkv_xla_releases_total", "counter",
-                "Times the compiled programs were dropped near the process's memory-mapping limit (reloaded from the persistent cache on next use).",
-                _counted("xla_releases")),
+    StateMetric(
+        "jaxkv_xla_releases_total",
+        "counter",
+        "Times the compiled programs were dropped near the process's memory-mapping limit (reloaded from the persistent cache on next use).",
+        _counted("xla_releases"),
+    ),
     StateMetric("jaxkv_http_responses_total", "counter", "HTTP responses, by status.", _responses, label="status"),
 )
 
@@ -266,15 +311,23 @@ class ServerMetrics:
         self._state = ServerStateCollector()
         self.registry.register(self._state)
         self.time_to_first_token = Histogram(
-            "jaxkv_time_to_first_token_seconds", "Seconds from a chat request's arrival to its first generated token.",
-            buckets=TIME_TO_FIRST_TOKEN_BUCKETS, registry=self.registry)
+            "jaxkv_time_to_first_token_seconds",
+            "Seconds from a chat request's arrival to its first generated token.",
+            buckets=TIME_TO_FIRST_TOKEN_BUCKETS,
+            registry=self.registry,
+        )
         self.inter_token_latency = Histogram(
             "jaxkv_inter_token_latency_seconds",
             "Seconds between generated tokens (a decode chunk's interval shared evenly by its tokens).",
-            buckets=INTER_TOKEN_LATENCY_BUCKETS, registry=self.registry)
+            buckets=INTER_TOKEN_LATENCY_BUCKETS,
+            registry=self.registry,
+        )
         self.queue_wait = Histogram(
-            "jaxkv_queue_wait_seconds", "Seconds a turn waited in the scheduler's queue for a row.",
-            buckets=QUEUE_WAIT_BUCKETS, registry=self.registry)
+            "jaxkv_queue_wait_seconds",
+            "Seconds a turn waited in the scheduler's queue for a row.",
+            buckets=QUEUE_WAIT_BUCKETS,
+            registry=self.registry,
+        )
         self._exposing = threading.Lock()
 
     def exposition(self, state: ServerState) -> bytes:

@@ -42,10 +42,21 @@ from typing import Any
 from jaxkv.server.errors import invalid
 
 SESSION_OPTIONS = ("policy", "budget", "layout", "repair", "kv_quant", "kv_bits", "reuse")  # checked by sessions.OptionRules
-IGNORED = frozenset({
-    "user", "metadata", "store", "service_tier", "parallel_tool_calls", "prompt_cache_key",
-    "prompt_cache_retention", "safety_identifier", "modalities", "reasoning_effort", "verbosity",
-})
+IGNORED = frozenset(
+    {
+        "user",
+        "metadata",
+        "store",
+        "service_tier",
+        "parallel_tool_calls",
+        "prompt_cache_key",
+        "prompt_cache_retention",
+        "safety_identifier",
+        "modalities",
+        "reasoning_effort",
+        "verbosity",
+    }
+)
 UNSUPPORTED = {  # field -> values that are fine (the default)
     "logprobs": (None, False),
     "top_logprobs": (None, 0),
@@ -58,11 +69,32 @@ UNSUPPORTED = {  # field -> values that are fine (the default)
     "functions": (None,),
     "function_call": (None,),
 }
-KNOWN = frozenset({
-    "model", "messages", "tools", "tool_choice", "max_tokens", "max_completion_tokens", "temperature",
-    "top_p", "seed", "stop", "stream", "stream_options", "n", "response_format", "session_id", "top_k", "ignore_eos",
-    *SESSION_OPTIONS,
-}) | IGNORED | frozenset(UNSUPPORTED)
+KNOWN = (
+    frozenset(
+        {
+            "model",
+            "messages",
+            "tools",
+            "tool_choice",
+            "max_tokens",
+            "max_completion_tokens",
+            "temperature",
+            "top_p",
+            "seed",
+            "stop",
+            "stream",
+            "stream_options",
+            "n",
+            "response_format",
+            "session_id",
+            "top_k",
+            "ignore_eos",
+            *SESSION_OPTIONS,
+        }
+    )
+    | IGNORED
+    | frozenset(UNSUPPORTED)
+)
 MAX_STOP = 16
 KEEPALIVE_S = 15.0  # a silent stream gets an SSE comment this often (app.ServeConfig.keepalive_s)
 KEEPALIVE = ": keep-alive\n\n"  # an SSE comment line: SSE clients skip it
@@ -142,7 +174,11 @@ def _text_content(content, k: int):
 
 def _messages(value) -> list[dict]:
     if not isinstance(value, list) or not value:
-        raise invalid("'messages' must be a non-empty list of messages", "messages", "missing_required_parameter" if value is None else "invalid_value")
+        raise invalid(
+            "'messages' must be a non-empty list of messages",
+            "messages",
+            "missing_required_parameter" if value is None else "invalid_value",
+        )
     out = []
     for k, msg in enumerate(value):
         if not isinstance(msg, dict):
@@ -165,7 +201,13 @@ def _tools(value) -> list[dict] | None:
         raise invalid("'tools' must be a list", "tools")
     for j, tool in enumerate(value):
         fn = tool.get("function") if isinstance(tool, dict) else None
-        if not isinstance(tool, dict) or tool.get("type", "function") != "function" or not isinstance(fn, dict) or not isinstance(fn.get("name"), str) or not fn["name"]:
+        if (
+            not isinstance(tool, dict)
+            or tool.get("type", "function") != "function"
+            or not isinstance(fn, dict)
+            or not isinstance(fn.get("name"), str)
+            or not fn["name"]
+        ):
             raise invalid(f"tools[{j}] must be {{'type': 'function', 'function': {{'name': ..., 'parameters': ...}}}}", f"tools[{j}]")
     return value or None
 
@@ -192,7 +234,11 @@ def parse_chat_request(body) -> ChatRequest:
     if unknown:
         raise invalid(f"unrecognized request argument: {unknown[0]!r}", unknown[0], "unknown_parameter")
     for name, fine in UNSUPPORTED.items():
-        if name in body and not any(body[name] == f and type(body[name]) is type(f) for f in fine if f is not None) and body[name] is not None:
+        if (
+            name in body
+            and not any(body[name] == f and type(body[name]) is type(f) for f in fine if f is not None)
+            and body[name] is not None
+        ):
             raise invalid(f"'{name}' is not supported by this server", name, "unsupported_parameter")
     model = body.get("model")
     if not isinstance(model, str) or not model:
@@ -295,7 +341,16 @@ def completion(id: str, model: str, message: dict, finish_reason: str, use: dict
     }
 
 
-def chunk(id: str, model: str, created: int, delta: dict | None, finish_reason: str | None = None, *, use: dict | None = None, include_usage: bool = False) -> dict:
+def chunk(
+    id: str,
+    model: str,
+    created: int,
+    delta: dict | None,
+    finish_reason: str | None = None,
+    *,
+    use: dict | None = None,
+    include_usage: bool = False,
+) -> dict:
     """One stream chunk; ``delta`` None makes the usage-only chunk (no choices)."""
     out = {"id": id, "object": "chat.completion.chunk", "created": created, "model": model, "system_fingerprint": None}
     out["choices"] = [] if delta is None else [{"index": 0, "delta": delta, "finish_reason": finish_reason, "logprobs": None}]

@@ -32,7 +32,23 @@ from jaxkv.server.sessions import CAPS, CHOICES, OPTIONS, OptionRules, known_val
 from jaxkv.serving.scheduler import DECODE_CHUNK
 
 
-def make_app(model, *, model_name: str = "embedded", rows: int = 4, max_queue: int = 64, max_positions: int | None = None, num_slots: int | None = None, api_keys=(), rules: OptionRules = OptionRules(), max_tokens: int = 256, session_cap: int = 1024, decode_chunk: int = DECODE_CHUNK, warmup: bool = False, kv_quant: str | None = None, keepalive_s: float | None = KEEPALIVE_S):
+def make_app(
+    model,
+    *,
+    model_name: str = "embedded",
+    rows: int = 4,
+    max_queue: int = 64,
+    max_positions: int | None = None,
+    num_slots: int | None = None,
+    api_keys=(),
+    rules: OptionRules = OptionRules(),
+    max_tokens: int = 256,
+    session_cap: int = 1024,
+    decode_chunk: int = DECODE_CHUNK,
+    warmup: bool = False,
+    kv_quant: str | None = None,
+    keepalive_s: float | None = KEEPALIVE_S,
+):
     """A ``Server`` on ``model`` and the OpenAI app over it (the app owns the server);
     ``warmup`` compiles the server's whole shape set first (``Server.warmup``),
     with the programs of the retention policies ``rules`` let requests run.
@@ -55,7 +71,16 @@ def make_app(model, *, model_name: str = "embedded", rows: int = 4, max_queue: i
         if rules.kv_quant not in (None, check_mode(kv_quant)):
             raise ConfigError(f"kv_quant={kv_quant!r} but rules.kv_quant={rules.kv_quant!r}: the pool has one format")
         rules = dataclasses.replace(rules, kv_quant=check_mode(kv_quant))
-    server = Server(model, rows=rows, max_queue=max_queue, max_positions=max_positions, num_slots=num_slots, decode_chunk=decode_chunk, warmup=False, kv_quant=rules.kv_quant)
+    server = Server(
+        model,
+        rows=rows,
+        max_queue=max_queue,
+        max_positions=max_positions,
+        num_slots=num_slots,
+        decode_chunk=decode_chunk,
+        warmup=False,
+        kv_quant=rules.kv_quant,
+    )
     try:
         check_rules(server, rules)
         if warmup:
@@ -154,13 +179,22 @@ def add_arguments(p) -> None:
     p.add_argument("--served-model-name", default=None, help="the model id clients send (default: 'embedded' or the folder's name)")
     p.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1)")
     p.add_argument("--port", type=int, default=8000)
-    p.add_argument("--api-key", action="append", default=[], metavar="KEY|FILE",
-                   help="accepted Bearer key, or a file of keys (one per line); repeatable. None given: no authentication")
+    p.add_argument(
+        "--api-key",
+        action="append",
+        default=[],
+        metavar="KEY|FILE",
+        help="accepted Bearer key, or a file of keys (one per line); repeatable. None given: no authentication",
+    )
     p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
     p.add_argument("--rows", type=int, default=4, help="turns that run at once (engine rows)")
     p.add_argument("--max-queue", type=int, default=64, help="turns that may wait for a row before 429")
-    p.add_argument("--decode-chunk", type=int, default=DECODE_CHUNK,
-                   help="decode steps per batched engine call: rows join and leave, and streams flush, between calls")
+    p.add_argument(
+        "--decode-chunk",
+        type=int,
+        default=DECODE_CHUNK,
+        help="decode steps per batched engine call: rows join and leave, and streams flush, between calls",
+    )
     p.add_argument("--max-positions", type=int, default=None, help="positions per request (default: the model context, at most 8192)")
     p.add_argument("--num-slots", type=int, default=None, help="KV pool slots (default: 2 x rows x positions + 1)")
     p.add_argument("--max-tokens", type=int, default=256, help="reply budget of a request that names none")
@@ -168,29 +202,56 @@ def add_arguments(p) -> None:
     p.add_argument("--budget", type=int, default=None, help="retention budget B (with --policy)")
     p.add_argument("--layout", default="dead_slot", choices=["dead_slot", "compact"])
     p.add_argument("--repair", type=int, default=0, help="RepairKV K rows per turn boundary (0: off; needs --policy)")
-    p.add_argument("--kv-quant", default=None, metavar="FORMAT",
-                   help="the KV pool's format and every session's default: int4, kivi2, kivi4, triaxial or its ablations "
-                        "(jaxkv.cache.quantized_host.MODES; default: float)")
-    p.add_argument("--kv-bits", type=float, default=None, metavar="B",
-                   help="average bits of triaxial sessions, in [2, 4] (default: the calibration's)")
-    p.add_argument("--kv-allocation", default=None, metavar="PATH",
-                   help="TriAxialKV calibration of triaxial sessions (default: triaxial.json in the model folder)")
-    p.add_argument("--reuse", default=None, choices=["segment", "cacheblend"],
-                   help="cross-query segment reuse of every session, per tenant (default: off)")
-    p.add_argument("--allow", action="append", default=[], metavar="OPTION=VALUES",
-                   help="what a request may choose in extra_body instead of the default; repeatable. "
-                        "policy=A,B (or 'all'; 'full' = full cache), layout=dead_slot,compact, "
-                        "kv_quant=int4,triaxial,... (modes the pool serves; 'all'), reuse=segment,cacheblend,none; "
-                        "caps: budget=MAX, repair=MAX, kv_bits=MAX")
+    p.add_argument(
+        "--kv-quant",
+        default=None,
+        metavar="FORMAT",
+        help="the KV pool's format and every session's default: int4, kivi2, kivi4, triaxial or its ablations "
+        "(jaxkv.cache.quantized_host.MODES; default: float)",
+    )
+    p.add_argument(
+        "--kv-bits", type=float, default=None, metavar="B", help="average bits of triaxial sessions, in [2, 4] (default: the calibration's)"
+    )
+    p.add_argument(
+        "--kv-allocation",
+        default=None,
+        metavar="PATH",
+        help="TriAxialKV calibration of triaxial sessions (default: triaxial.json in the model folder)",
+    )
+    p.add_argument(
+        "--reuse",
+        default=None,
+        choices=["segment", "cacheblend"],
+        help="cross-query segment reuse of every session, per tenant (default: off)",
+    )
+    p.add_argument(
+        "--allow",
+        action="append",
+        default=[],
+        metavar="OPTION=VALUES",
+        help="what a request may choose in extra_body instead of the default; repeatable. "
+        "policy=A,B (or 'all'; 'full' = full cache), layout=dead_slot,compact, "
+        "kv_quant=int4,triaxial,... (modes the pool serves; 'all'), reuse=segment,cacheblend,none; "
+        "caps: budget=MAX, repair=MAX, kv_bits=MAX",
+    )
     p.add_argument("--allow-policies", default="", metavar="A,B", help="same as --allow policy=A,B")
     p.add_argument("--max-budget", type=int, default=None, help="same as --allow budget=MAX (default: any budget)")
     p.add_argument("--max-repair", type=int, default=0, help="same as --allow repair=MAX (default: --repair)")
     p.add_argument("--keep-reasoning", action="store_true", help="render earlier turns' reasoning too (append-only histories)")
     p.add_argument("--session-cap", type=int, default=1024, help="live sessions kept (LRU)")
-    p.add_argument("--keepalive", type=float, default=KEEPALIVE_S, metavar="SECONDS",
-                   help="a stream silent this long (a long prefill) gets an SSE comment line, ': keep-alive' (0: never)")
-    p.add_argument("--no-warmup", dest="warmup", action="store_false",
-                   help="skip compiling every engine program at start-up (the first requests then compile theirs)")
+    p.add_argument(
+        "--keepalive",
+        type=float,
+        default=KEEPALIVE_S,
+        metavar="SECONDS",
+        help="a stream silent this long (a long prefill) gets an SSE comment line, ': keep-alive' (0: never)",
+    )
+    p.add_argument(
+        "--no-warmup",
+        dest="warmup",
+        action="store_false",
+        help="skip compiling every engine program at start-up (the first requests then compile theirs)",
+    )
     p.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
 
 
@@ -232,8 +293,11 @@ def rules_from_args(args) -> OptionRules:
     from jaxkv.errors import ConfigError
 
     allow = parse_allow(getattr(args, "allow", ()))
-    aliases = [("policy", {n.strip() for n in args.allow_policies.split(",") if n.strip()} or None),
-               ("budget", args.max_budget), ("repair", args.max_repair or None)]
+    aliases = [
+        ("policy", {n.strip() for n in args.allow_policies.split(",") if n.strip()} or None),
+        ("budget", args.max_budget),
+        ("repair", args.max_repair or None),
+    ]
     for name, value in aliases:
         if value is None:
             continue
@@ -249,12 +313,22 @@ def rules_from_args(args) -> OptionRules:
             every = [m or "none" for m in servable_modes(kv_quant)] if name == "kv_quant" else known_values(name)
             allow[name] = (allow[name] - {"all"}) | set(every)
     return OptionRules(
-        policy=args.policy, budget=args.budget, layout=args.layout, repair=args.repair, keep_reasoning=args.keep_reasoning,
-        kv_quant=kv_quant, kv_bits=getattr(args, "kv_bits", None), reuse=getattr(args, "reuse", None),
+        policy=args.policy,
+        budget=args.budget,
+        layout=args.layout,
+        repair=args.repair,
+        keep_reasoning=args.keep_reasoning,
+        kv_quant=kv_quant,
+        kv_bits=getattr(args, "kv_bits", None),
+        reuse=getattr(args, "reuse", None),
         kv_allocation=getattr(args, "kv_allocation", None),
-        allow_policies=frozenset(allow.get("policy", ())), allow_layouts=frozenset(allow.get("layout", ())),
-        allow_kv_quant=frozenset(allow.get("kv_quant", ())), allow_reuse=frozenset(allow.get("reuse", ())),
-        max_budget=allow.get("budget"), max_repair=allow.get("repair", 0), max_kv_bits=allow.get("kv_bits"),
+        allow_policies=frozenset(allow.get("policy", ())),
+        allow_layouts=frozenset(allow.get("layout", ())),
+        allow_kv_quant=frozenset(allow.get("kv_quant", ())),
+        allow_reuse=frozenset(allow.get("reuse", ())),
+        max_budget=allow.get("budget"),
+        max_repair=allow.get("repair", 0),
+        max_kv_bits=allow.get("kv_bits"),
     )
 
 
@@ -272,9 +346,21 @@ def serve(args) -> int:
         raise ConfigError("--api-key gave no keys (empty key or empty file)")
     model = jaxkv.load_model(args.model, dtype=args.dtype)
     name = args.served_model_name or ("embedded" if args.model == "embedded" else Path(args.model).name or args.model)
-    app = make_app(model, model_name=name, rows=args.rows, max_queue=args.max_queue, max_positions=args.max_positions,
-                   num_slots=args.num_slots, api_keys=keys, rules=rules, max_tokens=args.max_tokens, session_cap=args.session_cap,
-                   decode_chunk=args.decode_chunk, warmup=args.warmup, keepalive_s=args.keepalive)  # bad defaults or allow-lists fail here, before the port opens
+    app = make_app(
+        model,
+        model_name=name,
+        rows=args.rows,
+        max_queue=args.max_queue,
+        max_positions=args.max_positions,
+        num_slots=args.num_slots,
+        api_keys=keys,
+        rules=rules,
+        max_tokens=args.max_tokens,
+        session_cap=args.session_cap,
+        decode_chunk=args.decode_chunk,
+        warmup=args.warmup,
+        keepalive_s=args.keepalive,
+    )  # bad defaults or allow-lists fail here, before the port opens
     auth = f"{len(keys)} API key(s)" if keys else "no authentication"
     server = app.state.jaxkv.server
     warm = server.warmup_seconds

@@ -154,7 +154,12 @@ def known_values(name: str) -> tuple[str, ...]:
 def _number(value, name: str, *, integer: bool, low: float, high: float | None = None):
     """A request's numeric option, checked (``APIError`` 400 naming it)."""
     kind = "an integer" if integer else "a number"
-    if isinstance(value, bool) or not isinstance(value, int if integer else (int, float)) or value < low or (high is not None and value > high):
+    if (
+        isinstance(value, bool)
+        or not isinstance(value, int if integer else (int, float))
+        or value < low
+        or (high is not None and value > high)
+    ):
         bound = f">= {low}" if high is None else f"in [{low}, {high}]"
         raise invalid(f"'{name}' must be {kind} {bound}, got {value!r}", name)
     return int(value) if integer else float(value)
@@ -222,15 +227,22 @@ class OptionRules:
         object.__setattr__(self, "kv_quant", check_mode(self.kv_quant))
         if self.policy is not None and self.budget is None:
             raise ConfigError("--policy needs --budget")
-        for name, value, low in (("budget", self.budget, 1), ("max_budget", self.max_budget, 1), ("repair", self.repair, 0), ("max_repair", self.max_repair, 0)):
+        for name, value, low in (
+            ("budget", self.budget, 1),
+            ("max_budget", self.max_budget, 1),
+            ("repair", self.repair, 0),
+            ("max_repair", self.max_repair, 0),
+        ):
             if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < low):
                 raise ConfigError(f"{name} must be an integer >= {low}, got {value!r}")
         servable = servable_modes(self.kv_quant)
         for mode in sorted(self.allow_kv_quant):
             if check_mode(mode) not in servable:
                 pool = self.kv_quant or "none"
-                raise ConfigError(f"kv_quant={mode!r} cannot be allowed: the server's KV pool (--kv-quant {pool}) serves only "
-                                  f"{[m or 'none' for m in servable]}")
+                raise ConfigError(
+                    f"kv_quant={mode!r} cannot be allowed: the server's KV pool (--kv-quant {pool}) serves only "
+                    f"{[m or 'none' for m in servable]}"
+                )
         triaxial = [m for m in {self.kv_quant, *self.allow_kv_quant} if m and m.startswith("triaxial")]
         for name in ("kv_bits", "max_kv_bits"):
             value = getattr(self, name)
@@ -297,7 +309,9 @@ class OptionRules:
             if repair > cap:
                 raise invalid(f"repair {repair} is above this server's maximum {cap}", "repair", "option_not_allowed")
             if repair and not holes:
-                raise invalid("repair needs a retention policy with the dead_slot layout (it promotes evicted rows back into holes)", "repair")
+                raise invalid(
+                    "repair needs a retention policy with the dead_slot layout (it promotes evicted rows back into holes)", "repair"
+                )
         else:
             repair = self.repair if holes else 0
         triaxial = mode is not None and mode.startswith("triaxial")
@@ -360,8 +374,12 @@ def ledger(session) -> tuple[int, int, int, int]:
     """How many reports a session's stages hold (compressions, repairs, reuse
     reports, KV records): taken before a turn, ``turn_report`` reads the rest."""
     reuse, quant = session.reuse, session.quantization
-    return (len(session.compressions), len(session.repairs), len(reuse.reports) if reuse is not None else 0,
-            len(quant.records) if quant is not None else 0)
+    return (
+        len(session.compressions),
+        len(session.repairs),
+        len(reuse.reports) if reuse is not None else 0,
+        len(quant.records) if quant is not None else 0,
+    )
 
 
 def turn_report(session, before: tuple) -> dict:
@@ -444,7 +462,9 @@ class SessionStore:
                 if entry.options.get(name) != options.get(name):
                     raise invalid(
                         f"this session runs with {name}={entry.options.get(name)!r}; a request cannot change it "
-                        f"(start a new session for {name}={options.get(name)!r})", name, "session_options_mismatch",
+                        f"(start a new session for {name}={options.get(name)!r})",
+                        name,
+                        "session_options_mismatch",
                     )
             if entry.users > self.max_waiting:
                 raise SessionBusyError(f"{entry.users} requests already run or wait on this session")

@@ -104,7 +104,7 @@ class ReplyStream:
                     log.error("streamed %s %r is not a prefix of the final %r", field, sent, text)
                 continue
             if len(text) > len(sent):
-                out.append({field: text[len(sent):]})
+                out.append({field: text[len(sent) :]})
                 self.sent[field] = text
         for index in range(self.calls_sent, len(calls)):
             fn = calls[index]["function"]

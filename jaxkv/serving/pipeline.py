@@ -346,8 +346,12 @@ class Turn:
         if self.record_margins and logits is None:
             logits = "last"
         job = PrefillJob(
-            self.row, ids[start:], logits=logits, q_idx_X=(q_pos - start) if q_pos.size else None,
-            attn_mass=capture.attn_mass, sampling=sampling or Sampling(index=FIRST_TOKEN_KEY),
+            self.row,
+            ids[start:],
+            logits=logits,
+            q_idx_X=(q_pos - start) if q_pos.size else None,
+            attn_mass=capture.attn_mass,
+            sampling=sampling or Sampling(index=FIRST_TOKEN_KEY),
         )
         handler = None
         for stage in self.stages:
@@ -406,7 +410,11 @@ class Turn:
         key = jax.random.key(seed)
         first = prefilled.first_token
         if first is None:
-            first = int(sample_row(np.asarray(prefilled.result_logits(), np.float32), key, FIRST_TOKEN_KEY, RowSamplers.of([(temperature, top_k, top_p)])))
+            first = int(
+                sample_row(
+                    np.asarray(prefilled.result_logits(), np.float32), key, FIRST_TOKEN_KEY, RowSamplers.of([(temperature, top_k, top_p)])
+                )
+            )
         reply = [first]
         if self.record_margins:
             self.reply_margins = list(_top2_margins(np.asarray(prefilled.result_logits())[None]))
@@ -420,10 +428,18 @@ class Turn:
             n = min(interval, remaining)
             raw0, eff0, start = self.uncompressed, self.req.reads_per_layer(), self.req.seq_len  # per-layer sets: a layer's reads
             self._sent = 0
-            job = yield from self.run(DecodeJob(
-                self.row, reply[-1], n, Sampling(temperature, top_k, top_p, key, len(reply) - 1), tuple(sorted(stops)),
-                return_logits=self.record_margins, query_rows=capture.query_rows, attn_mass=capture.attn_mass,
-            ))
+            job = yield from self.run(
+                DecodeJob(
+                    self.row,
+                    reply[-1],
+                    n,
+                    Sampling(temperature, top_k, top_p, key, len(reply) - 1),
+                    tuple(sorted(stops)),
+                    return_logits=self.record_margins,
+                    query_rows=capture.query_rows,
+                    attn_mass=capture.attn_mass,
+                )
+            )
             if self.record_margins and job.logits:
                 self.reply_margins += list(_top2_margins(np.concatenate(job.logits)))
             self.progress(job)  # whatever the scheduler has not streamed yet
@@ -476,8 +492,13 @@ def chat_turn(turn: Turn, n_new: int, sampling: dict) -> Generator:
     """One chat turn: returns the reply's token ids."""
     try:
         turn.open()
-        drawn = Sampling(float(sampling.get("temperature", 0.0)), sampling.get("top_k"), sampling.get("top_p"),
-                         jax.random.key(sampling.get("seed", 0)), FIRST_TOKEN_KEY)
+        drawn = Sampling(
+            float(sampling.get("temperature", 0.0)),
+            sampling.get("top_k"),
+            sampling.get("top_p"),
+            jax.random.key(sampling.get("seed", 0)),
+            FIRST_TOKEN_KEY,
+        )
         prefilled = yield from turn.prefill_prompt(sampling=drawn)
         reply = yield from turn.generate(prefilled, n_new, **sampling)
         turn.insert()
@@ -492,7 +513,9 @@ def _top2_margins(logits_NV: np.ndarray) -> np.ndarray:
     return top2[:, 1] - top2[:, 0]
 
 
-def replay_turn(turn: Turn, full_ids: np.ndarray, full_phase: np.ndarray, *, generate: bool, n_new: int, return_logits: bool | str) -> Generator:
+def replay_turn(
+    turn: Turn, full_ids: np.ndarray, full_phase: np.ndarray, *, generate: bool, n_new: int, return_logits: bool | str
+) -> Generator:
     """One teacher-forced turn: prefill the prompt, optionally generate a probe
     reply (then rewind it), prefill the recorded reply. Returns ``(result,
     reply ids or None)``. ``return_logits``: ``True`` (every prompt row and the
@@ -521,8 +544,8 @@ def replay_turn(turn: Turn, full_ids: np.ndarray, full_phase: np.ndarray, *, gen
             turn.rewind(mark)
         result.compressions = len(turn.session.compressions)
         if common_prefix_length(full_ids, prompt) == prompt.size and full_ids.size > prompt.size:
-            target = full_ids[prompt.size:]
-            target_logits = yield from turn.prefill(target, all_logits=bool(return_logits), phase=full_phase[prompt.size:])
+            target = full_ids[prompt.size :]
+            target_logits = yield from turn.prefill(target, all_logits=bool(return_logits), phase=full_phase[prompt.size :])
             result.target_ids = target
             if return_logits:
                 result.target_logits = target_logits

@@ -378,8 +378,17 @@ class Scheduler:
         engine = self.engine
         if any(j.kv_source is not None for j in pjobs):
             return engine.step(prefill_jobs=pjobs, decode_jobs=djobs)
-        engine.run(pack_step(pjobs, djobs, budget=engine.token_budget, rows=engine.rows, chunk=engine.prefill_chunk,
-                             whole_chunks=engine.pool.whole_chunks, max_captured=engine.runner.max_captured))
+        engine.run(
+            pack_step(
+                pjobs,
+                djobs,
+                budget=engine.token_budget,
+                rows=engine.rows,
+                chunk=engine.prefill_chunk,
+                whole_chunks=engine.pool.whole_chunks,
+                max_captured=engine.runner.max_captured,
+            )
+        )
 
     def run_alone(self, program: Generator):
         """Run one turn program on the calling thread as this scheduler's only turn

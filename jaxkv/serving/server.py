@@ -120,7 +120,28 @@ class Server:
         keep per-layer sets (``keep_sets="layer"``; ``Engine(layer_lists=)``).
     """
 
-    def __init__(self, model: Model, *, rows: int = 1, max_positions: int | None = None, num_slots: int | None = None, session_cap: int = 1024, backend=None, host_tier: HostTier | None = None, max_queue: int = 64, decode_chunk: int = DECODE_CHUNK, prefill_chunk: int = PREFILL_CHUNK, token_budget: int | None = None, kv_quant=None, kv_memory_bytes: int | None = None, kv_page_share: float | None = None, segment_cap: int = 256 << 20, warmup=False, warmup_policies=None, layer_lists: bool = False):
+    def __init__(
+        self,
+        model: Model,
+        *,
+        rows: int = 1,
+        max_positions: int | None = None,
+        num_slots: int | None = None,
+        session_cap: int = 1024,
+        backend=None,
+        host_tier: HostTier | None = None,
+        max_queue: int = 64,
+        decode_chunk: int = DECODE_CHUNK,
+        prefill_chunk: int = PREFILL_CHUNK,
+        token_budget: int | None = None,
+        kv_quant=None,
+        kv_memory_bytes: int | None = None,
+        kv_page_share: float | None = None,
+        segment_cap: int = 256 << 20,
+        warmup=False,
+        warmup_policies=None,
+        layer_lists: bool = False,
+    ):
         if model.tokenizer is None:
             raise ConfigError("sessions need a model with a tokenizer (the folder had none)")
         if int(rows) < 1:
@@ -129,10 +150,17 @@ class Server:
         self.model = model
         self.kv_quant = check_mode(kv_quant)
         self.engine = Engine(
-            model, rows=int(rows), max_positions=P,
+            model,
+            rows=int(rows),
+            max_positions=P,
             num_slots=num_slots or (None if kv_memory_bytes is not None else 2 * int(rows) * P + 1),
-            backend=backend, prefill_chunk=prefill_chunk, token_budget=token_budget, kv_quant=self.kv_quant,
-            kv_memory_bytes=kv_memory_bytes, kv_page_share=kv_page_share, layer_lists=layer_lists,
+            backend=backend,
+            prefill_chunk=prefill_chunk,
+            token_budget=token_budget,
+            kv_quant=self.kv_quant,
+            kv_memory_bytes=kv_memory_bytes,
+            kv_page_share=kv_page_share,
+            layer_lists=layer_lists,
         )
         self.radix = RadixTree(self.engine.allocator)
         self.engine.reclaim = self._reclaim
@@ -153,7 +181,9 @@ class Server:
 
     WARMUP_SAMPLERS = {"greedy": {}, "sample": {"temperature": 1.0}, "top_p": {"temperature": 1.0, "top_p": 0.9}}
 
-    def warmup(self, *, samplers=("greedy", "sample", "top_p"), progress: bool = True, session_options: dict | None = None, policies=None) -> int:
+    def warmup(
+        self, *, samplers=("greedy", "sample", "top_p"), progress: bool = True, session_options: dict | None = None, policies=None
+    ) -> int:
         """Compile the engine's bounded shape set (``Engine.warmup``: one program per
         step token bucket and per decode row bucket and window width) on the
         scheduler thread, with the feature-capturing variants of its steps that
@@ -182,9 +212,9 @@ class Server:
         shapes = eng.shape_set(self.scheduler.decode_chunk)
         total = len(shapes.steps) * (1 + variants["capture_q"] + variants["attn_mass"]) + len(shapes.decode) * (1 + variants["decode_q"])
         with tqdm(total=total + len(specs), desc="jaxkv warm-up (XLA programs)", unit="prog", disable=not progress) as bar:
-            ran = self.scheduler.call(lambda: eng.warmup(
-                self.scheduler.decode_chunk, stop_token_ids=self.stop_token_ids, progress=bar.update, **variants,
-            )).result()
+            ran = self.scheduler.call(
+                lambda: eng.warmup(self.scheduler.decode_chunk, stop_token_ids=self.stop_token_ids, progress=bar.update, **variants)
+            ).result()
             for options, spec in specs:
                 self.session(**options).close()  # the policy's state and head, as a session builds them
                 ran += self.scheduler.call(lambda: warm_events(spec, eng)).result()

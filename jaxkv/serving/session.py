@@ -87,7 +87,9 @@ class ChatHandle:
       prompt_tokens: size of the rendered request.
     """
 
-    def __init__(self, task: TurnTask, future: concurrent.futures.Future, scheduler, format: ReplyFormat | None = None, prompt_tokens: int = 0):
+    def __init__(
+        self, task: TurnTask, future: concurrent.futures.Future, scheduler, format: ReplyFormat | None = None, prompt_tokens: int = 0
+    ):
         self.task, self.future, self._scheduler = task, future, scheduler
         self.format = format or ReplyFormat()
         self.prompt_tokens = int(prompt_tokens)
@@ -144,7 +146,21 @@ class Session:
         ``OptionError``.
     """
 
-    def __init__(self, model: Model, *, server: Server | None = None, session_id: str | None = None, keep_reasoning: bool = False, max_new_tokens: int = 256, max_positions: int | None = None, num_slots: int | None = None, backend=None, protect_query: bool = True, cache_namespace: str | None = None, **options):
+    def __init__(
+        self,
+        model: Model,
+        *,
+        server: Server | None = None,
+        session_id: str | None = None,
+        keep_reasoning: bool = False,
+        max_new_tokens: int = 256,
+        max_positions: int | None = None,
+        num_slots: int | None = None,
+        backend=None,
+        protect_query: bool = True,
+        cache_namespace: str | None = None,
+        **options,
+    ):
         if not isinstance(protect_query, bool):
             raise ConfigError(f"protect_query must be True or False, got {protect_query!r}")
         if server is not None and server.model is not model:
@@ -170,7 +186,11 @@ class Session:
         quant = self._stage("kv_quant")
         retention = self._stage("retention")
         self.server = server or Server(
-            model, max_positions=max_positions, num_slots=num_slots, backend=backend, kv_quant=quant.mode if quant else None,
+            model,
+            max_positions=max_positions,
+            num_slots=num_slots,
+            backend=backend,
+            kv_quant=quant.mode if quant else None,
             layer_lists=retention is not None and retention.spec.keep_sets == "layer",
         )
         self.cache_owner = self.server.cache_owner()  # whose holes it reads (jaxkv.cache.radix): its own only
@@ -229,7 +249,22 @@ class Session:
         return stage.last_signal if stage is not None else None
 
     # -- chat ----------------------------------------------------------------------
-    def start_chat(self, messages: Sequence[Mapping[str, Any]], tools=None, *, max_new_tokens: int | None = None, temperature: float = 0.0, top_k=None, top_p=None, seed: int = 0, tool_choice=None, stop: Sequence[str] | None = None, on_tokens: Callable[[list[int]], None] | None = None, reply_prefix: str = "", ignore_eos: bool = False) -> ChatHandle:
+    def start_chat(
+        self,
+        messages: Sequence[Mapping[str, Any]],
+        tools=None,
+        *,
+        max_new_tokens: int | None = None,
+        temperature: float = 0.0,
+        top_k=None,
+        top_p=None,
+        seed: int = 0,
+        tool_choice=None,
+        stop: Sequence[str] | None = None,
+        on_tokens: Callable[[list[int]], None] | None = None,
+        reply_prefix: str = "",
+        ignore_eos: bool = False,
+    ) -> ChatHandle:
         """Submit one chat turn; returns its handle at once. ``on_tokens(ids)`` is
         called (on the scheduler thread) with each newly generated piece.
 
@@ -272,7 +307,11 @@ class Session:
             text = fmt.prefix + self.tokenizer.decode(reply_ids, skip_special_tokens=False)
             cut = fmt.find_stop(text)
             if cut is not None:  # keep the ids up to the one that completed the stop string
-                k = next(k for k in range(1, len(reply_ids) + 1) if fmt.find_stop(fmt.prefix + self.tokenizer.decode(reply_ids[:k], skip_special_tokens=False)) is not None)
+                k = next(
+                    k
+                    for k in range(1, len(reply_ids) + 1)
+                    if fmt.find_stop(fmt.prefix + self.tokenizer.decode(reply_ids[:k], skip_special_tokens=False)) is not None
+                )
                 reply_ids, text = reply_ids[:k], text[:cut]
             reply = fmt.parse(text)
             stopped = cut is not None or turn.stop_requested or (bool(reply_ids) and reply_ids[-1] in turn.stop_token_ids)
@@ -284,9 +323,33 @@ class Session:
         handle.format, handle.prompt_tokens = fmt, int(rendered.ids.size)
         return handle
 
-    def chat(self, messages: Sequence[Mapping[str, Any]], tools=None, *, max_new_tokens: int | None = None, temperature: float = 0.0, top_k=None, top_p=None, seed: int = 0, tool_choice=None, stop: Sequence[str] | None = None, reply_prefix: str = "") -> dict:
+    def chat(
+        self,
+        messages: Sequence[Mapping[str, Any]],
+        tools=None,
+        *,
+        max_new_tokens: int | None = None,
+        temperature: float = 0.0,
+        top_k=None,
+        top_p=None,
+        seed: int = 0,
+        tool_choice=None,
+        stop: Sequence[str] | None = None,
+        reply_prefix: str = "",
+    ) -> dict:
         """Answer ``messages``: an OpenAI-style assistant message dict."""
-        handle = self.start_chat(messages, tools, max_new_tokens=max_new_tokens, temperature=temperature, top_k=top_k, top_p=top_p, seed=seed, tool_choice=tool_choice, stop=stop, reply_prefix=reply_prefix)
+        handle = self.start_chat(
+            messages,
+            tools,
+            max_new_tokens=max_new_tokens,
+            temperature=temperature,
+            top_k=top_k,
+            top_p=top_p,
+            seed=seed,
+            tool_choice=tool_choice,
+            stop=stop,
+            reply_prefix=reply_prefix,
+        )
         return handle.result().reply
 
     async def achat(self, messages: Sequence[Mapping[str, Any]], tools=None, **kwargs) -> dict:
@@ -301,7 +364,17 @@ class Session:
         return turn.reply
 
     # -- replay ----------------------------------------------------------------------
-    def replay(self, messages: Sequence[Mapping[str, Any]], tools=None, *, generate: bool = False, max_new_tokens: int | None = None, return_logits: bool | str = False, start_turn: int = 0, reply_margins: bool = False) -> list[TurnResult]:
+    def replay(
+        self,
+        messages: Sequence[Mapping[str, Any]],
+        tools=None,
+        *,
+        generate: bool = False,
+        max_new_tokens: int | None = None,
+        return_logits: bool | str = False,
+        start_turn: int = 0,
+        reply_margins: bool = False,
+    ) -> list[TurnResult]:
         """Feed a recorded conversation turn by turn (see the module docstring).
 
         ``start_turn``: skip the first ``start_turn`` assistant turns, which this
@@ -421,10 +494,14 @@ class Session:
             return None, (), ""
         if choice == "required":
             name = None
-        elif isinstance(choice, Mapping) and isinstance(choice.get("function"), Mapping) and isinstance(choice["function"].get("name"), str):
+        elif (
+            isinstance(choice, Mapping) and isinstance(choice.get("function"), Mapping) and isinstance(choice["function"].get("name"), str)
+        ):
             name = choice["function"]["name"]
         else:
-            raise ChatError(f"tool_choice must be 'auto', 'none', 'required' or {{'type': 'function', 'function': {{'name': ...}}}}, got {choice!r}")
+            raise ChatError(
+                f"tool_choice must be 'auto', 'none', 'required' or {{'type': 'function', 'function': {{'name': ...}}}}, got {choice!r}"
+            )
         if not names:
             raise ChatError(f"tool_choice {choice!r} needs tools")
         if name is not None and name not in names:
@@ -452,7 +529,14 @@ class Session:
         return watch
 
     def _render(self, messages, tools, *, add_generation_prompt, reply_prefix: str = ""):
-        rendered = render(self.tokenizer, messages, tools, add_generation_prompt=add_generation_prompt, keep_reasoning=self.keep_reasoning, reply_prefix=reply_prefix)
+        rendered = render(
+            self.tokenizer,
+            messages,
+            tools,
+            add_generation_prompt=add_generation_prompt,
+            keep_reasoning=self.keep_reasoning,
+            reply_prefix=reply_prefix,
+        )
         if self.session_id is None:
             self.session_id = derive_session_id(rendered.ids, rendered.spans.session_span, explicit=self.explicit_session_id)
         return rendered
@@ -461,8 +545,7 @@ class Session:
         limit = min(self.model.config.max_position_embeddings, self.server.engine.max_positions)
         if prompt_tokens + new_tokens > limit:
             raise ContextLengthError(
-                f"conversation of {prompt_tokens} tokens + {new_tokens} new tokens exceeds the "
-                f"context of {limit} tokens"
+                f"conversation of {prompt_tokens} tokens + {new_tokens} new tokens exceeds the context of {limit} tokens"
             )
 
     def _reservation(self, tokens: int) -> int:

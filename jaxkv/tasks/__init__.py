@@ -25,8 +25,17 @@ the trainers and the evaluation all use them.
 
 from jaxkv.tasks.agent import agent_traces
 from jaxkv.tasks.example import Evidence, Example, ScoredTurn, approx_tokens, reply_matches
-from jaxkv.tasks.haystack import (HaystackExample, TokenPlan, answer_digit_positions, lm_text, niah,
-                                  passkey, reply_correct, reply_prefix, token_plan)
+from jaxkv.tasks.haystack import (
+    HaystackExample,
+    TokenPlan,
+    answer_digit_positions,
+    lm_text,
+    niah,
+    passkey,
+    reply_correct,
+    reply_prefix,
+    token_plan,
+)
 from jaxkv.tasks.mqniah import NEEDLE_COUNTS, mqniah
 from jaxkv.tasks import multiq
 from jaxkv.tasks.shared_docs import shared_corpus, shared_docs

@@ -58,16 +58,7 @@ import dataclasses
 import random
 import re
 
-from jaxkv.tasks.example import (
-    Example,
-    IdentifierPool,
-    approx_tokens,
-    conversation_tokens,
-    example_seed,
-    join_list,
-    scored,
-    tool_call,
-)
+from jaxkv.tasks.example import Example, IdentifierPool, approx_tokens, conversation_tokens, example_seed, join_list, scored, tool_call
 from jaxkv.tasks.words import PROJECTS, SYSTEM_AGENT, TOOL_SCHEMAS, TOPICS, filler_sentence
 from jaxkv.chat.toy import schema
 
@@ -138,8 +129,9 @@ def opened_documents(example: Example) -> list[Document]:
 _RECORD_RE = re.compile(r"k\d{3}: v\d{3}")
 
 
-def one_trace(seed: int, length: int = 2048, n_docs: int | None = None, registry: bool | None = None,
-              shelves: list[Shelf] | None = None) -> Example:
+def one_trace(
+    seed: int, length: int = 2048, n_docs: int | None = None, registry: bool | None = None, shelves: list[Shelf] | None = None
+) -> Example:
     """One agent trace (see the module docstring); ``n_docs`` in 1..3, ``registry`` on/off;
     with ``shelves``, the documents are a shelf's (a ``"shared_docs"`` example)."""
     rng = random.Random(seed)
@@ -177,15 +169,25 @@ def one_trace(seed: int, length: int = 2048, n_docs: int | None = None, registry
     def build(n_search: int, n_records: int, filler_tokens: int = 0) -> tuple[list[dict], dict]:
         r = random.Random(rng.random())  # distractors: own stream, skeleton unaffected
         pool = ids
-        labels = {"project": project, "topics": topics, "keys": keys, "values": values,
-                  "doc_ids": doc_ids, "resolved": resolved, "needle_lines": []}
+        labels = {
+            "project": project,
+            "topics": topics,
+            "keys": keys,
+            "values": values,
+            "doc_ids": doc_ids,
+            "resolved": resolved,
+            "needle_lines": [],
+        }
         messages = [{"role": "system", "content": SYSTEM_AGENT}, {"role": "user", "content": user}]
         query = project
-        messages.append({
-            "role": "assistant", "content": "",
-            "reasoning_content": f"First, the search for {project}.",
-            "tool_calls": [tool_call("search", query=query)],
-        })
+        messages.append(
+            {
+                "role": "assistant",
+                "content": "",
+                "reasoning_content": f"First, the search for {project}.",
+                "tool_calls": [tool_call("search", query=query)],
+            }
+        )
 
         # The project's other reports first (one line per topic, so the topic names
         # the line), then other projects' record listings.
@@ -198,16 +200,20 @@ def one_trace(seed: int, length: int = 2048, n_docs: int | None = None, registry
         r.shuffle(lines)
         for d, t in zip(doc_ids, topics):
             lines.insert(r.randint(0, len(lines)), f"{project} {t}: {d}")
-        messages.append({"role": "tool", "name": "search",
-                         "content": f"Search results for {query}:\n" + "\n".join(lines) + f"\n{SEARCH_FOOTER}"})
+        messages.append(
+            {"role": "tool", "name": "search", "content": f"Search results for {query}:\n" + "\n".join(lines) + f"\n{SEARCH_FOOTER}"}
+        )
 
         previous = "the search"
         for key, value, d, t, text in zip(keys, values, doc_ids, topics, texts):
-            messages.append({
-                "role": "assistant", "content": "",
-                "reasoning_content": f"After {previous}, next is {t} {key}. {project} {t}: {d}",
-                "tool_calls": [tool_call("open", doc_id=d)],
-            })
+            messages.append(
+                {
+                    "role": "assistant",
+                    "content": "",
+                    "reasoning_content": f"After {previous}, next is {t} {key}. {project} {t}: {d}",
+                    "tool_calls": [tool_call("open", doc_id=d)],
+                }
+            )
             if text is None:
                 body, at = _records(r, f"{key}: {value}", n_records, filler_tokens, lambda: f"{pool.key()}: {pool.value()}")
                 text = f"Document {d}: {project} {t} report\n{body}\nEnd of the {t} report."
@@ -224,22 +230,21 @@ def one_trace(seed: int, length: int = 2048, n_docs: int | None = None, registry
         answer = "Answer: " + join_list([f"{t} {k}: {v}" for k, t, v in zip(keys, topics, values)]) + "."
         answer_values = values[:]
         if registry:
-            messages.append({
-                "role": "assistant", "content": "",
-                "reasoning_content": f"After {previous}, next is the registry for {keys[0]}: {values[0]}",
-                "tool_calls": [tool_call("lookup", key=values[0])],
-            })
+            messages.append(
+                {
+                    "role": "assistant",
+                    "content": "",
+                    "reasoning_content": f"After {previous}, next is the registry for {keys[0]}: {values[0]}",
+                    "tool_calls": [tool_call("lookup", key=values[0])],
+                }
+            )
             body, at = _records(r, f"{values[0]}: {resolved}", n_records, filler_tokens, lambda: f"{pool.value()}: {pool.value()}")
             labels["registry_line"] = at
             messages.append({"role": "tool", "name": "lookup", "content": f"Registry entries:\n{body}\n{REGISTRY_FOOTER}"})
             previous = "the registry"
             answer += f" Registry: {values[0]}: {resolved}."
             answer_values.append(resolved)
-        messages.append({
-            "role": "assistant",
-            "content": answer,
-            "reasoning_content": f"After {previous}, next is the answer.",
-        })
+        messages.append({"role": "assistant", "content": answer, "reasoning_content": f"After {previous}, next is the answer."})
         labels["answer_values"] = answer_values
         return messages, labels
 
@@ -252,8 +257,9 @@ def one_trace(seed: int, length: int = 2048, n_docs: int | None = None, registry
             continue
         if m.get("tool_calls"):
             fn = m["tool_calls"][0]["function"]
-            targets.append(scored(messages, i, "tool_call", {"name": fn["name"], "arguments": dict(fn["arguments"])},
-                                  list(fn["arguments"].values())))
+            targets.append(
+                scored(messages, i, "tool_call", {"name": fn["name"], "arguments": dict(fn["arguments"])}, list(fn["arguments"].values()))
+            )
         else:
             targets.append(scored(messages, i, "answer", m["content"], labels["answer_values"]))
     labels.update(n_docs=n_docs, registry=registry)
@@ -275,8 +281,7 @@ def table_sizes(ids: IdentifierPool, project: str, budget: int, n_docs: int, reg
     return n_search, n_records, table_tokens - n_records * record_tokens
 
 
-def agent_traces(n: int, seed: int, length: int = 2048, n_docs: int | None = None,
-                 registry: bool | None = None) -> list[Example]:
+def agent_traces(n: int, seed: int, length: int = 2048, n_docs: int | None = None, registry: bool | None = None) -> list[Example]:
     """``n`` agent traces of about ``length`` tokens (see the module docstring).
 
     Args:

@@ -158,8 +158,10 @@ def inline_tools(messages, tools) -> list[dict]:
     for i, m in enumerate(messages):
         m = dict(m)
         if i == 0 and m.get("role") == "system" and schemas:
-            m["content"] = (f"{m.get('content') or ''}\n\nTools you can call, one JSON schema per line:\n{schemas}\n"
-                            'To call a tool, reply with <tool_call>{"name": ..., "arguments": {...}}</tool_call>.')
+            m["content"] = (
+                f"{m.get('content') or ''}\n\nTools you can call, one JSON schema per line:\n{schemas}\n"
+                'To call a tool, reply with <tool_call>{"name": ..., "arguments": {...}}</tool_call>.'
+            )
         if m.get("role") == "assistant":
             m = assistant_as_text(m)
         out.append(m)

@@ -83,8 +83,10 @@ CONTINUATION = 256
 LM_WINDOWS = 50  # windows the lm corpus must hold at any length (the issues' 50 per cell; lm_windows)
 
 PASSKEY_FILLER = "The grass is green. The sky is blue. The sun is yellow. Here we go. There and back again."
-PASSKEY_INTRO = ("There is an important info hidden inside a lot of irrelevant text. "
-                 "Find it and memorize it. I will quiz you about the important information there.")
+PASSKEY_INTRO = (
+    "There is an important info hidden inside a lot of irrelevant text. "
+    "Find it and memorize it. I will quiz you about the important information there."
+)
 PASSKEY_NEEDLE = "The pass key is {key}. Remember it. {key} is the pass key."
 PASSKEY_QUESTION = "What is the pass key? Answer with the number only."
 # Reference replies: a sentence ending in the value(s), as RULER's answer prefixes
@@ -93,17 +95,21 @@ PASSKEY_QUESTION = "What is the pass key? Answer with the number only."
 # instruction it rambles about what a pass key is).
 PASSKEY_ANSWER = "The pass key is {key}."
 
-NIAH_INTRO = ("Some special magic numbers are hidden within the following text. "
-              "Make sure to memorize it. I will quiz you about the numbers afterwards.")
+NIAH_INTRO = (
+    "Some special magic numbers are hidden within the following text. "
+    "Make sure to memorize it. I will quiz you about the numbers afterwards."
+)
 NIAH_NEEDLE = "One of the special magic numbers for {key} is: {value}."
 NIAH_QUESTION = "What is the special magic number for {key} mentioned in the provided text? Answer with the number only."
-NIAH_QUESTION_ALL = ("What are all the special magic numbers for {key} mentioned in the provided text? "
-                     "Answer with the numbers only, separated by commas.")
+NIAH_QUESTION_ALL = (
+    "What are all the special magic numbers for {key} mentioned in the provided text? Answer with the numbers only, separated by commas."
+)
 NIAH_ANSWER = "The special magic number for {key} is {values}."
 NIAH_ANSWER_ALL = "The special magic numbers for {key} are {values}."
 
 # Needle keys: one-word city names, each a distinct key.
-KEYS = tuple("""
+KEYS = tuple(
+    """
 Lisbon Nairobi Osaka Quito Reykjavik Tbilisi Hanoi Lima Oslo Dakar Montreal Bergen Cusco Porto Seville
 Tallinn Valparaiso Zanzibar Kyoto Marrakesh Adelaide Bogota Cairo Dublin Edinburgh Florence Geneva Havana
 Istanbul Jakarta Kigali Lagos Manila Naples Ottawa Prague Riga Santiago Tunis Utrecht Vienna Windhoek
@@ -112,16 +118,56 @@ Melbourne Milan Munich Nagoya Perth Phoenix Rotterdam Salzburg Seoul Shanghai St
 Tehran Toronto Vancouver Warsaw Zurich Accra Amman Antwerp Baghdad Bangkok Barcelona Beirut Belgrade
 Bratislava Brisbane Brussels Bucharest Calgary Casablanca Dallas Damascus Delhi Doha Dubai Glasgow
 Hamburg Kabul Karachi Kampala Krakow Lyon Mumbai Beijing
-""".split())
+""".split()
+)
 
 # Standard-library modules whose docstrings (prose) or source (code) make the haystacks,
 # in a fixed order so that a seed means the same text on every machine with one Python.
 CORPUS_MODULES = (
-    "argparse", "bisect", "calendar", "collections", "configparser", "contextlib", "csv", "dataclasses",
-    "datetime", "decimal", "difflib", "email.message", "enum", "fractions", "functools", "gzip", "heapq",
-    "http.client", "inspect", "ipaddress", "json", "logging", "mailbox", "pathlib", "pickle", "pprint",
-    "queue", "random", "shutil", "statistics", "string", "subprocess", "tarfile", "tempfile", "textwrap",
-    "threading", "tokenize", "typing", "unittest", "urllib.parse", "uuid", "warnings", "weakref", "zipfile",
+    "argparse",
+    "bisect",
+    "calendar",
+    "collections",
+    "configparser",
+    "contextlib",
+    "csv",
+    "dataclasses",
+    "datetime",
+    "decimal",
+    "difflib",
+    "email.message",
+    "enum",
+    "fractions",
+    "functools",
+    "gzip",
+    "heapq",
+    "http.client",
+    "inspect",
+    "ipaddress",
+    "json",
+    "logging",
+    "mailbox",
+    "pathlib",
+    "pickle",
+    "pprint",
+    "queue",
+    "random",
+    "shutil",
+    "statistics",
+    "string",
+    "subprocess",
+    "tarfile",
+    "tempfile",
+    "textwrap",
+    "threading",
+    "tokenize",
+    "typing",
+    "unittest",
+    "urllib.parse",
+    "uuid",
+    "warnings",
+    "weakref",
+    "zipfile",
 )
 _BANNED = re.compile(r"\d{5,}|magic number|pass ?key", re.IGNORECASE)
 
@@ -167,11 +213,14 @@ class HaystackExample:
         if self.task == "lm":
             raise ValueError("the lm task has no chat form; use context_ids and target_ids")
         if setting == "aware":
-            return [{"role": "user", "content": f"{self.document}\n\n{self.question}"},
-                    {"role": "assistant", "content": self.answer}]
+            return [{"role": "user", "content": f"{self.document}\n\n{self.question}"}, {"role": "assistant", "content": self.answer}]
         if setting == "agnostic":
-            return [{"role": "user", "content": self.document}, {"role": "assistant", "content": ACK},
-                    {"role": "user", "content": self.question}, {"role": "assistant", "content": self.answer}]
+            return [
+                {"role": "user", "content": self.document},
+                {"role": "assistant", "content": ACK},
+                {"role": "user", "content": self.question},
+                {"role": "assistant", "content": self.answer},
+            ]
         raise ValueError(f"setting must be one of {SETTINGS}, got {setting!r}")
 
 
@@ -191,8 +240,7 @@ def token_plan(example: HaystackExample, tokenizer, setting: str) -> TokenPlan:
     and extends the previous one token for token (ChatML templates do); a template
     that does not raises ``ChatError``."""
     if example.task == "lm":
-        return TokenPlan(np.asarray(example.context_ids, np.int32), np.zeros(0, np.int32),
-                         np.asarray(example.target_ids, np.int32))
+        return TokenPlan(np.asarray(example.context_ids, np.int32), np.zeros(0, np.int32), np.asarray(example.target_ids, np.int32))
     from jaxkv.chat.render import render
 
     messages = example.messages(setting)
@@ -207,14 +255,16 @@ def token_plan(example: HaystackExample, tokenizer, setting: str) -> TokenPlan:
     upto = np.asarray(tokenizer(full.text[:cut], add_special_tokens=False)["input_ids"], np.int32)
     _extends(prompt.ids, upto, f"the {setting} prompt", "the conversation up to the answer text")
     _extends(upto, full.ids, "the conversation up to the answer text", "the whole conversation")
-    return TokenPlan(compressed.ids, prompt.ids[compressed.ids.size:], upto[prompt.ids.size:])
+    return TokenPlan(compressed.ids, prompt.ids[compressed.ids.size :], upto[prompt.ids.size :])
 
 
 def _extends(prefix: np.ndarray, ids: np.ndarray, what: str, of: str) -> None:
     if ids.size < prefix.size or not np.array_equal(ids[: prefix.size], prefix):
         at = next((i for i in range(min(prefix.size, ids.size)) if prefix[i] != ids[i]), min(prefix.size, ids.size))
-        raise ChatError(f"{what} ({prefix.size} tokens) is not a token prefix of {of} ({ids.size} tokens): they differ "
-                        f"at token {at}; this chat template (or tokenizer) does not extend a conversation token for token")
+        raise ChatError(
+            f"{what} ({prefix.size} tokens) is not a token prefix of {of} ({ids.size} tokens): they differ "
+            f"at token {at}; this chat template (or tokenizer) does not extend a conversation token for token"
+        )
 
 
 # --------------------------------------------------------------------------- scoring
@@ -244,8 +294,9 @@ def answer_digit_positions(example: HaystackExample, tokenizer, answer_ids) -> n
     """Indices into ``answer_ids`` (``token_plan(...).answer``) whose tokens hold a digit:
     the tokens the teacher-forced score (argmax, NLL) is taken on."""
     del example  # the same rule for every task
-    return np.asarray([i for i, t in enumerate(np.asarray(answer_ids).tolist())
-                       if any(c.isdigit() for c in tokenizer.decode([t]))], np.int64)
+    return np.asarray(
+        [i for i, t in enumerate(np.asarray(answer_ids).tolist()) if any(c.isdigit() for c in tokenizer.decode([t]))], np.int64
+    )
 
 
 # --------------------------------------------------------------------------- corpora
@@ -429,19 +480,24 @@ def _one_passkey(seed: int, length: int, tokenizer) -> HaystackExample:
     def build(k: int) -> dict:
         body, spans = _place([sentences[i % len(sentences)] for i in range(k)], sep, [(depth, needle)])
         start, end, position = spans[0]
-        label = dict(key="pass key", value=key, char_start=body_start + start, char_end=body_start + end,
-                     depth=depth, position=position, asked=True)
+        label = dict(
+            key="pass key", value=key, char_start=body_start + start, char_end=body_start + end, depth=depth, position=position, asked=True
+        )
         return dict(document=f"{PASSKEY_INTRO}\n\n{body}", question=PASSKEY_QUESTION, needles=[label], units=k)
 
     fields, n = _fit(tokenizer, length, np.tile(per, cycles), build)
-    labels = {"needles": fields["needles"], "body_start": body_start, "haystack": "filler",
-              "haystack_units": fields["units"], "prompt_tokens": n}
+    labels = {
+        "needles": fields["needles"],
+        "body_start": body_start,
+        "haystack": "filler",
+        "haystack_units": fields["units"],
+        "prompt_tokens": n,
+    }
     return HaystackExample("passkey", seed, length, fields["document"], fields["question"], PASSKEY_ANSWER.format(key=key), (key,), labels)
 
 
 # --------------------------------------------------------------------------- niah
-def niah(n: int, *, length: int, seed: int, tokenizer, variant: str | None = None,
-         haystack: str = "prose") -> list[HaystackExample]:
+def niah(n: int, *, length: int, seed: int, tokenizer, variant: str | None = None, haystack: str = "prose") -> list[HaystackExample]:
     """``n`` RULER-style needle examples whose aware request is ``length`` tokens.
 
     ``variant``: one of ``VARIANTS``, or None for ``VARIANTS[i % 3]`` in example ``i``;
@@ -451,8 +507,7 @@ def niah(n: int, *, length: int, seed: int, tokenizer, variant: str | None = Non
         raise ValueError(f"variant must be one of {VARIANTS} or None, got {variant!r}")
     if haystack not in HAYSTACKS:
         raise ValueError(f"haystack must be one of {HAYSTACKS}, got {haystack!r}")
-    return [_one_niah(example_seed(seed, i), length, tokenizer, variant or VARIANTS[i % len(VARIANTS)], haystack)
-            for i in range(n)]
+    return [_one_niah(example_seed(seed, i), length, tokenizer, variant or VARIANTS[i % len(VARIANTS)], haystack) for i in range(n)]
 
 
 def _one_niah(seed: int, length: int, tokenizer, variant: str, haystack: str) -> HaystackExample:
@@ -475,9 +530,18 @@ def _one_niah(seed: int, length: int, tokenizer, variant: str, haystack: str) ->
         units = [lines[(first + shift + i) % len(lines)] for i in range(k)]
         body, spans = _place(units, sep, list(zip(depths, needles)))
         order = sorted(range(count), key=lambda i: spans[i][0])
-        labels = [dict(key=keys[i], value=values[i], char_start=body_start + spans[i][0],
-                       char_end=body_start + spans[i][1], depth=depths[i], position=spans[i][2],
-                       asked=keys[i] == asked) for i in order]
+        labels = [
+            dict(
+                key=keys[i],
+                value=values[i],
+                char_start=body_start + spans[i][0],
+                char_end=body_start + spans[i][1],
+                depth=depths[i],
+                position=spans[i][2],
+                asked=keys[i] == asked,
+            )
+            for i in order
+        ]
         return dict(document=f"{NIAH_INTRO}\n\n{body}", question=question, needles=labels, units=k, first=first + shift)
 
     # A window whose every cut misses the tolerance (a long digit-heavy line at its
@@ -492,8 +556,16 @@ def _one_niah(seed: int, length: int, tokenizer, variant: str, haystack: str) ->
     else:
         raise ValueError(f"{last}, from any of 64 starting lines") from last
     found = tuple(nd["value"] for nd in fields["needles"] if nd["asked"])
-    labels = {"needles": fields["needles"], "variant": variant, "asked_key": asked, "body_start": body_start,
-              "haystack": haystack, "first_line": fields["first"] % len(lines), "haystack_units": fields["units"], "prompt_tokens": n}
+    labels = {
+        "needles": fields["needles"],
+        "variant": variant,
+        "asked_key": asked,
+        "body_start": body_start,
+        "haystack": haystack,
+        "first_line": fields["first"] % len(lines),
+        "haystack_units": fields["units"],
+        "prompt_tokens": n,
+    }
     answer = (NIAH_ANSWER_ALL if variant == "multivalue" else NIAH_ANSWER).format(key=asked, values=", ".join(found))
     return HaystackExample(f"niah_{variant}", seed, length, fields["document"], question, answer, found, labels)
 
@@ -538,9 +610,20 @@ def lm_text(n: int, *, length: int, seed: int, tokenizer, continuation: int = CO
         start = starts[slots[i]]
         context, target = ids[start : start + length], ids[start + length : start + width]
         labels = {"token_start": start, "window": slots[i], "corpus_tokens": int(ids.size)}
-        out.append(HaystackExample("lm", example_seed(seed, i), length, tokenizer.decode(context.tolist()), "",
-                                   tokenizer.decode(target.tolist()), (), labels,
-                                   tuple(context.tolist()), tuple(target.tolist())))
+        out.append(
+            HaystackExample(
+                "lm",
+                example_seed(seed, i),
+                length,
+                tokenizer.decode(context.tolist()),
+                "",
+                tokenizer.decode(target.tolist()),
+                (),
+                labels,
+                tuple(context.tolist()),
+                tuple(target.tolist()),
+            )
+        )
     return out
 
 

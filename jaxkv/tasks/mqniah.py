@@ -75,8 +75,7 @@ def revisit_groups(n_needles: int, rng: random.Random) -> list[int]:
     return groups
 
 
-def one_mqniah(seed: int, needles: int = 4, length: int = 2048, distractor_needles: int | None = None,
-               turns: int = 2) -> Example:
+def one_mqniah(seed: int, needles: int = 4, length: int = 2048, distractor_needles: int | None = None, turns: int = 2) -> Example:
     """One split-query MQ-NIAH example (see the module docstring)."""
     if needles not in NEEDLE_COUNTS:
         raise ValueError(f"needles must be one of {NEEDLE_COUNTS}, got {needles}")
@@ -128,8 +127,7 @@ def one_mqniah(seed: int, needles: int = 4, length: int = 2048, distractor_needl
     is_needle = {slot: keys[i] for i, slot in enumerate(slots)}
     body, filler = [], iter(sentences)
     for pos in range(len(sentences) + needles):
-        body.append(NEEDLE_TEMPLATE.format(key=is_needle[pos], value=value_of[is_needle[pos]])
-                    if pos in is_needle else next(filler))
+        body.append(NEEDLE_TEMPLATE.format(key=is_needle[pos], value=value_of[is_needle[pos]]) if pos in is_needle else next(filler))
 
     document = " ".join(body)
     messages = messages_for(document)
@@ -138,17 +136,30 @@ def one_mqniah(seed: int, needles: int = 4, length: int = 2048, distractor_needl
     for i, k in enumerate(keys):
         sentence = NEEDLE_TEMPLATE.format(key=k, value=value_of[k])
         start = offset + document.index(sentence)
-        needle_labels.append({"key": k, "value": value_of[k], "turn": needle_turn[i], "char_start": start,
-                              "char_end": start + len(sentence), "depth": document.index(sentence) / len(document)})
-    targets = [scored(messages, 2 + 2 * t, "answer", messages[2 + 2 * t]["content"], [value_of[k] for k in ask])
-               for t, ask in enumerate(asks)]
-    labels = {"needles": needle_labels, "turn1_keys": ask1, "turn2_keys": ask2, "turn_keys": asks,
-              "distractor_needles": n_distractor_needles}
+        needle_labels.append(
+            {
+                "key": k,
+                "value": value_of[k],
+                "turn": needle_turn[i],
+                "char_start": start,
+                "char_end": start + len(sentence),
+                "depth": document.index(sentence) / len(document),
+            }
+        )
+    targets = [
+        scored(messages, 2 + 2 * t, "answer", messages[2 + 2 * t]["content"], [value_of[k] for k in ask]) for t, ask in enumerate(asks)
+    ]
+    labels = {
+        "needles": needle_labels,
+        "turn1_keys": ask1,
+        "turn2_keys": ask2,
+        "turn_keys": asks,
+        "distractor_needles": n_distractor_needles,
+    }
     return Example("mqniah", seed, messages, [], targets, labels)
 
 
-def mqniah(n: int, seed: int, needles: int = 4, length: int = 2048,
-           distractor_needles: int | None = None, turns: int = 2) -> list[Example]:
+def mqniah(n: int, seed: int, needles: int = 4, length: int = 2048, distractor_needles: int | None = None, turns: int = 2) -> list[Example]:
     """``n`` split-query MQ-NIAH examples with ``needles`` in {2, 4, 6, 8} needles.
 
     Args:

@@ -65,8 +65,22 @@ import numpy as np
 from jaxkv.errors import ChatError
 from jaxkv.tasks import haystack
 from jaxkv.tasks.example import example_seed
-from jaxkv.tasks.haystack import (ACK, KEYS, NIAH_ANSWER, NIAH_NEEDLE, NIAH_QUESTION, PASSKEY_ANSWER, PASSKEY_QUESTION,
-                                  SETTINGS, HaystackExample, TokenPlan, _fit, _line_tokens, _NoFit, _place)
+from jaxkv.tasks.haystack import (
+    ACK,
+    KEYS,
+    NIAH_ANSWER,
+    NIAH_NEEDLE,
+    NIAH_QUESTION,
+    PASSKEY_ANSWER,
+    PASSKEY_QUESTION,
+    SETTINGS,
+    HaystackExample,
+    TokenPlan,
+    _fit,
+    _line_tokens,
+    _NoFit,
+    _place,
+)
 
 TASK = "multiq"
 QUESTIONS = 6
@@ -77,8 +91,10 @@ KINDS = ("number", "passkey", "pair")
 # seeds ~1e8 apart), above every training seed (< 2**30).
 EVAL_SEED = haystack.EVAL_SEED + 100
 
-INTRO = ("Some special numbers are hidden within the following text: magic numbers, a pass key and vault codes. "
-         "Make sure to memorize them. I will quiz you about them afterwards.")
+INTRO = (
+    "Some special numbers are hidden within the following text: magic numbers, a pass key and vault codes. "
+    "Make sure to memorize them. I will quiz you about them afterwards."
+)
 PASSKEY_NEEDLE = "The pass key is {value}. Remember it."
 PAIR_NEEDLE = "The vault code of the {key} is {value}."
 PAIR_QUESTION = "What is the vault code of the {key} mentioned in the provided text? Answer with the number only."
@@ -143,8 +159,17 @@ class MultiQExample:
         if not 0 <= q < len(self.questions):
             raise IndexError(f"question {q} of {len(self.questions)}")
         labels = dict(self.labels, question=q, kind=self.labels["kinds"][q])
-        return QuestionView(self.task, self.seed, self.length, self.document, self.questions[q], self.answers[q],
-                            self.values[q], labels, history=tuple(zip(self.questions[:q], self.answers[:q])))
+        return QuestionView(
+            self.task,
+            self.seed,
+            self.length,
+            self.document,
+            self.questions[q],
+            self.answers[q],
+            self.values[q],
+            labels,
+            history=tuple(zip(self.questions[:q], self.answers[:q])),
+        )
 
     def views(self) -> list[QuestionView]:
         return [self.view(q) for q in range(len(self.questions))]
@@ -189,8 +214,12 @@ def cell_record(per_question: list[dict], kinds) -> dict:
     def mean(key):
         return round(float(np.mean([float(q[key]) for q in per_question])), 5)
 
-    return {"tf_correct": mean("tf_correct"), "gen_correct": mean("gen_correct"), "answer_nll": mean("answer_nll"),
-            "questions": per_question}
+    return {
+        "tf_correct": mean("tf_correct"),
+        "gen_correct": mean("gen_correct"),
+        "answer_nll": mean("answer_nll"),
+        "questions": per_question,
+    }
 
 
 # --------------------------------------------------------------------------- building
@@ -223,8 +252,10 @@ def _facts(rng: random.Random, questions: int) -> tuple[list[dict], list[str]]:
             pair_i += 1
             facts.append(dict(kind="pair", key=f"{colour} {animal}", question=q))
             # the same colour with another animal, the same animal with another colour: never asked
-            facts += [dict(kind="pair", key=f"{colour} {other_a}", question=None),
-                      dict(kind="pair", key=f"{other_c} {animal}", question=None)]
+            facts += [
+                dict(kind="pair", key=f"{colour} {other_a}", question=None),
+                dict(kind="pair", key=f"{other_c} {animal}", question=None),
+            ]
         elif kind == "number":
             facts.append(dict(kind="number", key=cities[city_i], question=q))
             city_i += 1
@@ -269,8 +300,7 @@ def one_example(seed: int, length: int, tokenizer, questions: int = QUESTIONS) -
     def build(k: int, shift: int) -> dict:
         units = [lines[(first + shift + i) % len(lines)] for i in range(k)]
         body, spans = _place(units, sep, needles)
-        labels = [dict(f, char_start=body_start + s[0], char_end=body_start + s[1], position=s[2])
-                  for f, s in zip(facts, spans)]
+        labels = [dict(f, char_start=body_start + s[0], char_end=body_start + s[1], position=s[2]) for f, s in zip(facts, spans)]
         labels.sort(key=lambda f: f["char_start"])
         return dict(document=f"{INTRO}\n\n{body}", question=asked_qa[0][0], facts=labels, units=k, first=first + shift)
 
@@ -283,7 +313,22 @@ def one_example(seed: int, length: int, tokenizer, questions: int = QUESTIONS) -
             last = error
     else:
         raise ValueError(f"{last}, from any of 64 starting lines") from last
-    labels = {"facts": fields["facts"], "kinds": tuple(kinds), "body_start": body_start, "haystack": "prose",
-              "first_line": fields["first"] % len(lines), "haystack_units": fields["units"], "prompt_tokens": n}
-    return MultiQExample(TASK, seed, length, fields["document"], tuple(q for q, _ in asked_qa),
-                         tuple(a for _, a in asked_qa), tuple((f["value"],) for f in by_question), labels)
+    labels = {
+        "facts": fields["facts"],
+        "kinds": tuple(kinds),
+        "body_start": body_start,
+        "haystack": "prose",
+        "first_line": fields["first"] % len(lines),
+        "haystack_units": fields["units"],
+        "prompt_tokens": n,
+    }
+    return MultiQExample(
+        TASK,
+        seed,
+        length,
+        fields["document"],
+        tuple(q for q, _ in asked_qa),
+        tuple(a for _, a in asked_qa),
+        tuple((f["value"],) for f in by_question),
+        labels,
+    )

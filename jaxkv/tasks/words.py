@@ -25,8 +25,16 @@ TOPICS = (
 
 # Filler for the needle haystack: sentences are random draws from these words.
 FILLER_SUBJECTS = (
-    "The river", "The market", "The old house", "A small boat", "The north road",
-    "The garden", "The city", "The forest", "A quiet town", "The harbor",
+    "The river",
+    "The market",
+    "The old house",
+    "A small boat",
+    "The north road",
+    "The garden",
+    "The city",
+    "The forest",
+    "A quiet town",
+    "The harbor",
 )
 FILLER_WORDS = (
     "calm early late bright cold warm green grey long short quiet busy open closed "
@@ -36,10 +44,7 @@ FILLER_WORDS = (
     "walked waited opened turned moved grew stayed passed rested watched"
 ).split()
 
-SYSTEM_AGENT = (
-    "You are a research agent. Use the tools to find facts in the documents and "
-    "answer with the exact values you found."
-)
+SYSTEM_AGENT = "You are a research agent. Use the tools to find facts in the documents and answer with the exact values you found."
 SYSTEM_PLAIN = "You are a helpful assistant."
 
 # Sentence templates (``str.format`` fields are filled with words or identifiers).
@@ -92,6 +97,7 @@ UNSPACED_WORDS = IDENTIFIERS | frozenset(PROJECTS)
 # Words the JSON schemas themselves contain (keys and type names).
 SCHEMA_WORDS = ("type", "function", "name", "description", "parameters", "object", "properties", "string", "required")
 
+
 def filler_sentence(rng) -> str:
     """A random prose sentence from ``FILLER_SUBJECTS`` and ``FILLER_WORDS``."""
     words = rng.choices(FILLER_WORDS, k=rng.randint(4, 9))
@@ -103,16 +109,7 @@ _WORD_RE = re.compile(r"[A-Za-z_][A-Za-z_0-9]*")
 
 def vocabulary() -> list[str]:
     """Every word the task generators can emit (order fixed): prose words, then identifiers."""
-    texts = [
-        *PROJECTS,
-        *TOPICS,
-        *FILLER_SUBJECTS,
-        *FILLER_WORDS,
-        SYSTEM_AGENT,
-        SYSTEM_PLAIN,
-        *PHRASES,
-        *SCHEMA_WORDS,
-    ]
+    texts = [*PROJECTS, *TOPICS, *FILLER_SUBJECTS, *FILLER_WORDS, SYSTEM_AGENT, SYSTEM_PLAIN, *PHRASES, *SCHEMA_WORDS]
     for name, (description, params) in TOOL_SCHEMAS.items():
         texts += [name, description, *params, *params.values()]
     words = []

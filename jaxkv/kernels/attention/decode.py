@@ -86,9 +86,7 @@ def decode_attention(q_BHD, k_pool_SKD, v_pool_SKD, live_idx_BN, live_len_B, *, 
       ``[B, Hq, D]`` in ``q_BHD.dtype``: softmax(q k^T / sqrt(D)) v, float32 inside.
     """
     if k_pool_SKD.ndim != 3 or v_pool_SKD.shape != k_pool_SKD.shape:
-        raise ValueError(
-            f"k_pool and v_pool must both be [S, Hkv, D], got {k_pool_SKD.shape} and {v_pool_SKD.shape}"
-        )
+        raise ValueError(f"k_pool and v_pool must both be [S, Hkv, D], got {k_pool_SKD.shape} and {v_pool_SKD.shape}")
     for name, a in (("k_pool", k_pool_SKD), ("v_pool", v_pool_SKD)):
         if not jnp.issubdtype(a.dtype, jnp.floating):
             raise TypeError(f"{name} must be floating, got {a.dtype}")

@@ -168,8 +168,9 @@ def _check_pools(int2_pool, int2_pages_BP, int2_num_pages_B, int4_pool):
         raise ValueError("int4_pool must hold 4-bit keys and values")
     if int2_pool is not None:
         if int2_pool.k.bits not in (2, 4) or int2_pool.v.bits != int2_pool.k.bits:
-            raise ValueError(f"int2_pool pages must hold keys and values of one width, 2 or 4 bits; got "
-                             f"{int2_pool.k.bits} and {int2_pool.v.bits}")
+            raise ValueError(
+                f"int2_pool pages must hold keys and values of one width, 2 or 4 bits; got {int2_pool.k.bits} and {int2_pool.v.bits}"
+            )
         if int2_pool.k.head_dim != int4_pool.k.head_dim or int2_pool.k.data.shape[1] != int4_pool.k.data.shape[1]:
             raise ValueError(
                 f"INT2 and INT4 pools disagree: INT2 keys {int2_pool.k.scale.shape} [P, Hkv, D], "
@@ -178,8 +179,17 @@ def _check_pools(int2_pool, int2_pages_BP, int2_num_pages_B, int4_pool):
 
 
 def quantized_decode_attention_reference(
-    q_BHD, int2_pool, int2_pages_BP, int2_num_pages_B, int4_pool, int4_idx_BN, int4_len_B,
-    int2_mask_BP=None, float_pool=None, float_idx_BN=None, float_len_B=None,
+    q_BHD,
+    int2_pool,
+    int2_pages_BP,
+    int2_num_pages_B,
+    int4_pool,
+    int4_idx_BN,
+    int4_len_B,
+    int2_mask_BP=None,
+    float_pool=None,
+    float_idx_BN=None,
+    float_len_B=None,
 ):
     """Dequantize every request's entries to float32 and run the float reference.
 
@@ -263,28 +273,62 @@ def quantized_decode_attention(
         if float_pool[0].shape[1:] != (K, D):
             raise ValueError(f"float pool rows {float_pool[0].shape[1:]} != INT4 pool [Hkv={K}, D={D}]")
         check_decode_inputs(q_BHD, float_idx_BN, float_len_B, K, D, "float pool")
-    args = (q_BHD, int2_pool, int2_pages_BP, int2_num_pages_B, int4_pool, int4_idx_BN, int4_len_B,
-            int2_mask_BP, float_pool, float_idx_BN, float_len_B)
+    args = (
+        q_BHD,
+        int2_pool,
+        int2_pages_BP,
+        int2_num_pages_B,
+        int4_pool,
+        int4_idx_BN,
+        int4_len_B,
+        int2_mask_BP,
+        float_pool,
+        float_idx_BN,
+        float_len_B,
+    )
     return _quantized_decode_attention(*args, resolve_backend(backend))
 
 
 @functools.partial(jax.jit, static_argnums=11)
 def _quantized_decode_attention(
-    q_BHD, int2_pool, int2_pages_BP, int2_num_pages_B, int4_pool, int4_idx_BN, int4_len_B,
-    int2_mask_BP, float_pool, float_idx_BN, float_len_B, backend,
+    q_BHD,
+    int2_pool,
+    int2_pages_BP,
+    int2_num_pages_B,
+    int4_pool,
+    int4_idx_BN,
+    int4_len_B,
+    int2_mask_BP,
+    float_pool,
+    float_idx_BN,
+    float_len_B,
+    backend,
 ):
     args = (q_BHD, int2_pool, int2_pages_BP, int2_num_pages_B, int4_pool, int4_idx_BN, int4_len_B)
     if backend == "reference":
         return quantized_decode_attention_reference(
-            q_BHD, int2_pool, int2_pages_BP, int2_num_pages_B, int4_pool, int4_idx_BN, int4_len_B,
-            int2_mask_BP, float_pool, float_idx_BN, float_len_B,
+            q_BHD,
+            int2_pool,
+            int2_pages_BP,
+            int2_num_pages_B,
+            int4_pool,
+            int4_idx_BN,
+            int4_len_B,
+            int2_mask_BP,
+            float_pool,
+            float_idx_BN,
+            float_len_B,
         )
     if backend == "gpu":
         from jaxkv.kernels.triton import decode as gpu_decode
         from jaxkv.kernels.triton.launch import triton_call
 
         return gpu_decode.quantized_decode_attention(
-            *args, int2_mask_BP=int2_mask_BP, float_pool=float_pool, float_idx_BN=float_idx_BN, float_len_B=float_len_B,
+            *args,
+            int2_mask_BP=int2_mask_BP,
+            float_pool=float_pool,
+            float_idx_BN=float_idx_BN,
+            float_len_B=float_len_B,
             launcher=triton_call,
         )
     D = int4_pool.k.head_dim

@@ -120,9 +120,13 @@ class PoolReader:
         the whole pool at ``(layer, slot)`` (a static or traced layer), never a copy
         of the layer."""
         if self.layer is None:
-            return jnp.take(self.k, idx, axis=0, mode="clip").astype(jnp.float32), jnp.take(self.v, idx, axis=0, mode="clip").astype(jnp.float32)
-        return (self.k.at[self.layer, idx].get(mode="clip").astype(jnp.float32),
-                self.v.at[self.layer, idx].get(mode="clip").astype(jnp.float32))
+            return jnp.take(self.k, idx, axis=0, mode="clip").astype(jnp.float32), jnp.take(self.v, idx, axis=0, mode="clip").astype(
+                jnp.float32
+            )
+        return (
+            self.k.at[self.layer, idx].get(mode="clip").astype(jnp.float32),
+            self.v.at[self.layer, idx].get(mode="clip").astype(jnp.float32),
+        )
 
 
 def window_decode_attention(q_RHD, k_RKDW, v_RKWD, old_len_R, k_RSKD, v_RSKD, new_len_R, active_R):
@@ -206,7 +210,9 @@ def _tile_attention(reader, q_QHD, r, n_before, count, Q: int, E: int, mass_RN=N
         sub_state = tuple(a[:, :, x] for a in state)
         last = jnp.maximum(jnp.minimum(count, (sub + 1) * S), 1)  # queries of the sub-tile that count
         end = (n_before + last + F - 1) // F
-        sub_state = lax.fori_loop(start, end, functools.partial(block, q_KGXD=q[:, :, x], sees_X=sees_Q[x], width=F, masked=True), sub_state)
+        sub_state = lax.fori_loop(
+            start, end, functools.partial(block, q_KGXD=q[:, :, x], sees_X=sees_Q[x], width=F, masked=True), sub_state
+        )
         parts.append(sub_state)
     m, l, acc = (jnp.concatenate([p[n] for p in parts], axis=2) for n in range(3))
     l = jnp.maximum(l, 1e-30)
@@ -288,7 +294,19 @@ def decode_section_attention(reader, q_RHD, kv_len_R, active_R, E: int = KEY_BLO
     return out, mass
 
 
-def ragged_attention_blocked(q_THD, reader, kv_len_R, q_start_R, q_len_R, *, return_mass: bool = False, width: int | None = None, big: int = BIG_TILE, small: int = SMALL_TILE, block: int = KEY_BLOCK):
+def ragged_attention_blocked(
+    q_THD,
+    reader,
+    kv_len_R,
+    q_start_R,
+    q_len_R,
+    *,
+    return_mass: bool = False,
+    width: int | None = None,
+    big: int = BIG_TILE,
+    small: int = SMALL_TILE,
+    block: int = KEY_BLOCK,
+):
     """The CPU implementation (module docstring): ``[T, Hq, D]`` in ``q_THD.dtype``
     and, with ``return_mass``, ``[R, width]`` float32: the probability each list
     entry received from the step's queries, summed over queries and query heads.
@@ -311,7 +329,9 @@ def ragged_attention_blocked(q_THD, reader, kv_len_R, q_start_R, q_len_R, *, ret
     out, mass = _tiles(q_pad, out, mass, reader, kv_len_R, q_start_R, q_len_R, n_big * big, n_small, small, block)
     decode = q_len_R == 1
     at_R = jnp.where(decode, q_start_R, T + pad)  # out of range: dropped
-    o = decode_section_attention(reader, jnp.take(q_THD, jnp.minimum(at_R, T - 1), axis=0), kv_len_R, decode, block, return_mass=return_mass, width=width)
+    o = decode_section_attention(
+        reader, jnp.take(q_THD, jnp.minimum(at_R, T - 1), axis=0), kv_len_R, decode, block, return_mass=return_mass, width=width
+    )
     if return_mass:
         o, decode_mass = o
         mass = mass + decode_mass

@@ -72,14 +72,18 @@ def decode_launch(kernel, q_BHD, operands, idx_BN, *, block: int) -> Launch:
         kernel,
         grid=(B, K, P),
         inputs=(jax.ShapeDtypeStruct((B,), i32), jax.ShapeDtypeStruct((B, N), i32)) + abstract(q_BHD, *operands),
-        outputs=(
-            jax.ShapeDtypeStruct((B, P, Hq, D), f32),
-            jax.ShapeDtypeStruct((B, P, Hq), f32),
-            jax.ShapeDtypeStruct((B, P, Hq), f32),
-        ),
+        outputs=(jax.ShapeDtypeStruct((B, P, Hq, D), f32), jax.ShapeDtypeStruct((B, P, Hq), f32), jax.ShapeDtypeStruct((B, P, Hq), f32)),
         constexprs=(
-            ("N", N), ("K", K), ("G", G), ("GP", max(MIN_DOT_ROWS, next_pow2(G))), ("D", D), ("DP", next_pow2(D)),
-            ("P", P), ("SPLIT", split_size(N, P, block)), ("BLOCK", block), ("SCALE", 1.0 / math.sqrt(D)),
+            ("N", N),
+            ("K", K),
+            ("G", G),
+            ("GP", max(MIN_DOT_ROWS, next_pow2(G))),
+            ("D", D),
+            ("DP", next_pow2(D)),
+            ("P", P),
+            ("SPLIT", split_size(N, P, block)),
+            ("BLOCK", block),
+            ("SCALE", 1.0 / math.sqrt(D)),
         ),  # fmt: skip
         num_warps=NUM_WARPS[kernel.fn.__name__],
         num_stages=NUM_STAGES,
@@ -100,8 +104,19 @@ def decode_attention(q_BHD, k_pool_SKD, v_pool_SKD, live_idx_BN, live_len_B, *, 
 
 
 def quantized_decode_attention(
-    q_BHD, int2_pool, int2_pages_BP, int2_num_pages_B, int4_pool, int4_idx_BN, int4_len_B, *, launcher: Launcher,
-    int2_mask_BP=None, float_pool=None, float_idx_BN=None, float_len_B=None,
+    q_BHD,
+    int2_pool,
+    int2_pages_BP,
+    int2_num_pages_B,
+    int4_pool,
+    int4_idx_BN,
+    int4_len_B,
+    *,
+    launcher: Launcher,
+    int2_mask_BP=None,
+    float_pool=None,
+    float_idx_BN=None,
+    float_len_B=None,
 ):
     """``jaxkv.kernels.quantized_decode_attention`` with the Triton kernels (INT4
     part, then INT2 part, then the optional float part). A masked INT2 part (pages
@@ -112,9 +127,7 @@ def quantized_decode_attention(
     check_quantized_head_dim(q_BHD.shape[-1])
     parts = [_part(launcher, kernels.decode_int4_tokens, q_BHD, int4_pool.buffers(), int4_idx_BN, int4_len_B, INT4_BLOCK)]
     if int2_pool is not None and int2_mask_BP is None and int2_pool.bits == 2:
-        parts.append(
-            _part(launcher, kernels.decode_int2_pages, q_BHD, int2_pool.buffers(), int2_pages_BP, int2_num_pages_B, PAGE_BLOCK)
-        )
+        parts.append(_part(launcher, kernels.decode_int2_pages, q_BHD, int2_pool.buffers(), int2_pages_BP, int2_num_pages_B, PAGE_BLOCK))
     elif int2_pool is not None:
         if int2_mask_BP is None:  # 4-bit pages, every token read
             int2_mask_BP = jnp.full(int2_pages_BP.shape, 0xFFFFFFFF, jnp.uint32)

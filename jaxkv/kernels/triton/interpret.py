@@ -101,9 +101,7 @@ def run(launch: Launch, *arrays: np.ndarray) -> tuple[np.ndarray, ...]:
     launch.check(arrays)
     inputs = [_to_torch(a) for a in arrays]
     aliased = {o: i for i, o in launch.aliases}
-    outputs = [
-        inputs[aliased[o]] if o in aliased else _poisoned(s.shape, s.dtype) for o, s in enumerate(launch.outputs)
-    ]
+    outputs = [inputs[aliased[o]] if o in aliased else _poisoned(s.shape, s.dtype) for o, s in enumerate(launch.outputs)]
     with _interpreting():
         launch.kernel[launch.grid](*inputs, *outputs, **launch.params)
     return tuple(_to_numpy(t, s.dtype) for t, s in zip(outputs, launch.outputs))

@@ -64,8 +64,7 @@ def _split_bounds(len_ptr, b, s, SPLIT: tl.constexpr):
 
 
 @triton.jit
-def _load_group_queries(q_ptr, b, h, HQ: tl.constexpr, G: tl.constexpr, GP: tl.constexpr, D: tl.constexpr,
-                        DP: tl.constexpr):
+def _load_group_queries(q_ptr, b, h, HQ: tl.constexpr, G: tl.constexpr, GP: tl.constexpr, D: tl.constexpr, DP: tl.constexpr):
     """The ``G`` query rows of KV head ``h`` as a zero-padded ``[GP, DP]`` tile."""
     g = tl.arange(0, GP)
     d = tl.arange(0, DP)
@@ -93,8 +92,23 @@ def _attend_block(q, keys, values, valid, m, l, acc, SCALE: tl.constexpr):
 
 
 @triton.jit
-def _store_partials(acc_ptr, m_ptr, l_ptr, acc, m, l, b, h, s, P: tl.constexpr, HQ: tl.constexpr, G: tl.constexpr,
-                    GP: tl.constexpr, D: tl.constexpr, DP: tl.constexpr):
+def _store_partials(
+    acc_ptr,
+    m_ptr,
+    l_ptr,
+    acc,
+    m,
+    l,
+    b,
+    h,
+    s,
+    P: tl.constexpr,
+    HQ: tl.constexpr,
+    G: tl.constexpr,
+    GP: tl.constexpr,
+    D: tl.constexpr,
+    DP: tl.constexpr,
+):
     """Write the split's ``acc``, ``m``, ``l`` rows (only the ``G`` real query rows)."""
     g = tl.arange(0, GP)
     d = tl.arange(0, DP)
@@ -235,9 +249,7 @@ def decode_int4_tokens(len_ptr, idx_ptr, q_ptr, kd_ptr, ks_ptr, kz_ptr, vd_ptr, 
         raw = _grouped_scores(q_g, codes, _group_params(ks_ptr, rows, valid, NG), _group_params(kz_ptr, rows, valid, NG))
         m, l, p, acc = _grouped_update(raw, m, l, acc, valid, SCALE)
         codes = _group_codes(tl.load(vd_ptr + packed, mask=valid[:, None], other=0), BLOCK, R, 4, NG)
-        acc += _grouped_values(
-            p, codes, _group_params(vs_ptr, rows, valid, NG), _group_params(vz_ptr, rows, valid, NG), q_g.dtype
-        )
+        acc += _grouped_values(p, codes, _group_params(vs_ptr, rows, valid, NG), _group_params(vz_ptr, rows, valid, NG), q_g.dtype)
     _store_grouped(acc_ptr, m_ptr, l_ptr, acc, m, l, b, h, s, P, K * G, G, GP, D)
 
 
@@ -273,9 +285,7 @@ def decode_int2_pages(len_ptr, idx_ptr, q_ptr, kd_ptr, ks_ptr, kz_ptr, vd_ptr, v
         # values, per token groups
         rows = head * PAGE + t
         codes = _group_codes(tl.load(vd_ptr + head * (PAGE * R) + packed), PAGE, R, 2, NG)
-        acc += _grouped_values(
-            p, codes, _group_params(vs_ptr, rows, valid, NG), _group_params(vz_ptr, rows, valid, NG), q_g.dtype
-        )
+        acc += _grouped_values(p, codes, _group_params(vs_ptr, rows, valid, NG), _group_params(vz_ptr, rows, valid, NG), q_g.dtype)
     _store_grouped(acc_ptr, m_ptr, l_ptr, acc, m, l, b, h, s, P, K * G, G, GP, D)
 
 
@@ -438,9 +448,7 @@ def quantize_int4_rows(x_ptr, slots_ptr, data_in_ptr, scale_in_ptr, zero_in_ptr,
     j = tl.arange(0, R)
     src = (t.to(tl.int64) * K + h)[:, None] * D + j[None, :]
     lo, lo_scale, lo_zero = _quantize_plane(tl.load(x_ptr + src, mask=ok[:, None], other=0.0).to(tl.float32), BLOCK, R)
-    hi, hi_scale, hi_zero = _quantize_plane(
-        tl.load(x_ptr + src + R, mask=ok[:, None], other=0.0).to(tl.float32), BLOCK, R
-    )
+    hi, hi_scale, hi_zero = _quantize_plane(tl.load(x_ptr + src + R, mask=ok[:, None], other=0.0).to(tl.float32), BLOCK, R)
     row = slot * K + h
     tl.store(data_ptr + row[:, None] * R + j[None, :], (lo | (hi << 4)).to(tl.uint8), mask=ok[:, None])
     g = tl.arange(0, NG)

@@ -82,7 +82,13 @@ def tile_launch(q_THD, k_SKD, live_RN) -> Launch:
         + abstract(q_THD, k_SKD, k_SKD),
         outputs=(jax.ShapeDtypeStruct((T, Hq, D), q_THD.dtype),),
         constexprs=(
-            ("N", N), ("K", K), ("G", G), ("D", D), ("DP", next_pow2(D)), ("M", tile.rows), ("BLOCK", tile.block),
+            ("N", N),
+            ("K", K),
+            ("G", G),
+            ("D", D),
+            ("DP", next_pow2(D)),
+            ("M", tile.rows),
+            ("BLOCK", tile.block),
             ("SCALE", 1.0 / math.sqrt(D)),
         ),  # fmt: skip
         num_warps=tile.warps,

@@ -52,7 +52,12 @@ def rope_delta_launch(pool_LSKD, num_slots: int) -> Launch:
         + abstract(pool_LSKD),
         outputs=abstract(pool_LSKD),
         constexprs=(
-            ("M", num_slots), ("S", S), ("K", K), ("KP", next_pow2(K)), ("HALF", D // 2), ("HP", next_pow2(D // 2)),
+            ("M", num_slots),
+            ("S", S),
+            ("K", K),
+            ("KP", next_pow2(K)),
+            ("HALF", D // 2),
+            ("HP", next_pow2(D // 2)),
             ("BLOCK", block),
         ),  # fmt: skip
         num_warps=NUM_WARPS,

@@ -147,8 +147,10 @@ def resolve_allocation(model, mode: str, allocation) -> Allocation:
         if allocation is None:
             candidates = registry.artifact_paths(getattr(model, "path", None), CALIBRATION_FILE)
             if not candidates:
-                raise ConfigError(f"kv_quant={mode!r} needs a calibration: pass kv_allocation= (the model has no folder "
-                                  "and no calibration ships for its weights)")
+                raise ConfigError(
+                    f"kv_quant={mode!r} needs a calibration: pass kv_allocation= (the model has no folder "
+                    "and no calibration ships for its weights)"
+                )
             allocation = candidates[0]  # load_allocation's error names it and the calibration script
     return load_allocation(allocation, mode)
 
@@ -161,8 +163,10 @@ def _factory(session, options: dict, built: list):
     server_mode = getattr(server, "kv_quant", None) if server is not None else None
     mode = server_mode if mode is _UNSET else check_mode(mode)
     if server is not None and mode not in servable_modes(server_mode):
-        raise ConfigError(f"session kv_quant={mode!r} on a server built with kv_quant={server_mode!r} "
-                          f"(its pool is shared and serves {list(servable_modes(server_mode))})")
+        raise ConfigError(
+            f"session kv_quant={mode!r} on a server built with kv_quant={server_mode!r} "
+            f"(its pool is shared and serves {list(servable_modes(server_mode))})"
+        )
     triaxial = mode is not None and mode.startswith("triaxial")
     if not triaxial and (bits is not None or allocation is not None):
         raise ConfigError(f"kv_bits / kv_allocation apply to the triaxial modes, not kv_quant={mode!r}")

@@ -72,8 +72,12 @@ class RepairStage(Stage):
 
     def on_evict(self, turn, evicted) -> None:
         turn.server.host_tier.put(
-            turn.session.session_id, evicted.positions_M, evicted.tokens_M.astype(np.int32),
-            evicted.k_LMKD, evicted.v_LMKD, evicted.scores_M,
+            turn.session.session_id,
+            evicted.positions_M,
+            evicted.tokens_M.astype(np.int32),
+            evicted.k_LMKD,
+            evicted.v_LMKD,
+            evicted.scores_M,
         )
 
     def after_prefill(self, turn, captured) -> None:
@@ -113,10 +117,11 @@ class RepairStage(Stage):
         empty = np.zeros(0, np.int64)
 
         def report(promoted=empty, demoted=empty, candidates=0, skipped=None):
-            turn.session.repairs.append(repairkv.RepairReport(
-                turn.index, cfg.policy, cfg.k, candidates, promoted, demoted,
-                live_before, len(turn.req.live), skipped,
-            ))
+            turn.session.repairs.append(
+                repairkv.RepairReport(
+                    turn.index, cfg.policy, cfg.k, candidates, promoted, demoted, live_before, len(turn.req.live), skipped
+                )
+            )
 
         if cfg.when == "tool" and turn.actionable_kind() != "tool":
             return report(skipped="the actionable message is not a tool result")
@@ -143,8 +148,13 @@ class RepairStage(Stage):
             a = None
             if cfg.policy in repairkv.SCORED:
                 a = repairkv.score_rows(
-                    use, engine.kv.gather_keys(turn.row), live_pos, engine.pool.host_keys(rows.k_LMKD), rows.positions_M,
-                    chunk=cfg.chunk, see_all=cfg.policy == "wrongq",
+                    use,
+                    engine.kv.gather_keys(turn.row),
+                    live_pos,
+                    engine.pool.host_keys(rows.k_LMKD),
+                    rows.positions_M,
+                    chunk=cfg.chunk,
+                    see_all=cfg.policy == "wrongq",
                 )
             promote = repairkv.choose(cfg, rows.positions_M, rows.scores_M, a, event=turn.index)
         taken = tier.take(key, promote)
@@ -172,7 +182,7 @@ class RepairStage(Stage):
         if demote.any():
             plan = layouts.dead_slot(turn.req.slots, np.setdiff1d(live_pos, live_pos[act[demote]]))
             turn.evict(plan, a[: act.size][demote])
-        return np.sort(rows.positions_M[keep[act.size:]]), np.sort(live_pos[act[demote]])
+        return np.sort(rows.positions_M[keep[act.size :]]), np.sort(live_pos[act[demote]])
 
     def _wrong_signal(self, turn):
         if self.wrong_signal is not None:

@@ -279,13 +279,17 @@ def layer_features(engine, row: int, window_q_LWHD, window_pos_W, window_valid_W
     return feats, per_layer, per_position(req.pinned, False, bool)
 
 
-def compress_row_layers(engine, row: int, policy, cfg, state, feats, positions_L, forced_LN, budgets_L, layout: str, *, on_evict=None, apply=None):
+def compress_row_layers(
+    engine, row: int, policy, cfg, state, feats, positions_L, forced_LN, budgets_L, layout: str, *, on_evict=None, apply=None
+):
     """``compress_row`` for per-layer keep sets: ``feats`` as
     ``score_and_select_layers`` takes them, ``positions_L[l]`` the positions of
     layer ``l``'s real entries. The layout applies the union of the layers' sets
     (``layouts.with_layers``). An evicted row's score is the highest any layer gave
     it; the margin is the smallest over layers. Returns ``(state, report)``."""
-    kept_LN, scores_LN, state = score_and_select_layers(policy, cfg, state, feats, np.asarray(forced_LN, bool), np.asarray(budgets_L, np.int32))
+    kept_LN, scores_LN, state = score_and_select_layers(
+        policy, cfg, state, feats, np.asarray(forced_LN, bool), np.asarray(budgets_L, np.int32)
+    )
     kept_LN, scores_LN = np.asarray(kept_LN), np.asarray(scores_LN, np.float32)
     forced_LN = np.asarray(forced_LN, bool)
     req = engine.row_state[row]
@@ -375,9 +379,9 @@ class RetentionStage(Stage):
         if needs.observe_rows and n > offset:
             phase = np.asarray(turn.rendered.phase, np.int32)
             per_phase = int(needs.observe_rows) if not isinstance(needs.observe_rows, bool) else PROMPT_RING_ROWS
-            ring_pos = np.sort(np.concatenate([
-                np.flatnonzero(phase[offset:] == ph)[-per_phase:] + offset for ph in np.unique(phase[offset:])
-            ]))
+            ring_pos = np.sort(
+                np.concatenate([np.flatnonzero(phase[offset:] == ph)[-per_phase:] + offset for ph in np.unique(phase[offset:])])
+            )
         self.window_pos, self.span_pos, self.ring_pos = window_pos, span_pos, ring_pos
         return Capture(np.concatenate([window_pos, span_pos, ring_pos]).astype(np.int64), attn_mass=needs.attn_mass)
 
@@ -442,8 +446,7 @@ class RetentionStage(Stage):
         )
         forced = pad(req.pinned[live_pos], False)
         self.retention.state, report = compress_row(
-            turn.engine, turn.row, spec.policy, spec.config, self.retention.state, feats, forced, spec.budget, spec.layout,
-            apply=turn.evict,
+            turn.engine, turn.row, spec.policy, spec.config, self.retention.state, feats, forced, spec.budget, spec.layout, apply=turn.evict
         )
         turn.session.compressions.append(report)
         if report.plan.renumbered:  # compact: positions are now 0..K-1; the window's are gone
@@ -461,7 +464,16 @@ class RetentionStage(Stage):
         qm = self.query_mean if self.query_mean is not None else np.zeros((cfg.num_layers, cfg.num_heads, cfg.head_dim), np.float32)
         feats, per_layer, forced = layer_features(engine, turn.row, *self._window_rows(cfg, req, req.seq_len), qm)
         self.retention.state, report = compress_row_layers(
-            engine, turn.row, spec.policy, spec.config, self.retention.state, feats, per_layer, forced, budgets, spec.layout,
+            engine,
+            turn.row,
+            spec.policy,
+            spec.config,
+            self.retention.state,
+            feats,
+            per_layer,
+            forced,
+            budgets,
+            spec.layout,
             apply=turn.evict,
         )
         turn.session.compressions.append(report)
@@ -495,7 +507,9 @@ class RetentionStage(Stage):
             phases[:n] = phase_X
         qm = self.query_mean if self.query_mean is not None else np.zeros((cfg.num_layers, cfg.num_heads, cfg.head_dim), np.float32)
         obs = Observation(
-            q_LXHD=q, phase_X=phases, valid_X=np.arange(X) < n,
+            q_LXHD=q,
+            phase_X=phases,
+            valid_X=np.arange(X) < n,
             query_mean_LHD=np.asarray(qm, np.float32),
             new_turn=np.bool_(new_turn and self.query_mean is not None),
         )
@@ -541,19 +555,27 @@ def warm_events(spec: RetentionSpec, engine) -> int:
     for N in event_sizes(engine.max_positions):
         keys = engine.pool.gather_keys(engine.cache, np.full(N, SENTINEL_SLOT, np.int32))
         feats = EventFeatures(
-            keys_LNKD=keys, positions_N=np.arange(N, dtype=np.int32), phase_N=np.zeros(N, np.int32),
+            keys_LNKD=keys,
+            positions_N=np.arange(N, dtype=np.int32),
+            phase_N=np.zeros(N, np.int32),
             window_q_LWHD=np.zeros((cfg.num_layers, W, cfg.num_heads, cfg.head_dim), np.float32),
-            window_pos_W=np.zeros(W, np.int32), window_valid_W=np.zeros(W, bool),
-            acc_mass_N=np.zeros(N, np.float32), query_mean_LHD=np.zeros((cfg.num_layers, cfg.num_heads, cfg.head_dim), np.float32),
-            seq_len=np.int32(N), valid_N=np.ones(N, bool), query_span_N=np.zeros(N, bool),
+            window_pos_W=np.zeros(W, np.int32),
+            window_valid_W=np.zeros(W, bool),
+            acc_mass_N=np.zeros(N, np.float32),
+            query_mean_LHD=np.zeros((cfg.num_layers, cfg.num_heads, cfg.head_dim), np.float32),
+            seq_len=np.int32(N),
+            valid_N=np.ones(N, bool),
+            query_span_N=np.zeros(N, bool),
         )
         jax.block_until_ready(score_and_select(spec.policy, spec.config, state, feats, np.zeros(N, bool), np.int32(1)))
         ran += 2
     if spec.policy.observe is not None:
         obs = Observation(
             q_LXHD=np.zeros((cfg.num_layers, OBSERVE_ROWS, cfg.num_heads, cfg.head_dim), np.float32),
-            phase_X=np.zeros(OBSERVE_ROWS, np.int32), valid_X=np.zeros(OBSERVE_ROWS, bool),
-            query_mean_LHD=np.zeros((cfg.num_layers, cfg.num_heads, cfg.head_dim), np.float32), new_turn=np.bool_(False),
+            phase_X=np.zeros(OBSERVE_ROWS, np.int32),
+            valid_X=np.zeros(OBSERVE_ROWS, bool),
+            query_mean_LHD=np.zeros((cfg.num_layers, cfg.num_heads, cfg.head_dim), np.float32),
+            new_turn=np.bool_(False),
         )
         jax.block_until_ready(_observe_jit(spec.policy.observe, spec.config, state, obs))
         ran += 1
@@ -567,7 +589,9 @@ def _factory(session, options: dict, built: list):
     keep_sets = options.pop("keep_sets", None)
     shape = options.pop("layer_budgets", None)
     if name is None:
-        given = [k for k, v in (("budget", budget), ("layout", layout), ("keep_sets", keep_sets), ("layer_budgets", shape)) if v is not None]
+        given = [
+            k for k, v in (("budget", budget), ("layout", layout), ("keep_sets", keep_sets), ("layer_budgets", shape)) if v is not None
+        ]
         if given:
             raise ConfigError(f"{given[0]} needs a retention policy (policy=...)")
         return None
@@ -576,7 +600,7 @@ def _factory(session, options: dict, built: list):
     fields = {f.name for f in dataclasses.fields(policy.config)}
     config = {k: options.pop(k) for k in list(options) if k in fields}
     spec = RetentionSpec.make(
-        name, budget, layout, config, model=session.model, keep_sets=keep_sets or "model", layer_budgets=shape or "equal",
+        name, budget, layout, config, model=session.model, keep_sets=keep_sets or "model", layer_budgets=shape or "equal"
     )
     server = getattr(session, "server", None)
     if spec.keep_sets == "layer" and server is not None and not server.engine.layer_lists:

@@ -232,7 +232,15 @@ class ReuseStage(Stage):
         self._origin = 0
 
     def before_prefill(self, turn, job):
-        needs = [name for name, on in (("query rows", job.q_idx_X is not None), ("attention mass", job.attn_mass), ("every logit", job.logits == "all")) if on]
+        needs = [
+            name
+            for name, on in (
+                ("query rows", job.q_idx_X is not None),
+                ("attention mass", job.attn_mass),
+                ("every logit", job.logits == "all"),
+            )
+            if on
+        ]
         if needs:
             # Another stage (a retention policy's scorer, a replay's logits) reads
             # prefill features that spliced tokens never produce (they skip the
@@ -306,8 +314,18 @@ class ReuseStage(Stage):
             kv_j = inter - (span.p0 - cursor)
             extra = [p - cursor for p in want if cursor <= p < s]
             plan = SplicePlan(
-                ids[cursor:e], cut, a_idx, b_idx, b_resid=b_resid, b_cut_write=~from_store,
-                kv_idx=inter, kv_lo=0, kv_hi=n_reuse, kv_k=span.k[:, kv_j], kv_v=span.v[:, kv_j], kv_old_pos=span.old_pos[kv_j],
+                ids[cursor:e],
+                cut,
+                a_idx,
+                b_idx,
+                b_resid=b_resid,
+                b_cut_write=~from_store,
+                kv_idx=inter,
+                kv_lo=0,
+                kv_hi=n_reuse,
+                kv_k=span.k[:, kv_j],
+                kv_v=span.v[:, kv_j],
+                kv_old_pos=span.old_pos[kv_j],
                 logit_idx=np.concatenate([probe, np.asarray(extra, np.int64)]),
             )
             logits, res_a = yield from self._splice(turn, plan)
@@ -378,9 +396,19 @@ class ReuseStage(Stage):
             computed = set(b_idx.tolist())
             want = sorted({p - start for sp in spans for p in range(sp.p1, sp.p1 + BOUNDARY) if p - start in computed and p < n - 1})
             plan2 = SplicePlan(
-                ids[start:n], 1, np.zeros(0, np.int64), b_idx, b_resid=x1[b_idx],
-                kv_idx=keep, kv_lo=1, kv_hi=L, kv_k=kv_k, kv_v=kv_v, kv_old_pos=old[keep_rows],
-                logit_idx=np.asarray([*want, T - 1], np.int64), base=start,
+                ids[start:n],
+                1,
+                np.zeros(0, np.int64),
+                b_idx,
+                b_resid=x1[b_idx],
+                kv_idx=keep,
+                kv_lo=1,
+                kv_hi=L,
+                kv_k=kv_k,
+                kv_v=kv_v,
+                kv_old_pos=old[keep_rows],
+                logit_idx=np.asarray([*want, T - 1], np.int64),
+                base=start,
             )
             logits, _ = yield from self._splice(turn, plan2, "rewrite")
             rep.units += plan2.units(L)
@@ -416,7 +444,9 @@ class ReuseStage(Stage):
         hi = n - 1  # the last prompt token is always computed
         # query units at half the storage stride: a stored window then overlaps some
         # query window by at least 3/4 of its length, whatever the shift
-        units = segment_units(n, self._anchors(turn), start, hi, window=cfg.seg_window, stride=max(cfg.seg_stride // 2, 1), min_len=max(min_len, cfg.shingle))
+        units = segment_units(
+            n, self._anchors(turn), start, hi, window=cfg.seg_window, stride=max(cfg.seg_stride // 2, 1), min_len=max(min_len, cfg.shingle)
+        )
         if not units or not store.segments(self.tenant, ns):
             return []
         cands = store.candidates(self.tenant, ns, [minhash(ids[a:b], cfg.shingle) for a, b in units])
@@ -455,7 +485,9 @@ class ReuseStage(Stage):
                 continue
             q = p + 1
             shift = int(seg.positions[src_j[p]]) - p
-            while q < hi and src_seg[q] is not None and src_seg[q].origin == seg.origin and int(src_seg[q].positions[src_j[q]]) - q == shift:
+            while (
+                q < hi and src_seg[q] is not None and src_seg[q].origin == seg.origin and int(src_seg[q].positions[src_j[q]]) - q == shift
+            ):
                 q += 1
             if q - p >= min_len:
                 spans.append(self._span(src_seg, src_j, p, q))
@@ -485,7 +517,15 @@ class ReuseStage(Stage):
         """Store the units of the exactly computed positions ``[start, stop)``."""
         cfg = self.config
         ids = turn.rendered.ids
-        units = segment_units(ids.size, self._anchors(turn), start, stop, window=cfg.seg_window, stride=cfg.seg_stride, min_len=max(2 * cfg.halo + cfg.min_interior, cfg.shingle))
+        units = segment_units(
+            ids.size,
+            self._anchors(turn),
+            start,
+            stop,
+            window=cfg.seg_window,
+            stride=cfg.seg_stride,
+            min_len=max(2 * cfg.halo + cfg.min_interior, cfg.shingle),
+        )
         if not units:
             return 0
         lo, hi = min(a for a, _ in units), max(b for _, b in units)
@@ -494,9 +534,16 @@ class ReuseStage(Stage):
         store, stored = turn.server.segments, 0
         for a, b in units:
             seg = store.add(
-                self.tenant, ns, ids[a:b], np.arange(a, b), k[:n_layers, a - lo : b - lo], v[:n_layers, a - lo : b - lo],
+                self.tenant,
+                ns,
+                ids[a:b],
+                np.arange(a, b),
+                k[:n_layers, a - lo : b - lo],
+                v[:n_layers, a - lo : b - lo],
                 None if resid is None else resid[a - start : b - start],
-                minhash(ids[a:b], cfg.shingle), minhash(ids[max(0, a - cfg.ctx_window) : a], cfg.shingle), origin=self._origin,
+                minhash(ids[a:b], cfg.shingle),
+                minhash(ids[max(0, a - cfg.ctx_window) : a], cfg.shingle),
+                origin=self._origin,
             )
             stored += seg is not None
         return stored
