@@ -421,3 +421,22 @@ def test_allow_lists_the_server_cannot_serve_fail_at_start_up(model, tmp_path):
         make_app(model, model_name="tiny", rows=1, max_positions=256, rules=missing)
     with pytest.raises(ConfigError, match="the pool has one format"):
         make_app(model, model_name="tiny", rows=1, max_positions=256, rules=OptionRules(kv_quant="int4"), kv_quant="triaxial")
+
+
+def test_prefill_chunk_reaches_the_engine_from_the_command_line(model):
+    """``jaxkv serve --prefill-chunk N``: the engine takes at most N prompt tokens of a
+    turn per step, and its step budget is N plus a token of every row."""
+    import argparse
+
+    from jaxkv.buckets import token_budget
+    from jaxkv.server.run import add_arguments
+
+    p = argparse.ArgumentParser()
+    add_arguments(p)
+    args = p.parse_args(["--model", "x", "--prefill-chunk", "64", "--rows", "2"])
+    app = make_app(model, model_name="tiny", rows=args.rows, max_positions=512, prefill_chunk=args.prefill_chunk)
+    try:
+        engine = app.state.jaxkv.server.engine
+        assert engine.prefill_chunk == 64 and engine.token_budget == token_budget(64, 2) < token_budget(512, 2)
+    finally:
+        app.state.jaxkv.server.close()

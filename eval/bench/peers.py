@@ -11,6 +11,8 @@ stack, precision):
 
 * ``jaxkv-f32`` / ``jaxkv-bf16``: ``jaxkv serve`` on the float32 folder, float32
   or bfloat16 weights and KV;
+* ``jaxkv-f32-chunk128``: ``jaxkv-f32`` with 128-token prefill chunks
+  (``--prefill-chunk 128``): shorter steps for the rows that decode beside a prompt;
 * ``vllm-bf16``: vLLM for CPU (it converts weights to bfloat16), eager mode;
 * ``llamacpp-q4_1``: llama.cpp on the registry's Q4_1 GGUF;
   ``llamacpp-f16``: the same tensors dequantized to F16 (``peer_stacks.f16_gguf``);
@@ -375,6 +377,7 @@ SERVERS = {
     for s in (
         ServerSpec("jaxkv-f32", "jaxkv", "float32"),
         ServerSpec("jaxkv-bf16", "jaxkv", "bfloat16"),
+        ServerSpec("jaxkv-f32-chunk128", "jaxkv", "float32, 128-token prefill chunks", ("decode", "agent"), ("--prefill-chunk", "128")),
         ServerSpec("vllm-bf16", "vllm", "bfloat16"),
         ServerSpec("llamacpp-q4_1", "llama.cpp", "Q4_1"),
         ServerSpec("llamacpp-f16", "llama.cpp", "F16"),

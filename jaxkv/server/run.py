@@ -29,6 +29,7 @@ from pathlib import Path
 
 from jaxkv.server.protocol import KEEPALIVE_S
 from jaxkv.server.sessions import CAPS, CHOICES, OPTIONS, OptionRules, known_values, load_api_keys
+from jaxkv.engine import PREFILL_CHUNK
 from jaxkv.serving.scheduler import DECODE_CHUNK
 
 
@@ -45,6 +46,7 @@ def make_app(
     max_tokens: int = 256,
     session_cap: int = 1024,
     decode_chunk: int = DECODE_CHUNK,
+    prefill_chunk: int = PREFILL_CHUNK,
     warmup: bool = False,
     kv_quant: str | None = None,
     keepalive_s: float | None = KEEPALIVE_S,
@@ -78,6 +80,7 @@ def make_app(
         max_positions=max_positions,
         num_slots=num_slots,
         decode_chunk=decode_chunk,
+        prefill_chunk=prefill_chunk,
         warmup=False,
         kv_quant=rules.kv_quant,
     )
@@ -194,6 +197,13 @@ def add_arguments(p) -> None:
         type=int,
         default=DECODE_CHUNK,
         help="decode steps per batched engine call: rows join and leave, and streams flush, between calls",
+    )
+    p.add_argument(
+        "--prefill-chunk",
+        type=int,
+        default=PREFILL_CHUNK,
+        help="prompt tokens of one turn per engine step; a step's token budget is this plus a token of every row, "
+        "so a smaller chunk shortens the steps decoding rows share with a prompt",
     )
     p.add_argument("--max-positions", type=int, default=None, help="positions per request (default: the model context, at most 8192)")
     p.add_argument("--num-slots", type=int, default=None, help="KV pool slots (default: 2 x rows x positions + 1)")
@@ -358,6 +368,7 @@ def serve(args) -> int:
         max_tokens=args.max_tokens,
         session_cap=args.session_cap,
         decode_chunk=args.decode_chunk,
+        prefill_chunk=args.prefill_chunk,
         warmup=args.warmup,
         keepalive_s=args.keepalive,
     )  # bad defaults or allow-lists fail here, before the port opens
