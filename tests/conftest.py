@@ -187,6 +187,37 @@ def smollm2_tokenizer(smollm2_gguf):
     return AutoTokenizer.from_pretrained(str(registry.converted_dir(SMOLLM2)))
 
 
+def tiny_qwen3_config(tok):
+    """A random-weight 2-layer Qwen3 over ``tok``'s vocabulary, head_dim 32 (a
+    quantized pool's smallest), ``<|im_end|>`` its end of turn: the model of the
+    quantized-pool and backend tests."""
+    from jaxkv.config import ModelConfig
+
+    return ModelConfig(
+        model_type="qwen3",
+        vocab_size=len(tok),
+        hidden_size=64,
+        intermediate_size=64,
+        num_layers=2,
+        num_heads=2,
+        num_kv_heads=1,
+        head_dim=32,
+        qk_norm=True,
+        max_position_embeddings=4096,
+        eos_token_ids=(tok.convert_tokens_to_ids("<|im_end|>"),),
+    )
+
+
+@pytest.fixture(scope="session")
+def qmodel():
+    """``tiny_qwen3_config`` over the embedded model's tokenizer, seed 0."""
+    import jaxkv
+    from jaxkv.tasks import embedded_tokenizer
+
+    tok = embedded_tokenizer()
+    return jaxkv.model_from_config(tiny_qwen3_config(tok), seed=0, tokenizer=tok)
+
+
 TINY_WORDS = "weather paris london rome tokyo sunny rainy cloudy degrees find city the is and what answer".split()
 
 

@@ -13,7 +13,6 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-import jaxkv
 from jaxkv.backends import (
     CpuFloatBackend,
     CpuQuantBackend,
@@ -25,7 +24,6 @@ from jaxkv.backends import (
 )
 from jaxkv.cache.pools import FloatLayers
 from jaxkv.cache.quantized import Geometry, QuantLayers
-from jaxkv.config import ModelConfig
 from jaxkv.engine import Engine
 from jaxkv.policies import layouts
 
@@ -40,26 +38,6 @@ def test_select_backend_is_the_pool_by_platform_table():
     assert type(ref) is ReferenceBackend and type(ref.blocked) is CpuQuantBackend
     assert select_backend(flt).uses_window and not select_backend(flt, "interpret").uses_window
     assert not select_backend(quant, "interpret").uses_window
-
-
-@pytest.fixture(scope="module")
-def qmodel():
-    from jaxkv.tasks import embedded_tokenizer
-
-    tok = embedded_tokenizer()
-    cfg = ModelConfig(
-        model_type="qwen3",
-        vocab_size=len(tok),
-        hidden_size=64,
-        intermediate_size=64,
-        num_layers=2,
-        num_heads=2,
-        num_kv_heads=1,
-        head_dim=32,
-        qk_norm=True,
-        max_position_embeddings=4096,
-    )
-    return jaxkv.model_from_config(cfg, seed=0, tokenizer=tok)
 
 
 @pytest.mark.parametrize("mode", ["triaxial", "int4", "kivi2"])

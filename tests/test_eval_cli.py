@@ -23,6 +23,7 @@ import pytest
 from eval.quality import harness, real_model
 from jaxkv import cli
 from jaxkv.errors import ConfigError
+from tests.conftest import tiny_qwen3_config
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -40,22 +41,9 @@ def jaxkv_eval(monkeypatch):
 def smollm2_tokenizer_model_dir(tmp_path_factory, smollm2_tokenizer):
     """A tiny random Qwen3 (head_dim 32: quantizable) with SmolLM2's tokenizer, saved once."""
     import jaxkv
-    from jaxkv.config import ModelConfig
 
     tok = smollm2_tokenizer
-    cfg = ModelConfig(
-        model_type="qwen3",
-        vocab_size=len(tok),
-        hidden_size=64,
-        intermediate_size=64,
-        num_layers=2,
-        num_heads=2,
-        num_kv_heads=1,
-        head_dim=32,
-        qk_norm=True,
-        max_position_embeddings=4096,
-        eos_token_ids=(tok.convert_tokens_to_ids("<|im_end|>"),),
-    )
+    cfg = tiny_qwen3_config(tok)
     folder = tmp_path_factory.mktemp("smollm2_tokenizer_model")
     jaxkv.save_pretrained(jaxkv.model_from_config(cfg, seed=0, tokenizer=tok), folder)
     return folder

@@ -14,37 +14,14 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-import jaxkv
 from jaxkv.cache.quantized import FLOAT, INT2, INT4, Geometry, dequantize_slots
 from jaxkv.cache.quantized_host import KIVI_RESIDUAL, DualAllocator
-from jaxkv.config import ModelConfig
 from jaxkv.engine import Engine, KVSource
 from jaxkv.errors import ConfigError, JaxKVError, OutOfSlotsError, SlotError
 from jaxkv.kernels.quant import PAGE
 from jaxkv.policies import layouts
 from jaxkv.policies.quant_allocation import solve
 from jaxkv.serving import Server, Session
-
-
-@pytest.fixture(scope="module")
-def qmodel():
-    from jaxkv.tasks import embedded_tokenizer
-
-    tok = embedded_tokenizer()
-    cfg = ModelConfig(
-        model_type="qwen3",
-        vocab_size=len(tok),
-        hidden_size=64,
-        intermediate_size=64,
-        num_layers=2,
-        num_heads=2,
-        num_kv_heads=1,
-        head_dim=32,
-        qk_norm=True,
-        max_position_embeddings=4096,
-        eos_token_ids=(tok.convert_tokens_to_ids("<|im_end|>"),),
-    )
-    return jaxkv.model_from_config(cfg, seed=0, tokenizer=tok)
 
 
 def allocation(int2_semantics=(1, 5), budget=3.0):
