@@ -9,8 +9,8 @@ decode rows (16) and a prefill chunk (512 rows), four ways:
 
 Medians of 5 after a compile, in ms and GFLOP/s; the load average printed before
 and after (run it on an idle machine). On 2026-12-06, on a 2-core Xeon with AMX
-(bf16) and AVX-512, the last form ran 2.8x float32's rate at 512 rows (715
-against 256 GFLOP/s) and 2.3x at 16, while bfloat16 in and out ran below float32:
+(bf16) and AVX-512, idle, the last form ran 2.8x float32's rate at 512 rows (786
+against 282 GFLOP/s) and 1.1x at 16, while bfloat16 in and out ran below float32:
 the host's bf16 matrix units are reached only when the product accumulates in
 float32; at one row every bf16 form is slower (eval/results/bf16_dot_cpu.md,
 docs/benchmarks.md, "The engine in parts").

@@ -146,8 +146,8 @@ class AttentionBackend:
         """Layer ``i``'s attention by explicit key positions: the keys of
         ``meta.key_slots_N`` read back in float through the pool's layer read, each
         query over those at or before its position (``positional_attention``). Every
-        pool kind and platform shares it: the spliced step it serves computes a few
-        hundred tokens once per reused segment."""
+        pool kind and platform shares this one implementation; a backend may
+        override it with a kernel."""
         k_NKD, v_NKD = self.layers.read(kv, i, meta.key_slots_N)
         key_pos_N = meta.key_pos_JN[jnp.minimum(i, meta.key_pos_JN.shape[0] - 1)]
         return positional_attention(q_THD, meta.q_pos_T, k_NKD, v_NKD, key_pos_N)

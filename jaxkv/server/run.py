@@ -27,9 +27,9 @@ import socket
 import threading
 from pathlib import Path
 
+from jaxkv.engine import PREFILL_CHUNK
 from jaxkv.server.protocol import KEEPALIVE_S
 from jaxkv.server.sessions import CAPS, CHOICES, OPTIONS, OptionRules, known_values, load_api_keys
-from jaxkv.engine import PREFILL_CHUNK
 from jaxkv.serving.scheduler import DECODE_CHUNK
 
 
