@@ -39,6 +39,12 @@ lock are released; a failing turn never takes others down (errors are thrown
 into its own program; a failing batched step fails only the turns in it).
 Bounded time: every admitted turn advances each iteration (decode steps are
 bounded by its ``max_new_tokens``, prefill by its prompt), and the queue is FIFO.
+
+Step trace: with ``JAXKV_STEP_TRACE=FILE`` in the environment, every engine step
+appends one JSON line to FILE (its kind, the prefill rows and tokens it ran, the
+decode rows and tokens it generated, its seconds and the seconds the scheduler
+spent outside engine steps since the last one), so a load run can be broken down
+step by step (``eval/profile/load_steps.py``).
 """
 
 from __future__ import annotations
@@ -47,7 +53,9 @@ import collections
 import concurrent.futures
 import dataclasses
 import itertools
+import json
 import logging
+import os
 import threading
 import time
 from typing import Any, Callable, Generator
@@ -131,6 +139,9 @@ class Scheduler:
         self.stats = collections.Counter()  # turns_done / turns_failed / turns_cancelled / tokens_generated / prefill_tokens / steps
         self.timing = {"prefill_s": 0.0, "decode_s": 0.0}  # seconds spent in batched engine steps
         self.started_at = time.perf_counter()
+        trace = os.environ.get("JAXKV_STEP_TRACE")
+        self._trace = open(trace, "a", buffering=1) if trace else None  # line-buffered: readable while serving
+        self._last_step_end = time.perf_counter()
 
     # -- copies (Session.fork) ---------------------------------------------------------
     def __deepcopy__(self, memo):
@@ -367,7 +378,20 @@ class Scheduler:
                 self._fail(task, err)
             return
         finally:
-            self.timing["prefill_s" if prefills else "decode_s"] += time.perf_counter() - t0
+            t1 = time.perf_counter()
+            self.timing["prefill_s" if prefills else "decode_s"] += t1 - t0
+        if self._trace is not None:
+            record = {
+                "kind": "mixed" if prefills else "decode",
+                "prefill_rows": len(pjobs),
+                "prefill_tokens": sum(j.done for j in pjobs) - before,
+                "decode_rows": len(djobs),
+                "generated": sum(len(j.tokens) for j in djobs) - sum(generated),
+                "seconds": round(t1 - t0, 6),
+                "host_seconds": round(t0 - self._last_step_end, 6),
+            }
+            self._trace.write(json.dumps(record) + "\n")
+        self._last_step_end = t1
         self.stats["steps"] += 1
         self.stats["prefill_tokens"] += sum(j.done for j in pjobs) - before
         self._after(prefills, decodes, generated)
