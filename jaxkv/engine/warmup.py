@@ -4,7 +4,11 @@ manager of tpu-inference, for jaxkv's bounded shape set).
 ``shape_set`` lists an engine's shapes (``jaxkv.buckets.shape_set``): each step
 token bucket, and each decode-loop program (rows bucket x window width on the
 CPU). ``warmup`` runs each once on scratch rows, through the very methods
-requests use, with every static variant a server's turns reach:
+requests use, with every static variant a server's turns reach. A decode
+program's rows share one scratch list of fresh slots as their cached prefix, so
+they reach their window's width with nothing computed and ``width`` slots taken:
+prefilling them cost prefill work and slots that grew with rows x width (16 rows
+at 8,192 positions: over 15 minutes of start-up, then out of slots).
 
 * steps bring back nothing but tokens (the reply's first token is sampled in the
   step), or query rows (``capture_q``: retention windows, query spans, phase rows),
@@ -76,14 +80,17 @@ def warmup(
             engine.close_row(r)
     for B, W in shapes.decode:
         for q in (False, True) if decode_q else (False,):
-            rows = [engine.open_row() for _ in range(B)]
+            # rows whose list length makes a window of width W: one scratch list of fresh slots, shared as a
+            # cached prefix is (nothing computed: the window's content does not matter, only its width)
+            scratch = engine.kv.allocate(min(W, engine.max_positions - decode_chunk)) if W else np.zeros(0, np.int64)
+            rows = [engine.open_row(prefix_slots=scratch) for _ in range(B)]
+            engine.kv.release(scratch)  # the rows hold their own references now
             try:
-                live = min(W, engine.max_positions - decode_chunk) if W else 1  # a list length whose window is W
-                for r in rows:
-                    job = engine.start(PrefillJob(r, np.zeros(live, np.int32), logits=None))
-                    while not job.finished:
-                        engine.step(prefill_jobs=[job])
-                jobs = [engine.start(DecodeJob(r, 0, decode_chunk, stop_ids=tuple(stop_token_ids), query_rows=q)) for r in rows]
+                if not W:
+                    for r in rows:
+                        engine.step(prefill_jobs=[engine.start(PrefillJob(r, np.zeros(1, np.int32), logits=None))])
+                # one step each: the program (its loop bound is decode_chunk, static) is the same, its run 1/decode_chunk as long
+                jobs = [engine.start(DecodeJob(r, 0, 1, stop_ids=tuple(stop_token_ids), query_rows=q)) for r in rows]
                 engine.step_decode(jobs, decode_chunk, regroup=True)
                 tick()
             finally:
