@@ -37,6 +37,7 @@ MIN_STEP_TOKENS = 16  # the narrowest step: a few decode rows
 DECODE_ROW_STEP = 4  # decode batches: powers of two up to 4 rows, then multiples of 4
 MIN_WINDOW = 512  # the narrowest CPU decode window
 MIN_EVENT = 256  # the shortest list a compression event scores
+STOP_WIDTH = 4  # stop-token columns of a decode call: a request's own count (0 with ignore_eos) must not be a shape
 # Decode steps per batched engine call: how often rows can join or leave. Each call
 # has a fixed cost (on the CPU, copying every row's live K/V once: see
 # ``jaxkv.backends.cpu_float.take_window``) that a longer chunk spreads over more tokens.
@@ -73,6 +74,12 @@ def token_buckets(budget: int) -> list[int]:
 def step_tokens(n: int, budget: int) -> int:
     """The bucket of a step of ``n`` tokens (``n <= budget``)."""
     return next(size for size in token_buckets(budget) if size >= n)
+
+
+def stop_width(n_stop_ids: int) -> int:
+    """Columns of a decode call's stop-token table for rows of at most ``n_stop_ids``
+    stop tokens: ``STOP_WIDTH``, or the next power of two above it (padding is -1)."""
+    return max(STOP_WIDTH, 1 << max(int(n_stop_ids) - 1, 0).bit_length())
 
 
 def decode_row_bucket(n_jobs: int) -> int:

@@ -76,7 +76,10 @@ def test_no_compile_after_warmup(tiny_model, monkeypatch, kv_quant, samplers, po
                 sampling = r.choice([{}, {"temperature": 0.8, "seed": seed}][: len(samplers)])
                 policy = r.choice((None,) + policies)
                 session = server.session(**({} if policy is None else {"policy": policy, "budget": r.choice((6, 10, 14))}))
-                session.chat([{"role": "user", "content": message}], max_new_tokens=r.randint(1, 20), **sampling)
+                # ignore_eos: no stop tokens, a count the warm-up's turns never have (it must not be a shape)
+                session.chat(
+                    [{"role": "user", "content": message}], max_new_tokens=r.randint(1, 20), ignore_eos=r.random() < 0.3, **sampling
+                )
                 events.extend(session.compressions)
             except Exception as err:  # surfaced below
                 errors.append(err)

@@ -244,7 +244,7 @@ class ModelRunner:
         rows = np.full(B, kv.rows, np.int32)
         first, limit = np.zeros(B, np.int32), np.zeros(B, np.int32)
         slots = np.zeros((B, n), np.int32)
-        stop = np.full((B, max(1, max(len(j.stop_ids) for j in jobs))), -1, np.int32)
+        stop = np.full((B, buckets.stop_width(max(len(j.stop_ids) for j in jobs))), -1, np.int32)
         key_data = np.zeros((B, *_key_data(None).shape), np.uint32)
         step0, forced = np.zeros(B, np.int32), np.zeros((B, n), np.int32)
         settings = [(0.0, None, None)] * B

@@ -336,6 +336,7 @@ class Session:
         tool_choice=None,
         stop: Sequence[str] | None = None,
         reply_prefix: str = "",
+        ignore_eos: bool = False,
     ) -> dict:
         """Answer ``messages``: an OpenAI-style assistant message dict."""
         handle = self.start_chat(
@@ -349,6 +350,7 @@ class Session:
             tool_choice=tool_choice,
             stop=stop,
             reply_prefix=reply_prefix,
+            ignore_eos=ignore_eos,
         )
         return handle.result().reply
 
