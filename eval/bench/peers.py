@@ -301,7 +301,6 @@ class ServerSpec:
                 "40000",
                 "--max-tokens",
                 "256",
-                "--no-warmup",
                 "--log-level",
                 "warning",
                 *self.jaxkv_flags,
