@@ -93,6 +93,10 @@ class ModelRunner:
         self._kept = None
         self._layer_params = None
 
+    def forget_window(self) -> None:
+        """Drop the kept decode window and its memory (the next call copies a fresh one)."""
+        self._kept = None
+
     # -- one step ----------------------------------------------------------------------
     @property
     def max_captured(self) -> int | None:

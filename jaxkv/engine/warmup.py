@@ -96,4 +96,5 @@ def warmup(
             finally:
                 for r in rows:
                     engine.close_row(r)
+    engine.runner.forget_window()  # the last scratch window: rows x width of every layer's K/V (6 GB at 16 x 8,192 on SmolLM2)
     return ran
