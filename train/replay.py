@@ -40,6 +40,7 @@ from pathlib import Path
 
 import numpy as np
 
+from jaxkv.cache.quantized_host import stored_bits
 from jaxkv.tasks.example import reply_matches
 from train.workers import pool_map
 
@@ -302,19 +303,20 @@ def reuse_summary(reports) -> dict:
 
 
 def kv_summary(model, session) -> dict:
-    """``bits``, ``bytes`` and ``tokens`` summed over a session's requests (live KV
-    after each prompt prefill); a full-precision session counts 16 bits and bf16
-    bytes per token (``jaxkv.cache.quantized_host.bytes_per_token``)."""
-    from jaxkv.cache.quantized_host import FLOAT, bytes_per_token
+    """``bits`` (code bits), ``bytes``, ``tokens`` and ``elements`` summed over a
+    session's requests (live KV after each prompt prefill); a full-precision session
+    counts 16 bits and bf16 bytes per token (``jaxkv.cache.quantized_host.bytes_per_token``)."""
+    from jaxkv.cache.quantized_host import FLOAT, bytes_per_token, elements_per_token
 
+    cfg = model.config
+    size = dict(head_dim=cfg.head_dim, num_layers=cfg.num_layers, num_kv_heads=cfg.num_kv_heads)
     stage = session.quantization
     if stage is not None:
         recs = stage.records
-        return {"bits": sum(r.bits for r in recs), "bytes": sum(r.bytes for r in recs), "tokens": sum(r.tokens for r in recs)}
-    cfg = model.config
+        n = sum(r.tokens for r in recs)
+        return {"bits": sum(r.bits for r in recs), "bytes": sum(r.bytes for r in recs), "tokens": n, "elements": n * elements_per_token(**size)}
     n = float(sum(r.peak_live_kv for r in session.metrics.requests)) or 1.0
-    per = bytes_per_token(FLOAT, head_dim=cfg.head_dim, num_layers=cfg.num_layers, num_kv_heads=cfg.num_kv_heads)
-    return {"bits": 16.0 * n, "bytes": per * n, "tokens": n}
+    return {"bits": 16.0 * n, "bytes": bytes_per_token(FLOAT, **size) * n, "tokens": n, "elements": n * elements_per_token(**size)}
 
 
 def run_cell(model, examples, cell: Cell, *, max_new_tokens: int, max_positions: int, progress=None, **session_options) -> dict:
@@ -351,6 +353,7 @@ def run_cell(model, examples, cell: Cell, *, max_new_tokens: int, max_positions:
         "kv_quant": cell.kv_quant,
         "kv_bits": "-" if cell.kv_bits is None else cell.kv_bits,
         "avg_bits": sum(m["kv"]["bits"] for m in metrics) / kv_tokens,
+        "stored_bits": stored_bits(sum(m["kv"]["bytes"] for m in metrics), sum(m["kv"]["elements"] for m in metrics) or 1.0),
         "kv_bytes_per_token": sum(m["kv"]["bytes"] for m in metrics) / kv_tokens,
         "reuse": cell.reuse,
         **reuse_summary(reports),

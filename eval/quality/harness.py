@@ -35,10 +35,13 @@ template), for traces whose lengths differ from model to model.
 KV precision (``--kv-quant none,int4,kivi2,triaxial``, TriAxialKV) crosses every
 other axis: each cell runs once per mode (``Session(kv_quant=...)``, a pool of
 that kind), and the triaxial modes once per ``--kv-bits`` budget (default: the
-calibrated one). ``avg_bits`` is the token-weighted mean of the bits each live
-token is stored at after each prompt prefill (full precision counted as 16), and
-``kv_bytes_per_token`` the bytes per token including scales and zero points
-(full precision counted as bf16), both over every request of the cell.
+calibrated one). ``avg_bits`` is the token-weighted mean of the code bits each
+live token is written at after each prompt prefill (2, 4, or 16 for full
+precision: what the budget B counts), ``kv_bytes_per_token`` the bytes per token
+including scales and zero points (full precision counted as bf16), and
+``stored_bits`` 8 * those bytes / elements (``jaxkv.cache.quantized_host.stored_bits``,
+``stored_bits_of`` for rows journaled before the column), all over every request
+of the cell. Tables report stored bits; code bits only as ``code bits``.
 ``--methods full`` runs only full-cache cells.
 
 Outputs in ``--out`` (the synthetic tasks; a real-model task's are below):
@@ -146,6 +149,7 @@ COLUMNS = (
     "kv_quant",
     "kv_bits",
     "avg_bits",
+    "stored_bits",
     "kv_bytes_per_token",
     "reuse",
     "prefill_tokens_computed",
@@ -498,6 +502,21 @@ def head_verdict(col: list, ref: dict) -> list[str]:
     return lines + [""]
 
 
+def stored_bits_of(row, float_row=None) -> float:
+    """A cell's stored bits per element (``jaxkv.cache.quantized_host.stored_bits``:
+    8 * bytes / elements, scales, zero points and float rows included). Rows
+    journaled before the ``stored_bits`` column get it from their bytes per token,
+    the float pool's row of the same model giving the elements per token (its
+    bytes count bf16, 2 bytes an element); NaN without one."""
+    from jaxkv.cache.quantized_host import stored_bits
+
+    if isinstance(row.get("stored_bits"), float):
+        return row["stored_bits"]
+    if float_row is None:
+        return float("nan")
+    return stored_bits(row["kv_bytes_per_token"], float_row["kv_bytes_per_token"] / 2)
+
+
 def quant_table(rows, task: str) -> str:
     """Accuracy, bits and bytes per KV precision of ``task``'s no-repair cells, with
     the capacity ratio against bf16 (same bytes budget, tokens held); with
@@ -515,7 +534,8 @@ def quant_table(rows, task: str) -> str:
         "kv_bits",
         "accuracy",
         "Δ vs none",
-        "avg_bits",
+        "code bits",
+        "stored bits",
         "KV bytes/token",
         "capacity vs bf16",
     ]
@@ -533,6 +553,7 @@ def quant_table(rows, task: str) -> str:
             _fmt(r["accuracy"]),
             delta,
             f"{r['avg_bits']:.2f}",
+            f"{stored_bits_of(r, base):.2f}",
             f"{r['kv_bytes_per_token']:.0f}",
             f"{bf16 / r['kv_bytes_per_token']:.2f}x",
         ]
@@ -632,14 +653,17 @@ def plot(rows, out_dir: Path) -> list[Path]:
 
 
 def plot_quant(quant_rows, base_rows, out_dir: Path, plt) -> Path:
-    """Accuracy vs average KV bits per task: one marker per precision mode (a line
+    """Accuracy vs stored KV bits per task: one marker per precision mode (a line
     for a triaxial budget sweep), full precision as a dashed line."""
     tasks = sorted({r["task"] for r in quant_rows})
     fig, axes = plt.subplots(1, len(tasks), figsize=(6 * len(tasks), 4), squeeze=False)
     for ax, task in zip(axes[0], tasks):
+        base = next((r for r in base_rows if r["task"] == task and r["method"] == "full"), None)
         for mode in dict.fromkeys(r["kv_quant"] for r in quant_rows):
             pts = sorted(
-                (r["avg_bits"], r["accuracy"]) for r in quant_rows if r["task"] == task and r["kv_quant"] == mode and r["method"] == "full"
+                (stored_bits_of(r, base), r["accuracy"])
+                for r in quant_rows
+                if r["task"] == task and r["kv_quant"] == mode and r["method"] == "full"
             )
             if pts:
                 ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", label=mode)
@@ -647,7 +671,7 @@ def plot_quant(quant_rows, base_rows, out_dir: Path, plt) -> Path:
             if r["task"] == task and r["method"] == "full":
                 ax.axhline(r["accuracy"], color="black", linestyle="--", label="full precision")
         ax.set_title(f"{task}: full cache, KV precision")
-        ax.set_xlabel("average bits per stored KV element")
+        ax.set_xlabel("stored bits per KV element (scales and zero points included)")
         ax.set_ylabel("exact-match accuracy")
         ax.grid(alpha=0.3)
         ax.legend(fontsize=7)

@@ -118,6 +118,20 @@ def bytes_per_token(kind: int, *, head_dim: int, num_layers: int, num_kv_heads: 
     return per * num_layers * num_kv_heads
 
 
+def elements_per_token(*, head_dim: int, num_layers: int, num_kv_heads: int) -> int:
+    """K and V elements one token holds: ``2 D`` per layer and KV head."""
+    return 2 * head_dim * num_layers * num_kv_heads
+
+
+def stored_bits(nbytes: float, elements: float) -> float:
+    """Stored bits per element, ``8 * bytes / elements``: the one definition every
+    report of stored bits uses. ``nbytes`` counts everything the KV occupies (codes,
+    every scale and zero point, float outliers and float-window rows, full precision
+    as bf16; ``bytes_per_token``), so INT4 per token stores 5.0 bits, INT2 pages 3.0
+    and the float pool 16.0, where the code widths alone say 4, 2 and 16."""
+    return 8.0 * nbytes / elements
+
+
 # ============================================================================ allocator
 class DualAllocator(RefCountedSlots):
     """Reference counts over a ``Geometry``'s slots, one free list per region

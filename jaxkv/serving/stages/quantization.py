@@ -35,7 +35,8 @@ What it does in a turn:
   with; teacher-forced replies and decode tokens get INT4 (what decode writes).
   ``int4``, ``kivi2`` and ``kivi4`` need no annotation (the engine's mode decides).
 * ``after_prefill`` (after retention and repair): records the request's live KV
-  per precision (``KVRecord``) in ``records``, for ``avg_bits`` and bytes per token.
+  per precision (``KVRecord``) in ``records``, for ``avg_bits`` (code bits),
+  ``stored_bits`` (8 * bytes / elements) and bytes per token.
 """
 
 from __future__ import annotations
@@ -45,7 +46,7 @@ from pathlib import Path
 
 import numpy as np
 
-from jaxkv.cache.quantized_host import bytes_per_token, check_mode, servable_modes
+from jaxkv.cache.quantized_host import bytes_per_token, check_mode, elements_per_token, servable_modes, stored_bits
 from jaxkv.chat.tags import triaxial_codes
 from jaxkv.errors import ConfigError
 from jaxkv.policies.quant_allocation import Allocation, load_allocation
@@ -64,12 +65,15 @@ class KVRecord:
       int2, int4, full: live tokens per precision.
       bytes: their KV bytes, scales and zero points included (full precision
         counted as bf16; ``bytes_per_token``).
+      elements: K and V elements per token (``elements_per_token``; 0 in records
+        journaled before it was kept, whose stored bits are then unknown).
     """
 
     int2: int
     int4: int
     full: int
     bytes: float
+    elements: int = 0
 
     @property
     def tokens(self) -> int:
@@ -77,17 +81,26 @@ class KVRecord:
 
     @property
     def bits(self) -> float:
-        """Total bits per element summed over tokens (2, 4 or 16 each)."""
+        """Code bits per element summed over tokens (2, 4 or 16 each): what the
+        allocation's budget B counts, not what the tokens occupy (``stored_bits``)."""
         return 2.0 * self.int2 + 4.0 * self.int4 + 16.0 * self.full
 
 
 def summarize(records) -> dict:
-    """``avg_bits`` (per element, token-weighted) and ``kv_bytes_per_token`` of
-    records (one per request)."""
+    """Of records (one per request), token-weighted: ``avg_bits`` (code bits per
+    element, what B budgets), ``stored_bits`` (8 * bytes / elements, every scale and
+    zero point and float row counted; ``jaxkv.cache.quantized_host.stored_bits``)
+    and ``kv_bytes_per_token``."""
     tokens = sum(r.tokens for r in records)
     if not tokens:
-        return {"avg_bits": float("nan"), "kv_bytes_per_token": float("nan")}
-    return {"avg_bits": sum(r.bits for r in records) / tokens, "kv_bytes_per_token": sum(r.bytes for r in records) / tokens}
+        return {"avg_bits": float("nan"), "stored_bits": float("nan"), "kv_bytes_per_token": float("nan")}
+    nbytes = sum(r.bytes for r in records)
+    elements = sum(r.tokens * r.elements for r in records)
+    return {
+        "avg_bits": sum(r.bits for r in records) / tokens,
+        "stored_bits": stored_bits(nbytes, elements) if all(r.elements for r in records) else float("nan"),
+        "kv_bytes_per_token": nbytes / tokens,
+    }
 
 
 def record_of(composition: dict, cfg) -> KVRecord:
@@ -95,7 +108,7 @@ def record_of(composition: dict, cfg) -> KVRecord:
     size = dict(head_dim=cfg.head_dim, num_layers=cfg.num_layers, num_kv_heads=cfg.num_kv_heads)
     n2, n4, nf = composition[2], composition[4], composition[16]
     total = n2 * bytes_per_token(2, **size) + n4 * bytes_per_token(4, **size) + nf * bytes_per_token(16, **size)
-    return KVRecord(n2, n4, nf, float(total))
+    return KVRecord(n2, n4, nf, float(total), elements_per_token(**size))
 
 
 class QuantizationStage(Stage):
