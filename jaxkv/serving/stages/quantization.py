@@ -7,6 +7,9 @@ Session options it owns:
   ``"triaxial_no_semantic"``); modes in ``jaxkv.cache.quantized_host``.
 * ``kv_bits``: the average-bit budget B of a triaxial mode (default: the
   calibrated B of the allocation); ``ConfigError`` for other modes.
+* ``kv_rotate``: the pool stores K and V rotated per (layer, KV head)
+  (``jaxkv.cache.rotation``); a pool property, so a session on a shared server
+  takes the server's and may not ask for the other.
 * ``kv_allocation``: the calibration (an ``Allocation``, a dict in its JSON
   form, or a path). Default: the model's calibration, first found wins
   (``jaxkv.models.registry.find_artifact``): ``<model folder>/triaxial.json``;
@@ -117,13 +120,15 @@ class QuantizationStage(Stage):
     Attributes:
       mode: the ``kv_quant`` mode; budget: B (triaxial modes) or None;
       table: bits per triaxial code (triaxial modes) or None;
+      rotate: the pool stores K/V rotated (``kv_rotate``; a private server's pool
+        is built so, a shared server's must be);
       records: one ``KVRecord`` per request.
     """
 
     name = "kv_quant"
 
-    def __init__(self, mode: str | None, budget: float | None = None, table: np.ndarray | None = None):
-        self.mode, self.budget, self.table = mode, budget, table
+    def __init__(self, mode: str | None, budget: float | None = None, table: np.ndarray | None = None, *, rotate: bool = False):
+        self.mode, self.budget, self.table, self.rotate = mode, budget, table, rotate
         self.records: list[KVRecord] = []
 
     def begin(self, turn) -> None:
@@ -172,9 +177,18 @@ def _factory(session, options: dict, built: list):
     mode = options.pop("kv_quant", _UNSET)
     bits = options.pop("kv_bits", None)
     allocation = options.pop("kv_allocation", None)
+    rotate = options.pop("kv_rotate", _UNSET)
     server = getattr(session, "server", None)
     server_mode = getattr(server, "kv_quant", None) if server is not None else None
+    server_rotate = bool(getattr(server, "kv_rotate", False)) if server is not None else False
     mode = server_mode if mode is _UNSET else check_mode(mode)
+    rotate = server_rotate if rotate is _UNSET else rotate
+    if not isinstance(rotate, bool):
+        raise ConfigError(f"kv_rotate must be True or False, got {rotate!r}")
+    if server is not None and rotate != server_rotate:
+        raise ConfigError(f"session kv_rotate={rotate} on a server built with kv_rotate={server_rotate} (the pool's frame is shared)")
+    if rotate and mode is None:
+        raise ConfigError("kv_rotate applies to a quantized pool (kv_quant), not to full precision")
     if server is not None and mode not in servable_modes(server_mode):
         raise ConfigError(
             f"session kv_quant={mode!r} on a server built with kv_quant={server_mode!r} "
@@ -186,12 +200,12 @@ def _factory(session, options: dict, built: list):
     if mode is None:
         return None
     if not triaxial:
-        return QuantizationStage(mode)
+        return QuantizationStage(mode, rotate=rotate)
     alloc = resolve_allocation(session.model, mode, allocation)
     budget = alloc.budget if bits is None else float(bits)
     if not 2.0 <= budget <= 4.0:
         raise ConfigError(f"kv_bits must be an average in [2, 4], got {bits!r}")
-    return QuantizationStage(mode, budget, alloc.table(budget))
+    return QuantizationStage(mode, budget, alloc.table(budget), rotate=rotate)
 
 
 register("kv_quant", ORDER, _factory)
