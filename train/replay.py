@@ -66,8 +66,8 @@ class Cell:
     ``base_budget`` for a repair cell, ``base_budget + repair_k`` for the matched
     no-repair cell (``repair_policy == "matched"``). ``kv_quant`` / ``kv_bits``:
     the session's KV precision (``"none"``: full precision; ``kv_bits`` None: the
-    calibrated budget). A float ``budget`` is a fraction of each example's length
-    (``session_budget``)."""
+    calibrated budget; ``kv_rotate``: the pool stores K/V rotated). A float
+    ``budget`` is a fraction of each example's length (``session_budget``)."""
 
     method: str
     budget: int | float | None
@@ -79,6 +79,7 @@ class Cell:
     kv_quant: str = "none"
     kv_bits: float | None = None
     reuse: str = "-"
+    kv_rotate: bool = False
 
 
 def replay_example(
@@ -124,6 +125,8 @@ def replay_example(
         options["kv_quant"] = cell.kv_quant
         if cell.kv_bits is not None:
             options["kv_bits"] = cell.kv_bits
+        if cell.kv_rotate:
+            options["kv_rotate"] = True
     else:
         options.pop("kv_allocation", None)
     if cell.reuse != "-":
@@ -265,7 +268,9 @@ def replay_cell(model, examples, cell: Cell, *, max_new_tokens: int, max_positio
     if cell.task in SHARED_SERVER_TASKS:
         from jaxkv.serving import Server
 
-        server = Server(model, max_positions=max_positions, kv_quant=None if cell.kv_quant == "none" else cell.kv_quant)
+        server = Server(
+            model, max_positions=max_positions, kv_quant=None if cell.kv_quant == "none" else cell.kv_quant, kv_rotate=cell.kv_rotate
+        )
     try:
         for ex in examples:
             options = dict(session_options)
@@ -352,6 +357,7 @@ def run_cell(model, examples, cell: Cell, *, max_new_tokens: int, max_positions:
         "base_budget": "-" if cell.base_budget is None else cell.base_budget,
         "kv_quant": cell.kv_quant,
         "kv_bits": "-" if cell.kv_bits is None else cell.kv_bits,
+        "kv_rotate": "on" if cell.kv_rotate else "off",
         "avg_bits": sum(m["kv"]["bits"] for m in metrics) / kv_tokens,
         "stored_bits": stored_bits(sum(m["kv"]["bytes"] for m in metrics), sum(m["kv"]["elements"] for m in metrics) or 1.0),
         "kv_bytes_per_token": sum(m["kv"]["bytes"] for m in metrics) / kv_tokens,

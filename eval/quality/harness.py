@@ -148,6 +148,7 @@ COLUMNS = (
     "base_budget",
     "kv_quant",
     "kv_bits",
+    "kv_rotate",
     "avg_bits",
     "stored_bits",
     "kv_bytes_per_token",
@@ -214,19 +215,30 @@ def parse_budgets(spec: str) -> list:
 
 
 def grid(
-    methods, budgets, layouts, tasks, repair_ks=(), repair_policies=("repairkv",), kv_quants=("none",), kv_bits=(), reuses=("-",)
+    methods,
+    budgets,
+    layouts,
+    tasks,
+    repair_ks=(),
+    repair_policies=("repairkv",),
+    kv_quants=("none",),
+    kv_bits=(),
+    reuses=("-",),
+    kv_rotates=(False,),
 ) -> list[Cell]:
     """Every cell to run. With ``repair_ks``, each (method, B_base) on the dead-slot
     layout (repair needs stable positions) also gets, per K, one cell per repair
     policy at B_base and the matched no-repair cell at B_base + K. Every cell is
     then run once per ``kv_quants`` mode (the triaxial modes once per ``kv_bits``
-    budget; none given: the calibrated budget) and per reuse mode in ``reuses``
-    (``"-"``: the reuse stage is off)."""
+    budget; none given: the calibrated budget), a quantized mode once per
+    ``kv_rotates`` setting (the float pool is never rotated), and per reuse mode in
+    ``reuses`` (``"-"``: the reuse stage is off)."""
     return [
-        dataclasses.replace(cell, kv_quant=q, kv_bits=b, reuse=r)
+        dataclasses.replace(cell, kv_quant=q, kv_bits=b, reuse=r, kv_rotate=rot)
         for cell in _grid(methods, budgets, layouts, tasks, repair_ks, repair_policies)
         for q in kv_quants
         for b in ((list(kv_bits) or [None]) if q.startswith("triaxial") else [None])
+        for rot in (kv_rotates if q != "none" else (False,))
         for r in reuses
     ]
 
@@ -255,9 +267,12 @@ def cell_key(cell: Cell) -> str:
     """A cell's journal key: its fields in order. Fields added later are left out
     while they hold their defaults, so older journals still resume: a full-precision
     cell (``kv_quant == "none"``, ``kv_bits`` None) keys as before those fields
-    existed, and one with the reuse stage off (``reuse == "-"``) also as before
-    ``Cell.reuse`` did."""
+    existed, one with the reuse stage off (``reuse == "-"``) also as before
+    ``Cell.reuse`` did, and an unrotated one as before ``Cell.kv_rotate``."""
     fields = dataclasses.astuple(cell)
+    if cell.kv_rotate:
+        return json.dumps(fields)
+    fields = fields[:-1]  # kv_rotate off keys as before the field
     base, (kv_quant, kv_bits, reuse) = fields[:-3], fields[-3:]
     if kv_quant != "none" or kv_bits is not None:
         return json.dumps(fields)
@@ -532,6 +547,7 @@ def quant_table(rows, task: str) -> str:
         "layout",
         "kv_quant",
         "kv_bits",
+        "rotation",
         "accuracy",
         "Δ vs none",
         "code bits",
@@ -550,6 +566,7 @@ def quant_table(rows, task: str) -> str:
             r["layout"],
             r["kv_quant"],
             r["kv_bits"],
+            r.get("kv_rotate", "off"),
             _fmt(r["accuracy"]),
             delta,
             f"{r['avg_bits']:.2f}",
@@ -563,7 +580,7 @@ def quant_table(rows, task: str) -> str:
         table.append(row)
     if fidelity:
         header += ["NLL increase [95% CI]", "KL per token"]
-    return md_table(header, table, align="lllll" + "r" * (len(header) - 5))
+    return md_table(header, table, align="llllll" + "r" * (len(header) - 6))
 
 
 def quant_nll_increase(row) -> tuple[float, float, float] | None:
@@ -758,6 +775,9 @@ def build_parser(parser=None):
     p.add_argument("--repair-policies", default="repairkv", help=f"comma list of {', '.join(REPAIR_POLICIES)}")
     p.add_argument("--kv-quant", default="none", help=f"KV precision modes, comma list of {', '.join(KV_QUANTS)}")
     p.add_argument("--kv-bits", default="", help="average-bit budgets B of the triaxial modes (default: the calibrated B)")
+    p.add_argument(
+        "--kv-rotate", default="off", help="off, on or off,on: quantized pools store K/V rotated (jaxkv.cache.rotation), per cell"
+    )
     p.add_argument("--reuse", default="-", help=f"cross-query reuse modes, a comma list of {', '.join(REUSE_MODES)} ('-': stage off)")
     p.add_argument("--workers", type=int, default=1, help="processes replaying cells in parallel (up to the core count)")
     p.add_argument("--resume", action="store_true", help="skip cells already recorded in OUT/cells.jsonl for the same setup")
@@ -948,6 +968,7 @@ def run(args, model=None) -> list[dict]:
     if any(not 2.0 <= b <= 4.0 for b in kv_bits):
         raise ValueError("--kv-bits must be average bits in [2, 4]")
     reuses = _names(args.reuse, ("-",) + REUSE_MODES, "reuse modes")
+    kv_rotates = [{"off": False, "on": True}[x] for x in _names(args.kv_rotate, ("off", "on"), "--kv-rotate settings")]
     for flag, name in (("--compare-to", args.compare_to), ("--focus", args.focus)):
         if name is not None and name not in methods + (["best"] if flag == "--compare-to" else []):
             raise ValueError(f"{flag} {name!r} must be {'best or ' if flag == '--compare-to' else ''}one of the methods run")
@@ -957,7 +978,7 @@ def run(args, model=None) -> list[dict]:
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     examples = {t: make_examples(t, args.n, args.length, args.seed, args.needles) for t in tasks}
-    cells = grid(methods, budgets, layouts, tasks, repair_ks, repair_policies, kv_quants, kv_bits, reuses)
+    cells = grid(methods, budgets, layouts, tasks, repair_ks, repair_policies, kv_quants, kv_bits, reuses, kv_rotates)
     total = sum(len(examples[c.task]) for c in cells)
     max_positions = int(
         min(model.config.max_position_embeddings, 1 << math.ceil(math.log2(max(2 * args.length + 4 * args.max_new_tokens, 1024))))

@@ -113,7 +113,7 @@ def agent_table(rows: list[dict], calibration: Path) -> list[str]:
         lines.append(
             md_row(
                 [
-                    r["kv_quant"],
+                    r["kv_quant"] + (" (rotated)" if r.get("kv_rotate") == "on" else ""),
                     B,
                     tags,
                     f"{r['avg_bits']:.2f}",
@@ -167,7 +167,9 @@ def lm_table(root: Path) -> list[str]:
 def report(root: Path, calibration: Path) -> str:
     rows = read_cells(root / "grid" / "cells.jsonl")
     order = {q: i for i, q in enumerate(("none", "int4", "kivi4", "kivi2", "triaxial"))}
-    rows.sort(key=lambda r: (order.get(r["kv_quant"], 9), float(r["kv_bits"]) if r["kv_bits"] != "-" else 0.0))
+    rows.sort(
+        key=lambda r: (order.get(r["kv_quant"], 9), float(r["kv_bits"]) if r["kv_bits"] != "-" else 0.0, r.get("kv_rotate", "off") == "on")
+    )
     ceiling = float_ceiling(root / "grid" / "fidelity")
     n = {r["n"] for r in rows}
     tokens = {r["fidelity_tokens"] for r in rows if isinstance(r.get("fidelity_tokens"), int)}
