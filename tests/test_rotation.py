@@ -73,32 +73,47 @@ def test_a_rotated_float_window_gives_the_float_pools_logits_and_readers_the_mod
 
 
 def _outlier_kv(qmodel, n: int):
-    """K/V ``[L, n, K, D]``: Gaussian, two value channels 30x the rest. (Key outliers
-    as large make the softmax one-hot, where any error flips the attended token and
-    neither pool is near the float one: values show the rotation's effect alone.)"""
+    """K/V ``[L, n, K, D]``: Gaussian, two key channels 8x and two value channels 30x
+    the rest (larger key outliers make the softmax one-hot, where any error flips
+    the attended token and no pool is near the float one)."""
     cfg = qmodel.config
     rng = np.random.default_rng(6)
     shape = (cfg.num_layers, n, cfg.num_kv_heads, cfg.head_dim)
     k, v = rng.standard_normal(shape).astype(np.float32), rng.standard_normal(shape).astype(np.float32)
+    k[..., [3, 17]] *= 8.0
     v[..., [5, 20]] *= 30.0
     return k, v
 
 
+def _attention(q_XKD, k_LNKD, v_LNKD):
+    """Dense attention of queries ``[X, K, D]`` over every row, per layer: ``[L, X, K, D]``."""
+    s = np.einsum("xkd,lnkd->lkxn", q_XKD, k_LNKD) / np.sqrt(q_XKD.shape[-1])
+    p = np.exp(s - s.max(-1, keepdims=True))
+    return np.einsum("lkxn,lnkd->lxkd", p / p.sum(-1, keepdims=True), v_LNKD)
+
+
 def test_rotation_brings_an_outlier_pool_closer_to_the_float_pool(qmodel):
+    """The same outlier K/V imported into INT4 pools with and without rotation: the
+    attention over what each pool stores (read back in the model's frame), and the
+    engine's logits after it, are closer to the float pool's with rotation."""
     n = 96
     k, v = _outlier_kv(qmodel, n)
+    q = np.random.default_rng(8).standard_normal((16, *k.shape[2:])).astype(np.float32)
     prompt = np.random.default_rng(7).integers(5, 500, n).tolist()
-    logits = {}
+    logits, attn = {}, {}
     for name, kw in {"float": {}, "int4": dict(kv_quant="int4"), "int4+rot": dict(kv_quant="int4", kv_rotate=True)}.items():
         e = Engine(qmodel, rows=1, max_positions=256, prefill_chunk=128, **kw)
         row = e.open_row()
         job = e.start_prefill(row, prompt, kv_source=KVSource(k, v, np.zeros(qmodel.config.vocab_size, np.float32)))
         while not job.finished:
             e.step(prefill_jobs=[job])
+        attn[name] = _attention(q, *e.pool.gather_float(e.cache, e.row_state[row].slots))
         _, out = e.decode([row], [7], 4, return_logits=True, forced_tokens=[[11, 12, 13]])
         logits[name] = np.stack(out[0])
-    err = {name: np.linalg.norm(logits[name] - logits["float"]) for name in ("int4", "int4+rot")}
+    err = {name: np.linalg.norm(attn[name] - attn["float"]) / np.linalg.norm(attn["float"]) for name in ("int4", "int4+rot")}
     assert err["int4+rot"] < 0.6 * err["int4"], err
+    logit_err = {name: np.linalg.norm(logits[name] - logits["float"]) for name in ("int4", "int4+rot")}
+    assert logit_err["int4+rot"] < logit_err["int4"], logit_err
 
 
 @pytest.mark.parametrize("mode", ["triaxial", "kivi2"])
