@@ -24,7 +24,10 @@ every token, the post-RoPE queries of the flat tokens listed in the batch
 reply's first token in the step that computes its logits.
 
 Write first, then attend: a piece reads its own keys exactly as later steps will
-(rounded to the pool dtype), and XLA updates the donated pool in place.
+(rounded to the pool dtype), and XLA updates the donated pool in place. A rotated
+quantized pool's frame is entered before the write and left after the attention
+(``AttentionBackend.rotate_in`` / ``rotate_out``), outside any mesh's per-head
+split, so returned queries stay in the model's frame.
 
 Shape letters: T flat tokens, R step rows, X captured query rows, L layers, Hq
 query heads, D head dim, V vocab, J live lists per row, N list entries.
@@ -173,8 +176,9 @@ def forward(
     def attend(i, q, k, v, carry):
         kv, loop_state, mass_RN = carry
         q_THD, k_TKD, v_TKD = q[0], k[0], v[0]
+        out = q_THD[query_idx_X].astype(jnp.float32) if query_idx_X is not None else None  # the model's frame
+        q_THD, k_TKD, v_TKD = backend.rotate_in(i, q_THD, k_TKD, v_TKD)  # a rotated pool's frame (identity otherwise)
         kv = backend.write(kv, i, k_TKD, v_TKD, meta)
-        out = q_THD[query_idx_X].astype(jnp.float32) if query_idx_X is not None else None
         if mass:
             if mesh is not None:
                 raise JaxKVError("attention mass is not computed on a mesh")
@@ -186,7 +190,7 @@ def forward(
             o = sharding.shard_heads(lambda kv_, q_, k_, v_, meta_: backend.attend(kv_, i, q_, k_, v_, meta_)[0], mesh, kv)(
                 kv, q_THD, k_TKD, v_TKD, meta
             )
-        return o[None], (kv, loop_state, mass_RN), out
+        return backend.rotate_out(i, o, k_TKD.shape[-2])[None], (kv, loop_state, mass_RN), out
 
     x0, carry = model.embed_tokens(tokens_T[None]), (kv, loop_state, mass0)
     if layers is not None:

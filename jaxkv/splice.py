@@ -107,14 +107,16 @@ def splice_step(
         k_rot = rope_delta(kv_k_LMKD, jnp.arange(M, dtype=jnp.int32), kv_delta_M, model.cfg.rope)
         stored = AttentionMetadata.positional(kv_slot_M)
         for i in range(kv_lo, kv_hi):
-            kv = backend.write(kv, i, k_rot[i - kv_lo], kv_v_LMKD[i - kv_lo], stored)
+            to_stored = functools.partial(backend.layers.to_stored, i)  # a rotated pool's frame
+            kv = backend.write(kv, i, to_stored(k_rot[i - kv_lo]), to_stored(kv_v_LMKD[i - kv_lo]), stored)
 
     def attender(q_pos, slots_for):
         def attend(i, q, k, v, kv):
             meta = AttentionMetadata.positional(slots_for(i), q_pos, live_N, live_pos_JN)
-            kv = backend.write(kv, i, k[0], v[0], meta)
-            o, _ = backend.attend(kv, i, q[0], k[0], v[0], meta)
-            return o[None], kv, None
+            q_THD, k_TKD, v_TKD = backend.rotate_in(i, q[0], k[0], v[0])  # a rotated pool's frame, as the forward's
+            kv = backend.write(kv, i, k_TKD, v_TKD, meta)
+            o, _ = backend.attend(kv, i, q_THD, k_TKD, v_TKD, meta)
+            return backend.rotate_out(i, o, k_TKD.shape[-2])[None], kv, None
 
         return attend
 

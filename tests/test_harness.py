@@ -257,6 +257,10 @@ def test_harness_kv_quant_axis_and_columns(quant_model_dir, tmp_path):
     # bytes per token: bf16 4D, INT4 1.25D per layer and KV head (scales and zero points included)
     assert by[("none", "-")]["kv_bytes_per_token"] == 2 * 1 * 4 * 32
     assert by[("int4", "-")]["kv_bytes_per_token"] == 2 * 1 * 1.25 * 32
+    # stored bits count the scales and zero points (8 * bytes / elements): INT4 5, bf16 16, INT2 pages 3
+    assert by[("none", "-")]["stored_bits"] == 16.0 and by[("int4", "-")]["stored_bits"] == 5.0
+    assert 3.0 <= by[("triaxial", 2.0)]["stored_bits"] < 5.0 == by[("triaxial", 4.0)]["stored_bits"]
+    assert harness.stored_bits_of({**by[("int4", "-")], "stored_bits": "-"}, by[("none", "-")]) == 5.0  # older journals
     with open(out / "results.csv") as f:
         assert tuple(csv.DictReader(f).fieldnames) == harness.COLUMNS
     assert "## mqniah: KV precision" in (out / "results.md").read_text()

@@ -40,6 +40,7 @@ from pathlib import Path
 
 import numpy as np
 
+from jaxkv.cache.quantized_host import stored_bits
 from jaxkv.tasks.example import reply_matches
 from train.workers import pool_map
 
@@ -65,8 +66,8 @@ class Cell:
     ``base_budget`` for a repair cell, ``base_budget + repair_k`` for the matched
     no-repair cell (``repair_policy == "matched"``). ``kv_quant`` / ``kv_bits``:
     the session's KV precision (``"none"``: full precision; ``kv_bits`` None: the
-    calibrated budget). A float ``budget`` is a fraction of each example's length
-    (``session_budget``)."""
+    calibrated budget; ``kv_rotate``: the pool stores K/V rotated). A float
+    ``budget`` is a fraction of each example's length (``session_budget``)."""
 
     method: str
     budget: int | float | None
@@ -78,6 +79,7 @@ class Cell:
     kv_quant: str = "none"
     kv_bits: float | None = None
     reuse: str = "-"
+    kv_rotate: bool = False
 
 
 def replay_example(
@@ -123,6 +125,8 @@ def replay_example(
         options["kv_quant"] = cell.kv_quant
         if cell.kv_bits is not None:
             options["kv_bits"] = cell.kv_bits
+        if cell.kv_rotate:
+            options["kv_rotate"] = True
     else:
         options.pop("kv_allocation", None)
     if cell.reuse != "-":
@@ -264,7 +268,9 @@ def replay_cell(model, examples, cell: Cell, *, max_new_tokens: int, max_positio
     if cell.task in SHARED_SERVER_TASKS:
         from jaxkv.serving import Server
 
-        server = Server(model, max_positions=max_positions, kv_quant=None if cell.kv_quant == "none" else cell.kv_quant)
+        server = Server(
+            model, max_positions=max_positions, kv_quant=None if cell.kv_quant == "none" else cell.kv_quant, kv_rotate=cell.kv_rotate
+        )
     try:
         for ex in examples:
             options = dict(session_options)
@@ -302,19 +308,20 @@ def reuse_summary(reports) -> dict:
 
 
 def kv_summary(model, session) -> dict:
-    """``bits``, ``bytes`` and ``tokens`` summed over a session's requests (live KV
-    after each prompt prefill); a full-precision session counts 16 bits and bf16
-    bytes per token (``jaxkv.cache.quantized_host.bytes_per_token``)."""
-    from jaxkv.cache.quantized_host import FLOAT, bytes_per_token
+    """``bits`` (code bits), ``bytes``, ``tokens`` and ``elements`` summed over a
+    session's requests (live KV after each prompt prefill); a full-precision session
+    counts 16 bits and bf16 bytes per token (``jaxkv.cache.quantized_host.bytes_per_token``)."""
+    from jaxkv.cache.quantized_host import FLOAT, bytes_per_token, elements_per_token
 
+    cfg = model.config
+    size = dict(head_dim=cfg.head_dim, num_layers=cfg.num_layers, num_kv_heads=cfg.num_kv_heads)
     stage = session.quantization
     if stage is not None:
         recs = stage.records
-        return {"bits": sum(r.bits for r in recs), "bytes": sum(r.bytes for r in recs), "tokens": sum(r.tokens for r in recs)}
-    cfg = model.config
+        n = sum(r.tokens for r in recs)
+        return {"bits": sum(r.bits for r in recs), "bytes": sum(r.bytes for r in recs), "tokens": n, "elements": n * elements_per_token(**size)}
     n = float(sum(r.peak_live_kv for r in session.metrics.requests)) or 1.0
-    per = bytes_per_token(FLOAT, head_dim=cfg.head_dim, num_layers=cfg.num_layers, num_kv_heads=cfg.num_kv_heads)
-    return {"bits": 16.0 * n, "bytes": per * n, "tokens": n}
+    return {"bits": 16.0 * n, "bytes": bytes_per_token(FLOAT, **size) * n, "tokens": n, "elements": n * elements_per_token(**size)}
 
 
 def run_cell(model, examples, cell: Cell, *, max_new_tokens: int, max_positions: int, progress=None, **session_options) -> dict:
@@ -350,7 +357,9 @@ def run_cell(model, examples, cell: Cell, *, max_new_tokens: int, max_positions:
         "base_budget": "-" if cell.base_budget is None else cell.base_budget,
         "kv_quant": cell.kv_quant,
         "kv_bits": "-" if cell.kv_bits is None else cell.kv_bits,
+        "kv_rotate": "on" if cell.kv_rotate else "off",
         "avg_bits": sum(m["kv"]["bits"] for m in metrics) / kv_tokens,
+        "stored_bits": stored_bits(sum(m["kv"]["bytes"] for m in metrics), sum(m["kv"]["elements"] for m in metrics) or 1.0),
         "kv_bytes_per_token": sum(m["kv"]["bytes"] for m in metrics) / kv_tokens,
         "reuse": cell.reuse,
         **reuse_summary(reports),

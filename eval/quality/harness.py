@@ -35,10 +35,13 @@ template), for traces whose lengths differ from model to model.
 KV precision (``--kv-quant none,int4,kivi2,triaxial``, TriAxialKV) crosses every
 other axis: each cell runs once per mode (``Session(kv_quant=...)``, a pool of
 that kind), and the triaxial modes once per ``--kv-bits`` budget (default: the
-calibrated one). ``avg_bits`` is the token-weighted mean of the bits each live
-token is stored at after each prompt prefill (full precision counted as 16), and
-``kv_bytes_per_token`` the bytes per token including scales and zero points
-(full precision counted as bf16), both over every request of the cell.
+calibrated one). ``avg_bits`` is the token-weighted mean of the code bits each
+live token is written at after each prompt prefill (2, 4, or 16 for full
+precision: what the budget B counts), ``kv_bytes_per_token`` the bytes per token
+including scales and zero points (full precision counted as bf16), and
+``stored_bits`` 8 * those bytes / elements (``jaxkv.cache.quantized_host.stored_bits``,
+``stored_bits_of`` for rows journaled before the column), all over every request
+of the cell. Tables report stored bits; code bits only as ``code bits``.
 ``--methods full`` runs only full-cache cells.
 
 Outputs in ``--out`` (the synthetic tasks; a real-model task's are below):
@@ -145,7 +148,9 @@ COLUMNS = (
     "base_budget",
     "kv_quant",
     "kv_bits",
+    "kv_rotate",
     "avg_bits",
+    "stored_bits",
     "kv_bytes_per_token",
     "reuse",
     "prefill_tokens_computed",
@@ -210,19 +215,30 @@ def parse_budgets(spec: str) -> list:
 
 
 def grid(
-    methods, budgets, layouts, tasks, repair_ks=(), repair_policies=("repairkv",), kv_quants=("none",), kv_bits=(), reuses=("-",)
+    methods,
+    budgets,
+    layouts,
+    tasks,
+    repair_ks=(),
+    repair_policies=("repairkv",),
+    kv_quants=("none",),
+    kv_bits=(),
+    reuses=("-",),
+    kv_rotates=(False,),
 ) -> list[Cell]:
     """Every cell to run. With ``repair_ks``, each (method, B_base) on the dead-slot
     layout (repair needs stable positions) also gets, per K, one cell per repair
     policy at B_base and the matched no-repair cell at B_base + K. Every cell is
     then run once per ``kv_quants`` mode (the triaxial modes once per ``kv_bits``
-    budget; none given: the calibrated budget) and per reuse mode in ``reuses``
-    (``"-"``: the reuse stage is off)."""
+    budget; none given: the calibrated budget), a quantized mode once per
+    ``kv_rotates`` setting (the float pool is never rotated), and per reuse mode in
+    ``reuses`` (``"-"``: the reuse stage is off)."""
     return [
-        dataclasses.replace(cell, kv_quant=q, kv_bits=b, reuse=r)
+        dataclasses.replace(cell, kv_quant=q, kv_bits=b, reuse=r, kv_rotate=rot)
         for cell in _grid(methods, budgets, layouts, tasks, repair_ks, repair_policies)
         for q in kv_quants
         for b in ((list(kv_bits) or [None]) if q.startswith("triaxial") else [None])
+        for rot in (kv_rotates if q != "none" else (False,))
         for r in reuses
     ]
 
@@ -251,9 +267,12 @@ def cell_key(cell: Cell) -> str:
     """A cell's journal key: its fields in order. Fields added later are left out
     while they hold their defaults, so older journals still resume: a full-precision
     cell (``kv_quant == "none"``, ``kv_bits`` None) keys as before those fields
-    existed, and one with the reuse stage off (``reuse == "-"``) also as before
-    ``Cell.reuse`` did."""
+    existed, one with the reuse stage off (``reuse == "-"``) also as before
+    ``Cell.reuse`` did, and an unrotated one as before ``Cell.kv_rotate``."""
     fields = dataclasses.astuple(cell)
+    if cell.kv_rotate:
+        return json.dumps(fields)
+    fields = fields[:-1]  # kv_rotate off keys as before the field
     base, (kv_quant, kv_bits, reuse) = fields[:-3], fields[-3:]
     if kv_quant != "none" or kv_bits is not None:
         return json.dumps(fields)
@@ -498,6 +517,21 @@ def head_verdict(col: list, ref: dict) -> list[str]:
     return lines + [""]
 
 
+def stored_bits_of(row, float_row=None) -> float:
+    """A cell's stored bits per element (``jaxkv.cache.quantized_host.stored_bits``:
+    8 * bytes / elements, scales, zero points and float rows included). Rows
+    journaled before the ``stored_bits`` column get it from their bytes per token,
+    the float pool's row of the same model giving the elements per token (its
+    bytes count bf16, 2 bytes an element); NaN without one."""
+    from jaxkv.cache.quantized_host import stored_bits
+
+    if isinstance(row.get("stored_bits"), float):
+        return row["stored_bits"]
+    if float_row is None:
+        return float("nan")
+    return stored_bits(row["kv_bytes_per_token"], float_row["kv_bytes_per_token"] / 2)
+
+
 def quant_table(rows, task: str) -> str:
     """Accuracy, bits and bytes per KV precision of ``task``'s no-repair cells, with
     the capacity ratio against bf16 (same bytes budget, tokens held); with
@@ -513,9 +547,11 @@ def quant_table(rows, task: str) -> str:
         "layout",
         "kv_quant",
         "kv_bits",
+        "rotation",
         "accuracy",
         "Δ vs none",
-        "avg_bits",
+        "code bits",
+        "stored bits",
         "KV bytes/token",
         "capacity vs bf16",
     ]
@@ -530,9 +566,11 @@ def quant_table(rows, task: str) -> str:
             r["layout"],
             r["kv_quant"],
             r["kv_bits"],
+            r.get("kv_rotate", "off"),
             _fmt(r["accuracy"]),
             delta,
             f"{r['avg_bits']:.2f}",
+            f"{stored_bits_of(r, base):.2f}",
             f"{r['kv_bytes_per_token']:.0f}",
             f"{bf16 / r['kv_bytes_per_token']:.2f}x",
         ]
@@ -542,7 +580,7 @@ def quant_table(rows, task: str) -> str:
         table.append(row)
     if fidelity:
         header += ["NLL increase [95% CI]", "KL per token"]
-    return md_table(header, table, align="lllll" + "r" * (len(header) - 5))
+    return md_table(header, table, align="llllll" + "r" * (len(header) - 6))
 
 
 def quant_nll_increase(row) -> tuple[float, float, float] | None:
@@ -632,14 +670,17 @@ def plot(rows, out_dir: Path) -> list[Path]:
 
 
 def plot_quant(quant_rows, base_rows, out_dir: Path, plt) -> Path:
-    """Accuracy vs average KV bits per task: one marker per precision mode (a line
+    """Accuracy vs stored KV bits per task: one marker per precision mode (a line
     for a triaxial budget sweep), full precision as a dashed line."""
     tasks = sorted({r["task"] for r in quant_rows})
     fig, axes = plt.subplots(1, len(tasks), figsize=(6 * len(tasks), 4), squeeze=False)
     for ax, task in zip(axes[0], tasks):
+        base = next((r for r in base_rows if r["task"] == task and r["method"] == "full"), None)
         for mode in dict.fromkeys(r["kv_quant"] for r in quant_rows):
             pts = sorted(
-                (r["avg_bits"], r["accuracy"]) for r in quant_rows if r["task"] == task and r["kv_quant"] == mode and r["method"] == "full"
+                (stored_bits_of(r, base), r["accuracy"])
+                for r in quant_rows
+                if r["task"] == task and r["kv_quant"] == mode and r["method"] == "full"
             )
             if pts:
                 ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", label=mode)
@@ -647,7 +688,7 @@ def plot_quant(quant_rows, base_rows, out_dir: Path, plt) -> Path:
             if r["task"] == task and r["method"] == "full":
                 ax.axhline(r["accuracy"], color="black", linestyle="--", label="full precision")
         ax.set_title(f"{task}: full cache, KV precision")
-        ax.set_xlabel("average bits per stored KV element")
+        ax.set_xlabel("stored bits per KV element (scales and zero points included)")
         ax.set_ylabel("exact-match accuracy")
         ax.grid(alpha=0.3)
         ax.legend(fontsize=7)
@@ -734,6 +775,9 @@ def build_parser(parser=None):
     p.add_argument("--repair-policies", default="repairkv", help=f"comma list of {', '.join(REPAIR_POLICIES)}")
     p.add_argument("--kv-quant", default="none", help=f"KV precision modes, comma list of {', '.join(KV_QUANTS)}")
     p.add_argument("--kv-bits", default="", help="average-bit budgets B of the triaxial modes (default: the calibrated B)")
+    p.add_argument(
+        "--kv-rotate", default="off", help="off, on or off,on: quantized pools store K/V rotated (jaxkv.cache.rotation), per cell"
+    )
     p.add_argument("--reuse", default="-", help=f"cross-query reuse modes, a comma list of {', '.join(REUSE_MODES)} ('-': stage off)")
     p.add_argument("--workers", type=int, default=1, help="processes replaying cells in parallel (up to the core count)")
     p.add_argument("--resume", action="store_true", help="skip cells already recorded in OUT/cells.jsonl for the same setup")
@@ -924,6 +968,7 @@ def run(args, model=None) -> list[dict]:
     if any(not 2.0 <= b <= 4.0 for b in kv_bits):
         raise ValueError("--kv-bits must be average bits in [2, 4]")
     reuses = _names(args.reuse, ("-",) + REUSE_MODES, "reuse modes")
+    kv_rotates = [{"off": False, "on": True}[x] for x in _names(args.kv_rotate, ("off", "on"), "--kv-rotate settings")]
     for flag, name in (("--compare-to", args.compare_to), ("--focus", args.focus)):
         if name is not None and name not in methods + (["best"] if flag == "--compare-to" else []):
             raise ValueError(f"{flag} {name!r} must be {'best or ' if flag == '--compare-to' else ''}one of the methods run")
@@ -933,7 +978,7 @@ def run(args, model=None) -> list[dict]:
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     examples = {t: make_examples(t, args.n, args.length, args.seed, args.needles) for t in tasks}
-    cells = grid(methods, budgets, layouts, tasks, repair_ks, repair_policies, kv_quants, kv_bits, reuses)
+    cells = grid(methods, budgets, layouts, tasks, repair_ks, repair_policies, kv_quants, kv_bits, reuses, kv_rotates)
     total = sum(len(examples[c.task]) for c in cells)
     max_positions = int(
         min(model.config.max_position_embeddings, 1 << math.ceil(math.log2(max(2 * args.length + 4 * args.max_new_tokens, 1024))))

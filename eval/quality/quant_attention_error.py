@@ -36,6 +36,27 @@ keys' channel outlier ratio, max over channels of the mean ``|k|`` per channel
 over the mean over channels (mean over KV heads; 1 when every channel is alike), the outliers KIVI's per-channel grouping
 exists for.
 
+``--formats below4`` (issue #74) ranks candidate formats below 4 stored bits
+instead, each a (key layout, key bits, value layout, value bits) with or without
+a rotation, through one generic asymmetric round trip (``group_round_trip``: the
+pools' own ``_fit``, float16 scale and zero rounded outward, any width from 2 to
+8 bits):
+
+* layouts: ``tok32`` / ``tok64`` per token in groups of 32 or 64 channels (64 is
+  the whole head on SmolLM2); ``chan`` keys per channel over pages of 32 tokens
+  (the tokens that do not fill a page: ``tok32`` at the same bits); ``chan_pre``
+  the same on pre-RoPE keys (RoPE undone before, redone after: KVQuant's choice);
+* ``+rot``: K and V rotated per (layer, KV head) by ``jaxkv.cache.rotation``'s
+  randomized Hadamard before quantization and rotated back after (the same
+  attention as rotating the queries and the output, in exact arithmetic);
+* stored bits: codes plus a float16 scale and zero per group (32 bits per
+  group of 32 or 64 elements), K and V averaged: INT4 per token 5.0, INT3 g64
+  3.5, INT2 g32 3.0. The rotation is a static matrix per pool: no bytes.
+
+``--row-stride S`` replays every S-th query row (and the last), over every key:
+the all-rows error is then an unbiased estimate from 1/S of the rows, S times
+cheaper (the reference is the same replay on the unquantized K/V).
+
 Written by hand because it measures the round trips of jaxkv's own stored
 formats (``jaxkv.kernels.quant``) on jaxkv's captures; quantization libraries
 measure their own layouts. Outputs in ``--out``: ``README.md`` (tables),
@@ -45,6 +66,7 @@ measure their own layouts. Outputs in ``--out``: ``README.md`` (tables),
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import platform
@@ -58,6 +80,126 @@ import numpy as np
 from jaxkv.markdown import md_table
 
 FORMATS = ("int4", "int2_token", "int2_pages", "kivi2", "kivi4")
+
+
+@dataclasses.dataclass(frozen=True)
+class Spec:
+    """A below-4-bit candidate (module docstring).
+
+    Attributes:
+      k_layout, v_layout: ``tok32``, ``tok64``, ``chan`` or ``chan_pre`` (keys only).
+      k_bits, v_bits: code widths; rotate: the randomized Hadamard on or off.
+    """
+
+    k_layout: str
+    k_bits: int
+    v_layout: str
+    v_bits: int
+    rotate: bool = False
+
+    @property
+    def stored_bits(self) -> float:
+        """Codes plus a float16 scale and zero (32 bits) per group, K and V averaged."""
+        group = {"tok32": 32, "tok64": 64, "chan": 32, "chan_pre": 32}
+        return 0.5 * sum(b + 32 / group[lay] for lay, b in ((self.k_layout, self.k_bits), (self.v_layout, self.v_bits)))
+
+
+_BELOW4_BASE = {
+    "int4": Spec("tok32", 4, "tok32", 4),
+    "int4_g64": Spec("tok64", 4, "tok64", 4),
+    "int4_kchan": Spec("chan", 4, "tok32", 4),
+    "int3": Spec("tok32", 3, "tok32", 3),
+    "int3_g64": Spec("tok64", 3, "tok64", 3),
+    "int3_kchan": Spec("chan", 3, "tok32", 3),
+    "int3_kchan_v64": Spec("chan", 3, "tok64", 3),
+    "int3_kchanpre_v64": Spec("chan_pre", 3, "tok64", 3),
+    "k4v2_g64": Spec("tok64", 4, "tok64", 2),
+    "k3chan_v2": Spec("chan", 3, "tok32", 2),
+    "k3v2_g64": Spec("tok64", 3, "tok64", 2),
+    "int2": Spec("tok32", 2, "tok32", 2),
+    "int2_g64": Spec("tok64", 2, "tok64", 2),
+    "int2_kchan": Spec("chan", 2, "tok32", 2),
+    "int2_kchanpre": Spec("chan_pre", 2, "tok32", 2),
+}
+BELOW4 = {
+    **{name: spec for name, spec in _BELOW4_BASE.items()},
+    **{name + "+rot": dataclasses.replace(spec, rotate=True) for name, spec in _BELOW4_BASE.items()},
+}
+
+
+def group_round_trip(x, bits: int, group: int, axis: int):
+    """``x`` quantized asymmetrically at ``bits`` in groups of ``group`` consecutive
+    elements along ``axis`` (float16 scale and zero, ``jaxkv.kernels.quant._fit``)
+    and dequantized, float32."""
+    from jaxkv.kernels.quant import _fit
+
+    xm = jnp.moveaxis(x, axis, -1)
+    grouped = xm.reshape(*xm.shape[:-1], xm.shape[-1] // group, group)
+    codes, scale, zero = _fit(grouped, -1, bits)
+    deq = zero.astype(jnp.float32)[..., None] + codes.astype(jnp.float32) * scale.astype(jnp.float32)[..., None]
+    return jnp.moveaxis(deq.reshape(xm.shape), -1, axis)
+
+
+def layout_round_trip(x_LTKD, layout: str, bits: int, T: int, rope=None):
+    """``x [L, T', K, D]`` through one layout (``Spec``); ``chan`` layouts group the
+    first ``T // 32 * 32`` tokens per channel, the rest per token in groups of 32."""
+    if layout in ("tok32", "tok64"):
+        return group_round_trip(x_LTKD, bits, int(layout[3:]), -1)
+    from jaxkv.rope import apply_rope
+
+    paged = T // PAGE * PAGE
+    pos = jnp.broadcast_to(jnp.arange(x_LTKD.shape[1], dtype=jnp.int32), x_LTKD.shape[:2])
+    x = apply_rope(x_LTKD, -pos, rope) if layout == "chan_pre" else x_LTKD
+    head = group_round_trip(x[:, :paged], bits, PAGE, 1) if paged else x[:, :0]
+    tail = group_round_trip(x[:, paged:], bits, 32, -1)
+    out = jnp.concatenate([head, tail], axis=1)
+    return apply_rope(out, pos, rope) if layout == "chan_pre" else out
+
+
+def spec_round_trip(spec: Spec, k_LTKD, v_LTKD, T: int, rope, R_LKDE):
+    """``(k, v)`` after ``spec``'s round trip; with ``spec.rotate`` quantized as
+    ``x·R`` and returned as ``x̂·Rᵀ``. A pre-RoPE key layout rotates the pre-RoPE key."""
+    if not spec.rotate:
+        return layout_round_trip(k_LTKD, spec.k_layout, spec.k_bits, T, rope), layout_round_trip(v_LTKD, spec.v_layout, spec.v_bits, T)
+    R = jnp.asarray(R_LKDE)
+    rot = lambda x: jnp.einsum("ltkd,lkde->ltke", x, R)  # noqa: E731
+    back = lambda x: jnp.einsum("ltke,lkde->ltkd", x, R)  # noqa: E731
+    if spec.k_layout == "chan_pre":
+        from jaxkv.rope import apply_rope
+
+        pos = jnp.broadcast_to(jnp.arange(k_LTKD.shape[1], dtype=jnp.int32), k_LTKD.shape[:2])
+        k_pre = apply_rope(k_LTKD, -pos, rope)
+        k_hat = apply_rope(back(layout_round_trip(rot(k_pre), "chan", spec.k_bits, T)), pos, rope)
+    else:
+        k_hat = back(layout_round_trip(rot(k_LTKD), spec.k_layout, spec.k_bits, T))
+    return k_hat, back(layout_round_trip(rot(v_LTKD), spec.v_layout, spec.v_bits, T))
+
+
+@jax.jit
+def strided_attention(q_LTHD, k_LTKD, v_LTKD, rows_R):
+    """Causal GQA attention of the query rows ``rows_R`` over every key, per layer:
+    ``[L, R, H, D]`` float32."""
+    H, K, D = q_LTHD.shape[2], k_LTKD.shape[2], q_LTHD.shape[3]
+    G = H // K
+    t = jnp.arange(k_LTKD.shape[1])
+
+    def one(args):
+        q, k, v = args
+        qr = q[rows_R].reshape(rows_R.size, K, G, D)
+        s = jnp.einsum("rkgd,tkd->kgrt", qr, k) / jnp.sqrt(jnp.float32(D))
+        s = jnp.where(t[None, None, None, :] <= rows_R[None, None, :, None], s, -jnp.inf)
+        p = jax.nn.softmax(s, axis=-1)
+        return jnp.einsum("kgrt,tkd->rkgd", p, v).reshape(rows_R.size, H, D)
+
+    return jax.lax.map(one, (q_LTHD, k_LTKD, v_LTKD))
+
+
+def strided_error(o_LRHD, ref_LRHD):
+    """Per layer: relative Frobenius error over the replayed rows, and at the last one."""
+    d = o_LRHD - ref_LRHD
+    rel = jnp.sqrt(jnp.sum(d**2, axis=(1, 2, 3)) / jnp.sum(ref_LRHD**2, axis=(1, 2, 3)))
+    last = jnp.linalg.norm(d[:, -1].reshape(d.shape[0], -1), axis=-1) / jnp.linalg.norm(ref_LRHD[:, -1].reshape(d.shape[0], -1), axis=-1)
+    return rel, last
 KIVI_WINDOW = 128  # jaxkv.cache.quantized_host.KIVI_RESIDUAL (asserted in main)
 PAGE = 32
 
@@ -203,6 +345,106 @@ def measure(model_name: str, n: int, length: int, log=print) -> dict:
     }
 
 
+def measure_below4(model_name: str, n: int, length: int, stride: int, log=print) -> dict:
+    """``BELOW4``'s numbers for one model (module docstring), mean over its prompts."""
+    import jaxkv
+    from jaxkv.buckets import bucket
+    from jaxkv.cache.rotation import rotations
+    from train.calibrate_triaxial import ROW_BLOCK, capture
+
+    model = jaxkv.load_model(model_name)
+    cfg = model.config
+    graphdef, params = model.split()
+    R = rotations(cfg.num_layers, cfg.num_kv_heads, cfg.head_dim)
+    prompts = workload(model_name, model.tokenizer, n, length)
+    per_prompt, t0 = [], time.perf_counter()
+    for task, all_ids in prompts.items():
+        for ids in all_ids:
+            T = int(ids.size)
+            Tp = bucket(T, minimum=ROW_BLOCK, step=ROW_BLOCK)
+            tokens = np.zeros(Tp, np.int32)
+            tokens[:T] = ids
+            q, k, v, _ = capture(graphdef, params, jnp.asarray(tokens))
+            rows = jnp.asarray(np.unique(np.r_[np.arange(stride - 1, T, stride), T - 1]).astype(np.int32))
+            ref = strided_attention(q, k, v, rows)
+            entry = {"task": task, "tokens": T}
+            for name, spec in BELOW4.items():
+                k_hat, v_hat = spec_round_trip(spec, k, v, T, cfg.rope, R)
+                rel, last = strided_error(strided_attention(q, k_hat, v_hat, rows), ref)
+                entry[name] = (np.asarray(rel), np.asarray(last))
+            per_prompt.append(entry)
+            log(f"  {task} {T} tokens: {len(per_prompt)} prompts, {time.perf_counter() - t0:.0f} s")
+    seconds = time.perf_counter() - t0
+
+    def mean(get):
+        return np.mean([get(e) for e in per_prompt], axis=0)
+
+    return {
+        "model": model_name,
+        "layers": cfg.num_layers,
+        "kv_heads": cfg.num_kv_heads,
+        "head_dim": cfg.head_dim,
+        "row_stride": stride,
+        "prompts": {task: len(ids) for task, ids in prompts.items()},
+        "tokens": [e["tokens"] for e in per_prompt],
+        "seconds": round(seconds, 1),
+        "per_layer": {
+            name: {"all_rows": mean(lambda e: e[name][0]).tolist(), "last_row": mean(lambda e: e[name][1]).tolist()} for name in BELOW4
+        },
+        "by_task": {
+            task: {name: float(np.mean([np.mean(e[name][0]) for e in per_prompt if e["task"] == task])) for name in BELOW4}
+            for task in prompts
+        },
+    }
+
+
+def render_below4(r: dict, command: str, header: str) -> str:
+    """The ranking table of ``measure_below4``'s result, sorted by stored bits then error."""
+    tasks = list(r["by_task"])
+    rows = []
+    for name, spec in sorted(BELOW4.items(), key=lambda kv: (kv[1].stored_bits, np.mean(r["per_layer"][kv[0]]["all_rows"]))):
+        layer = r["per_layer"][name]
+        rows.append(
+            [
+                f"`{name}`",
+                f"{spec.k_layout} / {spec.k_bits}",
+                f"{spec.v_layout} / {spec.v_bits}",
+                "on" if spec.rotate else "off",
+                f"{spec.stored_bits:.2f}",
+                f"{np.mean(layer['all_rows']):.4f}",
+                f"{np.mean(layer['last_row']):.4f}",
+                f"{np.max(layer['all_rows']):.3f} (L{int(np.argmax(layer['all_rows']))})",
+                *(f"{r['by_task'][t][name]:.4f}" for t in tasks),
+            ]
+        )
+    return "\n".join(
+        [
+            "# Below 4 bits: attention-output error of candidate KV formats (issue #74)",
+            "",
+            header,
+            "",
+            f"Command: `{command}`",
+            "",
+            f"{r['model']} ({r['layers']} layers, {r['kv_heads']} KV heads, head_dim {r['head_dim']}); prompts: "
+            + ", ".join(f"{t} {k}" for t, k in r["prompts"].items())
+            + f" ({int(np.mean(r['tokens']))} tokens avg, calibration seed); every {r['row_stride']}-th query row and the last "
+            f"replayed over every key; {r['seconds']:.0f} s. Relative attention-output error against the same replay on the "
+            "unquantized post-RoPE K/V, mean over layers (*all rows*: Frobenius over the replayed rows; *last*: the last row, "
+            "one decode step), mean over prompts; worst layer; then the all-rows error per task. Stored bits: codes plus a "
+            "float16 scale and zero per group, K and V averaged (`Spec.stored_bits`). Layout / bits: `tok32`, `tok64` per "
+            "token in groups of 32 or 64 channels; `chan` keys per channel over pages of 32 tokens; `chan_pre` the same "
+            "before RoPE. `eval/quality/quant_attention_error.py` says how each is made.",
+            "",
+            md_table(
+                ["format", "keys", "values", "rotation", "stored bits", "all rows", "last row", "worst layer", *tasks],
+                rows,
+                align="llllrrrr" + "r" * len(tasks),
+            ),
+            "",
+        ]
+    )
+
+
 def render_markdown(results: list[dict], command: str, header: str) -> str:
     lines = [
         "# Attention-output error of each KV format, per layer",
@@ -281,14 +523,26 @@ def main(argv=None) -> list[dict]:
     p.add_argument("--n", type=int, default=6, help="prompts per task")
     p.add_argument("--length", type=int, default=2048, help="prompt tokens (approximate for the embedded model's tasks)")
     p.add_argument("--out", default="eval/results/quant_attention_error")
+    p.add_argument("--formats", choices=("issue26", "below4"), default="issue26", help="below4: issue #74's candidates (BELOW4)")
+    p.add_argument("--row-stride", type=int, default=8, help="below4: replay every S-th query row and the last")
     args = p.parse_args(argv)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     command = "python -m eval.quality.quant_attention_error " + " ".join(f"--{k.replace('_', '-')} {v}" for k, v in vars(args).items())
+    load = os.getloadavg()
     header = (
         f"{platform.machine()}, {os.cpu_count()} cores, jax {jax.__version__} ({jax.default_backend()}), float32 "
-        f"captures, {time.strftime('%Y-%m-%d')}."
+        f"captures, {time.strftime('%Y-%m-%d %H:%M %Z')}; load average at the start {load[0]:.2f} / {load[1]:.2f} / {load[2]:.2f}."
     )
+    if args.formats == "below4":
+        results = [measure_below4(name, args.n, args.length, args.row_stride) for name in args.models.split(",")]
+        end = os.getloadavg()
+        header += f" Load average at the end {end[0]:.2f} / {end[1]:.2f} / {end[2]:.2f}."
+        (out / "errors.json").write_text(json.dumps({"command": command, "results": results}, indent=1) + "\n")
+        text = "\n".join(render_below4(r, command, header) for r in results)
+        (out / "attention_error.md").write_text(text)
+        print(text)
+        return results
     results = [measure(name, args.n, args.length) for name in args.models.split(",")]
     (out / "errors.json").write_text(json.dumps({"command": command, "results": results}, indent=1) + "\n")
     plot(results, out / "per_layer.png")

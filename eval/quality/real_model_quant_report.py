@@ -75,11 +75,10 @@ def storage_of(per: float, config) -> dict:
     """``storage``'s row from ``per`` KV bytes per token: stored bits per element
     (K and V, every layer and KV head) and capacity against bf16."""
     from jaxkv.cache.quantized import FLOAT
-    from jaxkv.cache.quantized_host import bytes_per_token
+    from jaxkv.cache.quantized_host import bytes_per_token, elements_per_token, stored_bits
 
-    elements = 2 * config.head_dim * config.num_layers * config.num_kv_heads
-    bf16 = bytes_per_token(FLOAT, head_dim=config.head_dim, num_layers=config.num_layers, num_kv_heads=config.num_kv_heads)
-    return {"bytes": per, "bits": 8 * per / elements, "capacity": bf16 / per}
+    geo = dict(head_dim=config.head_dim, num_layers=config.num_layers, num_kv_heads=config.num_kv_heads)
+    return {"bytes": per, "bits": stored_bits(per, elements_per_token(**geo)), "capacity": bytes_per_token(FLOAT, **geo) / per}
 
 
 def recorded_storage(cells: list[dict], config) -> dict | None:

@@ -67,7 +67,7 @@ def int2_tags(calibration: Path, budget: float) -> str:
 
 
 def agent_table(rows: list[dict], calibration: Path) -> list[str]:
-    from eval.quality.harness import quant_nll_increase
+    from eval.quality.harness import quant_nll_increase, stored_bits_of
 
     base = next(r for r in rows if r["kv_quant"] == "none")
     lines = md_header(
@@ -75,6 +75,7 @@ def agent_table(rows: list[dict], calibration: Path) -> list[str]:
             "kv_quant",
             "B",
             "INT2 tags",
+            "code bits",
             "stored bits",
             "KV bytes / token",
             "capacity vs bf16",
@@ -83,7 +84,7 @@ def agent_table(rows: list[dict], calibration: Path) -> list[str]:
             "KL per token",
             "teacher-forced accuracy",
         ],
-        "lrlrrrrlrr",
+        "lrlrrrrrlrr",
     )
     for r in rows:
         if r["kv_quant"] == "none":
@@ -94,6 +95,7 @@ def agent_table(rows: list[dict], calibration: Path) -> list[str]:
                         "-",
                         "-",
                         "16.00",
+                        f"{stored_bits_of(base, base):.2f}",
                         f"{base['kv_bytes_per_token']:.0f}",
                         "1.00x",
                         "(ceiling)",
@@ -111,10 +113,11 @@ def agent_table(rows: list[dict], calibration: Path) -> list[str]:
         lines.append(
             md_row(
                 [
-                    r["kv_quant"],
+                    r["kv_quant"] + (" (rotated)" if r.get("kv_rotate") == "on" else ""),
                     B,
                     tags,
                     f"{r['avg_bits']:.2f}",
+                    f"{stored_bits_of(r, base):.2f}",
                     f"{r['kv_bytes_per_token']:.0f}",
                     f"{base['kv_bytes_per_token'] / r['kv_bytes_per_token']:.2f}x",
                     f"{d[0]:+.4f} [{d[1]:+.4f}, {d[2]:+.4f}]",
@@ -164,7 +167,9 @@ def lm_table(root: Path) -> list[str]:
 def report(root: Path, calibration: Path) -> str:
     rows = read_cells(root / "grid" / "cells.jsonl")
     order = {q: i for i, q in enumerate(("none", "int4", "kivi4", "kivi2", "triaxial"))}
-    rows.sort(key=lambda r: (order.get(r["kv_quant"], 9), float(r["kv_bits"]) if r["kv_bits"] != "-" else 0.0))
+    rows.sort(
+        key=lambda r: (order.get(r["kv_quant"], 9), float(r["kv_bits"]) if r["kv_bits"] != "-" else 0.0, r.get("kv_rotate", "off") == "on")
+    )
     ceiling = float_ceiling(root / "grid" / "fidelity")
     n = {r["n"] for r in rows}
     tokens = {r["fidelity_tokens"] for r in rows if isinstance(r.get("fidelity_tokens"), int)}
@@ -176,8 +181,10 @@ def report(root: Path, calibration: Path) -> str:
         "",
         f"{'/'.join(map(str, sorted(n)))} held-out agent traces, {ceiling['tokens']} teacher-forced reply tokens "
         f"({'/'.join(map(str, sorted(tokens)))} compared per cell); the float pool's own reply NLL is "
-        f"{ceiling['nll']:.3f} nats/token. Stored bits and bytes per token are those of the live KV after each "
-        "prompt prefill (scales and zero points included, the float pool counted as bf16). The NLL increase is "
+        f"{ceiling['nll']:.3f} nats/token. Bits and bytes per token are those of the live KV after each "
+        "prompt prefill: *code bits* count the codes alone (2, 4, or 16 for full precision: what B budgets), "
+        "*stored bits* are 8 x bytes / elements with every scale, zero point and float-window row counted "
+        "(`jaxkv.cache.quantized_host.stored_bits`; the float pool counted as bf16). The NLL increase is "
         "token-weighted over every recorded reply, with a paired bootstrap 95% interval over traces; "
         f"*within {GOAL}* asks the interval's upper end to be below {GOAL} nats/token. INT2 tags: the tags the "
         f"allocation at B stores at 2 bits (calibration `{calibration}`).",

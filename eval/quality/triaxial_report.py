@@ -22,6 +22,7 @@ import csv
 import json
 from pathlib import Path
 
+from eval.quality.harness import stored_bits_of
 from jaxkv.markdown import md_table
 
 GOAL_POINTS, GOAL_BITS, GOAL_CAPACITY, GOAL_KIVI = 1.0, 2.7, 4.5, 3.0
@@ -33,6 +34,10 @@ def read_csv(path):
     for r in rows:
         for k in ("accuracy", "avg_bits", "kv_bytes_per_token", "n"):
             r[k] = float(r[k])
+        if r.get("stored_bits") not in (None, ""):
+            r["stored_bits"] = float(r["stored_bits"])
+        else:
+            r.pop("stored_bits", None)
     return rows
 
 
@@ -51,12 +56,13 @@ def precision_table(rows, task, budget=None):
                 f"{100 * r['accuracy']:.1f}%",
                 f"{100 * (r['accuracy'] - none['accuracy']):+.1f}",
                 f"{r['avg_bits']:.2f}",
+                f"{stored_bits_of(r, none):.2f}",
                 f"{r['kv_bytes_per_token']:.0f}",
                 f"{none['kv_bytes_per_token'] / r['kv_bytes_per_token']:.2f}x",
             ]
         )
-    header = ["kv_quant", "B", "n", "accuracy", "Δ vs full precision (points)", "avg bits", "KV bytes / token", "capacity vs bf16"]
-    return md_table(header, table, align="ll" + "r" * 6), {r["kv_quant"]: r for r in rows}, none
+    header = ["kv_quant", "B", "n", "accuracy", "Δ vs full precision (points)", "code bits", "stored bits", "KV bytes / token", "capacity vs bf16"]
+    return md_table(header, table, align="ll" + "r" * 7), {r["kv_quant"]: r for r in rows}, none
 
 
 def goal_lines(by, none, task):
@@ -67,7 +73,7 @@ def goal_lines(by, none, task):
     cap = none["kv_bytes_per_token"] / tri["kv_bytes_per_token"]
     lines = [
         f"- {task}: triaxial loses {loss:+.1f} points (goal <= {GOAL_POINTS:.0f}): **{'met' if loss <= GOAL_POINTS else 'not met'}**; "
-        f"{tri['avg_bits']:.2f} average bits (goal <= {GOAL_BITS}): **{'met' if tri['avg_bits'] <= GOAL_BITS else 'not met'}**; "
+        f"{stored_bits_of(tri, none):.2f} stored bits (goal <= {GOAL_BITS}): **{'met' if stored_bits_of(tri, none) <= GOAL_BITS else 'not met'}**; "
         f"{cap:.2f}x capacity vs bf16 (goal >= {GOAL_CAPACITY}x): **{'met' if cap >= GOAL_CAPACITY else 'not met'}**."
     ]
     if kivi is not None:
@@ -85,7 +91,7 @@ def sweep_table(rows, none_by_task, same_as):
     """One row per (budget, mode); ``same_as[B]`` lists the budgets whose triaxial
     allocation is the same as B's (identical serving)."""
     tasks = sorted({r["task"] for r in rows})
-    header = ["B (same allocation as)", "kv_quant"] + [f"{t} {what}" for t in tasks for what in ("accuracy", "Δ", "avg bits", "capacity")]
+    header = ["B (same allocation as)", "kv_quant"] + [f"{t} {what}" for t in tasks for what in ("accuracy", "Δ", "stored bits", "capacity")]
     table = []
     keys = sorted({(float(r["kv_bits"]), r["kv_quant"]) for r in rows if r["kv_bits"] != "-"})
     for b, mode in keys:
@@ -101,7 +107,7 @@ def sweep_table(rows, none_by_task, same_as):
             cells += [
                 f"{100 * r['accuracy']:.1f}%",
                 f"{100 * (r['accuracy'] - n['accuracy']):+.1f}",
-                f"{r['avg_bits']:.2f}",
+                f"{stored_bits_of(r, n):.2f}",
                 f"{n['kv_bytes_per_token'] / r['kv_bytes_per_token']:.2f}x",
             ]
         label = f"{b:.1f}" + (
@@ -139,7 +145,7 @@ def calibration_tables(cal):
             f"{100 * full['accuracy']:.1f}% pooled, " + ", ".join(f"{t} {100 * full[t]:.1f}%" for t in tasks) + "):",
             "",
             md_table(
-                ["B", "pooled accuracy", *tasks, "avg bits (served)"],
+                ["B", "pooled accuracy", *tasks, "code bits (served)"],
                 [
                     [f"{r['B']:.1f}", f"{100 * r['accuracy']:.1f}%", *(f"{100 * r[t]:.1f}%" for t in tasks), f"{r['avg_bits']:.2f}"]
                     for r in sweep

@@ -35,6 +35,11 @@ second pass of the blocked implementation over the same key blocks; every
 backend computes it through its blocked reader (``attend_with_mass``), so a
 kernel backend needs no mass variant of its kernel.
 
+A rotated quantized pool (``Engine(kv_rotate=True)``, ``jaxkv.cache.rotation``)
+stores ``K·R`` and ``V·R``; the forward moves each layer's q, k, v into that frame
+once (``rotate_in``) and the output back (``rotate_out``), so backends are
+frame-blind: ``(qR)(kR)ᵀ = qkᵀ`` and the output's ``R`` cancels.
+
 Invariants: ``write`` runs before ``attend`` in every layer, so a step's queries
 read their own keys as the pool stores them (a quantized pool's prefill pieces
 read their own tokens in full precision, ``StepTokens``); a backend never changes
@@ -123,6 +128,24 @@ class AttentionBackend:
     name = "backend"
     uses_window = False
     keeps_window = False
+
+    def rotate_in(self, i, q_THD, k_TKD, v_TKD):
+        """The step's queries, keys and values of layer ``i`` in the pool's stored
+        frame (``jaxkv.cache.rotation``): a rotated pool's ``R`` of each KV head
+        applied to its keys and values and to the queries of its GQA group; the
+        identity for an unrotated pool. The engine's forward calls it once per layer
+        before ``write`` and ``attend``, so every backend, the window and the kernels
+        alike, reads and writes one frame and none of them knows about rotation."""
+        rot = self.layers.rotation
+        if rot is None:
+            return q_THD, k_TKD, v_TKD
+        K = k_TKD.shape[-2]
+        return rot.rotate_heads(i, q_THD, K), rot.rotate(i, k_TKD), rot.rotate(i, v_TKD)
+
+    def rotate_out(self, i, o_THD, num_kv_heads: int):
+        """Attention output of layer ``i`` back to the model's frame (``rotate_in``'s inverse)."""
+        rot = self.layers.rotation
+        return o_THD if rot is None else rot.unrotate_heads(i, o_THD, num_kv_heads)
 
     def write(self, kv, i, k_TKD, v_TKD, meta: AttentionMetadata):
         """Store the step's keys and values of layer ``i`` at ``meta.slots_T``."""

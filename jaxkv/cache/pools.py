@@ -55,15 +55,25 @@ from jaxkv.cache.state import PagedKVCache
 from jaxkv.errors import JaxKVError
 
 
-def make_pool(kv_quant, num_slots: int, *, head_dim: int, float_dtype):
+def make_pool(kv_quant, num_slots: int, *, head_dim: int, float_dtype, rotate: bool = False):
     """The pool of an engine: ``FloatKV`` for ``kv_quant`` None / ``"none"``, else a
-    ``QuantizedKV`` of that mode (``ConfigError`` for an unknown mode)."""
+    ``QuantizedKV`` of that mode (``ConfigError`` for an unknown mode). ``rotate``:
+    a quantized pool stores K and V rotated (``jaxkv.cache.rotation``); a float
+    pool has nothing to rotate for (``ConfigError``)."""
     from jaxkv.cache.quantized_host import QuantizedKV, check_mode
 
     mode = check_mode(kv_quant)
     if mode is None:
+        _check_rotate(rotate)
         return FloatKV(num_slots)
-    return QuantizedKV.sized(mode, num_slots, head_dim=head_dim, float_dtype=float_dtype)
+    return QuantizedKV.sized(mode, num_slots, head_dim=head_dim, float_dtype=float_dtype, rotate=bool(rotate))
+
+
+def _check_rotate(rotate) -> None:
+    from jaxkv.errors import ConfigError
+
+    if rotate:
+        raise ConfigError("kv_rotate is an option of a quantized pool (kv_quant); the float pool stores K/V as computed")
 
 
 def kv_bytes(cache) -> int:
@@ -73,7 +83,7 @@ def kv_bytes(cache) -> int:
     return int(sum(x.size * np.dtype(x.dtype).itemsize for x in jax.tree.leaves(cache.kv)))
 
 
-def pool_for_bytes(kv_quant, memory_bytes: int, cfg, *, float_dtype, page_share=None):
+def pool_for_bytes(kv_quant, memory_bytes: int, cfg, *, float_dtype, page_share=None, rotate: bool = False):
     """The largest pool of kind ``kv_quant`` whose KV (``kv_bytes``) fits in
     ``memory_bytes``: how an engine is sized by memory instead of slots.
 
@@ -102,6 +112,7 @@ def pool_for_bytes(kv_quant, memory_bytes: int, cfg, *, float_dtype, page_share=
         return kv_bytes(jax.eval_shape(pool.cache_factory(cfg, rows=1, positions=1, dtype=float_dtype)))
 
     if mode is None:
+        _check_rotate(rotate)
         per_slot = nbytes(FloatKV(2)) // 2
         if M // per_slot < 2:
             raise ConfigError(f"kv_memory_bytes={M} holds no token of a float pool ({per_slot} bytes per slot)")
@@ -114,7 +125,7 @@ def pool_for_bytes(kv_quant, memory_bytes: int, cfg, *, float_dtype, page_share=
     share = 0.0 if mode == "int4" else float(page_share)
     if not 0.0 <= share < 1.0:
         raise ConfigError(f"kv_page_share must be in [0, 1), got {page_share!r}")
-    quant = lambda geo: QuantizedKV(mode, geo, head_dim=cfg.head_dim, float_dtype=float_dtype)  # noqa: E731
+    quant = lambda geo: QuantizedKV(mode, geo, head_dim=cfg.head_dim, float_dtype=float_dtype, rotate=bool(rotate))  # noqa: E731
     base = nbytes(quant(Geometry(1, 1, 0)))  # each region's bytes are linear in its count
     page = nbytes(quant(Geometry(2, 1, 0))) - base
     int4 = nbytes(quant(Geometry(1, 2, 0))) - base
@@ -137,8 +148,19 @@ class FloatLayers:
     * ``write(kv, i, k_TKD, v_TKD, slots_T, plan)``: rows stored at their slots in
       the pool dtype (``plan``: the quantized pools' page plan; None here);
     * ``read(kv, i, slots_N)``: float rows at slots (the spliced prefill);
-    * ``read_pool(kv, i)``: the layer ``[S, K, D]`` (the kernels and the reference).
+    * ``read_pool(kv, i)``: the layer ``[S, K, D]`` (the kernels and the reference);
+    * ``rotation``, ``to_stored(i, x)`` / ``from_stored(i, x)``: the frame the pool
+      stores rows in (a rotated quantized pool's, ``QuantLayers``); the float pool
+      stores the model's frame (None, identities).
     """
+
+    rotation = None
+
+    def to_stored(self, layer, x_KD):
+        return x_KD
+
+    def from_stored(self, layer, x_KD):
+        return x_KD
 
     def write(self, kv, i, k_TKD, v_TKD, slots_T, plan=None):
         k, v = kv
@@ -156,10 +178,11 @@ class FloatLayers:
 @functools.partial(jax.jit, static_argnames=("layers",), donate_argnames=("cache",))
 def import_rows(cache, slots_T, k_LTKD, v_LTKD, plan=None, *, layers):
     """Store K/V computed elsewhere at ``slots_T`` in every layer, as a step would
-    store them (an *imported* prefill, ``jaxkv.engine.KVSource``): no forward."""
+    store them (an *imported* prefill, ``jaxkv.engine.KVSource``): no forward; a
+    rotated pool's rows are rotated into its frame first, as a step's are."""
     kv = cache.kv
     for i in range(k_LTKD.shape[0]):
-        kv = layers.write(kv, i, k_LTKD[i], v_LTKD[i], slots_T, plan)
+        kv = layers.write(kv, i, layers.to_stored(i, k_LTKD[i]), layers.to_stored(i, v_LTKD[i]), slots_T, plan)
     return cache.with_kv(kv)
 
 

@@ -70,6 +70,7 @@ from jaxkv.kernels.quant import (
     unpack,
 )
 from jaxkv.rope import apply_rope
+from jaxkv.cache.rotation import Rotation
 from jaxkv.cache.state import empty_tables
 
 INT2, INT4, FLOAT = 2, 4, 16  # token kinds: bits per element (FLOAT: full precision)
@@ -334,10 +335,26 @@ class QuantLayers:
     ``slots_T`` are not used; page id ``geometry.pages`` is padding; a decode step
     has no plan and writes by slot). ``read`` dequantizes rows at slots (the
     spliced prefill), ``read_pool`` the whole layer (the reference backend).
-    Attention over the pool is the backends' business (``jaxkv.backends``)."""
+    Attention over the pool is the backends' business (``jaxkv.backends``).
+
+    ``rotation``: a rotated pool's ``jaxkv.cache.rotation.Rotation`` (None: not
+    rotated). ``write``, ``read`` and ``read_pool`` work in the stored frame (a
+    rotated pool's ``K·R``, ``V·R``): the attention entry rotates the step's
+    queries, keys and values into it before writing and attending and the output
+    back (``AttentionBackend.rotate_in`` / ``rotate_out``); any other reader or
+    writer goes through ``to_stored`` / ``from_stored``."""
 
     geometry: Geometry
     token_kind: int = INT4
+    rotation: Rotation | None = None
+
+    def to_stored(self, layer, x_KD):
+        """Model-frame rows ``[..., K, D]`` of ``layer`` into the stored frame."""
+        return x_KD if self.rotation is None else self.rotation.rotate(layer, x_KD)
+
+    def from_stored(self, layer, x_KD):
+        """Stored-frame rows back to the model's frame (what scorers, segments and RoPE read)."""
+        return x_KD if self.rotation is None else self.rotation.unrotate(layer, x_KD)
 
     def write(self, pool: DualPool, i, k_TKD, v_TKD, slots_T, plan=None) -> DualPool:
         page_src, page_ids = plan if plan is not None else (None, None)
@@ -351,19 +368,23 @@ class QuantLayers:
 
 
 # ============================================================================ moving rows
-@functools.partial(jax.jit, static_argnames=("rope",), donate_argnames=("cache",))
-def rewrite_rows(cache: QuantizedKVCache, src_M, dst_M, delta_M, page_src_QG, page_ids_Q, *, rope=None):
+@functools.partial(jax.jit, static_argnames=("rope", "rotation"), donate_argnames=("cache",))
+def rewrite_rows(cache: QuantizedKVCache, src_M, dst_M, delta_M, page_src_QG, page_ids_Q, *, rope=None, rotation=None):
     """Re-encode rows: dequantize the rows at ``src_M`` (every layer), rotate their
     keys by ``delta_M`` positions when ``rope`` is given (a compact layout), and
     write them at ``dst_M`` with the page plan (``write_tokens``). Used to settle
-    KIVI's aged residual into INT2 pages and to compact a quantized request."""
+    KIVI's aged residual into INT2 pages and to compact a quantized request. A
+    rotated pool's keys leave the stored frame for the RoPE delta (``rotation``,
+    ``QuantLayers.rotation``: RoPE's pairs are the model's channels) and return to it."""
     geo = cache.geometry
     pool = cache.pool
     L = pool.flt_k.shape[0]
     for i in range(L):
         k, v = dequantize_slots(pool.layer(i), geo, src_M)
         if rope is not None:
+            k = k if rotation is None else rotation.unrotate(i, k)
             k = apply_rope(k, delta_M, rope)
+            k = k if rotation is None else rotation.rotate(i, k)
         pool = write_tokens(pool, geo, i, k, v, dst_M, page_src_QG, page_ids_Q)
     return cache.with_kv(pool)
 
@@ -394,16 +415,27 @@ def _gather_layer(pool: DualPool, geo: Geometry, slots_M):
     return out
 
 
-@jax.jit
-def gather_keys(cache: QuantizedKVCache, slots_N):
-    """Dequantized keys of every layer at ``slots_N``: ``[L, N, K, D]`` float32."""
-    return jax.vmap(lambda layer: dequantize_slots(layer, cache.geometry, slots_N)[0])(cache.pool)
+def _model_frame(rotation, x_LMKD):
+    """Stored-frame rows of every layer ``[L, M, K, D]`` back to the model's frame."""
+    if rotation is None:
+        return x_LMKD
+    return rotation.unrotate(jnp.arange(x_LMKD.shape[0])[:, None], x_LMKD)
 
 
-@jax.jit
-def gather_dequantized(cache: QuantizedKVCache, slots_M):
-    """Dequantized keys and values of every layer at ``slots_M``: two ``[L, M, K, D]`` float32."""
-    return jax.vmap(lambda layer: dequantize_slots(layer, cache.geometry, slots_M))(cache.pool)
+@functools.partial(jax.jit, static_argnames=("rotation",))
+def gather_keys(cache: QuantizedKVCache, slots_N, rotation=None):
+    """Dequantized keys of every layer at ``slots_N``: ``[L, N, K, D]`` float32, in
+    the model's frame (a rotated pool's ``rotation`` undone)."""
+    k = jax.vmap(lambda layer: dequantize_slots(layer, cache.geometry, slots_N)[0])(cache.pool)
+    return _model_frame(rotation, k)
+
+
+@functools.partial(jax.jit, static_argnames=("rotation",))
+def gather_dequantized(cache: QuantizedKVCache, slots_M, rotation=None):
+    """Dequantized keys and values of every layer at ``slots_M``: two ``[L, M, K, D]``
+    float32, in the model's frame."""
+    k, v = jax.vmap(lambda layer: dequantize_slots(layer, cache.geometry, slots_M))(cache.pool)
+    return _model_frame(rotation, k), _model_frame(rotation, v)
 
 
 @jax.jit

@@ -70,6 +70,7 @@ from jaxkv.cache.quantized import (
 )
 from jaxkv.errors import ConfigError, OutOfSlotsError, SlotError
 from jaxkv.cache.blobs import blob_keys, decode_blobs, encode_blobs
+from jaxkv.cache.rotation import Rotation
 from jaxkv.kernels.quant import PAGE
 
 MODES = ("int4", "kivi2", "kivi4", "triaxial", "triaxial_no_temporal", "triaxial_no_semantic")
@@ -116,6 +117,20 @@ def bytes_per_token(kind: int, *, head_dim: int, num_layers: int, num_kv_heads: 
     D = head_dim
     per = {INT2: 0.75 * D, INT4: 1.25 * D, FLOAT: 4.0 * D}[kind]
     return per * num_layers * num_kv_heads
+
+
+def elements_per_token(*, head_dim: int, num_layers: int, num_kv_heads: int) -> int:
+    """K and V elements one token holds: ``2 D`` per layer and KV head."""
+    return 2 * head_dim * num_layers * num_kv_heads
+
+
+def stored_bits(nbytes: float, elements: float) -> float:
+    """Stored bits per element, ``8 * bytes / elements``: the one definition every
+    report of stored bits uses. ``nbytes`` counts everything the KV occupies (codes,
+    every scale and zero point, float outliers and float-window rows, full precision
+    as bf16; ``bytes_per_token``), so INT4 per token stores 5.0 bits, INT2 pages 3.0
+    and the float pool 16.0, where the code widths alone say 4, 2 and 16."""
+    return 8.0 * nbytes / elements
 
 
 # ============================================================================ allocator
@@ -273,11 +288,14 @@ class QuantizedKV:
       residual: KIVI's residual length (``kivi2``/``kivi4``) or None; page_bits: the
       page region's code width (4 for ``kivi4``, else 2); allocator: ``DualAllocator``;
       layers: the ``QuantLayers`` the engine's jit'd steps call.
+      rotation: the pool's ``jaxkv.cache.rotation.Rotation`` when ``rotate`` (every
+        region, float window included, stores ``K·R``, ``V·R``; the readers here
+        hand out the model's frame), else None.
     """
 
     whole_chunks = True  # INT2 pages are planned per chunk: a step takes a job's chunk whole
 
-    def __init__(self, mode: str, geometry: Geometry, *, head_dim: int, float_dtype):
+    def __init__(self, mode: str, geometry: Geometry, *, head_dim: int, float_dtype, rotate: bool = False):
         self.mode = check_mode(mode)
         self.geometry = geometry
         kivi = mode in KIVI_PAGE_BITS
@@ -287,10 +305,11 @@ class QuantizedKV:
         self.head_dim = head_dim
         self.float_dtype = np.dtype(float_dtype)
         self.allocator = DualAllocator(geometry, self.token_kind)
-        self.layers = QuantLayers(geometry, self.token_kind)
+        self.rotation = Rotation(head_dim) if rotate else None
+        self.layers = QuantLayers(geometry, self.token_kind, self.rotation)
 
     @classmethod
-    def sized(cls, mode: str, num_slots: int, *, head_dim: int, float_dtype) -> "QuantizedKV":
+    def sized(cls, mode: str, num_slots: int, *, head_dim: int, float_dtype, rotate: bool = False) -> "QuantizedKV":
         """A pool whose token region holds ``num_slots - 1`` tokens (as a float pool
         of ``num_slots`` would) and, except for ``int4``, as many more in INT2 pages:
         room for any mix."""
@@ -300,7 +319,7 @@ class QuantizedKV:
         n = max(int(num_slots) - 1, 1)
         pages = 1 if mode == "int4" else 1 + -(-n // PAGE)
         geo = Geometry(pages, 1, n) if mode in KIVI_PAGE_BITS else Geometry(pages, n, 0)
-        return cls(mode, geo, head_dim=head_dim, float_dtype=float_dtype)
+        return cls(mode, geo, head_dim=head_dim, float_dtype=float_dtype, rotate=rotate)
 
     def check_mesh(self, mesh) -> None:
         """Any mesh jaxkv accepts: every region is split by KV head (its axis 2),
@@ -518,7 +537,14 @@ class QuantizedKV:
         pad = lambda a, n, fill=0: np.concatenate([np.asarray(a, np.int64).reshape(-1), np.full(n, fill, np.int64)]).astype(np.int32)
         page_src = np.concatenate([np.asarray(page_src, np.int64).reshape(-1, PAGE), np.zeros((Qp - Q, PAGE), np.int64)]).astype(np.int32)
         return rewrite_rows(
-            cache, pad(src, Mp - M), pad(dst, Mp - M), pad(delta, Mp - M), page_src, pad(page_ids, Qp - Q, self.geometry.pages), rope=rope
+            cache,
+            pad(src, Mp - M),
+            pad(dst, Mp - M),
+            pad(delta, Mp - M),
+            page_src,
+            pad(page_ids, Qp - Q, self.geometry.pages),
+            rope=rope,
+            rotation=self.rotation,
         )
 
     def gather_rows(self, cache, slots) -> tuple[np.ndarray, np.ndarray]:
@@ -575,16 +601,21 @@ class QuantizedKV:
         return write_packed(cache, rows), fresh
 
     def host_keys(self, k_blob) -> np.ndarray:
-        return blob_keys(np.asarray(k_blob), self.head_dim, self.float_dtype, self.page_bits)
+        """Float post-RoPE keys ``[L, M, K, D]`` of shelved blobs, in the model's frame."""
+        k = blob_keys(np.asarray(k_blob), self.head_dim, self.float_dtype, self.page_bits)
+        if self.rotation is None:
+            return k
+        s = self.rotation.signs(np.arange(k.shape[0])[:, None], k.shape[2], xp=np)
+        return np.einsum("lmke,de->lmkd", k.astype(np.float32) * s, self.rotation.basis).astype(k.dtype)
 
     def gather_keys(self, cache, live) -> jax.Array:
-        """Dequantized post-RoPE keys ``[L, N, K, D]`` float32 at ``live``."""
-        return gather_dequantized_keys(cache, np.asarray(live, np.int32))
+        """Dequantized post-RoPE keys ``[L, N, K, D]`` float32 at ``live``, in the model's frame."""
+        return gather_dequantized_keys(cache, np.asarray(live, np.int32), self.rotation)
 
     def gather_float(self, cache, slots) -> tuple[np.ndarray, np.ndarray]:
         """Dequantized K and V ``[L, M, K, D]`` float32 at ``slots``."""
         slots = np.asarray(slots, np.int64)
         M = slots.size
         pad = np.concatenate([slots, np.full(bucket(M, minimum=8) - M, SENTINEL_SLOT)]).astype(np.int32)
-        k, v = gather_dequantized(cache, pad)
+        k, v = gather_dequantized(cache, pad, self.rotation)
         return np.asarray(k)[:, :M], np.asarray(v)[:, :M]

@@ -89,6 +89,8 @@ class Engine:
         quantized pool's tokens in INT2 pages then.
       layer_lists: one live list per layer (J = L), so a row may keep a set per
         layer; False: one list per row read by every layer.
+      kv_rotate: a quantized pool stores K and V rotated per (layer, KV head)
+        (``jaxkv.cache.rotation``; attention rotates queries and output to match).
     """
 
     def __init__(
@@ -106,6 +108,7 @@ class Engine:
         kv_memory_bytes: int | None = None,
         kv_page_share: float | None = None,
         layer_lists: bool = False,
+        kv_rotate: bool = False,
     ):
         cfg = model.config
         self.model = model
@@ -120,9 +123,9 @@ class Engine:
         if kv_memory_bytes is not None:
             if num_slots is not None:
                 raise ConfigError("give num_slots or kv_memory_bytes, not both")
-            pool = pool_for_bytes(kv_quant, kv_memory_bytes, cfg, float_dtype=dtype, page_share=kv_page_share)
+            pool = pool_for_bytes(kv_quant, kv_memory_bytes, cfg, float_dtype=dtype, page_share=kv_page_share, rotate=kv_rotate)
         else:
-            pool = make_pool(kv_quant, num_slots or rows * P + 1, head_dim=cfg.head_dim, float_dtype=dtype)
+            pool = make_pool(kv_quant, num_slots or rows * P + 1, head_dim=cfg.head_dim, float_dtype=dtype, rotate=kv_rotate)
         pool.check_mesh(mesh)
         lists = cfg.num_layers if layer_lists else 1
         create = pool.cache_factory(cfg, rows=rows, positions=P, dtype=dtype, lists=lists)

@@ -118,6 +118,7 @@ class Server:
         compiles too (None: every registered policy, at its default config).
       layer_lists: give each engine row a live list per layer, so sessions may
         keep per-layer sets (``keep_sets="layer"``; ``Engine(layer_lists=)``).
+      kv_rotate: the quantized pool stores K and V rotated (``Engine(kv_rotate=)``).
     """
 
     def __init__(
@@ -141,6 +142,7 @@ class Server:
         warmup=False,
         warmup_policies=None,
         layer_lists: bool = False,
+        kv_rotate: bool = False,
     ):
         if model.tokenizer is None:
             raise ConfigError("sessions need a model with a tokenizer (the folder had none)")
@@ -149,6 +151,7 @@ class Server:
         P = int(max_positions or min(model.config.max_position_embeddings, 8192))
         self.model = model
         self.kv_quant = check_mode(kv_quant)
+        self.kv_rotate = bool(kv_rotate)
         self.engine = Engine(
             model,
             rows=int(rows),
@@ -161,6 +164,7 @@ class Server:
             kv_memory_bytes=kv_memory_bytes,
             kv_page_share=kv_page_share,
             layer_lists=layer_lists,
+            kv_rotate=self.kv_rotate,
         )
         self.radix = RadixTree(self.engine.allocator)
         self.engine.reclaim = self._reclaim

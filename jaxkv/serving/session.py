@@ -134,7 +134,7 @@ class Session:
         options (``w=16``).
       repair, repair_policy, repair_when, repair_wrong_signal: the RepairKV stage
         (``jaxkv.serving.stages.repair``).
-      kv_quant, kv_bits, kv_allocation: the KV precision
+      kv_quant, kv_bits, kv_allocation, kv_rotate: the KV precision
         (``jaxkv.serving.stages.quantization``): None, ``"int4"``, ``"kivi2"``, ``"kivi4"`` or
         ``"triaxial"`` (a private server is built with that pool; on a shared
         server the session inherits its mode, and another mode is a ``ConfigError``).
@@ -191,6 +191,7 @@ class Session:
             num_slots=num_slots,
             backend=backend,
             kv_quant=quant.mode if quant else None,
+            kv_rotate=bool(quant.rotate) if quant else False,
             layer_lists=retention is not None and retention.spec.keep_sets == "layer",
         )
         self.cache_owner = self.server.cache_owner()  # whose holes it reads (jaxkv.cache.radix): its own only

@@ -7,6 +7,9 @@ Session options it owns:
   ``"triaxial_no_semantic"``); modes in ``jaxkv.cache.quantized_host``.
 * ``kv_bits``: the average-bit budget B of a triaxial mode (default: the
   calibrated B of the allocation); ``ConfigError`` for other modes.
+* ``kv_rotate``: the pool stores K and V rotated per (layer, KV head)
+  (``jaxkv.cache.rotation``); a pool property, so a session on a shared server
+  takes the server's and may not ask for the other.
 * ``kv_allocation``: the calibration (an ``Allocation``, a dict in its JSON
   form, or a path). Default: the model's calibration, first found wins
   (``jaxkv.models.registry.find_artifact``): ``<model folder>/triaxial.json``;
@@ -35,7 +38,8 @@ What it does in a turn:
   with; teacher-forced replies and decode tokens get INT4 (what decode writes).
   ``int4``, ``kivi2`` and ``kivi4`` need no annotation (the engine's mode decides).
 * ``after_prefill`` (after retention and repair): records the request's live KV
-  per precision (``KVRecord``) in ``records``, for ``avg_bits`` and bytes per token.
+  per precision (``KVRecord``) in ``records``, for ``avg_bits`` (code bits),
+  ``stored_bits`` (8 * bytes / elements) and bytes per token.
 """
 
 from __future__ import annotations
@@ -45,7 +49,7 @@ from pathlib import Path
 
 import numpy as np
 
-from jaxkv.cache.quantized_host import bytes_per_token, check_mode, servable_modes
+from jaxkv.cache.quantized_host import bytes_per_token, check_mode, elements_per_token, servable_modes, stored_bits
 from jaxkv.chat.tags import triaxial_codes
 from jaxkv.errors import ConfigError
 from jaxkv.policies.quant_allocation import Allocation, load_allocation
@@ -64,12 +68,15 @@ class KVRecord:
       int2, int4, full: live tokens per precision.
       bytes: their KV bytes, scales and zero points included (full precision
         counted as bf16; ``bytes_per_token``).
+      elements: K and V elements per token (``elements_per_token``; 0 in records
+        journaled before it was kept, whose stored bits are then unknown).
     """
 
     int2: int
     int4: int
     full: int
     bytes: float
+    elements: int = 0
 
     @property
     def tokens(self) -> int:
@@ -77,17 +84,26 @@ class KVRecord:
 
     @property
     def bits(self) -> float:
-        """Total bits per element summed over tokens (2, 4 or 16 each)."""
+        """Code bits per element summed over tokens (2, 4 or 16 each): what the
+        allocation's budget B counts, not what the tokens occupy (``stored_bits``)."""
         return 2.0 * self.int2 + 4.0 * self.int4 + 16.0 * self.full
 
 
 def summarize(records) -> dict:
-    """``avg_bits`` (per element, token-weighted) and ``kv_bytes_per_token`` of
-    records (one per request)."""
+    """Of records (one per request), token-weighted: ``avg_bits`` (code bits per
+    element, what B budgets), ``stored_bits`` (8 * bytes / elements, every scale and
+    zero point and float row counted; ``jaxkv.cache.quantized_host.stored_bits``)
+    and ``kv_bytes_per_token``."""
     tokens = sum(r.tokens for r in records)
     if not tokens:
-        return {"avg_bits": float("nan"), "kv_bytes_per_token": float("nan")}
-    return {"avg_bits": sum(r.bits for r in records) / tokens, "kv_bytes_per_token": sum(r.bytes for r in records) / tokens}
+        return {"avg_bits": float("nan"), "stored_bits": float("nan"), "kv_bytes_per_token": float("nan")}
+    nbytes = sum(r.bytes for r in records)
+    elements = sum(r.tokens * r.elements for r in records)
+    return {
+        "avg_bits": sum(r.bits for r in records) / tokens,
+        "stored_bits": stored_bits(nbytes, elements) if all(r.elements for r in records) else float("nan"),
+        "kv_bytes_per_token": nbytes / tokens,
+    }
 
 
 def record_of(composition: dict, cfg) -> KVRecord:
@@ -95,7 +111,7 @@ def record_of(composition: dict, cfg) -> KVRecord:
     size = dict(head_dim=cfg.head_dim, num_layers=cfg.num_layers, num_kv_heads=cfg.num_kv_heads)
     n2, n4, nf = composition[2], composition[4], composition[16]
     total = n2 * bytes_per_token(2, **size) + n4 * bytes_per_token(4, **size) + nf * bytes_per_token(16, **size)
-    return KVRecord(n2, n4, nf, float(total))
+    return KVRecord(n2, n4, nf, float(total), elements_per_token(**size))
 
 
 class QuantizationStage(Stage):
@@ -104,13 +120,15 @@ class QuantizationStage(Stage):
     Attributes:
       mode: the ``kv_quant`` mode; budget: B (triaxial modes) or None;
       table: bits per triaxial code (triaxial modes) or None;
+      rotate: the pool stores K/V rotated (``kv_rotate``; a private server's pool
+        is built so, a shared server's must be);
       records: one ``KVRecord`` per request.
     """
 
     name = "kv_quant"
 
-    def __init__(self, mode: str | None, budget: float | None = None, table: np.ndarray | None = None):
-        self.mode, self.budget, self.table = mode, budget, table
+    def __init__(self, mode: str | None, budget: float | None = None, table: np.ndarray | None = None, *, rotate: bool = False):
+        self.mode, self.budget, self.table, self.rotate = mode, budget, table, rotate
         self.records: list[KVRecord] = []
 
     def begin(self, turn) -> None:
@@ -159,9 +177,18 @@ def _factory(session, options: dict, built: list):
     mode = options.pop("kv_quant", _UNSET)
     bits = options.pop("kv_bits", None)
     allocation = options.pop("kv_allocation", None)
+    rotate = options.pop("kv_rotate", _UNSET)
     server = getattr(session, "server", None)
     server_mode = getattr(server, "kv_quant", None) if server is not None else None
+    server_rotate = bool(getattr(server, "kv_rotate", False)) if server is not None else False
     mode = server_mode if mode is _UNSET else check_mode(mode)
+    rotate = server_rotate if rotate is _UNSET else rotate
+    if not isinstance(rotate, bool):
+        raise ConfigError(f"kv_rotate must be True or False, got {rotate!r}")
+    if server is not None and rotate != server_rotate:
+        raise ConfigError(f"session kv_rotate={rotate} on a server built with kv_rotate={server_rotate} (the pool's frame is shared)")
+    if rotate and mode is None:
+        raise ConfigError("kv_rotate applies to a quantized pool (kv_quant), not to full precision")
     if server is not None and mode not in servable_modes(server_mode):
         raise ConfigError(
             f"session kv_quant={mode!r} on a server built with kv_quant={server_mode!r} "
@@ -173,12 +200,12 @@ def _factory(session, options: dict, built: list):
     if mode is None:
         return None
     if not triaxial:
-        return QuantizationStage(mode)
+        return QuantizationStage(mode, rotate=rotate)
     alloc = resolve_allocation(session.model, mode, allocation)
     budget = alloc.budget if bits is None else float(bits)
     if not 2.0 <= budget <= 4.0:
         raise ConfigError(f"kv_bits must be an average in [2, 4], got {bits!r}")
-    return QuantizationStage(mode, budget, alloc.table(budget))
+    return QuantizationStage(mode, budget, alloc.table(budget), rotate=rotate)
 
 
 register("kv_quant", ORDER, _factory)
