@@ -319,7 +319,12 @@ def kv_summary(model, session) -> dict:
     if stage is not None:
         recs = stage.records
         n = sum(r.tokens for r in recs)
-        return {"bits": sum(r.bits for r in recs), "bytes": sum(r.bytes for r in recs), "tokens": n, "elements": n * elements_per_token(**size)}
+        return {
+            "bits": sum(r.bits for r in recs),
+            "bytes": sum(r.bytes for r in recs),
+            "tokens": n,
+            "elements": n * elements_per_token(**size),
+        }
     n = float(sum(r.peak_live_kv for r in session.metrics.requests)) or 1.0
     return {"bits": 16.0 * n, "bytes": bytes_per_token(FLOAT, **size) * n, "tokens": n, "elements": n * elements_per_token(**size)}
 

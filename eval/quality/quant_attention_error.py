@@ -200,6 +200,8 @@ def strided_error(o_LRHD, ref_LRHD):
     rel = jnp.sqrt(jnp.sum(d**2, axis=(1, 2, 3)) / jnp.sum(ref_LRHD**2, axis=(1, 2, 3)))
     last = jnp.linalg.norm(d[:, -1].reshape(d.shape[0], -1), axis=-1) / jnp.linalg.norm(ref_LRHD[:, -1].reshape(d.shape[0], -1), axis=-1)
     return rel, last
+
+
 KIVI_WINDOW = 128  # jaxkv.cache.quantized_host.KIVI_RESIDUAL (asserted in main)
 PAGE = 32
 

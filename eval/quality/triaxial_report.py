@@ -61,7 +61,17 @@ def precision_table(rows, task, budget=None):
                 f"{none['kv_bytes_per_token'] / r['kv_bytes_per_token']:.2f}x",
             ]
         )
-    header = ["kv_quant", "B", "n", "accuracy", "Δ vs full precision (points)", "code bits", "stored bits", "KV bytes / token", "capacity vs bf16"]
+    header = [
+        "kv_quant",
+        "B",
+        "n",
+        "accuracy",
+        "Δ vs full precision (points)",
+        "code bits",
+        "stored bits",
+        "KV bytes / token",
+        "capacity vs bf16",
+    ]
     return md_table(header, table, align="ll" + "r" * 7), {r["kv_quant"]: r for r in rows}, none
 
 
@@ -91,7 +101,9 @@ def sweep_table(rows, none_by_task, same_as):
     """One row per (budget, mode); ``same_as[B]`` lists the budgets whose triaxial
     allocation is the same as B's (identical serving)."""
     tasks = sorted({r["task"] for r in rows})
-    header = ["B (same allocation as)", "kv_quant"] + [f"{t} {what}" for t in tasks for what in ("accuracy", "Δ", "stored bits", "capacity")]
+    header = ["B (same allocation as)", "kv_quant"] + [
+        f"{t} {what}" for t in tasks for what in ("accuracy", "Δ", "stored bits", "capacity")
+    ]
     table = []
     keys = sorted({(float(r["kv_bits"]), r["kv_quant"]) for r in rows if r["kv_bits"] != "-"})
     for b, mode in keys:
