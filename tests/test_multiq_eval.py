@@ -23,22 +23,12 @@ from jaxkv.tasks import multiq, real
 
 @pytest.fixture(scope="module")
 def tiny(smollm2_tokenizer):
-    from jaxkv.config import ModelConfig
+    import dataclasses
+
+    from tests.conftest import tiny_qwen3_config
 
     tok = smollm2_tokenizer
-    cfg = ModelConfig(
-        model_type="qwen3",
-        vocab_size=len(tok),
-        hidden_size=64,
-        intermediate_size=64,
-        num_layers=2,
-        num_heads=2,
-        num_kv_heads=1,
-        head_dim=32,
-        qk_norm=True,
-        max_position_embeddings=2048,
-        eos_token_ids=(tok.convert_tokens_to_ids("<|im_end|>"),),
-    )
+    cfg = dataclasses.replace(tiny_qwen3_config(tok), max_position_embeddings=2048)
     return jaxkv.model_from_config(cfg, seed=0, tokenizer=tok)
 
 

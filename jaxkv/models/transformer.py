@@ -43,6 +43,12 @@ class RMSNorm(nnx.Module):
         return self.weight[...] * xf.astype(x.dtype)
 
 
+def _accumulation(dtype):
+    """The accumulation dtype of a product of ``dtype`` weights: float32 for bfloat16
+    (``Linear``), the default otherwise."""
+    return jnp.float32 if jnp.dtype(dtype) == jnp.bfloat16 else None
+
+
 class Linear(nnx.Linear):
     """``nnx.Linear`` whose bfloat16 products accumulate in float32 and round once to
     bfloat16 at the end, as a GPU's or PyTorch's bfloat16 matmul does. On XLA:CPU this
@@ -52,8 +58,7 @@ class Linear(nnx.Linear):
     untouched (the same product, bit for bit)."""
 
     def __init__(self, d_in, d_out, *, dtype, **kw):
-        accumulate = jnp.float32 if jnp.dtype(dtype) == jnp.bfloat16 else None
-        super().__init__(d_in, d_out, dtype=dtype, param_dtype=dtype, preferred_element_type=accumulate, **kw)
+        super().__init__(d_in, d_out, dtype=dtype, param_dtype=dtype, preferred_element_type=_accumulation(dtype), **kw)
 
     def __call__(self, x):
         return super().__call__(x).astype(self.dtype)
@@ -146,8 +151,7 @@ class Transformer(nnx.Module):
         x = self.norm(x_BTM)
         if self.cfg.tie_word_embeddings:
             table = self.embed_tokens.embedding[...]
-            accumulate = jnp.float32 if table.dtype == jnp.bfloat16 else None  # as ``Linear``
-            return jnp.dot(x.astype(table.dtype), table.T, preferred_element_type=accumulate).astype(table.dtype)
+            return jnp.dot(x.astype(table.dtype), table.T, preferred_element_type=_accumulation(table.dtype)).astype(table.dtype)
         return self.lm_head(x)
 
     def _run(self, tokens_BT, positions_BT, attend=None):

@@ -212,6 +212,9 @@ class Scheduler:
             self._cv.notify_all()
         if self._thread is not None and self._thread is not threading.current_thread():
             self._thread.join(timeout)
+        if self._trace is not None and not (self._thread is not None and self._thread.is_alive()):
+            self._trace.close()
+            self._trace = None
 
     def idle(self) -> bool:
         return not self._queue and not self._running
