@@ -245,23 +245,42 @@ def tiny_chat_model(head_dim: int = 16, max_positions: int = 1024):
     return jaxkv.model_from_config(cfg, seed=0, tokenizer=tok)
 
 
-if os.environ.get("JAXKV_TEST_COMPILE_LOG"):  # per test: XLA programs compiled and their seconds (a profiling aid)
+if os.environ.get("JAXKV_TEST_COMPILE_LOG"):  # per test: programs traced and compiled, and their seconds (a profiling aid)
     import jax as _jax
 
-    _compile = {"n": 0, "s": 0.0}
+    # jax.monitoring's names for the three stages of a jit's first call; the backend
+    # stage includes a persistent-cache lookup (a hit is counted apart).
+    _STAGES = {
+        "/jax/core/compile/jaxpr_trace_duration": "trace",
+        "/jax/core/compile/jaxpr_to_mlir_module_duration": "lower",
+        "/jax/core/compile/backend_compile_duration": "compile",
+    }
+    _compile = {"programs": 0, "hits": 0, "trace": 0.0, "lower": 0.0, "compile": 0.0}
 
-    def _on_compile(event: str, duration: float, **_) -> None:
-        if event == "/jax/core/compile/backend_compile_duration":
-            _compile["n"] += 1
-            _compile["s"] += duration
+    def _on_duration(event: str, duration: float, **_) -> None:
+        stage = _STAGES.get(event)
+        if stage:
+            _compile[stage] += duration
+            _compile["programs"] += stage == "compile"
 
-    _jax.monitoring.register_event_duration_secs_listener(_on_compile)
+    def _on_event(event: str, **_) -> None:
+        if event == "/jax/compilation_cache/cache_hits":
+            _compile["hits"] += 1
+
+    _jax.monitoring.register_event_duration_secs_listener(_on_duration)
+    _jax.monitoring.register_event_listener(_on_event)
 
     @pytest.fixture(autouse=True)
     def _log_compiles(request):
+        """One tab-separated line per test: id, programs compiled or loaded, of them
+        persistent-cache hits, seconds tracing, lowering, compiling, and wall."""
         import time
 
-        n0, s0, t0 = _compile["n"], _compile["s"], time.perf_counter()
+        before, t0 = dict(_compile), time.perf_counter()
         yield
+        d = {k: _compile[k] - before[k] for k in _compile}
         with open(os.environ["JAXKV_TEST_COMPILE_LOG"], "a") as log:
-            log.write(f"{request.node.nodeid}\t{_compile['n'] - n0}\t{_compile['s'] - s0:.2f}\t{time.perf_counter() - t0:.2f}\n")
+            log.write(
+                f"{request.node.nodeid}\t{d['programs']}\t{d['hits']}\t{d['trace']:.2f}\t{d['lower']:.2f}\t{d['compile']:.2f}"
+                f"\t{time.perf_counter() - t0:.2f}\n"
+            )
