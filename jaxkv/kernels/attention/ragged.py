@@ -27,11 +27,12 @@ formed: each query tile walks its row's list in key blocks with an online softma
 time, so the cost follows the live length and no length is a shape.
 
 * **Query tiles.** Rows with two or more queries are cut into tiles of
-  ``BIG_TILE`` queries, what is left into tiles of ``SMALL_TILE``, and the last
-  few (at most half a small tile) into tiles of ``TINY_TILE`` (a 40-token tool
-  result pays for 40 rows of work, not 256 or 64; 16 rows of 33-token pieces
-  over 800 older entries each, SmolLM2's 30 layers: 1.03 s -> 0.87 s of
-  attention, a whole step 1.98 s -> 1.45 s, float32, 2-core Xeon). A tile belongs to one row; its
+  ``BIG_TILE`` queries, and what is left into tiles of ``SMALL_TILE`` (a 40-token
+  tool result pays for 64 rows of work, not 256). A third, smaller tile size for a
+  piece's last few queries was measured and not kept: 16 rows of 33-token pieces
+  over 800 entries (SmolLM2, float32) ran their attention 0.96 -> 0.79 s, but the
+  third tile loop made the attention's compile 65% longer and a cold ``jaxkv
+  serve`` 52.7 -> 60.1 s. A tile belongs to one row; its
   ``G`` query heads per KV head are folded into the GEMM's rows (``[K, G*Bq, D]``),
   so each key block is read once for the ``G`` heads that share it. Key blocks
   every query of the tile fully sees run without a mask; the last few (the
@@ -83,7 +84,6 @@ MASKED = -1e30
 # a row and narrow ones the rest.
 BIG_TILE = 256
 SMALL_TILE = 32
-TINY_TILE = 8  # the last few queries of a piece
 KEY_BLOCK = 512
 DIAGONAL_BLOCK = 256  # a tile's diagonal runs in sub-tiles of at most this many queries ...
 MIN_DIAGONAL_KEYS = 128  # ... reading key blocks as wide, and at least this wide
@@ -315,7 +315,6 @@ def ragged_attention_blocked(
     width: int | None = None,
     big: int = BIG_TILE,
     small: int = SMALL_TILE,
-    tiny: int = TINY_TILE,
     block: int = KEY_BLOCK,
 ):
     """The CPU implementation (module docstring): ``[T, Hq, D]`` in ``q_THD.dtype``
@@ -335,13 +334,9 @@ def ragged_attention_blocked(
     tiled = q_len_R > 1
     n_big = jnp.where(tiled, q_len_R // big, 0)
     rest = jnp.where(tiled, q_len_R - n_big * big, 0)
-    # small tiles for the rest, and the last few queries (at most ``small // 2``) in
-    # tiles of ``tiny``: a 33-token piece is one tile of 32 and one of 8, not two of 32
-    n_small = rest // small + (rest % small > small // 2)
-    n_tiny = jnp.maximum(rest - n_small * small + tiny - 1, 0) // tiny
+    n_small = (rest + small - 1) // small
     out, mass = _tiles(q_pad, out, mass, reader, kv_len_R, q_start_R, q_len_R, jnp.zeros_like(n_big), n_big, big, block)
     out, mass = _tiles(q_pad, out, mass, reader, kv_len_R, q_start_R, q_len_R, n_big * big, n_small, small, block)
-    out, mass = _tiles(q_pad, out, mass, reader, kv_len_R, q_start_R, q_len_R, n_big * big + n_small * small, n_tiny, tiny, block)
     decode = q_len_R == 1
     at_R = jnp.where(decode, q_start_R, T + pad)  # out of range: dropped
     o = decode_section_attention(
