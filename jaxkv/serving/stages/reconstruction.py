@@ -80,6 +80,9 @@ class PassResult:
 
 
 _score = jax.jit(kvzip.pass_scores)
+# kvpress's assembly of the passes' sum (the passes score disjoint chunks, so their sum
+# on the host is exact): one program per event size, not one per count of chunks
+_assemble = jax.jit(lambda total_LNK, n_sink: kvzip.context_scores([total_LNK], n_sink), static_argnums=1)
 
 
 def slots_needed(config, tokenizer, tokens: int) -> int:
@@ -138,11 +141,10 @@ def run_passes(turn, config) -> Generator:
         scored_N = real_N & (pos_N >= chunk.start) & (pos_N < chunk.end)
         sinks_N = real_N & (entry < config.n_sink) & (pos_N < chunk.start)
         passes.append(_score(q, k_ctx, k_self, (scored_N | sinks_N)[None] & reads_LN, scored_N[None] & reads_LN, np.arange(Xp) < X))
-    if passes:
-        scores = np.asarray(kvzip.context_scores(passes, n_sink=config.n_sink), np.float32)
-    else:  # nothing after the template's prefix: every entry scores 0, the sinks on top
-        scores = np.zeros((L, N, engine.model.config.num_kv_heads), np.float32)
-        scores[:, : config.n_sink] = 1.0
+    total = np.zeros((L, N, engine.model.config.num_kv_heads), np.float32)  # no chunk (nothing after the prefix): all 0
+    for score in passes:
+        total += np.asarray(score)
+    scores = np.asarray(_assemble(total, int(config.n_sink)), np.float32)
     result = PassResult(scores, forwarded, tuple(chunks))
     turn.memo["reconstruction"] = (key, result)
     return result
@@ -169,6 +171,8 @@ def warm(config, engine) -> int:
             )
             jax.block_until_ready(_score(*args))
             ran += 1
+        jax.block_until_ready(_assemble(np.zeros((cfg.num_layers, N, cfg.num_kv_heads), np.float32), int(config.n_sink)))
+        ran += 1
     return ran
 
 
