@@ -25,7 +25,7 @@ from jaxkv.serving import Session
 from jaxkv.serving.pipeline import Turn, run_to_completion
 from jaxkv.tasks import haystack, token_plan
 
-POLICIES = ("snapkv", "h2o", "agentkv")  # window rows, attention mass, per-phase rows
+POLICIES = ("snapkv", "h2o", "agentkv", "kvzip")  # window rows, attention mass, per-phase rows, reconstruction passes
 ROUNDING = 1e-4  # logits are ~10-30 in size: a few float32 ulps
 
 
