@@ -138,8 +138,9 @@ def test_chunks_assemble_with_the_sinks_on_top():
 
 
 def test_pass_scores_are_reconstruction_scores_one_layer_and_kv_head_at_a_time():
-    """``pass_scores`` (the engine's scorer: one (layer, KV head) pair at a time,
-    a context mask per layer) equals ``reconstruction_scores`` layer by layer."""
+    """``pass_scores`` (the engine's scorer: one (layer, KV head) pair and one block
+    of rows at a time, a context mask per layer) equals ``reconstruction_scores``
+    layer by layer, whatever the block."""
     rng = np.random.default_rng(5)
     n_ctx, x = 30, 9
     q, k_ctx, k_self = (a.astype(np.float32) for a in _inputs(rng, n_ctx, x))
@@ -148,6 +149,8 @@ def test_pass_scores_are_reconstruction_scores_one_layer_and_kv_head_at_a_time()
     valid = np.arange(x) < 7
     got = np.asarray(jax.jit(kvzip.pass_scores)(q, k_ctx, k_self, softmax_ln, scored_ln, valid))
     assert got.shape == (L, n_ctx, HKV) and got.dtype == np.float32
+    blocks = np.asarray(jax.jit(kvzip.pass_scores, static_argnames="block")(q, k_ctx, k_self, softmax_ln, scored_ln, valid, block=4))
+    np.testing.assert_allclose(blocks, got, rtol=1e-5, atol=1e-8)  # rows 4 at a time (the last one padded): the same up to rounding
     for layer in range(L):
         one = slice(layer, layer + 1)
         want = np.asarray(SCORE(q[one], k_ctx[one], k_self[one], softmax_ln[layer], scored_ln[layer], valid))[0]

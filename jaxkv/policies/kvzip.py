@@ -154,30 +154,52 @@ def context_scores(chunk_scores_LNK, n_sink: int = N_SINK):
     return total_LNK.at[:, :n_sink].set(total_LNK.max() + 1.0)
 
 
-def pass_scores(q_LXHD, k_LNKD, kself_LXKD, softmax_LN, scored_LN, valid_X):
+PASS_ROW_BLOCK = 256  # rows of a pass whose softmax ``pass_scores`` holds at once
+
+
+def pass_scores(q_LXHD, k_LNKD, kself_LXKD, softmax_LN, scored_LN, valid_X, block: int = PASS_ROW_BLOCK):
     """``reconstruction_scores`` of one pass with a context mask per layer, one
-    (layer, KV head) pair at a time: ``[L, N, Hkv]`` float32.
+    (layer, KV head) pair and ``block`` rows at a time: ``[L, N, Hkv]`` float32.
 
     ``softmax_LN`` / ``scored_LN`` (bool ``[L, N]``) are layer ``l``'s
     ``softmax_N`` / ``scored_N`` (per-layer keep sets: each layer's softmax runs
     over the entries it still reads); the other arguments are
     ``reconstruction_scores``'s. Pair ``a = l·Hkv + k`` is layer ``l``'s KV head
-    ``k`` with its ``G`` query heads, so the softmax's ``[G, X, N + X]`` logits are
-    the largest array held: the same numbers as one call over every layer, in an
-    ``L·Hkv``-th of its memory (a 2,048-token context and pass on SmolLM2 would hold
-    about 9 GB of logits at once)."""
+    ``k`` with its ``G`` query heads; each block of rows ``[r, r + block)`` takes
+    its own softmax over the context's visible entries and the input's keys up to
+    each row (causal), exactly as ``reconstruction_scores`` does, and the scores
+    are the maximum over blocks. So the largest array held is ``[G, block, N + X]``
+    (one call over every layer would hold ``[L, Hkv, G, X, N + X]``: about 9 GB for
+    a 2,048-token context and pass on SmolLM2), and the numbers are the same."""
     L, X, Hq, D = q_LXHD.shape
     N, Hkv = k_LNKD.shape[1], k_LNKD.shape[2]
-    A = L * Hkv
-    q_AXGD = jnp.swapaxes(group_heads(jnp.asarray(q_LXHD, jnp.float32), Hkv), 1, 2).reshape(A, X, Hq // Hkv, D)
+    A, G = L * Hkv, Hq // Hkv
+    R = min(int(block), X)
+    blocks = -(-X // R)
+    q_AXGD = jnp.swapaxes(group_heads(jnp.asarray(q_LXHD, jnp.float32), Hkv), 1, 2).reshape(A, X, G, D)
+    q_AXGD = jnp.pad(q_AXGD, ((0, 0), (0, blocks * R - X), (0, 0), (0, 0)))  # padding rows: invalid
     k_AND = jnp.swapaxes(jnp.asarray(k_LNKD, jnp.float32), 1, 2).reshape(A, N, D)
     kself_AXD = jnp.swapaxes(jnp.asarray(kself_LXKD, jnp.float32), 1, 2).reshape(A, X, D)
     softmax_AN = jnp.repeat(jnp.asarray(softmax_LN, bool), Hkv, axis=0)
     scored_AN = jnp.repeat(jnp.asarray(scored_LN, bool), Hkv, axis=0)
+    valid_X = jnp.asarray(valid_X, bool)
+    valid_rows = jnp.pad(valid_X, (0, blocks * R - X))
+    cols_X = jnp.arange(X)
 
     def one(pair):
         q_XGD, k_ND, kself_XD, softmax_N, scored_N = pair
-        return reconstruction_scores(q_XGD[None], k_ND[None, :, None], kself_XD[None, :, None], softmax_N, scored_N, valid_X)[0, :, 0]
+
+        def rows(b):
+            q_RGD = jax.lax.dynamic_slice_in_dim(q_XGD, b * R, R)
+            row_R = b * R + jnp.arange(R)
+            logits_GRM = jnp.concatenate([gqa_scores(q_RGD[:, None], k_ND[:, None]), gqa_scores(q_RGD[:, None], kself_XD[:, None])], -1)[0]
+            causal_RX = (cols_X[None, :] <= row_R[:, None]) & valid_X[None, :]
+            visible_RM = jnp.concatenate([jnp.broadcast_to(softmax_N[None, :], (R, N)), causal_RX], axis=-1)
+            probs_GRN = masked_softmax(logits_GRM, visible_RM)[..., :N]
+            probs_GRN = jnp.where(jax.lax.dynamic_slice_in_dim(valid_rows, b * R, R)[None, :, None], probs_GRN, 0.0)
+            return probs_GRN.max(axis=(0, 1))
+
+        return jnp.where(scored_N, jax.lax.map(rows, jnp.arange(blocks)).max(axis=0), 0.0)
 
     score_AN = jax.lax.map(one, (q_AXGD, k_AND, kself_AXD, softmax_AN, scored_AN))
     return score_AN.reshape(L, Hkv, N).transpose(0, 2, 1)
