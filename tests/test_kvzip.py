@@ -137,6 +137,70 @@ def test_chunks_assemble_with_the_sinks_on_top():
         kvzip.chunk_masks(10, 4, 11)
 
 
+def test_pass_scores_are_reconstruction_scores_one_layer_and_kv_head_at_a_time():
+    """``pass_scores`` (the engine's scorer: one (layer, KV head) pair and one block
+    of rows at a time, a context mask per layer) equals ``reconstruction_scores``
+    layer by layer, whatever the block."""
+    rng = np.random.default_rng(5)
+    n_ctx, x = 30, 9
+    q, k_ctx, k_self = (a.astype(np.float32) for a in _inputs(rng, n_ctx, x))
+    softmax_ln = rng.random((L, n_ctx)) < 0.7
+    scored_ln = softmax_ln & (rng.random((L, n_ctx)) < 0.6)
+    valid = np.arange(x) < 7
+    got = np.asarray(jax.jit(kvzip.pass_scores)(q, k_ctx, k_self, softmax_ln, scored_ln, valid))
+    assert got.shape == (L, n_ctx, HKV) and got.dtype == np.float32
+    blocks = np.asarray(jax.jit(kvzip.pass_scores, static_argnames="block")(q, k_ctx, k_self, softmax_ln, scored_ln, valid, block=4))
+    np.testing.assert_allclose(blocks, got, rtol=1e-5, atol=1e-8)  # rows 4 at a time (the last one padded): the same up to rounding
+    for layer in range(L):
+        one = slice(layer, layer + 1)
+        want = np.asarray(SCORE(q[one], k_ctx[one], k_self[one], softmax_ln[layer], scored_ln[layer], valid))[0]
+        np.testing.assert_allclose(got[layer], want, rtol=1e-6, atol=1e-8)
+    assert got[~scored_ln].max() == 0 and got[scored_ln].min() > 0
+
+
+@pytest.mark.parametrize("aggregate", ["mean", "max"])
+def test_the_policy_keeps_the_sinks_and_the_top_aggregated_scores(aggregate):
+    """``kvzip``'s event: forced (the engine's pins and the first ``n_sink`` real
+    entries) ∪ the top of the passes' scores aggregated over layers and KV heads;
+    padding neither scores nor is kept; no pass scores is a ``ConfigError``."""
+    from jaxkv.errors import ConfigError
+    from jaxkv.policies import EventFeatures, get_policy
+    from jaxkv.serving.stages.retention import score_and_select
+
+    rng = np.random.default_rng(13)
+    n, N, budget = 40, 64, 17
+    positions = np.r_[np.sort(rng.choice(np.arange(2, 60), n, replace=False)), 100 + np.arange(N - n)].astype(np.int32)
+    valid = np.arange(N) < n
+    s_lnk = rng.random((L, N, HKV)).astype(np.float32) * valid[None, :, None]
+    feats = EventFeatures(
+        keys_LNKD=np.zeros((L, N, HKV, D), np.float32),
+        positions_N=positions,
+        phase_N=np.zeros(N, np.int32),
+        window_q_LWHD=np.zeros((L, 1, HQ, D), np.float32),
+        window_pos_W=np.zeros(1, np.int32),
+        window_valid_W=np.zeros(1, bool),
+        acc_mass_N=np.zeros(N, np.float32),
+        query_mean_LHD=np.zeros((L, HQ, D), np.float32),
+        seq_len=np.int32(100),
+        valid_N=valid,
+        pass_scores_LNK=s_lnk,
+    )
+    pinned = np.zeros(N, bool)
+    pinned[[10, 20]] = True
+    policy = get_policy("kvzip")
+    cfg = policy.make_config(aggregate=aggregate)
+    kept, scores, _ = score_and_select(policy, cfg, (), feats, pinned, np.int32(budget))
+    kept = np.asarray(kept)
+    agg = s_lnk.mean(axis=(0, 2)) if aggregate == "mean" else s_lnk.max(axis=(0, 2))
+    forced = pinned | (np.arange(N) < kvzip.N_SINK)
+    cand = np.flatnonzero(valid & ~forced)
+    top = cand[np.argsort(-agg[cand], kind="stable")][: budget - int(forced.sum())]
+    assert np.array_equal(np.flatnonzero(kept), np.union1d(np.flatnonzero(forced), top))
+    np.testing.assert_allclose(np.asarray(scores)[cand], agg[cand], rtol=1e-6)
+    with pytest.raises(ConfigError, match="pass_scores"):
+        score_and_select(policy, cfg, (), feats.replace(pass_scores_LNK=None), pinned, np.int32(budget))
+
+
 def test_repeat_chunks_on_smollm2s_template(smollm2_tokenizer):
     tok = smollm2_tokenizer
     from jaxkv.chat.render import render

@@ -25,7 +25,7 @@ from jaxkv.serving import Session
 from jaxkv.serving.pipeline import Turn, run_to_completion
 from jaxkv.tasks import haystack, token_plan
 
-POLICIES = ("snapkv", "h2o", "agentkv")  # window rows, attention mass, per-phase rows
+POLICIES = ("snapkv", "h2o", "agentkv", "kvzip")  # window rows, attention mass, per-phase rows, reconstruction passes
 ROUNDING = 1e-4  # logits are ~10-30 in size: a few float32 ulps
 
 
@@ -227,6 +227,29 @@ def test_quant_report_merges_formats_added_by_another_journal(tmp_path):
     assert "In all 0.00 h of CPU" in table and "about 0.00 h of wall time" in table
     assert "1.25 h of CPU, about 0.62 h on the two cores" in table
     assert "`quant_kivi4.jsonl` 2.00 h" in "\n".join(rep_compute(merged(tmp_path), {"quant_kivi4.jsonl": 7200.0}))
+
+
+def test_report_puts_a_methods_scoring_passes_beside_its_quality():
+    """A cell that forwarded tokens to score (KVzip's reconstruction passes) has
+    their mean per example in its row and a line under its table; others none."""
+    from eval.quality.real_model_report import ratio_table, rows_for
+
+    cells = {
+        "full": {1: {"tf_correct": 1, "gen_correct": 1, "answer_nll": 0.1}, 2: {"tf_correct": 1, "gen_correct": 1, "answer_nll": 0.1}},
+        "kvzip@0.5": {
+            1: {"tf_correct": 1, "gen_correct": 1, "answer_nll": 0.2, "scoring_tokens": 2100},
+            2: {"tf_correct": 0, "gen_correct": 0, "answer_nll": 0.9, "scoring_tokens": 2200},
+        },
+        "snapkv@0.5": {
+            1: {"tf_correct": 1, "gen_correct": 0, "answer_nll": 0.3},
+            2: {"tf_correct": 0, "gen_correct": 0, "answer_nll": 1.0},
+        },
+    }
+    key = ("multiq", 2048, "agnostic")
+    rows = rows_for("jaxkv", {key: cells})
+    assert {r["method"]: r.get("scoring_tokens") for r in rows} == {"full": None, "kvzip": 2150.0, "snapkv": None}
+    text = "\n".join(ratio_table(rows, key, ("jaxkv",)))
+    assert "jaxkv kvzip@0.5 2150." in text and "snapkv@0.5 " not in text
 
 
 def test_report_merges_the_cells_of_one_example_across_journals(tmp_path):

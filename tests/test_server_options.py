@@ -75,7 +75,11 @@ APPS = {  # the two servers' settings (make_app keywords)
         max_positions=2048,
         max_tokens=4,
         rules=OptionRules(
-            allow_policies={"snapkv", "streaming_llm"}, max_budget=256, allow_layouts={"compact"}, max_repair=16, allow_reuse={"segment"}
+            allow_policies={"snapkv", "streaming_llm", "kvzip"},
+            max_budget=256,
+            allow_layouts={"compact"},
+            max_repair=16,
+            allow_reuse={"segment"},
         ),
     ),
     "quantized": dict(
@@ -123,6 +127,25 @@ def test_policy_and_budget_per_request(served, doc):
     assert streaming["options"] == {**snap["options"], "policy": "streaming_llm"} and streaming["evicted_tokens"] > 0
     total = snap["evicted_tokens"] + wider["evicted_tokens"] + streaming["evicted_tokens"]
     assert metric(served.url, "jaxkv_evicted_tokens_total") - evicted_before == total  # the server's own count agrees
+
+
+def test_kvzip_per_request_reports_the_tokens_it_forwarded_to_score(served, doc, model):
+    """KVzip chosen per request: its event keeps B of the prompt, and the report
+    counts its reconstruction pass (one chunk: the prompt after the template's
+    prefix, behind the repeat prompt and the template's suffix); other policies
+    forward nothing to score."""
+    from jaxkv.policies import kvzip
+
+    msgs = document_chat(doc, question="Which record is in the middle?")
+    r, report = ask(served.url, msgs, session_id="kvzip-48", policy="kvzip", budget=BUDGET)
+    assert report["options"] == {**OFF, "policy": "kvzip", "budget": BUDGET, "layout": "dead_slot"}
+    live = r.usage.prompt_tokens
+    assert report["evicted_tokens"] == live - BUDGET > 0
+    prefix, suffix = kvzip.template_split(model.tokenizer)
+    prompt = len(model.tokenizer.encode(kvzip.FIRST_PROMPT, add_special_tokens=False)) + suffix.size
+    assert report["scoring_tokens"] == live - prefix + prompt
+    _, snap = ask(served.url, msgs, session_id="kvzip-snap-48", policy="snapkv", budget=BUDGET)
+    assert snap["scoring_tokens"] == 0 and snap["evicted_tokens"] == report["evicted_tokens"]
 
 
 def test_layout_per_request(served, doc):

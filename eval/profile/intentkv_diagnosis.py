@@ -67,8 +67,10 @@ class LiveRecorder:
         self.live: list[np.ndarray] = []
         recorder = self
 
-        def after_prefill(stage, turn, captured):
-            recorder.original(stage, turn, captured)
+        def after_prefill(stage, turn, captured):  # a turn program: the pipeline runs it (and the stage's own engine work)
+            work = recorder.original(stage, turn, captured)
+            if work is not None:
+                yield from work
             recorder.live.append(np.asarray(turn.req.live_positions()).copy())
 
         retention.RetentionStage.after_prefill = after_prefill

@@ -162,6 +162,27 @@ def cell_options(cell: Cell, example_seed: int) -> dict:
     return options
 
 
+def pass_positions(cells, model, n_request: int, positions: int) -> int:
+    """The positions an example's engine needs: ``positions``, or more where a cell's
+    policy runs reconstruction passes (KVzip): room for a pass of ``chunk_size``
+    context tokens and its prompt past the compressed request, as kvpress runs it
+    (a row with less room is scored in smaller chunks,
+    ``jaxkv.serving.stages.reconstruction``), and for the turn's slot reservation,
+    which holds one pass beside the whole conversation; within the model's context."""
+    from jaxkv.policies import get_policy, kvzip
+
+    need = positions
+    for cell in cells:
+        if cell.method is None:
+            continue
+        policy = get_policy(cell.method)
+        config = policy.make_config(**{k: v for k, v in cell.options if k not in SET_OPTIONS})
+        if policy.needs(config).reconstruction:
+            room = min(config.chunk_size, n_request) + kvzip.pass_overhead(model.tokenizer)
+            need = max(need, -(-(positions + room) // 256) * 256)  # a turn's reservation holds a pass beside it
+    return min(need, model.config.max_position_embeddings)
+
+
 def _retention_stage(cell: Cell, budget: int, model, example_seed: int):
     from jaxkv.serving.stages.retention import RetentionSpec, RetentionStage
 
@@ -186,11 +207,16 @@ def branch_program(turn, probe: ProbeStage, cells, stages, measure):
             if stage is not None:
                 stage.begin(turn)
                 stage.prompt_capture(turn)  # the positions its features come from
-                stage.after_prefill(turn, probe.captured)  # the compression event, as at the end of a prefill
+                work = stage.after_prefill(turn, probe.captured)  # the compression event, as at the end of a prefill
+                if work is not None:  # a reconstruction policy's passes (KVzip), then its event
+                    yield from work
                 stage.end(turn)
                 kept = turn.req.reads_per_layer()  # per-layer sets: keys a layer reads (the slots held are their union)
+            scoring = sum(c.scoring_tokens for c in turn.session.compressions[n_reports:])
             result = yield from measure(turn, first_logits)
             result.update(kept=int(kept), seconds=round(time.perf_counter() - t0, 3))
+            if scoring:
+                result["scoring_tokens"] = int(scoring)  # tokens forwarded to score (KVzip's passes), beside the request's
             out[cell.name] = result
             turn.engine.kv.rollback(checkpoint)
             del turn.session.compressions[n_reports:]
@@ -210,6 +236,7 @@ def run_example(model, example, setting: str, cells, *, positions: int, max_new:
     tok = model.tokenizer
     plans = real.plans(example, tok, setting)
     n_request = int(plans[0].compressed.size)
+    positions = pass_positions(cells, model, n_request, positions)
     server = None
     if any(c.per_layer for c in cells):  # per-layer cells need a live list per layer
         from jaxkv.serving import Server
@@ -261,6 +288,8 @@ def run_sessions(model, example, cells, ratio: float, *, positions: int, max_new
     plans = real.plans(example, tok, "agnostic")
     views = real.views(example)
     budget = budget_for_ratio(ratio, int(plans[0].compressed.size))
+    policies = [Cell(o["policy"], ratio, tuple((k, v) for k, v in o.items() if k not in ("policy", "repair", "extra"))) for _, o in cells]
+    positions = pass_positions(policies, model, int(plans[0].compressed.size), positions)
     messages = example.messages("agnostic")
     out = {}
     for name, options in cells:
@@ -288,6 +317,7 @@ def run_sessions(model, example, cells, ratio: float, *, positions: int, max_new
                 "budget": int(b),
                 "kept": int(session.compressions[0].live_after) if session.compressions else None,
                 "repaired": int(sum(len(r.promoted_positions) for r in session.repairs)),
+                "scoring_tokens": int(sum(c.scoring_tokens for c in session.compressions)),  # KVzip's passes; 0 for the rest
                 "seconds": round(time.perf_counter() - t0, 3),
             }
         finally:

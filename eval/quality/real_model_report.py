@@ -130,6 +130,9 @@ def rows_for(side: str, table: dict) -> list[dict]:
                 row.update(zip(("tf_acc", "tf_lo", "tf_hi"), mean_ci([by_seed[s]["tf_correct"] for s in seeds])))
                 row.update(zip(("gen_acc", "gen_lo", "gen_hi"), mean_ci([by_seed[s]["gen_correct"] for s in seeds])))
                 row["answer_nll"] = float(np.mean([by_seed[s]["answer_nll"] for s in seeds]))
+            scoring = [by_seed[s]["scoring_tokens"] for s in seeds if "scoring_tokens" in by_seed[s]]
+            if scoring:  # a policy's own passes (KVzip's reconstruction), tokens per example
+                row["scoring_tokens"] = float(np.mean(scoring))
             rows.append(row)
     return rows
 
@@ -334,6 +337,13 @@ def ratio_table(rows: list[dict], key: tuple, sides) -> list[str]:
         )
     else:
         lines.append("Cells: teacher-forced accuracy % [95% interval] / greedy exact match %.")
+    passes = [r for r in sel if r.get("scoring_tokens")]
+    if passes:
+        lines += [
+            "",
+            "Compute beside the quality: tokens a method forwarded to score, beside the compressed request's own prefill "
+            "(mean per example): " + ", ".join(f"{r['side']} {r['method']}@{r['ratio']:g} {r['scoring_tokens']:.0f}" for r in passes) + ".",
+        ]
     return lines + [""]
 
 

@@ -19,6 +19,7 @@ from jaxkv.policies import (  # noqa: E402,F401
     intentkv,
     intentkv_residual,
     keydiff,
+    kvzip,
     snapkv,
     streaming,
     tova,

@@ -74,6 +74,11 @@ class EventFeatures:
       query_span_N: which live positions lie inside the current turn's actionable
         query span (bool ``[N]``; false on padding). IntentKV's residual head reads
         its keys (K̄_Q). ``None`` = not computed (the head then sees no span keys).
+      pass_scores_LNK: scores of the live positions per layer and KV head
+        ``[L, N, Hkv]`` float32 that passes the engine ran over the request just
+        before the event computed (``Needs.reconstruction``: KVzip's
+        reconstruction passes, ``jaxkv.serving.stages.reconstruction``); 0 on
+        padding. ``None`` = no pass ran.
     """
 
     keys_LNKD: jax.Array
@@ -87,6 +92,7 @@ class EventFeatures:
     seq_len: jax.Array
     valid_N: jax.Array | None = None
     query_span_N: jax.Array | None = None
+    pass_scores_LNK: jax.Array | None = None
 
     def valid(self) -> jax.Array:
         """``valid_N``, or all-true when it was not given."""
@@ -125,6 +131,9 @@ class Needs:
         (``EventFeatures.query_span_N``).
       observe_rows: query rows to feed ``observe`` (AgentKV rings).
       decode_interval: compress every Δ decoded tokens (None: after prefill only).
+      reconstruction: before each event the engine runs KVzip's reconstruction
+        passes over the request (the policy's config gives ``chunk_size`` and
+        ``n_sink``) and hands their scores in ``EventFeatures.pass_scores_LNK``.
     """
 
     window: int = 0
@@ -133,6 +142,7 @@ class Needs:
     query_span: bool = False
     observe_rows: bool = False
     decode_interval: int | None = None
+    reconstruction: bool = False
 
 
 @dataclasses.dataclass(frozen=True)

@@ -6,8 +6,10 @@ prompt that asks it to repeat the context, followed by the context itself
 of those reconstruction queries pays it. A pair the model needs to reproduce its
 context is one any later question may need, so one compressed cache serves every
 later turn. This module is the score as pure, jit-able functions over explicit
-arrays, and the host-side builder of kvpress's reconstruction inputs; feeding them
-through jaxkv's engine and keeping the top scores is the engine's and a stage's job.
+arrays, the host-side builder of kvpress's reconstruction inputs, and the retention
+policy ``kvzip`` that keeps the top scores. Feeding the inputs through jaxkv's
+engine is the retention stage's (``jaxkv.serving.stages.reconstruction``: each
+pass is a prefill of the row, its queries captured, its own KV truncated away).
 
 What kvpress 0.5.5 does (``kvpress/presses/kvzip_press.py``, ``KVzipPress``), and
 what each function here matches:
@@ -41,11 +43,19 @@ what each function here matches:
   writes its score; the template prefix's positions are in no chunk and keep 0,
   then the first ``n_sink`` positions get the global maximum plus 1 (never
   evicted).
-* **Selection** (not here). kvpress drops the lowest scores over every layer, KV
+* **Selection** (kvpress's). kvpress drops the lowest scores over every layer, KV
   head and position at once (``layerwise=False``: each layer keeps its own count,
   each KV head its own set within it) and masks the dropped keys in attention
   (``masked_key_indices``, no memory saved); ``layerwise=True`` drops the same
   count in every layer.
+
+The policy (``kvzip``, ``KVzipConfig``). The engine's passes give each live
+position a score per layer and KV head (``EventFeatures.pass_scores_LNK``, assembled
+by ``context_scores``); a keep set takes their mean over layers and KV heads
+(``aggregate="max"``: their maximum), a per-layer set (``keep_sets="layer"``) its
+layer's mean over KV heads, and keeps ``F ∪ top-k`` as every policy does
+(ALGORITHMS.md §1), the first ``n_sink`` live entries forced (kvpress's sinks at
+the maximum plus one). A per-KV-head set, kvpress's, is not offered yet.
 
 Where jaxkv departs, or may: nothing in the score. The functions take the context
 keys the softmax may read as a mask (``softmax_N``) rather than slicing them, so one
@@ -53,21 +63,26 @@ compiled shape serves every chunk and padding; called with kvpress's masks
 (``chunk_masks``) they compute kvpress's numbers (``tests/test_kvzip.py`` holds them
 to a float64 NumPy statement of kvpress's code, GQA and padding included). Which keep
 set the scores feed (one per request, per layer, per KV head) and how the scores are
-aggregated for it are the policy's choice, not this module's.
+aggregated for it are the policy's choice (above), not the score's. What the
+passes cost is reported beside the event (``CompressionReport.scoring_tokens``:
+the tokens forwarded to score, beside the context's own prefill).
 
 Shape letters (``jaxkv.policies.base``): L layers, N context entries, X rows of a
 reconstruction input, Hq query heads (H in names), Hkv KV heads (K in names),
-G = Hq / Hkv, D head dim.
+G = Hq / Hkv, D head dim, A (layer, KV head) pairs.
 """
 
 from __future__ import annotations
 
 import dataclasses
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 
 from jaxkv.attention import group_heads, gqa_scores, masked_softmax
+from jaxkv.errors import ConfigError
+from jaxkv.policies.base import Needs, Policy, register
 
 N_SINK = 4
 CHUNK_SIZE = 2048
@@ -139,6 +154,57 @@ def context_scores(chunk_scores_LNK, n_sink: int = N_SINK):
     return total_LNK.at[:, :n_sink].set(total_LNK.max() + 1.0)
 
 
+PASS_ROW_BLOCK = 256  # rows of a pass whose softmax ``pass_scores`` holds at once
+
+
+def pass_scores(q_LXHD, k_LNKD, kself_LXKD, softmax_LN, scored_LN, valid_X, block: int = PASS_ROW_BLOCK):
+    """``reconstruction_scores`` of one pass with a context mask per layer, one
+    (layer, KV head) pair and ``block`` rows at a time: ``[L, N, Hkv]`` float32.
+
+    ``softmax_LN`` / ``scored_LN`` (bool ``[L, N]``) are layer ``l``'s
+    ``softmax_N`` / ``scored_N`` (per-layer keep sets: each layer's softmax runs
+    over the entries it still reads); the other arguments are
+    ``reconstruction_scores``'s. Pair ``a = l·Hkv + k`` is layer ``l``'s KV head
+    ``k`` with its ``G`` query heads; each block of rows ``[r, r + block)`` takes
+    its own softmax over the context's visible entries and the input's keys up to
+    each row (causal), exactly as ``reconstruction_scores`` does, and the scores
+    are the maximum over blocks. So the largest array held is ``[G, block, N + X]``
+    (one call over every layer would hold ``[L, Hkv, G, X, N + X]``: about 9 GB for
+    a 2,048-token context and pass on SmolLM2), and the numbers are the same."""
+    L, X, Hq, D = q_LXHD.shape
+    N, Hkv = k_LNKD.shape[1], k_LNKD.shape[2]
+    A, G = L * Hkv, Hq // Hkv
+    R = min(int(block), X)
+    blocks = -(-X // R)
+    q_AXGD = jnp.swapaxes(group_heads(jnp.asarray(q_LXHD, jnp.float32), Hkv), 1, 2).reshape(A, X, G, D)
+    q_AXGD = jnp.pad(q_AXGD, ((0, 0), (0, blocks * R - X), (0, 0), (0, 0)))  # padding rows: invalid
+    k_AND = jnp.swapaxes(jnp.asarray(k_LNKD, jnp.float32), 1, 2).reshape(A, N, D)
+    kself_AXD = jnp.swapaxes(jnp.asarray(kself_LXKD, jnp.float32), 1, 2).reshape(A, X, D)
+    softmax_AN = jnp.repeat(jnp.asarray(softmax_LN, bool), Hkv, axis=0)
+    scored_AN = jnp.repeat(jnp.asarray(scored_LN, bool), Hkv, axis=0)
+    valid_X = jnp.asarray(valid_X, bool)
+    valid_rows = jnp.pad(valid_X, (0, blocks * R - X))
+    cols_X = jnp.arange(X)
+
+    def one(pair):
+        q_XGD, k_ND, kself_XD, softmax_N, scored_N = pair
+
+        def rows(b):
+            q_RGD = jax.lax.dynamic_slice_in_dim(q_XGD, b * R, R)
+            row_R = b * R + jnp.arange(R)
+            logits_GRM = jnp.concatenate([gqa_scores(q_RGD[:, None], k_ND[:, None]), gqa_scores(q_RGD[:, None], kself_XD[:, None])], -1)[0]
+            causal_RX = (cols_X[None, :] <= row_R[:, None]) & valid_X[None, :]
+            visible_RM = jnp.concatenate([jnp.broadcast_to(softmax_N[None, :], (R, N)), causal_RX], axis=-1)
+            probs_GRN = masked_softmax(logits_GRM, visible_RM)[..., :N]
+            probs_GRN = jnp.where(jax.lax.dynamic_slice_in_dim(valid_rows, b * R, R)[None, :, None], probs_GRN, 0.0)
+            return probs_GRN.max(axis=(0, 1))
+
+        return jnp.where(scored_N, jax.lax.map(rows, jnp.arange(blocks)).max(axis=0), 0.0)
+
+    score_AN = jax.lax.map(one, (q_AXGD, k_AND, kself_AXD, softmax_AN, scored_AN))
+    return score_AN.reshape(L, Hkv, N).transpose(0, 2, 1)
+
+
 # --------------------------------------------------------------------------- the inputs (host side)
 @dataclasses.dataclass(frozen=True)
 class RepeatChunk:
@@ -188,3 +254,70 @@ def repeat_chunks(tokenizer, context_ids, chunk_size: int = CHUNK_SIZE, prev_pos
         ids = np.concatenate([head, suffix, chunk])
         out.append(RepeatChunk(prefix + lo, prefix + lo + chunk.size, ids, int(head.size + suffix.size)))
     return out
+
+
+def pass_overhead(tokenizer, prev_postfix: int = PREV_POSTFIX) -> int:
+    """The most ids a pass's input carries besides its chunk (``RepeatChunk.prompt``
+    of a later chunk, or of the first when that is longer): what a row needs past
+    its context for a pass, beside the chunk."""
+    _, suffix = template_split(tokenizer)
+    encode = lambda t: len(tokenizer.encode(t, add_special_tokens=False))
+    return max(encode(FIRST_PROMPT), encode(LATER_PROMPT) + int(prev_postfix)) + int(suffix.size)
+
+
+# --------------------------------------------------------------------------- the policy
+AGGREGATES = ("mean", "max")
+
+
+@dataclasses.dataclass(frozen=True)
+class KVzipConfig:
+    """Attributes:
+    chunk_size: context tokens per reconstruction pass; default 2,048 (kvpress's).
+      A row whose positions past the context cannot hold a pass of this many
+      tokens is scored in smaller chunks (``jaxkv.serving.stages.reconstruction``).
+    n_sink: the first live entries every pass's softmax reads and every keep set
+      holds; default 4 (kvpress's).
+    aggregate: a position's one score from its scores per layer and KV head:
+      ``"mean"`` (default, ALGORITHMS.md §1) or ``"max"``.
+    """
+
+    chunk_size: int = CHUNK_SIZE
+    n_sink: int = N_SINK
+    aggregate: str = "mean"
+
+    def __post_init__(self):
+        if self.aggregate not in AGGREGATES:
+            raise ConfigError(f"kvzip aggregate must be one of {AGGREGATES}, got {self.aggregate!r}")
+        if self.chunk_size < 1 or self.n_sink < 0:
+            raise ConfigError(f"kvzip needs chunk_size >= 1 and n_sink >= 0, got chunk_size={self.chunk_size}, n_sink={self.n_sink}")
+
+
+def keep(cfg: KVzipConfig, feats):
+    """The first ``n_sink`` real entries (kvpress's sinks, scored above every other)."""
+    valid = feats.valid()
+    return valid & (jnp.cumsum(valid) <= cfg.n_sink)
+
+
+def score(cfg: KVzipConfig, state, feats, candidates_N):
+    """The passes' scores of each live position, aggregated over layers and KV heads."""
+    if feats.pass_scores_LNK is None:
+        raise ConfigError("kvzip scores from its reconstruction passes: the event's features carry none (pass_scores_LNK)")
+    s_LNK = jnp.asarray(feats.pass_scores_LNK, jnp.float32)
+    s_N = s_LNK.mean(axis=(0, 2)) if cfg.aggregate == "mean" else s_LNK.max(axis=(0, 2))
+    return jnp.where(jnp.asarray(candidates_N, bool), s_N, 0.0), state
+
+
+def needs(cfg: KVzipConfig) -> Needs:
+    return Needs(reconstruction=True)
+
+
+POLICY = register(
+    Policy(
+        name="kvzip",
+        config=KVzipConfig,
+        score=score,
+        needs=needs,
+        keep=keep,
+        doc="KVzip: attention from the model's reconstruction of its context (extra passes); sinks kept.",
+    )
+)

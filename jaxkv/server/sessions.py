@@ -386,7 +386,9 @@ def turn_report(session, before: tuple) -> dict:
     """What each mechanism did in the turn since ``ledger(session)`` was ``before``
     (the response's ``jaxkv`` object): ``options`` (``session_options``),
     ``evicted_tokens`` (retention), ``compacted_tokens`` (rows a compact layout
-    copied), ``repaired_rows`` (RepairKV promotions), ``reused_tokens`` (prompt
+    copied), ``scoring_tokens`` (tokens a policy forwarded to score, beside the
+    prompt's: KVzip's reconstruction passes), ``repaired_rows`` (RepairKV
+    promotions), ``reused_tokens`` (prompt
     tokens spliced from stored segments), ``kv_avg_bits`` (average bits per element
     of the live KV after the prefill; None at full precision). Call it on the
     scheduler thread as the turn ends, before the session's next turn can start."""
@@ -403,6 +405,7 @@ def turn_report(session, before: tuple) -> dict:
         "options": session_options(session),
         "evicted_tokens": int(sum(c.plan.evicted_positions.size for c in compressions)),
         "compacted_tokens": int(sum(c.plan.copy_src.size for c in compressions)),
+        "scoring_tokens": int(sum(c.scoring_tokens for c in compressions)),
         "repaired_rows": int(sum(r.promoted_positions.size for r in session.repairs[r0:])),
         "reused_tokens": int(sum(r.spliced_tokens for r in reuse.reports[u0:])) if reuse is not None else 0,
         "kv_avg_bits": bits,

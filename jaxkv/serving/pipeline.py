@@ -143,6 +143,9 @@ class Turn:
       uncompressed: request size without pruning (raw KV reads, peak request tokens).
       metrics: this request's ``RequestMetrics``.
       stages: the session's stages.
+      memo: what stages computed from the row as it stands, keyed by what it
+        depends on (KVzip's reconstruction passes), so an evaluation's cells
+        branched from one prefill compute it once.
     """
 
     def __init__(self, session, rendered):
@@ -167,6 +170,7 @@ class Turn:
         self.reply_margins: list[float] = []
         self.stop_requested = False  # end the reply at the next decode-chunk boundary (``request_stop``)
         self._sent = 0  # tokens of the current decode job already passed to the listener
+        self.memo: dict = {}
         self._began: list = []
 
     # -- open / close ------------------------------------------------------------------
@@ -360,7 +364,9 @@ class Turn:
         self._tag_prompt(start, self.req.seq_len)
         captured = Captured(start, self.req.seq_len, q_pos, job.q_rows if q_pos.size else None, self._add_mass(job.mass))
         for stage in self.stages:
-            stage.after_prefill(self, captured)
+            work = stage.after_prefill(self, captured)
+            if work is not None:  # engine work of the stage's own (KVzip's reconstruction passes)
+                yield from work
         self.observe_live()  # post-pruning live KV of the prompt (and promoted rows)
         return job
 

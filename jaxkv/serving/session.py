@@ -554,13 +554,19 @@ class Session:
     def _reservation(self, tokens: int) -> int:
         """Slots a turn of ``tokens`` prompt + reply tokens may allocate: doubled for
         a compact layout (kept rows are copied before the old ones go), plus K for
-        repair."""
+        repair, plus a reconstruction pass's input for a policy that runs them
+        (KVzip: ``reconstruction.slots_needed``; each pass's slots are freed before
+        the next)."""
         need = int(tokens)
         spec = self.retention
         if spec is not None and spec.layout == "compact":
             need *= 2
         if self.repair is not None:
             need += self.repair.k
+        if spec is not None and spec.policy.needs(spec.config).reconstruction:
+            from jaxkv.serving.stages.reconstruction import slots_needed
+
+            need += slots_needed(spec.config, self.tokenizer, tokens)
         return need
 
     def _submit(self, program, turn, tokens: int, finish) -> ChatHandle:

@@ -16,8 +16,12 @@ Hooks (every one optional; ``turn`` is the ``pipeline.Turn``):
 * ``before_prefill(turn, job) -> handler | None``: may annotate the prompt's
   ``PrefillJob`` (``kv_bits``) or take it over by returning a generator that runs
   the prefill itself (e.g. by splicing reused KV) and returns a job-like result.
-* ``after_prefill(turn, captured)``: after the prompt is prefilled (compression
-  event, repair). Stages run in order, so repair sees the compressed request.
+* ``after_prefill(turn, captured) -> program | None``: after the prompt is
+  prefilled (compression event, repair). Stages run in order, so repair sees the
+  compressed request. A stage that needs engine work first (KVzip's
+  reconstruction passes: prefills of the row it truncates again) returns a
+  generator that yields engine jobs, as a turn program does; the pipeline runs it
+  to its end before the next stage's hook.
 * ``decode_interval(turn) -> int | None`` and ``decode_capture(turn) -> Capture``:
   decode in chunks of at most this many tokens, capturing these features.
 * ``after_decode_chunk(turn, captured, more)``: after each decode chunk; ``more``
@@ -103,7 +107,8 @@ class Stage:
     def before_prefill(self, turn, job):
         return None
 
-    def after_prefill(self, turn, captured) -> None: ...
+    def after_prefill(self, turn, captured):
+        return None
 
     def decode_interval(self, turn) -> int | None:
         return None

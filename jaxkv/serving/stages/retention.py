@@ -13,7 +13,10 @@ What it does in a turn (ALGORITHMS.md §1-5):
   observation window, IntentKV's actionable-query span, AgentKV's per-phase
   rows) and attention mass (H2O).
 * ``after_prefill``: folds them into the policy state (``observe``), then one
-  compression event if the live history exceeds B.
+  compression event if the live history exceeds B. A policy that scores from
+  reconstruction passes (``Needs.reconstruction``: KVzip) runs them first, as
+  engine work the hook returns (``reconstruction.run_passes``), and its event
+  reads their scores.
 * ``after_decode_chunk`` (policies with a decode interval Δ): the same, every Δ
   decoded tokens.
 
@@ -53,13 +56,14 @@ import numpy as np
 from jaxkv.buckets import bucket, event_size, event_sizes
 from jaxkv.cache.allocator import SENTINEL_SLOT
 from jaxkv.chat.tags import Phase
-from jaxkv.errors import ConfigError
+from jaxkv.errors import ConfigError, JaxKVError
 from jaxkv.models import registry
 from jaxkv.policies import EventFeatures, Observation, get_policy, layouts
 from jaxkv.policies.base import KEEP_SETS, LAYER_BUDGETS, layer_budgets, select
 from jaxkv.policies.intentkv_head import CONFIG_FILE as HEAD_CONFIG_FILE
 from jaxkv.policies.intentkv_head import HEAD_FOLDER
 from jaxkv.policies.layouts import LAYOUTS
+from jaxkv.serving.stages import reconstruction
 from jaxkv.serving.stages.base import Capture, Stage, register
 
 
@@ -165,6 +169,7 @@ class CompressionReport:
     evicted_scores: np.ndarray | None = None  # policy score of each plan.evicted_positions entry
     decision_margin: float = float("inf")  # lowest kept candidate score minus highest evicted one (inf: none evicted)
     layer_live_after: np.ndarray | None = None  # per-layer sets: positions each layer reads after the event ([L])
+    scoring_tokens: int = 0  # tokens forwarded to score the event beside the context's own (KVzip's reconstruction passes)
 
 
 @functools.partial(jax.jit, static_argnames=("policy", "cfg"))
@@ -240,7 +245,7 @@ def score_and_select_layers(policy, cfg, state, feats, forced_LN, budgets_L):
     return kept, scores, (jax.tree.map(lambda x: x[0], states) if policy.layer_state is None else state)
 
 
-def layer_features(engine, row: int, window_q_LWHD, window_pos_W, window_valid_W, query_mean_LHD):
+def layer_features(engine, row: int, window_q_LWHD, window_pos_W, window_valid_W, query_mean_LHD, pass_scores_LNK=None):
     """A per-layer event's features of a row: ``(feats, positions_L, forced_LN)``.
 
     ``feats`` stack the one-layer views ``score_and_select_layers`` takes: layer
@@ -249,7 +254,9 @@ def layer_features(engine, row: int, window_q_LWHD, window_pos_W, window_valid_W
     of the positions it reads (``[L, N]``, padded as one set's are), the window's
     queries and the query mean cut to layer ``l``. ``N`` is the event size of the
     row's union of live positions (one compile per size, as for one set);
-    ``forced_LN`` the pinned positions of each layer's list."""
+    ``forced_LN`` the pinned positions of each layer's list. ``pass_scores_LNK``
+    (reconstruction passes' scores over the union's entries, ``[L, N, Hkv]``)
+    become each layer's view of its own entries, ``[L, 1, N, Hkv]``."""
     req = engine.row_state[row]
     L = engine.model.config.num_layers
     seq_len = req.seq_len
@@ -263,6 +270,12 @@ def layer_features(engine, row: int, window_q_LWHD, window_pos_W, window_valid_W
         return out
 
     wpos, wvalid = np.asarray(window_pos_W), np.asarray(window_valid_W)
+    layer_pass = None
+    if pass_scores_LNK is not None:
+        union, S = req.live_positions(), np.asarray(pass_scores_LNK, np.float32)
+        layer_pass = np.zeros((L, 1, *S.shape[1:]), np.float32)
+        for l, pos in enumerate(per_layer):
+            layer_pass[l, 0, : pos.size] = S[l, np.searchsorted(union, pos)]
     feats = EventFeatures(
         keys_LNKD=keys[:, None],
         positions_N=np.stack([np.concatenate([pos, seq_len + 1 + np.arange(N - pos.size)]) for pos in per_layer]).astype(np.int32),
@@ -275,6 +288,7 @@ def layer_features(engine, row: int, window_q_LWHD, window_pos_W, window_valid_W
         seq_len=np.full(L, seq_len, np.int32),
         valid_N=np.arange(N)[None, :] < np.asarray([pos.size for pos in per_layer])[:, None],
         query_span_N=per_position(req.query, False, bool),
+        pass_scores_LNK=layer_pass,
     )
     return feats, per_layer, per_position(req.pinned, False, bool)
 
@@ -394,6 +408,8 @@ class RetentionStage(Stage):
             ring = self.ring_pos
             q = captured.q_rows(ring) if ring.size else None
             self._observe(turn, q, np.asarray(turn.rendered.phase, np.int32)[ring], new_turn=True)
+        if self.needs.reconstruction:
+            return self.compress_after_passes(turn)  # engine work: the pipeline runs it
         self.compress(turn)
 
     def decode_interval(self, turn) -> int | None:
@@ -413,14 +429,35 @@ class RetentionStage(Stage):
             self.compress(turn)
 
     # -- the event ---------------------------------------------------------------------
-    def compress(self, turn) -> None:
-        """One compression event if the request's live history exceeds the budget."""
+    def event_due(self, turn) -> bool:
+        """Whether the request reads more than the budget: its live history (one
+        set), or some layer's list more than that layer's budget (per-layer sets)."""
+        spec, req = self.spec, turn.req
+        if spec.keep_sets == "layer":
+            L = turn.engine.model.config.num_layers
+            return any(pos.size > b for pos, b in zip(req.layer_positions(L), layer_budgets(spec.budget, L, spec.layer_budgets)))
+        return req.live_positions().size > spec.budget
+
+    def compress_after_passes(self, turn):
+        """A turn program: when an event is due, the policy's reconstruction passes
+        (``reconstruction.run_passes``), then the event on their scores."""
+        if not self.event_due(turn):
+            return
+        passes = yield from reconstruction.run_passes(turn, self.spec.config)
+        self.compress(turn, passes)
+
+    def compress(self, turn, passes=None) -> None:
+        """One compression event if the request's live history exceeds the budget;
+        ``passes``: the ``reconstruction.PassResult`` a reconstruction policy's
+        event scores from (the stage's ``compress_after_passes`` gives it)."""
+        if self.needs.reconstruction and passes is None:
+            raise JaxKVError(f"policy {self.spec.policy.name!r} scores from reconstruction passes: none ran before this event")
+        if not self.event_due(turn):
+            return
         if self.spec.keep_sets == "layer":
-            return self.compress_layers(turn)
+            return self.compress_layers(turn, passes)
         spec, req = self.spec, turn.req
         live_pos = req.live_positions()
-        if live_pos.size <= spec.budget:
-            return
         cfg = turn.engine.model.config
         seq_len = req.seq_len
         wq, wpos, wvalid = self._window_rows(cfg, req, seq_len)
@@ -443,26 +480,29 @@ class RetentionStage(Stage):
             seq_len=np.int32(seq_len),
             valid_N=np.arange(N) < n,
             query_span_N=pad(req.query[live_pos], False),
+            pass_scores_LNK=None if passes is None else passes.scores_LNK,
         )
         forced = pad(req.pinned[live_pos], False)
         self.retention.state, report = compress_row(
             turn.engine, turn.row, spec.policy, spec.config, self.retention.state, feats, forced, spec.budget, spec.layout, apply=turn.evict
         )
+        if passes is not None:
+            report = dataclasses.replace(report, scoring_tokens=passes.tokens)
         turn.session.compressions.append(report)
         if report.plan.renumbered:  # compact: positions are now 0..K-1; the window's are gone
             self.window = None
         turn.observe_live()
 
-    def compress_layers(self, turn) -> None:
-        """One per-layer event (``keep_sets="layer"``) if some layer reads more than
-        its budget (``layer_features``, ``compress_row_layers``)."""
+    def compress_layers(self, turn, passes=None) -> None:
+        """One per-layer event (``keep_sets="layer"``), called by ``compress`` when
+        some layer reads more than its budget (``layer_features``,
+        ``compress_row_layers``)."""
         spec, req, engine = self.spec, turn.req, turn.engine
         cfg = engine.model.config
         budgets = layer_budgets(spec.budget, cfg.num_layers, spec.layer_budgets)
-        if all(pos.size <= b for pos, b in zip(req.layer_positions(cfg.num_layers), budgets)):
-            return
         qm = self.query_mean if self.query_mean is not None else np.zeros((cfg.num_layers, cfg.num_heads, cfg.head_dim), np.float32)
-        feats, per_layer, forced = layer_features(engine, turn.row, *self._window_rows(cfg, req, req.seq_len), qm)
+        scores = None if passes is None else passes.scores_LNK
+        feats, per_layer, forced = layer_features(engine, turn.row, *self._window_rows(cfg, req, req.seq_len), qm, scores)
         self.retention.state, report = compress_row_layers(
             engine,
             turn.row,
@@ -476,6 +516,8 @@ class RetentionStage(Stage):
             spec.layout,
             apply=turn.evict,
         )
+        if passes is not None:
+            report = dataclasses.replace(report, scoring_tokens=passes.tokens)
         turn.session.compressions.append(report)
         if report.plan.renumbered:
             self.window = None
@@ -535,7 +577,7 @@ def policy_warmup(policies=None):
         spec = RetentionSpec.make(name, 1, "dead_slot", config)
         specs.append(({"policy": name, "budget": 1, **config}, spec))
         needs = spec.policy.needs(spec.config)
-        variants["capture_q"] |= bool(needs.window or needs.query_mean or needs.observe_rows)
+        variants["capture_q"] |= bool(needs.window or needs.query_mean or needs.observe_rows or needs.reconstruction)
         variants["attn_mass"] |= bool(needs.attn_mass)
         variants["decode_q"] |= bool(needs.decode_interval and (needs.window or needs.observe_rows) and not needs.attn_mass)
     return specs, variants
@@ -544,7 +586,8 @@ def policy_warmup(policies=None):
 def warm_events(spec: RetentionSpec, engine) -> int:
     """Compile one policy's event programs for every live bucket an engine's rows
     can reach (``buckets.event_sizes``): the key gather, ``score_and_select`` and
-    ``observe``, on zero features of each shape (the server's warm-up). The shapes
+    ``observe``, on zero features of each shape (the server's warm-up), and a
+    reconstruction policy's pass scoring (``reconstruction.warm``). The shapes
     are those ``RetentionStage.compress`` and ``_observe`` build. Returns the
     programs run."""
     cfg = engine.model.config
@@ -566,6 +609,7 @@ def warm_events(spec: RetentionSpec, engine) -> int:
             seq_len=np.int32(N),
             valid_N=np.ones(N, bool),
             query_span_N=np.zeros(N, bool),
+            pass_scores_LNK=np.zeros((cfg.num_layers, N, cfg.num_kv_heads), np.float32) if needs.reconstruction else None,
         )
         jax.block_until_ready(score_and_select(spec.policy, spec.config, state, feats, np.zeros(N, bool), np.int32(1)))
         ran += 2
@@ -579,6 +623,8 @@ def warm_events(spec: RetentionSpec, engine) -> int:
         )
         jax.block_until_ready(_observe_jit(spec.policy.observe, spec.config, state, obs))
         ran += 1
+    if needs.reconstruction:
+        ran += reconstruction.warm(spec.config, engine)
     return ran
 
 
@@ -609,6 +655,8 @@ def _factory(session, options: dict, built: list):
             "(a session without server= builds one)"
         )
     spec.policy.init_state(spec.config, session.model.config)  # a state that cannot be built fails here, not mid-turn
+    if spec.policy.needs(spec.config).reconstruction and getattr(session.model, "tokenizer", None) is None:
+        raise ConfigError(f"policy {name!r} repeats the context to score it: it needs the model's tokenizer (the repeat prompt)")
     return RetentionStage(spec)
 
 
