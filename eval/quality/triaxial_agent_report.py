@@ -29,7 +29,7 @@ Reads, under ``--root``:
 
 Each triaxial row names the allocation its B gives under the calibration the
 sessions found (``--calibration``, default the one shipped for SmolLM2): which
-tags are INT2. Writes ``--out``.
+tags are INT2 (and, for an allocation with the INT3 tier, which are INT3). Writes ``--out``.
 """
 
 from __future__ import annotations
@@ -63,7 +63,11 @@ def int2_tags(calibration: Path, budget: float) -> str:
 
     bits = load_allocation(calibration).bits(budget)
     low = [name.split("|")[-1] for name, b in bits.items() if b == 2]
-    return "every tag" if len(low) == len(bits) else (", ".join(low) or "none")
+    mid = [name.split("|")[-1] for name, b in bits.items() if b == 3]  # the INT3 tier's tags, named apart
+    text = "every tag" if len(low) == len(bits) else (", ".join(low) or "none")
+    if mid:
+        text = (text + "; " if low else "") + ("every tag" if len(mid) == len(bits) else ", ".join(mid)) + " INT3"
+    return text
 
 
 def agent_table(rows: list[dict], calibration: Path) -> list[str]:
