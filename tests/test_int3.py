@@ -88,7 +88,7 @@ def test_pool_pages_of_both_widths_round_trip_and_count_their_bytes():
     k, v = jnp.asarray(x), jnp.asarray(x[::-1].copy())
     slots = jnp.asarray(np.concatenate([np.arange(32, 96), geo.off4 + np.arange(32)]))  # page 1 (INT2), page 2 (INT3), INT4
     src, ids = jnp.arange(64).reshape(2, PAGE), jnp.asarray([1, 2])
-    create = lambda g: DualPool.create(g, num_layers=1, num_kv_heads=2, head_dim=64, dtype=jnp.float32)
+    create = lambda g: DualPool.create(g, num_layers=1, num_kv_heads=2, head_dim=64, dtype=jnp.float32)  # noqa: E731
     pool = write_tokens(create(geo), geo, 0, k, v, slots, src, ids).layer(0)
     kd, vd = (np.asarray(a, np.float64) for a in dequantize_slots(pool, geo, slots))
     tiny = 2.0**-20 * (np.abs(x) + 1)
@@ -96,7 +96,7 @@ def test_pool_pages_of_both_widths_round_trip_and_count_their_bytes():
     assert (np.abs(kd[:64] - x[:64]).reshape(2, 32, 2, 64) <= ks[:, None] / 2 + tiny[:64].reshape(2, 32, 2, 64)).all()
     vs = np.asarray(pool.int2.v.scale[1:3], np.float64).transpose(0, 2, 1, 3).reshape(64, 2, 2)
     assert (np.abs(vd[:64] - x[::-1][:64]).reshape(64, 2, 2, 32) <= vs[..., None] / 2 + tiny[:64].reshape(64, 2, 2, 32)).all()
-    err = lambda a, b: float(np.sqrt(np.mean((a - b) ** 2)))
+    err = lambda a, b: float(np.sqrt(np.mean((a - b) ** 2)))  # noqa: E731
     assert err(kd[32:64], x[32:64]) < 0.6 * err(kd[:32], x[:32])  # the INT3 page is the finer one
     # the INT2 page is the bytes a pool without INT3 pages holds
     plain = Geometry(pages=2, int4_slots=40)
@@ -105,7 +105,7 @@ def test_pool_pages_of_both_widths_round_trip_and_count_their_bytes():
         assert np.array_equal(np.asarray(a)[:2], np.asarray(b)[:2])
     assert np.asarray(pool.hi[0][0]).any() and not np.asarray(pool.hi[0][1]).any()  # page 2's high plane; page 3 unwritten
     # device bytes per INT3 token (low planes, high planes, page scales and zeros) = bytes_per_token
-    size = lambda g: sum(x.size * np.dtype(x.dtype).itemsize for x in jax.tree.leaves(jax.eval_shape(lambda: create(g))))
+    size = lambda g: sum(x.size * np.dtype(x.dtype).itemsize for x in jax.tree.leaves(jax.eval_shape(lambda: create(g))))  # noqa: E731
     per_token = (size(Geometry(5, 1, 0, 2)) - size(Geometry(4, 1, 0, 1))) / PAGE
     assert per_token == bytes_per_token(INT3, head_dim=64, num_layers=1, num_kv_heads=2) == 128.0
     assert stored_bits(per_token, elements_per_token(head_dim=64, num_layers=1, num_kv_heads=2)) == 4.0
