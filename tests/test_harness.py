@@ -58,7 +58,14 @@ def test_harness_writes_csv_markdown_and_plots(task_model_dir, tmp_path, capsys)
 
 
 def test_harness_rejects_bad_arguments(task_model_dir, tmp_path):
-    for bad in (["--methods", "nope"], ["--layouts", "sideways"], ["--budgets", "abc"], ["--task", "chess"]):
+    kv_allocation_without_triaxial = ["--kv-quant", "none,int4", "--kv-allocation", "allocation.json"]
+    for bad in (
+        ["--methods", "nope"],
+        ["--layouts", "sideways"],
+        ["--budgets", "abc"],
+        ["--task", "chess"],
+        kv_allocation_without_triaxial,
+    ):
         args = harness.build_parser().parse_args(["--model", str(task_model_dir), "--out", str(tmp_path), *bad])
         with pytest.raises(ValueError):
             harness.run(args)

@@ -9,7 +9,7 @@
 * On K/V with outlier channels, a rotated INT4 pool's logits are closer to the
   float pool's than the unrotated INT4 pool's (the reason to rotate).
 * The blocked CPU backend and the fused kernels (interpret mode) agree on a
-  rotated pool, INT2 pages, INT4 tokens and KIVI's float residual alike.
+  rotated pool, INT2 and INT3 pages, INT4 tokens and KIVI's float residual alike.
 """
 
 from __future__ import annotations
@@ -120,7 +120,7 @@ def test_rotation_brings_an_outlier_pool_closer_to_the_float_pool(qmodel):
 def test_blocked_backend_and_fused_kernels_agree_on_a_rotated_pool(qmodel, mode):
     rng = np.random.default_rng(4)
     prompts = [rng.integers(5, 500, n).tolist() for n in (180, 70)]
-    bits = [np.where(rng.random(len(p)) < 0.6, 2, 4) for p in prompts] if mode == "triaxial" else None
+    bits = [rng.choice([2, 3, 4], len(p), p=[0.4, 0.35, 0.25]) for p in prompts] if mode == "triaxial" else None
     runs = {}
     for backend in (None, "interpret"):
         e = Engine(qmodel, rows=2, max_positions=256, kv_quant=mode, backend=backend, kv_rotate=True)
@@ -129,6 +129,8 @@ def test_blocked_backend_and_fused_kernels_agree_on_a_rotated_pool(qmodel, mode)
         keep = np.setdiff1d(np.arange(180), [3, 40, 41, 100])  # pages partly held: their bitmasks read
         e.kv.apply_layout(rows[0], layouts.dead_slot(e.row_state[rows[0]].slots, keep))
         runs[backend] = e.decode(rows, [7, 9], 3, return_logits=True, forced_tokens=[[11, 12], [14, 15]])
+        if mode == "triaxial":  # INT2 pages, INT3 pages and INT4 rows, some pages partly held
+            assert all(e.kv.composition(rows[0])[b] > 0 for b in (2, 3, 4))
         assert type(e.backend) is (QuantKernelBackend if backend else CpuQuantBackend) and e.pool.rotation is not None
     (tok_cpu, log_cpu), (tok_k, log_k) = runs[None], runs["interpret"]
     assert tok_cpu == tok_k

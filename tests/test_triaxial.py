@@ -122,7 +122,7 @@ def test_decode_tokens_go_to_int4_and_kivi_keeps_a_recent_float_window(qmodel):
             assert floats.tolist() == list(range(kinds.size - floats.size, kinds.size))
             assert (kinds[: kinds.size - floats.size] == INT2).all()  # everything older in pages of page_bits
             paged = kinds.size - floats.size
-            assert k.kv.composition(row) == {2: paged if page_bits == 2 else 0, 4: paged if page_bits == 4 else 0, 16: floats.size}
+            assert k.kv.composition(row) == {2: paged if page_bits == 2 else 0, 3: 0, 4: paged if page_bits == 4 else 0, 16: floats.size}
 
 
 def test_prefix_cached_token_keeps_its_first_precision(qmodel):
@@ -187,10 +187,11 @@ def test_shelved_rows_are_promoted_back_bit_identical(qmodel, mode):
 def test_quantized_decode_logits_equal_attention_over_dequantized_kv(qmodel, mode, backend):
     """The page-table path (``quantized_decode_attention``: kernel in interpret mode,
     reference on CPU) and the float reference over the dequantized live list give
-    the same logits; both write the new token the same way."""
+    the same logits; both write the new token the same way. The triaxial prompt
+    writes INT2 pages, INT3 pages and INT4 rows."""
     rng = np.random.default_rng(3)
     prompt = rng.integers(5, 500, 230).tolist()
-    bits = np.where(rng.random(230) < 0.6, 2, 4)
+    bits = rng.choice([2, 3, 4], 230, p=[0.4, 0.35, 0.25])
     logits = []
     for mass in (False, True):
         e = Engine(qmodel, rows=2, max_positions=512, kv_quant=mode, backend=backend)
@@ -199,6 +200,8 @@ def test_quantized_decode_logits_equal_attention_over_dequantized_kv(qmodel, mod
         e.kv.apply_layout(rows[0], layouts.dead_slot(e.row_state[rows[0]].slots, np.setdiff1d(np.arange(230), [3, 40, 41])))
         out = e.decode(rows, [7, 9], 4, return_logits=True, forced_tokens=[[11, 12, 13], [14, 15, 16]], attn_mass=mass)
         logits.append(np.stack(out[1]))
+        if mode == "triaxial":
+            assert e.kv.composition(rows[0])[INT2] >= PAGE and e.kv.composition(rows[0])[3] >= PAGE
     want = logits[1]
     assert np.abs(logits[0] - want).max() <= 1e-5 * np.abs(want).max()
 
@@ -233,7 +236,8 @@ def test_quantized_decode_window_equals_per_step_gather(qmodel, mode, monkeypatc
     step (``decode_parts_attention``): rows of different lengths over several key
     blocks, INT2 pages partly held (dead slots), and two calls, so the call's own
     new tokens are read back quantized both from the window's new part (within a
-    call) and from the pool (the next call's window)."""
+    call) and from the pool (the next call's window). The triaxial rows write INT2
+    pages, INT3 pages and INT4 rows."""
     import jaxkv.engine.runner as runner_mod
 
     calls = []
@@ -241,7 +245,7 @@ def test_quantized_decode_window_equals_per_step_gather(qmodel, mode, monkeypatc
     monkeypatch.setattr(runner_mod, "run_decode", lambda *a, **k: calls.append(k["width"]) or run(*a, **k))
     rng = np.random.default_rng(11)
     prompts = [rng.integers(5, 500, n).tolist() for n in (700, 150)]
-    bits = [np.where(rng.random(len(p)) < 0.6, 2, 4) for p in prompts] if mode == "triaxial" else None
+    bits = [rng.choice([2, 3, 4], len(p), p=[0.4, 0.35, 0.25]) for p in prompts] if mode == "triaxial" else None
     runs = {}
     for window in (True, False):
         e = Engine(qmodel, rows=2, max_positions=1024, kv_quant=mode)
@@ -255,7 +259,7 @@ def test_quantized_decode_window_equals_per_step_gather(qmodel, mode, monkeypatc
         runs[window] = (first, second)
     assert calls == [1024, 1024, 0, 0]  # each windowed call read a window as wide as the 700-entry list's bucket; then none
     if mode == "triaxial":
-        assert e.kv.composition(rows[0])[INT2] > 0
+        assert e.kv.composition(rows[0])[INT2] > 0 and e.kv.composition(rows[0])[3] > 0
     for (tok_w, log_w, aux_w), (tok_g, log_g, aux_g) in zip(*runs.values()):
         assert tok_w == tok_g
         for a, b in zip(log_w, log_g):

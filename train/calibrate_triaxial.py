@@ -36,16 +36,18 @@ evaluation harness):
    would write them (INT4) and take no part in the allocation.
 2. **Capture.** The last scored turn's prompt is run through the model once
    (dense causal prefill), capturing post-RoPE Q, K and V at every layer.
-3. **Distortion.** For each tag ``k`` present in a request and ``b in {2, 4}``,
+3. **Distortion.** For each tag ``k`` present in a request and ``b in {2, 3, 4}``,
    only tag-``k`` tokens are quantized in the serving formats
-   (``jaxkv.kernels.quant``: INT4 per token; INT2 keys per channel over pages of
-   32 tag-``k`` tokens in position order, INT2 values per token, the tokens that
-   do not fill a page INT4), attention is replayed for every query row, and the
+   (``jaxkv.kernels.quant``: INT4 per token; INT2 (INT3) keys per channel over
+   pages of 32 tag-``k`` tokens in position order, INT2 (INT3) values per token,
+   the tokens that do not fill a page INT4), attention is replayed for every query row, and the
    output MSE against full precision is taken per head. ``D_k(b)`` = max over
    heads, mean over the requests where ``k`` occurs, sum over layers.
    ``N_k`` = tokens written with tag ``k``, summed over requests (INST tags: the
    median per request, as the prefix cache stores one copy).
-4. **Allocation** (``jaxkv.policies.quant_allocation.solve``) for the full tag
+4. **Allocation** (``jaxkv.policies.quant_allocation.solve``, among 2, 3 and 4
+   bits; journals written before the INT3 tier have no ``D_k(3)`` and allocate
+   among 2 and 4) for the full tag
    space and the two ablations (temporal or semantic axis collapsed, D and N
    recomputed on the coarser tags).
 5. **Budget sweep** B in {2.0, 2.2, ..., 4.0}: the calibration conversations are
@@ -180,11 +182,12 @@ def capture(graphdef, params, tokens_T):
 
 
 @jax.jit
-def replay_error(q, k, v, o_ref, int4_mask, page_idx, page_ok, row_ok):
+def replay_error(q, k, v, o_ref, int4_mask, page_idx, page_ok, row_ok, page_idx3=None, page_ok3=None):
     """Attention outputs with some tokens quantized, against ``o_ref``, per layer.
 
     Tokens in ``page_idx [Q, 32]`` (where ``page_ok``) are INT2 pages (keys per
-    channel, values per token); tokens in ``int4_mask`` INT4; all others stay
+    channel, values per token), those in ``page_idx3`` (where ``page_ok3``) INT3
+    pages; tokens in ``int4_mask`` INT4; all others stay
     full precision. Returns ``(mse [L, Hq]`` over real
     rows and channels, ``rel [L]`` (Frobenius over real rows), ``last [L]`` (the
     last real row))``.
@@ -193,16 +196,18 @@ def replay_error(q, k, v, o_ref, int4_mask, page_idx, page_ok, row_ok):
     from jaxkv.kernels.quant import dequantize_int2_pool, dequantize_rows, quantize_int2_pool, quantize_rows
 
     T = k.shape[1]
-    flat = page_idx.reshape(-1)
-    dst = jnp.where(jnp.repeat(page_ok, 32), flat, T)
+    pages = [(page_idx.reshape(-1), jnp.where(jnp.repeat(page_ok, 32), page_idx.reshape(-1), T), 2)]
+    if page_idx3 is not None:
+        pages.append((page_idx3.reshape(-1), jnp.where(jnp.repeat(page_ok3, 32), page_idx3.reshape(-1), T), 3))
     last = jnp.max(jnp.where(row_ok, jnp.arange(T), 0))
 
     def one(q, k, v, o_ref):
         k_ = jnp.where(int4_mask[:, None, None], dequantize_rows(quantize_rows(k, 4)), k)
         v_ = jnp.where(int4_mask[:, None, None], dequantize_rows(quantize_rows(v, 4)), v)
-        k2, v2 = dequantize_int2_pool(quantize_int2_pool(k[flat], v[flat]))
-        k_ = k_.at[dst].set(k2, mode="drop")
-        v_ = v_.at[dst].set(v2, mode="drop")
+        for flat, dst, bits in pages:
+            k2, v2 = dequantize_int2_pool(quantize_int2_pool(k[flat], v[flat], bits))
+            k_ = k_.at[dst].set(k2, mode="drop")
+            v_ = v_.at[dst].set(v2, mode="drop")
         o = causal_attention(q[None], k_[None], v_[None])[0]
         d2 = ((o - o_ref) ** 2) * row_ok[:, None, None]
         mse = d2.sum(axis=(0, 2)) / (row_ok.sum() * o.shape[-1])
@@ -241,21 +246,28 @@ class Capture:
         self.codes = np.concatenate([codes, np.full(self.Tp - self.T, -1)])
         self.row_ok = jnp.asarray(np.arange(self.Tp) < self.T)
 
-    def error(self, int4_tokens=(), int2_tokens=(), float_leftover=False):
-        """Errors with these tokens quantized (the rest full precision); INT2 tokens
-        that do not fill a page are INT4, or full precision with ``float_leftover``
-        (KIVI's residual)."""
+    def error(self, int4_tokens=(), int2_tokens=(), float_leftover=False, int3_tokens=None):
+        """Errors with these tokens quantized (the rest full precision); INT2 (and
+        INT3) tokens that do not fill a page are INT4, or full precision with
+        ``float_leftover`` (KIVI's residual)."""
         int4 = np.zeros(self.Tp, bool)
         int4[np.asarray(int4_tokens, np.int64)] = True
         idx, ok, left = pages_of(int2_tokens, self.Tp)
         if not float_leftover:
             int4[left] = True
-        mse, rel, last = replay_error(self.q, self.k, self.v, self.o, jnp.asarray(int4), jnp.asarray(idx), jnp.asarray(ok), self.row_ok)
+        three = ()
+        if int3_tokens is not None:
+            idx3, ok3, left3 = pages_of(int3_tokens, self.Tp)
+            int4[left3] = True
+            three = (jnp.asarray(idx3), jnp.asarray(ok3))
+        args = (self.q, self.k, self.v, self.o, jnp.asarray(int4), jnp.asarray(idx), jnp.asarray(ok), self.row_ok, *three)
+        mse, rel, last = replay_error(*args)
         return np.asarray(mse), np.asarray(rel), np.asarray(last)
 
 
 class DistortionTables:
-    """Per variant: ``{tag index: (N, D2, D4)}`` (module docstring, step 3), built
+    """Per variant: ``{tag index: (N, D2, D4, D3)}`` (module docstring, step 3;
+    D3 None where a journaled request predates the INT3 tier), built
     one capture at a time (``add``) so captures need not stay in memory. A
     request's contribution (``request_entries``) is plain JSON, so a run can
     journal it and a resumed run ``merge`` it back instead of replaying."""
@@ -265,7 +277,7 @@ class DistortionTables:
 
     @staticmethod
     def request_entries(cap) -> dict:
-        """``{variant: {tag: {"count", "d2" [L], "d4" [L], "inst"}}}`` of one capture."""
+        """``{variant: {tag: {"count", "d2" [L], "d3" [L], "d4" [L], "inst"}}}`` of one capture."""
         from jaxkv.chat.tags import Semantic
         from jaxkv.policies.quant_allocation import tag_of_codes
 
@@ -281,19 +293,21 @@ class DistortionTables:
                 if key not in memo:
                     d4 = cap.error(int4_tokens=members)[0].max(axis=1)  # max over heads, per layer
                     d2 = cap.error(int2_tokens=members)[0].max(axis=1)
-                    memo[key] = (d2.tolist(), d4.tolist())
-                d2, d4 = memo[key]
+                    d3 = cap.error(int3_tokens=members)[0].max(axis=1)
+                    memo[key] = (d2.tolist(), d3.tolist(), d4.tolist())
+                d2, d3, d4 = memo[key]
                 inst = bool((cap.codes[members] % len(Semantic) == Semantic.INST).all()) if "semantic" in axes else None
-                out[name][int(tag)] = {"count": int(members.size), "d2": d2, "d4": d4, "inst": inst}
+                out[name][int(tag)] = {"count": int(members.size), "d2": d2, "d3": d3, "d4": d4, "inst": inst}
         return out
 
     def merge(self, entries: dict) -> None:
         """Add one request's ``request_entries`` (tags may be JSON strings)."""
         for name, per_tag in entries.items():
             for tag, e in per_tag.items():
-                entry = self.per_variant[name].setdefault(int(tag), {"counts": [], "d2": [], "d4": [], "inst": None})
+                entry = self.per_variant[name].setdefault(int(tag), {"counts": [], "d2": [], "d3": [], "d4": [], "inst": None})
                 entry["counts"].append(e["count"])
                 entry["d2"].append(np.asarray(e["d2"]))
+                entry["d3"].append(None if e.get("d3") is None else np.asarray(e["d3"]))
                 entry["d4"].append(np.asarray(e["d4"]))
                 if e["inst"] is not None:
                     entry["inst"] = e["inst"]
@@ -311,7 +325,10 @@ class DistortionTables:
             for tag, e in sorted(per_tag.items()):
                 N = float(np.median(e["counts"])) if e["inst"] else float(np.sum(e["counts"]))
                 # mean over requests (where the tag occurs), then sum over layers
-                table[tag] = (N, float(np.mean(e["d2"], axis=0).sum()), float(np.mean(e["d4"], axis=0).sum()))
+                d3 = None if any(d is None for d in e["d3"]) else float(np.mean(e["d3"], axis=0).sum())
+                table[tag] = (N, float(np.mean(e["d2"], axis=0).sum()), float(np.mean(e["d4"], axis=0).sum()), d3)
+            if any(row[3] is None for row in table.values()):  # a journal from before the tier: 2 or 4 bits only
+                table = {t: (*row[:3], None) for t, row in table.items()}
             tables[name] = table
         return tables
 
@@ -333,7 +350,10 @@ def allocation_dict(axes, table, budget):
     return {
         "axes": list(axes),
         "budget": budget,
-        "tags": [{"index": t, "name": tag_name(t, axes), "N": n, "D2": d2, "D4": d4} for t, (n, d2, d4) in table.items()],
+        "tags": [
+            {"index": t, "name": tag_name(t, axes), "N": n, "D2": d2, **({} if d3 is None else {"D3": d3}), "D4": d4}
+            for t, (n, d2, d4, d3) in table.items()
+        ],
     }
 
 
@@ -357,7 +377,7 @@ def attention_errors(captures, alloc, budget):
             else:  # written tokens by the allocation, reply tokens INT4
                 codes = cap.codes[: cap.T]
                 bits = np.where(codes >= 0, table[np.maximum(codes, 0)], 4)
-                e = cap.error(int4_tokens=every[bits == 4], int2_tokens=every[bits == 2])
+                e = cap.error(int4_tokens=every[bits == 4], int2_tokens=every[bits == 2], int3_tokens=every[bits == 3])
             rel.append(e[1])
             last.append(e[2])
         out[fmt] = {

@@ -778,6 +778,12 @@ def build_parser(parser=None):
     p.add_argument(
         "--kv-rotate", default="off", help="off, on or off,on: quantized pools store K/V rotated (jaxkv.cache.rotation), per cell"
     )
+    p.add_argument(
+        "--kv-allocation",
+        default=None,
+        help="a TriAxialKV allocation JSON every triaxial cell uses instead of the model's calibration (e.g. a pinned one, "
+        "jaxkv.policies.quant_allocation); cells are keyed as without it, so give each allocation its own --out",
+    )
     p.add_argument("--reuse", default="-", help=f"cross-query reuse modes, a comma list of {', '.join(REUSE_MODES)} ('-': stage off)")
     p.add_argument("--workers", type=int, default=1, help="processes replaying cells in parallel (up to the core count)")
     p.add_argument("--resume", action="store_true", help="skip cells already recorded in OUT/cells.jsonl for the same setup")
@@ -969,6 +975,8 @@ def run(args, model=None) -> list[dict]:
         raise ValueError("--kv-bits must be average bits in [2, 4]")
     reuses = _names(args.reuse, ("-",) + REUSE_MODES, "reuse modes")
     kv_rotates = [{"off": False, "on": True}[x] for x in _names(args.kv_rotate, ("off", "on"), "--kv-rotate settings")]
+    if getattr(args, "kv_allocation", None) and any(q != "none" and not q.startswith("triaxial") for q in kv_quants):
+        raise jaxkv.ConfigError("--kv-allocation applies to the triaxial modes: run the other --kv-quant modes without it")
     for flag, name in (("--compare-to", args.compare_to), ("--focus", args.focus)):
         if name is not None and name not in methods + (["best"] if flag == "--compare-to" else []):
             raise ValueError(f"{flag} {name!r} must be {'best or ' if flag == '--compare-to' else ''}one of the methods run")
@@ -1018,7 +1026,11 @@ def run(args, model=None) -> list[dict]:
             tqdm.write(f"--resume: {len(cells) - len(todo)} of {len(cells)} cells already in {journal}", file=sys.stderr)
         # with --fidelity the full cells on the float pool write the references every other cell reads: they run first
         passes = [[c for c in todo if is_reference(c)], [c for c in todo if not is_reference(c)]] if fidelity else [todo]
-        options = {**({"fidelity": out / "fidelity"} if fidelity else {}), **({"accuracy": "teacher"} if teacher else {})} or None
+        options = {
+            **({"fidelity": out / "fidelity"} if fidelity else {}),
+            **({"accuracy": "teacher"} if teacher else {}),
+            **({"kv_allocation": args.kv_allocation} if getattr(args, "kv_allocation", None) else {}),
+        } or None
         for cells_now in passes:
             for cell, row in run_cells(model, examples, cells_now, setup, workers=args.workers, bar=bar, session_options=options):
                 done[cell_key(cell)] = row

@@ -29,7 +29,13 @@ Reads, under ``--root``:
 
 Each triaxial row names the allocation its B gives under the calibration the
 sessions found (``--calibration``, default the one shipped for SmolLM2): which
-tags are INT2. Writes ``--out``.
+tags are INT2 (and, for an allocation with the INT3 tier, which are INT3). Writes ``--out``.
+
+Several grids in one table (``--grid ROOT:ALLOCATION``, repeated; e.g. one grid per
+pinned allocation, ``eval.quality.harness --kv-allocation``): each grid's triaxial
+rows are named by its allocation file (B ``pinned`` for a pinned one), the float
+pool's row is the first grid's, and the others' float rows, the same cell, must
+match it.
 """
 
 from __future__ import annotations
@@ -63,18 +69,24 @@ def int2_tags(calibration: Path, budget: float) -> str:
 
     bits = load_allocation(calibration).bits(budget)
     low = [name.split("|")[-1] for name, b in bits.items() if b == 2]
-    return "every tag" if len(low) == len(bits) else (", ".join(low) or "none")
+    mid = [name.split("|")[-1] for name, b in bits.items() if b == 3]  # the INT3 tier's tags, named apart
+    text = "every tag" if len(low) == len(bits) else (", ".join(low) or "none")
+    if mid:
+        text = (text + "; " if low else "") + ("every tag" if len(mid) == len(bits) else ", ".join(mid)) + " INT3"
+    return text
 
 
 def agent_table(rows: list[dict], calibration: Path) -> list[str]:
+    """The table; a row's ``_calibration`` (set for ``--grid`` rows) overrides ``calibration``."""
     from eval.quality.harness import quant_nll_increase, stored_bits_of
+    from jaxkv.policies.quant_allocation import load_allocation
 
     base = next(r for r in rows if r["kv_quant"] == "none")
     lines = md_header(
         [
             "kv_quant",
             "B",
-            "INT2 tags",
+            "INT2 tags" + (" (INT3 tags)" if any(r.get("_calibration") for r in rows) else ""),
             "code bits",
             "stored bits",
             "KV bytes / token",
@@ -109,11 +121,16 @@ def agent_table(rows: list[dict], calibration: Path) -> list[str]:
         d = quant_nll_increase(r)
         verdict = "yes" if d[2] < GOAL else ("point estimate only" if d[0] < GOAL else "no")
         B = r["kv_bits"] if r["kv_quant"].startswith("triaxial") else "-"
-        tags = int2_tags(calibration, float(B)) if B != "-" else "-"
+        cal = r.get("_calibration", calibration)
+        tags = int2_tags(cal, float(B)) if B != "-" else "-"
+        name = r["kv_quant"]
+        if B != "-" and cal != calibration:
+            name += f" [{Path(cal).stem}]"
+            B = "pinned" if load_allocation(cal).pinned is not None else B
         lines.append(
             md_row(
                 [
-                    r["kv_quant"] + (" (rotated)" if r.get("kv_rotate") == "on" else ""),
+                    name + (" (rotated)" if r.get("kv_rotate") == "on" else ""),
                     B,
                     tags,
                     f"{r['avg_bits']:.2f}",
@@ -164,30 +181,58 @@ def lm_table(root: Path) -> list[str]:
     return lines
 
 
-def report(root: Path, calibration: Path) -> str:
-    rows = read_cells(root / "grid" / "cells.jsonl")
+def report(root: Path, calibration: Path, grids=None, title: str | None = None, notes: Path | None = None) -> str:
+    """The report of ``root`` (its calibration ``calibration``), or of several
+    ``grids``: ``[(root, allocation file)]`` (module docstring), the first one's
+    float pool the reference; ``notes``: where ``summary.md`` and ``commands.md``
+    are (default: the root)."""
+    if grids:
+        rows = []
+        for i, (r_root, cal) in enumerate(grids):
+            for r in read_cells(Path(r_root) / "grid" / "cells.jsonl"):
+                if r["kv_quant"] == "none":
+                    if i:
+                        ref = next(x for x in rows if x["kv_quant"] == "none")
+                        if (r["nll_increase"], r["accuracy"], r["fidelity_tokens"]) != (
+                            ref["nll_increase"],
+                            ref["accuracy"],
+                            ref["fidelity_tokens"],
+                        ):
+                            raise ValueError(f"{r_root}: its float pool's cell differs from {grids[0][0]}'s")
+                        continue
+                rows.append({**r, "_calibration": Path(cal)})
+        root = Path(grids[0][0])
+    else:
+        rows = read_cells(root / "grid" / "cells.jsonl")
     order = {q: i for i, q in enumerate(("none", "int4", "kivi4", "kivi2", "triaxial"))}
     rows.sort(
-        key=lambda r: (order.get(r["kv_quant"], 9), float(r["kv_bits"]) if r["kv_bits"] != "-" else 0.0, r.get("kv_rotate", "off") == "on")
+        key=lambda r: (
+            order.get(r["kv_quant"], 9),
+            float(r["kv_bits"]) if r["kv_bits"] != "-" else 0.0,
+            str(r.get("_calibration", "")),
+            r.get("kv_rotate", "off") == "on",
+        )
     )
     ceiling = float_ceiling(root / "grid" / "fidelity")
     n = {r["n"] for r in rows}
     tokens = {r["fidelity_tokens"] for r in rows if isinstance(r.get("fidelity_tokens"), int)}
-    md = ["# TriAxialKV on agent traces: SmolLM2-135M-Instruct (issue #60, item 3)", ""]
-    if (root / "summary.md").is_file():
-        md += [(root / "summary.md").read_text().strip(), ""]
+    md = [f"# {title or 'TriAxialKV on agent traces: SmolLM2-135M-Instruct (issue #60, item 3)'}", ""]
+    notes = root if notes is None else Path(notes)
+    if (notes / "summary.md").is_file():
+        md += [(notes / "summary.md").read_text().strip(), ""]
     md += [
         "## Agent traces: every KV format against the float pool",
         "",
         f"{'/'.join(map(str, sorted(n)))} held-out agent traces, {ceiling['tokens']} teacher-forced reply tokens "
         f"({'/'.join(map(str, sorted(tokens)))} compared per cell); the float pool's own reply NLL is "
         f"{ceiling['nll']:.3f} nats/token. Bits and bytes per token are those of the live KV after each "
-        "prompt prefill: *code bits* count the codes alone (2, 4, or 16 for full precision: what B budgets), "
+        "prompt prefill: *code bits* count the codes alone (2, 3 or 4, or 16 for full precision: what B budgets), "
         "*stored bits* are 8 x bytes / elements with every scale, zero point and float-window row counted "
         "(`jaxkv.cache.quantized_host.stored_bits`; the float pool counted as bf16). The NLL increase is "
         "token-weighted over every recorded reply, with a paired bootstrap 95% interval over traces; "
         f"*within {GOAL}* asks the interval's upper end to be below {GOAL} nats/token. INT2 tags: the tags the "
-        f"allocation at B stores at 2 bits (calibration `{calibration}`).",
+        f"allocation at B stores at 2 bits (calibration `{calibration}`"
+        + ("; a row named [file] uses that allocation file, B *pinned*: the same bits at every budget)." if grids else ")."),
         "",
     ]
     md += agent_table(rows, calibration) + [""]
@@ -204,8 +249,8 @@ def report(root: Path, calibration: Path) -> str:
             + lm
             + [""]
         )
-    if (root / "commands.md").is_file():
-        md += [(root / "commands.md").read_text().strip(), ""]
+    if (notes / "commands.md").is_file():
+        md += [(notes / "commands.md").read_text().strip(), ""]
     return "\n".join(md)
 
 
@@ -214,8 +259,12 @@ def main(argv=None) -> int:
     p.add_argument("--root", type=Path, default=Path("eval/results/triaxial/agent_workload"))
     p.add_argument("--calibration", type=Path, default=Path("jaxkv/assets/smollm2-135m-instruct/triaxial.json"))
     p.add_argument("--out", type=Path, default=Path("eval/results/triaxial/agent_workload.md"))
+    p.add_argument("--grid", action="append", default=[], help="ROOT[:ALLOCATION] (repeated): several grids in one table")
+    p.add_argument("--title", default=None)
+    p.add_argument("--notes", type=Path, default=None, help="the folder of summary.md and commands.md (default: the root)")
     args = p.parse_args(argv)
-    args.out.write_text(report(args.root, args.calibration))
+    grids = [(g.split(":")[0], g.split(":")[1] if ":" in g else args.calibration) for g in args.grid]
+    args.out.write_text(report(args.root, args.calibration, grids or None, args.title, args.notes))
     print(f"wrote {args.out}")
     return 0
 

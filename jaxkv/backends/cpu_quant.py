@@ -7,8 +7,9 @@ decode loop's window of unpacked codes as the backend's private state.
   never holds a float copy of a live set. A step attends to its own tokens in
   full precision (``StepTokens``: the papers' protocol, attention in full
   precision while a prompt is prefilled); later steps read them quantized.
-* **The decode loop** reads by kind instead (the pool's ``DecodeParts`` plan: INT2
-  pages, then the token part): through the packed pool every step
+* **The decode loop** reads by kind instead (the pool's ``DecodeParts`` plan: the
+  pages, INT2 and INT3 alike as 3-bit rows where the pool has INT3 pages
+  (``jaxkv.cache.quantized.page_rows``), then the token part): through the packed pool every step
   (``decode_parts_attention``), or through a per-call copy of the rows' entries
   (``QuantWindow``, taken once by ``take_quant_window``: codes unpacked to uint8
   with float32 parameters, token-major per KV head, dequantized block by block
@@ -45,6 +46,7 @@ from jaxkv.cache.quantized import (
     QuantizedKVCache,
     dequantize_at,
     dequantize_int2_tokens,
+    page_rows,
 )
 from jaxkv.kernels.quant import PAGE, GROUP, PackedRows, dequantize_codes, dequantize_rows, quantize_rows, unpack
 from jaxkv.kernels.attention.ragged import KEY_BLOCK, MASKED, _online_step, pad_lists
@@ -121,8 +123,8 @@ class QuantReader:
 
 def decode_parts_attention(pool: DualPool, geo: Geometry, i, q_RHD, plan: DecodeParts, kv_len_R, active_R, token_kind: int):
     """One query per row over its quantized entries, read by kind (``DecodeParts``):
-    blocks of ``PAGE_BLOCK`` INT2 pages (keys per channel over the page, values per
-    token, the row's bits only), then blocks of INT4 tokens (or float ones), each
+    blocks of ``PAGE_BLOCK`` pages (INT2 or INT3; keys per channel over the page,
+    values per token, the row's bits only), then blocks of INT4 tokens (or float ones), each
     block dequantized from the packed pool inside the loop and folded into one
     online softmax (``jaxkv.kernels.attention.ragged``'s). Layer ``i`` (static or
     traced) is read in place. Returns ``[R, Hq, D]`` float32, zero where inactive."""
@@ -145,10 +147,10 @@ def decode_parts_attention(pool: DualPool, geo: Geometry, i, q_RHD, plan: Decode
             ids = jax.lax.dynamic_slice_in_dim(plan.pages_RQ, j * PAGE_BLOCK, PAGE_BLOCK, axis=1)  # [R, B]
             listed = (j * PAGE_BLOCK + jnp.arange(PAGE_BLOCK))[None, :] < plan.n_pages_R[:, None]
             ids = jnp.where(listed, ids, 0)
-            k = dequantize_int2_tokens(
-                kp.data[i, ids], kp.scale[i, ids][..., None, :], kp.zero[i, ids][..., None, :], kp.bits
-            )  # [R, B, K, 32, D]
-            v = dequantize_rows(PackedRows(vp.data[i, ids], vp.scale[i, ids], vp.zero[i, ids], vp.bits))
+            take = lambda a, p=ids: a[i, p]  # noqa: E731
+            (kd, bits), (vd, _) = page_rows(pool, geo, 0, take, ids), page_rows(pool, geo, 1, take, ids)
+            k = dequantize_int2_tokens(kd, kp.scale[i, ids][..., None, :], kp.zero[i, ids][..., None, :], bits)  # [R, B, K, 32, D]
+            v = dequantize_rows(PackedRows(vd, vp.scale[i, ids], vp.zero[i, ids], bits))
             bits = jax.lax.dynamic_slice_in_dim(plan.mask_RQ, j * PAGE_BLOCK, PAGE_BLOCK, axis=1)
             held = ((bits[..., None] >> jnp.arange(PAGE, dtype=jnp.uint32)) & 1).astype(bool) & listed[..., None]  # [R, B, 32]
             to_rows = lambda x: jnp.transpose(x, (0, 1, 3, 2, 4)).reshape(R, PAGE_BLOCK * PAGE, K, D)  # noqa: E731
@@ -325,13 +327,13 @@ def take_quant_window(cache: QuantizedKVCache, plan: DecodeParts, *, width: int,
         kp, vp = pool.int2.k, pool.int2.v
         tokens_of = lambda a: jnp.transpose(a, (0, 2, 1, 3, 4)).reshape(R, K, width, a.shape[-1])  # noqa: E731  [R, Wp, K, 32, X]
         paged = lambda r, field: tuple(tokens_of(field(r, i)) for i in range(L))  # noqa: E731
-        codes2 = lambda r, i: unpack(r.data[i, ids], r.bits)  # noqa: E731
+        codes2 = lambda which, i: unpack(*page_rows(pool, geo, which, lambda a, p=ids: a[i, p], ids))  # noqa: E731  (INT2 and INT3 pages)
         page_keys = lambda a: tuple(head_major(f32(a[i, ids])) for i in range(L))  # noqa: E731  [R, K, Wp, D]
         pages = WindowPart(
-            paged(kp, codes2),
+            paged(0, codes2),
             page_keys(kp.scale),
             page_keys(kp.zero),
-            paged(vp, codes2),
+            paged(1, codes2),
             paged(vp, lambda r, i: f32(r.scale[i, ids])),
             paged(vp, lambda r, i: f32(r.zero[i, ids])),
             held.reshape(R, width),

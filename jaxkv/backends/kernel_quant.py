@@ -13,6 +13,12 @@ piece beside decode tokens) runs the blocked implementation through
 rows that keep a set per layer (their call has no plan: a page table is one per
 row).
 
+A pool with INT3 pages hands the kernel its rows' listed pages as one 3-bit page
+part (``page_view``: the low planes and the high planes of the listed pages, an
+INT2 page's high plane zero), read by the same page reader at 3 bits
+(``jaxkv.kernels.quant``'s 2 + 1 split): one part, one merge, whatever the mix of
+INT2 and INT3 pages.
+
 Invariant: the kernels dequantize with the pool's arithmetic, so within float32
 rounding this backend equals ``CpuQuantBackend`` (the engine-level parity test,
 ``tests/test_backends.py``).
@@ -27,8 +33,22 @@ import jax.numpy as jnp
 
 from jaxkv.backends.base import AttentionMetadata
 from jaxkv.backends.cpu_quant import CpuQuantBackend
-from jaxkv.cache.quantized import FLOAT, DecodeParts
+from jaxkv.cache.quantized import FLOAT, DecodeParts, page_rows
 from jaxkv.kernels.attention.quantized import quantized_decode_attention
+from jaxkv.kernels.quant import Int2Pool, PackedKeyPages, PackedRows
+
+
+def page_view(pool, geo, i, pages_RQ):
+    """The listed pages of layer ``i`` as an ``Int2Pool`` of 3-bit rows (``R * Q``
+    pages, entry ``r * Q + q`` for page ``q`` of row ``r``) and their ids in it
+    ``[R, Q]``: what the kernel reads for a pool with INT3 pages."""
+    R, Q = pages_RQ.shape
+    ids = pages_RQ.reshape(-1)
+    take = lambda a, p=ids: a[i, p]  # noqa: E731
+    (kd, bits), (vd, _) = page_rows(pool, geo, 0, take, ids), page_rows(pool, geo, 1, take, ids)
+    kp, vp = pool.int2.k, pool.int2.v
+    view = Int2Pool(PackedKeyPages(kd, kp.scale[i, ids], kp.zero[i, ids], bits), PackedRows(vd, vp.scale[i, ids], vp.zero[i, ids], bits))
+    return view, jnp.arange(R * Q, dtype=jnp.int32).reshape(R, Q)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -56,6 +76,9 @@ class QuantKernelBackend(CpuQuantBackend):
         n_tokens = jnp.where(active_R, plan.n_tokens_R + (kv_len_R - plan.live0_R), 0).astype(jnp.int32)
         n_pages = jnp.where(active_R, plan.n_pages_R, 0).astype(jnp.int32)
         int2 = layer(pool.int2) if geo.pages > 1 else None
+        page_ids = plan.pages_RQ.astype(jnp.int32)
+        if geo.pages3:  # INT2 and INT3 pages: one 3-bit part of the listed pages
+            int2, page_ids = page_view(pool, geo, i, jnp.clip(page_ids, 0, geo.pages - 1))
         slots = plan.tokens_RN.astype(jnp.int32)
         if self.layers.token_kind == FLOAT:  # KIVI: the token part is the float residual
             floats = dict(
@@ -70,7 +93,7 @@ class QuantKernelBackend(CpuQuantBackend):
         out = quantized_decode_attention(
             q_RHD,
             int2,
-            plan.pages_RQ.astype(jnp.int32),
+            page_ids,
             n_pages,
             layer(pool.int4),
             int4_idx,

@@ -2,11 +2,13 @@
 
 A shelved row (RepairKV's host tier) is one uint8 blob per
 (layer, head) for K and one for V, of one width (``blob_width``): byte 0 is the
-row's kind (2, 4 or 16), then its codes and float16 parameters (INT4: codes, scale, zero; INT2 keys: codes and
-the page's per-channel scale and zero; float: the raw values). Promotion writes
-the same bytes back: INT4 / float rows to fresh slots, INT2 rows into fresh pages
-grouped by identical page parameters, so every promoted row dequantizes to the
-same float32 values (bit-identical).
+row's kind (2, 3, 4 or 16), then its codes and float16 parameters (INT4: codes, scale, zero; INT2 and INT3 keys: codes and
+the page's per-channel scale and zero; float: the raw values). Page rows (INT2
+and INT3 alike) are kept at the pool's page-row width (``page_bits``: 3 for a pool
+with INT3 pages, whose INT2 rows then carry a zero high plane). Promotion writes
+the same bytes back: INT4 / float rows to fresh slots, page rows into fresh pages
+of their kind grouped by identical page parameters, so every promoted row
+dequantizes to the same float32 values (bit-identical).
 
 Why by hand: the rows are a mix of three formats (INT2 page tokens with their
 page's parameters, INT4 rows, float rows) that must round-trip bit for bit into
@@ -19,7 +21,7 @@ from __future__ import annotations
 import jax.numpy as jnp
 import numpy as np
 
-from jaxkv.cache.quantized import FLOAT, INT2, INT4, dequantize_int2_tokens
+from jaxkv.cache.quantized import FLOAT, INT2, INT4, PAGED, dequantize_int2_tokens
 from jaxkv.kernels.quant import PackedRows, dequantize_rows
 
 
@@ -28,6 +30,11 @@ def blob_width(D: int, float_itemsize: int, page_bits: int = 2) -> int:
     arrays of one shape): a kind byte and the largest payload (page keys: codes
     and the page's per-channel float16 scale and zero; or a float row)."""
     return 1 + max(D // 2 + D // 8, D * page_bits // 8 + 4 * D, D * float_itemsize)
+
+
+def _of(kinds: np.ndarray, kind: int) -> np.ndarray:
+    """Rows stored as ``kind``'s fields: INT2 stands for every page kind (INT2, INT3)."""
+    return np.isin(kinds, PAGED) if kind == INT2 else kinds == kind
 
 
 def _u8(x) -> np.ndarray:
@@ -50,7 +57,7 @@ def encode_blobs(fields: dict, kinds: np.ndarray, head_dim: int, float_dtype, pa
         FLOAT: (("f_k",), ("f_v",)),
     }
     for kind, (kn, vn) in pieces.items():
-        m = np.flatnonzero(np.asarray(kinds) == kind)
+        m = np.flatnonzero(_of(np.asarray(kinds), kind))
         if not m.size:
             continue
         for blob, names in ((kb, kn), (vb, vn)):
@@ -79,7 +86,7 @@ def decode_blobs(k_blob: np.ndarray, v_blob: np.ndarray | None, head_dim: int, f
     }
     fields = {}
     for kind, specs in sizes.items():
-        m = np.flatnonzero(kinds == kind)
+        m = np.flatnonzero(_of(kinds, kind))
         for blob, spec in zip((k_blob, v_blob), specs):
             if blob is None:
                 continue
@@ -98,7 +105,7 @@ def blob_keys(k_blob: np.ndarray, head_dim: int, float_dtype, page_bits: int = 2
     L, M, K = k_blob.shape[:3]
     out = np.zeros((L, M, K, head_dim), np.float32)
     for kind in (INT4, INT2, FLOAT):
-        m = np.flatnonzero(kinds == kind)
+        m = np.flatnonzero(_of(kinds, kind))
         if not m.size:
             continue
         if kind == INT4:

@@ -1,19 +1,28 @@
 """The dual quantized KV pool (TriAxialKV §3.2.2): device pytrees and the pure
 functions and jit'd steps that read and write it.
 
-One slot address space ``[0, S)`` split by two offsets (``Geometry``):
+One slot address space ``[0, S)`` split by three offsets (``Geometry``):
 
-* ``[0, off4)``: the INT2 region, in pages of 32 slots: page ``p`` is slots
+* ``[0, off4)``: the page region, in pages of 32 slots: page ``p`` is slots
   ``32p .. 32p+31`` and token ``t`` of the page is slot ``32p + t``. Page 0 is
   reserved and never written, so slot 0 stays the sentinel every table pads with.
+  Its first pages ``[0, off3)`` are INT2 pages, the last ``pages3`` (slots
+  ``[off3, off4)``) INT3 pages (none unless the geometry asks for them).
 * ``[off4, offF)``: the INT4 region: slot ``s`` is INT4 row ``s - off4``.
 * ``[offF, S)``: the float region (KIVI's full-precision residual window; empty
   for ``int4`` / ``triaxial`` pools): slot ``s`` is row ``s - offF``.
 
 A token's precision is its slot's region, one comparison against the offsets
-(``Geometry.kind``). Formats are ``jaxkv.kernels.quant``'s: INT2 keys per channel
-over a page's 32 tokens, INT2 values per token, INT4 keys and values per token in
-groups of 32 channels, float16 scale and zero point beside the codes.
+(``Geometry.kind``). Formats are ``jaxkv.kernels.quant``'s: INT2 (INT3) keys per
+channel over a page's 32 tokens, INT2 (INT3) values per token, INT4 keys and values
+per token in groups of 32 channels, float16 scale and zero point beside the codes.
+
+An INT3 page is stored as ``jaxkv.kernels.quant``'s 2 + 1 split: its low two bits
+in the page arrays, in the bytes an INT2 page's codes take, and its high bit in
+``DualPool.hi`` (``[L, pages3, K, 32, D/8]`` for keys and for values, indexed by
+``page - first INT3 page``). Readers of a pool with INT3 pages read every page
+token as a 3-bit row (``page_rows``: the low row, then the high row, zero for an
+INT2 page, whose codes are then its INT2 codes): one code path for both tiers.
 
 Shape letters: L layers, P2 pages, S4 INT4 slots, SF float slots, K = Hkv, D head
 dim, B rows, T chunk tokens, Q pages written by a chunk, G = 32 tokens of a page,
@@ -26,6 +35,9 @@ N live entries, E page-table entries.
     region keeps its name and its INT2 token kind, and ``Int2Pool.bits`` says 4.
   int4: ``Int4Pool``: k/v.data ``[L, S4, K, D/2]``, k/v.scale/zero ``[L, S4, K, D/32]``.
   flt_k, flt_v: ``[L, SF, K, D]`` in the model dtype (``jaxkv.cache.state.float_pool_dtype``: float32 for bf16 on the CPU).
+  hi: ``(k, v)`` uint8 ``[L, P3, K, 32, D/8]``, the INT3 pages' high bit-planes
+    (None without INT3 pages: the pytree, and every program, of a pool without
+    them is what it was before the tier).
 
 Writes (``write_tokens``) take a chunk's float K/V, one slot per token and a page
 plan (which chunk tokens fill which INT2 page, in order): an INT2 page is quantized
@@ -69,11 +81,18 @@ from jaxkv.kernels.quant import (
     quantize_rows,
     unpack,
 )
+from jaxkv.errors import ConfigError
 from jaxkv.rope import apply_rope
 from jaxkv.cache.rotation import Rotation
 from jaxkv.cache.state import empty_tables
 
-INT2, INT4, FLOAT = 2, 4, 16  # token kinds: bits per element (FLOAT: full precision)
+INT2, INT3, INT4, FLOAT = 2, 3, 4, 16  # token kinds: bits per element (FLOAT: full precision)
+PAGED = (INT2, INT3)  # the kinds stored in pages
+
+
+def is_paged(kind):
+    """Whether a kind (numpy or jnp array, or int) is stored in pages (INT2 or INT3)."""
+    return kind < INT4
 
 
 @dataclasses.dataclass(frozen=True)
@@ -81,19 +100,30 @@ class Geometry:
     """Sizes of the three regions (static under jit).
 
     Attributes:
-      pages: INT2 pages ``P2``, the reserved page 0 included (>= 1).
+      pages: pages ``P`` of the page region, the reserved page 0 included (>= 1):
+        INT2 pages ``[0, P - P3)``, then INT3 pages.
       int4_slots: INT4 rows ``S4`` (>= 1: a KIVI pool keeps one unused row so
         the decode kernel's INT4 part is well formed). float_slots: float rows
-        ``SF`` (0: none).
+        ``SF`` (0: none). pages3: INT3 pages ``P3`` (the last of the ``pages``; 0: none).
     """
 
     pages: int
     int4_slots: int
     float_slots: int = 0
+    pages3: int = 0
 
     def __post_init__(self):
-        if self.pages < 1 or self.int4_slots < 1 or self.float_slots < 0:
-            raise ValueError(f"bad pool geometry {self}")
+        if self.pages < 1 or self.int4_slots < 1 or self.float_slots < 0 or not 0 <= self.pages3 < self.pages:
+            raise ConfigError(f"bad pool geometry {self}")
+
+    @property
+    def first3(self) -> int:
+        """The first INT3 page (``pages`` when there is none)."""
+        return self.pages - self.pages3
+
+    @property
+    def off3(self) -> int:
+        return PAGE * self.first3
 
     @property
     def off4(self) -> int:
@@ -108,23 +138,33 @@ class Geometry:
         return self.off_float + self.float_slots
 
     def kind(self, slots):
-        """``INT2`` / ``INT4`` / ``FLOAT`` of each slot (numpy or jnp, as given)."""
+        """``INT2`` / ``INT3`` / ``INT4`` / ``FLOAT`` of each slot (numpy or jnp, as given)."""
         xp = jnp if isinstance(slots, jax.Array) else np
-        return xp.where(slots < self.off4, INT2, xp.where(slots < self.off_float, INT4, FLOAT))
+        page = xp.where(slots < self.off3, INT2, INT3) if self.pages3 else INT2
+        return xp.where(slots < self.off4, page, xp.where(slots < self.off_float, INT4, FLOAT))
+
+    def page_kind(self, pages):
+        """``INT2`` / ``INT3`` of page ids (numpy)."""
+        return np.where(np.asarray(pages) < self.first3, INT2, INT3)
 
 
 @struct.dataclass
 class DualPool:
-    """The packed INT2 / INT4 regions and the float region (module docstring)."""
+    """The packed page / INT4 regions, the float region and the INT3 pages' high
+    bit-planes (module docstring)."""
 
     int2: Int2Pool
     int4: Int4Pool
     flt_k: jax.Array
     flt_v: jax.Array
+    hi: tuple | None = None
 
     @classmethod
     def create(cls, geo: Geometry, *, num_layers, num_kv_heads, head_dim, dtype, page_bits: int = 2) -> "DualPool":
-        """An empty pool; ``page_bits``: the page region's code width (2; ``kivi4``: 4)."""
+        """An empty pool; ``page_bits``: the page region's code width (2; ``kivi4``: 4;
+        INT3 pages need 2, their low planes share the INT2 pages' rows)."""
+        if geo.pages3 and page_bits != 2:
+            raise ConfigError(f"INT3 pages share a 2-bit page region, not a {page_bits}-bit one")
         L, P2, S4, SF, K, D = num_layers, geo.pages, geo.int4_slots, geo.float_slots, num_kv_heads, head_dim
         u8, f16 = jnp.uint8, jnp.float16
         rows = lambda n, bits: PackedRows(
@@ -140,7 +180,10 @@ class DualPool:
                 page_bits,
             ),
         )
-        return cls(int2, Int4Pool(rows(S4, 4), rows(S4, 4)), jnp.zeros((L, SF, K, D), dtype), jnp.zeros((L, SF, K, D), dtype))
+        hi = None
+        if geo.pages3:
+            hi = tuple(jnp.zeros((L, geo.pages3, K, PAGE, D // 8), u8) for _ in range(2))
+        return cls(int2, Int4Pool(rows(S4, 4), rows(S4, 4)), jnp.zeros((L, SF, K, D), dtype), jnp.zeros((L, SF, K, D), dtype), hi)
 
     def layer(self, i) -> "DualPool":
         """One layer's pool (the leading L axis removed)."""
@@ -199,6 +242,22 @@ def dequantize_int2_tokens(data, scale, zero, bits: int = 2):
     return zero.astype(jnp.float32) + unpack(data, bits).astype(jnp.float32) * scale.astype(jnp.float32)
 
 
+def page_rows(pool: DualPool, geo: Geometry, which: int, take, page):
+    """Packed rows of page tokens and their width in bits: ``take(a)`` indexes a
+    page array ``a`` (keys ``which = 0``, values 1) the way the caller reads it,
+    ``page`` the page ids it reads (leading axes of what ``take`` returns). Without
+    INT3 pages: the page arrays' rows at the region's bits; with them: 3-bit rows,
+    the low plane from the page array and the high plane from ``pool.hi`` (zero
+    for an INT2 page, so its codes read back as its INT2 codes)."""
+    data = take((pool.int2.k, pool.int2.v)[which].data)
+    if not geo.pages3:
+        return data, pool.int2.bits
+    j = page - geo.first3
+    high = take(pool.hi[which], jnp.clip(j, 0, geo.pages3 - 1))
+    own = (j >= 0).reshape(j.shape + (1,) * (high.ndim - j.ndim))
+    return jnp.concatenate([data, jnp.where(own, high, jnp.uint8(0))], axis=-1), 3
+
+
 def dequantize_slots(pool: DualPool, geo: Geometry, slots):
     """float32 ``(k, v)`` ``[..., K, D]`` of one layer's pool at ``slots [...]``."""
     slots = slots.astype(jnp.int32)
@@ -209,9 +268,11 @@ def dequantize_slots(pool: DualPool, geo: Geometry, slots):
     if geo.pages > 1:
         page, t = jnp.clip(slots // PAGE, 0, geo.pages - 1), slots % PAGE
         kp, vp = pool.int2.k, pool.int2.v
-        k2 = dequantize_int2_tokens(kp.data[page, :, t], kp.scale[page], kp.zero[page], kp.bits)
-        v2 = dequantize_rows(PackedRows(vp.data[page, :, t], vp.scale[page, :, t], vp.zero[page, :, t], vp.bits))
-        two = (kind == INT2)[..., None, None]
+        kd, bits = page_rows(pool, geo, 0, lambda a, p=page: a[p, :, t], page)
+        vd, _ = page_rows(pool, geo, 1, lambda a, p=page: a[p, :, t], page)
+        k2 = dequantize_int2_tokens(kd, kp.scale[page], kp.zero[page], bits)
+        v2 = dequantize_rows(PackedRows(vd, vp.scale[page, :, t], vp.zero[page, :, t], bits))
+        two = is_paged(kind)[..., None, None]
         k, v = jnp.where(two, k2, k), jnp.where(two, v2, v)
     if geo.float_slots:
         f = jnp.clip(slots - geo.off_float, 0, geo.float_slots - 1)
@@ -231,10 +292,11 @@ def write_tokens(pool: DualPool, geo: Geometry, i, k_XKD, v_XKD, slots_X, page_s
     """Store float K/V rows ``[X, K, D]`` into layer ``i`` of the pool at ``slots_X``.
 
     INT4 and float slots are written row by row (quantized per token for INT4).
-    INT2 pages are written whole: page ``page_ids_Q[q]`` is quantized from rows
-    ``page_src_QG[q]`` (32 indices into X, in the page's token order); page id
-    ``geo.pages`` is padding. The INT2 slots in ``slots_X`` are not used (a page
-    plan says where INT2 tokens go).
+    Pages are written whole: page ``page_ids_Q[q]`` is quantized from rows
+    ``page_src_QG[q]`` (32 indices into X, in the page's token order) at its
+    page's bits (an INT3 page: 3, its high plane into ``pool.hi``); page id
+    ``geo.pages`` is padding. The page slots in ``slots_X`` are not used (a page
+    plan says where page tokens go).
 
     Every scatter indexes the whole ``[L, ...]`` arrays at ``(i, rows)``: taking the
     layer out and setting it back made XLA:CPU copy every region's layer twice per
@@ -257,6 +319,9 @@ def write_tokens(pool: DualPool, geo: Geometry, i, k_XKD, v_XKD, slots_X, page_s
         src = page_src_QG.reshape(-1).astype(jnp.int32)
         new = quantize_int2_pool(k_XKD[src], v_XKD[src], pool.int2.bits)  # pages [Q, K, 32, ...]
         ids = page_ids_Q.astype(jnp.int32)
+        high = None
+        if geo.pages3:  # the INT3 pages of the plan: quantized at 3 bits, low plane here, high plane in ``hi``
+            new, high = _with_int3_pages(new, quantize_int2_pool(k_XKD[src], v_XKD[src], 3), ids >= geo.first3)
         kp = pool.int2.k
         put = lambda a, b: a.at[i, ids].set(b, mode="drop")
         pool = pool.replace(
@@ -265,7 +330,21 @@ def write_tokens(pool: DualPool, geo: Geometry, i, k_XKD, v_XKD, slots_X, page_s
                 _scatter(pool.int2.v, (i, ids), new.v),
             )
         )
+        if high is not None:
+            j = jnp.where(ids >= geo.first3, ids - geo.first3, geo.pages3)  # INT2 pages and padding: dropped
+            pool = pool.replace(hi=tuple(h.at[i, j].set(x, mode="drop") for h, x in zip(pool.hi, high)))
     return pool
+
+
+def _with_int3_pages(two: Int2Pool, three: Int2Pool, is3_Q):
+    """Pages ``two`` (2-bit) with those where ``is3_Q`` taken from ``three`` (3-bit):
+    their low planes and parameters in a 2-bit ``Int2Pool``, and their high planes
+    ``(k, v)`` ``[Q, K, 32, D/8]``."""
+    low = two.k.data.shape[-1]
+    pick = lambda a, b: jnp.where(is3_Q.reshape((-1,) + (1,) * (a.ndim - 1)), b, a)  # noqa: E731
+    k = PackedKeyPages(pick(two.k.data, three.k.data[..., :low]), pick(two.k.scale, three.k.scale), pick(two.k.zero, three.k.zero), 2)
+    v = PackedRows(pick(two.v.data, three.v.data[..., :low]), pick(two.v.scale, three.v.scale), pick(two.v.zero, three.v.zero), 2)
+    return Int2Pool(k, v), (three.k.data[..., low:], three.v.data[..., low:])
 
 
 # ============================================================================ the engine's layers
@@ -281,9 +360,11 @@ def dequantize_at(pool: DualPool, geo: Geometry, i, slots):
     if geo.pages > 1:
         page, t = jnp.clip(slots // PAGE, 0, geo.pages - 1), slots % PAGE
         kp, vp = pool.int2.k, pool.int2.v
-        k2 = dequantize_int2_tokens(kp.data[i, page, :, t], kp.scale[i, page], kp.zero[i, page], kp.bits)
-        v2 = dequantize_rows(PackedRows(vp.data[i, page, :, t], vp.scale[i, page, :, t], vp.zero[i, page, :, t], vp.bits))
-        two = (kind == INT2)[..., None, None]
+        kd, bits = page_rows(pool, geo, 0, lambda a, p=page: a[i, p, :, t], page)
+        vd, _ = page_rows(pool, geo, 1, lambda a, p=page: a[i, p, :, t], page)
+        k2 = dequantize_int2_tokens(kd, kp.scale[i, page], kp.zero[i, page], bits)
+        v2 = dequantize_rows(PackedRows(vd, vp.scale[i, page, :, t], vp.zero[i, page, :, t], bits))
+        two = is_paged(kind)[..., None, None]
         k, v = jnp.where(two, k2, k), jnp.where(two, v2, v)
     if geo.float_slots:
         f = jnp.clip(slots - geo.off_float, 0, geo.float_slots - 1)
@@ -391,7 +472,8 @@ def rewrite_rows(cache: QuantizedKVCache, src_M, dst_M, delta_M, page_src_QG, pa
 
 def _gather_layer(pool: DualPool, geo: Geometry, slots_M):
     """Packed fields of one layer at ``slots_M`` (every format; the host keeps the
-    one each slot's kind names)."""
+    one each slot's kind names). Page rows are ``page_rows``': 3-bit rows (low
+    plane, high plane) when the pool has INT3 pages."""
     i4 = jnp.clip(slots_M - geo.off4, 0, geo.int4_slots - 1)
     page, t = jnp.clip(slots_M // PAGE, 0, geo.pages - 1), slots_M % PAGE
     f = jnp.clip(slots_M - geo.off_float, 0, max(geo.float_slots - 1, 0))
@@ -403,10 +485,10 @@ def _gather_layer(pool: DualPool, geo: Geometry, slots_M):
         "v4_data": pool.int4.v.data[i4],
         "v4_scale": pool.int4.v.scale[i4],
         "v4_zero": pool.int4.v.zero[i4],
-        "k2_data": k2.data[page, :, t],
+        "k2_data": page_rows(pool, geo, 0, lambda a, p=page: a[p, :, t], page)[0],
         "k2_scale": k2.scale[page],
         "k2_zero": k2.zero[page],
-        "v2_data": v2.data[page, :, t],
+        "v2_data": page_rows(pool, geo, 1, lambda a, p=page: a[p, :, t], page)[0],
         "v2_scale": v2.scale[page, :, t],
         "v2_zero": v2.zero[page, :, t],
     }
@@ -450,7 +532,8 @@ def write_packed(cache: QuantizedKVCache, rows: dict):
     ``[L, M, ...]`` fields: ``i4`` / ``k4_*`` / ``v4_*`` (INT4 rows), ``f`` /
     ``f_k`` / ``f_v`` (float rows), ``page`` / ``k2_scale`` / ``k2_zero`` (pages'
     per-channel key parameters) and ``p2`` / ``t2`` / ``k2_data`` / ``v2_*`` (INT2
-    tokens: page and token index). Out-of-range indices (padding) are dropped."""
+    tokens: page and token index; with INT3 pages, 3-bit rows whose high plane goes
+    to ``hi``, an INT2 page's dropped). Out-of-range indices (padding) are dropped."""
     geo = cache.geometry
 
     def one(layer: DualPool, r):
@@ -471,15 +554,24 @@ def write_packed(cache: QuantizedKVCache, rows: dict):
         )
         k2, v2 = layer.int2.k, layer.int2.v
         pt = (r["p2"], slice(None), r["t2"])
+        k2_data, v2_data = r["k2_data"], r["v2_data"]
+        if geo.pages3:  # 3-bit rows: the low plane to the page arrays, the high plane of INT3 pages to ``hi``
+            low = k2.data.shape[-1]
+            j = jnp.where(r["p2"] >= geo.first3, r["p2"] - geo.first3, geo.pages3)
+            hj = (j, slice(None), r["t2"])
+            layer = layer.replace(
+                hi=(layer.hi[0].at[hj].set(k2_data[..., low:], mode="drop"), layer.hi[1].at[hj].set(v2_data[..., low:], mode="drop"))
+            )
+            k2_data, v2_data = k2_data[..., :low], v2_data[..., :low]
         int2 = Int2Pool(
             PackedKeyPages(
-                k2.data.at[pt].set(r["k2_data"], mode="drop"),
+                k2.data.at[pt].set(k2_data, mode="drop"),
                 at(k2.scale, r["page"], r["k2_scale"]),
                 at(k2.zero, r["page"], r["k2_zero"]),
                 k2.bits,
             ),
             PackedRows(
-                v2.data.at[pt].set(r["v2_data"], mode="drop"),
+                v2.data.at[pt].set(v2_data, mode="drop"),
                 v2.scale.at[pt].set(r["v2_scale"], mode="drop"),
                 v2.zero.at[pt].set(r["v2_zero"], mode="drop"),
                 v2.bits,

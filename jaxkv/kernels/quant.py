@@ -1,6 +1,7 @@
 """TriAxialKV quantized KV formats: quantize, dequantize, pools, packing layout.
 
-Formats (ALGORITHMS.md §7, TriAxialKV §3.2.1), all asymmetric with group 32:
+Formats (ALGORITHMS.md §7, TriAxialKV §3.2.1), all asymmetric with group 32, at
+2, 3 or 4 bits per code (3 bits: the INT3 tier of issue 74, pages only):
 
 * **INT4 per token** (keys and values): each (token, head) row of ``D`` channels
   is split into groups of 32 consecutive channels, each with its own
@@ -27,6 +28,17 @@ kernel unpacks plane ``i`` of a byte range with one shift and mask and gets a
 contiguous channel range back, with no interleave. ``plane_chunks`` lists the
 (channel range, plane, byte range, group) pieces that a kernel walks.
 
+INT3 rows are a **2 + 1 bit-plane split**: the low two bits of every code packed
+as a 2-bit row (``D/4`` bytes), then the high bit packed as a 1-bit row (``D/8``
+bytes), ``3D/8`` bytes in all. Why not ten codes in a 32-bit word or codes that
+straddle bytes: with the split every byte holds whole codes of one plane, so a
+kernel reads an INT3 chunk as the 2-bit read it already has plus one 1-bit read
+(``(low >> 2p) & 3 | ((high >> p') & 1) << 2``), no word or byte boundary is ever
+crossed, and an INT3 page keeps its low plane in exactly the bytes an INT2 page
+uses: the dual pool's page arrays stay one array of 2-bit rows for both tiers,
+with the INT3 pages' high planes in a side array (``jaxkv.cache.quantized``). An
+INT2 row read as INT3 (its high plane zero) gives its INT2 codes back.
+
 Buffers (S INT4 slots, P INT2 pages, K = Hkv, dtype):
 
 =====================  =========================  ===========================
@@ -48,10 +60,13 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import itertools
 
 import jax
 import jax.numpy as jnp
 from flax import struct
+
+from jaxkv.errors import ConfigError
 
 GROUP = 32  # channels per per-token group, and tokens per INT2 key page
 PAGE = 32
@@ -72,16 +87,35 @@ class Chunk:
     plane: int
     byte: int
     group: int
+    hi_plane: int = 0  # INT3 only: the high bit's plane and first byte (in the whole row)
+    hi_byte: int = 0
+
+
+BITS = (2, 3, 4)  # the code widths a pool stores
 
 
 def check_head_dim(head_dim: int) -> None:
     if head_dim % GROUP:
-        raise ValueError(f"quantized KV needs head_dim divisible by {GROUP}, got {head_dim}")
+        raise ConfigError(f"quantized KV needs head_dim divisible by {GROUP}, got {head_dim}")
+
+
+def check_bits(bits, allowed=BITS) -> None:
+    if bits not in allowed:
+        raise ConfigError(f"bits must be one of {allowed}, got {bits}")
 
 
 def plane_chunks(head_dim: int, bits: int) -> tuple[Chunk, ...]:
-    """The pieces of a packed row of ``head_dim`` channels, in channel order."""
+    """The pieces of a packed row of ``head_dim`` channels, in channel order. At 3
+    bits a piece lies in one plane of the 2-bit low row and one plane of the 1-bit
+    high row (``hi_plane``, ``hi_byte``: its bytes in the whole ``3D/8``-byte row)."""
     check_head_dim(head_dim)
+    check_bits(bits)
+    if bits == 3:
+        low, high = head_dim // 4, head_dim // 8  # bytes per plane of the 2-bit and 1-bit rows
+        cuts = sorted(set(range(0, head_dim, GROUP)) | set(range(0, head_dim, high)) | {head_dim})
+        return tuple(
+            Chunk(a, b - a, a // low, a % low, a // GROUP, hi_plane=a // high, hi_byte=low + a % high) for a, b in itertools.pairwise(cuts)
+        )
     row_bytes = head_dim * bits // 8
     cuts = sorted(set(range(0, head_dim, GROUP)) | set(range(0, head_dim, row_bytes)) | {head_dim})
     return tuple(
@@ -90,7 +124,11 @@ def plane_chunks(head_dim: int, bits: int) -> tuple[Chunk, ...]:
 
 
 def pack(codes: jnp.ndarray, bits: int) -> jnp.ndarray:
-    """Pack integer codes ``[..., D]`` (each < 2**bits) into uint8 ``[..., D*bits/8]``."""
+    """Pack integer codes ``[..., D]`` (each < 2**bits) into uint8 ``[..., D*bits/8]``
+    (bits 1, 2, 4; 3: the 2 + 1 split, module docstring)."""
+    if bits == 3:
+        codes = codes.astype(jnp.uint8)
+        return jnp.concatenate([pack(codes & 3, 2), pack(codes >> 2, 1)], axis=-1)
     per = 8 // bits
     planes = codes.astype(jnp.uint8).reshape(*codes.shape[:-1], per, codes.shape[-1] // per)
     shifts = (jnp.arange(per, dtype=jnp.uint8) * bits)[:, None]
@@ -99,6 +137,9 @@ def pack(codes: jnp.ndarray, bits: int) -> jnp.ndarray:
 
 def unpack(data: jnp.ndarray, bits: int) -> jnp.ndarray:
     """Inverse of ``pack``: uint8 ``[..., R]`` -> codes uint8 ``[..., R*8/bits]``."""
+    if bits == 3:
+        low = data.shape[-1] * 2 // 3  # the 2-bit row's bytes: D/4 of 3D/8
+        return unpack(data[..., :low], 2) | (unpack(data[..., low:], 1) << 2)
     per = 8 // bits
     shifts = (jnp.arange(per, dtype=jnp.uint8) * bits)[:, None]
     codes = (data[..., None, :] >> shifts) & jnp.uint8((1 << bits) - 1)
@@ -155,7 +196,7 @@ class PackedRows:
     Attributes:
       data: uint8 ``[..., D*bits/8]`` packed codes (layout in the module docstring).
       scale, zero: float16 ``[..., D/32]``.
-      bits: 4 or 2 (static).
+      bits: 2, 3 or 4 (static).
     """
 
     data: jnp.ndarray
@@ -174,12 +215,12 @@ class PackedRows:
 
 @struct.dataclass
 class PackedKeyPages:
-    """Keys per channel over pages of 32 tokens (INT2; KIVI-4's pages: 4 bits).
+    """Keys per channel over pages of 32 tokens (INT2; INT3 pages: 3 bits; KIVI-4's: 4).
 
     Attributes:
       data: uint8 ``[P, K, 32, D*bits/8]`` packed codes, one packed row per token.
       scale, zero: float16 ``[P, K, D]``, shared by the page's 32 tokens.
-      bits: 2 or 4 (static).
+      bits: 2, 3 or 4 (static).
     """
 
     data: jnp.ndarray
@@ -198,8 +239,7 @@ class PackedKeyPages:
 @functools.partial(jax.jit, static_argnames="bits")
 def quantize_rows(x: jnp.ndarray, bits: int) -> PackedRows:
     """Per-token asymmetric quantization of ``x[..., D]`` in groups of 32 channels."""
-    if bits not in (2, 4):
-        raise ValueError(f"bits must be 2 or 4, got {bits}")
+    check_bits(bits)
     D = x.shape[-1]
     check_head_dim(D)
     grouped = x.reshape(*x.shape[:-1], D // GROUP, GROUP)
@@ -222,7 +262,7 @@ def dequantize_codes(codes: jnp.ndarray, scale: jnp.ndarray, zero: jnp.ndarray, 
 
 @jax.jit
 def dequantize_rows(packed: PackedRows) -> jnp.ndarray:
-    """float32 ``[..., D]`` values of ``PackedRows`` (INT4 or INT2)."""
+    """float32 ``[..., D]`` values of ``PackedRows`` (INT2, INT3 or INT4)."""
     return dequantize_codes(unpack(packed.data, packed.bits), packed.scale, packed.zero)
 
 
@@ -253,9 +293,8 @@ def _tokens(x_PKTD: jnp.ndarray) -> jnp.ndarray:
 @functools.partial(jax.jit, static_argnames="bits")
 def quantize_int2_keys(k_TKD: jnp.ndarray, bits: int = 2) -> PackedKeyPages:
     """Keys per channel over pages: ``k[T, K, D]`` (T % 32 == 0) -> pages of
-    ``bits``-bit codes (2: the INT2 pool's; 4: KIVI-4's)."""
-    if bits not in (2, 4):
-        raise ValueError(f"bits must be 2 or 4, got {bits}")
+    ``bits``-bit codes (2: the INT2 pool's; 3: INT3 pages; 4: KIVI-4's)."""
+    check_bits(bits)
     check_head_dim(k_TKD.shape[-1])
     codes, scale, zero = _fit(_pages(k_TKD), 2, bits)  # groups along the page's tokens
     return PackedKeyPages(pack(codes, bits), scale, zero, bits)
@@ -310,6 +349,11 @@ class Int2Pool:
 def quantize_int4_pool(k_SKD: jnp.ndarray, v_SKD: jnp.ndarray) -> Int4Pool:
     """Quantize a whole float pool to INT4 (slot ``s`` stays slot ``s``)."""
     return Int4Pool(quantize_int4(k_SKD), quantize_int4(v_SKD))
+
+
+def quantize_int3_values(x: jnp.ndarray) -> PackedRows:
+    """INT3 per token (an INT3 page's values): ``x[..., D]`` -> ``PackedRows`` with bits 3."""
+    return quantize_rows(x, 3)
 
 
 @functools.partial(jax.jit, static_argnames="bits")

@@ -1,15 +1,25 @@
-"""TriAxialKV bit allocation: per-tag INT2/INT4 under an average-bit budget.
+"""TriAxialKV bit allocation: per-tag INT2/INT3/INT4 under an average-bit budget.
 
 ALGORITHMS.md §7, paper §3.1.3 and App. A. Given per-tag distortions ``D_k(2)``,
-``D_k(4)`` and token counts ``N_k``, choose ``b_k in {2, 4}`` to
+``D_k(4)`` (and, with the INT3 tier, ``D_k(3)``) and token counts ``N_k``, choose
+``b_k in {2, 4}`` (``{2, 3, 4}`` when ``D3`` is given) to
 
     minimise  sum_k D_k(b_k)   subject to   sum_k N_k b_k <= B * sum_k N_k.
 
 ``solve`` enumerates every assignment of the tags with ``N_k > 0`` when there
-are at most ``EXHAUSTIVE_MAX = 22`` of them (ties: fewer bits, then the lowest
-assignment index), else walks the tags by ``rho_k = (D_k(2) - D_k(4)) / (2 N_k)``
-descending and upgrades each whose ``2 N_k`` still fits (the paper's greedy).
-Tags with ``N_k = 0`` never occur in calibration and get 4 bits.
+are at most ``EXHAUSTIVE_MAX = 22`` of them (``EXHAUSTIVE3_MAX = 13`` with three
+widths, 3^13 = 1.6M assignments; ties: fewer bits, then the lowest assignment
+index), else walks the tags by ``rho_k = (D_k(2) - D_k(4)) / (2 N_k)``
+descending and upgrades each whose ``2 N_k`` still fits (the paper's greedy; with
+three widths the greedy takes one-bit steps, 2 -> 3 or 3 -> 4, by the gain per
+added bit ``(D_k(b) - D_k(b+1)) / N_k`` descending, each that still fits).
+Tags with ``N_k = 0`` never occur in calibration and get 4 bits. Without ``D3``
+every result is the two-width allocation's, bit for bit.
+
+An allocation may also be *pinned* (``Allocation.pinned``: bits per tag row, from
+the JSON's ``"bits"`` per row): its table is those bits at every budget. That is
+how a hand-set allocation (every tag INT3, the tool output INT3) is measured
+beside the calibrated ones; it is not a calibration.
 
 ``Allocation`` is a calibrated tag table (``train/calibrate_triaxial.py`` writes
 it, ``jaxkv/assets/<model>/triaxial.json`` ships it): the axes its tags keep
@@ -32,17 +42,18 @@ from jaxkv.chat.tags import NUM_TRIAXIAL_CODES, Modal, Semantic, Temporal
 from jaxkv.errors import ConfigError
 
 EXHAUSTIVE_MAX = 22
+EXHAUSTIVE3_MAX = 13
 AXES = ("temporal", "modal", "semantic")
 _ENUMS = {"temporal": Temporal, "modal": Modal, "semantic": Semantic}
 BLOCK = 1 << 16  # assignments scored per numpy step
 
 
-def solve(D2, D4, N, budget: float) -> np.ndarray:
-    """Bits per tag (int8 2 or 4) minimising ``sum D`` within the budget (module
-    docstring). ``budget`` is the average bits B in [2, 4]."""
+def solve(D2, D4, N, budget: float, D3=None) -> np.ndarray:
+    """Bits per tag (int8 2 or 4; 2, 3 or 4 with ``D3``) minimising ``sum D``
+    within the budget (module docstring). ``budget`` is the average bits B in [2, 4]."""
     D2, D4, N = (np.asarray(x, np.float64).reshape(-1) for x in (D2, D4, N))
-    if not (D2.size == D4.size == N.size):
-        raise ConfigError(f"D2, D4, N disagree in length: {D2.size}, {D4.size}, {N.size}")
+    if not (D2.size == D4.size == N.size) or (D3 is not None and np.size(D3) != N.size):
+        raise ConfigError(f"D2, D3, D4, N disagree in length: {D2.size}, {None if D3 is None else np.size(D3)}, {D4.size}, {N.size}")
     if not 2.0 <= budget <= 4.0:
         raise ConfigError(f"the average-bit budget must be in [2, 4], got {budget}")
     bits = np.full(N.size, 4, np.int8)
@@ -50,6 +61,11 @@ def solve(D2, D4, N, budget: float) -> np.ndarray:
     if act.size == 0:
         return bits
     spare = (budget - 2.0) * N[act].sum() * (1 + 1e-12)  # extra bits above all-INT2
+    if D3 is not None:
+        D = np.stack([D2[act], np.asarray(D3, np.float64).reshape(-1)[act], D4[act]], axis=1)  # [tags, width 2/3/4]
+        steps = _exhaustive3(D, N[act], spare) if act.size <= EXHAUSTIVE3_MAX else _greedy3(D, N[act], spare)
+        bits[act] = 2 + steps
+        return bits
     if act.size <= EXHAUSTIVE_MAX:
         up = _exhaustive(D2[act], D4[act], N[act], spare)
     else:
@@ -73,6 +89,34 @@ def _exhaustive(D2, D4, N, spare) -> np.ndarray:
         if cand < best:
             best = cand
     return ((best[2] >> np.arange(n)) & 1).astype(bool)
+
+
+def _exhaustive3(D, N, spare) -> np.ndarray:
+    """Steps above 2 bits (0, 1, 2) per tag of the best assignment (ties: fewer
+    bits, then the lowest assignment index in base 3)."""
+    n = N.size
+    best = (np.inf, np.inf, 0)
+    powers = 3 ** np.arange(n, dtype=np.int64)
+    for start in range(0, 3**n, BLOCK):
+        idx = np.arange(start, min(start + BLOCK, 3**n), dtype=np.int64)
+        steps = (idx[:, None] // powers) % 3  # [A, n]
+        extra = steps.astype(np.float64) @ N
+        loss = np.take_along_axis(np.broadcast_to(D, (idx.size, n, 3)), steps[..., None], axis=2)[..., 0].sum(axis=1)
+        loss = np.where(extra <= spare, loss, np.inf)
+        order = np.lexsort((idx, extra, loss))[0]
+        best = min(best, (loss[order], extra[order], int(idx[order])))
+    return (best[2] // powers) % 3
+
+
+def _greedy3(D, N, spare) -> np.ndarray:
+    steps = np.zeros(N.size, np.int64)
+    while True:
+        gains = [((D[k, steps[k]] - D[k, steps[k] + 1]) / N[k], k) for k in range(N.size) if steps[k] < 2 and N[k] <= spare]
+        if not gains:
+            return steps
+        _, k = max(gains, key=lambda g: (g[0], -g[1]))
+        steps[k] += 1
+        spare -= N[k]
 
 
 def _greedy(D2, D4, N, spare) -> np.ndarray:
@@ -117,6 +161,9 @@ class Allocation:
       axes: the tag axes kept (``AXES`` or a subset: the ablations).
       tags: tag indices (``tag_of_codes``) with rows; N, D2, D4: per tag.
       budget: the calibrated average-bit budget B.
+      D3: per tag, or None (a calibration without the INT3 tier: 2 or 4 bits).
+      pinned: bits per tag (2, 3 or 4), or None; when set, the table at every
+        budget (a hand-set allocation, module docstring).
     """
 
     axes: tuple
@@ -125,6 +172,16 @@ class Allocation:
     D2: tuple
     D4: tuple
     budget: float
+    D3: tuple | None = None
+    pinned: tuple | None = None
+
+    def solve(self, budget: float) -> np.ndarray:
+        """Bits per tag row at ``budget`` (``solve``; the pinned bits if any)."""
+        if self.pinned is not None:
+            if not 2.0 <= budget <= 4.0:
+                raise ConfigError(f"the average-bit budget must be in [2, 4], got {budget}")
+            return np.asarray(self.pinned, np.int8)
+        return solve(self.D2, self.D4, self.N, budget, self.D3)
 
     @property
     def num_tags(self) -> int:
@@ -135,7 +192,7 @@ class Allocation:
 
     def bits(self, budget: float | None = None) -> dict:
         """``{tag name: bits}`` at ``budget`` (default: the calibrated one)."""
-        b = solve(self.D2, self.D4, self.N, self.budget if budget is None else budget)
+        b = self.solve(self.budget if budget is None else budget)
         return {tag_name(t, self.axes): int(x) for t, x in zip(self.tags, b)}
 
     def table(self, budget: float | None = None) -> np.ndarray:
@@ -149,6 +206,13 @@ class Allocation:
         if not axes or any(a not in AXES for a in axes):
             raise ConfigError(f"allocation axes must be a subset of {AXES}, got {axes}")
         rows = d["tags"]
+        has = lambda key: [key in r for r in rows]  # noqa: E731
+        for key in ("D3", "bits"):
+            if any(has(key)) and not all(has(key)):
+                raise ConfigError(f"allocation rows must all have {key!r} or none")
+        pinned = tuple(int(r["bits"]) for r in rows) if rows and all(has("bits")) else None
+        if pinned is not None and not set(pinned) <= {2, 3, 4}:
+            raise ConfigError(f"pinned bits must be 2, 3 or 4, got {sorted(set(pinned))}")
         return cls(
             axes,
             tuple(int(r["index"]) for r in rows),
@@ -156,12 +220,14 @@ class Allocation:
             tuple(float(r["D2"]) for r in rows),
             tuple(float(r["D4"]) for r in rows),
             float(d["budget"]),
+            tuple(float(r["D3"]) for r in rows) if rows and all(has("D3")) else None,
+            pinned,
         )
 
 
 @functools.lru_cache(maxsize=64)
 def _table(alloc: Allocation, budget: float) -> np.ndarray:
-    bits = solve(alloc.D2, alloc.D4, alloc.N, budget)
+    bits = alloc.solve(budget)
     per_tag = np.full(alloc.num_tags, 4, np.int8)
     per_tag[list(alloc.tags)] = bits
     table = per_tag[tag_of_codes(np.arange(NUM_TRIAXIAL_CODES), alloc.axes)]

@@ -60,8 +60,14 @@ from jaxkv.kernels.quant import PAGE, Int2Pool, Int4Pool, dequantize_int2_keys, 
 
 
 def _codes(data, chunk, bits):
-    """Codes of one chunk's bit-plane (``data`` uint8 ``[T, width]``) as float32."""
-    return ((data.astype(jnp.int32) >> (chunk.plane * bits)) & ((1 << bits) - 1)).astype(jnp.float32)
+    """Codes of one chunk (``data`` uint8 ``[T, row bytes]``, the whole packed rows)
+    as float32: one shift and mask of its bit-plane; at 3 bits the 2-bit low plane
+    plus the 1-bit high plane times 4 (``jaxkv.kernels.quant``'s 2 + 1 split)."""
+    cut = lambda at: data[:, at : at + chunk.width].astype(jnp.int32)  # noqa: E731
+    if bits == 3:
+        low = (cut(chunk.byte) >> (2 * chunk.plane)) & 3
+        return (low + 4 * ((cut(chunk.hi_byte) >> chunk.hi_plane) & 1)).astype(jnp.float32)
+    return ((cut(chunk.byte) >> (chunk.plane * bits)) & ((1 << bits) - 1)).astype(jnp.float32)
 
 
 def _per_token_scores(q_GD, data_TR, scale_TC, zero_TC, bits):
@@ -69,7 +75,7 @@ def _per_token_scores(q_GD, data_TR, scale_TC, zero_TC, bits):
     s = 0.0
     for c in plane_chunks(q_GD.shape[-1], bits):
         q_c = q_GD[:, c.channel : c.channel + c.width].astype(jnp.float32)
-        codes = _codes(data_TR[:, c.byte : c.byte + c.width], c, bits)
+        codes = _codes(data_TR, c, bits)
         scale = scale_TC[:, c.group].astype(jnp.float32)
         zero = zero_TC[:, c.group].astype(jnp.float32)
         s = s + _splitk.dot_nt(q_c, codes) * scale[None, :] + jnp.sum(q_c, axis=1, keepdims=True) * zero[None, :]
@@ -80,7 +86,7 @@ def _per_token_values(p_GT, data_TR, scale_TC, zero_TC, bits, head_dim):
     """``p @ v`` chunks ``[G, width]`` for per-token groups, in ``plane_chunks`` order."""
     out = []
     for c in plane_chunks(head_dim, bits):
-        codes = _codes(data_TR[:, c.byte : c.byte + c.width], c, bits)
+        codes = _codes(data_TR, c, bits)
         scale = scale_TC[:, c.group].astype(jnp.float32)
         zero = zero_TC[:, c.group].astype(jnp.float32)
         out.append(_splitk.dot_nn(p_GT * scale[None, :], codes) + jnp.sum(p_GT * zero[None, :], axis=1, keepdims=True))
@@ -108,7 +114,8 @@ class Int4Tokens:
 @dataclasses.dataclass(frozen=True)
 class Int2Pages:
     """Reader of one page (32 tokens) per step: per-channel keys, per-token values,
-    ``bits``-bit codes (2: INT2; 4: KIVI-4's pages).
+    ``bits``-bit codes (2: INT2; 3: INT3 pages, or a mix of INT2 and INT3 pages as
+    3-bit rows; 4: KIVI-4's pages).
 
     Buffers ``[K, 1, ...]``: key data ``[32, D*bits/8]``, key scale/zero ``[D]``,
     value data ``[32, D*bits/8]``, value scale/zero ``[32, D/32]``.
@@ -127,7 +134,7 @@ class Int2Pages:
         s = 0.0
         for c in plane_chunks(self.head_dim, self.bits):
             q_c = q_GD[:, c.channel : c.channel + c.width].astype(jnp.float32)
-            codes = _codes(data[:, c.byte : c.byte + c.width], c, self.bits)  # [32, width]
+            codes = _codes(data, c, self.bits)  # [32, width]
             scale_c = scale[None, c.channel : c.channel + c.width].astype(jnp.float32)
             zero_c = zero[None, c.channel : c.channel + c.width].astype(jnp.float32)
             s = s + _splitk.dot_nt(q_c * scale_c, codes) + jnp.sum(q_c * zero_c, axis=1, keepdims=True)
@@ -167,9 +174,9 @@ def _check_pools(int2_pool, int2_pages_BP, int2_num_pages_B, int4_pool):
     if int4_pool.k.bits != 4 or int4_pool.v.bits != 4:
         raise ValueError("int4_pool must hold 4-bit keys and values")
     if int2_pool is not None:
-        if int2_pool.k.bits not in (2, 4) or int2_pool.v.bits != int2_pool.k.bits:
+        if int2_pool.k.bits not in (2, 3, 4) or int2_pool.v.bits != int2_pool.k.bits:
             raise ValueError(
-                f"int2_pool pages must hold keys and values of one width, 2 or 4 bits; got {int2_pool.k.bits} and {int2_pool.v.bits}"
+                f"int2_pool pages must hold keys and values of one width, 2, 3 or 4 bits; got {int2_pool.k.bits} and {int2_pool.v.bits}"
             )
         if int2_pool.k.head_dim != int4_pool.k.head_dim or int2_pool.k.data.shape[1] != int4_pool.k.data.shape[1]:
             raise ValueError(

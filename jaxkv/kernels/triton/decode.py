@@ -122,14 +122,14 @@ def quantized_decode_attention(
     part, then INT2 part, then the optional float part). A masked INT2 part (pages
     some of whose tokens the request evicted) is computed by
     ``masked_int2_partials`` in jnp: the Triton INT2 kernel reads no mask yet; so
-    are 4-bit pages (``kivi4``, a baseline): the Triton page kernel reads 2-bit
-    codes only."""
+    are 3-bit pages (a pool with INT3 pages) and 4-bit ones (``kivi4``, a
+    baseline): the Triton page kernel reads 2-bit codes only."""
     check_quantized_head_dim(q_BHD.shape[-1])
     parts = [_part(launcher, kernels.decode_int4_tokens, q_BHD, int4_pool.buffers(), int4_idx_BN, int4_len_B, INT4_BLOCK)]
     if int2_pool is not None and int2_mask_BP is None and int2_pool.bits == 2:
         parts.append(_part(launcher, kernels.decode_int2_pages, q_BHD, int2_pool.buffers(), int2_pages_BP, int2_num_pages_B, PAGE_BLOCK))
     elif int2_pool is not None:
-        if int2_mask_BP is None:  # 4-bit pages, every token read
+        if int2_mask_BP is None:  # 3- or 4-bit pages, every token read
             int2_mask_BP = jnp.full(int2_pages_BP.shape, 0xFFFFFFFF, jnp.uint32)
         parts.append(masked_int2_partials(q_BHD, int2_pool, int2_pages_BP, int2_num_pages_B, int2_mask_BP))
     if float_pool is not None:

@@ -65,7 +65,8 @@ class KVRecord:
     """One request's live KV after its prompt prefill (and compression events).
 
     Attributes:
-      int2, int4, full: live tokens per precision.
+      int2, int4, full: live tokens per precision; int3: INT3 page tokens (0 in
+        records journaled before the tier).
       bytes: their KV bytes, scales and zero points included (full precision
         counted as bf16; ``bytes_per_token``).
       elements: K and V elements per token (``elements_per_token``; 0 in records
@@ -77,16 +78,17 @@ class KVRecord:
     full: int
     bytes: float
     elements: int = 0
+    int3: int = 0
 
     @property
     def tokens(self) -> int:
-        return self.int2 + self.int4 + self.full
+        return self.int2 + self.int3 + self.int4 + self.full
 
     @property
     def bits(self) -> float:
-        """Code bits per element summed over tokens (2, 4 or 16 each): what the
+        """Code bits per element summed over tokens (2, 3, 4 or 16 each): what the
         allocation's budget B counts, not what the tokens occupy (``stored_bits``)."""
-        return 2.0 * self.int2 + 4.0 * self.int4 + 16.0 * self.full
+        return 2.0 * self.int2 + 3.0 * self.int3 + 4.0 * self.int4 + 16.0 * self.full
 
 
 def summarize(records) -> dict:
@@ -109,9 +111,9 @@ def summarize(records) -> dict:
 def record_of(composition: dict, cfg) -> KVRecord:
     """``KVRecord`` of an ``Engine.kv_composition`` result for model config ``cfg``."""
     size = dict(head_dim=cfg.head_dim, num_layers=cfg.num_layers, num_kv_heads=cfg.num_kv_heads)
-    n2, n4, nf = composition[2], composition[4], composition[16]
-    total = n2 * bytes_per_token(2, **size) + n4 * bytes_per_token(4, **size) + nf * bytes_per_token(16, **size)
-    return KVRecord(n2, n4, nf, float(total), elements_per_token(**size))
+    n2, n3, n4, nf = composition[2], composition.get(3, 0), composition[4], composition[16]
+    total = sum(n * bytes_per_token(b, **size) for n, b in ((n2, 2), (n3, 3), (n4, 4), (nf, 16)))
+    return KVRecord(n2, n4, nf, float(total), elements_per_token(**size), n3)
 
 
 class QuantizationStage(Stage):

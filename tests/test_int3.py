@@ -1,0 +1,202 @@
+"""The INT3 tier of the dual quantized pool (issue 74, item 3).
+
+* INT3 codes (``jaxkv.kernels.quant``): the 2 + 1 bit-plane packing byte for byte
+  against a NumPy reference, codes as a NumPy float32 reference computes them, every
+  element within half a step, and the round-trip error between INT2's and INT4's.
+* The device pool: INT2 pages, INT3 pages and INT4 rows written by one plan read
+  back within half a step; an INT2 page in a pool with INT3 pages holds the bytes it
+  holds without them; a pool's bytes per INT3 token are ``bytes_per_token``'s
+  (4.0 stored bits, every scale and zero counted).
+* A mixed 2/3/4 pool end to end: the page-completion rule per kind; shelved INT3
+  rows come back bit-identical. (The CPU decode window, the per-step gather, the
+  blocked reader and the fused kernels in interpret mode on mixed 2/3/4 pools,
+  rotation off and on, are ``test_triaxial``'s and ``test_rotation``'s parity tests,
+  whose pools carry INT3 pages and whose prompts write all three widths.)
+* The allocation chooses among 2, 3 and 4 bits (against brute force), and a pinned
+  allocation's table reaches a session's records.
+"""
+
+from __future__ import annotations
+
+import itertools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from jaxkv.cache.quantized import INT2, INT3, INT4, DualPool, Geometry, dequantize_slots, write_tokens
+from jaxkv.cache.quantized_host import DualAllocator, bytes_per_token, elements_per_token, stored_bits
+from jaxkv.engine import Engine
+from jaxkv.errors import ConfigError, SlotError
+from jaxkv.kernels.quant import PAGE, dequantize_rows, quantize_rows, unpack
+from jaxkv.policies import layouts
+from jaxkv.policies.quant_allocation import Allocation, solve
+
+
+def _outlier_rows(seed, n, K=2, D=64):
+    rng = np.random.default_rng(seed)
+    x = rng.standard_normal((n, K, D)) * rng.uniform(0.1, 5, (n, 1, 1)) + rng.uniform(-3, 3, (n, 1, D))
+    x[..., 5] *= 6.0  # an outlier channel
+    return x.astype(np.float32)
+
+
+def _np_pack3(codes):
+    """The 2 + 1 split by hand: low two bits as a 2-bit row (byte j, plane i: channel
+    i * D/4 + j), then the high bit as a 1-bit row (byte j, plane i: channel i * D/8 + j)."""
+    D = codes.shape[-1]
+    low = np.zeros((*codes.shape[:-1], D // 4), np.uint8)
+    high = np.zeros((*codes.shape[:-1], D // 8), np.uint8)
+    for i in range(4):
+        low |= ((codes[..., i * (D // 4) : (i + 1) * (D // 4)] & 3) << (2 * i)).astype(np.uint8)
+    for i in range(8):
+        high |= (((codes[..., i * (D // 8) : (i + 1) * (D // 8)] >> 2) & 1) << i).astype(np.uint8)
+    return np.concatenate([low, high], axis=-1)
+
+
+def test_int3_codes_against_numpy_and_their_error_between_int2_and_int4():
+    x = _outlier_rows(0, 256)
+    rms = {}
+    for bits in (2, 3, 4):
+        p = quantize_rows(jnp.asarray(x), bits)
+        scale = np.asarray(p.scale, np.float32)[..., None]  # [T, K, D/32, 1]
+        zero = np.asarray(p.zero, np.float32)[..., None]
+        g = x.reshape(*x.shape[:-1], -1, 32)
+        want = np.where(scale > 0, np.clip(np.rint((g - zero) / np.where(scale > 0, scale, 1)), 0, 2**bits - 1), 0)
+        want = want.astype(np.uint8).reshape(x.shape)
+        codes = np.asarray(unpack(p.data, bits))
+        assert np.array_equal(codes, want), bits  # IEEE float32 division, round half to even
+        if bits == 3:
+            assert p.data.shape[-1] == 64 * 3 // 8 and np.array_equal(np.asarray(p.data), _np_pack3(want))
+        out = np.asarray(dequantize_rows(p), np.float64)
+        step = np.repeat(scale[..., 0], 32, axis=-1).astype(np.float64)
+        assert (np.abs(out - x) <= step / 2 + 2.0**-20 * (np.abs(x) + 1)).all(), bits
+        rms[bits] = float(np.sqrt(np.mean((out - x) ** 2)))
+    # each extra bit about halves the step: (2^b - 1) levels, 3 -> 7 -> 15
+    assert 0.35 < rms[3] / rms[2] < 0.55 and 0.4 < rms[4] / rms[3] < 0.6, rms
+    with pytest.raises(ConfigError):
+        quantize_rows(jnp.asarray(x), 5)
+
+
+def test_pool_pages_of_both_widths_round_trip_and_count_their_bytes():
+    geo = Geometry(pages=4, int4_slots=40, pages3=2)  # INT2 page 1, INT3 pages 2 and 3
+    assert (geo.first3, geo.off3, geo.off4) == (2, 64, 128)
+    assert geo.kind(np.asarray([1, 63, 64, 127, 128])).tolist() == [INT2, INT2, INT3, INT3, INT4]
+    with pytest.raises(ConfigError):
+        Geometry(pages=2, int4_slots=4, pages3=2)  # page 0 must stay an INT2 page
+    x = _outlier_rows(1, 96)
+    k, v = jnp.asarray(x), jnp.asarray(x[::-1].copy())
+    slots = jnp.asarray(np.concatenate([np.arange(32, 96), geo.off4 + np.arange(32)]))  # page 1 (INT2), page 2 (INT3), INT4
+    src, ids = jnp.arange(64).reshape(2, PAGE), jnp.asarray([1, 2])
+    create = lambda g: DualPool.create(g, num_layers=1, num_kv_heads=2, head_dim=64, dtype=jnp.float32)  # noqa: E731
+    pool = write_tokens(create(geo), geo, 0, k, v, slots, src, ids).layer(0)
+    kd, vd = (np.asarray(a, np.float64) for a in dequantize_slots(pool, geo, slots))
+    tiny = 2.0**-20 * (np.abs(x) + 1)
+    ks = np.asarray(pool.int2.k.scale[1:3], np.float64)  # per channel over each page
+    assert (np.abs(kd[:64] - x[:64]).reshape(2, 32, 2, 64) <= ks[:, None] / 2 + tiny[:64].reshape(2, 32, 2, 64)).all()
+    vs = np.asarray(pool.int2.v.scale[1:3], np.float64).transpose(0, 2, 1, 3).reshape(64, 2, 2)
+    assert (np.abs(vd[:64] - x[::-1][:64]).reshape(64, 2, 2, 32) <= vs[..., None] / 2 + tiny[:64].reshape(64, 2, 2, 32)).all()
+    err = lambda a, b: float(np.sqrt(np.mean((a - b) ** 2)))  # noqa: E731
+    assert err(kd[32:64], x[32:64]) < 0.6 * err(kd[:32], x[:32])  # the INT3 page is the finer one
+    # the INT2 page is the bytes a pool without INT3 pages holds
+    plain = Geometry(pages=2, int4_slots=40)
+    old = write_tokens(create(plain), plain, 0, k[:32], v[:32], jnp.arange(32, 64), src[:1], ids[:1]).layer(0)
+    for a, b in zip(jax.tree.leaves(old.int2), jax.tree.leaves(pool.int2)):
+        assert np.array_equal(np.asarray(a)[:2], np.asarray(b)[:2])
+    assert np.asarray(pool.hi[0][0]).any() and not np.asarray(pool.hi[0][1]).any()  # page 2's high plane; page 3 unwritten
+    # device bytes per INT3 token (low planes, high planes, page scales and zeros) = bytes_per_token
+    size = lambda g: sum(x.size * np.dtype(x.dtype).itemsize for x in jax.tree.leaves(jax.eval_shape(lambda: create(g))))  # noqa: E731
+    per_token = (size(Geometry(5, 1, 0, 2)) - size(Geometry(4, 1, 0, 1))) / PAGE
+    assert per_token == bytes_per_token(INT3, head_dim=64, num_layers=1, num_kv_heads=2) == 128.0
+    assert stored_bits(per_token, elements_per_token(head_dim=64, num_layers=1, num_kv_heads=2)) == 4.0
+
+
+def test_allocator_hands_out_pages_of_each_kind():
+    geo = Geometry(pages=4, int4_slots=8, pages3=2)
+    alloc = DualAllocator(geo)
+    assert alloc.pages_free_of(INT2) == 1 and alloc.pages_free_of(INT3) == 2 and alloc.pages_free == 3
+    pages, slots = alloc.allocate_pages([32, 3], INT3)
+    assert pages.tolist() == [2, 3] and alloc.pages_free_of(INT3) == 0 and alloc.pages_free_of(INT2) == 1
+    with pytest.raises(SlotError):
+        alloc.allocate_pages([32], INT4)
+    alloc.release(slots)
+    assert alloc.pages_free_of(INT3) == 2 and alloc.pages_free == 3
+
+
+def _kinds(engine, row):
+    return engine.pool.geometry.kind(np.asarray(engine.row_state[row].slots, np.int64))
+
+
+def test_shelved_int3_rows_are_promoted_back_bit_identical(qmodel):
+    """(The engine of ``test_triaxial``'s shelving test: its programs, compiled once.)"""
+    e = Engine(qmodel, rows=1, max_positions=512, prefill_chunk=128, kv_quant="triaxial")
+    rng = np.random.default_rng(2)
+    row = e.open_row()
+    e.prefill([row], [rng.integers(5, 500, 200).tolist()], kv_bits=[np.tile([2, 3, 3, 4], 50)])
+    e.decode([row], [7], 3)
+    kinds = _kinds(e, row)
+    for kind in (INT2, INT3):  # per chunk and kind, the kind's tokens in position order fill pages; the rest INT4
+        for c in (0, 128):
+            want = np.flatnonzero(np.tile([2, 3, 3, 4], 50)[c : c + 128] == kind) + c
+            assert (np.flatnonzero(kinds[c : c + 128] == kind) + c).tolist() == want[: want.size // PAGE * PAGE].tolist()
+    pick = np.sort(np.concatenate([np.flatnonzero(kinds == INT3)[[0, 5, 40]], np.flatnonzero(kinds == INT2)[[1, 9]], [199]]))
+    slots = np.asarray(e.row_state[row].slots)[pick]
+    before = e.kv.gather_rows(slots)
+    k_before = np.asarray(e.kv.gather_keys(row))
+    keep = np.setdiff1d(np.arange(kinds.size), pick)
+    shelved = e.kv.apply_layout(row, layouts.dead_slot(e.row_state[row].slots, keep), keep_evicted=True)
+    assert before[0][0, :, 0, 0].tolist() == kinds[pick].tolist()  # the blob's kind byte: 2, 3 or 4
+    fresh = e.kv.restore_rows(row, pick, *shelved)
+    assert (fresh != slots).any() and (e.pool.geometry.kind(fresh) == kinds[pick]).all()
+    assert all(np.array_equal(x, y) for x, y in zip(e.kv.gather_rows(fresh), before))
+    assert np.array_equal(np.asarray(e.kv.gather_keys(row)), k_before)
+
+
+def test_allocation_chooses_among_2_3_and_4_bits():
+    rng = np.random.default_rng(5)
+    for trial in range(40):
+        n = int(rng.integers(1, 7))
+        D4 = rng.uniform(0, 1, n)
+        D3 = D4 + rng.exponential(0.5, n)
+        D2 = D3 + rng.exponential(1.0, n)
+        N = np.where(rng.random(n) < 0.15, 0, rng.integers(1, 500, n)).astype(float)
+        B = float(rng.uniform(2, 4))
+        got = solve(D2, D4, N, B, D3=D3)
+        table = np.stack([D2, D3, D4], axis=1)
+        best = min(
+            table[np.arange(n), np.asarray(b) - 2][N > 0].sum()
+            for b in itertools.product((2, 3, 4), repeat=n)
+            if (N * b).sum() <= B * N.sum() + 1e-9
+        )
+        assert (N * got).sum() <= B * N.sum() + 1e-9, trial
+        assert table[np.arange(n), got - 2][N > 0].sum() == pytest.approx(best), trial
+        assert (got[N == 0] == 4).all()
+    # three widths pay where two cannot: at B = 3 a tag that 2 bits ruin and 4 barely improve takes 3
+    assert solve([100.0, 100.0], [0.0, 0.0], [10.0, 10.0], 3.0, D3=[1.0, 1.0]).tolist() == [3, 3]
+    assert sorted(solve([100.0, 100.0], [0.0, 0.0], [10.0, 10.0], 3.0).tolist()) == [2, 4]
+    many = rng.integers(1, 50, 20).astype(float)  # beyond the exhaustive search: the greedy, within budget
+    got = solve(rng.uniform(2, 3, 20), rng.uniform(0, 1, 20), many, 2.7, D3=rng.uniform(1, 2, 20))
+    assert set(got.tolist()) <= {2, 3, 4} and (many * got).sum() <= 2.7 * many.sum() + 1e-9
+
+
+def test_a_pinned_allocation_writes_int3_and_records_its_bytes(qmodel):
+    from jaxkv.serving import Session
+
+    rows = [{"index": s, "N": 10.0, "D2": 1.0, "D4": 0.5, "bits": 3} for s in range(7)]
+    alloc = Allocation.from_dict({"axes": ["semantic"], "budget": 3.0, "tags": rows})
+    assert alloc.bits(2.0) == alloc.bits(4.0) and set(alloc.bits().values()) == {3}
+    with pytest.raises(ConfigError):
+        Allocation.from_dict({"axes": ["semantic"], "budget": 3.0, "tags": [dict(rows[0], bits=5)]})
+    with pytest.raises(ConfigError):
+        Allocation.from_dict({"axes": ["semantic"], "budget": 3.0, "tags": [rows[0], {k: v for k, v in rows[1].items() if k != "bits"}]})
+    s = Session(qmodel, kv_quant="triaxial", kv_allocation=alloc, max_positions=512, protect_query=False)
+    try:
+        s.replay([{"role": "user", "content": " ".join(["report budget travel legal"] * 40)}, {"role": "assistant", "content": "ok"}])
+        r = s.quantization.records[0]
+    finally:
+        s.close()
+    cfg = qmodel.config
+    size = dict(head_dim=cfg.head_dim, num_layers=cfg.num_layers, num_kv_heads=cfg.num_kv_heads)
+    assert r.int3 >= 3 * PAGE and r.int2 == 0 and r.int3 % PAGE == 0
+    assert r.bytes == r.int3 * bytes_per_token(INT3, **size) + r.int4 * bytes_per_token(INT4, **size) + r.full * bytes_per_token(16, **size)
+    assert r.bits == 3.0 * r.int3 + 4.0 * r.int4 + 16.0 * r.full
