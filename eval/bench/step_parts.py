@@ -37,7 +37,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxkv.markdown import md_header, md_row
+from jaxkv.markdown import md_table
 
 MIXED = ((16, 33, 0), (16, 33, 800), (16, 32, 800), (1, 512, 0), (1, 512, 800))
 GEMMS = ((2048, 2048, 2048), (528, 576, 1536), (528, 1536, 576), (16, 576, 1536), (16, 576, 49152))
@@ -158,19 +158,16 @@ def main(argv=None) -> int:
     lines.append(f"CPU cores this process may use: {len(os.sched_getaffinity(0))}; 1-minute load before: {os.getloadavg()[0]:.2f}")
     lines.append("")
     if "gemm" in parts:
-        lines += ["## Matrix products, GFLOP/s", "", *md_header(["M x K x N", "float32", "bf16 -> float32"], "lrr")]
-        lines += [md_row(r) for r in gemm_rows()] + [""]
+        lines += ["## Matrix products, GFLOP/s", "", md_table(["M x K x N", "float32", "bf16 -> float32"], gemm_rows(), "lrr"), ""]
     if "mixed" in parts:
         lines += [f"## Whole engine steps ({args.model}): R rows x n new tokens over C cached tokens each, seconds", ""]
-        lines += [*md_header(["dtype", "R", "n", "C", "best s", "median s"], "lrrrrr"), *(md_row(r) for r in mixed_rows(args.model)), ""]
+        lines += [md_table(["dtype", "R", "n", "C", "best s", "median s"], mixed_rows(args.model), "lrrrrr"), ""]
     if "attention" in parts:
         lines += ["## The blocked attention alone, 30 layers (SmolLM2 heads: 9 query, 3 KV, dim 64), seconds", ""]
-        lines += md_header(["dtype", "R", "n", "C", "best s", "median s", "useful GFLOP/s"], "lrrrrrr")
-        lines += [md_row(r) for r in attention_rows()] + [""]
+        lines += [md_table(["dtype", "R", "n", "C", "best s", "median s", "useful GFLOP/s"], attention_rows(), "lrrrrrr"), ""]
     if "window" in parts:
         lines += ["## The decode window's products alone, 16 rows, 30 layers, one step, ms", ""]
-        lines += md_header(["dtype", "width W", "best ms", "median ms", "K/V GB/s"], "lrrrr")
-        lines += [md_row(r) for r in window_rows()] + [""]
+        lines += [md_table(["dtype", "width W", "best ms", "median ms", "K/V GB/s"], window_rows(), "lrrrr"), ""]
     lines.append(f"1-minute load after: {os.getloadavg()[0]:.2f}")
     text = "\n".join(lines) + "\n"
     print(text)
