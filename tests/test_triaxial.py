@@ -24,6 +24,13 @@ from jaxkv.policies.quant_allocation import solve
 from jaxkv.serving import Server, Session
 
 
+# One engine shape for the module's engine tests: engines of one shape and pool format
+# share their compiled programs (the step and decode programs are keyed on the pool's and
+# the step's shapes), so each format compiles them once per module, not once per test.
+SHAPE = dict(rows=3, max_positions=1024, prefill_chunk=128)
+ONE_CHUNK = dict(SHAPE, prefill_chunk=256)  # a 200-token prompt in one chunk
+
+
 def allocation(int2_semantics=(1, 5), budget=3.0):
     """A calibration table over the semantic axis: the listed semantics are cheap to
     quantize (they go to INT2 first), the others costly."""
@@ -64,7 +71,7 @@ def test_address_split_and_one_allocator_per_region():
 
 
 def test_int2_first_page_table_and_page_completion_rule(qmodel):
-    e = Engine(qmodel, rows=1, max_positions=512, prefill_chunk=128, kv_quant="triaxial")
+    e = Engine(qmodel, **SHAPE, kv_quant="triaxial")
     rng = np.random.default_rng(0)
     n = 150
     bits = np.where(rng.random(n) < 0.7, 2, 4)
@@ -100,7 +107,7 @@ def test_int2_first_page_table_and_page_completion_rule(qmodel):
 def test_decode_tokens_go_to_int4_and_kivi_keeps_a_recent_float_window(qmodel):
     rng = np.random.default_rng(1)
     prompt = rng.integers(5, 500, 200).tolist()
-    e = Engine(qmodel, rows=1, max_positions=512, prefill_chunk=128, kv_quant="triaxial")
+    e = Engine(qmodel, **SHAPE, kv_quant="triaxial")
     row = e.open_row()
     e.prefill([row], [prompt], kv_bits=[np.full(200, 2)])
     e.decode([row], [7], 16)
@@ -109,7 +116,7 @@ def test_decode_tokens_go_to_int4_and_kivi_keeps_a_recent_float_window(qmodel):
     assert (kinds[:192] == INT2).all() and (kinds[192:200] == INT4).all()  # 200 = 6 pages + 8 leftover
 
     for mode, page_bits in (("kivi2", 2), ("kivi4", 4)):
-        k = Engine(qmodel, rows=1, max_positions=512, prefill_chunk=128, kv_quant=mode)
+        k = Engine(qmodel, **SHAPE, kv_quant=mode)
         assert k.cache.pool.int2.bits == page_bits and k.cache.pool.int2.k.data.shape[-1] == 32 * page_bits // 8
         row = k.open_row()
         k.prefill([row], [prompt])
@@ -157,7 +164,7 @@ def test_prefix_cached_token_keeps_its_first_precision(qmodel):
 
 @pytest.mark.parametrize("mode", ["triaxial", "kivi2", "kivi4"])
 def test_shelved_rows_are_promoted_back_bit_identical(qmodel, mode):
-    e = Engine(qmodel, rows=1, max_positions=512, prefill_chunk=128, kv_quant=mode)
+    e = Engine(qmodel, **SHAPE, kv_quant=mode)
     rng = np.random.default_rng(2)
     row = e.open_row()
     bits = np.where(np.arange(200) % 3 == 0, 4, 2) if mode == "triaxial" else None
@@ -194,7 +201,7 @@ def test_quantized_decode_logits_equal_attention_over_dequantized_kv(qmodel, mod
     bits = rng.choice([2, 3, 4], 230, p=[0.4, 0.35, 0.25])
     logits = []
     for mass in (False, True):
-        e = Engine(qmodel, rows=2, max_positions=512, kv_quant=mode, backend=backend)
+        e = Engine(qmodel, **SHAPE, kv_quant=mode, backend=backend)
         rows = [e.open_row(), e.open_row()]
         e.prefill(rows, [prompt, prompt[:150]], kv_bits=None if mode.startswith("kivi") else [bits, bits[:150]])
         e.kv.apply_layout(rows[0], layouts.dead_slot(e.row_state[rows[0]].slots, np.setdiff1d(np.arange(230), [3, 40, 41])))
@@ -216,7 +223,7 @@ def test_quantized_rows_decode_alike_alone_and_batched(qmodel, mode):
     forced = [[11, 12, 13, 14, 15], [21, 22, 23, 24, 25], [31, 32, 33, 34, 35]]
 
     def run(which):
-        e = Engine(qmodel, rows=3, max_positions=512, kv_quant=mode)
+        e = Engine(qmodel, **SHAPE, kv_quant=mode)
         rows = [e.open_row() for _ in which]
         e.prefill(rows, [prompts[i] for i in which])
         out = e.decode(rows, [7] * len(which), 6, return_logits=True, forced_tokens=[forced[i] for i in which])
@@ -248,7 +255,7 @@ def test_quantized_decode_window_equals_per_step_gather(qmodel, mode, monkeypatc
     bits = [rng.choice([2, 3, 4], len(p), p=[0.4, 0.35, 0.25]) for p in prompts] if mode == "triaxial" else None
     runs = {}
     for window in (True, False):
-        e = Engine(qmodel, rows=2, max_positions=1024, kv_quant=mode)
+        e = Engine(qmodel, **SHAPE, kv_quant=mode)
         e.runner.use_window = window
         rows = [e.open_row(), e.open_row()]
         e.prefill(rows, prompts, kv_bits=bits)
@@ -281,8 +288,8 @@ def test_prefill_attends_over_the_dequantized_prefix_and_its_chunk_in_full_preci
     rng = np.random.default_rng(8)
     tokens = rng.integers(5, 500, 200).tolist()
     bits = np.where(rng.random(128) < 0.6, 2, 4)
-    q = Engine(qmodel, rows=1, max_positions=512, prefill_chunk=128, kv_quant="triaxial")
-    f = Engine(qmodel, rows=1, max_positions=512, prefill_chunk=128)
+    q = Engine(qmodel, **SHAPE, kv_quant="triaxial")
+    f = Engine(qmodel, **SHAPE)
     rq, rf = q.open_row(), f.open_row()
     q.prefill([rq], [tokens[:128]], kv_bits=[bits])
     f.prefill([rf], [tokens[:128]])
@@ -307,12 +314,12 @@ def test_an_imported_prefill_stores_what_a_one_chunk_prefill_stores(qmodel, mode
     rng = np.random.default_rng(9)
     tokens, more = rng.integers(5, 500, 200).tolist(), rng.integers(5, 500, 24).tolist()
     bits = np.where(rng.random(200) < 0.6, 2, 4) if mode == "triaxial" else None
-    src = Engine(qmodel, rows=1, max_positions=512, prefill_chunk=256)  # one chunk: full-precision attention
+    src = Engine(qmodel, **ONE_CHUNK)  # one chunk: full-precision attention
     rs = src.open_row()
     last = src.prefill([rs], [tokens])[0]
     k, v = src.pool.gather_float(src.cache, src.row_state[rs].slots)
-    one = Engine(qmodel, rows=2, max_positions=512, prefill_chunk=256, kv_quant=mode)
-    imp = Engine(qmodel, rows=2, max_positions=512, prefill_chunk=256, kv_quant=mode)
+    one = Engine(qmodel, **ONE_CHUNK, kv_quant=mode)
+    imp = Engine(qmodel, **ONE_CHUNK, kv_quant=mode)
     r1, r2 = one.open_row(), imp.open_row()
     one.prefill([r1], [tokens], kv_bits=None if bits is None else [bits])
     job = imp.start_prefill(r2, tokens, kv_bits=bits, kv_source=KVSource(k, v, last))
