@@ -32,7 +32,15 @@ ratio to the ``float`` pool's tokens/s are printed side by side.
 positions, so a context must leave room for the timed steps). The 1-minute load
 average is printed before and after: a run that starts above 0.5 shared the machine.
 
-Usage: python -m eval.bench.quant_decode [--steps 16] [--repeats 1] [--contexts 4096,32768] [--model M] [--out FILE.md]
+Batch-1 decode on a 2-core machine moves by up to 25% from one process's run to the
+next, so with ``--rounds R`` every pool of a context is built and warmed first and
+the timed calls then go round the pools ``R`` times (float, int4, mixed, float,
+...): a drift of the machine's speed touches every pool alike, the table gives each
+pool's median over the rounds, and the ratio to the float pool in each round.
+``--modes`` picks the pools (default: all six).
+
+Usage: python -m eval.bench.quant_decode [--steps 16] [--repeats 1] [--rounds 1] [--modes float,int4,mixed]
+    [--contexts 4096,32768] [--model M] [--out FILE.md]
 """
 
 from __future__ import annotations
@@ -91,9 +99,13 @@ def open_request(engine, n: int, mode: str) -> int:
     return row
 
 
-def bench(model, mode: str, n: int, steps: int, repeats: int = 1) -> tuple[float, float]:
-    """(tokens/s, KV bytes of the request in its pool's format) of one request of
-    ``n`` live tokens."""
+MODES = ("float", "float-gather", "int4", "int4-gather", "mixed", "mixed-gather")
+
+
+def prepare(model, mode: str, n: int, steps: int) -> dict:
+    """One request of ``n`` live tokens in a pool of ``mode``, its decode program
+    compiled and warmed: the engine, the row, its first token and the KV bytes the
+    request holds in its pool's format."""
     rng = np.random.default_rng(0)
     kind, _, gather = mode.partition("-")
     kv_quant = {"float": None, "int4": "int4", "mixed": "triaxial"}[kind]
@@ -116,25 +128,44 @@ def bench(model, mode: str, n: int, steps: int, repeats: int = 1) -> tuple[float
         kv_bytes = comp[INT2] * bytes_per_token(INT2, **size) + comp[INT4] * bytes_per_token(INT4, **size)
     first = [int(rng.integers(0, cfg.vocab_size))]
     engine.decode([row], first, steps)  # compile + warm-up
+    return dict(engine=engine, row=row, first=first, n=n, kv_bytes=kv_bytes)
+
+
+def time_calls(run: dict, steps: int, repeats: int) -> float:
+    """Tokens/s of the median of ``repeats`` timed decode calls of ``steps`` steps,
+    each from the request's ``n`` live tokens."""
+    engine, row = run["engine"], run["row"]
     times = []
     for _ in range(repeats):
-        engine.truncate_row(row, n)  # rewind to the n live tokens
+        engine.truncate_row(row, run["n"])  # rewind to the n live tokens
         jax.block_until_ready(engine.cache.kv)
         t0 = time.perf_counter()
-        engine.decode([row], first, steps)
+        engine.decode([row], run["first"], steps)
         times.append(time.perf_counter() - t0)
-    return steps / float(np.median(times)), kv_bytes
+    return steps / float(np.median(times))
+
+
+def bench(model, mode: str, n: int, steps: int, repeats: int = 1) -> tuple[float, float]:
+    """(tokens/s, KV bytes of the request in its pool's format) of one request of
+    ``n`` live tokens."""
+    run = prepare(model, mode, n, steps)
+    return time_calls(run, steps, repeats), run["kv_bytes"]
 
 
 def main(argv=None) -> str:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--steps", type=int, default=16)
     ap.add_argument("--repeats", type=int, default=1, help="timed decode calls per run; their median counts")
+    ap.add_argument("--rounds", type=int, default=1, help="timed calls go round the pools this many times; medians per pool")
+    ap.add_argument("--modes", default=",".join(MODES), help="the pools, comma-separated, the float one first")
     ap.add_argument("--contexts", default="4096,32768")
     ap.add_argument("--model", default=None, help="a model name or folder (default: the random ~125M Qwen3)")
     ap.add_argument("--out", default=None)
     args = ap.parse_args(argv)
     contexts = [int(c) for c in args.contexts.split(",")]
+    modes = [m for m in args.modes.split(",") if m]
+    if not modes or modes[0] != "float" or set(modes) - set(MODES):
+        ap.error(f"--modes: some of {', '.join(MODES)}, beginning with float (the ratios' base)")
     load_before = os.getloadavg()[0]
     if args.model:
         model = jaxkv.load_model(args.model)
@@ -152,20 +183,30 @@ def main(argv=None) -> str:
         "",
         f"Quantized vs float KV pool, decode, {what} float32 weights), batch 1, "
         f"{platform.processor() or platform.machine()}, {os.cpu_count()} cores, jax {jax.__version__} ({jax.default_backend()}); "
-        f"{args.steps} timed greedy steps after warm-up (one decode call; the median of {args.repeats}); float / int4 / mixed = the per-call window (float rows; uint8 codes dequantized block by block inside the online softmax), "
+        f"{args.steps} timed greedy steps after warm-up (one decode call; the median of {args.repeats}"
+        f"{f'; {args.rounds} rounds over the pools, alternating, the median of the rounds' if args.rounds > 1 else ''}); "
+        "float / int4 / mixed = the per-call window (float rows; uint8 codes dequantized block by block inside the online softmax), "
         "-gather = the window off: key blocks gathered from the pool every step (quantized: decode_parts_attention); KV bytes = the request's entries in its pool's format.",
         "",
-        *md_header(["live tokens", "pool", "tok/s", "vs float", "KV bytes (pool format)", "vs float"], "rlrrrr"),
+        *md_header(["live tokens", "pool", "tok/s", "vs float", "vs float per round", "KV bytes (pool format)", "vs float"], "rlrrlrr"),
     ]
     print("\n".join(lines), flush=True)
     for n in contexts:
-        base = None
-        for mode in ("float", "float-gather", "int4", "int4-gather", "mixed", "mixed-gather"):
-            tps, kv_bytes = bench(model, mode, n, args.steps, args.repeats)
-            base = base or (tps, kv_bytes)
-            row = md_row([n, mode, f"{tps:.2f}", f"{tps / base[0]:.2f}x", f"{kv_bytes / 2**20:.1f} MiB", f"{kv_bytes / base[1]:.2f}x"])
+        runs = {mode: prepare(model, mode, n, args.steps) for mode in modes}
+        tps = {mode: [] for mode in modes}
+        for _ in range(args.rounds):
+            for mode in modes:
+                tps[mode].append(time_calls(runs[mode], args.steps, args.repeats))
+        base, base_bytes = float(np.median(tps["float"])), runs["float"]["kv_bytes"]
+        for mode in modes:
+            med, kv_bytes = float(np.median(tps[mode])), runs[mode]["kv_bytes"]
+            per_round = ", ".join(f"{t / f:.2f}" for t, f in zip(tps[mode], tps["float"]))
+            row = md_row(
+                [n, mode, f"{med:.2f}", f"{med / base:.2f}x", per_round, f"{kv_bytes / 2**20:.1f} MiB", f"{kv_bytes / base_bytes:.2f}x"]
+            )
             lines.append(row)
             print(row, flush=True)
+        del runs
     lines += ["", f"1-minute load average after the run: {os.getloadavg()[0]:.2f}."]
     print(lines[-1], flush=True)
     table = "\n".join(lines) + "\n"
