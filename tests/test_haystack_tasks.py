@@ -15,6 +15,7 @@ import numpy as np
 import pytest
 
 from jaxkv.errors import ChatError
+from jaxkv.tasks import corpus as C
 from jaxkv.tasks import haystack as H
 from jaxkv.tasks import lm_text, niah, passkey, reply_correct, reply_prefix, token_plan
 
@@ -106,7 +107,7 @@ def test_needles_sit_at_the_unit_boundary_nearest_their_depth(smollm2_tokenizer)
     drawn = sorted(ex.labels["needles"][0]["depth"] for ex in passkeys)
     assert drawn[0] < 0.3 and drawn[-1] > 0.7  # uniform draws cover the document
     assert H.haystack_units("filler") == (tuple(s.strip() for s in re.findall(r"[^.]+\.", H.PASSKEY_FILLER)), " ")
-    assert H.haystack_units("prose") == (H.haystack_lines("prose"), "\n")
+    assert H.haystack_units("prose") == (C.haystack_lines("prose"), "\n")
     with pytest.raises(ValueError, match="haystack"):
         H.haystack_units("docs")
 
@@ -199,7 +200,7 @@ def test_lm_windows(smollm2_tokenizer):
     examples = lm_text(6, length=1000, seed=2, tokenizer=tok, continuation=100)
     spans = sorted((e.labels["token_start"], e.labels["token_start"] + 1100) for e in examples)
     assert all(a[1] <= b[0] for a, b in zip(spans, spans[1:]))  # never overlap within a call
-    corpus = H.corpus_ids(tok)
+    corpus = C.corpus_ids(tok)
     for ex in examples:
         assert len(ex.context_ids) == 1000 and len(ex.target_ids) == 100
         s = ex.labels["token_start"]
@@ -217,7 +218,7 @@ def test_lm_windows_overlap_only_where_the_corpus_holds_too_few(smollm2_tokenize
     """The prose corpus holds 50+ consecutive windows at 2k but not at 4k: at 2k the
     windows stay consecutive (the journals' examples are unchanged), at 4k they
     overlap just enough for 50, and no two continuations share a token."""
-    size = int(H.corpus_ids(smollm2_tokenizer).size)
+    size = int(C.corpus_ids(smollm2_tokenizer).size)
     short, long = 2048 + H.CONTINUATION, 4096 + H.CONTINUATION
     assert size // short >= H.LM_WINDOWS > size // long
     assert H.lm_windows(size, short) == [i * short for i in range(size // short)]

@@ -59,24 +59,20 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import importlib
-import inspect
 import random
 import re
-import warnings
-import weakref
 from typing import NamedTuple
 
 import numpy as np
 
 from jaxkv.errors import ChatError
+from jaxkv.tasks.corpus import HAYSTACKS, corpus_ids, haystack_lines, line_tokens
 from jaxkv.tasks.example import example_seed
 
 SETTINGS = ("aware", "agnostic")
 ACK = "I have read the document."
 TASKS = ("passkey", "niah_single", "niah_multikey", "niah_multivalue", "lm")
 VARIANTS = ("single", "multikey", "multivalue")
-HAYSTACKS = ("prose", "code")
 NEEDLES = 4  # needles of a multikey / multivalue example
 LENGTH_TOLERANCE = 0.02
 CONTINUATION = 256
@@ -120,56 +116,6 @@ Bratislava Brisbane Brussels Bucharest Calgary Casablanca Dallas Damascus Delhi 
 Hamburg Kabul Karachi Kampala Krakow Lyon Mumbai Beijing
 """.split()
 )
-
-# Standard-library modules whose docstrings (prose) or source (code) make the haystacks,
-# in a fixed order so that a seed means the same text on every machine with one Python.
-CORPUS_MODULES = (
-    "argparse",
-    "bisect",
-    "calendar",
-    "collections",
-    "configparser",
-    "contextlib",
-    "csv",
-    "dataclasses",
-    "datetime",
-    "decimal",
-    "difflib",
-    "email.message",
-    "enum",
-    "fractions",
-    "functools",
-    "gzip",
-    "heapq",
-    "http.client",
-    "inspect",
-    "ipaddress",
-    "json",
-    "logging",
-    "mailbox",
-    "pathlib",
-    "pickle",
-    "pprint",
-    "queue",
-    "random",
-    "shutil",
-    "statistics",
-    "string",
-    "subprocess",
-    "tarfile",
-    "tempfile",
-    "textwrap",
-    "threading",
-    "tokenize",
-    "typing",
-    "unittest",
-    "urllib.parse",
-    "uuid",
-    "warnings",
-    "weakref",
-    "zipfile",
-)
-_BANNED = re.compile(r"\d{5,}|magic number|pass ?key", re.IGNORECASE)
 
 
 # The evaluation seed base of every real-model report (jaxkv and kvpress sides):
@@ -300,53 +246,6 @@ def answer_digit_positions(example: HaystackExample, tokenizer, answer_ids) -> n
 
 
 # --------------------------------------------------------------------------- corpora
-@functools.lru_cache(maxsize=None)
-def prose_documents() -> tuple[str, ...]:
-    """The prose corpus: every ``pydoc_data.topics`` topic (sorted by name), then the
-    docstrings of ``CORPUS_MODULES`` (each module's, then its own public classes,
-    their public methods and its functions, sorted by name; each text once)."""
-    from pydoc_data.topics import topics
-
-    docs = [topics[k].strip("\n") for k in sorted(topics)]
-    seen: set[str] = set()
-    for name in CORPUS_MODULES:
-        module = importlib.import_module(name)
-        objs = [module]
-        with warnings.catch_warnings():  # typing's deprecated aliases warn when read
-            warnings.simplefilter("ignore", DeprecationWarning)
-            namespace = dict(vars(module))
-        for attr in sorted(namespace):
-            obj = namespace[attr]
-            if attr.startswith("_") or getattr(obj, "__module__", None) != name:
-                continue
-            if inspect.isclass(obj) or inspect.isfunction(obj):
-                objs.append(obj)
-                if inspect.isclass(obj):
-                    objs += [f for a, f in sorted(vars(obj).items()) if not a.startswith("_") and inspect.isfunction(f)]
-        for obj in objs:
-            with warnings.catch_warnings():
-                warnings.simplefilter("ignore", DeprecationWarning)
-                doc = inspect.getdoc(obj)
-            if doc and doc not in seen:
-                seen.add(doc)
-                docs.append(doc.strip("\n"))
-    return tuple(docs)
-
-
-@functools.lru_cache(maxsize=None)
-def haystack_lines(haystack: str = "prose") -> tuple[str, ...]:
-    """The niah haystack as lines, in corpus order: the prose documents (a blank line
-    after each) or the modules' source; lines with a run of 5+ digits or the needles'
-    words are left out."""
-    if haystack == "prose":
-        lines = [line for doc in prose_documents() for line in doc.split("\n") + [""]]
-    elif haystack == "code":
-        lines = [line for name in CORPUS_MODULES for line in inspect.getsource(importlib.import_module(name)).split("\n")]
-    else:
-        raise ValueError(f"haystack must be one of {HAYSTACKS}, got {haystack!r}")
-    return tuple(line.rstrip() for line in lines if not _BANNED.search(line))
-
-
 def haystack_units(haystack: str = "prose") -> tuple[tuple[str, ...], str]:
     """The units a haystack is made of, in order, and the separator that joins them:
     ``"prose"`` and ``"code"``: the niah lines (``haystack_lines``) joined by newlines;
@@ -356,35 +255,6 @@ def haystack_units(haystack: str = "prose") -> tuple[tuple[str, ...], str]:
     if haystack == "filler":
         return tuple(s.strip() for s in re.findall(r"[^.]+\.", PASSKEY_FILLER)), " "
     return haystack_lines(haystack), "\n"
-
-
-_counts_cache: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
-
-
-def _per_tokenizer(tokenizer) -> dict:
-    try:
-        return _counts_cache.setdefault(tokenizer, {})
-    except TypeError:  # not weak-referenceable: no cache
-        return {}
-
-
-def _line_tokens(tokenizer, haystack: str) -> np.ndarray:
-    """Tokens of each haystack line with its newline (an estimate for fitting lengths)."""
-    cache = _per_tokenizer(tokenizer)
-    if ("lines", haystack) not in cache:
-        ids = tokenizer([line + "\n" for line in haystack_lines(haystack)], add_special_tokens=False)["input_ids"]
-        cache[("lines", haystack)] = np.asarray([len(x) for x in ids], np.int64)
-    return cache[("lines", haystack)]
-
-
-def corpus_ids(tokenizer) -> np.ndarray:
-    """The prose corpus tokenized raw (each document with a blank line after it),
-    concatenated: the ``lm`` task's token stream."""
-    cache = _per_tokenizer(tokenizer)
-    if "corpus" not in cache:
-        ids = tokenizer([d + "\n\n" for d in prose_documents()], add_special_tokens=False, verbose=False)["input_ids"]
-        cache["corpus"] = np.concatenate([np.asarray(x, np.int32) for x in ids])
-    return cache["corpus"]
 
 
 # --------------------------------------------------------------------------- building
@@ -512,7 +382,7 @@ def niah(n: int, *, length: int, seed: int, tokenizer, variant: str | None = Non
 
 def _one_niah(seed: int, length: int, tokenizer, variant: str, haystack: str) -> HaystackExample:
     rng = random.Random(seed)
-    (lines, sep), counts = haystack_units(haystack), _line_tokens(tokenizer, haystack)
+    (lines, sep), counts = haystack_units(haystack), line_tokens(tokenizer, haystack)
     first = rng.randrange(len(lines))
     count = 1 if variant == "single" else NEEDLES
     keys = rng.sample(KEYS, 1 if variant == "multivalue" else count)

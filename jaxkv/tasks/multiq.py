@@ -65,6 +65,7 @@ import numpy as np
 from jaxkv.errors import ChatError
 from jaxkv.tasks import haystack
 from jaxkv.tasks.example import example_seed
+from jaxkv.tasks.corpus import line_tokens
 from jaxkv.tasks.haystack import (
     ACK,
     KEYS,
@@ -77,7 +78,6 @@ from jaxkv.tasks.haystack import (
     HaystackExample,
     TokenPlan,
     _fit,
-    _line_tokens,
     _NoFit,
     _place,
 )
@@ -288,7 +288,7 @@ def one_example(seed: int, length: int, tokenizer, questions: int = QUESTIONS) -
     """One example (module docstring) from its own ``seed``."""
     rng = random.Random(seed)
     lines, sep = haystack.haystack_units("prose")
-    counts = _line_tokens(tokenizer, "prose")
+    counts = line_tokens(tokenizer, "prose")
     first = rng.randrange(len(lines))
     facts, kinds = _facts(rng, questions)
     by_question = sorted((f for f in facts if f["question"] is not None), key=lambda f: f["question"])
