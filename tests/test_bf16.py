@@ -15,7 +15,7 @@ import torch
 import jaxkv
 from jaxkv.cache.allocator import SENTINEL_SLOT
 from jaxkv.policies import get_policy
-from jaxkv.serving.stages.retention import compress_row
+from jaxkv.serving.stages.events import compress_row
 
 BF16_BOUND = 2e-2  # test_parity.py: bf16 logits vs float32 transformers, relative to the largest logit
 

@@ -25,7 +25,8 @@ import pytest
 
 import jaxkv
 from jaxkv.config import ModelConfig
-from jaxkv.serving.stages.retention import head_folder_of, score_and_select
+from jaxkv.serving.stages.events import score_and_select
+from jaxkv.serving.stages.retention import head_folder_of
 from jaxkv.policies import EventFeatures, get_policy
 from jaxkv.policies import intentkv_head as ih
 from jaxkv.policies.intentkv import QueryMemory

@@ -165,7 +165,7 @@ def test_the_policy_keeps_the_sinks_and_the_top_aggregated_scores(aggregate):
     padding neither scores nor is kept; no pass scores is a ``ConfigError``."""
     from jaxkv.errors import ConfigError
     from jaxkv.policies import EventFeatures, get_policy
-    from jaxkv.serving.stages.retention import score_and_select
+    from jaxkv.serving.stages.events import score_and_select
 
     rng = np.random.default_rng(13)
     n, N, budget = 40, 64, 17

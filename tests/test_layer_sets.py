@@ -34,7 +34,7 @@ from jaxkv.policies import get_policy
 from jaxkv.policies.base import layer_budgets
 from jaxkv.policies.keydiff import key_dissimilarity
 from jaxkv.serving import Server, Session
-from jaxkv.serving.stages.retention import compress_row_layers, layer_features
+from jaxkv.serving.stages.events import compress_row_layers, layer_features
 from oracles import logits_over_layer_kept
 from test_repair import _assert_no_leak, _conversation
 from test_session import WORDS

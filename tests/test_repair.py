@@ -14,7 +14,7 @@ from hypothesis import strategies as st
 import jaxkv
 from jaxkv.cache.allocator import SENTINEL_SLOT
 from jaxkv.cache.host_tier import HostTier
-from jaxkv.serving.stages.retention import compress_row
+from jaxkv.serving.stages.events import compress_row
 from jaxkv.errors import ConfigError, RepairError
 from jaxkv.policies import EventFeatures, attention_probs, get_policy
 from jaxkv.policies import repair

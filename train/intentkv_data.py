@@ -498,7 +498,7 @@ def managed_trace_rows(
     position in the conversation). ``norm_err`` is 0: the session folds the
     memory before the event, and the loss term it feeds is a constant of the data."""
     from jaxkv.policies.intentkv import scoring_memory
-    from jaxkv.serving.stages.retention import score_and_select
+    from jaxkv.serving.stages.events import score_and_select
 
     tok = model.tokenizer
     full, offsets, _, _, replies, stats = full_cache_reads(model, messages, tools)

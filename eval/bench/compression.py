@@ -35,7 +35,7 @@ from eval.bench.decode import QWEN3_125M, fill_pool_randomly  # noqa: E402
 from jaxkv.config import ModelConfig  # noqa: E402
 from jaxkv.engine import Engine  # noqa: E402
 from jaxkv.markdown import md_header, md_row  # noqa: E402
-from jaxkv.serving.stages.retention import compress_row  # noqa: E402
+from jaxkv.serving.stages.events import compress_row  # noqa: E402
 from jaxkv.policies import REGISTRY, EventFeatures, Observation  # noqa: E402
 
 CFG_125M = ModelConfig.from_hf({**QWEN3_125M, "model_type": "qwen3", "max_position_embeddings": 40960})  # the decode bench's shape
