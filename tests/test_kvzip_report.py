@@ -12,6 +12,7 @@ from __future__ import annotations
 import json
 
 import numpy as np
+import pytest
 
 from eval.quality import kvzip_report
 
@@ -74,3 +75,14 @@ def test_lm_scores_are_nll_increases_over_each_sides_full_cache(tmp_path):
     assert np.isclose(by[("jaxkv", "kvzip@0.5")]["score"], 0.1) and np.isclose(by[("kvpress", "KVzipPress@0.5")]["score"], 0.2)
     assert np.isclose(by[("jaxkv", "kvzip@0.5")]["vs_kvpress_best"], -0.1)  # lower is better: jaxkv ahead
     assert "NLL increase" in text
+
+
+def test_a_repair_run_can_name_the_trios_cells_it_runs():
+    from eval.quality import real_model
+
+    trio = real_model.session_cells("kvzip", 0.5, 128)
+    assert [c[0] for c in real_model.trio_of_kinds(trio, None)] == ["session:kvzip@0.5", "repairkv128:kvzip@0.5", "matched128:kvzip@0.5"]
+    assert [c[0] for c in real_model.trio_of_kinds(trio, "repairkv")] == ["repairkv128:kvzip@0.5"]
+    assert real_model.trio_of_kinds(trio, "repairkv")[0][1] == {"policy": "kvzip", "repair": 128}
+    with pytest.raises(SystemExit, match="unknown"):
+        real_model.trio_of_kinds(trio, "repair")
