@@ -4,8 +4,9 @@ What it is for: ``real_model_report`` reports one root's two sides over every
 ratio; this round ran new cells into journals of their own (KVzip on both sides,
 kvpress's issue-75 presses, the multi-question task, kvzip + RepairKV sessions)
 while the older cells of the same examples stay where they were. This report reads
-any number of journal folders per side, keeps, per task, only the examples both
-sides ran with the full cache (the common seeds), and writes per task and setting:
+any number of journal folders per side and, for every task where KVzip ran on
+either side, keeps only the examples both sides ran with the full cache (the
+common seeds), and writes per task and setting:
 
 * the full cache on each side first (the ceiling);
 * every cell at ``--ratio`` on each side (jaxkv's branched cells, its session
@@ -183,7 +184,11 @@ def section(key: tuple, jx: dict, kp: dict, ratio: float) -> tuple[list[str], li
     return lines, rows
 
 
-def report(jx_folders: list[Path], kp_folders: list[Path], ratio: float, setting: str | None = None) -> tuple[str, list[dict]]:
+def report(
+    jx_folders: list[Path], kp_folders: list[Path], ratio: float, setting: str | None = None, context: int | None = None
+) -> tuple[str, list[dict]]:
+    """The markdown and csv rows of every (task, context, setting) where KVzip ran on
+    either side at ``ratio`` (``setting`` / ``context``: only those)."""
     jx, kp = load(jx_folders), load(kp_folders)
     lines = [
         "# jaxkv and kvpress at one ratio, KVzip on both sides (issue #75)",
@@ -195,9 +200,9 @@ def report(jx_folders: list[Path], kp_folders: list[Path], ratio: float, setting
     ]
     rows = []
     for key in sorted(set(jx) & set(kp)):
-        if setting is not None and key[2] != setting:
+        if setting is not None and key[2] != setting or context is not None and key[1] != context:
             continue
-        if not any(at_ratio(n, ratio) for n in jx[key]) or not any(at_ratio(n, ratio) for n in kp[key]):
+        if f"kvzip@{ratio:g}" not in jx[key] and f"KVzipPress@{ratio:g}" not in kp[key]:
             continue
         text, r = section(key, jx[key], kp[key], ratio)
         lines += text
@@ -211,10 +216,11 @@ def main(argv=None) -> int:
     p.add_argument("--kvpress", required=True, help="comma list of kvpress journal folders")
     p.add_argument("--ratio", type=float, default=0.5)
     p.add_argument("--setting", default="agnostic")
+    p.add_argument("--context", type=int, default=2048)
     p.add_argument("--out", type=Path, default=None, help="write results.md and results.csv here")
     args = p.parse_args(argv)
     folders = lambda text: [Path(x) for x in text.split(",") if x]  # noqa: E731
-    text, rows = report(folders(args.jaxkv), folders(args.kvpress), args.ratio, args.setting)
+    text, rows = report(folders(args.jaxkv), folders(args.kvpress), args.ratio, args.setting, args.context)
     print(text)
     if args.out is not None:
         args.out.mkdir(parents=True, exist_ok=True)
