@@ -7,11 +7,14 @@ question-agnostic setting) by KVzip's reconstruction. This runs each once:
   the float32 HF model), its ``score_val`` taken before its selection
   (``compress_post``), ``[L, Hkv, n]``;
 * jaxkv: a ``policy="kvzip"`` session on the same ids, the scores its event read
-  (``reconstruction.run_passes``' ``PassResult.scores_LNK``) and the set it kept;
+  (``reconstruction.run_passes``' ``PassResult.scores_LNK``) and the set it kept
+  (``lm``, raw text with no chat form: the evaluation's branched ``kvzip`` cell, and
+  the set the policy's rule takes from its scores, the sinks forced and the top of
+  the mean over layers and KV heads);
 
 then prints how far the scores are apart (the largest difference against the
 largest score, and the rank correlation per layer and KV head), and what each
-keep set holds of the digits the questions ask for (every digit run of the
+keep set holds of the last 128 positions, of the first half, and of the digits the questions ask for (every digit run of the
 document that is a fact's value): jaxkv's one set (the mean over layers and KV
 heads, ``F ∪ top-k``) against kvpress's selection (the lowest scores over every
 layer, KV head and position dropped at once, the sinks on top), as the share of
@@ -77,6 +80,19 @@ def jaxkv_scores(example, ratio: float) -> tuple[np.ndarray, np.ndarray, np.ndar
 
     reconstruction.run_passes = keep
     positions = pass_positions([Cell("kvzip", ratio, ())], model, n, n + 512)
+    if example.task == "lm":  # raw text, no chat form: the evaluation's branched cell, its set computed from its scores
+        from eval.quality.real_model import run_example
+        from train.haystack_measure import positions_for
+
+        try:
+            run_example(model, example, "agnostic", [Cell(None), Cell("kvzip", ratio, ())], positions=positions_for(example.length))
+        finally:
+            reconstruction.run_passes = run_passes
+        scores = seen["result"].scores_LNK[:, :n]
+        mean = scores.mean(axis=(0, 2))
+        mean[:4] = np.inf  # the sinks, forced; nothing else is (a raw request has no protected prefix)
+        kept = np.sort(np.argsort(-mean, kind="stable")[: budget_for_ratio(ratio, n)])
+        return scores.transpose(0, 2, 1), np.asarray(seen["tokens"]), kept
     session = Session(model, max_positions=positions, protect_query=False, policy="kvzip", budget=budget_for_ratio(ratio, n))
     try:
         session.replay(example.messages("agnostic")[:2], generate=False)
@@ -157,6 +173,10 @@ def main(argv=None) -> int:
         "kept_jaxkv": int(jx_keep.sum()),
         "kept_kvpress_per_layer": kp_keep.reshape(L, -1).sum(1).tolist(),
         "overlap": float((kp_keep & jx_keep[None, None]).sum() / kp_keep.sum()),
+        "last_128_jaxkv_kept": float(jx_keep[-128:].mean()),
+        "last_128_kvpress_pairs_kept": float(kp_keep[..., -128:].mean()),
+        "first_half_jaxkv_kept": float(jx_keep[: n // 2].mean()),
+        "first_half_kvpress_pairs_kept": float(kp_keep[..., : n // 2].mean()),
         "facts": {
             v: {"jaxkv_kept": float(jx_keep[pos].mean()), "kvpress_pairs_kept": float(kp_keep[..., pos].mean())} for v, pos in facts.items()
         },
