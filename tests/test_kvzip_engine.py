@@ -26,6 +26,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from test_kvzip import kvpress_chunk
+from test_layer_sets import L, model  # noqa: F401  (fixture: 4 layers, 4 query heads over 2 KV heads)
+from test_repair import _assert_no_leak, _conversation
 
 import jaxkv
 from jaxkv import attention
@@ -35,9 +38,6 @@ from jaxkv.errors import ConfigError
 from jaxkv.policies import kvzip
 from jaxkv.serving import Server, Session
 from jaxkv.serving.stages import reconstruction
-from test_kvzip import kvpress_chunk
-from test_layer_sets import L, model  # noqa: F401  (fixture: 4 layers, 4 query heads over 2 KV heads)
-from test_repair import _assert_no_leak, _conversation
 
 B, CHUNK = 40, 48  # a budget under the prompt; chunks small enough for several passes
 
@@ -217,7 +217,7 @@ def test_the_packer_cuts_a_capturing_piece_to_the_cap_and_lifts_it_for_a_wide_on
     def job(n, wide):
         return PrefillJob(0, np.zeros(n, np.int32), q_idx_X=np.arange(n), wide_capture=wide)
 
-    pack = dict(budget=512, rows=4, chunk=512, whole_chunks=False, max_captured=128)
+    pack = {"budget": 512, "rows": 4, "chunk": 512, "whole_chunks": False, "max_captured": 128}
     (piece,) = packing.pack_step([job(300, False)], [], **pack).pieces
     assert piece[1] == 128
     (piece,) = packing.pack_step([job(300, True)], [], **pack).pieces

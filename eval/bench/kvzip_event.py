@@ -110,7 +110,9 @@ def main(argv=None) -> int:
     for mode, rs in results.items():
         if rs:
             med = {k: float(np.median([r[k] for r in rs])) for k in ("turn", "passes", "forward", "score")}
-            print(f"median {mode}: turn {med['turn']:.1f} s, passes {med['passes']:.1f} s (forward {med['forward']:.1f}, scoring {med['score']:.1f}); {n} context tokens")
+            print(
+                f"median {mode}: turn {med['turn']:.1f} s, passes {med['passes']:.1f} s (forward {med['forward']:.1f}, scoring {med['score']:.1f}); {n} context tokens"
+            )
     return 0
 
 

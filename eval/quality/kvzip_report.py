@@ -193,9 +193,11 @@ def report(
     lines = [
         "# jaxkv and kvpress at one ratio, KVzip on both sides (issue #75)",
         "",
-        "Written by `python -m eval.quality.kvzip_report`; teacher-forced and greedy accuracy"
-        " (`lm`: NLL increase over the side's own full cache, nats per token, lower is better)"
-        " with bootstrap 95% intervals, paired over the examples both cells ran.",
+        (
+            "Written by `python -m eval.quality.kvzip_report`; teacher-forced and greedy accuracy"
+            " (`lm`: NLL increase over the side's own full cache, nats per token, lower is better)"
+            " with bootstrap 95% intervals, paired over the examples both cells ran."
+        ),
         "",
     ]
     rows = []
@@ -219,7 +221,7 @@ def main(argv=None) -> int:
     p.add_argument("--context", type=int, default=2048)
     p.add_argument("--out", type=Path, default=None, help="write results.md and results.csv here")
     args = p.parse_args(argv)
-    folders = lambda text: [Path(x) for x in text.split(",") if x]  # noqa: E731
+    folders = lambda text: [Path(x) for x in text.split(",") if x]
     text, rows = report(folders(args.jaxkv), folders(args.kvpress), args.ratio, args.setting, args.context)
     print(text)
     if args.out is not None:
