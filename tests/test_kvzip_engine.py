@@ -7,6 +7,10 @@
   of ``KVzipPress`` (``test_kvzip.kvpress_chunk``) and assembled as kvpress does.
   The event's evicted scores are the reference's means over layers and KV heads,
   and its kept set is ``F ∪ top-k`` of them.
+* A pass is not cut to the step's capture cap (``runner.CAPTURE_ROWS``, lowered
+  below a pass here): its job is ``wide_capture``, so each step returns every
+  token's queries and the pass runs as whole prefill chunks; the packer cuts an
+  ordinary capturing job to the cap and lifts it for a step holding a wide piece.
 * The passes leave nothing behind: after them the row has its context's length,
   slots, live list and per-layer sets, on the host and on the device, and the
   pool has as many free slots as before; their tokens are counted in the event's
@@ -22,16 +26,18 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from test_kvzip import kvpress_chunk
+from test_layer_sets import L, model  # noqa: F401  (fixture: 4 layers, 4 query heads over 2 KV heads)
+from test_repair import _assert_no_leak, _conversation
 
 import jaxkv
 from jaxkv import attention
+from jaxkv.engine import packing, runner
+from jaxkv.engine.jobs import PrefillJob
 from jaxkv.errors import ConfigError
 from jaxkv.policies import kvzip
 from jaxkv.serving import Server, Session
 from jaxkv.serving.stages import reconstruction
-from test_kvzip import kvpress_chunk
-from test_layer_sets import L, model  # noqa: F401  (fixture: 4 layers, 4 query heads over 2 KV heads)
-from test_repair import _assert_no_leak, _conversation
 
 B, CHUNK = 40, 48  # a budget under the prompt; chunks small enough for several passes
 
@@ -107,10 +113,21 @@ def assert_left_nothing(run):
     assert run["result"].tokens == sum(c.ids.size for c in run["result"].chunks) > before["seq_len"]
 
 
-def test_scores_through_the_engine_are_kvpress_scores_and_the_passes_leave_nothing(model, passes):
+def test_scores_through_the_engine_are_kvpress_scores_and_the_passes_leave_nothing(model, passes, monkeypatch):
+    monkeypatch.setattr(runner, "CAPTURE_ROWS", 16)  # below every pass (prompt + a 48-token chunk)
+    pieces = []
+    original = runner.ModelRunner.run
+
+    def run_step(self, step):
+        pieces.extend((job.wide_capture, n, job.tokens.size) for job, n in step.pieces)
+        return original(self, step)
+
+    monkeypatch.setattr(runner.ModelRunner, "run", run_step)
     session = Session(model, max_positions=512, policy="kvzip", budget=B, chunk_size=CHUNK, protect_query=False)
     session.replay(_messages(0), None)
     (run,) = passes
+    wide = [(n, size) for is_wide, n, size in pieces if is_wide]
+    assert len(wide) == len(run["result"].chunks) and all(n == size > 16 for n, size in wide)  # one whole piece each
     assert_left_nothing(run)
     (report,) = session.compressions
     assert report.scoring_tokens == run["result"].tokens
@@ -194,3 +211,16 @@ def test_bad_options_and_a_model_without_tokenizer_are_config_errors(model):
     assert bare.tokenizer is None
     with pytest.raises(ConfigError, match="tokenizer"):
         Session(bare, policy="kvzip", budget=B)
+
+
+def test_the_packer_cuts_a_capturing_piece_to_the_cap_and_lifts_it_for_a_wide_one():
+    def job(n, wide):
+        return PrefillJob(0, np.zeros(n, np.int32), q_idx_X=np.arange(n), wide_capture=wide)
+
+    pack = {"budget": 512, "rows": 4, "chunk": 512, "whole_chunks": False, "max_captured": 128}
+    (piece,) = packing.pack_step([job(300, False)], [], **pack).pieces
+    assert piece[1] == 128
+    (piece,) = packing.pack_step([job(300, True)], [], **pack).pieces
+    assert piece[1] == 300
+    narrow, wide = packing.pack_step([job(100, False), job(300, True)], [], **pack).pieces
+    assert (narrow[1], wide[1]) == (100, 300)  # the wide piece's step returns every token's queries

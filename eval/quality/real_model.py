@@ -53,7 +53,8 @@ Journal: one JSON line per finished (task, length, seed, setting) in
 journal of their own (the report merges every ``examples*.jsonl`` by example).
 ``--repair`` journals ``OUT/sessions.jsonl``; its ``--resume`` skips the trio's cells
 an example already has, so another K or method on the same examples appends only
-its own cells (the no-repair cell ``session:<method>@<ratio>`` is shared).
+its own cells (the no-repair cell ``session:<method>@<ratio>`` is shared);
+``--repair-cells repairkv`` runs only the named cells of the trio.
 """
 
 from __future__ import annotations
@@ -275,6 +276,21 @@ def session_cells(method: str, ratio: float, k: int) -> list[tuple[str, dict]]:
     return [(f"session:{tag}", base), (f"repairkv{k}:{tag}", {**base, "repair": k}), (f"matched{k}:{tag}", {**base, "extra": k})]
 
 
+TRIO_KINDS = ("session", "repairkv", "matched")
+
+
+def trio_of_kinds(trio: list, kinds: str | None) -> list:
+    """The cells of ``session_cells``' trio whose kind (``session``, ``repairkv``,
+    ``matched``: the name before ``K:``) ``kinds`` lists (a comma list; None: all)."""
+    if not kinds:
+        return list(trio)
+    wanted = {k.strip() for k in kinds.split(",") if k.strip()}
+    bad = wanted - set(TRIO_KINDS)
+    if bad:
+        raise SystemExit(f"--repair-cells: unknown {', '.join(sorted(bad))}; known: {', '.join(TRIO_KINDS)}")
+    return [c for c in trio if c[0].split(":")[0].rstrip("0123456789") in wanted]
+
+
 def run_sessions(model, example, cells, ratio: float, *, positions: int, max_new: int = MAX_NEW) -> dict:
     """Replay the agnostic conversation through one fresh ``Session`` per cell;
     score each question's answer (turn 2's; a multiq example's every question) as
@@ -390,6 +406,11 @@ def build_parser() -> argparse.ArgumentParser:
         "prefill, one forward per example)",
     )
     p.add_argument("--repair-method", default="snapkv")
+    p.add_argument(
+        "--repair-cells",
+        default=None,
+        help=f"with --repair: which of the trio's cells to run, a comma list of {', '.join(TRIO_KINDS)} (default: all three)",
+    )
     p.add_argument("--repair-ratio", type=float, default=0.5)
     return p
 
@@ -438,6 +459,8 @@ def run_grid(args) -> int:
     for r in read_journal(journal) if args.resume else []:
         held.setdefault((r["task"], r["context"], r["seed"], r["setting"]), set()).update(r["cells"])
     trio = session_cells(args.repair_method, args.repair_ratio, args.repair) if args.repair is not None else None
+    if trio is not None:
+        trio = trio_of_kinds(trio, getattr(args, "repair_cells", None))
     positions = min(positions_for(args.context), model.config.max_position_embeddings)
     setup = {
         "model": args.model,

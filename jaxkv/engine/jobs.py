@@ -77,6 +77,10 @@ class PrefillJob:
       logits: what logits come back: ``"last"`` (the last token's, ``[V]``),
         ``"all"`` (every token's, ``[n, V]``) or None.
       q_idx_X: indices into ``tokens`` whose post-RoPE queries come back (or None).
+      wide_capture: the job's steps return the queries of every flat token they run
+        (``ModelRunner.capture_rows``), so a piece is never cut to the step's
+        capture cap: a job that captures every token (KVzip's reconstruction pass)
+        runs in steps of the prefill chunk, not of ``runner.CAPTURE_ROWS``.
       attn_mass: accumulate the attention mass each position receives.
       kv_bits: per-token bits (2 or 4) on a quantized pool (None: its token kind).
       kv_source: a ``KVSource``: the job writes its K/V instead of running the
@@ -94,6 +98,7 @@ class PrefillJob:
     logits: str | None = "last"
     q_idx_X: np.ndarray | None = None
     attn_mass: bool = False
+    wide_capture: bool = False
     kv_bits: np.ndarray | None = None
     kv_source: KVSource | None = None
     sampling: Sampling = GREEDY

@@ -13,7 +13,8 @@ returns a ``ScheduledStep``:
   are planned per chunk) takes a job's next chunk whole or waits for the next step;
 * a step returns the queries of at most ``max_captured`` flat tokens (None: no
   limit), so a piece whose job captures more is cut before the first that does
-  not fit.
+  not fit; a piece of a ``wide_capture`` job lifts the limit for its step (the
+  step returns every flat token's queries, ``ModelRunner.capture_rows``).
 
 The serving scheduler (``jaxkv.serving.scheduler``) packs every engine step;
 ``Engine.step`` packs for callers that drive the engine directly.
@@ -90,6 +91,8 @@ def pack_step(
         if len(pieces) + len(decode) == rows or left <= 0:
             break
         n = piece_size(job, left, chunk=chunk, whole_chunks=whole_chunks)
+        if job.wide_capture and n:
+            room = None  # this step returns every flat token's queries
         if room is not None and n:
             wanted = captured_in(job, n)
             if wanted.size > room:

@@ -105,9 +105,11 @@ class ModelRunner:
         (a quantized pool), whose steps return every token's."""
         return None if self.kv.pool.whole_chunks else CAPTURE_ROWS
 
-    def capture_rows(self, T: int) -> int:
-        """The query rows a step of ``T`` tokens returns (its static shape)."""
-        return T if self.max_captured is None else min(T, self.max_captured)
+    def capture_rows(self, T: int, wide: bool = False) -> int:
+        """The query rows a step of ``T`` tokens returns (its static shape): every
+        token's where ``wide`` (a piece of a ``PrefillJob.wide_capture`` job is in
+        the step) or the pool sets no cap, else at most ``max_captured``."""
+        return T if wide or self.max_captured is None else min(T, self.max_captured)
 
     def run(self, step: ScheduledStep) -> None:
         """Execute ``step`` and write its results into its jobs (module docstring)."""
@@ -141,7 +143,7 @@ class ModelRunner:
                     query_idx.extend((at + j.q_idx_X[here] - j.done).tolist())
             at += n
         outputs = self._outputs(entries)
-        X = self.capture_rows(T)
+        X = self.capture_rows(T, wide=any(j.wide_capture for j, _ in step.pieces))
         if len(query_idx) > X:
             raise AssertionError(f"a step of {T} tokens captures {len(query_idx)} query rows, at most {X}")
         query_idx_X = np.zeros(X if outputs.query_rows else 1, np.int32)

@@ -170,7 +170,9 @@ def pass_scores(q_LXHD, k_LNKD, kself_LXKD, softmax_LN, scored_LN, valid_X, bloc
     each row (causal), exactly as ``reconstruction_scores`` does, and the scores
     are the maximum over blocks. So the largest array held is ``[G, block, N + X]``
     (one call over every layer would hold ``[L, Hkv, G, X, N + X]``: about 9 GB for
-    a 2,048-token context and pass on SmolLM2), and the numbers are the same."""
+    a 2,048-token context and pass on SmolLM2), and the numbers are the same. A
+    block whose rows are all invalid (a pass padded to its compiled size) is not
+    computed: it would score 0 everywhere."""
     L, X, Hq, D = q_LXHD.shape
     N, Hkv = k_LNKD.shape[1], k_LNKD.shape[2]
     A, G = L * Hkv, Hq // Hkv
@@ -189,7 +191,7 @@ def pass_scores(q_LXHD, k_LNKD, kself_LXKD, softmax_LN, scored_LN, valid_X, bloc
     def one(pair):
         q_XGD, k_ND, kself_XD, softmax_N, scored_N = pair
 
-        def rows(b):
+        def block_scores(b):
             q_RGD = jax.lax.dynamic_slice_in_dim(q_XGD, b * R, R)
             row_R = b * R + jnp.arange(R)
             logits_GRM = jnp.concatenate([gqa_scores(q_RGD[:, None], k_ND[:, None]), gqa_scores(q_RGD[:, None], kself_XD[:, None])], -1)[0]
@@ -198,6 +200,10 @@ def pass_scores(q_LXHD, k_LNKD, kself_LXKD, softmax_LN, scored_LN, valid_X, bloc
             probs_GRN = masked_softmax(logits_GRM, visible_RM)[..., :N]
             probs_GRN = jnp.where(jax.lax.dynamic_slice_in_dim(valid_rows, b * R, R)[None, :, None], probs_GRN, 0.0)
             return probs_GRN.max(axis=(0, 1))
+
+        def rows(b):  # a block of padding rows only scores 0 everywhere: skipped (a pass is padded to pass_rows)
+            live = jax.lax.dynamic_slice_in_dim(valid_rows, b * R, R).any()
+            return jax.lax.cond(live, block_scores, lambda b: jnp.zeros(N, jnp.float32), b)
 
         return jnp.where(scored_N, jax.lax.map(rows, jnp.arange(blocks)).max(axis=0), 0.0)
 

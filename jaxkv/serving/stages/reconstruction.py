@@ -124,7 +124,7 @@ def run_passes(turn, config) -> Generator:
     passes, forwarded = [], 0
     for chunk in chunks:
         X = chunk.ids.size
-        job = PrefillJob(row, chunk.ids, logits=None, q_idx_X=np.arange(X))
+        job = PrefillJob(row, chunk.ids, logits=None, q_idx_X=np.arange(X), wide_capture=True)
         try:
             yield from turn.run(job)
             keys = np.asarray(engine.kv.gather_keys(row, event_size(live_pos.size + X)), np.float32)
