@@ -141,3 +141,35 @@ def test_a_shape_set_larger_than_the_mapping_limit_warms_and_serves_without_comp
         assert server.snapshot()["xla_releases"] == compiles.releases()
     finally:
         server.close()
+
+
+def test_a_reconstruction_policys_wide_steps_are_warmed(tiny_model, monkeypatch):
+    """KVzip's reconstruction passes return every flat token's query
+    (``PrefillJob.wide_capture``). Where a step holds more tokens than the capture
+    cap (lowered here to 16, so the tiny shapes have such steps) that is a program
+    of its own; the warm-up compiles it when a reconstruction policy is warmed, so
+    a pass's step of every bucket compiles nothing afterwards."""
+    import numpy as np
+
+    from jaxkv.engine import Engine, runner
+    from jaxkv.engine.jobs import PrefillJob
+    from jaxkv.serving.stages.retention import policy_warmup
+
+    monkeypatch.setenv(compiles.ENV_CACHE, "off")
+    monkeypatch.setattr(runner, "CAPTURE_ROWS", 16)
+    _, variants = policy_warmup(["kvzip"])
+    assert variants["capture_wide"] and variants["capture_q"]
+    engine = Engine(tiny_model, rows=2, max_positions=64, prefill_chunk=64)
+    shapes = engine.shape_set(8)
+    wide_steps = [T for T in shapes.steps if engine.runner.capture_rows(T, wide=True) > engine.runner.capture_rows(T)]
+    assert wide_steps  # the lowered cap leaves steps whose wide capture is a program of its own
+    engine.warmup(8, **variants)
+    before = compiles.count()
+    for n in (17, 40, 60):  # pieces in each bucket above the cap
+        row = engine.open_row()
+        job = engine.start(PrefillJob(row, np.arange(5, 5 + n), logits=None, q_idx_X=np.arange(n), wide_capture=True))
+        while not job.finished:
+            engine.step(prefill_jobs=[job])
+        assert np.asarray(job.q_rows).shape[1] == n  # every token's query came back, in one piece
+        engine.close_row(row)
+    assert compiles.count() == before, f"{compiles.count() - before} XLA compiles after warm-up"

@@ -12,7 +12,10 @@ at 8,192 positions: over 15 minutes of start-up, then out of slots).
 
 * steps bring back nothing but tokens (the reply's first token is sampled in the
   step), or query rows (``capture_q``: retention windows, query spans, phase rows),
-  or attention mass with query rows (``attn_mass``: one variant for both);
+  or attention mass with query rows (``attn_mass``: one variant for both), or every
+  flat token's query (``capture_wide``: a reconstruction pass's steps, KVzip's;
+  a program of its own only where a step holds more tokens than the capture cap,
+  ``ModelRunner.capture_rows``);
 * decode calls bring back nothing but tokens, or every fed token's query
   (``decode_q``: policies that compress during decode), always with ``regroup``
   (the scheduler's calls) and the server's stop tokens (their count is a shape).
@@ -41,7 +44,15 @@ def shape_set(engine, decode_chunk: int) -> buckets.ShapeSet:
 
 
 def warmup(
-    engine, decode_chunk: int, *, stop_token_ids=(), progress=None, capture_q: bool = False, attn_mass: bool = False, decode_q: bool = False
+    engine,
+    decode_chunk: int,
+    *,
+    stop_token_ids=(),
+    progress=None,
+    capture_q: bool = False,
+    attn_mass: bool = False,
+    decode_q: bool = False,
+    capture_wide: bool = False,
 ) -> int:
     """Compile every program of ``shape_set`` with the variants the flags ask for
     (module docstring). ``progress(n)`` is called after each program. Returns how
@@ -60,17 +71,22 @@ def warmup(
 
     rows = [engine.open_row() for _ in range(engine.rows)]
     try:
-        variants = [(False, False)] + [(q, m) for q, m, on in ((True, False, capture_q), (True, True, attn_mass)) if on]
+        variants = [(False, False, False)] + [
+            v[:3] for v in ((True, False, False, capture_q), (True, True, False, attn_mass), (True, False, True, capture_wide)) if v[3]
+        ]
         for T in shapes.steps:
             # a step of T tokens: a piece of up to a chunk, and beside it decode tokens for what is left
             # (the budget's bucket holds a whole chunk beside a decode token of every other row)
             n = min(T, engine.prefill_chunk) if T > buckets.MIN_STEP_TOKENS else 1
             d = min(T - n, engine.rows - 1) if T > engine.prefill_chunk else 0
-            for q, m in variants:
+            for q, m, wide in variants:
+                if wide and engine.runner.capture_rows(T, wide=True) == engine.runner.capture_rows(T):
+                    continue  # no more tokens than the cap: the capture_q program
                 for r in rows[1 : 1 + d]:
                     engine.step(prefill_jobs=[engine.start(PrefillJob(r, np.zeros(1, np.int32), logits=None))])
                 decode = [engine.start(DecodeJob(r, 0, 1)) for r in rows[1 : 1 + d]]
-                job = engine.start(PrefillJob(rows[0], np.zeros(n, np.int32), logits=None, q_idx_X=[0] if q else None, attn_mass=m))
+                job = PrefillJob(rows[0], np.zeros(n, np.int32), logits=None, q_idx_X=[0] if q else None, attn_mass=m, wide_capture=wide)
+                job = engine.start(job)
                 engine.step(prefill_jobs=[job], decode_jobs=decode)
                 for r in rows:
                     engine.truncate_row(r, 0)

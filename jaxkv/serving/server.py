@@ -214,7 +214,14 @@ class Server:
         eng = self.engine
         specs, variants = policy_warmup(policies)
         shapes = eng.shape_set(self.scheduler.decode_chunk)
-        total = len(shapes.steps) * (1 + variants["capture_q"] + variants["attn_mass"]) + len(shapes.decode) * (1 + variants["decode_q"])
+        wide = (
+            sum(eng.runner.capture_rows(T, wide=True) != eng.runner.capture_rows(T) for T in shapes.steps)
+            if variants["capture_wide"]
+            else 0
+        )
+        total = (
+            len(shapes.steps) * (1 + variants["capture_q"] + variants["attn_mass"]) + wide + len(shapes.decode) * (1 + variants["decode_q"])
+        )
         with tqdm(total=total + len(specs), desc="jaxkv warm-up (XLA programs)", unit="prog", disable=not progress) as bar:
             ran = self.scheduler.call(
                 lambda: eng.warmup(self.scheduler.decode_chunk, stop_token_ids=self.stop_token_ids, progress=bar.update, **variants)

@@ -384,11 +384,13 @@ def policy_warmup(policies=None):
     its turns run: steps that bring back query rows (windows, query spans, phase
     rows: ``capture_q``) or attention mass (``attn_mass``), decode calls that bring
     back every fed token's query (``decode_q``: a policy that compresses during
-    decode and reads windows or phase rows, ``decode_capture``)."""
+    decode and reads windows or phase rows, ``decode_capture``), and steps that
+    bring back every flat token's query (``capture_wide``: a reconstruction
+    policy's passes, ``PrefillJob.wide_capture``)."""
     from jaxkv.policies import REGISTRY
 
     items = sorted(REGISTRY) if policies is None else list(policies)
-    specs, variants = [], dict(capture_q=False, attn_mass=False, decode_q=False)
+    specs, variants = [], dict(capture_q=False, attn_mass=False, decode_q=False, capture_wide=False)
     for item in items:
         name, config = (item, {}) if isinstance(item, str) else (item[0], dict(item[1]))
         spec = RetentionSpec.make(name, 1, "dead_slot", config)
@@ -397,6 +399,7 @@ def policy_warmup(policies=None):
         variants["capture_q"] |= bool(needs.window or needs.query_mean or needs.observe_rows or needs.reconstruction)
         variants["attn_mass"] |= bool(needs.attn_mass)
         variants["decode_q"] |= bool(needs.decode_interval and (needs.window or needs.observe_rows) and not needs.attn_mass)
+        variants["capture_wide"] |= bool(needs.reconstruction)
     return specs, variants
 
 
