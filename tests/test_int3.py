@@ -18,7 +18,8 @@
   rotation off and on, are ``test_triaxial``'s and ``test_rotation``'s parity tests,
   whose pools carry INT3 pages and whose prompts write all three widths.)
 * The allocation chooses among 2, 3 and 4 bits (against brute force), and a pinned
-  allocation's table reaches a session's records.
+  allocation's table reaches a session's records; with ``rewrite_history`` earlier
+  turns' INT4 leftovers move into INT3 pages once they fill one.
 """
 
 from __future__ import annotations
@@ -247,3 +248,28 @@ def test_a_pinned_allocation_writes_int3_and_records_its_bytes(qmodel):
     assert r.bytes == r.int3 * bytes_per_token(INT3, **size) + r.int4 * bytes_per_token(INT4, **size) + r.full * bytes_per_token(16, **size)
     assert r.bits == 3.0 * r.int3 + 4.0 * r.int4 + 16.0 * r.full
 
+def test_rewrite_history_moves_earlier_leftovers_into_pages(qmodel):
+    """An allocation with ``rewrite_history``: the page-completion rule's leftovers
+    (INT4) of earlier turns, reused from the radix cache, go to INT3 pages once they
+    fill one, before the turn's prefill; without the rule they stay INT4."""
+    from jaxkv.serving import Session
+
+    rows = [{"index": s, "N": 10.0, "D2": 1.0, "D4": 0.5, "bits": 3} for s in range(7)]
+    msgs = []
+    for n in (20, 5, 7, 3):  # prompts whose chunks leave 24, 0, 8 and 0 INT4 leftovers
+        msgs += [{"role": "user", "content": " ".join(["report budget travel legal"] * n)}, {"role": "assistant", "content": "ok"}]
+    records = {}
+    for rewrite in (False, True):
+        alloc = Allocation.from_dict({"axes": ["semantic"], "budget": 3.0, "tags": rows, "rewrite_history": rewrite})
+        assert alloc.rewrite_history is rewrite
+        s = Session(qmodel, kv_quant="triaxial", kv_allocation=alloc, max_positions=512, protect_query=False)
+        try:
+            s.replay(msgs)
+            records[rewrite] = s.quantization.records
+        finally:
+            s.close()
+    before, after = records[False], records[True]
+    assert [r.tokens for r in before] == [r.tokens for r in after]
+    assert [(r.int3, r.int4) for r in before[:3]] == [(r.int3, r.int4) for r in after[:3]]  # fewer than a page of leftovers: none move
+    assert before[2].int4 >= PAGE and before[3].int4 > before[2].int4  # the last turn reuses a page's worth of INT4 leftovers
+    assert after[3].int3 == before[3].int3 + PAGE and after[3].int4 == before[3].int4 - PAGE and after[3].bytes < before[3].bytes
