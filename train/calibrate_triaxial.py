@@ -365,10 +365,12 @@ def allocation_dict(axes, table, budget):
 def attention_errors(captures, alloc, budget):
     """Relative attention-output error per format on the captured K/V (mean over
     requests; per layer and mean), all rows and the last row."""
-    from jaxkv.cache.quantized_host import KIVI_WINDOW
+    from jaxkv.cache.quantized_host import KIVI_RESIDUAL as KIVI_WINDOW  # (the name this module had: KIVI_WINDOW is gone)
 
     table = alloc.table(budget)
     out = {}
+    if not captures:
+        return out
     for fmt in ("int4", "int2", "kivi2", "triaxial"):
         rel, last = [], []
         for cap in captures:
@@ -626,6 +628,11 @@ def main(argv=None) -> int:
     ap.add_argument("--budget", type=float, default=None, help="use this B instead of sweeping")
     ap.add_argument("--replot", action="store_true", help="only redraw the plots from --out")
     ap.add_argument(
+        "--journal-only",
+        action="store_true",
+        help="with --resume: the tables of the journaled requests only (a run cut short), no new captures",
+    )
+    ap.add_argument(
         "--rewrite-history",
         action="store_true",
         help="calibrate for the rewrite-history write rule (replies and earlier INT4 tokens move into pages at "
@@ -667,7 +674,7 @@ def main(argv=None) -> int:
     done = load_journal(journal, journal_setup) if args.resume else {}
     if done:
         log(f"--resume: {len(done)} requests' distortion already in {journal}")
-    acc, kept, n_requests = DistortionTables(), [], 0
+    acc, kept, n_requests, merged = DistortionTables(), [], 0, 0
     for task, ids, codes in tqdm(
         calibration_requests(model, tasks, args.n, args.length, args.rewrite_history), total=args.n * len(tasks), desc="capture + distortion", unit="request"
     ):
@@ -676,8 +683,11 @@ def main(argv=None) -> int:
         keep = args.error_requests is None or len(kept) < args.error_requests
         if key in done:
             acc.merge(done[key])
+            merged += 1
             if keep:
                 kept.append(Capture(model, ids, codes))  # one forward, for the attention-error table
+            continue
+        if args.journal_only:
             continue
         cap = Capture(model, ids, codes)
         append_journal(journal, {"setup": journal_setup, "key": key, "row": acc.add(cap)})
@@ -734,7 +744,7 @@ def main(argv=None) -> int:
             "n_per_task": args.n,
             "tasks": tasks,
             "length": args.length,
-            "requests": n_requests,
+            "requests": merged if args.journal_only else n_requests,
             "error_requests": len(kept),
             "seconds": round(time.perf_counter() - t0, 1),
             "command": "python -m train.calibrate_triaxial " + " ".join(argv or sys.argv[1:]),
