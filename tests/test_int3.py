@@ -3,17 +3,23 @@
 * INT3 codes (``jaxkv.kernels.quant``): the 2 + 1 bit-plane packing byte for byte
   against a NumPy reference, codes as a NumPy float32 reference computes them, every
   element within half a step, and the round-trip error between INT2's and INT4's.
+* INT3 pages (``jaxkv.kernels.quant3``: one-byte scale codes and zero points, values
+  in groups of 64 channels): parameters and codes against NumPy, every element
+  within half its step, the round-trip error between INT2 pages' and INT4's (and at
+  or above the float16-parameter INT3 layout's).
 * The device pool: INT2 pages, INT3 pages and INT4 rows written by one plan read
-  back within half a step; an INT2 page in a pool with INT3 pages holds the bytes it
-  holds without them; a pool's bytes per INT3 token are ``bytes_per_token``'s
-  (4.0 stored bits, every scale and zero counted).
+  back within half a step through the one page reader (``page_params``); an INT2
+  page in a pool with INT3 pages holds the bytes it holds without them; a pool's
+  bytes per INT3 token are ``bytes_per_token``'s (3.375 stored bits at head dim 64,
+  every scale and zero counted).
 * A mixed 2/3/4 pool end to end: the page-completion rule per kind; shelved INT3
   rows come back bit-identical. (The CPU decode window, the per-step gather, the
   blocked reader and the fused kernels in interpret mode on mixed 2/3/4 pools,
   rotation off and on, are ``test_triaxial``'s and ``test_rotation``'s parity tests,
   whose pools carry INT3 pages and whose prompts write all three widths.)
 * The allocation chooses among 2, 3 and 4 bits (against brute force), and a pinned
-  allocation's table reaches a session's records.
+  allocation's table reaches a session's records; with ``rewrite_history`` earlier
+  turns' INT4 leftovers move into INT3 pages once they fill one.
 """
 
 from __future__ import annotations
@@ -25,11 +31,12 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from jaxkv.cache.quantized import INT2, INT3, INT4, DualPool, Geometry, dequantize_slots, write_tokens
+from jaxkv.cache.quantized import INT2, INT3, INT4, DualPool, Geometry, dequantize_slots, page_params, write_tokens
 from jaxkv.cache.quantized_host import DualAllocator, bytes_per_token, elements_per_token, stored_bits
 from jaxkv.engine import Engine
 from jaxkv.errors import ConfigError, SlotError
-from jaxkv.kernels.quant import PAGE, dequantize_rows, quantize_rows, unpack
+from jaxkv.kernels.quant import PAGE, dequantize_int2_pool, dequantize_rows, quantize_int2_pool, quantize_rows, unpack
+from jaxkv.kernels.quant3 import SCALE_TABLE, dequantize_pages3, quantize_pages3
 from jaxkv.policies import layouts
 from jaxkv.policies.quant_allocation import Allocation, solve
 
@@ -78,6 +85,40 @@ def test_int3_codes_against_numpy_and_their_error_between_int2_and_int4():
         quantize_rows(jnp.asarray(x), 5)
 
 
+def test_int3_pages_one_byte_parameters_against_numpy_and_their_error_between_int2_and_int4():
+    x = _outlier_rows(3, 128)
+    k, v = jnp.asarray(x), jnp.asarray(x[::-1].copy())
+    p = quantize_pages3(k, v)
+    pages = x.reshape(4, 32, 2, 64).transpose(0, 2, 1, 3)  # [Q, K, 32, D]
+    for data, s_code, offset, groups in (
+        (p.k_data, p.k_scale, p.k_zero, pages.transpose(0, 1, 3, 2)),  # keys: per channel over the page's tokens
+        (p.v_data, p.v_scale, p.v_zero, x[::-1].reshape(4, 32, 2, 1, 64).transpose(0, 2, 1, 3, 4)),  # values: the head's 64 channels
+    ):
+        lo, hi = groups.min(-1), groups.max(-1)
+        need = np.maximum((hi - lo) * np.float32(1 / 7), np.abs(lo) * np.float32(1 / 127))
+        want_code = np.searchsorted(SCALE_TABLE, need, side="left")  # the smallest table entry at least the need
+        assert np.array_equal(np.asarray(s_code).reshape(want_code.shape), want_code)
+        scale = SCALE_TABLE[want_code]
+        assert np.array_equal(np.asarray(offset).reshape(lo.shape), np.clip(np.rint(lo / scale), -127, 127).astype(np.int8))
+        want = np.clip(np.rint(groups / scale[..., None] - np.rint(lo / scale)[..., None]), 0, 7).astype(np.uint8)
+        codes = np.asarray(unpack(data, 3))
+        got = codes.transpose(0, 1, 3, 2) if groups.shape[-1] == PAGE else codes.reshape(want.shape)  # keys: tokens last
+        assert np.array_equal(got, want)  # IEEE float32 division, round half to even
+    kd, vd = (np.asarray(a, np.float64) for a in dequantize_pages3(p))
+    ks = SCALE_TABLE[np.asarray(p.k_scale)].astype(np.float64)  # [Q, K, D]
+    vs = SCALE_TABLE[np.asarray(p.v_scale)][..., 0].astype(np.float64)  # [Q, K, 32]
+    tiny = 2.0**-20 * (np.abs(x) + 1)
+    assert (np.abs(kd - x).reshape(4, 32, 2, 64) <= ks[:, None] / 2 + tiny.reshape(4, 32, 2, 64)).all()
+    assert (np.abs(vd - x[::-1]).reshape(4, 32, 2, 64) <= vs.transpose(0, 2, 1)[..., None] / 2 + tiny.reshape(4, 32, 2, 64)).all()
+    err = lambda a, b: float(np.sqrt(np.mean((a - b) ** 2)))  # noqa: E731
+    ref = {b: [np.asarray(a, np.float64) for a in dequantize_int2_pool(quantize_int2_pool(k, v, b))] for b in (2, 3, 4)}
+    for i, y in enumerate((x, x[::-1])):  # keys, values: INT4 < INT3 (float16, groups of 32) < INT3 pages < INT2
+        e = {b: err(ref[b][i], y) for b in (2, 3, 4)}
+        e3 = err((kd, vd)[i], y)
+        assert e[4] < e[3] <= e3 < e[2], (i, e, e3)
+    assert err(kd, x) < 1.15 * err(ref[3][0], x)  # the one-byte key scale costs at most its 9% grid step
+
+
 def test_pool_pages_of_both_widths_round_trip_and_count_their_bytes():
     geo = Geometry(pages=4, int4_slots=40, pages3=2)  # INT2 page 1, INT3 pages 2 and 3
     assert (geo.first3, geo.off3, geo.off4) == (2, 64, 128)
@@ -92,10 +133,13 @@ def test_pool_pages_of_both_widths_round_trip_and_count_their_bytes():
     pool = write_tokens(create(geo), geo, 0, k, v, slots, src, ids).layer(0)
     kd, vd = (np.asarray(a, np.float64) for a in dequantize_slots(pool, geo, slots))
     tiny = 2.0**-20 * (np.abs(x) + 1)
-    ks = np.asarray(pool.int2.k.scale[1:3], np.float64)  # per channel over each page
+    # the scales the one page reader gives (page 1: float16; page 2: the one-byte parameters, expanded)
+    ks = np.asarray(page_params(pool, geo, 0, lambda a, p=ids: a[p], ids)[0], np.float64)  # [2, K, D] per channel over each page
     assert (np.abs(kd[:64] - x[:64]).reshape(2, 32, 2, 64) <= ks[:, None] / 2 + tiny[:64].reshape(2, 32, 2, 64)).all()
-    vs = np.asarray(pool.int2.v.scale[1:3], np.float64).transpose(0, 2, 1, 3).reshape(64, 2, 2)
+    vs = np.asarray(page_params(pool, geo, 1, lambda a, p=ids: a[p], ids)[0], np.float64).transpose(0, 2, 1, 3).reshape(64, 2, 2)
     assert (np.abs(vd[:64] - x[::-1][:64]).reshape(64, 2, 2, 32) <= vs[..., None] / 2 + tiny[:64].reshape(64, 2, 2, 32)).all()
+    assert np.array_equal(ks[0], np.asarray(pool.int2.k.scale[1], np.float64)) and np.isin(ks[1], SCALE_TABLE).all()
+    assert (vs[32:, :, 0] == vs[32:, :, 1]).all()  # an INT3 page's value group is the head's 64 channels
     err = lambda a, b: float(np.sqrt(np.mean((a - b) ** 2)))  # noqa: E731
     assert err(kd[32:64], x[32:64]) < 0.6 * err(kd[:32], x[:32])  # the INT3 page is the finer one
     # the INT2 page is the bytes a pool without INT3 pages holds
@@ -103,12 +147,15 @@ def test_pool_pages_of_both_widths_round_trip_and_count_their_bytes():
     old = write_tokens(create(plain), plain, 0, k[:32], v[:32], jnp.arange(32, 64), src[:1], ids[:1]).layer(0)
     for a, b in zip(jax.tree.leaves(old.int2), jax.tree.leaves(pool.int2)):
         assert np.array_equal(np.asarray(a)[:2], np.asarray(b)[:2])
+    assert pool.int2.k.scale.shape[0] == pool.int2.v.scale.shape[0] == geo.first3  # INT3 pages hold no float16 parameters
     assert np.asarray(pool.hi[0][0]).any() and not np.asarray(pool.hi[0][1]).any()  # page 2's high plane; page 3 unwritten
-    # device bytes per INT3 token (low planes, high planes, page scales and zeros) = bytes_per_token
+    assert np.asarray(pool.p3[0][0]).any() and not np.asarray(pool.p3[0][1]).any()
+    # device bytes per INT3 token (low planes, high planes, one-byte scales and zero points) = bytes_per_token
     size = lambda g: sum(x.size * np.dtype(x.dtype).itemsize for x in jax.tree.leaves(jax.eval_shape(lambda: create(g))))  # noqa: E731
     per_token = (size(Geometry(5, 1, 0, 2)) - size(Geometry(4, 1, 0, 1))) / PAGE
-    assert per_token == bytes_per_token(INT3, head_dim=64, num_layers=1, num_kv_heads=2) == 128.0
-    assert stored_bits(per_token, elements_per_token(head_dim=64, num_layers=1, num_kv_heads=2)) == 4.0
+    assert per_token == bytes_per_token(INT3, head_dim=64, num_layers=1, num_kv_heads=2) == 2 * (48 + 4 + 2)
+    assert stored_bits(per_token, elements_per_token(head_dim=64, num_layers=1, num_kv_heads=2)) == 3.375
+    assert stored_bits(bytes_per_token(INT3, head_dim=32, num_layers=1, num_kv_heads=1), elements_per_token(head_dim=32, num_layers=1, num_kv_heads=1)) == 3.5
 
 
 def test_allocator_hands_out_pages_of_each_kind():
@@ -200,3 +247,29 @@ def test_a_pinned_allocation_writes_int3_and_records_its_bytes(qmodel):
     assert r.int3 >= 3 * PAGE and r.int2 == 0 and r.int3 % PAGE == 0
     assert r.bytes == r.int3 * bytes_per_token(INT3, **size) + r.int4 * bytes_per_token(INT4, **size) + r.full * bytes_per_token(16, **size)
     assert r.bits == 3.0 * r.int3 + 4.0 * r.int4 + 16.0 * r.full
+
+def test_rewrite_history_moves_earlier_leftovers_into_pages(qmodel):
+    """An allocation with ``rewrite_history``: the page-completion rule's leftovers
+    (INT4) of earlier turns, reused from the radix cache, go to INT3 pages once they
+    fill one, before the turn's prefill; without the rule they stay INT4."""
+    from jaxkv.serving import Session
+
+    rows = [{"index": s, "N": 10.0, "D2": 1.0, "D4": 0.5, "bits": 3} for s in range(7)]
+    msgs = []
+    for n in (20, 5, 7, 3):  # prompts whose chunks leave 24, 0, 8 and 0 INT4 leftovers
+        msgs += [{"role": "user", "content": " ".join(["report budget travel legal"] * n)}, {"role": "assistant", "content": "ok"}]
+    records = {}
+    for rewrite in (False, True):
+        alloc = Allocation.from_dict({"axes": ["semantic"], "budget": 3.0, "tags": rows, "rewrite_history": rewrite})
+        assert alloc.rewrite_history is rewrite
+        s = Session(qmodel, kv_quant="triaxial", kv_allocation=alloc, max_positions=512, protect_query=False)
+        try:
+            s.replay(msgs)
+            records[rewrite] = s.quantization.records
+        finally:
+            s.close()
+    before, after = records[False], records[True]
+    assert [r.tokens for r in before] == [r.tokens for r in after]
+    assert [(r.int3, r.int4) for r in before[:3]] == [(r.int3, r.int4) for r in after[:3]]  # fewer than a page of leftovers: none move
+    assert before[2].int4 >= PAGE and before[3].int4 > before[2].int4  # the last turn reuses a page's worth of INT4 leftovers
+    assert after[3].int3 == before[3].int3 + PAGE and after[3].int4 == before[3].int4 - PAGE and after[3].bytes < before[3].bytes

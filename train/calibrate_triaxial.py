@@ -110,7 +110,7 @@ def calibration_examples(n: int, length: int):
     }
 
 
-def calibration_requests(model, tasks, n: int, length: int):
+def calibration_requests(model, tasks, n: int, length: int, rewrite_history: bool = False):
     """``(task, ids [T], codes [T])`` per calibration request (``written_codes``):
     ``agent``/``mqniah``: ``n`` synthetic conversations (rendered for the model's
     template); ``passkey``/``niah``: ``n`` real-model examples of ``length`` tokens
@@ -125,22 +125,24 @@ def calibration_requests(model, tasks, n: int, length: int):
     for task in tasks:
         if task in synthetic:
             for ex in synthetic[task]:
-                yield (task, *written_codes(tok, for_template(ex, tok)))
+                yield (task, *written_codes(tok, for_template(ex, tok), rewrite_history))
         elif task in ("passkey", "niah"):
             for ex in haystack.examples(task, n, length=length, tokenizer=tok, seed=HAYSTACK_SEED):
                 messages = ex.messages("agnostic")
                 conversation = types.SimpleNamespace(
                     messages=messages, tools=None, targets=[types.SimpleNamespace(message_index=len(messages) - 1)]
                 )
-                yield (task, *written_codes(tok, conversation))
+                yield (task, *written_codes(tok, conversation, rewrite_history))
         else:
             raise ValueError(f"unknown calibration task {task!r}; known: agent, mqniah, passkey, niah")
 
 
-def written_codes(tokenizer, example):
+def written_codes(tokenizer, example, rewrite_history: bool = False):
     """The last scored turn's prompt and, per token, the triaxial code it is written
     with when the harness replays the conversation (-1: a teacher-forced reply
-    token, written as decode would write it). Returns ``(ids [T], codes [T])``."""
+    token, written as decode would write it; with ``rewrite_history``, the code of
+    its tag in the last prompt, at whose bits a later turn moves it into pages,
+    ``Allocation.rewrite_history``). Returns ``(ids [T], codes [T])``."""
     from jaxkv.cache.radix import common_prefix_length
     from jaxkv.chat import render
     from jaxkv.chat.tags import triaxial_codes
@@ -159,6 +161,8 @@ def written_codes(tokenizer, example):
         full = render(tokenizer, msgs[: j + 1], tools, add_generation_prompt=False)
         codes[prompt.ids.size : min(full.ids.size, final.ids.size)] = -1
         cached = full.ids
+    if rewrite_history:
+        codes = np.where(codes < 0, triaxial_codes(final.triaxial), codes)
     return final.ids, codes
 
 
@@ -194,6 +198,7 @@ def replay_error(q, k, v, o_ref, int4_mask, page_idx, page_ok, row_ok, page_idx3
     """
     from jaxkv.attention import causal_attention
     from jaxkv.kernels.quant import dequantize_int2_pool, dequantize_rows, quantize_int2_pool, quantize_rows
+    from jaxkv.kernels.quant3 import pages3_round_trip
 
     T = k.shape[1]
     pages = [(page_idx.reshape(-1), jnp.where(jnp.repeat(page_ok, 32), page_idx.reshape(-1), T), 2)]
@@ -204,8 +209,8 @@ def replay_error(q, k, v, o_ref, int4_mask, page_idx, page_ok, row_ok, page_idx3
     def one(q, k, v, o_ref):
         k_ = jnp.where(int4_mask[:, None, None], dequantize_rows(quantize_rows(k, 4)), k)
         v_ = jnp.where(int4_mask[:, None, None], dequantize_rows(quantize_rows(v, 4)), v)
-        for flat, dst, bits in pages:
-            k2, v2 = dequantize_int2_pool(quantize_int2_pool(k[flat], v[flat], bits))
+        for flat, dst, bits in pages:  # INT3: the pool's INT3 page format (one-byte parameters, value groups of 64)
+            k2, v2 = pages3_round_trip(k[flat], v[flat]) if bits == 3 else dequantize_int2_pool(quantize_int2_pool(k[flat], v[flat], bits))
             k_ = k_.at[dst].set(k2, mode="drop")
             v_ = v_.at[dst].set(v2, mode="drop")
         o = causal_attention(q[None], k_[None], v_[None])[0]
@@ -360,10 +365,12 @@ def allocation_dict(axes, table, budget):
 def attention_errors(captures, alloc, budget):
     """Relative attention-output error per format on the captured K/V (mean over
     requests; per layer and mean), all rows and the last row."""
-    from jaxkv.cache.quantized_host import KIVI_WINDOW
+    from jaxkv.cache.quantized_host import KIVI_RESIDUAL as KIVI_WINDOW  # (the name this module had: KIVI_WINDOW is gone)
 
     table = alloc.table(budget)
     out = {}
+    if not captures:
+        return out
     for fmt in ("int4", "int2", "kivi2", "triaxial"):
         rel, last = [], []
         for cap in captures:
@@ -621,6 +628,17 @@ def main(argv=None) -> int:
     ap.add_argument("--budget", type=float, default=None, help="use this B instead of sweeping")
     ap.add_argument("--replot", action="store_true", help="only redraw the plots from --out")
     ap.add_argument(
+        "--journal-only",
+        action="store_true",
+        help="with --resume: the tables of the journaled requests only (a run cut short), no new captures",
+    )
+    ap.add_argument(
+        "--rewrite-history",
+        action="store_true",
+        help="calibrate for the rewrite-history write rule (replies and earlier INT4 tokens move into pages at "
+        "their tags' bits each turn; Allocation.rewrite_history): replies count with their tags",
+    )
+    ap.add_argument(
         "--work",
         default=None,
         help="journals of finished requests (distortion.jsonl, sweep.jsonl; default runs/calibrate-triaxial/<model>)",
@@ -648,23 +666,28 @@ def main(argv=None) -> int:
     work = Path(args.work or f"runs/calibrate-triaxial/{Path(args.model).name}")
     work.mkdir(parents=True, exist_ok=True)
     journal_setup = {"model": args.model, "tasks": tasks, "n": args.n, "length": args.length}
+    if args.rewrite_history:
+        journal_setup["rewrite_history"] = True
     journal = work / "distortion.jsonl"
     if not args.resume and journal.exists():
         journal.unlink()
     done = load_journal(journal, journal_setup) if args.resume else {}
     if done:
         log(f"--resume: {len(done)} requests' distortion already in {journal}")
-    acc, kept, n_requests = DistortionTables(), [], 0
+    acc, kept, n_requests, merged = DistortionTables(), [], 0, 0
     for task, ids, codes in tqdm(
-        calibration_requests(model, tasks, args.n, args.length), total=args.n * len(tasks), desc="capture + distortion", unit="request"
+        calibration_requests(model, tasks, args.n, args.length, args.rewrite_history), total=args.n * len(tasks), desc="capture + distortion", unit="request"
     ):
         key = f"{task}:{n_requests}"
         n_requests += 1
         keep = args.error_requests is None or len(kept) < args.error_requests
         if key in done:
             acc.merge(done[key])
+            merged += 1
             if keep:
                 kept.append(Capture(model, ids, codes))  # one forward, for the attention-error table
+            continue
+        if args.journal_only:
             continue
         cap = Capture(model, ids, codes)
         append_journal(journal, {"setup": journal_setup, "key": key, "row": acc.add(cap)})
@@ -673,6 +696,8 @@ def main(argv=None) -> int:
     tables = acc.tables()
     log(f"captured {n_requests} requests, distortion tables ({time.perf_counter() - t0:.0f} s)")
     tri = allocation_dict(VARIANTS["triaxial"], tables["triaxial"], 4.0)
+    if args.rewrite_history:
+        tri["rewrite_history"] = True  # the sweep's sessions write under the rule the distortions assume
     full, sweep_rows = None, []
     if args.budget is not None or args.skip_sweep:
         budget = args.budget if args.budget is not None else max(BUDGETS)
@@ -719,7 +744,7 @@ def main(argv=None) -> int:
             "n_per_task": args.n,
             "tasks": tasks,
             "length": args.length,
-            "requests": n_requests,
+            "requests": merged if args.journal_only else n_requests,
             "error_requests": len(kept),
             "seconds": round(time.perf_counter() - t0, 1),
             "command": "python -m train.calibrate_triaxial " + " ".join(argv or sys.argv[1:]),
@@ -728,6 +753,7 @@ def main(argv=None) -> int:
         "sweep": sweep_rows,
         "attention_error": errors,
         "variants": variants,
+        **({"rewrite_history": True} if args.rewrite_history else {}),
     }
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(data, indent=1) + "\n")

@@ -46,6 +46,7 @@ from jaxkv.cache.quantized import (
     QuantizedKVCache,
     dequantize_at,
     dequantize_int2_tokens,
+    page_params,
     page_rows,
 )
 from jaxkv.kernels.quant import PAGE, GROUP, PackedRows, dequantize_codes, dequantize_rows, quantize_rows, unpack
@@ -141,7 +142,6 @@ def decode_parts_attention(pool: DualPool, geo: Geometry, i, q_RHD, plan: Decode
         return _online_step(state, s, v_REKD, "rkge,rekd->rkgd")
 
     if geo.pages > 1:
-        kp, vp = pool.int2.k, pool.int2.v
 
         def page_block(j, state):
             ids = jax.lax.dynamic_slice_in_dim(plan.pages_RQ, j * PAGE_BLOCK, PAGE_BLOCK, axis=1)  # [R, B]
@@ -149,8 +149,10 @@ def decode_parts_attention(pool: DualPool, geo: Geometry, i, q_RHD, plan: Decode
             ids = jnp.where(listed, ids, 0)
             take = lambda a, p=ids: a[i, p]  # noqa: E731
             (kd, bits), (vd, _) = page_rows(pool, geo, 0, take, ids), page_rows(pool, geo, 1, take, ids)
-            k = dequantize_int2_tokens(kd, kp.scale[i, ids][..., None, :], kp.zero[i, ids][..., None, :], bits)  # [R, B, K, 32, D]
-            v = dequantize_rows(PackedRows(vd, vp.scale[i, ids], vp.zero[i, ids], bits))
+            ks, kz = page_params(pool, geo, 0, take, ids)
+            vs, vz = page_params(pool, geo, 1, take, ids)
+            k = dequantize_int2_tokens(kd, ks[..., None, :], kz[..., None, :], bits)  # [R, B, K, 32, D]
+            v = dequantize_codes(unpack(vd, bits), vs, vz)
             bits = jax.lax.dynamic_slice_in_dim(plan.mask_RQ, j * PAGE_BLOCK, PAGE_BLOCK, axis=1)
             held = ((bits[..., None] >> jnp.arange(PAGE, dtype=jnp.uint32)) & 1).astype(bool) & listed[..., None]  # [R, B, 32]
             to_rows = lambda x: jnp.transpose(x, (0, 1, 3, 2, 4)).reshape(R, PAGE_BLOCK * PAGE, K, D)  # noqa: E731
@@ -324,18 +326,18 @@ def take_quant_window(cache: QuantizedKVCache, plan: DecodeParts, *, width: int,
         ids = jnp.where(listed, _widened(plan.pages_RQ, Wp), 0)  # [R, Wp]
         bits = _widened(plan.mask_RQ, Wp)
         held = ((bits[..., None] >> jnp.arange(PAGE, dtype=jnp.uint32)) & 1).astype(bool) & listed[..., None]
-        kp, vp = pool.int2.k, pool.int2.v
         tokens_of = lambda a: jnp.transpose(a, (0, 2, 1, 3, 4)).reshape(R, K, width, a.shape[-1])  # noqa: E731  [R, Wp, K, 32, X]
         paged = lambda r, field: tuple(tokens_of(field(r, i)) for i in range(L))  # noqa: E731
         codes2 = lambda which, i: unpack(*page_rows(pool, geo, which, lambda a, p=ids: a[i, p], ids))  # noqa: E731  (INT2 and INT3 pages)
-        page_keys = lambda a: tuple(head_major(f32(a[i, ids])) for i in range(L))  # noqa: E731  [R, K, Wp, D]
+        params = lambda which, i: page_params(pool, geo, which, lambda a, p=ids: a[i, p], ids)  # noqa: E731  (the one page reader)
+        page_keys = lambda at: tuple(head_major(params(0, i)[at]) for i in range(L))  # noqa: E731  [R, K, Wp, D]
         pages = WindowPart(
             paged(0, codes2),
-            page_keys(kp.scale),
-            page_keys(kp.zero),
+            page_keys(0),
+            page_keys(1),
             paged(1, codes2),
-            paged(vp, lambda r, i: f32(r.scale[i, ids])),
-            paged(vp, lambda r, i: f32(r.zero[i, ids])),
+            paged(1, lambda which, i: params(which, i)[0]),
+            paged(1, lambda which, i: params(which, i)[1]),
             held.reshape(R, width),
             PAGE * plan.n_pages_R,
             key_axis=-2,

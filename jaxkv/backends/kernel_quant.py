@@ -15,7 +15,8 @@ row).
 
 A pool with INT3 pages hands the kernel its rows' listed pages as one 3-bit page
 part (``page_view``: the low planes and the high planes of the listed pages, an
-INT2 page's high plane zero), read by the same page reader at 3 bits
+INT2 page's high plane zero; the parameters in float32, an INT3 page's one-byte
+ones expanded by ``page_params``), read by the same page reader at 3 bits
 (``jaxkv.kernels.quant``'s 2 + 1 split): one part, one merge, whatever the mix of
 INT2 and INT3 pages.
 
@@ -33,7 +34,7 @@ import jax.numpy as jnp
 
 from jaxkv.backends.base import AttentionMetadata
 from jaxkv.backends.cpu_quant import CpuQuantBackend
-from jaxkv.cache.quantized import FLOAT, DecodeParts, page_rows
+from jaxkv.cache.quantized import FLOAT, DecodeParts, page_params, page_rows
 from jaxkv.kernels.attention.quantized import quantized_decode_attention
 from jaxkv.kernels.quant import Int2Pool, PackedKeyPages, PackedRows
 
@@ -46,8 +47,8 @@ def page_view(pool, geo, i, pages_RQ):
     ids = pages_RQ.reshape(-1)
     take = lambda a, p=ids: a[i, p]  # noqa: E731
     (kd, bits), (vd, _) = page_rows(pool, geo, 0, take, ids), page_rows(pool, geo, 1, take, ids)
-    kp, vp = pool.int2.k, pool.int2.v
-    view = Int2Pool(PackedKeyPages(kd, kp.scale[i, ids], kp.zero[i, ids], bits), PackedRows(vd, vp.scale[i, ids], vp.zero[i, ids], bits))
+    (ks, kz), (vs, vz) = page_params(pool, geo, 0, take, ids), page_params(pool, geo, 1, take, ids)  # float32, INT3 pages' expanded
+    view = Int2Pool(PackedKeyPages(kd, ks, kz, bits), PackedRows(vd, vs, vz, bits))
     return view, jnp.arange(R * Q, dtype=jnp.int32).reshape(R, Q)
 
 

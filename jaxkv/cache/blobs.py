@@ -5,7 +5,9 @@ A shelved row (RepairKV's host tier) is one uint8 blob per
 row's kind (2, 3, 4 or 16), then its codes and float16 parameters (INT4: codes, scale, zero; INT2 and INT3 keys: codes and
 the page's per-channel scale and zero; float: the raw values). Page rows (INT2
 and INT3 alike) are kept at the pool's page-row width (``page_bits``: 3 for a pool
-with INT3 pages, whose INT2 rows then carry a zero high plane). Promotion writes
+with INT3 pages, whose INT2 rows then carry a zero high plane); an INT3 row's
+one-byte parameters (``jaxkv.kernels.quant3``) travel two to a float16 container in
+the float16 parameter fields (``jaxkv.cache.quantized.pack_params3``), bit for bit. Promotion writes
 the same bytes back: INT4 / float rows to fresh slots, page rows into fresh pages
 of their kind grouped by identical page parameters, so every promoted row
 dequantizes to the same float32 values (bit-identical).
@@ -21,8 +23,10 @@ from __future__ import annotations
 import jax.numpy as jnp
 import numpy as np
 
-from jaxkv.cache.quantized import FLOAT, INT2, INT4, PAGED, dequantize_int2_tokens
+from jaxkv.cache.quantized import FLOAT, INT2, INT3, INT4, PAGED, dequantize_int2_tokens
+from jaxkv.cache.quantized_rows import unpack_params3
 from jaxkv.kernels.quant import PackedRows, dequantize_rows
+from jaxkv.kernels.quant3 import params as params3
 
 
 def blob_width(D: int, float_itemsize: int, page_bits: int = 2) -> int:
@@ -113,9 +117,13 @@ def blob_keys(k_blob: np.ndarray, head_dim: int, float_dtype, page_bits: int = 2
                 dequantize_rows(PackedRows(jnp.asarray(f["k4_data"]), jnp.asarray(f["k4_scale"]), jnp.asarray(f["k4_zero"]), 4))
             )
         elif kind == INT2:
-            out[:, m] = np.asarray(
-                dequantize_int2_tokens(jnp.asarray(f["k2_data"]), jnp.asarray(f["k2_scale"]), jnp.asarray(f["k2_zero"]), page_bits)
-            )
+            scale, zero = jnp.asarray(f["k2_scale"]), jnp.asarray(f["k2_zero"])
+            three = kinds[m] == INT3
+            if three.any():  # INT3 rows: their one-byte parameters in the float16 fields (``pack_params3``)
+                s3, z3 = params3(*unpack_params3(scale, head_dim))
+                own = jnp.asarray(three)[None, :, None, None]
+                scale, zero = jnp.where(own, s3, scale.astype(jnp.float32)), jnp.where(own, z3, zero.astype(jnp.float32))
+            out[:, m] = np.asarray(dequantize_int2_tokens(jnp.asarray(f["k2_data"]), scale, zero, page_bits))
         else:
             out[:, m] = f["f_k"].astype(np.float32)
     return out

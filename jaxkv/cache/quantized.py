@@ -18,19 +18,24 @@ channel over a page's 32 tokens, INT2 (INT3) values per token, INT4 keys and val
 per token in groups of 32 channels, float16 scale and zero point beside the codes.
 
 An INT3 page is stored as ``jaxkv.kernels.quant``'s 2 + 1 split: its low two bits
-in the page arrays, in the bytes an INT2 page's codes take, and its high bit in
+in the page arrays, in the bytes an INT2 page's codes take, its high bit in
 ``DualPool.hi`` (``[L, pages3, K, 32, D/8]`` for keys and for values, indexed by
-``page - first INT3 page``). Readers of a pool with INT3 pages read every page
-token as a 3-bit row (``page_rows``: the low row, then the high row, zero for an
-INT2 page, whose codes are then its INT2 codes): one code path for both tiers.
+``page - first INT3 page``), and its parameters in ``DualPool.p3``: one-byte scale
+codes and zero points (``jaxkv.kernels.quant3``), keys per channel over the page,
+values per token in groups of 64 channels. Readers of a pool with INT3 pages go
+through the one page reader: ``page_rows`` gives every page token as a 3-bit row
+(the low row, then the high row, zero for an INT2 page, whose codes are then its
+INT2 codes) and ``page_params`` its float32 scale and zero at one granularity
+(keys per channel, values per 32 channels; an INT3 page's expanded), so one code
+path dequantizes both tiers.
 
 Shape letters: L layers, P2 pages, S4 INT4 slots, SF float slots, K = Hkv, D head
 dim, B rows, T chunk tokens, Q pages written by a chunk, G = 32 tokens of a page,
 N live entries, E page-table entries.
 
 ``DualPool`` attributes:
-  int2: ``Int2Pool``: k.data ``[L, P2, K, 32, D/4]``, k.scale/zero ``[L, P2, K, D]``;
-    v.data ``[L, P2, K, 32, D/4]``, v.scale/zero ``[L, P2, K, 32, D/32]``. A
+  int2: ``Int2Pool``: k.data ``[L, P2, K, 32, D/4]``, k.scale/zero ``[L, P2 - P3, K, D]``;
+    v.data ``[L, P2, K, 32, D/4]``, v.scale/zero ``[L, P2 - P3, K, 32, D/32]``. A
     ``kivi4`` pool's pages hold 4-bit codes instead (data ``[..., D/2]``): the page
     region keeps its name and its INT2 token kind, and ``Int2Pool.bits`` says 4.
   int4: ``Int4Pool``: k/v.data ``[L, S4, K, D/2]``, k/v.scale/zero ``[L, S4, K, D/32]``.
@@ -38,6 +43,15 @@ N live entries, E page-table entries.
   hi: ``(k, v)`` uint8 ``[L, P3, K, 32, D/8]``, the INT3 pages' high bit-planes
     (None without INT3 pages: the pytree, and every program, of a pool without
     them is what it was before the tier).
+  p3: the INT3 pages' parameters ``(k scale codes uint8 [L, P3, K, D], k zero
+    points int8 [L, P3, K, D], v scale codes uint8 [L, P3, K, 32, D/G], v zero
+    points int8 [...])``, ``G = jaxkv.kernels.quant3.value_group(D)`` (None without
+    INT3 pages). The INT2 parameter arrays of ``int2`` hold the INT2 pages' rows
+    only (``[L, P2 - P3, ...]``), so a pool's bytes per INT3 token are
+    ``bytes_per_token``'s.
+
+Moving rows as a whole (re-encoding at new slots, packed host copies and their
+return) is ``jaxkv.cache.quantized_rows``.
 
 Writes (``write_tokens``) take a chunk's float K/V, one slot per token and a page
 plan (which chunk tokens fill which INT2 page, in order): an INT2 page is quantized
@@ -61,7 +75,6 @@ between slots (shelving, promotion) are bit-identical.
 from __future__ import annotations
 
 import dataclasses
-import functools
 
 import jax
 import jax.numpy as jnp
@@ -81,8 +94,8 @@ from jaxkv.kernels.quant import (
     quantize_rows,
     unpack,
 )
+from jaxkv.kernels.quant3 import params as params3, quantize_pages3, value_group
 from jaxkv.errors import ConfigError
-from jaxkv.rope import apply_rope
 from jaxkv.cache.rotation import Rotation
 from jaxkv.cache.state import empty_tables
 
@@ -158,6 +171,7 @@ class DualPool:
     flt_k: jax.Array
     flt_v: jax.Array
     hi: tuple | None = None
+    p3: tuple | None = None
 
     @classmethod
     def create(cls, geo: Geometry, *, num_layers, num_kv_heads, head_dim, dtype, page_bits: int = 2) -> "DualPool":
@@ -171,19 +185,27 @@ class DualPool:
             jnp.zeros((L, n, K, D * bits // 8), u8), jnp.zeros((L, n, K, D // 32), f16), jnp.zeros((L, n, K, D // 32), f16), bits
         )
         R = D * page_bits // 8
+        P2p = geo.first3  # INT2 pages' parameter rows (an INT3 page's are ``p3``'s)
         int2 = Int2Pool(
-            PackedKeyPages(jnp.zeros((L, P2, K, PAGE, R), u8), jnp.zeros((L, P2, K, D), f16), jnp.zeros((L, P2, K, D), f16), page_bits),
+            PackedKeyPages(jnp.zeros((L, P2, K, PAGE, R), u8), jnp.zeros((L, P2p, K, D), f16), jnp.zeros((L, P2p, K, D), f16), page_bits),
             PackedRows(
                 jnp.zeros((L, P2, K, PAGE, R), u8),
-                jnp.zeros((L, P2, K, PAGE, D // 32), f16),
-                jnp.zeros((L, P2, K, PAGE, D // 32), f16),
+                jnp.zeros((L, P2p, K, PAGE, D // 32), f16),
+                jnp.zeros((L, P2p, K, PAGE, D // 32), f16),
                 page_bits,
             ),
         )
-        hi = None
+        hi = p3 = None
         if geo.pages3:
-            hi = tuple(jnp.zeros((L, geo.pages3, K, PAGE, D // 8), u8) for _ in range(2))
-        return cls(int2, Int4Pool(rows(S4, 4), rows(S4, 4)), jnp.zeros((L, SF, K, D), dtype), jnp.zeros((L, SF, K, D), dtype), hi)
+            P3, Dg = geo.pages3, D // value_group(D)
+            hi = tuple(jnp.zeros((L, P3, K, PAGE, D // 8), u8) for _ in range(2))
+            p3 = (
+                jnp.zeros((L, P3, K, D), u8),
+                jnp.zeros((L, P3, K, D), jnp.int8),
+                jnp.zeros((L, P3, K, PAGE, Dg), u8),
+                jnp.zeros((L, P3, K, PAGE, Dg), jnp.int8),
+            )
+        return cls(int2, Int4Pool(rows(S4, 4), rows(S4, 4)), jnp.zeros((L, SF, K, D), dtype), jnp.zeros((L, SF, K, D), dtype), hi, p3)
 
     def layer(self, i) -> "DualPool":
         """One layer's pool (the leading L axis removed)."""
@@ -258,6 +280,38 @@ def page_rows(pool: DualPool, geo: Geometry, which: int, take, page):
     return jnp.concatenate([data, jnp.where(own, high, jnp.uint8(0))], axis=-1), 3
 
 
+def page_params(pool: DualPool, geo: Geometry, which: int, take, page):
+    """float32 ``(scale, zero)`` of page tokens, the other half of the one page
+    reader (``page_rows``: the codes): ``take(a)`` indexes a page-parameter array
+    ``a`` (keys ``which = 0``: ``[P, K, D]``, per channel over the page; values 1:
+    ``[P, K, 32, D/32]``, per token) the way the caller reads it, ``take(a, j)``
+    with other page indices. An INT2 page's are its float16 parameters; an INT3
+    page's its one-byte parameters (``jaxkv.kernels.quant3``) expanded to the same
+    granularity, a 64-channel value group's pair repeated over its two 32-channel
+    halves, so every reader dequantizes both tiers with ``zero + code * scale``."""
+    p = (pool.int2.k, pool.int2.v)[which]
+    scale, zero = take(p.scale).astype(jnp.float32), take(p.zero).astype(jnp.float32)  # (INT3 ids clamp; replaced below)
+    if not geo.pages3:
+        return scale, zero
+    j = page - geo.first3
+    jj = jnp.clip(j, 0, geo.pages3 - 1)
+    D = pool.int2.k.scale.shape[-1]
+    s3, z3 = params3(take(pool.p3[2 * which], jj), take(pool.p3[2 * which + 1], jj), 1 if which == 0 else value_group(D) // GROUP)
+    own = (j >= 0).reshape(j.shape + (1,) * (s3.ndim - j.ndim))
+    return jnp.where(own, s3, scale), jnp.where(own, z3, zero)
+
+
+def _page_tokens(pool: DualPool, geo: Geometry, take_row, take_page, page):
+    """float32 ``(k, v)`` of page tokens through the one page reader: ``take_row``
+    indexes the per-token arrays ``[P, K, 32, ...]`` (codes, value parameters),
+    ``take_page`` the per-page ones ``[P, K, D]`` (key parameters), both as the
+    caller reads them with ``page`` the page ids."""
+    (kd, bits), (vd, _) = page_rows(pool, geo, 0, take_row, page), page_rows(pool, geo, 1, take_row, page)
+    ks, kz = page_params(pool, geo, 0, take_page, page)
+    vs, vz = page_params(pool, geo, 1, take_row, page)
+    return dequantize_int2_tokens(kd, ks, kz, bits), dequantize_codes(unpack(vd, bits), vs, vz)
+
+
 def dequantize_slots(pool: DualPool, geo: Geometry, slots):
     """float32 ``(k, v)`` ``[..., K, D]`` of one layer's pool at ``slots [...]``."""
     slots = slots.astype(jnp.int32)
@@ -267,11 +321,7 @@ def dequantize_slots(pool: DualPool, geo: Geometry, slots):
     v = dequantize_rows(pool.int4.v.take(i4))
     if geo.pages > 1:
         page, t = jnp.clip(slots // PAGE, 0, geo.pages - 1), slots % PAGE
-        kp, vp = pool.int2.k, pool.int2.v
-        kd, bits = page_rows(pool, geo, 0, lambda a, p=page: a[p, :, t], page)
-        vd, _ = page_rows(pool, geo, 1, lambda a, p=page: a[p, :, t], page)
-        k2 = dequantize_int2_tokens(kd, kp.scale[page], kp.zero[page], bits)
-        v2 = dequantize_rows(PackedRows(vd, vp.scale[page, :, t], vp.zero[page, :, t], bits))
+        k2, v2 = _page_tokens(pool, geo, lambda a, p=page: a[p, :, t], lambda a, p=page: a[p], page)
         two = is_paged(kind)[..., None, None]
         k, v = jnp.where(two, k2, k), jnp.where(two, v2, v)
     if geo.float_slots:
@@ -319,9 +369,10 @@ def write_tokens(pool: DualPool, geo: Geometry, i, k_XKD, v_XKD, slots_X, page_s
         src = page_src_QG.reshape(-1).astype(jnp.int32)
         new = quantize_int2_pool(k_XKD[src], v_XKD[src], pool.int2.bits)  # pages [Q, K, 32, ...]
         ids = page_ids_Q.astype(jnp.int32)
-        high = None
-        if geo.pages3:  # the INT3 pages of the plan: quantized at 3 bits, low plane here, high plane in ``hi``
-            new, high = _with_int3_pages(new, quantize_int2_pool(k_XKD[src], v_XKD[src], 3), ids >= geo.first3)
+        three = None
+        if geo.pages3:  # the INT3 pages of the plan: their low planes here, high planes in ``hi``, parameters in ``p3``
+            three = quantize_pages3(k_XKD[src], v_XKD[src])
+            new = _with_int3_pages(new, three, ids >= geo.first3)
         kp = pool.int2.k
         put = lambda a, b: a.at[i, ids].set(b, mode="drop")
         pool = pool.replace(
@@ -330,21 +381,25 @@ def write_tokens(pool: DualPool, geo: Geometry, i, k_XKD, v_XKD, slots_X, page_s
                 _scatter(pool.int2.v, (i, ids), new.v),
             )
         )
-        if high is not None:
+        if three is not None:
+            low = kp.data.shape[-1]
             j = jnp.where(ids >= geo.first3, ids - geo.first3, geo.pages3)  # INT2 pages and padding: dropped
-            pool = pool.replace(hi=tuple(h.at[i, j].set(x, mode="drop") for h, x in zip(pool.hi, high)))
+            high = (three.k_data[..., low:], three.v_data[..., low:])
+            pool = pool.replace(
+                hi=tuple(h.at[i, j].set(x, mode="drop") for h, x in zip(pool.hi, high)),
+                p3=tuple(a.at[i, j].set(x, mode="drop") for a, x in zip(pool.p3, three.params())),
+            )
     return pool
 
 
-def _with_int3_pages(two: Int2Pool, three: Int2Pool, is3_Q):
-    """Pages ``two`` (2-bit) with those where ``is3_Q`` taken from ``three`` (3-bit):
-    their low planes and parameters in a 2-bit ``Int2Pool``, and their high planes
-    ``(k, v)`` ``[Q, K, 32, D/8]``."""
+def _with_int3_pages(two: Int2Pool, three, is3_Q) -> Int2Pool:
+    """Pages ``two`` (2-bit) with the low planes of ``three`` (``Pages3``) where
+    ``is3_Q`` (their parameters are ``p3``'s: the INT2 parameter rows drop them)."""
     low = two.k.data.shape[-1]
     pick = lambda a, b: jnp.where(is3_Q.reshape((-1,) + (1,) * (a.ndim - 1)), b, a)  # noqa: E731
-    k = PackedKeyPages(pick(two.k.data, three.k.data[..., :low]), pick(two.k.scale, three.k.scale), pick(two.k.zero, three.k.zero), 2)
-    v = PackedRows(pick(two.v.data, three.v.data[..., :low]), pick(two.v.scale, three.v.scale), pick(two.v.zero, three.v.zero), 2)
-    return Int2Pool(k, v), (three.k.data[..., low:], three.v.data[..., low:])
+    k = PackedKeyPages(pick(two.k.data, three.k_data[..., :low]), two.k.scale, two.k.zero, 2)
+    v = PackedRows(pick(two.v.data, three.v_data[..., :low]), two.v.scale, two.v.zero, 2)
+    return Int2Pool(k, v)
 
 
 # ============================================================================ the engine's layers
@@ -359,11 +414,7 @@ def dequantize_at(pool: DualPool, geo: Geometry, i, slots):
     k, v = dequantize_rows(row4(pool.int4.k)), dequantize_rows(row4(pool.int4.v))
     if geo.pages > 1:
         page, t = jnp.clip(slots // PAGE, 0, geo.pages - 1), slots % PAGE
-        kp, vp = pool.int2.k, pool.int2.v
-        kd, bits = page_rows(pool, geo, 0, lambda a, p=page: a[i, p, :, t], page)
-        vd, _ = page_rows(pool, geo, 1, lambda a, p=page: a[i, p, :, t], page)
-        k2 = dequantize_int2_tokens(kd, kp.scale[i, page], kp.zero[i, page], bits)
-        v2 = dequantize_rows(PackedRows(vd, vp.scale[i, page, :, t], vp.zero[i, page, :, t], bits))
+        k2, v2 = _page_tokens(pool, geo, lambda a, p=page: a[i, p, :, t], lambda a, p=page: a[i, p], page)
         two = is_paged(kind)[..., None, None]
         k, v = jnp.where(two, k2, k), jnp.where(two, v2, v)
     if geo.float_slots:
@@ -446,144 +497,3 @@ class QuantLayers:
 
     def read_pool(self, pool: DualPool, i):
         return dequantize_at(pool, self.geometry, i, jnp.arange(self.geometry.num_slots, dtype=jnp.int32))
-
-
-# ============================================================================ moving rows
-@functools.partial(jax.jit, static_argnames=("rope", "rotation"), donate_argnames=("cache",))
-def rewrite_rows(cache: QuantizedKVCache, src_M, dst_M, delta_M, page_src_QG, page_ids_Q, *, rope=None, rotation=None):
-    """Re-encode rows: dequantize the rows at ``src_M`` (every layer), rotate their
-    keys by ``delta_M`` positions when ``rope`` is given (a compact layout), and
-    write them at ``dst_M`` with the page plan (``write_tokens``). Used to settle
-    KIVI's aged residual into INT2 pages and to compact a quantized request. A
-    rotated pool's keys leave the stored frame for the RoPE delta (``rotation``,
-    ``QuantLayers.rotation``: RoPE's pairs are the model's channels) and return to it."""
-    geo = cache.geometry
-    pool = cache.pool
-    L = pool.flt_k.shape[0]
-    for i in range(L):
-        k, v = dequantize_slots(pool.layer(i), geo, src_M)
-        if rope is not None:
-            k = k if rotation is None else rotation.unrotate(i, k)
-            k = apply_rope(k, delta_M, rope)
-            k = k if rotation is None else rotation.rotate(i, k)
-        pool = write_tokens(pool, geo, i, k, v, dst_M, page_src_QG, page_ids_Q)
-    return cache.with_kv(pool)
-
-
-def _gather_layer(pool: DualPool, geo: Geometry, slots_M):
-    """Packed fields of one layer at ``slots_M`` (every format; the host keeps the
-    one each slot's kind names). Page rows are ``page_rows``': 3-bit rows (low
-    plane, high plane) when the pool has INT3 pages."""
-    i4 = jnp.clip(slots_M - geo.off4, 0, geo.int4_slots - 1)
-    page, t = jnp.clip(slots_M // PAGE, 0, geo.pages - 1), slots_M % PAGE
-    f = jnp.clip(slots_M - geo.off_float, 0, max(geo.float_slots - 1, 0))
-    k2, v2 = pool.int2.k, pool.int2.v
-    out = {
-        "k4_data": pool.int4.k.data[i4],
-        "k4_scale": pool.int4.k.scale[i4],
-        "k4_zero": pool.int4.k.zero[i4],
-        "v4_data": pool.int4.v.data[i4],
-        "v4_scale": pool.int4.v.scale[i4],
-        "v4_zero": pool.int4.v.zero[i4],
-        "k2_data": page_rows(pool, geo, 0, lambda a, p=page: a[p, :, t], page)[0],
-        "k2_scale": k2.scale[page],
-        "k2_zero": k2.zero[page],
-        "v2_data": page_rows(pool, geo, 1, lambda a, p=page: a[p, :, t], page)[0],
-        "v2_scale": v2.scale[page, :, t],
-        "v2_zero": v2.zero[page, :, t],
-    }
-    if geo.float_slots:
-        out["f_k"], out["f_v"] = pool.flt_k[f], pool.flt_v[f]
-    return out
-
-
-def _model_frame(rotation, x_LMKD):
-    """Stored-frame rows of every layer ``[L, M, K, D]`` back to the model's frame."""
-    if rotation is None:
-        return x_LMKD
-    return rotation.unrotate(jnp.arange(x_LMKD.shape[0])[:, None], x_LMKD)
-
-
-@functools.partial(jax.jit, static_argnames=("rotation",))
-def gather_keys(cache: QuantizedKVCache, slots_N, rotation=None):
-    """Dequantized keys of every layer at ``slots_N``: ``[L, N, K, D]`` float32, in
-    the model's frame (a rotated pool's ``rotation`` undone)."""
-    k = jax.vmap(lambda layer: dequantize_slots(layer, cache.geometry, slots_N)[0])(cache.pool)
-    return _model_frame(rotation, k)
-
-
-@functools.partial(jax.jit, static_argnames=("rotation",))
-def gather_dequantized(cache: QuantizedKVCache, slots_M, rotation=None):
-    """Dequantized keys and values of every layer at ``slots_M``: two ``[L, M, K, D]``
-    float32, in the model's frame."""
-    k, v = jax.vmap(lambda layer: dequantize_slots(layer, cache.geometry, slots_M))(cache.pool)
-    return _model_frame(rotation, k), _model_frame(rotation, v)
-
-
-@jax.jit
-def gather_packed(cache: QuantizedKVCache, slots_M):
-    """Packed fields of every layer at ``slots_M``: a dict of ``[L, M, K, ...]``."""
-    return jax.vmap(lambda layer: _gather_layer(layer, cache.geometry, slots_M))(cache.pool)
-
-
-@functools.partial(jax.jit, donate_argnames=("cache",))
-def write_packed(cache: QuantizedKVCache, rows: dict):
-    """Write packed rows back bit for bit (RepairKV promotion). ``rows`` holds
-    ``[L, M, ...]`` fields: ``i4`` / ``k4_*`` / ``v4_*`` (INT4 rows), ``f`` /
-    ``f_k`` / ``f_v`` (float rows), ``page`` / ``k2_scale`` / ``k2_zero`` (pages'
-    per-channel key parameters) and ``p2`` / ``t2`` / ``k2_data`` / ``v2_*`` (INT2
-    tokens: page and token index; with INT3 pages, 3-bit rows whose high plane goes
-    to ``hi``, an INT2 page's dropped). Out-of-range indices (padding) are dropped."""
-    geo = cache.geometry
-
-    def one(layer: DualPool, r):
-        at = lambda a, idx, b: a.at[idx].set(b, mode="drop")
-        int4 = Int4Pool(
-            PackedRows(
-                at(layer.int4.k.data, r["i4"], r["k4_data"]),
-                at(layer.int4.k.scale, r["i4"], r["k4_scale"]),
-                at(layer.int4.k.zero, r["i4"], r["k4_zero"]),
-                4,
-            ),
-            PackedRows(
-                at(layer.int4.v.data, r["i4"], r["v4_data"]),
-                at(layer.int4.v.scale, r["i4"], r["v4_scale"]),
-                at(layer.int4.v.zero, r["i4"], r["v4_zero"]),
-                4,
-            ),
-        )
-        k2, v2 = layer.int2.k, layer.int2.v
-        pt = (r["p2"], slice(None), r["t2"])
-        k2_data, v2_data = r["k2_data"], r["v2_data"]
-        if geo.pages3:  # 3-bit rows: the low plane to the page arrays, the high plane of INT3 pages to ``hi``
-            low = k2.data.shape[-1]
-            j = jnp.where(r["p2"] >= geo.first3, r["p2"] - geo.first3, geo.pages3)
-            hj = (j, slice(None), r["t2"])
-            layer = layer.replace(
-                hi=(layer.hi[0].at[hj].set(k2_data[..., low:], mode="drop"), layer.hi[1].at[hj].set(v2_data[..., low:], mode="drop"))
-            )
-            k2_data, v2_data = k2_data[..., :low], v2_data[..., :low]
-        int2 = Int2Pool(
-            PackedKeyPages(
-                k2.data.at[pt].set(k2_data, mode="drop"),
-                at(k2.scale, r["page"], r["k2_scale"]),
-                at(k2.zero, r["page"], r["k2_zero"]),
-                k2.bits,
-            ),
-            PackedRows(
-                v2.data.at[pt].set(v2_data, mode="drop"),
-                v2.scale.at[pt].set(r["v2_scale"], mode="drop"),
-                v2.zero.at[pt].set(r["v2_zero"], mode="drop"),
-                v2.bits,
-            ),
-        )
-        layer = layer.replace(int2=int2, int4=int4)
-        if geo.float_slots:
-            layer = layer.replace(flt_k=at(layer.flt_k, r["f"], r["f_k"]), flt_v=at(layer.flt_v, r["f"], r["f_v"]))
-        return layer
-
-    index_keys = ("i4", "f", "page", "p2", "t2")
-    shared = {k: rows[k] for k in index_keys}
-    per_layer = {k: v for k, v in rows.items() if k not in index_keys}
-    pool = jax.vmap(lambda layer, r: one(layer, {**r, **shared}))(cache.pool, per_layer)
-    return cache.with_kv(pool)

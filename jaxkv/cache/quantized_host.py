@@ -63,10 +63,12 @@ from jaxkv.cache.quantized import (
     Geometry,
     QuantizedKVCache,
     QuantLayers,
+    is_paged,
+)
+from jaxkv.cache.quantized_rows import (
     gather_dequantized,
     gather_keys as gather_dequantized_keys,
     gather_packed,
-    is_paged,
     rewrite_rows,
     write_packed,
 )

@@ -20,6 +20,7 @@ from jaxkv.cache.allocator import RefCountedSlots
 from jaxkv.cache.quantized import FLOAT, INT2, INT3, INT4, PAGED, Geometry, is_paged
 from jaxkv.errors import ConfigError, OutOfSlotsError, SlotError
 from jaxkv.kernels.quant import PAGE
+from jaxkv.kernels.quant3 import page3_bytes
 
 MODES = ("int4", "kivi2", "kivi4", "triaxial", "triaxial_no_temporal", "triaxial_no_semantic")
 KIVI_PAGE_BITS = {"kivi2": 2, "kivi4": 4}  # the KIVI modes: a float residual window, then pages of these bits
@@ -59,15 +60,18 @@ def bytes_per_token(kind: int, *, head_dim: int, num_layers: int, num_kv_heads: 
     Per layer and KV head, K + V: INT4 ``2 (D/2 + 2*2*D/32) = 1.25 D`` (``kivi4``'s
     4-bit pages too: keys ``D/2 + 4D/32``, values ``D/2 + 2*2*D/32``); INT2
     ``(D/4 + 2*2*D/32)`` (keys: the page's per-channel scale and zero, ``4D`` bytes
-    over 32 tokens) ``+ (D/4 + 2*2*D/32)`` (values) ``= 0.75 D``; INT3 pages the
-    same with ``3D/8`` bytes of codes (low and high planes) for keys and for values,
-    ``= D``; full precision counted as bf16, ``2 * 2D = 4 D``. Stored bits
-    (``stored_bits``): INT2 3.0, INT3 4.0, INT4 5.0, float 16.
+    over 32 tokens) ``+ (D/4 + 2*2*D/32)`` (values) ``= 0.75 D``; INT3 pages
+    (``jaxkv.kernels.quant3.page3_bytes``) ``3D/8`` bytes of codes (low and high
+    planes) for keys and for values, one-byte scale and zero point per channel over
+    the page's 32 tokens (``2D/32``) and per value group of 64 channels (``2D/64``;
+    32 where the head dim is not a multiple of 64), ``= 0.84375 D``; full precision
+    counted as bf16, ``2 * 2D = 4 D``. Stored bits (``stored_bits``): INT2 3.0,
+    INT3 3.375 (3.5 at a head dim of 32), INT4 5.0, float 16.
     """
     D = head_dim
     if kind not in (INT2, INT3, INT4, FLOAT):
         raise ConfigError(f"no KV format of {kind} bits")
-    per = {INT2: 0.75 * D, INT3: 1.0 * D, INT4: 1.25 * D, FLOAT: 4.0 * D}[kind]
+    per = {INT2: 0.75 * D, INT3: page3_bytes(D), INT4: 1.25 * D, FLOAT: 4.0 * D}[kind]
     return per * num_layers * num_kv_heads
 
 
@@ -80,7 +84,7 @@ def stored_bits(nbytes: float, elements: float) -> float:
     """Stored bits per element, ``8 * bytes / elements``: the one definition every
     report of stored bits uses. ``nbytes`` counts everything the KV occupies (codes,
     every scale and zero point, float outliers and float-window rows, full precision
-    as bf16; ``bytes_per_token``), so INT4 per token stores 5.0 bits, INT3 pages 4.0,
+    as bf16; ``bytes_per_token``), so INT4 per token stores 5.0 bits, INT3 pages 3.375,
     INT2 pages 3.0 and the float pool 16.0, where the code widths alone say 4, 3, 2
     and 16."""
     return 8.0 * nbytes / elements

@@ -164,6 +164,13 @@ class Allocation:
       D3: per tag, or None (a calibration without the INT3 tier: 2 or 4 bits).
       pinned: bits per tag (2, 3 or 4), or None; when set, the table at every
         budget (a hand-set allocation, module docstring).
+      rewrite_history: the write rule the distortions were measured under (JSON
+        ``"rewrite_history"``): each turn, before its prefill, the request's
+        reused tokens still in the token region (INT4: teacher-forced or decoded
+        replies, the leftovers of the page-completion rule) move into pages at
+        their tag's bits in that turn's rendering, in whole pages
+        (``jaxkv.serving.stages.quantization``). False: a token keeps the
+        precision it was first written with.
     """
 
     axes: tuple
@@ -174,6 +181,7 @@ class Allocation:
     budget: float
     D3: tuple | None = None
     pinned: tuple | None = None
+    rewrite_history: bool = False
 
     def solve(self, budget: float) -> np.ndarray:
         """Bits per tag row at ``budget`` (``solve``; the pinned bits if any)."""
@@ -222,6 +230,7 @@ class Allocation:
             float(d["budget"]),
             tuple(float(r["D3"]) for r in rows) if rows and all(has("D3")) else None,
             pinned,
+            bool(d.get("rewrite_history", False)),
         )
 
 
@@ -245,4 +254,6 @@ def load_allocation(path, variant: str = "triaxial") -> Allocation:
     if variant not in data.get("variants", {}):
         raise ConfigError(f"{path} has no allocation {variant!r}; it has {sorted(data.get('variants', {}))}")
     v = data["variants"][variant]
-    return Allocation.from_dict({**v, "budget": v.get("budget", data["budget"])})
+    return Allocation.from_dict(
+        {**v, "budget": v.get("budget", data["budget"]), "rewrite_history": v.get("rewrite_history", data.get("rewrite_history", False))}
+    )

@@ -36,6 +36,12 @@ What it does in a turn:
   the engine applies the page-completion rule. Tokens reused from the radix
   cache are not prefilled, so they keep the precision they were first written
   with; teacher-forced replies and decode tokens get INT4 (what decode writes).
+  An allocation with ``rewrite_history`` (``Allocation.rewrite_history``) first
+  moves the reused tokens still in the token region (INT4: earlier replies, the
+  leftovers of earlier turns' page-completion rule) into pages at their tags'
+  bits in this rendering (``Engine.requantize``: whole pages in position order,
+  the rest stay INT4; paged tokens never move), so replies and short tags stop
+  holding INT4 once a later turn completes their pages.
   ``int4``, ``kivi2`` and ``kivi4`` need no annotation (the engine's mode decides).
 * ``after_prefill`` (after retention and repair): records the request's live KV
   per precision (``KVRecord``) in ``records``, for ``avg_bits`` (code bits),
@@ -129,8 +135,11 @@ class QuantizationStage(Stage):
 
     name = "kv_quant"
 
-    def __init__(self, mode: str | None, budget: float | None = None, table: np.ndarray | None = None, *, rotate: bool = False):
+    def __init__(
+        self, mode: str | None, budget: float | None = None, table: np.ndarray | None = None, *, rotate: bool = False, rewrite_history: bool = False
+    ):
         self.mode, self.budget, self.table, self.rotate = mode, budget, table, rotate
+        self.rewrite_history = bool(rewrite_history)
         self.records: list[KVRecord] = []
 
     def begin(self, turn) -> None:
@@ -140,6 +149,9 @@ class QuantizationStage(Stage):
 
     def before_prefill(self, turn, job):
         if self.table is not None:
+            if self.rewrite_history and turn.reused:  # the history's INT4 tokens into pages at their tags' bits now
+                history = self.table[triaxial_codes(turn.rendered.triaxial[: turn.reused])]
+                turn.engine.kv.requantize(turn.row, np.arange(turn.reused), history)
             codes = triaxial_codes(turn.rendered.triaxial[turn.reused :])
             job.kv_bits = self.table[codes]
         return None
@@ -158,7 +170,9 @@ def resolve_allocation(model, mode: str, allocation) -> Allocation:
             v = data["variants"].get(mode)
             if v is None:
                 raise ConfigError(f"the allocation has no {mode!r} variant")
-            return Allocation.from_dict({**v, "budget": v.get("budget", data["budget"])})
+            return Allocation.from_dict(
+                {**v, "budget": v.get("budget", data["budget"]), "rewrite_history": v.get("rewrite_history", data.get("rewrite_history", False))}
+            )
         return Allocation.from_dict(data)
     if allocation is None:
         from jaxkv.models import registry
@@ -207,7 +221,7 @@ def _factory(session, options: dict, built: list):
     budget = alloc.budget if bits is None else float(bits)
     if not 2.0 <= budget <= 4.0:
         raise ConfigError(f"kv_bits must be an average in [2, 4], got {bits!r}")
-    return QuantizationStage(mode, budget, alloc.table(budget), rotate=rotate)
+    return QuantizationStage(mode, budget, alloc.table(budget), rotate=rotate, rewrite_history=alloc.rewrite_history)
 
 
 register("kv_quant", ORDER, _factory)
