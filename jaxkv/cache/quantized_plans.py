@@ -71,7 +71,8 @@ def bytes_per_token(kind: int, *, head_dim: int, num_layers: int, num_kv_heads: 
     D = head_dim
     if kind not in (INT2, INT3, INT4, FLOAT):
         raise ConfigError(f"no KV format of {kind} bits")
-    per = {INT2: 0.75 * D, INT3: page3_bytes(D), INT4: 1.25 * D, FLOAT: 4.0 * D}[kind]
+    # INT3's own bytes only when asked: its page format needs a head dim quantized pools take, a float pool's may not
+    per = page3_bytes(D) if kind == INT3 else {INT2: 0.75 * D, INT4: 1.25 * D, FLOAT: 4.0 * D}[kind]
     return per * num_layers * num_kv_heads
 
 

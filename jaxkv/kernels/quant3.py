@@ -47,7 +47,6 @@ BITS3 = 3
 TOP = (1 << BITS3) - 1
 OFFSET_MAX = 127  # int8 zero points in [-127, 127]
 SCALE_TABLE = np.asarray(2.0 ** ((np.arange(256) - 128) / 8.0), np.float32)  # uint8 code -> scale
-_SCALE_TABLE = jnp.asarray(SCALE_TABLE)
 
 
 def value_group(head_dim: int) -> int:
@@ -69,8 +68,8 @@ def _fit8(x: jnp.ndarray, axis: int):
     x = x.astype(jnp.float32)
     lo = jnp.min(x, axis=axis, keepdims=True)
     need = jnp.maximum((jnp.max(x, axis=axis, keepdims=True) - lo) * (1.0 / TOP), jnp.abs(lo) * (1.0 / OFFSET_MAX))
-    s_code = jnp.clip(jnp.searchsorted(_SCALE_TABLE, need, side="left"), 0, 255)  # the smallest entry >= need
-    scale = _SCALE_TABLE[s_code]
+    s_code = jnp.clip(jnp.searchsorted(jnp.asarray(SCALE_TABLE), need, side="left"), 0, 255)  # the smallest entry >= need
+    scale = jnp.asarray(SCALE_TABLE)[s_code]
     # IEEE divisions (``jaxkv.kernels.quant._fit``: a barrier keeps XLA from a reciprocal product)
     divisor = jax.lax.optimization_barrier(jnp.broadcast_to(scale, x.shape))
     offset = jnp.clip(jnp.round(lo / scale), -OFFSET_MAX, OFFSET_MAX)
@@ -81,7 +80,7 @@ def _fit8(x: jnp.ndarray, axis: int):
 def params(s_code: jnp.ndarray, offset: jnp.ndarray, repeat: int = 1):
     """float32 ``(scale, zero)`` of scale codes and zero points, each entry repeated
     ``repeat`` times along the last axis (a value group's 32-channel halves)."""
-    scale = _SCALE_TABLE[s_code.astype(jnp.int32)]
+    scale = jnp.asarray(SCALE_TABLE)[s_code.astype(jnp.int32)]  # a constant of the traced program (no device array at import)
     zero = offset.astype(jnp.float32) * scale
     if repeat > 1:
         scale, zero = jnp.repeat(scale, repeat, axis=-1), jnp.repeat(zero, repeat, axis=-1)
