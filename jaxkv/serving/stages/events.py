@@ -60,6 +60,18 @@ def score_and_select(policy, cfg, state, feats, forced_N, budget):
     return select(scores, forced, candidates, budget), scores, state
 
 
+def _apply(engine, row: int, plan, evicted_scores, on_evict, apply) -> None:
+    """Apply an event's plan: through ``apply(plan, evicted_scores)`` (a turn's
+    ``evict``) when given, else through the KV manager, handing ``on_evict`` host
+    copies of the evicted rows first."""
+    if apply is not None:
+        apply(plan, evicted_scores)
+        return
+    kv = engine.kv.apply_layout(row, plan, keep_evicted=on_evict is not None and plan.evicted_positions.size > 0)
+    if kv is not None:
+        on_evict(plan, *kv, evicted_scores)
+
+
 def compress_row(engine, row: int, policy, cfg, state, feats, forced_N, budget: int, layout: str, *, on_evict=None, apply=None):
     """One compression event on a row: score, select, plan the layout, apply it.
 
@@ -89,12 +101,7 @@ def compress_row(engine, row: int, policy, cfg, state, feats, forced_N, budget: 
         kept_free = np.isin(live_pos, kept) & ~np.asarray(forced_N, bool)[valid]
         above = live_scores[kept_free & (live_scores >= boundary)]
         margin = float(above.min() - boundary) if above.size else float("inf")
-    if apply is not None:
-        apply(plan, evicted_scores)
-    else:
-        kv = engine.kv.apply_layout(row, plan, keep_evicted=on_evict is not None and plan.evicted_positions.size > 0)
-        if kv is not None:
-            on_evict(plan, *kv, evicted_scores)
+    _apply(engine, row, plan, evicted_scores, on_evict, apply)
     return state, CompressionReport(int(live_pos.size), int(kept.size), kept, plan, evicted_scores, margin)
 
 
@@ -205,11 +212,6 @@ def compress_row_layers(
     plan = layouts.with_layers(plan, keep_LP)
     evicted_scores = score_LP[:, plan.evicted_positions].max(axis=0) if plan.evicted_positions.size else np.zeros(0, np.float32)
     live_before = int(req.live_positions().size)
-    if apply is not None:
-        apply(plan, evicted_scores)
-    else:
-        kv = engine.kv.apply_layout(row, plan, keep_evicted=on_evict is not None and plan.evicted_positions.size > 0)
-        if kv is not None:
-            on_evict(plan, *kv, evicted_scores)
+    _apply(engine, row, plan, evicted_scores, on_evict, apply)
     report = CompressionReport(live_before, int(kept.size), kept, plan, evicted_scores, margin, keep_LP.sum(axis=1))
     return state, report
