@@ -1,7 +1,11 @@
 """Per-layer keep sets (``keep_sets="layer"``, docs/retention.md "Per-layer keep sets").
 
 * ``layer_budgets``: equal and PyramidKV budgets sum to ``L x B``, the pyramid
-  falls from the lowest layer to the top.
+  falls from the lowest layer to the top; a shared budget (``select_across_layers``)
+  keeps the forced entries and the model's top ``L x B − |F|`` candidates over
+  every layer at once (a NumPy ranking with ties to the lower layer, then
+  position), on random scores and on an engine row, where the layers end with
+  different counts summing to ``L x B``.
 * Selection, on an engine row: each layer keeps exactly ``max(B_l, |F|)`` of the
   positions it reads (equal and pyramid budgets), its set is ``F ∪ topk`` of the
   policy's score of *that layer alone* (KeyDiff's cosines recomputed here from
@@ -31,7 +35,7 @@ from jaxkv.chat import build_tokenizer
 from jaxkv.config import ModelConfig
 from jaxkv.errors import ConfigError
 from jaxkv.policies import get_policy
-from jaxkv.policies.base import layer_budgets
+from jaxkv.policies.base import layer_budgets, select_across_layers
 from jaxkv.policies.keydiff import key_dissimilarity
 from jaxkv.serving import Server, Session
 from jaxkv.serving.stages.events import compress_row_layers, layer_features
@@ -99,6 +103,66 @@ def _event(engine, row, policy_name, budgets, pinned, layout="dead_slot", on_evi
         engine, row, policy, policy.make_config(), state, feats, per_layer, forced, np.asarray(budgets), layout, on_evict=on_evict
     )
     return report, per_layer
+
+
+def _top_over_layers(scores_LN, forced_LN, candidates_LN, budget):
+    """NumPy reference of one budget over every layer: forced entries, then the
+    candidates by score (ties: the lower layer, then the lower position) up to the budget."""
+    L_, N = scores_LN.shape
+    kept = forced_LN.copy()
+    cand = candidates_LN & ~forced_LN
+    room = max(budget - int(forced_LN.sum()), 0)
+    flat = [(-float(scores_LN[l, n]), l, n) for l in range(L_) for n in range(N) if cand[l, n]]
+    for _, l, n in sorted(flat)[:room]:
+        kept[l, n] = True
+    return kept
+
+
+@pytest.mark.parametrize("seed", [0, 1])
+def test_a_shared_budget_keeps_the_models_top_over_every_layer(seed):
+    rng = np.random.default_rng(seed)
+    scale = rng.uniform(0.5, 2.0, (L, 1)).astype(np.float32)  # layers on other scales
+    scores = rng.integers(0, 6, (L, 50)).astype(np.float32) * scale  # with ties
+    valid = np.arange(50)[None, :] < rng.integers(30, 51, (L, 1))
+    forced = valid & (rng.random((L, 50)) < 0.1)
+    candidates = valid & ~forced
+    for budget in (0, 17, 60, 4 * 50):
+        got = np.asarray(select_across_layers(scores, forced, candidates, budget))
+        want = _top_over_layers(scores, forced, candidates, budget)
+        assert np.array_equal(got, want), budget
+        assert got.sum() == min(max(budget, int(forced.sum())), int(valid.sum()))
+
+
+def test_a_shared_budget_event_divides_l_times_b_by_score_across_the_layers(model):
+    n, B = 120, 40
+    engine, row, _ = _prefilled(model, n)
+    pinned = np.r_[0:6, n - 4 : n]
+    keys0 = np.asarray(engine.kv.gather_keys(row))  # [L, n, Hkv, D]
+    cfg, policy = model.config, get_policy("keydiff")
+    req = engine.row_state[row]
+    req.pinned[:] = False
+    req.pinned[pinned] = True
+    zeros_q = np.zeros((cfg.num_layers, 1, cfg.num_heads, cfg.head_dim), np.float32)
+    feats, per_layer, forced = layer_features(
+        engine, row, zeros_q, np.zeros(1, np.int32), np.zeros(1, bool), np.zeros((cfg.num_layers, cfg.num_heads, cfg.head_dim), np.float32)
+    )
+    budgets = layer_budgets(B, L, "shared")
+    assert budgets.tolist() == [B] * L
+    conf = policy.make_config()
+    _, report = compress_row_layers(
+        engine, row, policy, conf, policy.init_state(conf, cfg), feats, per_layer, forced, budgets, "dead_slot", shared=True
+    )
+    # the reference: each layer's own KeyDiff score, ranked over the model
+    s = np.stack([np.asarray(key_dissimilarity(keys0[l : l + 1], np.ones(n, bool))).mean(axis=(0, 2)) for l in range(L)])
+    f = np.zeros((L, n), bool)
+    f[:, pinned] = True
+    want = _top_over_layers(s, f, ~f, L * B)
+    got = engine.row_state[row].layer_live[:, :n]
+    assert np.array_equal(got, want)
+    sizes = got.sum(axis=1)
+    assert sizes.sum() == L * B and len(set(sizes.tolist())) > 1  # one pool, divided unevenly
+    assert report.layer_live_after.tolist() == sizes.tolist()
+    _assert_tables_mirror_host(engine, row)
 
 
 def _topk_by_position(scores, candidates, k):
@@ -341,11 +405,20 @@ def test_layer_sets_come_back_with_the_sessions_cached_prefix(model):
         assert any(len({tuple(np.flatnonzero(m)) for m in c.plan.layer_keep}) > 1 for c in s.compressions)  # layers differ
 
 
-@pytest.mark.parametrize("options", [dict(repair=8), dict(layout="compact"), dict(layer_budgets="pyramid", repair=8)])
+@pytest.mark.parametrize(
+    "options",
+    [dict(repair=8), dict(layout="compact"), dict(layer_budgets="pyramid", repair=8), dict(layer_budgets="shared", budget=80, repair=8)],
+)
 def test_per_layer_sessions_compose_and_leak_nothing(model, options):
     with Server(model, max_positions=512, layer_lists=True) as server:
-        s, _, _ = _replay(model, server, seed=2, **LAYER, **options)
+        s, _, _ = _replay(model, server, seed=2, **{**LAYER, **options})
         assert any(c.live_after < c.live_before or (c.layer_live_after < c.live_before).any() for c in s.compressions)
+        if options.get("layer_budgets") == "shared":
+            # one pool of L x B: an event keeps at most that, unless its forced positions alone
+            # exceed it (then every layer keeps just those), and somewhere the layers' shares differ
+            B = s.retention.budget
+            assert all(c.layer_live_after.sum() <= L * B or len(set(c.layer_live_after.tolist())) == 1 for c in s.compressions)
+            assert any(len(set(c.layer_live_after.tolist())) > 1 for c in s.compressions), [c.layer_live_after for c in s.compressions]
         if "repair" in options:
             assert sum(r.promoted_positions.size for r in s.repairs) > 0
         _assert_no_leak(server)

@@ -96,7 +96,11 @@ def budget_for_ratio(ratio: float, n_request: int) -> int:
 
 
 SET_OPTIONS = ("keep_sets", "layer_budgets")  # a Cell option choosing the kept set's granularity, not a policy field
-GRANULARITIES = {"layer": (("keep_sets", "layer"),), "pyramid": (("keep_sets", "layer"), ("layer_budgets", "pyramid"))}
+GRANULARITIES = {
+    "layer": (("keep_sets", "layer"),),
+    "pyramid": (("keep_sets", "layer"), ("layer_budgets", "pyramid")),
+    "shared": (("keep_sets", "layer"), ("layer_budgets", "shared")),
+}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -104,7 +108,7 @@ class Cell:
     """One branch: a retention method at a ratio (``method=None``: the full cache),
     with the policy's config fields in ``options`` (``(("w", 64),)``; empty: defaults)
     and, there too, ``keep_sets`` / ``layer_budgets`` (per-layer keep sets: the
-    cell's name ends in ``/layer`` or ``/pyramid``; ``--methods snapkv:layer``)."""
+    cell's name ends in ``/layer``, ``/pyramid`` or ``/shared``; ``--methods snapkv:layer``)."""
 
     method: str | None
     ratio: float = 0.0
@@ -115,7 +119,11 @@ class Cell:
         if self.method is None:
             return "full"
         opts = dict(self.options)
-        sets = "" if opts.get("keep_sets", "model") == "model" else "/" + ("pyramid" if opts.get("layer_budgets") == "pyramid" else "layer")
+        sets = (
+            ""
+            if opts.get("keep_sets", "model") == "model"
+            else "/" + {"pyramid": "pyramid", "shared": "shared"}.get(opts.get("layer_budgets"), "layer")
+        )
         return f"{self.method}{sets}@{self.ratio:g}"
 
     @property
@@ -124,7 +132,7 @@ class Cell:
 
     @classmethod
     def parse(cls, spec: str, ratio: float) -> "Cell":
-        """``"snapkv"``, or ``"snapkv:layer"`` / ``"snapkv:pyramid"`` (per-layer sets)."""
+        """``"snapkv"``, or ``"snapkv:layer"`` / ``"snapkv:pyramid"`` / ``"snapkv:shared"`` (per-layer sets)."""
         method, _, sets = spec.partition(":")
         if sets and sets not in GRANULARITIES:
             raise SystemExit(f"unknown kept-set granularity {sets!r} in {spec!r}; known: {', '.join(GRANULARITIES)}")
@@ -368,7 +376,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--methods",
         default=",".join(METHODS),
-        help="policies; NAME:layer or NAME:pyramid keeps a set per layer (equal or PyramidKV budgets)",
+        help="policies; NAME:layer, NAME:pyramid or NAME:shared keeps a set per layer (equal budgets, PyramidKV's, or one budget the layers divide by score)",
     )
     p.add_argument("--settings", default=None, help="aware,agnostic (lm: agnostic only)")
     p.add_argument("--seed", type=int, default=None, help="the evaluation seed base (default: the task module's EVAL_SEED)")

@@ -188,15 +188,30 @@ def select(scores_N, forced_N, candidates_N, budget):
     return forced | (cand & (rank < k))
 
 
+def select_across_layers(scores_LN, forced_LN, candidates_LN, budget):
+    """Per-layer kept masks ``[L, N]`` under one budget for all the layers:
+    ``F ∪ topk_C(scores, max(B − |F|, 0))`` over every layer's entries at once
+    (``select`` on the flattened arrays), so layer ``l`` keeps its forced entries
+    and those of its candidates that rank among the model's top. Ties: the lower
+    layer, then the lower position. Pure and jit-able. KVzip ranks every layer's
+    and KV head's entries under one budget; this is that budget over layers, with
+    one set per layer (a slot's list is per row and layer, not per KV head)."""
+    L, N = scores_LN.shape
+    kept = select(jnp.reshape(scores_LN, (L * N,)), jnp.reshape(forced_LN, (L * N,)), jnp.reshape(candidates_LN, (L * N,)), budget)
+    return kept.reshape(L, N)
+
+
 KEEP_SETS = ("model", "layer")
-LAYER_BUDGETS = ("equal", "pyramid")
+LAYER_BUDGETS = ("equal", "pyramid", "shared")
 PYRAMID_BETA = 20  # PyramidKV's beta: the top layer keeps B / beta (Cai et al., 2024; its code's default)
 
 
 def layer_budgets(budget: int, num_layers: int, shape: str = "equal", beta: float = PYRAMID_BETA):
     """Per-layer budgets ``B_l`` (int ``[L]``) summing to ``L x budget``.
 
-    ``"equal"``: every layer ``B``. ``"pyramid"`` (PyramidKV): an arithmetic
+    ``"equal"``: every layer ``B``. ``"shared"``: every layer ``B`` too, as the
+    layers' share of the pool ``L x B`` that an event divides by score across the
+    layers (``select_across_layers``), so a layer's own set may end larger or smaller. ``"pyramid"`` (PyramidKV): an arithmetic
     sequence, largest in the lowest layer, from ``2B − B/β`` at layer 0 down to
     ``B/β`` at layer ``L − 1`` (mean ``B``); rounded by largest remainder, at
     least 1 per layer.
@@ -204,7 +219,7 @@ def layer_budgets(budget: int, num_layers: int, shape: str = "equal", beta: floa
     B, L = int(budget), int(num_layers)
     if shape not in LAYER_BUDGETS:
         raise ConfigError(f"unknown layer_budgets {shape!r}; known: {', '.join(LAYER_BUDGETS)}")
-    if shape == "equal" or L == 1:
+    if shape in ("equal", "shared") or L == 1:
         return np.full(L, B, np.int64)
     lo = B / beta
     hi = 2 * B - lo

@@ -76,8 +76,8 @@ class Session:
         retention stage (``jaxkv.serving.stages.retention``): a method of
         ``jaxkv.policies.REGISTRY`` (None: full cache), the budget B, ``"dead_slot"``
         (default) or ``"compact"``, one kept set for the model (``keep_sets="model"``,
-        default) or one per layer (``"layer"``, with ``layer_budgets="equal"`` or
-        ``"pyramid"``; a private server is built with a live list per layer, a
+        default) or one per layer (``"layer"``, with ``layer_budgets="equal"``,
+        ``"pyramid"`` or ``"shared"``: one budget the layers divide by score); a private server is built with a live list per layer, a
         shared one needs ``Server(layer_lists=True)``), and the policy's own
         options (``w=16``).
       repair, repair_policy, repair_when, repair_wrong_signal: the RepairKV stage

@@ -28,7 +28,7 @@ import numpy as np
 from jaxkv.buckets import event_size
 from jaxkv.errors import ConfigError
 from jaxkv.policies import EventFeatures, layouts
-from jaxkv.policies.base import select
+from jaxkv.policies.base import select, select_across_layers
 from jaxkv.policies.layouts import LAYOUTS
 
 
@@ -46,10 +46,10 @@ class CompressionReport:
     scoring_tokens: int = 0  # tokens forwarded to score the event beside the context's own (KVzip's reconstruction passes)
 
 
-@functools.partial(jax.jit, static_argnames=("policy", "cfg"))
-def score_and_select(policy, cfg, state, feats, forced_N, budget):
-    """One event's decision, jit'd per (policy, config, padded N): forced set =
-    engine-forced ∪ the policy's keep set (real entries only), scores, kept mask."""
+def _scored(policy, cfg, state, feats, forced_N):
+    """``(scores, forced, candidates, state)`` of one event: the forced set is the
+    engine-forced positions with the policy's keep set added (real entries only),
+    the candidates every other real entry."""
     valid = feats.valid()
     forced = jnp.asarray(forced_N, bool)
     if policy.keep is not None:
@@ -57,6 +57,14 @@ def score_and_select(policy, cfg, state, feats, forced_N, budget):
     forced = forced & valid
     candidates = ~forced & valid
     scores, state = policy.score(cfg, state, feats, candidates)
+    return scores, forced, candidates, state
+
+
+@functools.partial(jax.jit, static_argnames=("policy", "cfg"))
+def score_and_select(policy, cfg, state, feats, forced_N, budget):
+    """One event's decision, jit'd per (policy, config, padded N): forced set =
+    engine-forced ∪ the policy's keep set (real entries only), scores, kept mask."""
+    scores, forced, candidates, state = _scored(policy, cfg, state, feats, forced_N)
     return select(scores, forced, candidates, budget), scores, state
 
 
@@ -105,13 +113,17 @@ def compress_row(engine, row: int, policy, cfg, state, feats, forced_N, budget: 
     return state, CompressionReport(int(live_pos.size), int(kept.size), kept, plan, evicted_scores, margin)
 
 
-@functools.partial(jax.jit, static_argnames=("policy", "cfg"))
-def score_and_select_layers(policy, cfg, state, feats, forced_LN, budgets_L):
-    """One per-layer event's decision: ``score_and_select`` on each layer's view.
+@functools.partial(jax.jit, static_argnames=("policy", "cfg", "shared"))
+def score_and_select_layers(policy, cfg, state, feats, forced_LN, budgets_L, shared: bool = False):
+    """One per-layer event's decision: the policy scores each layer's view.
 
     ``feats`` carry a leading layer axis on every field (``[L, ...]``: the
     one-layer views, ``keys_LNKD`` as ``[L, 1, N, Hkv, D]``, positions ``[L, N]``
     of each layer's own live list...), ``forced_LN`` and ``budgets_L`` likewise.
+    Each layer keeps ``F_l ∪ topk(score_l, B_l − |F_l|)``; with ``shared`` the
+    layers pool their budgets instead (``layer_budgets="shared"``): the model
+    keeps ``F ∪ topk(score, ΣB_l − |F|)`` over every layer's candidates at once
+    (``select_across_layers``), so a layer whose scores stand out keeps more.
     Returns ``(kept [L, N], scores [L, N], state)``: the policy's state is the one
     it had (scoring a view changes nothing, except a state without a layer axis,
     e.g. a random control's counter, which comes back from layer 0's call)."""
@@ -119,10 +131,13 @@ def score_and_select_layers(policy, cfg, state, feats, forced_LN, budgets_L):
 
     def one(l, feats_l, forced_l, budget_l):
         view = state if policy.layer_state is None else policy.layer_state(state, l)
-        kept, scores, new = score_and_select(policy, cfg, view, feats_l, forced_l, budget_l)
-        return kept, scores, (new if policy.layer_state is None else ())
+        scores, forced, candidates, new = _scored(policy, cfg, view, feats_l, forced_l)
+        kept = select(scores, forced, candidates, budget_l)
+        return kept, scores, forced, candidates, (new if policy.layer_state is None else ())
 
-    kept, scores, states = jax.vmap(one)(jnp.arange(L), feats, forced_LN, budgets_L)
+    kept, scores, forced, candidates, states = jax.vmap(one)(jnp.arange(L), feats, forced_LN, budgets_L)
+    if shared:
+        kept = select_across_layers(scores, forced, candidates, jnp.sum(budgets_L))
     return kept, scores, (jax.tree.map(lambda x: x[0], states) if policy.layer_state is None else state)
 
 
@@ -175,15 +190,17 @@ def layer_features(engine, row: int, window_q_LWHD, window_pos_W, window_valid_W
 
 
 def compress_row_layers(
-    engine, row: int, policy, cfg, state, feats, positions_L, forced_LN, budgets_L, layout: str, *, on_evict=None, apply=None
+    engine, row: int, policy, cfg, state, feats, positions_L, forced_LN, budgets_L, layout: str, *, shared=False, on_evict=None, apply=None
 ):
     """``compress_row`` for per-layer keep sets: ``feats`` as
-    ``score_and_select_layers`` takes them, ``positions_L[l]`` the positions of
-    layer ``l``'s real entries. The layout applies the union of the layers' sets
-    (``layouts.with_layers``). An evicted row's score is the highest any layer gave
-    it; the margin is the smallest over layers. Returns ``(state, report)``."""
+    ``score_and_select_layers`` takes them (``shared``: one budget pooled over the
+    layers), ``positions_L[l]`` the positions of layer ``l``'s real entries. The
+    layout applies the union of the layers' sets (``layouts.with_layers``). An
+    evicted row's score is the highest any layer gave it; the margin is the
+    smallest over layers (over the model's one ranking when shared). Returns
+    ``(state, report)``."""
     kept_LN, scores_LN, state = score_and_select_layers(
-        policy, cfg, state, feats, np.asarray(forced_LN, bool), np.asarray(budgets_L, np.int32)
+        policy, cfg, state, feats, np.asarray(forced_LN, bool), np.asarray(budgets_L, np.int32), shared=bool(shared)
     )
     kept_LN, scores_LN = np.asarray(kept_LN), np.asarray(scores_LN, np.float32)
     forced_LN = np.asarray(forced_LN, bool)
@@ -191,17 +208,20 @@ def compress_row_layers(
     L, P = len(positions_L), req.seq_len
     keep_LP = np.zeros((L, P), bool)
     score_LP = np.full((L, P), -np.inf, np.float32)
-    margin = float("inf")
+    dropped_scores, free_scores = [], []  # per layer; the margin compares them within a layer, or across (shared)
     for l, pos in enumerate(positions_L):
         n = pos.size
         keep_LP[l, pos[kept_LN[l, :n]]] = True
         score_LP[l, pos] = scores_LN[l, :n]
-        dropped = ~kept_LN[l, :n]
-        free = kept_LN[l, :n] & ~forced_LN[l, :n]
-        if dropped.any() and free.any():
-            boundary = scores_LN[l, :n][dropped].max()
-            above = scores_LN[l, :n][free & (scores_LN[l, :n] >= boundary)]
-            margin = min(margin, float(above.min() - boundary) if above.size else float("inf"))
+        dropped_scores.append(scores_LN[l, :n][~kept_LN[l, :n]])
+        free_scores.append(scores_LN[l, :n][kept_LN[l, :n] & ~forced_LN[l, :n]])
+    if shared:
+        dropped_scores, free_scores = [np.concatenate(dropped_scores)], [np.concatenate(free_scores)]
+    margin = float("inf")
+    for dropped, free in zip(dropped_scores, free_scores):
+        if dropped.size and free.size:
+            above = free[free >= dropped.max()]
+            margin = min(margin, float(above.min() - dropped.max()) if above.size else float("inf"))
     kept = np.flatnonzero(keep_LP.any(axis=0))
     if layout == "dead_slot":
         plan = layouts.dead_slot(req.slots, kept)

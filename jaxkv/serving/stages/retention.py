@@ -4,7 +4,8 @@ Session options it owns: ``policy`` (a name in ``jaxkv.policies.REGISTRY``),
 ``budget`` (B, live history tokens kept at an event), ``layout`` (``"dead_slot"``
 or ``"compact"``), ``keep_sets`` (``"model"``, default: one kept set for every
 layer; ``"layer"``: a set per layer) with ``layer_budgets`` (``"equal"``, default:
-B in every layer; ``"pyramid"``: PyramidKV's budgets, ``L x B`` in all) and the
+B in every layer; ``"pyramid"``: PyramidKV's budgets, ``L x B`` in all;
+``"shared"``: one pool of ``L x B`` the layers divide by score at each event) and the
 policy's own config fields (``w=16``...).
 
 What it does in a turn (ALGORITHMS.md §1-5):
@@ -30,7 +31,10 @@ RepairKV stage shelves what leaves). Reports go to ``session.compressions``.
 Per-layer keep sets (``keep_sets="layer"``, ``compress_layers``): layer ``l``
 keeps ``F ∪ topk_C(score^l, B_l − |F|)`` of the positions it still reads, scored
 by the policy on a one-layer view of the features (``policies.base``); an event
-fires when some layer reads more than its ``B_l``. The layout applies the union
+fires when some layer reads more than its ``B_l``. With ``layer_budgets="shared"``
+the layers rank their candidates together (``select_across_layers``): the model
+keeps ``F ∪ topk_C(score, L·B − |F|)`` over every layer's entries, and an event
+fires when the layers read more than ``L·B`` in all. The layout applies the union
 of the sets (a slot holds every layer's K/V: it is released only when no layer
 keeps its position) and the engine gives each layer its own live list. Every
 position some layer drops makes the rest of the request private to the session
@@ -252,7 +256,10 @@ class RetentionStage(Stage):
         spec, req = self.spec, turn.req
         if spec.keep_sets == "layer":
             L = turn.engine.model.config.num_layers
-            return any(pos.size > b for pos, b in zip(req.layer_positions(L), layer_budgets(spec.budget, L, spec.layer_budgets)))
+            sizes = [pos.size for pos in req.layer_positions(L)]
+            if spec.layer_budgets == "shared":  # the layers' pool: their sizes differ after an event
+                return sum(sizes) > L * spec.budget
+            return any(n > b for n, b in zip(sizes, layer_budgets(spec.budget, L, spec.layer_budgets)))
         return req.live_positions().size > spec.budget
 
     def compress_after_passes(self, turn):
@@ -331,6 +338,7 @@ class RetentionStage(Stage):
             forced,
             budgets,
             spec.layout,
+            shared=spec.layer_budgets == "shared",
             apply=turn.evict,
         )
         if passes is not None:
