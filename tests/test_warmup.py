@@ -21,6 +21,7 @@ import threading
 import pytest
 
 from jaxkv import buckets, compiles
+from jaxkv.engine.warmup import shape_set
 from jaxkv.serving import Server
 from conftest import TINY_WORDS, tiny_chat_model
 
@@ -160,7 +161,7 @@ def test_a_reconstruction_policys_wide_steps_are_warmed(tiny_model, monkeypatch)
     _, variants = policy_warmup(["kvzip"])
     assert variants["capture_wide"] and variants["capture_q"]
     engine = Engine(tiny_model, rows=2, max_positions=64, prefill_chunk=64)
-    shapes = engine.shape_set(8)
+    shapes = shape_set(engine, 8)
     wide_steps = [T for T in shapes.steps if engine.runner.capture_rows(T, wide=True) > engine.runner.capture_rows(T)]
     assert wide_steps  # the lowered cap leaves steps whose wide capture is a program of its own
     engine.warmup(8, **variants)

@@ -31,8 +31,9 @@ Read top to bottom, a request goes:
 
 The scheduler (``jaxkv.serving.scheduler``) starts and steps jobs of many rows at
 once; a single request (``generate``, tests) calls the run-to-completion methods.
-``warmup`` (``jaxkv.engine.warmup``) compiles every program a server can reach;
-``splice_prefill`` (``jaxkv.engine.splicing``) runs segment reuse's spliced step.
+``warmup`` (``jaxkv.engine.warmup``, with its ``shape_set``) compiles every program a
+server can reach; ``splice_prefill`` (``jaxkv.engine.splicing``, with CacheBlend's
+``key_deviation``) runs segment reuse's spliced step.
 
 Invariants: host checks run before any device call, so a failing call leaves cache
 and allocator untouched; lengths that reach shapes are bucketed
@@ -44,29 +45,20 @@ from __future__ import annotations
 
 from typing import Sequence
 
-import jax
 import numpy as np
 
 from jaxkv import buckets
 from jaxkv.backends import select_backend
-from jaxkv.cache.pools import make_pool, pool_for_bytes
-from jaxkv.cache.state import float_pool_dtype
 from jaxkv.engine.jobs import GREEDY, DecodeJob, KVSource, PrefillJob, Sampling
 from jaxkv.engine.kv_manager import KVCheckpoint, KVManager
 from jaxkv.engine.packing import ScheduledStep, pack_step
 from jaxkv.engine.runner import ModelRunner
-from jaxkv.errors import ConfigError, ContextLengthError, JaxKVError
-from jaxkv.forward import cache_sharding
+from jaxkv.errors import ContextLengthError, JaxKVError
 from jaxkv.models.loading import Model
 from jaxkv.sampling import make_sampler
 
 PREFILL_CHUNK = 512  # tokens per prefill piece at most; chosen by eval/bench/prefill.py (README)
 FIRST_TOKEN_KEY = 1 << 30  # the first reply token is drawn with fold_in(key, this)
-
-
-def _platform(mesh) -> str:
-    """The platform the pool lives on: the mesh's devices', else JAX's default backend."""
-    return mesh.devices.flat[0].platform if mesh is not None else jax.default_backend()
 
 
 class Engine:
@@ -118,25 +110,25 @@ class Engine:
         self.prefill_chunk = int(prefill_chunk)
         if self.prefill_chunk < 1:
             raise JaxKVError(f"prefill_chunk must be >= 1, got {prefill_chunk}")
-        mesh = model.mesh
-        dtype = float_pool_dtype(model.dtype, _platform(mesh))  # float pool, or a quantized pool's float region
-        if kv_memory_bytes is not None:
-            if num_slots is not None:
-                raise ConfigError("give num_slots or kv_memory_bytes, not both")
-            pool = pool_for_bytes(kv_quant, kv_memory_bytes, cfg, float_dtype=dtype, page_share=kv_page_share, rotate=kv_rotate)
-        else:
-            pool = make_pool(kv_quant, num_slots or rows * P + 1, head_dim=cfg.head_dim, float_dtype=dtype, rotate=kv_rotate)
-        pool.check_mesh(mesh)
-        lists = cfg.num_layers if layer_lists else 1
-        create = pool.cache_factory(cfg, rows=rows, positions=P, dtype=dtype, lists=lists)
-        cache = create() if mesh is None else jax.jit(create, out_shardings=cache_sharding(jax.eval_shape(create), mesh))()
+        self.kv = KVManager.create(
+            model,
+            rows=rows,
+            max_positions=P,
+            num_slots=num_slots,
+            kv_quant=kv_quant,
+            kv_memory_bytes=kv_memory_bytes,
+            kv_page_share=kv_page_share,
+            layer_lists=layer_lists,
+            kv_rotate=kv_rotate,
+            reclaim=reclaim,
+        )
+        pool = self.kv.pool
         self.token_budget = int(token_budget) if token_budget is not None else buckets.token_budget(self.prefill_chunk, rows)
         if self.token_budget < max(self.prefill_chunk, rows) or self.token_budget < rows + (self.prefill_chunk if pool.whole_chunks else 1):
             raise JaxKVError(
                 f"token_budget {self.token_budget} cannot hold a decode token of each of {rows} rows beside a prefill "
                 f"piece{' of a whole chunk' if pool.whole_chunks else ''} (prefill_chunk {self.prefill_chunk})"
             )
-        self.kv = KVManager(pool, cache, cfg, rows=rows, max_positions=P, lists=lists, mesh=mesh, reclaim=reclaim)
         self.backend = select_backend(pool.layers, backend)
         self.runner = ModelRunner(model, self.kv, self.backend, token_budget=self.token_budget)
 
@@ -152,14 +144,11 @@ class Engine:
     layer_lists = property(lambda self: self.kv.lists > 1, doc="Whether each row has a live list per layer.")
     closed = property(lambda self: self.kv.closed)
 
-    @property
-    def reclaim(self):
-        """The radix cache's eviction the KV manager calls when the pool is short."""
-        return self.kv.reclaim
-
-    @reclaim.setter
-    def reclaim(self, fn) -> None:
-        self.kv.reclaim = fn
+    reclaim = property(
+        lambda self: self.kv.reclaim,
+        lambda self, fn: setattr(self.kv, "reclaim", fn),
+        doc="The radix cache's eviction the KV manager calls.",
+    )
 
     def close(self) -> None:
         """Free the KV pool now; idempotent. Opening a row afterwards raises ``JaxKVError``."""
@@ -225,13 +214,6 @@ class Engine:
         sampling = Sampling(float(temperature), top_k, top_p, key, step0)
         return self.start(DecodeJob(row, int(first_token), int(n_steps), sampling, stops, forced, return_logits, query_rows, attn_mass))
 
-    def abandon_prefill(self, job: PrefillJob) -> np.ndarray:
-        """Release the slots of a prefill job's unwritten tokens (cancelled or failed
-        half-way); returns the slots freed."""
-        rest = job.slots[job.done :]
-        job.done, job.slots = job.tokens.size, job.slots[: job.done]
-        return self.kv.release(rest)
-
     def step(self, prefill_jobs: Sequence[PrefillJob] = (), decode_jobs: Sequence[DecodeJob] = ()) -> None:
         """Pack one step of at most ``token_budget`` tokens (``pack_step``) and run it.
         An imported prefill (``KVSource``) stores its next chunk instead, alone."""
@@ -271,104 +253,18 @@ class Engine:
             return
         self.runner.decode(jobs, max_steps, regroup=regroup)
 
-    # -- run to completion -------------------------------------------------------------
-    def prefill(self, rows: Sequence[int], token_lists, *, all_logits=False, attn_mass=False, q_row_positions=None, kv_bits=None):
-        """Append ``token_lists[i]`` to ``rows[i]``; returns the logits of the new
-        tokens per row (``[n_i, V]`` with ``all_logits``, else the last one's ``[V]``).
-        With ``attn_mass`` or ``q_row_positions`` it returns ``(logits, aux)``:
-        ``aux["attn_mass"][i]`` ``[seq_len]`` the mass each position of row i received
-        from this prefill's queries (mean over layers and heads, summed over
-        queries); ``aux["q_rows"]`` ``[L, len(rows), X, Hq, D]`` the post-RoPE queries
-        at ``q_row_positions[i]`` (indices into ``token_lists[i]``)."""
-        for r, tokens in zip(rows, token_lists):
-            self.kv.check_room(r, len(tokens))
-        self.kv.reserve(sum(len(t) for t in token_lists))
-        jobs = [
-            self.start_prefill(
-                r,
-                t,
-                all_logits=all_logits,
-                attn_mass=attn_mass,
-                kv_bits=None if kv_bits is None else kv_bits[i],
-                q_idx=None if q_row_positions is None else q_row_positions[i],
-            )
-            for i, (r, t) in enumerate(zip(rows, token_lists))
-        ]
-        while not all(j.finished for j in jobs):
-            self.step(prefill_jobs=jobs)
-        logits = [j.result_logits() for j in jobs]
-        if not attn_mass and q_row_positions is None:
-            return logits
-        aux = {}
-        if attn_mass:
-            aux["attn_mass"] = [j.mass for j in jobs]
-        if q_row_positions is not None:
-            aux["q_rows"] = np.stack([j.q_rows for j in jobs], axis=1)
-        return logits, aux
+    # -- run to completion (``jaxkv.engine.oneshot``) -----------------------------------
+    def prefill(self, rows: Sequence[int], token_lists, **options):
+        """Append ``token_lists[i]`` to ``rows[i]`` and return the new tokens' logits
+        (``jaxkv.engine.oneshot.prefill``: its options and what comes back)."""
+        return oneshot.prefill(self, rows, token_lists, **options)
 
-    def decode(
-        self,
-        rows: Sequence[int],
-        first_tokens: Sequence[int],
-        n_steps: int,
-        *,
-        temperature=0.0,
-        top_k=None,
-        top_p=None,
-        key=None,
-        stop_token_ids=(),
-        return_logits=False,
-        forced_tokens=None,
-        query_rows=False,
-        attn_mass=False,
-    ):
-        """Feed ``first_tokens`` and decode up to ``n_steps`` tokens per row. Returns
-        ``(tokens, logits)``: ``tokens[i]`` row i's sampled tokens (ending with its stop
-        token when one came); ``logits[i]`` ``[n, V]`` with ``return_logits``.
-        ``forced_tokens[i]`` replaces the fed token of every step after the first.
-        Row ``i`` samples with ``fold_in(key, i)``. With ``query_rows`` or
-        ``attn_mass`` it returns ``(tokens, logits, aux)``: ``aux["q_rows"][i]`` ``[n_i,
-        L, Hq, D]`` the query of each fed token; ``aux["attn_mass"][i]`` ``[seq_len]``."""
-        make_sampler(temperature, top_k, top_p)
-        if n_steps <= 0:
-            return [[] for _ in rows], None
-        key = key if key is not None else jax.random.key(0)
-        jobs = [
-            self.start_decode(
-                r,
-                first_tokens[i],
-                n_steps,
-                temperature=temperature,
-                top_k=top_k,
-                top_p=top_p,
-                key=jax.random.fold_in(key, i),
-                stop_token_ids=stop_token_ids,
-                return_logits=return_logits,
-                query_rows=query_rows,
-                attn_mass=attn_mass,
-                forced_tokens=None if forced_tokens is None else forced_tokens[i],
-            )
-            for i, r in enumerate(rows)
-        ]
-        self.step_decode(jobs)
-        V = self.model.config.vocab_size
-        logits = [np.concatenate(j.logits) if j.logits else np.zeros((0, V), np.float32) for j in jobs] if return_logits else None
-        if not query_rows and not attn_mass:
-            return [j.tokens for j in jobs], logits
-        aux = {}
-        if query_rows:
-            aux["q_rows"] = [np.concatenate(j.q_rows) for j in jobs]
-        if attn_mass:
-            aux["attn_mass"] = [j.mass for j in jobs]
-        return [j.tokens for j in jobs], logits, aux
+    def decode(self, rows: Sequence[int], first_tokens: Sequence[int], n_steps: int, **options):
+        """Feed ``first_tokens`` and decode up to ``n_steps`` tokens per row; returns
+        ``(tokens, logits)`` (``jaxkv.engine.oneshot.decode``: its options)."""
+        return oneshot.decode(self, rows, first_tokens, n_steps, **options)
 
     # -- programs and spliced steps ------------------------------------------------------
-    def shape_set(self, decode_chunk: int) -> buckets.ShapeSet:
-        """The bounded set of step shapes this engine compiles (``jaxkv.buckets``)."""
-        from jaxkv.engine.warmup import shape_set
-
-        return shape_set(self, decode_chunk)
-
     def warmup(self, decode_chunk: int, **options) -> int:
         """Compile every program of ``shape_set`` (``jaxkv.engine.warmup.warmup``)."""
         from jaxkv.engine.warmup import warmup
@@ -381,14 +277,9 @@ class Engine:
 
         return splice_prefill(self, row, plan, mode=mode)
 
-    def key_deviation(self, x_XM, positions_X, k_old_XKD, old_positions_X, layer: int) -> np.ndarray:
-        """CacheBlend's per-token key deviation (``jaxkv.engine.splicing``)."""
-        from jaxkv.engine.splicing import key_deviation
 
-        return key_deviation(self, x_XM, positions_X, k_old_XKD, old_positions_X, layer)
-
-
-from jaxkv.engine.oneshot import generate, score_logits  # noqa: E402  (they build an Engine)
+from jaxkv.engine import oneshot  # noqa: E402  (its entry points build an Engine)
+from jaxkv.engine.oneshot import generate, score_logits  # noqa: E402
 
 __all__ = [
     "FIRST_TOKEN_KEY",

@@ -12,7 +12,7 @@ besides tokens; the step computes nothing else.
 Invariants: a job's ``row`` is open for as long as the job runs; ``done`` /
 ``fed`` count tokens written to the pool and recorded in the row; a prefill job's
 slots are allocated when it starts and either written or released
-(``Engine.abandon_prefill``).
+(``KVManager.abandon_prefill``).
 """
 
 from __future__ import annotations

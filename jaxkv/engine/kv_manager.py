@@ -38,10 +38,11 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxkv.cache.allocator import SENTINEL_SLOT
-from jaxkv.cache.pools import import_rows
+from jaxkv.cache.pools import import_rows, make_pool, pool_for_bytes
 from jaxkv.cache.request import RequestState, promotion_tables
-from jaxkv.cache.state import PagedKVCache
+from jaxkv.cache.state import PagedKVCache, float_pool_dtype
 from jaxkv.errors import ConfigError, ContextLengthError, JaxKVError, OutOfSlotsError
+from jaxkv.forward import cache_sharding
 
 
 @functools.partial(jax.jit, donate_argnames=("cache",))
@@ -104,6 +105,40 @@ class KVManager:
         self.reclaim = reclaim
         self.writes = 0
 
+    @classmethod
+    def create(
+        cls,
+        model,
+        *,
+        rows: int,
+        max_positions: int,
+        num_slots: int | None = None,
+        kv_quant=None,
+        kv_memory_bytes: int | None = None,
+        kv_page_share: float | None = None,
+        layer_lists: bool = False,
+        kv_rotate: bool = False,
+        reclaim: Callable | None = None,
+    ) -> KVManager:
+        """A manager of a new pool for ``model`` (``jaxkv.Engine``'s arguments of the
+        same names): the pool sized by slots (default ``rows x max_positions + 1``) or
+        by memory (``pool_for_bytes``), its cache made on the model's mesh, split by
+        KV head, where the model has one."""
+        cfg, mesh = model.config, model.mesh
+        platform = mesh.devices.flat[0].platform if mesh is not None else jax.default_backend()
+        dtype = float_pool_dtype(model.dtype, platform)  # float pool, or a quantized pool's float region
+        if kv_memory_bytes is not None:
+            if num_slots is not None:
+                raise ConfigError("give num_slots or kv_memory_bytes, not both")
+            pool = pool_for_bytes(kv_quant, kv_memory_bytes, cfg, float_dtype=dtype, page_share=kv_page_share, rotate=kv_rotate)
+        else:
+            pool = make_pool(kv_quant, num_slots or rows * max_positions + 1, head_dim=cfg.head_dim, float_dtype=dtype, rotate=kv_rotate)
+        pool.check_mesh(mesh)
+        lists = cfg.num_layers if layer_lists else 1
+        make = pool.cache_factory(cfg, rows=rows, positions=max_positions, dtype=dtype, lists=lists)
+        cache = make() if mesh is None else jax.jit(make, out_shardings=cache_sharding(jax.eval_shape(make), mesh))()
+        return cls(pool, cache, cfg, rows=rows, max_positions=max_positions, lists=lists, mesh=mesh, reclaim=reclaim)
+
     # -- the cache -------------------------------------------------------------------
     @property
     def cache(self):
@@ -158,6 +193,13 @@ class KVManager:
     def release(self, slots) -> np.ndarray:
         """Drop one reference per listed slot; returns the slots that became free."""
         return self.allocator.release(slots)
+
+    def abandon_prefill(self, job) -> np.ndarray:
+        """Release the slots of a prefill job's unwritten tokens (cancelled or failed
+        half-way); returns the slots freed."""
+        rest = job.slots[job.done :]
+        job.done, job.slots = job.tokens.size, job.slots[: job.done]
+        return self.release(rest)
 
     # -- rows ------------------------------------------------------------------------
     @property

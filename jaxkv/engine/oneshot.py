@@ -1,14 +1,19 @@
-"""The public one-shot entry points: ``generate`` (prompts in, tokens out, on an
-engine made for the call) and ``score_logits`` (the dense forward with no cache:
-the parity oracle every cached path is tested against).
+"""Requests run to completion: ``generate`` (prompts in, tokens out, on an engine
+made for the call), ``score_logits`` (the dense forward with no cache: the parity
+oracle every cached path is tested against), and an engine's ``prefill`` and
+``decode`` (``Engine.prefill`` / ``Engine.decode``: jobs started and stepped until
+they finish, for a single request, tests and evaluations; the scheduler steps
+jobs of many rows itself).
 
 Invariant: bad input raises before any device work (``ValueError`` for malformed
-prompts, ``ContextLengthError`` past the model's context).
+prompts, ``ContextLengthError`` past the model's context, the KV manager's checks
+of room and slots before a job starts).
 """
 
 from __future__ import annotations
 
 import functools
+from typing import Sequence
 
 import jax
 import numpy as np
@@ -99,3 +104,95 @@ def generate(
         for i, d in decode.items():
             outputs[i] += d.tokens
     return outputs
+
+
+def prefill(engine, rows: Sequence[int], token_lists, *, all_logits=False, attn_mass=False, q_row_positions=None, kv_bits=None):
+    """Append ``token_lists[i]`` to ``rows[i]``; returns the logits of the new
+    tokens per row (``[n_i, V]`` with ``all_logits``, else the last one's ``[V]``).
+    With ``attn_mass`` or ``q_row_positions`` it returns ``(logits, aux)``:
+    ``aux["attn_mass"][i]`` ``[seq_len]`` the mass each position of row i received
+    from this prefill's queries (mean over layers and heads, summed over
+    queries); ``aux["q_rows"]`` ``[L, len(rows), X, Hq, D]`` the post-RoPE queries
+    at ``q_row_positions[i]`` (indices into ``token_lists[i]``)."""
+    for r, tokens in zip(rows, token_lists):
+        engine.kv.check_room(r, len(tokens))
+    engine.kv.reserve(sum(len(t) for t in token_lists))
+    jobs = [
+        engine.start_prefill(
+            r,
+            t,
+            all_logits=all_logits,
+            attn_mass=attn_mass,
+            kv_bits=None if kv_bits is None else kv_bits[i],
+            q_idx=None if q_row_positions is None else q_row_positions[i],
+        )
+        for i, (r, t) in enumerate(zip(rows, token_lists))
+    ]
+    while not all(j.finished for j in jobs):
+        engine.step(prefill_jobs=jobs)
+    logits = [j.result_logits() for j in jobs]
+    if not attn_mass and q_row_positions is None:
+        return logits
+    aux = {}
+    if attn_mass:
+        aux["attn_mass"] = [j.mass for j in jobs]
+    if q_row_positions is not None:
+        aux["q_rows"] = np.stack([j.q_rows for j in jobs], axis=1)
+    return logits, aux
+
+
+def decode(
+    engine,
+    rows: Sequence[int],
+    first_tokens: Sequence[int],
+    n_steps: int,
+    *,
+    temperature=0.0,
+    top_k=None,
+    top_p=None,
+    key=None,
+    stop_token_ids=(),
+    return_logits=False,
+    forced_tokens=None,
+    query_rows=False,
+    attn_mass=False,
+):
+    """Feed ``first_tokens`` and decode up to ``n_steps`` tokens per row. Returns
+    ``(tokens, logits)``: ``tokens[i]`` row i's sampled tokens (ending with its stop
+    token when one came); ``logits[i]`` ``[n, V]`` with ``return_logits``.
+    ``forced_tokens[i]`` replaces the fed token of every step after the first.
+    Row ``i`` samples with ``fold_in(key, i)``. With ``query_rows`` or
+    ``attn_mass`` it returns ``(tokens, logits, aux)``: ``aux["q_rows"][i]`` ``[n_i,
+    L, Hq, D]`` the query of each fed token; ``aux["attn_mass"][i]`` ``[seq_len]``."""
+    make_sampler(temperature, top_k, top_p)
+    if n_steps <= 0:
+        return [[] for _ in rows], None
+    key = key if key is not None else jax.random.key(0)
+    jobs = [
+        engine.start_decode(
+            r,
+            first_tokens[i],
+            n_steps,
+            temperature=temperature,
+            top_k=top_k,
+            top_p=top_p,
+            key=jax.random.fold_in(key, i),
+            stop_token_ids=stop_token_ids,
+            return_logits=return_logits,
+            query_rows=query_rows,
+            attn_mass=attn_mass,
+            forced_tokens=None if forced_tokens is None else forced_tokens[i],
+        )
+        for i, r in enumerate(rows)
+    ]
+    engine.step_decode(jobs)
+    V = engine.model.config.vocab_size
+    logits = [np.concatenate(j.logits) if j.logits else np.zeros((0, V), np.float32) for j in jobs] if return_logits else None
+    if not query_rows and not attn_mass:
+        return [j.tokens for j in jobs], logits
+    aux = {}
+    if query_rows:
+        aux["q_rows"] = [np.concatenate(j.q_rows) for j in jobs]
+    if attn_mass:
+        aux["attn_mass"] = [j.mass for j in jobs]
+    return [j.tokens for j in jobs], logits, aux

@@ -388,7 +388,7 @@ class Turn:
             yield work
         finally:
             if isinstance(work, PrefillJob) and work.started and not work.finished:
-                self.engine.abandon_prefill(work)
+                self.engine.kv.abandon_prefill(work)
         return work
 
     def _add_mass(self, mass_LHP):

@@ -77,6 +77,7 @@ from jaxkv.cache.segments import SegmentStore
 from jaxkv.cache.session_store import SessionStore
 from jaxkv.chat import stop_token_ids
 from jaxkv.engine import PREFILL_CHUNK, Engine
+from jaxkv.engine.warmup import shape_set
 from jaxkv.errors import ConfigError
 from jaxkv.models.loading import Model
 from jaxkv.serving.scheduler import DECODE_CHUNK, Scheduler
@@ -213,7 +214,7 @@ class Server:
         t0, before = time.perf_counter(), compiles.count()
         eng = self.engine
         specs, variants = policy_warmup(policies)
-        shapes = eng.shape_set(self.scheduler.decode_chunk)
+        shapes = shape_set(eng, self.scheduler.decode_chunk)
         wide = (
             sum(eng.runner.capture_rows(T, wide=True) != eng.runner.capture_rows(T) for T in shapes.steps)
             if variants["capture_wide"]

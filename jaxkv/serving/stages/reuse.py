@@ -79,6 +79,7 @@ import numpy as np
 
 from jaxkv.cache.segments import PromptIndex, align, minhash, segment_units
 from jaxkv.engine.jobs import SpliceJob
+from jaxkv.engine.splicing import key_deviation
 from jaxkv.errors import ConfigError
 from jaxkv.serving.stages.base import PrefillLogits, Stage, register
 from jaxkv.splice import SplicePlan
@@ -385,7 +386,7 @@ class ReuseStage(Stage):
         if reused.size:
             k1 = np.concatenate([sp.k[1] for sp in spans], axis=0)
             old = np.concatenate([sp.old_pos for sp in spans])
-            dev = engine.key_deviation(x1[reused], reused + start, k1, old, layer=1)
+            dev = key_deviation(engine, x1[reused], reused + start, k1, old, layer=1)
             n_sel = int(math.ceil(cfg.blend_ratio * reused.size))
             selected = np.sort(reused[np.argsort(-dev, kind="stable")[:n_sel]])
             keep = np.setdiff1d(reused, selected)  # spliced in layers 1..L-1
