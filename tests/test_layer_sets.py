@@ -26,6 +26,7 @@
 
 from __future__ import annotations
 
+import jax
 import numpy as np
 import pytest
 
@@ -126,8 +127,9 @@ def test_a_shared_budget_keeps_the_models_top_over_every_layer(seed):
     valid = np.arange(50)[None, :] < rng.integers(30, 51, (L, 1))
     forced = valid & (rng.random((L, 50)) < 0.1)
     candidates = valid & ~forced
+    select = jax.jit(select_across_layers)  # one program for every budget
     for budget in (0, 17, 60, 4 * 50):
-        got = np.asarray(select_across_layers(scores, forced, candidates, budget))
+        got = np.asarray(select(scores, forced, candidates, budget))
         want = _top_over_layers(scores, forced, candidates, budget)
         assert np.array_equal(got, want), budget
         assert got.sum() == min(max(budget, int(forced.sum())), int(valid.sum()))
