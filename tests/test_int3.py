@@ -19,7 +19,12 @@
   whose pools carry INT3 pages and whose prompts write all three widths.)
 * The allocation chooses among 2, 3 and 4 bits (against brute force), and a pinned
   allocation's table reaches a session's records; with ``rewrite_history`` earlier
-  turns' INT4 leftovers move into INT3 pages once they fill one.
+  turns' INT4 leftovers move into INT3 pages once they fill one; with
+  ``sink_tokens`` a request's first positions are INT4 in its prefill and its
+  rewrite.
+* The mse fit of a rotated pool's INT3 pages (``quant3``'s ``fit="mse"``): against
+  a NumPy search over the same tries, never worse than the covering fit, stored
+  and read back by the pool as ``dequantize_pages3`` gives it.
 """
 
 from __future__ import annotations
@@ -155,7 +160,12 @@ def test_pool_pages_of_both_widths_round_trip_and_count_their_bytes():
     per_token = (size(Geometry(5, 1, 0, 2)) - size(Geometry(4, 1, 0, 1))) / PAGE
     assert per_token == bytes_per_token(INT3, head_dim=64, num_layers=1, num_kv_heads=2) == 2 * (48 + 4 + 2)
     assert stored_bits(per_token, elements_per_token(head_dim=64, num_layers=1, num_kv_heads=2)) == 3.375
-    assert stored_bits(bytes_per_token(INT3, head_dim=32, num_layers=1, num_kv_heads=1), elements_per_token(head_dim=32, num_layers=1, num_kv_heads=1)) == 3.5
+    assert (
+        stored_bits(
+            bytes_per_token(INT3, head_dim=32, num_layers=1, num_kv_heads=1), elements_per_token(head_dim=32, num_layers=1, num_kv_heads=1)
+        )
+        == 3.5
+    )
 
 
 def test_allocator_hands_out_pages_of_each_kind():
@@ -248,6 +258,7 @@ def test_a_pinned_allocation_writes_int3_and_records_its_bytes(qmodel):
     assert r.bytes == r.int3 * bytes_per_token(INT3, **size) + r.int4 * bytes_per_token(INT4, **size) + r.full * bytes_per_token(16, **size)
     assert r.bits == 3.0 * r.int3 + 4.0 * r.int4 + 16.0 * r.full
 
+
 def test_rewrite_history_moves_earlier_leftovers_into_pages(qmodel):
     """An allocation with ``rewrite_history``: the page-completion rule's leftovers
     (INT4) of earlier turns, reused from the radix cache, go to INT3 pages once they
@@ -286,7 +297,9 @@ def test_sink_tokens_are_written_int4_and_the_rewrite_leaves_them():
     from jaxkv.serving.stages.quantization import QuantizationStage, resolve_allocation
 
     rows = [{"index": s, "N": 10.0, "D2": 1.0, "D4": 0.5, "bits": 3} for s in range(7)]
-    alloc = resolve_allocation(None, "triaxial", {"budget": 3.0, "sink_tokens": 3, "variants": {"triaxial": {"axes": ["semantic"], "tags": rows}}})
+    alloc = resolve_allocation(
+        None, "triaxial", {"budget": 3.0, "sink_tokens": 3, "variants": {"triaxial": {"axes": ["semantic"], "tags": rows}}}
+    )
     assert alloc.sink_tokens == 3 and Allocation.from_dict({"axes": ["semantic"], "budget": 3.0, "tags": rows}).sink_tokens == 0
     assert variant_dict({"budget": 3.0, "sink_tokens": 3, "variants": {"v": {"sink_tokens": 1}}}, "v")["sink_tokens"] == 1
     for bad in (-1, 1.5, True, "2"):
@@ -299,7 +312,9 @@ def test_sink_tokens_are_written_int4_and_the_rewrite_leaves_them():
     for reused, want_history in ((0, None), (2, [4, 4]), (5, [4, 4, 4, 3, 3])):
         stage = QuantizationStage("triaxial", 3.0, table, rewrite_history=True, sink_tokens=alloc.sink_tokens)
         kv = types.SimpleNamespace(requantize=lambda row, pos, bits: moved.append((pos.tolist(), bits.tolist())))
-        turn = types.SimpleNamespace(reused=reused, rendered=types.SimpleNamespace(triaxial=tags), engine=types.SimpleNamespace(kv=kv), row=0)
+        turn = types.SimpleNamespace(
+            reused=reused, rendered=types.SimpleNamespace(triaxial=tags), engine=types.SimpleNamespace(kv=kv), row=0
+        )
         job = types.SimpleNamespace(kv_bits=None)
         stage.before_prefill(turn, job)
         want = table[triaxial_codes(tags)].copy()
@@ -332,7 +347,7 @@ def test_int3_mse_fit_against_numpy_no_worse_than_cover_and_its_pool_reads_back_
         s_code, offset = np.asarray(s_code).reshape(lo.shape).astype(np.int64), np.asarray(offset).reshape(lo.shape).astype(np.int64)
         cover_code = np.asarray(cover_code).reshape(lo.shape).astype(np.int64)
 
-        def decoded(code, off):
+        def decoded(code, off, groups=groups):
             scale = SCALE_TABLE[code][..., None]
             codes = np.clip(np.rint(groups / scale - off[..., None]), 0, 7)
             return codes, (off[..., None] * scale + codes * scale).astype(np.float64)

@@ -136,7 +136,7 @@ def fit_byte(x, axis: int, fmt: Fmt):
         return trip(jnp.clip(jnp.round(exact), 0, 255).astype(up.dtype), 0)
     best, best_err = None, None
     for ds in (0, 1, 2):
-        for do in ((0,) if fmt.zero == "f16" else (-1, 0, 1)):
+        for do in (0,) if fmt.zero == "f16" else (-1, 0, 1):
             y = trip(up - ds, do)
             err = jnp.sum((y - x) ** 2, axis=axis, keepdims=True)
             best = y if best is None else jnp.where(err < best_err, y, best)
@@ -148,7 +148,7 @@ def pages_round_trip(k_TKD, v_TKD, fmt: Fmt):
     """``T = 32 Q`` tokens through INT3 pages of ``fmt`` and back (float32)."""
     from jaxkv.kernels.quant import _fit, _pages, _tokens
 
-    T, K, D = k_TKD.shape
+    D = k_TKD.shape[-1]
     kp, vp = _pages(k_TKD.astype(jnp.float32)), _pages(v_TKD.astype(jnp.float32))  # [Q, K, 32, D]
     vg = vp.reshape(*vp.shape[:-1], D // fmt.vgroup, fmt.vgroup)
     if fmt.params == "f16":
@@ -390,8 +390,15 @@ def main(argv=None):
                 nll = -jnp.take_along_axis(lp, target[:, None], -1)[:, 0]
                 kl = jnp.sum(jnp.exp(ref) * (ref - lp), -1)
                 rows[(name, rot)].append(
-                    {"dnll": float(jnp.sum(nll - nll_ref)), "kl": float(jnp.sum(kl)), "n": int(target.size), "stored": float(stored),
-                     "code": float(paged * 3 + flt * 16 + (1 - paged - flt) * 4), "double": sum(int(d) for _, d, _ in pages), "pages": len(pages)}
+                    {
+                        "dnll": float(jnp.sum(nll - nll_ref)),
+                        "kl": float(jnp.sum(kl)),
+                        "n": int(target.size),
+                        "stored": float(stored),
+                        "code": float(paged * 3 + flt * 16 + (1 - paged - flt) * 4),
+                        "double": sum(int(d) for _, d, _ in pages),
+                        "pages": len(pages),
+                    }
                 )
         print(f"trace {e}: {ids.size} tokens, reply {ids.size - T0}, {time.time() - t0:.0f} s", flush=True)
     table = []
@@ -399,22 +406,32 @@ def main(argv=None):
         n = np.array([r["n"] for r in rs])
         d = np.array([r["dnll"] for r in rs]) / n
         lo, hi = bootstrap(d, n)
-        table.append([name, "on" if rot else "off", f"{np.mean([r['stored'] for r in rs]):.3f}", f"{np.mean([r['code'] for r in rs]):.3f}",
-                      f"{(d * n).sum() / n.sum():+.4f} [{lo:+.4f}, {hi:+.4f}]", f"{sum(r['kl'] for r in rs) / n.sum():.4f}"])
+        table.append(
+            [
+                name,
+                "on" if rot else "off",
+                f"{np.mean([r['stored'] for r in rs]):.3f}",
+                f"{np.mean([r['code'] for r in rs]):.3f}",
+                f"{(d * n).sum() / n.sum():+.4f} [{lo:+.4f}, {hi:+.4f}]",
+                f"{sum(r['kl'] for r in rs) / n.sum():.4f}",
+            ]
+        )
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     (out / "study.json").write_text(json.dumps({k[0] + (" +rot" if k[1] else ""): v for k, v in rows.items()}, indent=1))
-    text = "\n".join([
-        f"# INT3 format study: {args.model}, {args.n} calibration-seed agent traces (last scored reply)",
-        "",
-        f"Command: `python -m eval.quality.int3_format_study --n {args.n} --length {args.length}"
-        + (f' --only "{args.only}"' if args.only else "")
-        + f"` ({time.time() - t0:.0f} s, "
-        f"load {load:.2f} at the start, {time.strftime('%Y-%m-%d %H:%M %Z')}). `eval/quality/int3_format_study.py` says what is measured.",
-        "",
-        md_table(["variant", "rotation", "stored bits", "code bits", "reply NLL increase [95%]", "KL / token"], table, align="llrrrr"),
-        "",
-    ])
+    text = "\n".join(
+        [
+            f"# INT3 format study: {args.model}, {args.n} calibration-seed agent traces (last scored reply)",
+            "",
+            f"Command: `python -m eval.quality.int3_format_study --n {args.n} --length {args.length}"
+            + (f' --only "{args.only}"' if args.only else "")
+            + f"` ({time.time() - t0:.0f} s, "
+            f"load {load:.2f} at the start, {time.strftime('%Y-%m-%d %H:%M %Z')}). `eval/quality/int3_format_study.py` says what is measured.",
+            "",
+            md_table(["variant", "rotation", "stored bits", "code bits", "reply NLL increase [95%]", "KL / token"], table, align="llrrrr"),
+            "",
+        ]
+    )
     (out / "README.md").write_text(text)
     print(text)
 
