@@ -19,7 +19,12 @@
   whose pools carry INT3 pages and whose prompts write all three widths.)
 * The allocation chooses among 2, 3 and 4 bits (against brute force), and a pinned
   allocation's table reaches a session's records; with ``rewrite_history`` earlier
-  turns' INT4 leftovers move into INT3 pages once they fill one.
+  turns' INT4 leftovers move into INT3 pages once they fill one; with
+  ``sink_tokens`` a request's first positions are INT4 in its prefill and its
+  rewrite.
+* The mse fit of a rotated pool's INT3 pages (``quant3``'s ``fit="mse"``): against
+  a NumPy search over the same tries, never worse than the covering fit, stored
+  and read back by the pool as ``dequantize_pages3`` gives it.
 """
 
 from __future__ import annotations
@@ -155,7 +160,12 @@ def test_pool_pages_of_both_widths_round_trip_and_count_their_bytes():
     per_token = (size(Geometry(5, 1, 0, 2)) - size(Geometry(4, 1, 0, 1))) / PAGE
     assert per_token == bytes_per_token(INT3, head_dim=64, num_layers=1, num_kv_heads=2) == 2 * (48 + 4 + 2)
     assert stored_bits(per_token, elements_per_token(head_dim=64, num_layers=1, num_kv_heads=2)) == 3.375
-    assert stored_bits(bytes_per_token(INT3, head_dim=32, num_layers=1, num_kv_heads=1), elements_per_token(head_dim=32, num_layers=1, num_kv_heads=1)) == 3.5
+    assert (
+        stored_bits(
+            bytes_per_token(INT3, head_dim=32, num_layers=1, num_kv_heads=1), elements_per_token(head_dim=32, num_layers=1, num_kv_heads=1)
+        )
+        == 3.5
+    )
 
 
 def test_allocator_hands_out_pages_of_each_kind():
@@ -248,6 +258,7 @@ def test_a_pinned_allocation_writes_int3_and_records_its_bytes(qmodel):
     assert r.bytes == r.int3 * bytes_per_token(INT3, **size) + r.int4 * bytes_per_token(INT4, **size) + r.full * bytes_per_token(16, **size)
     assert r.bits == 3.0 * r.int3 + 4.0 * r.int4 + 16.0 * r.full
 
+
 def test_rewrite_history_moves_earlier_leftovers_into_pages(qmodel):
     """An allocation with ``rewrite_history``: the page-completion rule's leftovers
     (INT4) of earlier turns, reused from the radix cache, go to INT3 pages once they
@@ -273,3 +284,96 @@ def test_rewrite_history_moves_earlier_leftovers_into_pages(qmodel):
     assert [(r.int3, r.int4) for r in before[:3]] == [(r.int3, r.int4) for r in after[:3]]  # fewer than a page of leftovers: none move
     assert before[2].int4 >= PAGE and before[3].int4 > before[2].int4  # the last turn reuses a page's worth of INT4 leftovers
     assert after[3].int3 == before[3].int3 + PAGE and after[3].int4 == before[3].int4 - PAGE and after[3].bytes < before[3].bytes
+
+
+def test_sink_tokens_are_written_int4_and_the_rewrite_leaves_them():
+    """``Allocation.sink_tokens``: the request's first positions get INT4 whatever
+    their tag, in the prefill that writes them and in the rewrite rule's history;
+    parsed from a variant or from the file level, bad values refused."""
+    import types
+
+    from jaxkv.chat.tags import TRIAXIAL_DTYPE, triaxial_codes
+    from jaxkv.policies.quant_allocation import variant_dict
+    from jaxkv.serving.stages.quantization import QuantizationStage, resolve_allocation
+
+    rows = [{"index": s, "N": 10.0, "D2": 1.0, "D4": 0.5, "bits": 3} for s in range(7)]
+    alloc = resolve_allocation(
+        None, "triaxial", {"budget": 3.0, "sink_tokens": 3, "variants": {"triaxial": {"axes": ["semantic"], "tags": rows}}}
+    )
+    assert alloc.sink_tokens == 3 and Allocation.from_dict({"axes": ["semantic"], "budget": 3.0, "tags": rows}).sink_tokens == 0
+    assert variant_dict({"budget": 3.0, "sink_tokens": 3, "variants": {"v": {"sink_tokens": 1}}}, "v")["sink_tokens"] == 1
+    for bad in (-1, 1.5, True, "2"):
+        with pytest.raises(ConfigError):
+            Allocation.from_dict({"axes": ["semantic"], "budget": 3.0, "tags": rows, "sink_tokens": bad})
+    tags = np.zeros(10, TRIAXIAL_DTYPE)
+    tags["semantic"] = [0, 1, 1, 2, 5, 5, 5, 6, 1, 1]
+    table = alloc.table()
+    moved = []
+    for reused, want_history in ((0, None), (2, [4, 4]), (5, [4, 4, 4, 3, 3])):
+        stage = QuantizationStage("triaxial", 3.0, table, rewrite_history=True, sink_tokens=alloc.sink_tokens)
+        kv = types.SimpleNamespace(requantize=lambda row, pos, bits: moved.append((pos.tolist(), bits.tolist())))
+        turn = types.SimpleNamespace(
+            reused=reused, rendered=types.SimpleNamespace(triaxial=tags), engine=types.SimpleNamespace(kv=kv), row=0
+        )
+        job = types.SimpleNamespace(kv_bits=None)
+        stage.before_prefill(turn, job)
+        want = table[triaxial_codes(tags)].copy()
+        want[:3] = 4
+        assert set(table[triaxial_codes(tags)].tolist()) == {3}
+        assert job.kv_bits.tolist() == want[reused:].tolist()
+        if want_history is None:
+            assert not moved
+        else:
+            assert moved.pop() == (list(range(reused)), want_history)
+
+
+def test_int3_mse_fit_against_numpy_no_worse_than_cover_and_its_pool_reads_back_its_values():
+    """``fit="mse"`` (a rotated pool's): per group the chosen (scale code, zero point)
+    is one of the tries (the covering code and the two below it, zero points
+    ``rint(m / scale) + {0, -1, 1}``), its codes are the NumPy float32 codes of that
+    pair, its squared error is the least of the tries' (float32 sums: within 1e-5)
+    and at most the covering fit's; a rotated pool's INT3 pages hold exactly these."""
+    from jaxkv.kernels.quant3 import MSE_STEPS
+
+    x = _outlier_rows(7, 64)
+    k, v = jnp.asarray(x), jnp.asarray(x[::-1].copy())
+    p, c = quantize_pages3(k, v, "mse"), quantize_pages3(k, v)
+    pages = x.reshape(2, 32, 2, 64).transpose(0, 2, 1, 3)
+    for data, s_code, offset, groups, cover_code in (
+        (p.k_data, p.k_scale, p.k_zero, pages.transpose(0, 1, 3, 2), c.k_scale),
+        (p.v_data, p.v_scale, p.v_zero, x[::-1].reshape(2, 32, 2, 1, 64).transpose(0, 2, 1, 3, 4), c.v_scale),
+    ):
+        lo = groups.min(-1)
+        s_code, offset = np.asarray(s_code).reshape(lo.shape).astype(np.int64), np.asarray(offset).reshape(lo.shape).astype(np.int64)
+        cover_code = np.asarray(cover_code).reshape(lo.shape).astype(np.int64)
+
+        def decoded(code, off, groups=groups):
+            scale = SCALE_TABLE[code][..., None]
+            codes = np.clip(np.rint(groups / scale - off[..., None]), 0, 7)
+            return codes, (off[..., None] * scale + codes * scale).astype(np.float64)
+
+        errs = []
+        for ds in range(MSE_STEPS + 1):
+            scale = SCALE_TABLE[cover_code - ds]
+            for do in (0, -1, 1):
+                off = np.clip(np.rint(lo / scale) + do, -127, 127).astype(np.int64)
+                errs.append(np.sum((decoded(cover_code - ds, off)[1] - groups) ** 2, -1))
+        assert np.isin(cover_code - s_code, np.arange(MSE_STEPS + 1)).all() and (np.abs(offset) <= 127).all()
+        codes, got = decoded(s_code, offset)
+        err = np.sum((got - groups) ** 2, -1)
+        assert (err <= np.min(errs, 0) * (1 + 1e-5) + 1e-12).all() and (err <= errs[0] * (1 + 1e-5) + 1e-12).all()
+        assert (err < errs[0] * 0.999).any()  # clipping pays somewhere: the fit is not the covering one
+        raw = np.asarray(unpack(data, 3))
+        assert np.array_equal(raw.transpose(0, 1, 3, 2) if groups.shape[-1] == PAGE else raw.reshape(codes.shape), codes.astype(np.uint8))
+    from jaxkv.cache.quantized import page3_fit
+
+    assert page3_fit(None) == "cover" and page3_fit(object()) == "mse"
+    geo = Geometry(pages=3, int4_slots=4, pages3=2)  # INT3 pages 1 and 2
+    create = lambda g: DualPool.create(g, num_layers=1, num_kv_heads=2, head_dim=64, dtype=jnp.float32)  # noqa: E731
+    slots = jnp.arange(PAGE, 3 * PAGE)
+    pool = write_tokens(create(geo), geo, 0, k, v, slots, jnp.arange(64).reshape(2, PAGE), jnp.asarray([1, 2]), "mse")
+    kd, vd = dequantize_slots(pool.layer(0), geo, slots)
+    want = dequantize_pages3(p)
+    assert np.array_equal(np.asarray(kd), np.asarray(want[0])) and np.array_equal(np.asarray(vd), np.asarray(want[1]))
+    with pytest.raises(ConfigError):
+        quantize_pages3(k, v, "nearest")

@@ -338,7 +338,15 @@ def _scatter(rows: PackedRows, at, new: PackedRows) -> PackedRows:
     return PackedRows(put(rows.data, new.data), put(rows.scale, new.scale), put(rows.zero, new.zero), rows.bits)
 
 
-def write_tokens(pool: DualPool, geo: Geometry, i, k_XKD, v_XKD, slots_X, page_src_QG=None, page_ids_Q=None) -> DualPool:
+def page3_fit(rotation) -> str:
+    """How a pool fits its INT3 pages' parameters (``jaxkv.kernels.quant3.FITS``):
+    ``"mse"`` for a rotated pool (``rotation`` not None), else ``"cover"``."""
+    return "cover" if rotation is None else "mse"
+
+
+def write_tokens(
+    pool: DualPool, geo: Geometry, i, k_XKD, v_XKD, slots_X, page_src_QG=None, page_ids_Q=None, fit3: str = "cover"
+) -> DualPool:
     """Store float K/V rows ``[X, K, D]`` into layer ``i`` of the pool at ``slots_X``.
 
     INT4 and float slots are written row by row (quantized per token for INT4).
@@ -346,7 +354,8 @@ def write_tokens(pool: DualPool, geo: Geometry, i, k_XKD, v_XKD, slots_X, page_s
     ``page_src_QG[q]`` (32 indices into X, in the page's token order) at its
     page's bits (an INT3 page: 3, its high plane into ``pool.hi``); page id
     ``geo.pages`` is padding. The page slots in ``slots_X`` are not used (a page
-    plan says where page tokens go).
+    plan says where page tokens go). ``fit3``: how INT3 pages' parameters are chosen
+    (``page3_fit``).
 
     Every scatter indexes the whole ``[L, ...]`` arrays at ``(i, rows)``: taking the
     layer out and setting it back made XLA:CPU copy every region's layer twice per
@@ -371,7 +380,7 @@ def write_tokens(pool: DualPool, geo: Geometry, i, k_XKD, v_XKD, slots_X, page_s
         ids = page_ids_Q.astype(jnp.int32)
         three = None
         if geo.pages3:  # the INT3 pages of the plan: their low planes here, high planes in ``hi``, parameters in ``p3``
-            three = quantize_pages3(k_XKD[src], v_XKD[src])
+            three = quantize_pages3(k_XKD[src], v_XKD[src], fit3)
             new = _with_int3_pages(new, three, ids >= geo.first3)
         kp = pool.int2.k
         put = lambda a, b: a.at[i, ids].set(b, mode="drop")
@@ -490,7 +499,7 @@ class QuantLayers:
 
     def write(self, pool: DualPool, i, k_TKD, v_TKD, slots_T, plan=None) -> DualPool:
         page_src, page_ids = plan if plan is not None else (None, None)
-        return write_tokens(pool, self.geometry, i, k_TKD, v_TKD, slots_T, page_src, page_ids)
+        return write_tokens(pool, self.geometry, i, k_TKD, v_TKD, slots_T, page_src, page_ids, page3_fit(self.rotation))
 
     def read(self, pool: DualPool, i, slots_N):
         return dequantize_at(pool, self.geometry, i, slots_N)

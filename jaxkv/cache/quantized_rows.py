@@ -16,7 +16,7 @@ import functools
 import jax
 import jax.numpy as jnp
 
-from jaxkv.cache.quantized import DualPool, QuantizedKVCache, Geometry, dequantize_at, dequantize_slots, page_rows, write_tokens
+from jaxkv.cache.quantized import DualPool, QuantizedKVCache, Geometry, dequantize_at, dequantize_slots, page3_fit, page_rows, write_tokens
 from jaxkv.kernels.quant import GROUP, PAGE, Int2Pool, Int4Pool, PackedKeyPages, PackedRows
 from jaxkv.kernels.quant3 import value_group
 from jaxkv.rope import apply_rope
@@ -30,7 +30,8 @@ def rewrite_rows(cache: QuantizedKVCache, src_M, dst_M, delta_M, page_src_QG, pa
     write them at ``dst_M`` with the page plan (``write_tokens``). Used to settle
     KIVI's aged residual into INT2 pages and to compact a quantized request. A
     rotated pool's keys leave the stored frame for the RoPE delta (``rotation``,
-    ``QuantLayers.rotation``: RoPE's pairs are the model's channels) and return to it.
+    ``QuantLayers.rotation``: RoPE's pairs are the model's channels) and return to it;
+    its INT3 pages are fitted as its writes fit them (``page3_fit``).
 
     One layer's body in a loop over layers (``fori_loop``), not the layers unrolled:
     the unrolled program of a 30-layer model took 3.5 minutes to compile per row
@@ -44,7 +45,7 @@ def rewrite_rows(cache: QuantizedKVCache, src_M, dst_M, delta_M, page_src_QG, pa
             k = k if rotation is None else rotation.unrotate(i, k)
             k = apply_rope(k, delta_M, rope)
             k = k if rotation is None else rotation.rotate(i, k)
-        return write_tokens(pool, geo, i, k, v, dst_M, page_src_QG, page_ids_Q)
+        return write_tokens(pool, geo, i, k, v, dst_M, page_src_QG, page_ids_Q, page3_fit(rotation))
 
     return cache.with_kv(jax.lax.fori_loop(0, cache.pool.flt_k.shape[0], layer, cache.pool))
 

@@ -11,18 +11,31 @@ a head dim of 32, whose value groups stay 32 wide): ``bytes_per_token``.
 Parameters of a group with minimum ``m`` and maximum ``M``:
 
 * **scale**: a uint8 code ``s`` on a logarithmic grid, ``scale = SCALE_TABLE[s] =
-  2 ** ((s - 128) / 8)`` (float32, from 2^-16 to 2^15.9, steps of 9%), the
-  smallest entry at least ``max((M - m) / 7, |m| / 127)``: rounded *up*, so the
-  codes cover the group (a step at most 9% wider than float16's);
-* **zero point**: an int8 ``o = round(m / scale)`` in units of the scale, the zero
-  ``o * scale`` (float32): the standard integer zero point. With ``scale >= |m| / 127``
-  it fits int8 and ``m`` lies within half a step of it, so with ``scale >= (M - m) / 7``
-  every x of the group lies within ``[o - 1/2, o + 7 + 1/2]`` steps.
+  2 ** ((s - 128) / 8)`` (float32, from 2^-16 to 2^15.9, steps of 9%);
+* **zero point**: an int8 ``o`` in units of the scale, the zero ``o * scale``
+  (float32): the standard integer zero point.
 
 Code ``c = clip(round(x / scale - o), 0, 7)`` (IEEE float32 division, round half
-to even), value ``x_hat = o * scale + c * scale`` (float32), so
-``|x - x_hat| <= scale / 2`` (plus float32 rounding) for every element, as for
-every other format. Inputs must be finite and within float16 range.
+to even), value ``x_hat = o * scale + c * scale`` (float32). Inputs must be finite
+and within float16 range. Two rules choose ``(s, o)`` (``FITS``, the ``fit``
+argument; the bytes mean the same under both, so every reader is unchanged):
+
+* ``"cover"`` (an unrotated pool's): ``s`` the smallest entry at least
+  ``max((M - m) / 7, |m| / 127)`` (rounded *up*: a step at most 9% wider than
+  float16's) and ``o = round(m / scale)``. With ``scale >= |m| / 127`` it fits int8
+  and ``m`` lies within half a step of it, so with ``scale >= (M - m) / 7`` every x
+  lies within ``[o - 1/2, o + 7 + 1/2]`` steps: ``|x - x_hat| <= scale / 2`` (plus
+  float32 rounding) for every element, as in every other format.
+* ``"mse"`` (a rotated pool's, ``jaxkv.cache.quantized.page3_fit``): of the covering
+  code and the ``MSE_STEPS`` below it, each with the zero points ``round(m / scale)
+  + {0, -1, +1}``, the pair whose values have the least squared error over the group
+  (ties: the earlier, the covering pair first). The covering pair is among them, so
+  a group's squared error is at most its ``"cover"`` error; an element may now be
+  clipped (more than half a step off). Why: on rotated K/V (near-Gaussian groups)
+  clipping the extremes pays, and on SmolLM2's agent traces the rotated pool's
+  reply KL fell from 0.063 to 0.054 and its NLL increase from +0.041 to +0.006;
+  unrotated, the extremes are outlier channels and tokens attention reads, and the
+  same fit cost more than it saved (``eval/results/triaxial/int3_study``).
 
 Readers never see the bytes: ``params`` expands them to float32 ``(scale, zero)``
 at the granularity every page reader already takes (keys ``[..., D]`` per channel,
@@ -34,6 +47,7 @@ page of either width goes through the one dequantization
 
 from __future__ import annotations
 
+import functools
 
 import jax
 import jax.numpy as jnp
@@ -47,6 +61,8 @@ BITS3 = 3
 TOP = (1 << BITS3) - 1
 OFFSET_MAX = 127  # int8 zero points in [-127, 127]
 SCALE_TABLE = np.asarray(2.0 ** ((np.arange(256) - 128) / 8.0), np.float32)  # uint8 code -> scale
+FITS = ("cover", "mse")  # how a group's parameters are chosen (module docstring)
+MSE_STEPS = 2  # the mse fit tries the covering scale code and this many below it
 
 
 def value_group(head_dim: int) -> int:
@@ -63,17 +79,33 @@ def page3_bytes(head_dim: int) -> float:
     return 2 * 3 * D / 8 + 2 * D / PAGE + 2 * D / value_group(D)
 
 
-def _fit8(x: jnp.ndarray, axis: int):
-    """(codes uint8, scale code uint8, zero point int8) of ``x`` with groups along ``axis``."""
+def _fit8(x: jnp.ndarray, axis: int, fit: str = "cover"):
+    """(codes uint8, scale code uint8, zero point int8) of ``x`` with groups along
+    ``axis``, the parameters chosen by ``fit`` (module docstring)."""
+    if fit not in FITS:
+        raise ConfigError(f"INT3 page fit must be one of {FITS}, got {fit!r}")
     x = x.astype(jnp.float32)
+    table = jnp.asarray(SCALE_TABLE)
     lo = jnp.min(x, axis=axis, keepdims=True)
     need = jnp.maximum((jnp.max(x, axis=axis, keepdims=True) - lo) * (1.0 / TOP), jnp.abs(lo) * (1.0 / OFFSET_MAX))
-    s_code = jnp.clip(jnp.searchsorted(jnp.asarray(SCALE_TABLE), need, side="left"), 0, 255)  # the smallest entry >= need
-    scale = jnp.asarray(SCALE_TABLE)[s_code]
-    # IEEE divisions (``jaxkv.kernels.quant._fit``: a barrier keeps XLA from a reciprocal product)
-    divisor = jax.lax.optimization_barrier(jnp.broadcast_to(scale, x.shape))
-    offset = jnp.clip(jnp.round(lo / scale), -OFFSET_MAX, OFFSET_MAX)
-    codes = jnp.clip(jnp.round(x / divisor - offset), 0, TOP)
+    cover = jnp.clip(jnp.searchsorted(table, need, side="left"), 0, 255)  # the smallest entry >= need
+    tries = ((0, 0),) if fit == "cover" else tuple((ds, do) for ds in range(MSE_STEPS + 1) for do in (0, -1, 1))
+    best = None
+    for ds, do in tries:
+        s_code = jnp.clip(cover - ds, 0, 255)
+        scale = table[s_code]
+        # IEEE divisions (``jaxkv.kernels.quant._fit``: a barrier keeps XLA from a reciprocal product)
+        divisor = jax.lax.optimization_barrier(jnp.broadcast_to(scale, x.shape))
+        offset = jnp.clip(jnp.round(lo / scale) + do, -OFFSET_MAX, OFFSET_MAX)
+        codes = jnp.clip(jnp.round(x / divisor - offset), 0, TOP)
+        if len(tries) > 1:  # the squared error of the values ``params`` gives back
+            err = jnp.sum((offset * scale + codes * scale - x) ** 2, axis=axis, keepdims=True)
+            if best is not None:  # strictly less: ties keep the earlier try (the covering pair first)
+                take = err < best[0]
+                err, codes, s_code, offset = (jnp.where(take, a, b) for a, b in zip((err, codes, s_code, offset), best))
+            best = (err, codes, s_code, offset)
+    if best is not None:
+        codes, s_code, offset = best[1:]
     return codes.astype(jnp.uint8), jnp.squeeze(s_code, axis).astype(jnp.uint8), jnp.squeeze(offset, axis).astype(jnp.int8)
 
 
@@ -111,14 +143,15 @@ class Pages3:
         return (self.k_scale, self.k_zero, self.v_scale, self.v_zero)
 
 
-@jax.jit
-def quantize_pages3(k_TKD: jnp.ndarray, v_TKD: jnp.ndarray) -> Pages3:
-    """``T = 32 Q`` tokens into ``Q`` INT3 pages (token ``t`` -> page ``t // 32``)."""
+@functools.partial(jax.jit, static_argnames="fit")
+def quantize_pages3(k_TKD: jnp.ndarray, v_TKD: jnp.ndarray, fit: str = "cover") -> Pages3:
+    """``T = 32 Q`` tokens into ``Q`` INT3 pages (token ``t`` -> page ``t // 32``),
+    parameters chosen by ``fit`` (``FITS``)."""
     D = k_TKD.shape[-1]
     G = value_group(D)
-    kc, ks, kz = _fit8(_pages(k_TKD), 2)  # keys: groups along the page's tokens
+    kc, ks, kz = _fit8(_pages(k_TKD), 2, fit)  # keys: groups along the page's tokens
     v = _pages(v_TKD)
-    vc, vs, vz = _fit8(v.reshape(*v.shape[:-1], D // G, G), -1)
+    vc, vs, vz = _fit8(v.reshape(*v.shape[:-1], D // G, G), -1, fit)
     return Pages3(pack(kc, BITS3), pack(vc.reshape(v.shape), BITS3), ks, kz, vs, vz)
 
 
@@ -135,9 +168,9 @@ def dequantize_pages3(pages: Pages3) -> tuple[jnp.ndarray, jnp.ndarray]:
     return _tokens(k), _tokens(v)
 
 
-def pages3_round_trip(k_TKD: jnp.ndarray, v_TKD: jnp.ndarray) -> tuple[jnp.ndarray, jnp.ndarray]:
+def pages3_round_trip(k_TKD: jnp.ndarray, v_TKD: jnp.ndarray, fit: str = "cover") -> tuple[jnp.ndarray, jnp.ndarray]:
     """``k, v [T, K, D]`` (T % 32 == 0) through INT3 pages and back, float32: the
     error an INT3 page gives (``train.calibrate_triaxial``, ``eval.quality.quant_attention_error``)."""
     if k_TKD.shape[0] % PAGE:
         raise ConfigError(f"INT3 pages need a token count divisible by {PAGE}, got {k_TKD.shape[0]}")
-    return dequantize_pages3(quantize_pages3(k_TKD, v_TKD))
+    return dequantize_pages3(quantize_pages3(k_TKD, v_TKD, fit))

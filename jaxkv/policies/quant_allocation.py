@@ -171,6 +171,12 @@ class Allocation:
         their tag's bits in that turn's rendering, in whole pages
         (``jaxkv.serving.stages.quantization``). False: a token keeps the
         precision it was first written with.
+      sink_tokens: the first ``sink_tokens`` positions of every request are written
+        INT4 whatever their tag (JSON ``"sink_tokens"``, default 0), and the
+        rewrite rule leaves them there: the attention sink (position 0, read by
+        every query) kept out of the pages, where it would set a whole page's
+        per-channel key ranges and lose up to half a step in each (issue 74's
+        "outlier tokens may stay in higher precision", counted in stored bits).
     """
 
     axes: tuple
@@ -182,6 +188,7 @@ class Allocation:
     D3: tuple | None = None
     pinned: tuple | None = None
     rewrite_history: bool = False
+    sink_tokens: int = 0
 
     def solve(self, budget: float) -> np.ndarray:
         """Bits per tag row at ``budget`` (``solve``; the pinned bits if any)."""
@@ -231,7 +238,27 @@ class Allocation:
             tuple(float(r["D3"]) for r in rows) if rows and all(has("D3")) else None,
             pinned,
             bool(d.get("rewrite_history", False)),
+            _sink_tokens(d.get("sink_tokens", 0)),
         )
+
+
+def _sink_tokens(n) -> int:
+    if isinstance(n, bool) or not isinstance(n, int) or n < 0:
+        raise ConfigError(f"sink_tokens must be a non-negative integer, got {n!r}")
+    return n
+
+
+FILE_LEVEL = ("rewrite_history", "sink_tokens")  # write rules a calibration file may state once for every variant
+
+
+def variant_dict(data: dict, variant: str) -> dict:
+    """The ``variant`` of a calibration file's dict (``data["variants"]``) with the
+    file-level ``budget`` and write rules (``FILE_LEVEL``) where the variant has
+    none; ``ConfigError`` if absent."""
+    v = data.get("variants", {}).get(variant)
+    if v is None:
+        raise ConfigError(f"the allocation has no {variant!r} variant; it has {sorted(data.get('variants', {}))}")
+    return {**{k: data[k] for k in FILE_LEVEL if k in data}, "budget": data["budget"], **v}
 
 
 @functools.lru_cache(maxsize=64)
@@ -253,7 +280,4 @@ def load_allocation(path, variant: str = "triaxial") -> Allocation:
     data = json.loads(path.read_text())
     if variant not in data.get("variants", {}):
         raise ConfigError(f"{path} has no allocation {variant!r}; it has {sorted(data.get('variants', {}))}")
-    v = data["variants"][variant]
-    return Allocation.from_dict(
-        {**v, "budget": v.get("budget", data["budget"]), "rewrite_history": v.get("rewrite_history", data.get("rewrite_history", False))}
-    )
+    return Allocation.from_dict(variant_dict(data, variant))

@@ -41,7 +41,9 @@ What it does in a turn:
   leftovers of earlier turns' page-completion rule) into pages at their tags'
   bits in this rendering (``Engine.requantize``: whole pages in position order,
   the rest stay INT4; paged tokens never move), so replies and short tags stop
-  holding INT4 once a later turn completes their pages.
+  holding INT4 once a later turn completes their pages. An allocation with
+  ``sink_tokens`` writes the request's first positions INT4 whatever their tag,
+  and its rewrite leaves them there (``Allocation.sink_tokens``: the attention sink).
   ``int4``, ``kivi2`` and ``kivi4`` need no annotation (the engine's mode decides).
 * ``after_prefill`` (after retention and repair): records the request's live KV
   per precision (``KVRecord``) in ``records``, for ``avg_bits`` (code bits),
@@ -58,7 +60,7 @@ import numpy as np
 from jaxkv.cache.quantized_host import bytes_per_token, check_mode, elements_per_token, servable_modes, stored_bits
 from jaxkv.chat.tags import triaxial_codes
 from jaxkv.errors import ConfigError
-from jaxkv.policies.quant_allocation import Allocation, load_allocation
+from jaxkv.policies.quant_allocation import Allocation, load_allocation, variant_dict
 from jaxkv.serving.stages.base import Stage, register
 
 ORDER = 40  # after retention (20) and repair (30): records what decode will read
@@ -136,10 +138,17 @@ class QuantizationStage(Stage):
     name = "kv_quant"
 
     def __init__(
-        self, mode: str | None, budget: float | None = None, table: np.ndarray | None = None, *, rotate: bool = False, rewrite_history: bool = False
+        self,
+        mode: str | None,
+        budget: float | None = None,
+        table: np.ndarray | None = None,
+        *,
+        rotate: bool = False,
+        rewrite_history: bool = False,
+        sink_tokens: int = 0,
     ):
         self.mode, self.budget, self.table, self.rotate = mode, budget, table, rotate
-        self.rewrite_history = bool(rewrite_history)
+        self.rewrite_history, self.sink_tokens = bool(rewrite_history), int(sink_tokens)
         self.records: list[KVRecord] = []
 
     def begin(self, turn) -> None:
@@ -150,11 +159,17 @@ class QuantizationStage(Stage):
     def before_prefill(self, turn, job):
         if self.table is not None:
             if self.rewrite_history and turn.reused:  # the history's INT4 tokens into pages at their tags' bits now
-                history = self.table[triaxial_codes(turn.rendered.triaxial[: turn.reused])]
+                history = self._bits(turn.rendered.triaxial[: turn.reused], 0)
                 turn.engine.kv.requantize(turn.row, np.arange(turn.reused), history)
-            codes = triaxial_codes(turn.rendered.triaxial[turn.reused :])
-            job.kv_bits = self.table[codes]
+            job.kv_bits = self._bits(turn.rendered.triaxial[turn.reused :], turn.reused)
         return None
+
+    def _bits(self, triaxial, start: int) -> np.ndarray:
+        """Bits of the tokens at positions ``start, start + 1, ...`` with these tags:
+        the table's, INT4 below ``sink_tokens`` (``Allocation.sink_tokens``)."""
+        bits = self.table[triaxial_codes(triaxial)]
+        bits[: max(0, self.sink_tokens - start)] = 4
+        return bits
 
     def after_prefill(self, turn, captured) -> None:
         self.records.append(record_of(turn.engine.pool.composition(turn.req), turn.engine.model.config))
@@ -166,14 +181,7 @@ def resolve_allocation(model, mode: str, allocation) -> Allocation:
         return allocation
     if isinstance(allocation, dict):
         data = allocation
-        if "variants" in data:
-            v = data["variants"].get(mode)
-            if v is None:
-                raise ConfigError(f"the allocation has no {mode!r} variant")
-            return Allocation.from_dict(
-                {**v, "budget": v.get("budget", data["budget"]), "rewrite_history": v.get("rewrite_history", data.get("rewrite_history", False))}
-            )
-        return Allocation.from_dict(data)
+        return Allocation.from_dict(variant_dict(data, mode) if "variants" in data else data)
     if allocation is None:
         from jaxkv.models import registry
 
@@ -221,7 +229,9 @@ def _factory(session, options: dict, built: list):
     budget = alloc.budget if bits is None else float(bits)
     if not 2.0 <= budget <= 4.0:
         raise ConfigError(f"kv_bits must be an average in [2, 4], got {bits!r}")
-    return QuantizationStage(mode, budget, alloc.table(budget), rotate=rotate, rewrite_history=alloc.rewrite_history)
+    return QuantizationStage(
+        mode, budget, alloc.table(budget), rotate=rotate, rewrite_history=alloc.rewrite_history, sink_tokens=alloc.sink_tokens
+    )
 
 
 register("kv_quant", ORDER, _factory)
