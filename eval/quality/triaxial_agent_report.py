@@ -67,9 +67,13 @@ def float_ceiling(fidelity: Path) -> dict:
 def int2_tags(calibration: Path, budget: float) -> str:
     from jaxkv.policies.quant_allocation import load_allocation
 
-    bits = load_allocation(calibration).bits(budget)
-    low = [name.split("|")[-1] for name, b in bits.items() if b == 2]
-    mid = [name.split("|")[-1] for name, b in bits.items() if b == 3]  # the INT3 tier's tags, named apart
+    alloc = load_allocation(calibration)
+    bits = alloc.bits(budget)
+    # named by the semantic tag, with the tool output's copy sub-tag if the allocation has the axis ("obs/key")
+    keep = sum(a in alloc.axes for a in ("semantic", "copy")) or 1
+    short = {name: "/".join(name.split("|")[-keep:]) for name in bits}
+    low = [short[name] for name, b in bits.items() if b == 2]
+    mid = [short[name] for name, b in bits.items() if b == 3]  # the INT3 tier's tags, named apart
     text = "every tag" if len(low) == len(bits) else (", ".join(low) or "none")
     if mid:
         text = (text + "; " if low else "") + ("every tag" if len(mid) == len(bits) else ", ".join(mid)) + " INT3"
