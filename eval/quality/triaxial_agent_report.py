@@ -86,6 +86,10 @@ def agent_table(rows: list[dict], calibration: Path) -> list[str]:
     from jaxkv.policies.quant_allocation import load_allocation
 
     base = next(r for r in rows if r["kv_quant"] == "none")
+    files = {Path(r["_calibration"]) for r in rows if r.get("_calibration")}
+    stems = [f.stem for f in files]
+    # a row is named by its allocation file's stem, or folder/stem where two files share a stem
+    label = {f: f"{f.parent.name}/{f.stem}" if stems.count(f.stem) > 1 else f.stem for f in files}
     lines = md_header(
         [
             "kv_quant",
@@ -129,7 +133,7 @@ def agent_table(rows: list[dict], calibration: Path) -> list[str]:
         tags = int2_tags(cal, float(B)) if B != "-" else "-"
         name = r["kv_quant"]
         if B != "-" and cal != calibration:
-            name += f" [{Path(cal).stem}]"
+            name += f" [{label.get(Path(cal), Path(cal).stem)}]"
             B = "pinned" if load_allocation(cal).pinned is not None else B
         lines.append(
             md_row(
