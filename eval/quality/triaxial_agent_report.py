@@ -72,6 +72,7 @@ def int2_tags(calibration: Path, budget: float) -> str:
     # named by the semantic tag, with the tool output's copy sub-tag if the allocation has the axis ("obs/key")
     keep = sum(a in alloc.axes for a in ("semantic", "copy")) or 1
     short = {name: "/".join(name.split("|")[-keep:]) for name in bits}
+    short = {n: s if s.startswith("obs/") else s.removesuffix("/plain") for n, s in short.items()}  # only obs is split
     low = [short[name] for name, b in bits.items() if b == 2]
     mid = [short[name] for name, b in bits.items() if b == 3]  # the INT3 tier's tags, named apart
     text = "every tag" if len(low) == len(bits) else (", ".join(low) or "none")
