@@ -48,8 +48,10 @@ evaluation harness):
 4. **Allocation** (``jaxkv.policies.quant_allocation.solve``, among 2, 3 and 4
    bits; journals written before the INT3 tier have no ``D_k(3)`` and allocate
    among 2 and 4) for the full tag
-   space and the two ablations (temporal or semantic axis collapsed, D and N
-   recomputed on the coarser tags).
+   space, the two ablations (temporal or semantic axis collapsed, D and N
+   recomputed on the coarser tags) and ``triaxial_copy``, the tag space with the
+   tool output split by its copy sub-tag (``jaxkv.chat.tags.Copy``: plain, key,
+   value); ``triaxial`` is the same tags without the split, from the same requests.
 5. **Budget sweep** B in {2.0, 2.2, ..., 4.0}: the calibration conversations are
    replayed through the serving path as the evaluation harness replays them
    (``train.replay``) with the triaxial allocation at each B (identical
@@ -96,7 +98,9 @@ VARIANTS = {
     "triaxial": ("temporal", "modal", "semantic"),
     "triaxial_no_temporal": ("modal", "semantic"),
     "triaxial_no_semantic": ("temporal", "modal"),
+    "triaxial_copy": ("temporal", "modal", "semantic", "copy"),  # the tool output split by copy sub-tag
 }
+COPY_TAGS = 1  # version of the copy sub-tags (jaxkv.chat.tags.copy_subtags) the journal's entries used
 ROW_BLOCK = 256
 
 
@@ -665,7 +669,7 @@ def main(argv=None) -> int:
 
     work = Path(args.work or f"runs/calibrate-triaxial/{Path(args.model).name}")
     work.mkdir(parents=True, exist_ok=True)
-    journal_setup = {"model": args.model, "tasks": tasks, "n": args.n, "length": args.length}
+    journal_setup = {"model": args.model, "tasks": tasks, "n": args.n, "length": args.length, "copy_tags": COPY_TAGS}
     if args.rewrite_history:
         journal_setup["rewrite_history"] = True
     journal = work / "distortion.jsonl"

@@ -185,12 +185,12 @@ def lm_rendered(ids, tokenizer):
     reads a prompt without messages as all protected prefix (``Spans``), which
     would pin every token and leave nothing for a policy to evict."""
     from jaxkv.chat.render import Rendered, chat_markers
-    from jaxkv.chat.tags import TRIAXIAL_DTYPE, Spans, tag_prompt
+    from jaxkv.chat.tags import Spans, tag_prompt, triaxial_array
 
     ids = np.asarray(ids, np.int32)
-    tags, temporal, _, found, scanner = tag_prompt(ids, chat_markers(tokenizer))
-    tri = np.empty(ids.size, TRIAXIAL_DTYPE)
-    tri["temporal"], tri["modal"], tri["semantic"] = temporal, tags.modal, tags.semantic
+    markers = chat_markers(tokenizer)
+    tags, temporal, _, found, scanner = tag_prompt(ids, markers)
+    tri = triaxial_array(ids, tags, temporal, markers)
     return Rendered("", ids, tags.phase, tri, Spans((0, 0), (0, 0), (0, 0)), tuple(found), scanner)
 
 

@@ -67,9 +67,14 @@ def float_ceiling(fidelity: Path) -> dict:
 def int2_tags(calibration: Path, budget: float) -> str:
     from jaxkv.policies.quant_allocation import load_allocation
 
-    bits = load_allocation(calibration).bits(budget)
-    low = [name.split("|")[-1] for name, b in bits.items() if b == 2]
-    mid = [name.split("|")[-1] for name, b in bits.items() if b == 3]  # the INT3 tier's tags, named apart
+    alloc = load_allocation(calibration)
+    bits = alloc.bits(budget)
+    # named by the semantic tag, with the tool output's copy sub-tag if the allocation has the axis ("obs/key")
+    keep = sum(a in alloc.axes for a in ("semantic", "copy")) or 1
+    short = {name: "/".join(name.split("|")[-keep:]) for name in bits}
+    short = {n: s if s.startswith("obs/") else s.removesuffix("/plain") for n, s in short.items()}  # only obs is split
+    low = [short[name] for name, b in bits.items() if b == 2]
+    mid = [short[name] for name, b in bits.items() if b == 3]  # the INT3 tier's tags, named apart
     text = "every tag" if len(low) == len(bits) else (", ".join(low) or "none")
     if mid:
         text = (text + "; " if low else "") + ("every tag" if len(mid) == len(bits) else ", ".join(mid)) + " INT3"
@@ -82,6 +87,10 @@ def agent_table(rows: list[dict], calibration: Path) -> list[str]:
     from jaxkv.policies.quant_allocation import load_allocation
 
     base = next(r for r in rows if r["kv_quant"] == "none")
+    files = {Path(r["_calibration"]) for r in rows if r.get("_calibration")}
+    stems = [f.stem for f in files]
+    # a row is named by its allocation file's stem, or folder/stem where two files share a stem
+    label = {f: f"{f.parent.name}/{f.stem}" if stems.count(f.stem) > 1 else f.stem for f in files}
     lines = md_header(
         [
             "kv_quant",
@@ -125,7 +134,7 @@ def agent_table(rows: list[dict], calibration: Path) -> list[str]:
         tags = int2_tags(cal, float(B)) if B != "-" else "-"
         name = r["kv_quant"]
         if B != "-" and cal != calibration:
-            name += f" [{Path(cal).stem}]"
+            name += f" [{label.get(Path(cal), Path(cal).stem)}]"
             B = "pinned" if load_allocation(cal).pinned is not None else B
         lines.append(
             md_row(

@@ -4,10 +4,11 @@ parsing, session ids, and a toy tokenizer with a Qwen3-format template."""
 from jaxkv.chat.parse import ReplyFormat, forced_call_prefix, parse_assistant, stop_token_ids
 from jaxkv.chat.render import Rendered, render
 from jaxkv.chat.session_id import derive_session_id
-from jaxkv.chat.tags import Modal, Phase, Semantic, Spans, TagScanner, Temporal, triaxial_codes
+from jaxkv.chat.tags import Copy, Modal, Phase, Semantic, Spans, TagScanner, Temporal, triaxial_codes
 from jaxkv.chat.toy import build_tokenizer
 
 __all__ = [
+    "Copy",
     "Modal",
     "Phase",
     "Rendered",

@@ -29,7 +29,7 @@ from typing import Any, Mapping, Sequence
 
 import numpy as np
 
-from jaxkv.chat.tags import TRIAXIAL_DTYPE, ChatMarkers, Message, Spans, TagScanner, tag_prompt
+from jaxkv.chat.tags import ChatMarkers, Message, Spans, TagScanner, tag_prompt, triaxial_array
 from jaxkv.errors import ChatError
 
 ROLES = frozenset({"system", "user", "assistant", "tool", "ipython"})
@@ -44,7 +44,8 @@ class Rendered:
       ids: token ids ``[T]`` int32.
       phase: ``Phase`` per token ``[T]`` int8.
       triaxial: ``[T]`` structured array of ``TRIAXIAL_DTYPE`` (fields ``temporal``,
-        ``modal``, ``semantic``; ``tags.triaxial_codes`` flattens it).
+        ``modal``, ``semantic`` and the tool output's ``copy`` sub-tag;
+        ``tags.triaxial_codes`` flattens it).
       spans: protected prefix, actionable query and session spans.
       messages: the messages the tagger found (token indices).
       scanner: the tag scanner positioned after the prompt; ``scanner.feed(new_ids)``
@@ -115,10 +116,9 @@ def render(
         + reply_prefix
     )
     ids = np.asarray(tokenizer(text, add_special_tokens=False)["input_ids"], dtype=np.int32)
-    tags, temporal, spans, found, scanner = tag_prompt(ids, chat_markers(tokenizer))
-    triaxial = np.empty(ids.size, TRIAXIAL_DTYPE)
-    triaxial["temporal"], triaxial["modal"], triaxial["semantic"] = temporal, tags.modal, tags.semantic
-    return Rendered(text, ids, tags.phase, triaxial, spans, tuple(found), scanner)
+    markers = chat_markers(tokenizer)
+    tags, temporal, spans, found, scanner = tag_prompt(ids, markers)
+    return Rendered(text, ids, tags.phase, triaxial_array(ids, tags, temporal, markers), spans, tuple(found), scanner)
 
 
 def template_takes_tools(tokenizer) -> bool:

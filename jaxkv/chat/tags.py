@@ -42,6 +42,26 @@ the same state machine. A header split across two ``feed`` calls keeps the
 provisional tags of its tokens fed earlier (generation ends at a message close, so
 this does not occur in decode).
 
+Copy sub-tags of the tool output (``Copy``, the fourth tag axis, issue 74 item 4):
+which tool-output tokens a later reply may copy. ``copy_subtags`` reads the text of
+each maximal run of ``OBS`` tokens (the concatenated pieces, ``ChatMarkers.piece``
+per id) and matches, left to right without overlap, quoted strings
+(``"..."``, backslash escapes, no newline) and bare words (runs of ASCII letters,
+digits and ``_``):
+  * ``KEY``: a word or quoted string whose next non-blank character is ``:`` or
+    ``=`` (a JSON key, ``k066`` in ``k066: v053``, the cue before a value);
+  * ``VALUE``: any other quoted string, or a bare word holding a digit or ``_``
+    (identifiers, numbers, ids: ``v053``, ``d038``, ``user_id``, ``42``);
+  * ``PLAIN``: everything else (prose words, punctuation, whitespace, footers), and
+    every token that is not ``OBS``.
+A token takes the highest class (``PLAIN < KEY < VALUE``) of the characters it
+holds, so `` v`` of `` v053`` is ``VALUE`` and ``:`` is ``PLAIN``. Deterministic,
+O(T + characters), one ``piece`` per distinct id (cached by ``ChatMarkers``);
+decode-time tokens (``TagScanner.feed``) are ``PLAIN``. The axis is a separate
+code range (``tag_codes``: ``triaxial code + NUM_TRIAXIAL_CODES * copy``), so a
+``PLAIN`` token's code is its triaxial code of before the axis existed, and an
+allocation without the ``copy`` axis gives every copy class of a tag the same bits.
+
 Cost: O(T) Python steps; one ``decode`` per distinct header-token id (cached).
 """
 
@@ -50,9 +70,12 @@ from __future__ import annotations
 import dataclasses
 import enum
 import logging
+import re
 from typing import Callable
 
 import numpy as np
+
+from jaxkv.errors import ChatError
 
 log = logging.getLogger(__name__)
 
@@ -92,17 +115,71 @@ class Semantic(enum.IntEnum):
     DELIM = 6
 
 
-TRIAXIAL_DTYPE = np.dtype([("temporal", np.int8), ("modal", np.int8), ("semantic", np.int8)])
+class Copy(enum.IntEnum):
+    """Copy sub-tag of a tool-output token (module docstring); ``PLAIN`` elsewhere."""
+
+    PLAIN = 0
+    KEY = 1
+    VALUE = 2
+
+
+TRIAXIAL_DTYPE = np.dtype([("temporal", np.int8), ("modal", np.int8), ("semantic", np.int8), ("copy", np.int8)])
 NUM_TRIAXIAL_CODES = len(Temporal) * len(Modal) * len(Semantic)
+NUM_TAG_CODES = NUM_TRIAXIAL_CODES * len(Copy)
 
 
 def triaxial_codes(triaxial: np.ndarray) -> np.ndarray:
-    """Flat tag code ``(temporal * |Modal| + modal) * |Semantic| + semantic`` per token,
-    in ``[0, NUM_TRIAXIAL_CODES)``: the index into a per-tag bit-width table."""
+    """Flat tag code per token, the index into a per-tag bit-width table:
+    ``(temporal * |Modal| + modal) * |Semantic| + semantic`` in ``[0, NUM_TRIAXIAL_CODES)``,
+    plus ``NUM_TRIAXIAL_CODES * copy`` where the array has the ``copy`` field (codes in
+    ``[0, NUM_TAG_CODES)``; a ``PLAIN`` token's code is the code without the axis)."""
     t = triaxial["temporal"].astype(np.int32)
     m = triaxial["modal"].astype(np.int32)
     s = triaxial["semantic"].astype(np.int32)
-    return (t * len(Modal) + m) * len(Semantic) + s
+    c = triaxial["copy"].astype(np.int32) if "copy" in (triaxial.dtype.names or ()) else 0
+    return (t * len(Modal) + m) * len(Semantic) + s + NUM_TRIAXIAL_CODES * c
+
+
+_COPY_PATTERN = re.compile(r'"(?:[^"\\\n]|\\.)*"|[A-Za-z0-9_]+')
+_KEY_FOLLOWS = re.compile(r"[ \t]*[:=]")
+
+
+def copy_subtags(ids, semantic: np.ndarray, piece: Callable[[int], str]) -> np.ndarray:
+    """``Copy`` per token ``[T]`` int8 (module docstring): non-``PLAIN`` only inside
+    runs of ``Semantic.OBS`` tokens, from the text ``piece`` gives each id."""
+    ids = np.asarray(ids, np.int64).reshape(-1)
+    semantic = np.asarray(semantic).reshape(-1)
+    if semantic.size != ids.size:
+        raise ChatError(f"copy_subtags: {ids.size} token ids but {semantic.size} semantic tags")
+    out = np.zeros(ids.size, np.int8)
+    obs = np.concatenate([[False], semantic == Semantic.OBS, [False]])
+    starts = np.flatnonzero(~obs[:-1] & obs[1:])
+    ends = np.flatnonzero(obs[:-1] & ~obs[1:])
+    for a, b in zip(starts.tolist(), ends.tolist()):
+        pieces = [piece(int(i)) for i in ids[a:b].tolist()]
+        text = "".join(pieces)
+        cls = np.zeros(len(text), np.int8)
+        for match in _COPY_PATTERN.finditer(text):
+            word = match.group()
+            if _KEY_FOLLOWS.match(text, match.end()):
+                cls[match.start() : match.end()] = Copy.KEY
+            elif word.startswith('"') or any(ch.isdigit() or ch == "_" for ch in word):
+                cls[match.start() : match.end()] = Copy.VALUE
+        lengths = np.fromiter((len(p) for p in pieces), np.int64, len(pieces))
+        offsets = np.concatenate([[0], np.cumsum(lengths)[:-1]])
+        has = lengths > 0  # a token that decodes to nothing stays PLAIN
+        if has.any():
+            out[a:b][has] = np.maximum.reduceat(cls, offsets[has])
+    return out
+
+
+def triaxial_array(ids, tags: TokenTags, temporal: np.ndarray, markers: ChatMarkers) -> np.ndarray:
+    """The ``[T]`` ``TRIAXIAL_DTYPE`` array of a scanned prompt (``tag_prompt``'s
+    tags and temporal axis; the copy sub-tags from ``copy_subtags``)."""
+    tri = np.empty(tags.semantic.size, TRIAXIAL_DTYPE)
+    tri["temporal"], tri["modal"], tri["semantic"] = temporal, tags.modal, tags.semantic
+    tri["copy"] = copy_subtags(ids, tags.semantic, markers.piece)
+    return tri
 
 
 _ROLE_KIND = {"system": "system", "user": "user", "assistant": "assistant", "tool": "tool", "ipython": "tool", "function": "tool"}

@@ -23,10 +23,17 @@ beside the calibrated ones; it is not a calibration.
 
 ``Allocation`` is a calibrated tag table (``train/calibrate_triaxial.py`` writes
 it, ``jaxkv/assets/<model>/triaxial.json`` ships it): the axes its tags keep
-(all three, or fewer for the axis ablations), one row per tag, and the
-calibrated budget. ``Allocation.table(B)`` expands the solution to a bits table
-over every ``jaxkv.chat.tags.triaxial_codes`` code, which is what the
-quantization stage indexes per prompt token.
+(a subset of ``AXES``: the three triaxial axes, fewer for the axis ablations,
+or with the tool output's ``copy`` sub-tag, ``jaxkv.chat.tags.Copy``), one row
+per tag, and the calibrated budget. ``Allocation.table(B)`` expands the solution
+to a bits table over every ``jaxkv.chat.tags.triaxial_codes`` code
+(``NUM_TAG_CODES``), which is what the quantization stage indexes per prompt token.
+
+Index compatibility: a tag index is the flat index over the kept axes in
+``AXES`` order, and ``copy`` is last in ``AXES``, so a file whose axes lack it
+(every file written before the axis) reads its indices exactly as before, and
+its table gives every copy class of a tag that tag's bits (``tests/test_copy_tags.py``
+checks the shipped files against the formula of before).
 """
 
 from __future__ import annotations
@@ -38,13 +45,13 @@ from pathlib import Path
 
 import numpy as np
 
-from jaxkv.chat.tags import NUM_TRIAXIAL_CODES, Modal, Semantic, Temporal
+from jaxkv.chat.tags import NUM_TAG_CODES, NUM_TRIAXIAL_CODES, Copy, Modal, Semantic, Temporal
 from jaxkv.errors import ConfigError
 
 EXHAUSTIVE_MAX = 22
 EXHAUSTIVE3_MAX = 13
-AXES = ("temporal", "modal", "semantic")
-_ENUMS = {"temporal": Temporal, "modal": Modal, "semantic": Semantic}
+AXES = ("temporal", "modal", "semantic", "copy")  # "copy" last: files without it keep their indices
+_ENUMS = {"temporal": Temporal, "modal": Modal, "semantic": Semantic, "copy": Copy}
 BLOCK = 1 << 16  # assignments scored per numpy step
 
 
@@ -130,12 +137,13 @@ def _greedy(D2, D4, N, spare) -> np.ndarray:
 
 
 def tag_of_codes(codes, axes) -> np.ndarray:
-    """Tag index of full triaxial codes under ``axes`` (a subset of ``AXES``): the
-    flat index over the kept axes, in ``AXES`` order."""
+    """Tag index of full tag codes (``triaxial_codes``) under ``axes`` (a subset of
+    ``AXES``): the flat index over the kept axes, in ``AXES`` order."""
     codes = np.asarray(codes, np.int64)
+    c, codes = np.divmod(codes, NUM_TRIAXIAL_CODES)
     t, rest = np.divmod(codes, len(Modal) * len(Semantic))
     m, s = np.divmod(rest, len(Semantic))
-    values = {"temporal": t, "modal": m, "semantic": s}
+    values = {"temporal": t, "modal": m, "semantic": s, "copy": c}
     out = np.zeros_like(codes)
     for axis in AXES:
         if axis in axes:
@@ -211,8 +219,8 @@ class Allocation:
         return {tag_name(t, self.axes): int(x) for t, x in zip(self.tags, b)}
 
     def table(self, budget: float | None = None) -> np.ndarray:
-        """Bits of every full triaxial code ``[NUM_TRIAXIAL_CODES]`` int8 (codes of
-        tags without calibration rows: 4)."""
+        """Bits of every full tag code ``[NUM_TAG_CODES]`` int8 (codes of tags
+        without calibration rows: 4)."""
         return _table(self, self.budget if budget is None else float(budget))
 
     @classmethod
@@ -266,14 +274,15 @@ def _table(alloc: Allocation, budget: float) -> np.ndarray:
     bits = alloc.solve(budget)
     per_tag = np.full(alloc.num_tags, 4, np.int8)
     per_tag[list(alloc.tags)] = bits
-    table = per_tag[tag_of_codes(np.arange(NUM_TRIAXIAL_CODES), alloc.axes)]
+    table = per_tag[tag_of_codes(np.arange(NUM_TAG_CODES), alloc.axes)]
     table.setflags(write=False)
     return table
 
 
 def load_allocation(path, variant: str = "triaxial") -> Allocation:
     """The ``variant`` (``"triaxial"``, ``"triaxial_no_temporal"``,
-    ``"triaxial_no_semantic"``) of a calibration file; ``ConfigError`` if absent."""
+    ``"triaxial_no_semantic"``, ``"triaxial_copy"``) of a calibration file;
+    ``ConfigError`` if absent."""
     path = Path(path)
     if not path.exists():
         raise ConfigError(f"no TriAxialKV calibration at {path}: run train/calibrate_triaxial.py for this model")
