@@ -89,7 +89,7 @@ def _prefilled(model, n, *, kv_quant=None, seed=0):
     return engine, row, prompt
 
 
-def _event(engine, row, policy_name, budgets, pinned, layout="dead_slot", on_evict=None, state=None):
+def _event(engine, row, policy_name, budgets, pinned, layout="dead_slot", on_evict=None, state=None, shared=False):
     cfg = engine.model.config
     policy = get_policy(policy_name)
     state = policy.init_state(policy.make_config(), cfg) if state is None else state
@@ -101,7 +101,18 @@ def _event(engine, row, policy_name, budgets, pinned, layout="dead_slot", on_evi
         engine, row, zeros_q, np.zeros(1, np.int32), np.zeros(1, bool), np.zeros((cfg.num_layers, cfg.num_heads, cfg.head_dim), np.float32)
     )
     _, report = compress_row_layers(
-        engine, row, policy, policy.make_config(), state, feats, per_layer, forced, np.asarray(budgets), layout, on_evict=on_evict
+        engine,
+        row,
+        policy,
+        policy.make_config(),
+        state,
+        feats,
+        per_layer,
+        forced,
+        np.asarray(budgets),
+        layout,
+        shared=shared,
+        on_evict=on_evict,
     )
     return report, per_layer
 
@@ -140,20 +151,9 @@ def test_a_shared_budget_event_divides_l_times_b_by_score_across_the_layers(mode
     engine, row, _ = _prefilled(model, n)
     pinned = np.r_[0:6, n - 4 : n]
     keys0 = np.asarray(engine.kv.gather_keys(row))  # [L, n, Hkv, D]
-    cfg, policy = model.config, get_policy("keydiff")
-    req = engine.row_state[row]
-    req.pinned[:] = False
-    req.pinned[pinned] = True
-    zeros_q = np.zeros((cfg.num_layers, 1, cfg.num_heads, cfg.head_dim), np.float32)
-    feats, per_layer, forced = layer_features(
-        engine, row, zeros_q, np.zeros(1, np.int32), np.zeros(1, bool), np.zeros((cfg.num_layers, cfg.num_heads, cfg.head_dim), np.float32)
-    )
     budgets = layer_budgets(B, L, "shared")
     assert budgets.tolist() == [B] * L
-    conf = policy.make_config()
-    _, report = compress_row_layers(
-        engine, row, policy, conf, policy.init_state(conf, cfg), feats, per_layer, forced, budgets, "dead_slot", shared=True
-    )
+    report, _ = _event(engine, row, "keydiff", budgets, pinned, shared=True)
     # the reference: each layer's own KeyDiff score, ranked over the model
     s = np.stack([np.asarray(key_dissimilarity(keys0[l : l + 1], np.ones(n, bool))).mean(axis=(0, 2)) for l in range(L)])
     f = np.zeros((L, n), bool)

@@ -129,15 +129,16 @@ def score_and_select_layers(policy, cfg, state, feats, forced_LN, budgets_L, sha
     e.g. a random control's counter, which comes back from layer 0's call)."""
     L = budgets_L.shape[0]
 
-    def one(l, feats_l, forced_l, budget_l):
+    def one(l, feats_l, forced_l):
         view = state if policy.layer_state is None else policy.layer_state(state, l)
         scores, forced, candidates, new = _scored(policy, cfg, view, feats_l, forced_l)
-        kept = select(scores, forced, candidates, budget_l)
-        return kept, scores, forced, candidates, (new if policy.layer_state is None else ())
+        return scores, forced, candidates, (new if policy.layer_state is None else ())
 
-    kept, scores, forced, candidates, states = jax.vmap(one)(jnp.arange(L), feats, forced_LN, budgets_L)
+    scores, forced, candidates, states = jax.vmap(one)(jnp.arange(L), feats, forced_LN)
     if shared:
         kept = select_across_layers(scores, forced, candidates, jnp.sum(budgets_L))
+    else:
+        kept = jax.vmap(select)(scores, forced, candidates, budgets_L)
     return kept, scores, (jax.tree.map(lambda x: x[0], states) if policy.layer_state is None else state)
 
 
