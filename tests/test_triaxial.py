@@ -237,14 +237,15 @@ def test_quantized_rows_decode_alike_alone_and_batched(qmodel, mode):
 
 @pytest.mark.parametrize("mode", ["int4", "triaxial"])
 def test_quantized_decode_window_equals_per_step_gather(qmodel, mode, monkeypatch):
-    """The CPU decode loop's once-per-call quantized window
-    (``take_quant_window``: unpacked codes, dequantized block by block) gives the
-    tokens, logits and query rows of gathering packed rows from the pool every
-    step (``decode_parts_attention``): rows of different lengths over several key
-    blocks, INT2 pages partly held (dead slots), and two calls, so the call's own
+    """The CPU decode loop's float window of the rows' dequantized entries
+    (``CpuQuantBackend.take_window``, kept across calls) gives the tokens, logits
+    and query rows of gathering packed rows from the pool every step
+    (``decode_parts_attention``): rows of different lengths over several key
+    blocks, INT2 pages partly held (dead slots), and four calls, so the call's own
     new tokens are read back quantized both from the window's new part (within a
-    call) and from the pool (the next call's window). The triaxial rows write INT2
-    pages, INT3 pages and INT4 rows."""
+    call) and from the rolled window (the next call's first part), with a
+    truncation (rolled back) and an eviction (copied again) between calls. The
+    triaxial rows write INT2 pages, INT3 pages and INT4 rows."""
     import jaxkv.engine.runner as runner_mod
 
     calls = []
@@ -260,14 +261,20 @@ def test_quantized_decode_window_equals_per_step_gather(qmodel, mode, monkeypatc
         rows = [e.open_row(), e.open_row()]
         e.prefill(rows, prompts, kv_bits=bits)
         e.kv.apply_layout(rows[0], layouts.dead_slot(e.row_state[rows[0]].slots, np.setdiff1d(np.arange(700), [3, 40, 41, 300, 301])))
-        first = e.decode(rows, [7, 9], 6, return_logits=True, query_rows=True)
-        second = e.decode(rows, [first[0][0][-1], first[0][1][-1]], 6, return_logits=True, query_rows=True)
+        out = [e.decode(rows, [7, 9], 6, return_logits=True, query_rows=True)]
+        for call in (1, 2, 3):
+            if call == 2:  # row 1 drops the last call's tokens: the kept window rolls back with it
+                e.truncate_row(rows[1], len(e.row_state[rows[1]].slots) - 4)
+            if call == 3:  # an eviction writes the tables: the window is copied again
+                e.kv.apply_layout(rows[0], layouts.dead_slot(e.row_state[rows[0]].slots, np.setdiff1d(np.arange(690), [3, 40, 41, 300, 301])))
+            out.append(e.decode(rows, [t[-1] for t in out[-1][0]], 6, return_logits=True, query_rows=True))
         assert e.runner.uses_window(2, 1024) == window
-        runs[window] = (first, second)
-    assert calls == [1024, 1024, 0, 0]  # each windowed call read a window as wide as the 700-entry list's bucket; then none
+        runs[window] = (out, e.runner.regathers)
+    assert calls == [1024] * 4 + [0] * 4  # each windowed call read a window as wide as the 700-entry list's bucket; then none
+    assert runs[True][1] == 2  # copied by the first call and after the eviction; rolled on by the others
     if mode == "triaxial":
         assert e.kv.composition(rows[0])[INT2] > 0 and e.kv.composition(rows[0])[3] > 0
-    for (tok_w, log_w, aux_w), (tok_g, log_g, aux_g) in zip(*runs.values()):
+    for (tok_w, log_w, aux_w), (tok_g, log_g, aux_g) in zip(runs[True][0], runs[False][0]):
         assert tok_w == tok_g
         for a, b in zip(log_w, log_g):
             assert np.abs(a - b).max() <= 1e-5 * np.abs(b).max()

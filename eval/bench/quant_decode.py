@@ -13,9 +13,9 @@ same engine:
 * ``float-gather``: the float32 pool too tight for that window, so every step
   gathers key blocks through the live list;
 * ``int4``: every live token INT4 (``Engine(kv_quant="int4")``), read through the
-  quantized window (``jaxkv.backends.cpu_quant.take_quant_window``): once per call,
-  a head-major copy of the row's codes unpacked to uint8 with float32 scales, each
-  step dequantizing it block by block inside the online softmax;
+  float window of its dequantized entries (``CpuQuantBackend.take_window``: the
+  row's list dequantized once, kept across calls as the float pool's window is,
+  each step's new token stored INT4);
 * ``int4-gather``: the same pool without the window (``engine.runner.use_window =
   False``): every step gathers packed rows from the pool by slot and dequantizes
   them (``decode_parts_attention``), the path before the window;
@@ -185,7 +185,7 @@ def main(argv=None) -> str:
         f"{platform.processor() or platform.machine()}, {os.cpu_count()} cores, jax {jax.__version__} ({jax.default_backend()}); "
         f"{args.steps} timed greedy steps after warm-up (one decode call; the median of {args.repeats}"
         f"{f'; {args.rounds} rounds over the pools, alternating, the median of the rounds' if args.rounds > 1 else ''}); "
-        "float / int4 / mixed = the per-call window (float rows; uint8 codes dequantized block by block inside the online softmax), "
+        "float / int4 / mixed = the decode window (float rows; the quantized pools' entries dequantized once into it, kept across calls), "
         "-gather = the window off: key blocks gathered from the pool every step (quantized: decode_parts_attention); KV bytes = the request's entries in its pool's format.",
         "",
         *md_header(["live tokens", "pool", "tok/s", "vs float", "vs float per round", "KV bytes (pool format)", "vs float"], "rlrrlrr"),

@@ -40,6 +40,7 @@ from flax import struct
 from jaxkv.backends.base import AttentionBackend, AttentionMetadata
 from jaxkv.cache.state import take_rows
 from jaxkv.kernels.attention.ragged import PoolReader, pad_lists, window_decode_attention
+from jaxkv.kernels.quant import dequantize_rows, quantize_rows
 
 
 @struct.dataclass
@@ -47,7 +48,8 @@ class DecodeWindow:
     """The CPU decode loop's copy of its rows' lists (``take_window``), per layer
     (tuples of ``L`` arrays, so the unrolled loop updates each in place), in two
     parts: the entries the rows held before the call (keys ``[R, K, D, W]``, values
-    ``[R, K, W, D]``, the first ``len_LR[i]`` real, read-only in the loop), and the
+    ``[R, K, W, D]``, held flat as ``[R, K, D * W]`` and ``[R, K, W * D]``: ``_flat``;
+    the first ``len_LR[i]`` real, read-only in the loop), and the
     entries the call's steps write (``[R, S, K, D]``, row ``r``'s step at index
     ``kv_len - 1 - len_LR[i, r]``). List entry ``len_LR + s`` is new entry ``s``,
     so the two parts together are the row's list (each layer's own,
@@ -58,16 +60,20 @@ class DecodeWindow:
     len_LR: jax.Array
     k_new: tuple
     v_new: tuple
+    new_bits: int = struct.field(pytree_node=False, default=0)
 
-    def append(self, i: int, k_RKD, v_RKD, kv_len_R, active_R) -> "DecodeWindow":
-        """Layer ``i`` with each active row's new entry (its ``kv_len - 1``) written."""
+    def append(self, i: int, k_RKD, v_RKD, kv_len_R, active_R) -> DecodeWindow:
+        """Layer ``i`` with each active row's new entry (its ``kv_len - 1``) written:
+        as computed, or with ``new_bits`` as the pool stores it and reads it back
+        (a quantized pool's decode tokens: INT4 rows, ``jaxkv.kernels.quant``)."""
         R, S = self.k_new[i].shape[:2]
         at = jnp.where(active_R, kv_len_R - 1 - self.len_LR[i], S)  # out of range: dropped
         rows = jnp.arange(R)
-        put = lambda parts, x: parts[:i] + (parts[i].at[rows, at].set(x.astype(parts[i].dtype), mode="drop"),) + parts[i + 1 :]  # noqa: E731
+        stored = (lambda x: dequantize_rows(quantize_rows(x, self.new_bits))) if self.new_bits else (lambda x: x)
+        put = lambda parts, x: parts[:i] + (parts[i].at[rows, at].set(stored(x).astype(parts[i].dtype), mode="drop"),) + parts[i + 1 :]
         return self.replace(k_new=put(self.k_new, k_RKD), v_new=put(self.v_new, v_RKD))
 
-    def roll(self, len_LR) -> "DecodeWindow":
+    def roll(self, len_LR) -> DecodeWindow:
         """This window after its call as the start of the next call over the same
         rows: each row's new entries ``s`` with ``len + s < len_LR`` written into the
         first part at list entry ``len + s``, and ``len_LR`` the entries that part now
@@ -76,22 +82,46 @@ class DecodeWindow:
         (padding rows). A window fresh from ``take_window``, given its own lengths,
         is unchanged. Run at the start of the decode program, whose window is
         donated, so the copy changes in place and no program is added for it."""
-        R, _, _, W = self.k[0].shape
-        S = self.k_new[0].shape[1]
+        R, S, _, D = self.k_new[0].shape
+        W = self.k[0].shape[-1] // D
         len_LR = jnp.where(len_LR < 0, self.len_LR, len_LR).astype(self.len_LR.dtype)
         rows = jnp.broadcast_to(jnp.arange(R)[:, None], (R, S))
         ks, vs = [], []
         for i in range(len(self.k)):
             entry = self.len_LR[i][:, None] + jnp.arange(S)[None, :]  # [R, S]: the list entry new entry s is
             at = jnp.where(entry < len_LR[i][:, None], entry, W)  # out of range: dropped
-            ks.append(self.k[i].at[rows, :, :, at].set(self.k_new[i].astype(self.k[i].dtype), mode="drop"))
-            vs.append(self.v[i].at[rows, :, at, :].set(self.v_new[i].astype(self.v[i].dtype), mode="drop"))
+            k, v = self.keys(i), self.values(i)
+            ks.append(_flat(k.at[rows, :, :, at].set(self.k_new[i].astype(k.dtype), mode="drop")))
+            vs.append(_flat(v.at[rows, :, at, :].set(self.v_new[i].astype(v.dtype), mode="drop")))
         return self.replace(k=tuple(ks), v=tuple(vs), len_LR=len_LR)
+
+    def keys(self, i: int):
+        """Layer ``i``'s first part's keys ``[R, K, D, W]``."""
+        R, K, DW = self.k[i].shape
+        D = self.k_new[i].shape[-1]
+        return self.k[i].reshape(R, K, D, DW // D)
+
+    def values(self, i: int):
+        """Layer ``i``'s first part's values ``[R, K, W, D]``."""
+        R, K, WD = self.v[i].shape
+        D = self.v_new[i].shape[-1]
+        return self.v[i].reshape(R, K, WD // D, D)
 
     def attend(self, i: int, q_RHD, kv_len_R, active_R):
         """Layer ``i``'s attention of one query per row over the window."""
         old = self.len_LR[i]
-        return window_decode_attention(q_RHD, self.k[i], self.v[i], old, self.k_new[i], self.v_new[i], kv_len_R - old, active_R)
+        return window_decode_attention(q_RHD, self.keys(i), self.values(i), old, self.k_new[i], self.v_new[i], kv_len_R - old, active_R)
+
+
+def _flat(x_RKAB):
+    """``[R, K, A, B]`` as ``[R, K, A * B]``, the window's stored form: a reshape is a
+    no-op only over row-major memory, so XLA keeps every copy of a window in the
+    one layout, the layout the entry's donated window and the loop read. (Held
+    4-D, a window copied from a quantized pool left its transposes to layout
+    assignment, which laid the copy out as the gather had it; the kept window was
+    then transposed into that layout and back on every call: 0.7 s a call at
+    8,000 tokens on SmolLM2.)"""
+    return x_RKAB.reshape(*x_RKAB.shape[:2], -1)
 
 
 def take_window(cache, rows_R, *, width: int, n_steps: int) -> DecodeWindow:
@@ -100,16 +130,27 @@ def take_window(cache, rows_R, *, width: int, n_steps: int) -> DecodeWindow:
     traced at the start of the decode program, before its loop writes the donated
     pool (the compiled program reads the pool in place: no copy of it,
     ``tests/test_engine.py``)."""
+    read = lambda i, slots: (cache.k[i][slots], cache.v[i][slots])
+    return window_of_lists(cache, rows_R, read, num_layers=cache.k.shape[0], width=width, n_steps=n_steps)
+
+
+def window_of_lists(cache, rows_R, read, *, num_layers: int, width: int, n_steps: int, new_bits: int = 0) -> DecodeWindow:
+    """``take_window`` over any pool: ``read(i, slots [R, W]) -> (k, v) [R, W, K, D]``
+    is how layer ``i``'s entries read (a quantized pool dequantizes them,
+    ``jaxkv.backends.cpu_quant``), ``new_bits`` how the call's new entries are
+    stored (``DecodeWindow.append``). The rows' tables are the cache's own
+    (``take_rows``), so each layer copies its own list."""
     tables = take_rows(cache, rows_R)
     live = tables.live_idx  # [J, R, P]
     live = live[..., :width] if live.shape[-1] >= width else jnp.pad(live, ((0, 0), (0, 0), (0, width - live.shape[-1])))
-    L, J = cache.k.shape[0], live.shape[0]
-    of_layer = jnp.minimum(jnp.arange(L), J - 1)
+    of_layer = jnp.minimum(jnp.arange(num_layers), live.shape[0] - 1)
     layer_lists = live[of_layer]  # [L, R, W]: the list each layer reads
-    k = tuple(jnp.transpose(cache.k[i][layer_lists[i]], (0, 2, 3, 1)) for i in range(L))  # L x [R, K, D, W]
-    v = tuple(jnp.transpose(cache.v[i][layer_lists[i]], (0, 2, 1, 3)) for i in range(L))  # L x [R, K, W, D]
-    new = tuple(jnp.zeros((rows_R.shape[0], n_steps, *cache.k.shape[2:]), cache.k.dtype) for _ in range(L))
-    return DecodeWindow(k, v, tables.live_len[of_layer], new, new)
+    entries = [read(i, layer_lists[i]) for i in range(num_layers)]  # L x ([R, W, K, D], [R, W, K, D])
+    k = tuple(_flat(jnp.transpose(ki, (0, 2, 3, 1))) for ki, _ in entries)  # L x [R, K, D * W]
+    v = tuple(_flat(jnp.transpose(vi, (0, 2, 1, 3))) for _, vi in entries)  # L x [R, K, W * D]
+    R, _, K, D = entries[0][0].shape
+    new = tuple(jnp.zeros((R, n_steps, K, D), k[0].dtype) for _ in range(num_layers))
+    return DecodeWindow(k, v, tables.live_len[of_layer], new, new, new_bits=new_bits)
 
 
 @dataclasses.dataclass(frozen=True)
