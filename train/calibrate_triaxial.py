@@ -223,7 +223,9 @@ def replay_error(q, k, v, o_ref, int4_mask, page_idx, page_ok, row_ok, page_idx3
         k_ = jnp.where(int4_mask[:, None, None], dequantize_rows(quantize_rows(k, 4)), k)
         v_ = jnp.where(int4_mask[:, None, None], dequantize_rows(quantize_rows(v, 4)), v)
         for flat, dst, bits in pages:  # INT3: the pool's INT3 page format (one-byte parameters, value groups of 64)
-            k2, v2 = pages3_round_trip(k[flat], v[flat], fit3) if bits == 3 else dequantize_int2_pool(quantize_int2_pool(k[flat], v[flat], bits))
+            k2, v2 = (
+                pages3_round_trip(k[flat], v[flat], fit3) if bits == 3 else dequantize_int2_pool(quantize_int2_pool(k[flat], v[flat], bits))
+            )
             k_ = k_.at[dst].set(k2, mode="drop")
             v_ = v_.at[dst].set(v2, mode="drop")
         o = causal_attention(q[None], k_[None], v_[None])[0]
