@@ -343,6 +343,31 @@ def test_triaxial_calibration_of_a_real_model_tags_its_conversations_and_streams
         list(ct.calibration_requests(shallow, ["chess"], 1, 512))
 
 
+def test_triaxial_calibration_measures_as_a_rotated_pool_stores_and_keeps_the_sink_out_of_the_tags(shallow):
+    """``--rotate``: the capture is in the pool's frame (attention there is the
+    model's, rotated back it gives the model's outputs) and INT3 pages are fitted
+    as a rotated pool fits them (``page3_fit``: "mse"); ``--sink-tokens``: the first
+    positions belong to no tag (INT4 whatever their tag), the rest keep their codes."""
+    from jaxkv.attention import causal_attention
+    from jaxkv.cache.rotation import Rotation
+    from train import calibrate_triaxial as ct
+
+    _, ids, codes = next(iter(ct.calibration_requests(shallow, ["passkey"], 1, 512)))
+    plain = ct.Capture(shallow, ids, codes)
+    rot = ct.Capture(shallow, ids, codes, rotate=True, sink_tokens=4)
+    assert (plain.fit3, rot.fit3) == ("cover", "mse")
+    assert (rot.codes[:4] == -1).all() and (rot.codes[4:] == plain.codes[4:]).all() and (plain.codes[:4] >= 0).all()
+    R, K = Rotation(plain.k.shape[-1]), plain.k.shape[-2]
+    for i in range(plain.k.shape[0]):
+        np.testing.assert_allclose(rot.k[i], R.rotate(i, plain.k[i]), atol=1e-5)
+        np.testing.assert_allclose(R.unrotate_heads(i, rot.o[i], K), plain.o[i], atol=1e-4)
+        o = causal_attention(rot.q[i][None], rot.k[i][None], rot.v[i][None])[0]
+        np.testing.assert_allclose(o[: rot.T], rot.o[i][: rot.T], atol=1e-4)
+    # quantizing in the pool's frame changes the error (the frame is not the model's)
+    every = np.arange(plain.T)
+    assert not np.allclose(rot.error(int3_tokens=every)[0], plain.error(int3_tokens=every)[0])
+
+
 def test_quant_report_counts_a_cells_recorded_precisions_and_pools_niah(tmp_path):
     """A cell's ``kv`` record (live tokens per precision and their bytes) sets its
     row's storage, so a TriAxialKV allocation is counted as it stored; niah_single

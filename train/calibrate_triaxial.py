@@ -63,6 +63,14 @@ Also reported, on the captured K/V: the attention-output error of each format
 (int4, int2, kivi2, triaxial at the calibrated B): relative error of every
 query row and of the last row (a decode step), per layer.
 
+``--rotate`` measures step 3 as a rotated pool stores (``kv_rotate=True``: Q, K,
+V and the outputs in the pool's frame, INT3 pages by its ``"mse"`` fit); the
+output error is the model frame's (the rotation is orthogonal), but which tokens
+lose what differs, and one allocation file serves both pools, so it is the
+calibration's choice. ``--sink-tokens n`` takes each request's first ``n``
+positions out of every tag (INT4 whatever their tag, ``Allocation.sink_tokens``)
+and writes ``"sink_tokens"`` into the file.
+
 Resumable (``--resume``): each request's distortion entries and each sweep
 example's cells are journaled as they finish in ``--work`` (``distortion.jsonl``,
 ``sweep.jsonl``; default ``runs/calibrate-triaxial/<model>``); a resumed run with
@@ -189,14 +197,15 @@ def capture(graphdef, params, tokens_T):
     return qkvo
 
 
-@jax.jit
-def replay_error(q, k, v, o_ref, int4_mask, page_idx, page_ok, row_ok, page_idx3=None, page_ok3=None):
+@functools.partial(jax.jit, static_argnames=("fit3",))
+def replay_error(q, k, v, o_ref, int4_mask, page_idx, page_ok, row_ok, page_idx3=None, page_ok3=None, fit3="cover"):
     """Attention outputs with some tokens quantized, against ``o_ref``, per layer.
 
     Tokens in ``page_idx [Q, 32]`` (where ``page_ok``) are INT2 pages (keys per
     channel, values per token), those in ``page_idx3`` (where ``page_ok3``) INT3
-    pages; tokens in ``int4_mask`` INT4; all others stay
-    full precision. Returns ``(mse [L, Hq]`` over real
+    pages, their parameters chosen by ``fit3`` (``jaxkv.kernels.quant3.FITS``: a
+    rotated pool's ``"mse"``, ``jaxkv.cache.quantized.page3_fit``); tokens in
+    ``int4_mask`` INT4; all others stay full precision. Returns ``(mse [L, Hq]`` over real
     rows and channels, ``rel [L]`` (Frobenius over real rows), ``last [L]`` (the
     last real row))``.
     """
@@ -214,7 +223,9 @@ def replay_error(q, k, v, o_ref, int4_mask, page_idx, page_ok, row_ok, page_idx3
         k_ = jnp.where(int4_mask[:, None, None], dequantize_rows(quantize_rows(k, 4)), k)
         v_ = jnp.where(int4_mask[:, None, None], dequantize_rows(quantize_rows(v, 4)), v)
         for flat, dst, bits in pages:  # INT3: the pool's INT3 page format (one-byte parameters, value groups of 64)
-            k2, v2 = pages3_round_trip(k[flat], v[flat]) if bits == 3 else dequantize_int2_pool(quantize_int2_pool(k[flat], v[flat], bits))
+            k2, v2 = (
+                pages3_round_trip(k[flat], v[flat], fit3) if bits == 3 else dequantize_int2_pool(quantize_int2_pool(k[flat], v[flat], bits))
+            )
             k_ = k_.at[dst].set(k2, mode="drop")
             v_ = v_.at[dst].set(v2, mode="drop")
         o = causal_attention(q[None], k_[None], v_[None])[0]
@@ -240,11 +251,34 @@ def pages_of(token_idx, Tp: int):
     return idx, ok, token_idx[n:]
 
 
-class Capture:
-    """One calibration request: padded captures and write-time codes."""
+@jax.jit
+def rotate_capture(q, k, v, o):
+    """``q``, ``k``, ``v``, ``o`` of a capture in a rotated pool's frame
+    (``jaxkv.cache.rotation.Rotation``, the pool's ``R`` per layer and KV head; a
+    query head and its output by its KV head's). Attention in that frame is the
+    model's, so the attention-output error of a quantization of ``K·R``, ``V·R``
+    against ``o·R`` is its error in the model's frame (``R`` orthogonal)."""
+    from jaxkv.cache.rotation import Rotation
 
-    def __init__(self, model, ids, codes):
+    rot, K = Rotation(k.shape[-1]), k.shape[-2]
+    layers = jnp.arange(k.shape[0])
+    kv = jax.vmap(rot.rotate)
+    heads = jax.vmap(lambda i, x: rot.rotate_heads(i, x, K))
+    return heads(layers, q), kv(layers, k), kv(layers, v), heads(layers, o)
+
+
+class Capture:
+    """One calibration request: padded captures and write-time codes.
+
+    ``rotate``: measure as a rotated pool stores (K/V in its frame, INT3 pages by
+    its ``"mse"`` fit, ``jaxkv.cache.quantized.page3_fit``); ``sink_tokens``: the
+    request's first positions are INT4 whatever their tag (``Allocation.sink_tokens``),
+    so they belong to no tag (code -1: not counted in ``N``, never in a tag's pages)."""
+
+    def __init__(self, model, ids, codes, rotate: bool = False, sink_tokens: int = 0):
         from jaxkv.buckets import bucket
+        from jaxkv.cache.quantized import page3_fit
+        from jaxkv.cache.rotation import Rotation
 
         graphdef, params = model.split()
         self.T = ids.size
@@ -252,7 +286,11 @@ class Capture:
         tokens = np.zeros(self.Tp, np.int32)
         tokens[: self.T] = ids
         self.q, self.k, self.v, self.o = capture(graphdef, params, jnp.asarray(tokens))
+        if rotate:
+            self.q, self.k, self.v, self.o = rotate_capture(self.q, self.k, self.v, self.o)
+        self.fit3 = page3_fit(Rotation(self.k.shape[-1]) if rotate else None)
         self.codes = np.concatenate([codes, np.full(self.Tp - self.T, -1)])
+        self.codes[: min(int(sink_tokens), self.T)] = -1
         self.row_ok = jnp.asarray(np.arange(self.Tp) < self.T)
 
     def error(self, int4_tokens=(), int2_tokens=(), float_leftover=False, int3_tokens=None):
@@ -270,7 +308,7 @@ class Capture:
             int4[left3] = True
             three = (jnp.asarray(idx3), jnp.asarray(ok3))
         args = (self.q, self.k, self.v, self.o, jnp.asarray(int4), jnp.asarray(idx), jnp.asarray(ok), self.row_ok, *three)
-        mse, rel, last = replay_error(*args)
+        mse, rel, last = replay_error(*args, fit3=self.fit3)
         return np.asarray(mse), np.asarray(rel), np.asarray(last)
 
 
@@ -643,6 +681,19 @@ def main(argv=None) -> int:
         "their tags' bits each turn; Allocation.rewrite_history): replies count with their tags",
     )
     ap.add_argument(
+        "--rotate",
+        action="store_true",
+        help="measure the distortions as a rotated pool stores K/V (kv_rotate=True: its frame, the mse fit of its "
+        "INT3 pages); one allocation file serves both, so this is the calibration's choice of pool",
+    )
+    ap.add_argument(
+        "--sink-tokens",
+        type=int,
+        default=0,
+        help="the first positions of every request are INT4 whatever their tag (Allocation.sink_tokens): "
+        "measured out of every tag, and written to the file",
+    )
+    ap.add_argument(
         "--work",
         default=None,
         help="journals of finished requests (distortion.jsonl, sweep.jsonl; default runs/calibrate-triaxial/<model>)",
@@ -672,6 +723,10 @@ def main(argv=None) -> int:
     journal_setup = {"model": args.model, "tasks": tasks, "n": args.n, "length": args.length, "copy_tags": COPY_TAGS}
     if args.rewrite_history:
         journal_setup["rewrite_history"] = True
+    if args.rotate:
+        journal_setup["rotate"] = True
+    if args.sink_tokens:
+        journal_setup["sink_tokens"] = args.sink_tokens
     journal = work / "distortion.jsonl"
     if not args.resume and journal.exists():
         journal.unlink()
@@ -689,11 +744,11 @@ def main(argv=None) -> int:
             acc.merge(done[key])
             merged += 1
             if keep:
-                kept.append(Capture(model, ids, codes))  # one forward, for the attention-error table
+                kept.append(Capture(model, ids, codes, args.rotate, args.sink_tokens))  # one forward, for the attention-error table
             continue
         if args.journal_only:
             continue
-        cap = Capture(model, ids, codes)
+        cap = Capture(model, ids, codes, args.rotate, args.sink_tokens)
         append_journal(journal, {"setup": journal_setup, "key": key, "row": acc.add(cap)})
         if keep:
             kept.append(cap)
@@ -702,6 +757,8 @@ def main(argv=None) -> int:
     tri = allocation_dict(VARIANTS["triaxial"], tables["triaxial"], 4.0)
     if args.rewrite_history:
         tri["rewrite_history"] = True  # the sweep's sessions write under the rule the distortions assume
+    if args.sink_tokens:
+        tri["sink_tokens"] = args.sink_tokens
     full, sweep_rows = None, []
     if args.budget is not None or args.skip_sweep:
         budget = args.budget if args.budget is not None else max(BUDGETS)
@@ -748,6 +805,7 @@ def main(argv=None) -> int:
             "n_per_task": args.n,
             "tasks": tasks,
             "length": args.length,
+            **({"rotate": True} if args.rotate else {}),
             "requests": merged if args.journal_only else n_requests,
             "error_requests": len(kept),
             "seconds": round(time.perf_counter() - t0, 1),
@@ -758,6 +816,7 @@ def main(argv=None) -> int:
         "attention_error": errors,
         "variants": variants,
         **({"rewrite_history": True} if args.rewrite_history else {}),
+        **({"sink_tokens": args.sink_tokens} if args.sink_tokens else {}),
     }
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(data, indent=1) + "\n")
