@@ -546,6 +546,20 @@ def test_training_resumes_from_its_checkpoint(quick_run, tmp_path):
         np.testing.assert_allclose(ih.flat_params(resumed["head"].params)[name], value, rtol=1e-5, atol=1e-7)
 
 
+def test_init_starts_from_a_trained_heads_weights_and_refuses_another_config(quick_run, tmp_path):
+    """--init: the held-out metrics before the first update are the trained head's, and
+    a head whose HeadConfig differs from the one the rows and flags ask for is refused."""
+    from train import intentkv_head
+
+    folder, result = quick_run
+    base = ["--data", str(folder / "data"), "--quick", "--quiet", "--lr", "3e-3", "--init", str(folder / "head")]
+    warm = intentkv_head.train(intentkv_head.parse_args(base + ["--out", str(tmp_path / "warm"), "--steps", "2"]))
+    assert warm["summary"]["heldout_initial"]["auc_z"] == result["summary"]["heldout_final"]["auc_z"]
+    assert warm["summary"]["heldout_initial"]["auc_z"] != result["summary"]["heldout_initial"]["auc_z"]
+    with pytest.raises(jaxkv.ConfigError, match="--init"):
+        intentkv_head.train(intentkv_head.parse_args(base + ["--out", str(tmp_path / "other"), "--span-keys", "64"]))
+
+
 # -- label variants (named options beside §4's default) -------------------------------------------
 def test_cue_variant_adds_the_tokens_before_a_match_on_its_line():
     from train import intentkv_data as data

@@ -47,7 +47,8 @@ on each other label spec's held-out rows (``summary.json``'s ``heldout_final_on`
 and the card), so heads trained on different labels are compared on one yardstick.
 
 Reproducibility: the step order is a pure function of ``--seed`` and the epoch;
-the head's initial weights of ``--seed``. Orbax checkpoints (``OUT/ckpt``) every
+the head's initial weights of ``--seed``, or ``--init HEAD_FOLDER``'s (a warm start
+from a trained head; its ``HeadConfig`` must match). Orbax checkpoints (``OUT/ckpt``) every
 ``--ckpt-every`` updates; a rerun resumes from the latest (``--restart`` ignores
 them). Outputs in ``--out``: ``metrics.jsonl``, ``training.png`` (loss and held-out
 metrics), ``head.safetensors`` + ``head.json`` (config, base model, training record),
@@ -77,7 +78,8 @@ from tqdm import tqdm
 
 from jaxkv.markdown import md_table
 from jaxkv.policies import select
-from jaxkv.policies.intentkv_head import Head, HeadConfig, alpha_of, combine, init_head, residual_scores, save_head
+from jaxkv.errors import ConfigError
+from jaxkv.policies.intentkv_head import Head, HeadConfig, alpha_of, combine, init_head, load_head, residual_scores, save_head
 from train.intentkv_data import label_array, label_keys, load_meta, load_shards
 
 BUDGETS = (1024, 1280, 1536)
@@ -368,6 +370,11 @@ def train(args) -> dict:
     lc = LossConfig()
     head_cfg = HeadConfig(head_dim=train_rows.head_dim, span_keys=args.span_keys)
     head = init_head(head_cfg, seed=args.seed)
+    if args.init is not None:  # warm start: the same shapes, another head's weights
+        start_head = load_head(args.init)
+        if start_head.cfg != head_cfg:
+            raise ConfigError(f"--init {args.init} has config {start_head.cfg}, the rows and flags ask for {head_cfg}")
+        head = start_head
     graphdef, params = head.graphdef, head.params
     per_epoch = -(-len(train_rows) // args.micro_batch)
     micro_total = per_epoch * args.epochs if args.steps is None else args.steps * args.accum
@@ -624,6 +631,11 @@ def parse_args(argv=None):
     p.add_argument("--max-heldout-rows", type=int, default=None)
     p.add_argument("--ckpt-every", type=int, default=50, help="updates between checkpoints")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument(
+        "--init",
+        default=None,
+        help="start from this head folder's weights (a warm start; its HeadConfig must match) instead of --seed's initial weights",
+    )
     p.add_argument("--stop-after", type=int, default=None, help="checkpoint, export and exit after this update")
     p.add_argument("--restart", action="store_true", help="ignore checkpoints in --out")
     p.add_argument("--quick", action="store_true", help="3 updates on the same 8 rows, 4 held-out rows (tests)")
