@@ -16,7 +16,9 @@ rows' lists once; a call over other rows hands the kept window in as the buffer 
 fresh copy replaces (``lax.cond``: one program per rows x width either way).
 
 Layout: keys ``[R, K, D, W]`` and values ``[R, K, W, D]`` per layer, so both
-products are plain batched GEMMs over the copy in place. A blocked layout (blocks
+products are plain batched GEMMs over the copy in place; stored flat (``_flat``), so
+that XLA keeps every copy of it in that one layout. A quantized pool's window is
+this one too, its entries dequantized (``jaxkv.backends.cpu_quant``). A blocked layout (blocks
 ``[nb, R, K, D, E]`` on the leading axis, walked by a ``fori_loop`` up to the
 longest row, so that a step's cost would follow the live length rather than the
 width) ran 18% slower per step inside the decode loop (SmolLM2 shapes, 8 rows x
