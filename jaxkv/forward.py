@@ -315,9 +315,8 @@ def run_decode(
     decode window of this many entries per row (the CPU backends): the rows'
     entries are copied once at the start (``backend.take_window``), read from
     that copy by every step, and the layers run unrolled (over ``layer_params``,
-    the runner's kept ``layer_copies``, or copies sliced here). A backend whose
-    window is kept (``keeps_window``) is handed ``window``, the last call's, which
-    is rolled on to the lists' lengths now (``window_len_LR``,
+    the runner's kept ``layer_copies``, or copies sliced here). ``window`` is the
+    last call's window (or a buffer of its shape), which is rolled on to the lists' lengths now (``window_len_LR``,
     ``DecodeWindow.roll``) or, with ``regather``, replaced by a fresh copy; it is
     donated and comes back holding the call's new entries.
 
@@ -337,8 +336,8 @@ def run_decode(
     keys_R = jax.random.wrap_key_data(b.key_data_R)
     started = (b.limit_R > 0).sum()
     if width:
-        take = lambda _: backend.take_window(cache, b.rows_R, read_plan, width=width, n_steps=n_steps)  # noqa: E731
-        window = take(None) if window is None else jax.lax.cond(regather, take, lambda w: w.roll(window_len_LR), window)
+        take = lambda _: backend.take_window(cache, b.rows_R, width=width, n_steps=n_steps)  # noqa: E731
+        window = jax.lax.cond(regather, take, lambda w: w.roll(window_len_LR), window)
     layers = None
     if window is not None and layer_params is not None:
         layer_graphdef = nnx.split(model.layer(0))[0]

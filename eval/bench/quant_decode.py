@@ -21,7 +21,8 @@ same engine:
   them (``decode_parts_attention``), the path before the window;
 * ``mixed`` / ``mixed-gather``: 65% of the live tokens in INT2 pages, 35% INT4
   (~2.7 average bits, ``kv_quant="triaxial"``), with and without the window (the
-  window holds the INT2 pages whole beside the INT4 tokens).
+  window holds the row's entries dequantized in list order, pages and INT4 tokens
+  alike).
 
 Pool contents are random (decode cost does not depend on the values). The KV
 bytes each pool holds for the request (what the per-step gather reads) and the

@@ -118,16 +118,15 @@ class AttentionBackend:
       layers: the pool's device layers (``jaxkv.cache.pools.FloatLayers`` or
         ``jaxkv.cache.quantized.QuantLayers``): how one layer is written and read.
 
-    Class attributes: ``name``; ``uses_window``: the decode loop may read a
-    per-call copy of its rows' entries (the CPU backends: ``take_window`` traced at
-    the start of the decode program, ``window_entries`` and ``window_fits`` on the
-    host); ``keeps_window``: that copy can start the next call over the same rows.
+    Class attributes: ``name``; ``uses_window``: the decode loop may read a copy
+    of its rows' entries (the CPU backends: ``take_window`` traced at the start of
+    the decode program, ``window_entries`` on the host, the copy read by
+    ``DecodeWindow.attend`` and kept for the next call over the same rows).
     """
 
     layers: Any
     name = "backend"
     uses_window = False
-    keeps_window = False
 
     def rotate_in(self, i, q_THD, k_TKD, v_TKD):
         """The step's queries, keys and values of layer ``i`` in the pool's stored
@@ -155,15 +154,26 @@ class AttentionBackend:
         """The attention entry: layer ``i``'s attention (its K/V already written).
         Returns ``(o_THD, loop_state)``: ``loop_state`` is the decode loop's private
         state (a window), None elsewhere. Metadata with explicit key positions is
-        read by position (``attend_positional``), any other through the rows'
-        lists (``attend_listed``, what each backend implements)."""
+        read by position (``attend_positional``); the decode loop of a backend with
+        a window reads that (its new entry written first); any other step reads
+        through the rows' lists (``attend_listed``, what each backend implements)."""
         if meta.key_pos_JN is not None:
             return self.attend_positional(kv, i, q_THD, meta), loop_state
-        return self.attend_listed(kv, i, q_THD, k_TKD, v_TKD, meta, loop_state)
+        if loop_state is not None:
+            _, kv_len = meta.layer_list(i)
+            window = loop_state.append(i, k_TKD, v_TKD, kv_len, meta.active_R)
+            return window.attend(i, q_THD, kv_len, meta.active_R).astype(q_THD.dtype), window
+        return self.attend_listed(kv, i, q_THD, k_TKD, v_TKD, meta), None
 
-    def attend_listed(self, kv, i, q_THD, k_TKD, v_TKD, meta: AttentionMetadata, loop_state=None):
-        """Layer ``i``'s attention through the rows' live lists (``meta.tables``)."""
+    def attend_listed(self, kv, i, q_THD, k_TKD, v_TKD, meta: AttentionMetadata):
+        """Layer ``i``'s attention through the rows' live lists (``meta.tables``):
+        ``o_THD``."""
         raise NotImplementedError
+
+    def window_entries(self, states) -> int:
+        """Entries a decode window must hold for these rows (``RequestState``): the
+        longest list."""
+        return max(len(s.live) for s in states)
 
     def attend_positional(self, kv, i, q_THD, meta: AttentionMetadata):
         """Layer ``i``'s attention by explicit key positions: the keys of

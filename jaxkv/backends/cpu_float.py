@@ -161,26 +161,13 @@ class CpuFloatBackend(AttentionBackend):
 
     name = "cpu-float"
     uses_window = True
-    keeps_window = True  # a call's window starts the next call over the same rows (``DecodeWindow.roll``)
 
     def reader(self, kv, i, lists_RN, k_TKD=None, v_TKD=None, meta=None) -> PoolReader:
         k, v = kv
         return PoolReader(k, v, pad_lists(lists_RN), layer=i)
 
-    def attend_listed(self, kv, i, q_THD, k_TKD, v_TKD, meta: AttentionMetadata, loop_state=None):
-        if loop_state is None:
-            return self.attend_blocked(kv, i, q_THD, k_TKD, v_TKD, meta), None
-        _, kv_len = meta.layer_list(i)
-        window = loop_state.append(i, k_TKD, v_TKD, kv_len, meta.active_R)
-        return window.attend(i, q_THD, kv_len, meta.active_R).astype(q_THD.dtype), window
+    def attend_listed(self, kv, i, q_THD, k_TKD, v_TKD, meta: AttentionMetadata):
+        return self.attend_blocked(kv, i, q_THD, k_TKD, v_TKD, meta)
 
-    def take_window(self, cache, rows_R, plan, *, width: int, n_steps: int) -> DecodeWindow:
+    def take_window(self, cache, rows_R, *, width: int, n_steps: int) -> DecodeWindow:
         return take_window(cache, rows_R, width=width, n_steps=n_steps)
-
-    # -- host half ---------------------------------------------------------------------
-    def window_entries(self, states, plan) -> int:
-        """Entries the window must hold for these rows: the longest list."""
-        return max(len(s.live) for s in states)
-
-    def window_fits(self, plan, width: int) -> bool:
-        return True

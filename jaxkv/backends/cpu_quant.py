@@ -196,7 +196,6 @@ class CpuQuantBackend(AttentionBackend):
     or a kept float window of its rows' dequantized entries (module docstring)."""
 
     name = "cpu-quant"
-    keeps_window = True  # as the float pool's: a call's window starts the next call over the same rows
 
     @property
     def geometry(self) -> Geometry:
@@ -215,26 +214,14 @@ class CpuQuantBackend(AttentionBackend):
             fresh = StepTokens(k_TKD, v_TKD, kv_len, meta.q_len_R, meta.q_start_R)
         return QuantReader(kv, pad_lists(lists_RN), fresh, i, self.geometry)
 
-    def attend_listed(self, kv, i, q_THD, k_TKD, v_TKD, meta: AttentionMetadata, loop_state=None):
-        _, kv_len = meta.layer_list(i)
-        if loop_state is not None:
-            window = loop_state.append(i, k_TKD, v_TKD, kv_len, meta.active_R)
-            return window.attend(i, q_THD, kv_len, meta.active_R).astype(q_THD.dtype), window
+    def attend_listed(self, kv, i, q_THD, k_TKD, v_TKD, meta: AttentionMetadata):
         if meta.decode and meta.read_plan is not None:
+            _, kv_len = meta.layer_list(i)
             o = decode_parts_attention(kv, self.geometry, i, q_THD, meta.read_plan, kv_len, meta.active_R, self.layers.token_kind)
-            return o.astype(q_THD.dtype), None
-        return self.attend_blocked(kv, i, q_THD, k_TKD, v_TKD, meta), None
+            return o.astype(q_THD.dtype)
+        return self.attend_blocked(kv, i, q_THD, k_TKD, v_TKD, meta)
 
-    # -- host half ---------------------------------------------------------------------
-    def window_entries(self, states, plan: DecodeParts | None) -> int:
-        """Entries the window must hold for these rows: the longest list (the float
-        window's widths, ``jaxkv.buckets.window_widths``, so the same programs serve)."""
-        return max(len(s.live) for s in states)
-
-    def window_fits(self, plan: DecodeParts | None, width: int) -> bool:
-        return True
-
-    def take_window(self, cache: QuantizedKVCache, rows_R, plan: DecodeParts, *, width: int, n_steps: int) -> DecodeWindow:
+    def take_window(self, cache: QuantizedKVCache, rows_R, *, width: int, n_steps: int) -> DecodeWindow:
         """The rows' lists dequantized in list order with the pool's arithmetic
         (``dequantize_at``: pages, INT4 rows and float slots alike), and the call's new
         entries stored INT4, as the pool writes decode tokens."""

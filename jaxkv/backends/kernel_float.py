@@ -31,7 +31,7 @@ class FloatKernelBackend(AttentionBackend):
         k, v = kv
         return PoolReader(k, v, pad_lists(lists_RN), layer=i)
 
-    def attend_listed(self, kv, i, q_THD, k_TKD, v_TKD, meta: AttentionMetadata, loop_state=None):
+    def attend_listed(self, kv, i, q_THD, k_TKD, v_TKD, meta: AttentionMetadata):
         lists, kv_len = meta.layer_list(i)
         k_SKD, v_SKD = self.layers.read_pool(kv, i)
-        return ragged_attention(q_THD, k_SKD, v_SKD, lists, kv_len, meta.q_start_R, meta.q_len_R, backend=self.platform), None
+        return ragged_attention(q_THD, k_SKD, v_SKD, lists, kv_len, meta.q_start_R, meta.q_len_R, backend=self.platform)

@@ -63,11 +63,11 @@ class QuantKernelBackend(CpuQuantBackend):
     def uses_window(self) -> bool:
         return False
 
-    def attend_listed(self, kv, i, q_THD, k_TKD, v_TKD, meta: AttentionMetadata, loop_state=None):
+    def attend_listed(self, kv, i, q_THD, k_TKD, v_TKD, meta: AttentionMetadata):
         if meta.decode and meta.read_plan is not None:
             _, kv_len = meta.layer_list(i)
-            return self.fused_decode(kv, i, q_THD, meta.read_plan, kv_len, meta.active_R).astype(q_THD.dtype), None
-        return self.attend_blocked(kv, i, q_THD, k_TKD, v_TKD, meta), None
+            return self.fused_decode(kv, i, q_THD, meta.read_plan, kv_len, meta.active_R).astype(q_THD.dtype)
+        return self.attend_blocked(kv, i, q_THD, k_TKD, v_TKD, meta)
 
     def fused_decode(self, pool, i, q_RHD, plan: DecodeParts, kv_len_R, active_R):
         """One query per row over its plan, through the fused kernel: ``[R, Hq, D]``

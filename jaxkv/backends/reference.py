@@ -24,7 +24,7 @@ class ReferenceBackend(AttentionBackend):
     def reader(self, kv, i, lists_RN, k_TKD=None, v_TKD=None, meta=None):
         return self.blocked.reader(kv, i, lists_RN, k_TKD, v_TKD, meta)
 
-    def attend_listed(self, kv, i, q_THD, k_TKD, v_TKD, meta: AttentionMetadata, loop_state=None):
+    def attend_listed(self, kv, i, q_THD, k_TKD, v_TKD, meta: AttentionMetadata):
         lists, kv_len = meta.layer_list(i)
         k_SKD, v_SKD = self.layers.read_pool(kv, i)
-        return ragged_attention_reference(q_THD, k_SKD, v_SKD, lists, kv_len, meta.q_start_R, meta.q_len_R), None
+        return ragged_attention_reference(q_THD, k_SKD, v_SKD, lists, kv_len, meta.q_start_R, meta.q_len_R)

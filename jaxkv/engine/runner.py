@@ -265,7 +265,7 @@ class ModelRunner:
         outputs = Outputs("last" if any(j.return_logits for j in jobs) else None, any(j.query_rows for j in jobs))
         batch = DecodeBatch(rows, first, limit, slots, stop, key_data, step0, RowSamplers.of(settings), forced)
         plan = kv.pool.decode_plan(states, [s[:k] for s, k in zip(per_job, steps)], B, n)
-        window, window_len, regather, width, len_JB = self._window(rows, states, plan, n)
+        window, window_len, regather, width, len_JB = self._window(rows, states, n)
         tokens, fed, cache, aux, window = run_decode(
             self.graphdef,
             self.params,
@@ -318,13 +318,11 @@ class ModelRunner:
         than the pool has slots (``B * width <= S``)."""
         return self.use_window and self.backend.uses_window and self.mesh is None and B * width <= self.kv.allocator.num_slots
 
-    def _window(self, rows, states, plan, n: int):
+    def _window(self, rows, states, n: int):
         """The decode call's window inputs: ``(window, len_LR, regather, width,
         len_JB)``; ``width`` 0: no window.
 
-        A backend that takes its window per call gets none handed in (the program
-        copies the rows' entries). A backend that keeps it (``keeps_window``) is
-        handed the kept window: rolled on (``regather`` false) when it was made for
+        A backend with a window (``uses_window``) is handed the kept window: rolled on (``regather`` false) when it was made for
         the same rows and shape and nothing but truncations wrote the cache since
         (each list is then at most what it held after that call), else as the
         buffer a fresh copy replaces (the kept one when its shape fits, zeros
@@ -334,11 +332,9 @@ class ModelRunner:
         none = (None, None, None, 0, None)
         if not self.backend.uses_window:
             return none
-        width = buckets.window_width(self.backend.window_entries(states, plan), self.kv.max_positions)
-        if not self.uses_window(len(rows), width) or not self.backend.window_fits(plan, width):
+        width = buckets.window_width(self.backend.window_entries(states), self.kv.max_positions)
+        if not self.uses_window(len(rows), width):
             return none
-        if not self.backend.keeps_window:
-            return None, None, None, width, None
         J, L = self.kv.lists, self.cfg.num_layers
         len_JB = np.full((J, len(rows)), -1, np.int32)
         for b, st in enumerate(states):
@@ -350,13 +346,13 @@ class ModelRunner:
             return kept.loop_state, len_LR, np.False_, width, len_JB
         self.regathers += 1
         same_shape = kept is not None and len(kept.key[0]) == len(rows) and kept.key[1:] == key[1:]
-        buffer = kept.loop_state if same_shape else self._zero_window(rows, plan, n, width)
+        buffer = kept.loop_state if same_shape else self._zero_window(rows, n, width)
         return buffer, len_LR, np.True_, width, len_JB
 
-    def _zero_window(self, rows, plan, n: int, width: int):
+    def _zero_window(self, rows, n: int, width: int):
         """A window-shaped buffer of zeros (the program replaces it with a fresh copy),
         made on the host: no program is compiled for it."""
-        shape = jax.eval_shape(lambda c: self.backend.take_window(c, rows, plan, width=width, n_steps=n), self.kv.cache)
+        shape = jax.eval_shape(lambda c: self.backend.take_window(c, rows, width=width, n_steps=n), self.kv.cache)
         return jax.tree.map(lambda s: jax.device_put(np.zeros(s.shape, s.dtype)), shape)
 
     def _layer_copies(self) -> tuple:
