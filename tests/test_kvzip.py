@@ -137,25 +137,52 @@ def test_chunks_assemble_with_the_sinks_on_top():
         kvzip.chunk_masks(10, 4, 11)
 
 
-def test_pass_scores_are_reconstruction_scores_one_layer_and_kv_head_at_a_time():
-    """``pass_scores`` (the engine's scorer: one (layer, KV head) pair and one block
-    of rows at a time, a context mask per layer) equals ``reconstruction_scores``
-    layer by layer, whatever the block."""
+def masked_scores64(q, k_ctx, k_self, softmax_n, scored_n, valid):
+    """``reconstruction_scores`` stated in float64 for any masks, one layer: row ``x``
+    (valid) takes a softmax over the ``softmax_n`` context entries and the valid
+    input rows up to it; entry ``i`` of KV head ``k`` scores the maximum over those
+    rows and ``k``'s query heads of its probability, 0 where not ``scored_n``.
+    ``q [X, Hq, D]``, ``k_ctx [n, Hkv, D]``, ``k_self [X, Hkv, D]``; ``[n, Hkv]``."""
+    x, hq, d = q.shape
+    hkv, g = k_ctx.shape[1], hq // k_ctx.shape[1]
+    out = np.zeros((k_ctx.shape[0], hkv))
+    for h in range(hq):
+        k = h // g
+        ctx = q[:, h].astype(np.float64) @ k_ctx[:, k].astype(np.float64).T / np.sqrt(d)
+        own = q[:, h].astype(np.float64) @ k_self[:, k].astype(np.float64).T / np.sqrt(d)
+        for r in np.flatnonzero(valid):
+            seen = (np.arange(x) <= r) & valid
+            m = max(ctx[r, softmax_n].max(initial=-np.inf), own[r, seen].max())
+            z = np.exp(ctx[r, softmax_n] - m).sum() + np.exp(own[r, seen] - m).sum()
+            out[:, k] = np.maximum(out[:, k], np.where(softmax_n, np.exp(ctx[r] - m) / z, 0.0))
+    return np.where(scored_n[:, None], out, 0.0)
+
+
+def test_pass_scores_are_reconstruction_scores_one_layer_at_a_time():
+    """``pass_scores`` (the engine's scorer: one layer and one block of rows at a
+    time, the pass's own keys walked causally by an online log-sum-exp, a context
+    mask per layer) is the float64 statement of ``reconstruction_scores``'s rule
+    layer by layer, whatever the blocks, and ``reconstruction_scores`` is too."""
     rng = np.random.default_rng(5)
     n_ctx, x = 30, 9
     q, k_ctx, k_self = (a.astype(np.float32) for a in _inputs(rng, n_ctx, x))
     softmax_ln = rng.random((L, n_ctx)) < 0.7
     scored_ln = softmax_ln & (rng.random((L, n_ctx)) < 0.6)
     valid = np.arange(x) < 7
+    want = np.stack([masked_scores64(q[l], k_ctx[l], k_self[l], softmax_ln[l], scored_ln[l], valid) for l in range(L)])
     got = np.asarray(jax.jit(kvzip.pass_scores)(q, k_ctx, k_self, softmax_ln, scored_ln, valid))
     assert got.shape == (L, n_ctx, HKV) and got.dtype == np.float32
-    blocks = np.asarray(jax.jit(kvzip.pass_scores, static_argnames="block")(q, k_ctx, k_self, softmax_ln, scored_ln, valid, block=4))
-    # rows 4 at a time: the third block holds padding rows only and is skipped; the same up to rounding
-    np.testing.assert_allclose(blocks, got, rtol=1e-5, atol=1e-8)
-    for layer in range(L):
+    np.testing.assert_allclose(got, want, rtol=1e-6, atol=1e-8)
+    blocked = jax.jit(kvzip.pass_scores, static_argnames=("block", "self_block"))
+    for block, self_block in ((4, 4), (2, 4), (3, 3)):
+        # rows a few at a time and the pass's own keys in several blocks; with 4-row
+        # blocks the third holds padding rows only and is skipped
+        got_blocks = np.asarray(blocked(q, k_ctx, k_self, softmax_ln, scored_ln, valid, block=block, self_block=self_block))
+        np.testing.assert_allclose(got_blocks, want, rtol=1e-6, atol=1e-8)
+    for layer in range(L):  # the unblocked statement of the rule, one float32 softmax (its own rounding)
         one = slice(layer, layer + 1)
-        want = np.asarray(SCORE(q[one], k_ctx[one], k_self[one], softmax_ln[layer], scored_ln[layer], valid))[0]
-        np.testing.assert_allclose(got[layer], want, rtol=1e-6, atol=1e-8)
+        dense = np.asarray(SCORE(q[one], k_ctx[one], k_self[one], softmax_ln[layer], scored_ln[layer], valid))[0]
+        np.testing.assert_allclose(dense, want[layer], rtol=2e-6, atol=1e-8)
     assert got[~scored_ln].max() == 0 and got[scored_ln].min() > 0
 
 

@@ -80,7 +80,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxkv.attention import group_heads, gqa_scores, masked_softmax
+from jaxkv.attention import gqa_scores, group_heads, masked_softmax
 from jaxkv.errors import ConfigError
 from jaxkv.policies.base import Needs, Policy, register
 
@@ -113,7 +113,7 @@ def reconstruction_scores(q_LXHD, k_LNKD, kself_LXKD, softmax_N, scored_N, valid
     ``y <= x`` (causal); the score of entry ``i`` of KV head ``k`` is the maximum
     over valid rows and over ``k``'s ``G`` query heads of its probability.
     """
-    L, X, Hq, D = q_LXHD.shape
+    L, X, Hq, _ = q_LXHD.shape
     Hkv = k_LNKD.shape[2]
     N = k_LNKD.shape[1]
     q_LXKGD = group_heads(q_LXHD, Hkv)
@@ -154,61 +154,83 @@ def context_scores(chunk_scores_LNK, n_sink: int = N_SINK):
     return total_LNK.at[:, :n_sink].set(total_LNK.max() + 1.0)
 
 
-PASS_ROW_BLOCK = 256  # rows of a pass whose softmax ``pass_scores`` holds at once
+PASS_ROW_BLOCK = 128  # rows of a pass whose scores ``pass_scores`` holds at once
+PASS_SELF_BLOCK = 256  # the pass's own keys per step of its causal walk
 
 
-def pass_scores(q_LXHD, k_LNKD, kself_LXKD, softmax_LN, scored_LN, valid_X, block: int = PASS_ROW_BLOCK):
-    """``reconstruction_scores`` of one pass with a context mask per layer, one
-    (layer, KV head) pair and ``block`` rows at a time: ``[L, N, Hkv]`` float32.
+def pass_scores(q_LXHD, k_LNKD, kself_LXKD, softmax_LN, scored_LN, valid_X, block: int = PASS_ROW_BLOCK, self_block: int = PASS_SELF_BLOCK):
+    """``reconstruction_scores`` of one pass with a context mask per layer, one layer
+    and ``block`` rows at a time: ``[L, N, Hkv]`` float32.
 
     ``softmax_LN`` / ``scored_LN`` (bool ``[L, N]``) are layer ``l``'s
     ``softmax_N`` / ``scored_N`` (per-layer keep sets: each layer's softmax runs
     over the entries it still reads); the other arguments are
-    ``reconstruction_scores``'s. Pair ``a = l·Hkv + k`` is layer ``l``'s KV head
-    ``k`` with its ``G`` query heads; each block of rows ``[r, r + block)`` takes
-    its own softmax over the context's visible entries and the input's keys up to
-    each row (causal), exactly as ``reconstruction_scores`` does, and the scores
-    are the maximum over blocks. So the largest array held is ``[G, block, N + X]``
-    (one call over every layer would hold ``[L, Hkv, G, X, N + X]``: about 9 GB for
-    a 2,048-token context and pass on SmolLM2), and the numbers are the same. A
-    block whose rows are all invalid (a pass padded to its compiled size) is not
-    computed: it would score 0 everywhere."""
-    L, X, Hq, D = q_LXHD.shape
-    N, Hkv = k_LNKD.shape[1], k_LNKD.shape[2]
-    A, G = L * Hkv, Hq // Hkv
-    R = min(int(block), X)
-    blocks = -(-X // R)
-    q_AXGD = jnp.swapaxes(group_heads(jnp.asarray(q_LXHD, jnp.float32), Hkv), 1, 2).reshape(A, X, G, D)
-    q_AXGD = jnp.pad(q_AXGD, ((0, 0), (0, blocks * R - X), (0, 0), (0, 0)))  # padding rows: invalid
-    k_AND = jnp.swapaxes(jnp.asarray(k_LNKD, jnp.float32), 1, 2).reshape(A, N, D)
-    kself_AXD = jnp.swapaxes(jnp.asarray(kself_LXKD, jnp.float32), 1, 2).reshape(A, X, D)
-    softmax_AN = jnp.repeat(jnp.asarray(softmax_LN, bool), Hkv, axis=0)
-    scored_AN = jnp.repeat(jnp.asarray(scored_LN, bool), Hkv, axis=0)
-    valid_X = jnp.asarray(valid_X, bool)
-    valid_rows = jnp.pad(valid_X, (0, blocks * R - X))
-    cols_X = jnp.arange(X)
+    ``reconstruction_scores``'s, and so are the numbers (to float32 rounding).
 
-    def one(pair):
-        q_XGD, k_ND, kself_XD, softmax_N, scored_N = pair
+    How, and why: the score of entry ``i`` is ``max_x p_{x,i} = exp(max_x (l_{x,i}
+    - lse_x))``, with ``l`` the scaled logits and ``lse_x`` row ``x``'s log of the
+    softmax's denominator. So a block of rows never forms the probabilities: it
+    takes ``lse`` over the context's visible entries and, by an online
+    log-sum-exp, over the pass's own keys walked causally in blocks of
+    ``self_block`` up to the block's last row (the keys after it are never
+    visible, so they are never multiplied), then keeps the maximum of ``l - lse``
+    per entry; one exponential per entry at the end. A layer's KV heads run
+    together (``[Hkv, G, block, N]`` logits), and a block whose rows are all
+    invalid (a pass padded to its compiled size) is skipped. Against a softmax per
+    (layer, KV head) pair and block over ``[context, every input key]``, this
+    reads half the pass's own keys and makes one pass fewer over the logits:
+    ``python -m eval.bench.kvzip_event`` gives the scoring's seconds."""
+    _, X, _, D = q_LXHD.shape
+    N, Hkv = k_LNKD.shape[1], k_LNKD.shape[2]
+    R = min(int(block), X)
+    S = -(-max(int(self_block), R) // R) * R  # a whole number of row blocks
+    Xp = -(-X // S) * S  # rows and the pass's keys, padded (invalid)
+    neg = jnp.float32(-jnp.inf)
+    q_LKGXD = jnp.transpose(group_heads(jnp.asarray(q_LXHD, jnp.float32), Hkv), (0, 2, 3, 1, 4)) * jnp.float32(1.0 / np.sqrt(D))
+    q_LKGXD = jnp.pad(q_LKGXD, ((0, 0), (0, 0), (0, 0), (0, Xp - X), (0, 0)))
+    k_LKND = jnp.transpose(jnp.asarray(k_LNKD, jnp.float32), (0, 2, 1, 3))
+    kself_LKXD = jnp.pad(jnp.transpose(jnp.asarray(kself_LXKD, jnp.float32), (0, 2, 1, 3)), ((0, 0), (0, 0), (0, Xp - X), (0, 0)))
+    valid_X = jnp.pad(jnp.asarray(valid_X, bool), (0, Xp - X))
+
+    def finite_or_zero(m):
+        return jnp.where(jnp.isfinite(m), m, 0.0)
+
+    def layer(args):
+        q_KGXD, k_KND, kself_KXD, softmax_N, scored_N = args
 
         def block_scores(b):
-            q_RGD = jax.lax.dynamic_slice_in_dim(q_XGD, b * R, R)
+            q_KGRD = jax.lax.dynamic_slice_in_dim(q_KGXD, b * R, R, axis=2)
             row_R = b * R + jnp.arange(R)
-            logits_GRM = jnp.concatenate([gqa_scores(q_RGD[:, None], k_ND[:, None]), gqa_scores(q_RGD[:, None], kself_XD[:, None])], -1)[0]
-            causal_RX = (cols_X[None, :] <= row_R[:, None]) & valid_X[None, :]
-            visible_RM = jnp.concatenate([jnp.broadcast_to(softmax_N[None, :], (R, N)), causal_RX], axis=-1)
-            probs_GRN = masked_softmax(logits_GRM, visible_RM)[..., :N]
-            probs_GRN = jnp.where(jax.lax.dynamic_slice_in_dim(valid_rows, b * R, R)[None, :, None], probs_GRN, 0.0)
-            return probs_GRN.max(axis=(0, 1))
+            logit_KGRN = jnp.where(softmax_N, jnp.einsum("kgrd,knd->kgrn", q_KGRD, k_KND), neg)
+            m_KGR = logit_KGRN.max(-1)
+            z_KGR = jnp.exp(logit_KGRN - finite_or_zero(m_KGR)[..., None]).sum(-1)
+
+            def own_keys(c, mz):  # the pass's keys [c·S, (c+1)·S): the online log-sum-exp
+                m, z = mz
+                col_S = c * S + jnp.arange(S)
+                visible_RS = (col_S[None, :] <= row_R[:, None]) & jax.lax.dynamic_slice_in_dim(valid_X, c * S, S)[None, :]
+                kself_KSD = jax.lax.dynamic_slice_in_dim(kself_KXD, c * S, S, axis=1)
+                logit_KGRS = jnp.where(visible_RS, jnp.einsum("kgrd,ksd->kgrs", q_KGRD, kself_KSD), neg)
+                m_new = jnp.maximum(m, logit_KGRS.max(-1))
+                rescale = jnp.exp(jnp.where(jnp.isfinite(m), m - finite_or_zero(m_new), neg))
+                return m_new, z * rescale + jnp.exp(logit_KGRS - finite_or_zero(m_new)[..., None]).sum(-1)
+
+            m_KGR, z_KGR = jax.lax.fori_loop(0, (b * R + R - 1) // S + 1, own_keys, (m_KGR, z_KGR))
+            # (l - m) - log z, not l - (m + log z): the logits' scale never enters the rounding
+            log_p_KGRN = (logit_KGRN - finite_or_zero(m_KGR)[..., None]) - jnp.log(z_KGR)[..., None]
+            live_R = jax.lax.dynamic_slice_in_dim(valid_X, b * R, R)
+            return jnp.where(live_R[:, None], log_p_KGRN, neg).max(axis=(1, 2))
 
         def rows(b):  # a block of padding rows only scores 0 everywhere: skipped (a pass is padded to pass_rows)
-            live = jax.lax.dynamic_slice_in_dim(valid_rows, b * R, R).any()
-            return jax.lax.cond(live, block_scores, lambda b: jnp.zeros(N, jnp.float32), b)
+            live = jax.lax.dynamic_slice_in_dim(valid_X, b * R, R).any()
+            return jax.lax.cond(live, block_scores, lambda b: jnp.full((Hkv, N), neg), b)
 
-        return jnp.where(scored_N, jax.lax.map(rows, jnp.arange(blocks)).max(axis=0), 0.0)
+        best_KN = jax.lax.map(rows, jnp.arange(Xp // R)).max(axis=0)
+        return jnp.where(scored_N & softmax_N, jnp.exp(best_KN), 0.0)
 
-    score_AN = jax.lax.map(one, (q_AXGD, k_AND, kself_AXD, softmax_AN, scored_AN))
-    return score_AN.reshape(L, Hkv, N).transpose(0, 2, 1)
+    softmax_LN, scored_LN = jnp.asarray(softmax_LN, bool), jnp.asarray(scored_LN, bool)
+    score_LKN = jax.lax.map(layer, (q_LKGXD, k_LKND, kself_LKXD, softmax_LN, scored_LN))
+    return score_LKN.transpose(0, 2, 1)
 
 
 # --------------------------------------------------------------------------- the inputs (host side)
