@@ -50,7 +50,17 @@ variant differs from the served one in one respect; ``Fmt()`` reproduces
 * ``steps``: grid entries per octave (8: ``2^((s - 128)/8)``; 16:
   ``2^((s - 160)/16)``, from 2^-10 to 2^6);
 * ``zero``: ``int8`` (in units of the scale) or ``f16`` (a float16 zero rounded
-  down, 3 bytes per group).
+  down, 3 bytes per group);
+* writer-only fits of the same bytes (``eval/results/triaxial/int3_fit``):
+  ``mse_steps`` / ``mse_offsets`` widen the mse search (scale codes ``up`` to
+  ``up - mse_steps``, zero points ``round(min / scale) + {-mse_offsets ..
+  mse_offsets}``); ``refine`` rounds of least squares on the chosen codes (``x ~ z
+  + c s`` in closed form, ``s`` snapped to the two grid entries around it, ``z`` to
+  the zero points around ``z / s``, kept where the group's squared error falls);
+  ``keys`` a different scale rule for the keys than for the values;
+* ``levels``: a non-uniform 3-bit code (code ``c`` means ``levels[c]`` steps above
+  the zero, nearest level written; ``LLOYD_MAX_3`` the Gaussian's Lloyd-Max levels
+  with the ends at 0 and 7): a reader change, modelled here only.
 """
 
 from __future__ import annotations
