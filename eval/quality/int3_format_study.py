@@ -57,7 +57,9 @@ variant differs from the served one in one respect; ``Fmt()`` reproduces
   mse_offsets}``); ``refine`` rounds of least squares on the chosen codes (``x ~ z
   + c s`` in closed form, ``s`` snapped to the two grid entries around it, ``z`` to
   the zero points around ``z / s``, kept where the group's squared error falls);
-  ``keys`` a different scale rule for the keys than for the values;
+  ``keys`` a different scale rule for the keys than for the values; ``power`` the
+  search's error, ``sum |x - x_hat| ** power`` (2 the squared error; larger
+  between it and the covering fit's worst case);
 * ``levels``: a non-uniform 3-bit code (code ``c`` means ``levels[c]`` steps above
   the zero, nearest level written; ``LLOYD_MAX_3`` the Gaussian's Lloyd-Max levels
   with the ends at 0 and 7): a reader change, modelled here only.
@@ -96,6 +98,7 @@ class Fmt:
     mse_offsets: int = 1  # and zero points ``round(min / scale) + {-mse_offsets .. mse_offsets}``
     refine: int = 0  # rounds of least-squares refinement of (scale, zero) on the chosen codes, snapped to the grid
     keys: str = ""  # the keys' scale rule where it differs from ``scale`` (values keep ``scale``)
+    power: int = 2  # the mse search's error: the sum of |x - x_hat| ** power over the group (2: squared)
     levels: tuple = ()  # a non-uniform code: code c means ``levels[c]`` steps above the zero (8 sorted values in [0, 7]); () uniform
 
     def page_bits(self, D: int) -> float:
@@ -166,7 +169,7 @@ def fit_byte(x, axis: int, fmt: Fmt, rule: str | None = None):
 
     def consider(best, s_code, o):
         y, c = trip(s_code, o)
-        err = jnp.sum((y - x) ** 2, axis=axis, keepdims=True)
+        err = jnp.sum(jnp.abs(y - x) ** fmt.power, axis=axis, keepdims=True)
         if best is None:
             return err, y, c
         take = err < best[0]
@@ -393,6 +396,10 @@ VARIANTS = {
         Rule(3, True, sink=1, sink_int4=True),
     ),
     "sink1 Lloyd-Max levels, up": (Fmt(levels=LLOYD_MAX_3), Rule(3, True, sink=1, sink_int4=True)),
+    "sink1 mse 1 step": (Fmt(scale="mse", mse_steps=1), Rule(3, True, sink=1, sink_int4=True)),
+    "sink1 mse 3 steps": (Fmt(scale="mse", mse_steps=3), Rule(3, True, sink=1, sink_int4=True)),
+    "sink1 mse |e|^4, 2 steps": (Fmt(scale="mse", power=4), Rule(3, True, sink=1, sink_int4=True)),
+    "sink1 mse |e|^4, 4 steps, offsets +-2": (Fmt(scale="mse", mse_steps=4, mse_offsets=2, power=4), Rule(3, True, sink=1, sink_int4=True)),
     "sink1 mse 4 steps, offsets +-2": (Fmt(scale="mse", mse_steps=4, mse_offsets=2), Rule(3, True, sink=1, sink_int4=True)),
     "sink1 mse 6 steps, offsets +-3": (Fmt(scale="mse", mse_steps=6, mse_offsets=3), Rule(3, True, sink=1, sink_int4=True)),
     "sink1 mse 2 steps, 2 LS rounds": (Fmt(scale="mse", refine=2), Rule(3, True, sink=1, sink_int4=True)),
