@@ -62,7 +62,7 @@ TOP = (1 << BITS3) - 1
 OFFSET_MAX = 127  # int8 zero points in [-127, 127]
 SCALE_TABLE = np.asarray(2.0 ** ((np.arange(256) - 128) / 8.0), np.float32)  # uint8 code -> scale
 FITS = ("cover", "mse")  # how a group's parameters are chosen (module docstring)
-MSE_STEPS = 2  # the mse fit tries the covering scale code and this many below it
+MSE_STEPS = 1  # the mse fit tries the covering scale code and this many below it
 
 
 def value_group(head_dim: int) -> int:
