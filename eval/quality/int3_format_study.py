@@ -45,8 +45,9 @@ variant differs from the served one in one respect; ``Fmt()`` reproduces
   log, the codes clipped where it is smaller), ``mse`` (of the codes ``up``,
   ``up - 1``, ``up - 2`` and zero points ``round(min / scale) + {-1, 0, 1}``,
   the pair with the least squared error over the group: the same bytes; ties go
-  to the earlier pair in that order, where ``quant3``'s ``fit="mse"``, built from
-  this, tries the covering pair first);
+  to the earlier pair, the zero points in the order 0, -1, +1 as ``quant3``'s
+  ``fit="mse"`` tries them; ``quant3`` now searches one code below the cover,
+  ``mse_steps=1``, since ``eval/results/triaxial/int3_fit``);
 * ``steps``: grid entries per octave (8: ``2^((s - 128)/8)``; 16:
   ``2^((s - 160)/16)``, from 2^-10 to 2^6);
 * ``zero``: ``int8`` (in units of the scale) or ``f16`` (a float16 zero rounded
@@ -388,7 +389,8 @@ VARIANTS = {
     "token 0 INT4, rewrite direct": (Fmt(), Rule(3, True, False, sink=1, sink_int4=True)),
     "token 0 INT4, f16 zero": (Fmt(zero="f16"), Rule(3, True, sink=1, sink_int4=True)),
     "token 0 INT4, byte_v32": (Fmt(vgroup=32), Rule(3, True, sink=1, sink_int4=True)),
-    # round 3 (int3_fit): writer-only fits of the same bytes, on top of the served rotated pool (position 0 INT4, mse)
+    # int3_fit: writer-only fits of the same bytes on top of the rotated pool's rule (position 0 INT4, mse); "served"
+    # names the fit served when they ran (two codes below the cover); quant3 serves "sink1 mse 1 step" since
     "sink1 mse (served: 2 steps, offsets +-1)": (Fmt(scale="mse"), Rule(3, True, sink=1, sink_int4=True)),
     "sink1 up (served unrotated)": (Fmt(), Rule(3, True, sink=1, sink_int4=True)),
     "sink1 Lloyd-Max levels, mse 4 steps, offsets +-2": (
