@@ -329,7 +329,7 @@ def test_sink_tokens_are_written_int4_and_the_rewrite_leaves_them():
 
 def test_int3_mse_fit_against_numpy_no_worse_than_cover_and_its_pool_reads_back_its_values():
     """``fit="mse"`` (a rotated pool's): per group the chosen (scale code, zero point)
-    is one of the tries (the covering code and the two below it, zero points
+    is one of the tries (the covering code and the ``MSE_STEPS`` below it, zero points
     ``rint(m / scale) + {0, -1, 1}``), its codes are the NumPy float32 codes of that
     pair, its squared error is the least of the tries' (float32 sums: within 1e-5)
     and at most the covering fit's; a rotated pool's INT3 pages hold exactly these."""

@@ -45,12 +45,25 @@ variant differs from the served one in one respect; ``Fmt()`` reproduces
   log, the codes clipped where it is smaller), ``mse`` (of the codes ``up``,
   ``up - 1``, ``up - 2`` and zero points ``round(min / scale) + {-1, 0, 1}``,
   the pair with the least squared error over the group: the same bytes; ties go
-  to the earlier pair in that order, where ``quant3``'s ``fit="mse"``, built from
-  this, tries the covering pair first);
+  to the earlier pair, the zero points in the order 0, -1, +1 as ``quant3``'s
+  ``fit="mse"`` tries them; ``quant3`` now searches one code below the cover,
+  ``mse_steps=1``, since ``eval/results/triaxial/int3_fit``);
 * ``steps``: grid entries per octave (8: ``2^((s - 128)/8)``; 16:
   ``2^((s - 160)/16)``, from 2^-10 to 2^6);
 * ``zero``: ``int8`` (in units of the scale) or ``f16`` (a float16 zero rounded
-  down, 3 bytes per group).
+  down, 3 bytes per group);
+* writer-only fits of the same bytes (``eval/results/triaxial/int3_fit``):
+  ``mse_steps`` / ``mse_offsets`` widen the mse search (scale codes ``up`` to
+  ``up - mse_steps``, zero points ``round(min / scale) + {-mse_offsets ..
+  mse_offsets}``); ``refine`` rounds of least squares on the chosen codes (``x ~ z
+  + c s`` in closed form, ``s`` snapped to the two grid entries around it, ``z`` to
+  the zero points around ``z / s``, kept where the group's squared error falls);
+  ``keys`` a different scale rule for the keys than for the values; ``power`` the
+  search's error, ``sum |x - x_hat| ** power`` (2 the squared error; larger
+  between it and the covering fit's worst case);
+* ``levels``: a non-uniform 3-bit code (code ``c`` means ``levels[c]`` steps above
+  the zero, nearest level written; ``LLOYD_MAX_3`` the Gaussian's Lloyd-Max levels
+  with the ends at 0 and 7): a reader change, modelled here only.
 """
 
 from __future__ import annotations
@@ -82,6 +95,12 @@ class Fmt:
     scale: str = "up"
     steps: int = 8
     zero: str = "int8"
+    mse_steps: int = 2  # the mse search: scale codes ``up`` .. ``up - mse_steps``
+    mse_offsets: int = 1  # and zero points ``round(min / scale) + {-mse_offsets .. mse_offsets}``
+    refine: int = 0  # rounds of least-squares refinement of (scale, zero) on the chosen codes, snapped to the grid
+    keys: str = ""  # the keys' scale rule where it differs from ``scale`` (values keep ``scale``)
+    power: int = 2  # the mse search's error: the sum of |x - x_hat| ** power over the group (2: squared)
+    levels: tuple = ()  # a non-uniform code: code c means ``levels[c]`` steps above the zero (8 sorted values in [0, 7]); () uniform
 
     def page_bits(self, D: int) -> float:
         """Stored bits per element of an INT3 page token, K and V averaged."""
@@ -106,10 +125,12 @@ def _grid(fmt: Fmt):
     return np.asarray(2.0 ** ((np.arange(256) - centre) / fmt.steps), np.float32)
 
 
-def fit_byte(x, axis: int, fmt: Fmt):
-    """``x`` round-tripped with one-byte parameters per group along ``axis`` (``fmt``)."""
+def fit_byte(x, axis: int, fmt: Fmt, rule: str | None = None):
+    """``x`` round-tripped with one-byte parameters per group along ``axis`` (``fmt``;
+    ``rule`` the scale rule, ``fmt.scale`` by default)."""
     from jaxkv.kernels.quant import _round_f16
 
+    rule = rule or fmt.scale
     x = x.astype(jnp.float32)
     table = jnp.asarray(_grid(fmt))
     lo = jnp.min(x, axis=axis, keepdims=True)
@@ -121,27 +142,57 @@ def fit_byte(x, axis: int, fmt: Fmt):
         need = jnp.maximum((hi - lo) * (1.0 / 7), jnp.abs(lo) * (1.0 / 127))
     up = jnp.clip(jnp.searchsorted(table, need, side="left"), 0, 255)
 
-    def trip(s_code, o_shift):
+    def trip(s_code, o):
+        """(values, codes) of scale code ``s_code`` and int8 zero point ``o`` (f16 zero: ``o`` unused)."""
         scale = table[jnp.clip(s_code, 0, 255)]
         div = jax.lax.optimization_barrier(jnp.broadcast_to(scale, x.shape))
         if fmt.zero == "f16":
-            return z + jnp.clip(jnp.round((x - z) / div), 0, 7) * scale
-        o = jnp.clip(jnp.round(lo / scale) + o_shift, -127, 127)
-        return o * scale + jnp.clip(jnp.round(x / div - o), 0, 7) * scale  # quant3's float32 order
+            c = jnp.clip(jnp.round((x - z) / div), 0, 7)
+            return z + c * scale, c
+        if fmt.levels:  # the nearest level: thresholds at the midpoints between levels
+            u = x / div - o
+            mids = [(a + b) / 2 for a, b in zip(fmt.levels[:-1], fmt.levels[1:])]
+            c = sum((u > m).astype(jnp.float32) for m in mids)
+            return o * scale + jnp.asarray(fmt.levels, jnp.float32)[c.astype(jnp.int32)] * scale, c
+        c = jnp.clip(jnp.round(x / div - o), 0, 7)
+        return o * scale + c * scale, c  # quant3's float32 order
 
-    if fmt.scale == "up":
-        return trip(up, 0)
-    if fmt.scale == "nearest":
+    def zero(s_code, shift):
+        return jnp.clip(jnp.round(lo / table[jnp.clip(s_code, 0, 255)]) + shift, -127, 127)
+
+    if rule == "up":
+        return trip(up, zero(up, 0))[0]
+    if rule == "nearest":
         exact = jnp.log2(jnp.maximum(need, 1e-30)) * fmt.steps + (128 if fmt.steps == 8 else 160)
-        return trip(jnp.clip(jnp.round(exact), 0, 255).astype(up.dtype), 0)
-    best, best_err = None, None
-    for ds in (0, 1, 2):
-        for do in (0,) if fmt.zero == "f16" else (-1, 0, 1):
-            y = trip(up - ds, do)
-            err = jnp.sum((y - x) ** 2, axis=axis, keepdims=True)
-            best = y if best is None else jnp.where(err < best_err, y, best)
-            best_err = err if best_err is None else jnp.minimum(err, best_err)
-    return best
+        s = jnp.clip(jnp.round(exact), 0, 255).astype(up.dtype)
+        return trip(s, zero(s, 0))[0]
+    best = None  # (err, values, codes)
+
+    def consider(best, s_code, o):
+        y, c = trip(s_code, o)
+        err = jnp.sum(jnp.abs(y - x) ** fmt.power, axis=axis, keepdims=True)
+        if best is None:
+            return err, y, c
+        take = err < best[0]
+        return jnp.where(take, err, best[0]), jnp.where(take, y, best[1]), jnp.where(take, c, best[2])
+
+    offsets = sorted(range(-fmt.mse_offsets, fmt.mse_offsets + 1), key=abs)
+    for ds in range(fmt.mse_steps + 1):
+        for do in (0,) if fmt.zero == "f16" else offsets:
+            best = consider(best, up - ds, zero(up - ds, do))
+    for _ in range(fmt.refine):  # least squares on the chosen codes: x ~ z + c s, snapped to the grid
+        c = best[2]
+        cm, xm = jnp.mean(c, axis=axis, keepdims=True), jnp.mean(x, axis=axis, keepdims=True)
+        var = jnp.mean((c - cm) ** 2, axis=axis, keepdims=True)
+        s_ls = jnp.where(var > 0, jnp.mean((c - cm) * (x - xm), axis=axis, keepdims=True) / jnp.where(var > 0, var, 1.0), need)
+        z_ls = xm - s_ls * cm
+        s_exact = jnp.log2(jnp.maximum(s_ls, 1e-30)) * fmt.steps + (128 if fmt.steps == 8 else 160)
+        for s_code in (jnp.floor(s_exact), jnp.ceil(s_exact)):
+            s_code = jnp.clip(s_code, 0, 255).astype(up.dtype)
+            base = jnp.round(z_ls / table[s_code])
+            for do in (0, -1, 1):
+                best = consider(best, s_code, jnp.clip(base + do, -127, 127))
+    return best[1]
 
 
 def pages_round_trip(k_TKD, v_TKD, fmt: Fmt):
@@ -160,7 +211,7 @@ def pages_round_trip(k_TKD, v_TKD, fmt: Fmt):
 
         k_hat, v_hat = f16(kp, 2), f16(vg, -1)
     else:
-        k_hat, v_hat = fit_byte(kp, 2, fmt), fit_byte(vg, -1, fmt)
+        k_hat, v_hat = fit_byte(kp, 2, fmt, fmt.keys or None), fit_byte(vg, -1, fmt)
     return _tokens(k_hat), _tokens(v_hat.reshape(vp.shape))
 
 
@@ -314,6 +365,9 @@ def quantized_forward(model, ids, T0, kind, pages, fmt: Fmt | None, R, rotate: b
     return reply_logprobs(graphdef, params, jnp.asarray(reply), T0, k, v)[: ids.size - T0]
 
 
+# the 8-level Lloyd-Max quantizer of a unit Gaussian (+-0.2451, +-0.7560, +-1.3439, +-2.1519), its ends at 0 and 7 steps
+LLOYD_MAX_3 = tuple(round(float((l + 2.1519) / 4.3038 * 7), 4) for l in (-2.1519, -1.3439, -0.7560, -0.2451, 0.2451, 0.7560, 1.3439, 2.1519))
+
 VARIANTS = {
     # name: (Fmt, Rule)
     "f16_v32, replies INT4, no rewrite (the 4.17-bit cell)": (Fmt(params="f16", vgroup=32), Rule(4, False)),
@@ -335,6 +389,25 @@ VARIANTS = {
     "token 0 INT4, rewrite direct": (Fmt(), Rule(3, True, False, sink=1, sink_int4=True)),
     "token 0 INT4, f16 zero": (Fmt(zero="f16"), Rule(3, True, sink=1, sink_int4=True)),
     "token 0 INT4, byte_v32": (Fmt(vgroup=32), Rule(3, True, sink=1, sink_int4=True)),
+    # int3_fit: writer-only fits of the same bytes on top of the rotated pool's rule (position 0 INT4, mse); "served"
+    # names the fit served when they ran (two codes below the cover); quant3 serves "sink1 mse 1 step" since
+    "sink1 mse (served: 2 steps, offsets +-1)": (Fmt(scale="mse"), Rule(3, True, sink=1, sink_int4=True)),
+    "sink1 up (served unrotated)": (Fmt(), Rule(3, True, sink=1, sink_int4=True)),
+    "sink1 Lloyd-Max levels, mse 4 steps, offsets +-2": (
+        Fmt(scale="mse", mse_steps=4, mse_offsets=2, levels=LLOYD_MAX_3),
+        Rule(3, True, sink=1, sink_int4=True),
+    ),
+    "sink1 Lloyd-Max levels, up": (Fmt(levels=LLOYD_MAX_3), Rule(3, True, sink=1, sink_int4=True)),
+    "sink1 mse 1 step": (Fmt(scale="mse", mse_steps=1), Rule(3, True, sink=1, sink_int4=True)),
+    "sink1 mse 3 steps": (Fmt(scale="mse", mse_steps=3), Rule(3, True, sink=1, sink_int4=True)),
+    "sink1 mse |e|^4, 2 steps": (Fmt(scale="mse", power=4), Rule(3, True, sink=1, sink_int4=True)),
+    "sink1 mse |e|^4, 4 steps, offsets +-2": (Fmt(scale="mse", mse_steps=4, mse_offsets=2, power=4), Rule(3, True, sink=1, sink_int4=True)),
+    "sink1 mse 4 steps, offsets +-2": (Fmt(scale="mse", mse_steps=4, mse_offsets=2), Rule(3, True, sink=1, sink_int4=True)),
+    "sink1 mse 6 steps, offsets +-3": (Fmt(scale="mse", mse_steps=6, mse_offsets=3), Rule(3, True, sink=1, sink_int4=True)),
+    "sink1 mse 2 steps, 2 LS rounds": (Fmt(scale="mse", refine=2), Rule(3, True, sink=1, sink_int4=True)),
+    "sink1 mse 4 steps, offsets +-2, 2 LS rounds": (Fmt(scale="mse", mse_steps=4, mse_offsets=2, refine=2), Rule(3, True, sink=1, sink_int4=True)),
+    "sink1 mse values, keys up": (Fmt(scale="mse", keys="up"), Rule(3, True, sink=1, sink_int4=True)),
+    "sink1 mse keys, values up": (Fmt(scale="up", keys="mse"), Rule(3, True, sink=1, sink_int4=True)),
 }
 
 
