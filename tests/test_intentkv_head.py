@@ -714,3 +714,18 @@ def test_a_named_models_head_is_found_beside_its_converted_copy(tmp_path, monkey
     assert head_folder_of(elsewhere) == registry.model_dir(name) / ih.HEAD_FOLDER  # the weights name the model
     assert head_folder_of(types.SimpleNamespace(path=tmp_path / "elsewhere")) is None
     assert head_folder_of(types.SimpleNamespace(path=None)) is None
+
+
+def test_row_generation_turns_on_the_persistent_compilation_cache(task_model_dir, tmp_path, monkeypatch):
+    """A resumed run loads the programs of shapes an earlier run compiled (module
+    docstring, Cost): ``generate`` turns the cache on before it loads the model."""
+    from jaxkv import compiles
+    from train import intentkv_data
+
+    calls = []
+    monkeypatch.setattr(compiles, "enable_persistent_cache", lambda *a, **k: calls.append(a))
+    summary = intentkv_data.generate(
+        intentkv_data.parse_args(["--out", str(tmp_path / "data"), "--model", str(task_model_dir), "--traces", "0", "--heldout", "0", "--quiet"])
+    )
+    assert calls == [()]
+    assert summary["train"]["rows"] == 0 and summary["heldout"]["rows"] == 0

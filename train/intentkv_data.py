@@ -116,6 +116,20 @@ stopped; ``meta.json`` records the arguments and totals. Its ``seconds`` is the
 generation time of this run plus, when it reused shards, the ``seconds`` of the
 last finished run (``seconds_this_run``: this run alone); an interrupted run's time
 is not counted.
+
+Cost (issue #75, managed rows of SmolLM2-135M traces of 1k-4k tokens, measured on
+seeds 200,000,000-2 on a 2-core host shared with other jobs, nice 15). A trace
+costs two forwards of its whole conversation and the replies' reads: the
+full-cache capture (``capture_qk``, about 20-27 s a trace), the managed
+session's replay (about 19-25 s), ``read_stats`` (1-10 s: numpy, memory-bound,
+so it varies most with the host's load) and the programs of shapes the process
+has not met yet (a capture bucket, a session's event sizes and steps: 27 programs
+on a process's first trace, 6-8 on each of the next two, 40-60 s of compiles over
+the three). ``generate`` turns on the persistent compilation cache
+(``jaxkv.compiles.enable_persistent_cache``, ``$JAXKV_XLA_CACHE``), so a resumed
+or later run loads those programs: 188 s for the three traces without it, 132 s
+with a warm cache, the rows bitwise equal. The forwards are the floor: about 40 s
+a trace on that host.
 """
 
 from __future__ import annotations
@@ -706,6 +720,7 @@ def load_shards(folder, split: str) -> list[dict[str, np.ndarray]]:
 
 def generate(args) -> dict:
     import jaxkv
+    from jaxkv import compiles
     from jaxkv.tasks.agent import one_trace
     from jaxkv.tasks.example import for_template
     from train.replay import session_budget
@@ -713,6 +728,10 @@ def generate(args) -> dict:
     check_seed_ranges()
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
+    # Each trace's lengths reach new shapes (its capture's bucket, its session's event
+    # sizes): a run compiles tens of programs, about a third of a cold process's first
+    # traces. The persistent cache keeps them for a resumed run (module docstring, Cost).
+    compiles.enable_persistent_cache()
     model = jaxkv.load_model(args.model)
     plan = [("train", args.traces), ("heldout", args.heldout)]
     part, parts = args.part

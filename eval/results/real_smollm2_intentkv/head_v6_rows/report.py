@@ -1,0 +1,112 @@
+"""The sixth head's table (issue #75): per trace length, the NLL increase over the
+full cache of the rule, the fourth head (shipped) and the sixth head, and their
+paired differences, from the harness journals.
+
+    python eval/results/real_smollm2_intentkv/head_v6_rows/report.py
+
+Folders: ``../head_v5_1k4k/len<L>/`` holds the harness cells ``full``,
+``intentkv_memory`` and ``intentkv`` with the fourth head in the asset folder;
+``len<L>_v6/`` here the cell ``intentkv`` with the sixth head (its ``full`` cell's
+journal line and references copied from ``../head_v5_1k4k/len<L>/``, so
+``--resume`` skipped it). Intervals: ``eval.common.stats``'s paired percentile
+bootstrap over traces (2,000 resamples, seed 0)."""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+import numpy as np
+
+HERE = Path(__file__).resolve().parent
+V5 = HERE.parent / "head_v5_1k4k"
+sys.path.insert(0, str(HERE.parents[3]))
+
+from eval.common.stats import bootstrap_ci  # noqa: E402
+from eval.quality.harness import paired_nll_difference  # noqa: E402
+
+
+def cells(folder: Path) -> dict:
+    out = {}
+    for line in (folder / "cells.jsonl").read_text().splitlines():
+        rec = json.loads(line)
+        row = rec["row"]
+        out[(row["method"], str(row["budget"]))] = (rec["setup"], row)
+    return out
+
+
+def fid(row) -> list:
+    per = row["per_example"]["fidelity"]
+    if any(f is None for f in per):
+        raise ValueError(f"{row['method']}: a replay did not complete")
+    return per
+
+
+def increase(per) -> tuple[float, float, float]:
+    t = np.asarray([f["tokens"] for f in per], np.float64)
+    d = np.asarray([f["dnll"] for f in per], np.float64)
+    return bootstrap_ci(lambda d, t: d.sum(-1) / t.sum(-1), d, t)
+
+
+def fmt(x):
+    return f"{x[0]:+.3f} [{x[1]:+.3f}, {x[2]:+.3f}]"
+
+
+def fmt4(x):
+    return f"{x[0]:+.4f} [{x[1]:+.4f}, {x[2]:+.4f}]"
+
+
+def main():
+    lines = [
+        "| length (embedded → rendered SmolLM2 tokens) | n | budget | rule `intentkv_memory` | fourth head (shipped) | sixth head | fourth head − rule | sixth head − rule | sixth − fourth |",
+        "|---|---:|---:|---:|---:|---:|---:|---:|---:|",
+    ]
+    kl = ["| tokens | budget | rule | fourth head | sixth head |", "|---|---:|---:|---:|---:|"]
+    walls = []
+    for L in (1000, 1472, 2600):
+        old_dir, new_dir = V5 / f"len{L}", HERE / f"len{L}_v6"
+        old = cells(old_dir)
+        new = cells(new_dir) if (new_dir / "cells.jsonl").is_file() else {}
+        full_setup, full = old[("full", "-")]
+        for (method, budget), (setup, row) in sorted(new.items()):
+            if method != "full":
+                walls.append((new_dir.name, method + " (sixth head)", budget, row["wall_s"]))
+        for b in sorted({b for m, b in old if m == "intentkv_memory"}):
+            rule_row, head4_row = old[("intentkv_memory", b)][1], old[("intentkv", b)][1]
+            rule, head4 = fid(rule_row), fid(head4_row)
+            cell6 = new.get(("intentkv", b))
+            if cell6 is not None:
+                assert cell6[0] == old[("intentkv", b)][0], "the sixth head's cell must replay the same setup"
+                assert new[("full", "-")][1]["per_example"] == full["per_example"], "the same full cell"
+            head6 = fid(cell6[1]) if cell6 else None
+            rendered = full["peak_request_tokens"]
+            lines.append(
+                "| "
+                + " | ".join(
+                    [
+                        f"{full_setup['length']} → {rendered:,.0f}",
+                        str(full["n"]),
+                        b,
+                        fmt(increase(rule)),
+                        fmt(increase(head4)),
+                        fmt(increase(head6)) if head6 else "not run",
+                        fmt(paired_nll_difference(head4, rule)),
+                        fmt(paired_nll_difference(head6, rule)) if head6 else "-",
+                        fmt4(paired_nll_difference(head6, head4)) if head6 else "-",
+                    ]
+                )
+                + " |"
+            )
+            kl.append(
+                f"| ~{rendered:,.0f} | {b} | {rule_row['kl']:.3f} | {head4_row['kl']:.3f} | "
+                + (f"{cell6[1]['kl']:.3f} |" if cell6 else "not run |")
+            )
+    lines += ["", "KL(full || managed) per token:", ""] + kl
+    lines += ["", "| folder | cell | budget | wall s |", "|---|---|---:|---:|"]
+    lines += [f"| {d} | {m} | {b} | {w:,.0f} |" for d, m, b, w in walls]
+    print("\n".join(lines))
+
+
+if __name__ == "__main__":
+    main()
