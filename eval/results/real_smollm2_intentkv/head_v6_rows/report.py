@@ -13,48 +13,28 @@ bootstrap over traces (2,000 resamples, seed 0)."""
 
 from __future__ import annotations
 
-import json
+import importlib.util
 import sys
 from pathlib import Path
-
-import numpy as np
 
 HERE = Path(__file__).resolve().parent
 V5 = HERE.parent / "head_v5_1k4k"
 sys.path.insert(0, str(HERE.parents[3]))
 
-from eval.common.stats import bootstrap_ci  # noqa: E402
-from eval.quality.harness import paired_nll_difference  # noqa: E402
+from eval.quality.harness import paired_nll_difference
 
 
-def cells(folder: Path) -> dict:
-    out = {}
-    for line in (folder / "cells.jsonl").read_text().splitlines():
-        rec = json.loads(line)
-        row = rec["row"]
-        out[(row["method"], str(row["budget"]))] = (rec["setup"], row)
-    return out
+def _head_v5_report():
+    """``../head_v5_1k4k/report.py`` as a module: its journal readers and formats are
+    this table's too (one copy of them)."""
+    spec = importlib.util.spec_from_file_location("head_v5_report", V5 / "report.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
 
 
-def fid(row) -> list:
-    per = row["per_example"]["fidelity"]
-    if any(f is None for f in per):
-        raise ValueError(f"{row['method']}: a replay did not complete")
-    return per
-
-
-def increase(per) -> tuple[float, float, float]:
-    t = np.asarray([f["tokens"] for f in per], np.float64)
-    d = np.asarray([f["dnll"] for f in per], np.float64)
-    return bootstrap_ci(lambda d, t: d.sum(-1) / t.sum(-1), d, t)
-
-
-def fmt(x):
-    return f"{x[0]:+.3f} [{x[1]:+.3f}, {x[2]:+.3f}]"
-
-
-def fmt4(x):
-    return f"{x[0]:+.4f} [{x[1]:+.4f}, {x[2]:+.4f}]"
+_V5_REPORT = _head_v5_report()
+cells, fid, increase, fmt, fmt4 = _V5_REPORT.cells, _V5_REPORT.fid, _V5_REPORT.increase, _V5_REPORT.fmt, _V5_REPORT.fmt4
 
 
 def main():
