@@ -21,8 +21,8 @@ import numpy as np
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE.parents[3]))
 
-from eval.common.stats import bootstrap_ci  # noqa: E402
-from eval.quality.harness import paired_nll_difference  # noqa: E402
+from eval.common.stats import bootstrap_ci
+from eval.quality.harness import paired_nll_difference
 
 
 def cells(folder: Path) -> dict:
@@ -55,6 +55,32 @@ def fmt4(x):
     return f"{x[0]:+.4f} [{x[1]:+.4f}, {x[2]:+.4f}]"
 
 
+def head_row(old: dict, new: dict, budget: str, name: str):
+    """The table row of one budget: the rule, the fourth head (``old``'s cells) and a
+    new head (``new``'s ``intentkv`` cell, ``name``: "fifth", "sixth"), with the paired
+    differences; and the new head's cell (None: not run). The new cell must replay the
+    old one's setup against the same full cell."""
+    full_setup, full = old[("full", "-")]
+    rule, head4 = fid(old[("intentkv_memory", budget)][1]), fid(old[("intentkv", budget)][1])
+    cell = new.get(("intentkv", budget))
+    if cell is not None:
+        assert cell[0] == old[("intentkv", budget)][0], f"the {name} head's cell must replay the same setup"
+        assert new[("full", "-")][1]["per_example"] == full["per_example"], "the same full cell"
+    head = fid(cell[1]) if cell else None
+    cols = [
+        f"{full_setup['length']} → {full['peak_request_tokens']:,.0f}",
+        str(full["n"]),
+        budget,
+        fmt(increase(rule)),
+        fmt(increase(head4)),
+        fmt(increase(head)) if head else "not run",
+        fmt(paired_nll_difference(head4, rule)),
+        fmt(paired_nll_difference(head, rule)) if head else "-",
+        fmt4(paired_nll_difference(head, head4)) if head else "-",
+    ]
+    return "| " + " | ".join(cols) + " |", cell
+
+
 def main():
     lines = [
         "| length (embedded → rendered SmolLM2 tokens) | n | budget | rule `intentkv_memory` | fourth head (shipped before) | fifth head | fourth head − rule | fifth head − rule | fifth − fourth |",
@@ -66,7 +92,6 @@ def main():
             continue
         new_dir = old_dir.with_name(old_dir.name + "_v5")
         old, new = cells(old_dir), cells(new_dir) if (new_dir / "cells.jsonl").is_file() else {}
-        full_setup, full = old[("full", "-")]
         for (method, budget), (setup, row) in sorted(old.items()):
             walls.append((old_dir.name, method, budget, row["wall_s"]))
         for (method, budget), (setup, row) in sorted(new.items()):
@@ -74,31 +99,7 @@ def main():
                 walls.append((new_dir.name, method + " (fifth head)", budget, row["wall_s"]))
         budgets = sorted({b for m, b in old if m == "intentkv_memory"})
         for b in budgets:
-            rule = fid(old[("intentkv_memory", b)][1])
-            head4 = fid(old[("intentkv", b)][1])
-            cell5 = new.get(("intentkv", b))
-            if cell5 is not None:
-                assert cell5[0] == old[("intentkv", b)][0], "the fifth head's cell must replay the same setup"
-                assert new[("full", "-")][1]["per_example"] == full["per_example"], "the same full cell"
-            head5 = fid(cell5[1]) if cell5 else None
-            rendered = full["peak_request_tokens"]
-            lines.append(
-                "| "
-                + " | ".join(
-                    [
-                        f"{full_setup['length']} → {rendered:,.0f}",
-                        str(full["n"]),
-                        b,
-                        fmt(increase(rule)),
-                        fmt(increase(head4)),
-                        fmt(increase(head5)) if head5 else "not run",
-                        fmt(paired_nll_difference(head4, rule)),
-                        fmt(paired_nll_difference(head5, rule)) if head5 else "-",
-                        fmt4(paired_nll_difference(head5, head4)) if head5 else "-",
-                    ]
-                )
-                + " |"
-            )
+            lines.append(head_row(old, new, b, "fifth")[0])
     lines += ["", "| folder | cell | budget | wall s |", "|---|---|---:|---:|"]
     lines += [f"| {d} | {m} | {b} | {w:,.0f} |" for d, m, b, w in walls]
     print("\n".join(lines))

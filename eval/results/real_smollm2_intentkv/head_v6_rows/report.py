@@ -21,8 +21,6 @@ HERE = Path(__file__).resolve().parent
 V5 = HERE.parent / "head_v5_1k4k"
 sys.path.insert(0, str(HERE.parents[3]))
 
-from eval.quality.harness import paired_nll_difference
-
 
 def _head_v5_report():
     """``../head_v5_1k4k/report.py`` as a module: its journal readers and formats are
@@ -34,7 +32,7 @@ def _head_v5_report():
 
 
 _V5_REPORT = _head_v5_report()
-cells, fid, increase, fmt, fmt4 = _V5_REPORT.cells, _V5_REPORT.fid, _V5_REPORT.increase, _V5_REPORT.fmt, _V5_REPORT.fmt4
+cells, head_row = _V5_REPORT.cells, _V5_REPORT.head_row
 
 
 def main():
@@ -48,36 +46,14 @@ def main():
         old_dir, new_dir = V5 / f"len{L}", HERE / f"len{L}_v6"
         old = cells(old_dir)
         new = cells(new_dir) if (new_dir / "cells.jsonl").is_file() else {}
-        full_setup, full = old[("full", "-")]
+        full = old[("full", "-")][1]
         for (method, budget), (setup, row) in sorted(new.items()):
             if method != "full":
                 walls.append((new_dir.name, method + " (sixth head)", budget, row["wall_s"]))
         for b in sorted({b for m, b in old if m == "intentkv_memory"}):
-            rule_row, head4_row = old[("intentkv_memory", b)][1], old[("intentkv", b)][1]
-            rule, head4 = fid(rule_row), fid(head4_row)
-            cell6 = new.get(("intentkv", b))
-            if cell6 is not None:
-                assert cell6[0] == old[("intentkv", b)][0], "the sixth head's cell must replay the same setup"
-                assert new[("full", "-")][1]["per_example"] == full["per_example"], "the same full cell"
-            head6 = fid(cell6[1]) if cell6 else None
-            rendered = full["peak_request_tokens"]
-            lines.append(
-                "| "
-                + " | ".join(
-                    [
-                        f"{full_setup['length']} → {rendered:,.0f}",
-                        str(full["n"]),
-                        b,
-                        fmt(increase(rule)),
-                        fmt(increase(head4)),
-                        fmt(increase(head6)) if head6 else "not run",
-                        fmt(paired_nll_difference(head4, rule)),
-                        fmt(paired_nll_difference(head6, rule)) if head6 else "-",
-                        fmt4(paired_nll_difference(head6, head4)) if head6 else "-",
-                    ]
-                )
-                + " |"
-            )
+            line, cell6 = head_row(old, new, b, "sixth")
+            lines.append(line)
+            rule_row, head4_row, rendered = old[("intentkv_memory", b)][1], old[("intentkv", b)][1], full["peak_request_tokens"]
             kl.append(
                 f"| ~{rendered:,.0f} | {b} | {rule_row['kl']:.3f} | {head4_row['kl']:.3f} | "
                 + (f"{cell6[1]['kl']:.3f} |" if cell6 else "not run |")
