@@ -61,6 +61,24 @@ def test_report_reads_this_rounds_examples_and_pairs_best_against_best(tmp_path)
     assert "- KVzip against KVzipPress (kvzip@0.5 − KVzipPress@0.5): +50 [" in text
 
 
+def test_the_named_kvzip_cell_sets_the_examples_and_stands_against_kvzippress(tmp_path):
+    # one-set kvzip ran 2 examples, kvzip/shared 6: with --kvzip-cell kvzip/shared the round is the 6
+    shared, one_set, press = [1, 1, 0, 1, 1, 1], [0, 1], [1, 0, 0, 1, 0, 1, 1, 1]
+    _write(
+        tmp_path / "jx" / "examples.jsonl",
+        [_jx(s, {"full": _cell(1), "kvzip/shared@0.5": _cell(shared[s])} | ({"kvzip@0.5": _cell(one_set[s])} if s < 2 else {})) for s in range(6)],
+    )
+    _write(tmp_path / "kp" / "examples.jsonl", [_kp(s, {"full": _cell(1), "KVzipPress@0.5": _cell(press[s])}) for s in range(8)])
+    text, rows = kvzip_report.report([tmp_path / "jx"], [tmp_path / "kp"], 0.5, kvzip_cell="kvzip/shared")
+    by = {(r["side"], r["cell"]): r for r in rows}
+    assert by[("jaxkv", "full")]["n"] == by[("kvpress", "KVzipPress@0.5")]["n"] == 6
+    assert by[("jaxkv", "kvzip@0.5")]["n"] == 2  # listed on its own examples, not the best (2 of 6)
+    assert "jaxkv's best branched cell: kvzip/shared@0.5" in text
+    assert f"- KVzip against KVzipPress (kvzip/shared@0.5 − KVzipPress@0.5): +{100 * (np.mean(shared) - np.mean(press[:6])):.0f} [" in text
+    default, _ = kvzip_report.report([tmp_path / "jx"], [tmp_path / "kp"], 0.5)  # one-set kvzip's 2 examples
+    assert "2 examples both sides ran" in default
+
+
 def test_lm_scores_are_nll_increases_over_each_sides_full_cache(tmp_path):
     _write(
         tmp_path / "jx" / "examples.jsonl",

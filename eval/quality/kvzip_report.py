@@ -16,7 +16,7 @@ common seeds), and writes per task and setting:
   seconds and, where it forwards tokens to score (KVzip's passes), its mean
   scoring tokens;
 * the examples: the full cache's on both sides, narrowed to those KVzip ran
-  (``kvzip@R`` / ``KVzipPress@R``) where either side has it, so older cells of
+  (``--kvzip-cell``, ``kvzip`` by default, at R / ``KVzipPress@R``) where either side has it, so older cells of
   more examples are read on this round's; the best of a side is among the cells
   that ran every one of them;
 * paired 95% intervals (``eval.common.stats.paired_gain``, bootstrap over
@@ -108,12 +108,15 @@ def fmt_gain(res, lower: bool) -> str:
     return f"{100 * g:+.0f} [{100 * lo:+.0f}, {100 * hi:+.0f}] (n {n})"
 
 
-def section(key: tuple, jx: dict, kp: dict, ratio: float) -> tuple[list[str], list[dict]]:
-    """The markdown of one (task, context, setting) and its csv rows."""
+def section(key: tuple, jx: dict, kp: dict, ratio: float, kvzip_cell: str = "kvzip") -> tuple[list[str], list[dict]]:
+    """The markdown of one (task, context, setting) and its csv rows; ``kvzip_cell``
+    names jaxkv's KVzip cell (``kvzip``, ``kvzip/shared``, ...) that sets this round's
+    examples and stands against ``KVzipPress``."""
     task, context, setting = key
     lower = task in LM_TASKS
+    jx_kvzip = f"{kvzip_cell}@{ratio:g}"
     common = set(jx.get("full", {})) & set(kp.get("full", {}))
-    for side, cell in ((jx, f"kvzip@{ratio:g}"), (kp, f"KVzipPress@{ratio:g}")):
+    for side, cell in ((jx, jx_kvzip), (kp, f"KVzipPress@{ratio:g}")):
         if cell in side:  # this round's examples: those KVzip ran on
             common &= set(side[cell])
     common = sorted(common)
@@ -171,7 +174,7 @@ def section(key: tuple, jx: dict, kp: dict, ratio: float) -> tuple[list[str], li
     lines.append("")
     pairs = [
         ("jaxkv's best against kvpress's best", best_jx, best_kp),
-        ("KVzip against KVzipPress", f"kvzip@{ratio:g}", f"KVzipPress@{ratio:g}"),
+        ("KVzip against KVzipPress", jx_kvzip, f"KVzipPress@{ratio:g}"),
         ("jaxkv's best against KVzipPress", best_jx, f"KVzipPress@{ratio:g}"),
     ]
     for label, a, b in pairs:
@@ -185,10 +188,16 @@ def section(key: tuple, jx: dict, kp: dict, ratio: float) -> tuple[list[str], li
 
 
 def report(
-    jx_folders: list[Path], kp_folders: list[Path], ratio: float, setting: str | None = None, context: int | None = None
+    jx_folders: list[Path],
+    kp_folders: list[Path],
+    ratio: float,
+    setting: str | None = None,
+    context: int | None = None,
+    kvzip_cell: str = "kvzip",
 ) -> tuple[str, list[dict]]:
     """The markdown and csv rows of every (task, context, setting) where KVzip ran on
-    either side at ``ratio`` (``setting`` / ``context``: only those)."""
+    either side at ``ratio`` (``setting`` / ``context``: only those; ``kvzip_cell``:
+    jaxkv's KVzip cell, as in ``section``)."""
     jx, kp = load(jx_folders), load(kp_folders)
     lines = [
         "# jaxkv and kvpress at one ratio, KVzip on both sides (issue #75)",
@@ -204,9 +213,9 @@ def report(
     for key in sorted(set(jx) & set(kp)):
         if setting is not None and key[2] != setting or context is not None and key[1] != context:
             continue
-        if f"kvzip@{ratio:g}" not in jx[key] and f"KVzipPress@{ratio:g}" not in kp[key]:
+        if f"{kvzip_cell}@{ratio:g}" not in jx[key] and f"KVzipPress@{ratio:g}" not in kp[key]:
             continue
-        text, r = section(key, jx[key], kp[key], ratio)
+        text, r = section(key, jx[key], kp[key], ratio, kvzip_cell)
         lines += text
         rows += r
     return "\n".join(lines), rows
@@ -219,10 +228,16 @@ def main(argv=None) -> int:
     p.add_argument("--ratio", type=float, default=0.5)
     p.add_argument("--setting", default="agnostic")
     p.add_argument("--context", type=int, default=2048)
+    p.add_argument(
+        "--kvzip-cell",
+        default="kvzip",
+        help="jaxkv's KVzip cell without its ratio (kvzip, kvzip/layer, kvzip/shared): its examples are the round's, "
+        "and it is paired against KVzipPress",
+    )
     p.add_argument("--out", type=Path, default=None, help="write results.md and results.csv here")
     args = p.parse_args(argv)
     folders = lambda text: [Path(x) for x in text.split(",") if x]
-    text, rows = report(folders(args.jaxkv), folders(args.kvpress), args.ratio, args.setting, args.context)
+    text, rows = report(folders(args.jaxkv), folders(args.kvpress), args.ratio, args.setting, args.context, args.kvzip_cell)
     print(text)
     if args.out is not None:
         args.out.mkdir(parents=True, exist_ok=True)
