@@ -66,7 +66,10 @@ def test_the_named_kvzip_cell_sets_the_examples_and_stands_against_kvzippress(tm
     shared, one_set, press = [1, 1, 0, 1, 1, 1], [0, 1], [1, 0, 0, 1, 0, 1, 1, 1]
     _write(
         tmp_path / "jx" / "examples.jsonl",
-        [_jx(s, {"full": _cell(1), "kvzip/shared@0.5": _cell(shared[s])} | ({"kvzip@0.5": _cell(one_set[s])} if s < 2 else {})) for s in range(6)],
+        [
+            _jx(s, {"full": _cell(1), "kvzip/shared@0.5": _cell(shared[s])} | ({"kvzip@0.5": _cell(one_set[s])} if s < 2 else {}))
+            for s in range(6)
+        ],
     )
     _write(tmp_path / "kp" / "examples.jsonl", [_kp(s, {"full": _cell(1), "KVzipPress@0.5": _cell(press[s])}) for s in range(8)])
     text, rows = kvzip_report.report([tmp_path / "jx"], [tmp_path / "kp"], 0.5, kvzip_cell="kvzip/shared")
