@@ -32,7 +32,25 @@ def _head_v5_report():
 
 
 _V5_REPORT = _head_v5_report()
-cells, head_row = _V5_REPORT.cells, _V5_REPORT.head_row
+cells, head_row, fid, fmt = _V5_REPORT.cells, _V5_REPORT.head_row, _V5_REPORT.fid, _V5_REPORT.fmt
+paired_nll_difference = _V5_REPORT.paired_nll_difference
+
+
+def grid50_lines() -> list[str]:
+    """The shipped head's grid: ``../cells.jsonl`` (50 held-out traces at 1,472
+    embedded tokens, every method, the fourth head's ``intentkv``) against
+    ``len1472_n50_v6/`` (the sixth head's ``intentkv`` on the same traces), with the
+    sixth head against SnapKV, the best baseline there."""
+    old, new = cells(HERE.parent), cells(HERE / "len1472_n50_v6")
+    lines = [
+        "| length (embedded → rendered SmolLM2 tokens) | n | budget | rule `intentkv_memory` | fourth head | sixth head | fourth head − rule | sixth head − rule | sixth − fourth | SnapKV | sixth − SnapKV |",
+        "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
+    ]
+    for b in sorted({b for m, b in old if m == "intentkv_memory"}):
+        line, cell6 = head_row(old, new, b, "sixth")
+        snap = fid(old[("snapkv", b)][1])
+        lines.append(line[:-1] + f"| {fmt(_V5_REPORT.increase(snap))} | {fmt(paired_nll_difference(fid(cell6[1]), snap))} |")
+    return lines
 
 
 def main():
@@ -61,6 +79,8 @@ def main():
     lines += ["", "KL(full || managed) per token:", ""] + kl
     lines += ["", "| folder | cell | budget | wall s |", "|---|---|---:|---:|"]
     lines += [f"| {d} | {m} | {b} | {w:,.0f} |" for d, m, b, w in walls]
+    if (HERE / "len1472_n50_v6" / "cells.jsonl").is_file():
+        lines += ["", "The shipped head's grid, 50 held-out traces (`../cells.jsonl`, `len1472_n50_v6/`):", ""] + grid50_lines()
     print("\n".join(lines))
 
 
