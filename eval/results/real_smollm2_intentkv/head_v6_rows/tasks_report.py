@@ -9,7 +9,6 @@ rule and over the fourth head, and the answer NLL's paired difference from the r
 
 from __future__ import annotations
 
-import json
 import sys
 from pathlib import Path
 
@@ -19,6 +18,7 @@ ROOT = Path(__file__).resolve().parents[4]
 sys.path.insert(0, str(ROOT))
 
 from eval.common.stats import paired_gain
+from eval.quality.real_model_report import read, verdicts
 
 RES = ROOT / "eval/results/real_smollm2"
 TASKS = (
@@ -28,15 +28,9 @@ TASKS = (
 
 
 def load(path: Path, task: str) -> dict:
-    """``{cell: {seed: record}}`` of the question-agnostic 2k examples of ``task``."""
-    out = {}
-    with path.open() as f:
-        for line in f:
-            rec = json.loads(line)
-            if rec.get("task") == task and rec.get("setting") == "agnostic" and rec.get("context") == 2048:
-                for name, cell in rec["cells"].items():
-                    out.setdefault(name, {})[rec["seed"]] = cell
-    return out
+    """``{cell: {seed: record}}`` of the question-agnostic 2k examples of ``task``
+    (``real_model_report``'s reader; the latest record wins)."""
+    return verdicts(read(path)).get((task, 2048, "agnostic"), {})
 
 
 def gain(a: np.ndarray, b: np.ndarray, scale: float, digits: int) -> str:
