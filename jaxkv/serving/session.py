@@ -72,13 +72,16 @@ class Session:
         evict inside it: for document QA where the document and the question
         arrive in one message (the RepairKV protocol's MQ-NIAH), so the first
         event compresses the document with the question's signal.
-      policy, budget, layout, keep_sets, layer_budgets, **policy_config: the
-        retention stage (``jaxkv.serving.stages.retention``): a method of
+      policy, budget, layout, keep_sets, layer_budgets, events, **policy_config:
+        the retention stage (``jaxkv.serving.stages.retention``): a method of
         ``jaxkv.policies.REGISTRY`` (None: full cache), the budget B, ``"dead_slot"``
         (default) or ``"compact"``, one kept set for the model (``keep_sets="model"``,
         default) or one per layer (``"layer"``, with ``layer_budgets="equal"``,
         ``"pyramid"`` or ``"shared"``: one budget the layers divide by score); a private server is built with a live list per layer, a
-        shared one needs ``Server(layer_lists=True)``), and the policy's own
+        shared one needs ``Server(layer_lists=True)``), when events fire
+        (``events="always"``, default: whenever the history read exceeds B;
+        ``"once"``: the session's first time only, then later turns just append,
+        RepairKV still promoting at each turn boundary), and the policy's own
         options (``w=16``).
       repair, repair_policy, repair_when, repair_wrong_signal: the RepairKV stage
         (``jaxkv.serving.stages.repair``).

@@ -5,8 +5,10 @@ Session options it owns: ``policy`` (a name in ``jaxkv.policies.REGISTRY``),
 or ``"compact"``), ``keep_sets`` (``"model"``, default: one kept set for every
 layer; ``"layer"``: a set per layer) with ``layer_budgets`` (``"equal"``, default:
 B in every layer; ``"pyramid"``: PyramidKV's budgets, ``L x B`` in all;
-``"shared"``: one pool of ``L x B`` the layers divide by score at each event) and the
-policy's own config fields (``w=16``...).
+``"shared"``: one pool of ``L x B`` the layers divide by score at each event),
+``events`` (``"always"``, default: an event whenever the request reads more than
+B; ``"once"``: the session's first such event only, below) and the policy's own
+config fields (``w=16``...).
 
 What it does in a turn (ALGORITHMS.md §1-5):
 
@@ -43,6 +45,16 @@ come back at the session's next turn (``begin``). The pool's slots are the union
 of the sets: per-layer sets read ``B_l`` keys per layer, but hold up to
 ``min(N, Σ B_l)`` slots.
 
+Once per session (``events="once"``): the session compresses the first time its
+live history exceeds B (normally when the context's prefill ends) and never
+again; later turns, decode chunks included, only append, whatever the keep sets.
+The rule reads the session's reports (``session.compressions`` is not empty), which
+outlive its turns as the session does, so it needs no state of its own. RepairKV
+still promotes at every turn boundary, from the rows that one event shelved (the
+live history then grows by up to K rows a turn). For several questions over one
+context compressed once (issue #75's ``multiq``), and for an event too costly to
+repeat (KVzip's passes are skipped with it).
+
 State: the policy's pytree state, the per-position attention mass and the
 per-layer sets live in the server's LRU session store under ``(session id, spec
 key)``, so they outlive a turn (copied into ``RequestState`` at ``begin`` and
@@ -70,6 +82,8 @@ from jaxkv.policies.layouts import LAYOUTS
 from jaxkv.serving.stages import reconstruction
 from jaxkv.serving.stages.base import Capture, Stage, register
 from jaxkv.serving.stages.events import compress_row, compress_row_layers, layer_features, score_and_select
+
+EVENTS = ("always", "once")  # when a session's events fire: whenever it is over budget, or its first time only
 
 PROMPT_RING_ROWS = 64  # query rows per phase a prompt feeds ``observe`` (``Needs.observe_rows=True``)
 OBSERVE_ROWS = len(Phase) * PROMPT_RING_ROWS  # rows of every ``observe`` call (padded): one compile
@@ -105,7 +119,8 @@ def head_folder_of(model):
 class RetentionSpec:
     """A session's retention choice: policy, typed config, budget, layout, and the
     granularity of the kept set (``keep_sets``: ``"model"`` or ``"layer"``;
-    ``layer_budgets``: ``"equal"`` or ``"pyramid"``, per-layer sets only)."""
+    ``layer_budgets``: ``"equal"``, ``"pyramid"`` or ``"shared"``, per-layer sets
+    only) and when events fire (``events``: ``"always"`` or ``"once"``)."""
 
     policy: object
     config: object
@@ -113,9 +128,10 @@ class RetentionSpec:
     layout: str
     keep_sets: str = "model"
     layer_budgets: str = "equal"
+    events: str = "always"
 
     @classmethod
-    def make(cls, name, budget, layout, options, model=None, keep_sets="model", layer_budgets="equal"):
+    def make(cls, name, budget, layout, options, model=None, keep_sets="model", layer_budgets="equal", events="always"):
         """``model``: the session's model; a policy with a learned head (``head``
         in its config) and none given takes the head trained for that model
         (``head_folder_of``)."""
@@ -124,6 +140,8 @@ class RetentionSpec:
             raise ConfigError(f"unknown keep_sets {keep_sets!r}; known: {', '.join(KEEP_SETS)}")
         if layer_budgets not in LAYER_BUDGETS:
             raise ConfigError(f"unknown layer_budgets {layer_budgets!r}; known: {', '.join(LAYER_BUDGETS)}")
+        if events not in EVENTS:
+            raise ConfigError(f"unknown events {events!r}; known: {', '.join(EVENTS)}")
         if keep_sets == "model" and layer_budgets != "equal":
             raise ConfigError(f"layer_budgets={layer_budgets!r} splits the budget over per-layer sets: it needs keep_sets='layer'")
         if keep_sets == "layer" and policy.one_set_only:
@@ -138,11 +156,11 @@ class RetentionSpec:
             raise ConfigError(f"policy {name!r} needs a positive budget, got {budget!r}")
         if layout not in LAYOUTS:
             raise ConfigError(f"unknown layout {layout!r}; known: {', '.join(LAYOUTS)}")
-        return cls(policy, config, int(budget), layout, keep_sets, layer_budgets)
+        return cls(policy, config, int(budget), layout, keep_sets, layer_budgets, events)
 
     @property
     def key(self):
-        return (self.policy.name, repr(self.config), self.budget, self.layout, self.keep_sets, self.layer_budgets)
+        return (self.policy.name, repr(self.config), self.budget, self.layout, self.keep_sets, self.layer_budgets, self.events)
 
 
 class RetentionState:
@@ -252,8 +270,11 @@ class RetentionStage(Stage):
     # -- the event ---------------------------------------------------------------------
     def event_due(self, turn) -> bool:
         """Whether the request reads more than the budget: its live history (one
-        set), or some layer's list more than that layer's budget (per-layer sets)."""
+        set), or some layer's list more than that layer's budget (per-layer sets).
+        Never once the session has compressed, with ``events="once"``."""
         spec, req = self.spec, turn.req
+        if spec.events == "once" and turn.session.compressions:  # its one event has run (module docstring)
+            return False
         if spec.keep_sets == "layer":
             L = turn.engine.model.config.num_layers
             sizes = [pos.size for pos in req.layer_positions(L)]
@@ -462,10 +483,10 @@ def _factory(session, options: dict, built: list):
     layout = options.pop("layout", None)
     keep_sets = options.pop("keep_sets", None)
     shape = options.pop("layer_budgets", None)
+    events = options.pop("events", None)
     if name is None:
-        given = [
-            k for k, v in (("budget", budget), ("layout", layout), ("keep_sets", keep_sets), ("layer_budgets", shape)) if v is not None
-        ]
+        named = (("budget", budget), ("layout", layout), ("keep_sets", keep_sets), ("layer_budgets", shape), ("events", events))
+        given = [k for k, v in named if v is not None]
         if given:
             raise ConfigError(f"{given[0]} needs a retention policy (policy=...)")
         return None
@@ -474,7 +495,14 @@ def _factory(session, options: dict, built: list):
     fields = {f.name for f in dataclasses.fields(policy.config)}
     config = {k: options.pop(k) for k in list(options) if k in fields}
     spec = RetentionSpec.make(
-        name, budget, layout, config, model=session.model, keep_sets=keep_sets or "model", layer_budgets=shape or "equal"
+        name,
+        budget,
+        layout,
+        config,
+        model=session.model,
+        keep_sets=keep_sets or "model",
+        layer_budgets=shape or "equal",
+        events=events or "always",
     )
     server = getattr(session, "server", None)
     if spec.keep_sets == "layer" and server is not None and not server.engine.layer_lists:
