@@ -4,8 +4,9 @@ A cell answers every question from its one compressed cache, and between questio
 the conversation goes on with the *reference* answers, whatever the greedy reply
 was: the full cache's teacher-forced scores of every question are the dense model's
 over the whole reference conversation (``jaxkv.score_logits``). A random model
-replies wrongly, so every question takes the decode-then-restore path. Then the
-report's per-question table reads the cell records. A tiny random model with
+replies wrongly, so every question takes the decode-then-restore path. RepairKV's
+trio, as real sessions, compresses once too and repairs at every question. Then
+the report's per-question table reads the cell records. A tiny random model with
 SmolLM2's tokenizer and chat template; no weights.
 """
 
@@ -49,6 +50,21 @@ def test_every_question_is_scored_on_the_reference_history(tiny):
         assert q["decoded"] > 0  # a random model's reply: greedy decoded, then the reference put back
     assert full["tf_correct"] == np.mean([q["tf_correct"] for q in full["questions"]])
     assert record["cells"]["snapkv@0.5"]["kept"] == R.budget_for_ratio(0.5, record["n_request"])
+
+
+def test_a_multiq_session_compresses_once_and_repairs_at_every_question(tiny):
+    """RepairKV's trio as sessions (``run_sessions``): on multiq one event, after the
+    context, however many questions follow, and RepairKV promotes at each question's
+    turn; a one-question task keeps the budget on its question's turn (two events)."""
+    tok = tiny.tokenizer
+    (ex,) = multiq.examples(1, length=384, tokenizer=tok, questions=4)
+    trio = R.trio_of_kinds(R.session_cells("snapkv", 0.5, 8), "session,repairkv")
+    cells = R.run_sessions(tiny, ex, trio, 0.5, positions=R.positions_for(384), max_new=4)["cells"]
+    assert [c["events"] for c in cells.values()] == [1, 1]
+    assert cells["repairkv8:snapkv@0.5"]["repaired"] == 4 * 8  # K at each of the 4 questions' turns
+    (single,) = real.examples("passkey", 1, length=384, tokenizer=tok)
+    cells = R.run_sessions(tiny, single, trio[:1], 0.5, positions=R.positions_for(384), max_new=4)["cells"]
+    assert cells["session:snapkv@0.5"]["events"] == 2  # the context's, then the question's turn's
 
 
 def test_the_report_has_a_column_per_question_and_per_kind():

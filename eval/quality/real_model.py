@@ -54,7 +54,12 @@ journal of their own (the report merges every ``examples*.jsonl`` by example).
 ``--repair`` journals ``OUT/sessions.jsonl``; its ``--resume`` skips the trio's cells
 an example already has, so another K or method on the same examples appends only
 its own cells (the no-repair cell ``session:<method>@<ratio>`` is shared);
-``--repair-cells repairkv`` runs only the named cells of the trio.
+``--repair-cells repairkv`` runs only the named cells of the trio. On ``multiq`` each
+session compresses once (``events="once"``), when the context's prefill ends, as the
+branched cells do, and RepairKV promotes at every question's turn boundary from
+that event's evicted rows; on the one-question tasks the budget holds on the
+question's turn too (a second event, as their journaled runs had). Every cell
+records its ``events``.
 """
 
 from __future__ import annotations
@@ -277,7 +282,8 @@ def session_cells(method: str, ratio: float, k: int) -> list[tuple[str, dict]]:
     multi-turn sessions (``name``, session options at a budget ``B`` given later):
     no repair at B, RepairKV with K rows at B, and no repair at B + K (the same
     live budget as the repaired cache). Unlike a branched cell, the budget holds
-    for the whole session: the question's turn ends with its own event. ``method`` is
+    for the whole session: the question's turn ends with its own event (but on
+    ``multiq``: one event, ``run_sessions``). ``method`` is
     a ``--methods`` spec: ``keydiff:layer`` keeps a set per layer (``Cell.parse``)."""
     cell = Cell.parse(method, ratio)
     tag, base = cell.name, {"policy": cell.method, **dict(cell.options)}
@@ -302,9 +308,17 @@ def trio_of_kinds(trio: list, kinds: str | None) -> list:
 def run_sessions(model, example, cells, ratio: float, *, positions: int, max_new: int = MAX_NEW) -> dict:
     """Replay the agnostic conversation through one fresh ``Session`` per cell;
     score each question's answer (turn 2's; a multiq example's every question) as
-    the branched cells do. The session's budget holds on every turn, so a multiq
-    session compresses again whenever a turn takes it past the budget, and RepairKV
-    promotes at every turn boundary."""
+    the branched cells do.
+
+    Events: a multiq session compresses once (``events="once"``, issue #75's
+    protocol): when the context's prefill ends, never at a question's turn, so a
+    reconstruction policy's passes (KVzip) run once per cell. RepairKV promotes at
+    every question's turn boundary from the rows that event shelved, so at question
+    ``q`` the repaired cache holds up to ``B + qK`` of the context's rows where the
+    matched cell holds ``B + K`` (the conversation after the context beside both). A one-question task (passkey, the NIAH tasks) keeps the budget on
+    every turn: the question's turn takes the history past B again and fires a
+    second event, RepairKV promoting after it, the protocol of their journaled
+    runs. ``events`` in each cell's record counts what ran."""
     from jaxkv.serving import Session
     from jaxkv.tasks import answer_digit_positions, multiq, real, reply_correct
 
@@ -315,12 +329,13 @@ def run_sessions(model, example, cells, ratio: float, *, positions: int, max_new
     policies = [Cell(o["policy"], ratio, tuple((k, v) for k, v in o.items() if k not in ("policy", "repair", "extra"))) for _, o in cells]
     positions = pass_positions(policies, model, int(plans[0].compressed.size), positions)
     messages = example.messages("agnostic")
+    once = {"events": "once"} if example.task == multiq.TASK else {}
     out = {}
     for name, options in cells:
         options = dict(options)
         t0 = time.perf_counter()
         b = budget + options.pop("extra", 0)
-        session = Session(model, max_positions=positions, protect_query=False, max_new_tokens=max_new, budget=b, **options)
+        session = Session(model, max_positions=positions, protect_query=False, max_new_tokens=max_new, budget=b, **once, **options)
         try:
             n_new = max(haystack.reply_budget(p, max_new) for p in plans)
             turns = session.replay(messages, generate=True, return_logits=True, max_new_tokens=n_new)
@@ -340,6 +355,7 @@ def run_sessions(model, example, cells, ratio: float, *, positions: int, max_new
                 **cell,
                 "budget": int(b),
                 "kept": int(session.compressions[0].live_after) if session.compressions else None,
+                "events": len(session.compressions),
                 "repaired": int(sum(len(r.promoted_positions) for r in session.repairs)),
                 "scoring_tokens": int(sum(c.scoring_tokens for c in session.compressions)),  # KVzip's passes; 0 for the rest
                 "seconds": round(time.perf_counter() - t0, 3),
