@@ -54,6 +54,19 @@ def test_once_holds_for_decode_chunk_events(agent_model):
     assert events(events="once") == 1
 
 
+@pytest.mark.parametrize("policy", ["tova", "oldest"])
+def test_decode_chunk_events_fire_for_a_policy_that_captures_nothing(agent_model, policy):
+    """``oldest`` asks no query rows and no attention mass of a decode chunk: its
+    decode interval alone must bring the chunk's event (``tova``, which captures its
+    window, is the control)."""
+    session = Session(agent_model, max_positions=512, policy=policy, budget=40, decode_interval=2)
+    try:
+        session.chat(_conversation(0)[:2], max_new_tokens=8, ignore_eos=True)
+        assert len(session.compressions) > 2  # the prompt's event, then the decode chunks'
+    finally:
+        session.close()
+
+
 def test_repair_promotes_at_every_later_turn_from_the_one_event(agent_model):
     K = 8
     server = Server(agent_model, max_positions=512)

@@ -458,7 +458,7 @@ class Turn:
             self.uncompressed += len(fed)
             reply += tokens
             remaining -= n
-            if capture.query_rows or capture.attn_mass:
+            if intervals:  # a stage's decode interval: its hook runs after every chunk, whatever the chunk captured
                 q = np.concatenate(job.q_rows).transpose(1, 0, 2, 3) if job.q_rows else None  # [L, n, Hq, D]
                 captured = Captured(start, self.req.seq_len, np.arange(start, self.req.seq_len), q, self._add_mass(job.mass), phases)
                 more = remaining > 0 and reply[-1] not in stops and not self.stop_requested
