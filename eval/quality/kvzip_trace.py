@@ -16,7 +16,8 @@ then prints how far the scores are apart (the largest difference against the
 largest score, and the rank correlation per layer and KV head), and what each
 keep set holds of the last 128 positions, of the first half, and of the digits the questions ask for (every digit run of the
 document that is a fact's value): jaxkv's one set (the mean over layers and KV
-heads, ``F ∪ top-k``) against kvpress's selection (the lowest scores over every
+heads, ``F ∪ top-k``; with ``--layer-budgets shared`` the ``kvzip:shared`` cell's
+set per layer, read from the session's lists) against kvpress's selection (the lowest scores over every
 layer, KV head and position dropped at once, the sinks on top), as the share of
 (layer, KV head) pairs that keep each digit. Nothing is written but what it prints
 (``--out`` a JSON of the numbers).
@@ -60,7 +61,11 @@ def kvpress_scores(task: str, context: int, index: int, ratio: float) -> tuple[n
     return captured["scores"], ids, example
 
 
-def jaxkv_scores(example, ratio: float) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+def jaxkv_scores(example, ratio: float, layer_budgets: str | None = None) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """jaxkv's scores ``[L, Hkv, n]``, the compressed ids, and its keep set: positions
+    (one set), or with ``layer_budgets`` (``"shared"``: the ``kvzip:shared`` cell) a
+    session with a set per layer and its kept mask ``[L, n]``, read from the
+    request's per-layer lists when its turn ends."""
     import jaxkv
     from eval.quality.real_model import Cell, budget_for_ratio, pass_positions
     from jaxkv.serving import Session
@@ -80,6 +85,8 @@ def jaxkv_scores(example, ratio: float) -> tuple[np.ndarray, np.ndarray, np.ndar
 
     reconstruction.run_passes = keep
     positions = pass_positions([Cell("kvzip", ratio, ())], model, n, n + 512)
+    if example.task == "lm" and layer_budgets is not None:
+        raise SystemExit("--layer-budgets traces a session's sets; lm's branched cell has none")
     if example.task == "lm":  # raw text, no chat form: the evaluation's branched cell, its set computed from its scores
         from eval.quality.real_model import run_example
         from train.haystack_measure import positions_for
@@ -93,14 +100,25 @@ def jaxkv_scores(example, ratio: float) -> tuple[np.ndarray, np.ndarray, np.ndar
         mean[:4] = np.inf  # the sinks, forced; nothing else is (a raw request has no protected prefix)
         kept = np.sort(np.argsort(-mean, kind="stable")[: budget_for_ratio(ratio, n)])
         return scores.transpose(0, 2, 1), np.asarray(seen["tokens"]), kept
-    session = Session(model, max_positions=positions, protect_query=False, policy="kvzip", budget=budget_for_ratio(ratio, n))
+    sets = {} if layer_budgets is None else {"keep_sets": "layer", "layer_budgets": layer_budgets}
+    from jaxkv.serving.stages.retention import RetentionStage
+
+    end = RetentionStage.end
+
+    def end_seen(stage, turn):
+        seen["layer_live"] = None if turn.req.layer_live is None else np.asarray(turn.req.layer_live).copy()
+        return end(stage, turn)
+
+    RetentionStage.end = end_seen
+    session = Session(model, max_positions=positions, protect_query=False, policy="kvzip", budget=budget_for_ratio(ratio, n), **sets)
     try:
         session.replay(example.messages("agnostic")[:2], generate=False)
         (event,) = session.compressions
-        kept = np.asarray(event.kept_positions)
+        kept = np.asarray(event.kept_positions) if layer_budgets is None else seen["layer_live"][:, :n]
     finally:
         session.close()
         reconstruction.run_passes = run_passes
+        RetentionStage.end = end
     assert np.array_equal(seen["tokens"], ids), "the two sides' compressed requests differ"
     return seen["result"].scores_LNK[:, :n].transpose(0, 2, 1), ids, kept  # [L, Hkv, n]
 
@@ -144,10 +162,13 @@ def main(argv=None) -> int:
     p.add_argument("--index", type=int, default=0, help="which example of the evaluation's (0: its first)")
     p.add_argument("--ratio", type=float, default=0.5)
     p.add_argument("--out", type=Path, default=None)
+    p.add_argument(
+        "--layer-budgets", choices=("shared",), default=None, help="jaxkv's cell with a set per layer under one budget (kvzip:shared)"
+    )
     args = p.parse_args(argv)
     t0 = time.perf_counter()
     kp_s, ids, example = kvpress_scores(args.task, args.context, args.index, args.ratio)
-    jx_s, jx_ids, jx_kept = jaxkv_scores(example, args.ratio)
+    jx_s, jx_ids, jx_kept = jaxkv_scores(example, args.ratio, args.layer_budgets)
     assert np.array_equal(ids, jx_ids)
     n = ids.size
     L, K = kp_s.shape[:2]
@@ -155,8 +176,12 @@ def main(argv=None) -> int:
     diff = np.abs(jx_s - kp_s)[..., 4:][scored]
     corr = [rank_corr(jx_s[l, k, 4:], kp_s[l, k, 4:]) for l in range(L) for k in range(K)]
     kp_keep = kvpress_keep(kp_s, args.ratio)
-    jx_keep = np.zeros(n, bool)
-    jx_keep[jx_kept] = True
+    if jx_kept.ndim == 2:  # a set per layer [L, n]: every KV head of a layer keeps it
+        jx_keep = np.broadcast_to(jx_kept[:, None, :], (L, K, n))
+    else:
+        jx_keep = np.zeros(n, bool)
+        jx_keep[jx_kept] = True
+        jx_keep = np.broadcast_to(jx_keep, (L, K, n))
     from transformers import AutoTokenizer
 
     from eval.quality import kvpress_side as kp
@@ -170,15 +195,17 @@ def main(argv=None) -> int:
         "max_abs_diff_over_max": float(diff.max() / kp_s.max()),
         "rank_corr_min": float(np.min(corr)),
         "rank_corr_median": float(np.median(corr)),
-        "kept_jaxkv": int(jx_keep.sum()),
+        "layer_budgets": args.layer_budgets,
+        "kept_jaxkv_per_layer": jx_keep[:, 0].sum(1).tolist(),
         "kept_kvpress_per_layer": kp_keep.reshape(L, -1).sum(1).tolist(),
-        "overlap": float((kp_keep & jx_keep[None, None]).sum() / kp_keep.sum()),
-        "last_128_jaxkv_kept": float(jx_keep[-128:].mean()),
+        "overlap": float((kp_keep & jx_keep).sum() / kp_keep.sum()),
+        "last_128_jaxkv_pairs_kept": float(jx_keep[..., -128:].mean()),
         "last_128_kvpress_pairs_kept": float(kp_keep[..., -128:].mean()),
-        "first_half_jaxkv_kept": float(jx_keep[: n // 2].mean()),
+        "first_half_jaxkv_pairs_kept": float(jx_keep[..., : n // 2].mean()),
         "first_half_kvpress_pairs_kept": float(kp_keep[..., : n // 2].mean()),
         "facts": {
-            v: {"jaxkv_kept": float(jx_keep[pos].mean()), "kvpress_pairs_kept": float(kp_keep[..., pos].mean())} for v, pos in facts.items()
+            v: {"jaxkv_pairs_kept": float(jx_keep[..., pos].mean()), "kvpress_pairs_kept": float(kp_keep[..., pos].mean())}
+            for v, pos in facts.items()
         },
         "seconds": round(time.perf_counter() - t0, 1),
     }
