@@ -10,7 +10,8 @@ question-agnostic setting) by KVzip's reconstruction. This runs each once:
   (``reconstruction.run_passes``' ``PassResult.scores_LNK``) and the set it kept
   (``lm``, raw text with no chat form: the evaluation's branched ``kvzip`` cell, and
   the set the policy's rule takes from its scores, the sinks forced and the top of
-  the mean over layers and KV heads);
+  the mean over layers and KV heads; with ``--layer-budgets shared``, each layer's
+  mean over its KV heads ranked across the layers, ``select_across_layers``);
 
 then prints how far the scores are apart (the largest difference against the
 largest score, and the rank correlation per layer and KV head), and what each
@@ -85,8 +86,6 @@ def jaxkv_scores(example, ratio: float, layer_budgets: str | None = None) -> tup
 
     reconstruction.run_passes = keep
     positions = pass_positions([Cell("kvzip", ratio, ())], model, n, n + 512)
-    if example.task == "lm" and layer_budgets is not None:
-        raise SystemExit("--layer-budgets traces a session's sets; lm's branched cell has none")
     if example.task == "lm":  # raw text, no chat form: the evaluation's branched cell, its set computed from its scores
         from eval.quality.real_model import run_example
         from train.haystack_measure import positions_for
@@ -96,9 +95,20 @@ def jaxkv_scores(example, ratio: float, layer_budgets: str | None = None) -> tup
         finally:
             reconstruction.run_passes = run_passes
         scores = seen["result"].scores_LNK[:, :n]
+        B = budget_for_ratio(ratio, n)
+        if (
+            layer_budgets is not None
+        ):  # the rule's sets per layer from the same scores: each layer's mean over its KV heads, ranked together
+            from jaxkv.policies.base import select_across_layers
+
+            L = scores.shape[0]
+            forced = np.zeros((L, n), bool)
+            forced[:, :4] = True  # the sinks, in every layer
+            kept = np.asarray(select_across_layers(scores.mean(axis=2), forced, ~forced, L * B))
+            return scores.transpose(0, 2, 1), np.asarray(seen["tokens"]), kept
         mean = scores.mean(axis=(0, 2))
         mean[:4] = np.inf  # the sinks, forced; nothing else is (a raw request has no protected prefix)
-        kept = np.sort(np.argsort(-mean, kind="stable")[: budget_for_ratio(ratio, n)])
+        kept = np.sort(np.argsort(-mean, kind="stable")[:B])
         return scores.transpose(0, 2, 1), np.asarray(seen["tokens"]), kept
     sets = {} if layer_budgets is None else {"keep_sets": "layer", "layer_budgets": layer_budgets}
     from jaxkv.serving.stages.retention import RetentionStage
