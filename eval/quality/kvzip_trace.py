@@ -96,9 +96,8 @@ def jaxkv_scores(example, ratio: float, layer_budgets: str | None = None) -> tup
             reconstruction.run_passes = run_passes
         scores = seen["result"].scores_LNK[:, :n]
         B = budget_for_ratio(ratio, n)
-        if (
-            layer_budgets is not None
-        ):  # the rule's sets per layer from the same scores: each layer's mean over its KV heads, ranked together
+        if layer_budgets is not None:
+            # the rule's sets per layer from the same scores: each layer's mean over its KV heads, ranked together
             from jaxkv.policies.base import select_across_layers
 
             L = scores.shape[0]
