@@ -41,30 +41,26 @@ def test_once_compresses_at_the_first_turn_only(agent_model, sets):
     assert _events_per_turn(agent_model, events="once", **SETS[sets]) == [1, 1, 1]
 
 
-def test_once_holds_for_decode_chunk_events(agent_model):
-    def events(**options):
-        session = Session(agent_model, max_positions=512, policy="tova", budget=40, decode_interval=2, **options)
-        try:
-            session.chat(_conversation(0)[:2], max_new_tokens=8, ignore_eos=True)
-            return len(session.compressions)
-        finally:
-            session.close()
-
-    assert events() > 2  # the prompt's event, then one per decode chunk
-    assert events(events="once") == 1
-
-
-@pytest.mark.parametrize("policy", ["tova", "oldest"])
-def test_decode_chunk_events_fire_for_a_policy_that_captures_nothing(agent_model, policy):
-    """``oldest`` asks no query rows and no attention mass of a decode chunk: its
-    decode interval alone must bring the chunk's event (``tova``, which captures its
-    window, is the control)."""
-    session = Session(agent_model, max_positions=512, policy=policy, budget=40, decode_interval=2)
+def _decode_events(model, policy, **options) -> int:
+    """Events of a session with a decode interval of 2 over one 8-token reply."""
+    session = Session(model, max_positions=512, policy=policy, budget=40, decode_interval=2, **options)
     try:
         session.chat(_conversation(0)[:2], max_new_tokens=8, ignore_eos=True)
-        assert len(session.compressions) > 2  # the prompt's event, then the decode chunks'
+        return len(session.compressions)
     finally:
         session.close()
+
+
+def test_once_holds_for_decode_chunk_events(agent_model):
+    assert _decode_events(agent_model, "tova") > 2  # the prompt's event, then one per decode chunk
+    assert _decode_events(agent_model, "tova", events="once") == 1
+
+
+def test_decode_chunk_events_fire_for_a_policy_that_captures_nothing(agent_model):
+    """``oldest`` asks no query rows and no attention mass of a decode chunk: its
+    decode interval alone must bring the chunk's event (``tova``, which captures its
+    window, does above)."""
+    assert _decode_events(agent_model, "oldest") > 2  # the prompt's event, then the decode chunks'
 
 
 def test_repair_promotes_at_every_later_turn_from_the_one_event(agent_model):
