@@ -286,6 +286,47 @@ def test_rewrite_history_moves_earlier_leftovers_into_pages(qmodel):
     assert after[3].int3 == before[3].int3 + PAGE and after[3].int4 == before[3].int4 - PAGE and after[3].bytes < before[3].bytes
 
 
+def test_rewrite_from_float_prefills_the_leftovers_again_and_the_tree_keeps_them(qmodel):
+    """``rewrite_from_float``: a turn reuses the cache only up to the first INT4
+    leftover of the earlier turns (a token tagged 3 bits), prefills the rest again
+    and so writes the leftovers once, from float, into INT3 pages beside the new
+    tokens; the radix tree takes the fresh slots, so the next turn's cut starts
+    after them and no superseded INT4 slot stays held."""
+    from jaxkv.serving import Session
+
+    rows = [{"index": s, "N": 10.0, "D2": 1.0, "D4": 0.5, "bits": 3} for s in range(7)]
+    msgs = []
+    for n in (20, 5, 7, 3):  # every tag 3 bits: each prefill's last (tokens mod 32) tokens are INT4 leftovers
+        msgs += [{"role": "user", "content": " ".join(["report budget travel legal"] * n)}, {"role": "assistant", "content": "ok"}]
+    runs = {}
+    for from_float in (False, True):
+        alloc = Allocation.from_dict(
+            {"axes": ["semantic"], "budget": 3.0, "tags": rows, "rewrite_history": True, "rewrite_from_float": from_float}
+        )
+        s = Session(qmodel, kv_quant="triaxial", kv_allocation=alloc, max_positions=512, protect_query=False)
+        try:
+            s.replay(msgs)
+            srv = s.server
+            srv.radix.check_invariants()
+            held = srv.radix.held_slots()
+            refs = srv.engine.allocator.refcounts()
+            assert (refs == np.bincount(held, minlength=refs.size)).all()  # after the turns, every used slot is the tree's
+            tree_int4 = int((srv.engine.pool.geometry.kind(held) == INT4).sum())
+            runs[from_float] = (s.quantization.records, [r.prefix_hit_tokens for r in s.metrics.requests], tree_int4, held.size)
+        finally:
+            s.close()
+    (before, hits_before, int4_before, _), (after, hits, int4_after, cached) = runs[False], runs[True]
+    assert [r.tokens for r in before] == [r.tokens for r in after]
+    assert hits_before == [0, before[0].tokens, before[1].tokens, before[2].tokens]  # the INT4 rewrite reuses every match
+    # each turn after one with leftovers starts at its first leftover (the earlier turn's last int4 tokens)
+    assert hits[0] == 0 and all(hits[i] == after[i - 1].tokens - after[i - 1].int4 for i in (1, 2, 3))
+    assert after[0].int4 > 0 and after[1].int4 > 0 and hits[1] < hits[2] < hits[3]  # the cut moves on: the tree kept the fresh slots
+    assert after[2].int4 == 0 and after[2].int3 == after[2].tokens  # 24 + 40 leftovers and new tokens fill whole pages
+    assert after[2].bytes < before[2].bytes
+    # the tree holds INT4 only for the last turn's leftovers and reply (it kept every superseded one before)
+    assert int4_after == after[3].int4 + (cached - after[3].tokens) and int4_before > int4_after
+
+
 def test_sink_tokens_are_written_int4_and_the_rewrite_leaves_them():
     """``Allocation.sink_tokens``: the request's first positions get INT4 whatever
     their tag, in the prefill that writes them and in the rewrite rule's history;

@@ -43,7 +43,10 @@ Reference accounting (``SlotAllocator`` refcounts):
     slot cached by the tree and used by one running request has refcount 2;
   * ``insert`` at the end of a turn references only the slots of tokens the tree
     did not have; for the existing prefix the tree keeps its own slots (holes
-    included) and the request's duplicates, if any, are freed when it releases;
+    included) and the request's duplicates, if any, are freed when it releases.
+    The exception is ``replace_from``: a request that prefilled cached tokens
+    again (TriAxialKV's rewrite from float) hands the tree its slots from there
+    on (real slots only, never over or into a hole), the tree's old ones released;
   * ``evict`` drops the tree's references of whole unlocked leaves, least recently
     used first, and returns the slots whose refcount reached 0.
 Locks: ``match`` locks the matched path (a lock count on each node from the match
@@ -201,14 +204,17 @@ class RadixTree:
         handle.locked = False
 
     # -- updates -----------------------------------------------------------------
-    def insert(self, token_ids, slots, owner: int | None = None, private_from: int | None = None) -> int:
+    def insert(self, token_ids, slots, owner: int | None = None, private_from: int | None = None, replace_from: int | None = None) -> int:
         """Cache ``token_ids`` with their ``slots`` (a finished turn's slot map).
 
         ``[0, private_from)`` goes to public nodes, the rest to ``owner``'s
         private nodes (module docstring; ``private_from`` defaults to the first
         hole, and a private part needs an owner). The cached prefix keeps the
-        tree's slots; the tree takes one reference on each non-sentinel slot of
-        the new tokens. Returns how many tokens were new.
+        tree's slots, except from ``replace_from`` on (a request that prefilled
+        those cached tokens again: ``Stage.reuse_cut``), where the request's
+        slots replace the tree's wherever both are real slots; the tree takes one
+        reference on each non-sentinel slot it stores and releases the ones it
+        drops. Returns how many tokens were new.
         """
         ids = _as_ids(token_ids)
         slots = _as_ids(slots)
@@ -253,7 +259,31 @@ class RadixTree:
         now = next(self._clock)
         for n in node.path_to_root():
             n.last_access = now
+        if replace_from is not None:
+            # the sequence ends inside ``node``'s edge only when nothing was hung and the walk stopped mid-edge
+            within = k if not pieces and pnode is None and k < node.tokens.size else node.tokens.size
+            self._replace_slots(node, within, slots, int(replace_from))
         return sum(b - a for _, a, b in pieces)
+
+    def _replace_slots(self, last: _Node, within: int, slots: np.ndarray, start: int) -> None:
+        """On the path from the root to ``last``, whose first ``within`` edge tokens
+        end the sequence of ``slots``: its slots at positions ``>= start`` replace
+        the tree's where both are real and differ (references moved with them)."""
+        end, edge = int(slots.size), within  # ``n`` covers [end - edge, end) of the sequence
+        for n in last.path_to_root():
+            a = end - edge
+            lo = max(start, a)
+            if lo < end:
+                old, new = n.slots[lo - a : edge], slots[lo:end]
+                swap = (old != new) & (old != SENTINEL_SLOT) & (new != SENTINEL_SLOT)
+                if swap.any():
+                    self._allocator.ref(new[swap])
+                    self._allocator.release(old[swap])
+                    n.slots = n.slots.copy()
+                    n.slots[lo - a + np.flatnonzero(swap)] = new[swap]
+            end = a
+            if n.parent is not None:
+                edge = n.parent.tokens.size
 
     def sync_holes(self, token_ids, slots, own_handle: LockHandle | None = None, owner: int | None = None) -> tuple[np.ndarray, np.ndarray]:
         """Make the tree's holes agree with a request's slot map, where allowed.
@@ -507,9 +537,10 @@ class NamespacedRadix:
     def unlock(self, handle: LockHandle) -> None:
         self.tree.unlock(handle)
 
-    def insert(self, token_ids, slots, owner: int | None = None, private_from: int | None = None) -> int:
+    def insert(self, token_ids, slots, owner: int | None = None, private_from: int | None = None, replace_from: int | None = None) -> int:
         cut = None if private_from is None else int(private_from) + 1
-        return self.tree.insert(self._ids(token_ids), self._slots(slots), owner, cut)
+        replace = None if replace_from is None else int(replace_from) + 1
+        return self.tree.insert(self._ids(token_ids), self._slots(slots), owner, cut, replace)
 
     def sync_holes(self, token_ids, slots, own_handle: LockHandle | None = None, owner: int | None = None) -> tuple[np.ndarray, np.ndarray]:
         freed, filled = self.tree.sync_holes(self._ids(token_ids), self._slots(slots), own_handle, owner)

@@ -185,6 +185,13 @@ class Allocation:
         every query) kept out of the pages, where it would set a whole page's
         per-channel key ranges and lose up to half a step in each (issue 74's
         "outlier tokens may stay in higher precision", counted in stored bits).
+      rewrite_from_float: with ``rewrite_history``, the rewrite's source (JSON
+        ``"rewrite_from_float"``): the history's INT4 tokens at 2 or 3 bits among
+        the last ``REFRESH_TOKENS`` cached ones
+        (``jaxkv.serving.stages.quantization``) are prefilled again (the turn's
+        reuse cut back to the first of them) and so written once, from float, at
+        their bits; older ones are re-encoded from their INT4 values as before.
+        Nothing more is stored: the recomputation replaces a second rounding.
     """
 
     axes: tuple
@@ -197,6 +204,11 @@ class Allocation:
     pinned: tuple | None = None
     rewrite_history: bool = False
     sink_tokens: int = 0
+    rewrite_from_float: bool = False
+
+    def __post_init__(self):
+        if self.rewrite_from_float and not self.rewrite_history:
+            raise ConfigError("rewrite_from_float is a source for the rewrite rule: it needs rewrite_history")
 
     def solve(self, budget: float) -> np.ndarray:
         """Bits per tag row at ``budget`` (``solve``; the pinned bits if any)."""
@@ -247,6 +259,7 @@ class Allocation:
             pinned,
             bool(d.get("rewrite_history", False)),
             _sink_tokens(d.get("sink_tokens", 0)),
+            bool(d.get("rewrite_from_float", False)),
         )
 
 
@@ -256,7 +269,7 @@ def _sink_tokens(n) -> int:
     return n
 
 
-FILE_LEVEL = ("rewrite_history", "sink_tokens")  # write rules a calibration file may state once for every variant
+FILE_LEVEL = ("rewrite_history", "sink_tokens", "rewrite_from_float")  # write rules a calibration file may state once for every variant
 
 
 def variant_dict(data: dict, variant: str) -> dict:

@@ -134,6 +134,9 @@ class Turn:
       session, server, engine: where it runs. rendered: the prompt.
       row / req: the engine row and its ``RequestState``.
       reused: prompt tokens taken from the radix cache (holes included).
+      refreshed_from: where a stage cut the matched prefix short
+        (``Stage.reuse_cut``; None: it did not): the matched tokens from there on
+        are prefilled again, and the tree takes their fresh slots at insert.
       owner / makes_holes / private_from: the session's radix owner; whether
         its stages can make holes (a turn that cannot reads public nodes only,
         so it never attends over a hole); the first position this turn read
@@ -161,6 +164,7 @@ class Turn:
         self.row: int | None = None
         self.handle = None
         self.reused = 0
+        self.refreshed_from: int | None = None  # a stage's reuse cut: the tree takes the turn's slots from here
         self.ignore_eos = False  # decode past the model's stop tokens (Session.start_chat)
         self.index = -1
         self.uncompressed = int(rendered.ids.size)
@@ -179,7 +183,9 @@ class Turn:
         ids = self.rendered.ids
         match = self.radix.match(ids, owner=self.owner if self.makes_holes else None)
         self.handle = match.handle
-        self.reused = self._reuse_limit(match.length)
+        reused = self._reuse_limit(match.length)
+        self.reused = self._reuse_cut(reused, match.slots)
+        self.refreshed_from = self.reused if self.reused < reused else None
         self.private_from = match.private_from if match.private_from < self.reused else None
         try:
             self.row = self.engine.open_row(match.slots[: self.reused], ids[: self.reused])
@@ -213,7 +219,14 @@ class Turn:
         if previous is None or ids.size < 2:
             return 0, None
         match = self.radix.match(ids, owner=self.owner if self.makes_holes else None)
-        return min(match.length, common_prefix_length(previous, ids), ids.size - 1), match.handle
+        reused = min(match.length, common_prefix_length(previous, ids), ids.size - 1)
+        return self._reuse_cut(reused, match.slots), match.handle
+
+    def _reuse_cut(self, reused: int, slots) -> int:
+        """``reused`` cut back to the first position a stage wants prefilled again
+        (``Stage.reuse_cut``)."""
+        cuts = [stage.reuse_cut(self, np.asarray(slots[:reused])) for stage in self.stages]
+        return min([reused] + [int(c) for c in cuts if c is not None])
 
     def _reuse_limit(self, matched: int) -> int:
         """How many of the ``matched`` cached prompt tokens this turn reuses.
@@ -485,7 +498,7 @@ class Turn:
         if previous is not None:  # this session's superseded tail is stale now
             radix.drop_branch(previous, tokens, owner=owner)
         private_from = len(tokens) if self.private_from is None else min(self.private_from, len(tokens))
-        radix.insert(tokens, slots, owner=owner, private_from=private_from)
+        radix.insert(tokens, slots, owner=owner, private_from=private_from, replace_from=self.refreshed_from)
         self.session._cached_ids = tokens
         if self.makes_holes:  # evictions become holes, repairs fill them (private nodes only)
             _, filled = radix.sync_holes(tokens, slots, own_handle=self.handle, owner=owner)

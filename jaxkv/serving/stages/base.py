@@ -10,6 +10,11 @@ turn at a time), so it may keep per-turn state on itself between ``begin`` and
 
 Hooks (every one optional; ``turn`` is the ``pipeline.Turn``):
 
+* ``reuse_cut(turn, slots_P) -> int | None``: before the row opens (and when
+  admission pins the reuse): the first of the matched positions the stage wants
+  prefilled again rather than reused (TriAxialKV's rewrite from float); the turn
+  reuses up to the smallest cut, and its radix insert hands the tree the fresh
+  slots from there on.
 * ``begin(turn)``: the row is open and the matched prefix installed; set up.
 * ``prompt_capture(turn) -> Capture``: what this stage needs from the prompt's
   prefill: post-RoPE query rows at absolute positions, attention mass.
@@ -103,6 +108,13 @@ class Stage:
 
     def prompt_capture(self, turn) -> Capture:
         return Capture()
+
+    def reuse_cut(self, turn, slots_P: np.ndarray) -> int | None:
+        """The first cached position this stage wants prefilled again (``slots_P``:
+        the slots the turn would reuse), or None. The turn reuses the cache up to the
+        smallest cut, and its radix insert gives the tree the fresh slots from there
+        (``Turn.insert``)."""
+        return None
 
     def before_prefill(self, turn, job):
         return None

@@ -44,6 +44,13 @@ What it does in a turn:
   holding INT4 once a later turn completes their pages. An allocation with
   ``sink_tokens`` writes the request's first positions INT4 whatever their tag,
   and its rewrite leaves them there (``Allocation.sink_tokens``: the attention sink).
+  With ``rewrite_from_float`` the rewrite's recent part is a recomputation
+  instead (``reuse_cut``, before the row opens): the turn reuses the cache only
+  up to the first of the last ``REFRESH_TOKENS`` cached tokens that is INT4 but
+  tagged 2 or 3 bits, and prefills the rest again, so those tokens are rounded
+  once, from float, into pages (the radix tree takes the fresh slots, so the
+  next turn starts from them); INT4 tokens older than that are re-encoded from
+  INT4 as above. A cut never crosses a hole (a retention stage's eviction).
   ``int4``, ``kivi2`` and ``kivi4`` need no annotation (the engine's mode decides).
 * ``after_prefill`` (after retention and repair): records the request's live KV
   per precision (``KVRecord``) in ``records``, for ``avg_bits`` (code bits),
@@ -57,13 +64,17 @@ from pathlib import Path
 
 import numpy as np
 
+from jaxkv.cache.allocator import SENTINEL_SLOT
+from jaxkv.cache.quantized import INT4
 from jaxkv.cache.quantized_host import bytes_per_token, check_mode, elements_per_token, servable_modes, stored_bits
 from jaxkv.chat.tags import triaxial_codes
 from jaxkv.errors import ConfigError
+from jaxkv.kernels.quant import PAGE
 from jaxkv.policies.quant_allocation import Allocation, load_allocation, variant_dict
 from jaxkv.serving.stages.base import Stage, register
 
 ORDER = 40  # after retention (20) and repair (30): records what decode will read
+REFRESH_TOKENS = 4 * PAGE  # how far back the rewrite from float reaches: a turn prefills at most this many cached tokens again
 CALIBRATION_FILE = "triaxial.json"
 _UNSET = object()
 
@@ -146,15 +157,31 @@ class QuantizationStage(Stage):
         rotate: bool = False,
         rewrite_history: bool = False,
         sink_tokens: int = 0,
+        rewrite_from_float: bool = False,
     ):
         self.mode, self.budget, self.table, self.rotate = mode, budget, table, rotate
         self.rewrite_history, self.sink_tokens = bool(rewrite_history), int(sink_tokens)
+        self.rewrite_from_float = bool(rewrite_from_float)
         self.records: list[KVRecord] = []
 
     def begin(self, turn) -> None:
         engine_mode = turn.engine.pool.mode
         if self.mode not in servable_modes(engine_mode):
             raise ConfigError(f"session kv_quant={self.mode!r} on an engine built with kv_quant={engine_mode!r}")
+
+    def reuse_cut(self, turn, slots_P):
+        """``rewrite_from_float``: the first of the last ``REFRESH_TOKENS`` reused
+        positions whose token is INT4 but tagged 2 or 3 bits here (None: none,
+        or a hole after it)."""
+        if self.table is None or not self.rewrite_from_float or not slots_P.size:
+            return None
+        start = max(self.sink_tokens, slots_P.size - REFRESH_TOKENS)
+        tail = slots_P[start:].astype(np.int64)
+        if not tail.size or (tail == SENTINEL_SLOT).any():
+            return None
+        bits = self._bits(turn.rendered.triaxial[start : slots_P.size], start)
+        stale = np.flatnonzero((turn.engine.pool.geometry.kind(tail) == INT4) & (bits < 4))
+        return start + int(stale[0]) if stale.size else None
 
     def before_prefill(self, turn, job):
         if self.table is not None:
@@ -230,7 +257,13 @@ def _factory(session, options: dict, built: list):
     if not 2.0 <= budget <= 4.0:
         raise ConfigError(f"kv_bits must be an average in [2, 4], got {bits!r}")
     return QuantizationStage(
-        mode, budget, alloc.table(budget), rotate=rotate, rewrite_history=alloc.rewrite_history, sink_tokens=alloc.sink_tokens
+        mode,
+        budget,
+        alloc.table(budget),
+        rotate=rotate,
+        rewrite_history=alloc.rewrite_history,
+        sink_tokens=alloc.sink_tokens,
+        rewrite_from_float=alloc.rewrite_from_float,
     )
 
 
