@@ -108,6 +108,53 @@ def test_insert_keeps_the_trees_slots_for_a_cached_prefix():
     assert sorted(freed.tolist()) == sorted(dup[:4].tolist())  # duplicates freed, suffix kept
 
 
+def test_insert_with_replace_from_hands_the_tree_the_refreshed_slots():
+    """A request that prefilled cached tokens again (``replace_from``) leaves the
+    tree its fresh slots from there on, on every node of the path (a shared one
+    too), never over a hole, with references moved; a request still holding the
+    old slots keeps them alive until it releases."""
+    alloc = SlotAllocator(64)
+    tree = RadixTree(alloc)
+    seq = [1, 2, 3, 4, 5, 6, 7, 8]
+    first = alloc.allocate(8)
+    tree.insert(seq, first)
+    branch = alloc.allocate(2)
+    tree.insert([1, 2, 3, 4, 5, 9, 9], np.concatenate([first[:5], branch]))  # nodes [1..5], [6, 7, 8], [9, 9]
+    alloc.release(np.concatenate([first, branch]))  # the writers' own references: the tree's remain
+    other = tree.match(seq)  # a running request on the old slots
+    alloc.ref(other.slots)
+    m = tree.match([*seq, 10])
+    alloc.ref(m.slots[:3])  # it reuses 3 tokens and prefills 4..8 again, and 10
+    slot_map = np.concatenate([m.slots[:3], alloc.allocate(6)]).astype(np.int32)
+    assert tree.insert([*seq, 10], slot_map, replace_from=3) == 1
+    assert tree.match([*seq, 10], lock=False).slots.tolist() == slot_map.tolist()
+    assert tree.match([1, 2, 3, 4, 5, 9, 9], lock=False).slots.tolist() == [*slot_map[:5].tolist(), *branch.tolist()]
+    alloc.release(slot_map)
+    tree.unlock(m.handle)
+    tree.check_invariants()
+    held = np.bincount(tree.held_slots(), minlength=alloc.num_slots)
+    assert (alloc.refcounts() == held + np.bincount(other.slots, minlength=alloc.num_slots)).all()
+    freed = alloc.release(other.slots)
+    tree.unlock(other.handle)
+    assert sorted(freed.tolist()) == sorted(first[3:].tolist())  # the superseded slots, once nobody holds them
+    # a sequence ending inside an edge: only its own positions change
+    mid = tree.match([*seq, 10], lock=False).slots[:6].copy()  # no split at 6: the insert ends inside an edge
+    mid[5] = alloc.allocate(1)[0]
+    assert tree.insert(seq[:6], mid, replace_from=5) == 0
+    assert tree.match([*seq, 10], lock=False).slots.tolist() == [*mid.tolist(), *slot_map[6:].tolist()]
+    alloc.release(mid[5:])
+    # a hole is never replaced, nor filled
+    holed = alloc.allocate(2)
+    tree.insert([*seq, 11, 12], np.concatenate([mid, slot_map[6:8], [SENTINEL_SLOT, holed[1]]]).astype(np.int32), owner=1)
+    alloc.release(holed)
+    again = np.concatenate([mid, slot_map[6:8], alloc.allocate(2)]).astype(np.int32)
+    tree.insert([*seq, 11, 12], again, owner=1, private_from=8, replace_from=8)
+    assert tree.match([*seq, 11, 12], lock=False, owner=1).slots.tolist()[8:] == [SENTINEL_SLOT, int(again[9])]
+    alloc.release(again[8:])
+    tree.check_invariants()
+    assert (alloc.refcounts() == np.bincount(tree.held_slots(), minlength=alloc.num_slots)).all()
+
+
 def test_match_inside_an_edge_splits_it_and_locks_only_the_prefix():
     alloc = SlotAllocator(32)
     tree = RadixTree(alloc)
