@@ -69,7 +69,11 @@ output error is the model frame's (the rotation is orthogonal), but which tokens
 lose what differs, and one allocation file serves both pools, so it is the
 calibration's choice. ``--sink-tokens n`` takes each request's first ``n``
 positions out of every tag (INT4 whatever their tag, ``Allocation.sink_tokens``)
-and writes ``"sink_tokens"`` into the file.
+and writes ``"sink_tokens"`` into the file. ``--rewrite-from-float`` (with
+``--rewrite-history``) writes ``"rewrite_from_float"``: the served rewrite
+rounds recent leftovers once, from float, as the distortions here are measured
+(every capture is quantized from float), so it changes the file and the sweep's
+sessions, not the journal.
 
 Resumable (``--resume``): each request's distortion entries and each sweep
 example's cells are journaled as they finish in ``--work`` (``distortion.jsonl``,
@@ -681,6 +685,12 @@ def main(argv=None) -> int:
         "their tags' bits each turn; Allocation.rewrite_history): replies count with their tags",
     )
     ap.add_argument(
+        "--rewrite-from-float",
+        action="store_true",
+        help="with --rewrite-history: the served rewrite prefills recent leftovers again and rounds them once, from "
+        "float (Allocation.rewrite_from_float), as these distortions are measured; written to the file",
+    )
+    ap.add_argument(
         "--rotate",
         action="store_true",
         help="measure the distortions as a rotated pool stores K/V (kv_rotate=True: its frame, the mse fit of its "
@@ -702,6 +712,8 @@ def main(argv=None) -> int:
         "--resume", action="store_true", help="reuse the journaled requests and sweep examples of the same setup instead of replaying them"
     )
     args = ap.parse_args(argv)
+    if args.rewrite_from_float and not args.rewrite_history:
+        ap.error("--rewrite-from-float is a source for the rewrite rule: it needs --rewrite-history")
     embedded = args.model == "embedded"
     plots = Path(args.plots or ("eval/results/triaxial" if embedded else f"eval/results/triaxial/{Path(args.model).name}"))
     if args.replot:
@@ -757,6 +769,8 @@ def main(argv=None) -> int:
     tri = allocation_dict(VARIANTS["triaxial"], tables["triaxial"], 4.0)
     if args.rewrite_history:
         tri["rewrite_history"] = True  # the sweep's sessions write under the rule the distortions assume
+    if args.rewrite_from_float:
+        tri["rewrite_from_float"] = True
     if args.sink_tokens:
         tri["sink_tokens"] = args.sink_tokens
     full, sweep_rows = None, []
@@ -816,6 +830,7 @@ def main(argv=None) -> int:
         "attention_error": errors,
         "variants": variants,
         **({"rewrite_history": True} if args.rewrite_history else {}),
+        **({"rewrite_from_float": True} if args.rewrite_from_float else {}),
         **({"sink_tokens": args.sink_tokens} if args.sink_tokens else {}),
     }
     out.parent.mkdir(parents=True, exist_ok=True)
