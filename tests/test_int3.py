@@ -327,6 +327,46 @@ def test_rewrite_from_float_prefills_the_leftovers_again_and_the_tree_keeps_them
     assert int4_after == after[3].int4 + (cached - after[3].tokens) and int4_before > int4_after
 
 
+def test_reuse_cut_reaches_back_at_most_refresh_tokens_never_across_a_hole():
+    """``QuantizationStage.reuse_cut``: the first INT4 token tagged below 4 bits
+    among the last ``REFRESH_TOKENS`` reused ones and past the sinks; None without
+    one, across a hole, or without ``rewrite_from_float`` (which needs
+    ``rewrite_history``: ``ConfigError``)."""
+    import types
+
+    from jaxkv.cache.allocator import SENTINEL_SLOT
+    from jaxkv.chat.tags import TRIAXIAL_DTYPE
+    from jaxkv.serving.stages.quantization import REFRESH_TOKENS, QuantizationStage
+
+    rows = [{"index": s, "N": 10.0, "D2": 1.0, "D4": 0.5, "bits": 3 if s != 6 else 4} for s in range(7)]
+    with pytest.raises(ConfigError):
+        Allocation.from_dict({"axes": ["semantic"], "budget": 3.0, "tags": rows, "rewrite_from_float": True})
+    alloc = Allocation.from_dict({"axes": ["semantic"], "budget": 3.0, "tags": rows, "rewrite_history": True, "rewrite_from_float": True})
+    n = REFRESH_TOKENS + 40
+    tags = np.zeros(n, TRIAXIAL_DTYPE)
+    tags["semantic"] = 5  # 3 bits
+    tags["semantic"][n - 20 : n - 10] = 6  # 4 bits: INT4 by its tag, never a leftover
+    geo = Geometry(pages=8, int4_slots=4 * n, pages3=4)
+    int4 = geo.off4 + 1 + np.arange(n)  # every reused token in the token region ...
+    slots = int4.copy()
+    slots[: n - 30] = 1 + np.arange(n - 30)  # ... but the first n - 30, paged
+    turn = types.SimpleNamespace(
+        rendered=types.SimpleNamespace(triaxial=tags), engine=types.SimpleNamespace(pool=types.SimpleNamespace(geometry=geo))
+    )
+    stage = lambda **kw: QuantizationStage("triaxial", 3.0, alloc.table(), rewrite_history=True, **kw)  # noqa: E731
+    assert stage(rewrite_from_float=True).reuse_cut(turn, slots) == n - 30
+    assert stage().reuse_cut(turn, slots) is None  # the INT4 rewrite: no cut
+    assert stage(rewrite_from_float=True).reuse_cut(turn, int4) == n - REFRESH_TOKENS  # all INT4: only the last REFRESH_TOKENS
+    assert stage(rewrite_from_float=True, sink_tokens=n - 25).reuse_cut(turn, slots) == n - 25
+    tail4 = slots.copy()
+    tail4[n - 30 : n - 20] = 1 + np.arange(n - 30, n - 20)  # the 3-bit leftovers paged: the 4-bit tag's INT4 tokens are no cut
+    tail4[n - 10 :] = 1 + np.arange(n - 10, n)
+    assert stage(rewrite_from_float=True).reuse_cut(turn, tail4) is None
+    holed = slots.copy()
+    holed[n - 5] = SENTINEL_SLOT
+    assert stage(rewrite_from_float=True).reuse_cut(turn, holed) is None
+
+
 def test_sink_tokens_are_written_int4_and_the_rewrite_leaves_them():
     """``Allocation.sink_tokens``: the request's first positions get INT4 whatever
     their tag, in the prefill that writes them and in the rewrite rule's history;
