@@ -353,7 +353,7 @@ def test_reuse_cut_reaches_back_at_most_refresh_tokens_never_across_a_hole():
     turn = types.SimpleNamespace(
         rendered=types.SimpleNamespace(triaxial=tags), engine=types.SimpleNamespace(pool=types.SimpleNamespace(geometry=geo))
     )
-    stage = lambda **kw: QuantizationStage("triaxial", 3.0, alloc.table(), rewrite_history=True, **kw)  # noqa: E731
+    stage = lambda **kw: QuantizationStage("triaxial", 3.0, alloc.table(), rewrite_history=True, **kw)
     assert stage(rewrite_from_float=True).reuse_cut(turn, slots) == n - 30
     assert stage().reuse_cut(turn, slots) is None  # the INT4 rewrite: no cut
     assert stage(rewrite_from_float=True).reuse_cut(turn, int4) == n - REFRESH_TOKENS  # all INT4: only the last REFRESH_TOKENS
