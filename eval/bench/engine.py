@@ -189,8 +189,8 @@ def main(argv=None) -> int:
             "",
             *md_header(["batch", "context", "previous tok/s", "now tok/s", "ratio", "ratio per round"], "rrrrrl"),
         ]
-        for B in [int(x) for x in args.batches.split(",")]:
-            for ctx in [int(x) for x in args.contexts.split(",")]:
+        for B in [int(x) for x in args.batches.split(",") if x]:  # --batches '': the prefill table only
+            for ctx in [int(x) for x in args.contexts.split(",") if x]:
                 spec = dict(
                     kind="decode",
                     model=args.model,
