@@ -15,7 +15,13 @@ step, far more than the last-level cache), it times in one process each:
 * ``halves, joined``: the same with the halves joined after every layer, as a
   model's layers join them;
 * ``attention, halves joined``: ``attention`` over two halves of the rows held as
-  separate windows, joined after every layer.
+  separate windows, joined after every layer;
+* ``model step``: a decode step of a SmolLM2-shaped model (random weights: the
+  projections and MLP of 576 -> 1536 around ``attention``, 30 layers) on one CPU
+  device, and ``model step, two devices``: the same program on two virtual CPU
+  devices (``--xla_force_host_platform_device_count=2``), its rows split between
+  them (a data-parallel mesh; the weights on both). XLA runs each device's share
+  on a thread of its own, so each half's products get a core.
 
 Run it pinned to one core and to both (``--cores 1,2``, each a subprocess pinned
 with ``os.sched_setaffinity``): a product whose time does not change with the
@@ -89,6 +95,38 @@ def _measure(repeats: int) -> dict:
             x = (jnp.concatenate([a, b]).reshape(R, -1) @ mix).reshape(x.shape)
         return x
 
+    M, F = 576, 1536
+
+    def scale(i, shape):
+        return jax.random.normal(jax.random.fold_in(key, i), shape) * 0.02
+
+    weights = [
+        {"qkv": scale(1000 + i, (M, (K * G + 2 * K) * D)), "o": scale(2000 + i, (K * G * D, M)), "g": scale(3000 + i, (M, F)),
+         "u": scale(4000 + i, (M, F)), "d": scale(5000 + i, (F, M))}
+        for i in range(L)
+    ]  # fmt: skip
+    x0 = jax.random.normal(jax.random.fold_in(key, 9), (R, M))
+
+    def model_step(x, weights, k, v, seen, new_k, fresh, active):
+        for i in range(L):
+            w = weights[i]
+            q_ = (x @ w["qkv"])[:, : K * G * D].reshape(x.shape[0], K * G, D)
+            o = window_decode_attention(q_, k[i], v[i], seen, new_k, new_k, fresh, active)
+            x = x + o.reshape(x.shape[0], -1) @ w["o"]
+            x = x + (jax.nn.silu(x @ w["g"]) * (x @ w["u"])) @ w["d"]
+        return x
+
+    from jax.sharding import Mesh, NamedSharding, PartitionSpec
+
+    mesh = Mesh(jax.devices()[:2], ("rows",))
+    by_rows, everywhere = NamedSharding(mesh, PartitionSpec("rows")), NamedSharding(mesh, PartitionSpec())
+
+    def put(tree, where):
+        return jax.tree.map(lambda a: jax.device_put(a, where), tree)
+
+    on_two = (put(x0, by_rows), put(weights, everywhere), put(k, by_rows), put(v, by_rows),
+              *(put(a, by_rows) for a in (seen, new_k, fresh, active)))  # fmt: skip
+
     def split(t, s):
         return tuple(jnp.array(a[s]) for a in t)
 
@@ -100,6 +138,8 @@ def _measure(repeats: int) -> dict:
         "halves": (jax.jit(lambda *a: halves(*a, joined=False)), (q, k0, k1, v0, v1)),
         "halves, joined": (jax.jit(lambda *a: halves(*a, joined=True)), (q, k0, k1, v0, v1)),
         "attention, halves joined": (jax.jit(attention_halves), (q, k0, k1, v0, v1)),
+        "model step": (jax.jit(model_step), (x0, weights, k, v, seen, new_k, fresh, active)),
+        "model step, two devices": (jax.jit(model_step, out_shardings=by_rows), on_two),
     }
     out = {}
     for name, (f, args) in cases.items():
@@ -123,6 +163,7 @@ def main(argv=None) -> int:
     if args.child:
         os.sched_setaffinity(0, set(range(args.child)))
         os.environ.setdefault("JAX_PLATFORMS", "cpu")
+        os.environ["XLA_FLAGS"] = os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=2"
         print(json.dumps(_measure(args.repeats)))
         return 0
     load0 = os.getloadavg()
