@@ -3,7 +3,10 @@ seconds at several lengths and decode tokens/s at batch 1 and 8, 512 and 4,096
 tokens of context.
 
     python -m eval.bench.engine [--old 44e9456] [--model smollm2-135m-instruct]
-        [--lengths 512,2048,4096,8000] [--rounds 1] [--interleave] [--out eval/results/bench_engine_cpu.md]
+        [--lengths 512,2048,4096,8000] [--batches 1,8] [--contexts 512,4096] [--rounds 1]
+        [--interleave] [--out eval/results/bench_engine_cpu.md]
+
+``--lengths ''`` runs the decode table alone, ``--batches ''`` the prefill table alone.
 
 The previous engine is checked out from git at ``--old`` into a scratch worktree.
 Each measurement runs in a process of its own (``RUNNER``: the same code for both
