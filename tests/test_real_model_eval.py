@@ -103,13 +103,27 @@ def test_a_branched_cell_is_its_policy_alone(shallow):
     plain.close()
 
 
-def test_lm_cells_compress_the_text_to_their_budget(shallow):
+@pytest.fixture(scope="module")
+def lm_example(shallow):
+    return haystack.examples("lm", 1, length=512, tokenizer=shallow.tokenizer)[0]
+
+
+@pytest.fixture(scope="module")
+def chunked_int4(shallow, lm_example):
+    """``run_quant_example`` on the ``lm`` example with one format (suite time), the
+    session's own chunked prefill: the record two tests read."""
+    from train.haystack_measure import positions_for, run_quant_example
+
+    return run_quant_example(shallow, lm_example, "agnostic", ["int4"], positions=positions_for(512))
+
+
+def test_lm_cells_compress_the_text_to_their_budget(shallow, lm_example):
     """The ``lm`` task's raw text has no chat messages, so nothing in it is protected:
     each cell keeps its ratio's budget and its continuation's NLL and KL move."""
     from eval.quality.real_model import run_example
     from train.haystack_measure import positions_for
 
-    example = haystack.examples("lm", 1, length=512, tokenizer=shallow.tokenizer)[0]
+    example = lm_example
     cells = [Cell(None), Cell("snapkv", 0.5), Cell("streaming_llm", 0.75)]
     record = run_example(shallow, example, "agnostic", cells, positions=positions_for(512))
     n, out = record["n_request"], record["cells"]
@@ -120,14 +134,11 @@ def test_lm_cells_compress_the_text_to_their_budget(shallow):
         assert got["kl"] > 0 and got["nll"] != out["full"]["nll"], (cell.name, got)
 
 
-def test_quant_cells_run_each_format_on_its_own_pool(shallow):
+def test_quant_cells_run_each_format_on_its_own_pool(chunked_int4):
     """``--kv-quant``: the float pool's full cache is the reference (KL 0) and each
     format's full cache, written by its own prefill, moves the continuation's NLL
     and KL without evicting anything."""
-    from train.haystack_measure import positions_for, run_quant_example
-
-    example = haystack.examples("lm", 1, length=512, tokenizer=shallow.tokenizer)[0]
-    record = run_quant_example(shallow, example, "agnostic", ["int4"], positions=positions_for(512))  # one format: suite time
+    record = chunked_int4
     n, out = record["n_request"], record["cells"]
     assert list(out) == ["full", "kv:int4"]
     assert out["full"]["kl"] == 0.0 and all(c["kept"] == n for c in out.values())
@@ -135,15 +146,14 @@ def test_quant_cells_run_each_format_on_its_own_pool(shallow):
     assert out["kv:int4"]["kv"]["int4"] >= n and out["kv:int4"]["kv"]["int2"] == 0 and "kv" not in out["full"]
 
 
-def test_imported_quant_prefill_is_the_one_chunk_prefill(shallow):
+def test_imported_quant_prefill_is_the_one_chunk_prefill(shallow, lm_example, chunked_int4):
     """``--quant-prefill imported``: the float cell's K/V imported into the format's
     pool give the cell a request prefilled in one chunk would give. A 512-token
     request is one chunk for the session's own prefill too, so both protocols must
     agree to the rounding of two programs computing the same K/V."""
     from train.haystack_measure import positions_for, run_quant_example
 
-    example = haystack.examples("lm", 1, length=512, tokenizer=shallow.tokenizer)[0]
-    chunked = run_quant_example(shallow, example, "agnostic", ["int4"], positions=positions_for(512))
+    example, chunked = lm_example, chunked_int4
     imported = run_quant_example(shallow, example, "agnostic", ["int4"], positions=positions_for(512), prefill="imported")
     assert chunked["n_request"] <= 512  # the premise: one chunk either way
     assert list(imported["cells"]) == ["full", "kv:int4/imported"]
@@ -315,35 +325,46 @@ def test_head_fidelity_pairs_answer_nll_increases_against_the_rule_and_a_best_ba
     ]
 
 
-def test_triaxial_calibration_of_a_real_model_tags_its_conversations_and_streams_its_tables(shallow):
+CALIBRATION_LENGTH = 256  # tokens per calibration request (the tables' cost grows with its square)
+
+
+@pytest.fixture(scope="module")
+def calibration(shallow):
+    """``train.calibrate_triaxial``'s passkey and niah requests on the cut model and
+    their plain captures, shared by the two calibration tests."""
+    from train import calibrate_triaxial as ct
+
+    reqs = list(ct.calibration_requests(shallow, ["passkey", "niah"], 1, CALIBRATION_LENGTH))
+    return reqs, [ct.Capture(shallow, ids, codes) for _, ids, codes in reqs]
+
+
+def test_triaxial_calibration_of_a_real_model_tags_its_conversations_and_streams_its_tables(shallow, calibration):
     """``train.calibrate_triaxial`` on a pretrained model: a passkey request is the
     question-agnostic conversation with the acknowledgement coded as a reply (-1,
     written as decode writes it) and every other token tagged; tables built one
     capture at a time equal those of all captures at once."""
-    from train import calibrate_triaxial as ct
-
-    reqs = list(ct.calibration_requests(shallow, ["passkey", "niah"], 1, 512))
-    assert [t for t, _, _ in reqs] == ["passkey", "niah"]
-    for _, ids, codes in reqs:
-        assert ids.size == codes.size and 0 < (codes == -1).sum() < 16 and (codes >= 0).sum() > 480
-    caps = [ct.Capture(shallow, ids, codes) for _, ids, codes in reqs]
-    streamed = ct.DistortionTables()
-    for cap in caps:
-        streamed.add(cap)
-    assert streamed.tables() == ct.distortion_tables(caps, log=lambda *a: None)
-    # a resumed run merges the journaled entries (JSON: string tags) instead of replaying
     import json
 
-    journaled = [json.loads(json.dumps(ct.DistortionTables.request_entries(cap))) for cap in caps]
+    from train import calibrate_triaxial as ct
+
+    reqs, caps = calibration
+    assert [t for t, _, _ in reqs] == ["passkey", "niah"]
+    for _, ids, codes in reqs:
+        assert ids.size == codes.size and 0 < (codes == -1).sum() < 16 and (codes >= 0).sum() > CALIBRATION_LENGTH - 32
+    streamed = ct.DistortionTables()
+    # each add returns the request's entries, which a run journals (JSON: string tags)
+    journaled = [json.loads(json.dumps(streamed.add(cap))) for cap in caps]
+    assert streamed.tables() == ct.distortion_tables(caps, log=lambda *a: None)
+    # a resumed run merges the journaled entries instead of replaying
     resumed = ct.DistortionTables()
     for entries in journaled:
         resumed.merge(entries)
     assert resumed.tables() == streamed.tables()
     with pytest.raises(ValueError, match="unknown calibration task"):
-        list(ct.calibration_requests(shallow, ["chess"], 1, 512))
+        list(ct.calibration_requests(shallow, ["chess"], 1, CALIBRATION_LENGTH))
 
 
-def test_triaxial_calibration_measures_as_a_rotated_pool_stores_and_keeps_the_sink_out_of_the_tags(shallow):
+def test_triaxial_calibration_measures_as_a_rotated_pool_stores_and_keeps_the_sink_out_of_the_tags(shallow, calibration):
     """``--rotate``: the capture is in the pool's frame (attention there is the
     model's, rotated back it gives the model's outputs) and INT3 pages are fitted
     as a rotated pool fits them (``page3_fit``: "mse"); ``--sink-tokens``: the first
@@ -352,8 +373,7 @@ def test_triaxial_calibration_measures_as_a_rotated_pool_stores_and_keeps_the_si
     from jaxkv.cache.rotation import Rotation
     from train import calibrate_triaxial as ct
 
-    _, ids, codes = next(iter(ct.calibration_requests(shallow, ["passkey"], 1, 512)))
-    plain = ct.Capture(shallow, ids, codes)
+    ((_, ids, codes), _), (plain, _) = calibration  # the passkey request and its plain capture
     rot = ct.Capture(shallow, ids, codes, rotate=True, sink_tokens=4)
     assert (plain.fit3, rot.fit3) == ("cover", "mse")
     assert (rot.codes[:4] == -1).all() and (rot.codes[4:] == plain.codes[4:]).all() and (plain.codes[:4] >= 0).all()
