@@ -77,6 +77,8 @@ def test_a_managed_session_answers_a_real_passkey_task(smollm2):
     assert reply_correct(ex, reply), reply
 
 
+SHALLOW_POSITIONS = 512  # every session on the cut model: one cache shape, its programs shared
+
 MECHANISMS = (
     [
         dict(policy=name, budget=160, layout="dead_slot")
@@ -95,11 +97,11 @@ MECHANISMS = (
 
 @pytest.mark.parametrize("options", MECHANISMS, ids=lambda o: "-".join(f"{k}={v}" for k, v in o.items()))
 def test_every_mechanism_runs_a_multi_turn_conversation_on_the_real_weights(shallow, options):
-    (ex,) = niah(1, length=384, seed=7, tokenizer=shallow.tokenizer, variant="single")
+    (ex,) = niah(1, length=256, seed=7, tokenizer=shallow.tokenizer, variant="single")  # a document over the budget
     messages, prefix = ex.messages("agnostic"), reply_prefix(ex)
     if "policy" in options:
         options = dict(options, protect_query=False)  # the document is the user turn: let the policy evict in it
-    session = jaxkv.Session(shallow, max_new_tokens=6, max_positions=1024, **options)
+    session = jaxkv.Session(shallow, max_new_tokens=6, max_positions=SHALLOW_POSITIONS, **options)
     try:
         first = session.replay(messages[:2])
         reply = session.chat(messages[:3], reply_prefix=prefix)
@@ -118,11 +120,11 @@ def test_triaxial_without_a_calibration_for_this_model_is_a_config_error(shallow
     uncalibrated = copy.copy(shallow)
     uncalibrated.path = tmp_path
     with pytest.raises(ConfigError, match="triaxial"):
-        jaxkv.Session(uncalibrated, kv_quant="triaxial", max_positions=1024).chat([{"role": "user", "content": "hi"}])
+        jaxkv.Session(uncalibrated, kv_quant="triaxial", max_positions=SHALLOW_POSITIONS).chat([{"role": "user", "content": "hi"}])
 
 
 def test_tools_with_a_template_that_has_no_tool_section_are_refused(shallow):
-    session = jaxkv.Session(shallow, max_new_tokens=4, max_positions=1024)
+    session = jaxkv.Session(shallow, max_new_tokens=4, max_positions=SHALLOW_POSITIONS)
     tools = [{"type": "function", "function": {"name": "search", "parameters": {"type": "object", "properties": {}}}}]
     try:
         with pytest.raises(ChatError, match="no tool section"):
@@ -137,7 +139,7 @@ def test_served_over_http_to_the_openai_client(smollm2):
     openai = pytest.importorskip("openai")
     from jaxkv.server import BackgroundServer, make_app
 
-    app = make_app(smollm2, model_name=NAME, rows=2, max_positions=2048, max_tokens=16)
+    app = make_app(smollm2, model_name=NAME, rows=1, max_positions=640, max_tokens=16)  # the passkey server's cache shape
     with BackgroundServer(app) as running:
         client = openai.OpenAI(base_url=running.url + "/v1", api_key="x", max_retries=0, timeout=300)
         assert [m.id for m in client.models.list().data] == [NAME]
