@@ -162,10 +162,9 @@ def test_harness_resume_skips_recorded_cells_and_workers_agree(task_model_dir, t
     assert [(c.method, c.budget) for c in replayed] == [(first[-1]["method"], first[-1]["budget"])]
     assert _without_wall(resumed) == _without_wall(first)
 
-    # another setup (here n) never reuses recorded cells
-    replayed.clear()
-    harness.run(_grid_args(task_model_dir, out, "--resume", "--n", "2"))
-    assert len(replayed) == 3
+    # another setup (here n) never reuses recorded cells: none of them counts as finished
+    with pytest.raises(ValueError, match="no finished cell of this grid"):
+        harness.run(_grid_args(task_model_dir, out, "--resume", "--report-only", "--n", "2"))
     monkeypatch.undo()
 
     # two worker processes reproduce the in-process rows exactly (the snapkv cells:
