@@ -27,6 +27,7 @@ from jaxkv.tasks import haystack, token_plan
 
 POLICIES = ("snapkv", "h2o", "agentkv", "kvzip")  # window rows, attention mass, per-phase rows, reconstruction passes
 ROUNDING = 1e-4  # logits are ~10-30 in size: a few float32 ulps
+POSITIONS = 1024  # every session's pool: positions_for(512), the lm cells' shape, so programs are shared
 
 
 def test_budget_for_ratio_keeps_what_kvpress_keeps():
@@ -68,7 +69,7 @@ def test_a_branched_cell_is_its_policy_alone(shallow):
     budget = budget_for_ratio(0.5, plan.compressed.size)
     cells = [Cell(None)] + [Cell(p, 0.5) for p in POLICIES]
 
-    session = Session(shallow, max_positions=512, protect_query=False)
+    session = Session(shallow, max_positions=POSITIONS, protect_query=False)
     stages = [None] + [_retention_stage(c, budget, shallow, ex.seed) for c in cells[1:]]
     probe = ProbeStage(stages[1:])
     session.stages = sorted(list(session.stages) + [probe], key=lambda s: s.order)
@@ -82,7 +83,7 @@ def test_a_branched_cell_is_its_policy_alone(shallow):
 
     assert branched["full"]["live"].size == plan.compressed.size + target.size
     for policy in POLICIES:
-        alone = Session(shallow, max_positions=512, protect_query=False, policy=policy, budget=budget)
+        alone = Session(shallow, max_positions=POSITIONS, protect_query=False, policy=policy, budget=budget)
         (result,) = alone.replay(ex.messages("aware"), return_logits=True)
         (event,) = alone.compressions
         cell = branched[f"{policy}@0.5"]
@@ -96,7 +97,7 @@ def test_a_branched_cell_is_its_policy_alone(shallow):
         # ... far below what the eviction itself changes (the comparison can fail)
         assert np.abs(cell["pred"] - branched["full"]["pred"]).max() > 100 * ROUNDING, policy
         alone.close()
-    plain = Session(shallow, max_positions=512, protect_query=False)
+    plain = Session(shallow, max_positions=POSITIONS, protect_query=False)
     (result,) = plain.replay(ex.messages("aware"), return_logits=True)
     expected = np.concatenate([np.asarray(result.prompt_logits)[-1:], np.asarray(result.target_logits)[:-1]])
     np.testing.assert_allclose(branched["full"]["pred"], expected, rtol=0, atol=ROUNDING)
