@@ -98,25 +98,30 @@ def test_at_init_z_equals_s_exactly_and_training_reaches_alpha_and_the_mlp():
         "mbar": rng.normal(size=(B, D)).astype(np.float32),
         "norm_err": np.zeros(B, np.float32),
     }
-    r = jax.vmap(lambda k, m, sp: ih.residual_scores(head.graphdef, head.params, k, m, sp))(batch["kbar"], batch["mbar"], batch["span"])
+    r = jax.jit(jax.vmap(lambda k, m, sp: ih.residual_scores(head.graphdef, head.params, k, m, sp)))(
+        batch["kbar"], batch["mbar"], batch["span"]
+    )
     z = ih.combine(batch["s"], r, ih.alpha_of(head.params, 2.0))
     np.testing.assert_array_equal(np.asarray(z), batch["s"])  # bit for bit
 
+    # one jitted gradient per head structure (graphdef static), not op-by-op dispatch
+    grad_of = jax.jit(lambda graphdef, p: jax.grad(lambda p: batch_loss(graphdef, p, batch, LossConfig())[0])(p), static_argnums=0)
+
     def grads(params):
-        return ih.flat_params(jax.grad(lambda p: batch_loss(head.graphdef, p, batch, LossConfig())[0])(params))
+        return ih.flat_params(grad_of(head.graphdef, params))
 
     g0 = grads(head.params)
     # at init r = 0: the gradient reaches the zero output layer through α = 1 ...
     assert np.abs(g0["fc2.kernel"]).max() > 0 and np.abs(g0["fc2.bias"]).max() > 0
     # ... and after one update it reaches α, the hidden layer and the cross-attention
     opt = optax.sgd(0.1)
-    updates, _ = opt.update(jax.grad(lambda p: batch_loss(head.graphdef, p, batch, LossConfig())[0])(head.params), opt.init(head.params))
+    updates, _ = opt.update(grad_of(head.graphdef, head.params), opt.init(head.params))
     g1 = grads(optax.apply_updates(head.params, updates))
     for name in ("alpha", "fc1.kernel", "fc1.bias", "xq.kernel", "xk.kernel", "xv.kernel", "xo.kernel"):
         assert np.abs(g1[name]).max() > 0, name
     # with α = 0 instead, nothing would ever move (the saddle the paper avoids)
     frozen = ih.init_head(ih.HeadConfig(head_dim=D, alpha_init=0.0), seed=0)
-    g_frozen = ih.flat_params(jax.grad(lambda p: batch_loss(frozen.graphdef, p, batch, LossConfig())[0])(frozen.params))
+    g_frozen = ih.flat_params(grad_of(frozen.graphdef, frozen.params))
     assert all(np.abs(v).max() == 0 for v in g_frozen.values())
 
 
@@ -312,16 +317,23 @@ def test_labels_are_exactly_the_argument_values_of_the_next_five_calls(task_mode
     assert data.future_values(messages, j, horizon=6) == ["d012", "d013", "d014", "d015", "d016", "v021"]
 
 
-def test_row_scores_are_what_a_session_scores_at_its_event(task_model_dir):
-    """The row's rule score, memory and forced set reproduce a real session's first event."""
-    from jaxkv.policies import select
-    from jaxkv.serving import Session
+@pytest.fixture(scope="module")
+def seed11_rows(task_model_dir):
+    """The model, a 1400-token agent trace (seed 11) and its full-cache rows (``trace_rows``), made once."""
     from jaxkv.tasks import agent_traces
     from train import intentkv_data as data
 
     model = jaxkv.load_model(task_model_dir)
     ex = agent_traces(1, seed=11, length=1400, n_docs=3, registry=True)[0]
-    out = data.trace_rows(model, ex.messages, ex.tools, data.answer_values_of(ex), keep_empty=True)
+    return model, ex, data.trace_rows(model, ex.messages, ex.tools, data.answer_values_of(ex), keep_empty=True)
+
+
+def test_row_scores_are_what_a_session_scores_at_its_event(seed11_rows):
+    """The row's rule score, memory and forced set reproduce a real session's first event."""
+    from jaxkv.policies import select
+    from jaxkv.serving import Session
+
+    model, ex, out = seed11_rows
     row = out["rows"][2]
     budget = max(out["rows"][1]["len"], row["len"] - 60)
     assert row["turn"] == 2 and out["rows"][1]["len"] <= budget < row["len"]  # the first event is this row's
@@ -341,7 +353,7 @@ def test_row_scores_are_what_a_session_scores_at_its_event(task_model_dir):
     assert forced[~cand].all()
 
 
-def test_managed_rows_are_what_each_event_of_a_managed_session_saw(task_model_dir):
+def test_managed_rows_are_what_each_event_of_a_managed_session_saw(seed11_rows):
     """``--events managed``: one row per compression event of a session running the
     rule. Its score and forced set reproduce the event's kept set; it holds only the
     live positions; its keys before the first event are the full-cache forward's and
@@ -349,12 +361,9 @@ def test_managed_rows_are_what_each_event_of_a_managed_session_saw(task_model_di
     show); its labels are the full cache's reads at its positions."""
     from jaxkv.policies import select
     from jaxkv.serving import Server
-    from jaxkv.tasks import agent_traces
     from train import intentkv_data as data
 
-    model = jaxkv.load_model(task_model_dir)
-    ex = agent_traces(1, seed=11, length=1400, n_docs=3, registry=True)[0]
-    full = data.trace_rows(model, ex.messages, ex.tools, data.answer_values_of(ex), keep_empty=True)
+    model, ex, full = seed11_rows
     by_turn = {r["turn"]: r for r in full["rows"]}
     first_event_len = by_turn[2]["len"]
     budget = max(by_turn[1]["len"], first_event_len - 60)
@@ -417,6 +426,8 @@ def quick_run(task_model_dir, tmp_path_factory):
                 "1300",
                 "--length-max",
                 "1500",
+                "--heldout",  # of --quick's 4: the first two give the 4 held-out rows --quick's training measures
+                "2",
             ]
         )
     )
@@ -479,6 +490,8 @@ def test_a_resumed_data_run_states_the_seconds_of_every_run(quick_run, task_mode
                 "1300",
                 "--length-max",
                 "1500",
+                "--heldout",  # of --quick's 4: the first two give the 4 held-out rows --quick's training measures
+                "2",
             ]
         )
     )
@@ -659,18 +672,20 @@ def test_label_variants_share_ignored_positions_and_union_by_spec(task_model_dir
         assert ((lower == 1) >= (relabelled == 1)).all() and (lower == 1).sum() > (relabelled == 1).sum()
 
 
-def test_traces_for_a_template_without_tools_give_rows_of_that_models_shapes(smollm2_gguf):
+def test_traces_for_a_template_without_tools_give_rows_of_that_models_shapes(smollm2_tokenizer):
     """SmolLM2's template has no tool section: the agent trace is rendered with its
     tools inlined (``jaxkv.tasks.example.for_template``), one message for one, and
     the rows take the model's own shapes (head_dim 64, its layers and heads), with
     labels read from the original calls (here a 2-layer cut, for time)."""
     from jaxkv.chat.render import render, template_takes_tools
+    from jaxkv.models import registry
+    from jaxkv.models.loading import read_config
     from jaxkv.tasks import agent_traces
     from jaxkv.tasks.example import for_template
     from train.intentkv_data import answer_values_of, trace_rows
 
-    full = jaxkv.load_model("smollm2-135m-instruct")
-    model = jaxkv.model_from_config(dataclasses.replace(full.config, num_layers=2), tokenizer=full.tokenizer)
+    full = read_config(registry.converted_dir("smollm2-135m-instruct"))  # its config, without loading its weights
+    model = jaxkv.model_from_config(dataclasses.replace(full, num_layers=2), tokenizer=smollm2_tokenizer)
     (ex,) = agent_traces(1, 200_000_123, length=700)
     assert not template_takes_tools(model.tokenizer)
     shown = for_template(ex, model.tokenizer)
@@ -725,7 +740,9 @@ def test_row_generation_turns_on_the_persistent_compilation_cache(task_model_dir
     calls = []
     monkeypatch.setattr(compiles, "enable_persistent_cache", lambda *a, **k: calls.append(a))
     summary = intentkv_data.generate(
-        intentkv_data.parse_args(["--out", str(tmp_path / "data"), "--model", str(task_model_dir), "--traces", "0", "--heldout", "0", "--quiet"])
+        intentkv_data.parse_args(
+            ["--out", str(tmp_path / "data"), "--model", str(task_model_dir), "--traces", "0", "--heldout", "0", "--quiet"]
+        )
     )
     assert calls == [()]
     assert summary["train"]["rows"] == 0 and summary["heldout"]["rows"] == 0

@@ -239,7 +239,7 @@ def test_each_layer_keeps_its_promised_count_and_its_own_top_k(model, shape):
 
 
 def test_compact_layout_renumbers_the_union_and_keeps_each_layers_set(model):
-    n = 90
+    n = 120  # the prompt and new-token counts of the tests above: their programs serve this one
     engine, row, prompt = _prefilled(model, n, seed=1)
     pinned = np.r_[0:4]
     report, _ = _event(engine, row, "snapkv", layer_budgets(20, L, "pyramid"), pinned, layout="compact")
@@ -249,7 +249,7 @@ def test_compact_layout_renumbers_the_union_and_keeps_each_layers_set(model):
     keep_before = report.plan.layer_keep  # over the renumbered positions 0..U-1
     assert keep_before.shape == (L, union.size) and np.array_equal(req.layer_live, keep_before)
     _assert_tables_mirror_host(engine, row)
-    new = [5, 9, 11]
+    new = [5, 9, 11, 2, 6]
     _, logits = engine.decode([row], [new[0]], len(new), return_logits=True, forced_tokens=[new[1:]])
     # oracle: the dense prefix's keys of the union moved to positions 0..U-1, each layer masked to its set
     keep_LP = np.zeros((L, n), bool)
@@ -259,7 +259,7 @@ def test_compact_layout_renumbers_the_union_and_keeps_each_layers_set(model):
 
 
 def test_repair_restores_rows_bit_identical_under_per_layer_sets(model):
-    n = 100
+    n = 120  # the prompt and new-token counts of the tests above: their programs serve this one
     engine, row, prompt = _prefilled(model, n, seed=2)
     slots0 = list(engine.row_state[row].slots)
     k0, v0 = engine.kv.gather_rows(slots0)
@@ -286,7 +286,7 @@ def test_repair_restores_rows_bit_identical_under_per_layer_sets(model):
     others = np.setdiff1d(np.arange(n), promote)
     assert np.array_equal(req.layer_live[:, others], sets_before[:, others])  # every other choice untouched
     _assert_tables_mirror_host(engine, row)
-    new = [3, 8, 2, 7]
+    new = [3, 8, 2, 7, 4]
     _, logits = engine.decode([row], [new[0]], len(new), return_logits=True, forced_tokens=[new[1:]])
     ref = logits_over_layer_kept(model, prompt, req.layer_live[:, :n], new)
     assert np.abs(np.asarray(logits[0], np.float64) - ref).max() / np.abs(ref).max() <= 1e-5
@@ -374,7 +374,7 @@ def _first_layer_drop(session) -> int:
 
 
 def test_a_per_layer_pruned_prefix_never_reaches_another_session(model):
-    with Server(model, max_positions=512) as fresh:
+    with Server(model, max_positions=512, layer_lists=True) as fresh:  # the same engine shapes as below
         _, alone_full, _ = _replay(model, fresh, seed=0)
     with Server(model, max_positions=512, layer_lists=True) as server:
         pruned, _, _ = _replay(model, server, seed=0, **LAYER)

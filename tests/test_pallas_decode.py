@@ -13,10 +13,12 @@ import jaxkv
 from jaxkv.attention import decode_attention_reference
 from jaxkv.kernels import decode_attention, resolve_backend
 from jaxkv.kernels._options import pallas_options
+from jaxkv.kernels._splitk import PALLAS_SPLITS, num_splits, split_size
+from jaxkv.kernels.attention.decode import TOKEN_BLOCK
 from jaxkv.kernels.testing import decode_f64, decode_problem, rel_err, request_errors, tolerance
 
 LENGTHS = (1, 31, 32, 33, 64, 65, 300)  # short and long requests in one batch
-LONG = (1, 33, 1000, 4097)
+LONG = (1, 33, 300, 700)  # 700: four splits of three, three, three and two blocks
 _problem = decode_problem
 
 
@@ -42,7 +44,10 @@ def test_kernel_matches_reference_and_f64(D, G, dtype):
 
 @pytest.mark.slow
 def test_kernel_long_lists():
-    """Up to 4097 live tokens (every split of a request full, several blocks each)."""
+    """Up to 700 live tokens (every split of a request full, several blocks each)."""
+    P = num_splits(max(LONG), TOKEN_BLOCK, PALLAS_SPLITS)
+    split = split_size(max(LONG), P, TOKEN_BLOCK)
+    assert P == PALLAS_SPLITS and max(LONG) - (P - 1) * split > TOKEN_BLOCK and split >= 2 * TOKEN_BLOCK  # the premise
     args = _problem(11, 2, 4, 128, jnp.bfloat16, LONG)
     _check(decode_attention(*args, backend="interpret"), args, tolerance(jnp.bfloat16))
 

@@ -33,7 +33,16 @@ from jaxkv.kernels.testing import ragged_f64, ragged_problem, rel_err, tolerance
 # short new row, a first decode token, a long chunk after a long history (several
 # tiles, whole and diagonal key blocks), a row of two queries
 ROWS = ((40, 100), (1, 77), (0, 5), (3, 3), (1, 1), (70, 200), (2, 2))
-CASES = [(64, 1, jnp.float32), (128, 2, jnp.bfloat16), (64, 4, jnp.bfloat16), (128, 8, jnp.float32)]
+# The same kinds of rows, shorter, where tiles hold fewer queries (GQA groups of 1 on
+# the GPU, of 4 and 8 on both): the long chunk still spans two tiles or more on both
+# backends and its first tile still reads a whole key block (130 entries before it)
+SHORT_ROWS = ((20, 80), (1, 77), (0, 5), (3, 3), (1, 1), (40, 170), (2, 2))
+CASES = [
+    (64, 1, jnp.float32, SHORT_ROWS),
+    (128, 2, jnp.bfloat16, ROWS),
+    (64, 4, jnp.bfloat16, SHORT_ROWS),
+    (128, 8, jnp.float32, SHORT_ROWS),
+]
 
 
 def _gpu(*args):
@@ -88,9 +97,12 @@ def _check(kernel, args, tol):
 
 
 @pytest.mark.parametrize("kernel", sorted(KERNELS))
-@pytest.mark.parametrize("D,G,dtype", CASES)
-def test_mixed_step_matches_reference_and_f64(kernel, D, G, dtype):
-    _check(kernel, ragged_problem(D + G, 2, G, D, dtype, ROWS, pad=5), tolerance(dtype))
+@pytest.mark.parametrize("D,G,dtype,rows", CASES)
+def test_mixed_step_matches_reference_and_f64(kernel, D, G, dtype, rows):
+    long_q = max(q for q, _ in rows)
+    tiles = {"pallas": tiles_mod.tpu_tile(G), "triton": tiles_mod.gpu_tile(G, D, jnp.dtype(dtype).itemsize)}[kernel]
+    assert G == 1 and kernel == "pallas" or long_q > tiles.queries  # the premise: the long chunk spans tiles
+    _check(kernel, ragged_problem(D + G, 2, G, D, dtype, rows, pad=5), tolerance(dtype))
 
 
 @pytest.mark.parametrize("kernel", sorted(KERNELS))

@@ -38,9 +38,12 @@ def test_every_method_runs_and_respects_budget(agent_model, method, layout):
         pinned = report.live_after - budget
         assert report.live_after == budget or pinned > 0  # more only when forced > budget
     # No event at or under budget: the same replay with a budget above every request.
-    roomy = Session(agent_model, keep_reasoning=True, max_positions=1024, policy=method, budget=1000, layout=layout)
-    roomy.replay(msgs, TOOLS, generate=True, max_new_tokens=6)
-    assert roomy.compressions == []
+    # Whether an event fires is decided before any layout applies (the live count
+    # against the budget), so one layout checks it.
+    if layout == "dead_slot":
+        roomy = Session(agent_model, keep_reasoning=True, max_positions=1024, policy=method, budget=1000, layout=layout)
+        roomy.replay(msgs, TOOLS, generate=True, max_new_tokens=6)
+        assert roomy.compressions == []
 
 
 def _hits_per_turn(agent_model, **options):
@@ -93,7 +96,7 @@ def test_alias_safety_under_shared_prefixes(agent_model, plan, monkeypatch):
     slot a row reads during decoding is held."""
     from jaxkv.serving.stages import retention as retention_mod
 
-    server = Server(agent_model, max_positions=1024, num_slots=2600)
+    server = Server(agent_model, max_positions=1024)  # the sessions' private servers' shapes: their programs serve this one
     real_compress = retention_mod.compress_row
 
     def checked_compress(*args, **kwargs):

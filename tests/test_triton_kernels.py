@@ -43,7 +43,7 @@ from jaxkv.kernels.testing import (  # noqa: E402
 )
 from jaxkv.rope import inv_frequencies  # noqa: E402
 
-LENGTHS = (1, 31, 32, 33, 64, 65, 300)
+LENGTHS = (1, 31, 32, 33, 64, 65, 130)  # block boundaries; 130: several splits, the last holding two
 
 gpu_float = jax.jit(functools.partial(gpu_decode.decode_attention, launcher=interpret_call))
 gpu_quantized = jax.jit(functools.partial(gpu_decode.quantized_decode_attention, launcher=interpret_call))
@@ -67,16 +67,22 @@ def test_float_decode_matches_reference_and_f64(D, G, dtype):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
-def test_float_decode_long_lists(dtype):
-    """Lists up to 4097 tokens: the production split count (65 splits of one block each)."""
-    args = decode_problem(3, 2, 4, 128, dtype, (1, 33, 1000, 4097))
+@pytest.mark.parametrize(
+    "dtype,lengths,splits,blocks", [(jnp.float32, (1, 33, 1000, 4097), 128, 2), (jnp.bfloat16, (1, 33, 520, 1025), 17, 1)]
+)
+def test_float_decode_long_lists(dtype, lengths, splits, blocks):
+    """Long lists at the production split count: float32 up to 4097 tokens, where the
+    split count reaches its cap (1024 programs: 128 splits of two blocks each); bfloat16
+    up to 1025 tokens (17 splits of one block each, the last holding one entry)."""
+    args = decode_problem(3, 2, 4, 128, dtype, lengths)
+    launch = gpu_decode.decode_launch(kernels.decode_float_tokens, args[0], args[1:3], args[3], block=gpu_decode.token_block(dtype))
+    assert launch.grid[2] == splits and dict(launch.constexprs)["SPLIT"] == blocks * gpu_decode.token_block(dtype)
     _check_decode(gpu_float(*args), args, tolerance(dtype))
 
 
 def test_float_decode_ignores_order_and_padding_and_empty_requests():
     """Shuffling a list and rewriting its padding changes nothing; an empty request gives zeros."""
-    q, k, v, idx, lens = decode_problem(7, 2, 4, 64, jnp.float32, (40, 300, 0))
+    q, k, v, idx, lens = decode_problem(7, 2, 4, 64, jnp.float32, (40, 130, 0))
     out = np.asarray(gpu_float(q, k, v, idx, lens))
     rng = np.random.default_rng(1)
     idx2 = np.asarray(idx).copy()
@@ -158,8 +164,9 @@ def test_four_bit_pages_take_the_jnp_page_part(masked):
 
 @pytest.mark.parametrize("D,G,qdtype", [(128, 2, jnp.float32), (64, 8, jnp.bfloat16)])
 def test_quantized_decode_matches_reference_and_f64(D, G, qdtype):
-    # (INT2 pages, INT4 tokens): INT4 only, one token, page boundaries, long mixed, INT4 only.
-    pages, tokens = (0, 3, 1, 12, 0), (33, 1, 32, 300, 31)
+    # (INT2 pages, INT4 tokens): INT4 only, one token, page boundaries, long mixed (several
+    # splits of each part), INT4 only.
+    pages, tokens = (0, 3, 1, 6, 0), (33, 1, 32, 130, 31)
     args = mixed_quantized_problem(D + G, 2, G, D, pages, tokens, qdtype)
     out = _check_quantized(args, tolerance(qdtype))
     # Without an INT2 pool only the INT4 launch runs; requests 0 and 4 had no pages anyway.
@@ -171,8 +178,9 @@ def test_quantized_decode_matches_reference_and_f64(D, G, qdtype):
 
 @pytest.mark.slow
 def test_quantized_decode_long_lists():
-    """4097 INT4 tokens in one request, 40 INT2 pages and 1000 tokens in the other (bf16, G 4)."""
-    args = mixed_quantized_problem(5, 2, 4, 128, (0, 40), (4097, 1000), jnp.bfloat16)
+    """1025 INT4 tokens in one request (33 splits, the last holding one token), 20 INT2
+    pages and 600 tokens in the other (bf16, G 4)."""
+    args = mixed_quantized_problem(5, 2, 4, 128, (0, 20), (1025, 600), jnp.bfloat16)
     _check_quantized(args, tolerance(jnp.bfloat16))
 
 
