@@ -147,11 +147,33 @@ def kernel_case(case) -> dict:
     return {"prefill_err": _err(ref[0], kern[0]), "decode_err": _err(ref[1], kern[1]), "decode_scale": _scale(ref[1])}
 
 
+def _conversation(seed):
+    """``test_repair``'s conversation (three assistant turns answering a user, a tool
+    result, a user; a short protected prefix) with a sixth of its words: about 70
+    tokens, still well past the budget of 40, in fewer step buckets (each server
+    compiles 4 step programs, not 6)."""
+    from test_session import WORDS
+
+    rng = np.random.default_rng(seed)
+
+    def words(n):
+        return " ".join(rng.choice(WORDS, n))
+
+    return [
+        {"role": "system", "content": "answer"},
+        {"role": "user", "content": words(20)},
+        {"role": "assistant", "content": words(6)},
+        {"role": "tool", "content": words(8)},
+        {"role": "assistant", "content": words(6)},
+        {"role": "user", "content": words(8)},
+        {"role": "assistant", "content": words(4)},
+    ]
+
+
 def session_case(case) -> dict:
     from jaxkv.chat import build_tokenizer
     from jaxkv.config import ModelConfig
     from jaxkv.serving import Server, Session
-    from test_repair import _conversation
     from test_session import WORDS
 
     tok = build_tokenizer(WORDS)

@@ -46,7 +46,7 @@ def _run_subprocess(hf_checkpoint, tmp, out) -> None:
     cases = [dict(name=name, kind="logits", folder=folders[name], tp=tp, dp=dp) for name, (_, _, tp, dp) in LOGITS_CASES.items()]
     cases += [  # Llama: GQA 4 and llama3 rope scaling
         dict(name="kernel", kind="kernel", folder=str(hf_checkpoint("llama")[0]), tp=2, dp=2),
-        dict(name="session", kind="session", tp=2, dp=4),
+        dict(name="session", kind="session", tp=2, dp=2),
         dict(name="reuse", kind="reuse", tp=2, dp=2),
         dict(name="user_meshes", kind="user_meshes", folder=str(tmp / "qwen3_8heads_4kv")),
         dict(name="errors", kind="errors", folder=folders["qwen2_biases_dp4_tp2"]),
