@@ -194,7 +194,7 @@ def test_shelved_rows_are_promoted_back_bit_identical(qmodel, mode):
 
 
 def _decode_logits(qmodel, mode, backend, mass):
-    """The logits of the parity test's decode (4 steps, 2 rows, some slots dead) on a
+    """The logits of the parity test's decode (3 steps, 2 rows, some slots dead) on a
     fresh engine: through the decode loop's page-table path, or with ``mass`` as
     single steps through the float reference over the dequantized live list."""
     rng = np.random.default_rng(3)
@@ -204,7 +204,7 @@ def _decode_logits(qmodel, mode, backend, mass):
     rows = [e.open_row(), e.open_row()]
     e.prefill(rows, [prompt, prompt[:128]], kv_bits=None if mode.startswith("kivi") else [bits, bits[:128]])
     e.kv.apply_layout(rows[0], layouts.dead_slot(e.row_state[rows[0]].slots, np.setdiff1d(np.arange(256), [3, 40, 41])))
-    out = e.decode(rows, [7, 9], 4, return_logits=True, forced_tokens=[[11, 12, 13], [14, 15, 16]], attn_mass=mass)
+    out = e.decode(rows, [7, 9], 3, return_logits=True, forced_tokens=[[11, 12], [14, 15]], attn_mass=mass)
     if mode == "triaxial":
         assert e.kv.composition(rows[0])[INT2] >= PAGE and e.kv.composition(rows[0])[3] >= PAGE
     return np.stack(out[1])
@@ -395,8 +395,9 @@ def test_pool_round_trip_within_half_a_step(qmodel, page_bits):
     x = rng.standard_normal((96, 2, 64)) * rng.uniform(0.1, 5, (96, 1, 1)) + rng.uniform(-3, 3, (96, 1, 64))
     k, v = jnp.asarray(x, jnp.float32), jnp.asarray(x[::-1].copy(), jnp.float32)
     slots = np.concatenate([np.arange(32, 96), geo.off4 + np.arange(32)])  # 2 pages, 32 INT4 rows
-    pool = write_tokens(pool, geo, 0, k, v, jnp.asarray(slots), jnp.arange(64).reshape(2, PAGE), jnp.asarray([1, 2])).layer(0)
-    kd, vd = (np.asarray(a, np.float64) for a in dequantize_slots(pool, geo, jnp.asarray(slots)))
+    write, read = jax.jit(write_tokens, static_argnums=(1, 2)), jax.jit(dequantize_slots, static_argnums=1)  # one program each
+    pool = write(pool, geo, 0, k, v, jnp.asarray(slots), jnp.arange(64).reshape(2, PAGE), jnp.asarray([1, 2])).layer(0)
+    kd, vd = (np.asarray(a, np.float64) for a in read(pool, geo, jnp.asarray(slots)))
     tiny = 2.0**-20 * (np.abs(x) + 1)
     assert pool.int2.k.data.shape[-1] == 64 * page_bits // 8
     ks2 = np.asarray(pool.int2.k.scale[1:], np.float64)  # [2, K, D] per channel
