@@ -36,8 +36,9 @@ def _hf_logits(torch_model, seq):
 
 def _paged_logits(model, seq, n_prefill, *, backend=None):
     """Logits of every token of ``seq`` through the engine: chunked prefill of the
-    first ``n_prefill`` tokens, then teacher-forced decode of the rest."""
-    engine = jaxkv.Engine(model, rows=1, max_positions=128, prefill_chunk=32, backend=backend)
+    first ``n_prefill`` tokens, then teacher-forced decode of the rest. Chunks of 16
+    tokens: a 40-token prefill's three pieces are one step program (16-token bucket)."""
+    engine = jaxkv.Engine(model, rows=1, max_positions=128, prefill_chunk=16, backend=backend)
     row = engine.open_row()
     (pre,) = engine.prefill([row], [seq[:n_prefill]], all_logits=True)
     n = len(seq) - n_prefill
@@ -51,7 +52,7 @@ def test_bf16_paged_logits_within_the_bf16_bound(hf_checkpoint, family):
     model = jaxkv.load_model(folder, dtype="bfloat16")
     assert all(x.dtype == jnp.bfloat16 for x in jax.tree.leaves(model.split()[1]))
     seq = _parity_input()
-    got, engine = _paged_logits(model, seq, 40)  # 2 chunks of prefill, 24 decode steps
+    got, engine = _paged_logits(model, seq, 40)  # 3 chunks of prefill, 24 decode steps
     # on XLA:CPU a bf16 model's pool is float32 holding bf16 values (cache.state.float_pool_dtype)
     assert engine.cache.k.dtype == engine.cache.v.dtype == (jnp.float32 if jax.default_backend() == "cpu" else jnp.bfloat16)
     assert got.dtype == np.float32 and got.shape == (64, 1024)
@@ -68,7 +69,7 @@ def test_bf16_decode_through_the_pallas_kernel_within_the_bf16_bound(hf_checkpoi
     float32 accumulation and softmax, within the bound, and close to the reference."""
     folder, torch_model = hf_checkpoint("llama")
     model = jaxkv.load_model(folder, dtype="bfloat16")
-    seq = _parity_input()[:48]
+    seq = _parity_input()[:44]  # 4 decode steps through the kernel
     kernel, _ = _paged_logits(model, seq, 40, backend="interpret")
     reference, _ = _paged_logits(model, seq, 40, backend="reference")
     ref = _hf_logits(torch_model, seq)

@@ -46,6 +46,13 @@ from jaxkv.policies import layouts
 from jaxkv.policies.quant_allocation import Allocation, solve
 
 
+# The pool's writer and reader jit'd: one program each per geometry (op by op, a
+# write and its reads were ~250 small programs). (The mse test compares the pool's
+# bytes with quant3's op by op, bit for bit: it writes op by op too.)
+_write = jax.jit(write_tokens, static_argnums=(1, 2, 8))
+_read = jax.jit(dequantize_slots, static_argnums=1)
+
+
 def _outlier_rows(seed, n, K=2, D=64):
     rng = np.random.default_rng(seed)
     x = rng.standard_normal((n, K, D)) * rng.uniform(0.1, 5, (n, 1, 1)) + rng.uniform(-3, 3, (n, 1, D))
@@ -135,8 +142,8 @@ def test_pool_pages_of_both_widths_round_trip_and_count_their_bytes():
     slots = jnp.asarray(np.concatenate([np.arange(32, 96), geo.off4 + np.arange(32)]))  # page 1 (INT2), page 2 (INT3), INT4
     src, ids = jnp.arange(64).reshape(2, PAGE), jnp.asarray([1, 2])
     create = lambda g: DualPool.create(g, num_layers=1, num_kv_heads=2, head_dim=64, dtype=jnp.float32)  # noqa: E731
-    pool = write_tokens(create(geo), geo, 0, k, v, slots, src, ids).layer(0)
-    kd, vd = (np.asarray(a, np.float64) for a in dequantize_slots(pool, geo, slots))
+    pool = _write(create(geo), geo, 0, k, v, slots, src, ids, "cover").layer(0)
+    kd, vd = (np.asarray(a, np.float64) for a in _read(pool, geo, slots))
     tiny = 2.0**-20 * (np.abs(x) + 1)
     # the scales the one page reader gives (page 1: float16; page 2: the one-byte parameters, expanded)
     ks = np.asarray(page_params(pool, geo, 0, lambda a, p=ids: a[p], ids)[0], np.float64)  # [2, K, D] per channel over each page
@@ -149,7 +156,7 @@ def test_pool_pages_of_both_widths_round_trip_and_count_their_bytes():
     assert err(kd[32:64], x[32:64]) < 0.6 * err(kd[:32], x[:32])  # the INT3 page is the finer one
     # the INT2 page is the bytes a pool without INT3 pages holds
     plain = Geometry(pages=2, int4_slots=40)
-    old = write_tokens(create(plain), plain, 0, k[:32], v[:32], jnp.arange(32, 64), src[:1], ids[:1]).layer(0)
+    old = _write(create(plain), plain, 0, k[:32], v[:32], jnp.arange(32, 64), src[:1], ids[:1], "cover").layer(0)
     for a, b in zip(jax.tree.leaves(old.int2), jax.tree.leaves(pool.int2)):
         assert np.array_equal(np.asarray(a)[:2], np.asarray(b)[:2])
     assert pool.int2.k.scale.shape[0] == pool.int2.v.scale.shape[0] == geo.first3  # INT3 pages hold no float16 parameters
@@ -186,7 +193,7 @@ def _kinds(engine, row):
 
 def test_shelved_int3_rows_are_promoted_back_bit_identical(qmodel):
     """(The engine of ``test_triaxial``'s shelving test: its programs, compiled once.)"""
-    e = Engine(qmodel, rows=1, max_positions=512, prefill_chunk=128, kv_quant="triaxial")
+    e = Engine(qmodel, rows=3, max_positions=1024, prefill_chunk=128, kv_quant="triaxial")
     rng = np.random.default_rng(2)
     row = e.open_row()
     e.prefill([row], [rng.integers(5, 500, 200).tolist()], kv_bits=[np.tile([2, 3, 3, 4], 50)])

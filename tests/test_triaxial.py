@@ -27,8 +27,12 @@ from jaxkv.serving import Server, Session
 # One engine shape for the module's engine tests: engines of one shape and pool format
 # share their compiled programs (the step and decode programs are keyed on the pool's and
 # the step's shapes), so each format compiles them once per module, not once per test.
+# Prompts are whole chunks where the length is not the point (the step programs are
+# keyed on the step's token bucket and outputs too), and the sessions' server has the
+# engine tests' shape and pool.
 SHAPE = dict(rows=3, max_positions=1024, prefill_chunk=128)
 ONE_CHUNK = dict(SHAPE, prefill_chunk=256)  # a 200-token prompt in one chunk
+SERVER = dict(SHAPE, num_slots=3 * 1024 + 1, kv_quant="triaxial")  # Engine(**SHAPE, kv_quant="triaxial")'s pool
 
 
 def allocation(int2_semantics=(1, 5), budget=3.0):
@@ -73,7 +77,7 @@ def test_address_split_and_one_allocator_per_region():
 def test_int2_first_page_table_and_page_completion_rule(qmodel):
     e = Engine(qmodel, **SHAPE, kv_quant="triaxial")
     rng = np.random.default_rng(0)
-    n = 150
+    n = 256  # two chunks
     bits = np.where(rng.random(n) < 0.7, 2, 4)
     row = e.open_row()
     e.prefill([row], [rng.integers(5, 500, n).tolist()], kv_bits=[bits])
@@ -110,9 +114,10 @@ def test_decode_tokens_go_to_int4_and_kivi_keeps_a_recent_float_window(qmodel):
     e = Engine(qmodel, **SHAPE, kv_quant="triaxial")
     row = e.open_row()
     e.prefill([row], [prompt], kv_bits=[np.full(200, 2)])
-    e.decode([row], [7], 16)
+    for _ in range(6):  # calls of the shelving test's shape (3 steps): its decode programs
+        e.decode([row], [7], 3)
     kinds = kinds_of(e, row)
-    assert (kinds[200:] == INT4).all() and kinds.size == 216
+    assert (kinds[200:] == INT4).all() and kinds.size == 218
     assert (kinds[:192] == INT2).all() and (kinds[192:200] == INT4).all()  # 200 = 6 pages + 8 leftover
 
     for mode, page_bits in (("kivi2", 2), ("kivi4", 4)):
@@ -120,9 +125,9 @@ def test_decode_tokens_go_to_int4_and_kivi_keeps_a_recent_float_window(qmodel):
         assert k.cache.pool.int2.bits == page_bits and k.cache.pool.int2.k.data.shape[-1] == 32 * page_bits // 8
         row = k.open_row()
         k.prefill([row], [prompt])
-        for n_new in (0, 16, 16, 16):
-            if n_new:
-                k.decode([row], [7], n_new)
+        for call in range(17):  # the prompt, then 16 calls of 3 tokens: the window fills a page past the residual and pages it out
+            if call:
+                k.decode([row], [7], 3)
             kinds = kinds_of(k, row)
             floats = np.flatnonzero(kinds == FLOAT)
             assert KIVI_RESIDUAL <= floats.size < KIVI_RESIDUAL + PAGE  # the most recent tokens, in full precision
@@ -140,7 +145,7 @@ def test_prefix_cached_token_keeps_its_first_precision(qmodel):
         {"role": "user", "content": " ".join(["report budget travel legal"] * 30)},
         {"role": "assistant", "content": "ok"},
     ]
-    with Server(qmodel, rows=1, max_positions=1024, kv_quant="triaxial") as server:
+    with Server(qmodel, **SERVER) as server:
         a = server.session(kv_bits=2.0, kv_allocation=allocation())
         b = server.session(kv_bits=4.0, kv_allocation=allocation())
         a.replay(msgs)
@@ -188,29 +193,50 @@ def test_shelved_rows_are_promoted_back_bit_identical(qmodel, mode):
     assert np.unique(fresh[two] // PAGE).size == np.unique(slots[two] // PAGE).size
 
 
+def _decode_logits(qmodel, mode, backend, mass):
+    """The logits of the parity test's decode (3 steps, 2 rows, some slots dead) on a
+    fresh engine: through the decode loop's page-table path, or with ``mass`` as
+    single steps through the float reference over the dequantized live list."""
+    rng = np.random.default_rng(3)
+    prompt = rng.integers(5, 500, 256).tolist()
+    bits = rng.choice([2, 3, 4], 256, p=[0.4, 0.35, 0.25])
+    e = Engine(qmodel, **SHAPE, kv_quant=mode, backend=backend)
+    rows = [e.open_row(), e.open_row()]
+    e.prefill(rows, [prompt, prompt[:128]], kv_bits=None if mode.startswith("kivi") else [bits, bits[:128]])
+    e.kv.apply_layout(rows[0], layouts.dead_slot(e.row_state[rows[0]].slots, np.setdiff1d(np.arange(256), [3, 40, 41])))
+    out = e.decode(rows, [7, 9], 3, return_logits=True, forced_tokens=[[11, 12], [14, 15]], attn_mass=mass)
+    if mode == "triaxial":
+        assert e.kv.composition(rows[0])[INT2] >= PAGE and e.kv.composition(rows[0])[3] >= PAGE
+    return np.stack(out[1])
+
+
+@pytest.fixture(scope="module")
+def reference_logits(qmodel):
+    """Per pool format, the float reference's logits (``_decode_logits`` with
+    ``mass``), computed once: the interpret backend's reference is the same blocked
+    path (``QuantKernelBackend`` runs steps through ``CpuQuantBackend.attend_blocked``),
+    so both backends' page-table paths are held to one reference."""
+    cache = {}
+
+    def get(mode):
+        if mode not in cache:
+            cache[mode] = _decode_logits(qmodel, mode, None, True)
+        return cache[mode]
+
+    return get
+
+
 @pytest.mark.parametrize(
     "mode,backend", [("triaxial", None), ("triaxial", "interpret"), ("kivi2", None), ("kivi4", None)]
 )  # kivi4 in interpret mode: tests/test_quant.py
-def test_quantized_decode_logits_equal_attention_over_dequantized_kv(qmodel, mode, backend):
+def test_quantized_decode_logits_equal_attention_over_dequantized_kv(qmodel, reference_logits, mode, backend):
     """The page-table path (``quantized_decode_attention``: kernel in interpret mode,
     reference on CPU) and the float reference over the dequantized live list give
     the same logits; both write the new token the same way. The triaxial prompt
     writes INT2 pages, INT3 pages and INT4 rows."""
-    rng = np.random.default_rng(3)
-    prompt = rng.integers(5, 500, 230).tolist()
-    bits = rng.choice([2, 3, 4], 230, p=[0.4, 0.35, 0.25])
-    logits = []
-    for mass in (False, True):
-        e = Engine(qmodel, **SHAPE, kv_quant=mode, backend=backend)
-        rows = [e.open_row(), e.open_row()]
-        e.prefill(rows, [prompt, prompt[:150]], kv_bits=None if mode.startswith("kivi") else [bits, bits[:150]])
-        e.kv.apply_layout(rows[0], layouts.dead_slot(e.row_state[rows[0]].slots, np.setdiff1d(np.arange(230), [3, 40, 41])))
-        out = e.decode(rows, [7, 9], 4, return_logits=True, forced_tokens=[[11, 12, 13], [14, 15, 16]], attn_mass=mass)
-        logits.append(np.stack(out[1]))
-        if mode == "triaxial":
-            assert e.kv.composition(rows[0])[INT2] >= PAGE and e.kv.composition(rows[0])[3] >= PAGE
-    want = logits[1]
-    assert np.abs(logits[0] - want).max() <= 1e-5 * np.abs(want).max()
+    got = _decode_logits(qmodel, mode, backend, False)
+    want = reference_logits(mode)
+    assert np.abs(got - want).max() <= 1e-5 * np.abs(want).max()
 
 
 @pytest.mark.parametrize("mode", ["int4", "kivi2", "kivi4"])
@@ -219,7 +245,7 @@ def test_quantized_rows_decode_alike_alone_and_batched(qmodel, mode):
     row's writes land in its own slots and pages, in every layer (the writer scatters
     into the whole ``[L, ...]`` arrays at (layer, rows))."""
     rng = np.random.default_rng(5)
-    prompts = [rng.integers(5, 500, n).tolist() for n in (230, 150, 97)]
+    prompts = [rng.integers(5, 500, n).tolist() for n in (256, 128, 97)]
     forced = [[11, 12, 13, 14, 15], [21, 22, 23, 24, 25], [31, 32, 33, 34, 35]]
 
     def run(which):
@@ -252,7 +278,7 @@ def test_quantized_decode_window_equals_per_step_gather(qmodel, mode, monkeypatc
     run = runner_mod.run_decode
     monkeypatch.setattr(runner_mod, "run_decode", lambda *a, **k: calls.append(k["width"]) or run(*a, **k))
     rng = np.random.default_rng(11)
-    prompts = [rng.integers(5, 500, n).tolist() for n in (700, 150)]
+    prompts = [rng.integers(5, 500, n).tolist() for n in (768, 128)]
     bits = [rng.choice([2, 3, 4], len(p), p=[0.4, 0.35, 0.25]) for p in prompts] if mode == "triaxial" else None
     runs = {}
     for window in (True, False):
@@ -260,17 +286,19 @@ def test_quantized_decode_window_equals_per_step_gather(qmodel, mode, monkeypatc
         e.runner.use_window = window
         rows = [e.open_row(), e.open_row()]
         e.prefill(rows, prompts, kv_bits=bits)
-        e.kv.apply_layout(rows[0], layouts.dead_slot(e.row_state[rows[0]].slots, np.setdiff1d(np.arange(700), [3, 40, 41, 300, 301])))
+        e.kv.apply_layout(rows[0], layouts.dead_slot(e.row_state[rows[0]].slots, np.setdiff1d(np.arange(768), [3, 40, 41, 300, 301])))
         out = [e.decode(rows, [7, 9], 6, return_logits=True, query_rows=True)]
         for call in (1, 2, 3):
             if call == 2:  # row 1 drops the last call's tokens: the kept window rolls back with it
                 e.truncate_row(rows[1], len(e.row_state[rows[1]].slots) - 4)
             if call == 3:  # an eviction writes the tables: the window is copied again
-                e.kv.apply_layout(rows[0], layouts.dead_slot(e.row_state[rows[0]].slots, np.setdiff1d(np.arange(690), [3, 40, 41, 300, 301])))
+                e.kv.apply_layout(
+                    rows[0], layouts.dead_slot(e.row_state[rows[0]].slots, np.setdiff1d(np.arange(758), [3, 40, 41, 300, 301]))
+                )
             out.append(e.decode(rows, [t[-1] for t in out[-1][0]], 6, return_logits=True, query_rows=True))
         assert e.runner.uses_window(2, 1024) == window
         runs[window] = (out, e.runner.regathers)
-    assert calls == [1024] * 4 + [0] * 4  # each windowed call read a window as wide as the 700-entry list's bucket; then none
+    assert calls == [1024] * 4 + [0] * 4  # each windowed call read a window as wide as the 768-entry list's bucket; then none
     assert runs[True][1] == 2  # copied by the first call and after the eviction; rolled on by the others
     if mode == "triaxial":
         assert e.kv.composition(rows[0])[INT2] > 0 and e.kv.composition(rows[0])[3] > 0
@@ -300,13 +328,15 @@ def test_prefill_attends_over_the_dequantized_prefix_and_its_chunk_in_full_preci
     rq, rf = q.open_row(), f.open_row()
     q.prefill([rq], [tokens[:128]], kv_bits=[bits])
     f.prefill([rf], [tokens[:128]])
-    layers = [dequantize_slots(q.cache.pool.layer(i), q.pool.geometry, jnp.asarray(q.row_state[rq].slots)) for i in range(2)]
-    slots = jnp.asarray(f.row_state[rf].slots)
-    f.kv.commit(
-        f.cache.replace(
-            k=f.cache.k.at[:, slots].set(jnp.stack([k for k, _ in layers])), v=f.cache.v.at[:, slots].set(jnp.stack([v for _, v in layers]))
-        )
-    )
+    geo = q.pool.geometry
+
+    @jax.jit  # one program (op by op, the reads and the float pool's writes were ~100)
+    def float_cache(pool, q_slots, cache, f_slots):
+        layers = [dequantize_slots(pool.layer(i), geo, q_slots) for i in range(2)]
+        k, v = jnp.stack([k for k, _ in layers]), jnp.stack([v for _, v in layers])
+        return cache.replace(k=cache.k.at[:, f_slots].set(k), v=cache.v.at[:, f_slots].set(v))
+
+    f.kv.commit(float_cache(q.cache.pool, jnp.asarray(q.row_state[rq].slots), f.cache, jnp.asarray(f.row_state[rf].slots)))
     got = q.prefill([rq], [tokens[128:]], all_logits=True)[0]
     want = f.prefill([rf], [tokens[128:]], all_logits=True)[0]
     assert np.abs(got - want).max() <= 1e-5 * np.abs(want).max()
@@ -318,15 +348,18 @@ def test_an_imported_prefill_stores_what_a_one_chunk_prefill_stores(qmodel, mode
     (``start_prefill(kv_source=...)``, no forward): the pool holds exactly what
     that format's prefill of the whole prompt in one chunk holds, the row goes on
     alike, the source's logits come back, and what an import cannot give is refused."""
+    # the prompt in one chunk (full-precision attention): a chunk of SHAPE, or for
+    # KIVI a 200-token one of ONE_CHUNK (past its 128-token float window: pages too)
+    shape, n = (ONE_CHUNK, 200) if mode == "kivi2" else (SHAPE, 128)
     rng = np.random.default_rng(9)
-    tokens, more = rng.integers(5, 500, 200).tolist(), rng.integers(5, 500, 24).tolist()
-    bits = np.where(rng.random(200) < 0.6, 2, 4) if mode == "triaxial" else None
-    src = Engine(qmodel, **ONE_CHUNK)  # one chunk: full-precision attention
+    tokens, more = rng.integers(5, 500, n).tolist(), rng.integers(5, 500, 72).tolist()
+    bits = np.where(rng.random(n) < 0.6, 2, 4) if mode == "triaxial" else None
+    src = Engine(qmodel, **shape)
     rs = src.open_row()
     last = src.prefill([rs], [tokens])[0]
     k, v = src.pool.gather_float(src.cache, src.row_state[rs].slots)
-    one = Engine(qmodel, **ONE_CHUNK, kv_quant=mode)
-    imp = Engine(qmodel, **ONE_CHUNK, kv_quant=mode)
+    one = Engine(qmodel, **shape, kv_quant=mode)
+    imp = Engine(qmodel, **shape, kv_quant=mode)
     r1, r2 = one.open_row(), imp.open_row()
     one.prefill([r1], [tokens], kv_bits=None if bits is None else [bits])
     job = imp.start_prefill(r2, tokens, kv_bits=bits, kv_source=KVSource(k, v, last))
@@ -362,8 +395,9 @@ def test_pool_round_trip_within_half_a_step(qmodel, page_bits):
     x = rng.standard_normal((96, 2, 64)) * rng.uniform(0.1, 5, (96, 1, 1)) + rng.uniform(-3, 3, (96, 1, 64))
     k, v = jnp.asarray(x, jnp.float32), jnp.asarray(x[::-1].copy(), jnp.float32)
     slots = np.concatenate([np.arange(32, 96), geo.off4 + np.arange(32)])  # 2 pages, 32 INT4 rows
-    pool = write_tokens(pool, geo, 0, k, v, jnp.asarray(slots), jnp.arange(64).reshape(2, PAGE), jnp.asarray([1, 2])).layer(0)
-    kd, vd = (np.asarray(a, np.float64) for a in dequantize_slots(pool, geo, jnp.asarray(slots)))
+    write, read = jax.jit(write_tokens, static_argnums=(1, 2)), jax.jit(dequantize_slots, static_argnums=1)  # one program each
+    pool = write(pool, geo, 0, k, v, jnp.asarray(slots), jnp.arange(64).reshape(2, PAGE), jnp.asarray([1, 2])).layer(0)
+    kd, vd = (np.asarray(a, np.float64) for a in read(pool, geo, jnp.asarray(slots)))
     tiny = 2.0**-20 * (np.abs(x) + 1)
     assert pool.int2.k.data.shape[-1] == 64 * page_bits // 8
     ks2 = np.asarray(pool.int2.k.scale[1:], np.float64)  # [2, K, D] per channel
@@ -417,28 +451,21 @@ def test_quantized_session_composes_with_retention_and_repair(qmodel, layout):
 
     ex = mqniah(1, 77, needles=4, length=600)[0]  # document + question, then a second question
     repair = {"repair": 16} if layout == "dead_slot" else {}
-    s = Session(
-        qmodel,
-        kv_quant="triaxial",
-        kv_allocation=allocation(),
-        max_positions=1024,
-        protect_query=False,
-        policy="snapkv",
-        budget=160,
-        layout=layout,
-        **repair,
-    )
-    s.replay(ex.messages, ex.tools)
-    assert any(r.live_after < r.live_before for r in s.compressions)
-    assert any(r.int2 > 0 for r in s.quantization.records)
-    if repair:
-        assert sum(r.promoted_positions.size for r in s.repairs) > 0
-    engine, radix = s.server.engine, s.server.radix
-    assert all(st is None for st in engine.row_state)
-    held = np.bincount(radix.held_slots(), minlength=engine.allocator.num_slots)
-    assert np.array_equal(engine.allocator.refcounts(), held)  # only the radix cache holds slots
-    pages = np.unique(radix.held_slots()[engine.pool.geometry.kind(radix.held_slots()) == INT2] // PAGE)
-    assert engine.allocator.pages_used == pages.size
+    with Server(qmodel, **SERVER) as server:
+        s = server.session(
+            kv_quant="triaxial", kv_allocation=allocation(), protect_query=False, policy="snapkv", budget=160, layout=layout, **repair
+        )
+        s.replay(ex.messages, ex.tools)
+        assert any(r.live_after < r.live_before for r in s.compressions)
+        assert any(r.int2 > 0 for r in s.quantization.records)
+        if repair:
+            assert sum(r.promoted_positions.size for r in s.repairs) > 0
+        engine, radix = s.server.engine, s.server.radix
+        assert all(st is None for st in engine.row_state)
+        held = np.bincount(radix.held_slots(), minlength=engine.allocator.num_slots)
+        assert np.array_equal(engine.allocator.refcounts(), held)  # only the radix cache holds slots
+        pages = np.unique(radix.held_slots()[engine.pool.geometry.kind(radix.held_slots()) == INT2] // PAGE)
+        assert engine.allocator.pages_used == pages.size
 
 
 def test_session_options_are_checked(qmodel):
