@@ -1,7 +1,7 @@
 """The scheduler: many sessions served at once on one server (continuous batching).
 
 * Eight sessions with mixed retention / repair options replay held-out agent
-  traces of three lengths from eight threads on one ``Server(rows=8)``: their
+  traces of two lengths from eight threads on one ``Server(rows=8)``: their
   replies equal each session run alone, or differ through a near tie of the solo
   run (a compression decision or a reply token within 1e-4, each logged with its
   margin), and afterwards nothing leaks.
@@ -54,9 +54,10 @@ def assert_nothing_leaked(server: Server) -> None:
     server.radix.check_invariants()
 
 
-TRACE_LENGTHS = (1024, 2048)  # two trace lengths (1,536 dropped for the suite's time)
+TRACE_LENGTHS = (1024, 2048)  # two trace lengths (1,536 dropped for the suite's time), batched together
 TURNS = 2  # assistant turns replayed per trace (the suite's time)
 NEAR_TIE = 1e-4  # a difference must come from a choice this close in the solo run
+CHUNK = 128  # prefill tokens per piece: step buckets 16-144, five programs per step variant (512: seven)
 
 
 def explain_differences(alone, together, alone_sessions, together_sessions):
@@ -115,24 +116,31 @@ def test_differences_are_explained_by_the_first_flip_or_token():
 
 @pytest.mark.slow
 @pytest.mark.skipif(not (EMBEDDED_DIR / "config.json").is_file(), reason="embedded model not installed")
-@pytest.mark.parametrize("length", TRACE_LENGTHS)
-def test_eight_concurrent_sessions_reply_as_if_alone(length):
-    """8 sessions x 2 trace lengths: every batched reply equals the session's solo
-    reply, or differs through a near tie of the solo run (logged with its margin)."""
+def test_eight_concurrent_sessions_reply_as_if_alone():
+    """8 sessions, each option kind at both trace lengths, batched together: every
+    batched reply equals the session's solo reply, or differs through a near tie of
+    the solo run (logged with its margin)."""
     from jaxkv.tasks import agent_traces
     from jaxkv.tasks.seeds import EVAL_SEED_BASE
 
     model = jaxkv.load_model("embedded")
-    examples = agent_traces(8, EVAL_SEED_BASE + 4242, length=length)
+    # Session i replays trace i of the batch of its length; OPTIONS lists each kind twice, so each kind
+    # replays a trace of either length, and the server batches rows of both.
+    traces = {length: agent_traces(8, EVAL_SEED_BASE + 4242, length=length) for length in TRACE_LENGTHS}
+    examples = [traces[TRACE_LENGTHS[i % 2]][i] for i in range(8)]
 
     def replay(session, ex):
         last = sorted(t.message_index for t in ex.targets)[:TURNS][-1]
         return session.replay(ex.messages[: last + 1], ex.tools, generate=True, max_new_tokens=24, reply_margins=True)
 
-    alone_sessions = [Session(model, max_positions=4096, keep_reasoning=True, **opt) for opt in OPTIONS]
-    alone = [replay(s, ex) for s, ex in zip(alone_sessions, examples)]
+    def run_alone(opt, ex):  # alone on a server of the batched one's shapes (its compiled programs)
+        with Server(model, rows=8, max_positions=4096, prefill_chunk=CHUNK) as server:
+            session = server.session(keep_reasoning=True, **opt)
+            return session, replay(session, ex)
 
-    server = Server(model, rows=8, max_positions=4096)
+    alone_sessions, alone = zip(*(run_alone(opt, ex) for opt, ex in zip(OPTIONS, examples)))
+
+    server = Server(model, rows=8, max_positions=4096, prefill_chunk=CHUNK)
     sessions = [server.session(keep_reasoning=True, **opt) for opt in OPTIONS]
     together: list = [None] * 8
     errors: list = []
@@ -150,9 +158,12 @@ def test_eight_concurrent_sessions_reply_as_if_alone(length):
         th.join(timeout=900)
     assert not errors, errors
     turns, same, diffs = explain_differences(alone, together, alone_sessions, sessions)
-    print(f"\nlength {length}: {same}/{turns} turns identical to the session run alone")
+    print(f"\n{same}/{turns} turns identical to the session run alone")
     for i, t, what, margin in diffs:
-        print(f"  session {i} ({OPTIONS[i] or 'full cache'}) turn {t}: first difference at {what}; solo margin {margin:.2e}")
+        print(
+            f"  session {i} ({OPTIONS[i] or 'full cache'}, {TRACE_LENGTHS[i % 2]} tokens) turn {t}:"
+            f" first difference at {what}; solo margin {margin:.2e}"
+        )
     assert all(margin < NEAR_TIE for *_, margin in diffs), diffs
     assert turns >= 8 * 2
     assert server.scheduler.stats["turns_done"] == turns
