@@ -180,6 +180,17 @@ def small_model():
     return tiny_chat_model()
 
 
+# (rows, slots): one row (every turn queues) in a roomy pool, and three rows (a padded
+# decode bucket of 4) in a tight one, where concurrent turns press on the pool. Each pair
+# is a compile set of its own; the tests below use only these two, with 32-token prefill
+# pieces (step buckets 16, 32, 48), so they share their programs.
+POOLS = ((1, 420), (3, 160))
+
+
+def small_server(model, rows: int, slots: int, **options) -> Server:
+    return Server(model, rows=rows, max_positions=256, num_slots=slots, decode_chunk=4, prefill_chunk=32, **options)
+
+
 SESSION_KINDS = [
     {},
     {"policy": "snapkv", "budget": 24, "w": 4},
@@ -195,13 +206,13 @@ SESSION_KINDS = [
         min_size=4,
         max_size=14,
     ),
-    rows=st.integers(1, 3),
-    slots=st.sampled_from((160, 420)),  # a tight pool and a roomy one: each size is a compile set
+    pool=st.sampled_from(POOLS),
     max_queue=st.integers(1, 4),
 )
-def test_scheduler_never_leaks_under_arrivals_cancellations_and_pressure(small_model, ops, rows, slots, max_queue):
+def test_scheduler_never_leaks_under_arrivals_cancellations_and_pressure(small_model, ops, pool, max_queue):
+    rows, slots = pool
     rng = np.random.default_rng(len(ops) * 1000 + slots)
-    server = Server(small_model, rows=rows, max_positions=256, num_slots=slots, max_queue=max_queue, decode_chunk=4)
+    server = small_server(small_model, rows, slots, max_queue=max_queue)
     sessions = [server.session(session_id=f"s{i}", **SESSION_KINDS[i % len(SESSION_KINDS)]) for i in range(6)]
     history = {i: [{"role": "system", "content": "answer"}] for i in range(6)}
     handles: dict = {}
@@ -242,7 +253,7 @@ def test_scheduler_never_leaks_under_arrivals_cancellations_and_pressure(small_m
 
 
 def test_achat_from_concurrent_asyncio_tasks(small_model):
-    server = Server(small_model, rows=2, max_positions=256)
+    server = small_server(small_model, *POOLS[1])
     a, b, c = (server.session(session_id=f"a{i}") for i in range(3))
     conv = [{"role": "system", "content": "answer"}, {"role": "user", "content": "weather in paris"}]
 
@@ -250,14 +261,15 @@ def test_achat_from_concurrent_asyncio_tasks(small_model):
         return await asyncio.gather(a.achat(conv, max_new_tokens=6), b.achat(conv, max_new_tokens=6), c.achat(conv, max_new_tokens=6))
 
     replies = asyncio.run(main())
-    alone = Session(small_model, max_positions=256).chat(conv, max_new_tokens=6)
+    with small_server(small_model, *POOLS[0]) as solo:
+        alone = Session(small_model, server=solo).chat(conv, max_new_tokens=6)
     assert all(r == alone for r in replies)
     assert_nothing_leaked(server)
     server.close()
 
 
 def test_a_session_runs_one_turn_at_a_time_and_bad_options_are_typed(small_model):
-    server = Server(small_model, rows=1, max_positions=256)
+    server = small_server(small_model, *POOLS[0])
     s = server.session()
     conv = [{"role": "user", "content": "weather in paris " * 20}]
     h = s.start_chat(conv, max_new_tokens=30)
