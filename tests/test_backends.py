@@ -49,14 +49,14 @@ def test_quantized_decode_reaches_the_fused_kernel_and_equals_the_blocked_backen
     kernel = kernel_quant.quantized_decode_attention
     monkeypatch.setattr(kernel_quant, "quantized_decode_attention", lambda *a, **k: calls.append(k["backend"]) or kernel(*a, **k))
     rng = np.random.default_rng(4)
-    prompts = [rng.integers(5, 500, n).tolist() for n in (180, 70)]
+    prompts = [rng.integers(5, 500, n).tolist() for n in (80, 30)]
     bits = [np.where(rng.random(len(p)) < 0.6, 2, 4) for p in prompts] if mode == "triaxial" else None
     runs = {}
     for backend in (None, "interpret"):
-        e = Engine(qmodel, rows=2, max_positions=256, kv_quant=mode, backend=backend)
+        e = Engine(qmodel, rows=2, max_positions=128, kv_quant=mode, backend=backend)
         rows = [e.open_row(), e.open_row()]
         e.prefill(rows, prompts, kv_bits=bits)
-        keep = np.setdiff1d(np.arange(180), [3, 40, 41, 100])  # pages partly held: their bitmasks read
+        keep = np.setdiff1d(np.arange(80), [3, 40, 41, 70])  # pages partly held: their bitmasks read
         e.kv.apply_layout(rows[0], layouts.dead_slot(e.row_state[rows[0]].slots, keep))
         runs[backend] = e.decode(rows, [7, 9], 3, return_logits=True, forced_tokens=[[11, 12], [14, 15]])
         assert type(e.backend) is (QuantKernelBackend if backend else CpuQuantBackend)

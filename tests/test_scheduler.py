@@ -1,7 +1,7 @@
 """The scheduler: many sessions served at once on one server (continuous batching).
 
 * Eight sessions with mixed retention / repair options replay held-out agent
-  traces of three lengths from eight threads on one ``Server(rows=8)``: their
+  traces of two lengths from eight threads on one ``Server(rows=8)``: their
   replies equal each session run alone, or differ through a near tie of the solo
   run (a compression decision or a reply token within 1e-4, each logged with its
   margin), and afterwards nothing leaks.
@@ -54,9 +54,10 @@ def assert_nothing_leaked(server: Server) -> None:
     server.radix.check_invariants()
 
 
-TRACE_LENGTHS = (1024, 2048)  # two trace lengths (1,536 dropped for the suite's time)
+TRACE_LENGTHS = (1024, 2048)  # two trace lengths (1,536 dropped for the suite's time), batched together
 TURNS = 2  # assistant turns replayed per trace (the suite's time)
 NEAR_TIE = 1e-4  # a difference must come from a choice this close in the solo run
+CHUNK = 128  # prefill tokens per piece: step buckets 16-144, five programs per step variant (512: seven)
 
 
 def explain_differences(alone, together, alone_sessions, together_sessions):
@@ -115,24 +116,31 @@ def test_differences_are_explained_by_the_first_flip_or_token():
 
 @pytest.mark.slow
 @pytest.mark.skipif(not (EMBEDDED_DIR / "config.json").is_file(), reason="embedded model not installed")
-@pytest.mark.parametrize("length", TRACE_LENGTHS)
-def test_eight_concurrent_sessions_reply_as_if_alone(length):
-    """8 sessions x 2 trace lengths: every batched reply equals the session's solo
-    reply, or differs through a near tie of the solo run (logged with its margin)."""
+def test_eight_concurrent_sessions_reply_as_if_alone():
+    """8 sessions, each option kind at both trace lengths, batched together: every
+    batched reply equals the session's solo reply, or differs through a near tie of
+    the solo run (logged with its margin)."""
     from jaxkv.tasks import agent_traces
     from jaxkv.tasks.seeds import EVAL_SEED_BASE
 
     model = jaxkv.load_model("embedded")
-    examples = agent_traces(8, EVAL_SEED_BASE + 4242, length=length)
+    # Session i replays trace i of the batch of its length; OPTIONS lists each kind twice, so each kind
+    # replays a trace of either length, and the server batches rows of both.
+    traces = {length: agent_traces(8, EVAL_SEED_BASE + 4242, length=length) for length in TRACE_LENGTHS}
+    examples = [traces[TRACE_LENGTHS[i % 2]][i] for i in range(8)]
 
     def replay(session, ex):
         last = sorted(t.message_index for t in ex.targets)[:TURNS][-1]
         return session.replay(ex.messages[: last + 1], ex.tools, generate=True, max_new_tokens=24, reply_margins=True)
 
-    alone_sessions = [Session(model, max_positions=4096, keep_reasoning=True, **opt) for opt in OPTIONS]
-    alone = [replay(s, ex) for s, ex in zip(alone_sessions, examples)]
+    def run_alone(opt, ex):  # alone on a server of the batched one's shapes (its compiled programs)
+        with Server(model, rows=8, max_positions=4096, prefill_chunk=CHUNK) as server:
+            session = server.session(keep_reasoning=True, **opt)
+            return session, replay(session, ex)
 
-    server = Server(model, rows=8, max_positions=4096)
+    alone_sessions, alone = zip(*(run_alone(opt, ex) for opt, ex in zip(OPTIONS, examples)))
+
+    server = Server(model, rows=8, max_positions=4096, prefill_chunk=CHUNK)
     sessions = [server.session(keep_reasoning=True, **opt) for opt in OPTIONS]
     together: list = [None] * 8
     errors: list = []
@@ -150,9 +158,12 @@ def test_eight_concurrent_sessions_reply_as_if_alone(length):
         th.join(timeout=900)
     assert not errors, errors
     turns, same, diffs = explain_differences(alone, together, alone_sessions, sessions)
-    print(f"\nlength {length}: {same}/{turns} turns identical to the session run alone")
+    print(f"\n{same}/{turns} turns identical to the session run alone")
     for i, t, what, margin in diffs:
-        print(f"  session {i} ({OPTIONS[i] or 'full cache'}) turn {t}: first difference at {what}; solo margin {margin:.2e}")
+        print(
+            f"  session {i} ({OPTIONS[i] or 'full cache'}, {TRACE_LENGTHS[i % 2]} tokens) turn {t}:"
+            f" first difference at {what}; solo margin {margin:.2e}"
+        )
     assert all(margin < NEAR_TIE for *_, margin in diffs), diffs
     assert turns >= 8 * 2
     assert server.scheduler.stats["turns_done"] == turns
@@ -167,6 +178,17 @@ WORDS = TINY_WORDS
 @pytest.fixture(scope="module")
 def small_model():
     return tiny_chat_model()
+
+
+# (rows, slots): one row (every turn queues) in a roomy pool, and three rows (a padded
+# decode bucket of 4) in a tight one, where concurrent turns press on the pool. Each pair
+# is a compile set of its own; the tests below use only these two, with 32-token prefill
+# pieces (step buckets 16, 32, 48), so they share their programs.
+POOLS = ((1, 420), (3, 160))
+
+
+def small_server(model, rows: int, slots: int, **options) -> Server:
+    return Server(model, rows=rows, max_positions=256, num_slots=slots, decode_chunk=4, prefill_chunk=32, **options)
 
 
 SESSION_KINDS = [
@@ -184,13 +206,13 @@ SESSION_KINDS = [
         min_size=4,
         max_size=14,
     ),
-    rows=st.integers(1, 3),
-    slots=st.sampled_from((160, 420)),  # a tight pool and a roomy one: each size is a compile set
+    pool=st.sampled_from(POOLS),
     max_queue=st.integers(1, 4),
 )
-def test_scheduler_never_leaks_under_arrivals_cancellations_and_pressure(small_model, ops, rows, slots, max_queue):
+def test_scheduler_never_leaks_under_arrivals_cancellations_and_pressure(small_model, ops, pool, max_queue):
+    rows, slots = pool
     rng = np.random.default_rng(len(ops) * 1000 + slots)
-    server = Server(small_model, rows=rows, max_positions=256, num_slots=slots, max_queue=max_queue, decode_chunk=4)
+    server = small_server(small_model, rows, slots, max_queue=max_queue)
     sessions = [server.session(session_id=f"s{i}", **SESSION_KINDS[i % len(SESSION_KINDS)]) for i in range(6)]
     history = {i: [{"role": "system", "content": "answer"}] for i in range(6)}
     handles: dict = {}
@@ -231,7 +253,7 @@ def test_scheduler_never_leaks_under_arrivals_cancellations_and_pressure(small_m
 
 
 def test_achat_from_concurrent_asyncio_tasks(small_model):
-    server = Server(small_model, rows=2, max_positions=256)
+    server = small_server(small_model, *POOLS[1])
     a, b, c = (server.session(session_id=f"a{i}") for i in range(3))
     conv = [{"role": "system", "content": "answer"}, {"role": "user", "content": "weather in paris"}]
 
@@ -239,14 +261,15 @@ def test_achat_from_concurrent_asyncio_tasks(small_model):
         return await asyncio.gather(a.achat(conv, max_new_tokens=6), b.achat(conv, max_new_tokens=6), c.achat(conv, max_new_tokens=6))
 
     replies = asyncio.run(main())
-    alone = Session(small_model, max_positions=256).chat(conv, max_new_tokens=6)
+    with small_server(small_model, *POOLS[0]) as solo:
+        alone = Session(small_model, server=solo).chat(conv, max_new_tokens=6)
     assert all(r == alone for r in replies)
     assert_nothing_leaked(server)
     server.close()
 
 
 def test_a_session_runs_one_turn_at_a_time_and_bad_options_are_typed(small_model):
-    server = Server(small_model, rows=1, max_positions=256)
+    server = small_server(small_model, *POOLS[0])
     s = server.session()
     conv = [{"role": "user", "content": "weather in paris " * 20}]
     h = s.start_chat(conv, max_new_tokens=30)

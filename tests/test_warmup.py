@@ -8,7 +8,7 @@ compiles no XLA program (``jaxkv.compiles.count``). The policies warmed (and
 drawn) cover every kind of program a policy adds: observation-window and
 query-span captures (SnapKV, IntentKV), attention mass in prefill and decode
 (H2O), ``observe`` and decode captures (AgentKV), and their events at every
-live bucket. Sizes are tiny (2 rows, 64 positions) so the whole shape set
+live bucket. Sizes are tiny (2 rows, 64 positions, 16-token prefill chunks) so the whole shape set
 compiles in seconds; the full set of a default server is a bench figure
 (README).
 """
@@ -61,7 +61,7 @@ CASES = [(None, SAMPLERS, POLICIES), ("int4", ("greedy",), ("snapkv", "h2o"))]
 def test_no_compile_after_warmup(tiny_model, monkeypatch, kv_quant, samplers, policies):
     monkeypatch.setenv(compiles.ENV_CACHE, "off")  # keep the user's cache folder out of the test
     server = Server(
-        tiny_model, rows=2, max_positions=64, prefill_chunk=64, decode_chunk=8, kv_quant=kv_quant, warmup=samplers, warmup_policies=policies
+        tiny_model, rows=2, max_positions=64, prefill_chunk=16, decode_chunk=8, kv_quant=kv_quant, warmup=samplers, warmup_policies=policies
     )
     try:
         assert server.warmup_seconds is not None
@@ -115,7 +115,7 @@ def test_a_shape_set_larger_than_the_mapping_limit_warms_and_serves_without_comp
         pytest.skip("no /proc/self/maps on this platform")
     compiles.enable_persistent_cache(tmp_path / "xla")  # the process's own folder if it already has one
     conversations = [[{"role": "user", "content": " ".join(WORDS[(i * 5 + j) % len(WORDS)] for j in range(3 + 4 * i))}] for i in range(4)]
-    options = dict(rows=2, max_positions=64, prefill_chunk=64, decode_chunk=8)
+    options = dict(rows=2, max_positions=64, prefill_chunk=16, decode_chunk=8)  # test_no_compile_after_warmup's
 
     reference = Server(tiny_model, **options)
     try:
@@ -147,7 +147,7 @@ def test_a_shape_set_larger_than_the_mapping_limit_warms_and_serves_without_comp
 def test_a_reconstruction_policys_wide_steps_are_warmed(tiny_model, monkeypatch):
     """KVzip's reconstruction passes return every flat token's query
     (``PrefillJob.wide_capture``). Where a step holds more tokens than the capture
-    cap (lowered here to 16, so the tiny shapes have such steps) that is a program
+    cap (lowered here to 8, so both tiny buckets have such steps) that is a program
     of its own; the warm-up compiles it when a reconstruction policy is warmed, so
     a pass's step of every bucket compiles nothing afterwards."""
     import numpy as np
@@ -157,20 +157,27 @@ def test_a_reconstruction_policys_wide_steps_are_warmed(tiny_model, monkeypatch)
     from jaxkv.serving.stages.retention import policy_warmup
 
     monkeypatch.setenv(compiles.ENV_CACHE, "off")
-    monkeypatch.setattr(runner, "CAPTURE_ROWS", 16)
+    monkeypatch.setattr(runner, "CAPTURE_ROWS", 8)
     _, variants = policy_warmup(["kvzip"])
     assert variants["capture_wide"] and variants["capture_q"]
-    engine = Engine(tiny_model, rows=2, max_positions=64, prefill_chunk=64)
+    # A 16-token chunk: steps of 16 and 32 tokens (the budget's bucket: two rows' pieces).
+    # Its own pool size (an Engine's default), so no other test's programs stand in for the warm-up's.
+    engine = Engine(tiny_model, rows=2, max_positions=64, prefill_chunk=16)
     shapes = shape_set(engine, 8)
     wide_steps = [T for T in shapes.steps if engine.runner.capture_rows(T, wide=True) > engine.runner.capture_rows(T)]
-    assert wide_steps  # the lowered cap leaves steps whose wide capture is a program of its own
+    assert wide_steps == list(shapes.steps) == [16, 32]  # the lowered cap leaves every step's wide capture a program of its own
     engine.warmup(8, **variants)
     before = compiles.count()
-    for n in (17, 40, 60):  # pieces in each bucket above the cap
-        row = engine.open_row()
-        job = engine.start(PrefillJob(row, np.arange(5, 5 + n), logits=None, q_idx_X=np.arange(n), wide_capture=True))
-        while not job.finished:
-            engine.step(prefill_jobs=[job])
-        assert np.asarray(job.q_rows).shape[1] == n  # every token's query came back, in one piece
-        engine.close_row(row)
+    for lengths in ((17,), (17, 40)):  # one row's pieces: steps of 16; two rows': steps of 32 too
+        rows = [engine.open_row() for _ in lengths]
+        jobs = [
+            engine.start(PrefillJob(row, np.arange(5, 5 + n), logits=None, q_idx_X=np.arange(n), wide_capture=True))
+            for row, n in zip(rows, lengths)
+        ]
+        while not all(job.finished for job in jobs):
+            engine.step(prefill_jobs=[job for job in jobs if not job.finished])
+        for job, n in zip(jobs, lengths):
+            assert np.asarray(job.q_rows).shape[1] == n  # every token's query came back, in one piece
+        for row in rows:
+            engine.close_row(row)
     assert compiles.count() == before, f"{compiles.count() - before} XLA compiles after warm-up"
