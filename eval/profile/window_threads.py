@@ -176,6 +176,8 @@ def main(argv=None) -> int:
         )  # fmt: skip
         runs[c] = json.loads(proc.stdout.strip().splitlines()[-1])
     load1 = os.getloadavg()
+    from jaxkv.markdown import md_table  # here, after the timed children: the parent stays light while they run
+
     gb = 2 * L * R * K * D * W * 4 / 1e9
     lines = [
         "# The decode window's attention on the CPU: one core or two",
@@ -186,11 +188,12 @@ def main(argv=None) -> int:
             f"load average {load0[0]:.2f} before, {load1[0]:.2f} after."
         ),
         "",
-        "| what | " + " | ".join(f"{c} core{'s' if c > 1 else ''}: ms (GB/s)" for c in cores) + " |",
-        "|---|" + "---:|" * len(cores),
+        md_table(
+            ["what", *(f"{c} core{'s' if c > 1 else ''}: ms (GB/s)" for c in cores)],
+            ([name, *(f"{runs[c][name] * 1e3:.1f} ({gb / runs[c][name]:.1f})" for c in cores)] for name in runs[cores[0]]),
+            align="l" + "r" * len(cores),
+        ),
     ]
-    for name in runs[cores[0]]:
-        lines.append(f"| {name} | " + " | ".join(f"{runs[c][name] * 1e3:.1f} ({gb / runs[c][name]:.1f})" for c in cores) + " |")
     text = "\n".join(lines) + "\n"
     print(text)
     if args.out:
