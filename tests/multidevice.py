@@ -148,26 +148,12 @@ def kernel_case(case) -> dict:
 
 
 def _conversation(seed):
-    """``test_repair``'s conversation (three assistant turns answering a user, a tool
-    result, a user; a short protected prefix) with a sixth of its words: about 70
-    tokens, still well past the budget of 40, in fewer step buckets (each server
-    compiles 4 step programs, not 6)."""
-    from test_session import WORDS
+    """``test_repair``'s conversation with a sixth of its words: about 70 tokens,
+    still well past the budget of 40, in fewer step buckets (each server compiles 4
+    step programs, not 6)."""
+    from test_repair import _conversation as repair_conversation
 
-    rng = np.random.default_rng(seed)
-
-    def words(n):
-        return " ".join(rng.choice(WORDS, n))
-
-    return [
-        {"role": "system", "content": "answer"},
-        {"role": "user", "content": words(20)},
-        {"role": "assistant", "content": words(6)},
-        {"role": "tool", "content": words(8)},
-        {"role": "assistant", "content": words(6)},
-        {"role": "user", "content": words(8)},
-        {"role": "assistant", "content": words(4)},
-    ]
+    return repair_conversation(seed, first_user=20, tool=8, last_user=8)
 
 
 def session_case(case) -> dict:

@@ -242,9 +242,10 @@ def test_promoted_rows_are_bit_identical_and_logits_match_attention_over_kept(ag
 
 
 # ============================================================================ sessions
-def _conversation(seed):
+def _conversation(seed, first_user=120, tool=20, last_user=20):
     """Three assistant turns answering a user, a tool result, a user (no schemas:
-    a short protected prefix, so most history is evictable)."""
+    a short protected prefix, so most history is evictable); the three lengths are
+    in words (``tests/multidevice.py`` replays a shorter one)."""
     rng = np.random.default_rng(seed)
 
     def words(n):
@@ -252,11 +253,11 @@ def _conversation(seed):
 
     return [
         {"role": "system", "content": "answer"},
-        {"role": "user", "content": words(120)},
+        {"role": "user", "content": words(first_user)},
         {"role": "assistant", "content": words(6)},
-        {"role": "tool", "content": words(20)},
+        {"role": "tool", "content": words(tool)},
         {"role": "assistant", "content": words(6)},
-        {"role": "user", "content": words(20)},
+        {"role": "user", "content": words(last_user)},
         {"role": "assistant", "content": words(4)},
     ]
 
