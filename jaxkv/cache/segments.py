@@ -36,6 +36,10 @@ every array of the segment is zero-filled before it is forgotten.
 Cost: shingling and one MinHash per unit are O(unit length) host work; an LSH
 query is O(bands) hash lookups, independent of the index size (``eval/bench/reuse.py``);
 ``align`` is O(candidate length + prompt length) numpy.
+
+``datasketch`` is imported where a signature or an index is first made, not with the
+module: it pulls in scipy (about 1.4 s of CPU), which a process that never reuses a
+segment (every ``import jaxkv``) should not pay.
 """
 
 from __future__ import annotations
@@ -43,12 +47,14 @@ from __future__ import annotations
 import collections
 import dataclasses
 import itertools
-from typing import Sequence
+from typing import TYPE_CHECKING, Sequence
 
 import numpy as np
-from datasketch import LeanMinHash, MinHash, MinHashLSH
 
 from jaxkv.errors import ConfigError, JaxKVError
+
+if TYPE_CHECKING:
+    from datasketch import LeanMinHash
 
 NUM_PERM = 128
 SHINGLE = 6
@@ -82,6 +88,8 @@ def _hash32(b: bytes) -> int:
 
 def minhash(tokens, k: int = SHINGLE, num_perm: int = NUM_PERM) -> LeanMinHash:
     """MinHash signature of the set of ``k``-shingles of ``tokens``."""
+    from datasketch import LeanMinHash, MinHash
+
     m = MinHash(num_perm=num_perm, seed=MINHASH_SEED, hashfunc=_hash32)
     hs = np.unique(shingle_hashes(tokens, k))
     if hs.size:
@@ -165,6 +173,8 @@ class Segment:
 
 class _Space:
     def __init__(self, params: tuple[int, int], num_perm: int):
+        from datasketch import MinHashLSH
+
         self.lsh = MinHashLSH(num_perm=num_perm, params=params)
         self.segments: dict[int, Segment] = {}
 
