@@ -194,3 +194,39 @@ def test_calls_in_the_history_render_as_text_where_the_template_drops_tool_calls
     at = p.index("<tool_call>")
     assert render(plain, history).phase[at] == Phase.ACT  # tagged as the call it is
     assert render(tok, history).text == tok.apply_chat_template(history, tokenize=False, add_generation_prompt=True)
+
+
+def test_folder_tokenizer_skips_auto_tokenizer_only_for_the_generic_class(tmp_path, monkeypatch):
+    """A folder naming transformers' generic fast class loads without AutoTokenizer (which
+    imports torch) and equals what AutoTokenizer gives; any other class still goes through it."""
+    import json
+    import shutil
+    from pathlib import Path
+
+    import transformers
+
+    import jaxkv
+    from jaxkv.models.tokenizer import folder_tokenizer
+
+    generic = Path(jaxkv.__file__).parent / "assets" / "embedded-agent"
+    build_tokenizer(WORDS, save_dir=tmp_path / "built")
+    text = 'Hi {"city": "Paris"} — ünïcödé\n\t<think>x</think><|im_end|>'
+    expected = {}
+    for folder in (generic, tmp_path / "built"):
+        ref = AutoTokenizer.from_pretrained(str(folder))
+        expected[folder] = (type(ref), ref.get_vocab(), ref.all_special_tokens, ref.chat_template, ref(text)["input_ids"])
+
+    calls = []
+    real = transformers.AutoTokenizer.from_pretrained
+    monkeypatch.setattr(transformers.AutoTokenizer, "from_pretrained", lambda *a, **k: calls.append(a) or real(*a, **k))
+    for folder, (cls, vocab, specials, template, ids) in expected.items():
+        got = folder_tokenizer(folder)
+        assert (type(got), got.get_vocab(), got.all_special_tokens, got.chat_template, got(text)["input_ids"]) == (cls, vocab, specials, template, ids)
+    assert calls == [], "the generic class went through AutoTokenizer"
+
+    named = tmp_path / "named"
+    shutil.copytree(generic, named, ignore=shutil.ignore_patterns("*.safetensors", "intentkv-head"))
+    config = json.loads((named / "tokenizer_config.json").read_text())
+    (named / "tokenizer_config.json").write_text(json.dumps({**config, "tokenizer_class": "Qwen2Tokenizer"}))
+    folder_tokenizer(named)
+    assert len(calls) == 1, "a model-specific class must go through AutoTokenizer"

@@ -66,6 +66,7 @@ import numpy as np
 
 from jaxkv.config import SUPPORTED_MODEL_TYPES, ModelConfig
 from jaxkv.errors import CheckpointError, CheckpointNotFoundError, ConfigError, UnsupportedModelError, UnsupportedTensorTypeError
+from jaxkv.models.tokenizer import folder_tokenizer
 from jaxkv.models.weights import check_tensor_shapes, hf_parameter_map
 
 HF_ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM"}
@@ -319,12 +320,12 @@ def read_tokenizer(reader: gguf.GGUFReader, path: Path):
     """transformers' tokenizer of the file, with its chat template; None without tokenizer metadata."""
     if reader.get_field(gguf.Keys.Tokenizer.MODEL) is None:
         return None
-    from transformers import AutoTokenizer
-
     cached = tokenizer_cache_dir(path)
     if cached.is_dir():
-        tokenizer = AutoTokenizer.from_pretrained(str(cached))
+        tokenizer = folder_tokenizer(cached)
     else:
+        from transformers import AutoTokenizer
+
         try:
             tokenizer = AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
         except (ValueError, KeyError, TypeError, OSError) as err:

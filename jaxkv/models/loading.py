@@ -61,6 +61,7 @@ from flax import nnx
 from jaxkv.config import ModelConfig
 from jaxkv.errors import CheckpointError, CheckpointNotFoundError
 from jaxkv.models import registry, sharding
+from jaxkv.models.tokenizer import folder_tokenizer
 from jaxkv.models.transformer import Transformer
 from jaxkv.models.weights import abstract_module, check_tensor_shapes, get_at, hf_parameter_map, set_at, stacked_names
 from jaxkv.tensorfile import read_safetensors, write_safetensors  # noqa: F401  (re-exported)
@@ -342,9 +343,7 @@ def load_model(path_or_repo_id, dtype="float32", mesh=None, *, load_tokenizer: b
 
     tokenizer = None
     if load_tokenizer and any((folder / f).is_file() for f in ("tokenizer.json", "tokenizer_config.json")):
-        from transformers import AutoTokenizer
-
-        tokenizer = AutoTokenizer.from_pretrained(str(folder))
+        tokenizer = folder_tokenizer(folder)
     return Model(cfg, module, tokenizer, dt, folder, mesh)
 
 
