@@ -20,6 +20,16 @@ def qwen3(hf_checkpoint):
     return jaxkv.load_model(hf_checkpoint("qwen3")[0])
 
 
+# One engine shape for the module (4 rows of 256 positions, 32-token chunks, the
+# default 48-token budget: token buckets 16, 32, 48): every test builds a fresh
+# engine of it, so the step and decode programs compile once for all of them.
+ROWS, POSITIONS, CHUNK = 4, 256, 32
+
+
+def _engine(model, **options):
+    return jaxkv.Engine(model, rows=ROWS, max_positions=POSITIONS, prefill_chunk=CHUNK, **options)
+
+
 def _run_incremental(model, engine, seqs, prefill_lens, n_decode):
     rows = [engine.open_row() for _ in seqs]
     pre = engine.prefill(rows, [s[:n] for s, n in zip(seqs, prefill_lens)], all_logits=True)
@@ -36,11 +46,12 @@ def _run_incremental(model, engine, seqs, prefill_lens, n_decode):
 def test_chunked_prefill_and_decode_match_score_logits(qwen3):
     rng = np.random.default_rng(0)
     seqs = [rng.integers(0, 1024, 120).tolist(), rng.integers(0, 1024, 120).tolist()]
-    engine = jaxkv.Engine(qwen3, rows=2, max_positions=256, prefill_chunk=32)  # 3-4 chunks
+    engine = _engine(qwen3)  # 2-3 chunks
     prefill_lens, n_decode = [70, 45], 24
     rows, logits = _run_incremental(qwen3, engine, seqs, prefill_lens, n_decode)
     for seq, n, got in zip(seqs, prefill_lens, logits):
-        ref = np.asarray(jaxkv.score_logits(qwen3, np.asarray([seq[: n + n_decode]])))[0]
+        # the oracle over the whole 120 tokens (one program for both rows: causal, so its first n + n_decode rows)
+        ref = np.asarray(jaxkv.score_logits(qwen3, np.asarray([seq])))[0, : n + n_decode]
         assert got.shape == ref.shape
         assert _rel(got, ref) <= 1e-4
     _assert_tables_mirror_host(engine, rows)
@@ -48,19 +59,19 @@ def test_chunked_prefill_and_decode_match_score_logits(qwen3):
 
 def test_fragmented_pool_gives_same_logits(qwen3):
     rng = np.random.default_rng(1)
-    seq = rng.integers(0, 1024, 100).tolist()
-    engine = jaxkv.Engine(qwen3, rows=2, max_positions=128, num_slots=400, prefill_chunk=16)
-    # Fragment the pool: another row takes 200 slots, then frees every other one.
+    seq = rng.integers(0, 1024, 120).tolist()
+    engine = _engine(qwen3)
+    # Fragment the pool: another row takes 120 slots, then frees every other one.
     other = engine.open_row()
     engine.prefill([other], [rng.integers(0, 1024, 120).tolist()])
     taken = np.asarray(engine.row_state[other].slots)
     engine.close_row(other)
     held = engine.allocator.allocate(len(taken))  # re-take all ...
     engine.allocator.release(held[::2])  # ... and free every other: holes everywhere
-    rows, logits = _run_incremental(qwen3, engine, [seq], [60], 30)
+    rows, logits = _run_incremental(qwen3, engine, [seq], [60], 24)
     slots = np.asarray(engine.row_state[rows[0]].slots)
     assert (np.diff(slots) != 1).any(), "the request's slots should not be contiguous"
-    ref = np.asarray(jaxkv.score_logits(qwen3, np.asarray([seq[:90]])))[0]
+    ref = np.asarray(jaxkv.score_logits(qwen3, np.asarray([seq])))[0, :84]  # test_chunked_prefill_...'s oracle program
     assert _rel(logits[0], ref) <= 1e-4
     _assert_tables_mirror_host(engine, rows)
     # Freed slots are reused: closing the row returns exactly its slots.
@@ -72,7 +83,7 @@ def test_prefix_with_holes_is_neither_read_nor_refilled(qwen3):
     """A row installed with sentinel holes attends only to its live slots."""
     rng = np.random.default_rng(2)
     seq = rng.integers(0, 1024, 40).tolist()
-    engine = jaxkv.Engine(qwen3, rows=2, max_positions=64)
+    engine = _engine(qwen3)
     a = engine.open_row()
     engine.prefill([a], [seq[:30]])
     slots = list(engine.row_state[a].slots)
@@ -93,8 +104,8 @@ def test_a_step_serves_decode_rows_beside_prefill_pieces_within_its_budget(qwen3
     from jaxkv import buckets
 
     rng = np.random.default_rng(3)
-    decoding, long_prompt, short_prompt = (rng.integers(0, 1024, n).tolist() for n in (50, 300, 40))
-    solo = jaxkv.Engine(qwen3, rows=1, max_positions=512, prefill_chunk=128)
+    decoding, long_prompt, short_prompt = (rng.integers(0, 1024, n).tolist() for n in (50, 80, 20))
+    solo = _engine(qwen3)
     r = solo.open_row()
     solo.prefill([r], [decoding])
     want_tokens, _ = solo.decode([r], [7], 3)
@@ -105,21 +116,22 @@ def test_a_step_serves_decode_rows_beside_prefill_pieces_within_its_budget(qwen3
     seen = []
     real_step = engine_mod.run_step
     monkeypatch.setattr(engine_mod, "run_step", lambda *a, **k: (seen.append(np.asarray(a[3].q_len_R)), real_step(*a, **k))[1])
-    engine = jaxkv.Engine(qwen3, rows=3, max_positions=512, prefill_chunk=128, token_budget=160)
+    engine = _engine(qwen3)
+    assert engine.token_budget == 48
     a, b, c = (engine.open_row() for _ in range(3))
     engine.prefill([a], [decoding])
     seen.clear()
     dec = engine.start_decode(a, 7, 3)
     jobs = [engine.start_prefill(b, long_prompt, all_logits=True), engine.start_prefill(c, short_prompt)]
     engine.step(prefill_jobs=jobs, decode_jobs=[dec])
-    assert seen[0][:3].tolist() == [1, 128, 31]  # the decode token, a whole chunk, the rest of the 160-token budget
-    assert dec.fed == 1 and jobs[0].done == 128 and jobs[1].done == 31
+    assert seen[0][:3].tolist() == [1, 32, 15]  # the decode token, a whole chunk, the rest of the 48-token budget
+    assert dec.fed == 1 and jobs[0].done == 32 and jobs[1].done == 15
     while not (dec.finished and all(j.finished for j in jobs)):
         engine.step(prefill_jobs=jobs, decode_jobs=[dec])
-    assert all(q.sum() <= 160 for q in seen)
+    assert all(q.sum() <= 48 for q in seen)
     assert dec.tokens == want_tokens[0]
     assert _rel(jobs[0].result_logits(), want_long) <= 1e-5
-    assert buckets.token_buckets(160) == [16, 32, 64, 128, 160]
+    assert buckets.token_buckets(48) == [16, 32, 48] and buckets.token_buckets(160) == [16, 32, 64, 128, 160]
 
 
 def test_a_step_is_padded_to_its_token_bucket(qwen3, monkeypatch):
@@ -130,17 +142,18 @@ def test_a_step_is_padded_to_its_token_bucket(qwen3, monkeypatch):
     widths = []
     real_step = engine_mod.run_step
     monkeypatch.setattr(engine_mod, "run_step", lambda *a, **k: (widths.append(a[3].tokens_T.shape[0]), real_step(*a, **k))[1])
-    engine = jaxkv.Engine(qwen3, rows=2, max_positions=512)
-    assert engine.token_budget == 528  # a whole 512-token chunk beside a decode token per row, rounded up to 16
-    row = engine.open_row()
-    for n, width in ((40, 64), (3, 16), (129, 256), (300, 512)):
-        engine.prefill([row], [np.arange(n) % 1000])
-        assert widths[-1] == width, (n, widths)
-    _assert_tables_mirror_host(engine, [row])
+    engine = _engine(qwen3)
+    assert engine.token_budget == 48  # a whole 32-token chunk beside a decode token per row, rounded up to 16
+    rows = [engine.open_row(), engine.open_row()]
+    for ns, width in (((20,), 32), ((3,), 16), ((20, 20), 48)):  # (20, 20): two rows' pieces in one step
+        engine.prefill(rows[: len(ns)], [np.arange(n) % 1000 for n in ns])
+        assert widths[-1] == width, (ns, widths)
+    _assert_tables_mirror_host(engine, rows)
 
 
 def test_out_of_slots_changes_nothing(qwen3):
-    engine = jaxkv.Engine(qwen3, rows=2, max_positions=64, num_slots=50)
+    engine = _engine(qwen3)
+    engine.allocator.allocate(engine.allocator.num_free - 49)  # 49 slots left
     row = engine.open_row()
     engine.prefill([row], [list(range(30))])
     before = (engine.allocator.refcounts(), engine.allocator.num_free, list(engine.row_state[row].slots))
@@ -193,13 +206,13 @@ def test_decode_window_equals_per_step_gather(qwen3):
     prompts = [rng.integers(0, 1024, n).tolist() for n in (90, 37, 61)]
     runs = {}
     for window in (True, False):
-        engine = jaxkv.Engine(qwen3, rows=3, max_positions=256, num_slots=2048, prefill_chunk=32)
+        engine = _engine(qwen3)
         engine.runner.use_window = window
         rows = [engine.open_row() for _ in prompts]
         engine.prefill(rows, prompts)
         keep = np.setdiff1d(np.arange(90), [2, 3, 40, 41, 77])  # dead slots inside row 0's list
         engine.kv.apply_layout(rows[0], layouts.dead_slot(engine.row_state[rows[0]].slots, keep))
-        runs[window] = engine.decode(rows, [5, 6, 7], 20, return_logits=True, query_rows=True)
+        runs[window] = engine.decode(rows, [5, 6, 7], 12, return_logits=True, query_rows=True)
         assert engine.runner.uses_window(4, 256) == window
     (tok_w, log_w, aux_w), (tok_g, log_g, aux_g) = runs[True], runs[False]
     assert tok_w == tok_g
@@ -221,7 +234,7 @@ def test_a_kept_decode_window_equals_per_step_gather_across_calls(qwen3):
     other = rng.integers(0, 1024, 21).tolist()
     runs = {}
     for window in (True, False):
-        engine = jaxkv.Engine(qwen3, rows=3, max_positions=256, num_slots=2048, prefill_chunk=32, layer_lists=True)
+        engine = _engine(qwen3, layer_lists=True)
         engine.runner.use_window = window
         rows = [engine.open_row() for _ in prompts]
         engine.prefill(rows, prompts)
@@ -260,7 +273,7 @@ def test_regrouped_decode_calls_give_the_same_tokens(qwen3):
     limits = [3, 4, 24, 24]  # two rows stop early
     runs = {}
     for regroup in (False, True):
-        engine = jaxkv.Engine(qwen3, rows=4, max_positions=256, prefill_chunk=32)
+        engine = _engine(qwen3)
         rows = [engine.open_row() for _ in prompts]
         engine.prefill(rows, prompts)
         jobs = [engine.start_decode(r, 5, n, return_logits=True) for r, n in zip(rows, limits)]

@@ -382,9 +382,10 @@ def test_the_shipped_intentkv_head_is_smollm2s(smollm2):
     SmolLM2 (head_dim and signature) and is refused for the embedded model."""
     from jaxkv.errors import ConfigError
     from jaxkv.models import registry
+    from jaxkv.models.loading import EMBEDDED_DIR, read_config
     from jaxkv.policies import intentkv_head as ih
 
     head = ih.load_head(registry.SHIPPED_ASSETS / "smollm2-135m-instruct" / ih.HEAD_FOLDER)
     ih.check_head_model(head, smollm2[0].config)
     with pytest.raises(ConfigError):
-        ih.check_head_model(head, jaxkv.load_model("embedded").config)
+        ih.check_head_model(head, read_config(EMBEDDED_DIR))  # the embedded model's config, as load_model reads it

@@ -230,57 +230,13 @@ def test_a_cell_without_reuse_keeps_its_journal_key_from_before_the_reuse_field(
     assert harness.cell_key(harness.dataclasses.replace(cell, reuse="segment")).endswith(', 1280, "segment"]')
 
 
-def test_harness_kv_quant_axis_and_columns(quant_model_dir, tmp_path):
-    out = tmp_path / "quant"
-    args = harness.build_parser().parse_args(
-        [
-            "--model",
-            str(quant_model_dir),
-            "--task",
-            "mqniah",
-            "--methods",
-            "full",
-            "--n",
-            "1",
-            "--length",
-            "300",
-            "--max-new-tokens",
-            "4",
-            "--kv-quant",
-            "none,int4,triaxial",
-            "--kv-bits",
-            "2.0,4.0",
-            "--out",
-            str(out),
-        ]
-    )
-    rows = harness.run(args)
-    assert [(r["kv_quant"], r["kv_bits"]) for r in rows] == [("none", "-"), ("int4", "-"), ("triaxial", 2.0), ("triaxial", 4.0)]
-    by = {(r["kv_quant"], r["kv_bits"]): r for r in rows}
-    assert by[("none", "-")]["avg_bits"] == 16.0 and by[("int4", "-")]["avg_bits"] == 4.0
-    assert by[("triaxial", 4.0)]["avg_bits"] == 4.0 < by[("none", "-")]["avg_bits"]
-    assert 2.0 <= by[("triaxial", 2.0)]["avg_bits"] < 4.0
-    # bytes per token: bf16 4D, INT4 1.25D per layer and KV head (scales and zero points included)
-    assert by[("none", "-")]["kv_bytes_per_token"] == 2 * 1 * 4 * 32
-    assert by[("int4", "-")]["kv_bytes_per_token"] == 2 * 1 * 1.25 * 32
-    # stored bits count the scales and zero points (8 * bytes / elements): INT4 5, bf16 16, INT2 pages 3
-    assert by[("none", "-")]["stored_bits"] == 16.0 and by[("int4", "-")]["stored_bits"] == 5.0
-    assert 3.0 <= by[("triaxial", 2.0)]["stored_bits"] < 5.0 == by[("triaxial", 4.0)]["stored_bits"]
-    assert harness.stored_bits_of({**by[("int4", "-")], "stored_bits": "-"}, by[("none", "-")]) == 5.0  # older journals
-    with open(out / "results.csv") as f:
-        assert tuple(csv.DictReader(f).fieldnames) == harness.COLUMNS
-    assert "## mqniah: KV precision" in (out / "results.md").read_text()
-    assert (out / "accuracy_vs_kv_bits.png").stat().st_size > 0
-    with pytest.raises(ValueError):
-        harness.run(harness.build_parser().parse_args(["--model", str(quant_model_dir), "--out", str(tmp_path), "--kv-quant", "int3"]))
-
-
-def test_fidelity_of_a_quantized_pool_counts_every_reply_against_the_float_pool(quant_model_dir, tmp_path):
-    """With --kv-quant, only the full cache on the float pool writes the references;
-    a quantized full cell compares every recorded reply (its KV is quantized from the
-    first prefill on, no compression event needed), and the KV-precision table
-    gives its NLL increase with a paired interval."""
-    out = tmp_path / "quant-fid"
+@pytest.fixture(scope="module")
+def quant_run(quant_model_dir, tmp_path_factory):
+    """``(rows, out)`` of one KV-precision grid on the quantizable model, shared by the
+    two tests below: the full cache on the float pool, INT4 and TriAxial at 2 and 4
+    bits, with ``--fidelity`` and teacher-forced accuracy. ``none`` is named after
+    ``int4``: the float pool's reference cell must still run first."""
+    out = tmp_path_factory.mktemp("quant")
     args = harness.build_parser().parse_args(
         [
             "--model",
@@ -296,7 +252,9 @@ def test_fidelity_of_a_quantized_pool_counts_every_reply_against_the_float_pool(
             "--max-new-tokens",
             "4",
             "--kv-quant",
-            "int4,none",
+            "int4,none,triaxial",
+            "--kv-bits",
+            "2.0,4.0",
             "--fidelity",
             "--accuracy",
             "teacher",
@@ -304,10 +262,41 @@ def test_fidelity_of_a_quantized_pool_counts_every_reply_against_the_float_pool(
             str(out),
         ]
     )
-    rows = harness.run(args)
-    by = {r["kv_quant"]: r for r in rows}
+    return harness.run(args), out
+
+
+def test_harness_kv_quant_axis_and_columns(quant_run, quant_model_dir, tmp_path):
+    rows, out = quant_run
+    assert [(r["kv_quant"], r["kv_bits"]) for r in rows] == [("int4", "-"), ("none", "-"), ("triaxial", 2.0), ("triaxial", 4.0)]
+    by = {(r["kv_quant"], r["kv_bits"]): r for r in rows}
+    assert by[("none", "-")]["avg_bits"] == 16.0 and by[("int4", "-")]["avg_bits"] == 4.0
+    assert by[("triaxial", 4.0)]["avg_bits"] == 4.0 < by[("none", "-")]["avg_bits"]
+    assert 2.0 <= by[("triaxial", 2.0)]["avg_bits"] < 4.0
+    # bytes per token: bf16 4D, INT4 1.25D per layer and KV head (scales and zero points included)
+    assert by[("none", "-")]["kv_bytes_per_token"] == 2 * 1 * 4 * 32
+    assert by[("int4", "-")]["kv_bytes_per_token"] == 2 * 1 * 1.25 * 32
+    # stored bits count the scales and zero points (8 * bytes / elements): INT4 5, bf16 16, INT2 pages 3
+    assert by[("none", "-")]["stored_bits"] == 16.0 and by[("int4", "-")]["stored_bits"] == 5.0
+    assert 3.0 <= by[("triaxial", 2.0)]["stored_bits"] < 5.0 == by[("triaxial", 4.0)]["stored_bits"]
+    assert harness.stored_bits_of({**by[("int4", "-")], "stored_bits": "-"}, by[("none", "-")]) == 5.0  # older journals
+    with open(out / "results.csv") as f:
+        assert tuple(csv.DictReader(f).fieldnames) == harness.COLUMNS
+    assert "## agent: KV precision" in (out / "results.md").read_text()
+    assert (out / "accuracy_vs_kv_bits.png").stat().st_size > 0
+    with pytest.raises(ValueError):
+        harness.run(harness.build_parser().parse_args(["--model", str(quant_model_dir), "--out", str(tmp_path), "--kv-quant", "int3"]))
+
+
+def test_fidelity_of_a_quantized_pool_counts_every_reply_against_the_float_pool(quant_run):
+    """With --kv-quant, only the full cache on the float pool writes the references
+    (it runs first, though named after int4); a quantized full cell compares every
+    recorded reply (its KV is quantized from the first prefill on, no compression event
+    needed), and the KV-precision table gives its NLL increase with a paired interval."""
+    rows, out = quant_run
+    by = {r["kv_quant"]: r for r in rows if r["kv_quant"] != "triaxial"}
     assert by["none"]["nll_increase"] == "-" and by["int4"]["completion"] == 1.0
     (ex,) = harness.make_examples("agent", 1, 300)
+    assert [p.name for p in (out / "fidelity").iterdir()] == [f"agent-{ex.seed}.npz"]  # the float pool's cell alone
     replies = int(np.load(out / "fidelity" / f"agent-{ex.seed}.npz")["nll"].size)
     assert replies > 0 and by["int4"]["fidelity_tokens"] == replies  # every reply token of the trace
     assert by["int4"]["nll_increase"] != 0 and by["int4"]["kl"] > 0
@@ -424,7 +413,7 @@ def test_fidelity_differences_are_paired_over_examples_against_the_lowest_baseli
     assert harness.paired_nll_difference(snap[replay.PER_EXAMPLE]["fidelity"], snap[replay.PER_EXAMPLE]["fidelity"]) == (0.0, 0.0, 0.0)
     md = harness.fidelity_comparison_markdown([h2o, head, snap], "agent")
     assert "best baseline snapkv (+0.2500)" in md
-    lines = [x for x in md.splitlines() if x.startswith("| intentkv") or x.startswith("| h2o")]
+    lines = [x for x in md.splitlines() if x.startswith(("| intentkv", "| h2o"))]
     assert lines[0].startswith("| intentkv | +0.1875") and lines[1].startswith("| h2o | +0.4000 | 0.4000 | +0.1500")
     # the verdicts: without its rule in the column only the goal, here met
     assert "- Goal: the head minus the best baseline (`snapkv`): -0.0625" in md and "met (lowest" in md

@@ -2,8 +2,8 @@
 
 * The same conversation replayed by sessions of every retention policy (and the
   full cache, a repairing session, a second session of the same policy), one
-  after another on one shared ``Server``, in an order and its reverse (so every
-  pair of kinds runs in both orders): every session gets
+  after another on one shared ``Server``, in an order and then its reverse (so
+  every pair of kinds runs in both orders): every session gets
   the replies and the compression decisions it gets alone on a fresh server.
 * Two sessions of one cache namespace (a tenant) pruning one document
   differently each own their holes.
@@ -62,19 +62,19 @@ def test_every_policy_replies_on_a_shared_server_as_alone():
     evicting = [i for i, (_, kept, _) in enumerate(alone) if any(len(k) < max(map(len, kept)) for k in kept)]
     assert evicting, "the conversation must make some policy evict"
     order = list(range(len(KINDS)))
-    orders = [order, order[::-1]]  # every pair of kinds meets in both orders, each kind after itself too
-    for run in orders:
-        # Each policy twice in a row (the second one finds the first one's pruned prefix).
-        run = [i for i in run for _ in (0, 1)]
-        server = Server(model, max_positions=1024)
-        reused_beyond_alone = 0
-        for i in run:
-            replies, kept, hits = _replay(server.session(keep_reasoning=True, **KINDS[i]), conversation)
-            assert (replies, kept) == alone[i][:2], (KINDS[i], run)
-            reused_beyond_alone += sum(h > a for h, a in zip(hits, alone[i][2]))
-        assert reused_beyond_alone > 0  # sessions did share (clean) prefixes
-        server.radix.check_invariants()
-        server.close()
+    # One shared server: each kind twice in a row (the second finds the first one's
+    # pruned prefix), then every kind again in reverse order, so every kind runs
+    # after every other kind and after itself, and every pair meets in both orders.
+    run = [i for i in order for _ in (0, 1)] + order[::-1]
+    server = Server(model, max_positions=1024)
+    reused_beyond_alone = 0
+    for i in run:
+        replies, kept, hits = _replay(server.session(keep_reasoning=True, **KINDS[i]), conversation)
+        assert (replies, kept) == alone[i][:2], (KINDS[i], run)
+        reused_beyond_alone += sum(h > a for h, a in zip(hits, alone[i][2]))
+    assert reused_beyond_alone > 0  # sessions did share (clean) prefixes
+    server.radix.check_invariants()
+    server.close()
 
 
 # ============================================================================ property test

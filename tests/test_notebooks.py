@@ -1,6 +1,6 @@
 """The evaluation notebooks (``eval/notebooks/*.py``, jupytext percent scripts stored
 without outputs) run under papermill on the CPU with their default (small) parameters
-and one example per cell (``n=1``), with shorter conversations (``SMALL``),
+and one example per cell (``n=1``), with fewer cells and shorter conversations (``SMALL``),
 and produce their table and plots; every parameter is documented for the A100 run.
 
 A fresh clone has no Jupyter kernel registered, so the tests write a kernelspec that
@@ -28,11 +28,13 @@ EXPECTED = {
     "repair": (("results.csv", "results.md", "repair_vs_k.png", "figure2.png"), "| K | repairkv |"),
 }
 # Smaller than the notebooks' CPU defaults, for the suite's time: one example per cell,
-# shorter conversations and replies, one layout, two restore policies. Every table and
-# plot is still made; the defaults themselves are what a user runs.
+# shorter conversations and replies, and the fewest cells that still fill every table
+# and plot: the full cache and one method at one budget in one layout (retention); the
+# full cache, B_base, and RepairKV with its matched no-repair at one K (repair). The
+# defaults themselves are what a user runs.
 SMALL = {
-    "retention": {"layouts": "dead_slot", "length": 384, "max_new_tokens": 24},
-    "repair": {"policies": "repairkv,random", "length": 400, "max_new_tokens": 16},
+    "retention": {"methods": "full,snapkv", "budgets": "192", "layouts": "dead_slot", "length": 256, "max_new_tokens": 8},
+    "repair": {"ks": "16", "policies": "repairkv", "length": 300, "max_new_tokens": 8},
 }
 
 

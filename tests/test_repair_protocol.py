@@ -13,6 +13,8 @@ import pytest
 from eval.quality import repair_protocol as rp
 
 
+# 480-token documents: a run's max_positions (2 * 480 + 8 * 4 tokens, rounded up to
+# 1024) is test_forked_cells_equal_fresh_replays's, so the tests share their programs.
 def _args(task_model_dir, out, *extra):
     return rp.build_parser().parse_args(
         [
@@ -23,7 +25,7 @@ def _args(task_model_dir, out, *extra):
             "--n",
             "1",
             "--length",
-            "600",
+            "480",
             "--max-new-tokens",
             "4",
             "--out",
@@ -67,7 +69,7 @@ def test_forked_cells_equal_fresh_replays(task_model_dir, monkeypatch):
     monkeypatch.setattr(rp, "reply_matches", reply)
     monkeypatch.setattr(replay, "reply_matches", reply)
     model = jaxkv.load_model(str(task_model_dir))
-    examples = mqniah(2, rp.PROTOCOL_SEED, needles=4, length=600)
+    examples = mqniah(2, rp.PROTOCOL_SEED, needles=4, length=480)
     setup = dict(first_stage="snapkv", base_budget=120, ks=[8, 40], policies=list(rp.REPAIR_POLICIES), max_new_tokens=6, max_positions=1024)
     donor = rp.turn2_signal(model, examples[1], setup)
     record = rp.example_verdicts(model, examples[0], setup, donor)
@@ -138,7 +140,7 @@ def test_calibration_refuses_a_model_that_fails_with_the_full_cache(task_model_d
                 "--n",
                 "1",
                 "--length",
-                "600",
+                "480",
                 "--max-new-tokens",
                 "4",
                 "--ks",

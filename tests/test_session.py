@@ -64,10 +64,16 @@ def test_six_turn_replay_reuses_prefix_and_matches_oracle(agent_model):
     session = Session(agent_model, keep_reasoning=True, max_positions=1024)
     turns = session.replay(msgs, TOOLS, return_logits=True)
     assert len(turns) == 6
+    # The cache-free oracle of every turn: one causal run over the last turn's
+    # request, cut at each turn's length (each request extends the previous one,
+    # asserted below; a row's logits depend only on the tokens up to it).
+    last = np.concatenate([turns[-1].prompt_ids, turns[-1].target_ids])
+    oracle_all = np.asarray(jaxkv.score_logits(agent_model, last[None]))[0]
     previous = None
     for t, turn in enumerate(turns):
         full = np.concatenate([turn.prompt_ids, turn.target_ids])
-        oracle = np.asarray(jaxkv.score_logits(agent_model, full[None]))[0]
+        assert last[: full.size].tolist() == full.tolist()
+        oracle = oracle_all[: full.size]
         got = np.concatenate([turn.prompt_logits, turn.target_logits])
         ref = oracle[turn.prefix_hit :]
         assert got.shape == ref.shape
@@ -109,7 +115,7 @@ def test_dropped_reasoning_diverges_and_is_handled(agent_model):
 
 
 def test_chat_returns_parsed_message_and_shares_server(agent_model):
-    server = Server(agent_model, max_positions=512)
+    server = Server(agent_model, max_positions=1024)  # the replay tests' engine shape: their programs
     a, b = server.session(), server.session()
     conv = [{"role": "system", "content": "find the weather"}, {"role": "user", "content": "weather in paris"}]
     reply = a.chat(conv, TOOLS, max_new_tokens=8)

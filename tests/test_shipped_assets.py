@@ -12,17 +12,20 @@ import copy
 import json
 import shutil
 
+import jax
 import pytest
+from flax import nnx
 
 import jaxkv
 from jaxkv.errors import ConfigError
 from jaxkv.models import registry
+from jaxkv.models.loading import weights_id
 from jaxkv.policies.intentkv_head import HEAD_FOLDER
 from jaxkv.policies.quant_allocation import load_allocation
 from jaxkv.serving.stages.quantization import CALIBRATION_FILE, resolve_allocation
 from jaxkv.serving.stages.retention import head_folder_of
 
-from test_real_model import NAME, cut_layers
+from test_real_model import NAME
 
 SHIPPED = registry.SHIPPED_ASSETS / NAME
 
@@ -74,13 +77,27 @@ def test_sessions_find_the_shipped_head_and_calibration(load, request):
         session.close()
 
 
+def retuned(model):
+    """``model`` with its final norm's scale doubled: the same folder, config and
+    shapes, other values (as a fine-tune of it would be). A copy: ``model`` keeps its weights."""
+    graphdef, state = nnx.split(nnx.clone(model.module))
+    pure = nnx.to_pure_dict(state)
+    pure["norm"] = jax.tree.map(lambda a: a * 2, pure["norm"])
+    nnx.replace_by_pure_dict(state, pure)
+    other = copy.copy(model)
+    vars(other).pop("_split", None)  # the copy's own module, split afresh
+    other.module = nnx.merge(graphdef, state)
+    return other
+
+
 def test_other_weights_in_the_same_folder_get_none(by_name):
-    """A 2-layer cut keeps the model's folder (``cut_layers`` copies ``path``) but not
-    its weights: neither the head nor the calibration is shipped for it."""
-    shallow = cut_layers(by_name, 2)
-    assert shallow.path == by_name.path and shallow.weights_id() != by_name.weights_id()
-    assert head_folder_of(shallow) != SHIPPED / HEAD_FOLDER
-    elsewhere = copy.copy(shallow)
+    """Other weights of the same shapes (``retuned``) keep the model's folder but not
+    its identity: neither the head nor the calibration is shipped for them."""
+    other = retuned(by_name)
+    assert other.path == by_name.path and other.weights_id() != by_name.weights_id()
+    assert weights_id(by_name.config, by_name.module) == by_name.weights_id()  # by_name's own weights untouched
+    assert head_folder_of(other) != SHIPPED / HEAD_FOLDER
+    elsewhere = copy.copy(other)
     elsewhere.path = None  # nor by path: only the weights could find a shipped asset
     assert head_folder_of(elsewhere) is None
     with pytest.raises(ConfigError, match="calibration"):
