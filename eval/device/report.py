@@ -5,7 +5,10 @@ from the results dict that script records (also saved beside the report as JSON,
 so a report can be re-rendered: ``python -m eval.device.check --render FILE.json``).
 Nothing here imports jax or touches a device; derived columns (floors, fractions,
 ratios) are computed here from the recorded measurements, so a recorded result and
-a fresh run give the same report.
+a fresh run give the same report. The one table writer, ``jaxkv.markdown``, is read
+from its file rather than imported through the package: ``import jaxkv`` would bring
+jax, flax and transformers (seconds of CPU) into the check's parent process, which
+only starts parts and writes this report; the module imports nothing itself.
 
 Results (every number in SI units: bytes, seconds, bytes/s, flop/s)::
 
@@ -24,9 +27,23 @@ A part that did not finish keeps the rows it recorded, and its table says so.
 from __future__ import annotations
 
 import dataclasses
+import importlib.util
 import math
+import sys
 
-from jaxkv.markdown import md_table
+
+def _md_table():
+    """``jaxkv.markdown.md_table`` without running ``jaxkv/__init__`` (see the module docstring)."""
+    if "jaxkv.markdown" in sys.modules:
+        return sys.modules["jaxkv.markdown"].md_table
+    package = importlib.util.find_spec("jaxkv")  # finds the package without importing it
+    spec = importlib.util.spec_from_file_location("_jaxkv_markdown", f"{package.submodule_search_locations[0]}/markdown.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module.md_table
+
+
+md_table = _md_table()
 
 STATUSES = ("ok", "stopped at deadline", "timed out", "failed", "not run")
 
