@@ -39,7 +39,7 @@ from ``tokenizer.chat_template``; None when the file has no tokenizer metadata. 
 conversion re-reads the file's metadata and rebuilds the vocabulary and merges
 (~12 s for SmolLM2's 49k tokens on a 2-core CPU), so its result is saved once per
 file in the user cache (``tokenizers/<key>/``, ``save_pretrained``'s files) and read
-from there on later loads. The key is the file's resolved path, size and mtime and
+from there on later loads (``jaxkv.models.tokenizer.folder_tokenizer``: no torch import). The key is the file's resolved path, size and mtime and
 the transformers version: a changed file or a new converter is converted afresh, and
 a copy is written to a temporary folder and renamed into place, so a killed or
 concurrent load never leaves a half-written copy that another would read.
