@@ -156,10 +156,11 @@ def _conversation(seed):
     return repair_conversation(seed, first_user=20, tool=8, last_user=8)
 
 
-def session_case(case) -> dict:
+def _words_model():
+    """A random Qwen3 (4 query heads, 2 KV heads) with a word tokenizer and a chat
+    template: the ``session`` and ``user_meshes`` cases' model."""
     from jaxkv.chat import build_tokenizer
     from jaxkv.config import ModelConfig
-    from jaxkv.serving import Server, Session
     from test_session import WORDS
 
     tok = build_tokenizer(WORDS)
@@ -176,7 +177,13 @@ def session_case(case) -> dict:
         max_position_embeddings=2048,
         eos_token_ids=(tok.convert_tokens_to_ids("<|im_end|>"),),
     )
-    single = jaxkv.model_from_config(cfg, seed=0, tokenizer=tok)
+    return jaxkv.model_from_config(cfg, seed=0, tokenizer=tok)
+
+
+def session_case(case) -> dict:
+    from jaxkv.serving import Server, Session
+
+    single = _words_model()
     sharded = shard_model(single, make_mesh(tp=case["tp"], dp=case["dp"]))
     out = {}
     for name, model in (("single", single), ("sharded", sharded)):
@@ -315,31 +322,6 @@ def _http_turns(model, msgs) -> dict:
     return out
 
 
-def _qwen3_with_tokenizer(folder: str) -> str:
-    """A random Qwen3 with 8 query heads and 4 KV heads (the issue's) and a word
-    tokenizer with a chat template, saved as an HF folder."""
-    from jaxkv.chat import build_tokenizer
-    from jaxkv.config import ModelConfig
-    from test_session import WORDS
-
-    tok = build_tokenizer(WORDS)
-    cfg = ModelConfig(
-        model_type="qwen3",
-        vocab_size=len(tok),
-        hidden_size=64,
-        intermediate_size=128,
-        num_layers=2,
-        num_heads=8,
-        num_kv_heads=4,
-        head_dim=16,
-        qk_norm=True,
-        max_position_embeddings=1024,
-        eos_token_ids=(tok.convert_tokens_to_ids("<|im_end|>"),),
-    )
-    jaxkv.save_pretrained(jaxkv.model_from_config(cfg, seed=0, tokenizer=tok), folder)
-    return folder
-
-
 def user_meshes_case(case) -> dict:
     """The user's own meshes (see the module docstring): per mesh, how it was
     typed, what ``Model.mesh`` became, and the largest logit error against one
@@ -348,11 +330,15 @@ def user_meshes_case(case) -> dict:
     from jaxkv.serving import Server, Session
     from test_session import six_turn_conversation
 
-    folder = _qwen3_with_tokenizer(case["folder"])
-    devices = jax.devices()
+    folder = case["folder"]
+    jaxkv.save_pretrained(_words_model(), folder)
+    devices = jax.devices()[:4]
+    # Both place the model alike (the same devices, names and, once Auto, types; as
+    # jaxkv's make_mesh(tp=2, dp=2) does): the second mesh's run reuses the first's
+    # programs, so it costs its execution only.
     meshes = {
-        "jax_make_mesh_dp2_tp4": lambda: jax.make_mesh((2, 4), ("dp", "tp")),  # JAX's default: Explicit
-        "sharding_Mesh_tp2": lambda: Mesh(np.asarray(devices[:2]), ("tp",)),  # Auto
+        "jax_make_mesh_dp2_tp2": lambda: jax.make_mesh((2, 2), ("dp", "tp"), devices=devices),  # JAX's default: Explicit
+        "sharding_Mesh_dp2_tp2": lambda: Mesh(np.asarray(devices).reshape(2, 2), ("dp", "tp")),  # Auto
     }
     rng = np.random.default_rng(4)
     single = jaxkv.load_model(folder)
@@ -434,13 +420,26 @@ KINDS = {
 }
 
 
+_COMPILES = {"programs": 0, "compile_s": 0.0}
+
+
+def _on_duration(event: str, duration: float, **_) -> None:
+    if event == "/jax/core/compile/backend_compile_duration":
+        _COMPILES["programs"] += 1
+        _COMPILES["compile_s"] += duration
+
+
 def main(spec_path, out_path) -> None:
     spec = json.loads(open(spec_path).read())
+    jax.monitoring.register_event_duration_secs_listener(_on_duration)  # programs compiled per case (a profiling aid)
     results = {}
     for case in spec["cases"]:
-        t0 = time.perf_counter()
+        t0, cpu0, before = time.perf_counter(), time.process_time(), dict(_COMPILES)
         results[case["name"]] = KINDS[case["kind"]](case)
         results[case["name"]]["wall_s"] = time.perf_counter() - t0
+        results[case["name"]]["cpu_s"] = time.process_time() - cpu0
+        results[case["name"]]["programs"] = _COMPILES["programs"] - before["programs"]
+        results[case["name"]]["compile_s"] = _COMPILES["compile_s"] - before["compile_s"]
     with open(out_path, "w") as f:
         json.dump(results, f)
 
