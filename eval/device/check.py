@@ -226,7 +226,7 @@ DRY_RUN = Settings(
     float_checks=((2, 3, 64, "bfloat16", (1, 33, 70)),),
     quant_checks=((2, 2, 64, "bfloat16", None, (33, 5)), (2, 2, 64, "float32", (1, 2), (31, 5))),
     rope_shape=(2, 100, 2, 64), rope_moved=40, write_shape=(40, 2, 64, 100),
-    heads=(2, 2, 64), contexts=(64,), batches=(1,), chain=2,
+    heads=(2, 2, 64), contexts=(64,), batches=(1,), chain=1,
     model=None, random_config=TINY_QWEN3,
     decode_batches=(2,), decode_contexts=(32,), decode_steps=2,
     prefill_lengths=(16,), prefill_repeats=1,
