@@ -47,7 +47,7 @@ def test_transformers_gives_the_same_greedy_continuation():
     pytest.importorskip("torch")
     from eval.quality.embedded_parity import run_parity
 
-    matches, n, details = run_parity("embedded", n=4, max_new_tokens=32, verbose=False)
+    matches, n, details = run_parity("embedded", n=4, max_new_tokens=16, verbose=False)
     assert matches == n, [(plen, a, b) for plen, a, b in details if a != b]
 
 
