@@ -42,9 +42,9 @@ def test_select_backend_is_the_pool_by_platform_table():
 
 @pytest.mark.parametrize("mode", ["triaxial", "int4", "kivi2"])
 def test_quantized_decode_reaches_the_fused_kernel_and_equals_the_blocked_backend(qmodel, mode, monkeypatch):
-    import jax
+    from jaxkv.forward import run_decode
 
-    jax.clear_caches()  # the decode program is traced here, so the kernel's trace is seen (a cached program would not call it)
+    run_decode.clear_cache()  # the decode program is traced here, so the kernel's trace is seen (a cached program would not call it)
     calls = []
     kernel = kernel_quant.quantized_decode_attention
     monkeypatch.setattr(kernel_quant, "quantized_decode_attention", lambda *a, **k: calls.append(k["backend"]) or kernel(*a, **k))
@@ -76,12 +76,10 @@ def test_a_spliced_step_attends_through_the_backends_entry_by_position(qmodel, k
     its logits are those of a plain prefill of the same tokens. (A quantized pool's
     spliced tokens read their own keys back at the pool's precision, where a prefill
     piece reads them in full precision, so the two differ there by design.)"""
-    import jax
-
     from jaxkv.backends.base import AttentionBackend
-    from jaxkv.splice import SplicePlan
+    from jaxkv.splice import SplicePlan, splice_step
 
-    jax.clear_caches()  # the spliced program is traced here, so its layer calls are seen
+    splice_step.clear_cache()  # the spliced program is traced here, so its layer calls are seen
     layers_read = []
     positional = AttentionBackend.attend_positional
     monkeypatch.setattr(AttentionBackend, "attend_positional", lambda self, kv, i, *a: layers_read.append(i) or positional(self, kv, i, *a))

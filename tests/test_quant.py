@@ -16,10 +16,8 @@ from jaxkv.kernels import (
     dequantize_int2_keys,
     dequantize_rows,
     quantize_int2_keys,
-    quantize_int2_pool,
     quantize_int2_values,
     quantize_int4,
-    quantize_int4_pool,
     quantized_decode_attention,
 )
 from jaxkv.kernels.testing import (
@@ -120,7 +118,7 @@ def test_four_bit_pages_decode_matches_reference_and_f64(masked):
     if masked:
         args, kw, want = masked_float_problem(11, page_bits=4)
     else:
-        pages, tokens = (0, 3, 12), (33, 1, 130)
+        pages, tokens = (0, 3, 5), (33, 1, 70)  # 70 > one 64-token block
         args, kw = mixed_quantized_problem(9, 2, 2, 64, pages, tokens, jnp.float32, page_bits=4), {}
         want = quantized_attention_f64(*args)
     assert args[1].bits == 4
@@ -139,8 +137,10 @@ def test_quantize_rejects_bad_shapes():
 
 @pytest.mark.parametrize("D,G,qdtype,tol", [(128, 2, jnp.float32, 1e-5), (64, 8, jnp.bfloat16, 2e-2)])
 def test_quantized_kernel_matches_reference_and_f64(D, G, qdtype, tol):
-    # (INT2 pages, INT4 tokens): INT4 only, one token, page boundaries, long mixed.
-    pages, tokens = (0, 3, 1, 12, 0), (33, 1, 32, 130, 31)
+    # (INT2 pages, INT4 tokens): INT4 only, one token, page boundaries, long mixed (5 pages
+    # over 3 of the 4 page splits; 70 tokens: two 64-token blocks). Interpret
+    # mode simulates a DMA per listed entry of every request, so the longest sets the cost.
+    pages, tokens = (0, 3, 1, 5, 0), (33, 1, 32, 70, 31)
     args = mixed_quantized_problem(D + G, 2, G, D, pages, tokens, qdtype)
     out = quantized_decode_attention(*args, backend="interpret")
     assert out.dtype == qdtype and np.isfinite(np.asarray(out, np.float32)).all()

@@ -2,8 +2,10 @@
 
 ``splice_prefill`` lays one ``SplicePlan`` out for ``splice_step`` (token groups,
 stored K/V and residuals, the row's keys with their positions, each padded to a
-bucket), runs it and records the result through the KV manager; ``key_deviation``
-is CacheBlend's per-token signal. The serving scheduler runs a spliced prefill as
+``jaxkv.buckets.bucket``: the row's keys from ``MIN_KEYS`` and the stored rows from
+``MIN_STORED``, so probes and short pieces compile one program whatever the row's
+length below them), runs it and records the result through the KV manager;
+``key_deviation`` is CacheBlend's per-token signal. The serving scheduler runs a spliced prefill as
 work of its own (``jaxkv.engine.jobs.SpliceJob``), between steps.
 
 Modes: ``"append"`` allocates slots for the plan's tokens at the row's next
@@ -19,10 +21,21 @@ from __future__ import annotations
 
 import numpy as np
 
-from jaxkv.buckets import bucket
+from jaxkv.buckets import MIN_WINDOW, bucket
 from jaxkv.cache.allocator import SENTINEL_SLOT
 from jaxkv.errors import ContextLengthError, JaxKVError
 from jaxkv.splice import PAD_POS, layer_key_deviation, splice_step
+
+# The shortest padded key list of a spliced step (padding keys sit at ``PAD_POS``,
+# never visible): the CPU decode window's narrowest width. A piece's attention reads
+# ``group x keys``, so a short row pays at most ``group x MIN_KEYS`` key reads, and a
+# server compiles one program per piece shape for every row up to MIN_KEYS keys
+# instead of one per power of two (each document or halo length a new program).
+MIN_KEYS = MIN_WINDOW
+# The shortest padded list of stored K/V rows: a row costs a rotation and a write per
+# spliced layer (no projection), so a coarse floor is cheap and spans of different
+# interior lengths below it share a program.
+MIN_STORED = 128
 
 
 def splice_prefill(engine, row: int, plan, *, mode: str = "append"):
@@ -82,7 +95,7 @@ def splice_prefill(engine, row: int, plan, *, mode: str = "append"):
         if plan.b_resid is not None:
             b_resid[: b_idx.size] = plan.b_resid
         kv_idx = np.asarray(plan.kv_idx, np.int64)
-        M = bucket(kv_idx.size)
+        M = bucket(kv_idx.size, minimum=MIN_STORED)
         nl = max(plan.kv_hi - plan.kv_lo, 0)
         kv_k = np.zeros((nl, M, cfg.num_kv_heads, cfg.head_dim), np.float32)
         kv_v = np.zeros_like(kv_k)
@@ -92,7 +105,7 @@ def splice_prefill(engine, row: int, plan, *, mode: str = "append"):
             kv_slot[: kv_idx.size] = slots[kv_idx]
             kv_delta[: kv_idx.size] = positions[kv_idx] - np.asarray(plan.kv_old_pos, np.int64)
         order = np.argsort(key_pos, kind="stable")
-        N = bucket(max(keys.size, 1))
+        N = bucket(keys.size, minimum=MIN_KEYS)
         read = np.ones((1, keys.size), bool)  # which layers read each key (one set for the model: all)
         if state.layer_live is not None:  # per-layer keep sets: a layer sees only its own (new tokens: all)
             old = key_pos < state.seq_len
@@ -102,7 +115,7 @@ def splice_prefill(engine, row: int, plan, *, mode: str = "append"):
         live_N[: keys.size] = keys[order]
         live_pos_JN[:, : keys.size] = np.where(read[:, order], key_pos[order][None], PAD_POS)
         logit_idx = np.asarray(plan.logit_idx, np.int64)
-        Y = bucket(max(logit_idx.size, 1), minimum=8)
+        Y = bucket(logit_idx.size)  # 16 rows at least, as the groups
         src = in_a if plan.cut >= cfg.num_layers else np.searchsorted(b_idx, np.arange(T))
         logit_src = np.zeros(Y, np.int32)
         logit_src[: logit_idx.size] = src[logit_idx]
