@@ -40,10 +40,12 @@ from __future__ import annotations
 import re
 import string
 from pathlib import Path
-from typing import Iterable, Sequence
+from typing import TYPE_CHECKING, Iterable, Sequence
 
 from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, pre_tokenizers
-from transformers import PreTrainedTokenizerFast
+
+if TYPE_CHECKING:  # imported where a tokenizer is built: ``import jaxkv`` stays free of transformers (~0.8 s)
+    from transformers import PreTrainedTokenizerFast
 
 QWEN_SPECIAL_TOKENS = ("<|endoftext|>", "<|im_start|>", "<|im_end|>", "<|image_pad|>", "<|vision_start|>", "<|vision_end|>")
 QWEN_MARKER_TOKENS = ("<think>", "</think>", "<tool_call>", "</tool_call>", "<tool_response>", "</tool_response>")
@@ -205,6 +207,8 @@ def build_tokenizer(
     core.decoder = decoders.Sequence([decoders.ByteFallback(), decoders.Fuse()])
     core.add_special_tokens([AddedToken(t, special=True, normalized=False) for t in (*QWEN_SPECIAL_TOKENS, *extra_special)])
     core.add_tokens([AddedToken(t, special=False, normalized=False) for t in QWEN_MARKER_TOKENS])
+
+    from transformers import PreTrainedTokenizerFast
 
     tokenizer = PreTrainedTokenizerFast(
         tokenizer_object=core,
