@@ -154,22 +154,36 @@ class ModelRunner:
             self.graphdef, self.params, kv.cache, batch, plan, backend=self.backend, mesh=self.mesh, outputs=outputs
         )
         kv.commit(cache)
-        self._record_step(entries, np.asarray(sampled), {k: np.asarray(v) for k, v in aux.items()}, q_start, query_idx)
+        wanted = {k: v for k, v in aux.items() if k != "logits" or self._logits_wanted(entries)}
+        self._record_step(entries, np.asarray(sampled), {k: np.asarray(v) for k, v in wanted.items()}, q_start, query_idx)
         kv.settle([e[0].row for e in entries])
 
     def _outputs(self, entries) -> Outputs:
         """The union of what the step's jobs ask for. A step that brings back mass
-        brings back query rows too (one program for both)."""
+        brings back query rows too (one program for both). A prefill job that asks
+        for its last token's logits asks in every step it is in, so its chunks run
+        one program, not one without logits and one with (``run`` copies them to
+        the host only from the step of its last piece)."""
         pieces = [(j, toks) for j, toks, _ in entries if isinstance(j, PrefillJob)]
         decode = [j for j, _, _ in entries if isinstance(j, DecodeJob)]
         logits = None
         if any(j.logits == "all" for j, _ in pieces):
             logits = "all"
-        elif any(j.return_logits for j in decode) or any(j.logits == "last" and j.done + t.size == j.tokens.size for j, t in pieces):
+        elif any(j.return_logits for j in decode) or any(j.logits == "last" for j, _ in pieces):
             logits = "last"
         mass = any(j.attn_mass for j, _ in pieces) or any(j.attn_mass for j in decode)
         rows = mass or any(j.q_idx_X is not None for j, _ in pieces) or any(j.query_rows for j in decode)
         return Outputs(logits, rows, mass)
+
+    @staticmethod
+    def _logits_wanted(entries) -> bool:
+        """Whether a job of the step takes logits from it (``_record_step``)."""
+        for j, toks, _ in entries:
+            if isinstance(j, DecodeJob) and j.return_logits:
+                return True
+            if isinstance(j, PrefillJob) and (j.logits == "all" or (j.logits == "last" and j.done + toks.size == j.tokens.size)):
+                return True
+        return False
 
     def _record_step(self, entries, sampled, aux, q_start, query_idx) -> None:
         """Bring the jobs and the rows' host records up to date after a step."""
