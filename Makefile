@@ -54,10 +54,8 @@ demo: $(VENV)/.installed
 # time on the 2-core CPU), with XLA:CPU's older loop emitters instead of its MLIR
 # fusion emitters and one LLVM module per program (a third less compile time on
 # tests/test_isolation.py; the 8-device subprocess of tests/test_sharding.py in half
-# the time); with Eigen's products on one thread, as each of the two workers has one
-# core (2-5% less wall time on tests/test_embedded.py and test_scheduler.py under -n 2,
-# 2026-12-08). `pytest` run directly keeps XLA's defaults, the pipeline users get.
-TEST_XLA_FLAGS := --xla_backend_optimization_level=0 --xla_cpu_use_fusion_emitters=false --xla_cpu_parallel_codegen_split_count=1 --xla_cpu_multi_thread_eigen=false
+# the time). `pytest` run directly keeps XLA's defaults, the pipeline users get.
+TEST_XLA_FLAGS := --xla_backend_optimization_level=0 --xla_cpu_use_fusion_emitters=false --xla_cpu_parallel_codegen_split_count=1
 # PYTEST_ARGS adds pytest options, e.g. `make test PYTEST_ARGS=--durations=30`.
 # lint-imports checks the layering contracts of pyproject.toml ([tool.importlinter]) first:
 # seconds, and a broken contract names the import chain that breaks it.
