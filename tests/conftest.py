@@ -58,30 +58,16 @@ def pytest_collection_modifyitems(config, items):
     items.sort(key=lambda item: rank.get(item.path.name, len(rank)))  # stable: each module stays in its order
 
 
-# Python's cyclic garbage collector, tuned for a process that traces and lowers
-# thousands of programs. After collection every module (jax, torch, transformers, the
-# test modules) is loaded: those objects live until the process ends, yet every full
-# collection walked them all again (gen-2 collections were 4.0 of 5.0 s of collector
-# time in 126 s of tests/test_engine.py, test_isolation.py and test_layer_sets.py,
-# 2026-12-08). ``gc.freeze`` moves them out of the collector's sight; a larger first
-# threshold makes young collections rarer. Cyclic garbage is still collected, only
-# less often; ``pytest_unconfigure`` hands the frozen objects back so the process
-# ends as it would have.
-GC_THRESHOLDS = (50_000, 20, 20)  # Python's defaults: (700, 10, 10)
-
-
 def pytest_collection_finish(session):
-    import gc
+    import gc_tuning
 
-    gc.collect()
-    gc.freeze()
-    gc.set_threshold(*GC_THRESHOLDS)
+    gc_tuning.freeze_loaded()  # everything the run imports is loaded by now (tests/gc_tuning.py)
 
 
 def pytest_unconfigure(config):
-    import gc
+    import gc_tuning
 
-    gc.unfreeze()
+    gc_tuning.thaw()
 
 
 # Release compiled programs past this many memory mappings. A module adds up to ~14,000
