@@ -154,16 +154,15 @@ class ModelRunner:
             self.graphdef, self.params, kv.cache, batch, plan, backend=self.backend, mesh=self.mesh, outputs=outputs
         )
         kv.commit(cache)
-        wanted = {k: v for k, v in aux.items() if k != "logits" or self._logits_wanted(entries)}
-        self._record_step(entries, np.asarray(sampled), {k: np.asarray(v) for k, v in wanted.items()}, q_start, query_idx)
+        self._record_step(entries, np.asarray(sampled), aux, q_start, query_idx)
         kv.settle([e[0].row for e in entries])
 
     def _outputs(self, entries) -> Outputs:
         """The union of what the step's jobs ask for. A step that brings back mass
         brings back query rows too (one program for both). A prefill job that asks
         for its last token's logits asks in every step it is in, so its chunks run
-        one program, not one without logits and one with (``run`` copies them to
-        the host only from the step of its last piece)."""
+        one program, not one without logits and one with (``_record_step`` copies
+        them to the host only when a job takes them)."""
         pieces = [(j, toks) for j, toks, _ in entries if isinstance(j, PrefillJob)]
         decode = [j for j, _, _ in entries if isinstance(j, DecodeJob)]
         logits = None
@@ -175,22 +174,14 @@ class ModelRunner:
         rows = mass or any(j.q_idx_X is not None for j, _ in pieces) or any(j.query_rows for j in decode)
         return Outputs(logits, rows, mass)
 
-    @staticmethod
-    def _logits_wanted(entries) -> bool:
-        """Whether a job of the step takes logits from it (``_record_step``)."""
-        for j, toks, _ in entries:
-            if isinstance(j, DecodeJob) and j.return_logits:
-                return True
-            if isinstance(j, PrefillJob) and (j.logits == "all" or (j.logits == "last" and j.done + toks.size == j.tokens.size)):
-                return True
-        return False
-
     def _record_step(self, entries, sampled, aux, q_start, query_idx) -> None:
-        """Bring the jobs and the rows' host records up to date after a step."""
+        """Bring the jobs and the rows' host records up to date after a step
+        (``aux``: the step's device outputs; logits are copied to the host at the
+        first job that takes them, the rest at once)."""
         kv = self.kv
-        logits = aux.get("logits")
-        q_rows = aux.get("q_rows")  # [L, X, Hq, D]
-        mass_JRN = aux.get("mass")
+        host_logits = functools.cache(lambda: np.asarray(aux["logits"]))
+        q_rows = np.asarray(aux["q_rows"]) if "q_rows" in aux else None  # [L, X, Hq, D]
+        mass_JRN = np.asarray(aux["mass"]) if "mass" in aux else None
         where = {flat: x for x, flat in enumerate(query_idx)}
         for r, (j, toks, sl) in enumerate(entries):
             st = kv.row(j.row)
@@ -206,7 +197,7 @@ class ModelRunner:
                 j.fed += 1
                 j.stopped = tok in j.stop_ids
                 if j.return_logits:
-                    j.logits.append(logits[r][None])
+                    j.logits.append(host_logits()[r][None])
                 if j.query_rows:
                     j.q_rows.append(q_rows[:, where[start]][None])
                 if mass_P is not None:
@@ -221,9 +212,9 @@ class ModelRunner:
                 j.q_rows[:, here] = q_rows[:, [where[start + int(i) - j.done] for i in j.q_idx_X[here]]]
             last = j.done + n == j.tokens.size
             if j.logits == "all":
-                j.logit_pieces.append(logits[start : start + n])
+                j.logit_pieces.append(host_logits()[start : start + n])
             elif j.logits == "last" and last:
-                j.logit_pieces.append(logits[r][None])
+                j.logit_pieces.append(host_logits()[r][None])
             if last:
                 j.first_token = int(sampled[r])
             kv.append(j.row, toks, sl)
